@@ -1,0 +1,89 @@
+/* dsaib C ABI: a plain C view of dsaib::indexer_backward (include/dsaib/indexer_backward.hpp).
+ * No C++ types cross this boundary. Every function returns a dsaib_status
+ * (0 = ok); on failure dsaib_last_error() gives the message of the last error
+ * raised on the calling thread (the same text as the C++ exception). */
+#ifndef DSAIB_DSAIB_H_
+#define DSAIB_DSAIB_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum dsaib_status {
+  DSAIB_OK = 0,
+  DSAIB_INVALID_ARGUMENT = 1,
+  DSAIB_UNSUPPORTED = 2,
+  DSAIB_INDEX_OUT_OF_RANGE = 3,
+  DSAIB_BACKEND_UNAVAILABLE = 4,
+  DSAIB_CUDA_ERROR = 5,
+  DSAIB_IO_ERROR = 6,
+  DSAIB_INTERNAL = 7
+} dsaib_status;
+
+typedef enum dsaib_dtype { DSAIB_BF16 = 0, DSAIB_F32 = 1, DSAIB_I32 = 2 } dsaib_dtype;
+typedef enum dsaib_device { DSAIB_CPU = 0, DSAIB_CUDA = 1 } dsaib_device;
+typedef enum dsaib_layout { DSAIB_BSHD = 0, DSAIB_THD = 1 } dsaib_layout;
+typedef enum dsaib_id_mode { DSAIB_IDS_LOCAL = 0, DSAIB_IDS_GLOBAL = 1 } dsaib_id_mode;
+typedef enum dsaib_backend { DSAIB_BACKEND_CPU = 0, DSAIB_BACKEND_CUDA = 1 } dsaib_backend;
+
+/* A strided tensor view; strides in elements. rank 0 and data NULL = absent. */
+typedef struct dsaib_tensor {
+  void* data;
+  int32_t dtype;  /* dsaib_dtype */
+  int32_t rank;   /* 0..4 */
+  int64_t shape[4];
+  int64_t strides[4];
+  int32_t device; /* dsaib_device */
+  int32_t device_index;
+} dsaib_tensor;
+
+typedef struct dsaib_inputs {
+  dsaib_tensor index_q, weights, index_k, topk_indices, attn_score, index_score, cu_seqlens_q, cu_seqlens_k;
+} dsaib_inputs;
+
+typedef struct dsaib_outputs {
+  dsaib_tensor d_index_q, d_weights, d_index_k;
+} dsaib_outputs;
+
+typedef struct dsaib_options {
+  int32_t layout;  /* dsaib_layout */
+  int32_t id_mode; /* dsaib_id_mode */
+  int32_t backend; /* dsaib_backend */
+  float sm_scale;
+  float loss_coeff;
+  float grad_loss;
+  const float* grad_loss_device; /* NULL: use grad_loss */
+  int64_t normalization_count;   /* 0: number of query tokens */
+  int32_t strict_indices;
+  int32_t deterministic;
+  void* stream; /* cudaStream_t */
+  int32_t num_threads;
+} dsaib_options;
+
+/* Fills *options with the C++ defaults (bshd, local ids, cpu, sm_scale 1, ...). */
+void dsaib_default_options(dsaib_options* options);
+
+/* Fills *view as a contiguous tensor of the given shape. */
+dsaib_status dsaib_contiguous_tensor(dsaib_tensor* view, void* data, dsaib_dtype dtype, const int64_t* shape,
+                                     int32_t rank, dsaib_device device, int32_t device_index);
+
+dsaib_status dsaib_indexer_backward_workspace_size(const dsaib_inputs* inputs, const dsaib_outputs* outputs,
+                                                   const dsaib_options* options, size_t* bytes);
+
+dsaib_status dsaib_indexer_backward(const dsaib_inputs* inputs, const dsaib_outputs* outputs,
+                                    const dsaib_options* options, void* workspace, size_t workspace_bytes);
+
+/* Message of the last failure on this thread ("" if none). Valid until the next call on this thread. */
+const char* dsaib_last_error(void);
+
+/* 1 if the cuda backend is compiled in and a compute-capability-9.0 device is visible. */
+int dsaib_cuda_backend_available(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* DSAIB_DSAIB_H_ */

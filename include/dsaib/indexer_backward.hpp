@@ -1,0 +1,172 @@
+// dsaib: the training-time backward pass of the DeepSeek Sparse Attention
+// "lightning indexer" (DeepSeek-V3.2, GLM-5).
+//
+// The math implemented is docs/math.md (the project's copy of the contract
+// shared/design/indexer-backward-math.md). In short, for every query row t and
+// every VALID selected slot i (id in range for the row's sequence):
+//
+//   c     = grad_loss * loss_coeff / N
+//   g_i   = -c * max(T_i, eps) * [P_i >= eps],   eps = exp(-100)
+//   gs_i  = g_i - P_i * sum_j g_j                 (dLoss/dz_i)
+//   x_hi  = q_h . k_{id_i}
+//   dW_h  = sm_scale * sum_i gs_i * relu(x_hi)
+//   a_hi  = gs_i * w_h * sm_scale * [x_hi > 0]
+//   dQ_h  = sum_i a_hi * k_{id_i}
+//   dK_j += sum_h a_hi * q_h   (scatter-add; duplicates add twice)
+//
+// which is the gradient of Loss = -c * sum_rows sum_valid T~_i log(max(P_i, eps))
+// with P = softmax of z_i = sm_scale * sum_h w_h relu(x_hi) over the valid slots.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "dsaib/error.hpp"
+#include "dsaib/tensor.hpp"
+
+namespace dsaib {
+
+/// Memory layout of a problem.
+enum class Layout : int32_t {
+  /// Batched, fixed lengths:
+  ///   index_q (B, S_q, H, D), weights (B, S_q, H), index_k (B, S_kv, D),
+  ///   topk_indices / attn_score / index_score (B, S_q, topk).
+  bshd = 0,
+  /// Packed variable lengths ("THD"):
+  ///   index_q (T_q, H, D), weights (T_q, H), index_k (T_k, D),
+  ///   topk_indices / attn_score / index_score (T_q, topk),
+  ///   cu_seqlens_q and cu_seqlens_k int32 (B + 1), starting at 0, non-decreasing,
+  ///   ending at T_q and T_k.
+  thd = 1,
+};
+
+/// How a topk id names a key row.
+enum class IdMode : int32_t {
+  /// id is a row of the query's own sequence: valid iff 0 <= id < S_kv of that sequence.
+  local = 0,
+  /// id is a flat row of index_k viewed as (B*S_kv, D) (BSHD) or (T_k, D) (THD):
+  /// valid iff it lies in the rows of the query's own sequence.
+  global = 1,
+};
+
+/// Which implementation runs.
+enum class Backend : int32_t {
+  cpu = 0,   ///< fp64 reference on the host; always deterministic; all tensors on the host
+  cuda = 1,  ///< fused sm_90a kernel; all tensors on one CUDA device
+};
+
+const char* layout_name(Layout);
+const char* id_mode_name(IdMode);
+const char* backend_name(Backend);
+
+/// Input tensors (never modified).
+///
+/// | name          | BSHD shape        | THD shape     | dtype        |
+/// |---------------|-------------------|---------------|--------------|
+/// | index_q       | (B, S_q, H, D)    | (T_q, H, D)   | bf16         |
+/// | weights       | (B, S_q, H)       | (T_q, H)      | bf16 or f32  |
+/// | index_k       | (B, S_kv, D)      | (T_k, D)      | bf16         |
+/// | topk_indices  | (B, S_q, topk)    | (T_q, topk)   | i32          |
+/// | attn_score    | (B, S_q, topk)    | (T_q, topk)   | f32 (target T)  |
+/// | index_score   | (B, S_q, topk)    | (T_q, topk)   | f32 (predict P) |
+/// | cu_seqlens_q  | absent            | (B + 1)       | i32          |
+/// | cu_seqlens_k  | absent            | (B + 1)       | i32          |
+///
+/// H must be a multiple of 8 in [8, 128]; D must be 64 or 128; topk >= 1.
+/// Any slot whose id is invalid (-1, or out of range for its sequence) is
+/// ignored: its T and P count as 0 and no memory is touched for it.
+struct IndexerBackwardInputs {
+  TensorView index_q;
+  TensorView weights;
+  TensorView index_k;
+  TensorView topk_indices;
+  TensorView attn_score;
+  TensorView index_score;
+  TensorView cu_seqlens_q;
+  TensorView cu_seqlens_k;
+};
+
+/// Output tensors, each bf16 or f32, shaped like index_q, weights and index_k,
+/// and contiguous. Every element is overwritten (rows whose slots are all
+/// invalid get 0; key rows never selected get 0); incoming contents never matter.
+/// Outputs must not overlap each other or any input.
+struct IndexerBackwardOutputs {
+  TensorView d_index_q;
+  TensorView d_weights;
+  TensorView d_index_k;
+};
+
+struct IndexerBackwardOptions {
+  Layout layout = Layout::bshd;
+  IdMode id_mode = IdMode::local;
+  Backend backend = Backend::cpu;
+  /// Multiplies every logit. Any finite value.
+  float sm_scale = 1.0f;
+  /// Loss weight. Any finite value.
+  float loss_coeff = 1.0f;
+  /// Upstream gradient of the loss, used when grad_loss_device is null. Finite.
+  float grad_loss = 1.0f;
+  /// If non-null: a single f32 read at run time from memory on the backend's
+  /// device (host memory for cpu), so CUDA-graph replays may change it.
+  const float* grad_loss_device = nullptr;
+  /// N in c = grad_loss * loss_coeff / N. 0 means "number of query tokens"
+  /// (B*S_q for BSHD, T_q for THD). Must be >= 0.
+  int64_t normalization_count = 0;
+  /// If true, the first invalid id raises ErrorCode::index_out_of_range naming
+  /// (b, t, slot, id) before anything is written. (cuda: costs one device
+  /// scan and a host synchronisation.)
+  bool strict_indices = false;
+  /// Require bitwise run-to-run reproducible outputs. The cpu backend always is.
+  /// The cuda backend's d_index_q and d_weights always are; its d_index_k is
+  /// accumulated with fp32 atomics and is not, so cuda rejects deterministic=true
+  /// with ErrorCode::unsupported.
+  bool deterministic = false;
+  /// cuda: the cudaStream_t to run on (nullptr = legacy default stream).
+  void* stream = nullptr;
+  /// cpu: worker threads (0 = std::thread::hardware_concurrency()).
+  int32_t num_threads = 0;
+};
+
+/// Bytes of scratch memory the backend needs for this problem, on the
+/// backend's device. cpu: 0. cuda: B*S_kv*D*4 (resp. T_k*D*4) when d_index_k
+/// is bf16 (the fp32 dK accumulator), 0 when it is f32.
+/// Validates like indexer_backward() and raises the same errors.
+std::size_t indexer_backward_workspace_size(const IndexerBackwardInputs& inputs,
+                                            const IndexerBackwardOutputs& outputs,
+                                            const IndexerBackwardOptions& options);
+
+/// Computes d_index_q, d_weights and d_index_k.
+///
+/// All validation happens before any output is written; on any error nothing
+/// is written and no input is modified. Raises dsaib::Error:
+/// - invalid_argument: wrong dtype/rank/shape/stride/device of any tensor, a
+///   null or misaligned pointer, negative sizes, unsupported H/D/topk,
+///   non-finite sm_scale/loss_coeff/grad_loss, bad cu_seqlens, overlapping
+///   outputs, too small a workspace. The message names the argument and says
+///   what was expected and what came.
+/// - index_out_of_range: strict_indices and an invalid id (names b, t, slot, id).
+/// - unsupported: deterministic=true on cuda.
+/// - backend_unavailable: cuda requested but not built or no device.
+/// - cuda_error: a CUDA call failed (after validation).
+///
+/// `workspace` must hold indexer_backward_workspace_size() bytes on the
+/// backend's device, 256-byte aligned; it may be null when that size is 0,
+/// in which case the cuda backend allocates it itself (stream-ordered).
+void indexer_backward(const IndexerBackwardInputs& inputs, const IndexerBackwardOutputs& outputs,
+                      const IndexerBackwardOptions& options, void* workspace = nullptr,
+                      std::size_t workspace_bytes = 0);
+
+/// The scalar loss whose gradient indexer_backward() computes, evaluated in
+/// fp64 on the host from the inputs (cpu tensors only):
+///   Loss = -c * sum_rows sum_valid i  max(T_i, eps) * log(max(P_i, eps))
+/// where P is recomputed as softmax over valid slots of
+///   z_i = sm_scale * sum_h w_h relu(q_h . k_{id_i})
+/// when `recompute_p` is true, else taken from index_score.
+double indexer_kl_loss(const IndexerBackwardInputs& inputs, const IndexerBackwardOptions& options,
+                       bool recompute_p = true);
+
+/// Whether the cuda backend was compiled in and a device of compute
+/// capability 9.0 is present.
+bool cuda_backend_available();
+
+}  // namespace dsaib

@@ -1,0 +1,158 @@
+// extern "C" wrapper over dsaib::indexer_backward. Exceptions never cross it.
+#include "dsaib/dsaib.h"
+
+#include <string>
+
+#include "dsaib/indexer_backward.hpp"
+
+namespace {
+
+thread_local std::string g_last_error;
+
+dsaib::TensorView to_view(const dsaib_tensor& t) {
+  dsaib::TensorView v;
+  v.data = t.data;
+  v.dtype = static_cast<dsaib::DType>(t.dtype);
+  v.rank = t.rank;
+  for (int i = 0; i < 4; ++i) {
+    v.shape[i] = t.shape[i];
+    v.strides[i] = t.strides[i];
+  }
+  v.device = static_cast<dsaib::DeviceType>(t.device);
+  v.device_index = t.device_index;
+  return v;
+}
+
+void check_enums(const dsaib_tensor& t, const char* name) {
+  if (t.rank < 0 || t.rank > 4) {
+    throw dsaib::Error(dsaib::ErrorCode::invalid_argument, name,
+                       std::string(name) + ": expected rank 0..4, got " + std::to_string(t.rank));
+  }
+  if (t.dtype < 0 || t.dtype > 2) {
+    throw dsaib::Error(dsaib::ErrorCode::invalid_argument, name,
+                       std::string(name) + ": expected dtype 0 (bf16), 1 (f32) or 2 (i32), got " + std::to_string(t.dtype));
+  }
+  if (t.device < 0 || t.device > 1) {
+    throw dsaib::Error(dsaib::ErrorCode::invalid_argument, name,
+                       std::string(name) + ": expected device 0 (cpu) or 1 (cuda), got " + std::to_string(t.device));
+  }
+}
+
+template <class Fn>
+dsaib_status guarded(Fn fn) {
+  try {
+    fn();
+    g_last_error.clear();
+    return DSAIB_OK;
+  } catch (const dsaib::Error& e) {
+    g_last_error = e.what();
+    return static_cast<dsaib_status>(e.code());
+  } catch (const std::exception& e) {
+    g_last_error = std::string("internal: ") + e.what();
+    return DSAIB_INTERNAL;
+  } catch (...) {
+    g_last_error = "internal: unknown exception";
+    return DSAIB_INTERNAL;
+  }
+}
+
+void require(const void* p, const char* name) {
+  if (!p) throw dsaib::Error(dsaib::ErrorCode::invalid_argument, name, std::string(name) + ": expected a non-null pointer, got NULL");
+}
+
+void convert(const dsaib_inputs* in, const dsaib_outputs* out, const dsaib_options* opt, dsaib::IndexerBackwardInputs& i,
+             dsaib::IndexerBackwardOutputs& o, dsaib::IndexerBackwardOptions& p) {
+  require(in, "inputs");
+  require(out, "outputs");
+  require(opt, "options");
+  const dsaib_tensor* ts[] = {&in->index_q, &in->weights, &in->index_k, &in->topk_indices, &in->attn_score,
+                              &in->index_score, &in->cu_seqlens_q, &in->cu_seqlens_k, &out->d_index_q,
+                              &out->d_weights, &out->d_index_k};
+  const char* names[] = {"index_q", "weights", "index_k", "topk_indices", "attn_score", "index_score",
+                         "cu_seqlens_q", "cu_seqlens_k", "d_index_q", "d_weights", "d_index_k"};
+  for (int k = 0; k < 11; ++k) check_enums(*ts[k], names[k]);
+  i = {to_view(in->index_q), to_view(in->weights), to_view(in->index_k), to_view(in->topk_indices),
+       to_view(in->attn_score), to_view(in->index_score), to_view(in->cu_seqlens_q), to_view(in->cu_seqlens_k)};
+  o = {to_view(out->d_index_q), to_view(out->d_weights), to_view(out->d_index_k)};
+  p.layout = static_cast<dsaib::Layout>(opt->layout);
+  p.id_mode = static_cast<dsaib::IdMode>(opt->id_mode);
+  p.backend = static_cast<dsaib::Backend>(opt->backend);
+  p.sm_scale = opt->sm_scale;
+  p.loss_coeff = opt->loss_coeff;
+  p.grad_loss = opt->grad_loss;
+  p.grad_loss_device = opt->grad_loss_device;
+  p.normalization_count = opt->normalization_count;
+  p.strict_indices = opt->strict_indices != 0;
+  p.deterministic = opt->deterministic != 0;
+  p.stream = opt->stream;
+  p.num_threads = opt->num_threads;
+}
+
+}  // namespace
+
+extern "C" {
+
+void dsaib_default_options(dsaib_options* options) {
+  if (!options) return;
+  const dsaib::IndexerBackwardOptions d;
+  options->layout = static_cast<int32_t>(d.layout);
+  options->id_mode = static_cast<int32_t>(d.id_mode);
+  options->backend = static_cast<int32_t>(d.backend);
+  options->sm_scale = d.sm_scale;
+  options->loss_coeff = d.loss_coeff;
+  options->grad_loss = d.grad_loss;
+  options->grad_loss_device = d.grad_loss_device;
+  options->normalization_count = d.normalization_count;
+  options->strict_indices = d.strict_indices;
+  options->deterministic = d.deterministic;
+  options->stream = d.stream;
+  options->num_threads = d.num_threads;
+}
+
+dsaib_status dsaib_contiguous_tensor(dsaib_tensor* view, void* data, dsaib_dtype dtype, const int64_t* shape,
+                                     int32_t rank, dsaib_device device, int32_t device_index) {
+  return guarded([&] {
+    require(view, "view");
+    if (rank > 0) require(shape, "shape");
+    const dsaib::TensorView v = dsaib::contiguous_view(data, static_cast<dsaib::DType>(dtype), shape, rank,
+                                                      static_cast<dsaib::DeviceType>(device), device_index);
+    view->data = v.data;
+    view->dtype = static_cast<int32_t>(v.dtype);
+    view->rank = v.rank;
+    for (int i = 0; i < 4; ++i) {
+      view->shape[i] = v.shape[i];
+      view->strides[i] = v.strides[i];
+    }
+    view->device = static_cast<int32_t>(v.device);
+    view->device_index = v.device_index;
+  });
+}
+
+dsaib_status dsaib_indexer_backward_workspace_size(const dsaib_inputs* inputs, const dsaib_outputs* outputs,
+                                                   const dsaib_options* options, size_t* bytes) {
+  return guarded([&] {
+    require(bytes, "bytes");
+    dsaib::IndexerBackwardInputs i;
+    dsaib::IndexerBackwardOutputs o;
+    dsaib::IndexerBackwardOptions p;
+    convert(inputs, outputs, options, i, o, p);
+    *bytes = dsaib::indexer_backward_workspace_size(i, o, p);
+  });
+}
+
+dsaib_status dsaib_indexer_backward(const dsaib_inputs* inputs, const dsaib_outputs* outputs,
+                                    const dsaib_options* options, void* workspace, size_t workspace_bytes) {
+  return guarded([&] {
+    dsaib::IndexerBackwardInputs i;
+    dsaib::IndexerBackwardOutputs o;
+    dsaib::IndexerBackwardOptions p;
+    convert(inputs, outputs, options, i, o, p);
+    dsaib::indexer_backward(i, o, p, workspace, workspace_bytes);
+  });
+}
+
+const char* dsaib_last_error(void) { return g_last_error.c_str(); }
+
+int dsaib_cuda_backend_available(void) { return dsaib::cuda_backend_available() ? 1 : 0; }
+
+}  // extern "C"

@@ -1,0 +1,26 @@
+// The seam between the backend-neutral API and the Hopper backend.
+// Implemented in src/hopper/launch.cu when built with CUDA, else by
+// src/api/cuda_backend_stub.cpp.
+#pragma once
+
+#include <cstddef>
+
+#include "core/problem.hpp"
+
+namespace dsaib::detail {
+
+/// True when the cuda backend is compiled in and device 0..n has compute capability 9.0.
+bool cuda_backend_compiled();
+bool cuda_device_present();
+
+/// Device-to-host copy used by validation (cu_seqlens, strict ids).
+void cuda_copy_to_host(void* dst, const void* src, std::size_t bytes);
+
+std::size_t cuda_workspace_size(const IndexerBackwardOutputs& out, const ProblemGeometry& g);
+
+/// Launches the fused kernel on options.stream. `g` is validated.
+void run_cuda_backend(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
+                      const IndexerBackwardOptions& opt, const ProblemGeometry& g, void* workspace,
+                      std::size_t workspace_bytes);
+
+}  // namespace dsaib::detail

@@ -1,0 +1,61 @@
+// The public entry points: validate, then dispatch to a backend.
+#include "dsaib/indexer_backward.hpp"
+
+#include <string>
+
+#include "api/cuda_backend.hpp"
+#include "core/problem.hpp"
+#include "reference/cpu_reference.hpp"
+
+namespace dsaib {
+namespace {
+
+detail::ProblemGeometry validate_for_backend(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
+                                             const IndexerBackwardOptions& opt) {
+  if (opt.backend == Backend::cuda) {
+    if (!detail::cuda_backend_compiled()) {
+      throw Error(ErrorCode::backend_unavailable, "backend",
+                  "backend: expected cpu (this build has no CUDA support), got cuda");
+    }
+    if (!detail::cuda_device_present()) {
+      throw Error(ErrorCode::backend_unavailable, "backend",
+                  "backend: expected cpu (no CUDA device of compute capability 9.0 is visible), got cuda");
+    }
+    return detail::validate_problem(in, out, opt, &detail::cuda_copy_to_host);
+  }
+  return detail::validate_problem(in, out, opt, nullptr);
+}
+
+}  // namespace
+
+bool cuda_backend_available() { return detail::cuda_backend_compiled() && detail::cuda_device_present(); }
+
+std::size_t indexer_backward_workspace_size(const IndexerBackwardInputs& inputs, const IndexerBackwardOutputs& outputs,
+                                            const IndexerBackwardOptions& options) {
+  const detail::ProblemGeometry g = validate_for_backend(inputs, outputs, options);
+  return options.backend == Backend::cuda ? detail::cuda_workspace_size(outputs, g) : 0;
+}
+
+void indexer_backward(const IndexerBackwardInputs& inputs, const IndexerBackwardOutputs& outputs,
+                      const IndexerBackwardOptions& options, void* workspace, std::size_t workspace_bytes) {
+  const detail::ProblemGeometry g = validate_for_backend(inputs, outputs, options);
+  if (options.backend == Backend::cpu) {
+    detail::run_cpu_backend(inputs, outputs, options, g);
+    return;
+  }
+  const std::size_t need = detail::cuda_workspace_size(outputs, g);
+  if (workspace != nullptr || workspace_bytes != 0) {
+    if (workspace_bytes < need) {
+      throw Error(ErrorCode::invalid_argument, "workspace_bytes",
+                  "workspace_bytes: expected >= " + std::to_string(need) + " (indexer_backward_workspace_size), got " +
+                      std::to_string(workspace_bytes));
+    }
+    if (need > 0 && (workspace == nullptr || reinterpret_cast<std::uintptr_t>(workspace) % 256 != 0)) {
+      throw Error(ErrorCode::invalid_argument, "workspace", "workspace: expected a non-null 256-byte aligned device pointer, got " +
+                                                               std::string(workspace ? "a misaligned pointer" : "null"));
+    }
+  }
+  detail::run_cuda_backend(inputs, outputs, options, g, workspace, workspace_bytes);
+}
+
+}  // namespace dsaib

@@ -1,0 +1,72 @@
+// The resolved geometry of a validated problem, shared by every backend.
+// Produced only by validate_problem() (src/core/validate.cpp).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "dsaib/indexer_backward.hpp"
+
+namespace dsaib::detail {
+
+/// A validated problem: sizes, per-sequence row ranges and the scale c.
+///
+/// Rows are FLAT: query row r in [0, num_q_rows) and key row j in
+/// [0, num_k_rows). For BSHD, query row r = b*S_q + t and key row j = b*S_kv + s;
+/// for THD they are the packed rows. Element offsets go through the strides of
+/// the views (see q_row_offset() etc.), so non-contiguous inputs are read
+/// correctly by the cpu backend.
+struct ProblemGeometry {
+  Layout layout = Layout::bshd;
+  IdMode id_mode = IdMode::local;
+  int64_t batch = 0;       // B (number of sequences)
+  int64_t heads = 0;       // H
+  int64_t head_dim = 0;    // D
+  int64_t topk = 0;
+  int64_t num_q_rows = 0;  // B*S_q or T_q
+  int64_t num_k_rows = 0;  // B*S_kv or T_k
+  int64_t s_q = 0;         // BSHD only
+  int64_t s_kv = 0;        // BSHD only
+  std::vector<int64_t> q_start, q_len;  // per sequence, in flat query rows
+  std::vector<int64_t> k_start, k_len;  // per sequence, in flat key rows
+  std::vector<int32_t> seq_of_q_row;    // (num_q_rows) sequence of each flat query row
+  int64_t normalization_count = 0;      // N
+
+  /// Flat key row for slot id of a query in sequence b, or -1 if the slot is invalid.
+  int64_t key_row(int64_t b, int64_t id) const {
+    if (id_mode == IdMode::local) {
+      return (id >= 0 && id < k_len[b]) ? k_start[b] + id : -1;
+    }
+    return (id >= k_start[b] && id < k_start[b] + k_len[b]) ? id : -1;
+  }
+  /// (b, t) of a flat query row, t local to its sequence.
+  void q_row_coords(int64_t r, int64_t* b, int64_t* t) const {
+    *b = seq_of_q_row[r];
+    *t = r - q_start[*b];
+  }
+};
+
+/// Element offsets of the first element of a flat row, in elements, for a view
+/// whose leading dims are (B, S, ...) in BSHD or (T, ...) in THD.
+inline int64_t row_offset(const TensorView& v, Layout layout, int64_t row, int64_t rows_per_seq) {
+  if (layout == Layout::bshd) {
+    return (row / rows_per_seq) * v.strides[0] + (row % rows_per_seq) * v.strides[1];
+  }
+  return row * v.strides[0];
+}
+
+/// Validates every argument (see indexer_backward() for the rules) and returns
+/// the geometry. Reads cu_seqlens (copying them from the device for cuda) and,
+/// in strict mode on cpu, topk_indices. Never writes anything.
+/// `copy_to_host` copies bytes from the backend's device memory to the host
+/// (null: the tensors are host memory and are read directly).
+using CopyToHost = void (*)(void* dst, const void* src, std::size_t bytes);
+ProblemGeometry validate_problem(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
+                                 const IndexerBackwardOptions& opt, CopyToHost copy_to_host = nullptr,
+                                 bool check_outputs = true);
+
+/// c = grad_loss * loss_coeff / N with grad_loss taken from the host value.
+double scale_from_host(const ProblemGeometry& g, const IndexerBackwardOptions& opt, double grad_loss);
+
+}  // namespace dsaib::detail

@@ -1,0 +1,110 @@
+#include <sstream>
+
+#include "dsaib/error.hpp"
+#include "dsaib/indexer_backward.hpp"
+#include "dsaib/tensor.hpp"
+
+namespace dsaib {
+
+std::size_t dtype_size(DType dtype) {
+  switch (dtype) {
+    case DType::bf16: return 2;
+    case DType::f32: return 4;
+    case DType::i32: return 4;
+  }
+  return 0;
+}
+
+const char* dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::bf16: return "bf16";
+    case DType::f32: return "f32";
+    case DType::i32: return "i32";
+  }
+  return "unknown-dtype";
+}
+
+const char* device_name(DeviceType device) {
+  switch (device) {
+    case DeviceType::cpu: return "cpu";
+    case DeviceType::cuda: return "cuda";
+  }
+  return "unknown-device";
+}
+
+const char* layout_name(Layout l) { return l == Layout::bshd ? "bshd" : "thd"; }
+const char* id_mode_name(IdMode m) { return m == IdMode::local ? "local" : "global"; }
+const char* backend_name(Backend b) { return b == Backend::cpu ? "cpu" : "cuda"; }
+
+int64_t TensorView::numel() const {
+  int64_t n = 1;
+  for (int i = 0; i < rank; ++i) n *= shape[i];
+  return n;
+}
+
+bool TensorView::is_contiguous() const {
+  int64_t expected = 1;
+  for (int i = rank - 1; i >= 0; --i) {
+    if (shape[i] != 1 && strides[i] != expected) return false;
+    expected *= shape[i];
+  }
+  return true;
+}
+
+static std::string tuple_string(const int64_t* v, int n) {
+  std::ostringstream s;
+  s << "(";
+  for (int i = 0; i < n; ++i) s << (i ? ", " : "") << v[i];
+  if (n == 1) s << ",";
+  s << ")";
+  return s.str();
+}
+
+std::string TensorView::shape_string() const { return tuple_string(shape, rank); }
+std::string TensorView::strides_string() const { return tuple_string(strides, rank); }
+
+TensorView contiguous_view(void* data, DType dtype, const int64_t* shape, int32_t rank,
+                           DeviceType device, int32_t device_index) {
+  if (rank < 0 || rank > kMaxRank) {
+    throw Error(ErrorCode::invalid_argument, "rank",
+                "rank: expected 0.." + std::to_string(kMaxRank) + ", got " + std::to_string(rank));
+  }
+  TensorView v;
+  v.data = data;
+  v.dtype = dtype;
+  v.rank = rank;
+  v.device = device;
+  v.device_index = device_index;
+  int64_t stride = 1;
+  for (int i = rank - 1; i >= 0; --i) {
+    v.shape[i] = shape[i];
+    v.strides[i] = stride;
+    stride *= shape[i] > 0 ? shape[i] : 1;
+  }
+  return v;
+}
+
+TensorView contiguous_view(void* data, DType dtype, std::initializer_list<int64_t> shape,
+                           DeviceType device, int32_t device_index) {
+  return contiguous_view(data, dtype, shape.begin(), static_cast<int32_t>(shape.size()), device,
+                         device_index);
+}
+
+const char* error_code_name(ErrorCode code) {
+  switch (code) {
+    case ErrorCode::ok: return "ok";
+    case ErrorCode::invalid_argument: return "invalid_argument";
+    case ErrorCode::unsupported: return "unsupported";
+    case ErrorCode::index_out_of_range: return "index_out_of_range";
+    case ErrorCode::backend_unavailable: return "backend_unavailable";
+    case ErrorCode::cuda_error: return "cuda_error";
+    case ErrorCode::io_error: return "io_error";
+    case ErrorCode::internal: return "internal";
+  }
+  return "unknown";
+}
+
+Error::Error(ErrorCode code, std::string argument, const std::string& message)
+    : std::runtime_error(message), code_(code), argument_(std::move(argument)) {}
+
+}  // namespace dsaib

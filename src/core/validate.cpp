@@ -1,0 +1,357 @@
+// Argument validation for indexer_backward(). Every rule raises before any
+// output is written. Messages follow one shape:
+//   "<argument>: expected <what>, got <what>"
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "core/problem.hpp"
+
+namespace dsaib::detail {
+namespace {
+
+[[noreturn]] void fail(const std::string& arg, const std::string& expected, const std::string& got) {
+  throw Error(ErrorCode::invalid_argument, arg, arg + ": expected " + expected + ", got " + got);
+}
+
+std::string dtype_list(std::initializer_list<DType> dts) {
+  std::string s;
+  for (DType d : dts) s += (s.empty() ? "" : " or ") + std::string(dtype_name(d));
+  return s;
+}
+
+struct TensorRule {
+  const char* name;
+  std::initializer_list<DType> dtypes;
+  int rank;
+};
+
+/// Checks presence, dtype, rank, non-negative sizes and strides, null and
+/// misaligned pointers, and the device.
+void check_tensor(const TensorView& v, const TensorRule& rule, DeviceType device, int device_index) {
+  const std::string name = rule.name;
+  if (!v.present()) fail(name, "a tensor", "nothing (absent)");
+  if (std::find(rule.dtypes.begin(), rule.dtypes.end(), v.dtype) == rule.dtypes.end()) {
+    fail(name, "dtype " + dtype_list(rule.dtypes), std::string("dtype ") + dtype_name(v.dtype));
+  }
+  if (v.rank != rule.rank) {
+    fail(name, "rank " + std::to_string(rule.rank),
+         "rank " + std::to_string(v.rank) + (v.rank >= 0 && v.rank <= kMaxRank ? " with shape " + v.shape_string() : ""));
+  }
+  for (int i = 0; i < v.rank; ++i) {
+    if (v.shape[i] < 0) fail(name, "non-negative sizes", "shape " + v.shape_string());
+    if (v.strides[i] < 0) fail(name, "non-negative strides", "strides " + v.strides_string());
+  }
+  if (v.numel() > 0 && v.data == nullptr) fail(name, "a non-null data pointer", "null");
+  const auto addr = reinterpret_cast<std::uintptr_t>(v.data);
+  if (addr % dtype_size(v.dtype) != 0) {
+    std::ostringstream s;
+    s << "pointer 0x" << std::hex << addr << std::dec << " (not a multiple of " << dtype_size(v.dtype) << ")";
+    fail(name, "data aligned to its element size " + std::to_string(dtype_size(v.dtype)) + " bytes", s.str());
+  }
+  if (v.device != device) {
+    fail(name, std::string("memory on device '") + device_name(device) + "' (the chosen backend's)",
+         std::string("device '") + device_name(v.device) + "'");
+  }
+  if (device == DeviceType::cuda && v.device_index != device_index) {
+    fail(name, "device index " + std::to_string(device_index) + " (that of index_q)",
+         std::to_string(v.device_index));
+  }
+}
+
+void check_shape(const TensorView& v, const char* name, std::initializer_list<int64_t> expected,
+                 const char* meaning) {
+  int i = 0;
+  bool ok = true;
+  for (int64_t e : expected) ok = ok && v.shape[i++] == e;
+  if (!ok) {
+    int64_t tmp[kMaxRank] = {};
+    int n = 0;
+    for (int64_t e : expected) tmp[n++] = e;
+    TensorView shown;
+    shown.rank = n;
+    std::copy(tmp, tmp + n, shown.shape);
+    fail(name, std::string("shape ") + shown.shape_string() + " " + meaning, "shape " + v.shape_string());
+  }
+}
+
+/// Byte range [lo, hi) covered by a view (empty views cover nothing).
+struct ByteRange {
+  std::uintptr_t lo = 0, hi = 0;
+};
+ByteRange byte_range(const TensorView& v) {
+  if (!v.present() || v.numel() == 0) return {};
+  int64_t last = 0;
+  for (int i = 0; i < v.rank; ++i) last += (v.shape[i] - 1) * v.strides[i];
+  const auto lo = reinterpret_cast<std::uintptr_t>(v.data);
+  return {lo, lo + static_cast<std::uintptr_t>((last + 1) * dtype_size(v.dtype))};
+}
+bool overlaps(const TensorView& a, const TensorView& b) {
+  const ByteRange ra = byte_range(a), rb = byte_range(b);
+  if (ra.lo == ra.hi || rb.lo == rb.hi) return false;
+  return ra.lo < rb.hi && rb.lo < ra.hi;
+}
+
+void check_finite(float v, const char* name) {
+  if (!std::isfinite(v)) {
+    std::ostringstream s;
+    s << v;
+    fail(name, "a finite value", s.str());
+  }
+}
+
+/// Reads cu_seqlens (B + 1 int32, any stride) to the host.
+std::vector<int64_t> read_cu_seqlens(const TensorView& v, CopyToHost copy) {
+  const int64_t n = v.shape[0];
+  std::vector<int32_t> span(static_cast<size_t>(n > 0 ? (n - 1) * v.strides[0] + 1 : 0));
+  if (!span.empty()) {
+    if (copy) {
+      copy(span.data(), v.data, span.size() * sizeof(int32_t));
+    } else {
+      std::memcpy(span.data(), v.data, span.size() * sizeof(int32_t));
+    }
+  }
+  std::vector<int64_t> out(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) out[i] = span[static_cast<size_t>(i * v.strides[0])];
+  return out;
+}
+
+void check_cu_seqlens(const std::vector<int64_t>& cu, const char* name, int64_t total, const char* total_name) {
+  if (cu.front() != 0) fail(name, "cu_seqlens starting at 0", "first value " + std::to_string(cu.front()));
+  for (size_t i = 1; i < cu.size(); ++i) {
+    if (cu[i] < cu[i - 1]) {
+      fail(name, "non-decreasing values",
+           "value " + std::to_string(cu[i]) + " at position " + std::to_string(i) + " after " +
+               std::to_string(cu[i - 1]));
+    }
+  }
+  if (cu.back() != total) {
+    fail(name, std::string("last value equal to ") + total_name + " = " + std::to_string(total),
+         std::to_string(cu.back()));
+  }
+}
+
+}  // namespace
+
+double scale_from_host(const ProblemGeometry& g, const IndexerBackwardOptions& opt, double grad_loss) {
+  return grad_loss * static_cast<double>(opt.loss_coeff) / static_cast<double>(g.normalization_count);
+}
+
+ProblemGeometry validate_problem(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
+                                 const IndexerBackwardOptions& opt, CopyToHost copy_to_host,
+                                 bool check_outputs) {
+  ProblemGeometry g;
+  g.layout = opt.layout;
+  g.id_mode = opt.id_mode;
+
+  if (opt.layout != Layout::bshd && opt.layout != Layout::thd) {
+    fail("layout", "bshd or thd", std::to_string(static_cast<int>(opt.layout)));
+  }
+  if (opt.id_mode != IdMode::local && opt.id_mode != IdMode::global) {
+    fail("id_mode", "local or global", std::to_string(static_cast<int>(opt.id_mode)));
+  }
+  if (opt.backend != Backend::cpu && opt.backend != Backend::cuda) {
+    fail("backend", "cpu or cuda", std::to_string(static_cast<int>(opt.backend)));
+  }
+  const DeviceType device = opt.backend == Backend::cpu ? DeviceType::cpu : DeviceType::cuda;
+  const int device_index = in.index_q.device_index;
+  const bool thd = opt.layout == Layout::thd;
+  const int r = thd ? 1 : 0;  // rank offset: THD tensors have one dim fewer
+
+  check_tensor(in.index_q, {"index_q", {DType::bf16}, 4 - r}, device, device_index);
+  check_tensor(in.weights, {"weights", {DType::bf16, DType::f32}, 3 - r}, device, device_index);
+  check_tensor(in.index_k, {"index_k", {DType::bf16}, 3 - r}, device, device_index);
+  check_tensor(in.topk_indices, {"topk_indices", {DType::i32}, 3 - r}, device, device_index);
+  check_tensor(in.attn_score, {"attn_score", {DType::f32}, 3 - r}, device, device_index);
+  check_tensor(in.index_score, {"index_score", {DType::f32}, 3 - r}, device, device_index);
+  if (check_outputs) {
+    check_tensor(out.d_index_q, {"d_index_q", {DType::bf16, DType::f32}, 4 - r}, device, device_index);
+    check_tensor(out.d_weights, {"d_weights", {DType::bf16, DType::f32}, 3 - r}, device, device_index);
+    check_tensor(out.d_index_k, {"d_index_k", {DType::bf16, DType::f32}, 3 - r}, device, device_index);
+  }
+
+  const TensorView& q = in.index_q;
+  if (thd) {
+    g.num_q_rows = q.shape[0];
+    g.heads = q.shape[1];
+    g.head_dim = q.shape[2];
+    g.num_k_rows = in.index_k.shape[0];
+  } else {
+    g.batch = q.shape[0];
+    g.s_q = q.shape[1];
+    g.heads = q.shape[2];
+    g.head_dim = q.shape[3];
+    g.s_kv = in.index_k.shape[1];
+    g.num_q_rows = g.batch * g.s_q;
+    g.num_k_rows = g.batch * g.s_kv;
+  }
+  g.topk = in.topk_indices.shape[thd ? 1 : 2];
+
+  if (g.heads < 8 || g.heads > 128 || g.heads % 8 != 0) {
+    fail("index_q", "H (heads, dim " + std::to_string(2 - r) + ") a multiple of 8 in [8, 128]",
+         "H = " + std::to_string(g.heads) + " (shape " + q.shape_string() + ")");
+  }
+  if (g.head_dim != 64 && g.head_dim != 128) {
+    fail("index_q", "D (last dim) 64 or 128", "D = " + std::to_string(g.head_dim) + " (shape " + q.shape_string() + ")");
+  }
+  if (g.topk < 1) fail("topk_indices", "topk (last dim) >= 1", "topk = " + std::to_string(g.topk));
+
+  const int64_t H = g.heads, D = g.head_dim, K = g.topk;
+  if (thd) {
+    const int64_t T = g.num_q_rows, Tk = g.num_k_rows;
+    check_shape(in.weights, "weights", {T, H}, "(T_q, H)");
+    check_shape(in.index_k, "index_k", {Tk, D}, "(T_k, D)");
+    check_shape(in.topk_indices, "topk_indices", {T, K}, "(T_q, topk)");
+    check_shape(in.attn_score, "attn_score", {T, K}, "(T_q, topk)");
+    check_shape(in.index_score, "index_score", {T, K}, "(T_q, topk)");
+    if (check_outputs) {
+      check_shape(out.d_index_q, "d_index_q", {T, H, D}, "(T_q, H, D) like index_q");
+      check_shape(out.d_weights, "d_weights", {T, H}, "(T_q, H) like weights");
+      check_shape(out.d_index_k, "d_index_k", {Tk, D}, "(T_k, D) like index_k");
+    }
+  } else {
+    const int64_t B = g.batch, S = g.s_q;
+    check_shape(in.weights, "weights", {B, S, H}, "(B, S_q, H)");
+    check_shape(in.index_k, "index_k", {B, g.s_kv, D}, "(B, S_kv, D) with B and D of index_q");
+    check_shape(in.topk_indices, "topk_indices", {B, S, K}, "(B, S_q, topk)");
+    check_shape(in.attn_score, "attn_score", {B, S, K}, "(B, S_q, topk)");
+    check_shape(in.index_score, "index_score", {B, S, K}, "(B, S_q, topk)");
+    if (check_outputs) {
+      check_shape(out.d_index_q, "d_index_q", {B, S, H, D}, "(B, S_q, H, D) like index_q");
+      check_shape(out.d_weights, "d_weights", {B, S, H}, "(B, S_q, H) like weights");
+      check_shape(out.d_index_k, "d_index_k", {B, g.s_kv, D}, "(B, S_kv, D) like index_k");
+    }
+  }
+
+  // Outputs: contiguous, disjoint from each other and from every input.
+  const TensorView* outs[] = {&out.d_index_q, &out.d_weights, &out.d_index_k};
+  const char* out_names[] = {"d_index_q", "d_weights", "d_index_k"};
+  for (int i = 0; i < (check_outputs ? 3 : 0); ++i) {
+    if (!outs[i]->is_contiguous()) {
+      fail(out_names[i], "a contiguous (row-major) tensor", "strides " + outs[i]->strides_string() +
+                                                                " for shape " + outs[i]->shape_string());
+    }
+  }
+  const TensorView* ins[] = {&in.index_q, &in.weights, &in.index_k, &in.topk_indices,
+                             &in.attn_score, &in.index_score, &in.cu_seqlens_q, &in.cu_seqlens_k};
+  const char* in_names[] = {"index_q", "weights", "index_k", "topk_indices",
+                            "attn_score", "index_score", "cu_seqlens_q", "cu_seqlens_k"};
+  for (int i = 0; i < (check_outputs ? 3 : 0); ++i) {
+    for (int j = i + 1; j < 3; ++j) {
+      if (overlaps(*outs[i], *outs[j])) fail(out_names[i], std::string("memory disjoint from ") + out_names[j], "overlapping memory");
+    }
+    for (int j = 0; j < 8; ++j) {
+      if (overlaps(*outs[i], *ins[j])) fail(out_names[i], std::string("memory disjoint from input ") + in_names[j], "overlapping memory");
+    }
+  }
+
+  // The cuda backend reads rows with 16-byte vector loads: innermost stride 1,
+  // row strides and base pointers 16-byte aligned.
+  if (device == DeviceType::cuda) {
+    for (int j = 0; j < 6; ++j) {
+      const TensorView& v = *ins[j];
+      if (v.strides[v.rank - 1] != 1 && v.shape[v.rank - 1] > 1) {
+        fail(in_names[j], "innermost stride 1 on the cuda backend", "strides " + v.strides_string());
+      }
+    }
+    for (const TensorView* v : {&in.index_q, &in.index_k, &out.d_index_q, &out.d_index_k}) {
+      if (!v->present()) continue;
+      const char* nm = v == &in.index_q ? "index_q" : v == &in.index_k ? "index_k" : v == &out.d_index_q ? "d_index_q" : "d_index_k";
+      if (reinterpret_cast<std::uintptr_t>(v->data) % 16 != 0) {
+        fail(nm, "a 16-byte aligned data pointer on the cuda backend", "misaligned pointer");
+      }
+      for (int i = 0; i + 1 < v->rank; ++i) {
+        if ((v->strides[i] * static_cast<int64_t>(dtype_size(v->dtype))) % 16 != 0 && v->shape[i] > 1) {
+          fail(nm, "row strides that are multiples of 16 bytes on the cuda backend", "strides " + v->strides_string());
+        }
+      }
+    }
+  }
+
+  check_finite(opt.sm_scale, "sm_scale");
+  check_finite(opt.loss_coeff, "loss_coeff");
+  if (opt.grad_loss_device == nullptr) check_finite(opt.grad_loss, "grad_loss");
+  else if (reinterpret_cast<std::uintptr_t>(opt.grad_loss_device) % 4 != 0) fail("grad_loss_device", "a 4-byte aligned pointer", "misaligned pointer");
+  if (opt.normalization_count < 0) {
+    fail("normalization_count", ">= 0 (0 = number of query tokens)", std::to_string(opt.normalization_count));
+  }
+  if (opt.num_threads < 0) fail("num_threads", ">= 0 (0 = all hardware threads)", std::to_string(opt.num_threads));
+
+  // Sequences.
+  if (thd) {
+    check_tensor(in.cu_seqlens_q, {"cu_seqlens_q", {DType::i32}, 1}, device, device_index);
+    check_tensor(in.cu_seqlens_k, {"cu_seqlens_k", {DType::i32}, 1}, device, device_index);
+    if (in.cu_seqlens_q.shape[0] < 1) fail("cu_seqlens_q", "length B + 1 >= 1", "length 0");
+    if (in.cu_seqlens_k.shape[0] != in.cu_seqlens_q.shape[0]) {
+      fail("cu_seqlens_k", "length B + 1 = " + std::to_string(in.cu_seqlens_q.shape[0]) + " (that of cu_seqlens_q)",
+           "length " + std::to_string(in.cu_seqlens_k.shape[0]));
+    }
+    const auto cq = read_cu_seqlens(in.cu_seqlens_q, copy_to_host);
+    const auto ck = read_cu_seqlens(in.cu_seqlens_k, copy_to_host);
+    check_cu_seqlens(cq, "cu_seqlens_q", g.num_q_rows, "T_q (index_q dim 0)");
+    check_cu_seqlens(ck, "cu_seqlens_k", g.num_k_rows, "T_k (index_k dim 0)");
+    g.batch = static_cast<int64_t>(cq.size()) - 1;
+    for (int64_t b = 0; b < g.batch; ++b) {
+      g.q_start.push_back(cq[b]);
+      g.q_len.push_back(cq[b + 1] - cq[b]);
+      g.k_start.push_back(ck[b]);
+      g.k_len.push_back(ck[b + 1] - ck[b]);
+    }
+  } else {
+    if (in.cu_seqlens_q.present()) fail("cu_seqlens_q", "absent for layout bshd", "a tensor");
+    if (in.cu_seqlens_k.present()) fail("cu_seqlens_k", "absent for layout bshd", "a tensor");
+    for (int64_t b = 0; b < g.batch; ++b) {
+      g.q_start.push_back(b * g.s_q);
+      g.q_len.push_back(g.s_q);
+      g.k_start.push_back(b * g.s_kv);
+      g.k_len.push_back(g.s_kv);
+    }
+  }
+  g.seq_of_q_row.resize(static_cast<size_t>(g.num_q_rows));
+  for (int64_t b = 0; b < g.batch; ++b) {
+    for (int64_t t = 0; t < g.q_len[b]; ++t) g.seq_of_q_row[g.q_start[b] + t] = static_cast<int32_t>(b);
+  }
+  g.normalization_count = opt.normalization_count > 0 ? opt.normalization_count : std::max<int64_t>(g.num_q_rows, 1);
+
+  if (opt.backend == Backend::cuda && opt.deterministic) {
+    throw Error(ErrorCode::unsupported, "deterministic",
+                "deterministic: expected false on the cuda backend (its d_index_k is accumulated with fp32 "
+                "atomics; d_index_q and d_weights are always reproducible), got true; use the cpu backend "
+                "for bitwise-deterministic d_index_k");
+  }
+
+  // Strict ids: -1 marks an empty slot and is allowed; any other id outside
+  // the row's sequence is reported.
+  if (opt.strict_indices) {
+    const TensorView& ids = in.topk_indices;
+    const int64_t span = g.num_q_rows == 0 ? 0 : byte_range(ids).hi - byte_range(ids).lo;
+    std::vector<int32_t> host(static_cast<size_t>(span / 4));
+    if (span > 0) {
+      if (copy_to_host) copy_to_host(host.data(), ids.data, static_cast<size_t>(span));
+      else std::memcpy(host.data(), ids.data, static_cast<size_t>(span));
+    }
+    for (int64_t row = 0; row < g.num_q_rows; ++row) {
+      int64_t b, t;
+      g.q_row_coords(row, &b, &t);
+      const int64_t base = row_offset(ids, g.layout, row, g.s_q);
+      for (int64_t i = 0; i < K; ++i) {
+        const int64_t id = host[static_cast<size_t>(base + i * ids.strides[thd ? 1 : 2])];
+        if (id != -1 && g.key_row(b, id) < 0) {
+          std::ostringstream s;
+          s << "topk_indices: strict mode found an out-of-range id at (b=" << b << ", t=" << t << ", slot=" << i
+            << "): id " << id << ", expected -1 or an id in "
+            << (g.id_mode == IdMode::local ? "[0, " + std::to_string(g.k_len[b]) + ")"
+                                           : "[" + std::to_string(g.k_start[b]) + ", " + std::to_string(g.k_start[b] + g.k_len[b]) + ")")
+            << " (" << id_mode_name(g.id_mode) << " ids)";
+          throw Error(ErrorCode::index_out_of_range, "topk_indices", s.str());
+        }
+      }
+    }
+  }
+  return g;
+}
+
+}  // namespace dsaib::detail

@@ -1,0 +1,366 @@
+// fp64 reference of the DSA indexer backward (docs/math.md).
+//
+// Per query row r (sequence b), over its valid slots i:
+//   stage 1: g_i = -c*max(T_i,eps)*[P_i>=eps], G = sum g_i, gs_i = g_i - P_i*G
+//   stage 2: x_hi = q_h.k_{id_i}; dW_h = sm_scale*sum gs_i relu(x_hi);
+//            a_hi = gs_i*w_h*sm_scale*[x_hi>0]; dQ_h = sum a_hi k; dK_{id_i} += sum_h a_hi q_h
+// Threads split query rows statically; each owns an fp64 dK accumulator, and
+// the accumulators are summed in thread order, so a run is bitwise
+// reproducible for a given thread count.
+#include "reference/cpu_reference.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <thread>
+#include <vector>
+
+#include "core/bf16.hpp"
+#include "dsaib/reference.hpp"
+
+namespace dsaib::detail {
+namespace {
+
+const double kEps = std::exp(-100.0);
+
+double load(const TensorView& v, int64_t offset) {
+  const char* p = static_cast<const char*>(v.data);
+  switch (v.dtype) {
+    case DType::bf16: {
+      uint16_t h;
+      std::memcpy(&h, p + offset * 2, 2);
+      return bf16_to_float(h);
+    }
+    case DType::f32: {
+      float f;
+      std::memcpy(&f, p + offset * 4, 4);
+      return f;
+    }
+    case DType::i32: {
+      int32_t i;
+      std::memcpy(&i, p + offset * 4, 4);
+      return i;
+    }
+  }
+  return 0;
+}
+
+void store(const TensorView& v, int64_t offset, double value) {
+  char* p = static_cast<char*>(v.data);
+  if (v.dtype == DType::bf16) {
+    const uint16_t h = float_to_bf16(static_cast<float>(value));
+    std::memcpy(p + offset * 2, &h, 2);
+  } else {
+    const float f = static_cast<float>(value);
+    std::memcpy(p + offset * 4, &f, 4);
+  }
+}
+
+/// Host-side reader of one problem: flat rows to doubles through strides.
+struct ProblemReader {
+  const IndexerBackwardInputs& in;
+  const ProblemGeometry& g;
+  bool thd() const { return g.layout == Layout::thd; }
+
+  void q_row(int64_t r, std::vector<double>& q) const {  // (H*D)
+    const TensorView& v = in.index_q;
+    const int64_t base = row_offset(v, g.layout, r, g.s_q);
+    const int hs = thd() ? 1 : 2;
+    for (int64_t h = 0; h < g.heads; ++h)
+      for (int64_t d = 0; d < g.head_dim; ++d)
+        q[h * g.head_dim + d] = load(v, base + h * v.strides[hs] + d * v.strides[hs + 1]);
+  }
+  void w_row(int64_t r, std::vector<double>& w) const {
+    const TensorView& v = in.weights;
+    const int64_t base = row_offset(v, g.layout, r, g.s_q);
+    for (int64_t h = 0; h < g.heads; ++h) w[h] = load(v, base + h * v.strides[thd() ? 1 : 2]);
+  }
+  void k_row(int64_t j, double* k) const {
+    const TensorView& v = in.index_k;
+    const int64_t base = row_offset(v, g.layout, j, g.s_kv);
+    for (int64_t d = 0; d < g.head_dim; ++d) k[d] = load(v, base + d * v.strides[thd() ? 1 : 2]);
+  }
+  double slot(const TensorView& v, int64_t r, int64_t i) const {
+    return load(v, row_offset(v, g.layout, r, g.s_q) + i * v.strides[thd() ? 1 : 2]);
+  }
+};
+
+/// Stage 1 of one row: key rows (-1 = invalid) and gs_i.
+void score_gradient(const ProblemReader& rd, int64_t r, double c, std::vector<int64_t>& krow,
+                    std::vector<double>& gs) {
+  int64_t b, t;
+  rd.g.q_row_coords(r, &b, &t);
+  double G = 0;
+  for (int64_t i = 0; i < rd.g.topk; ++i) {
+    krow[i] = rd.g.key_row(b, static_cast<int64_t>(rd.slot(rd.in.topk_indices, r, i)));
+    if (krow[i] < 0) {
+      gs[i] = 0;
+      continue;
+    }
+    const double T = rd.slot(rd.in.attn_score, r, i);
+    const double P = rd.slot(rd.in.index_score, r, i);
+    gs[i] = P >= kEps ? -c * std::max(T, kEps) : 0.0;  // g_i for now
+    G += gs[i];
+  }
+  for (int64_t i = 0; i < rd.g.topk; ++i) {
+    if (krow[i] >= 0) gs[i] -= rd.slot(rd.in.index_score, r, i) * G;
+  }
+}
+
+struct RowScratch {
+  std::vector<double> q, w, k, dq, dw, gs;
+  std::vector<int64_t> krow;
+  explicit RowScratch(const ProblemGeometry& g)
+      : q(g.heads * g.head_dim), w(g.heads), k(g.head_dim), dq(g.heads * g.head_dim), dw(g.heads),
+        gs(g.topk), krow(g.topk) {}
+};
+
+/// Stage 2 of one row. dk (num_k_rows*D) may be null (no dK wanted).
+void row_backward(const ProblemReader& rd, int64_t r, double c, double sm_scale, RowScratch& s, double* dk) {
+  const int64_t H = rd.g.heads, D = rd.g.head_dim;
+  score_gradient(rd, r, c, s.krow, s.gs);
+  rd.q_row(r, s.q);
+  rd.w_row(r, s.w);
+  std::fill(s.dq.begin(), s.dq.end(), 0.0);
+  std::fill(s.dw.begin(), s.dw.end(), 0.0);
+  for (int64_t i = 0; i < rd.g.topk; ++i) {
+    if (s.krow[i] < 0) continue;
+    rd.k_row(s.krow[i], s.k.data());
+    for (int64_t h = 0; h < H; ++h) {
+      const double* qh = &s.q[h * D];
+      double x = 0;
+      for (int64_t d = 0; d < D; ++d) x += qh[d] * s.k[d];
+      if (!(x > 0)) continue;
+      s.dw[h] += s.gs[i] * x;
+      const double a = s.gs[i] * s.w[h] * sm_scale;
+      double* dqh = &s.dq[h * D];
+      for (int64_t d = 0; d < D; ++d) dqh[d] += a * s.k[d];
+      if (dk) {
+        double* dkj = dk + s.krow[i] * D;
+        for (int64_t d = 0; d < D; ++d) dkj[d] += a * qh[d];
+      }
+    }
+  }
+  for (int64_t h = 0; h < H; ++h) s.dw[h] *= sm_scale;
+}
+
+double read_grad_loss(const IndexerBackwardOptions& opt) {
+  return opt.grad_loss_device ? static_cast<double>(*opt.grad_loss_device) : static_cast<double>(opt.grad_loss);
+}
+
+int thread_count(const IndexerBackwardOptions& opt, int64_t rows) {
+  int n = opt.num_threads > 0 ? opt.num_threads : static_cast<int>(std::thread::hardware_concurrency());
+  n = std::max(1, n);
+  return static_cast<int>(std::min<int64_t>(n, std::max<int64_t>(rows, 1)));
+}
+
+/// Runs fn(thread_index, row_begin, row_end) over a static split of [0, rows).
+template <class Fn>
+void parallel_rows(int threads, int64_t rows, Fn fn) {
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t) {
+    const int64_t lo = rows * t / threads, hi = rows * (t + 1) / threads;
+    if (t == threads - 1) {
+      fn(t, lo, hi);
+    } else {
+      pool.emplace_back(fn, t, lo, hi);
+    }
+  }
+  for (auto& th : pool) th.join();
+}
+
+ReferenceGradients compute_full(const IndexerBackwardInputs& in, const IndexerBackwardOptions& opt,
+                                const ProblemGeometry& g) {
+  ReferenceGradients res;
+  res.num_q_rows = g.num_q_rows;
+  res.num_k_rows = g.num_k_rows;
+  res.heads = g.heads;
+  res.head_dim = g.head_dim;
+  const int64_t H = g.heads, D = g.head_dim;
+  res.d_index_q.assign(g.num_q_rows * H * D, 0.0);
+  res.d_weights.assign(g.num_q_rows * H, 0.0);
+  res.d_index_k.assign(g.num_k_rows * D, 0.0);
+  const ProblemReader rd{in, g};
+  const double c = scale_from_host(g, opt, read_grad_loss(opt));
+  const int threads = thread_count(opt, g.num_q_rows);
+  std::vector<std::vector<double>> dk_parts(threads);
+  parallel_rows(threads, g.num_q_rows, [&](int t, int64_t lo, int64_t hi) {
+    dk_parts[t].assign(g.num_k_rows * D, 0.0);
+    RowScratch s(g);
+    for (int64_t r = lo; r < hi; ++r) {
+      row_backward(rd, r, c, opt.sm_scale, s, dk_parts[t].data());
+      std::copy(s.dq.begin(), s.dq.end(), res.d_index_q.begin() + r * H * D);
+      std::copy(s.dw.begin(), s.dw.end(), res.d_weights.begin() + r * H);
+    }
+  });
+  // Sum the per-thread dK parts in thread order (deterministic), split over key rows.
+  parallel_rows(threads, g.num_k_rows, [&](int, int64_t lo, int64_t hi) {
+    for (int p = 0; p < threads; ++p) {
+      for (int64_t e = lo * D; e < hi * D; ++e) res.d_index_k[e] += dk_parts[p][e];
+    }
+  });
+  return res;
+}
+
+}  // namespace
+
+void run_cpu_backend(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
+                     const IndexerBackwardOptions& opt, const ProblemGeometry& g) {
+  const ReferenceGradients ref = compute_full(in, opt, g);
+  // Outputs are contiguous (validated), so flat element e is offset e.
+  for (size_t e = 0; e < ref.d_index_q.size(); ++e) store(out.d_index_q, static_cast<int64_t>(e), ref.d_index_q[e]);
+  for (size_t e = 0; e < ref.d_weights.size(); ++e) store(out.d_weights, static_cast<int64_t>(e), ref.d_weights[e]);
+  for (size_t e = 0; e < ref.d_index_k.size(); ++e) store(out.d_index_k, static_cast<int64_t>(e), ref.d_index_k[e]);
+}
+
+}  // namespace dsaib::detail
+
+namespace dsaib {
+using namespace detail;
+
+ReferenceGradients reference_backward(const IndexerBackwardInputs& inputs, const IndexerBackwardOptions& options) {
+  IndexerBackwardOptions opt = options;
+  opt.backend = Backend::cpu;
+  opt.deterministic = false;
+  const ProblemGeometry g = validate_problem(inputs, {}, opt, nullptr, /*check_outputs=*/false);
+  return compute_full(inputs, opt, g);
+}
+
+SampledReferenceGradients reference_backward_sampled(const IndexerBackwardInputs& inputs,
+                                                     const IndexerBackwardOptions& options,
+                                                     const std::vector<int64_t>& q_rows,
+                                                     const std::vector<int64_t>& k_rows) {
+  IndexerBackwardOptions opt = options;
+  opt.backend = Backend::cpu;
+  opt.deterministic = false;
+  const ProblemGeometry g = validate_problem(inputs, {}, opt, nullptr, false);
+  const int64_t H = g.heads, D = g.head_dim;
+  for (int64_t r : q_rows) {
+    if (r < 0 || r >= g.num_q_rows) {
+      throw Error(ErrorCode::invalid_argument, "q_rows",
+                  "q_rows: expected rows in [0, " + std::to_string(g.num_q_rows) + "), got " + std::to_string(r));
+    }
+  }
+  for (int64_t j : k_rows) {
+    if (j < 0 || j >= g.num_k_rows) {
+      throw Error(ErrorCode::invalid_argument, "k_rows",
+                  "k_rows: expected rows in [0, " + std::to_string(g.num_k_rows) + "), got " + std::to_string(j));
+    }
+  }
+  SampledReferenceGradients res;
+  res.q_rows = q_rows;
+  res.k_rows = k_rows;
+  res.heads = H;
+  res.head_dim = D;
+  res.d_index_q.assign(q_rows.size() * H * D, 0.0);
+  res.d_weights.assign(q_rows.size() * H, 0.0);
+  res.d_index_k.assign(k_rows.size() * D, 0.0);
+  const ProblemReader rd{inputs, g};
+  const double c = scale_from_host(g, opt, read_grad_loss(opt));
+  RowScratch s(g);
+  for (size_t n = 0; n < q_rows.size(); ++n) {
+    row_backward(rd, q_rows[n], c, opt.sm_scale, s, nullptr);
+    std::copy(s.dq.begin(), s.dq.end(), res.d_index_q.begin() + n * H * D);
+    std::copy(s.dw.begin(), s.dw.end(), res.d_weights.begin() + n * H);
+  }
+  if (k_rows.empty()) return res;
+  // dK of selected key rows: scan every row's ids, in row order, for hits.
+  std::vector<int64_t> slot_of_key(g.num_k_rows, -1);
+  for (size_t n = 0; n < k_rows.size(); ++n) slot_of_key[k_rows[n]] = static_cast<int64_t>(n);
+  std::vector<double> k(D);
+  for (int64_t r = 0; r < g.num_q_rows; ++r) {
+    int64_t b, t;
+    g.q_row_coords(r, &b, &t);
+    bool hit = false;
+    for (int64_t i = 0; i < g.topk && !hit; ++i) {
+      const int64_t kr = g.key_row(b, static_cast<int64_t>(rd.slot(inputs.topk_indices, r, i)));
+      hit = kr >= 0 && slot_of_key[kr] >= 0;
+    }
+    if (!hit) continue;
+    score_gradient(rd, r, c, s.krow, s.gs);
+    rd.q_row(r, s.q);
+    rd.w_row(r, s.w);
+    for (int64_t i = 0; i < g.topk; ++i) {
+      if (s.krow[i] < 0 || slot_of_key[s.krow[i]] < 0) continue;
+      double* dkj = &res.d_index_k[slot_of_key[s.krow[i]] * D];
+      rd.k_row(s.krow[i], k.data());
+      for (int64_t h = 0; h < H; ++h) {
+        double x = 0;
+        for (int64_t d = 0; d < D; ++d) x += s.q[h * D + d] * k[d];
+        if (!(x > 0)) continue;
+        const double a = s.gs[i] * s.w[h] * opt.sm_scale;
+        for (int64_t d = 0; d < D; ++d) dkj[d] += a * s.q[h * D + d];
+      }
+    }
+  }
+  return res;
+}
+
+std::vector<double> reference_index_logits(const IndexerBackwardInputs& inputs, const IndexerBackwardOptions& options) {
+  IndexerBackwardOptions opt = options;
+  opt.backend = Backend::cpu;
+  opt.deterministic = false;
+  const ProblemGeometry g = validate_problem(inputs, {}, opt, nullptr, false);
+  const int64_t H = g.heads, D = g.head_dim;
+  const ProblemReader rd{inputs, g};
+  std::vector<double> z(g.num_q_rows * g.topk, -std::numeric_limits<double>::infinity());
+  const int threads = thread_count(opt, g.num_q_rows);
+  parallel_rows(threads, g.num_q_rows, [&](int, int64_t lo, int64_t hi) {
+    std::vector<double> q(H * D), w(H), k(D);
+    for (int64_t r = lo; r < hi; ++r) {
+      int64_t b, t;
+      g.q_row_coords(r, &b, &t);
+      rd.q_row(r, q);
+      rd.w_row(r, w);
+      for (int64_t i = 0; i < g.topk; ++i) {
+        const int64_t kr = g.key_row(b, static_cast<int64_t>(rd.slot(inputs.topk_indices, r, i)));
+        if (kr < 0) continue;
+        rd.k_row(kr, k.data());
+        double zi = 0;
+        for (int64_t h = 0; h < H; ++h) {
+          double x = 0;
+          for (int64_t d = 0; d < D; ++d) x += q[h * D + d] * k[d];
+          zi += w[h] * std::max(x, 0.0);
+        }
+        z[r * g.topk + i] = opt.sm_scale * zi;
+      }
+    }
+  });
+  return z;
+}
+
+double indexer_kl_loss(const IndexerBackwardInputs& inputs, const IndexerBackwardOptions& options, bool recompute_p) {
+  IndexerBackwardOptions opt = options;
+  opt.backend = Backend::cpu;
+  opt.deterministic = false;
+  const ProblemGeometry g = validate_problem(inputs, {}, opt, nullptr, false);
+  const ProblemReader rd{inputs, g};
+  const double c = scale_from_host(g, opt, read_grad_loss(opt));
+  std::vector<double> z;
+  if (recompute_p) z = reference_index_logits(inputs, opt);
+  double loss = 0;
+  std::vector<double> p(g.topk);
+  for (int64_t r = 0; r < g.num_q_rows; ++r) {
+    int64_t b, t;
+    g.q_row_coords(r, &b, &t);
+    if (recompute_p) {
+      double zmax = -std::numeric_limits<double>::infinity();
+      for (int64_t i = 0; i < g.topk; ++i) zmax = std::max(zmax, z[r * g.topk + i]);
+      if (!std::isfinite(zmax)) continue;  // no valid slot
+      double sum = 0;
+      for (int64_t i = 0; i < g.topk; ++i) sum += (p[i] = std::exp(z[r * g.topk + i] - zmax));
+      for (int64_t i = 0; i < g.topk; ++i) p[i] /= sum;
+    }
+    for (int64_t i = 0; i < g.topk; ++i) {
+      const int64_t kr = g.key_row(b, static_cast<int64_t>(rd.slot(inputs.topk_indices, r, i)));
+      if (kr < 0) continue;
+      const double P = recompute_p ? p[i] : rd.slot(inputs.index_score, r, i);
+      const double T = rd.slot(inputs.attn_score, r, i);
+      loss += std::max(T, kEps) * std::log(std::max(P, kEps));
+    }
+  }
+  return -c * loss;
+}
+
+}  // namespace dsaib
