@@ -1,0 +1,45 @@
+// Reading and writing safetensors files (https://github.com/huggingface/safetensors):
+// the format in which the CLI and scripts/dump_torch_step.py exchange problems.
+//
+// File layout:
+//   8 bytes      N, the header length, unsigned little-endian
+//   N bytes      UTF-8 JSON object:
+//                  { "<name>": {"dtype": "BF16"|"F32"|"I32", "shape": [d0, ...],
+//                               "data_offsets": [begin, end]}, ...,
+//                    "__metadata__": {"<key>": "<string value>", ...} }   (optional)
+//   the rest     the byte buffer; tensor <name> is bytes [begin, end) of it,
+//                row-major, little-endian.
+#pragma once
+
+#include <map>
+#include <string>
+
+#include "dsaib/host_tensor.hpp"
+
+namespace dsaib {
+
+/// safetensors dtype string of a dtype: "BF16", "F32", "I32".
+const char* safetensors_dtype_name(DType dtype);
+
+/// Reads every tensor of a safetensors file. If `metadata` is non-null it
+/// receives the "__metadata__" map (empty when the file has none).
+///
+/// Supported dtypes: BF16, F32, I32. Raises dsaib::Error(ErrorCode::io_error)
+/// with argument() == path and a message starting with the path for every
+/// unreadable or malformed file: missing file, truncated file, header length
+/// beyond the file, invalid JSON, a header that is not the expected object,
+/// an unknown or unsupported dtype (named), negative, non-integer or
+/// overflowing shapes, data_offsets out of the buffer, overlapping each other
+/// or not matching numel * dtype size, non-string metadata values.
+std::map<std::string, HostTensor> read_safetensors(const std::string& path,
+                                                   std::map<std::string, std::string>* metadata = nullptr);
+
+/// Writes the tensors (in name order) and the metadata to `path`, replacing
+/// the file. Raises dsaib::Error(invalid_argument) naming the tensor when a
+/// tensor is inconsistent (negative size, bytes.size() != numel * dtype size)
+/// or named "__metadata__", and dsaib::Error(io_error) when the file cannot be
+/// written.
+void write_safetensors(const std::string& path, const std::map<std::string, HostTensor>& tensors,
+                       const std::map<std::string, std::string>& metadata = {});
+
+}  // namespace dsaib

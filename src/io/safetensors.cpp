@@ -1,0 +1,325 @@
+// safetensors reader and writer (include/dsaib/safetensors.hpp).
+//
+// The reader trusts nothing in the file: every size, offset and JSON type is
+// checked before it is used, and every failure is a dsaib::Error(io_error)
+// whose message starts with the file's path.
+#include "dsaib/safetensors.hpp"
+
+#include <algorithm>
+#include <atomic>
+#include <bit>
+#include <cerrno>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <string>
+#include <system_error>
+#include <utility>
+#include <vector>
+
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+
+#include "dsaib/error.hpp"
+
+namespace dsaib {
+namespace {
+
+static_assert(std::endian::native == std::endian::little, "safetensors I/O assumes a little-endian host");
+
+using json = nlohmann::json;
+
+/// The same cap as the reference implementation (safetensors' MAX_HEADER_SIZE).
+constexpr uint64_t kMaxHeaderBytes = 100'000'000;
+constexpr const char* kMetadataKey = "__metadata__";
+
+[[noreturn]] void io_fail(const std::string& path, const std::string& message) {
+  throw Error(ErrorCode::io_error, path, path + ": " + message);
+}
+
+/// dtypes of the safetensors format that this library does not handle.
+bool is_known_unsupported_dtype(const std::string& s) {
+  static const char* const kOthers[] = {"BOOL", "U8",  "I8",  "U16", "I16",     "F16",     "U32",
+                                        "U64",  "I64", "F64", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F6_E2M3",
+                                        "F6_E3M2", "F4", "C64"};
+  return std::find(std::begin(kOthers), std::end(kOthers), s) != std::end(kOthers);
+}
+
+bool parse_dtype(const std::string& s, DType* out) {
+  if (s == "BF16") *out = DType::bf16;
+  else if (s == "F32") *out = DType::f32;
+  else if (s == "I32") *out = DType::i32;
+  else return false;
+  return true;
+}
+
+std::string describe(const json& j) {
+  std::string s = j.dump();
+  if (s.size() > 60) s = s.substr(0, 57) + "...";
+  return s;
+}
+
+/// A non-negative JSON integer, else an io_error naming `what`.
+uint64_t get_unsigned(const json& j, const std::string& path, const std::string& what) {
+  if (j.is_number_unsigned()) return j.get<uint64_t>();
+  if (j.is_number_integer()) {
+    const int64_t v = j.get<int64_t>();
+    if (v >= 0) return static_cast<uint64_t>(v);
+    io_fail(path, what + ": expected a non-negative integer, got " + std::to_string(v));
+  }
+  io_fail(path, what + ": expected a non-negative integer, got " + describe(j));
+}
+
+struct Entry {
+  std::string name;
+  DType dtype;
+  std::vector<int64_t> shape;
+  uint64_t begin = 0, end = 0;
+};
+
+Entry parse_entry(const std::string& path, const std::string& name, const json& j, uint64_t buffer_bytes) {
+  const std::string where = "tensor '" + name + "'";
+  if (!j.is_object()) io_fail(path, where + ": expected an object {dtype, shape, data_offsets}, got " + describe(j));
+  for (const char* key : {"dtype", "shape", "data_offsets"}) {
+    if (!j.contains(key)) io_fail(path, where + ": missing \"" + key + "\"");
+  }
+  Entry e;
+  e.name = name;
+  const json& jd = j["dtype"];
+  if (!jd.is_string()) io_fail(path, where + ": dtype: expected a string, got " + describe(jd));
+  const std::string ds = jd.get<std::string>();
+  if (!parse_dtype(ds, &e.dtype)) {
+    if (is_known_unsupported_dtype(ds)) {
+      io_fail(path, where + ": unsupported dtype " + ds + " (supported: BF16, F32, I32)");
+    }
+    io_fail(path, where + ": unknown dtype \"" + ds + "\" (supported: BF16, F32, I32)");
+  }
+  const json& js = j["shape"];
+  if (!js.is_array()) io_fail(path, where + ": shape: expected an array of sizes, got " + describe(js));
+  for (size_t i = 0; i < js.size(); ++i) {
+    const uint64_t d = get_unsigned(js[i], path, where + ": shape[" + std::to_string(i) + "]");
+    if (d > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+      io_fail(path, where + ": shape[" + std::to_string(i) + "] = " + std::to_string(d) + " is too large");
+    }
+    e.shape.push_back(static_cast<int64_t>(d));
+  }
+  const json& jo = j["data_offsets"];
+  if (!jo.is_array() || jo.size() != 2) {
+    io_fail(path, where + ": data_offsets: expected [begin, end], got " + describe(jo));
+  }
+  e.begin = get_unsigned(jo[0], path, where + ": data_offsets[0]");
+  e.end = get_unsigned(jo[1], path, where + ": data_offsets[1]");
+  if (e.begin > e.end) {
+    io_fail(path, where + ": data_offsets [" + std::to_string(e.begin) + ", " + std::to_string(e.end) +
+                      "]: begin is after end");
+  }
+  if (e.end > buffer_bytes) {
+    io_fail(path, where + ": data_offsets [" + std::to_string(e.begin) + ", " + std::to_string(e.end) +
+                      "] run past the end of the data buffer (" + std::to_string(buffer_bytes) +
+                      " bytes; truncated file?)");
+  }
+  // numel * dtype size, saturating (a size that does not fit in 64 bits cannot match the offsets).
+  bool overflow = false;
+  uint64_t bytes = dtype_size(e.dtype);
+  if (std::find(e.shape.begin(), e.shape.end(), 0) != e.shape.end()) {
+    bytes = 0;
+  } else {
+    for (int64_t d : e.shape) {
+      if (bytes > std::numeric_limits<uint64_t>::max() / static_cast<uint64_t>(d)) {
+        overflow = true;
+        break;
+      }
+      bytes *= static_cast<uint64_t>(d);
+    }
+  }
+  if (overflow || e.end - e.begin != bytes) {
+    io_fail(path, where + ": data_offsets [" + std::to_string(e.begin) + ", " + std::to_string(e.end) + "] span " +
+                      std::to_string(e.end - e.begin) + " bytes, but dtype " + ds + " and shape " + describe(js) +
+                      " need " + (overflow ? std::string("more than 2^64") : std::to_string(bytes)));
+  }
+  return e;
+}
+
+}  // namespace
+
+const char* safetensors_dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::bf16: return "BF16";
+    case DType::f32: return "F32";
+    case DType::i32: return "I32";
+  }
+  return "UNKNOWN";
+}
+
+std::map<std::string, HostTensor> read_safetensors(const std::string& path,
+                                                   std::map<std::string, std::string>* metadata) {
+  if (metadata) metadata->clear();
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) io_fail(path, "is a directory, not a safetensors file");
+  std::ifstream f(path, std::ios::binary);
+  if (!f) io_fail(path, std::string("cannot open for reading (") + std::strerror(errno) + ")");
+  f.seekg(0, std::ios::end);
+  const std::streamoff end_pos = f.tellg();
+  if (!f || end_pos < 0) io_fail(path, "cannot determine the file size");
+  const uint64_t file_bytes = static_cast<uint64_t>(end_pos);
+  f.seekg(0, std::ios::beg);
+  if (file_bytes < 8) {
+    io_fail(path, "truncated: " + std::to_string(file_bytes) +
+                      " bytes, but a safetensors file starts with an 8-byte header length");
+  }
+  unsigned char len_bytes[8];
+  f.read(reinterpret_cast<char*>(len_bytes), 8);
+  if (!f) io_fail(path, "cannot read the header length");
+  uint64_t header_bytes = 0;
+  for (int i = 7; i >= 0; --i) header_bytes = (header_bytes << 8) | len_bytes[i];
+  if (header_bytes > file_bytes - 8) {
+    io_fail(path, "header length " + std::to_string(header_bytes) + " exceeds the " + std::to_string(file_bytes - 8) +
+                      " bytes that follow it (truncated or not a safetensors file)");
+  }
+  if (header_bytes > kMaxHeaderBytes) {
+    io_fail(path, "header length " + std::to_string(header_bytes) + " exceeds the limit of " +
+                      std::to_string(kMaxHeaderBytes) + " bytes");
+  }
+  if (header_bytes < 2) io_fail(path, "header length " + std::to_string(header_bytes) + " is too small for a JSON object");
+  std::string header(header_bytes, '\0');
+  f.read(header.data(), static_cast<std::streamsize>(header_bytes));
+  if (!f) io_fail(path, "cannot read the " + std::to_string(header_bytes) + "-byte header");
+  const uint64_t buffer_bytes = file_bytes - 8 - header_bytes;
+
+  json root;
+  try {
+    root = json::parse(header);
+  } catch (const json::exception& e) {
+    std::string msg = e.what();
+    // "[json.exception.parse_error.101] parse error at line 1, column 5: ..." -> keep the part after the tag.
+    const auto tag_end = msg.find("] ");
+    if (msg.rfind("[json.exception", 0) == 0 && tag_end != std::string::npos) msg = msg.substr(tag_end + 2);
+    io_fail(path, "header is not valid JSON (" + msg + ")");
+  }
+  if (!root.is_object()) io_fail(path, "header: expected a JSON object, got " + describe(root));
+
+  std::vector<Entry> entries;
+  for (auto it = root.begin(); it != root.end(); ++it) {
+    if (it.key() == kMetadataKey) {
+      if (!it.value().is_object()) {
+        io_fail(path, "__metadata__: expected an object of strings, got " + describe(it.value()));
+      }
+      for (auto m = it.value().begin(); m != it.value().end(); ++m) {
+        if (!m.value().is_string()) {
+          io_fail(path, "__metadata__[\"" + m.key() + "\"]: expected a string, got " + describe(m.value()));
+        }
+        if (metadata) (*metadata)[m.key()] = m.value().get<std::string>();
+      }
+      continue;
+    }
+    entries.push_back(parse_entry(path, it.key(), it.value(), buffer_bytes));
+  }
+
+  // No two tensors may share bytes.
+  std::vector<const Entry*> by_offset;
+  for (const Entry& e : entries) by_offset.push_back(&e);
+  std::sort(by_offset.begin(), by_offset.end(), [](const Entry* a, const Entry* b) {
+    return a->begin != b->begin ? a->begin < b->begin : a->end < b->end;
+  });
+  for (size_t i = 1; i < by_offset.size(); ++i) {
+    const Entry& a = *by_offset[i - 1];
+    const Entry& b = *by_offset[i];
+    if (b.begin < a.end) {
+      io_fail(path, "tensors '" + a.name + "' [" + std::to_string(a.begin) + ", " + std::to_string(a.end) + ") and '" +
+                        b.name + "' [" + std::to_string(b.begin) + ", " + std::to_string(b.end) + ") overlap");
+    }
+  }
+
+  std::map<std::string, HostTensor> out;
+  const uint64_t data_start = 8 + header_bytes;
+  for (const Entry* e : by_offset) {
+    HostTensor t;
+    t.dtype = e->dtype;
+    t.shape = e->shape;
+    try {
+      t.bytes.resize(e->end - e->begin);
+    } catch (const std::bad_alloc&) {
+      io_fail(path, "tensor '" + e->name + "': cannot allocate " + std::to_string(e->end - e->begin) + " bytes");
+    }
+    if (!t.bytes.empty()) {
+      f.seekg(static_cast<std::streamoff>(data_start + e->begin), std::ios::beg);
+      f.read(reinterpret_cast<char*>(t.bytes.data()), static_cast<std::streamsize>(t.bytes.size()));
+      if (!f) io_fail(path, "tensor '" + e->name + "': cannot read its " + std::to_string(t.bytes.size()) + " bytes");
+    }
+    out.emplace(e->name, std::move(t));
+  }
+  return out;
+}
+
+void write_safetensors(const std::string& path, const std::map<std::string, HostTensor>& tensors,
+                       const std::map<std::string, std::string>& metadata) {
+  json header = json::object();
+  if (!metadata.empty()) {
+    json m = json::object();
+    for (const auto& [k, v] : metadata) m[k] = v;
+    header[kMetadataKey] = std::move(m);
+  }
+  uint64_t offset = 0;
+  for (const auto& [name, t] : tensors) {
+    if (name == kMetadataKey) {
+      throw Error(ErrorCode::invalid_argument, name, "tensor name '__metadata__' is reserved by the safetensors format");
+    }
+    uint64_t numel = 1;
+    for (int64_t d : t.shape) {
+      if (d < 0) {
+        throw Error(ErrorCode::invalid_argument, name,
+                    "tensor '" + name + "': expected non-negative sizes, got " + json(t.shape).dump());
+      }
+      numel *= static_cast<uint64_t>(d);
+    }
+    const uint64_t need = numel * dtype_size(t.dtype);
+    if (t.bytes.size() != need) {
+      throw Error(ErrorCode::invalid_argument, name,
+                  "tensor '" + name + "': expected " + std::to_string(need) + " bytes for dtype " +
+                      dtype_name(t.dtype) + " and shape " + json(t.shape).dump() + ", got " +
+                      std::to_string(t.bytes.size()));
+    }
+    header[name] = {{"dtype", safetensors_dtype_name(t.dtype)},
+                    {"shape", t.shape},
+                    {"data_offsets", {offset, offset + need}}};
+    offset += need;
+  }
+  std::string text = header.dump();
+  // Pad with spaces so that the data buffer starts 8-byte aligned (as the reference writer does).
+  text.append((8 - text.size() % 8) % 8, ' ');
+
+  // Write a temporary file next to the target, then rename it over the target.
+  static std::atomic<unsigned> counter{0};
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++);
+  {
+    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+    if (!f) io_fail(path, std::string("cannot open for writing (") + std::strerror(errno) + ")");
+    unsigned char len_bytes[8];
+    uint64_t n = text.size();
+    for (int i = 0; i < 8; ++i, n >>= 8) len_bytes[i] = static_cast<unsigned char>(n & 0xff);
+    f.write(reinterpret_cast<const char*>(len_bytes), 8);
+    f.write(text.data(), static_cast<std::streamsize>(text.size()));
+    for (const auto& [name, t] : tensors) {
+      f.write(reinterpret_cast<const char*>(t.bytes.data()), static_cast<std::streamsize>(t.bytes.size()));
+    }
+    f.flush();
+    if (!f) {
+      const std::string reason = std::strerror(errno);
+      f.close();
+      std::remove(tmp.c_str());
+      io_fail(path, "write failed (" + reason + ")");
+    }
+  }
+  std::error_code ec;
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) {
+    std::remove(tmp.c_str());
+    io_fail(path, "cannot replace the file (" + ec.message() + ")");
+  }
+}
+
+}  // namespace dsaib

@@ -1,0 +1,277 @@
+// safetensors reader/writer: round trips and every kind of malformed file.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <unistd.h>
+
+#include "dsaib/error.hpp"
+#include "dsaib/safetensors.hpp"
+
+namespace {
+
+using dsaib::DType;
+using dsaib::Error;
+using dsaib::ErrorCode;
+using dsaib::HostTensor;
+
+std::string temp_path(const std::string& name) {
+  // One directory per process: ctest may run test cases (and other builds) in parallel.
+  const auto dir = std::filesystem::path(::testing::TempDir()) / ("dsaib_safetensors_test." + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  return (dir / name).string();
+}
+
+HostTensor random_tensor(DType dt, std::vector<int64_t> shape, uint32_t seed) {
+  HostTensor t(dt, std::move(shape));
+  std::mt19937 rng(seed);
+  for (auto& b : t.bytes) b = static_cast<uint8_t>(rng());
+  return t;
+}
+
+void write_bytes(const std::string& path, const std::string& bytes) {
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+std::string read_bytes(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), {});
+}
+
+/// A file with the given header text and data buffer.
+std::string make_file(const std::string& header, const std::string& data, uint64_t header_len_override = UINT64_MAX) {
+  uint64_t n = header_len_override == UINT64_MAX ? header.size() : header_len_override;
+  std::string out(8, '\0');
+  for (int i = 0; i < 8; ++i, n >>= 8) out[i] = static_cast<char>(n & 0xff);
+  return out + header + data;
+}
+
+/// Expects read_safetensors(path) to raise io_error whose message contains every fragment.
+void expect_io_error(const std::string& path, std::initializer_list<std::string> fragments) {
+  try {
+    dsaib::read_safetensors(path);
+    ADD_FAILURE() << "expected io_error for " << path;
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::io_error) << e.what();
+    EXPECT_EQ(e.argument(), path);
+    const std::string msg = e.what();
+    EXPECT_EQ(msg.rfind(path, 0), 0u) << "message should start with the path: " << msg;
+    for (const auto& frag : fragments) EXPECT_NE(msg.find(frag), std::string::npos) << "'" << frag << "' not in: " << msg;
+  }
+}
+
+void expect_bad_header(const std::string& name, const std::string& header, const std::string& data,
+                       std::initializer_list<std::string> fragments) {
+  const std::string path = temp_path(name);
+  write_bytes(path, make_file(header, data));
+  expect_io_error(path, fragments);
+}
+
+TEST(Safetensors, RoundTripEveryDtypeAndMetadata) {
+  std::map<std::string, HostTensor> tensors;
+  tensors["a_bf16"] = random_tensor(DType::bf16, {2, 3, 4, 5}, 1);
+  tensors["b_f32"] = random_tensor(DType::f32, {7, 3}, 2);
+  tensors["c_i32"] = random_tensor(DType::i32, {11}, 3);
+  tensors["d_scalar"] = random_tensor(DType::f32, {}, 4);
+  tensors["e_empty"] = HostTensor(DType::bf16, {0, 5});
+  tensors["f_odd"] = random_tensor(DType::bf16, {3}, 5);  // 6 bytes: later tensors are unaligned
+  tensors["g_after_odd"] = random_tensor(DType::i32, {1, 2, 3}, 6);
+  const std::map<std::string, std::string> meta = {{"sm_scale", "0.088388"}, {"layout", "bshd"}, {"empty", ""}};
+  const std::string path = temp_path("roundtrip.safetensors");
+  dsaib::write_safetensors(path, tensors, meta);
+
+  std::map<std::string, std::string> meta_back;
+  const auto back = dsaib::read_safetensors(path, &meta_back);
+  EXPECT_EQ(meta_back, meta);
+  ASSERT_EQ(back.size(), tensors.size());
+  for (const auto& [name, t] : tensors) {
+    ASSERT_TRUE(back.count(name)) << name;
+    const HostTensor& b = back.at(name);
+    EXPECT_EQ(b.dtype, t.dtype) << name;
+    EXPECT_EQ(b.shape, t.shape) << name;
+    EXPECT_EQ(b.bytes, t.bytes) << name;
+  }
+  // The header is padded so that the data buffer starts 8-byte aligned.
+  const std::string raw = read_bytes(path);
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<uint8_t>(raw[i]);
+  EXPECT_EQ(n % 8, 0u);
+  // No metadata requested: fine too; a file without metadata gives an empty map.
+  EXPECT_EQ(dsaib::read_safetensors(path).size(), tensors.size());
+  dsaib::write_safetensors(path, tensors);
+  dsaib::read_safetensors(path, &meta_back);
+  EXPECT_TRUE(meta_back.empty());
+}
+
+TEST(Safetensors, ReadsForeignLayoutAndDtypeNames) {
+  // As the Python writer emits it: metadata last, unsorted names, trailing-space padding.
+  const std::string data = std::string("\x01\x00\x00\x00\x02\x00\x00\x00", 8) + std::string("\x80\x3f", 2);
+  const std::string header =
+      R"({"w":{"dtype":"BF16","shape":[1],"data_offsets":[8,10]},"ids":{"dtype":"I32","shape":[2],"data_offsets":[0,8]},"__metadata__":{"format":"pt"}})"
+      "    ";
+  const std::string path = temp_path("foreign.safetensors");
+  write_bytes(path, make_file(header, data));
+  std::map<std::string, std::string> meta;
+  const auto t = dsaib::read_safetensors(path, &meta);
+  ASSERT_EQ(t.size(), 2u);
+  EXPECT_EQ(meta.at("format"), "pt");
+  EXPECT_EQ(t.at("ids").dtype, DType::i32);
+  EXPECT_EQ(t.at("ids").data<int32_t>()[1], 2);
+  EXPECT_EQ(t.at("w").dtype, DType::bf16);
+  EXPECT_EQ(t.at("w").data<uint16_t>()[0], 0x3f80);
+  EXPECT_STREQ(dsaib::safetensors_dtype_name(DType::bf16), "BF16");
+  EXPECT_STREQ(dsaib::safetensors_dtype_name(DType::f32), "F32");
+  EXPECT_STREQ(dsaib::safetensors_dtype_name(DType::i32), "I32");
+}
+
+TEST(Safetensors, MissingFileAndDirectory) {
+  expect_io_error(temp_path("does_not_exist.safetensors"), {"cannot open"});
+  expect_io_error(std::filesystem::path(temp_path("x")).parent_path().string(), {"directory"});
+}
+
+TEST(Safetensors, TruncatedFiles) {
+  const std::string path = temp_path("trunc.safetensors");
+  write_bytes(path, "");
+  expect_io_error(path, {"truncated", "0 bytes"});
+  write_bytes(path, std::string("\x10\x00\x00", 3));
+  expect_io_error(path, {"truncated", "3 bytes"});
+
+  // A good file cut inside its header, and cut inside its data buffer.
+  std::map<std::string, HostTensor> tensors{{"x", random_tensor(DType::f32, {4, 4}, 7)}};
+  dsaib::write_safetensors(path, tensors);
+  const std::string good = read_bytes(path);
+  write_bytes(path, good.substr(0, 20));
+  expect_io_error(path, {"header length", "exceeds"});
+  write_bytes(path, good.substr(0, good.size() - 1));
+  expect_io_error(path, {"tensor 'x'", "past the end of the data buffer", "truncated"});
+}
+
+TEST(Safetensors, HeaderLengthTooLarge) {
+  const std::string path = temp_path("hugelen.safetensors");
+  write_bytes(path, make_file("{}", "", 1ull << 62));
+  expect_io_error(path, {"header length 4611686018427387904", "exceeds"});
+  write_bytes(path, make_file("{}", "", UINT64_MAX - 1));
+  expect_io_error(path, {"header length", "exceeds"});
+}
+
+TEST(Safetensors, BadJson) {
+  expect_bad_header("badjson1.safetensors", R"({"x": {"dtype": "F32", )", "", {"not valid JSON"});
+  expect_bad_header("badjson2.safetensors", "\xff\xfe garbage", "", {"not valid JSON"});
+  expect_bad_header("badjson3.safetensors", "[1, 2, 3]", "", {"expected a JSON object"});
+  expect_bad_header("badjson4.safetensors", R"({"x": 5})", "", {"tensor 'x'", "expected an object"});
+  expect_bad_header("badjson5.safetensors", R"({"x": {"dtype": "F32", "shape": [1]}})", "", {"missing \"data_offsets\""});
+  expect_bad_header("badjson6.safetensors", R"({"__metadata__": {"a": 1}})", "", {"__metadata__", "expected a string"});
+  expect_bad_header("badjson7.safetensors", R"({"__metadata__": [1]})", "", {"__metadata__", "expected an object"});
+}
+
+TEST(Safetensors, WrongDtypeStrings) {
+  const std::string d(4, '\0');
+  expect_bad_header("dtype1.safetensors", R"({"x": {"dtype": "F17", "shape": [1], "data_offsets": [0, 4]}})", d,
+                    {"tensor 'x'", "unknown dtype \"F17\"", "BF16, F32, I32"});
+  expect_bad_header("dtype2.safetensors", R"({"x": {"dtype": "F16", "shape": [2], "data_offsets": [0, 4]}})", d,
+                    {"tensor 'x'", "unsupported dtype F16"});
+  expect_bad_header("dtype3.safetensors", R"({"x": {"dtype": "I64", "shape": [], "data_offsets": [0, 8]}})",
+                    std::string(8, '\0'), {"unsupported dtype I64"});
+  expect_bad_header("dtype4.safetensors", R"({"x": {"dtype": 32, "shape": [1], "data_offsets": [0, 4]}})", d,
+                    {"dtype: expected a string"});
+  expect_bad_header("dtype5.safetensors", R"({"x": {"dtype": "f32", "shape": [1], "data_offsets": [0, 4]}})", d,
+                    {"unknown dtype \"f32\""});
+}
+
+TEST(Safetensors, OffsetsAndShapesMismatch) {
+  const std::string d(16, '\0');
+  expect_bad_header("off1.safetensors", R"({"x": {"dtype": "F32", "shape": [3], "data_offsets": [0, 16]}})", d,
+                    {"tensor 'x'", "span 16 bytes", "need 12"});
+  expect_bad_header("off2.safetensors", R"({"x": {"dtype": "F32", "shape": [8], "data_offsets": [0, 32]}})", d,
+                    {"past the end of the data buffer (16 bytes"});
+  expect_bad_header("off3.safetensors", R"({"x": {"dtype": "F32", "shape": [1], "data_offsets": [8, 4]}})", d,
+                    {"begin is after end"});
+  expect_bad_header("off4.safetensors", R"({"x": {"dtype": "F32", "shape": [1], "data_offsets": [0]}})", d,
+                    {"data_offsets: expected [begin, end]"});
+  expect_bad_header("off5.safetensors", R"({"x": {"dtype": "F32", "shape": [1], "data_offsets": [-4, 0]}})", d,
+                    {"data_offsets[0]", "non-negative integer", "-4"});
+  expect_bad_header("off6.safetensors",
+                    R"({"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                        "y": {"dtype": "I32", "shape": [2], "data_offsets": [4, 12]}})",
+                    d, {"'x'", "'y'", "overlap"});
+  expect_bad_header("off7.safetensors", R"({"x": {"dtype": "F32", "shape": [1], "data_offsets": [0, 1e3]}})", d,
+                    {"data_offsets[1]", "non-negative integer"});
+}
+
+TEST(Safetensors, NegativeAndHugeShapes) {
+  const std::string d(16, '\0');
+  expect_bad_header("shape1.safetensors", R"({"x": {"dtype": "F32", "shape": [-1, 4], "data_offsets": [0, 16]}})", d,
+                    {"shape[0]", "non-negative integer", "-1"});
+  expect_bad_header("shape2.safetensors",
+                    R"({"x": {"dtype": "F32", "shape": [4294967296, 4294967296, 4], "data_offsets": [0, 16]}})", d,
+                    {"span 16 bytes", "need more than 2^64"});
+  expect_bad_header("shape3.safetensors",
+                    R"({"x": {"dtype": "F32", "shape": [18446744073709551615], "data_offsets": [0, 16]}})", d,
+                    {"too large"});
+  expect_bad_header("shape4.safetensors", R"({"x": {"dtype": "F32", "shape": [2.5], "data_offsets": [0, 16]}})", d,
+                    {"shape[0]", "non-negative integer"});
+  expect_bad_header("shape5.safetensors", R"({"x": {"dtype": "F32", "shape": "4", "data_offsets": [0, 16]}})", d,
+                    {"shape: expected an array"});
+  // A huge size times 0 is a valid empty tensor.
+  const std::string path = temp_path("shape6.safetensors");
+  write_bytes(path, make_file(R"({"x": {"dtype": "F32", "shape": [4294967296, 0], "data_offsets": [0, 0]}})", ""));
+  const auto t = dsaib::read_safetensors(path);
+  EXPECT_EQ(t.at("x").shape, (std::vector<int64_t>{4294967296, 0}));
+  EXPECT_TRUE(t.at("x").bytes.empty());
+}
+
+TEST(Safetensors, CorruptedFilesNeverCrash) {
+  // Every truncation and many single-byte corruptions of a valid file either
+  // read or raise io_error.
+  std::map<std::string, HostTensor> tensors{{"q", random_tensor(DType::bf16, {2, 3}, 9)},
+                                            {"ids", random_tensor(DType::i32, {5}, 10)}};
+  const std::string path = temp_path("corrupt.safetensors");
+  dsaib::write_safetensors(path, tensors, {{"k", "v"}});
+  const std::string good = read_bytes(path);
+  auto check = [&](const std::string& bytes) {
+    write_bytes(path, bytes);
+    try {
+      dsaib::read_safetensors(path);
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::io_error) << e.what();
+    }
+  };
+  for (size_t n = 0; n < good.size(); ++n) check(good.substr(0, n));
+  std::mt19937 rng(1);
+  for (int i = 0; i < 2000; ++i) {
+    std::string bad = good;
+    const size_t pos = rng() % std::min<size_t>(bad.size(), 200);
+    bad[pos] = static_cast<char>(rng());
+    check(bad);
+  }
+}
+
+TEST(Safetensors, WriterRejectsInconsistentTensors) {
+  const std::string path = temp_path("writer.safetensors");
+  HostTensor bad(DType::f32, {2, 2});
+  bad.bytes.resize(12);
+  try {
+    dsaib::write_safetensors(path, {{"bad", bad}});
+    ADD_FAILURE();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+    EXPECT_NE(std::string(e.what()).find("tensor 'bad'"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(dsaib::write_safetensors(path, {{"__metadata__", HostTensor(DType::f32, {1})}}), Error);
+  try {
+    dsaib::write_safetensors(temp_path("no_such_dir/x.safetensors"), {{"x", HostTensor(DType::f32, {1})}});
+    ADD_FAILURE();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::io_error);
+    EXPECT_NE(std::string(e.what()).find("cannot open for writing"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
