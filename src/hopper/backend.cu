@@ -1,0 +1,173 @@
+// The cuda backend behind src/api/cuda_backend.hpp: builds the kernel params
+// from a validated problem, zeroes the fp32 dK accumulator, launches the fused
+// kernel and, for a bf16 d_index_k, the final cast. No host synchronisation.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <limits>
+#include <string>
+
+#include "api/cuda_backend.hpp"
+#include "hopper/cuda_check.hpp"
+#include "hopper/launch.hpp"
+
+namespace dsaib::hopper {
+namespace {
+
+__global__ void cast_dk_to_bf16(const float* __restrict__ src, __nv_bfloat16* __restrict__ dst, int64_t n) {
+  const int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 4;
+  if (i + 3 < n) {
+    const float4 v = *reinterpret_cast<const float4*>(src + i);
+    *reinterpret_cast<__nv_bfloat162*>(dst + i) = __floats2bfloat162_rn(v.x, v.y);
+    *reinterpret_cast<__nv_bfloat162*>(dst + i + 2) = __floats2bfloat162_rn(v.z, v.w);
+  } else {
+    for (int64_t j = i; j < n; ++j) dst[j] = __float2bfloat16_rn(src[j]);
+  }
+}
+
+/// Restores the caller's current device on scope exit.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    cuda_check(cudaGetDevice(&previous_), "cudaGetDevice");
+    if (device != previous_) cuda_check(cudaSetDevice(device), "cudaSetDevice");
+  }
+  ~DeviceGuard() { cudaSetDevice(previous_); }
+
+ private:
+  int previous_ = 0;
+};
+
+}  // namespace
+
+IndexerBackwardParams make_kernel_params(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
+                                         const IndexerBackwardOptions& opt, const detail::ProblemGeometry& g,
+                                         float* dk_accum) {
+  const bool thd = g.layout == Layout::thd;
+  // Flat-row addressing: BSHD (row / S) * stride0 + (row % S) * stride1; THD row * stride0.
+  auto batch_stride = [&](const TensorView& v) { return thd ? int64_t{0} : v.strides[0]; };
+  auto row_stride = [&](const TensorView& v) { return thd ? v.strides[0] : v.strides[1]; };
+  IndexerBackwardParams p{};
+  p.index_q = static_cast<const uint16_t*>(in.index_q.data);
+  p.q_batch_stride = batch_stride(in.index_q);
+  p.q_row_stride = row_stride(in.index_q);
+  p.q_head_stride = in.index_q.strides[thd ? 1 : 2];
+  p.weights = in.weights.data;
+  p.weights_f32 = in.weights.dtype == DType::f32;
+  p.w_batch_stride = batch_stride(in.weights);
+  p.w_row_stride = row_stride(in.weights);
+  p.index_k = static_cast<const uint16_t*>(in.index_k.data);
+  p.k_batch_stride = batch_stride(in.index_k);
+  p.k_row_stride = row_stride(in.index_k);
+  p.topk_indices = static_cast<const int32_t*>(in.topk_indices.data);
+  p.ids_batch_stride = batch_stride(in.topk_indices);
+  p.ids_row_stride = row_stride(in.topk_indices);
+  p.attn_score = static_cast<const float*>(in.attn_score.data);
+  p.attn_batch_stride = batch_stride(in.attn_score);
+  p.attn_row_stride = row_stride(in.attn_score);
+  p.index_score = static_cast<const float*>(in.index_score.data);
+  p.pred_batch_stride = batch_stride(in.index_score);
+  p.pred_row_stride = row_stride(in.index_score);
+  p.cu_seqlens_q = thd ? static_cast<const int32_t*>(in.cu_seqlens_q.data) : nullptr;
+  p.cu_seqlens_k = thd ? static_cast<const int32_t*>(in.cu_seqlens_k.data) : nullptr;
+  p.num_q_rows = g.num_q_rows;
+  p.q_rows_per_batch = std::max<int64_t>(thd ? g.num_q_rows : g.s_q, 1);
+  p.num_k_rows = g.num_k_rows;
+  p.k_rows_per_batch = std::max<int64_t>(thd ? g.num_k_rows : g.s_kv, 1);
+  p.batch = static_cast<int32_t>(g.batch);
+  p.heads = static_cast<int32_t>(g.heads);
+  p.head_dim = static_cast<int32_t>(g.head_dim);
+  p.topk = static_cast<int32_t>(g.topk);
+  p.head_groups = static_cast<int32_t>((g.heads + 63) / 64);
+  p.num_tasks = g.num_q_rows * p.head_groups;
+  p.thd = thd;
+  p.global_ids = g.id_mode == IdMode::global;
+  p.sm_scale = opt.sm_scale;
+  p.loss_coeff_over_n = static_cast<float>(static_cast<double>(opt.loss_coeff) / static_cast<double>(g.normalization_count));
+  p.grad_loss_ptr = opt.grad_loss_device;
+  p.grad_loss_value = opt.grad_loss;
+  p.d_index_q = out.d_index_q.data;
+  p.d_weights = out.d_weights.data;
+  p.dq_f32 = out.d_index_q.dtype == DType::f32;
+  p.dw_f32 = out.d_weights.dtype == DType::f32;
+  p.dk_accum = dk_accum;
+  return p;
+}
+
+}  // namespace dsaib::hopper
+
+namespace dsaib::detail {
+using hopper::cuda_check;
+
+bool cuda_backend_compiled() { return true; }
+
+bool cuda_device_present() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    (void)cudaGetLastError();  // clear the sticky "no device" error
+    return false;
+  }
+  for (int d = 0; d < count; ++d) {
+    int major = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d) == cudaSuccess && major == 9) return true;
+  }
+  return false;
+}
+
+void cuda_copy_to_host(void* dst, const void* src, std::size_t bytes) {
+  cuda_check(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy (validation read)");
+}
+
+std::size_t cuda_workspace_size(const IndexerBackwardOutputs& out, const ProblemGeometry& g) {
+  return out.d_index_k.dtype == DType::bf16 ? static_cast<std::size_t>(g.num_k_rows * g.head_dim) * sizeof(float) : 0;
+}
+
+void run_cuda_backend(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
+                      const IndexerBackwardOptions& opt, const ProblemGeometry& g, void* workspace,
+                      std::size_t workspace_bytes) {
+  // Remaining cuda-only limits, checked before anything is written.
+  if (g.layout == Layout::thd && (in.cu_seqlens_q.strides[0] != 1 || in.cu_seqlens_k.strides[0] != 1)) {
+    throw Error(ErrorCode::invalid_argument, "cu_seqlens_q",
+                "cu_seqlens_q/cu_seqlens_k: expected stride 1 on the cuda backend, got strides " +
+                    in.cu_seqlens_q.strides_string() + " and " + in.cu_seqlens_k.strides_string());
+  }
+  if (g.num_k_rows > std::numeric_limits<int32_t>::max() || g.topk > std::numeric_limits<int32_t>::max()) {
+    throw Error(ErrorCode::invalid_argument, "index_k",
+                "index_k: expected fewer than 2^31 key rows on the cuda backend, got " + std::to_string(g.num_k_rows));
+  }
+  hopper::DeviceGuard guard(in.index_q.device_index);
+  cudaStream_t stream = static_cast<cudaStream_t>(opt.stream);
+  const std::size_t dk_bytes = static_cast<std::size_t>(g.num_k_rows * g.head_dim) * sizeof(float);
+  const bool dk_bf16 = out.d_index_k.dtype == DType::bf16;
+  float* dk_accum = static_cast<float*>(out.d_index_k.data);
+  bool owns_workspace = false;
+  if (dk_bf16) {
+    if (workspace != nullptr && workspace_bytes >= dk_bytes) {
+      dk_accum = static_cast<float*>(workspace);
+    } else if (dk_bytes > 0) {
+      void* ws = nullptr;
+      cuda_check(cudaMallocAsync(&ws, dk_bytes, stream), "cudaMallocAsync (dK accumulator)");
+      dk_accum = static_cast<float*>(ws);
+      owns_workspace = true;
+    }
+  }
+  (void)workspace_bytes;
+  const hopper::IndexerBackwardParams params = hopper::make_kernel_params(in, out, opt, g, dk_accum);
+  if (dk_bytes > 0) cuda_check(cudaMemsetAsync(dk_accum, 0, dk_bytes, stream), "cudaMemsetAsync (dK accumulator)");
+  if (g.head_dim == 64) {
+    hopper::launch_indexer_backward<64>(params, stream);
+  } else {
+    hopper::launch_indexer_backward<128>(params, stream);
+  }
+  if (dk_bf16 && dk_bytes > 0) {
+    const int64_t n = g.num_k_rows * g.head_dim;
+    const int64_t threads = 256, per_block = threads * 4;
+    hopper::cast_dk_to_bf16<<<static_cast<unsigned>((n + per_block - 1) / per_block), threads, 0, stream>>>(
+        dk_accum, static_cast<__nv_bfloat16*>(out.d_index_k.data), n);
+    hopper::cuda_check_launch("cast_dk_to_bf16");
+  }
+  if (owns_workspace) cuda_check(cudaFreeAsync(dk_accum, stream), "cudaFreeAsync (dK accumulator)");
+}
+
+}  // namespace dsaib::detail

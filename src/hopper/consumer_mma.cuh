@@ -1,0 +1,185 @@
+// Consumer role (warpgroup 1): per task, for each gathered block of keys,
+//   GEMM1 S = Q K^T -> dW, masked A -> GEMM2 dK_blk = A^T Q, GEMM3 dQ += A K
+// then the dK block is staged in fp32 and scatter-added with bulk reduces;
+// dQ and dW are written at the end of the task.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cuda/ptx>
+#include <cutlass/arch/barrier.h>
+
+#include "hopper/problem_device.cuh"
+#include "hopper/shared_storage.cuh"
+
+namespace dsaib::hopper {
+
+/// Issues one warpgroup GEMM over all k-blocks of the operands (async; the
+/// caller waits with warpgroup_wait).
+template <bool kZeroInit, class TiledMma, class TA, class TB, class TC>
+__device__ __forceinline__ void warpgroup_gemm(TiledMma& mma, const TA& tA, const TB& tB, TC& tC) {
+  cute::warpgroup_fence_operand(tC);
+  cute::warpgroup_arrive();
+  if constexpr (kZeroInit) mma.accumulate_ = cute::GMMA::ScaleOut::Zero;
+  CUTE_UNROLL
+  for (int kb = 0; kb < cute::size<2>(tA); ++kb) {
+    cute::gemm(mma, tA(cute::_, cute::_, kb), tB(cute::_, cute::_, kb), tC);
+    mma.accumulate_ = cute::GMMA::ScaleOut::One;
+  }
+  cute::warpgroup_commit_batch();
+  cute::warpgroup_fence_operand(tC);
+}
+
+template <class Config>
+struct ConsumerMma {
+  using Element = typename Config::Element;
+  static constexpr int kD = Config::kHeadDim;
+  static constexpr int kBlock = Config::kBlockKeys;
+
+  const IndexerBackwardParams& p;
+  SharedStorage<Config>& ss;
+  MbarrierPipeline<Config::kStagesK> k_pipe;
+  MbarrierPipeline<Config::kStagesQ> q_pipe;
+
+  __device__ void run() {
+    using namespace cute;
+    const int tid = threadIdx.x - Config::kProducerWarpgroups * Config::kThreadsPerWarpgroup;  // 0..127
+    const int lane = tid % 32;
+
+    Tensor sQ = make_tensor(make_smem_ptr(ss.q), typename Config::SmemLayoutQ{});     // (64 heads, D, stage)
+    Tensor sQt = make_tensor(make_smem_ptr(ss.q), typename Config::SmemLayoutQt{});   // (D, 64 heads, stage)
+    Tensor sK = make_tensor(make_smem_ptr(ss.k), typename Config::SmemLayoutK{});     // (64 keys, D, stage)
+    Tensor sKt = make_tensor(make_smem_ptr(ss.k), typename Config::SmemLayoutKt{});   // (D, 64 keys, stage)
+    Tensor sA = make_tensor(make_smem_ptr(ss.a), typename Config::SmemLayoutA{});     // (64 keys, 64 heads)
+    Tensor sAt = make_tensor(make_smem_ptr(ss.a), typename Config::SmemLayoutAt{});   // (64 heads, 64 keys)
+    Tensor sDK = make_tensor(make_smem_ptr(ss.dk), typename Config::SmemLayoutDK{});  // (64 keys, D, stage) fp32
+
+    typename Config::TiledMmaS mma_s;
+    typename Config::TiledMmaDK mma_dk;
+    typename Config::TiledMmaDQ mma_dq;
+    auto thr_s = mma_s.get_thread_slice(tid);
+    auto thr_dk = mma_dk.get_thread_slice(tid);
+    auto thr_dq = mma_dq.get_thread_slice(tid);
+
+    // GEMM1 operands and accumulator
+    Tensor tSrQ = thr_s.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K, stageQ) descriptors
+    Tensor tSrK = thr_s.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stageK)
+    Tensor tSrS = partition_fragment_C(mma_s, Shape<Int<Config::kHeadTile>, Int<kBlock>>{});  // (MMA, M, N) fp32
+    Tensor tSsAt = thr_s.partition_C(sAt);          // where this thread's A values go
+    Tensor tSrA = make_tensor_like<Element>(tSrS);
+    // GEMM2
+    Tensor tDKrA = thr_dk.partition_fragment_A(sA);
+    Tensor tDKrQt = thr_dk.partition_fragment_B(sQt);
+    Tensor tDKrDK = partition_fragment_C(mma_dk, Shape<Int<kBlock>, Int<kD>>{});
+    Tensor tDKsDK = thr_dk.partition_C(sDK);        // (MMA, M, N, stageDK)
+    // GEMM3
+    Tensor tDQrAt = thr_dq.partition_fragment_A(sAt);
+    Tensor tDQrKt = thr_dq.partition_fragment_B(sKt);
+    Tensor tDQrDQ = partition_fragment_C(mma_dq, Shape<Int<Config::kHeadTile>, Int<kD>>{});
+
+    // wgmma m64nNk16 accumulator layout (PTX ISA, "Register fragment D"):
+    // value i of thread tid sits at row r0 + 8 * ((i / 2) % 2) and column
+    // c0 + (i % 2) + 8 * (i / 4), with r0 = 16 * warp + lane / 4, c0 = 2 * (lane % 4).
+    static_assert(decltype(size(tSrS))::value == Config::kHeadTile * kBlock / 128, "one m64 tile per warpgroup");
+    static_assert(decltype(size(tDQrDQ))::value == Config::kHeadTile * kD / 128, "one m64 tile per warpgroup");
+    const int r0 = (tid / 32) * 16 + lane / 4;
+    const int c0 = 2 * (lane % 4);
+
+    auto k_state = make_consumer_start_state<Config::kStagesK>();
+    auto q_state = make_consumer_start_state<Config::kStagesQ>();
+    int dk_stage = 0;
+
+    for (int64_t task = blockIdx.x; task < p.num_tasks; task += gridDim.x) {
+      const int64_t row = task / p.head_groups;
+      const int h0 = static_cast<int>(task % p.head_groups) * Config::kHeadTile;
+      const int nh = min(Config::kHeadTile, p.heads - h0);
+
+      q_pipe.consumer_wait(q_state);
+      const int qs = q_state.index;
+      const int num_blocks = ss.num_blocks[qs];
+      const float w_row[2] = {ss.w_scaled[qs][r0], ss.w_scaled[qs][r0 + 8]};
+      float dw[2] = {0.0f, 0.0f};
+      clear(tDQrDQ);
+
+      for (int blk = 0; blk < num_blocks; ++blk) {
+        k_pipe.consumer_wait(k_state);
+        const int ks = k_state.index;
+
+        // GEMM1: S = Q K^T
+        warpgroup_gemm<true>(mma_s, tSrQ(_, _, _, qs), tSrK(_, _, _, ks), tSrS);
+        warpgroup_wait<0>();
+        const int32_t my_key_row = tid < kBlock ? ss.key_row[ks][tid] : -1;
+
+        // dW and the masked A (docs/math.md stage 2)
+        CUTE_UNROLL
+        for (int i = 0; i < size(tSrS); ++i) {
+          const int key = c0 + (i % 2) + 8 * (i / 4);
+          const float x = tSrS(i);
+          const float gs = ss.gs[ks][key];
+          const int half = (i >> 1) & 1;  // value i sits in row r0 + 8 * half
+          dw[half] += gs * fmaxf(x, 0.0f);
+          tSrA(i) = Element(x > 0.0f ? gs * w_row[half] : 0.0f);
+        }
+        copy(tSrA, tSsAt);
+        cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);  // sA is read by wgmma next
+        if (tid < kBlock) {
+          // the reduces issued kDkStages blocks ago from sDK[dk_stage] have read their source
+          cuda::ptx::cp_async_bulk_wait_group_read(cuda::ptx::n32_t<Config::kDkStages - 1>{});
+        }
+        consumer_smem_ready_sync<Config>();  // sA complete; sDK[dk_stage] free
+
+        // GEMM2: dK_blk = A^T Q ; GEMM3: dQ += A K
+        warpgroup_gemm<true>(mma_dk, tDKrA, tDKrQt(_, _, _, qs), tDKrDK);
+        warpgroup_gemm<false>(mma_dq, tDQrAt, tDQrKt(_, _, _, ks), tDQrDQ);
+        warpgroup_wait<0>();
+        k_pipe.consumer_release(k_state);  // all reads of k[ks], gs[ks], key_row[ks] are done
+        k_state.advance();
+
+        copy(tDKrDK, tDKsDK(_, _, _, dk_stage));
+        cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);  // sDK is read by the bulk reduces next
+        consumer_smem_ready_sync<Config>();  // sDK complete; every GEMM2/3 read of sA done
+        if (tid < kBlock) {
+          if (my_key_row >= 0) {
+            cuda::ptx::cp_reduce_async_bulk(cuda::ptx::space_global, cuda::ptx::space_shared, cuda::ptx::op_add,
+                                            p.dk_accum + static_cast<int64_t>(my_key_row) * kD,
+                                            &sDK(tid, 0, dk_stage), static_cast<uint32_t>(kD * sizeof(float)));
+          }
+          cuda::ptx::cp_async_bulk_commit_group();
+        }
+        dk_stage = (dk_stage + 1) % Config::kDkStages;
+      }
+      q_pipe.consumer_release(q_state);  // GEMM1/GEMM2 reads of q[qs] were waited for
+      q_state.advance();
+
+      // ---- epilogue: dW (quad reduction over the 4 lanes sharing a row), dQ
+      CUTE_UNROLL
+      for (int half = 0; half < 2; ++half) {
+        float v = dw[half];
+        v += __shfl_xor_sync(0xffffffffu, v, 1);
+        v += __shfl_xor_sync(0xffffffffu, v, 2);
+        const int h = r0 + 8 * half;
+        if (lane % 4 == 0 && h < nh) {
+          const int64_t o = row * p.heads + h0 + h;
+          if (p.dw_f32) static_cast<float*>(p.d_weights)[o] = v * p.sm_scale;
+          else static_cast<Element*>(p.d_weights)[o] = Element(v * p.sm_scale);
+        }
+      }
+      CUTE_UNROLL
+      for (int i = 0; i < size(tDQrDQ); i += 2) {
+        const int h = r0 + 8 * ((i / 2) % 2);
+        const int d = c0 + 8 * (i / 4);  // values i, i+1 are columns d, d+1
+        if (h < nh) {
+          const int64_t o = (row * p.heads + h0 + h) * kD + d;
+          if (p.dq_f32) {
+            *reinterpret_cast<float2*>(static_cast<float*>(p.d_index_q) + o) = make_float2(tDQrDQ(i), tDQrDQ(i + 1));
+          } else {
+            __nv_bfloat162 v2 = __floats2bfloat162_rn(tDQrDQ(i), tDQrDQ(i + 1));
+            *reinterpret_cast<__nv_bfloat162*>(static_cast<Element*>(p.d_index_q) + o) = v2;
+          }
+        }
+      }
+    }
+    if (tid < kBlock) cuda::ptx::cp_async_bulk_wait_group(cuda::ptx::n32_t<0>{});  // reduces complete before exit
+  }
+};
+
+}  // namespace dsaib::hopper

@@ -1,0 +1,22 @@
+// CUDA return-code checking for the host side of the cuda backend.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "dsaib/error.hpp"
+
+namespace dsaib::hopper {
+
+inline void cuda_check(cudaError_t status, const char* what) {
+  if (status != cudaSuccess) {
+    throw Error(ErrorCode::cuda_error, what,
+                std::string(what) + ": CUDA error " + cudaGetErrorName(status) + ": " + cudaGetErrorString(status));
+  }
+}
+
+/// After a launch: the launch's own error (configuration, resources).
+inline void cuda_check_launch(const char* kernel) { cuda_check(cudaGetLastError(), kernel); }
+
+}  // namespace dsaib::hopper

@@ -1,0 +1,48 @@
+// The ABI between the host launcher (launch.cu) and the sm_90a kernels: plain
+// pointers, sizes and strides (in elements). Built by make_kernel_params().
+#pragma once
+
+#include <cstdint>
+
+namespace dsaib::hopper {
+
+struct IndexerBackwardParams {
+  // Inputs. A flat query row r lives at (r / q_rows_per_batch) * *_batch_stride +
+  // (r % q_rows_per_batch) * *_row_stride; THD sets q_rows_per_batch = T_q and
+  // batch strides 0. Same for key rows with k_rows_per_batch.
+  const uint16_t* index_q;  // bf16
+  int64_t q_batch_stride, q_row_stride, q_head_stride;
+  const void* weights;  // bf16 or f32
+  int64_t w_batch_stride, w_row_stride;
+  const uint16_t* index_k;  // bf16
+  int64_t k_batch_stride, k_row_stride;
+  const int32_t* topk_indices;
+  int64_t ids_batch_stride, ids_row_stride;
+  const float* attn_score;
+  int64_t attn_batch_stride, attn_row_stride;
+  const float* index_score;
+  int64_t pred_batch_stride, pred_row_stride;
+  const int32_t* cu_seqlens_q;  // THD only (B + 1), device
+  const int32_t* cu_seqlens_k;
+
+  int64_t num_q_rows, q_rows_per_batch;
+  int64_t num_k_rows, k_rows_per_batch;
+  int32_t batch, heads, head_dim, topk;
+  int32_t head_groups;  // ceil(heads / kHeadTile)
+  int64_t num_tasks;    // num_q_rows * head_groups
+  bool thd, global_ids, weights_f32;
+
+  // c = grad_loss * loss_coeff / N, with grad_loss read in the kernel.
+  float sm_scale;
+  float loss_coeff_over_n;
+  const float* grad_loss_ptr;  // device scalar or null
+  float grad_loss_value;
+
+  // Outputs (contiguous).
+  void* d_index_q;  // (num_q_rows, H, D)
+  void* d_weights;  // (num_q_rows, H)
+  bool dq_f32, dw_f32;
+  float* dk_accum;  // (num_k_rows, D) fp32, zeroed before the kernel
+};
+
+}  // namespace dsaib::hopper

@@ -1,0 +1,18 @@
+// Host entry points of the sm_90a kernels, one instantiation per head dim.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "hopper/kernel_params.hpp"
+
+namespace dsaib::hopper {
+
+/// Launches the fused kernel for head dim kHeadDim on `stream` (persistent grid).
+template <int kHeadDim>
+void launch_indexer_backward(const IndexerBackwardParams& params, cudaStream_t stream);
+
+/// Dynamic shared memory the fused kernel needs, in bytes.
+template <int kHeadDim>
+int indexer_backward_smem_bytes();
+
+}  // namespace dsaib::hopper

@@ -1,0 +1,38 @@
+// Template body of launch_indexer_backward, included by the per-D instantiation files.
+#pragma once
+
+#include "hopper/cuda_check.hpp"
+#include "hopper/indexer_backward_kernel.cuh"
+#include "hopper/launch.hpp"
+
+namespace dsaib::hopper {
+
+template <int kHeadDim>
+int indexer_backward_smem_bytes() {
+  return shared_storage_bytes<TileConfig<kHeadDim>>();
+}
+
+template <int kHeadDim>
+void launch_indexer_backward(const IndexerBackwardParams& params, cudaStream_t stream) {
+  using Config = TileConfig<kHeadDim>;
+  if (params.num_tasks == 0) return;
+  const int smem = indexer_backward_smem_bytes<kHeadDim>();
+  auto kernel = indexer_backward_kernel<Config>;
+  cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+             "cudaFuncSetAttribute(indexer_backward_kernel)");
+  int device = 0, sms = 0, blocks_per_sm = 0;
+  cuda_check(cudaGetDevice(&device), "cudaGetDevice");
+  cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+  cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, Config::kThreads, smem),
+             "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  if (blocks_per_sm < 1) {
+    throw Error(ErrorCode::cuda_error, "indexer_backward_kernel",
+                "indexer_backward_kernel: expected at least one resident CTA per SM, got 0 (shared memory " +
+                    std::to_string(smem) + " bytes)");
+  }
+  const int64_t grid = std::min<int64_t>(params.num_tasks, static_cast<int64_t>(sms) * blocks_per_sm);
+  kernel<<<static_cast<unsigned>(grid), Config::kThreads, smem, stream>>>(params);
+  cuda_check_launch("indexer_backward_kernel");
+}
+
+}  // namespace dsaib::hopper

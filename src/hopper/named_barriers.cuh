@@ -1,0 +1,27 @@
+// Named (bar.sync) barriers of the sm_90a kernel: one scoped enum, with the
+// number of participating threads beside each. IDs are offset past CUTLASS's
+// reserved ones by cutlass::arch::NamedBarrier.
+#pragma once
+
+#include <cutlass/arch/barrier.h>
+
+namespace dsaib::hopper {
+
+enum class NamedBarrierId : uint32_t {
+  /// The consumer warpgroup(s): all consumer threads wrote sA (resp. sDK) and
+  /// fenced to the async proxy; after it, wgmma (resp. bulk reduces) may read.
+  kConsumerSmemReady = 0,
+};
+
+template <class Config>
+struct NamedBarrierThreads {
+  static constexpr uint32_t kConsumerSmemReady = Config::kConsumerThreads;
+};
+
+template <class Config>
+__device__ inline void consumer_smem_ready_sync() {
+  cutlass::arch::NamedBarrier::sync(NamedBarrierThreads<Config>::kConsumerSmemReady,
+                                    static_cast<uint32_t>(NamedBarrierId::kConsumerSmemReady));
+}
+
+}  // namespace dsaib::hopper

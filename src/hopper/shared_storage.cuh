@@ -1,0 +1,93 @@
+// Shared memory of the sm_90a indexer backward, with the contract of every
+// mbarrier that guards it.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "hopper/named_barriers.cuh"
+#include "hopper/pipeline.cuh"
+#include "hopper/tile_config.cuh"
+
+namespace dsaib::hopper {
+
+template <class Config>
+struct SharedStorage {
+  using Element = typename Config::Element;
+  static constexpr int kStagesK = Config::kStagesK;
+  static constexpr int kStagesQ = Config::kStagesQ;
+
+  // ---- buffers read by wgmma (async proxy); 1024-byte aligned for the 128B swizzle
+  alignas(1024) Element q[cute::cosize_v<typename Config::SmemLayoutQ>];  // (64 heads, D) x kStagesQ
+  alignas(1024) Element k[cute::cosize_v<typename Config::SmemLayoutK>];  // (64 keys, D) x kStagesK
+  alignas(1024) Element a[cute::cosize_v<typename Config::SmemLayoutA>];  // (64 keys, 64 heads)
+  // ---- source of the dK bulk reduces (async proxy)
+  alignas(128) float dk[cute::cosize_v<typename Config::SmemLayoutDK>];   // (64 keys, D + 4) x kDkStages
+  // ---- per K stage, read with ordinary loads
+  float gs[kStagesK][Config::kBlockKeys];        // dLoss/dz of each gathered slot (0 on tail entries)
+  int32_t key_row[kStagesK][Config::kBlockKeys]; // flat index_k row of each gathered slot, -1 on tail entries
+  // ---- per Q stage, read with ordinary loads
+  float w_scaled[kStagesQ][Config::kHeadTile];   // w_h * sm_scale, 0 for padded heads
+  int32_t num_blocks[kStagesQ];                  // blocks of valid keys in this task
+
+  // ---------------------------------------------------------------------------
+  // k_full[s]   "gathered block s is ready"
+  //   arrive count : Config::kProducerThreads (32) thread arrivals, one per producer lane
+  //   who arrives  : every producer lane, after (1) its sGs/sKeyRow stores for
+  //                  stage s, (2) cp.async.wait_group proving its own cp.async
+  //                  copies into k[s] (zero-fill included) completed, and
+  //                  (3) fence.proxy.async.shared::cta
+  //   tx bytes     : none (cp.async completion is waited for, not tracked)
+  //   waiters      : all consumer threads, on the consumer PipelineState's phase
+  //   publishes    : k[s], gs[s][*], key_row[s][*]
+  //   reuse        : the producer overwrites stage s only after k_empty[s]
+  // k_empty[s]  "stage s may be overwritten"
+  //   arrive count : Config::kConsumerThreads (128) thread arrivals
+  //   who arrives  : every consumer thread, after warpgroup_wait<0> of GEMM1 and
+  //                  GEMM3 (the wgmma reads of k[s]) and its own reads of
+  //                  gs[s] / key_row[s]
+  //   tx bytes     : none
+  //   waiters      : producer lanes, starting on phase 1 (make_producer_start_state)
+  //   publishes    : the end of all reads of stage s (write-after-read order)
+  //   reuse        : immediately after the wait
+  uint64_t k_full[kStagesK];
+  uint64_t k_empty[kStagesK];
+  // q_full[s]   "task s's Q tile, w_scaled and num_blocks are ready"
+  //   arrive count : Config::kProducerThreads (32) thread arrivals
+  //   who arrives  : every producer lane, after its w_scaled/num_blocks stores,
+  //                  cp.async.wait_group 0 for its Q copies, and fence.proxy.async
+  //   tx bytes     : none
+  //   waiters      : all consumer threads, consumer phase
+  //   publishes    : q[s], w_scaled[s][*], num_blocks[s]
+  //   reuse        : after q_empty[s]
+  // q_empty[s]  "Q stage s may be overwritten"
+  //   arrive count : Config::kConsumerThreads (128) thread arrivals
+  //   who arrives  : every consumer thread after its last GEMM1/GEMM2 of the
+  //                  task has been waited for (and after reading w_scaled/num_blocks)
+  //   tx bytes     : none
+  //   waiters      : producer lanes, starting on phase 1
+  //   publishes    : the end of all reads of q[s]
+  //   reuse        : immediately after the wait
+  uint64_t q_full[kStagesQ];
+  uint64_t q_empty[kStagesQ];
+  // sA and sDK are not guarded by mbarriers: only consumer threads touch them,
+  // ordered by NamedBarrierId::kConsumerSmemReady (every consumer thread
+  // participates, each fences to the async proxy before it) and, for sDK
+  // reuse, cp.async.bulk.wait_group.read in each issuing thread before that
+  // named barrier.
+};
+
+template <class Config>
+struct KernelBarrierCounts {
+  static constexpr uint32_t kFullArrivals = Config::kProducerThreads;
+  static constexpr uint32_t kEmptyArrivals = Config::kConsumerThreads;
+  static_assert(kFullArrivals == 32, "one producer warp: every lane arrives");
+  static_assert(kEmptyArrivals == Config::kConsumerWarpgroups * Config::kThreadsPerWarpgroup,
+                "every consumer thread arrives");
+};
+
+template <class Config>
+constexpr int shared_storage_bytes() {
+  return static_cast<int>(sizeof(SharedStorage<Config>)) + 1024;  // + alignment slack
+}
+
+}  // namespace dsaib::hopper

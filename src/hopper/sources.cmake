@@ -1,0 +1,10 @@
+# The sm_90a cuda backend (fused kernel, one instantiation file per head dim).
+target_sources(dsaib PRIVATE
+  ${CMAKE_CURRENT_SOURCE_DIR}/hopper/backend.cu
+  ${CMAKE_CURRENT_SOURCE_DIR}/hopper/instantiate_d64.cu
+  ${CMAKE_CURRENT_SOURCE_DIR}/hopper/instantiate_d128.cu
+  ${CMAKE_CURRENT_SOURCE_DIR}/hopper/reference_kernel.cu)
+target_include_directories(dsaib PRIVATE ${DSAIB_CUTLASS_INCLUDE_DIR})
+target_compile_options(dsaib PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:${DSAIB_CUDA_FLAGS}>)
+target_link_libraries(dsaib PUBLIC CUDA::cudart)
+set_target_properties(dsaib PROPERTIES CUDA_SEPARABLE_COMPILATION OFF)

@@ -1,0 +1,88 @@
+// Tile choices of the sm_90a indexer backward, away from the kernel body.
+//
+// One task = one query row and one group of up to kHeadTile heads. A task walks
+// the row's VALID selected keys (compacted by the producer) in blocks of
+// kBlockKeys, and per block runs:
+//   GEMM1  S   (heads x keys) = Q (heads x D) . K_blk^T        wgmma SS, K-major / K-major
+//   GEMM2  dK  (keys x D)     = A^T (keys x heads) . Q          wgmma SS, K-major / MN-major
+//   GEMM3  dQ (heads x D)    += A (heads x keys) . K_blk        wgmma SS, MN-major / MN-major
+// H < 64 is zero-padded to 64 in shared memory (never read from global);
+// H > 64 becomes several tasks per row.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_types.h>
+
+namespace dsaib::hopper {
+
+template <int kHeadDim_>
+struct TileConfig {
+  static constexpr int kHeadDim = kHeadDim_;
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "D must be 64 or 128");
+
+  static constexpr int kBlockKeys = 64;  // keys per gathered block
+  static constexpr int kHeadTile = 64;   // heads per task (wgmma M)
+  static constexpr int kStagesK = 4;     // gathered-K pipeline depth
+  static constexpr int kStagesQ = 2;     // per-task Q/w pipeline depth
+
+  static constexpr int kProducerWarpgroups = 1;  // warp 0 gathers; warps 1..3 idle
+  static constexpr int kConsumerWarpgroups = 1;
+  static constexpr int kThreadsPerWarpgroup = 128;
+  static constexpr int kProducerThreads = 32;  // the gathering warp
+  static constexpr int kConsumerThreads = kConsumerWarpgroups * kThreadsPerWarpgroup;
+  static constexpr int kThreads = (kProducerWarpgroups + kConsumerWarpgroups) * kThreadsPerWarpgroup;
+  // setmaxnreg budgets (sum over warpgroups <= 65536 / kThreads * warpgroups).
+  static constexpr int kProducerRegisters = 80;
+  static constexpr int kConsumerRegisters = 240;
+
+  // fp32 dK staging: row pitch padded by 4 floats (16 B) against bank conflicts;
+  // each row stays 16-byte aligned for cp.reduce.async.bulk.
+  static constexpr int kDkPitch = kHeadDim + 4;
+  static constexpr int kDkStages = 2;
+
+  using Element = cutlass::bfloat16_t;
+
+  // Shared-memory layouts (128-byte swizzle, K-major atoms of 8 x 64 bf16).
+  using SmemAtom = decltype(cute::GMMA::Layout_K_SW128_Atom<Element>{});
+  // sQ: (heads, D, stage)
+  using SmemLayoutQ = decltype(cute::tile_to_shape(
+      SmemAtom{}, cute::Shape<cute::Int<kHeadTile>, cute::Int<kHeadDim>, cute::Int<kStagesQ>>{}));
+  // sK: (keys, D, stage)
+  using SmemLayoutK = decltype(cute::tile_to_shape(
+      SmemAtom{}, cute::Shape<cute::Int<kBlockKeys>, cute::Int<kHeadDim>, cute::Int<kStagesK>>{}));
+  // sA: (keys, heads), heads contiguous
+  using SmemLayoutA = decltype(cute::tile_to_shape(
+      SmemAtom{}, cute::Shape<cute::Int<kBlockKeys>, cute::Int<kHeadTile>>{}));
+  // Transposed views of the same bytes.
+  // sQt: (D, heads, stage)
+  using SmemLayoutQt = decltype(cute::composition(
+      SmemLayoutQ{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kHeadTile>, cute::Int<kStagesQ>>{},
+                                       cute::Stride<cute::Int<kHeadTile>, cute::_1, cute::Int<kHeadTile * kHeadDim>>{})));
+  // sKt: (D, keys, stage)
+  using SmemLayoutKt = decltype(cute::composition(
+      SmemLayoutK{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockKeys>, cute::Int<kStagesK>>{},
+                                       cute::Stride<cute::Int<kBlockKeys>, cute::_1, cute::Int<kBlockKeys * kHeadDim>>{})));
+  // sAt: (heads, keys)
+  using SmemLayoutAt = decltype(cute::composition(
+      SmemLayoutA{}, cute::make_layout(cute::Shape<cute::Int<kHeadTile>, cute::Int<kBlockKeys>>{},
+                                       cute::Stride<cute::Int<kBlockKeys>, cute::_1>{})));
+  // sDK: (keys, D, stage) fp32, padded rows
+  using SmemLayoutDK = cute::Layout<cute::Shape<cute::Int<kBlockKeys>, cute::Int<kHeadDim>, cute::Int<kDkStages>>,
+                                    cute::Stride<cute::Int<kDkPitch>, cute::_1, cute::Int<kBlockKeys * kDkPitch>>>;
+
+  // Tiled MMAs, one warpgroup each.
+  using TiledMmaS = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float,
+                                 cute::Shape<cute::Int<kHeadTile>, cute::Int<kBlockKeys>, cute::Int<kHeadDim>>,
+                                 cute::GMMA::Major::K, cute::GMMA::Major::K>()));
+  using TiledMmaDK = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float,
+                                 cute::Shape<cute::Int<kBlockKeys>, cute::Int<kHeadDim>, cute::Int<kHeadTile>>,
+                                 cute::GMMA::Major::K, cute::GMMA::Major::MN>()));
+  using TiledMmaDQ = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float,
+                                 cute::Shape<cute::Int<kHeadTile>, cute::Int<kHeadDim>, cute::Int<kBlockKeys>>,
+                                 cute::GMMA::Major::MN, cute::GMMA::Major::MN>()));
+};
+
+}  // namespace dsaib::hopper
