@@ -1,0 +1,140 @@
+// Internals of the dsa-indexer-bwd command line tool (not part of the library API).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "dsaib/generate.hpp"
+#include "dsaib/host_tensor.hpp"
+#include "dsaib/indexer_backward.hpp"
+
+namespace dsaib::cli {
+
+// ---------------------------------------------------------------- problems
+
+/// Tensor names of a problem file (as written by `generate` and scripts/dump_torch_step.py).
+inline const char* const kInputNames[] = {"index_q", "weights", "index_k", "topk_indices", "attn_score", "index_score"};
+inline const char* const kSeqlenNames[] = {"cu_seqlens_q", "cu_seqlens_k"};
+inline const char* const kOutputNames[] = {"d_index_q", "d_weights", "d_index_k"};
+
+/// A problem held on the host: its tensors by name and the options that come with it.
+struct Problem {
+  std::map<std::string, HostTensor> tensors;
+  IndexerBackwardOptions options;             // layout, id_mode, sm_scale, loss_coeff, grad_loss, normalization_count
+  std::string origin;                         // "generated (preset small, seed 0)" or "file x.safetensors"
+  std::map<std::string, std::string> info;    // extra metadata written with it (ids, seed, preset)
+
+  IndexerBackwardInputs inputs() const;       // host views (cu_seqlens absent if not held)
+};
+
+/// Sizes and sequence structure of a validated problem.
+struct Geometry {
+  Layout layout = Layout::bshd;
+  IdMode id_mode = IdMode::local;
+  int64_t batch = 0, heads = 0, head_dim = 0, topk = 0;
+  int64_t num_q_rows = 0, num_k_rows = 0;
+  int64_t s_q = 0, s_kv = 0;  // BSHD
+  std::vector<int64_t> q_start, q_len, k_start, k_len;
+  int64_t valid_slots = 0;
+  std::vector<uint8_t> key_selected;  // per flat key row: selected by at least one valid slot
+
+  std::string summary() const;  // "bshd B=1 S_q=1024 S_kv=1024 H=64 D=128 topk=256 (ids local)"
+  int64_t key_row(int64_t b, int64_t id) const;
+};
+
+/// Checks the tensors (presence, ranks, then the library's own validation on
+/// the cpu backend) and derives the geometry. Raises dsaib::Error.
+Geometry analyze_problem(const Problem& p);
+
+/// Generation flags: a preset, then explicit overrides.
+struct GenFlags {
+  std::string preset = "small";
+  int64_t batch = 0, s_q = 0, s_kv = 0, heads = 0, head_dim = 0, topk = 0;
+  std::string ids, id_mode, layout;
+  std::vector<int64_t> seqlens_q, seqlens_k;
+  uint64_t seed = 0;
+  bool weights_f32 = false;
+  float sm_scale = 0.0f, loss_coeff = 1.0f, grad_loss = 1.0f;
+  int64_t normalization_count = 0;
+  // Which flags were given on the command line.
+  bool has_preset = false, has_batch = false, has_s_q = false, has_s_kv = false, has_heads = false,
+       has_head_dim = false, has_topk = false, has_ids = false, has_id_mode = false, has_layout = false,
+       has_seqlens_q = false, has_seqlens_k = false, has_seed = false, has_sm_scale = false;
+};
+
+/// Names and one-line descriptions of the presets.
+std::vector<std::pair<std::string, std::string>> preset_list();
+/// The spec of a preset with the flags' overrides applied. Raises dsaib::Error(invalid_argument).
+GenerateSpec make_spec(const GenFlags& flags, int32_t threads);
+/// Runs the generator and wraps its output as a Problem.
+Problem generate(const GenFlags& flags, int32_t threads);
+/// Reads a problem file. Raises dsaib::Error(io_error / invalid_argument).
+Problem load_problem(const std::string& path);
+/// Writes a problem file (inputs and their metadata).
+void save_problem(const std::string& path, const Problem& p);
+
+/// "%.9g": round-trips a float.
+std::string format_float(double v);
+
+// ---------------------------------------------------------------- running
+
+struct RunResult {
+  HostTensor d_index_q, d_weights, d_index_k;
+  std::vector<double> seconds;  // per timed run
+  std::string timer;            // "std::chrono (host)" / "cudaEvent"
+  std::string device;           // e.g. "NVIDIA H200 (sm_90)"
+};
+
+/// Runs indexer_backward on the host (cpu backend), outputs poisoned with NaN first.
+RunResult run_cpu(const Problem& p, const Geometry& g, DType out_dtype, int32_t threads, int warmup, int repeat);
+
+/// Whether this binary was built with the CUDA runtime, and why cuda is unavailable (empty if available).
+bool cli_built_with_cuda();
+std::string cuda_unavailable_reason();
+/// Copies the problem to the device, runs indexer_backward on the cuda backend
+/// (timed with cudaEvents), copies the outputs back. Raises dsaib::Error.
+RunResult run_cuda(const Problem& p, const Geometry& g, DType out_dtype, int warmup, int repeat);
+
+// ---------------------------------------------------------------- verification
+
+struct Metric {
+  std::string name;
+  std::vector<int64_t> shape;
+  DType dtype = DType::f32;
+  int64_t compared = 0;    // elements compared
+  int64_t nonfinite = 0;   // non-finite output elements among them
+  double rel_rms = 0, max_abs = 0, ref_rms = 0, ref_max_abs = 0, tol = 0;
+  bool pass = false;
+};
+
+struct Verification {
+  std::string mode;  // "all" or "sample"
+  std::vector<int64_t> q_rows, k_rows;  // sampled rows (empty for "all")
+  double seconds = 0;
+  std::vector<Metric> metrics;
+  bool pass() const;
+};
+
+/// Compares against reference_backward (all rows).
+Verification verify_all(const Problem& p, const Geometry& g, const RunResult& r, int32_t threads);
+/// Compares against reference_backward_sampled on `sample_rows` query rows
+/// (first, last and random ones) and `sample_rows` key rows (mostly selected ones).
+Verification verify_sampled(const Problem& p, const Geometry& g, const RunResult& r, int64_t sample_rows,
+                            uint64_t seed, int32_t threads);
+
+// ---------------------------------------------------------------- helpers
+
+double bf16_bits_to_double(uint16_t h);
+/// Element i of a bf16/f32/i32 host tensor as double.
+double element(const HostTensor& t, int64_t i);
+/// Stage messages on stderr: "[  1.23 s] message".
+void log_stage(const std::string& message);
+/// "1.234 s", "12.345 ms", "3.2 us".
+std::string human_seconds(double s);
+double seconds_since(std::chrono::steady_clock::time_point t0);
+int32_t resolve_threads(int32_t threads);
+
+}  // namespace dsaib::cli

@@ -1,0 +1,146 @@
+// Running the backward on the cuda backend: host <-> device copies and cudaEvent timing.
+// Compiled only when the project is built with CUDA (DSAIB_CLI_WITH_CUDA).
+#include <cuda_runtime_api.h>
+
+#include <cstring>
+#include <memory>
+
+#include "cli.hpp"
+
+namespace dsaib::cli {
+namespace {
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    throw Error(ErrorCode::cuda_error, "cuda", std::string(what) + " failed: " + cudaGetErrorName(e) + " (" +
+                                                   cudaGetErrorString(e) + ")");
+  }
+}
+
+/// A device buffer freed on scope exit.
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  explicit DeviceBuffer(size_t n) : bytes(n) {
+    if (n > 0) check(cudaMalloc(&ptr, n), "cudaMalloc");
+  }
+  ~DeviceBuffer() {
+    if (ptr) cudaFree(ptr);
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+};
+
+struct Event {
+  cudaEvent_t e = nullptr;
+  Event() { check(cudaEventCreate(&e), "cudaEventCreate"); }
+  ~Event() {
+    if (e) cudaEventDestroy(e);
+  }
+};
+
+}  // namespace
+
+bool cli_built_with_cuda() { return true; }
+
+std::string cuda_unavailable_reason() {
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e == cudaErrorNoDevice || e == cudaErrorInsufficientDriver) return "no CUDA device visible";
+  if (e != cudaSuccess) return std::string("no CUDA device visible (") + cudaGetErrorName(e) + ")";
+  if (n == 0) return "no CUDA device visible";
+  if (cuda_backend_available()) return "";
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, 0) == cudaSuccess) {
+    return std::string("device 0 (") + prop.name + ") is sm_" + std::to_string(prop.major) + std::to_string(prop.minor) +
+           ", the cuda backend needs sm_90";
+  }
+  return "the cuda backend is not available on this machine";
+}
+
+RunResult run_cuda(const Problem& p, const Geometry&, DType out_dtype, int warmup, int repeat) {
+  if (!cuda_backend_available()) {
+    throw Error(ErrorCode::backend_unavailable, "backend", "backend cuda: " + cuda_unavailable_reason());
+  }
+  int dev = 0;
+  check(cudaGetDevice(&dev), "cudaGetDevice");
+  cudaDeviceProp prop{};
+  check(cudaGetDeviceProperties(&prop, dev), "cudaGetDeviceProperties");
+  RunResult r;
+  r.timer = "cudaEvent";
+  r.device = std::string(prop.name) + " (device " + std::to_string(dev) + ", sm_" + std::to_string(prop.major) +
+             std::to_string(prop.minor) + ")";
+
+  // Inputs to the device.
+  std::vector<std::unique_ptr<DeviceBuffer>> buffers;
+  auto upload = [&](const char* name) -> TensorView {
+    const auto it = p.tensors.find(name);
+    if (it == p.tensors.end()) return TensorView{};
+    const HostTensor& t = it->second;
+    buffers.push_back(std::make_unique<DeviceBuffer>(t.bytes.size()));
+    if (!t.bytes.empty()) {
+      check(cudaMemcpy(buffers.back()->ptr, t.bytes.data(), t.bytes.size(), cudaMemcpyHostToDevice), "cudaMemcpy H2D");
+    }
+    TensorView v = t.view();
+    v.data = buffers.back()->ptr;
+    v.device = DeviceType::cuda;
+    v.device_index = dev;
+    return v;
+  };
+  IndexerBackwardInputs in;
+  in.index_q = upload("index_q");
+  in.weights = upload("weights");
+  in.index_k = upload("index_k");
+  in.topk_indices = upload("topk_indices");
+  in.attn_score = upload("attn_score");
+  in.index_score = upload("index_score");
+  in.cu_seqlens_q = upload("cu_seqlens_q");
+  in.cu_seqlens_k = upload("cu_seqlens_k");
+
+  // Outputs on the device.
+  r.d_index_q = HostTensor(out_dtype, p.tensors.at("index_q").shape);
+  r.d_weights = HostTensor(out_dtype, p.tensors.at("weights").shape);
+  r.d_index_k = HostTensor(out_dtype, p.tensors.at("index_k").shape);
+  HostTensor* host_out[3] = {&r.d_index_q, &r.d_weights, &r.d_index_k};
+  DeviceBuffer dq(r.d_index_q.bytes.size()), dw(r.d_weights.bytes.size()), dk(r.d_index_k.bytes.size());
+  DeviceBuffer* dev_out[3] = {&dq, &dw, &dk};
+  IndexerBackwardOutputs out;
+  TensorView* out_views[3] = {&out.d_index_q, &out.d_weights, &out.d_index_k};
+  for (int i = 0; i < 3; ++i) {
+    *out_views[i] = host_out[i]->view();
+    out_views[i]->data = dev_out[i]->ptr;
+    out_views[i]->device = DeviceType::cuda;
+    out_views[i]->device_index = dev;
+  }
+
+  IndexerBackwardOptions opt = p.options;
+  opt.backend = Backend::cuda;
+  opt.stream = nullptr;
+  const size_t ws_bytes = indexer_backward_workspace_size(in, out, opt);
+  DeviceBuffer ws(ws_bytes);  // cudaMalloc is 256-byte aligned
+
+  Event start, stop;
+  for (int i = 0; i < warmup + repeat; ++i) {
+    // Poison the outputs (all-ones bytes are NaN in bf16 and f32): every element must be written.
+    for (DeviceBuffer* b : dev_out) {
+      if (b->bytes) check(cudaMemsetAsync(b->ptr, 0xff, b->bytes, nullptr), "cudaMemsetAsync");
+    }
+    check(cudaEventRecord(start.e, nullptr), "cudaEventRecord");
+    indexer_backward(in, out, opt, ws.ptr, ws.bytes);
+    check(cudaEventRecord(stop.e, nullptr), "cudaEventRecord");
+    check(cudaEventSynchronize(stop.e), "cudaEventSynchronize (the backward kernel)");
+    float ms = 0;
+    check(cudaEventElapsedTime(&ms, start.e, stop.e), "cudaEventElapsedTime");
+    if (i >= warmup) r.seconds.push_back(ms * 1e-3);
+  }
+  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  for (int i = 0; i < 3; ++i) {
+    if (!host_out[i]->bytes.empty()) {
+      check(cudaMemcpy(host_out[i]->bytes.data(), dev_out[i]->ptr, host_out[i]->bytes.size(), cudaMemcpyDeviceToHost),
+            "cudaMemcpy D2H");
+    }
+  }
+  return r;
+}
+
+}  // namespace dsaib::cli

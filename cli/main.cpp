@@ -1,0 +1,446 @@
+// dsa-indexer-bwd: generate DSA lightning-indexer problems, run the backward on
+// a backend, verify it against the fp64 reference, report.
+//
+//   dsa-indexer-bwd generate --out p.safetensors [--preset small | --batch .. --s-q .. ...]
+//   dsa-indexer-bwd backward [--in p.safetensors | generation flags] [--out grads.safetensors]
+//                            [--backend auto|cpu|cuda] [--out-dtype bf16|f32] [--verify auto|none|all|sample]
+//   dsa-indexer-bwd presets
+//
+// Exit status: 0 success (and PASS), 1 verification FAIL, 2 error (bad usage, bad file, bad input).
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+#include <numeric>
+#include <sstream>
+
+#include "cli.hpp"
+#include "dsaib/safetensors.hpp"
+
+namespace dsaib::cli {
+namespace {
+
+constexpr int kExitFail = 1;
+constexpr int kExitError = 2;
+
+/// The generation flags of a subcommand, and the CLI11 options that set them.
+struct GenOptions {
+  GenFlags f;
+  std::vector<std::pair<CLI::Option*, bool*>> opts;
+
+  void add(CLI::App* app) {
+    std::string presets = "Preset (sizes and id pattern; explicit flags override it). One of:";
+    for (const auto& [name, desc] : preset_list()) presets += "\n  " + name + ": " + desc;
+    reg(app->add_option("--preset", f.preset, presets)->default_str("small"), &f.has_preset);
+    reg(app->add_option("--batch,-b", f.batch, "B: batch size (BSHD) / number of sequences"), &f.has_batch);
+    reg(app->add_option("--s-q", f.s_q, "S_q: query tokens per sequence (also sets S_kv unless --s-kv)"), &f.has_s_q);
+    reg(app->add_option("--s-kv", f.s_kv, "S_kv: key tokens per sequence"), &f.has_s_kv);
+    reg(app->add_option("--heads", f.heads, "H: index heads (multiple of 8, 8..128)"), &f.has_heads);
+    reg(app->add_option("--head-dim", f.head_dim, "D: head dimension (64 or 128)"), &f.has_head_dim);
+    reg(app->add_option("--topk", f.topk, "selected keys per query row"), &f.has_topk);
+    reg(app->add_option("--ids", f.ids, "id pattern: causal (true top-k over keys <= t) or permutation")
+            ->check(CLI::IsMember({"causal", "permutation"})),
+        &f.has_ids);
+    reg(app->add_option("--id-mode", f.id_mode, "ids local to their sequence or global flat rows")
+            ->check(CLI::IsMember({"local", "global"})),
+        &f.has_id_mode);
+    reg(app->add_option("--layout", f.layout, "bshd (fixed lengths) or thd (packed varlen)")
+            ->check(CLI::IsMember({"bshd", "thd"})),
+        &f.has_layout);
+    reg(app->add_option("--seqlens-q", f.seqlens_q, "THD query lengths, e.g. 1,37,300")->delimiter(','),
+        &f.has_seqlens_q);
+    reg(app->add_option("--seqlens-k", f.seqlens_k, "THD key lengths (default: the query lengths)")->delimiter(','),
+        &f.has_seqlens_k);
+    reg(app->add_option("--seed", f.seed, "random seed")->default_str("0"), &f.has_seed);
+    static bool unused = false;
+    reg(app->add_flag("--weights-f32", f.weights_f32, "weights in f32 instead of bf16"), &unused);
+  }
+  void reg(CLI::Option* o, bool* has) { opts.emplace_back(o, has); }
+  /// Sets the has_* fields; returns the first given flag's name (or "").
+  std::string finish() {
+    std::string first;
+    for (auto& [o, has] : opts) {
+      *has = o->count() > 0;
+      if (*has && first.empty()) first = o->get_name();
+    }
+    return first;
+  }
+};
+
+/// Scalars that override the problem's metadata.
+struct ScalarOverrides {
+  float sm_scale = 0, loss_coeff = 1, grad_loss = 1;
+  int64_t normalization_count = 0;
+  CLI::Option *o_sm = nullptr, *o_lc = nullptr, *o_gl = nullptr, *o_n = nullptr;
+
+  void add(CLI::App* app, bool overriding) {
+    const std::string suffix = overriding ? " (overrides the file's metadata)" : "";
+    o_sm = app->add_option("--sm-scale", sm_scale, "logit scale (default 1/sqrt(D))" + suffix);
+    o_lc = app->add_option("--loss-coeff", loss_coeff, "loss weight (default 1)" + suffix);
+    o_gl = app->add_option("--grad-loss", grad_loss, "upstream gradient of the loss (default 1)" + suffix);
+    o_n = app->add_option("--normalization-count", normalization_count,
+                          "N in c = grad_loss*loss_coeff/N (default 0: the number of query tokens)" + suffix)
+              ->check(CLI::NonNegativeNumber);
+  }
+  void apply_to_flags(GenFlags& f) const {
+    if (o_sm->count()) {
+      f.sm_scale = sm_scale;
+      f.has_sm_scale = true;
+    }
+    if (o_lc->count()) f.loss_coeff = loss_coeff;
+    if (o_gl->count()) f.grad_loss = grad_loss;
+    if (o_n->count()) f.normalization_count = normalization_count;
+  }
+  void apply_to_options(IndexerBackwardOptions& o) const {
+    if (o_sm->count()) o.sm_scale = sm_scale;
+    if (o_lc->count()) o.loss_coeff = loss_coeff;
+    if (o_gl->count()) o.grad_loss = grad_loss;
+    if (o_n->count()) o.normalization_count = normalization_count;
+  }
+};
+
+std::string shape_string(const std::vector<int64_t>& s) {
+  std::string out = "(";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + (s.size() == 1 ? ",)" : ")");
+}
+
+std::string sci(double v, int digits = 2) {
+  if (std::isnan(v)) return "nan";
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.*e", digits, v);
+  return buf;
+}
+
+std::string fixed(double v, int digits) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.*f", digits, v);
+  return buf;
+}
+
+std::string human_bytes(double b) {
+  if (b < 1024 * 1024) return fixed(b / 1024, 1) + " KiB";
+  if (b < 1024.0 * 1024 * 1024) return fixed(b / (1024 * 1024), 1) + " MiB";
+  return fixed(b / (1024.0 * 1024 * 1024), 2) + " GiB";
+}
+
+std::string tensor_dtypes(const Problem& p) {
+  return std::string("index_q ") + dtype_name(p.tensors.at("index_q").dtype) + ", weights " +
+         dtype_name(p.tensors.at("weights").dtype) + ", index_k " + dtype_name(p.tensors.at("index_k").dtype);
+}
+
+int64_t count_nonfinite(const HostTensor& t) {
+  int64_t n = 0;
+  for (int64_t i = 0; i < t.numel(); ++i) n += std::isfinite(element(t, i)) ? 0 : 1;
+  return n;
+}
+
+// ---------------------------------------------------------------- generate
+
+int cmd_generate(GenOptions& gen, const ScalarOverrides& sc, const std::string& out, int32_t threads) {
+  gen.finish();
+  sc.apply_to_flags(gen.f);
+  const auto t0 = std::chrono::steady_clock::now();
+  Problem p = generate(gen.f, threads);
+  const Geometry g = analyze_problem(p);
+  save_problem(out, p);
+  std::error_code ec;
+  const auto bytes = std::filesystem::file_size(out, ec);
+  std::cout << "wrote " << out << " (" << human_bytes(ec ? 0.0 : double(bytes)) << ") in "
+            << human_seconds(seconds_since(t0)) << "\n"
+            << "  problem     " << g.summary() << "\n"
+            << "  ids         " << p.info["ids"] << ", valid slots " << g.valid_slots << " of "
+            << g.num_q_rows * g.topk << "\n"
+            << "  dtypes      " << tensor_dtypes(p) << "\n"
+            << "  scalars     sm_scale=" << format_float(p.options.sm_scale)
+            << " loss_coeff=" << format_float(p.options.loss_coeff)
+            << " grad_loss=" << format_float(p.options.grad_loss) << "\n";
+  return 0;
+}
+
+// ---------------------------------------------------------------- backward
+
+struct BackwardArgs {
+  std::string in, out, backend = "auto", out_dtype = "bf16", verify = "auto";
+  int64_t sample_rows = 64;
+  int32_t threads = 0;
+  int warmup = -1, repeat = 1;
+  bool json = false, strict = false;
+};
+
+int cmd_backward(GenOptions& gen, const ScalarOverrides& sc, const BackwardArgs& a) {
+  const std::string first_gen_flag = gen.finish();
+  if (!a.in.empty() && !first_gen_flag.empty()) {
+    throw Error(ErrorCode::invalid_argument, first_gen_flag,
+                "--in and " + first_gen_flag + ": give an input file or generation flags, not both");
+  }
+  const int32_t threads = resolve_threads(a.threads);
+
+  // Inputs.
+  Problem p;
+  if (!a.in.empty()) {
+    log_stage("reading " + a.in + " ...");
+    p = load_problem(a.in);
+  } else {
+    sc.apply_to_flags(gen.f);
+    p = generate(gen.f, threads);
+  }
+  sc.apply_to_options(p.options);
+  p.options.strict_indices = a.strict;
+  Geometry g;
+  try {
+    g = analyze_problem(p);
+  } catch (const Error& e) {
+    if (a.in.empty()) throw;
+    throw Error(e.code(), e.argument(), a.in + ": " + e.what());
+  }
+
+  // Backend.
+  Backend backend = Backend::cpu;
+  std::string backend_note;
+  if (a.backend == "cuda") {
+    backend = Backend::cuda;
+    backend_note = "requested";
+  } else if (a.backend == "cpu") {
+    backend_note = "requested";
+  } else {
+    if (cuda_backend_available()) {
+      backend = Backend::cuda;
+      backend_note = "auto: CUDA device found";
+    } else {
+      backend_note = "auto: " + cuda_unavailable_reason();
+    }
+  }
+  const std::string backend_line = std::string(backend_name(backend)) + " (" + backend_note + ")";
+  log_stage("backend: " + backend_line);
+  const DType out_dtype = a.out_dtype == "f32" ? DType::f32 : DType::bf16;
+  const int warmup = a.warmup >= 0 ? a.warmup : (backend == Backend::cuda ? 1 : 0);
+  log_stage("problem: " + g.summary());
+
+  RunResult r = backend == Backend::cuda ? run_cuda(p, g, out_dtype, warmup, a.repeat)
+                                         : run_cpu(p, g, out_dtype, threads, warmup, a.repeat);
+  const double mean = std::accumulate(r.seconds.begin(), r.seconds.end(), 0.0) / r.seconds.size();
+  const double best = *std::min_element(r.seconds.begin(), r.seconds.end());
+  const double flops = 6.0 * double(g.heads) * double(g.head_dim) * double(g.valid_slots);
+
+  // Verification.
+  std::string mode = a.verify;
+  if (mode == "auto") {
+    const double cost = double(g.num_q_rows) * double(g.topk) * double(g.heads) * double(g.head_dim);
+    mode = cost <= 4.5e9 ? "all" : "sample";
+  }
+  Verification v;
+  if (mode == "all") v = verify_all(p, g, r, threads);
+  else if (mode == "sample") v = verify_sampled(p, g, r, a.sample_rows, gen.f.seed, threads);
+  else v.mode = "none";
+  // Outputs were poisoned with NaN: every element must come back finite (checked even without --verify).
+  const int64_t nonfinite = count_nonfinite(r.d_index_q) + count_nonfinite(r.d_weights) + count_nonfinite(r.d_index_k);
+  const bool pass = v.pass() && nonfinite == 0;
+
+  // Gradients to a file.
+  if (!a.out.empty()) {
+    std::map<std::string, std::string> meta = {
+        {"backend", backend_name(backend)},
+        {"out_dtype", dtype_name(out_dtype)},
+        {"layout", layout_name(p.options.layout)},
+        {"id_mode", id_mode_name(p.options.id_mode)},
+        {"sm_scale", format_float(p.options.sm_scale)},
+        {"loss_coeff", format_float(p.options.loss_coeff)},
+        {"grad_loss", format_float(p.options.grad_loss)},
+        {"normalization_count",
+         std::to_string(p.options.normalization_count > 0 ? p.options.normalization_count : g.num_q_rows)},
+        {"input", p.origin},
+        {"backward_seconds", format_float(mean)},
+    };
+    write_safetensors(a.out, {{"d_index_q", r.d_index_q}, {"d_weights", r.d_weights}, {"d_index_k", r.d_index_k}},
+                      meta);
+    log_stage("wrote " + a.out);
+  }
+
+  const int64_t n_norm = p.options.normalization_count > 0 ? p.options.normalization_count : g.num_q_rows;
+  if (a.json) {
+    nlohmann::ordered_json j;
+    j["problem"] = {{"layout", layout_name(g.layout)},
+                    {"id_mode", id_mode_name(g.id_mode)},
+                    {"batch", g.batch},
+                    {"s_q", g.s_q},
+                    {"s_kv", g.s_kv},
+                    {"num_q_rows", g.num_q_rows},
+                    {"num_k_rows", g.num_k_rows},
+                    {"heads", g.heads},
+                    {"head_dim", g.head_dim},
+                    {"topk", g.topk},
+                    {"valid_slots", g.valid_slots},
+                    {"q_lengths", g.q_len},
+                    {"k_lengths", g.k_len},
+                    {"dtypes", tensor_dtypes(p)}};
+    j["input"] = p.origin;
+    j["scalars"] = {{"sm_scale", p.options.sm_scale},
+                    {"loss_coeff", p.options.loss_coeff},
+                    {"grad_loss", p.options.grad_loss},
+                    {"normalization_count", n_norm}};
+    j["backend"] = {{"name", backend_name(backend)}, {"why", backend_note}, {"device", r.device}};
+    j["out_dtype"] = dtype_name(out_dtype);
+    j["timing"] = {{"timer", r.timer},
+                   {"warmup", warmup},
+                   {"seconds", r.seconds},
+                   {"mean_seconds", mean},
+                   {"min_seconds", best},
+                   {"per_query_row_seconds", g.num_q_rows > 0 ? mean / double(g.num_q_rows) : 0.0},
+                   {"useful_gflop", flops * 1e-9},
+                   {"gflop_per_second", mean > 0 ? flops * 1e-9 / mean : 0.0}};
+    nlohmann::ordered_json outs = nlohmann::ordered_json::array();
+    for (const Metric& m : v.metrics) {
+      outs.push_back({{"name", m.name},
+                      {"shape", m.shape},
+                      {"dtype", dtype_name(m.dtype)},
+                      {"compared", m.compared},
+                      {"nonfinite", m.nonfinite},
+                      {"rel_rms", m.rel_rms},
+                      {"max_abs", m.max_abs},
+                      {"ref_rms", m.ref_rms},
+                      {"ref_max_abs", m.ref_max_abs},
+                      {"tolerance", m.tol},
+                      {"pass", m.pass}});
+    }
+    j["verify"] = {{"mode", v.mode},
+                   {"seconds", v.seconds},
+                   {"sampled_q_rows", v.q_rows.size()},
+                   {"sampled_k_rows", v.k_rows.size()},
+                   {"outputs", outs}};
+    j["nonfinite_outputs"] = nonfinite;
+    j["output_file"] = a.out;
+    j["pass"] = pass;
+    std::cout << j.dump(2) << std::endl;
+    return pass ? 0 : kExitFail;
+  }
+
+  std::ostringstream s;
+  s << "dsa-indexer-bwd backward\n"
+    << "  problem     " << g.summary() << "\n"
+    << "  input       " << p.origin << "\n"
+    << "  dtypes      " << tensor_dtypes(p) << " -> outputs " << dtype_name(out_dtype) << "\n"
+    << "  valid slots " << g.valid_slots << " of " << g.num_q_rows * g.topk << " ("
+    << fixed(g.num_q_rows * g.topk > 0 ? 100.0 * double(g.valid_slots) / double(g.num_q_rows * g.topk) : 0.0, 1)
+    << "%)\n"
+    << "  scalars     sm_scale=" << format_float(p.options.sm_scale) << " loss_coeff=" << format_float(p.options.loss_coeff)
+    << " grad_loss=" << format_float(p.options.grad_loss) << " N=" << n_norm << "\n"
+    << "  backend     " << backend_line << ", " << r.device << "\n"
+    << "  backward    " << human_seconds(mean);
+  if (r.seconds.size() > 1) s << " mean, " << human_seconds(best) << " min of " << r.seconds.size() << " runs";
+  s << " (" << human_seconds(g.num_q_rows > 0 ? mean / double(g.num_q_rows) : 0.0) << " per query row, "
+    << fixed(mean > 0 ? flops * 1e-9 / mean : 0.0, 2) << " GFLOP/s useful; " << r.timer << ")\n";
+  if (v.mode == "none") {
+    s << "  verify      none\n";
+  } else {
+    s << "  verify      " << (v.mode == "all" ? "all rows" : std::to_string(v.q_rows.size()) + " sampled query rows, " +
+                                                             std::to_string(v.k_rows.size()) + " sampled key rows")
+      << " vs the fp64 reference (" << human_seconds(v.seconds) << ")\n";
+    char head[160];
+    std::snprintf(head, sizeof head, "    %-10s %-20s %-5s %-9s %-9s %-9s %-6s %s\n", "output", "shape", "dtype",
+                  "rel_rms", "max_abs", "ref_rms", "tol", "result");
+    s << head;
+    for (const Metric& m : v.metrics) {
+      char line[256];
+      std::snprintf(line, sizeof line, "    %-10s %-20s %-5s %-9s %-9s %-9s %-6s %s", m.name.c_str(),
+                    shape_string(m.shape).c_str(), dtype_name(m.dtype), sci(m.rel_rms).c_str(), sci(m.max_abs).c_str(),
+                    sci(m.ref_rms).c_str(), sci(m.tol, 0).c_str(), m.pass ? "PASS" : "FAIL");
+      s << line;
+      if (m.nonfinite > 0) s << " (" << m.nonfinite << " non-finite elements)";
+      s << "\n";
+    }
+  }
+  if (nonfinite > 0) s << "  non-finite  " << nonfinite << " output elements are NaN/inf (unwritten?)\n";
+  if (!a.out.empty()) s << "  output      " << a.out << "\n";
+  s << "  result      " << (pass ? (v.mode == "none" ? "OK (not verified)" : "PASS") : "FAIL") << "\n";
+  std::cout << s.str() << std::flush;
+  return pass ? 0 : kExitFail;
+}
+
+int run_main(int argc, char** argv) {
+  CLI::App app{
+      "dsa-indexer-bwd: backward of the DeepSeek Sparse Attention lightning indexer.\n"
+      "Generates problems, runs the backward on the cpu or cuda backend and verifies it\n"
+      "against the fp64 reference. Exit status: 0 ok/PASS, 1 FAIL, 2 error."};
+  app.require_subcommand(1);
+  app.set_help_all_flag("--help-all", "help of every subcommand");
+
+  // generate
+  CLI::App* gen_cmd = app.add_subcommand("generate", "write a realistic problem (inputs) to a safetensors file");
+  GenOptions gen_g;
+  ScalarOverrides gen_sc;
+  std::string gen_out;
+  int32_t gen_threads = 0;
+  gen_cmd->add_option("--out,-o", gen_out, "output .safetensors file")->required();
+  gen_g.add(gen_cmd);
+  gen_sc.add(gen_cmd, false);
+  gen_cmd->add_option("--threads", gen_threads, "worker threads (0: all cores)");
+
+  // backward
+  CLI::App* bwd_cmd = app.add_subcommand("backward", "run, time and verify the backward of a problem");
+  GenOptions bwd_g;
+  ScalarOverrides bwd_sc;
+  BackwardArgs a;
+  bwd_cmd->add_option("--in,-i", a.in, "input problem file (else one is generated from the generation flags)");
+  bwd_cmd->add_option("--out,-o", a.out, "write d_index_q, d_weights, d_index_k to this .safetensors file");
+  bwd_g.add(bwd_cmd);
+  bwd_sc.add(bwd_cmd, true);
+  bwd_cmd->add_option("--backend", a.backend, "auto (cuda if available, else cpu), cpu or cuda")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}))
+      ->default_str("auto");
+  bwd_cmd->add_option("--out-dtype", a.out_dtype, "dtype of the gradients")
+      ->check(CLI::IsMember({"bf16", "f32"}))
+      ->default_str("bf16");
+  bwd_cmd->add_option("--verify", a.verify,
+                      "compare with the fp64 reference: all rows, sampled rows, none, or auto (all for problems up to "
+                      "about twice the small preset, else sample)")
+      ->check(CLI::IsMember({"auto", "none", "all", "sample"}))
+      ->default_str("auto");
+  bwd_cmd->add_option("--sample-rows", a.sample_rows, "query rows and key rows checked by --verify sample")
+      ->check(CLI::PositiveNumber)
+      ->default_str("64");
+  bwd_cmd->add_option("--threads", a.threads, "worker threads of the cpu backend, reference and generator (0: all cores)");
+  bwd_cmd->add_option("--warmup", a.warmup, "untimed runs before the timed ones (default: 1 on cuda, 0 on cpu)");
+  bwd_cmd->add_option("--repeat", a.repeat, "timed runs")->check(CLI::PositiveNumber)->default_str("1");
+  bwd_cmd->add_flag("--strict-indices", a.strict, "raise an error on the first invalid (out of range) id");
+  bwd_cmd->add_flag("--json", a.json, "print the report as JSON on stdout");
+
+  // presets
+  CLI::App* presets_cmd = app.add_subcommand("presets", "list the presets");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int rc = app.exit(e);
+    return rc == 0 ? 0 : kExitError;
+  }
+
+  if (*presets_cmd) {
+    for (const auto& [name, desc] : preset_list()) std::cout << name << ": " << desc << "\n";
+    return 0;
+  }
+  if (*gen_cmd) return cmd_generate(gen_g, gen_sc, gen_out, gen_threads);
+  return cmd_backward(bwd_g, bwd_sc, a);
+}
+
+}  // namespace
+}  // namespace dsaib::cli
+
+int main(int argc, char** argv) {
+  try {
+    return dsaib::cli::run_main(argc, argv);
+  } catch (const dsaib::Error& e) {
+    std::cerr << "dsa-indexer-bwd: error (" << dsaib::error_code_name(e.code()) << "): " << e.what() << std::endl;
+  } catch (const std::bad_alloc&) {
+    std::cerr << "dsa-indexer-bwd: error: out of memory" << std::endl;
+  } catch (const std::exception& e) {
+    std::cerr << "dsa-indexer-bwd: error: " << e.what() << std::endl;
+  } catch (...) {
+    std::cerr << "dsa-indexer-bwd: error: unknown exception" << std::endl;
+  }
+  return dsaib::cli::kExitError;
+}

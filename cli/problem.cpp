@@ -1,0 +1,352 @@
+// Problems of the CLI: presets, generation, problem files, geometry.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <iostream>
+#include <numeric>
+#include <sstream>
+
+#include "cli.hpp"
+#include "dsaib/reference.hpp"
+#include "dsaib/safetensors.hpp"
+
+namespace dsaib::cli {
+namespace {
+
+[[noreturn]] void bad(const std::string& arg, const std::string& message) {
+  throw Error(ErrorCode::invalid_argument, arg, message);
+}
+
+struct Preset {
+  const char* name;
+  const char* description;
+  Layout layout;
+  int64_t batch, s_q, s_kv, heads, head_dim, topk;
+  IdPattern ids;
+  std::vector<int64_t> seqlens;  // THD
+};
+
+const std::vector<Preset>& presets() {
+  static const std::vector<Preset> p = {
+      {"small", "B1 S_q=S_kv=1024 H64 D128 topk256, causal top-k (default; ~30 s on 2 cpu cores incl. full verify)",
+       Layout::bshd, 1, 1024, 1024, 64, 128, 256, IdPattern::causal_topk, {}},
+      {"deepseek-v32", "DeepSeek-V3.2 indexer: B1 S_q=S_kv=4096 H64 D128 topk2048, causal top-k", Layout::bshd, 1, 4096,
+       4096, 64, 128, 2048, IdPattern::causal_topk, {}},
+      {"race-report-1", "B1 S_q1 S_kv512 H64 D128 topk128, random permutation ids", Layout::bshd, 1, 1, 512, 64, 128, 128,
+       IdPattern::random_permutation, {}},
+      {"race-report-2", "B3 S_q64 S_kv2048 H64 D128 topk512, random permutation ids", Layout::bshd, 3, 64, 2048, 64, 128,
+       512, IdPattern::random_permutation, {}},
+      {"race-report-3", "B1 S_q=S_kv=512 H64 D128 topk128, causal top-k", Layout::bshd, 1, 512, 512, 64, 128, 128,
+       IdPattern::causal_topk, {}},
+      {"thd", "THD, sequences of 1, 37 and 300 tokens, H64 D128 topk128, causal top-k", Layout::thd, 3, 0, 0, 64, 128,
+       128, IdPattern::causal_topk, {1, 37, 300}},
+      {"tiny", "B2 S_q=S_kv=64 H8 D64 topk16, causal top-k (for quick checks)", Layout::bshd, 2, 64, 64, 8, 64, 16,
+       IdPattern::causal_topk, {}},
+  };
+  return p;
+}
+
+double parse_number(const std::map<std::string, std::string>& meta, const std::string& key, double fallback,
+                    const std::string& path, bool* found = nullptr) {
+  const auto it = meta.find(key);
+  if (found) *found = it != meta.end();
+  if (it == meta.end()) return fallback;
+  const std::string& s = it->second;
+  char* end = nullptr;
+  errno = 0;
+  const double v = std::strtod(s.c_str(), &end);
+  if (s.empty() || end != s.c_str() + s.size() || errno == ERANGE || !std::isfinite(v)) {
+    throw Error(ErrorCode::invalid_argument, key,
+                path + ": metadata " + key + ": expected a finite number, got \"" + s + "\"");
+  }
+  return v;
+}
+
+int64_t shape_at(const HostTensor& t, size_t i) { return i < t.shape.size() ? t.shape[i] : 0; }
+
+}  // namespace
+
+std::string format_float(double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.9g", v);
+  return buf;
+}
+
+std::vector<std::pair<std::string, std::string>> preset_list() {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const Preset& p : presets()) out.emplace_back(p.name, p.description);
+  return out;
+}
+
+IndexerBackwardInputs Problem::inputs() const {
+  auto view = [&](const char* name) {
+    const auto it = tensors.find(name);
+    return it == tensors.end() ? TensorView{} : it->second.view();
+  };
+  IndexerBackwardInputs in;
+  in.index_q = view("index_q");
+  in.weights = view("weights");
+  in.index_k = view("index_k");
+  in.topk_indices = view("topk_indices");
+  in.attn_score = view("attn_score");
+  in.index_score = view("index_score");
+  in.cu_seqlens_q = view("cu_seqlens_q");
+  in.cu_seqlens_k = view("cu_seqlens_k");
+  return in;
+}
+
+GenerateSpec make_spec(const GenFlags& f, int32_t threads) {
+  const auto& all = presets();
+  const auto it = std::find_if(all.begin(), all.end(), [&](const Preset& p) { return f.preset == p.name; });
+  if (it == all.end()) {
+    std::string names;
+    for (const Preset& p : all) names += (names.empty() ? "" : ", ") + std::string(p.name);
+    bad("--preset", "--preset: expected one of " + names + ", got \"" + f.preset + "\"");
+  }
+  const Preset& p = *it;
+  GenerateSpec s;
+  s.layout = p.layout;
+  s.batch = p.batch;
+  s.s_q = p.s_q;
+  s.s_kv = p.s_kv;
+  s.heads = p.heads;
+  s.head_dim = p.head_dim;
+  s.topk = p.topk;
+  s.ids = p.ids;
+  s.seqlens_q = p.seqlens;
+  s.seqlens_k = p.seqlens;
+  if (f.has_layout) {
+    if (f.layout == "bshd") s.layout = Layout::bshd;
+    else if (f.layout == "thd") s.layout = Layout::thd;
+    else bad("--layout", "--layout: expected bshd or thd, got \"" + f.layout + "\"");
+  } else if (f.has_seqlens_q || f.has_seqlens_k) {
+    s.layout = Layout::thd;  // giving sequence lengths means THD
+  }
+  if (f.has_batch) s.batch = f.batch;
+  if (f.has_s_q) s.s_q = f.s_q;
+  if (f.has_s_kv) s.s_kv = f.s_kv;
+  else if (f.has_s_q) s.s_kv = f.s_q;  // --s-q alone means S_kv = S_q
+  if (f.has_heads) s.heads = f.heads;
+  if (f.has_head_dim) s.head_dim = f.head_dim;
+  if (f.has_topk) s.topk = f.topk;
+  if (f.has_ids) {
+    if (f.ids == "causal") s.ids = IdPattern::causal_topk;
+    else if (f.ids == "permutation") s.ids = IdPattern::random_permutation;
+    else bad("--ids", "--ids: expected causal or permutation, got \"" + f.ids + "\"");
+  }
+  if (f.has_id_mode) {
+    if (f.id_mode == "local") s.id_mode = IdMode::local;
+    else if (f.id_mode == "global") s.id_mode = IdMode::global;
+    else bad("--id-mode", "--id-mode: expected local or global, got \"" + f.id_mode + "\"");
+  }
+  if (s.layout == Layout::thd) {
+    if (f.has_seqlens_q) s.seqlens_q = f.seqlens_q;
+    if (f.has_seqlens_k) s.seqlens_k = f.seqlens_k;
+    else if (f.has_seqlens_q) s.seqlens_k = s.seqlens_q;
+    if (s.seqlens_q.empty() || (p.layout == Layout::bshd && !f.has_seqlens_q)) {
+      // A BSHD preset turned THD: B sequences of S_q (resp. S_kv) tokens.
+      s.seqlens_q.assign(static_cast<size_t>(std::max<int64_t>(s.batch, 0)), s.s_q);
+      if (!f.has_seqlens_k) s.seqlens_k.assign(static_cast<size_t>(std::max<int64_t>(s.batch, 0)), s.s_kv);
+    }
+    if (s.seqlens_q.size() != s.seqlens_k.size()) {
+      bad("--seqlens-k", "--seqlens-k: expected " + std::to_string(s.seqlens_q.size()) +
+                             " lengths (one per sequence of --seqlens-q), got " + std::to_string(s.seqlens_k.size()));
+    }
+    for (size_t i = 0; i < s.seqlens_q.size(); ++i) {
+      if (s.seqlens_q[i] < 0 || s.seqlens_k[i] < 0) bad("--seqlens-q", "sequence lengths: expected >= 0, got a negative one");
+    }
+    s.batch = static_cast<int64_t>(s.seqlens_q.size());
+  } else if (f.has_seqlens_q || f.has_seqlens_k) {
+    bad("--seqlens-q", "--seqlens-q/--seqlens-k: only with --layout thd");
+  }
+  if (f.weights_f32) s.weights_f32 = true;
+  if (f.has_sm_scale) s.sm_scale = f.sm_scale;
+  s.seed = f.seed;
+  s.num_threads = threads;
+  return s;
+}
+
+Problem generate(const GenFlags& f, int32_t threads) {
+  const GenerateSpec spec = make_spec(f, threads);
+  const auto t0 = std::chrono::steady_clock::now();
+  log_stage("generate: preset " + f.preset + (f.has_batch || f.has_s_q || f.has_s_kv || f.has_heads || f.has_head_dim ||
+                                                        f.has_topk || f.has_layout || f.has_seqlens_q || f.has_ids
+                                                    ? " with overrides"
+                                                    : "") +
+            ", seed " + std::to_string(f.seed) + " ...");
+  GeneratedProblem gp = generate_problem(spec);
+  log_stage("generate: done in " + human_seconds(seconds_since(t0)));
+  Problem p;
+  p.options = gp.options();
+  p.options.loss_coeff = f.loss_coeff;
+  p.options.grad_loss = f.grad_loss;
+  p.options.normalization_count = f.normalization_count;
+  p.tensors["index_q"] = std::move(gp.index_q);
+  p.tensors["weights"] = std::move(gp.weights);
+  p.tensors["index_k"] = std::move(gp.index_k);
+  p.tensors["topk_indices"] = std::move(gp.topk_indices);
+  p.tensors["attn_score"] = std::move(gp.attn_score);
+  p.tensors["index_score"] = std::move(gp.index_score);
+  if (spec.layout == Layout::thd) {
+    p.tensors["cu_seqlens_q"] = std::move(gp.cu_seqlens_q);
+    p.tensors["cu_seqlens_k"] = std::move(gp.cu_seqlens_k);
+  }
+  p.origin = "generated (preset " + f.preset + ", seed " + std::to_string(f.seed) + ")";
+  p.info["generator"] = "dsa-indexer-bwd generate";
+  p.info["preset"] = f.preset;
+  p.info["ids"] = spec.ids == IdPattern::causal_topk ? "causal" : "permutation";
+  p.info["seed"] = std::to_string(f.seed);
+  return p;
+}
+
+void save_problem(const std::string& path, const Problem& p) {
+  std::map<std::string, std::string> meta = p.info;
+  meta["sm_scale"] = format_float(p.options.sm_scale);
+  meta["loss_coeff"] = format_float(p.options.loss_coeff);
+  meta["grad_loss"] = format_float(p.options.grad_loss);
+  meta["layout"] = layout_name(p.options.layout);
+  meta["id_mode"] = id_mode_name(p.options.id_mode);
+  if (p.options.normalization_count > 0) meta["normalization_count"] = std::to_string(p.options.normalization_count);
+  write_safetensors(path, p.tensors, meta);
+}
+
+Problem load_problem(const std::string& path) {
+  std::map<std::string, std::string> meta;
+  Problem p;
+  p.tensors = read_safetensors(path, &meta);
+  p.origin = "file " + path;
+  for (const char* name : kInputNames) {
+    if (!p.tensors.count(name)) {
+      throw Error(ErrorCode::invalid_argument, name,
+                  path + ": missing tensor '" + name +
+                      "' (a problem file holds index_q, weights, index_k, topk_indices, attn_score, index_score"
+                      " and, for THD, cu_seqlens_q and cu_seqlens_k)");
+    }
+  }
+  // Layout: from the metadata, else from the rank of index_q.
+  const auto lay = meta.find("layout");
+  if (lay != meta.end()) {
+    if (lay->second == "bshd") p.options.layout = Layout::bshd;
+    else if (lay->second == "thd") p.options.layout = Layout::thd;
+    else bad("layout", path + ": metadata layout: expected bshd or thd, got \"" + lay->second + "\"");
+  } else {
+    p.options.layout = p.tensors.at("index_q").shape.size() == 3 ? Layout::thd : Layout::bshd;
+  }
+  const auto idm = meta.find("id_mode");
+  if (idm != meta.end()) {
+    if (idm->second == "local") p.options.id_mode = IdMode::local;
+    else if (idm->second == "global") p.options.id_mode = IdMode::global;
+    else bad("id_mode", path + ": metadata id_mode: expected local or global, got \"" + idm->second + "\"");
+  }
+  const HostTensor& q = p.tensors.at("index_q");
+  const int64_t d = q.shape.empty() ? 0 : q.shape.back();
+  bool found = false;
+  p.options.sm_scale = static_cast<float>(parse_number(meta, "sm_scale", d > 0 ? 1.0 / std::sqrt(double(d)) : 1.0, path, &found));
+  if (!found) log_stage("note: " + path + " has no sm_scale metadata; using 1/sqrt(D) = " + format_float(p.options.sm_scale));
+  p.options.loss_coeff = static_cast<float>(parse_number(meta, "loss_coeff", 1.0, path));
+  p.options.grad_loss = static_cast<float>(parse_number(meta, "grad_loss", 1.0, path));
+  const double n = parse_number(meta, "normalization_count", 0.0, path);
+  if (n < 0 || n != std::floor(n)) bad("normalization_count", path + ": metadata normalization_count: expected an integer >= 0");
+  p.options.normalization_count = static_cast<int64_t>(n);
+  for (const char* key : {"generator", "preset", "ids", "seed"}) {
+    if (meta.count(key)) p.info[key] = meta.at(key);
+  }
+  return p;
+}
+
+int64_t Geometry::key_row(int64_t b, int64_t id) const {
+  if (id_mode == IdMode::local) return (id >= 0 && id < k_len[b]) ? k_start[b] + id : -1;
+  return (id >= k_start[b] && id < k_start[b] + k_len[b]) ? id : -1;
+}
+
+std::string Geometry::summary() const {
+  std::ostringstream s;
+  if (layout == Layout::bshd) {
+    s << "bshd B=" << batch << " S_q=" << s_q << " S_kv=" << s_kv;
+  } else {
+    s << "thd " << batch << " sequences, T_q=" << num_q_rows << " T_k=" << num_k_rows << " (q lengths ";
+    for (size_t b = 0; b < q_len.size() && b < 8; ++b) s << (b ? "," : "") << q_len[b];
+    if (q_len.size() > 8) s << ",...";
+    s << ")";
+  }
+  s << " H=" << heads << " D=" << head_dim << " topk=" << topk << ", ids " << id_mode_name(id_mode);
+  return s.str();
+}
+
+Geometry analyze_problem(const Problem& p) {
+  const bool thd = p.options.layout == Layout::thd;
+  // Ranks first, so that the output shapes below make sense; the library checks the rest.
+  const std::map<std::string, size_t> ranks = {{"index_q", thd ? 3u : 4u},     {"weights", thd ? 2u : 3u},
+                                               {"index_k", thd ? 2u : 3u},     {"topk_indices", thd ? 2u : 3u},
+                                               {"attn_score", thd ? 2u : 3u},  {"index_score", thd ? 2u : 3u}};
+  for (const auto& [name, rank] : ranks) {
+    const auto it = p.tensors.find(name);
+    if (it == p.tensors.end()) bad(name, name + ": expected a tensor, got nothing (absent)");
+    if (it->second.shape.size() != rank) {
+      std::string shape;
+      for (int64_t d : it->second.shape) shape += (shape.empty() ? "" : ", ") + std::to_string(d);
+      bad(name, name + ": expected rank " + std::to_string(rank) + " (" + layout_name(p.options.layout) +
+                    " layout), got rank " + std::to_string(it->second.shape.size()) + " with shape (" + shape + ")");
+    }
+  }
+  if (thd) {
+    for (const char* name : kSeqlenNames) {
+      if (!p.tensors.count(name)) bad(name, std::string(name) + ": expected a tensor (THD layout), got nothing (absent)");
+    }
+  }
+  // The library's own validation of the inputs (cpu backend, host views): a sampled
+  // reference of no rows validates everything and computes nothing.
+  IndexerBackwardOptions opt = p.options;
+  opt.backend = Backend::cpu;
+  reference_backward_sampled(p.inputs(), opt, {}, {});
+  const HostTensor& q = p.tensors.at("index_q");
+  const HostTensor& k = p.tensors.at("index_k");
+
+  Geometry g;
+  g.layout = p.options.layout;
+  g.id_mode = p.options.id_mode;
+  g.heads = q.shape[thd ? 1 : 2];
+  g.head_dim = q.shape[thd ? 2 : 3];
+  g.topk = shape_at(p.tensors.at("topk_indices"), thd ? 1 : 2);
+  if (!thd) {
+    g.batch = q.shape[0];
+    g.s_q = q.shape[1];
+    g.s_kv = k.shape[1];
+    g.num_q_rows = g.batch * g.s_q;
+    g.num_k_rows = g.batch * g.s_kv;
+    for (int64_t b = 0; b < g.batch; ++b) {
+      g.q_start.push_back(b * g.s_q);
+      g.q_len.push_back(g.s_q);
+      g.k_start.push_back(b * g.s_kv);
+      g.k_len.push_back(g.s_kv);
+    }
+  } else {
+    const HostTensor& cq = p.tensors.at("cu_seqlens_q");
+    const HostTensor& ck = p.tensors.at("cu_seqlens_k");
+    g.batch = cq.numel() - 1;
+    g.num_q_rows = q.shape[0];
+    g.num_k_rows = k.shape[0];
+    for (int64_t b = 0; b < g.batch; ++b) {
+      g.q_start.push_back(cq.data<int32_t>()[b]);
+      g.q_len.push_back(cq.data<int32_t>()[b + 1] - cq.data<int32_t>()[b]);
+      g.k_start.push_back(ck.data<int32_t>()[b]);
+      g.k_len.push_back(ck.data<int32_t>()[b + 1] - ck.data<int32_t>()[b]);
+    }
+  }
+  g.key_selected.assign(static_cast<size_t>(g.num_k_rows), 0);
+  const int32_t* ids = p.tensors.at("topk_indices").data<int32_t>();
+  for (int64_t b = 0; b < g.batch; ++b) {
+    for (int64_t r = g.q_start[b]; r < g.q_start[b] + g.q_len[b]; ++r) {
+      for (int64_t i = 0; i < g.topk; ++i) {
+        const int64_t kr = g.key_row(b, ids[r * g.topk + i]);
+        if (kr < 0) continue;
+        ++g.valid_slots;
+        g.key_selected[static_cast<size_t>(kr)] = 1;
+      }
+    }
+  }
+  return g;
+}
+
+}  // namespace dsaib::cli

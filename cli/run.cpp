@@ -1,0 +1,100 @@
+// Running the backward on the host, and small helpers of the CLI.
+#include <cstring>
+#include <iostream>
+#include <mutex>
+#include <thread>
+
+#include "cli.hpp"
+
+namespace dsaib::cli {
+namespace {
+
+const auto kStart = std::chrono::steady_clock::now();
+std::mutex log_mutex;
+
+}  // namespace
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void log_stage(const std::string& message) {
+  char stamp[32];
+  std::snprintf(stamp, sizeof stamp, "[%7.2f s] ", seconds_since(kStart));
+  std::lock_guard<std::mutex> lock(log_mutex);
+  std::cerr << stamp << message << std::endl;
+}
+
+int32_t resolve_threads(int32_t threads) {
+  if (threads > 0) return threads;
+  const unsigned n = std::thread::hardware_concurrency();
+  return n > 0 ? static_cast<int32_t>(n) : 1;
+}
+
+std::string human_seconds(double s) {
+  char buf[64];
+  if (s < 1e-3) std::snprintf(buf, sizeof buf, "%.1f us", s * 1e6);
+  else if (s < 1.0) std::snprintf(buf, sizeof buf, "%.3f ms", s * 1e3);
+  else std::snprintf(buf, sizeof buf, "%.3f s", s);
+  return buf;
+}
+
+double bf16_bits_to_double(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+double element(const HostTensor& t, int64_t i) {
+  switch (t.dtype) {
+    case DType::bf16: return bf16_bits_to_double(t.data<uint16_t>()[i]);
+    case DType::f32: return t.data<float>()[i];
+    case DType::i32: return t.data<int32_t>()[i];
+  }
+  return 0;
+}
+
+RunResult run_cpu(const Problem& p, const Geometry&, DType out_dtype, int32_t threads, int warmup, int repeat) {
+  RunResult r;
+  r.timer = "std::chrono::steady_clock (host)";
+  r.device = "host, " + std::to_string(resolve_threads(threads)) + " threads";
+  const IndexerBackwardInputs in = p.inputs();
+  r.d_index_q = HostTensor(out_dtype, p.tensors.at("index_q").shape);
+  r.d_weights = HostTensor(out_dtype, p.tensors.at("weights").shape);
+  r.d_index_k = HostTensor(out_dtype, p.tensors.at("index_k").shape);
+  IndexerBackwardOutputs out{r.d_index_q.view(), r.d_weights.view(), r.d_index_k.view()};
+  IndexerBackwardOptions opt = p.options;
+  opt.backend = Backend::cpu;
+  opt.num_threads = threads;
+  for (int i = 0; i < warmup + repeat; ++i) {
+    // Poison the outputs (all-ones bytes are NaN in bf16 and f32): every element must be written.
+    for (HostTensor* t : {&r.d_index_q, &r.d_weights, &r.d_index_k}) std::memset(t->bytes.data(), 0xff, t->bytes.size());
+    const bool timed = i >= warmup;
+    log_stage(std::string("backward: cpu ") + (timed ? "run " + std::to_string(i - warmup + 1) + "/" + std::to_string(repeat)
+                                                      : "warm-up " + std::to_string(i + 1) + "/" + std::to_string(warmup)) +
+              " ...");
+    const auto t0 = std::chrono::steady_clock::now();
+    indexer_backward(in, out, opt);
+    const double s = seconds_since(t0);
+    log_stage("backward: done in " + human_seconds(s));
+    if (timed) r.seconds.push_back(s);
+  }
+  return r;
+}
+
+#ifndef DSAIB_CLI_WITH_CUDA
+bool cli_built_with_cuda() { return false; }
+std::string cuda_unavailable_reason() { return "this build has no CUDA support"; }
+RunResult run_cuda(const Problem& p, const Geometry&, DType out_dtype, int, int) {
+  // Let the library give its own error for the request (backend_unavailable).
+  HostTensor dq(out_dtype, p.tensors.at("index_q").shape), dw(out_dtype, p.tensors.at("weights").shape),
+      dk(out_dtype, p.tensors.at("index_k").shape);
+  IndexerBackwardOptions opt = p.options;
+  opt.backend = Backend::cuda;
+  indexer_backward(p.inputs(), {dq.view(), dw.view(), dk.view()}, opt);
+  throw Error(ErrorCode::backend_unavailable, "backend", "backend: this build has no CUDA support");
+}
+#endif
+
+}  // namespace dsaib::cli

@@ -1,0 +1,190 @@
+// Verification of backward outputs against the fp64 reference.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <mutex>
+#include <numeric>
+#include <random>
+#include <thread>
+
+#include "cli.hpp"
+#include "dsaib/reference.hpp"
+
+namespace dsaib::cli {
+namespace {
+
+double tolerance(DType dt) { return dt == DType::bf16 ? 3e-3 : 1e-3; }
+
+/// Accumulates |got - ref| statistics; got is element `out_index` of the output tensor.
+struct Accumulator {
+  Metric m;
+  double err2 = 0, ref2 = 0;
+  Accumulator(const char* name, const HostTensor& out) {
+    m.name = name;
+    m.shape = out.shape;
+    m.dtype = out.dtype;
+    m.tol = tolerance(out.dtype);
+  }
+  void add(double got, double ref) {
+    ++m.compared;
+    if (!std::isfinite(got)) {
+      ++m.nonfinite;
+      return;
+    }
+    const double e = got - ref;
+    err2 += e * e;
+    ref2 += ref * ref;
+    m.max_abs = std::max(m.max_abs, std::abs(e));
+    m.ref_max_abs = std::max(m.ref_max_abs, std::abs(ref));
+  }
+  Metric finish() {
+    const double n = static_cast<double>(std::max<int64_t>(m.compared - m.nonfinite, 1));
+    m.ref_rms = std::sqrt(ref2 / n);
+    if (m.nonfinite > 0) {
+      m.rel_rms = std::numeric_limits<double>::quiet_NaN();
+      m.max_abs = std::numeric_limits<double>::quiet_NaN();
+    } else if (ref2 > 0) {
+      m.rel_rms = std::sqrt(err2 / ref2);
+    } else {
+      m.rel_rms = err2 > 0 ? std::numeric_limits<double>::infinity() : 0.0;
+    }
+    m.pass = m.nonfinite == 0 && m.rel_rms <= m.tol;  // NaN never passes
+    return m;
+  }
+};
+
+IndexerBackwardOptions reference_options(const Problem& p, int32_t threads) {
+  IndexerBackwardOptions opt = p.options;
+  opt.backend = Backend::cpu;
+  opt.num_threads = threads;
+  return opt;
+}
+
+/// `count` distinct values drawn at random from `pool`.
+std::vector<int64_t> pick(std::vector<int64_t> pool, size_t count, std::mt19937_64& rng) {
+  std::shuffle(pool.begin(), pool.end(), rng);
+  if (pool.size() > count) pool.resize(count);
+  return pool;
+}
+
+}  // namespace
+
+bool Verification::pass() const {
+  return std::all_of(metrics.begin(), metrics.end(), [](const Metric& m) { return m.pass; });
+}
+
+Verification verify_all(const Problem& p, const Geometry& g, const RunResult& r, int32_t threads) {
+  Verification v;
+  v.mode = "all";
+  const auto t0 = std::chrono::steady_clock::now();
+  log_stage("verify: fp64 reference of all " + std::to_string(g.num_q_rows) + " query rows (" +
+            std::to_string(resolve_threads(threads)) + " threads) ...");
+  const ReferenceGradients ref = reference_backward(p.inputs(), reference_options(p, threads));
+  log_stage("verify: reference done in " + human_seconds(seconds_since(t0)));
+  const std::pair<const char*, const HostTensor*> outs[3] = {
+      {"d_index_q", &r.d_index_q}, {"d_weights", &r.d_weights}, {"d_index_k", &r.d_index_k}};
+  const std::vector<double>* refs[3] = {&ref.d_index_q, &ref.d_weights, &ref.d_index_k};
+  for (int i = 0; i < 3; ++i) {
+    Accumulator acc(outs[i].first, *outs[i].second);
+    const int64_t n = outs[i].second->numel();
+    for (int64_t e = 0; e < n; ++e) acc.add(element(*outs[i].second, e), (*refs[i])[static_cast<size_t>(e)]);
+    v.metrics.push_back(acc.finish());
+  }
+  v.seconds = seconds_since(t0);
+  return v;
+}
+
+Verification verify_sampled(const Problem& p, const Geometry& g, const RunResult& r, int64_t sample_rows,
+                            uint64_t seed, int32_t threads) {
+  Verification v;
+  v.mode = "sample";
+  const auto t0 = std::chrono::steady_clock::now();
+  std::mt19937_64 rng(seed ^ 0x5eed5eedULL);
+  const size_t want = static_cast<size_t>(std::max<int64_t>(sample_rows, 1));
+
+  // Query rows: the first and the last row, and random others.
+  if (g.num_q_rows > 0) {
+    std::vector<int64_t> pool;
+    for (int64_t row = 1; row + 1 < g.num_q_rows; ++row) pool.push_back(row);
+    v.q_rows = pick(pool, want > 2 ? want - 2 : 0, rng);
+    v.q_rows.push_back(0);
+    if (g.num_q_rows > 1) v.q_rows.push_back(g.num_q_rows - 1);
+    std::sort(v.q_rows.begin(), v.q_rows.end());
+  }
+  // Key rows: mostly selected ones (their dK is nonzero), plus up to 2 never selected (dK must be 0).
+  std::vector<int64_t> selected, unselected;
+  for (int64_t j = 0; j < g.num_k_rows; ++j) (g.key_selected[static_cast<size_t>(j)] ? selected : unselected).push_back(j);
+  const size_t n_unsel = std::min<size_t>({unselected.size(), 2, want});
+  v.k_rows = pick(selected, want - n_unsel, rng);
+  const auto extra = pick(unselected, n_unsel, rng);
+  v.k_rows.insert(v.k_rows.end(), extra.begin(), extra.end());
+  std::sort(v.k_rows.begin(), v.k_rows.end());
+
+  const int64_t H = g.heads, D = g.head_dim;
+  const IndexerBackwardInputs in = p.inputs();
+  const IndexerBackwardOptions opt = reference_options(p, 1);
+  log_stage("verify: fp64 reference of " + std::to_string(v.q_rows.size()) + " sampled query rows and " +
+            std::to_string(v.k_rows.size()) + " sampled key rows ...");
+
+  // Work items: chunks of query rows, and the key rows as one item (its cost is a scan of all ids).
+  const int T = resolve_threads(threads);
+  const size_t chunk = std::max<size_t>(1, v.q_rows.size() / (4 * static_cast<size_t>(T)));
+  std::vector<std::pair<size_t, size_t>> items;
+  for (size_t b = 0; b < v.q_rows.size(); b += chunk) items.emplace_back(b, std::min(v.q_rows.size(), b + chunk));
+  const size_t key_item = items.size();
+  items.emplace_back(0, 0);
+  std::vector<double> ref_dq(v.q_rows.size() * H * D), ref_dw(v.q_rows.size() * H), ref_dk;
+  std::atomic<size_t> next{0};
+  std::atomic<size_t> rows_done{0};
+  std::atomic<bool> failed{false};
+  std::exception_ptr error;
+  std::mutex error_mutex;
+  auto last_log = std::chrono::steady_clock::now();
+  std::mutex log_mutex;
+  auto worker = [&] {
+    for (size_t it; !failed && (it = next++) < items.size();) {
+      try {
+        if (it == key_item) {
+          const auto res = reference_backward_sampled(in, opt, {}, v.k_rows);
+          ref_dk = res.d_index_k;
+        } else {
+          const std::vector<int64_t> rows(v.q_rows.begin() + items[it].first, v.q_rows.begin() + items[it].second);
+          const auto res = reference_backward_sampled(in, opt, rows, {});
+          std::copy(res.d_index_q.begin(), res.d_index_q.end(), ref_dq.begin() + items[it].first * H * D);
+          std::copy(res.d_weights.begin(), res.d_weights.end(), ref_dw.begin() + items[it].first * H);
+          const size_t done = rows_done += rows.size();
+          std::lock_guard<std::mutex> lock(log_mutex);
+          if (seconds_since(last_log) > 2.0) {
+            last_log = std::chrono::steady_clock::now();
+            log_stage("verify: " + std::to_string(done) + "/" + std::to_string(v.q_rows.size()) + " query rows");
+          }
+        }
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(error_mutex);
+        if (!error) error = std::current_exception();
+        failed = true;
+      }
+    }
+  };
+  std::vector<std::thread> pool;
+  for (int t = 1; t < T; ++t) pool.emplace_back(worker);
+  worker();
+  for (auto& th : pool) th.join();
+  if (error) std::rethrow_exception(error);
+  log_stage("verify: reference done in " + human_seconds(seconds_since(t0)));
+
+  Accumulator aq("d_index_q", r.d_index_q), aw("d_weights", r.d_weights), ak("d_index_k", r.d_index_k);
+  for (size_t n = 0; n < v.q_rows.size(); ++n) {
+    const int64_t row = v.q_rows[n];
+    for (int64_t e = 0; e < H * D; ++e) aq.add(element(r.d_index_q, row * H * D + e), ref_dq[n * H * D + e]);
+    for (int64_t h = 0; h < H; ++h) aw.add(element(r.d_weights, row * H + h), ref_dw[n * H + h]);
+  }
+  for (size_t n = 0; n < v.k_rows.size(); ++n) {
+    for (int64_t d = 0; d < D; ++d) ak.add(element(r.d_index_k, v.k_rows[n] * D + d), ref_dk[n * D + d]);
+  }
+  v.metrics = {aq.finish(), aw.finish(), ak.finish()};
+  v.seconds = seconds_since(t0);
+  return v;
+}
+
+}  // namespace dsaib::cli

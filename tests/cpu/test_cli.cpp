@@ -1,0 +1,228 @@
+// End-to-end tests of the dsa-indexer-bwd command line tool (small problems, cpu backend).
+#include <gtest/gtest.h>
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "dsaib/indexer_backward.hpp"
+#include "dsaib/safetensors.hpp"
+
+#ifndef DSAIB_CLI_PATH
+#error "DSAIB_CLI_PATH (the dsa-indexer-bwd binary) must be defined by the build"
+#endif
+
+namespace {
+
+struct Result {
+  int exit_code = -1;  // -1: did not exit normally (crashed)
+  std::string output;  // stdout and stderr
+};
+
+std::string quote(const std::string& s) { return "'" + s + "'"; }
+
+Result run(const std::string& args, bool with_stderr = true) {
+  const std::string cmd = quote(DSAIB_CLI_PATH) + " " + args + (with_stderr ? " 2>&1" : " 2>/dev/null");
+  Result r;
+  FILE* p = ::popen(cmd.c_str(), "r");
+  if (!p) return r;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = std::fread(buf.data(), 1, buf.size(), p)) > 0) r.output.append(buf.data(), n);
+  const int status = ::pclose(p);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+bool contains(const std::string& s, const std::string& frag) { return s.find(frag) != std::string::npos; }
+
+class Cli : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = std::filesystem::path(::testing::TempDir()) / ("dsaib_cli_test." + std::to_string(::getpid()));
+    std::filesystem::create_directories(dir_);
+  }
+  static void TearDownTestSuite() {
+    std::error_code ec;
+    std::filesystem::remove_all(dir_, ec);
+  }
+  static std::string path(const std::string& name) { return (dir_ / name).string(); }
+  /// A tiny problem file (B2 S64 H8 D64 topk16), generated once per test suite.
+  static std::string tiny_problem() {
+    const std::string p = path("tiny.safetensors");
+    if (!std::filesystem::exists(p)) {
+      const Result r = run("generate --preset tiny --seed 3 --out " + quote(p));
+      EXPECT_EQ(r.exit_code, 0) << r.output;
+    }
+    return p;
+  }
+  static std::filesystem::path dir_;
+};
+std::filesystem::path Cli::dir_;
+
+TEST_F(Cli, GenerateWritesAProblemFile) {
+  const std::string p = tiny_problem();
+  std::map<std::string, std::string> meta;
+  const auto t = dsaib::read_safetensors(p, &meta);
+  ASSERT_EQ(t.size(), 6u);
+  EXPECT_EQ(t.at("index_q").shape, (std::vector<int64_t>{2, 64, 8, 64}));
+  EXPECT_EQ(t.at("index_q").dtype, dsaib::DType::bf16);
+  EXPECT_EQ(t.at("weights").shape, (std::vector<int64_t>{2, 64, 8}));
+  EXPECT_EQ(t.at("index_k").shape, (std::vector<int64_t>{2, 64, 64}));
+  EXPECT_EQ(t.at("topk_indices").dtype, dsaib::DType::i32);
+  EXPECT_EQ(t.at("topk_indices").shape, (std::vector<int64_t>{2, 64, 16}));
+  EXPECT_EQ(t.at("attn_score").dtype, dsaib::DType::f32);
+  EXPECT_EQ(t.at("index_score").shape, (std::vector<int64_t>{2, 64, 16}));
+  EXPECT_EQ(meta.at("layout"), "bshd");
+  EXPECT_EQ(meta.at("id_mode"), "local");
+  EXPECT_EQ(meta.at("sm_scale"), "0.125");  // 1/sqrt(64)
+  EXPECT_EQ(meta.at("loss_coeff"), "1");
+  EXPECT_EQ(meta.at("grad_loss"), "1");
+}
+
+TEST_F(Cli, BackwardOnFileVerifiesAllAndWritesGradients) {
+  const std::string in = tiny_problem();
+  const std::string out = path("grads.safetensors");
+  const Result r = run("backward --in " + quote(in) + " --out " + quote(out) + " --verify all --threads 2");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (const char* frag : {"bshd B=2 S_q=64 S_kv=64 H=8 D=64 topk=16", "backend     cpu", "backward    ",
+                           "per query row", "all rows vs the fp64 reference", "d_index_q", "d_weights", "d_index_k",
+                           "result      PASS"}) {
+    EXPECT_TRUE(contains(r.output, frag)) << "'" << frag << "' not in:\n" << r.output;
+  }
+  EXPECT_FALSE(contains(r.output, "FAIL")) << r.output;
+  if (!dsaib::cuda_backend_available()) {
+    EXPECT_TRUE(contains(r.output, "backend: cpu (auto: ")) << r.output;
+  }
+  std::map<std::string, std::string> meta;
+  const auto g = dsaib::read_safetensors(out, &meta);
+  ASSERT_EQ(g.size(), 3u);
+  EXPECT_EQ(g.at("d_index_q").shape, (std::vector<int64_t>{2, 64, 8, 64}));
+  EXPECT_EQ(g.at("d_weights").shape, (std::vector<int64_t>{2, 64, 8}));
+  EXPECT_EQ(g.at("d_index_k").shape, (std::vector<int64_t>{2, 64, 64}));
+  for (const auto& [name, t] : g) EXPECT_EQ(t.dtype, dsaib::DType::bf16) << name;
+  EXPECT_EQ(meta.at("out_dtype"), "bf16");
+  EXPECT_EQ(meta.at("normalization_count"), "128");
+}
+
+TEST_F(Cli, GeneratedThdGlobalIdsF32OutputsJsonReport) {
+  const std::string out = path("thd_grads.safetensors");
+  const Result r = run("backward --layout thd --seqlens-q 1,37,50 --heads 16 --head-dim 64 --topk 24 --id-mode global"
+                       " --out-dtype f32 --verify sample --sample-rows 8 --json --out " +
+                           quote(out),
+                       /*with_stderr=*/false);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto j = nlohmann::json::parse(r.output);
+  EXPECT_EQ(j["problem"]["layout"], "thd");
+  EXPECT_EQ(j["problem"]["id_mode"], "global");
+  EXPECT_EQ(j["problem"]["num_q_rows"], 88);
+  EXPECT_EQ(j["verify"]["mode"], "sample");
+  EXPECT_EQ(j["verify"]["sampled_q_rows"], 8);
+  ASSERT_EQ(j["verify"]["outputs"].size(), 3u);
+  for (const auto& o : j["verify"]["outputs"]) {
+    EXPECT_TRUE(o["pass"].get<bool>()) << o.dump();
+    EXPECT_LE(o["rel_rms"].get<double>(), 1e-3);
+    EXPECT_EQ(o["dtype"], "f32");
+  }
+  EXPECT_TRUE(j["pass"].get<bool>());
+  EXPECT_GT(j["timing"]["mean_seconds"].get<double>(), 0.0);
+  const auto g = dsaib::read_safetensors(out);
+  EXPECT_EQ(g.at("d_index_q").shape, (std::vector<int64_t>{88, 16, 64}));
+  EXPECT_EQ(g.at("d_weights").shape, (std::vector<int64_t>{88, 16}));
+  EXPECT_EQ(g.at("d_index_k").shape, (std::vector<int64_t>{88, 64}));
+  EXPECT_EQ(g.at("d_index_k").dtype, dsaib::DType::f32);
+}
+
+TEST_F(Cli, ScalarOverridesReachTheReport) {
+  const Result r = run("backward --in " + quote(tiny_problem()) +
+                       " --sm-scale 0.5 --loss-coeff 2 --grad-loss 0.25 --normalization-count 7 --verify all");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "sm_scale=0.5 loss_coeff=2 grad_loss=0.25 N=7")) << r.output;
+}
+
+TEST_F(Cli, MalformedFileIsAnErrorNotACrash) {
+  // Truncated copy of a valid file.
+  const std::string good = tiny_problem();
+  std::ifstream f(good, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(f)), {});
+  const std::string bad = path("truncated.safetensors");
+  std::ofstream(bad, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size() / 2));
+  Result r = run("backward --in " + quote(bad));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_TRUE(contains(r.output, "error (io_error)")) << r.output;
+  EXPECT_TRUE(contains(r.output, bad)) << r.output;
+
+  // Not a safetensors file at all.
+  const std::string junk = path("junk.safetensors");
+  std::ofstream(junk) << "this is not a safetensors file, just some text";
+  r = run("backward --in " + quote(junk));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_TRUE(contains(r.output, "header length")) << r.output;
+
+  // Missing file.
+  r = run("backward --in " + quote(path("nope.safetensors")));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_TRUE(contains(r.output, "cannot open")) << r.output;
+}
+
+TEST_F(Cli, WrongTensorIsAnErrorNamingIt) {
+  std::map<std::string, std::string> meta;
+  auto t = dsaib::read_safetensors(tiny_problem(), &meta);
+
+  auto wrong_dtype = t;
+  wrong_dtype["index_q"] = dsaib::HostTensor(dsaib::DType::f32, t.at("index_q").shape);
+  dsaib::write_safetensors(path("wrong_dtype.safetensors"), wrong_dtype, meta);
+  Result r = run("backward --in " + quote(path("wrong_dtype.safetensors")));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_TRUE(contains(r.output, "index_q: expected dtype bf16")) << r.output;
+
+  auto wrong_shape = t;
+  wrong_shape["weights"] = dsaib::HostTensor(dsaib::DType::bf16, {2, 64, 9});
+  dsaib::write_safetensors(path("wrong_shape.safetensors"), wrong_shape, meta);
+  r = run("backward --in " + quote(path("wrong_shape.safetensors")));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_TRUE(contains(r.output, "weights")) << r.output;
+
+  auto wrong_rank = t;
+  wrong_rank["index_k"] = dsaib::HostTensor(dsaib::DType::bf16, {128, 64});
+  dsaib::write_safetensors(path("wrong_rank.safetensors"), wrong_rank, meta);
+  r = run("backward --in " + quote(path("wrong_rank.safetensors")));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_TRUE(contains(r.output, "index_k: expected rank 3")) << r.output;
+
+  auto missing = t;
+  missing.erase("attn_score");
+  dsaib::write_safetensors(path("missing.safetensors"), missing, meta);
+  r = run("backward --in " + quote(path("missing.safetensors")));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_TRUE(contains(r.output, "missing tensor 'attn_score'")) << r.output;
+
+  auto bad_meta = meta;
+  bad_meta["sm_scale"] = "fast";
+  dsaib::write_safetensors(path("bad_meta.safetensors"), t, bad_meta);
+  r = run("backward --in " + quote(path("bad_meta.safetensors")));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_TRUE(contains(r.output, "metadata sm_scale: expected a finite number")) << r.output;
+}
+
+TEST_F(Cli, BadUsageExitsWithTwo) {
+  for (const std::string args : {"", "backward --bogus", "backward --preset nope", "backward --heads 7 --preset tiny",
+                                 "backward --verify maybe", "generate --preset tiny",
+                                 "backward --in x.safetensors --topk 4"}) {
+    const Result r = run(args);
+    EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.output;
+  }
+  const Result help = run("backward --help");
+  EXPECT_EQ(help.exit_code, 0);
+  EXPECT_TRUE(contains(help.output, "--preset")) << help.output;
+  EXPECT_TRUE(contains(run("presets").output, "deepseek-v32"));
+}
+
+}  // namespace
