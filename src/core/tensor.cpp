@@ -43,6 +43,9 @@ int64_t TensorView::numel() const {
 }
 
 bool TensorView::is_contiguous() const {
+  // An empty tensor is contiguous whatever its strides (as in torch); this also
+  // keeps contiguous_view(), which steps over size-0 dims as if they were 1, consistent.
+  if (numel() == 0) return true;
   int64_t expected = 1;
   for (int i = rank - 1; i >= 0; --i) {
     if (shape[i] != 1 && strides[i] != expected) return false;

@@ -173,6 +173,16 @@ ProblemGeometry validate_problem(const IndexerBackwardInputs& in, const IndexerB
     check_tensor(out.d_index_k, {"d_index_k", {DType::bf16, DType::f32}, 3 - r}, device, device_index);
   }
 
+  // cu_seqlens views are checked here, before anything (the overlap test below)
+  // walks their shape.
+  if (thd) {
+    check_tensor(in.cu_seqlens_q, {"cu_seqlens_q", {DType::i32}, 1}, device, device_index);
+    check_tensor(in.cu_seqlens_k, {"cu_seqlens_k", {DType::i32}, 1}, device, device_index);
+  } else {
+    if (in.cu_seqlens_q.present()) fail("cu_seqlens_q", "absent for layout bshd", "a tensor");
+    if (in.cu_seqlens_k.present()) fail("cu_seqlens_k", "absent for layout bshd", "a tensor");
+  }
+
   const TensorView& q = in.index_q;
   if (thd) {
     g.num_q_rows = q.shape[0];
@@ -280,10 +290,8 @@ ProblemGeometry validate_problem(const IndexerBackwardInputs& in, const IndexerB
   }
   if (opt.num_threads < 0) fail("num_threads", ">= 0 (0 = all hardware threads)", std::to_string(opt.num_threads));
 
-  // Sequences.
+  // Sequences (the views were checked above).
   if (thd) {
-    check_tensor(in.cu_seqlens_q, {"cu_seqlens_q", {DType::i32}, 1}, device, device_index);
-    check_tensor(in.cu_seqlens_k, {"cu_seqlens_k", {DType::i32}, 1}, device, device_index);
     if (in.cu_seqlens_q.shape[0] < 1) fail("cu_seqlens_q", "length B + 1 >= 1", "length 0");
     if (in.cu_seqlens_k.shape[0] != in.cu_seqlens_q.shape[0]) {
       fail("cu_seqlens_k", "length B + 1 = " + std::to_string(in.cu_seqlens_q.shape[0]) + " (that of cu_seqlens_q)",
@@ -301,8 +309,6 @@ ProblemGeometry validate_problem(const IndexerBackwardInputs& in, const IndexerB
       g.k_len.push_back(ck[b + 1] - ck[b]);
     }
   } else {
-    if (in.cu_seqlens_q.present()) fail("cu_seqlens_q", "absent for layout bshd", "a tensor");
-    if (in.cu_seqlens_k.present()) fail("cu_seqlens_k", "absent for layout bshd", "a tensor");
     for (int64_t b = 0; b < g.batch; ++b) {
       g.q_start.push_back(b * g.s_q);
       g.q_len.push_back(g.s_q);
@@ -342,10 +348,10 @@ ProblemGeometry validate_problem(const IndexerBackwardInputs& in, const IndexerB
         if (id != -1 && g.key_row(b, id) < 0) {
           std::ostringstream s;
           s << "topk_indices: strict mode found an out-of-range id at (b=" << b << ", t=" << t << ", slot=" << i
-            << "): id " << id << ", expected -1 or an id in "
+            << "): expected -1 or an id in "
             << (g.id_mode == IdMode::local ? "[0, " + std::to_string(g.k_len[b]) + ")"
                                            : "[" + std::to_string(g.k_start[b]) + ", " + std::to_string(g.k_start[b] + g.k_len[b]) + ")")
-            << " (" << id_mode_name(g.id_mode) << " ids)";
+            << " (" << id_mode_name(g.id_mode) << " ids), got id " << id;
           throw Error(ErrorCode::index_out_of_range, "topk_indices", s.str());
         }
       }

@@ -1,0 +1,463 @@
+// The "Contract" section of test-cases.md through dsaib::indexer_backward with
+// backend cpu: every bad input gives a dsaib::Error with the right code, whose
+// argument() and message name the argument, whose message says "expected ...,
+// got ...", and after which every input and output buffer (outputs pre-filled
+// with a byte pattern) is bitwise unchanged. indexer_backward_workspace_size()
+// must raise the same error.
+//
+// Each case mutates views/options of a small valid problem; buffers the views
+// need (misaligned copies, bad cu_seqlens, ...) are extra buffers that are
+// snapshotted too.
+#include <gtest/gtest.h>
+
+#include <cctype>
+#include <climits>
+#include <cmath>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <tuple>
+
+#include "support/test_support.hpp"
+
+namespace dsaib::test {
+namespace {
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+struct Env {
+  GeneratedProblem p;
+  OutputBuffers o;
+  std::deque<HostTensor> extra;  // stable addresses
+  IndexerBackwardInputs in;
+  IndexerBackwardOutputs out;
+  IndexerBackwardOptions opt;
+
+  /// An extra zeroed buffer of at least `bytes` bytes (16-byte aligned storage).
+  unsigned char* buffer(size_t bytes) {
+    extra.emplace_back(DType::f32, std::vector<int64_t>{static_cast<int64_t>((bytes + 3) / 4 + 4)});
+    return extra.back().bytes.data();
+  }
+  /// A copy of `v`'s contiguous data, `byte_offset` bytes into a fresh buffer.
+  TensorView shifted(const TensorView& v, size_t byte_offset) {
+    const size_t n = static_cast<size_t>(v.numel()) * dtype_size(v.dtype);
+    unsigned char* b = buffer(n + byte_offset + 16);
+    if (n) std::memcpy(b + byte_offset, v.data, n);
+    TensorView w = v;
+    w.data = b + byte_offset;
+    return w;
+  }
+  /// A contiguous zero tensor view of the given dtype and shape in an extra buffer.
+  TensorView zeros(DType dt, std::initializer_list<int64_t> shape) {
+    int64_t n = 1;
+    for (int64_t s : shape) n *= s;
+    return contiguous_view(buffer(static_cast<size_t>(n) * dtype_size(dt)), dt, shape);
+  }
+  /// An i32 vector in an extra buffer.
+  TensorView ints(std::initializer_list<int32_t> values) {
+    auto* b = reinterpret_cast<int32_t*>(buffer(values.size() * 4));
+    std::copy(values.begin(), values.end(), b);
+    return contiguous_view(b, DType::i32, {static_cast<int64_t>(values.size())});
+  }
+};
+
+/// BSHD: B2, S_q 6, S_kv 9, H8, D64, topk 5. THD: sequences q {2, 5}, k {3, 6}.
+/// Outputs f32, pre-filled with 0xA5 bytes.
+std::unique_ptr<Env> make_env(Layout layout) {
+  auto env = std::make_unique<Env>();
+  GenerateSpec s = small_spec(51);
+  s.layout = layout;
+  s.s_q = 6;
+  s.s_kv = 9;
+  s.topk = 5;
+  s.seqlens_q = {2, 5};
+  s.seqlens_k = {3, 6};
+  s.ids = IdPattern::random_permutation;
+  env->p = make_problem(s);
+  env->o = make_outputs(env->p);
+  for (HostTensor* t : {&env->o.d_index_q, &env->o.d_weights, &env->o.d_index_k}) {
+    std::fill(t->bytes.begin(), t->bytes.end(), 0xA5);
+  }
+  env->in = env->p.inputs();
+  env->out = env->o.views();
+  env->opt = env->p.options();
+  env->opt.num_threads = 1;
+  return env;
+}
+
+using Mutate = std::function<void(Env&)>;
+
+struct Case {
+  std::string name;
+  Layout layout;
+  std::string argument;
+  Mutate mutate;
+  ErrorCode code = ErrorCode::invalid_argument;
+};
+
+std::vector<Case>& cases() {
+  static std::vector<Case> c;
+  return c;
+}
+
+void add(const std::string& name, Layout layout, const std::string& arg, Mutate m,
+         ErrorCode code = ErrorCode::invalid_argument) {
+  cases().push_back({name, layout, arg, std::move(m), code});
+}
+void add_both(const std::string& name, const std::string& arg, const Mutate& m,
+              ErrorCode code = ErrorCode::invalid_argument) {
+  add(name + "_bshd", Layout::bshd, arg, m, code);
+  add(name + "_thd", Layout::thd, arg, m, code);
+}
+
+// Accessors by name, so cases can be generated for every tensor.
+const char* const kInputNames[] = {"index_q", "weights", "index_k", "topk_indices", "attn_score", "index_score"};
+const char* const kOutputNames[] = {"d_index_q", "d_weights", "d_index_k"};
+TensorView& view_of(Env& e, const std::string& n) {
+  if (n == "index_q") return e.in.index_q;
+  if (n == "weights") return e.in.weights;
+  if (n == "index_k") return e.in.index_k;
+  if (n == "topk_indices") return e.in.topk_indices;
+  if (n == "attn_score") return e.in.attn_score;
+  if (n == "index_score") return e.in.index_score;
+  if (n == "cu_seqlens_q") return e.in.cu_seqlens_q;
+  if (n == "cu_seqlens_k") return e.in.cu_seqlens_k;
+  if (n == "d_index_q") return e.out.d_index_q;
+  if (n == "d_weights") return e.out.d_weights;
+  return e.out.d_index_k;
+}
+DType wrong_dtype(const std::string& n) {
+  if (n == "topk_indices" || n == "cu_seqlens_q" || n == "cu_seqlens_k") return DType::f32;
+  if (n == "attn_score" || n == "index_score") return DType::bf16;
+  if (n == "index_q" || n == "index_k") return DType::f32;
+  return DType::i32;  // weights and outputs accept bf16 and f32
+}
+
+void register_cases() {
+  std::vector<std::string> tensors(std::begin(kInputNames), std::end(kInputNames));
+  tensors.insert(tensors.end(), std::begin(kOutputNames), std::end(kOutputNames));
+
+  for (const std::string& n : tensors) {
+    // dtype, rank (one less, one more, out of range), absent, null, negative size and stride.
+    add_both("dtype_" + n, n, [n](Env& e) { view_of(e, n).dtype = wrong_dtype(n); });
+    add_both("dtype_enum_" + n, n, [n](Env& e) { view_of(e, n).dtype = static_cast<DType>(7); });
+    add_both("rank_minus_" + n, n, [n](Env& e) { view_of(e, n).rank -= 1; });
+    add_both("rank_plus_" + n, n, [n](Env& e) {
+      TensorView& v = view_of(e, n);
+      if (v.rank < kMaxRank) {
+        v.shape[v.rank] = 1;
+        v.strides[v.rank] = 1;
+        v.rank += 1;
+      } else {
+        v.rank = 3;
+      }
+    });
+    add_both("rank_5_" + n, n, [n](Env& e) { view_of(e, n).rank = 5; });
+    add_both("rank_negative_" + n, n, [n](Env& e) { view_of(e, n).rank = -1; });
+    add_both("absent_" + n, n, [n](Env& e) { view_of(e, n) = TensorView{}; });
+    add_both("null_" + n, n, [n](Env& e) { view_of(e, n).data = nullptr; });
+    add_both("negative_size_" + n, n, [n](Env& e) { view_of(e, n).shape[0] = -1; });
+    add_both("negative_stride_" + n, n, [n](Env& e) {
+      TensorView& v = view_of(e, n);
+      v.strides[v.rank - 1] = -1;
+    });
+    add_both("device_cuda_" + n, n, [n](Env& e) { view_of(e, n).device = DeviceType::cuda; });
+    // Misaligned: one byte off for 2-byte types, two bytes off for 4-byte ones.
+    add_both("misaligned_" + n, n, [n](Env& e) {
+      TensorView& v = view_of(e, n);
+      v = e.shifted(v, dtype_size(v.dtype) / 2);
+    });
+  }
+  // cu_seqlens views in THD.
+  for (const std::string n : {"cu_seqlens_q", "cu_seqlens_k"}) {
+    add("dtype_" + n, Layout::thd, n, [n](Env& e) { view_of(e, n).dtype = DType::f32; });
+    add("rank_2_" + n, Layout::thd, n, [n](Env& e) {
+      TensorView& v = view_of(e, n);
+      v.rank = 2;
+      v.shape[1] = 1;
+      v.strides[1] = 1;
+    });
+    add("rank_5_" + n, Layout::thd, n, [n](Env& e) { view_of(e, n).rank = 5; });
+    add("absent_" + n, Layout::thd, n, [n](Env& e) { view_of(e, n) = TensorView{}; });
+    add("null_" + n, Layout::thd, n, [n](Env& e) { view_of(e, n).data = nullptr; });
+    add("negative_size_" + n, Layout::thd, n, [n](Env& e) { view_of(e, n).shape[0] = -1; });
+    add("misaligned_" + n, Layout::thd, n, [n](Env& e) { view_of(e, n) = e.shifted(view_of(e, n), 2); });
+    add("present_for_bshd_" + n, Layout::bshd, n, [n](Env& e) { view_of(e, n) = e.ints({0, 6, 12}); });
+  }
+
+  // Shapes (BSHD: B2 S_q6 S_kv9 H8 D64 K5). Only shrinking changes, so a view
+  // never covers more than its buffer.
+  add("shape_weights_S", Layout::bshd, "weights", [](Env& e) { e.in.weights.shape[1] = 5; });
+  add("shape_weights_B", Layout::bshd, "weights", [](Env& e) { e.in.weights.shape[0] = 1; });
+  add("shape_index_k_B", Layout::bshd, "index_k", [](Env& e) { e.in.index_k.shape[0] = 1; });
+  add("shape_index_k_D", Layout::bshd, "index_k", [](Env& e) { e.in.index_k.shape[2] = 32; });
+  add("shape_topk_S", Layout::bshd, "topk_indices", [](Env& e) { e.in.topk_indices.shape[1] = 5; });
+  add("shape_topk_B", Layout::bshd, "topk_indices", [](Env& e) { e.in.topk_indices.shape[0] = 1; });
+  add("shape_attn_K", Layout::bshd, "attn_score", [](Env& e) { e.in.attn_score.shape[2] = 4; });
+  add("shape_attn_S", Layout::bshd, "attn_score", [](Env& e) { e.in.attn_score.shape[1] = 1; });
+  add("shape_index_score_K", Layout::bshd, "index_score", [](Env& e) { e.in.index_score.shape[2] = 4; });
+  add("shape_d_index_q_S", Layout::bshd, "d_index_q", [](Env& e) { e.out.d_index_q.shape[1] = 5; });
+  add("shape_d_index_q_D", Layout::bshd, "d_index_q", [](Env& e) { e.out.d_index_q.shape[3] = 32; });
+  add("shape_d_weights_S", Layout::bshd, "d_weights", [](Env& e) { e.out.d_weights.shape[1] = 5; });
+  add("shape_d_index_k_S", Layout::bshd, "d_index_k", [](Env& e) { e.out.d_index_k.shape[1] = 8; });
+  add("shape_weights_T", Layout::thd, "weights", [](Env& e) { e.in.weights.shape[0] = 6; });
+  add("shape_index_k_D_thd", Layout::thd, "index_k", [](Env& e) { e.in.index_k.shape[1] = 32; });
+  add("shape_topk_T", Layout::thd, "topk_indices", [](Env& e) { e.in.topk_indices.shape[0] = 6; });
+  add("shape_index_score_K_thd", Layout::thd, "index_score", [](Env& e) { e.in.index_score.shape[1] = 4; });
+  add("shape_d_index_k_T", Layout::thd, "d_index_k", [](Env& e) { e.out.d_index_k.shape[0] = 8; });
+  add("shape_d_weights_T", Layout::thd, "d_weights", [](Env& e) { e.out.d_weights.shape[0] = 6; });
+
+  // Supported sizes: H a multiple of 8 in [8, 128], D in {64, 128}, topk >= 1.
+  for (int64_t H : {0, 4, 12, 136}) {
+    add("heads_" + std::to_string(H), Layout::bshd, "index_q", [H](Env& e) {
+      e.in.index_q = e.zeros(DType::bf16, {2, 6, H, 64});
+      e.in.weights = e.zeros(DType::bf16, {2, 6, H});
+      e.out.d_index_q = e.zeros(DType::f32, {2, 6, H, 64});
+      e.out.d_weights = e.zeros(DType::f32, {2, 6, H});
+    });
+  }
+  for (int64_t D : {0, 32, 96, 256}) {
+    add("head_dim_" + std::to_string(D), Layout::thd, "index_q", [D](Env& e) {
+      e.in.index_q = e.zeros(DType::bf16, {7, 8, D});
+      e.in.index_k = e.zeros(DType::bf16, {9, D});
+      e.out.d_index_q = e.zeros(DType::f32, {7, 8, D});
+      e.out.d_index_k = e.zeros(DType::f32, {9, D});
+    });
+  }
+  add_both("topk_0", "topk_indices", [](Env& e) {
+    for (TensorView* v : {&e.in.topk_indices, &e.in.attn_score, &e.in.index_score}) v->shape[v->rank - 1] = 0;
+  });
+
+  // Non-contiguous outputs (valid memory, wrong layout).
+  add("noncontiguous_d_index_q", Layout::bshd, "d_index_q", [](Env& e) {
+    StridedCopy c = strided_copy(e.o.d_index_q, {1, 1, 1, 2}, {0, 0, 0, 0});  // every other element
+    e.extra.push_back(std::move(c.storage));
+    c.view.data = e.extra.back().bytes.data();
+    e.out.d_index_q = c.view;
+  });
+  add("noncontiguous_d_weights_transposed", Layout::thd, "d_weights", [](Env& e) {
+    std::swap(e.out.d_weights.strides[0], e.out.d_weights.strides[1]);
+    e.out.d_weights.strides[0] = 1;
+    e.out.d_weights.strides[1] = 7;
+  });
+  add("noncontiguous_d_index_k_padded_rows", Layout::bshd, "d_index_k", [](Env& e) {
+    TensorView v = e.out.d_index_k;
+    v.data = e.buffer(2 * 10 * 64 * 4);
+    v.strides[1] = 64;
+    v.strides[0] = 10 * 64;
+    e.out.d_index_k = v;
+  });
+  add("broadcast_d_weights_stride0", Layout::bshd, "d_weights", [](Env& e) { e.out.d_weights.strides[0] = 0; });
+
+  // Overlaps: outputs with each other and with inputs (inside one extra buffer,
+  // so a wrongly accepted case cannot write outside memory this test owns).
+  add("overlap_dq_dk_same_pointer", Layout::bshd, "d_index_q", [](Env& e) {
+    e.out.d_index_k.data = e.out.d_index_q.data;
+  });
+  add("overlap_dw_tail_of_dq", Layout::bshd, "d_index_q", [](Env& e) {
+    const int64_t nq = e.out.d_index_q.numel(), nw = e.out.d_weights.numel();
+    auto* b = reinterpret_cast<float*>(e.buffer((nq + nw) * 4));
+    e.out.d_index_q.data = b;
+    e.out.d_weights.data = b + nq - 1;  // one element shared
+  });
+  add("overlap_d_weights_is_weights", Layout::bshd, "d_weights", [](Env& e) {
+    e.out.d_weights.data = e.in.weights.data;  // bf16 output over the bf16 input
+    e.out.d_weights.dtype = DType::bf16;
+  });
+  add("overlap_d_index_q_inside_index_score", Layout::thd, "d_index_q", [](Env& e) {
+    const int64_t ns = e.in.index_score.numel(), nq = e.out.d_index_q.numel();
+    auto* b = reinterpret_cast<float*>(e.buffer((ns + nq) * 4));
+    std::memcpy(b, e.in.index_score.data, ns * 4);
+    e.in.index_score.data = b;
+    e.out.d_index_q.data = b + ns / 2;
+  });
+  add("overlap_d_index_k_over_cu_seqlens_k", Layout::thd, "d_index_k", [](Env& e) {
+    const int64_t nk = e.out.d_index_k.numel();
+    auto* b = reinterpret_cast<int32_t*>(e.buffer((nk + 3) * 4));
+    std::memcpy(b + nk, e.in.cu_seqlens_k.data, 12);
+    e.in.cu_seqlens_k.data = b + nk;
+    e.out.d_index_k.data = b + 2;
+  });
+  add("overlap_d_index_k_over_topk_indices", Layout::bshd, "d_index_k", [](Env& e) {
+    const int64_t nk = e.out.d_index_k.numel(), ni = e.in.topk_indices.numel();
+    auto* b = reinterpret_cast<int32_t*>(e.buffer((nk + ni) * 4));
+    std::memcpy(b + nk - 1, e.in.topk_indices.data, ni * 4);
+    e.in.topk_indices.data = b + nk - 1;
+    e.out.d_index_k.data = b;
+  });
+
+  // Scalars.
+  for (float bad : {kNaN, kInf, -kInf}) {
+    const std::string tag = std::isnan(bad) ? "nan" : bad > 0 ? "inf" : "minus_inf";
+    add_both("sm_scale_" + tag, "sm_scale", [bad](Env& e) { e.opt.sm_scale = bad; });
+    add_both("loss_coeff_" + tag, "loss_coeff", [bad](Env& e) { e.opt.loss_coeff = bad; });
+    add_both("grad_loss_" + tag, "grad_loss", [bad](Env& e) { e.opt.grad_loss = bad; });
+  }
+  add("grad_loss_device_misaligned", Layout::bshd, "grad_loss_device", [](Env& e) {
+    e.opt.grad_loss_device = reinterpret_cast<const float*>(e.buffer(8) + 2);
+  });
+  add("normalization_count_negative", Layout::bshd, "normalization_count", [](Env& e) { e.opt.normalization_count = -1; });
+  add("num_threads_negative", Layout::thd, "num_threads", [](Env& e) { e.opt.num_threads = -2; });
+  add("layout_enum", Layout::bshd, "layout", [](Env& e) { e.opt.layout = static_cast<Layout>(7); });
+  add("id_mode_enum", Layout::bshd, "id_mode", [](Env& e) { e.opt.id_mode = static_cast<IdMode>(-1); });
+  add("backend_enum", Layout::bshd, "backend", [](Env& e) { e.opt.backend = static_cast<Backend>(5); });
+  add("layout_thd_given_bshd_tensors", Layout::bshd, "index_q", [](Env& e) { e.opt.layout = Layout::thd; });
+  add("layout_bshd_given_thd_tensors", Layout::thd, "index_q", [](Env& e) { e.opt.layout = Layout::bshd; });
+
+  // cu_seqlens values (THD: q {0, 2, 7}, k {0, 3, 9}).
+  add("cu_seqlens_q_not_monotone", Layout::thd, "cu_seqlens_q", [](Env& e) { e.in.cu_seqlens_q = e.ints({0, 8, 7}); });
+  add("cu_seqlens_k_not_monotone", Layout::thd, "cu_seqlens_k", [](Env& e) { e.in.cu_seqlens_k = e.ints({0, 10, 9}); });
+  add("cu_seqlens_q_not_ending_at_total", Layout::thd, "cu_seqlens_q", [](Env& e) { e.in.cu_seqlens_q = e.ints({0, 2, 6}); });
+  add("cu_seqlens_k_past_total", Layout::thd, "cu_seqlens_k", [](Env& e) { e.in.cu_seqlens_k = e.ints({0, 3, 10}); });
+  add("cu_seqlens_q_not_starting_at_0", Layout::thd, "cu_seqlens_q", [](Env& e) { e.in.cu_seqlens_q = e.ints({1, 2, 7}); });
+  add("cu_seqlens_k_negative_start", Layout::thd, "cu_seqlens_k", [](Env& e) { e.in.cu_seqlens_k = e.ints({-1, 3, 9}); });
+  add("cu_seqlens_k_wrong_length", Layout::thd, "cu_seqlens_k", [](Env& e) { e.in.cu_seqlens_k = e.ints({0, 3, 9, 9}); });
+  add("cu_seqlens_q_length_0", Layout::thd, "cu_seqlens_q", [](Env& e) {
+    e.in.cu_seqlens_q.shape[0] = 0;
+    e.in.cu_seqlens_k.shape[0] = 0;
+  });
+  add("cu_seqlens_q_int_overflow_values", Layout::thd, "cu_seqlens_q", [](Env& e) {
+    e.in.cu_seqlens_q = e.ints({0, INT_MAX, 7});
+  });
+
+  // Backends.
+  if (!cuda_backend_available()) {
+    add_both("backend_cuda_unavailable", "backend", [](Env& e) { e.opt.backend = Backend::cuda; },
+             ErrorCode::backend_unavailable);
+  }
+}
+
+std::string sanitize(std::string s) {
+  for (char& c : s) {
+    if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
+  }
+  return s;
+}
+
+class Contract : public ::testing::TestWithParam<size_t> {};
+
+void expect_error(const std::function<void()>& call, const Case& c, const char* entry) {
+  SCOPED_TRACE(entry);
+  try {
+    call();
+    ADD_FAILURE() << "no error raised; expected " << error_code_name(c.code) << " naming '" << c.argument << "'";
+  } catch (const Error& err) {
+    const std::string msg = err.what();
+    EXPECT_EQ(error_code_name(err.code()), std::string(error_code_name(c.code))) << msg;
+    EXPECT_EQ(err.argument(), c.argument) << msg;
+    EXPECT_EQ(msg.rfind(c.argument, 0), 0u) << "message should start with the argument: " << msg;
+    EXPECT_NE(msg.find("expected"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("got"), std::string::npos) << msg;
+    EXPECT_LT(msg.find("expected"), msg.rfind("got")) << msg;
+  } catch (const std::exception& other) {
+    ADD_FAILURE() << "not a dsaib::Error: " << other.what();
+  }
+}
+
+TEST_P(Contract, RejectsAndTouchesNothing) {
+  const Case& c = cases()[GetParam()];
+  std::unique_ptr<Env> env = make_env(c.layout);
+  c.mutate(*env);
+  const SnapshotAll snap(env->p, env->o);
+  std::vector<Snapshot> extra_snaps;
+  for (const HostTensor& t : env->extra) extra_snaps.emplace_back(t);
+
+  expect_error([&] { indexer_backward(env->in, env->out, env->opt); }, c, "indexer_backward");
+  expect_error([&] { (void)indexer_backward_workspace_size(env->in, env->out, env->opt); }, c,
+               "indexer_backward_workspace_size");
+  EXPECT_EQ(snap.changed(), "") << "buffers changed by a failing call";
+  for (size_t i = 0; i < extra_snaps.size(); ++i) EXPECT_TRUE(extra_snaps[i].unchanged()) << "extra buffer " << i;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, Contract, ::testing::Range<size_t>(0, [] {
+                           register_cases();
+                           return cases().size();
+                         }()),
+                         [](const ::testing::TestParamInfo<size_t>& info) { return sanitize(cases()[info.param].name); });
+
+// ---- strict mode ------------------------------------------------------------
+
+TEST(Strict, ReportsFirstOffendingSlot) {
+  for (Layout layout : {Layout::bshd, Layout::thd}) {
+    for (IdMode mode : {IdMode::local, IdMode::global}) {
+      std::unique_ptr<Env> env = make_env(layout);
+      GeneratedProblem& p = env->p;
+      p = with_id_mode(p, mode);
+      env->in = p.inputs();
+      env->opt = p.options();
+      env->opt.strict_indices = true;
+      // -1 anywhere is fine; the first invalid non -1 id is (row 4, slot 2).
+      set_id(p, 0, 0, -1);
+      set_id(p, 3, 4, -1);
+      const bool thd = layout == Layout::thd;
+      // Row 4: BSHD (b=0, t=4), THD (b=1, t=2). Key count of that sequence: 9 resp. 6.
+      const int32_t bad = mode == IdMode::local ? (thd ? 6 : 9) : (thd ? 0 : 9 + 9);
+      set_id(p, 4, 2, bad);
+      set_id(p, 5, 1, -7);  // later: not reported
+      const SnapshotAll snap(p, env->o);
+      try {
+        indexer_backward(env->in, env->out, env->opt);
+        ADD_FAILURE() << "no error";
+      } catch (const Error& e) {
+        const std::string msg = e.what();
+        EXPECT_EQ(e.code(), ErrorCode::index_out_of_range) << msg;
+        EXPECT_EQ(e.argument(), "topk_indices");
+        const std::string where = thd ? "(b=1, t=2, slot=2)" : "(b=0, t=4, slot=2)";
+        EXPECT_NE(msg.find(where), std::string::npos) << msg;
+        EXPECT_NE(msg.find("got id " + std::to_string(bad)), std::string::npos) << msg;
+        EXPECT_NE(msg.find("expected"), std::string::npos) << msg;
+        EXPECT_NE(msg.find(id_mode_name(mode)), std::string::npos) << msg;
+      }
+      EXPECT_EQ(snap.changed(), "");
+    }
+  }
+}
+
+TEST(Strict, MinusOneAllowedAndSameResult) {
+  std::unique_ptr<Env> env = make_env(Layout::bshd);
+  invalidate_run(env->p, 3, Where::middle, 2);
+  invalidate_row(env->p, 7);
+  refresh_scores(env->p);
+  IndexerBackwardOptions strict = env->opt;
+  strict.strict_indices = true;
+  const OutputBuffers a = run_cpu(env->p, env->opt), b = run_cpu(env->p, strict);
+  EXPECT_TRUE(bitwise_equal(a.d_index_q, b.d_index_q));
+  EXPECT_TRUE(bitwise_equal(a.d_weights, b.d_weights));
+  EXPECT_TRUE(bitwise_equal(a.d_index_k, b.d_index_k));
+}
+
+// ---- valid corner cases are accepted ------------------------------------------
+
+TEST(Accepted, DeterministicOnCpu) {
+  std::unique_ptr<Env> env = make_env(Layout::thd);
+  IndexerBackwardOptions det = env->opt;
+  det.deterministic = true;
+  const OutputBuffers a = run_cpu(env->p, env->opt), b = run_cpu(env->p, det);
+  EXPECT_TRUE(bitwise_equal(a.d_index_k, b.d_index_k));
+  EXPECT_EQ(indexer_backward_workspace_size(env->in, env->out, det), 0u);
+}
+
+TEST(Accepted, EmptyProblems) {
+  for (auto [b, sq, skv] : {std::tuple{0, 4, 4}, std::tuple{2, 0, 4}, std::tuple{2, 3, 0}}) {
+    GenerateSpec s = small_spec(52);
+    s.batch = b;
+    s.s_q = sq;
+    s.s_kv = skv;
+    const GeneratedProblem p = make_problem(s);
+    const OutputBuffers o = run_cpu(p, p.options());
+    for (double v : to_doubles(o.d_index_q)) ASSERT_EQ(v, 0.0);
+    for (double v : to_doubles(o.d_weights)) ASSERT_EQ(v, 0.0);
+    for (double v : to_doubles(o.d_index_k)) ASSERT_EQ(v, 0.0);
+  }
+}
+
+TEST(Accepted, BackendCudaWithoutDeviceIsUnavailable) {
+  if (cuda_backend_available()) GTEST_SKIP() << "a CUDA device is present";
+  EXPECT_FALSE(cuda_backend_available());
+}
+
+}  // namespace
+}  // namespace dsaib::test
