@@ -1,0 +1,244 @@
+// Outputs and inputs of the cpu backend (test-cases.md, "Contract" and
+// "Numerics"): incoming output contents never matter, poisoned outputs come
+// back finite and right, strided inputs are read through their strides, bf16
+// and f32 outputs, scalars (grad_loss_device, N), replay determinism.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "core/bf16.hpp"
+#include "support/test_support.hpp"
+
+namespace dsaib::test {
+namespace {
+
+void expect_bitwise(const OutputBuffers& a, const OutputBuffers& b) {
+  EXPECT_TRUE(bitwise_equal(a.d_index_q, b.d_index_q)) << "d_index_q";
+  EXPECT_TRUE(bitwise_equal(a.d_weights, b.d_weights)) << "d_weights";
+  EXPECT_TRUE(bitwise_equal(a.d_index_k, b.d_index_k)) << "d_index_k";
+}
+
+GeneratedProblem awkward_problem(uint64_t seed, Layout layout = Layout::bshd) {
+  GenerateSpec s = small_spec(seed);
+  s.layout = layout;
+  s.batch = 2;
+  s.s_q = 33;
+  s.s_kv = 47;
+  s.seqlens_q = {1, 33, 20};
+  s.seqlens_k = {5, 47, 20};
+  s.heads = 16;
+  s.topk = 29;
+  return make_problem(s);
+}
+
+TEST(Outputs, PrefilledContentsNeverMatter) {
+  const GeneratedProblem p = awkward_problem(61);
+  for (DType dt : {DType::f32, DType::bf16}) {
+    OutputBuffers zero = make_outputs(p, dt, dt, dt);
+    indexer_backward(p.inputs(), zero.views(), p.options());
+    for (double fillv : {999.0, -1e30, std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity()}) {
+      SCOPED_TRACE("prefill " + std::to_string(fillv) + " " + dtype_name(dt));
+      OutputBuffers o = make_outputs(p, dt, dt, dt);
+      fill(o.d_index_q, fillv);
+      fill(o.d_weights, fillv);
+      fill(o.d_index_k, fillv);
+      indexer_backward(p.inputs(), o.views(), p.options());
+      expect_bitwise(zero, o);
+    }
+  }
+}
+
+TEST(Outputs, PoisonedOutputsComeBackFiniteAndRight) {
+  for (Layout layout : {Layout::bshd, Layout::thd}) {
+    const GeneratedProblem p = awkward_problem(62, layout);
+    const ReferenceGradients ref = reference_backward(p.inputs(), p.options());
+    for (DType dq : {DType::f32, DType::bf16}) {
+      for (DType dw : {DType::f32, DType::bf16}) {
+        for (DType dk : {DType::f32, DType::bf16}) {
+          const OutputBuffers o = run_cpu(p, p.options(), dq, dw, dk);  // poisoned with NaN first
+          const struct {
+            const HostTensor& out;
+            const std::vector<double>& want;
+            const char* name;
+          } checks[] = {{o.d_index_q, ref.d_index_q, "d_index_q"},
+                        {o.d_weights, ref.d_weights, "d_weights"},
+                        {o.d_index_k, ref.d_index_k, "d_index_k"}};
+          for (const auto& c : checks) {
+            const ErrorStats st = compare(c.out, c.want);
+            const double tol = c.out.dtype == DType::bf16 ? 3e-3 : 1e-6;
+            EXPECT_TRUE(st.ok(tol)) << c.name << " " << dtype_name(c.out.dtype) << ": " << st.str();
+            EXPECT_GT(st.max_abs_ref, 0.0) << c.name;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(Outputs, Bf16OutputsAreTheRoundedFp64Values) {
+  const GeneratedProblem p = awkward_problem(63);
+  const ReferenceGradients ref = reference_backward(p.inputs(), p.options());
+  const OutputBuffers o = run_cpu(p, p.options(), DType::bf16, DType::bf16, DType::bf16);
+  const std::vector<double> got = to_doubles(o.d_index_q);
+  for (size_t e = 0; e < got.size(); ++e) {
+    // Within half a bf16 ulp of the fp64 value (plus the f32 double rounding).
+    const double want = ref.d_index_q[e];
+    const double ulp = want == 0 ? 0 : std::ldexp(1.0, std::ilogb(want) - 7);
+    ASSERT_LE(std::abs(got[e] - want), 0.5 * ulp * (1 + 0x1.0p-15)) << e;
+  }
+}
+
+/// Every input through non-contiguous strides (gaps hold NaN, or id 0 = a
+/// valid key, so a wrong stride shows) must give the contiguous result.
+TEST(Outputs, StridedInputsAreReadThroughTheirStrides) {
+  for (Layout layout : {Layout::bshd, Layout::thd}) {
+    SCOPED_TRACE(layout_name(layout));
+    GeneratedProblem p = awkward_problem(64, layout);
+    invalidate_run(p, 3, Where::middle, 4);
+    refresh_scores(p);
+    const bool thd = layout == Layout::thd;
+    const OutputBuffers want = run_cpu(p, p.options());
+
+    auto steps = [&](std::vector<int64_t> bshd, std::vector<int64_t> t) { return thd ? t : bshd; };
+    const StridedCopy q = strided_copy(p.index_q, steps({1, 2, 1, 2}, {2, 1, 2}), steps({1, 0, 3, 1}, {1, 0, 1}));
+    const StridedCopy w = strided_copy(p.weights, steps({1, 1, 3}, {1, 2}), steps({0, 2, 1}, {3, 0}));
+    const StridedCopy k = strided_copy(p.index_k, steps({1, 2, 2}, {3, 2}), steps({1, 1, 0}, {0, 1}));
+    const StridedCopy ids = strided_copy(p.topk_indices, steps({1, 1, 2}, {2, 3}), steps({1, 1, 1}, {2, 2}), 0);
+    const StridedCopy t = strided_copy(p.attn_score, steps({2, 1, 1}, {1, 2}), steps({0, 0, 5}, {1, 1}));
+    const StridedCopy s = strided_copy(p.index_score, steps({1, 3, 1}, {2, 1}), steps({1, 0, 0}, {0, 3}));
+    IndexerBackwardInputs in = p.inputs();
+    in.index_q = q.view;
+    in.weights = w.view;
+    in.index_k = k.view;
+    in.topk_indices = ids.view;
+    in.attn_score = t.view;
+    in.index_score = s.view;
+    StridedCopy cq, ck;
+    if (thd) {
+      cq = strided_copy(p.cu_seqlens_q, {3}, {0}, 999);
+      ck = strided_copy(p.cu_seqlens_k, {2}, {1}, 999);
+      in.cu_seqlens_q = cq.view;
+      in.cu_seqlens_k = ck.view;
+    }
+    ASSERT_FALSE(in.index_q.is_contiguous());
+    OutputBuffers got = make_outputs(p);
+    poison(got);
+    IndexerBackwardOptions strict = p.options();
+    strict.strict_indices = true;  // reads the ids through their strides too
+    indexer_backward(in, got.views(), strict);
+    expect_bitwise(want, got);
+    EXPECT_DOUBLE_EQ(indexer_kl_loss(in, p.options()), indexer_kl_loss(p.inputs(), p.options()));
+  }
+}
+
+/// Stride 0 (one weight row broadcast over the batch) is a valid input view.
+TEST(Outputs, BroadcastInputViaStrideZero) {
+  GeneratedProblem p = awkward_problem(65);
+  const int64_t per_batch = p.weights.numel() / 2;
+  std::memcpy(p.weights.bytes.data() + per_batch * 2, p.weights.bytes.data(), per_batch * 2);  // batch 1 := batch 0
+  refresh_index_score(p);
+  const OutputBuffers want = run_cpu(p, p.options());
+  IndexerBackwardInputs in = p.inputs();
+  in.weights.strides[0] = 0;
+  OutputBuffers got = make_outputs(p);
+  indexer_backward(in, got.views(), p.options());
+  expect_bitwise(want, got);
+}
+
+TEST(Outputs, GradLossDeviceIsReadAndScalesExactly) {
+  const GeneratedProblem p = awkward_problem(66);
+  IndexerBackwardOptions o = p.options();
+  o.grad_loss = 1.0f;
+  const OutputBuffers one = run_cpu(p, o);
+  float device_value = 2.0f;
+  o.grad_loss = std::numeric_limits<float>::quiet_NaN();  // ignored when grad_loss_device is set
+  o.grad_loss_device = &device_value;
+  const OutputBuffers two = run_cpu(p, o);
+  const std::vector<double> a = to_doubles(one.d_index_k), b = to_doubles(two.d_index_k);
+  for (size_t e = 0; e < a.size(); ++e) ASSERT_EQ(2 * a[e], b[e]) << e;
+  device_value = 1.0f;  // a "replay" with a new value
+  expect_bitwise(one, run_cpu(p, o));
+}
+
+TEST(Outputs, NormalizationCountScalesExactly) {
+  const GeneratedProblem p = awkward_problem(67);
+  IndexerBackwardOptions o = p.options();
+  const OutputBuffers def = run_cpu(p, o);
+  o.normalization_count = num_q_rows(p);  // the default, spelled out
+  expect_bitwise(def, run_cpu(p, o));
+  o.normalization_count = 2 * num_q_rows(p);
+  const OutputBuffers half = run_cpu(p, o);
+  const std::vector<double> a = to_doubles(def.d_weights), b = to_doubles(half.d_weights);
+  for (size_t e = 0; e < a.size(); ++e) ASSERT_EQ(a[e] / 2, b[e]) << e;
+  // loss_coeff and grad_loss enter as the product: (2, 0.25) == (0.5, 1).
+  IndexerBackwardOptions x = p.options(), y = p.options();
+  x.loss_coeff = 2.0f;
+  x.grad_loss = 0.25f;
+  y.loss_coeff = 0.5f;
+  y.grad_loss = 1.0f;
+  expect_bitwise(run_cpu(p, x), run_cpu(p, y));
+}
+
+TEST(Outputs, ReplayIsBitwiseIdentical) {
+  const GeneratedProblem p = awkward_problem(68, Layout::thd);
+  for (int32_t threads : {1, 2, 3}) {
+    IndexerBackwardOptions o = p.options();
+    o.num_threads = threads;
+    const OutputBuffers first = run_cpu(p, o, DType::f32, DType::bf16, DType::f32);
+    for (int rep = 0; rep < 30; ++rep) expect_bitwise(first, run_cpu(p, o, DType::f32, DType::bf16, DType::f32));
+  }
+  // d_index_q and d_weights do not depend on the thread count at all; d_index_k
+  // only through the order its per-thread fp64 partial sums are added.
+  IndexerBackwardOptions o1 = p.options(), o7 = p.options();
+  o1.num_threads = 1;
+  o7.num_threads = 7;
+  const OutputBuffers a = run_cpu(p, o1), b = run_cpu(p, o7);
+  EXPECT_TRUE(bitwise_equal(a.d_index_q, b.d_index_q));
+  EXPECT_TRUE(bitwise_equal(a.d_weights, b.d_weights));
+  EXPECT_TRUE(compare(b.d_index_k, to_doubles(a.d_index_k)).ok(1e-7));
+}
+
+/// Awkward sizes (topk 1, 100, 129; H 8, 16, 128; D 64, 128) against the
+/// sampled reference, an independent code path for dK.
+TEST(Outputs, AwkwardSizesAgainstSampledReference) {
+  struct Shape {
+    int64_t h, d, k, s;
+    IdPattern ids;
+  };
+  for (const Shape sh : {Shape{8, 64, 1, 20, IdPattern::causal_topk}, Shape{16, 64, 100, 130, IdPattern::causal_topk},
+                         Shape{8, 128, 129, 140, IdPattern::random_permutation},
+                         Shape{128, 64, 7, 9, IdPattern::random_permutation}}) {
+    SCOPED_TRACE("H" + std::to_string(sh.h) + " D" + std::to_string(sh.d) + " topk" + std::to_string(sh.k));
+    GenerateSpec s = small_spec(69);
+    s.batch = 2;
+    s.s_q = 5;
+    s.s_kv = sh.s;
+    s.heads = sh.h;
+    s.head_dim = sh.d;
+    s.topk = sh.k;
+    s.ids = sh.ids;
+    const GeneratedProblem p = make_problem(s);
+    const ReferenceGradients full = reference_backward(p.inputs(), p.options());
+    std::vector<int64_t> qr = {0, 4, 7, 9}, kr = {0, 3, sh.s - 1, sh.s, 2 * sh.s - 1};
+    const SampledReferenceGradients smp = reference_backward_sampled(p.inputs(), p.options(), qr, kr);
+    const int64_t H = sh.h, D = sh.d;
+    for (size_t n = 0; n < qr.size(); ++n) {
+      for (int64_t e = 0; e < H * D; ++e) ASSERT_EQ(smp.d_index_q[n * H * D + e], full.d_index_q[qr[n] * H * D + e]);
+      for (int64_t e = 0; e < H; ++e) ASSERT_EQ(smp.d_weights[n * H + e], full.d_weights[qr[n] * H + e]);
+    }
+    for (size_t n = 0; n < kr.size(); ++n) {
+      for (int64_t d = 0; d < D; ++d) {
+        ASSERT_NEAR(smp.d_index_k[n * D + d], full.d_index_k[kr[n] * D + d], 1e-13 * (1 + std::abs(full.d_index_k[kr[n] * D + d])));
+      }
+    }
+    const OutputBuffers o = run_cpu(p, p.options(), DType::bf16, DType::f32, DType::bf16);
+    EXPECT_TRUE(compare(o.d_index_q, full.d_index_q).ok(3e-3));
+    EXPECT_TRUE(compare(o.d_weights, full.d_weights).ok(1e-6));
+    EXPECT_TRUE(compare(o.d_index_k, full.d_index_k).ok(3e-3));
+  }
+}
+
+}  // namespace
+}  // namespace dsaib::test
