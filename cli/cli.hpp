@@ -125,6 +125,11 @@ Verification verify_all(const Problem& p, const Geometry& g, const RunResult& r,
 Verification verify_sampled(const Problem& p, const Geometry& g, const RunResult& r, int64_t sample_rows,
                             uint64_t seed, int32_t threads);
 
+/// Compares the outputs with gradients stored in the problem file under `prefix` + output name
+/// (scripts/dump_torch_step.py --with-grads writes torch_d_index_q, torch_d_weights, torch_d_index_k,
+/// fp64 autograd cast to f32). Returns no metric for a name that is absent or shaped differently.
+std::vector<Metric> verify_against_stored(const Problem& p, const RunResult& r, const std::string& prefix);
+
 // ---------------------------------------------------------------- helpers
 
 double bf16_bits_to_double(uint16_t h);

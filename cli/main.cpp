@@ -86,6 +86,7 @@ struct ScalarOverrides {
                           "N in c = grad_loss*loss_coeff/N (default 0: the number of query tokens)" + suffix)
               ->check(CLI::NonNegativeNumber);
   }
+  bool any_given() const { return o_sm->count() || o_lc->count() || o_gl->count() || o_n->count(); }
   void apply_to_flags(GenFlags& f) const {
     if (o_sm->count()) {
       f.sm_scale = sm_scale;
@@ -137,6 +138,22 @@ int64_t count_nonfinite(const HostTensor& t) {
   int64_t n = 0;
   for (int64_t i = 0; i < t.numel(); ++i) n += std::isfinite(element(t, i)) ? 0 : 1;
   return n;
+}
+
+void print_metrics(std::ostream& s, const std::vector<Metric>& metrics) {
+  char head[160];
+  std::snprintf(head, sizeof head, "    %-16s %-20s %-5s %-9s %-9s %-9s %-6s %s\n", "output", "shape", "dtype", "rel_rms",
+                "max_abs", "ref_rms", "tol", "result");
+  s << head;
+  for (const Metric& m : metrics) {
+    char line[256];
+    std::snprintf(line, sizeof line, "    %-16s %-20s %-5s %-9s %-9s %-9s %-6s %s", m.name.c_str(),
+                  shape_string(m.shape).c_str(), dtype_name(m.dtype), sci(m.rel_rms).c_str(), sci(m.max_abs).c_str(),
+                  sci(m.ref_rms).c_str(), sci(m.tol, 0).c_str(), m.pass ? "PASS" : "FAIL");
+    s << line;
+    if (m.nonfinite > 0) s << " (" << m.nonfinite << " non-finite elements)";
+    s << "\n";
+  }
 }
 
 // ---------------------------------------------------------------- generate
@@ -237,9 +254,14 @@ int cmd_backward(GenOptions& gen, const ScalarOverrides& sc, const BackwardArgs&
   if (mode == "all") v = verify_all(p, g, r, threads);
   else if (mode == "sample") v = verify_sampled(p, g, r, a.sample_rows, gen.f.seed, threads);
   else v.mode = "none";
+  // Gradients stored in the input file by its producer (scripts/dump_torch_step.py --with-grads):
+  // compared too, unless scalar overrides changed the problem.
+  std::vector<Metric> stored;
+  if (!a.in.empty() && !sc.any_given()) stored = verify_against_stored(p, r, "torch_");
   // Outputs were poisoned with NaN: every element must come back finite (checked even without --verify).
   const int64_t nonfinite = count_nonfinite(r.d_index_q) + count_nonfinite(r.d_weights) + count_nonfinite(r.d_index_k);
-  const bool pass = v.pass() && nonfinite == 0;
+  const bool pass = v.pass() && nonfinite == 0 &&
+                    std::all_of(stored.begin(), stored.end(), [](const Metric& m) { return m.pass; });
 
   // Gradients to a file.
   if (!a.out.empty()) {
@@ -307,7 +329,12 @@ int cmd_backward(GenOptions& gen, const ScalarOverrides& sc, const BackwardArgs&
                       {"tolerance", m.tol},
                       {"pass", m.pass}});
     }
+    nlohmann::ordered_json st = nlohmann::ordered_json::array();
+    for (const Metric& m : stored) {
+      st.push_back({{"name", m.name}, {"rel_rms", m.rel_rms}, {"max_abs", m.max_abs}, {"tolerance", m.tol}, {"pass", m.pass}});
+    }
     j["verify"] = {{"mode", v.mode},
+                   {"stored_gradients", st},
                    {"seconds", v.seconds},
                    {"sampled_q_rows", v.q_rows.size()},
                    {"sampled_k_rows", v.k_rows.size()},
@@ -340,19 +367,11 @@ int cmd_backward(GenOptions& gen, const ScalarOverrides& sc, const BackwardArgs&
     s << "  verify      " << (v.mode == "all" ? "all rows" : std::to_string(v.q_rows.size()) + " sampled query rows, " +
                                                              std::to_string(v.k_rows.size()) + " sampled key rows")
       << " vs the fp64 reference (" << human_seconds(v.seconds) << ")\n";
-    char head[160];
-    std::snprintf(head, sizeof head, "    %-10s %-20s %-5s %-9s %-9s %-9s %-6s %s\n", "output", "shape", "dtype",
-                  "rel_rms", "max_abs", "ref_rms", "tol", "result");
-    s << head;
-    for (const Metric& m : v.metrics) {
-      char line[256];
-      std::snprintf(line, sizeof line, "    %-10s %-20s %-5s %-9s %-9s %-9s %-6s %s", m.name.c_str(),
-                    shape_string(m.shape).c_str(), dtype_name(m.dtype), sci(m.rel_rms).c_str(), sci(m.max_abs).c_str(),
-                    sci(m.ref_rms).c_str(), sci(m.tol, 0).c_str(), m.pass ? "PASS" : "FAIL");
-      s << line;
-      if (m.nonfinite > 0) s << " (" << m.nonfinite << " non-finite elements)";
-      s << "\n";
-    }
+    print_metrics(s, v.metrics);
+  }
+  if (!stored.empty()) {
+    s << "  stored      vs the gradients stored in the input file (torch_*: torch autograd)\n";
+    print_metrics(s, stored);
   }
   if (nonfinite > 0) s << "  non-finite  " << nonfinite << " output elements are NaN/inf (unwritten?)\n";
   if (!a.out.empty()) s << "  output      " << a.out << "\n";

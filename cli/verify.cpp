@@ -187,4 +187,19 @@ Verification verify_sampled(const Problem& p, const Geometry& g, const RunResult
   return v;
 }
 
+std::vector<Metric> verify_against_stored(const Problem& p, const RunResult& r, const std::string& prefix) {
+  std::vector<Metric> out;
+  const std::pair<const char*, const HostTensor*> outs[3] = {
+      {"d_index_q", &r.d_index_q}, {"d_weights", &r.d_weights}, {"d_index_k", &r.d_index_k}};
+  for (const auto& [name, t] : outs) {
+    const auto it = p.tensors.find(prefix + name);
+    if (it == p.tensors.end() || it->second.shape != t->shape || it->second.dtype == DType::i32) continue;
+    Accumulator acc(name, *t);
+    acc.m.name = prefix + name;
+    for (int64_t e = 0; e < t->numel(); ++e) acc.add(element(*t, e), element(it->second, e));
+    out.push_back(acc.finish());
+  }
+  return out;
+}
+
 }  // namespace dsaib::cli

@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "dsaib/indexer_backward.hpp"
+#include "dsaib/reference.hpp"
 #include "dsaib/safetensors.hpp"
 
 #ifndef DSAIB_CLI_PATH
@@ -145,6 +146,41 @@ TEST_F(Cli, ScalarOverridesReachTheReport) {
                        " --sm-scale 0.5 --loss-coeff 2 --grad-loss 0.25 --normalization-count 7 --verify all");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_TRUE(contains(r.output, "sm_scale=0.5 loss_coeff=2 grad_loss=0.25 N=7")) << r.output;
+}
+
+TEST_F(Cli, ComparesWithGradientsStoredInTheFileAndFailsWhenTheyDiffer) {
+  // What scripts/dump_torch_step.py --with-grads stores (torch autograd), here the fp64 reference in f32.
+  std::map<std::string, std::string> meta;
+  auto t = dsaib::read_safetensors(tiny_problem(), &meta);
+  dsaib::IndexerBackwardInputs in;
+  in.index_q = t.at("index_q").view();
+  in.weights = t.at("weights").view();
+  in.index_k = t.at("index_k").view();
+  in.topk_indices = t.at("topk_indices").view();
+  in.attn_score = t.at("attn_score").view();
+  in.index_score = t.at("index_score").view();
+  dsaib::IndexerBackwardOptions opt;
+  opt.sm_scale = std::stof(meta.at("sm_scale"));
+  const auto ref = dsaib::reference_backward(in, opt);
+  auto store = [&](const char* name, const std::vector<double>& v, double scale) {
+    dsaib::HostTensor h(dsaib::DType::f32, t.at(std::string(name).substr(8)).shape);  // name minus "torch_d_"
+    for (size_t i = 0; i < v.size(); ++i) h.data<float>()[i] = static_cast<float>(v[i] * scale);
+    t[name] = std::move(h);
+  };
+  store("torch_d_index_q", ref.d_index_q, 1.0);
+  store("torch_d_weights", ref.d_weights, 1.0);
+  store("torch_d_index_k", ref.d_index_k, 1.0);
+  dsaib::write_safetensors(path("with_grads.safetensors"), t, meta);
+  Result r = run("backward --in " + quote(path("with_grads.safetensors")) + " --verify none");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "gradients stored in the input file")) << r.output;
+  EXPECT_TRUE(contains(r.output, "torch_d_index_k")) << r.output;
+
+  store("torch_d_weights", ref.d_weights, 1.01);  // 1% off: fails the 3e-3 bf16 threshold
+  dsaib::write_safetensors(path("with_bad_grads.safetensors"), t, meta);
+  r = run("backward --in " + quote(path("with_bad_grads.safetensors")) + " --verify all");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_TRUE(contains(r.output, "result      FAIL")) << r.output;
 }
 
 TEST_F(Cli, MalformedFileIsAnErrorNotACrash) {
