@@ -1,0 +1,192 @@
+// The C ABI (include/dsaib/dsaib.h): status codes, dsaib_last_error()
+// messages (per thread, cleared on success), results identical to the C++ API,
+// buffers untouched on failure.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <limits>
+#include <string>
+#include <thread>
+
+#include "dsaib/dsaib.h"
+#include "support/test_support.hpp"
+
+namespace dsaib::test {
+namespace {
+
+dsaib_tensor to_c(const TensorView& v) {
+  dsaib_tensor t;
+  std::memset(&t, 0, sizeof t);
+  t.data = v.data;
+  t.dtype = static_cast<int32_t>(v.dtype);
+  t.rank = v.rank;
+  for (int i = 0; i < 4; ++i) {
+    t.shape[i] = v.shape[i];
+    t.strides[i] = v.strides[i];
+  }
+  t.device = static_cast<int32_t>(v.device);
+  t.device_index = v.device_index;
+  return t;
+}
+
+struct CProblem {
+  GeneratedProblem p;
+  OutputBuffers o;
+  dsaib_inputs in;
+  dsaib_outputs out;
+  dsaib_options opt;
+  explicit CProblem(Layout layout) {
+    GenerateSpec s = small_spec(71);
+    s.layout = layout;
+    s.seqlens_q = {3, 17};
+    s.seqlens_k = {4, 30};
+    p = make_problem(s);
+    o = make_outputs(p, DType::bf16, DType::f32, DType::f32);
+    poison(o);
+    const IndexerBackwardInputs i = p.inputs();
+    in = {to_c(i.index_q),    to_c(i.weights),     to_c(i.index_k),      to_c(i.topk_indices),
+          to_c(i.attn_score), to_c(i.index_score), to_c(i.cu_seqlens_q), to_c(i.cu_seqlens_k)};
+    const IndexerBackwardOutputs v = o.views();
+    out = {to_c(v.d_index_q), to_c(v.d_weights), to_c(v.d_index_k)};
+    dsaib_default_options(&opt);
+    opt.layout = static_cast<int32_t>(layout);
+    opt.sm_scale = p.sm_scale;
+  }
+};
+
+TEST(CApi, StatusCodesMirrorErrorCodes) {
+  EXPECT_EQ(DSAIB_OK, static_cast<int>(ErrorCode::ok));
+  EXPECT_EQ(DSAIB_INVALID_ARGUMENT, static_cast<int>(ErrorCode::invalid_argument));
+  EXPECT_EQ(DSAIB_UNSUPPORTED, static_cast<int>(ErrorCode::unsupported));
+  EXPECT_EQ(DSAIB_INDEX_OUT_OF_RANGE, static_cast<int>(ErrorCode::index_out_of_range));
+  EXPECT_EQ(DSAIB_BACKEND_UNAVAILABLE, static_cast<int>(ErrorCode::backend_unavailable));
+  EXPECT_EQ(DSAIB_CUDA_ERROR, static_cast<int>(ErrorCode::cuda_error));
+  EXPECT_EQ(DSAIB_IO_ERROR, static_cast<int>(ErrorCode::io_error));
+  EXPECT_EQ(DSAIB_INTERNAL, static_cast<int>(ErrorCode::internal));
+}
+
+TEST(CApi, DefaultOptionsMatchCpp) {
+  dsaib_options o;
+  std::memset(&o, 0x7f, sizeof o);
+  dsaib_default_options(&o);
+  const IndexerBackwardOptions d;
+  EXPECT_EQ(o.layout, DSAIB_BSHD);
+  EXPECT_EQ(o.id_mode, DSAIB_IDS_LOCAL);
+  EXPECT_EQ(o.backend, DSAIB_BACKEND_CPU);
+  EXPECT_EQ(o.sm_scale, d.sm_scale);
+  EXPECT_EQ(o.loss_coeff, d.loss_coeff);
+  EXPECT_EQ(o.grad_loss, d.grad_loss);
+  EXPECT_EQ(o.grad_loss_device, nullptr);
+  EXPECT_EQ(o.normalization_count, 0);
+  EXPECT_EQ(o.strict_indices, 0);
+  EXPECT_EQ(o.deterministic, 0);
+  EXPECT_EQ(o.stream, nullptr);
+  EXPECT_EQ(o.num_threads, 0);
+  dsaib_default_options(nullptr);  // tolerated
+}
+
+TEST(CApi, ContiguousTensor) {
+  float buf[24];
+  const int64_t shape[3] = {2, 3, 4};
+  dsaib_tensor t;
+  ASSERT_EQ(dsaib_contiguous_tensor(&t, buf, DSAIB_F32, shape, 3, DSAIB_CPU, 0), DSAIB_OK);
+  EXPECT_EQ(t.rank, 3);
+  EXPECT_EQ(t.strides[0], 12);
+  EXPECT_EQ(t.strides[1], 4);
+  EXPECT_EQ(t.strides[2], 1);
+  EXPECT_STREQ(dsaib_last_error(), "");
+  EXPECT_EQ(dsaib_contiguous_tensor(&t, buf, DSAIB_F32, shape, 5, DSAIB_CPU, 0), DSAIB_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(dsaib_last_error()).find("rank: expected"), std::string::npos) << dsaib_last_error();
+  EXPECT_EQ(dsaib_contiguous_tensor(nullptr, buf, DSAIB_F32, shape, 3, DSAIB_CPU, 0), DSAIB_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(dsaib_last_error()).find("view: expected"), std::string::npos) << dsaib_last_error();
+  EXPECT_EQ(dsaib_contiguous_tensor(&t, buf, DSAIB_F32, nullptr, 3, DSAIB_CPU, 0), DSAIB_INVALID_ARGUMENT);
+}
+
+TEST(CApi, SuccessMatchesCppAndClearsLastError) {
+  for (Layout layout : {Layout::bshd, Layout::thd}) {
+    CProblem c(layout);
+    // Leave an error behind first.
+    ASSERT_EQ(dsaib_indexer_backward(nullptr, &c.out, &c.opt, nullptr, 0), DSAIB_INVALID_ARGUMENT);
+    ASSERT_STRNE(dsaib_last_error(), "");
+    size_t bytes = 123;
+    ASSERT_EQ(dsaib_indexer_backward_workspace_size(&c.in, &c.out, &c.opt, &bytes), DSAIB_OK) << dsaib_last_error();
+    EXPECT_EQ(bytes, 0u);
+    ASSERT_EQ(dsaib_indexer_backward(&c.in, &c.out, &c.opt, nullptr, 0), DSAIB_OK) << dsaib_last_error();
+    EXPECT_STREQ(dsaib_last_error(), "");
+    const OutputBuffers want = run_cpu(c.p, c.p.options(), DType::bf16, DType::f32, DType::f32);
+    EXPECT_TRUE(bitwise_equal(want.d_index_q, c.o.d_index_q));
+    EXPECT_TRUE(bitwise_equal(want.d_weights, c.o.d_weights));
+    EXPECT_TRUE(bitwise_equal(want.d_index_k, c.o.d_index_k));
+  }
+}
+
+struct CFailure {
+  const char* name;
+  dsaib_status status;
+  const char* message_start;
+  void (*mutate)(CProblem&);
+};
+
+TEST(CApi, FailuresReportStatusAndMessageAndTouchNothing) {
+  const CFailure failures[] = {
+      {"wrong dtype", DSAIB_INVALID_ARGUMENT, "index_q: expected dtype bf16",
+       [](CProblem& c) { c.in.index_q.dtype = DSAIB_F32; }},
+      {"dtype enum", DSAIB_INVALID_ARGUMENT, "weights: expected dtype 0 (bf16), 1 (f32) or 2 (i32), got 9",
+       [](CProblem& c) { c.in.weights.dtype = 9; }},
+      {"rank enum", DSAIB_INVALID_ARGUMENT, "index_k: expected rank 0..4, got 7", [](CProblem& c) { c.in.index_k.rank = 7; }},
+      {"device enum", DSAIB_INVALID_ARGUMENT, "d_index_k: expected device 0 (cpu) or 1 (cuda), got 3",
+       [](CProblem& c) { c.out.d_index_k.device = 3; }},
+      {"shape", DSAIB_INVALID_ARGUMENT, "attn_score: expected shape", [](CProblem& c) { c.in.attn_score.shape[0] = 1; }},
+      {"sm_scale", DSAIB_INVALID_ARGUMENT, "sm_scale: expected a finite value, got",
+       [](CProblem& c) { c.opt.sm_scale = std::numeric_limits<float>::infinity(); }},
+      {"layout enum", DSAIB_INVALID_ARGUMENT, "layout: expected bshd or thd, got 4", [](CProblem& c) { c.opt.layout = 4; }},
+      {"strict", DSAIB_INDEX_OUT_OF_RANGE, "topk_indices: strict mode found an out-of-range id at (b=0, t=2, slot=1)",
+       [](CProblem& c) {
+         c.opt.strict_indices = 1;
+         set_id(c.p, 2, 1, 1000);
+       }},
+      {"cuda", DSAIB_BACKEND_UNAVAILABLE, "backend: expected cpu", [](CProblem& c) { c.opt.backend = DSAIB_BACKEND_CUDA; }},
+  };
+  for (const CFailure& f : failures) {
+    SCOPED_TRACE(f.name);
+    if (f.status == DSAIB_BACKEND_UNAVAILABLE && dsaib_cuda_backend_available()) continue;
+    CProblem c(Layout::bshd);
+    f.mutate(c);
+    const SnapshotAll snap(c.p, c.o);
+    EXPECT_EQ(dsaib_indexer_backward(&c.in, &c.out, &c.opt, nullptr, 0), f.status);
+    const std::string msg = dsaib_last_error();
+    EXPECT_EQ(msg.rfind(f.message_start, 0), 0u) << msg;
+    EXPECT_NE(msg.find("got"), std::string::npos) << msg;
+    size_t bytes = 0;
+    EXPECT_EQ(dsaib_indexer_backward_workspace_size(&c.in, &c.out, &c.opt, &bytes), f.status);
+    EXPECT_EQ(std::string(dsaib_last_error()), msg);
+    EXPECT_EQ(snap.changed(), "");
+  }
+}
+
+TEST(CApi, NullArguments) {
+  CProblem c(Layout::bshd);
+  EXPECT_EQ(dsaib_indexer_backward(&c.in, nullptr, &c.opt, nullptr, 0), DSAIB_INVALID_ARGUMENT);
+  EXPECT_STREQ(dsaib_last_error(), "outputs: expected a non-null pointer, got NULL");
+  EXPECT_EQ(dsaib_indexer_backward(&c.in, &c.out, nullptr, nullptr, 0), DSAIB_INVALID_ARGUMENT);
+  EXPECT_STREQ(dsaib_last_error(), "options: expected a non-null pointer, got NULL");
+  EXPECT_EQ(dsaib_indexer_backward_workspace_size(&c.in, &c.out, &c.opt, nullptr), DSAIB_INVALID_ARGUMENT);
+  EXPECT_STREQ(dsaib_last_error(), "bytes: expected a non-null pointer, got NULL");
+}
+
+TEST(CApi, LastErrorIsPerThread) {
+  ASSERT_EQ(dsaib_indexer_backward(nullptr, nullptr, nullptr, nullptr, 0), DSAIB_INVALID_ARGUMENT);
+  const std::string mine = dsaib_last_error();
+  ASSERT_FALSE(mine.empty());
+  std::string other = "unset";
+  std::thread([&] { other = dsaib_last_error(); }).join();
+  EXPECT_EQ(other, "");
+  EXPECT_EQ(std::string(dsaib_last_error()), mine);
+}
+
+TEST(CApi, CudaAvailabilityAgreesWithCpp) {
+  EXPECT_EQ(dsaib_cuda_backend_available() != 0, cuda_backend_available());
+}
+
+}  // namespace
+}  // namespace dsaib::test
