@@ -49,8 +49,8 @@ struct ConsumerMma {
     Tensor sQt = make_tensor(make_smem_ptr(ss.q), typename Config::SmemLayoutQt{});   // (D, 64 heads, stage)
     Tensor sK = make_tensor(make_smem_ptr(ss.k), typename Config::SmemLayoutK{});     // (64 keys, D, stage)
     Tensor sKt = make_tensor(make_smem_ptr(ss.k), typename Config::SmemLayoutKt{});   // (D, 64 keys, stage)
-    Tensor sA = make_tensor(make_smem_ptr(ss.a), typename Config::SmemLayoutA{});     // (64 keys, 64 heads)
-    Tensor sAt = make_tensor(make_smem_ptr(ss.a), typename Config::SmemLayoutAt{});   // (64 heads, 64 keys)
+    Tensor sA = make_tensor(make_smem_ptr(ss.a), typename Config::SmemLayoutA{});     // (64 keys, 64 heads, term)
+    Tensor sAt = make_tensor(make_smem_ptr(ss.a), typename Config::SmemLayoutAt{});   // (64 heads, 64 keys, term)
     Tensor sDK = make_tensor(make_smem_ptr(ss.dk), typename Config::SmemLayoutDK{});  // (64 keys, D, stage) fp32
 
     typename Config::TiledMmaS mma_s;
@@ -64,15 +64,16 @@ struct ConsumerMma {
     Tensor tSrQ = thr_s.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K, stageQ) descriptors
     Tensor tSrK = thr_s.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stageK)
     Tensor tSrS = partition_fragment_C(mma_s, Shape<Int<Config::kHeadTile>, Int<kBlock>>{});  // (MMA, M, N) fp32
-    Tensor tSsAt = thr_s.partition_C(sAt);          // where this thread's A values go
-    Tensor tSrA = make_tensor_like<Element>(tSrS);
+    Tensor tSsAt = thr_s.partition_C(sAt);          // (MMA, M, N, term): where this thread's A values go
+    Tensor tSrA = make_tensor_like<Element>(tSrS);   // A_hi
+    Tensor tSrAlo = make_tensor_like<Element>(tSrS); // A_lo = bf16(A - A_hi)
     // GEMM2
-    Tensor tDKrA = thr_dk.partition_fragment_A(sA);
+    Tensor tDKrA = thr_dk.partition_fragment_A(sA);  // (MMA, M, K, term)
     Tensor tDKrQt = thr_dk.partition_fragment_B(sQt);
     Tensor tDKrDK = partition_fragment_C(mma_dk, Shape<Int<kBlock>, Int<kD>>{});
     Tensor tDKsDK = thr_dk.partition_C(sDK);        // (MMA, M, N, stageDK)
     // GEMM3
-    Tensor tDQrAt = thr_dq.partition_fragment_A(sAt);
+    Tensor tDQrAt = thr_dq.partition_fragment_A(sAt);  // (MMA, M, K, term)
     Tensor tDQrKt = thr_dq.partition_fragment_B(sKt);
     Tensor tDQrDQ = partition_fragment_C(mma_dq, Shape<Int<Config::kHeadTile>, Int<kD>>{});
 
@@ -117,9 +118,12 @@ struct ConsumerMma {
           const float gs = ss.gs[ks][key];
           const int half = (i >> 1) & 1;  // value i sits in row r0 + 8 * half
           dw[half] += gs * fmaxf(x, 0.0f);
-          tSrA(i) = Element(x > 0.0f ? gs * w_row[half] : 0.0f);
+          const float a = x > 0.0f ? gs * w_row[half] : 0.0f;
+          tSrA(i) = Element(a);
+          if constexpr (Config::kSplitA) tSrAlo(i) = Element(a - static_cast<float>(tSrA(i)));
         }
-        copy(tSrA, tSsAt);
+        copy(tSrA, tSsAt(_, _, _, 0));
+        if constexpr (Config::kSplitA) copy(tSrAlo, tSsAt(_, _, _, 1));
         cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);  // sA is read by wgmma next
         if (tid < kBlock) {
           // the reduces issued kDkStages blocks ago from sDK[dk_stage] have read their source
@@ -128,8 +132,12 @@ struct ConsumerMma {
         consumer_smem_ready_sync<Config>();  // sA complete; sDK[dk_stage] free
 
         // GEMM2: dK_blk = A^T Q ; GEMM3: dQ += A K
-        warpgroup_gemm<true>(mma_dk, tDKrA, tDKrQt(_, _, _, qs), tDKrDK);
-        warpgroup_gemm<false>(mma_dq, tDQrAt, tDQrKt(_, _, _, ks), tDQrDQ);
+        warpgroup_gemm<true>(mma_dk, tDKrA(_, _, _, 0), tDKrQt(_, _, _, qs), tDKrDK);
+        warpgroup_gemm<false>(mma_dq, tDQrAt(_, _, _, 0), tDQrKt(_, _, _, ks), tDQrDQ);
+        if constexpr (Config::kSplitA) {
+          warpgroup_gemm<false>(mma_dk, tDKrA(_, _, _, 1), tDKrQt(_, _, _, qs), tDKrDK);
+          warpgroup_gemm<false>(mma_dq, tDQrAt(_, _, _, 1), tDQrKt(_, _, _, ks), tDQrDQ);
+        }
         warpgroup_wait<0>();
         k_pipe.consumer_release(k_state);  // all reads of k[ks], gs[ks], key_row[ks] are done
         k_state.advance();

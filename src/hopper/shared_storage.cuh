@@ -19,7 +19,7 @@ struct SharedStorage {
   // ---- buffers read by wgmma (async proxy); 1024-byte aligned for the 128B swizzle
   alignas(1024) Element q[cute::cosize_v<typename Config::SmemLayoutQ>];  // (64 heads, D) x kStagesQ
   alignas(1024) Element k[cute::cosize_v<typename Config::SmemLayoutK>];  // (64 keys, D) x kStagesK
-  alignas(1024) Element a[cute::cosize_v<typename Config::SmemLayoutA>];  // (64 keys, 64 heads)
+  alignas(1024) Element a[cute::cosize_v<typename Config::SmemLayoutA>];  // (64 keys, 64 heads) x kATerms
   // ---- source of the dK bulk reduces (async proxy)
   alignas(128) float dk[cute::cosize_v<typename Config::SmemLayoutDK>];   // (64 keys, D + 4) x kDkStages
   // ---- per K stage, read with ordinary loads

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Copies the binaries a device run needs from build/ into .device/bin (ignored
+# by git; name .device in the device tool's carry list).
+set -euo pipefail
+build=${1:-build}
+mkdir -p .device/bin
+for b in tests/gpu/test_gpu_hopper tests/sanitizer/sync_calibration bench/dsa-indexer-bwd-bench cli/dsa-indexer-bwd; do
+  if [[ -f $build/$b ]]; then cp "$build/$b" .device/bin/; fi
+done
+strip --strip-debug .device/bin/* 2>/dev/null || true
+du -sh .device/bin/*

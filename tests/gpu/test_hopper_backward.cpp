@@ -1,0 +1,414 @@
+// GPU tests (label gpu): the cuda backend against the fp64 CPU reference on
+// the cases of shared/design/test-cases.md, determinism, graph capture and the
+// fp64 GPU reference kernel. Without a compute-capability-9.0 GPU every test
+// is SKIPPED (never passed).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <string>
+
+#include "gpu/device_problem.hpp"
+#include "hopper/reference_kernel.hpp"
+
+namespace dsaib::test {
+namespace {
+
+class Gpu : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!gpu_available()) GTEST_SKIP() << "no compute-capability-9.0 GPU visible";
+  }
+};
+
+double tolerance(DType dt) { return dt == DType::bf16 ? 3e-3 : 1e-3; }
+
+struct Case {
+  std::string name;
+  GenerateSpec spec;
+  std::function<void(GeneratedProblem&)> mutate = nullptr;
+  DType dq = DType::bf16, dw = DType::bf16, dk = DType::bf16;
+};
+
+GenerateSpec spec_of(int64_t b, int64_t sq, int64_t skv, int64_t h, int64_t d, int64_t topk,
+                     IdPattern ids = IdPattern::causal_topk, uint64_t seed = 7) {
+  GenerateSpec s;
+  s.batch = b;
+  s.s_q = sq;
+  s.s_kv = skv;
+  s.heads = h;
+  s.head_dim = d;
+  s.topk = topk;
+  s.ids = ids;
+  s.seed = seed;
+  s.num_threads = 0;
+  return s;
+}
+
+/// Runs the cuda backend and checks every output against the fp64 CPU reference.
+void check_against_cpu(const GeneratedProblem& p, DType dq, DType dw, DType dk, const IndexerBackwardOptions& opt,
+                       const std::string& name) {
+  IndexerBackwardOptions ref_opt = opt;
+  ref_opt.backend = Backend::cpu;
+  ref_opt.num_threads = 0;
+  const ReferenceGradients ref = reference_backward(p.inputs(), ref_opt);
+  const OutputBuffers got = run_cuda(p, opt, dq, dw, dk);
+  const ErrorStats eq = compare(got.d_index_q, ref.d_index_q);
+  const ErrorStats ew = compare(got.d_weights, ref.d_weights);
+  const ErrorStats ek = compare(got.d_index_k, ref.d_index_k);
+  std::printf("[numerics] %-34s dQ %s | dW %s | dK %s\n", name.c_str(), eq.str().c_str(), ew.str().c_str(), ek.str().c_str());
+  EXPECT_TRUE(eq.ok(tolerance(dq))) << name << " d_index_q " << eq.str();
+  EXPECT_TRUE(ew.ok(tolerance(dw))) << name << " d_weights " << ew.str();
+  EXPECT_TRUE(ek.ok(tolerance(dk))) << name << " d_index_k " << ek.str();
+}
+
+void run_case(const Case& c) {
+  GeneratedProblem p = make_problem(c.spec);
+  if (c.mutate) c.mutate(p);
+  check_against_cpu(p, c.dq, c.dw, c.dk, p.options(), c.name);
+}
+
+// ------------------------------------------------------------ shapes ---
+
+TEST_F(Gpu, RaceReportShapes) {
+  run_case({"race1 b1 sq1 skv512 h64 topk128", spec_of(1, 1, 512, 64, 128, 128)});
+  run_case({"race2 b3 sq64 skv2048 topk512", spec_of(3, 64, 2048, 64, 128, 512)});
+  run_case({"race3 b1 sq512 skv512 topk128", spec_of(1, 512, 512, 64, 128, 128)});
+}
+
+TEST_F(Gpu, TopkNotMultipleOfTile) {
+  for (int64_t topk : {1, 100, 129, 1000, 2176}) {
+    run_case({"topk " + std::to_string(topk), spec_of(1, 48, 2300, 64, 128, topk, IdPattern::random_permutation)});
+  }
+}
+
+TEST_F(Gpu, HeadCounts) {
+  for (int64_t h : {8, 16, 32, 64, 72, 128}) {
+    run_case({"heads " + std::to_string(h), spec_of(2, 40, 300, h, 128, 160)});
+  }
+}
+
+TEST_F(Gpu, HeadDim64) {
+  run_case({"d64 causal", spec_of(2, 64, 256, 64, 64, 100)});
+  run_case({"d64 h8 perm", spec_of(1, 33, 500, 8, 64, 257, IdPattern::random_permutation)});
+}
+
+TEST_F(Gpu, Tiny) { run_case({"sq1 skv1", spec_of(1, 1, 1, 64, 128, 4)}); }
+
+TEST_F(Gpu, OutputDtypes) {
+  Case c{"f32 outputs", spec_of(1, 64, 512, 64, 128, 200)};
+  c.dq = c.dw = c.dk = DType::f32;
+  run_case(c);
+  Case m{"mixed outputs, f32 weights", spec_of(1, 64, 512, 32, 128, 200)};
+  m.spec.weights_f32 = true;
+  m.dq = DType::f32;
+  m.dk = DType::bf16;
+  m.dw = DType::f32;
+  run_case(m);
+}
+
+// ------------------------------------------------------- index patterns ---
+
+TEST_F(Gpu, IndexPatterns) {
+  run_case({"permutation", spec_of(2, 64, 700, 64, 128, 256, IdPattern::random_permutation)});
+  Case holes{"-1 start/middle/end, whole rows, batches", spec_of(2, 64, 700, 64, 128, 256, IdPattern::random_permutation)};
+  holes.mutate = [](GeneratedProblem& p) {
+    invalidate_run(p, 0, Where::start, 17);
+    invalidate_run(p, 1, Where::middle, 40);
+    invalidate_run(p, 2, Where::end, 100);
+    invalidate_row(p, 3);
+    invalidate_row(p, 64);  // batch 1
+    invalidate_run(p, 70, Where::start, 255);
+    duplicate_slot(p, 5, 0, 1);
+    duplicate_slot(p, 5, 0, 2);
+    set_id(p, 6, 3, 100000);  // out of range: an invalid slot
+    set_id(p, 6, 4, -7);
+    refresh_scores(p);
+    fill_invalid_scores(p, 0.5f);  // must be ignored
+  };
+  run_case(holes);
+  run_case({"skv 100 < topk 2048", spec_of(1, 16, 100, 64, 128, 2048, IdPattern::random_permutation)});
+  Case global{"global ids b3", spec_of(3, 40, 300, 64, 128, 128)};
+  global.spec.id_mode = IdMode::global;
+  run_case(global);
+}
+
+TEST_F(Gpu, LocalAndGlobalIdsAgree) {
+  GeneratedProblem local = make_problem(spec_of(2, 50, 400, 64, 128, 150, IdPattern::random_permutation));
+  GeneratedProblem global = with_id_mode(local, IdMode::global);
+  const OutputBuffers a = run_cuda(local, local.options(), DType::f32, DType::f32, DType::f32);
+  const OutputBuffers b = run_cuda(global, global.options(), DType::f32, DType::f32, DType::f32);
+  EXPECT_TRUE(bitwise_equal(a.d_index_q, b.d_index_q));
+  EXPECT_TRUE(bitwise_equal(a.d_weights, b.d_weights));
+  const ErrorStats ek = compare(b.d_index_k, to_doubles(a.d_index_k));
+  EXPECT_TRUE(ek.ok(1e-6)) << ek.str();
+}
+
+TEST_F(Gpu, ThdMatchesReferenceLocalAndGlobal) {
+  for (IdMode mode : {IdMode::local, IdMode::global}) {
+    GenerateSpec s = spec_of(1, 0, 0, 64, 128, 128);
+    s.layout = Layout::thd;
+    s.seqlens_q = {1, 37, 300};
+    s.seqlens_k = {1, 37, 300};
+    s.id_mode = mode;
+    run_case({std::string("thd 1/37/300 ") + id_mode_name(mode), s});
+  }
+}
+
+// ------------------------------------------------------------ contract ---
+
+TEST_F(Gpu, PrefilledFp32DkDoesNotMatter) {
+  GeneratedProblem p = make_problem(spec_of(1, 64, 300, 64, 128, 128));
+  DeviceProblem dp(p);
+  HostTensor results[3];
+  const double fills[3] = {0.0, 999.0, std::nan("")};
+  for (int k = 0; k < 3; ++k) {
+    DeviceOutputs out(p, DType::f32, DType::f32, DType::f32);
+    out.d_index_k.fill(fills[k]);
+    IndexerBackwardOptions opt = p.options();
+    opt.backend = Backend::cuda;
+    indexer_backward(dp.inputs(), out.views(), opt);
+    check_cuda(cudaDeviceSynchronize(), "sync");
+    results[k] = out.d_index_k.to_host();
+  }
+  const ErrorStats e1 = compare(results[1], to_doubles(results[0]));
+  const ErrorStats e2 = compare(results[2], to_doubles(results[0]));
+  EXPECT_TRUE(e1.ok(1e-6)) << e1.str();
+  EXPECT_TRUE(e2.ok(1e-6)) << e2.str();
+}
+
+TEST_F(Gpu, GradLossFromDeviceAndNormalizationCount) {
+  GeneratedProblem p = make_problem(spec_of(1, 64, 300, 64, 128, 128));
+  DeviceBuffer g(sizeof(float));
+  const float grad_loss = -2.5f;
+  check_cuda(cudaMemcpy(g.ptr, &grad_loss, sizeof(float), cudaMemcpyHostToDevice), "H2D");
+  IndexerBackwardOptions opt = p.options();
+  opt.grad_loss_device = static_cast<const float*>(g.ptr);
+  opt.normalization_count = 17;
+  opt.loss_coeff = 0.3f;
+  opt.sm_scale = -0.7f;
+  // The CPU reference reads grad_loss from host memory.
+  IndexerBackwardOptions ref_opt = opt;
+  ref_opt.grad_loss_device = nullptr;
+  ref_opt.grad_loss = grad_loss;
+  ref_opt.backend = Backend::cpu;
+  const ReferenceGradients ref = reference_backward(p.inputs(), ref_opt);
+  const OutputBuffers got = run_cuda(p, opt, DType::f32, DType::f32, DType::f32);
+  for (auto [name, e] : {std::pair{"dQ", compare(got.d_index_q, ref.d_index_q)}, std::pair{"dW", compare(got.d_weights, ref.d_weights)},
+                         std::pair{"dK", compare(got.d_index_k, ref.d_index_k)}}) {
+    EXPECT_TRUE(e.ok(1e-3)) << name << " " << e.str();
+  }
+}
+
+TEST_F(Gpu, RejectsBadInputBeforeWriting) {
+  GeneratedProblem p = make_problem(spec_of(1, 16, 64, 64, 128, 32));
+  DeviceProblem dp(p);
+  DeviceOutputs out(p, DType::f32, DType::f32, DType::f32);
+  out.d_index_q.fill(3.0);
+  out.d_weights.fill(3.0);
+  out.d_index_k.fill(3.0);
+  const auto before_q = out.d_index_q.buffer.to_host(), before_k = out.d_index_k.buffer.to_host();
+  IndexerBackwardOptions opt = p.options();
+  opt.backend = Backend::cuda;
+  // deterministic d_index_k is not offered by the cuda backend
+  opt.deterministic = true;
+  try {
+    indexer_backward(dp.inputs(), out.views(), opt);
+    ADD_FAILURE() << "deterministic=true accepted on cuda";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::unsupported);
+  }
+  opt.deterministic = false;
+  // index_k misaligned to 16 bytes (2-byte aligned)
+  IndexerBackwardInputs in = dp.inputs();
+  in.index_k.data = static_cast<char*>(in.index_k.data) + 2;
+  in.index_k.shape[1] -= 1;
+  IndexerBackwardOutputs o = out.views();
+  try {
+    indexer_backward(in, o, opt);
+    ADD_FAILURE() << "misaligned index_k accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+    EXPECT_NE(std::string(e.what()).find("index_k"), std::string::npos) << e.what();
+  }
+  // host tensors on the cuda backend
+  try {
+    indexer_backward(p.inputs(), out.views(), opt);
+    ADD_FAILURE() << "host tensors accepted on cuda";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+  }
+  EXPECT_EQ(out.d_index_q.buffer.to_host(), before_q);
+  EXPECT_EQ(out.d_index_k.buffer.to_host(), before_k);
+}
+
+// --------------------------------------------------------- determinism ---
+
+TEST_F(Gpu, ThirtyReplaysBitwiseIdenticalDqDw) {
+  GeneratedProblem p = make_problem(spec_of(1, 256, 2048, 64, 128, 512));
+  DeviceProblem dp(p);
+  DeviceOutputs out(p, DType::bf16, DType::bf16, DType::f32);
+  IndexerBackwardOptions opt = p.options();
+  opt.backend = Backend::cuda;
+  uint64_t hq = 0, hw = 0;
+  HostTensor dk0;
+  double max_dev = 0.0;
+  for (int run = 0; run < 30; ++run) {
+    out.poison();
+    indexer_backward(dp.inputs(), out.views(), opt);
+    check_cuda(cudaDeviceSynchronize(), "sync");
+    const HostTensor q = out.d_index_q.to_host(), w = out.d_weights.to_host(), k = out.d_index_k.to_host();
+    if (run == 0) {
+      hq = hash_bytes(q);
+      hw = hash_bytes(w);
+      dk0 = k;
+      continue;
+    }
+    EXPECT_EQ(hash_bytes(q), hq) << "d_index_q differs in replay " << run;
+    EXPECT_EQ(hash_bytes(w), hw) << "d_weights differs in replay " << run;
+    const ErrorStats e = compare(k, to_doubles(dk0));
+    max_dev = std::max(max_dev, e.max_abs / std::max(e.max_abs_ref, 1e-300));
+  }
+  std::printf("[determinism] 30 replays: d_index_q/d_weights hashes identical; d_index_k max |dev| / max |dK| = %.3g\n", max_dev);
+}
+
+// ------------------------------------------------------------- graphs ---
+
+TEST_F(Gpu, CudaGraphReplayReadsGradLossFromDevice) {
+  GeneratedProblem p = make_problem(spec_of(1, 64, 300, 64, 128, 128));
+  DeviceProblem dp(p);
+  DeviceOutputs out(p, DType::f32, DType::f32, DType::f32);
+  DeviceBuffer g(sizeof(float));
+  float one = 1.0f, three = 3.0f;
+  check_cuda(cudaMemcpy(g.ptr, &one, 4, cudaMemcpyHostToDevice), "H2D");
+  cudaStream_t stream;
+  check_cuda(cudaStreamCreate(&stream), "stream");
+  IndexerBackwardOptions opt = p.options();
+  opt.backend = Backend::cuda;
+  opt.stream = stream;
+  opt.grad_loss_device = static_cast<const float*>(g.ptr);
+  DeviceBuffer ws(indexer_backward_workspace_size(dp.inputs(), out.views(), opt) + 256);
+  cudaGraph_t graph;
+  check_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
+  indexer_backward(dp.inputs(), out.views(), opt, ws.ptr, ws.bytes);
+  check_cuda(cudaStreamEndCapture(stream, &graph), "end capture");
+  cudaGraphExec_t exec;
+  check_cuda(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  check_cuda(cudaGraphLaunch(exec, stream), "launch");
+  check_cuda(cudaStreamSynchronize(stream), "sync");
+  const HostTensor q1 = out.d_index_q.to_host();
+  check_cuda(cudaMemcpy(g.ptr, &three, 4, cudaMemcpyHostToDevice), "H2D");
+  check_cuda(cudaGraphLaunch(exec, stream), "launch");
+  check_cuda(cudaStreamSynchronize(stream), "sync");
+  const HostTensor q3 = out.d_index_q.to_host();
+  std::vector<double> expect = to_doubles(q1);
+  for (double& v : expect) v *= 3.0;
+  const ErrorStats e = compare(q3, expect);
+  EXPECT_TRUE(e.ok(1e-5)) << e.str();  // fp32 c = 3 * grad_loss... differs from 3 * (c ...) by rounding only
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+// ---------------------------------------- the sanitizer's shapes (label sanitizer) ---
+// tests/sanitizer/run_sanitizer.sh runs this suite under racecheck, synccheck,
+// memcheck and initcheck. Each case also checks numerics, so the suite is a
+// normal GPU test too.
+
+class Sanitized : public Gpu {};
+
+TEST_F(Sanitized, RaceReportShapes) {
+  run_case({"san race1", spec_of(1, 1, 512, 64, 128, 128)});
+  run_case({"san race2", spec_of(3, 64, 2048, 64, 128, 512)});
+  run_case({"san race3", spec_of(1, 512, 512, 64, 128, 128)});
+}
+
+TEST_F(Sanitized, TailCases) {
+  for (int64_t topk : {1, 100, 129, 1000}) {
+    run_case({"san topk " + std::to_string(topk), spec_of(1, 8, 1100, 64, 128, topk, IdPattern::random_permutation)});
+  }
+  run_case({"san h8", spec_of(1, 16, 300, 8, 128, 200)});
+  run_case({"san d64", spec_of(1, 16, 300, 64, 64, 200)});
+  Case f32{"san f32 outputs + holes", spec_of(2, 16, 300, 64, 128, 200, IdPattern::random_permutation)};
+  f32.dq = f32.dw = f32.dk = DType::f32;
+  f32.mutate = [](GeneratedProblem& p) {
+    invalidate_run(p, 0, Where::middle, 50);
+    invalidate_row(p, 17);
+    refresh_scores(p);
+  };
+  run_case(f32);
+  GenerateSpec thd = spec_of(1, 0, 0, 64, 128, 64);
+  thd.layout = Layout::thd;
+  thd.seqlens_q = {1, 37, 30};
+  thd.seqlens_k = {1, 37, 30};
+  run_case({"san thd", thd});
+}
+
+/// B1, S_q = S_kv = 4096, H64, D128, topk 2048: run once, every output finite.
+TEST_F(Sanitized, DeepSeekShape) {
+  GenerateSpec s = spec_of(1, 4096, 4096, 64, 128, 2048, IdPattern::random_permutation);
+  const GeneratedProblem p = make_problem(s);
+  const OutputBuffers got = run_cuda(p, p.options(), DType::bf16, DType::bf16, DType::bf16);
+  for (const HostTensor* t : {&got.d_index_q, &got.d_weights, &got.d_index_k}) {
+    for (double v : to_doubles(*t)) ASSERT_TRUE(std::isfinite(v));
+  }
+}
+
+// ------------------------------------------- fp64 GPU reference kernel ---
+
+std::vector<double> device_doubles(const DeviceBuffer& b) {
+  const auto bytes = b.to_host();
+  std::vector<double> v(bytes.size() / sizeof(double));
+  std::memcpy(v.data(), bytes.data(), bytes.size());
+  return v;
+}
+
+TEST_F(Gpu, ReferenceKernelMatchesCpuReference) {
+  GeneratedProblem p = make_problem(spec_of(2, 48, 300, 64, 128, 100, IdPattern::random_permutation));
+  invalidate_run(p, 3, Where::middle, 20);
+  refresh_scores(p);
+  DeviceProblem dp(p);
+  const int64_t nq = num_q_rows(p), nk = num_k_rows(p), H = 64, D = 128;
+  DeviceBuffer dq(nq * H * D * 8), dw(nq * H * 8), dk(nk * D * 8);
+  hopper::reference_backward_device(dp.inputs(), p.options(), static_cast<double*>(dq.ptr), static_cast<double*>(dw.ptr),
+                                    static_cast<double*>(dk.ptr), nullptr);
+  IndexerBackwardOptions ref_opt = p.options();
+  const ReferenceGradients ref = reference_backward(p.inputs(), ref_opt);
+  auto rel = [](const std::vector<double>& a, const std::vector<double>& b) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      num += (a[i] - b[i]) * (a[i] - b[i]);
+      den += b[i] * b[i];
+    }
+    return std::sqrt(num / std::max(den, 1e-300));
+  };
+  EXPECT_LT(rel(device_doubles(dq), ref.d_index_q), 1e-12);
+  EXPECT_LT(rel(device_doubles(dw), ref.d_weights), 1e-12);
+  EXPECT_LT(rel(device_doubles(dk), ref.d_index_k), 1e-12);
+}
+
+/// DeepSeek shape (too large for the CPU reference in a test): against the fp64 GPU reference.
+TEST_F(Gpu, DeepSeekShapeAgainstGpuReference) {
+  GenerateSpec s = spec_of(1, 4096, 4096, 64, 128, 2048);
+  s.ids = IdPattern::random_permutation;  // causal top-k selection would cost O(S^2) on the host
+  GeneratedProblem p = make_problem(s);
+  DeviceProblem dp(p);
+  const int64_t nq = num_q_rows(p), nk = num_k_rows(p), H = 64, D = 128;
+  DeviceBuffer dq(nq * H * D * 8), dw(nq * H * 8), dk(nk * D * 8);
+  hopper::reference_backward_device(dp.inputs(), p.options(), static_cast<double*>(dq.ptr), static_cast<double*>(dw.ptr),
+                                    static_cast<double*>(dk.ptr), nullptr);
+  const OutputBuffers got = run_cuda(p, p.options(), DType::bf16, DType::bf16, DType::bf16);
+  const ErrorStats eq = compare(got.d_index_q, device_doubles(dq));
+  const ErrorStats ew = compare(got.d_weights, device_doubles(dw));
+  const ErrorStats ek = compare(got.d_index_k, device_doubles(dk));
+  std::printf("[numerics] %-34s dQ %s | dW %s | dK %s\n", "deepseek b1 s4096 topk2048 (gpu ref)", eq.str().c_str(),
+              ew.str().c_str(), ek.str().c_str());
+  EXPECT_TRUE(eq.ok(3e-3)) << eq.str();
+  EXPECT_TRUE(ew.ok(3e-3)) << ew.str();
+  EXPECT_TRUE(ek.ok(3e-3)) << ek.str();
+}
+
+}  // namespace
+}  // namespace dsaib::test

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Sanitizer harness (label sanitizer). Runs the GPU tests of the Sanitized.*
+# suite (race-report shapes, DeepSeek shape, every tail case) under
+# compute-sanitizer racecheck, synccheck, memcheck and initcheck, requiring zero
+# reports, and runs the negative controls of sync_calibration: the lane-0-alone
+# handoffs must be flagged, the all-lanes ones must be clean.
+#   usage: run_sanitizer.sh BIN_DIR [LOG_DIR] [TOOLS...]
+# Exit: 0 all as required, 1 a check failed, 77 skipped (no GPU or no compute-sanitizer).
+set -uo pipefail
+bin=${1:?BIN_DIR}
+logs=${2:-.}
+shift $(( $# >= 2 ? 2 : $# ))
+tools=("$@")
+[[ ${#tools[@]} -eq 0 ]] && tools=(racecheck synccheck memcheck initcheck)
+mkdir -p "$logs"
+cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+if [[ ! -x $cs ]]; then echo "SKIPPED: compute-sanitizer not found"; exit 77; fi
+if ! nvidia-smi -L >/dev/null 2>&1; then echo "SKIPPED: no GPU"; exit 77; fi
+
+fail=0
+summary=()
+# ---- negative and positive controls (racecheck must be able to fail)
+for mode in raw_lane0 war_lane0 raw_all war_all; do
+  log="$logs/racecheck_control_$mode.log"
+  "$cs" --tool racecheck --racecheck-report hazard --print-limit 0 "$bin/sync_calibration" "$mode" >"$log" 2>&1
+  hazards=$(grep -oE "RACECHECK SUMMARY: [0-9]+ hazard" "$log" | grep -oE "[0-9]+" | head -1)
+  hazards=${hazards:-0}
+  if [[ $mode == *lane0 ]]; then
+    if (( hazards > 0 )); then verdict="flagged as required"; else verdict="NOT FLAGGED (control failed)"; fail=1; fi
+  else
+    if (( hazards == 0 )) && grep -q "ran" "$log"; then verdict="clean as required"; else verdict="FLAGGED (control failed)"; fail=1; fi
+  fi
+  summary+=("control $mode: $hazards hazards, $verdict")
+done
+# ---- the kernel under every tool
+for tool in "${tools[@]}"; do
+  log="$logs/$tool.log"
+  extra=()
+  [[ $tool == racecheck ]] && extra=(--racecheck-report hazard)
+  "$cs" --tool "$tool" "${extra[@]}" --print-limit 0 --error-exitcode 99 "$bin/test_gpu_hopper" --gtest_filter='Sanitized.*' >"$log" 2>&1
+  rc=$?
+  errors=$(grep -oE "ERROR SUMMARY: [0-9]+ error" "$log" | grep -oE "[0-9]+" | tail -1)
+  hazards=$(grep -oE "RACECHECK SUMMARY: [0-9]+ hazard" "$log" | grep -oE "[0-9]+" | tail -1)
+  passed=$(grep -cE "^\[       OK \]" "$log")
+  if [[ $rc -ne 0 ]]; then fail=1; verdict="FAILED (rc $rc)"; else verdict="clean"; fi
+  summary+=("$tool: rc=$rc errors=${errors:-?} hazards=${hazards:-n/a} tests_ok=$passed -> $verdict")
+done
+printf '%s\n' "${summary[@]}" | tee "$logs/sanitizer_summary.txt"
+exit $fail
