@@ -115,6 +115,12 @@ void invalidate_run(GeneratedProblem& p, int64_t row, Where where, int64_t count
 
 void invalidate_row(GeneratedProblem& p, int64_t row) { invalidate_run(p, row, Where::start, topk(p)); }
 
+void set_out_of_range(GeneratedProblem& p, int64_t row, int64_t slot, int32_t past) {
+  int64_t lo, hi;
+  key_range(p, row, &lo, &hi);
+  set_id(p, row, slot, static_cast<int32_t>((p.spec.id_mode == IdMode::local ? hi - lo : hi) + past));
+}
+
 void duplicate_slot(GeneratedProblem& p, int64_t row, int64_t from, int64_t to) { set_id(p, row, to, get_id(p, row, from)); }
 
 void key_range(const GeneratedProblem& p, int64_t row, int64_t* begin, int64_t* end) {

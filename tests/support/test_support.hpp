@@ -47,6 +47,9 @@ enum class Where { start, middle, end };
 void invalidate_run(GeneratedProblem& p, int64_t row, Where where, int64_t count);
 /// Sets every slot of `row` to -1.
 void invalidate_row(GeneratedProblem& p, int64_t row);
+/// Sets slot `slot` of `row` to an id just past the row's sequence (`past` = 0:
+/// the first id beyond it; larger values go further), invalid in either id mode.
+void set_out_of_range(GeneratedProblem& p, int64_t row, int64_t slot, int32_t past = 0);
 /// Copies the id of slot `from` into slot `to` of the same row (a duplicate).
 void duplicate_slot(GeneratedProblem& p, int64_t row, int64_t from, int64_t to);
 
