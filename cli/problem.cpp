@@ -29,7 +29,7 @@ struct Preset {
 
 const std::vector<Preset>& presets() {
   static const std::vector<Preset> p = {
-      {"small", "B1 S_q=S_kv=1024 H64 D128 topk256, causal top-k (default; ~30 s on 2 cpu cores incl. full verify)",
+      {"small", "B1 S_q=S_kv=1024 H64 D128 topk256, causal top-k (default; about 10 s on 2 cpu cores with full verification)",
        Layout::bshd, 1, 1024, 1024, 64, 128, 256, IdPattern::causal_topk, {}},
       {"deepseek-v32", "DeepSeek-V3.2 indexer: B1 S_q=S_kv=4096 H64 D128 topk2048, causal top-k", Layout::bshd, 1, 4096,
        4096, 64, 128, 2048, IdPattern::causal_topk, {}},
