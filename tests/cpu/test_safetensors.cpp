@@ -21,12 +21,23 @@ using dsaib::Error;
 using dsaib::ErrorCode;
 using dsaib::HostTensor;
 
-std::string temp_path(const std::string& name) {
-  // One directory per process: ctest may run test cases (and other builds) in parallel.
-  const auto dir = std::filesystem::path(::testing::TempDir()) / ("dsaib_safetensors_test." + std::to_string(::getpid()));
-  std::filesystem::create_directories(dir);
-  return (dir / name).string();
+// One directory per process: ctest may run test cases (and other builds) in parallel.
+std::filesystem::path temp_dir() {
+  return std::filesystem::path(::testing::TempDir()) / ("dsaib_safetensors_test." + std::to_string(::getpid()));
 }
+
+std::string temp_path(const std::string& name) {
+  std::filesystem::create_directories(temp_dir());
+  return (temp_dir() / name).string();
+}
+
+struct RemoveTempDir : ::testing::Environment {
+  void TearDown() override {
+    std::error_code ec;
+    std::filesystem::remove_all(temp_dir(), ec);
+  }
+};
+[[maybe_unused]] ::testing::Environment* const remove_temp_dir = ::testing::AddGlobalTestEnvironment(new RemoveTempDir);
 
 HostTensor random_tensor(DType dt, std::vector<int64_t> shape, uint32_t seed) {
   HostTensor t(dt, std::move(shape));
