@@ -1,9 +1,8 @@
 // The fused, warp-specialized sm_90a indexer backward kernel: roles and
 // pipeline setup. Roles live in producer_gather.cuh and consumer_mma.cuh.
 //
-//   warpgroup 0, warp 0 : ProducerGather  (Q/w loads, stage 1, K gather; 40 regs)
-//   warpgroup 0, warps 1-3: idle (exist so that setmaxnreg applies per warpgroup)
-//   warpgroup 1         : ConsumerMma     (GEMM1-3, dW, A, dK reduce, epilogue; 232 regs)
+//   warpgroup 0 : ProducerGather  (Q/w loads, stage 1, compaction, K gather; kProducerRegisters)
+//   warpgroup 1 : ConsumerMma     (GEMM1-3, dW, A, dK reduce, epilogue; kConsumerRegisters)
 // Persistent: CTA b takes tasks b, b + gridDim.x, ... (task = row * head_groups + group).
 #pragma once
 
@@ -32,9 +31,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) indexer_backward_kernel(c
   const int warpgroup = threadIdx.x / Config::kThreadsPerWarpgroup;
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Config::kProducerRegisters>();
-    if (threadIdx.x < Config::kProducerThreads) {
-      ProducerGather<Config>{p, ss, k_pipe, q_pipe}.run();
-    }
+    ProducerGather<Config>{p, ss, k_pipe, q_pipe}.run();
   } else {
     cutlass::arch::warpgroup_reg_alloc<Config::kConsumerRegisters>();
     ConsumerMma<Config>{p, ss, k_pipe, q_pipe}.run();

@@ -11,12 +11,22 @@ enum class NamedBarrierId : uint32_t {
   /// The consumer warpgroup(s): all consumer threads wrote sA (resp. sDK) and
   /// fenced to the async proxy; after it, wgmma (resp. bulk reduces) may read.
   kConsumerSmemReady = 0,
+  /// The producer warpgroup: stage-1 partial sums / counts and the compacted
+  /// slot list are complete (or fully consumed) before the next step.
+  kProducerSync = 1,
 };
 
 template <class Config>
 struct NamedBarrierThreads {
   static constexpr uint32_t kConsumerSmemReady = Config::kConsumerThreads;
+  static constexpr uint32_t kProducerSync = Config::kProducerThreads;
 };
+
+template <class Config>
+__device__ inline void producer_sync() {
+  cutlass::arch::NamedBarrier::sync(NamedBarrierThreads<Config>::kProducerSync,
+                                    static_cast<uint32_t>(NamedBarrierId::kProducerSync));
+}
 
 template <class Config>
 __device__ inline void consumer_smem_ready_sync() {

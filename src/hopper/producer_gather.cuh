@@ -1,11 +1,17 @@
-// Producer role (warp 0 of warpgroup 0): per task, load Q and w, run stage 1
-// (score gradient), then gather the row's valid keys into K stages.
+// Producer role (warpgroup 0, all 128 threads): per task, load Q and w, run
+// stage 1 (score gradient), compact the valid slots, and gather their keys
+// into K stages.
 //
 // Stage 1 (docs/math.md): over the row's valid slots
 //   g_i = -c * max(T_i, eps) * [P_i >= eps],  G = sum g_i,  gs_i = g_i - P_i * G
-// Invalid slots are dropped here (compaction): consumers only see valid keys,
-// in slot order, 64 per block, the last block padded with key_row -1 / gs 0 /
-// zero-filled K rows.
+// The row is walked in chunks of kSlotChunk slots; thread t owns the
+// kSlotsPerThread consecutive slots t*kSlotsPerThread.. of a chunk and issues
+// all their loads before using any (one memory latency per chunk, not one per
+// slot). Pass 1 computes G and the number of valid slots; pass 2 writes the
+// chunk's valid slots, in slot order, into a shared list (an exclusive scan of
+// per-thread counts), from which blocks of kBlockKeys keys are gathered. Each
+// chunk's last block is padded with key_row -1 / gs 0 / zero-filled K rows.
+// Invalid slots never reach the consumers and are never dereferenced.
 #pragma once
 
 #include <cute/arch/copy_sm80.hpp>
@@ -21,8 +27,11 @@ template <class Config>
 struct ProducerGather {
   using Element = typename Config::Element;
   static constexpr int kD = Config::kHeadDim;
-  static constexpr int kChunksPerRow = kD / 8;  // 16-byte chunks
+  static constexpr int kChunksPerRow = kD / 8;  // 16-byte chunks per K/Q row
   static constexpr int kBlock = Config::kBlockKeys;
+  static constexpr int kThreads = Config::kProducerThreads;
+  static constexpr int kPerThread = Config::kSlotsPerThread;
+  static constexpr int kWarps = kThreads / 32;
 
   const IndexerBackwardParams& p;
   SharedStorage<Config>& ss;
@@ -35,14 +44,70 @@ struct ProducerGather {
                                                        *reinterpret_cast<Chunk*>(dst), pred);
   }
 
-  __device__ static float warp_sum(float v) {
-#pragma unroll
+  /// One thread's slots of a chunk: key rows (-1 invalid) and, when wanted, T and P.
+  struct SlotBatch {
+    int32_t key_row[kPerThread];
+    float attn[kPerThread];
+    float pred[kPerThread];
+  };
+
+  __device__ void load_batch(int first_slot, const RowSequence& seq, const int32_t* ids, const float* attn,
+                             const float* pred, SlotBatch& s) const {
+    int32_t id[kPerThread];
+    CUTE_UNROLL
+    for (int j = 0; j < kPerThread; ++j) {
+      const int i = first_slot + j;
+      id[j] = i < p.topk ? ids[i] : -1;
+    }
+    CUTE_UNROLL
+    for (int j = 0; j < kPerThread; ++j) {
+      const int i = first_slot + j;
+      const int64_t kr = key_row_of(p, seq, id[j]);  // -1 also for slots past topk (id -1)
+      s.key_row[j] = static_cast<int32_t>(kr);
+      s.attn[j] = kr >= 0 ? attn[i] : 0.0f;
+      s.pred[j] = kr >= 0 ? pred[i] : 0.0f;
+    }
+  }
+
+  /// Sum of v over the producer warpgroup (every thread gets it). Uses
+  /// producer_partial[.][slot]; ends with the partials free for reuse.
+  __device__ float warpgroup_sum(float v, int slot) {
+    CUTE_UNROLL
     for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-    return v;
+    const int warp = threadIdx.x / 32;
+    if (threadIdx.x % 32 == 0) ss.producer_partial[warp][slot] = v;
+    producer_sync<Config>();
+    float total = 0.0f;
+    CUTE_UNROLL
+    for (int w = 0; w < kWarps; ++w) total += ss.producer_partial[w][slot];  // fixed order: deterministic
+    producer_sync<Config>();
+    return total;
+  }
+
+  /// Exclusive prefix of `count` over producer threads in thread order, and the total.
+  __device__ int warpgroup_exclusive_scan(int count, int* total) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    int inclusive = count;
+    CUTE_UNROLL
+    for (int off = 1; off < 32; off <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, inclusive, off);
+      if (lane >= off) inclusive += v;
+    }
+    if (lane == 31) ss.producer_scan[warp] = inclusive;
+    producer_sync<Config>();
+    int before = 0, all = 0;
+    CUTE_UNROLL
+    for (int w = 0; w < kWarps; ++w) {
+      const int t = ss.producer_scan[w];
+      if (w < warp) before += t;
+      all += t;
+    }
+    *total = all;
+    return before + inclusive - count;
   }
 
   __device__ void run() {
-    const int lane = threadIdx.x % 32;
+    const int tid = threadIdx.x;  // 0..127 in warpgroup 0
     const float grad_loss = p.grad_loss_ptr ? *p.grad_loss_ptr : p.grad_loss_value;
     const float c = grad_loss * p.loss_coeff_over_n;
     const float eps = eps_exp_minus_100();
@@ -66,96 +131,101 @@ struct ProducerGather {
       q_pipe.producer_acquire(q_state);
       const int qs = q_state.index;
       const uint16_t* q_row = p.index_q + batched_offset(row, p.q_rows_per_batch, p.q_batch_stride, p.q_row_stride);
-      for (int chunk = lane; chunk < Config::kHeadTile * kChunksPerRow; chunk += 32) {
+      for (int chunk = tid; chunk < Config::kHeadTile * kChunksPerRow; chunk += kThreads) {
         const int hh = chunk / kChunksPerRow, col = (chunk % kChunksPerRow) * 8;
         const bool in_range = hh < nh;  // padded heads: zero-filled, nothing read
         const uint16_t* src = in_range ? q_row + (h0 + hh) * p.q_head_stride + col : p.index_q;
         copy16(src, &sQ(hh, col, qs), in_range);
       }
       cute::cp_async_fence();
-      const int64_t w_off = batched_offset(row, p.q_rows_per_batch, p.w_batch_stride, p.w_row_stride);
-      for (int hh = lane; hh < Config::kHeadTile; hh += 32) {
+      if (tid < Config::kHeadTile) {
         float w = 0.0f;
-        if (hh < nh) {
-          w = p.weights_f32 ? static_cast<const float*>(p.weights)[w_off + h0 + hh]
-                            : __uint_as_float(static_cast<uint32_t>(static_cast<const uint16_t*>(p.weights)[w_off + h0 + hh]) << 16);
+        if (tid < nh) {
+          const int64_t w_off = batched_offset(row, p.q_rows_per_batch, p.w_batch_stride, p.w_row_stride) + h0 + tid;
+          w = p.weights_f32 ? static_cast<const float*>(p.weights)[w_off]
+                            : __uint_as_float(static_cast<uint32_t>(static_cast<const uint16_t*>(p.weights)[w_off]) << 16);
         }
-        ss.w_scaled[qs][hh] = w * p.sm_scale;
+        ss.w_scaled[qs][tid] = w * p.sm_scale;
       }
 
-      // ---- stage 1: G and the number of valid slots
-      float g_sum = 0.0f;
-      int valid_count = 0;
-      for (int base = 0; base < p.topk; base += 32) {
-        const int i = base + lane;
-        bool valid = false;
-        if (i < p.topk) {
-          valid = key_row_of(p, seq, ids[i]) >= 0;
-          if (valid && pred[i] >= eps) g_sum += -c * fmaxf(attn[i], eps);
+      // ---- stage 1, pass 1: G and the number of blocks (chunks pad their last block)
+      float g_part = 0.0f;
+      int num_blocks = 0;
+      for (int chunk0 = 0; chunk0 < p.topk; chunk0 += Config::kSlotChunk) {
+        SlotBatch s;
+        load_batch(chunk0 + tid * kPerThread, seq, ids, attn, pred, s);
+        int count = 0;
+        CUTE_UNROLL
+        for (int j = 0; j < kPerThread; ++j) {
+          if (s.key_row[j] >= 0) {
+            ++count;
+            if (s.pred[j] >= eps) g_part += -c * fmaxf(s.attn[j], eps);
+          }
         }
-        valid_count += __popc(__ballot_sync(0xffffffffu, valid));
+        int chunk_valid = 0;
+        (void)warpgroup_exclusive_scan(count, &chunk_valid);
+        producer_sync<Config>();  // producer_scan is reused
+        num_blocks += (chunk_valid + kBlock - 1) / kBlock;
       }
-      const float G = warp_sum(g_sum);
-      const int num_blocks = (valid_count + kBlock - 1) / kBlock;
-      if (lane == 0) ss.num_blocks[qs] = num_blocks;
+      const float G = warpgroup_sum(g_part, 0);
+      if (tid == 0) ss.num_blocks[qs] = num_blocks;
 
-      cute::cp_async_wait<0>();                            // this lane's Q copies landed
+      cute::cp_async_wait<0>();                              // this thread's Q copies landed
       cuda::ptx::fence_proxy_async(cuda::ptx::space_shared); // ...and are visible to wgmma
-      q_pipe.producer_commit(q_state);                     // every lane arrives (count 32)
+      q_pipe.producer_commit(q_state);                       // every producer thread arrives
       q_state.advance();
 
-      // ---- gathered key blocks; the commit of block j waits until block j+1 is issued
-      int cursor = 0;
+      // ---- pass 2 per chunk: compact, then gather blocks; block j is committed
+      //      once block j+1 has been issued (two blocks of copies in flight)
       bool pending = false;
       PipelineState<Config::kStagesK> pending_state{};
-      for (int blk = 0; blk < num_blocks; ++blk) {
-        k_pipe.producer_acquire(k_state);
-        const int ks = k_state.index;
-        int filled = 0;
-        while (filled < kBlock && cursor < p.topk) {
-          const int i = cursor + lane;
-          int64_t kr = -1;
-          if (i < p.topk) kr = key_row_of(p, seq, ids[i]);
-          const unsigned ballot = __ballot_sync(0xffffffffu, kr >= 0);
-          const int pos = filled + __popc(ballot & ((1u << lane) - 1u));
-          if (kr >= 0 && pos < kBlock) {
-            const float P = pred[i];
-            const float g = P >= eps ? -c * fmaxf(attn[i], eps) : 0.0f;
-            ss.gs[ks][pos] = g - P * G;
-            ss.key_row[ks][pos] = static_cast<int32_t>(kr);
-          }
-          const int n = __popc(ballot);
-          if (filled + n <= kBlock) {
-            cursor += 32;
-            filled += n;
-          } else {
-            // stop after the (kBlock - filled)-th valid lane
-            unsigned m = ballot;
-            for (int skip = kBlock - filled - 1; skip > 0; --skip) m &= m - 1;
-            cursor += __ffs(m);  // index of that lane + 1
-            filled = kBlock;
+      for (int chunk0 = 0; chunk0 < p.topk; chunk0 += Config::kSlotChunk) {
+        SlotBatch s;
+        load_batch(chunk0 + tid * kPerThread, seq, ids, attn, pred, s);
+        int count = 0;
+        CUTE_UNROLL
+        for (int j = 0; j < kPerThread; ++j) count += s.key_row[j] >= 0;
+        int chunk_valid = 0;
+        int pos = warpgroup_exclusive_scan(count, &chunk_valid);
+        // the previous chunk's list has been fully read (its copies were issued
+        // before the barrier inside the scan)
+        CUTE_UNROLL
+        for (int j = 0; j < kPerThread; ++j) {
+          if (s.key_row[j] >= 0) {
+            const float g = s.pred[j] >= eps ? -c * fmaxf(s.attn[j], eps) : 0.0f;
+            ss.slot_gs[pos] = g - s.pred[j] * G;
+            ss.slot_key_row[pos] = s.key_row[j];
+            ++pos;
           }
         }
-        for (int pos = filled + lane; pos < kBlock; pos += 32) {
-          ss.gs[ks][pos] = 0.0f;
-          ss.key_row[ks][pos] = -1;
+        producer_sync<Config>();  // list complete; producer_scan free
+        const int chunk_blocks = (chunk_valid + kBlock - 1) / kBlock;
+        for (int blk = 0; blk < chunk_blocks; ++blk) {
+          k_pipe.producer_acquire(k_state);
+          const int ks = k_state.index;
+          const int first = blk * kBlock;
+          if (tid < kBlock) {
+            const bool in_list = first + tid < chunk_valid;
+            ss.gs[ks][tid] = in_list ? ss.slot_gs[first + tid] : 0.0f;
+            ss.key_row[ks][tid] = in_list ? ss.slot_key_row[first + tid] : -1;
+          }
+          for (int chunk = tid; chunk < kBlock * kChunksPerRow; chunk += kThreads) {
+            const int r = chunk / kChunksPerRow, col = (chunk % kChunksPerRow) * 8;
+            const int32_t kr = first + r < chunk_valid ? ss.slot_key_row[first + r] : -1;
+            const uint16_t* src = kr >= 0 ? key_row_ptr(p, kr) + col : p.index_k;
+            copy16(src, &sK(r, col, ks), kr >= 0);
+          }
+          cute::cp_async_fence();
+          if (pending) {
+            cute::cp_async_wait<1>();  // all but the block just issued have landed
+            cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
+            k_pipe.producer_commit(pending_state);
+          }
+          pending = true;
+          pending_state = k_state;
+          k_state.advance();
         }
-        __syncwarp();  // key_row entries written by other lanes are read below
-        for (int chunk = lane; chunk < kBlock * kChunksPerRow; chunk += 32) {
-          const int r = chunk / kChunksPerRow, col = (chunk % kChunksPerRow) * 8;
-          const int32_t kr = ss.key_row[ks][r];
-          const uint16_t* src = kr >= 0 ? key_row_ptr(p, kr) + col : p.index_k;
-          copy16(src, &sK(r, col, ks), kr >= 0);
-        }
-        cute::cp_async_fence();
-        if (pending) {
-          cute::cp_async_wait<1>();  // all but the block just issued have landed
-          cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
-          k_pipe.producer_commit(pending_state);
-        }
-        pending = true;
-        pending_state = k_state;
-        k_state.advance();
+        producer_sync<Config>();  // every thread is done reading the list
       }
       if (pending) {
         cute::cp_async_wait<0>();

@@ -28,11 +28,16 @@ struct SharedStorage {
   // ---- per Q stage, read with ordinary loads
   float w_scaled[kStagesQ][Config::kHeadTile];   // w_h * sm_scale, 0 for padded heads
   int32_t num_blocks[kStagesQ];                  // blocks of valid keys in this task
+  // ---- producer-private (ordered by NamedBarrierId::kProducerSync)
+  float slot_gs[Config::kSlotChunk];             // compacted valid slots of one chunk: gs
+  int32_t slot_key_row[Config::kSlotChunk];      //   and flat key row, in slot order
+  float producer_partial[Config::kProducerThreads / 32][2];  // per-warp (G, count) partials
+  int32_t producer_scan[Config::kProducerThreads / 32];      // per-warp valid counts for the scan
 
   // ---------------------------------------------------------------------------
   // k_full[s]   "gathered block s is ready"
-  //   arrive count : Config::kProducerThreads (32) thread arrivals, one per producer lane
-  //   who arrives  : every producer lane, after (1) its sGs/sKeyRow stores for
+  //   arrive count : Config::kProducerThreads (128) thread arrivals, one per producer thread
+  //   who arrives  : every producer thread, after (1) its gs/key_row stores for
   //                  stage s, (2) cp.async.wait_group proving its own cp.async
   //                  copies into k[s] (zero-fill included) completed, and
   //                  (3) fence.proxy.async.shared::cta
@@ -46,14 +51,14 @@ struct SharedStorage {
   //                  GEMM3 (the wgmma reads of k[s]) and its own reads of
   //                  gs[s] / key_row[s]
   //   tx bytes     : none
-  //   waiters      : producer lanes, starting on phase 1 (make_producer_start_state)
+  //   waiters      : producer threads, starting on phase 1 (make_producer_start_state)
   //   publishes    : the end of all reads of stage s (write-after-read order)
   //   reuse        : immediately after the wait
   uint64_t k_full[kStagesK];
   uint64_t k_empty[kStagesK];
   // q_full[s]   "task s's Q tile, w_scaled and num_blocks are ready"
-  //   arrive count : Config::kProducerThreads (32) thread arrivals
-  //   who arrives  : every producer lane, after its w_scaled/num_blocks stores,
+  //   arrive count : Config::kProducerThreads (128) thread arrivals
+  //   who arrives  : every producer thread, after its w_scaled/num_blocks stores,
   //                  cp.async.wait_group 0 for its Q copies, and fence.proxy.async
   //   tx bytes     : none
   //   waiters      : all consumer threads, consumer phase
@@ -64,7 +69,7 @@ struct SharedStorage {
   //   who arrives  : every consumer thread after its last GEMM1/GEMM2 of the
   //                  task has been waited for (and after reading w_scaled/num_blocks)
   //   tx bytes     : none
-  //   waiters      : producer lanes, starting on phase 1
+  //   waiters      : producer threads, starting on phase 1
   //   publishes    : the end of all reads of q[s]
   //   reuse        : immediately after the wait
   uint64_t q_full[kStagesQ];
@@ -80,7 +85,8 @@ template <class Config>
 struct KernelBarrierCounts {
   static constexpr uint32_t kFullArrivals = Config::kProducerThreads;
   static constexpr uint32_t kEmptyArrivals = Config::kConsumerThreads;
-  static_assert(kFullArrivals == 32, "one producer warp: every lane arrives");
+  static_assert(kFullArrivals == Config::kProducerWarpgroups * Config::kThreadsPerWarpgroup,
+                "every producer thread arrives");
   static_assert(kEmptyArrivals == Config::kConsumerWarpgroups * Config::kThreadsPerWarpgroup,
                 "every consumer thread arrives");
 };
