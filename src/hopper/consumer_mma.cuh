@@ -65,8 +65,8 @@ struct ConsumerMma {
     Tensor tSrK = thr_s.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stageK)
     Tensor tSrS = partition_fragment_C(mma_s, Shape<Int<Config::kHeadTile>, Int<kBlock>>{});  // (MMA, M, N) fp32
     Tensor tSsAt = thr_s.partition_C(sAt);          // (MMA, M, N, term): where this thread's A values go
-    Tensor tSsAt0 = tSsAt(_, _, _, 0);               // A_hi
-    Tensor tSsAt1 = tSsAt(_, _, _, Config::kATerms - 1);  // A_lo = bf16(A - A_hi)
+    Tensor tSrA = make_tensor_like<Element>(tSrS);   // A_hi
+    Tensor tSrAlo = make_tensor_like<Element>(tSrS); // A_lo = bf16(A - A_hi)
     // GEMM2
     Tensor tDKrA = thr_dk.partition_fragment_A(sA);  // (MMA, M, K, term)
     Tensor tDKrQt = thr_dk.partition_fragment_B(sQt);
@@ -119,10 +119,11 @@ struct ConsumerMma {
           const int half = (i >> 1) & 1;  // value i sits in row r0 + 8 * half
           dw[half] += gs * fmaxf(x, 0.0f);
           const float a = x > 0.0f ? gs * w_row[half] : 0.0f;
-          const Element a_hi = Element(a);
-          tSsAt0(i) = a_hi;
-          if constexpr (Config::kSplitA) tSsAt1(i) = Element(a - static_cast<float>(a_hi));
+          tSrA(i) = Element(a);
+          if constexpr (Config::kSplitA) tSrAlo(i) = Element(a - static_cast<float>(tSrA(i)));
         }
+        copy(tSrA, tSsAt(_, _, _, 0));
+        if constexpr (Config::kSplitA) copy(tSrAlo, tSsAt(_, _, _, 1));
         cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);  // sA is read by wgmma next
         if (tid < kBlock) {
           // the reduces issued kDkStages blocks ago from sDK[dk_stage] have read their source
