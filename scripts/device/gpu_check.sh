@@ -37,4 +37,25 @@ if [[ $what == bench || $what == all ]]; then
   timeout 300 "$bin/dsa-indexer-bwd-bench" --json "$out/bench.json" 2>&1 | tee "$out/bench.log" | tail -30
   rc=$((rc | PIPESTATUS[0]))
 fi
+if [[ $what == ab ]]; then
+  # Paired A/B of every variant bench in .device/bin/ab/ against the baseline
+  # named there "bench_A": alternating processes (scripts/ab_compare.py).
+  echo "=== paired A/B (baseline: ab/bench_A)"
+  for b in .device/bin/ab/bench_*; do
+    [[ $b == */bench_A ]] && continue
+    echo "--- A = bench_A, B = $(basename "$b")"
+    timeout 240 python3 scripts/ab_compare.py .device/bin/ab/bench_A "$b" --pairs ${AB_PAIRS:-6} \
+      --args "${AB_ARGS:---seq 4096 --iters 15}" --out "$out/ab_$(basename "$b").json"
+    rc=$((rc | $?))
+  done
+fi
+if [[ $what == ncu ]]; then
+  echo "=== ncu (--clock-control none) of the fused kernel, random ids S 4096"
+  timeout 300 ncu --clock-control none --kernel-name regex:indexer_backward_kernel --launch-skip 2 --launch-count 1 \
+    --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+    --section ComputeWorkloadAnalysis --section SourceCounters \
+    "$bin/dsa-indexer-bwd-bench" --seq 4096 --ids random --iters 1 > "$out/ncu.txt" 2>&1
+  rc=$((rc | $?))
+  grep -E "Duration|Throughput|Pipe|Stall|stall|Issue Slot|Warp Cycles|L2 Hit|Mem Busy|Max Bandwidth|Registers|Executed Ipc" "$out/ncu.txt" | head -60
+fi
 exit $rc

@@ -7,5 +7,10 @@ mkdir -p .device/bin
 for b in tests/gpu/test_gpu_hopper tests/sanitizer/sync_calibration bench/dsa-indexer-bwd-bench cli/dsa-indexer-bwd; do
   if [[ -f $build/$b ]]; then cp "$build/$b" .device/bin/; fi
 done
-strip --strip-debug .device/bin/* 2>/dev/null || true
-du -sh .device/bin/*
+# Variant benches for paired A/B runs: AB_VARIANTS="A=path/to/bench B=path/to/bench ..."
+if [[ -n ${AB_VARIANTS:-} ]]; then
+  rm -rf .device/bin/ab && mkdir -p .device/bin/ab
+  for kv in $AB_VARIANTS; do cp "${kv#*=}" ".device/bin/ab/bench_${kv%%=*}"; done
+fi
+strip --strip-debug .device/bin/* .device/bin/ab/* 2>/dev/null || true
+du -sh .device/bin/* .device/bin/ab/* 2>/dev/null

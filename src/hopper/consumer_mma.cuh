@@ -40,6 +40,8 @@ struct ConsumerMma {
   MbarrierPipeline<Config::kStagesK> k_pipe;
   MbarrierPipeline<Config::kStagesQ> q_pipe;
 
+  __device__ int32_t sb_key_row(int stage, int key) const { return ss.key_row[stage][key]; }
+
   __device__ void run() {
     using namespace cute;
     const int tid = threadIdx.x - Config::kProducerWarpgroups * Config::kThreadsPerWarpgroup;  // 0..127
@@ -64,9 +66,15 @@ struct ConsumerMma {
     Tensor tSrQ = thr_s.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K, stageQ) descriptors
     Tensor tSrK = thr_s.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stageK)
     Tensor tSrS = partition_fragment_C(mma_s, Shape<Int<Config::kHeadTile>, Int<kBlock>>{});  // (MMA, M, N) fp32
-    Tensor tSsAt = thr_s.partition_C(sAt);          // (MMA, M, N, term): where this thread's A values go
     Tensor tSrA = make_tensor_like<Element>(tSrS);   // A_hi
     Tensor tSrAlo = make_tensor_like<Element>(tSrS); // A_lo = bf16(A - A_hi)
+    // A leaves the accumulator layout (heads x keys) for sA (keys x heads,
+    // heads contiguous) through transposing stmatrix: 8x8 bf16 tiles per instruction.
+    auto smem_copy_a = make_tiled_copy_C(Copy_Atom<SM90_U16x8_STSM_T, Element>{}, mma_s);
+    auto thr_copy_a = smem_copy_a.get_thread_slice(tid);
+    Tensor tAsAt = thr_copy_a.partition_D(sAt);      // (CPY, CPY_M, CPY_N, term)
+    Tensor tArA = thr_copy_a.retile_S(tSrA);
+    Tensor tArAlo = thr_copy_a.retile_S(tSrAlo);
     // GEMM2
     Tensor tDKrA = thr_dk.partition_fragment_A(sA);  // (MMA, M, K, term)
     Tensor tDKrQt = thr_dk.partition_fragment_B(sQt);
@@ -108,7 +116,8 @@ struct ConsumerMma {
         // GEMM1: S = Q K^T
         warpgroup_gemm<true>(mma_s, tSrQ(_, _, _, qs), tSrK(_, _, _, ks), tSrS);
         warpgroup_wait<0>();
-        const int32_t my_key_row = tid < kBlock ? ss.key_row[ks][tid] : -1;
+        const int32_t my_key_row =
+            Config::kDkScatter == Config::DkScatter::kBulkReduce && tid < kBlock ? ss.key_row[ks][tid] : -1;
 
         // dW and the masked A (docs/math.md stage 2)
         CUTE_UNROLL
@@ -122,14 +131,16 @@ struct ConsumerMma {
           tSrA(i) = Element(a);
           if constexpr (Config::kSplitA) tSrAlo(i) = Element(a - static_cast<float>(tSrA(i)));
         }
-        copy(tSrA, tSsAt(_, _, _, 0));
-        if constexpr (Config::kSplitA) copy(tSrAlo, tSsAt(_, _, _, 1));
+        copy(smem_copy_a, tArA, tAsAt(_, _, _, 0));
+        if constexpr (Config::kSplitA) copy(smem_copy_a, tArAlo, tAsAt(_, _, _, 1));
         cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);  // sA is read by wgmma next
-        if (tid < kBlock) {
-          // the reduces issued kDkStages blocks ago from sDK[dk_stage] have read their source
-          cuda::ptx::cp_async_bulk_wait_group_read(cuda::ptx::n32_t<Config::kDkStages - 1>{});
+        if constexpr (Config::kDkScatter == Config::DkScatter::kBulkReduce) {
+          if (tid < kBlock) {
+            // the reduces issued kDkStages blocks ago from sDK[dk_stage] have read their source
+            cuda::ptx::cp_async_bulk_wait_group_read(cuda::ptx::n32_t<Config::kDkStages - 1>{});
+          }
         }
-        consumer_smem_ready_sync<Config>();  // sA complete; sDK[dk_stage] free
+        consumer_smem_ready_sync<Config>();  // sA complete (and sDK[dk_stage] free)
 
         // GEMM2: dK_blk = A^T Q ; GEMM3: dQ += A K
         warpgroup_gemm<true>(mma_dk, tDKrA(_, _, _, 0), tDKrQt(_, _, _, qs), tDKrDK);
@@ -139,21 +150,42 @@ struct ConsumerMma {
           warpgroup_gemm<false>(mma_dq, tDQrAt(_, _, _, 1), tDQrKt(_, _, _, ks), tDQrDQ);
         }
         warpgroup_wait<0>();
-        k_pipe.consumer_release(k_state);  // all reads of k[ks], gs[ks], key_row[ks] are done
-        k_state.advance();
-
-        copy(tDKrDK, tDKsDK(_, _, _, dk_stage));
-        cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);  // sDK is read by the bulk reduces next
-        consumer_smem_ready_sync<Config>();  // sDK complete; every GEMM2/3 read of sA done
-        if (tid < kBlock) {
-          if (my_key_row >= 0) {
-            cuda::ptx::cp_reduce_async_bulk(cuda::ptx::space_global, cuda::ptx::space_shared, cuda::ptx::op_add,
-                                            p.dk_accum + static_cast<int64_t>(my_key_row) * kD,
-                                            &sDK(tid, 0, dk_stage), static_cast<uint32_t>(kD * sizeof(float)));
+        if constexpr (Config::kDkScatter == Config::DkScatter::kRedV4) {
+          // dK accumulator: value i is key row r0 + 8*((i/2)%2), column c0 + (i%2) + 8*(i/4).
+          // Lanes 2m and 2m+1 hold columns c0..c0+1 and c0+2..c0+3 of the same two rows;
+          // they swap halves so the even lane owns row r0 and the odd lane row r0 + 8,
+          // four consecutive columns each.
+          const bool odd = lane & 1;
+          const int32_t kr = sb_key_row(ks, r0 + (odd ? 8 : 0));
+          k_pipe.consumer_release(k_state);  // all reads of k[ks], gs[ks], key_row[ks] are done
+          k_state.advance();
+          consumer_smem_ready_sync<Config>();  // every GEMM2/3 read of sA is done before the next block writes it
+          float* dst = p.dk_accum + static_cast<int64_t>(kr) * kD + (c0 - (odd ? 2 : 0));
+          CUTE_UNROLL
+          for (int j = 0; j < kD / 8; ++j) {
+            const float a0 = tDKrDK(4 * j), a1 = tDKrDK(4 * j + 1);      // row r0
+            const float b0 = tDKrDK(4 * j + 2), b1 = tDKrDK(4 * j + 3);  // row r0 + 8
+            const float s0 = __shfl_xor_sync(0xffffffffu, odd ? a0 : b0, 1);
+            const float s1 = __shfl_xor_sync(0xffffffffu, odd ? a1 : b1, 1);
+            const float4 v = odd ? make_float4(s0, s1, b0, b1) : make_float4(a0, a1, s0, s1);
+            if (kr >= 0) atomicAdd(reinterpret_cast<float4*>(dst + 8 * j), v);
           }
-          cuda::ptx::cp_async_bulk_commit_group();
+        } else {
+          k_pipe.consumer_release(k_state);  // all reads of k[ks], gs[ks], key_row[ks] are done
+          k_state.advance();
+          copy(tDKrDK, tDKsDK(_, _, _, dk_stage));
+          cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);  // sDK is read by the bulk reduces next
+          consumer_smem_ready_sync<Config>();  // sDK complete; every GEMM2/3 read of sA done
+          if (tid < kBlock) {
+            if (my_key_row >= 0) {
+              cuda::ptx::cp_reduce_async_bulk(cuda::ptx::space_global, cuda::ptx::space_shared, cuda::ptx::op_add,
+                                              p.dk_accum + static_cast<int64_t>(my_key_row) * kD,
+                                              &sDK(tid, 0, dk_stage), static_cast<uint32_t>(kD * sizeof(float)));
+            }
+            cuda::ptx::cp_async_bulk_commit_group();
+          }
+          dk_stage = (dk_stage + 1) % Config::kDkStages;
         }
-        dk_stage = (dk_stage + 1) % Config::kDkStages;
       }
       q_pipe.consumer_release(q_state);  // GEMM1/GEMM2 reads of q[qs] were waited for
       q_state.advance();
@@ -186,7 +218,9 @@ struct ConsumerMma {
         }
       }
     }
-    if (tid < kBlock) cuda::ptx::cp_async_bulk_wait_group(cuda::ptx::n32_t<0>{});  // reduces complete before exit
+    if constexpr (Config::kDkScatter == Config::DkScatter::kBulkReduce) {
+      if (tid < kBlock) cuda::ptx::cp_async_bulk_wait_group(cuda::ptx::n32_t<0>{});  // reduces complete before exit
+    }
   }
 };
 

@@ -16,7 +16,10 @@ namespace dsaib::hopper {
 template <class Config>
 __global__ void __launch_bounds__(Config::kThreads, 1) indexer_backward_kernel(const __grid_constant__ IndexerBackwardParams p) {
   extern __shared__ uint8_t smem_raw[];
-  auto* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  // Align to 1024 B (128-byte swizzle atoms) by an offset from smem_raw, so the
+  // compiler still knows the pointer is shared memory (STS/LDS, not generic ST/LD).
+  const uint32_t smem_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  uint8_t* base = smem_raw + ((1024u - (smem_addr & 1023u)) & 1023u);
   SharedStorage<Config>& ss = *reinterpret_cast<SharedStorage<Config>*>(base);
 
   using Counts = KernelBarrierCounts<Config>;

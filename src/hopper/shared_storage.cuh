@@ -21,7 +21,7 @@ struct SharedStorage {
   alignas(1024) Element k[cute::cosize_v<typename Config::SmemLayoutK>];  // (64 keys, D) x kStagesK
   alignas(1024) Element a[cute::cosize_v<typename Config::SmemLayoutA>];  // (64 keys, 64 heads) x kATerms
   // ---- source of the dK bulk reduces (async proxy)
-  alignas(128) float dk[cute::cosize_v<typename Config::SmemLayoutDK>];   // (64 keys, D + 4) x kDkStages
+  alignas(128) float dk[Config::kDkStages == 0 ? 4 : cute::cosize_v<typename Config::SmemLayoutDK>];  // (64 keys, D + 4) x kDkStages
   // ---- per K stage, read with ordinary loads
   float gs[kStagesK][Config::kBlockKeys];        // dLoss/dz of each gathered slot (0 on tail entries)
   int32_t key_row[kStagesK][Config::kBlockKeys]; // flat index_k row of each gathered slot, -1 on tail entries

@@ -41,16 +41,29 @@ struct TileConfig {
   // spill (D=64 spills 4 bytes at 232 and above, D=128 is clean at 240).
   static constexpr int kConsumerRegisters = kHeadDim == 64 ? 216 : 240;
 
-  // fp32 dK staging: row pitch padded by 4 floats (16 B) against bank conflicts;
-  // each row stays 16-byte aligned for cp.reduce.async.bulk.
+  // How dK blocks reach the fp32 accumulator:
+  //   kBulkReduce: staged in shared memory (fp32, rows padded by 16 B against
+  //                bank conflicts, 16-byte aligned) and scattered with one
+  //                cp.reduce.async.bulk.add.f32 per key row, kDkStages blocks in flight.
+  //   kRedV4:      straight from the accumulator registers, pairs of lanes swap
+  //                halves so each thread issues float4 atomicAdd (red.global.add.v4.f32)
+  //                per 4 columns: no staging, no waits, reductions fire and forget.
+  enum class DkScatter { kBulkReduce, kRedV4 };
+#ifndef DSAIB_DK_SCATTER  // build-time knob for A/B measurements only
+#define DSAIB_DK_SCATTER 1
+#endif
+  static constexpr DkScatter kDkScatter = DSAIB_DK_SCATTER == 0 ? DkScatter::kBulkReduce : DkScatter::kRedV4;
   static constexpr int kDkPitch = kHeadDim + 4;
-  static constexpr int kDkStages = 2;
+  static constexpr int kDkStages = kDkScatter == DkScatter::kBulkReduce ? 2 : 0;
 
   // A = gs * w * sm_scale * [x > 0] is a wgmma operand, so it is bf16. One bf16
   // rounding of A alone gives ~1.7e-3 relative RMS in dQ and dK, over the 1e-3
   // budget of fp32 outputs. With kSplitA, A = A_hi + A_lo (two bf16 terms, error
   // ~2^-16) and GEMM2/GEMM3 run once per term: 5 GEMMs per block instead of 3.
-  static constexpr bool kSplitA = true;
+#ifndef DSAIB_SPLIT_A  // build-time knob for A/B measurements only (default: on)
+#define DSAIB_SPLIT_A 1
+#endif
+  static constexpr bool kSplitA = DSAIB_SPLIT_A != 0;
   static constexpr int kATerms = kSplitA ? 2 : 1;
 
   using Element = cutlass::bfloat16_t;
@@ -80,7 +93,7 @@ struct TileConfig {
       SmemLayoutA{}, cute::make_layout(cute::Shape<cute::Int<kHeadTile>, cute::Int<kBlockKeys>, cute::Int<kATerms>>{},
                                        cute::Stride<cute::Int<kBlockKeys>, cute::_1, cute::Int<kBlockKeys * kHeadTile>>{})));
   // sDK: (keys, D, stage) fp32, padded rows
-  using SmemLayoutDK = cute::Layout<cute::Shape<cute::Int<kBlockKeys>, cute::Int<kHeadDim>, cute::Int<kDkStages>>,
+  using SmemLayoutDK = cute::Layout<cute::Shape<cute::Int<kBlockKeys>, cute::Int<kHeadDim>, cute::Int<kDkStages == 0 ? 1 : kDkStages>>,
                                     cute::Stride<cute::Int<kDkPitch>, cute::_1, cute::Int<kBlockKeys * kDkPitch>>>;
 
   // Tiled MMAs, one warpgroup each.
