@@ -1,6 +1,6 @@
 // Consumer role (warpgroup 1): per task, for each gathered block of keys,
 //   GEMM1 S = Q K^T -> dW, masked A -> GEMM2 dK_blk = A^T Q, GEMM3 dQ += A K
-// then the dK block is staged in fp32 and scatter-added with bulk reduces;
+// then the dK block is scatter-added from registers with float4 reductions;
 // dQ and dW are written at the end of the task.
 #pragma once
 
@@ -40,8 +40,6 @@ struct ConsumerMma {
   MbarrierPipeline<Config::kStagesK> k_pipe;
   MbarrierPipeline<Config::kStagesQ> q_pipe;
 
-  __device__ int32_t sb_key_row(int stage, int key) const { return ss.key_row[stage][key]; }
-
   __device__ void run() {
     using namespace cute;
     const int tid = threadIdx.x - Config::kProducerWarpgroups * Config::kThreadsPerWarpgroup;  // 0..127
@@ -51,9 +49,8 @@ struct ConsumerMma {
     Tensor sQt = make_tensor(make_smem_ptr(ss.q), typename Config::SmemLayoutQt{});   // (D, 64 heads, stage)
     Tensor sK = make_tensor(make_smem_ptr(ss.k), typename Config::SmemLayoutK{});     // (64 keys, D, stage)
     Tensor sKt = make_tensor(make_smem_ptr(ss.k), typename Config::SmemLayoutKt{});   // (D, 64 keys, stage)
-    Tensor sA = make_tensor(make_smem_ptr(ss.a), typename Config::SmemLayoutA{});     // (64 keys, 64 heads, term)
-    Tensor sAt = make_tensor(make_smem_ptr(ss.a), typename Config::SmemLayoutAt{});   // (64 heads, 64 keys, term)
-    Tensor sDK = make_tensor(make_smem_ptr(ss.dk), typename Config::SmemLayoutDK{});  // (64 keys, D, stage) fp32
+    Tensor sA = make_tensor(make_smem_ptr(ss.a), typename Config::SmemLayoutA{});     // (64 keys, 64 heads, term, buf)
+    Tensor sAt = make_tensor(make_smem_ptr(ss.a), typename Config::SmemLayoutAt{});   // (64 heads, 64 keys, term, buf)
 
     typename Config::TiledMmaS mma_s;
     typename Config::TiledMmaDK mma_dk;
@@ -79,7 +76,6 @@ struct ConsumerMma {
     Tensor tDKrA = thr_dk.partition_fragment_A(sA);  // (MMA, M, K, term)
     Tensor tDKrQt = thr_dk.partition_fragment_B(sQt);
     Tensor tDKrDK = partition_fragment_C(mma_dk, Shape<Int<kBlock>, Int<kD>>{});
-    Tensor tDKsDK = thr_dk.partition_C(sDK);        // (MMA, M, N, stageDK)
     // GEMM3
     Tensor tDQrAt = thr_dq.partition_fragment_A(sAt);  // (MMA, M, K, term)
     Tensor tDQrKt = thr_dq.partition_fragment_B(sKt);
@@ -95,7 +91,7 @@ struct ConsumerMma {
 
     auto k_state = make_consumer_start_state<Config::kStagesK>();
     auto q_state = make_consumer_start_state<Config::kStagesQ>();
-    int dk_stage = 0;
+    int a_buf = 0;  // sA double buffer (see the WAR note below)
 
     for (int64_t task = blockIdx.x; task < p.num_tasks; task += gridDim.x) {
       const int64_t row = task / p.head_groups;
@@ -110,14 +106,10 @@ struct ConsumerMma {
       clear(tDQrDQ);
 
       for (int blk = 0; blk < num_blocks; ++blk) {
-        k_pipe.consumer_wait(k_state);
         const int ks = k_state.index;
-
-        // GEMM1: S = Q K^T
-        warpgroup_gemm<true>(mma_s, tSrQ(_, _, _, qs), tSrK(_, _, _, ks), tSrS);
+        k_pipe.consumer_wait(k_state);
+        warpgroup_gemm<true>(mma_s, tSrQ(_, _, _, qs), tSrK(_, _, _, ks), tSrS);  // GEMM1: S = Q K^T
         warpgroup_wait<0>();
-        const int32_t my_key_row =
-            Config::kDkScatter == Config::DkScatter::kBulkReduce && tid < kBlock ? ss.key_row[ks][tid] : -1;
 
         // dW and the masked A (docs/math.md stage 2)
         CUTE_UNROLL
@@ -131,61 +123,41 @@ struct ConsumerMma {
           tSrA(i) = Element(a);
           if constexpr (Config::kSplitA) tSrAlo(i) = Element(a - static_cast<float>(tSrA(i)));
         }
-        copy(smem_copy_a, tArA, tAsAt(_, _, _, 0));
-        if constexpr (Config::kSplitA) copy(smem_copy_a, tArAlo, tAsAt(_, _, _, 1));
+        // WAR on sA[a_buf]: its last readers were GEMM2/3 two blocks ago; every
+        // consumer thread waited for those before arriving at the previous
+        // block's kConsumerSmemReady barrier, which this thread has passed.
+        copy(smem_copy_a, tArA, tAsAt(_, _, _, 0, a_buf));
+        if constexpr (Config::kSplitA) copy(smem_copy_a, tArAlo, tAsAt(_, _, _, 1, a_buf));
         cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);  // sA is read by wgmma next
-        if constexpr (Config::kDkScatter == Config::DkScatter::kBulkReduce) {
-          if (tid < kBlock) {
-            // the reduces issued kDkStages blocks ago from sDK[dk_stage] have read their source
-            cuda::ptx::cp_async_bulk_wait_group_read(cuda::ptx::n32_t<Config::kDkStages - 1>{});
-          }
-        }
-        consumer_smem_ready_sync<Config>();  // sA complete (and sDK[dk_stage] free)
+        consumer_smem_ready_sync<Config>();  // sA[a_buf] complete
 
         // GEMM2: dK_blk = A^T Q ; GEMM3: dQ += A K
-        warpgroup_gemm<true>(mma_dk, tDKrA(_, _, _, 0), tDKrQt(_, _, _, qs), tDKrDK);
-        warpgroup_gemm<false>(mma_dq, tDQrAt(_, _, _, 0), tDQrKt(_, _, _, ks), tDQrDQ);
+        warpgroup_gemm<true>(mma_dk, tDKrA(_, _, _, 0, a_buf), tDKrQt(_, _, _, qs), tDKrDK);
+        warpgroup_gemm<false>(mma_dq, tDQrAt(_, _, _, 0, a_buf), tDQrKt(_, _, _, ks), tDQrDQ);
         if constexpr (Config::kSplitA) {
-          warpgroup_gemm<false>(mma_dk, tDKrA(_, _, _, 1), tDKrQt(_, _, _, qs), tDKrDK);
-          warpgroup_gemm<false>(mma_dq, tDQrAt(_, _, _, 1), tDQrKt(_, _, _, ks), tDQrDQ);
+          warpgroup_gemm<false>(mma_dk, tDKrA(_, _, _, 1, a_buf), tDKrQt(_, _, _, qs), tDKrDK);
+          warpgroup_gemm<false>(mma_dq, tDQrAt(_, _, _, 1, a_buf), tDQrKt(_, _, _, ks), tDQrDQ);
         }
         warpgroup_wait<0>();
-        if constexpr (Config::kDkScatter == Config::DkScatter::kRedV4) {
-          // dK accumulator: value i is key row r0 + 8*((i/2)%2), column c0 + (i%2) + 8*(i/4).
-          // Lanes 2m and 2m+1 hold columns c0..c0+1 and c0+2..c0+3 of the same two rows;
-          // they swap halves so the even lane owns row r0 and the odd lane row r0 + 8,
-          // four consecutive columns each.
-          const bool odd = lane & 1;
-          const int32_t kr = sb_key_row(ks, r0 + (odd ? 8 : 0));
-          k_pipe.consumer_release(k_state);  // all reads of k[ks], gs[ks], key_row[ks] are done
-          k_state.advance();
-          consumer_smem_ready_sync<Config>();  // every GEMM2/3 read of sA is done before the next block writes it
-          float* dst = p.dk_accum + static_cast<int64_t>(kr) * kD + (c0 - (odd ? 2 : 0));
-          CUTE_UNROLL
-          for (int j = 0; j < kD / 8; ++j) {
-            const float a0 = tDKrDK(4 * j), a1 = tDKrDK(4 * j + 1);      // row r0
-            const float b0 = tDKrDK(4 * j + 2), b1 = tDKrDK(4 * j + 3);  // row r0 + 8
-            const float s0 = __shfl_xor_sync(0xffffffffu, odd ? a0 : b0, 1);
-            const float s1 = __shfl_xor_sync(0xffffffffu, odd ? a1 : b1, 1);
-            const float4 v = odd ? make_float4(s0, s1, b0, b1) : make_float4(a0, a1, s0, s1);
-            if (kr >= 0) atomicAdd(reinterpret_cast<float4*>(dst + 8 * j), v);
-          }
-        } else {
-          k_pipe.consumer_release(k_state);  // all reads of k[ks], gs[ks], key_row[ks] are done
-          k_state.advance();
-          copy(tDKrDK, tDKsDK(_, _, _, dk_stage));
-          cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);  // sDK is read by the bulk reduces next
-          consumer_smem_ready_sync<Config>();  // sDK complete; every GEMM2/3 read of sA done
-          if (tid < kBlock) {
-            if (my_key_row >= 0) {
-              cuda::ptx::cp_reduce_async_bulk(cuda::ptx::space_global, cuda::ptx::space_shared, cuda::ptx::op_add,
-                                              p.dk_accum + static_cast<int64_t>(my_key_row) * kD,
-                                              &sDK(tid, 0, dk_stage), static_cast<uint32_t>(kD * sizeof(float)));
-            }
-            cuda::ptx::cp_async_bulk_commit_group();
-          }
-          dk_stage = (dk_stage + 1) % Config::kDkStages;
+        // dK accumulator: value i is key row r0 + 8*((i/2)%2), column c0 + (i%2) + 8*(i/4).
+        // Lanes 2m and 2m+1 hold columns c0..c0+1 and c0+2..c0+3 of the same two rows;
+        // they swap halves so the even lane owns row r0 and the odd lane row r0 + 8,
+        // four consecutive columns each, and issue one float4 red per 4 columns.
+        const bool odd = lane & 1;
+        const int32_t kr = ss.key_row[ks][r0 + (odd ? 8 : 0)];
+        k_pipe.consumer_release(k_state);  // GEMM1/GEMM3 reads of k[ks], reads of gs[ks]/key_row[ks] are done
+        k_state.advance();
+        float* dst = p.dk_accum + static_cast<int64_t>(kr) * kD + (c0 - (odd ? 2 : 0));
+        CUTE_UNROLL
+        for (int j = 0; j < kD / 8; ++j) {
+          const float a0 = tDKrDK(4 * j), a1 = tDKrDK(4 * j + 1);      // row r0
+          const float b0 = tDKrDK(4 * j + 2), b1 = tDKrDK(4 * j + 3);  // row r0 + 8
+          const float s0 = __shfl_xor_sync(0xffffffffu, odd ? a0 : b0, 1);
+          const float s1 = __shfl_xor_sync(0xffffffffu, odd ? a1 : b1, 1);
+          const float4 v = odd ? make_float4(s0, s1, b0, b1) : make_float4(a0, a1, s0, s1);
+          if (kr >= 0) atomicAdd(reinterpret_cast<float4*>(dst + 8 * j), v);
         }
+        a_buf ^= 1;
       }
       q_pipe.consumer_release(q_state);  // GEMM1/GEMM2 reads of q[qs] were waited for
       q_state.advance();
@@ -217,9 +189,6 @@ struct ConsumerMma {
           }
         }
       }
-    }
-    if constexpr (Config::kDkScatter == Config::DkScatter::kBulkReduce) {
-      if (tid < kBlock) cuda::ptx::cp_async_bulk_wait_group(cuda::ptx::n32_t<0>{});  // reduces complete before exit
     }
   }
 };

@@ -8,8 +8,9 @@
 namespace dsaib::hopper {
 
 enum class NamedBarrierId : uint32_t {
-  /// The consumer warpgroup(s): all consumer threads wrote sA (resp. sDK) and
-  /// fenced to the async proxy; after it, wgmma (resp. bulk reduces) may read.
+  /// The consumer warpgroup: all consumer threads wrote sA[buf] and fenced to
+  /// the async proxy; after it, wgmma may read it (and, by then, every thread
+  /// has finished the GEMM2/3 that read sA[buf ^ 1] one block earlier).
   kConsumerSmemReady = 0,
   /// The producer warpgroup: stage-1 partial sums / counts and the compacted
   /// slot list are complete (or fully consumed) before the next step.

@@ -19,9 +19,7 @@ struct SharedStorage {
   // ---- buffers read by wgmma (async proxy); 1024-byte aligned for the 128B swizzle
   alignas(1024) Element q[cute::cosize_v<typename Config::SmemLayoutQ>];  // (64 heads, D) x kStagesQ
   alignas(1024) Element k[cute::cosize_v<typename Config::SmemLayoutK>];  // (64 keys, D) x kStagesK
-  alignas(1024) Element a[cute::cosize_v<typename Config::SmemLayoutA>];  // (64 keys, 64 heads) x kATerms
-  // ---- source of the dK bulk reduces (async proxy)
-  alignas(128) float dk[Config::kDkStages == 0 ? 4 : cute::cosize_v<typename Config::SmemLayoutDK>];  // (64 keys, D + 4) x kDkStages
+  alignas(1024) Element a[cute::cosize_v<typename Config::SmemLayoutA>];  // (64 keys, 64 heads) x kATerms x kABuffers
   // ---- per K stage, read with ordinary loads
   float gs[kStagesK][Config::kBlockKeys];        // dLoss/dz of each gathered slot (0 on tail entries)
   int32_t key_row[kStagesK][Config::kBlockKeys]; // flat index_k row of each gathered slot, -1 on tail entries
@@ -74,11 +72,12 @@ struct SharedStorage {
   //   reuse        : immediately after the wait
   uint64_t q_full[kStagesQ];
   uint64_t q_empty[kStagesQ];
-  // sA and sDK are not guarded by mbarriers: only consumer threads touch them,
-  // ordered by NamedBarrierId::kConsumerSmemReady (every consumer thread
-  // participates, each fences to the async proxy before it) and, for sDK
-  // reuse, cp.async.bulk.wait_group.read in each issuing thread before that
-  // named barrier.
+  // sA is not guarded by mbarriers: only consumer threads touch it. RAW: every
+  // consumer thread stores its part of sA[buf], fences to the async proxy and
+  // arrives at NamedBarrierId::kConsumerSmemReady before wgmma reads it. WAR:
+  // sA[buf] is rewritten two blocks later, after every consumer thread has
+  // waited for that block's GEMM2/3 (warpgroup_wait) and then passed the next
+  // block's kConsumerSmemReady barrier.
 };
 
 template <class Config>

@@ -41,20 +41,11 @@ struct TileConfig {
   // spill (D=64 spills 4 bytes at 232 and above, D=128 is clean at 240).
   static constexpr int kConsumerRegisters = kHeadDim == 64 ? 216 : 240;
 
-  // How dK blocks reach the fp32 accumulator:
-  //   kBulkReduce: staged in shared memory (fp32, rows padded by 16 B against
-  //                bank conflicts, 16-byte aligned) and scattered with one
-  //                cp.reduce.async.bulk.add.f32 per key row, kDkStages blocks in flight.
-  //   kRedV4:      straight from the accumulator registers, pairs of lanes swap
-  //                halves so each thread issues float4 atomicAdd (red.global.add.v4.f32)
-  //                per 4 columns: no staging, no waits, reductions fire and forget.
-  enum class DkScatter { kBulkReduce, kRedV4 };
-#ifndef DSAIB_DK_SCATTER  // build-time knob for A/B measurements only
-#define DSAIB_DK_SCATTER 1
-#endif
-  static constexpr DkScatter kDkScatter = DSAIB_DK_SCATTER == 0 ? DkScatter::kBulkReduce : DkScatter::kRedV4;
-  static constexpr int kDkPitch = kHeadDim + 4;
-  static constexpr int kDkStages = kDkScatter == DkScatter::kBulkReduce ? 2 : 0;
+  // dK blocks go straight from the accumulator registers to the fp32 dK
+  // accumulator: lanes 2m/2m+1 swap halves so each thread issues float4
+  // atomicAdd (red.global.add.v4.f32) per 4 columns; nothing is staged.
+  // (Measured against per-row cp.reduce.async.bulk from an smem staging
+  // buffer in docs/perf-log.md, v3 vs v4.)
 
   // A = gs * w * sm_scale * [x > 0] is a wgmma operand, so it is bf16. One bf16
   // rounding of A alone gives ~1.7e-3 relative RMS in dQ and dK, over the 1e-3
@@ -76,9 +67,12 @@ struct TileConfig {
   // sK: (keys, D, stage)
   using SmemLayoutK = decltype(cute::tile_to_shape(
       SmemAtom{}, cute::Shape<cute::Int<kBlockKeys>, cute::Int<kHeadDim>, cute::Int<kStagesK>>{}));
-  // sA: (keys, heads, term), heads contiguous; term 0 = A_hi, 1 = A_lo
+  // sA: (keys, heads, term, buf), heads contiguous; term 0 = A_hi, 1 = A_lo;
+  // double-buffered across blocks (kABuffers) so that no barrier is needed
+  // between a block's GEMM2/3 and the next block's A stores.
+  static constexpr int kABuffers = 2;
   using SmemLayoutA = decltype(cute::tile_to_shape(
-      SmemAtom{}, cute::Shape<cute::Int<kBlockKeys>, cute::Int<kHeadTile>, cute::Int<kATerms>>{}));
+      SmemAtom{}, cute::Shape<cute::Int<kBlockKeys>, cute::Int<kHeadTile>, cute::Int<kATerms>, cute::Int<kABuffers>>{}));
   // Transposed views of the same bytes.
   // sQt: (D, heads, stage)
   using SmemLayoutQt = decltype(cute::composition(
@@ -88,13 +82,11 @@ struct TileConfig {
   using SmemLayoutKt = decltype(cute::composition(
       SmemLayoutK{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockKeys>, cute::Int<kStagesK>>{},
                                        cute::Stride<cute::Int<kBlockKeys>, cute::_1, cute::Int<kBlockKeys * kHeadDim>>{})));
-  // sAt: (heads, keys, term)
+  // sAt: (heads, keys, term, buf)
   using SmemLayoutAt = decltype(cute::composition(
-      SmemLayoutA{}, cute::make_layout(cute::Shape<cute::Int<kHeadTile>, cute::Int<kBlockKeys>, cute::Int<kATerms>>{},
-                                       cute::Stride<cute::Int<kBlockKeys>, cute::_1, cute::Int<kBlockKeys * kHeadTile>>{})));
-  // sDK: (keys, D, stage) fp32, padded rows
-  using SmemLayoutDK = cute::Layout<cute::Shape<cute::Int<kBlockKeys>, cute::Int<kHeadDim>, cute::Int<kDkStages == 0 ? 1 : kDkStages>>,
-                                    cute::Stride<cute::Int<kDkPitch>, cute::_1, cute::Int<kBlockKeys * kDkPitch>>>;
+      SmemLayoutA{}, cute::make_layout(cute::Shape<cute::Int<kHeadTile>, cute::Int<kBlockKeys>, cute::Int<kATerms>, cute::Int<kABuffers>>{},
+                                       cute::Stride<cute::Int<kBlockKeys>, cute::_1, cute::Int<kBlockKeys * kHeadTile>,
+                                                    cute::Int<kBlockKeys * kHeadTile * kATerms>>{})));
 
   // Tiled MMAs, one warpgroup each.
   using TiledMmaS = decltype(cute::make_tiled_mma(
