@@ -16,7 +16,7 @@
 #include <thread>
 #include <vector>
 
-#include "core/bf16.hpp"
+#include "core/element_access.hpp"
 #include "dsaib/reference.hpp"
 
 namespace dsaib::detail {
@@ -24,38 +24,9 @@ namespace {
 
 const double kEps = std::exp(-100.0);
 
-double load(const TensorView& v, int64_t offset) {
-  const char* p = static_cast<const char*>(v.data);
-  switch (v.dtype) {
-    case DType::bf16: {
-      uint16_t h;
-      std::memcpy(&h, p + offset * 2, 2);
-      return bf16_to_float(h);
-    }
-    case DType::f32: {
-      float f;
-      std::memcpy(&f, p + offset * 4, 4);
-      return f;
-    }
-    case DType::i32: {
-      int32_t i;
-      std::memcpy(&i, p + offset * 4, 4);
-      return i;
-    }
-  }
-  return 0;
-}
+double load(const TensorView& v, int64_t offset) { return load_element(v.dtype, v.data, offset); }
 
-void store(const TensorView& v, int64_t offset, double value) {
-  char* p = static_cast<char*>(v.data);
-  if (v.dtype == DType::bf16) {
-    const uint16_t h = float_to_bf16(static_cast<float>(value));
-    std::memcpy(p + offset * 2, &h, 2);
-  } else {
-    const float f = static_cast<float>(value);
-    std::memcpy(p + offset * 4, &f, 4);
-  }
-}
+void store(const TensorView& v, int64_t offset, double value) { store_element(v.dtype, v.data, offset, value); }
 
 /// Host-side reader of one problem: flat rows to doubles through strides.
 struct ProblemReader {

@@ -9,52 +9,15 @@
 #include <stdexcept>
 
 #include "core/bf16.hpp"
+#include "core/element_access.hpp"
 
 namespace dsaib::test {
 namespace {
 
 bool is_thd(const GeneratedProblem& p) { return p.spec.layout == Layout::thd; }
 
-double load(DType dt, const unsigned char* base, int64_t off) {
-  switch (dt) {
-    case DType::bf16: {
-      uint16_t h;
-      std::memcpy(&h, base + off * 2, 2);
-      return detail::bf16_to_float(h);
-    }
-    case DType::f32: {
-      float f;
-      std::memcpy(&f, base + off * 4, 4);
-      return f;
-    }
-    case DType::i32: {
-      int32_t i;
-      std::memcpy(&i, base + off * 4, 4);
-      return i;
-    }
-  }
-  return 0;
-}
-
-void store(DType dt, unsigned char* base, int64_t off, double v) {
-  switch (dt) {
-    case DType::bf16: {
-      const uint16_t h = detail::float_to_bf16(static_cast<float>(v));
-      std::memcpy(base + off * 2, &h, 2);
-      return;
-    }
-    case DType::f32: {
-      const float f = static_cast<float>(v);
-      std::memcpy(base + off * 4, &f, 4);
-      return;
-    }
-    case DType::i32: {
-      const int32_t i = static_cast<int32_t>(v);
-      std::memcpy(base + off * 4, &i, 4);
-      return;
-    }
-  }
-}
+double load(DType dt, const unsigned char* base, int64_t off) { return detail::load_element(dt, base, off); }
+void store(DType dt, unsigned char* base, int64_t off, double v) { detail::store_element(dt, base, off, v); }
 
 /// Calls fn(row_major_index, strided_offset) for every element of a view.
 template <class Fn>
