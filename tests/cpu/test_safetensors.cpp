@@ -182,6 +182,17 @@ TEST(Safetensors, BadJson) {
   expect_bad_header("badjson7.safetensors", R"({"__metadata__": [1]})", "", {"__metadata__", "expected an object"});
 }
 
+TEST(Safetensors, DeeplyNestedHeaderIsAnErrorNotACrash) {
+  // A 200 KB header (far below the 100 MB cap) of 100000 nested arrays, and a
+  // tensor entry that is such an array. The error message must not serialise
+  // the whole value recursively (that overflows the stack: SIGSEGV).
+  const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+  expect_bad_header("deep_root.safetensors", deep, "", {"expected a JSON object"});
+  expect_bad_header("deep_entry.safetensors", R"({"x": )" + deep + "}", "", {"tensor 'x'", "expected an object"});
+  expect_bad_header("deep_metadata.safetensors", R"({"__metadata__": {"a": )" + deep + "}}", "",
+                    {"__metadata__", "expected a string"});
+}
+
 TEST(Safetensors, WrongDtypeStrings) {
   const std::string d(4, '\0');
   expect_bad_header("dtype1.safetensors", R"({"x": {"dtype": "F17", "shape": [1], "data_offsets": [0, 4]}})", d,
