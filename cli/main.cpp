@@ -399,7 +399,7 @@ int run_main(int argc, char** argv) {
   gen_cmd->add_option("--out,-o", gen_out, "output .safetensors file")->required();
   gen_g.add(gen_cmd);
   gen_sc.add(gen_cmd, false);
-  gen_cmd->add_option("--threads", gen_threads, "worker threads (0: all cores)");
+  gen_cmd->add_option("--threads", gen_threads, "worker threads (0: all cores)")->check(CLI::NonNegativeNumber);
 
   // backward
   CLI::App* bwd_cmd = app.add_subcommand("backward", "run, time and verify the backward of a problem");
@@ -424,9 +424,10 @@ int run_main(int argc, char** argv) {
   bwd_cmd->add_option("--sample-rows", a.sample_rows, "query rows and key rows checked by --verify sample")
       ->check(CLI::PositiveNumber)
       ->default_str("64");
-  bwd_cmd->add_option("--threads", a.threads, "worker threads of the cpu backend, reference and generator (0: all cores)");
+  bwd_cmd->add_option("--threads", a.threads, "worker threads of the cpu backend, reference and generator (0: all cores)")
+      ->check(CLI::NonNegativeNumber);
   bwd_cmd->add_option("--warmup", a.warmup, "untimed runs before the timed ones (default: 1 on cuda, 0 on cpu)");
-  bwd_cmd->add_option("--repeat", a.repeat, "timed runs")->check(CLI::PositiveNumber)->default_str("1");
+  bwd_cmd->add_option("--repeat", a.repeat, "timed runs (>= 1)")->check(CLI::Range(1, 1000000))->default_str("1");
   bwd_cmd->add_flag("--strict-indices", a.strict, "raise an error on the first invalid (out of range) id");
   bwd_cmd->add_flag("--json", a.json, "print the report as JSON on stdout");
 

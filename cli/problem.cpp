@@ -247,7 +247,9 @@ Problem load_problem(const std::string& path) {
   p.options.loss_coeff = static_cast<float>(parse_number(meta, "loss_coeff", 1.0, path));
   p.options.grad_loss = static_cast<float>(parse_number(meta, "grad_loss", 1.0, path));
   const double n = parse_number(meta, "normalization_count", 0.0, path);
-  if (n < 0 || n != std::floor(n)) bad("normalization_count", path + ": metadata normalization_count: expected an integer >= 0");
+  if (!(n >= 0) || n != std::floor(n) || n > 9.0e18) {
+    bad("normalization_count", path + ": metadata normalization_count: expected an integer in [0, 9e18], got " + format_float(n));
+  }
   p.options.normalization_count = static_cast<int64_t>(n);
   for (const char* key : {"generator", "preset", "ids", "seed"}) {
     if (meta.count(key)) p.info[key] = meta.at(key);

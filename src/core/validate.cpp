@@ -45,6 +45,26 @@ void check_tensor(const TensorView& v, const TensorRule& rule, DeviceType device
     if (v.shape[i] < 0) fail(name, "non-negative sizes", "shape " + v.shape_string());
     if (v.strides[i] < 0) fail(name, "non-negative strides", "strides " + v.strides_string());
   }
+  // Sizes and strides must describe addressable memory: numel and the byte
+  // extent are computed without signed overflow and capped at 2^47 bytes.
+  {
+    constexpr int64_t kMaxBytes = int64_t{1} << 47;  // 128 TiB: the 47-bit user address space
+    const int64_t esize = static_cast<int64_t>(dtype_size(v.dtype));
+    int64_t numel = 1, last = 0;
+    bool ok = true;
+    for (int i = 0; i < v.rank && ok; ++i) {
+      int64_t step = 0;
+      ok = !__builtin_mul_overflow(numel, v.shape[i], &numel) &&
+           (v.shape[i] == 0 || (!__builtin_mul_overflow(v.shape[i] - 1, v.strides[i], &step) &&
+                                !__builtin_add_overflow(last, step, &last)));
+    }
+    int64_t bytes = 0;
+    ok = ok && !__builtin_add_overflow(last, int64_t{1}, &bytes) && !__builtin_mul_overflow(bytes, esize, &bytes) &&
+         bytes <= kMaxBytes && numel * esize <= kMaxBytes;
+    if (!ok) {
+      fail(name, "sizes and strides that address at most 2^47 bytes", "shape " + v.shape_string() + " with strides " + v.strides_string());
+    }
+  }
   if (v.numel() > 0 && v.data == nullptr) fail(name, "a non-null data pointer", "null");
   const auto addr = reinterpret_cast<std::uintptr_t>(v.data);
   if (addr % dtype_size(v.dtype) != 0) {

@@ -57,7 +57,11 @@ bool parse_dtype(const std::string& s, DType* out) {
   return true;
 }
 
+/// A short description of a JSON value for error messages. Never serialises a
+/// whole array or object (a deeply nested one would exhaust the stack).
 std::string describe(const json& j) {
+  if (j.is_array()) return "an array of " + std::to_string(j.size()) + " element(s)";
+  if (j.is_object()) return "an object of " + std::to_string(j.size()) + " member(s)";
   std::string s = j.dump();
   if (s.size() > 60) s = s.substr(0, 57) + "...";
   return s;
