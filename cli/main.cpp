@@ -14,6 +14,8 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <unistd.h>
 #include <iostream>
 #include <numeric>
 #include <sstream>
@@ -196,6 +198,22 @@ int cmd_backward(GenOptions& gen, const ScalarOverrides& sc, const BackwardArgs&
                 "--in and " + first_gen_flag + ": give an input file or generation flags, not both");
   }
   const int32_t threads = resolve_threads(a.threads);
+  // Fail before generating or reading anything: an explicitly requested cuda
+  // backend that is not there, and an output file that cannot be written.
+  if (a.backend == "cuda" && !cuda_backend_available()) {
+    throw Error(ErrorCode::backend_unavailable, "--backend",
+                "--backend: expected cpu or auto (" + cuda_unavailable_reason() + "), got cuda");
+  }
+  if (!a.out.empty()) {
+    const std::filesystem::path parent = std::filesystem::path(a.out).has_parent_path()
+                                             ? std::filesystem::path(a.out).parent_path()
+                                             : std::filesystem::path(".");
+    std::error_code ec;
+    if (!std::filesystem::is_directory(parent, ec) || ::access(parent.c_str(), W_OK) != 0) {
+      throw Error(ErrorCode::io_error, "--out",
+                  "--out: expected a file in an existing writable directory, got \"" + a.out + "\"");
+    }
+  }
 
   // Inputs.
   Problem p;
@@ -458,7 +476,8 @@ int main(int argc, char** argv) {
   } catch (const dsaib::Error& e) {
     std::cerr << "dsa-indexer-bwd: error (" << dsaib::error_code_name(e.code()) << "): " << e.what() << std::endl;
   } catch (const std::bad_alloc&) {
-    std::cerr << "dsa-indexer-bwd: error: out of memory" << std::endl;
+    std::cerr << "dsa-indexer-bwd: error: out of host memory (the problem's tensors, e.g. B*S_q*topk ids and scores, "
+                 "do not fit; reduce --batch/--s-q/--s-kv/--topk)" << std::endl;
   } catch (const std::exception& e) {
     std::cerr << "dsa-indexer-bwd: error: " << e.what() << std::endl;
   } catch (...) {
