@@ -1,0 +1,230 @@
+"""CPU tests of the dsaib Python package (numpy inputs; no torch needed)."""
+import numpy as np
+import pytest
+
+import dsaib
+from conftest import make_problem, numpy_reference
+
+SM_SCALE = 0.125
+
+
+def run(p, **kw):
+    kw.setdefault("sm_scale", SM_SCALE)
+    kw.setdefault("uint16_as_bf16", True)
+    return dsaib.indexer_backward(**p, **kw)
+
+
+def assert_close(got, want, rtol=1e-5, atol=1e-7):
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        np.testing.assert_allclose(np.asarray(g, dtype=np.float64), w, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_matches_float64_numpy_reference(seed):
+    p = make_problem(seed)
+    got = run(p, loss_coeff=0.7, grad_loss=1.5)
+    assert all(g.dtype == np.float32 for g in got)
+    assert_close(got, numpy_reference(p, SM_SCALE, loss_coeff=0.7, grad_loss=1.5))
+
+
+def test_invalid_row_and_unselected_keys_are_zero():
+    p = make_problem(0)
+    dq, dw, dk = run(p)
+    assert not dq[1, 2].any() and not dw[1, 2].any()
+    selected = {(b, int(j)) for b in range(2) for j in p["topk_indices"][b].ravel() if 0 <= j < 7}
+    for b in range(2):
+        for j in range(7):
+            if (b, j) not in selected:
+                assert not dk[b, j].any()
+
+
+def test_normalization_count_and_linearity():
+    p = make_problem(2)
+    base = run(p)
+    doubled = run(p, normalization_count=5)  # N = 10 by default -> halving N doubles
+    for a, b in zip(base, doubled):
+        np.testing.assert_allclose(2 * a, b, rtol=1e-6, atol=1e-12)
+
+
+def test_bf16_outputs_round_f32_outputs():
+    p = make_problem(3)
+    f32 = run(p)
+    bf = run(p, out_dtype="bf16")
+    for a, b in zip(f32, bf):
+        assert b.dtype == np.uint16
+        np.testing.assert_array_equal(dsaib.bf16_bits(a), b)
+
+
+def test_caller_provided_outputs_are_written_and_returned():
+    p = make_problem(4)
+    want = run(p)
+    out = tuple(np.full(x.shape, np.nan, dtype=np.float32) for x in want)
+    got = run(p, out=out)
+    assert all(g is o for g, o in zip(got, out))
+    for g, w in zip(out, want):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_inputs_unchanged_and_thread_count_irrelevant():
+    p = make_problem(5)
+    before = {k: v.copy() for k, v in p.items()}
+    a = run(p, num_threads=1)
+    b = run(p, num_threads=2)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+    for k in p:
+        np.testing.assert_array_equal(p[k], before[k])
+
+
+def test_thd_layout_matches_bshd():
+    p = make_problem(6, invalid=False)
+    B, S_q, H, D = p["index_q"].shape
+    S_kv = p["index_k"].shape[1]
+    thd = {k: np.ascontiguousarray(v.reshape((-1,) + v.shape[2:])) for k, v in p.items()}
+    cu_q = np.arange(0, (B + 1) * S_q, S_q, dtype=np.int32)
+    cu_k = np.arange(0, (B + 1) * S_kv, S_kv, dtype=np.int32)
+    want = run(p)
+    got = run(thd, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w.reshape(g.shape))
+
+
+def test_global_ids_match_local():
+    p = make_problem(7, invalid=False)
+    S_kv = p["index_k"].shape[1]
+    g = dict(p)
+    g["topk_indices"] = (p["topk_indices"] + S_kv * np.arange(2, dtype=np.int32)[:, None, None]).astype(np.int32)
+    for a, b in zip(run(p), run(g, id_mode="global")):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_loss_finite_difference_in_weights():
+    # dLoss/dw from indexer_backward vs a central difference of indexer_kl_loss
+    # (P recomputed from the logits, so it must be consistent with them).
+    p = make_problem(8, invalid=False)
+    q = dsaib.bf16_to_f32(p["index_q"]).astype(np.float64)
+    k = dsaib.bf16_to_f32(p["index_k"]).astype(np.float64)
+    x = np.einsum("bthd,bsd->bths", q, k)
+    ids = p["topk_indices"]
+    xs = np.take_along_axis(x, ids[:, :, None, :].repeat(x.shape[2], 2), axis=3)  # (B,S,H,topk)
+    z = SM_SCALE * np.einsum("bth,bthi->bti", p["weights"].astype(np.float64), np.maximum(xs, 0))
+    z -= z.max(-1, keepdims=True)
+    P = np.exp(z) / np.exp(z).sum(-1, keepdims=True)
+    p["index_score"] = P.astype(np.float32)
+    _, dw, _ = run(p)
+    loss = lambda pp: dsaib.indexer_kl_loss(**pp, sm_scale=SM_SCALE, uint16_as_bf16=True)
+    h = 1e-2
+    for idx in [(0, 0, 0), (1, 4, 7), (0, 2, 3)]:
+        hi, lo = dict(p), dict(p)
+        hi["weights"] = p["weights"].copy(); hi["weights"][idx] += h
+        lo["weights"] = p["weights"].copy(); lo["weights"][idx] -= h
+        fd = (loss(hi) - loss(lo)) / (2 * h)
+        assert abs(fd - dw[idx]) <= 1e-3 * max(1e-3, abs(fd)) + 1e-6, (idx, fd, dw[idx])
+
+
+# --- errors: the C++ messages, mapped to Python exception types ---------------
+
+def test_bad_shape_is_value_error_with_cpp_message():
+    p = make_problem(0)
+    p["weights"] = np.ascontiguousarray(p["weights"][:, :2])
+    with pytest.raises(ValueError, match=r"^weights: expected shape \(2, 5, 8\) \(B, S_q, H\), got shape \(2, 2, 8\)$"):
+        run(p)
+
+
+def test_unsupported_heads_is_value_error():
+    p = make_problem(0)
+    with pytest.raises(ValueError, match=r"^index_q: "):
+        run(dict(p, index_q=np.ascontiguousarray(p["index_q"][:, :, :4]), weights=np.ascontiguousarray(p["weights"][:, :, :4])))
+
+
+def test_wrong_dtype_is_type_error_with_cpp_message():
+    p = make_problem(0)
+    p["index_score"] = p["index_score"].astype(np.int32)
+    with pytest.raises(TypeError, match=r"^index_score: expected dtype f32, got dtype i32$"):
+        run(p)
+
+
+def test_uint16_without_flag_is_type_error():
+    with pytest.raises(TypeError, match="uint16_as_bf16=True"):
+        dsaib.indexer_backward(**make_problem(0), sm_scale=SM_SCALE)
+
+
+def test_bf16_outputs_do_not_relax_uint16_inputs():
+    with pytest.raises(TypeError, match=r"^index_q: .*uint16_as_bf16=True"):
+        dsaib.indexer_backward(**make_problem(0), sm_scale=SM_SCALE, out_dtype="bf16")
+
+
+def test_caller_uint16_outputs_are_bf16_with_the_flag():
+    p = make_problem(0)
+    out = tuple(np.empty(x.shape, np.uint16) for x in (p["index_q"], p["weights"], p["index_k"]))
+    run(p, out=out)  # uint16_as_bf16=True: uint16 outputs hold bf16
+    for o, w in zip(out, run(p, out_dtype="bf16")):
+        np.testing.assert_array_equal(o, w)
+
+
+def test_caller_uint16_outputs_without_the_flag_are_type_error():
+    p = make_problem(0)
+    for name in ("index_q", "index_k"):  # no uint16 input: only the outputs are uint16
+        p[name] = dsaib.bf16_to_f32(p[name])
+    out = tuple(np.empty(x.shape, np.uint16) for x in (p["index_q"], p["weights"], p["index_k"]))
+    with pytest.raises(TypeError, match=r"^d_index_q: .*uint16_as_bf16=True"):
+        dsaib.indexer_backward(**p, sm_scale=SM_SCALE, out=out)
+
+
+def test_float64_is_type_error():
+    p = make_problem(0)
+    p["weights"] = p["weights"].astype(np.float64)
+    with pytest.raises(TypeError, match=r"^weights: expected dtype bf16, f32 or i32, got float64$"):
+        run(p)
+
+
+def test_non_finite_scale_is_value_error():
+    with pytest.raises(ValueError, match="sm_scale"):
+        run(make_problem(0), sm_scale=float("nan"))
+
+
+def test_bad_option_strings_are_value_errors():
+    p = make_problem(0)
+    with pytest.raises(ValueError, match=r'^layout: expected "bshd" or "thd", got "sbhd"$'):
+        run(p, layout="sbhd")
+    with pytest.raises(ValueError, match="out_dtype"):
+        run(p, out_dtype="f16")
+
+
+def test_strict_indices_is_value_error_and_writes_nothing():
+    p = make_problem(0)
+    out = tuple(np.full(x.shape, 7.0, dtype=np.float32) for x in (p["index_q"], p["weights"], p["index_k"]))
+    with pytest.raises(ValueError, match=r"^topk_indices: strict mode found an out-of-range id at \(b=0, t=1, slot=1\)"):
+        run(p, out=out, strict_indices=True)
+    assert all((o == 7.0).all() for o in out)
+
+
+def test_wrong_output_shape_is_value_error():
+    p = make_problem(0)
+    out = [np.empty(p["index_q"].shape, np.float32), np.empty((2, 5, 9), np.float32), np.empty(p["index_k"].shape, np.float32)]
+    with pytest.raises(ValueError, match=r"^d_weights: "):
+        run(p, out=out)
+
+
+def test_non_contiguous_output_is_value_error():
+    p = make_problem(0)
+    dq = np.empty(p["index_q"].shape[:-1] + (128,), np.float32)[..., ::2]
+    out = [dq, np.empty(p["weights"].shape, np.float32), np.empty(p["index_k"].shape, np.float32)]
+    with pytest.raises(ValueError, match=r"^d_index_q: "):
+        run(p, out=out)
+
+
+def test_cuda_backend_unavailable_is_runtime_error():
+    if dsaib.cuda_backend_available():
+        pytest.skip("cuda backend available here")
+    with pytest.raises(RuntimeError, match=r"^backend: "):
+        run(make_problem(0), backend="cuda")
+
+
+def test_bf16_helpers_round_trip():
+    x = np.array([0.0, 1.0, -2.5, 3.140625, 2.0**-100, np.inf, -np.inf], dtype=np.float32)
+    np.testing.assert_array_equal(dsaib.bf16_to_f32(dsaib.bf16_bits(x)), x)
+    # round to nearest even: 1 + 2^-8 is a tie between 1 and 1 + 2^-7 -> 1
+    assert dsaib.bf16_bits(np.float32(1 + 2**-8)) == dsaib.bf16_bits(np.float32(1.0))
+    assert np.isnan(dsaib.bf16_to_f32(dsaib.bf16_bits(np.float32(np.nan))))
