@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <unistd.h>
@@ -191,6 +192,36 @@ struct BackwardArgs {
   bool json = false, strict = false;
 };
 
+/// "attn_score: 3 (first at element 17), ..." for the floating-point inputs holding NaN/inf; "" if none.
+std::string nonfinite_inputs(const Problem& p) {
+  std::string out;
+  for (const char* name : {"index_q", "weights", "index_k", "attn_score", "index_score"}) {
+    const auto it = p.tensors.find(name);
+    if (it == p.tensors.end()) continue;
+    const HostTensor& t = it->second;
+    if (t.dtype == DType::i32) continue;
+    int64_t count = 0, first = -1;
+    for (int64_t e = 0; e < t.numel(); ++e) {
+      float v;
+      if (t.dtype == DType::f32) {
+        v = t.data<float>()[e];
+      } else {
+        const uint32_t bits = static_cast<uint32_t>(t.data<uint16_t>()[e]) << 16;
+        std::memcpy(&v, &bits, 4);
+      }
+      if (!std::isfinite(v)) {
+        if (first < 0) first = e;
+        ++count;
+      }
+    }
+    if (count > 0) {
+      out += (out.empty() ? "" : ", ") + std::string(name) + ": " + std::to_string(count) + " (first at element " +
+             std::to_string(first) + ")";
+    }
+  }
+  return out;
+}
+
 int cmd_backward(GenOptions& gen, const ScalarOverrides& sc, const BackwardArgs& a) {
   const std::string first_gen_flag = gen.finish();
   if (!a.in.empty() && !first_gen_flag.empty()) {
@@ -255,6 +286,8 @@ int cmd_backward(GenOptions& gen, const ScalarOverrides& sc, const BackwardArgs&
   const DType out_dtype = a.out_dtype == "f32" ? DType::f32 : DType::bf16;
   const int warmup = a.warmup >= 0 ? a.warmup : (backend == Backend::cuda ? 1 : 0);
   log_stage("problem: " + g.summary());
+  const std::string input_nonfinite = nonfinite_inputs(p);
+  if (!input_nonfinite.empty()) log_stage("warning: non-finite input values (" + input_nonfinite + "): at valid slots and in q/w/k they propagate through the math; T and P at invalid slots are ignored");
 
   RunResult r = backend == Backend::cuda ? run_cuda(p, g, out_dtype, warmup, a.repeat)
                                          : run_cpu(p, g, out_dtype, threads, warmup, a.repeat);
@@ -391,7 +424,11 @@ int cmd_backward(GenOptions& gen, const ScalarOverrides& sc, const BackwardArgs&
     s << "  stored      vs the gradients stored in the input file (torch_*: torch autograd)\n";
     print_metrics(s, stored);
   }
-  if (nonfinite > 0) s << "  non-finite  " << nonfinite << " output elements are NaN/inf (unwritten?)\n";
+  if (nonfinite > 0) {
+    s << "  non-finite  " << nonfinite << " output elements are NaN/inf ("
+      << (input_nonfinite.empty() ? "unwritten? the inputs are all finite" : "the inputs hold non-finite values: " + input_nonfinite)
+      << ")\n";
+  }
   if (!a.out.empty()) s << "  output      " << a.out << "\n";
   const char* verdict = !pass ? "FAIL" : v.mode != "none" ? "PASS" : !stored.empty() ? "PASS (stored gradients only)"
                                                                                     : "OK (not verified)";
