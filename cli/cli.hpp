@@ -1,6 +1,8 @@
 // Internals of the dsa-indexer-bwd command line tool (not part of the library API).
 #pragma once
 
+#include "core/problem.hpp"
+
 #include <chrono>
 #include <cstdint>
 #include <map>
@@ -30,19 +32,13 @@ struct Problem {
   IndexerBackwardInputs inputs() const;       // host views (cu_seqlens absent if not held)
 };
 
-/// Sizes and sequence structure of a validated problem.
-struct Geometry {
-  Layout layout = Layout::bshd;
-  IdMode id_mode = IdMode::local;
-  int64_t batch = 0, heads = 0, head_dim = 0, topk = 0;
-  int64_t num_q_rows = 0, num_k_rows = 0;
-  int64_t s_q = 0, s_kv = 0;  // BSHD
-  std::vector<int64_t> q_start, q_len, k_start, k_len;
+/// Sizes and sequence structure of a validated problem: the library's own
+/// geometry (src/core/problem.hpp), plus what the report needs.
+struct Geometry : detail::ProblemGeometry {
   int64_t valid_slots = 0;
   std::vector<uint8_t> key_selected;  // per flat key row: selected by at least one valid slot
 
   std::string summary() const;  // "bshd B=1 S_q=1024 S_kv=1024 H=64 D=128 topk=256 (ids local)"
-  int64_t key_row(int64_t b, int64_t id) const;
 };
 
 /// Checks the tensors (presence, ranks, then the library's own validation on

@@ -63,7 +63,6 @@ double parse_number(const std::map<std::string, std::string>& meta, const std::s
   return v;
 }
 
-int64_t shape_at(const HostTensor& t, size_t i) { return i < t.shape.size() ? t.shape[i] : 0; }
 
 }  // namespace
 
@@ -257,11 +256,6 @@ Problem load_problem(const std::string& path) {
   return p;
 }
 
-int64_t Geometry::key_row(int64_t b, int64_t id) const {
-  if (id_mode == IdMode::local) return (id >= 0 && id < k_len[b]) ? k_start[b] + id : -1;
-  return (id >= k_start[b] && id < k_start[b] + k_len[b]) ? id : -1;
-}
-
 std::string Geometry::summary() const {
   std::ostringstream s;
   if (layout == Layout::bshd) {
@@ -297,45 +291,13 @@ Geometry analyze_problem(const Problem& p) {
       if (!p.tensors.count(name)) bad(name, std::string(name) + ": expected a tensor (THD layout), got nothing (absent)");
     }
   }
-  // The library's own validation of the inputs (cpu backend, host views): a sampled
-  // reference of no rows validates everything and computes nothing.
+  // The library's own validation of the inputs (cpu backend, host views), which
+  // also derives the geometry.
   IndexerBackwardOptions opt = p.options;
   opt.backend = Backend::cpu;
-  reference_backward_sampled(p.inputs(), opt, {}, {});
-  const HostTensor& q = p.tensors.at("index_q");
-  const HostTensor& k = p.tensors.at("index_k");
-
+  opt.deterministic = false;
   Geometry g;
-  g.layout = p.options.layout;
-  g.id_mode = p.options.id_mode;
-  g.heads = q.shape[thd ? 1 : 2];
-  g.head_dim = q.shape[thd ? 2 : 3];
-  g.topk = shape_at(p.tensors.at("topk_indices"), thd ? 1 : 2);
-  if (!thd) {
-    g.batch = q.shape[0];
-    g.s_q = q.shape[1];
-    g.s_kv = k.shape[1];
-    g.num_q_rows = g.batch * g.s_q;
-    g.num_k_rows = g.batch * g.s_kv;
-    for (int64_t b = 0; b < g.batch; ++b) {
-      g.q_start.push_back(b * g.s_q);
-      g.q_len.push_back(g.s_q);
-      g.k_start.push_back(b * g.s_kv);
-      g.k_len.push_back(g.s_kv);
-    }
-  } else {
-    const HostTensor& cq = p.tensors.at("cu_seqlens_q");
-    const HostTensor& ck = p.tensors.at("cu_seqlens_k");
-    g.batch = cq.numel() - 1;
-    g.num_q_rows = q.shape[0];
-    g.num_k_rows = k.shape[0];
-    for (int64_t b = 0; b < g.batch; ++b) {
-      g.q_start.push_back(cq.data<int32_t>()[b]);
-      g.q_len.push_back(cq.data<int32_t>()[b + 1] - cq.data<int32_t>()[b]);
-      g.k_start.push_back(ck.data<int32_t>()[b]);
-      g.k_len.push_back(ck.data<int32_t>()[b + 1] - ck.data<int32_t>()[b]);
-    }
-  }
+  static_cast<detail::ProblemGeometry&>(g) = detail::validate_problem(p.inputs(), {}, opt, nullptr, /*check_outputs=*/false);
   g.key_selected.assign(static_cast<size_t>(g.num_k_rows), 0);
   const int32_t* ids = p.tensors.at("topk_indices").data<int32_t>();
   for (int64_t b = 0; b < g.batch; ++b) {
