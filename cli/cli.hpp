@@ -94,6 +94,32 @@ std::string cuda_unavailable_reason();
 /// (timed with cudaEvents), copies the outputs back. Raises dsaib::Error.
 RunResult run_cuda(const Problem& p, const Geometry& g, DType out_dtype, int warmup, int repeat);
 
+// ---------------------------------------------------------------- bench
+
+/// Flags of `dsa-indexer-bwd bench` (defaults: the shapes of issue 4).
+struct BenchArgs {
+  std::vector<int64_t> seqs = {4096, 16384, 65536};  // S_q = S_kv
+  std::vector<std::string> ids = {"causal", "random"};
+  int64_t batch = 1, heads = 64, dim = 128, topk = 2048;
+  int iters = 20, warmup = 3, input_sets = 0;  // input_sets 0: automatic
+  uint64_t seed = 1234;
+  std::string json;                             // "" none, "-" stdout
+  bool no_floor = false;
+  std::string command_line;                     // for the JSON report
+};
+
+/// The per-case floor, as --help and the JSON state it.
+inline constexpr const char* kBenchFloorFormula =
+    "floor ns/row = max(topk*D*4 B / scatter rate, 6*H*D*topk FLOP / GEMM rate), where the scatter rate is "
+    "the best of three ways (float4 atomicAdd, scalar atomicAdd, cp.reduce.async.bulk add.f32) of adding "
+    "rows of D fp32 values into random rows of an fp32 table of this case's dK size (B*S_kv*D*4 bytes), and "
+    "the GEMM rate is cuBLAS bf16 (fp32 compute) at 8192^3, both measured in the same run";
+
+/// Runs `bench`: floor micro-benchmarks, then the op for every case; prints the report
+/// (and writes the JSON). Returns the exit status. Raises dsaib::Error(backend_unavailable)
+/// in a build without CUDA or on a machine without a compute-capability-9.0 GPU.
+int run_bench(const BenchArgs& a);
+
 // ---------------------------------------------------------------- verification
 
 struct Metric {

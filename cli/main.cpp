@@ -4,6 +4,8 @@
 //   dsa-indexer-bwd generate --out p.safetensors [--preset small | --batch .. --s-q .. ...]
 //   dsa-indexer-bwd backward [--in p.safetensors | generation flags] [--out grads.safetensors]
 //                            [--backend auto|cpu|cuda] [--out-dtype bf16|f32] [--verify auto|none|all|sample]
+//   dsa-indexer-bwd bench [--seq 4096,16384,65536] [--ids causal,random] [--heads 64] [--dim 128] [--topk 2048]
+//                         [--batch 1] [--iters 20] [--warmup 3] [--json FILE] [--no-floor]   (cuda builds, a GPU)
 //   dsa-indexer-bwd presets
 //
 // Exit status: 0 success (and PASS), 1 verification FAIL, 2 error (bad usage, bad file, bad input).
@@ -441,7 +443,8 @@ int run_main(int argc, char** argv) {
   CLI::App app{
       "dsa-indexer-bwd: backward of the DeepSeek Sparse Attention lightning indexer.\n"
       "Generates problems, runs the backward on the cpu or cuda backend and verifies it\n"
-      "against the fp64 reference. Exit status: 0 ok/PASS, 1 FAIL, 2 error."};
+      "against the fp64 reference, benchmarks it against the hardware floor.\n"
+      "Exit status: 0 ok/PASS, 1 FAIL, 2 error."};
   app.require_subcommand(1);
   app.set_help_all_flag("--help-all", "help of every subcommand");
 
@@ -486,6 +489,56 @@ int run_main(int argc, char** argv) {
   bwd_cmd->add_flag("--strict-indices", a.strict, "raise an error on the first invalid (out of range) id");
   bwd_cmd->add_flag("--json", a.json, "print the report as JSON on stdout");
 
+  // bench
+  CLI::App* bench_cmd = app.add_subcommand(
+      "bench", "benchmark the cuda backend against the hardware floor measured in the same run (needs a GPU)");
+  BenchArgs ba;
+  bench_cmd->add_option("--seq", ba.seqs, "S_q = S_kv of each case, a comma-separated list")
+      ->delimiter(',')
+      ->check(CLI::PositiveNumber)
+      ->default_str("4096,16384,65536");
+  bench_cmd->add_option("--ids", ba.ids, "id patterns, a comma-separated list: causal (row t selects min(t+1, topk) "
+                                         "keys of 0..t), random (topk keys of the whole sequence)")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"causal", "random"}))
+      ->default_str("causal,random");
+  bench_cmd->add_option("--heads", ba.heads, "H: index heads")->default_str("64");
+  bench_cmd->add_option("--dim", ba.dim, "D: head dimension")->check(CLI::IsMember({64, 128}))->default_str("128");
+  bench_cmd->add_option("--topk", ba.topk, "selected keys per query row")->default_str("2048");
+  bench_cmd->add_option("--batch,-b", ba.batch, "B: batch size")->check(CLI::PositiveNumber)->default_str("1");
+  bench_cmd->add_option("--iters", ba.iters, "timed launches per case and per floor micro-benchmark")
+      ->check(CLI::Range(1, 100000))
+      ->default_str("20");
+  bench_cmd->add_option("--warmup", ba.warmup, "untimed launches first")->check(CLI::Range(0, 100000))->default_str("3");
+  bench_cmd->add_option("--input-sets", ba.input_sets,
+                        "input sets rotated over (0: automatic, enough to exceed twice the L2 and at least 2; "
+                        "1: no rotation)")
+      ->check(CLI::Range(0, 1024))
+      ->default_str("0");
+  bench_cmd->add_option("--seed", ba.seed, "generator seed (a case uses seed + S)")->default_str("1234");
+  bench_cmd->add_option("--json", ba.json, "also write the report as JSON to FILE (- : JSON on stdout, the table on "
+                                           "stderr)")
+      ->type_name("FILE");
+  bench_cmd->add_flag("--no-floor", ba.no_floor, "skip the floor micro-benchmarks (only the ratio to 278 ns)");
+  bench_cmd->footer(std::string(
+      "Runs on the GPU (compute capability 9.0, cuda backend), in this order:\n"
+      "  1. floor micro-benchmarks (unless --no-floor): the fp32 scatter-add rate into a table\n"
+      "     of each case's dK size (B*S_kv*D*4 bytes; rows of D floats added into random rows,\n"
+      "     1 GiB per launch; float4 atomicAdd, scalar atomicAdd and cp.reduce.async.bulk, the\n"
+      "     best counts), and the cuBLAS bf16 GEMM rate (8192^3, fp32 compute);\n"
+      "  2. the op (dK zeroing, fused kernel, bf16 cast) for every --ids x --seq case: --warmup\n"
+      "     untimed launches, then --iters launches, each timed with CUDA events; input sets\n"
+      "     rotated so consecutive launches touch different memory, beyond L2.\n"
+      "Per case: ns per query row (median over the launches; min-max), TFLOP/s (6*H*D FLOP\n"
+      "per valid slot), dK-reduce GB/s (D*4 B per valid slot), the floor, and the ratios:\n"
+      "  floor ns/row = max(topk*D*4 B / scatter rate at this case's dK size,\n"
+      "                     6*H*D*topk FLOP / GEMM rate)\n"
+      "  xfloor = ns/row / floor;  x278 = ns/row / 278 ns (the fixed floor of\n"
+      "  shared/design/h200-facts.md: H64 D128 topk 2048, dK in L2, 3.77 TB/s).\n"
+      "The JSON states every formula and the rotation, and holds each launch's time.\n"
+      "Exit status: 0 ok, 1 a floor micro-benchmark failed its correctness check, 2 error\n"
+      "(bad usage; no GPU or a build without CUDA: \"bench needs the CUDA backend and a GPU\").\n"));
+
   // presets
   CLI::App* presets_cmd = app.add_subcommand("presets", "list the presets");
 
@@ -501,6 +554,10 @@ int run_main(int argc, char** argv) {
     return 0;
   }
   if (*gen_cmd) return cmd_generate(gen_g, gen_sc, gen_out, gen_threads);
+  if (*bench_cmd) {
+    for (int i = 0; i < argc; ++i) ba.command_line += (i ? " " : "") + std::string(argv[i]);
+    return run_bench(ba);
+  }
   return cmd_backward(bwd_g, bwd_sc, a);
 }
 

@@ -95,6 +95,11 @@ RunResult run_cuda(const Problem& p, const Geometry&, DType out_dtype, int, int)
   indexer_backward(p.inputs(), {dq.view(), dw.view(), dk.view()}, opt);
   throw Error(ErrorCode::backend_unavailable, "backend", "backend: this build has no CUDA support");
 }
+int run_bench(const BenchArgs&) {
+  throw Error(ErrorCode::backend_unavailable, "bench",
+              "bench needs the CUDA backend and a GPU (compute capability 9.0): this build has no CUDA support "
+              "(configure with -DDSAIB_ENABLE_CUDA=ON and nvcc on PATH)");
+}
 #endif
 
 }  // namespace dsaib::cli

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One build-check-time cycle on the H200 (through the device tool), driven by
 # binaries built here and carried in .device/bin (see scripts/device/stage.sh).
-#   usage: scripts/device/gpu_check.sh [tests|cli|bench|sanitizer|all] [gtest filter]
+#   usage: scripts/device/gpu_check.sh [tests|cli|bench|bench-floor|sanitizer|all|ab|ncu] [gtest filter]
+#   bench        dsa-indexer-bwd-bench: the op alone, ratio to the fixed 278 ns (bench.json)
+#   bench-floor  dsa-indexer-bwd bench: the floor micro-benchmarks and the op in one run,
+#                issue 4's shapes, ratio to the floor measured per case (bench_floor.json)
 # Logs go to $OUT (or ./out when OUT is unset).
 set -uo pipefail
 what=${1:-all}
@@ -35,6 +38,11 @@ fi
 if [[ $what == bench || $what == all ]]; then
   echo "=== bench"
   timeout 300 "$bin/dsa-indexer-bwd-bench" --json "$out/bench.json" 2>&1 | tee "$out/bench.log" | tail -30
+  rc=$((rc | PIPESTATUS[0]))
+fi
+if [[ $what == bench-floor ]]; then
+  echo "=== bench with the floor measured in the same run (dsa-indexer-bwd bench)"
+  timeout 500 "$bin/dsa-indexer-bwd" bench --json "$out/bench_floor.json" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench_floor.log" | grep -v "^\[" | tail -30
   rc=$((rc | PIPESTATUS[0]))
 fi
 if [[ $what == ab ]]; then

@@ -1,10 +1,8 @@
 // End-to-end tests of the dsa-indexer-bwd command line tool (small problems, cpu backend).
 #include <gtest/gtest.h>
 
-#include <sys/wait.h>
 #include <unistd.h>
 
-#include <array>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -15,6 +13,7 @@
 #include "dsaib/indexer_backward.hpp"
 #include "dsaib/reference.hpp"
 #include "dsaib/safetensors.hpp"
+#include "support/test_support.hpp"
 
 #ifndef DSAIB_CLI_PATH
 #error "DSAIB_CLI_PATH (the dsa-indexer-bwd binary) must be defined by the build"
@@ -22,24 +21,12 @@
 
 namespace {
 
-struct Result {
-  int exit_code = -1;  // -1: did not exit normally (crashed)
-  std::string output;  // stdout and stderr
-};
-
-std::string quote(const std::string& s) { return "'" + s + "'"; }
+using Result = dsaib::test::CommandResult;  // stdout (and stderr unless with_stderr is false)
+using dsaib::test::shell_quote;
+std::string quote(const std::string& s) { return shell_quote(s); }
 
 Result run(const std::string& args, bool with_stderr = true) {
-  const std::string cmd = quote(DSAIB_CLI_PATH) + " " + args + (with_stderr ? " 2>&1" : " 2>/dev/null");
-  Result r;
-  FILE* p = ::popen(cmd.c_str(), "r");
-  if (!p) return r;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = std::fread(buf.data(), 1, buf.size(), p)) > 0) r.output.append(buf.data(), n);
-  const int status = ::pclose(p);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
+  return dsaib::test::run_command(quote(DSAIB_CLI_PATH) + " " + args + (with_stderr ? " 2>&1" : " 2>/dev/null"));
 }
 
 bool contains(const std::string& s, const std::string& frag) { return s.find(frag) != std::string::npos; }
@@ -246,6 +233,34 @@ TEST_F(Cli, WrongTensorIsAnErrorNamingIt) {
   r = run("backward --in " + quote(path("bad_meta.safetensors")));
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_TRUE(contains(r.output, "metadata sm_scale: expected a finite number")) << r.output;
+}
+
+// `bench` runs only with the cuda backend on a GPU; elsewhere it must say so and fail
+// (exit 2), in a build without CUDA as in a cuda build on a machine without a GPU.
+TEST_F(Cli, BenchWithoutAGpuSaysItNeedsTheCudaBackendAndAGpu) {
+  if (dsaib::cuda_backend_available()) GTEST_SKIP() << "a compute-capability-9.0 GPU is present: bench would run";
+  for (const std::string& args :
+       {std::string("bench"), "bench --seq 256 --ids random --iters 1 --json " + quote(path("b.json"))}) {
+    const Result r = run(args);
+    EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.output;
+    EXPECT_TRUE(contains(r.output, "error (backend_unavailable): bench needs the CUDA backend and a GPU")) << r.output;
+  }
+  EXPECT_FALSE(std::filesystem::exists(path("b.json")));
+}
+
+TEST_F(Cli, BenchHelpStatesTheFloorFormulaAndBadFlagsExitWithTwo) {
+  const Result help = run("bench --help");
+  EXPECT_EQ(help.exit_code, 0) << help.output;
+  for (const char* frag : {"--seq", "--ids", "--heads", "--dim", "--topk", "--batch", "--iters", "--warmup", "--json",
+                           "--no-floor", "floor ns/row = max(topk*D*4 B / scatter rate", "6*H*D*topk FLOP / GEMM rate",
+                           "x278"}) {
+    EXPECT_TRUE(contains(help.output, frag)) << "'" << frag << "' not in:\n" << help.output;
+  }
+  for (const std::string args : {"bench --dim 96", "bench --ids causal,sorted", "bench --seq 0", "bench --iters 0",
+                                 "bench --bogus"}) {
+    const Result r = run(args);
+    EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.output;
+  }
 }
 
 TEST_F(Cli, BadUsageExitsWithTwo) {

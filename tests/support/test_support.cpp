@@ -1,8 +1,11 @@
 // Shared test helpers; see test_support.hpp.
 #include "support/test_support.hpp"
 
+#include <sys/wait.h>
+
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <sstream>
@@ -363,5 +366,21 @@ StridedCopy strided_copy(const HostTensor& src, const std::vector<int64_t>& step
   for_each_element(c.view, [&](int64_t e, int64_t off) { std::memcpy(out + off * es, in + e * es, es); });
   return c;
 }
+
+// ----------------------------------------------------------- processes ---
+
+CommandResult run_command(const std::string& command) {
+  CommandResult r;
+  FILE* p = ::popen(command.c_str(), "r");
+  if (!p) return r;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) r.output.append(buf, n);
+  const int status = ::pclose(p);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+std::string shell_quote(const std::string& s) { return "'" + s + "'"; }
 
 }  // namespace dsaib::test

@@ -9,6 +9,7 @@
 //   snapshots  Snapshot: a byte copy of a buffer; unchanged() compares.
 //   strided    StridedCopy: a copy of a tensor inside a larger buffer, viewed
 //              through non-contiguous strides, with NaN / garbage between.
+//   processes  run_command: a shell command's exit code and output (CLI tests).
 //
 // Rows are FLAT query rows (BSHD: b*S_q + t; THD: packed row), as in
 // dsaib::ReferenceGradients.
@@ -159,5 +160,16 @@ struct StridedCopy {
 };
 StridedCopy strided_copy(const HostTensor& src, const std::vector<int64_t>& step, const std::vector<int64_t>& pad,
                          int32_t gap_id = 0);
+
+// ----------------------------------------------------------- processes ---
+
+struct CommandResult {
+  int exit_code = -1;  // -1: did not exit normally (crashed)
+  std::string output;  // what the command wrote to stdout (redirect stderr in `command` to capture it)
+};
+/// Runs `command` through /bin/sh (popen).
+CommandResult run_command(const std::string& command);
+/// `s` in single quotes for the shell (s must hold no single quote).
+std::string shell_quote(const std::string& s);
 
 }  // namespace dsaib::test

@@ -1,0 +1,158 @@
+// dsaib_bench: the benchmark core shared by `dsa-indexer-bwd bench` (cli/bench.cpp),
+// dsa-indexer-bwd-bench (bench/bench_indexer_backward.cpp) and dsa-floor-bench
+// (bench/floor/floor_bench.cpp). Built only with the cuda backend; its device
+// code is sm_90a only. Every function here runs on device 0, on a stream of
+// its own, and raises dsaib::Error (cuda_error) when a CUDA or cuBLAS call
+// fails. Nothing here exposes CUDA types, so callers need no CUDA headers.
+//
+//   op_bench.cpp       the op: case setup (ids patterns, input-set rotation), CUDA-event timing
+//   floor_kernels.cu   floor micro-benchmarks: fp32 scatter-add rate (three ways), cuBLAS bf16 GEMM rate
+//   bench_core.cpp     statistics, device probe, the floor formula
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace dsaib::bench {
+
+// ---------------------------------------------------------------- statistics, device
+
+/// Median, minimum and maximum of timed launches, in milliseconds.
+struct Stats {
+  double median_ms = 0, min_ms = 0, max_ms = 0;
+  int runs = 0;
+};
+/// The median of an even count is the mean of the two middle values.
+Stats stats_of(std::vector<float> ms);
+
+/// Device 0 as the benchmarks see it.
+struct DeviceInfo {
+  bool usable = false;  // a compute-capability-9.0 device (the kernels are sm_90a only)
+  std::string reason;   // why not usable; empty when usable
+  std::string name;
+  int cc_major = 0, cc_minor = 0, sm_count = 0;
+  int64_t l2_bytes = 0;
+  uint64_t free_bytes = 0, total_bytes = 0;
+  int driver_version = 0, runtime_version = 0;  // e.g. 13000
+};
+/// Never throws: a machine without a GPU or driver gives usable = false and a reason.
+DeviceInfo probe_device();
+
+// ---------------------------------------------------------------- floor micro-benchmarks
+
+/// How a row is added into the fp32 table:
+///   float4  atomicAdd(float4*) per thread (RED.E.ADD.F32x4), a warp (D128) or half a warp (D64) per row;
+///   scalar  atomicAdd(float) per thread, a warp per row;
+///   bulk    cp.reduce.async.bulk .add.f32 of one row from shared memory (a warp restages a group of
+///           8 rows, lane 0 issues one bulk reduce per row, a ring of 4 groups stays in flight).
+enum class ScatterWay { float4_atomic, scalar_atomic, bulk_reduce };
+inline const std::vector<ScatterWay> kAllScatterWays = {ScatterWay::float4_atomic, ScatterWay::scalar_atomic,
+                                                        ScatterWay::bulk_reduce};
+const char* scatter_way_name(ScatterWay w);  // "float4", "scalar", "bulk"
+
+/// The scatter-add micro-benchmark: rows of `row_floats` fp32 values (the dK row, D)
+/// added into rows of an fp32 table chosen by a hash of the row-add index (uniform,
+/// like random top-k ids). Payload values are made in registers (no source read).
+struct ScatterConfig {
+  uint64_t table_bytes = 0;              // the fp32 table: the dK accumulator, B*S_kv*D*4 bytes
+  int row_floats = 128;                  // 64 or 128
+  uint64_t payload_bytes = 1ull << 30;   // bytes added per launch
+  int iters = 25, warmup = 3;
+  uint32_t seed = 12345;
+};
+struct ScatterResult {
+  uint64_t table_bytes = 0, rows = 0;
+  int row_floats = 0;
+  ScatterWay way = ScatterWay::float4_atomic;
+  uint64_t payload_bytes = 0;  // as measured (a multiple of 8 rows)
+  int grid = 0, block = 0;
+  Stats t;
+  double tbps = 0;             // payload bytes / median time, 1e12 B/s
+  bool check_ok = false;       // exact column sums after one launch into a zeroed table
+};
+/// Allocates the table once and measures each way (check, warm-up, timed launches).
+std::vector<ScatterResult> measure_scatter(const ScatterConfig& c, const std::vector<ScatterWay>& ways = kAllScatterWays);
+/// The entry with the highest rate (the floor uses the best way).
+const ScatterResult& fastest(const std::vector<ScatterResult>& results);
+
+/// cuBLAS bf16 GEMM (cublasGemmEx, bf16 in and out, fp32 compute), size^3, random non-zero
+/// data; a few entries checked against a host dot product.
+struct GemmResult {
+  int m = 0, n = 0, k = 0;
+  Stats t;
+  double tflops = 0;
+  bool check_ok = false;
+  double max_rel_err = 0;
+};
+GemmResult measure_gemm(int size = 8192, int iters = 25, int warmup = 3);
+
+/// The fixed floor of shared/design/h200-facts.md: H64 D128 topk 2048, dK in L2, 3.77 TB/s.
+inline constexpr double kFixedFloorNsPerRow = 278.0;
+
+/// Floor of one query row with `slots` selected keys, from measured rates:
+///   scatter_ns = slots*D*4 B / scatter rate        (the dK reduce, fp32)
+///   gemm_ns    = 6*H*D*slots FLOP / GEMM rate      (the score, dK and dQ GEMMs)
+///   ns         = max(scatter_ns, gemm_ns)          (the two overlap in a fused kernel)
+struct Floor {
+  double scatter_ns = 0, gemm_ns = 0, ns = 0;
+  const char* bound = "";  // "scatter" or "gemm"
+};
+Floor floor_per_row(double slots, int64_t heads, int64_t dim, double scatter_tbps, double gemm_tflops);
+
+// ---------------------------------------------------------------- the op
+
+/// causal: row t selects min(t+1, topk) keys of 0..t (the rest -1, empty); random: topk
+/// (at most S_kv) distinct keys of the whole sequence. Ids sorted within a row; attn_score
+/// and index_score random, normalised over the valid slots.
+enum class IdPattern { causal, random };
+const char* id_pattern_name(IdPattern p);
+/// "causal" / "random"; false for anything else.
+bool parse_id_pattern(const std::string& s, IdPattern* out);
+
+/// One benchmark case: bf16 inputs, bshd, local ids, S_q = S_kv = seq, bf16 outputs.
+struct OpCase {
+  IdPattern ids = IdPattern::random;
+  int64_t batch = 1, seq = 4096, heads = 64, dim = 128, topk = 2048;
+  uint64_t dk_table_bytes() const { return static_cast<uint64_t>(batch * seq * dim) * 4; }
+};
+
+struct OpConfig {
+  int iters = 20, warmup = 3;
+  int input_sets = 0;        // 0: automatic (see auto_input_sets), else this many
+  uint64_t seed = 1234;      // the case's generator seed is seed + seq
+};
+
+/// Input-set rotation: a case keeps N sets (inputs and outputs; copies of one generated
+/// set at different addresses) and launch i uses set i mod N, so consecutive launches touch
+/// different memory and a set comes back only after the others went through L2.
+/// Automatic N = clamp(ceil(2*L2 / set_bytes), 2, 64), lowered (to 1 at least) until all
+/// sets fit in half of the free device memory.
+int auto_input_sets(uint64_t set_bytes, int64_t l2_bytes, uint64_t free_bytes);
+/// One sentence on the rotation, for reports.
+std::string rotation_method();
+
+struct OpResult {
+  OpCase c;
+  int64_t valid_slots = 0;          // over all B*S query rows
+  double valid_slots_per_row = 0;
+  int input_sets = 1;
+  uint64_t set_bytes = 0;           // inputs + outputs of one set
+  uint64_t workspace_bytes = 0;     // the fp32 dK accumulator, shared by the sets (zeroed by every launch)
+  std::vector<float> ms;            // every timed launch, in order
+  Stats t;
+  double ns_per_row = 0, ns_per_row_min = 0, ns_per_row_max = 0;  // median / min / max time over B*S rows
+  double tflops = 0;                // 6*H*D FLOP per valid slot / median time
+  double dk_gbps = 0;               // D*4 B of dK reduce per valid slot / median time
+};
+
+/// Raises dsaib::Error with the library's own message when the case is not a valid
+/// problem (heads, dim, topk, ...). Touches no device.
+void check_case(const OpCase& c);
+
+/// Generates the case on the host, uploads it (and its copies), times the whole op
+/// (dK zeroing, fused kernel, bf16 cast) with CUDA events around each launch:
+/// `warmup` untimed launches, then `iters` timed ones.
+OpResult run_op_case(const OpCase& c, const OpConfig& cfg);
+
+}  // namespace dsaib::bench

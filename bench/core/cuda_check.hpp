@@ -1,0 +1,68 @@
+// dsaib_bench internals: CUDA error checks and a device buffer (not part of bench_core.hpp).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+
+#include "dsaib/error.hpp"
+
+namespace dsaib::bench {
+
+/// Raises dsaib::Error(cuda_error) naming `what` when `e` is not cudaSuccess.
+void check_cuda(cudaError_t e, const char* what);
+
+/// A cudaMalloc'd buffer, freed on scope exit.
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  std::size_t bytes = 0;
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(std::size_t n) : bytes(n) {
+    if (n > 0) check_cuda(cudaMalloc(&ptr, n), "cudaMalloc");
+  }
+  DeviceBuffer(DeviceBuffer&& o) noexcept : ptr(o.ptr), bytes(o.bytes) {
+    o.ptr = nullptr;
+    o.bytes = 0;
+  }
+  DeviceBuffer& operator=(DeviceBuffer&&) = delete;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() {
+    if (ptr) cudaFree(ptr);
+  }
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(ptr);
+  }
+};
+
+/// A stream and two timing events, destroyed on scope exit.
+struct Timer {
+  cudaStream_t stream = nullptr;
+  cudaEvent_t start = nullptr, stop = nullptr;
+  Timer() {
+    check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+    check_cuda(cudaEventCreate(&start), "cudaEventCreate");
+    check_cuda(cudaEventCreate(&stop), "cudaEventCreate");
+  }
+  Timer(const Timer&) = delete;
+  Timer& operator=(const Timer&) = delete;
+  ~Timer() {
+    if (start) cudaEventDestroy(start);
+    if (stop) cudaEventDestroy(stop);
+    if (stream) cudaStreamDestroy(stream);
+  }
+  /// Milliseconds of the work `launch` enqueues on `stream`, bracketed by the events.
+  template <typename Launch>
+  float time(Launch&& launch) {
+    check_cuda(cudaEventRecord(start, stream), "cudaEventRecord");
+    launch();
+    check_cuda(cudaEventRecord(stop, stream), "cudaEventRecord");
+    check_cuda(cudaEventSynchronize(stop), "cudaEventSynchronize");
+    float ms = 0;
+    check_cuda(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
+    return ms;
+  }
+};
+
+}  // namespace dsaib::bench

@@ -1,0 +1,375 @@
+// dsaib_bench: the floor micro-benchmarks (issue 4, "Floor ratio"), sm_90a only.
+//   a. fp32 scatter-add rate: rows of D floats (D = 64 or 128) added into rows of an
+//      fp32 (R, D) table chosen by a hash of the row-add index, three ways (float4
+//      atomicAdd, scalar atomicAdd, cp.reduce.async.bulk add.f32); payload values made in
+//      registers; rate = bytes added / time. Each way is checked once: exact column sums.
+//   b. cuBLAS bf16 GEMM rate (cublasGemmEx, bf16 in/out, fp32 compute), a few entries
+//      checked against a host dot product of the same bf16 data.
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <cuda/ptx>
+#include <string>
+#include <vector>
+
+#include "bench_core.hpp"
+#include "cuda_check.hpp"
+
+namespace dsaib::bench {
+namespace {
+
+void check_cublas(cublasStatus_t s, const char* what) {
+  if (s != CUBLAS_STATUS_SUCCESS) {
+    throw Error(ErrorCode::cuda_error, "bench",
+                std::string(what) + " failed: " + cublasGetStatusName(s) + " (" + cublasGetStatusString(s) + ")");
+  }
+}
+
+constexpr int kAtomicThreads = 256;   // float4 / scalar kernels
+constexpr int kBulkWarps = 4;         // bulk kernel: 128 threads
+constexpr int kBulkRowsPerGroup = 8;  // rows staged and issued per group
+constexpr int kBulkStages = 4;        // staging ring per warp: up to 4 groups in flight
+
+template <int RowFloats>
+constexpr int bulk_smem_bytes() {  // 64 KiB at D128, 32 KiB at D64
+  return kBulkWarps * kBulkStages * kBulkRowsPerGroup * RowFloats * 4;
+}
+
+__host__ __device__ inline uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
+
+// Row of row-add i: a hash mapped onto [0, rows) by a multiply-high.
+__device__ __forceinline__ uint32_t row_of(uint32_t i, uint32_t seed, uint32_t rows) {
+  return static_cast<uint32_t>((static_cast<uint64_t>(mix32(i ^ seed)) * rows) >> 32);
+}
+
+// Value added into column c by every row-add: 1 + (c & 3) (integers, so the
+// column sums of a check run are exact).
+__host__ __device__ inline float value_of_column(int c) { return 1.0f + static_cast<float>(c & 3); }
+
+// A warp adds 32 / (RowFloats/4) rows per step: lanes [j*RowFloats/4, (j+1)*RowFloats/4) own row j.
+template <int RowFloats>
+__global__ void __launch_bounds__(kAtomicThreads) scatter_float4_kernel(float* __restrict__ table, uint32_t rows,
+                                                                         uint32_t n_adds, uint32_t seed) {
+  constexpr uint32_t kLanesPerRow = RowFloats / 4;
+  constexpr uint32_t kRowsPerStep = 32 / kLanesPerRow;
+  const uint32_t lane = threadIdx.x & 31u;
+  const uint32_t sub = lane / kLanesPerRow, col4 = lane % kLanesPerRow;
+  const uint32_t warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const uint32_t n_warps = (gridDim.x * blockDim.x) >> 5;
+  const uint32_t n_steps = n_adds / kRowsPerStep;
+  const float4 v = make_float4(value_of_column(4 * col4), value_of_column(4 * col4 + 1),
+                               value_of_column(4 * col4 + 2), value_of_column(4 * col4 + 3));
+#pragma unroll 4
+  for (uint32_t s = warp; s < n_steps; s += n_warps) {
+    const uint32_t i = s * kRowsPerStep + sub;
+    float4* dst = reinterpret_cast<float4*>(table + static_cast<size_t>(row_of(i, seed, rows)) * RowFloats) + col4;
+    atomicAdd(dst, v);
+  }
+}
+
+// A warp per row, RowFloats/32 scalar adds per lane (column j*32 + lane has the value of column lane).
+template <int RowFloats>
+__global__ void __launch_bounds__(kAtomicThreads) scatter_scalar_kernel(float* __restrict__ table, uint32_t rows,
+                                                                         uint32_t n_adds, uint32_t seed) {
+  const uint32_t lane = threadIdx.x & 31u;
+  const uint32_t warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const uint32_t n_warps = (gridDim.x * blockDim.x) >> 5;
+  const float v = value_of_column(static_cast<int>(lane));
+#pragma unroll 2
+  for (uint32_t i = warp; i < n_adds; i += n_warps) {
+    float* dst = table + static_cast<size_t>(row_of(i, seed, rows)) * RowFloats + lane;
+#pragma unroll
+    for (int j = 0; j < RowFloats / 32; ++j) atomicAdd(dst + 32 * j, v);
+  }
+}
+
+template <int RowFloats>
+__global__ void __launch_bounds__(kBulkWarps * 32) scatter_bulk_kernel(float* __restrict__ table, uint32_t rows,
+                                                                        uint32_t n_adds, uint32_t seed) {
+  extern __shared__ __align__(128) float smem[];
+  constexpr int kGroupFloat4s = kBulkRowsPerGroup * RowFloats / 4;
+  const uint32_t lane = threadIdx.x & 31u;
+  const uint32_t warp_in_block = threadIdx.x >> 5;
+  const uint32_t warp = blockIdx.x * kBulkWarps + warp_in_block;
+  const uint32_t n_warps = gridDim.x * kBulkWarps;
+  const uint32_t n_groups = n_adds / kBulkRowsPerGroup;
+  float* ring = smem + static_cast<size_t>(warp_in_block) * kBulkStages * kBulkRowsPerGroup * RowFloats;
+  uint32_t stage = 0;
+  for (uint32_t g = warp; g < n_groups; g += n_warps) {
+    float* buf = ring + stage * kBulkRowsPerGroup * RowFloats;
+    // The group that last read this buffer was committed kBulkStages groups ago:
+    // allow kBulkStages - 1 newer ones to stay in flight.
+    if (lane == 0) cuda::ptx::cp_async_bulk_wait_group_read(cuda::ptx::n32_t<kBulkStages - 1>{});
+    __syncwarp();
+    // Restage the group's rows (as a fused kernel restages every dK block).
+#pragma unroll
+    for (int k = 0; k < kGroupFloat4s / 32; ++k) {
+      const int q = k * 32 + static_cast<int>(lane);
+      const int c = 4 * (q % (RowFloats / 4));
+      reinterpret_cast<float4*>(buf)[q] =
+          make_float4(value_of_column(c), value_of_column(c + 1), value_of_column(c + 2), value_of_column(c + 3));
+    }
+    cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);  // generic-proxy smem writes -> async proxy
+    __syncwarp();
+    if (lane == 0) {
+#pragma unroll
+      for (int r = 0; r < kBulkRowsPerGroup; ++r) {
+        const uint32_t row = row_of(g * kBulkRowsPerGroup + r, seed, rows);
+        cuda::ptx::cp_reduce_async_bulk(cuda::ptx::space_global, cuda::ptx::space_shared, cuda::ptx::op_add,
+                                        table + static_cast<size_t>(row) * RowFloats, buf + r * RowFloats,
+                                        static_cast<uint32_t>(RowFloats * 4));
+      }
+      cuda::ptx::cp_async_bulk_commit_group();
+    }
+    stage = stage + 1 == kBulkStages ? 0 : stage + 1;
+  }
+  // Every reduce complete (not just read) before the CTA's smem goes away.
+  if (lane == 0) cuda::ptx::cp_async_bulk_wait_group(cuda::ptx::n32_t<0>{});
+  __syncwarp();
+}
+
+struct Launch {
+  int grid, block, smem;
+};
+
+template <int RowFloats>
+Launch launch_shape(ScatterWay w, int sms) {
+  int per_sm = 0;
+  Launch l{};
+  switch (w) {
+    case ScatterWay::float4_atomic:
+      check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, scatter_float4_kernel<RowFloats>,
+                                                               kAtomicThreads, 0),
+                 "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+      l = {sms * per_sm, kAtomicThreads, 0};
+      break;
+    case ScatterWay::scalar_atomic:
+      check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, scatter_scalar_kernel<RowFloats>,
+                                                               kAtomicThreads, 0),
+                 "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+      l = {sms * per_sm, kAtomicThreads, 0};
+      break;
+    case ScatterWay::bulk_reduce:
+      check_cuda(cudaFuncSetAttribute(scatter_bulk_kernel<RowFloats>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      bulk_smem_bytes<RowFloats>()),
+                 "cudaFuncSetAttribute");
+      check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, scatter_bulk_kernel<RowFloats>,
+                                                               kBulkWarps * 32, bulk_smem_bytes<RowFloats>()),
+                 "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+      l = {sms * per_sm, kBulkWarps * 32, bulk_smem_bytes<RowFloats>()};
+      break;
+  }
+  if (per_sm < 1) {
+    throw Error(ErrorCode::internal, "bench", std::string("scatter kernel ") + scatter_way_name(w) +
+                                                  " cannot be resident (occupancy 0)");
+  }
+  return l;
+}
+
+template <int RowFloats>
+void launch_scatter(ScatterWay w, const Launch& l, float* table, uint32_t rows, uint32_t n_adds, uint32_t seed,
+                    cudaStream_t s) {
+  switch (w) {
+    case ScatterWay::float4_atomic:
+      scatter_float4_kernel<RowFloats><<<l.grid, l.block, 0, s>>>(table, rows, n_adds, seed);
+      break;
+    case ScatterWay::scalar_atomic:
+      scatter_scalar_kernel<RowFloats><<<l.grid, l.block, 0, s>>>(table, rows, n_adds, seed);
+      break;
+    case ScatterWay::bulk_reduce:
+      scatter_bulk_kernel<RowFloats><<<l.grid, l.block, l.smem, s>>>(table, rows, n_adds, seed);
+      break;
+  }
+  check_cuda(cudaGetLastError(), "scatter kernel launch");
+}
+
+// Column sums of a zeroed table after one launch must be n_adds * value_of_column(c), exactly.
+template <int RowFloats>
+bool check_scatter(ScatterWay w, const Launch& l, float* d_table, uint64_t rows, uint32_t n_adds, uint32_t seed,
+                   cudaStream_t s) {
+  const size_t elems = rows * RowFloats;
+  check_cuda(cudaMemsetAsync(d_table, 0, elems * 4, s), "cudaMemsetAsync");
+  launch_scatter<RowFloats>(w, l, d_table, static_cast<uint32_t>(rows), n_adds, seed, s);
+  check_cuda(cudaStreamSynchronize(s), "scatter check launch");
+  std::vector<float> h(elems);
+  check_cuda(cudaMemcpy(h.data(), d_table, elems * 4, cudaMemcpyDeviceToHost), "cudaMemcpy D2H");
+  std::vector<double> col(RowFloats, 0.0);
+  for (uint64_t r = 0; r < rows; ++r)
+    for (int c = 0; c < RowFloats; ++c) col[c] += h[r * RowFloats + c];
+  for (int c = 0; c < RowFloats; ++c) {
+    if (col[c] != static_cast<double>(n_adds) * value_of_column(c)) return false;
+  }
+  return true;
+}
+
+template <int RowFloats>
+std::vector<ScatterResult> measure_scatter_rows(const ScatterConfig& c, const std::vector<ScatterWay>& ways) {
+  constexpr uint64_t kRowBytes = RowFloats * 4;
+  const uint64_t rows = std::max<uint64_t>(1, c.table_bytes / kRowBytes);
+  if (rows > 0xffffffffull) throw Error(ErrorCode::invalid_argument, "table_bytes", "scatter table over 2^32 rows");
+  const uint64_t adds = c.payload_bytes / kRowBytes / kBulkRowsPerGroup * kBulkRowsPerGroup;
+  if (adds == 0 || adds > 0xffffffffull) {
+    throw Error(ErrorCode::invalid_argument, "payload_bytes", "scatter payload must be 8 rows to 2^32 rows");
+  }
+  const uint32_t n_adds = static_cast<uint32_t>(adds);
+  int dev = 0, sms = 0;
+  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
+  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
+  DeviceBuffer table(rows * kRowBytes);
+  Timer timer;
+  std::vector<ScatterResult> out;
+  for (ScatterWay w : ways) {
+    const Launch l = launch_shape<RowFloats>(w, sms);
+    ScatterResult r;
+    r.table_bytes = rows * kRowBytes;
+    r.rows = rows;
+    r.row_floats = RowFloats;
+    r.way = w;
+    r.payload_bytes = static_cast<uint64_t>(n_adds) * kRowBytes;
+    r.grid = l.grid;
+    r.block = l.block;
+    r.check_ok = check_scatter<RowFloats>(w, l, table.as<float>(), rows, n_adds, c.seed, timer.stream);
+    for (int i = 0; i < c.warmup; ++i)
+      launch_scatter<RowFloats>(w, l, table.as<float>(), static_cast<uint32_t>(rows), n_adds, c.seed + 1 + i,
+                                timer.stream);
+    check_cuda(cudaStreamSynchronize(timer.stream), "scatter warm-up");
+    std::vector<float> ms;
+    for (int i = 0; i < c.iters; ++i) {
+      ms.push_back(timer.time([&] {
+        launch_scatter<RowFloats>(w, l, table.as<float>(), static_cast<uint32_t>(rows), n_adds, c.seed + 100 + i,
+                                  timer.stream);
+      }));
+    }
+    r.t = stats_of(ms);
+    r.tbps = static_cast<double>(r.payload_bytes) / (r.t.median_ms * 1e-3) / 1e12;
+    out.push_back(r);
+  }
+  return out;
+}
+
+// Random non-zero bf16: magnitude in [0.25, 1), random sign; reproducible on the host.
+__host__ __device__ inline float gemm_value(uint64_t i, uint32_t salt) {
+  const uint32_t u = mix32(static_cast<uint32_t>(i) ^ mix32(static_cast<uint32_t>(i >> 32) + salt));
+  const float mag = 0.25f + 0.75f * static_cast<float>(u >> 8) * (1.0f / 16777216.0f);
+  return (u & 1u) ? -mag : mag;
+}
+
+__global__ void fill_bf16_kernel(__nv_bfloat16* p, size_t n, uint32_t salt) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x)
+    p[i] = __float2bfloat16_rn(gemm_value(i, salt));
+}
+
+float host_bf16_round(float f) {  // round to nearest even, as __float2bfloat16_rn for finite values
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  u &= 0xffff0000u;
+  float r;
+  std::memcpy(&r, &u, 4);
+  return r;
+}
+
+float host_bf16_to_float(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float r;
+  std::memcpy(&r, &u, 4);
+  return r;
+}
+
+/// A cuBLAS handle on a stream, with its workspace; destroyed on scope exit.
+struct Cublas {
+  cublasHandle_t h = nullptr;
+  DeviceBuffer ws{64ull << 20};
+  explicit Cublas(cudaStream_t s) {
+    check_cublas(cublasCreate(&h), "cublasCreate");
+    check_cublas(cublasSetStream(h, s), "cublasSetStream");
+    check_cublas(cublasSetWorkspace(h, ws.ptr, ws.bytes), "cublasSetWorkspace");
+  }
+  Cublas(const Cublas&) = delete;
+  Cublas& operator=(const Cublas&) = delete;
+  ~Cublas() {
+    if (h) cublasDestroy(h);
+  }
+};
+
+}  // namespace
+
+std::vector<ScatterResult> measure_scatter(const ScatterConfig& c, const std::vector<ScatterWay>& ways) {
+  if (c.iters < 1 || c.warmup < 0) throw Error(ErrorCode::invalid_argument, "iters", "iters >= 1, warmup >= 0");
+  switch (c.row_floats) {
+    case 64: return measure_scatter_rows<64>(c, ways);
+    case 128: return measure_scatter_rows<128>(c, ways);
+  }
+  throw Error(ErrorCode::invalid_argument, "row_floats",
+              "scatter rows of 64 or 128 floats (D), got " + std::to_string(c.row_floats));
+}
+
+GemmResult measure_gemm(int size, int iters, int warmup) {
+  if (size < 64 || iters < 1 || warmup < 0) {
+    throw Error(ErrorCode::invalid_argument, "gemm", "GEMM size >= 64, iters >= 1, warmup >= 0");
+  }
+  const int n = size;
+  GemmResult g;
+  g.m = g.n = g.k = n;
+  const size_t elems = static_cast<size_t>(n) * n;
+  DeviceBuffer A(elems * 2), B(elems * 2), C(elems * 2);
+  Timer timer;
+  const uint32_t salt_a = 0xA11CEu, salt_b = 0xB0Bu;
+  fill_bf16_kernel<<<1024, 256, 0, timer.stream>>>(A.as<__nv_bfloat16>(), elems, salt_a);
+  check_cuda(cudaGetLastError(), "fill kernel launch");
+  fill_bf16_kernel<<<1024, 256, 0, timer.stream>>>(B.as<__nv_bfloat16>(), elems, salt_b);
+  check_cuda(cudaGetLastError(), "fill kernel launch");
+  Cublas blas(timer.stream);
+  const float alpha = 1.0f, beta = 0.0f;
+  // Column-major C (m x n) = A^T B with A stored (k x m), B stored (k x n): "TN".
+  auto gemm = [&]() {
+    check_cublas(cublasGemmEx(blas.h, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &alpha, A.ptr, CUDA_R_16BF, n, B.ptr,
+                              CUDA_R_16BF, n, &beta, C.ptr, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                 "cublasGemmEx");
+  };
+  // Check a few entries against a host dot product of the same (bf16-rounded) data.
+  gemm();
+  check_cuda(cudaStreamSynchronize(timer.stream), "GEMM check launch");
+  g.check_ok = true;
+  for (int p = 0; p < 8; ++p) {
+    const int i = static_cast<int>(mix32(17u * p + 1u) % static_cast<uint32_t>(n));
+    const int j = static_cast<int>(mix32(31u * p + 7u) % static_cast<uint32_t>(n));
+    double ref = 0, scale = 0;
+    for (int kk = 0; kk < n; ++kk) {
+      const double a = host_bf16_round(gemm_value(static_cast<uint64_t>(i) * n + kk, salt_a));
+      const double b = host_bf16_round(gemm_value(static_cast<uint64_t>(j) * n + kk, salt_b));
+      ref += a * b;
+      scale += (a * b) * (a * b);
+    }
+    uint16_t got_bits = 0;
+    check_cuda(cudaMemcpy(&got_bits, C.as<__nv_bfloat16>() + static_cast<size_t>(j) * n + i, 2,
+                          cudaMemcpyDeviceToHost),
+               "cudaMemcpy D2H");
+    const double got = host_bf16_to_float(got_bits);
+    const double rel = std::fabs(got - ref) / std::max(std::fabs(ref), std::sqrt(scale));
+    g.max_rel_err = std::max(g.max_rel_err, rel);
+    if (!(rel <= 1e-2)) g.check_ok = false;
+  }
+  for (int i = 0; i < warmup; ++i) gemm();
+  check_cuda(cudaStreamSynchronize(timer.stream), "GEMM warm-up");
+  std::vector<float> ms;
+  for (int i = 0; i < iters; ++i) ms.push_back(timer.time(gemm));
+  g.t = stats_of(ms);
+  g.tflops = 2.0 * n * static_cast<double>(n) * n / (g.t.median_ms * 1e-3) / 1e12;
+  return g;
+}
+
+}  // namespace dsaib::bench

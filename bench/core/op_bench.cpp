@@ -1,0 +1,219 @@
+// dsaib_bench: the op under test (cuda backend, whole op: dK zeroing, fused kernel,
+// bf16 cast), its inputs, their rotation over L2, and CUDA-event timing.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <initializer_list>
+#include <random>
+
+#include "bench_core.hpp"
+#include "cuda_check.hpp"
+#include "dsaib/indexer_backward.hpp"
+
+namespace dsaib::bench {
+namespace {
+
+uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+/// One generated case on the host.
+struct HostCase {
+  std::vector<uint16_t> q, k, w;   // bf16 bits: (B,S,H,D), (B,S,D), (B,S,H)
+  std::vector<int32_t> ids;        // (B,S,topk), -1 = empty slot
+  std::vector<float> attn, pred;   // (B,S,topk), normalised over the valid slots
+  int64_t valid_slots = 0;
+};
+
+HostCase generate(const OpCase& c, uint64_t seed) {
+  const int64_t B = c.batch, S = c.seq, H = c.heads, D = c.dim, K = c.topk;
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_real_distribution<float> uni(0.0f, 1.0f);
+  HostCase h;
+  h.q.resize(B * S * H * D);
+  h.k.resize(B * S * D);
+  h.w.resize(B * S * H);
+  for (auto& x : h.q) x = to_bf16(normal(rng));
+  for (auto& x : h.k) x = to_bf16(normal(rng));
+  for (auto& x : h.w) x = to_bf16(normal(rng) / std::sqrt(static_cast<float>(H)));
+  h.ids.assign(B * S * K, -1);
+  h.attn.assign(B * S * K, 0.0f);
+  h.pred.assign(B * S * K, 0.0f);
+  // A partial Fisher-Yates over an identity pool, undone after each row (the pool
+  // stays the identity, so a row costs O(topk), not O(S)).
+  std::vector<int32_t> pool(S);
+  for (int64_t s = 0; s < S; ++s) pool[s] = static_cast<int32_t>(s);
+  std::vector<int64_t> picks(std::min(S, K));
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t t = 0; t < S; ++t) {
+      // causal: keys 0..t (all of them when t < topk); random: any key of the sequence
+      const int64_t avail = c.ids == IdPattern::causal ? t + 1 : S;
+      const int64_t n = std::min(avail, K);
+      for (int64_t i = 0; i < n; ++i) {
+        std::uniform_int_distribution<int64_t> pick(i, avail - 1);
+        picks[i] = pick(rng);
+        std::swap(pool[i], pool[picks[i]]);
+      }
+      const int64_t row = (b * S + t) * K;
+      std::copy(pool.begin(), pool.begin() + n, h.ids.begin() + row);
+      for (int64_t i = n - 1; i >= 0; --i) std::swap(pool[i], pool[picks[i]]);
+      std::sort(h.ids.begin() + row, h.ids.begin() + row + n);
+      float st = 0, sp = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        h.attn[row + i] = uni(rng);
+        h.pred[row + i] = uni(rng);
+        st += h.attn[row + i];
+        sp += h.pred[row + i];
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        h.attn[row + i] /= st;
+        h.pred[row + i] /= sp;
+      }
+      h.valid_slots += n;
+    }
+  }
+  return h;
+}
+
+/// Byte sizes of one set's tensors, in upload order: q, w, k, ids, attn, pred, dq, dw, dk.
+struct Layout {
+  uint64_t bytes[9];
+  uint64_t total() const {
+    uint64_t t = 0;
+    for (uint64_t b : bytes) t += b;
+    return t;
+  }
+};
+
+Layout layout_of(const OpCase& c) {
+  const uint64_t B = c.batch, S = c.seq, H = c.heads, D = c.dim, K = c.topk;
+  return {{B * S * H * D * 2, B * S * H * 2, B * S * D * 2, B * S * K * 4, B * S * K * 4, B * S * K * 4,
+           B * S * H * D * 2, B * S * H * 2, B * S * D * 2}};
+}
+
+/// Views of one set: inputs and outputs as the op takes them.
+struct SetViews {
+  IndexerBackwardInputs in;
+  IndexerBackwardOutputs out;
+};
+
+/// Views over nine buffers laid out as layout_of(c), with device `dev` (cpu for check_case).
+SetViews views_of(const OpCase& c, void* const ptr[9], DeviceType dev, int device_index) {
+  const int64_t B = c.batch, S = c.seq, H = c.heads, D = c.dim, K = c.topk;
+  auto v = [&](int i, DType dt, std::initializer_list<int64_t> shape) {
+    return contiguous_view(ptr[i], dt, shape, dev, device_index);
+  };
+  SetViews s;
+  s.in = IndexerBackwardInputs{v(0, DType::bf16, {B, S, H, D}), v(1, DType::bf16, {B, S, H}),
+                               v(2, DType::bf16, {B, S, D}),    v(3, DType::i32, {B, S, K}),
+                               v(4, DType::f32, {B, S, K}),     v(5, DType::f32, {B, S, K}),
+                               {},
+                               {}};
+  s.out = IndexerBackwardOutputs{v(6, DType::bf16, {B, S, H, D}), v(7, DType::bf16, {B, S, H}),
+                                 v(8, DType::bf16, {B, S, D})};
+  return s;
+}
+
+IndexerBackwardOptions options_of(const OpCase& c) {
+  IndexerBackwardOptions opt;
+  opt.backend = Backend::cuda;
+  opt.sm_scale = 1.0f / std::sqrt(static_cast<float>(c.dim));
+  return opt;
+}
+
+}  // namespace
+
+void check_case(const OpCase& c) {
+  if (c.batch < 1 || c.seq < 1 || c.topk < 1) {
+    throw Error(ErrorCode::invalid_argument, "case", "batch, seq and topk must be >= 1");
+  }
+  // Validation of a bshd problem with non-strict ids reads no tensor data: check the
+  // shapes against the library's own rules (on the cpu backend) with placeholder
+  // addresses, disjoint and 256-byte aligned, that are never dereferenced.
+  const Layout l = layout_of(c);
+  void* ptr[9];
+  uint64_t at = 1ull << 40;
+  for (int i = 0; i < 9; ++i) {
+    ptr[i] = reinterpret_cast<void*>(static_cast<uintptr_t>(at));
+    at += (l.bytes[i] + 511) / 256 * 256;
+  }
+  const SetViews s = views_of(c, ptr, DeviceType::cpu, 0);
+  IndexerBackwardOptions opt = options_of(c);
+  opt.backend = Backend::cpu;
+  indexer_backward_workspace_size(s.in, s.out, opt);
+}
+
+OpResult run_op_case(const OpCase& c, const OpConfig& cfg) {
+  if (cfg.iters < 1 || cfg.warmup < 0 || cfg.input_sets < 0) {
+    throw Error(ErrorCode::invalid_argument, "iters", "iters >= 1, warmup >= 0, input_sets >= 0");
+  }
+  check_case(c);
+  OpResult r;
+  r.c = c;
+  const HostCase h = generate(c, cfg.seed + static_cast<uint64_t>(c.seq));
+  r.valid_slots = h.valid_slots;
+  const int64_t rows = c.batch * c.seq;
+  r.valid_slots_per_row = static_cast<double>(h.valid_slots) / static_cast<double>(rows);
+
+  int dev = 0;
+  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
+  int l2 = 0;
+  check_cuda(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev), "cudaDeviceGetAttribute");
+  size_t free_b = 0, total_b = 0;
+  check_cuda(cudaMemGetInfo(&free_b, &total_b), "cudaMemGetInfo");
+  const Layout l = layout_of(c);
+  r.set_bytes = l.total();
+  r.input_sets = cfg.input_sets > 0 ? cfg.input_sets : auto_input_sets(r.set_bytes, l2, free_b);
+
+  // Set 0 from the host, the others as device copies of it (same values, other addresses).
+  const void* host_src[6] = {h.q.data(), h.w.data(), h.k.data(), h.ids.data(), h.attn.data(), h.pred.data()};
+  std::vector<std::vector<DeviceBuffer>> sets(r.input_sets);
+  std::vector<SetViews> views;
+  for (int s = 0; s < r.input_sets; ++s) {
+    void* ptr[9];
+    sets[s].reserve(9);
+    for (int i = 0; i < 9; ++i) {
+      sets[s].emplace_back(l.bytes[i]);
+      ptr[i] = sets[s].back().ptr;
+      if (i < 6) {
+        const void* src = s == 0 ? host_src[i] : sets[0][i].ptr;
+        check_cuda(cudaMemcpy(ptr[i], src, l.bytes[i], s == 0 ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToDevice),
+                   "cudaMemcpy (inputs)");
+      }
+    }
+    views.push_back(views_of(c, ptr, DeviceType::cuda, dev));
+  }
+
+  Timer timer;
+  IndexerBackwardOptions opt = options_of(c);
+  opt.stream = timer.stream;
+  r.workspace_bytes = indexer_backward_workspace_size(views[0].in, views[0].out, opt);
+  DeviceBuffer ws(r.workspace_bytes);
+  int launch = 0;
+  auto run = [&] {
+    const SetViews& s = views[launch++ % r.input_sets];
+    indexer_backward(s.in, s.out, opt, ws.ptr, ws.bytes);
+  };
+  for (int i = 0; i < cfg.warmup; ++i) run();
+  check_cuda(cudaStreamSynchronize(timer.stream), "warm-up launches");
+  for (int i = 0; i < cfg.iters; ++i) r.ms.push_back(timer.time(run));
+  check_cuda(cudaGetLastError(), "after the timed launches");
+
+  r.t = stats_of(r.ms);
+  const double sec = r.t.median_ms * 1e-3;
+  const double ns_per_ms_row = 1e6 / static_cast<double>(rows);
+  r.ns_per_row = r.t.median_ms * ns_per_ms_row;
+  r.ns_per_row_min = r.t.min_ms * ns_per_ms_row;
+  r.ns_per_row_max = r.t.max_ms * ns_per_ms_row;
+  r.tflops = 6.0 * c.heads * c.dim * static_cast<double>(h.valid_slots) / sec / 1e12;
+  r.dk_gbps = static_cast<double>(h.valid_slots) * c.dim * 4.0 / sec / 1e9;
+  return r;
+}
+
+}  // namespace dsaib::bench

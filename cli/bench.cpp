@@ -1,0 +1,274 @@
+// `dsa-indexer-bwd bench`: the floor micro-benchmarks and the op, in one run, over the
+// dsaib_bench core (bench/core). Compiled only when the project is built with CUDA
+// (DSAIB_CLI_WITH_CUDA); run.cpp has the stub of other builds.
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <optional>
+#include <sstream>
+
+#include "bench_core.hpp"
+#include "cli.hpp"
+
+namespace dsaib::cli {
+namespace {
+
+constexpr double kMiB = 1024.0 * 1024.0;
+constexpr uint64_t kScatterPayloadBytes = 1ull << 30;  // added per scatter launch
+constexpr int kGemmSize = 8192;
+
+std::string fmt(const char* f, double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, f, v);
+  return buf;
+}
+
+std::string version_string(int v) { return std::to_string(v / 1000) + "." + std::to_string(v % 1000 / 10); }
+
+/// The floor measurements of one dK table (size, row length): every way, and the best.
+struct TableRates {
+  std::vector<bench::ScatterResult> ways;
+  const bench::ScatterResult* best = nullptr;
+};
+
+nlohmann::ordered_json stats_json(const bench::Stats& t) {
+  return {{"median_ms", t.median_ms}, {"min_ms", t.min_ms}, {"max_ms", t.max_ms}, {"runs", t.runs}};
+}
+
+}  // namespace
+
+int run_bench(const BenchArgs& a) {
+  // The cases, checked against the library's rules before anything runs.
+  std::vector<bench::OpCase> cases;
+  for (const std::string& ids : a.ids) {
+    for (int64_t s : a.seqs) {
+      bench::OpCase c;
+      if (!bench::parse_id_pattern(ids, &c.ids)) {
+        throw Error(ErrorCode::invalid_argument, "ids", "--ids: expected causal or random, got " + ids);
+      }
+      c.batch = a.batch;
+      c.seq = s;
+      c.heads = a.heads;
+      c.dim = a.dim;
+      c.topk = a.topk;
+      bench::check_case(c);
+      cases.push_back(c);
+    }
+  }
+  const bench::DeviceInfo dev = bench::probe_device();
+  if (!dev.usable || !cuda_backend_available()) {
+    throw Error(ErrorCode::backend_unavailable, "bench",
+                "bench needs the CUDA backend and a GPU (compute capability 9.0): " +
+                    (dev.reason.empty() ? cuda_unavailable_reason() : dev.reason));
+  }
+  if (!a.json.empty() && a.json != "-" && !std::ofstream(a.json, std::ios::app)) {
+    throw Error(ErrorCode::io_error, "json", "--json: cannot write " + a.json);
+  }
+  // With --json -, the JSON goes to stdout and the human report to stderr.
+  std::ostream& out = a.json == "-" ? std::cerr : std::cout;
+  const std::string device_line = dev.name + " (sm_" + std::to_string(dev.cc_major) + std::to_string(dev.cc_minor) +
+                                  ", " + std::to_string(dev.sm_count) + " SMs, L2 " +
+                                  fmt("%.1f", dev.l2_bytes / kMiB) + " MiB), driver " +
+                                  version_string(dev.driver_version) + ", runtime " +
+                                  version_string(dev.runtime_version);
+  out << "dsa-indexer-bwd bench\n"
+      << "  device      " << device_line << "\n"
+      << "  method      CUDA events around each launch; median (min-max) of " << a.iters << " launches after "
+      << a.warmup << " warm-ups; input sets rotated beyond L2\n"
+      << std::flush;
+
+  // 1. Floor micro-benchmarks: the scatter-add rate at each case's dK table, the GEMM rate.
+  std::map<std::pair<uint64_t, int64_t>, TableRates> tables;  // (dK bytes, D) -> rates
+  std::optional<bench::GemmResult> gemm;
+  bool checks_ok = true;
+  if (!a.no_floor) {
+    for (const bench::OpCase& c : cases) tables[{c.dk_table_bytes(), c.dim}];
+    for (auto& [key, rates] : tables) {
+      log_stage("floor: scatter-add into a " + fmt("%.1f", key.first / kMiB) + " MiB fp32 table, rows of " +
+                std::to_string(key.second) + " floats ...");
+      bench::ScatterConfig sc;
+      sc.table_bytes = key.first;
+      sc.row_floats = static_cast<int>(key.second);
+      sc.payload_bytes = kScatterPayloadBytes;
+      sc.iters = a.iters;
+      sc.warmup = a.warmup;
+      rates.ways = bench::measure_scatter(sc);
+      rates.best = &bench::fastest(rates.ways);
+      for (const auto& r : rates.ways) checks_ok = checks_ok && r.check_ok;
+    }
+    log_stage("floor: cuBLAS bf16 GEMM " + std::to_string(kGemmSize) + "^3 ...");
+    gemm = bench::measure_gemm(kGemmSize, a.iters, a.warmup);
+    checks_ok = checks_ok && gemm->check_ok;
+
+    out << "  floor       measured in this run (" << kBenchFloorFormula << ")\n"
+        << "    scatter-add, fp32 rows into random rows of the dK table, "
+        << fmt("%.0f", kScatterPayloadBytes / kMiB) << " MiB per launch, TB/s:\n";
+    char line[256];
+    std::snprintf(line, sizeof line, "    %12s %10s %4s %8s %8s %8s  %-6s %s\n", "dK table", "rows", "D", "float4",
+                  "scalar", "bulk", "best", "check");
+    out << line;
+    for (const auto& [key, rates] : tables) {
+      std::map<std::string, double> tb;
+      bool ok = true;
+      for (const auto& r : rates.ways) {
+        tb[bench::scatter_way_name(r.way)] = r.tbps;
+        ok = ok && r.check_ok;
+      }
+      std::snprintf(line, sizeof line, "    %8.1f MiB %10llu %4lld %8.3f %8.3f %8.3f  %-6s %s\n", key.first / kMiB,
+                    (unsigned long long)rates.best->rows, (long long)key.second, tb["float4"], tb["scalar"],
+                    tb["bulk"], bench::scatter_way_name(rates.best->way), ok ? "ok" : "FAIL");
+      out << line;
+    }
+    out << "    bf16 GEMM (cuBLAS, fp32 compute) " << kGemmSize << "^3: " << fmt("%.1f", gemm->tflops)
+        << " TFLOP/s (median " << fmt("%.3f", gemm->t.median_ms) << " ms)  check " << (gemm->check_ok ? "ok" : "FAIL")
+        << "\n";
+  } else {
+    out << "  floor       not measured (--no-floor); x278 is the ratio to the fixed 278 ns/row\n";
+  }
+  out << "\n" << std::flush;
+
+  // 2. The op, every case.
+  char line[320];
+  std::snprintf(line, sizeof line, "%-7s %3s %6s %4s %4s %5s %9s %4s %8s %19s %8s %8s %9s %7s %6s\n", "ids", "B", "S",
+                "H", "D", "topk", "valid/row", "sets", "ns/row", "(min-max)", "TFLOP/s", "dK GB/s", "floor ns",
+                "xfloor", "x278");
+  out << line << std::flush;
+  bench::OpConfig cfg;
+  cfg.iters = a.iters;
+  cfg.warmup = a.warmup;
+  cfg.input_sets = a.input_sets;
+  cfg.seed = a.seed;
+  nlohmann::ordered_json jcases = nlohmann::ordered_json::array();
+  for (const bench::OpCase& c : cases) {
+    log_stage(std::string("op: ") + bench::id_pattern_name(c.ids) + " S=" + std::to_string(c.seq) +
+              ": generating, uploading, " + std::to_string(a.warmup) + " + " + std::to_string(a.iters) +
+              " launches ...");
+    const bench::OpResult r = bench::run_op_case(c, cfg);
+    const double fixed_ratio = r.ns_per_row / bench::kFixedFloorNsPerRow;
+    nlohmann::ordered_json jfloor = nullptr, jratio = nullptr;
+    std::string floor_ns = "-", floor_x = "-";
+    if (gemm) {
+      const TableRates& rates = tables.at({c.dk_table_bytes(), c.dim});
+      const bench::Floor f =
+          bench::floor_per_row(static_cast<double>(c.topk), c.heads, c.dim, rates.best->tbps, gemm->tflops);
+      const bench::Floor fv =
+          bench::floor_per_row(r.valid_slots_per_row, c.heads, c.dim, rates.best->tbps, gemm->tflops);
+      jfloor = {{"dk_table_bytes", c.dk_table_bytes()},
+                {"dk_fits_l2", static_cast<int64_t>(c.dk_table_bytes()) <= dev.l2_bytes},
+                {"scatter_way", bench::scatter_way_name(rates.best->way)},
+                {"scatter_tbps", rates.best->tbps},
+                {"gemm_tflops", gemm->tflops},
+                {"scatter_ns", f.scatter_ns},
+                {"gemm_ns", f.gemm_ns},
+                {"ns_per_row", f.ns},
+                {"bound", f.bound},
+                {"valid_slots_ns_per_row", fv.ns}};
+      jratio = r.ns_per_row / f.ns;
+      floor_ns = fmt("%.1f", f.ns);
+      floor_x = fmt("%.2f", r.ns_per_row / f.ns);
+    }
+    char spread[64];
+    std::snprintf(spread, sizeof spread, "(%.1f-%.1f)", r.ns_per_row_min, r.ns_per_row_max);
+    std::snprintf(line, sizeof line, "%-7s %3lld %6lld %4lld %4lld %5lld %9.1f %4d %8.1f %19s %8.1f %8.1f %9s %7s %6.2f\n",
+                  bench::id_pattern_name(c.ids), (long long)c.batch, (long long)c.seq, (long long)c.heads,
+                  (long long)c.dim, (long long)c.topk, r.valid_slots_per_row, r.input_sets, r.ns_per_row, spread,
+                  r.tflops, r.dk_gbps, floor_ns.c_str(), floor_x.c_str(), fixed_ratio);
+    out << line << std::flush;
+    jcases.push_back({{"ids", bench::id_pattern_name(c.ids)},
+                      {"batch", c.batch},
+                      {"seq", c.seq},
+                      {"seq_kv", c.seq},
+                      {"heads", c.heads},
+                      {"dim", c.dim},
+                      {"topk", c.topk},
+                      {"valid_slots_per_row", r.valid_slots_per_row},
+                      {"input_sets", r.input_sets},
+                      {"input_set_bytes", r.set_bytes},
+                      {"workspace_bytes", r.workspace_bytes},
+                      {"timing", stats_json(r.t)},
+                      {"launch_ms", r.ms},
+                      {"ns_per_row", r.ns_per_row},
+                      {"ns_per_row_min", r.ns_per_row_min},
+                      {"ns_per_row_max", r.ns_per_row_max},
+                      {"tflops", r.tflops},
+                      {"dk_reduce_gbps", r.dk_gbps},
+                      {"floor", jfloor},
+                      {"floor_ratio", jratio},
+                      {"fixed_floor_ratio", fixed_ratio}});
+  }
+  out << "ns/row: median over B*S query rows (min-max of the launches); xfloor: ns/row / floor ns; x278: ns/row / "
+         "278 ns\n";
+  if (!checks_ok) out << "a floor micro-benchmark failed its correctness check (see the JSON)\n";
+  out << std::flush;
+
+  if (!a.json.empty()) {
+    nlohmann::ordered_json j;
+    j["tool"] = "dsa-indexer-bwd bench";
+    j["command"] = a.command_line;
+    j["device"] = {{"name", dev.name},
+                   {"compute_capability", std::to_string(dev.cc_major) + "." + std::to_string(dev.cc_minor)},
+                   {"sm_count", dev.sm_count},
+                   {"l2_bytes", dev.l2_bytes},
+                   {"memory_bytes", dev.total_bytes},
+                   {"driver", version_string(dev.driver_version)},
+                   {"runtime", version_string(dev.runtime_version)}};
+    j["settings"] = {{"iters", a.iters},      {"warmup", a.warmup},     {"input_sets", a.input_sets},
+                     {"seed", a.seed},        {"floor", !a.no_floor},   {"dtypes", "bf16 inputs and outputs"},
+                     {"layout", "bshd"},      {"id_mode", "local"}};
+    j["method"] = {
+        {"op", "the whole op on the cuda backend: dK workspace zeroing, fused kernel, bf16 cast of dK"},
+        {"timing", "CUDA events recorded around each launch on a non-blocking stream, synchronised after each; "
+                   "warm-up launches untimed"},
+        {"statistics", "median, min and max over the timed launches; ns_per_row = time / (B*S_q)"},
+        {"tflops", "6*H*D FLOP per valid slot / median time"},
+        {"dk_reduce_gbps", "D*4 bytes of fp32 dK reduce per valid slot / median time"},
+        {"input_rotation", bench::rotation_method()},
+        {"floor_formula", kBenchFloorFormula},
+        {"floor_valid_slots", "floor.valid_slots_ns_per_row: the same formula with the valid slots per row actually "
+                              "present (causal rows t < topk hold t+1) instead of topk"},
+        {"floor_ratio", "ns_per_row / floor.ns_per_row"},
+        {"fixed_floor_ratio", "ns_per_row / 278 (shared/design/h200-facts.md: H64 D128 topk 2048, dK in L2)"},
+        {"fixed_floor_ns_per_row", bench::kFixedFloorNsPerRow}};
+    if (gemm) {
+      nlohmann::ordered_json sc = nlohmann::ordered_json::array();
+      for (const auto& [key, rates] : tables) {
+        for (const auto& r : rates.ways) {
+          sc.push_back({{"table_bytes", r.table_bytes},
+                        {"rows", r.rows},
+                        {"row_bytes", r.row_floats * 4},
+                        {"way", bench::scatter_way_name(r.way)},
+                        {"payload_bytes", r.payload_bytes},
+                        {"grid", r.grid},
+                        {"block", r.block},
+                        {"timing", stats_json(r.t)},
+                        {"tbps", r.tbps},
+                        {"check", r.check_ok}});
+        }
+      }
+      j["floor_measurements"] = {
+          {"scatter", sc},
+          {"gemm",
+           {{"m", gemm->m}, {"n", gemm->n}, {"k", gemm->k}, {"dtype", "bf16"}, {"compute", "fp32"},
+            {"timing", stats_json(gemm->t)}, {"tflops", gemm->tflops}, {"check", gemm->check_ok},
+            {"max_rel_err", gemm->max_rel_err}}}};
+    } else {
+      j["floor_measurements"] = nullptr;
+    }
+    j["cases"] = jcases;
+    j["checks_ok"] = checks_ok;
+    if (a.json == "-") {
+      std::cout << j.dump(2) << std::endl;
+    } else {
+      std::ofstream f(a.json);
+      f << j.dump(2) << "\n";
+      if (!f) throw Error(ErrorCode::io_error, "json", "cannot write " + a.json);
+      log_stage("wrote " + a.json);
+    }
+  }
+  return checks_ok ? 0 : 1;
+}
+
+}  // namespace dsaib::cli

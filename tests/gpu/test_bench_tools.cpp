@@ -1,0 +1,139 @@
+// GPU tests (label gpu) of the benchmark tools on tiny shapes: `dsa-indexer-bwd bench`
+// (floor micro-benchmarks and the op, its JSON report), dsa-indexer-bwd-bench and
+// dsa-floor-bench (the JSON that scripts/ab_compare.py and the perf log read).
+// Without a compute-capability-9.0 GPU every test is SKIPPED (never passed).
+// The binaries are the build tree's; DSAIB_BIN_DIR=dir takes them from dir instead
+// (e.g. .device/bin after scripts/device/stage.sh).
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "dsaib/indexer_backward.hpp"
+#include "support/test_support.hpp"
+
+#if !defined(DSAIB_CLI_PATH) || !defined(DSAIB_OP_BENCH_PATH) || !defined(DSAIB_FLOOR_BENCH_PATH)
+#error "the build must define DSAIB_CLI_PATH, DSAIB_OP_BENCH_PATH and DSAIB_FLOOR_BENCH_PATH"
+#endif
+
+namespace dsaib::test {
+namespace {
+
+std::string binary(const char* built) {
+  const char* dir = std::getenv("DSAIB_BIN_DIR");
+  if (!dir || !*dir) return built;
+  return (std::filesystem::path(dir) / std::filesystem::path(built).filename()).string();
+}
+
+class BenchTools : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!cuda_backend_available()) GTEST_SKIP() << "no compute-capability-9.0 GPU visible";
+    dir_ = std::filesystem::path(::testing::TempDir()) / ("dsaib_bench_test." + std::to_string(::getpid()));
+    std::filesystem::create_directories(dir_);
+  }
+  void TearDown() override {
+    std::error_code ec;
+    if (!dir_.empty()) std::filesystem::remove_all(dir_, ec);
+  }
+  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+  static nlohmann::json read_json(const std::string& p) {
+    std::ifstream f(p);
+    return nlohmann::json::parse(f);
+  }
+  std::filesystem::path dir_;
+};
+
+TEST_F(BenchTools, BenchSubcommandMeasuresTheFloorAndTheOpAndWritesJson) {
+  const std::string json = path("bench.json");
+  const CommandResult r = run_command(shell_quote(binary(DSAIB_CLI_PATH)) +
+                                      " bench --seq 512,1024 --ids causal,random --heads 16 --dim 64 --topk 128"
+                                      " --iters 5 --warmup 1 --json " +
+                                      shell_quote(json) + " 2>&1");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (const char* frag : {"scatter-add", "bf16 GEMM", "xfloor", "x278", "causal", "random"}) {
+    EXPECT_NE(r.output.find(frag), std::string::npos) << "'" << frag << "' not in:\n" << r.output;
+  }
+  const nlohmann::json j = read_json(json);
+  EXPECT_EQ(j["tool"], "dsa-indexer-bwd bench");
+  EXPECT_TRUE(j["checks_ok"].get<bool>());
+  EXPECT_TRUE(j["method"]["floor_formula"].is_string());
+  EXPECT_TRUE(j["method"]["input_rotation"].is_string());
+  EXPECT_EQ(j["method"]["fixed_floor_ns_per_row"], 278.0);
+  // Two dK tables (S 512 and 1024 at D64), three ways each, all checked.
+  ASSERT_EQ(j["floor_measurements"]["scatter"].size(), 6u);
+  for (const auto& s : j["floor_measurements"]["scatter"]) {
+    EXPECT_TRUE(s["check"].get<bool>()) << s.dump();
+    EXPECT_EQ(s["row_bytes"], 256);
+    EXPECT_GT(s["tbps"].get<double>(), 0.0);
+  }
+  EXPECT_TRUE(j["floor_measurements"]["gemm"]["check"].get<bool>());
+  ASSERT_EQ(j["cases"].size(), 4u);
+  for (const auto& c : j["cases"]) {
+    SCOPED_TRACE(c.dump());
+    EXPECT_EQ(c["launch_ms"].size(), 5u);
+    EXPECT_GE(c["input_sets"].get<int>(), 2);  // tiny sets: rotated
+    const double ns = c["ns_per_row"].get<double>();
+    EXPECT_GT(ns, 0.0);
+    EXPECT_LE(c["ns_per_row_min"].get<double>(), ns);
+    EXPECT_GE(c["ns_per_row_max"].get<double>(), ns);
+    EXPECT_EQ(c["floor"]["dk_table_bytes"], c["seq"].get<int64_t>() * 64 * 4);
+    const double floor_ns = c["floor"]["ns_per_row"].get<double>();
+    EXPECT_GT(floor_ns, 0.0);
+    EXPECT_NEAR(c["floor_ratio"].get<double>(), ns / floor_ns, 1e-9 * ns / floor_ns);
+    EXPECT_NEAR(c["fixed_floor_ratio"].get<double>(), ns / 278.0, 1e-9 * ns);
+  }
+}
+
+TEST_F(BenchTools, BenchSubcommandWithoutFloorAndWithoutRotation) {
+  const CommandResult r = run_command(shell_quote(binary(DSAIB_CLI_PATH)) +
+                                      " bench --seq 256 --ids random --heads 8 --dim 128 --topk 64 --iters 3"
+                                      " --input-sets 1 --no-floor --json - 2>/dev/null");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const nlohmann::json j = nlohmann::json::parse(r.output);
+  EXPECT_TRUE(j["floor_measurements"].is_null());
+  ASSERT_EQ(j["cases"].size(), 1u);
+  EXPECT_EQ(j["cases"][0]["input_sets"], 1);
+  EXPECT_TRUE(j["cases"][0]["floor"].is_null());
+  EXPECT_TRUE(j["cases"][0]["floor_ratio"].is_null());
+}
+
+TEST_F(BenchTools, OpBenchKeepsItsJsonForAbCompare) {
+  const std::string json = path("op.json");
+  const CommandResult r = run_command(shell_quote(binary(DSAIB_OP_BENCH_PATH)) +
+                                      " --seq 512 --ids causal,random --heads 16 --dim 128 --topk 128 --iters 3"
+                                      " --json " + shell_quote(json) + " 2>&1");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const nlohmann::json j = read_json(json);
+  ASSERT_TRUE(j.is_array());
+  ASSERT_EQ(j.size(), 2u);
+  for (const auto& c : j) {
+    for (const char* key : {"ids", "seq", "heads", "dim", "topk", "ns_per_row", "median_ms", "floor_ratio"}) {
+      EXPECT_TRUE(c.contains(key)) << key << " missing in " << c.dump();
+    }
+    EXPECT_NEAR(c["floor_ratio"].get<double>(), c["ns_per_row"].get<double>() / 278.0, 2e-3);
+  }
+}
+
+TEST_F(BenchTools, FloorBenchChecksEveryWay) {
+  const std::string json = path("floor.json");
+  const CommandResult r = run_command(shell_quote(binary(DSAIB_FLOOR_BENCH_PATH)) +
+                                      " --tables 2,8 --iters 3 --payload-mib 64 --gemm-size 1024 --json " +
+                                      shell_quote(json) + " 2>&1");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const nlohmann::json j = read_json(json);
+  ASSERT_EQ(j["scatter"].size(), 6u);
+  for (const auto& s : j["scatter"]) EXPECT_TRUE(s["check"].get<bool>()) << s.dump();
+  EXPECT_TRUE(j["gemm"]["check"].get<bool>());
+  ASSERT_EQ(j["floor"].size(), 8u);
+}
+
+}  // namespace
+}  // namespace dsaib::test
