@@ -4,7 +4,8 @@
 set -euo pipefail
 build=${1:-build}
 mkdir -p .device/bin
-for b in tests/gpu/test_gpu_hopper tests/sanitizer/sync_calibration bench/dsa-indexer-bwd-bench bench/dsa-floor-bench cli/dsa-indexer-bwd; do
+# test_gpu_bench runs the staged tools: DSAIB_BIN_DIR=.device/bin .device/bin/test_gpu_bench
+for b in tests/gpu/test_gpu_hopper tests/gpu/test_gpu_bench tests/sanitizer/sync_calibration bench/dsa-indexer-bwd-bench bench/dsa-floor-bench cli/dsa-indexer-bwd; do
   if [[ -f $build/$b ]]; then cp "$build/$b" .device/bin/; fi
 done
 # Variant benches for paired A/B runs: AB_VARIANTS="A=path/to/bench B=path/to/bench ..."
