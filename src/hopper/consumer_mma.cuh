@@ -131,22 +131,20 @@ struct ConsumerMma {
         cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);  // sA is read by wgmma next
         consumer_smem_ready_sync<Config>();  // sA[a_buf] complete
 
-        // GEMM2: dK_blk = A^T Q ; GEMM3: dQ += A K
+        // GEMM2: dK_blk = A^T Q (every A term), then GEMM3: dQ += A K. wgmma
+        // groups of a warpgroup complete in order, so the dK block is scattered
+        // as soon as GEMM2's groups are done, while GEMM3 still runs.
         warpgroup_gemm<true>(mma_dk, tDKrA(_, _, _, 0, a_buf), tDKrQt(_, _, _, qs), tDKrDK);
+        if constexpr (Config::kSplitA) warpgroup_gemm<false>(mma_dk, tDKrA(_, _, _, 1, a_buf), tDKrQt(_, _, _, qs), tDKrDK);
         warpgroup_gemm<false>(mma_dq, tDQrAt(_, _, _, 0, a_buf), tDQrKt(_, _, _, ks), tDQrDQ);
-        if constexpr (Config::kSplitA) {
-          warpgroup_gemm<false>(mma_dk, tDKrA(_, _, _, 1, a_buf), tDKrQt(_, _, _, qs), tDKrDK);
-          warpgroup_gemm<false>(mma_dq, tDQrAt(_, _, _, 1, a_buf), tDQrKt(_, _, _, ks), tDQrDQ);
-        }
-        warpgroup_wait<0>();
+        if constexpr (Config::kSplitA) warpgroup_gemm<false>(mma_dq, tDQrAt(_, _, _, 1, a_buf), tDQrKt(_, _, _, ks), tDQrDQ);
+        warpgroup_wait<Config::kATerms>();  // GEMM2 complete; GEMM3's kATerms groups may be in flight
         // dK accumulator: value i is key row r0 + 8*((i/2)%2), column c0 + (i%2) + 8*(i/4).
         // Lanes 2m and 2m+1 hold columns c0..c0+1 and c0+2..c0+3 of the same two rows;
         // they swap halves so the even lane owns row r0 and the odd lane row r0 + 8,
         // four consecutive columns each, and issue one float4 red per 4 columns.
         const bool odd = lane & 1;
         const int32_t kr = ss.key_row[ks][r0 + (odd ? 8 : 0)];
-        k_pipe.consumer_release(k_state);  // GEMM1/GEMM3 reads of k[ks], reads of gs[ks]/key_row[ks] are done
-        k_state.advance();
         float* dst = p.dk_accum + static_cast<int64_t>(kr) * kD + (c0 - (odd ? 2 : 0));
         CUTE_UNROLL
         for (int j = 0; j < kD / 8; ++j) {
@@ -157,6 +155,9 @@ struct ConsumerMma {
           const float4 v = odd ? make_float4(s0, s1, b0, b1) : make_float4(a0, a1, s0, s1);
           if (kr >= 0) atomicAdd(reinterpret_cast<float4*>(dst + 8 * j), v);
         }
+        warpgroup_wait<0>();               // GEMM3 complete
+        k_pipe.consumer_release(k_state);  // GEMM1/GEMM3 reads of k[ks], reads of gs[ks]/key_row[ks] are done
+        k_state.advance();
         a_buf ^= 1;
       }
       q_pipe.consumer_release(q_state);  // GEMM1/GEMM2 reads of q[qs] were waited for

@@ -123,6 +123,10 @@ struct ProducerGather {
       const int h0 = static_cast<int>(task % p.head_groups) * Config::kHeadTile;
       const int nh = min(Config::kHeadTile, p.heads - h0);
       const RowSequence seq = row_sequence(p, row);
+      // Element offset of the sequence's first key row: one division per task;
+      // a selected key row kr of this sequence is then at
+      // k_seq_base + (kr - seq.k_start) * k_row_stride (no per-copy division).
+      const uint16_t* k_seq_base = key_row_ptr(p, seq.k_start);
       const int32_t* ids = p.topk_indices + batched_offset(row, p.q_rows_per_batch, p.ids_batch_stride, p.ids_row_stride);
       const float* attn = p.attn_score + batched_offset(row, p.q_rows_per_batch, p.attn_batch_stride, p.attn_row_stride);
       const float* pred = p.index_score + batched_offset(row, p.q_rows_per_batch, p.pred_batch_stride, p.pred_row_stride);
@@ -212,7 +216,7 @@ struct ProducerGather {
           for (int chunk = tid; chunk < kBlock * kChunksPerRow; chunk += kThreads) {
             const int r = chunk / kChunksPerRow, col = (chunk % kChunksPerRow) * 8;
             const int32_t kr = first + r < chunk_valid ? ss.slot_key_row[first + r] : -1;
-            const uint16_t* src = kr >= 0 ? key_row_ptr(p, kr) + col : p.index_k;
+            const uint16_t* src = kr >= 0 ? k_seq_base + (kr - seq.k_start) * p.k_row_stride + col : p.index_k;
             copy16(src, &sK(r, col, ks), kr >= 0);
           }
           cute::cp_async_fence();
