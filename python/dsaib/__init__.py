@@ -1,16 +1,22 @@
 """dsaib: backward of the DeepSeek Sparse Attention lightning indexer.
 
-The one entry point is :func:`indexer_backward`, a plain function over
-DLPack-capable tensors (numpy arrays on the CPU backend; torch tensors when
-torch is installed). It returns the three gradients ``(d_index_q, d_weights,
-d_index_k)`` of the indexer KL loss described in ``docs/math.md``.
+Two layers:
+
+* :func:`indexer_backward`, a plain function over DLPack tensors (numpy,
+  torch, cupy, jax, or any ``__dlpack__`` producer), returning the three
+  gradients ``(d_index_q, d_weights, d_index_k)`` of the indexer KL loss
+  described in ``docs/math.md``. No framework is imported by ``import dsaib``.
+* :mod:`dsaib.torch` (imported on first use of ``dsaib.torch``; needs torch):
+  the ``torch.ops.dsaib.indexer_backward`` custom op (torch.compile, CUDA
+  graphs, current stream), :func:`dsaib.torch.indexer_kl_loss`, an autograd
+  loss whose backward is that op, and the module :class:`dsaib.torch.IndexerKLLoss`.
 
 bf16 inputs
 -----------
-numpy has no bfloat16. Two ways to pass bf16 data:
+numpy has no bfloat16. Ways to pass bf16 data:
 
-* torch: pass ``torch.bfloat16`` tensors (they travel through DLPack).
-* numpy: pass ``uint16`` arrays holding the bf16 bit patterns *and*
+* torch / jax: pass ``torch.bfloat16`` / ``jnp.bfloat16`` arrays (DLPack bfloat16).
+* numpy / cupy: pass ``uint16`` arrays holding the bf16 bit patterns *and*
   ``uint16_as_bf16=True`` (without the flag a uint16 array is a TypeError).
   :func:`bf16_bits` and :func:`bf16_to_f32` convert between float32 and such
   bit patterns (round to nearest even).
@@ -37,6 +43,8 @@ __all__ = [
     "indexer_backward",
     "indexer_kl_loss",
     "cuda_backend_available",
+    "cuda_compiled",
+    "Buffer",
     "bf16_bits",
     "bf16_to_f32",
 ]
@@ -44,6 +52,17 @@ __all__ = [
 __version__ = "0.1.0"
 
 cuda_backend_available = _dsaib.cuda_backend_available
+cuda_compiled = _dsaib.cuda_compiled
+Buffer = _dsaib.Buffer
+
+
+def __getattr__(name):
+    # `dsaib.torch` is loaded on first use, so `import dsaib` never imports torch.
+    if name == "torch":
+        import importlib
+
+        return importlib.import_module(".torch", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def bf16_bits(x) -> _np.ndarray:
@@ -66,23 +85,114 @@ def bf16_to_f32(bits) -> _np.ndarray:
     return (b.astype(_np.uint32) << 16).view(_np.float32)
 
 
+# ---- frameworks ---------------------------------------------------------------
+#
+# Inputs are read through DLPack. Outputs are allocated with the framework of
+# index_q (numpy, torch, cupy); for jax and any other DLPack producer they are
+# dsaib-owned Buffers (jax gets them wrapped as jax arrays, zero-copy).
+
+_DL_CPU, _DL_CUDA, _DL_CUDA_MANAGED = 1, 2, 13
+
+
+def _framework(x) -> str:
+    """'numpy', 'torch', 'cupy', 'jax', 'dsaib' (a Buffer) or 'dlpack' (anything else)."""
+    if isinstance(x, _np.ndarray):
+        return "numpy"
+    if isinstance(x, _dsaib.Buffer):
+        return "dsaib"
+    root = type(x).__module__.split(".")[0]
+    if root == "torch":
+        return "torch"
+    if root == "cupy":
+        return "cupy"
+    if root in ("jax", "jaxlib"):
+        return "jax"
+    return "dlpack"
+
+
 def _is_torch(x) -> bool:
-    return type(x).__module__.startswith("torch")
+    return _framework(x) == "torch"
 
 
-def _alloc_like(ref, shape, out_dtype):
-    """Allocates a contiguous output of `shape` next to `ref` (numpy or torch)."""
-    if _is_torch(ref):
+def _device(x):
+    """(kind, index) of a tensor: kind 'cpu' or 'cuda' (anything else is reported by the library)."""
+    if _is_torch(x):
+        return (x.device.type, x.device.index or 0)
+    dev = getattr(x, "__dlpack_device__", None)
+    if dev is None:
+        return ("cpu", 0)  # buffer-protocol objects
+    kind, index = dev()
+    kind = int(kind)
+    if kind in (_DL_CUDA, _DL_CUDA_MANAGED):
+        return ("cuda", int(index))
+    if kind == _DL_CPU:
+        return ("cpu", 0)
+    return ("dlpack-device-%d" % kind, int(index))
+
+
+def _export(x):
+    """What the extension reads: a DLPack capsule for torch (no stream synchronisation,
+    no autograd), the array itself otherwise (the extension calls __dlpack__())."""
+    if x is None:
+        return None
+    fw = _framework(x)
+    if fw == "torch":
+        x = x.detach()
+        if x.device.type == "cuda":
+            import torch
+
+            with torch.cuda.device(x.device):
+                return x.__dlpack__(stream=-1)  # -1: the producer must not synchronise
+        return x.__dlpack__()
+    if fw == "jax":
+        x.block_until_ready()
+    return x
+
+
+def _alloc(fw, ref, shape, out_dtype, device):
+    """A contiguous output of `shape` in framework `fw` on `device` ("cpu"/"cuda:N")."""
+    shape = tuple(int(s) for s in shape)
+    if fw == "numpy":
+        return _np.empty(shape, dtype={"f32": _np.float32, "bf16": _np.uint16}[out_dtype])
+    if fw == "torch":
         import torch
 
         dt = {"f32": torch.float32, "bf16": torch.bfloat16}[out_dtype]
-        return torch.empty(tuple(shape), dtype=dt, device=ref.device)
-    dt = {"f32": _np.float32, "bf16": _np.uint16}[out_dtype]
-    return _np.empty(tuple(shape), dtype=dt)
+        return torch.empty(shape, dtype=dt, device=ref.device)
+    if fw == "cupy":
+        import cupy
+
+        with cupy.cuda.Device(int(device.split(":")[1]) if ":" in device else 0):
+            return cupy.empty(shape, dtype={"f32": cupy.float32, "bf16": cupy.uint16}[out_dtype])
+    return _dsaib.empty(list(shape), out_dtype, device)
+
+
+def _default_stream(fw, ref, device) -> int:
+    """The stream the cuda backend runs on when none is given: the framework's current one."""
+    if not device.startswith("cuda"):
+        return 0
+    if fw == "torch":
+        import torch
+
+        return int(torch.cuda.current_stream(ref.device).cuda_stream)
+    if fw == "cupy":
+        import cupy
+
+        with cupy.cuda.Device(int(device.split(":")[1])):
+            return int(cupy.cuda.get_current_stream().ptr)
+    return 0  # the legacy default stream
+
+
+def _is_scalar(x) -> bool:
+    return isinstance(x, (int, float, _np.integer, _np.floating)) and not isinstance(x, bool)
 
 
 def _shape(x):
-    return tuple(int(s) for s in x.shape)
+    shape = getattr(x, "shape", None)
+    if shape is None:
+        raise TypeError(f"cannot allocate outputs like a {type(x).__name__} (it has no shape, e.g. a raw DLPack "
+                        "capsule): pass the array itself, or out=(d_index_q, d_weights, d_index_k)")
+    return tuple(int(s) for s in shape)
 
 
 def indexer_backward(
@@ -95,19 +205,19 @@ def indexer_backward(
     *,
     sm_scale: float,
     loss_coeff: float = 1.0,
-    grad_loss: float = 1.0,
+    grad_loss=1.0,
     layout: str = "bshd",
     id_mode: str = "local",
     cu_seqlens_q=None,
     cu_seqlens_k=None,
     out_dtype: str = "f32",
     out=None,
-    backend: str = "cpu",
+    backend=None,
     normalization_count: int = 0,
     strict_indices: bool = False,
     deterministic: bool = False,
     num_threads: int = 0,
-    stream: int = 0,
+    stream=None,
     uint16_as_bf16: bool = False,
 ):
     """Gradients of the indexer KL loss w.r.t. index_q, weights and index_k.
@@ -127,33 +237,53 @@ def indexer_backward(
     ============  ===============  ==================================
 
     H must be a multiple of 8 in [8, 128], D 64 or 128, topk >= 1.
-    bf16 is ``torch.bfloat16``, or numpy ``uint16`` bit patterns with
-    ``uint16_as_bf16=True`` (see :func:`bf16_bits`).
+    bf16 is ``torch.bfloat16`` / ``jax.numpy.bfloat16`` (any DLPack bfloat16),
+    or ``uint16`` bit patterns with ``uint16_as_bf16=True`` (numpy, cupy; see
+    :func:`bf16_bits`).
+
+    Tensors may come from any DLPack producer: numpy, torch, cupy, jax, or any
+    object with ``__dlpack__``/``__dlpack_device__`` (all on one device).
 
     Args:
       sm_scale: multiplies every logit (finite).
-      loss_coeff, grad_loss: the loss weight and its upstream gradient;
-        c = grad_loss * loss_coeff / N.
+      loss_coeff: the loss weight.
+      grad_loss: the upstream gradient of the loss; c = grad_loss * loss_coeff / N.
+        A number, or a one-element float32 tensor on the backend's device that
+        is read when the work runs (so a captured CUDA graph sees new values).
       layout: ``"bshd"`` or ``"thd"``.
       id_mode: ``"local"`` (ids are rows of the query's own sequence) or
         ``"global"`` (flat rows of index_k).
       out_dtype: ``"f32"`` or ``"bf16"`` for outputs allocated here
-        (numpy bf16 outputs are uint16 bit patterns).
+        (numpy and cupy bf16 outputs are uint16 bit patterns).
       out: optional ``(d_index_q, d_weights, d_index_k)`` to write into:
         contiguous, shaped like index_q, weights, index_k, float32 or bf16,
         on the inputs' device. They are returned.
-      backend: ``"cpu"`` (fp64 reference on host tensors) or ``"cuda"``.
+      backend: ``"cpu"`` (fp64 reference on host tensors), ``"cuda"`` (the
+        sm_90a kernel), or None: ``"cuda"`` when index_q is a CUDA tensor, else ``"cpu"``.
       normalization_count: N; 0 means the number of query tokens.
       strict_indices: raise ValueError on the first invalid topk id.
       deterministic: require bitwise-reproducible outputs (cuda rejects it).
       num_threads: cpu worker threads (0 = all cores).
-      stream: cuda: a cudaStream_t as an int (0 = the legacy default stream).
+      stream: cuda only: the cudaStream_t to run on, as an int. None (default)
+        is the current stream of index_q's framework: torch's
+        ``torch.cuda.current_stream()``, cupy's ``cupy.cuda.get_current_stream()``;
+        for jax and other producers the legacy default stream (0). The call
+        returns without waiting for the GPU, except for jax inputs, where it
+        waits for the stream before wrapping the outputs. With an explicit
+        torch stream other than the current one, outputs allocated here are
+        marked as used on it (``record_stream``); ordering the inputs before
+        that stream is the caller's job.
       uint16_as_bf16: read uint16/int16 arrays (inputs, and outputs given in
         ``out``) as bf16 bit patterns; without it a uint16 array is a TypeError.
 
     Returns:
       ``(d_index_q, d_weights, d_index_k)``, shaped like index_q, weights and
-      index_k; numpy arrays for numpy inputs, torch tensors for torch inputs.
+      index_k, in index_q's framework: numpy arrays, torch tensors (on index_q's
+      device), cupy arrays, jax arrays (zero-copy views of dsaib-owned memory);
+      for any other DLPack producer, :class:`Buffer` objects (``__dlpack__``,
+      ``__dlpack_device__``, ``shape``, ``dtype``; pass them to
+      ``numpy.from_dlpack``/``torch.from_dlpack``/...). With ``out=`` the given
+      tensors are returned.
 
     Raises:
       TypeError: unsupported dtype (message from the C++ library).
@@ -163,27 +293,70 @@ def indexer_backward(
     """
     if out_dtype not in ("f32", "bf16"):
         raise ValueError(f'out_dtype: expected "f32" or "bf16", got {out_dtype!r}')
+    fw = _framework(index_q)
+    kind, index = _device(index_q)
+    device = f"cuda:{index}" if kind == "cuda" else kind
+    if backend is None:
+        backend = "cuda" if kind == "cuda" else "cpu"
+    explicit_stream = stream is not None
+    if stream is None:
+        stream = _default_stream(fw, index_q, device) if backend == "cuda" else 0
+
     out_uint16_as_bf16 = bool(uint16_as_bf16)
+    allocated = out is None
     if out is None:
         out = (
-            _alloc_like(index_q, _shape(index_q), out_dtype),
-            _alloc_like(index_q, _shape(weights), out_dtype),
-            _alloc_like(index_q, _shape(index_k), out_dtype),
+            _alloc(fw, index_q, _shape(index_q), out_dtype, device),
+            _alloc(fw, index_q, _shape(weights), out_dtype, device),
+            _alloc(fw, index_q, _shape(index_k), out_dtype, device),
         )
-        # numpy bf16 outputs allocated here are uint16 bit patterns; this does
-        # not change how uint16 *inputs* are read.
+        # numpy/cupy bf16 outputs allocated here are uint16 bit patterns; this
+        # does not change how uint16 *inputs* are read.
         out_uint16_as_bf16 = True
     else:
         out = tuple(out)
         if len(out) != 3:
             raise ValueError(f"out: expected (d_index_q, d_weights, d_index_k), got {len(out)} items")
+        if any(_framework(o) == "jax" for o in out):
+            raise TypeError("out: jax arrays are immutable; leave out=None to get new jax arrays")
+
+    workspace = None
+    if fw == "torch" and backend == "cuda" and device.startswith("cuda") and _framework(out[2]) == "torch" \
+            and str(out[2].dtype) == "torch.bfloat16":
+        import torch
+
+        # The fp32 dK accumulator (indexer_backward_workspace_size), from torch's
+        # caching allocator so it is stream-ordered and CUDA-graph safe.
+        workspace = torch.empty(max(int(index_k.numel()), 1), dtype=torch.float32, device=index_q.device)
+
+    if _is_scalar(grad_loss):
+        grad_loss_value, grad_loss_tensor = float(grad_loss), None
+    else:
+        grad_loss_value, grad_loss_tensor = 1.0, grad_loss
+
+    if fw == "torch" and backend == "cuda" and explicit_stream:
+        import torch
+
+        if int(stream) != int(torch.cuda.current_stream(index_q.device).cuda_stream):
+            ext = torch.cuda.ExternalStream(int(stream), device=index_q.device)
+            for t in (*(out if allocated else ()), workspace):
+                if t is not None:
+                    t.record_stream(ext)
+
     _dsaib.indexer_backward(
-        index_q, weights, index_k, topk_indices, attn_score, index_score,
-        cu_seqlens_q, cu_seqlens_k, out[0], out[1], out[2],
-        layout, id_mode, backend, float(sm_scale), float(loss_coeff), float(grad_loss),
+        _export(index_q), _export(weights), _export(index_k), _export(topk_indices), _export(attn_score),
+        _export(index_score), _export(cu_seqlens_q), _export(cu_seqlens_k),
+        _export(out[0]), _export(out[1]), _export(out[2]),
+        layout, id_mode, backend, float(sm_scale), float(loss_coeff), grad_loss_value, _export(grad_loss_tensor),
         int(normalization_count), bool(strict_indices), bool(deterministic),
-        int(stream), int(num_threads), bool(uint16_as_bf16), out_uint16_as_bf16,
+        int(stream), int(num_threads), _export(workspace), bool(uint16_as_bf16), out_uint16_as_bf16,
     )
+    if fw == "jax" and allocated:
+        import jax.dlpack
+
+        if backend == "cuda":
+            _dsaib.stream_synchronize(int(stream))
+        out = tuple(jax.dlpack.from_dlpack(o) for o in out)
     return out
 
 
@@ -214,7 +387,7 @@ def indexer_kl_loss(
     :func:`indexer_backward`.
     """
     return _dsaib.indexer_kl_loss(
-        index_q, weights, index_k, topk_indices, attn_score, index_score,
-        cu_seqlens_q, cu_seqlens_k, layout, id_mode, float(sm_scale), float(loss_coeff),
+        _export(index_q), _export(weights), _export(index_k), _export(topk_indices), _export(attn_score),
+        _export(index_score), _export(cu_seqlens_q), _export(cu_seqlens_k), layout, id_mode, float(sm_scale), float(loss_coeff),
         float(grad_loss), int(normalization_count), bool(recompute_p), bool(uint16_as_bf16),
     )

@@ -1,8 +1,11 @@
 // _dsaib: the nanobind extension behind the `dsaib` Python package.
 //
-// It converts DLPack tensors (numpy, torch, ... through nanobind::ndarray) into
-// dsaib::TensorView records and calls dsaib::indexer_backward. No allocation
-// happens here: the Python layer (python/dsaib/__init__.py) allocates outputs.
+// It converts DLPack tensors (numpy, torch, cupy, jax, or any object with
+// __dlpack__/__dlpack_device__, or a DLPack capsule, through nanobind::ndarray)
+// into dsaib::TensorView records and calls dsaib::indexer_backward. The Python
+// layer (python/dsaib/__init__.py, python/dsaib/torch.py) allocates outputs with
+// the inputs' framework; for other producers it uses `empty`, which returns a
+// Buffer: host or device memory owned by this module, exported through DLPack.
 //
 // dtype mapping (DLPack -> dsaib::DType):
 //   bfloat16 (16 bits)                          -> bf16
@@ -22,10 +25,17 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <optional>
 #include <string>
+#include <vector>
+
+#if DSAIB_PY_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
 
 #include "dsaib/error.hpp"
 #include "dsaib/indexer_backward.hpp"
@@ -42,18 +52,10 @@ struct PyTypeError {
   std::string message;
 };
 
-dsaib::DType to_dtype(const char* name, nb::dlpack::dtype dt, bool uint16_as_bf16) {
-  const auto code = static_cast<nb::dlpack::dtype_code>(dt.code);
-  if (dt.lanes == 1) {
-    if (code == nb::dlpack::dtype_code::Bfloat && dt.bits == 16) return dsaib::DType::bf16;
-    if (code == nb::dlpack::dtype_code::Float && dt.bits == 32) return dsaib::DType::f32;
-    if (code == nb::dlpack::dtype_code::Int && dt.bits == 32) return dsaib::DType::i32;
-    if ((code == nb::dlpack::dtype_code::UInt || code == nb::dlpack::dtype_code::Int) && dt.bits == 16 &&
-        uint16_as_bf16)
-      return dsaib::DType::bf16;
-  }
+/// DLPack dtype as text: float32, bfloat16, int32, uint16, ...
+std::string dtype_string(nb::dlpack::dtype dt) {
   std::string got;
-  switch (code) {
+  switch (static_cast<nb::dlpack::dtype_code>(dt.code)) {
     case nb::dlpack::dtype_code::Int: got = "int"; break;
     case nb::dlpack::dtype_code::UInt: got = "uint"; break;
     case nb::dlpack::dtype_code::Float: got = "float"; break;
@@ -64,7 +66,20 @@ dsaib::DType to_dtype(const char* name, nb::dlpack::dtype dt, bool uint16_as_bf1
   }
   got += std::to_string(int(dt.bits));
   if (dt.lanes != 1) got += "x" + std::to_string(int(dt.lanes));
-  std::string msg = std::string(name) + ": expected dtype bf16, f32 or i32, got " + got;
+  return got;
+}
+
+dsaib::DType to_dtype(const char* name, nb::dlpack::dtype dt, bool uint16_as_bf16) {
+  const auto code = static_cast<nb::dlpack::dtype_code>(dt.code);
+  if (dt.lanes == 1) {
+    if (code == nb::dlpack::dtype_code::Bfloat && dt.bits == 16) return dsaib::DType::bf16;
+    if (code == nb::dlpack::dtype_code::Float && dt.bits == 32) return dsaib::DType::f32;
+    if (code == nb::dlpack::dtype_code::Int && dt.bits == 32) return dsaib::DType::i32;
+    if ((code == nb::dlpack::dtype_code::UInt || code == nb::dlpack::dtype_code::Int) && dt.bits == 16 &&
+        uint16_as_bf16)
+      return dsaib::DType::bf16;
+  }
+  std::string msg = std::string(name) + ": expected dtype bf16, f32 or i32, got " + dtype_string(dt);
   if (code == nb::dlpack::dtype_code::UInt && dt.bits == 16)
     msg += " (pass uint16_as_bf16=True to read uint16 as bf16 bit patterns)";
   throw PyTypeError{msg};
@@ -101,6 +116,151 @@ dsaib::TensorView to_view(const char* name, const A& a, bool uint16_as_bf16) {
 
 dsaib::TensorView opt_view(const char* name, const std::optional<Array>& a, bool uint16_as_bf16) {
   return a ? to_view(name, *a, uint16_as_bf16) : dsaib::TensorView{};
+}
+
+std::string device_string(int dev_type, int dev_id) {
+  if (dev_type == nb::device::cpu::value) return "cpu";
+  if (dev_type == nb::device::cuda::value || dev_type == nb::device::cuda_managed::value)
+    return "cuda:" + std::to_string(dev_id);
+  return "DLPack device type " + std::to_string(dev_type);
+}
+
+/// The device a backend runs on, as "cpu" or "cuda:N" (N = index_q's device).
+std::string backend_device(const std::string& backend, const Array& index_q) {
+  if (backend == "cuda") return "cuda:" + std::to_string(index_q.device_id());
+  return "cpu";
+}
+
+/// grad_loss given as a tensor: one float32 on the backend's device, read at run time.
+const float* grad_loss_pointer(const Array& g, const std::string& want_device) {
+  const auto dt = g.dtype();
+  if (!(static_cast<nb::dlpack::dtype_code>(dt.code) == nb::dlpack::dtype_code::Float && dt.bits == 32 && dt.lanes == 1)) {
+    throw PyTypeError{"grad_loss: expected dtype float32 (one element), got " + dtype_string(dt)};
+  }
+  size_t n = 1;
+  for (size_t i = 0; i < g.ndim(); ++i) n *= g.shape(i);
+  if (n != 1) {
+    throw dsaib::Error(dsaib::ErrorCode::invalid_argument, "grad_loss",
+                       "grad_loss: expected a tensor with one element, got " + std::to_string(n) + " elements");
+  }
+  const std::string got = device_string(g.device_type(), g.device_id());
+  if (got != want_device) {
+    throw dsaib::Error(dsaib::ErrorCode::invalid_argument, "grad_loss",
+                       "grad_loss: expected a tensor on " + want_device + " (the backend's device), got one on " + got);
+  }
+  return static_cast<const float*>(g.data());
+}
+
+// ---- Buffer: memory owned by this module, exported through DLPack -----------
+
+struct Allocation {
+  void* ptr = nullptr;
+  int device_type = nb::device::cpu::value;
+  int device_id = 0;
+};
+
+void free_allocation(void* p) noexcept {
+  auto* a = static_cast<Allocation*>(p);
+  if (a->device_type == nb::device::cpu::value) {
+    std::free(a->ptr);
+  } else {
+#if DSAIB_PY_WITH_CUDA
+    int prev = 0;
+    if (cudaGetDevice(&prev) == cudaSuccess) {
+      if (prev != a->device_id) cudaSetDevice(a->device_id);
+      cudaFree(a->ptr);
+      if (prev != a->device_id) cudaSetDevice(prev);
+    }
+#endif
+  }
+  delete a;
+}
+
+void cuda_call(bool ok_status, const char* what, const char* detail) {
+  if (!ok_status) {
+    throw dsaib::Error(dsaib::ErrorCode::cuda_error, what, std::string(what) + ": " + detail);
+  }
+}
+
+/// A contiguous array in memory owned by this module, host or CUDA. Python
+/// sees an object with __dlpack__ and __dlpack_device__ (so numpy.from_dlpack,
+/// torch.from_dlpack, cupy.from_dlpack, jax.dlpack.from_dlpack take it
+/// without copying), shape and dtype.
+struct Buffer {
+  nb::ndarray<> array;
+  std::vector<int64_t> shape;
+  std::string dtype;
+  int device_type = 0;
+  int device_id = 0;
+};
+
+Buffer make_buffer(const std::vector<int64_t>& shape, const std::string& dtype, const std::string& device) {
+  nb::dlpack::dtype dt;
+  size_t elem = 0;
+  if (dtype == "f32") {
+    dt = nb::dtype<float>();
+    elem = 4;
+  } else if (dtype == "bf16") {
+    dt = nb::dlpack::dtype{static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat), 16, 1};
+    elem = 2;
+  } else {
+    throw dsaib::Error(dsaib::ErrorCode::invalid_argument, "dtype",
+                       "dtype: expected \"f32\" or \"bf16\", got \"" + dtype + "\"");
+  }
+  if (shape.size() > static_cast<size_t>(dsaib::kMaxRank)) {
+    throw dsaib::Error(dsaib::ErrorCode::invalid_argument, "shape",
+                       "shape: expected rank <= " + std::to_string(dsaib::kMaxRank) + ", got rank " +
+                           std::to_string(shape.size()));
+  }
+  std::vector<size_t> ushape;
+  size_t n = 1;
+  for (int64_t s : shape) {
+    if (s < 0 || s > (int64_t{1} << 40)) {
+      throw dsaib::Error(dsaib::ErrorCode::invalid_argument, "shape", "shape: expected sizes in [0, 2^40], got " + std::to_string(s));
+    }
+    ushape.push_back(static_cast<size_t>(s));
+    n *= static_cast<size_t>(s);
+  }
+  const size_t bytes = ((n * elem + 255) / 256) * 256 + 256;  // never 0; 256-byte multiple
+  auto* a = new Allocation;
+  if (device == "cpu") {
+    a->ptr = std::aligned_alloc(256, bytes);
+    if (!a->ptr) {
+      delete a;
+      throw std::bad_alloc();
+    }
+  } else if (device.rfind("cuda:", 0) == 0) {
+    a->device_type = nb::device::cuda::value;
+    a->device_id = std::stoi(device.substr(5));
+#if DSAIB_PY_WITH_CUDA
+    int prev = 0;
+    cudaError_t st = cudaGetDevice(&prev);
+    if (st == cudaSuccess && prev != a->device_id) st = cudaSetDevice(a->device_id);
+    if (st == cudaSuccess) st = cudaMalloc(&a->ptr, bytes);
+    if (prev != a->device_id) cudaSetDevice(prev);
+    if (st != cudaSuccess) {
+      delete a;
+      (void)cudaGetLastError();
+      cuda_call(false, "cudaMalloc", cudaGetErrorString(st));
+    }
+#else
+    delete a;
+    throw dsaib::Error(dsaib::ErrorCode::backend_unavailable, "device",
+                       "device: expected cpu (this build has no CUDA support), got " + device);
+#endif
+  } else {
+    delete a;
+    throw dsaib::Error(dsaib::ErrorCode::invalid_argument, "device",
+                       "device: expected \"cpu\" or \"cuda:N\", got \"" + device + "\"");
+  }
+  nb::capsule owner(a, &free_allocation);
+  Buffer b;
+  b.array = nb::ndarray<>(a->ptr, ushape.size(), ushape.data(), owner, nullptr, dt, a->device_type, a->device_id);
+  b.shape = shape;
+  b.dtype = dtype;
+  b.device_type = a->device_type;
+  b.device_id = a->device_id;
+  return b;
 }
 
 dsaib::Layout parse_layout(const std::string& s) {
@@ -205,26 +365,42 @@ NB_MODULE(_dsaib, m) {
          const Array& attn_score, const Array& index_score, const std::optional<Array>& cu_seqlens_q,
          const std::optional<Array>& cu_seqlens_k, OutArray d_index_q, OutArray d_weights, OutArray d_index_k,
          const std::string& layout, const std::string& id_mode, const std::string& backend, float sm_scale,
-         float loss_coeff, float grad_loss, int64_t normalization_count, bool strict_indices, bool deterministic,
-         uintptr_t stream, int32_t num_threads, bool uint16_as_bf16, bool out_uint16_as_bf16) {
+         float loss_coeff, float grad_loss, const std::optional<Array>& grad_loss_device,
+         int64_t normalization_count, bool strict_indices, bool deterministic, uintptr_t stream, int32_t num_threads,
+         const std::optional<OutArray>& workspace, bool uint16_as_bf16, bool out_uint16_as_bf16) {
         const auto in = make_inputs(index_q, weights, index_k, topk_indices, attn_score, index_score,
                                     cu_seqlens_q, cu_seqlens_k, uint16_as_bf16);
         dsaib::IndexerBackwardOutputs out;
         out.d_index_q = to_view("d_index_q", d_index_q, out_uint16_as_bf16);
         out.d_weights = to_view("d_weights", d_weights, out_uint16_as_bf16);
         out.d_index_k = to_view("d_index_k", d_index_k, out_uint16_as_bf16);
-        const auto opt = make_options(layout, id_mode, backend, sm_scale, loss_coeff, grad_loss,
-                                      normalization_count, strict_indices, deterministic, stream, num_threads);
+        auto opt = make_options(layout, id_mode, backend, sm_scale, loss_coeff, grad_loss, normalization_count,
+                                strict_indices, deterministic, stream, num_threads);
+        if (grad_loss_device) opt.grad_loss_device = grad_loss_pointer(*grad_loss_device, backend_device(backend, index_q));
+        void* ws = nullptr;
+        std::size_t ws_bytes = 0;
+        if (workspace) {
+          const std::string want = backend_device(backend, index_q);
+          const std::string got = device_string(workspace->device_type(), workspace->device_id());
+          if (got != want) {
+            throw dsaib::Error(dsaib::ErrorCode::invalid_argument, "workspace",
+                               "workspace: expected a tensor on " + want + " (the backend's device), got one on " + got);
+          }
+          ws = workspace->data();
+          ws_bytes = workspace->nbytes();
+        }
         nb::gil_scoped_release release;
-        dsaib::indexer_backward(in, out, opt);
+        dsaib::indexer_backward(in, out, opt, ws, ws_bytes);
       },
       nb::arg("index_q"), nb::arg("weights"), nb::arg("index_k"), nb::arg("topk_indices"), nb::arg("attn_score"),
       nb::arg("index_score"), nb::arg("cu_seqlens_q").none(), nb::arg("cu_seqlens_k").none(), nb::arg("d_index_q"),
       nb::arg("d_weights"), nb::arg("d_index_k"), nb::arg("layout"), nb::arg("id_mode"), nb::arg("backend"),
-      nb::arg("sm_scale"), nb::arg("loss_coeff"), nb::arg("grad_loss"), nb::arg("normalization_count"),
-      nb::arg("strict_indices"), nb::arg("deterministic"), nb::arg("stream"), nb::arg("num_threads"),
-      nb::arg("uint16_as_bf16"), nb::arg("out_uint16_as_bf16"),
-      "Calls dsaib::indexer_backward on caller-provided outputs. Raises ValueError/TypeError/RuntimeError.");
+      nb::arg("sm_scale"), nb::arg("loss_coeff"), nb::arg("grad_loss"), nb::arg("grad_loss_device").none(),
+      nb::arg("normalization_count"), nb::arg("strict_indices"), nb::arg("deterministic"), nb::arg("stream"),
+      nb::arg("num_threads"), nb::arg("workspace").none(), nb::arg("uint16_as_bf16"), nb::arg("out_uint16_as_bf16"),
+      "Calls dsaib::indexer_backward on caller-provided outputs. grad_loss_device (optional) is a one-element\n"
+      "float32 tensor on the backend's device, read when the work runs; workspace (optional) is scratch memory\n"
+      "on that device (see indexer_backward_workspace_size). Raises ValueError/TypeError/RuntimeError.");
 
   m.def(
       "indexer_kl_loss",
@@ -245,4 +421,60 @@ NB_MODULE(_dsaib, m) {
       nb::arg("id_mode"), nb::arg("sm_scale"), nb::arg("loss_coeff"), nb::arg("grad_loss"),
       nb::arg("normalization_count"), nb::arg("recompute_p"), nb::arg("uint16_as_bf16"),
       "fp64 host evaluation of the loss whose gradient indexer_backward computes (cpu tensors only).");
+
+  m.def("cuda_compiled", []() {
+#if DSAIB_PY_WITH_CUDA
+    return true;
+#else
+    return false;
+#endif
+  }, "Whether this build of the extension contains the cuda backend (a device may still be missing).");
+
+  nb::class_<Buffer>(m, "Buffer",
+                     "A contiguous array in memory owned by dsaib (host or CUDA), exported through DLPack:\n"
+                     "numpy.from_dlpack, torch.from_dlpack, cupy.from_dlpack and jax.dlpack.from_dlpack take it\n"
+                     "without a copy. Returned by dsaib.indexer_backward for inputs of frameworks dsaib\n"
+                     "cannot allocate with.")
+      .def("__dlpack__", [](const Buffer& b, nb::kwargs) { return b.array; },
+           "A new DLPack capsule viewing this buffer (stream and version arguments are accepted and ignored;\n"
+           "dsaib has finished writing the buffer when the call that returned it returns, except on the\n"
+           "cuda backend, where the work is ordered on the stream it ran on).")
+      .def("__dlpack_device__", [](const Buffer& b) { return nb::make_tuple(b.device_type, b.device_id); })
+      .def_prop_ro("shape", [](const Buffer& b) {
+        nb::list l;
+        for (int64_t s : b.shape) l.append(s);
+        return nb::tuple(l);
+      })
+      .def_prop_ro("dtype", [](const Buffer& b) { return b.dtype; })
+      .def_prop_ro("device", [](const Buffer& b) { return device_string(b.device_type, b.device_id); })
+      .def("__repr__", [](const Buffer& b) {
+        std::string s = "dsaib.Buffer(shape=(";
+        for (size_t i = 0; i < b.shape.size(); ++i) s += (i ? ", " : "") + std::to_string(b.shape[i]);
+        if (b.shape.size() == 1) s += ",";
+        return s + "), dtype=" + b.dtype + ", device=" + device_string(b.device_type, b.device_id) + ")";
+      });
+
+  m.def("empty", &make_buffer, nb::arg("shape"), nb::arg("dtype"), nb::arg("device"),
+        "An uninitialised contiguous Buffer: dtype \"f32\" or \"bf16\", device \"cpu\" or \"cuda:N\".");
+
+  m.def(
+      "stream_synchronize",
+      [](uintptr_t stream) {
+#if DSAIB_PY_WITH_CUDA
+        cudaError_t st;
+        {
+          nb::gil_scoped_release release;
+          st = cudaStreamSynchronize(reinterpret_cast<cudaStream_t>(stream));
+        }
+        if (st != cudaSuccess) {
+          (void)cudaGetLastError();
+          cuda_call(false, "cudaStreamSynchronize", cudaGetErrorString(st));
+        }
+#else
+        (void)stream;
+        throw dsaib::Error(dsaib::ErrorCode::backend_unavailable, "stream",
+                           "stream: this build has no CUDA support");
+#endif
+      },
+      nb::arg("stream"), "Waits for all work on a CUDA stream (0 = the legacy default stream).");
 }

@@ -1,3 +1,9 @@
+import os
+
+# jax (when installed) must not take 75% of the GPU at import: torch and the
+# dsaib cuda tests share the device in the same pytest process.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 import numpy as np
 import pytest
 

@@ -38,3 +38,206 @@ def test_torch_wrong_dtype_is_type_error():
     p["attn_score"] = p["attn_score"].double()
     with pytest.raises(TypeError, match="^attn_score: "):
         dsaib.indexer_backward(**p, sm_scale=0.125)
+
+
+# --- dsaib.torch on CPU tensors (the CPU backend) ----------------------------
+
+import dsaib.torch as dt  # noqa: E402
+from torch_reference import (  # noqa: E402
+    assert_close_rms, make_torch_problem, reference_grads, reference_index_scores, reference_loss,
+)
+
+SM = 0.125
+
+
+def test_import_dsaib_alone_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, dsaib; dsaib.cuda_backend_available(); assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_custom_op_is_registered_and_passes_opcheck():
+    q, w, k, ids, T = make_torch_problem(seed=1)
+    P = dt.index_scores(q, w, k, ids, sm_scale=SM)
+    g = torch.tensor(1.5)
+    for codes in (("f32", "f32", "f32"), ("bf16", "f32", "bf16")):
+        args = (q, w, k, ids, T, P, g, None, None, SM, 0.7, 0, "bshd", "local", *codes)
+        result = torch.library.opcheck(torch.ops.dsaib.indexer_backward.default, args)
+        assert all(v == "SUCCESS" for v in result.values()), result
+
+
+def test_op_matches_numpy_reference_and_generic_function():
+    p = make_problem(3)
+    t = to_torch(p)
+    got = dt.indexer_backward(**t, sm_scale=SM, grad_loss=torch.tensor(1.5), loss_coeff=0.7)
+    want = numpy_reference(p, SM, loss_coeff=0.7, grad_loss=1.5)
+    for g, w in zip(got, want):
+        assert g.dtype == torch.float32 and g.is_contiguous()
+        np.testing.assert_allclose(g.double().numpy(), w, rtol=1e-5, atol=1e-7)
+    generic = dsaib.indexer_backward(**t, sm_scale=SM, grad_loss=1.5, loss_coeff=0.7)
+    for a, b in zip(got, generic):
+        assert torch.equal(a, b)
+
+
+def test_op_grad_loss_is_read_from_the_tensor():
+    q, w, k, ids, T = make_torch_problem(seed=2)
+    P = dt.index_scores(q, w, k, ids, sm_scale=SM)
+    g = torch.tensor(1.0)
+    a = dt.indexer_backward(q, w, k, ids, T, P, sm_scale=SM, grad_loss=g)
+    g.fill_(-2.0)
+    b = dt.indexer_backward(q, w, k, ids, T, P, sm_scale=SM, grad_loss=g)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(-2.0 * x, y, rtol=1e-6, atol=0)
+
+
+def test_op_mixed_output_dtypes():
+    q, w, k, ids, T = make_torch_problem(seed=4)
+    P = dt.index_scores(q, w, k, ids, sm_scale=SM)
+    f32 = dt.indexer_backward(q, w, k, ids, T, P, sm_scale=SM)
+    mixed = dt.indexer_backward(q, w, k, ids, T, P, sm_scale=SM, out_dtype=("bf16", "f32", "bf16"))
+    assert [m.dtype for m in mixed] == [torch.bfloat16, torch.float32, torch.bfloat16]
+    assert torch.equal(mixed[0], f32[0].to(torch.bfloat16))
+    assert torch.equal(mixed[1], f32[1])
+    assert torch.equal(mixed[2], f32[2].to(torch.bfloat16))
+
+
+def test_op_errors_keep_the_cpp_message():
+    q, w, k, ids, T = make_torch_problem(seed=0)
+    P = dt.index_scores(q, w, k, ids, sm_scale=SM)
+    with pytest.raises(ValueError, match=r"^weights: expected shape \(2, 5, 8\) \(B, S_q, H\), got shape \(2, 5, 7\)$"):
+        dt.indexer_backward(q, w[..., :7], k, ids, T, P, sm_scale=SM)
+    with pytest.raises(TypeError, match=r"^index_score: expected dtype f32, got dtype "):
+        dt.indexer_backward(q, w, k, ids, T, P.to(torch.bfloat16), sm_scale=SM)
+    with pytest.raises(TypeError, match=r"^index_score: expected dtype bf16, f32 or i32, got float64$"):
+        dt.indexer_backward(q, w, k, ids, T, P.double(), sm_scale=SM)
+    with pytest.raises(ValueError, match=r"^grad_loss: expected a tensor with one element, got 2 elements$"):
+        dt.indexer_backward(q, w, k, ids, T, P, sm_scale=SM, grad_loss=torch.ones(2))
+    with pytest.raises(TypeError, match=r"^grad_loss: expected dtype float32"):
+        dt.indexer_backward(q, w, k, ids, T, P, sm_scale=SM, grad_loss=torch.ones((), dtype=torch.float64))
+    with pytest.raises(ValueError, match="dq_dtype"):
+        dt.indexer_backward(q, w, k, ids, T, P, sm_scale=SM, out_dtype=("f16", "f32", "f32"))
+
+
+def test_index_scores_match_reference():
+    q, w, k, ids, T = make_torch_problem(seed=5)
+    P = dt.index_scores(q, w, k, ids, sm_scale=SM, dtype=torch.float64)
+    torch.testing.assert_close(P, reference_index_scores(q, w, k, ids, sm_scale=SM), rtol=1e-12, atol=1e-14)
+    assert torch.all(P[-1, 2] == 0)  # the row with no valid slot
+
+
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+def test_autograd_loss_matches_float64_reference(w_dtype):
+    q, w, k, ids, T = make_torch_problem(seed=6, w_dtype=w_dtype)
+    want_loss, *want = reference_grads(q, w, k, ids, T, sm_scale=SM, loss_coeff=0.9)
+    qq, ww, kk = (x.detach().clone().requires_grad_() for x in (q, w, k))
+    loss = dt.indexer_kl_loss(qq, ww, kk, ids, T, sm_scale=SM, loss_coeff=0.9)
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    assert abs(loss.item() - want_loss.item()) <= 1e-5 * abs(want_loss.item())
+    loss.backward()
+    got = (qq.grad, ww.grad, kk.grad)
+    assert [g.dtype for g in got] == [torch.bfloat16, w_dtype, torch.bfloat16]
+    tol = 5e-3  # bf16 gradients (and bf16 weights) round the fp64 result
+    for name, g, r in zip(("d_index_q", "d_weights", "d_index_k"), got, want):
+        assert_close_rms(name, g, r, tol if g.dtype == torch.bfloat16 else 1e-5, 2 * tol)
+
+
+def test_autograd_loss_f32_leaves_get_f32_gradients_equal_to_the_op():
+    q, w, k, ids, T = make_torch_problem(seed=7)
+    qq, ww, kk = (x.detach().float().requires_grad_() for x in (q, w, k))
+    dt.indexer_kl_loss(qq, ww, kk, ids, T, sm_scale=SM).backward(torch.tensor(2.0))
+    P = dt.index_scores(q, w, k, ids, sm_scale=SM)
+    want = dt.indexer_backward(q, w, k, ids, T, P, sm_scale=SM, grad_loss=2.0)
+    for g, x in zip((qq.grad, ww.grad, kk.grad), want):
+        assert g.dtype == torch.float32
+        assert torch.equal(g, x)
+
+
+def test_autograd_loss_module_and_thd_match_bshd():
+    q, w, k, ids, T = make_torch_problem(seed=8, invalid=False)
+    B, S, H, D = q.shape
+    S_kv = k.shape[1]
+    mod = dt.IndexerKLLoss(sm_scale=SM, loss_coeff=1.0)
+    leaves = [x.detach().float().requires_grad_() for x in (q, w, k)]
+    mod(*leaves, ids, T).backward()
+    # the same problem packed as THD with global ids
+    thd = [x.detach().float().reshape((-1,) + tuple(x.shape[2:])).requires_grad_() for x in (q, w, k)]
+    gids = (ids.long() + S_kv * torch.arange(B).view(B, 1, 1)).to(torch.int32).reshape(B * S, -1)
+    cu_q = torch.arange(0, (B + 1) * S, S, dtype=torch.int32)
+    cu_k = torch.arange(0, (B + 1) * S_kv, S_kv, dtype=torch.int32)
+    loss = dt.indexer_kl_loss(*thd, gids, T.reshape(B * S, -1), sm_scale=SM, layout="thd", id_mode="global",
+                              cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    loss.backward()
+    for a, b in zip(leaves, thd):
+        torch.testing.assert_close(a.grad.reshape(b.grad.shape), b.grad, rtol=1e-6, atol=1e-9)
+
+
+def test_autograd_loss_gradcheck_float64():
+    # Values on the bf16 grid, so the op's bf16 view equals the float64 point.
+    q, w, k, ids, T = make_torch_problem(B=1, S=4, S_kv=6, topk=4, seed=9)
+    leaves = tuple(x.detach().double().requires_grad_() for x in (q, w.to(torch.bfloat16), k))
+    f = lambda a, b, c: dt.indexer_kl_loss(a, b, c, ids, T, sm_scale=SM)  # noqa: E731
+    assert torch.autograd.gradcheck(f, leaves, eps=1e-6, atol=1e-6, rtol=1e-4)
+
+
+def test_autograd_loss_finite_difference_of_reference():
+    # directional derivative of the float64 reference loss vs the op's gradient
+    q, w, k, ids, T = make_torch_problem(seed=10)
+    qq, ww, kk = (x.detach().float().requires_grad_() for x in (q, w, k))
+    dt.indexer_kl_loss(qq, ww, kk, ids, T, sm_scale=SM).backward()
+    g = torch.Generator().manual_seed(0)
+    base = [x.detach().double() for x in (q, w, k)]
+    h = 1e-6
+    for _ in range(3):
+        v = [torch.randn(x.shape, generator=g, dtype=torch.float64) for x in base]
+        hi = reference_loss(*(x + h * d for x, d in zip(base, v)), ids, T, sm_scale=SM)
+        lo = reference_loss(*(x - h * d for x, d in zip(base, v)), ids, T, sm_scale=SM)
+        fd = ((hi - lo) / (2 * h)).item()
+        an = sum((gr.double() * d).sum() for gr, d in zip((qq.grad, ww.grad, kk.grad), v)).item()
+        assert abs(fd - an) <= 1e-5 * max(abs(fd), 1e-3), (fd, an)
+
+
+def test_autograd_loss_errors_surface_at_backward():
+    q, w, k, ids, T = make_torch_problem(seed=0)
+    qq = q.detach().float()[:, :, :4].contiguous().requires_grad_()  # H = 4: not a multiple of 8
+    loss = dt.indexer_kl_loss(qq, w[:, :, :4], k, ids, T, sm_scale=SM)
+    with pytest.raises(ValueError, match=r"^index_q: "):
+        loss.backward()
+
+
+def test_torch_compile_fullgraph_cpu():
+    q, w, k, ids, T = make_torch_problem(seed=11)
+    P = dt.index_scores(q, w, k, ids, sm_scale=SM)
+    g = torch.tensor(2.0)
+
+    def op(q, w, k, ids, T, P, g):
+        return dt.indexer_backward(q, w, k, ids, T, P, sm_scale=SM, grad_loss=g)
+
+    compiled = torch.compile(op, fullgraph=True)
+    for a, b in zip(compiled(q, w, k, ids, T, P, g), op(q, w, k, ids, T, P, g)):
+        assert torch.equal(a, b)
+
+    def loss_fn(q, w, k, ids, T):
+        return dt.indexer_kl_loss(q, w, k, ids, T, sm_scale=SM)
+
+    closs = torch.compile(loss_fn, fullgraph=True)
+    a = [x.detach().float().requires_grad_() for x in (q, w, k)]
+    b = [x.detach().float().requires_grad_() for x in (q, w, k)]
+    la, lb = closs(*a, ids, T), loss_fn(*b, ids, T)
+    la.backward()
+    lb.backward()
+    torch.testing.assert_close(la, lb, rtol=1e-5, atol=0)
+    for x, y in zip(a, b):  # inductor's fused softmax rounds P slightly differently
+        torch.testing.assert_close(x.grad, y.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_generic_function_accepts_tensors_that_require_grad_and_non_contiguous_views():
+    p = make_problem(12)
+    t = to_torch(p)
+    t["weights"] = t["weights"].clone().requires_grad_()
+    t["index_q"] = t["index_q"].transpose(1, 2).contiguous().transpose(1, 2)  # strided view
+    got = dsaib.indexer_backward(**t, sm_scale=SM)
+    for g, w in zip(got, numpy_reference(p, SM)):
+        assert not g.requires_grad
+        np.testing.assert_allclose(g.double().numpy(), w, rtol=1e-5, atol=1e-7)

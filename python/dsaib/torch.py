@@ -1,0 +1,364 @@
+"""PyTorch integration of dsaib (needs torch; ``import dsaib`` alone never imports it).
+
+* ``torch.ops.dsaib.indexer_backward``: a ``torch.library`` custom op with a
+  fake (meta) kernel, so ``torch.compile(fullgraph=True)`` traces it and CUDA
+  graphs capture it. CUDA tensors run the sm_90a kernel on the *current* torch
+  stream; CPU tensors run the fp64 CPU backend. :func:`indexer_backward` is
+  its Python front end.
+* :func:`indexer_kl_loss`: the indexer KL (cross-entropy) loss computed in
+  torch, differentiable w.r.t. ``index_q``, ``weights`` and ``index_k``. Its
+  backward is the custom op, fed with the index scores ``P`` saved by the
+  forward and with the upstream gradient from autograd as a device scalar.
+* :class:`IndexerKLLoss`: the same as an ``nn.Module``.
+
+The loss (``docs/math.md``), per query row over its valid slots ``i``::
+
+    z_i  = sm_scale * sum_h w_h * relu(q_h . k_{id_i})
+    P    = softmax(z)                      (valid slots only)
+    Loss = -(loss_coeff / N) * sum_rows sum_i max(T_i, eps) * log(max(P_i, eps)),  eps = exp(-100)
+
+``N`` is ``normalization_count``, by default the number of query tokens.
+
+Precision: the library takes bf16 ``index_q``/``index_k`` and bf16 or float32
+``weights``. :func:`indexer_kl_loss` rounds float ``index_q``/``index_k`` to
+bf16 (the forward computes the logits from the same rounded values, in float32),
+and returns each gradient in the dtype of its input (the rounding is treated
+as the identity, like ``.to(torch.bfloat16)`` under autograd). Float64 inputs
+make the forward run in float64 on the unrounded values (for finite-difference
+checks); the backward still sees them rounded to bf16 (q, k) and float32 (w).
+"""
+import math
+from typing import Optional, Tuple
+
+import torch
+
+from . import _dsaib, _export
+
+__all__ = ["indexer_backward", "indexer_kl_loss", "IndexerKLLoss", "index_scores", "EPS"]
+
+#: The clip of ``T`` and ``P`` in the loss: exp(-100).
+EPS = math.exp(-100.0)
+
+_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
+_CODES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+def _out_dtype(name: str, code: str) -> torch.dtype:
+    try:
+        return _DTYPES[code]
+    except KeyError:
+        raise ValueError(f'{name}: expected "f32" or "bf16", got {code!r}') from None
+
+
+# ---- the custom op ----------------------------------------------------------
+
+
+@torch.library.custom_op("dsaib::indexer_backward", mutates_args=())
+def _indexer_backward_op(
+    index_q: torch.Tensor,
+    weights: torch.Tensor,
+    index_k: torch.Tensor,
+    topk_indices: torch.Tensor,
+    attn_score: torch.Tensor,
+    index_score: torch.Tensor,
+    grad_loss: torch.Tensor,
+    cu_seqlens_q: Optional[torch.Tensor],
+    cu_seqlens_k: Optional[torch.Tensor],
+    sm_scale: float,
+    loss_coeff: float,
+    normalization_count: int,
+    layout: str,
+    id_mode: str,
+    dq_dtype: str,
+    dw_dtype: str,
+    dk_dtype: str,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dev = index_q.device
+    dq = torch.empty(index_q.shape, dtype=_out_dtype("dq_dtype", dq_dtype), device=dev)
+    dw = torch.empty(weights.shape, dtype=_out_dtype("dw_dtype", dw_dtype), device=dev)
+    dk = torch.empty(index_k.shape, dtype=_out_dtype("dk_dtype", dk_dtype), device=dev)
+    workspace = None
+    stream = 0
+    if dev.type == "cuda":
+        backend = "cuda"
+        stream = int(torch.cuda.current_stream(dev).cuda_stream)
+        if dk.dtype == torch.bfloat16:
+            # fp32 dK accumulator (indexer_backward_workspace_size), from torch's
+            # allocator: stream-ordered, and from the graph pool under capture.
+            workspace = torch.empty(max(index_k.numel(), 1), dtype=torch.float32, device=dev)
+    else:
+        backend = "cpu"
+    _dsaib.indexer_backward(
+        _export(index_q), _export(weights), _export(index_k), _export(topk_indices), _export(attn_score),
+        _export(index_score), _export(cu_seqlens_q), _export(cu_seqlens_k),
+        _export(dq), _export(dw), _export(dk),
+        layout, id_mode, backend, float(sm_scale), float(loss_coeff), 1.0, _export(grad_loss),
+        int(normalization_count), False, False, stream, 0, _export(workspace), False, False,
+    )
+    return dq, dw, dk
+
+
+@_indexer_backward_op.register_fake
+def _indexer_backward_fake(index_q, weights, index_k, topk_indices, attn_score, index_score, grad_loss,
+                           cu_seqlens_q, cu_seqlens_k, sm_scale, loss_coeff, normalization_count, layout,
+                           id_mode, dq_dtype, dw_dtype, dk_dtype):
+    # Contiguous outputs on index_q's device, like the real kernel's.
+    return (
+        index_q.new_empty(index_q.shape, dtype=_out_dtype("dq_dtype", dq_dtype)),
+        index_q.new_empty(weights.shape, dtype=_out_dtype("dw_dtype", dw_dtype)),
+        index_q.new_empty(index_k.shape, dtype=_out_dtype("dk_dtype", dk_dtype)),
+    )
+
+
+def indexer_backward(
+    index_q: torch.Tensor,
+    weights: torch.Tensor,
+    index_k: torch.Tensor,
+    topk_indices: torch.Tensor,
+    attn_score: torch.Tensor,
+    index_score: torch.Tensor,
+    *,
+    sm_scale: float,
+    grad_loss=1.0,
+    loss_coeff: float = 1.0,
+    normalization_count: int = 0,
+    layout: str = "bshd",
+    id_mode: str = "local",
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+    out_dtype="f32",
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(d_index_q, d_weights, d_index_k)`` through ``torch.ops.dsaib.indexer_backward``.
+
+    Same tensors, shapes and dtypes as :func:`dsaib.indexer_backward` (index_q
+    and index_k ``torch.bfloat16``; weights bf16 or float32; topk_indices
+    int32; attn_score and index_score float32), all on one device: CUDA tensors
+    run the cuda backend on the current stream, CPU tensors the CPU backend.
+
+    Args:
+      grad_loss: a number, or a one-element float32 tensor on the tensors'
+        device, read when the kernel runs (a captured CUDA graph sees the value
+        it holds at replay).
+      out_dtype: ``"f32"`` or ``"bf16"`` for all three outputs, or a tuple of
+        three such codes (d_index_q, d_weights, d_index_k).
+
+    The outputs are new contiguous tensors on index_q's device. No host
+    synchronisation (BSHD); THD reads cu_seqlens to the host for validation.
+    Errors: TypeError/ValueError/RuntimeError with the C++ library's message.
+    """
+    if isinstance(out_dtype, str):
+        out_dtype = (out_dtype,) * 3
+    dq_dtype, dw_dtype, dk_dtype = out_dtype
+    if not isinstance(grad_loss, torch.Tensor):
+        grad_loss = torch.full((), float(grad_loss), dtype=torch.float32, device=index_q.device)
+    return torch.ops.dsaib.indexer_backward(
+        index_q, weights, index_k, topk_indices, attn_score, index_score, grad_loss, cu_seqlens_q, cu_seqlens_k,
+        float(sm_scale), float(loss_coeff), int(normalization_count), layout, id_mode, dq_dtype, dw_dtype, dk_dtype,
+    )
+
+
+# ---- the forward: logits, index scores, loss (plain torch) ------------------
+
+
+def _key_rows(index_k, topk_indices, layout, id_mode, cu_seqlens_q, cu_seqlens_k):
+    """Flat key row of every slot ((R, topk) int64, 0 at invalid slots) and the valid mask."""
+    ids = topk_indices.to(torch.int64)
+    dev = ids.device
+    if layout == "bshd":
+        if ids.dim() != 3 or index_k.dim() != 3:
+            raise ValueError(f"topk_indices/index_k: expected rank 3 for layout bshd, got ranks {ids.dim()} and {index_k.dim()}")
+        B, S_kv = ids.shape[0], index_k.shape[1]
+        start = (torch.arange(B, device=dev, dtype=torch.int64) * S_kv).view(B, 1, 1)
+        length = torch.full_like(start, S_kv)
+    elif layout == "thd":
+        if ids.dim() != 2 or index_k.dim() != 2:
+            raise ValueError(f"topk_indices/index_k: expected rank 2 for layout thd, got ranks {ids.dim()} and {index_k.dim()}")
+        if cu_seqlens_q is None or cu_seqlens_k is None:
+            raise ValueError("cu_seqlens_q/cu_seqlens_k: expected int32 tensors of shape (B + 1,) for layout thd, got None")
+        cu_q = cu_seqlens_q.to(device=dev, dtype=torch.int64)
+        cu_k = cu_seqlens_k.to(device=dev, dtype=torch.int64)
+        n_seq = cu_q.numel() - 1
+        rows_q = torch.arange(ids.shape[0], device=dev, dtype=torch.int64)
+        seq = torch.searchsorted(cu_q[1:].contiguous(), rows_q, right=True).clamp(0, max(n_seq - 1, 0))
+        start = cu_k[seq].unsqueeze(1)
+        length = (cu_k[seq + 1] - cu_k[seq]).unsqueeze(1)
+    else:
+        raise ValueError(f'layout: expected "bshd" or "thd", got "{layout}"')
+    if id_mode == "local":
+        valid = (ids >= 0) & (ids < length)
+        rows = ids + start
+    elif id_mode == "global":
+        valid = (ids >= start) & (ids < start + length)
+        rows = ids
+    else:
+        raise ValueError(f'id_mode: expected "local" or "global", got "{id_mode}"')
+    rows = torch.where(valid, rows, torch.zeros_like(rows))
+    topk = ids.shape[-1]
+    return rows.reshape(-1, topk), valid.reshape(-1, topk)
+
+
+def _logits(index_q, weights, index_k, rows, valid, sm_scale, dtype):
+    """z (R, topk) in `dtype`, -inf at invalid slots; computed in row chunks to bound memory."""
+    R, topk = rows.shape
+    H, D = index_q.shape[-2], index_q.shape[-1]
+    q = index_q.reshape(R, H, D)
+    w = weights.reshape(R, H)
+    k = index_k.reshape(-1, D)
+    if k.shape[0] == 0 or R == 0:
+        return torch.full((R, topk), float("-inf"), dtype=dtype, device=index_q.device)
+    chunk = max(1, (1 << 26) // max(1, topk * max(D, H)))
+    parts = []
+    for r0 in range(0, R, chunk):
+        r1 = min(R, r0 + chunk)
+        kg = k[rows[r0:r1]].to(dtype)                                # (c, topk, D)
+        x = torch.bmm(q[r0:r1].to(dtype), kg.transpose(1, 2))        # (c, H, topk)
+        parts.append(torch.bmm(w[r0:r1].to(dtype).unsqueeze(1), torch.relu(x)).squeeze(1))
+    z = torch.cat(parts) * sm_scale
+    return z.masked_fill(~valid, float("-inf"))
+
+
+def _softmax_valid(z):
+    """Softmax over the finite entries of each row; rows with none give 0."""
+    zmax = z.amax(dim=-1, keepdim=True)
+    zmax = torch.where(torch.isfinite(zmax), zmax, torch.zeros_like(zmax))
+    e = torch.exp(z - zmax)
+    s = e.sum(dim=-1, keepdim=True)
+    return e / torch.where(s > 0, s, torch.ones_like(s))
+
+
+def index_scores(
+    index_q: torch.Tensor,
+    weights: torch.Tensor,
+    index_k: torch.Tensor,
+    topk_indices: torch.Tensor,
+    *,
+    sm_scale: float,
+    layout: str = "bshd",
+    id_mode: str = "local",
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The indexer's softmax ``P`` over the selected slots, shaped like topk_indices.
+
+    0 at invalid slots (and in rows with no valid slot). Computed in ``dtype``
+    from the given values (round index_q/index_k to bf16 first to get what the
+    library's backward sees). Not differentiable (use :func:`indexer_kl_loss`).
+    """
+    with torch.no_grad():
+        rows, valid = _key_rows(index_k, topk_indices, layout, id_mode, cu_seqlens_q, cu_seqlens_k)
+        z = _logits(index_q, weights, index_k, rows, valid, sm_scale, dtype)
+        return _softmax_valid(z).reshape(topk_indices.shape)
+
+
+class _IndexerKLLossFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, index_q, weights, index_k, topk_indices, attn_score, sm_scale, loss_coeff,
+                normalization_count, layout, id_mode, cu_seqlens_q, cu_seqlens_k):
+        f64 = any(t.dtype == torch.float64 for t in (index_q, weights, index_k))
+        cdt = torch.float64 if f64 else torch.float32
+        q16 = index_q.to(torch.bfloat16).contiguous()
+        k16 = index_k.to(torch.bfloat16).contiguous()
+        w_op = (weights if weights.dtype in (torch.bfloat16, torch.float32) else weights.to(torch.float32)).contiguous()
+        rows, valid = _key_rows(index_k, topk_indices, layout, id_mode, cu_seqlens_q, cu_seqlens_k)
+        # The logits from the values the backward sees (bf16 q/k), except in
+        # float64 mode, where the forward is exact in the given values.
+        z = _logits(index_q if f64 else q16, weights, index_k if f64 else k16, rows, valid, sm_scale, cdt)
+        P = _softmax_valid(z)
+        T = attn_score.reshape(P.shape).to(cdt)
+        terms = T.clamp_min(EPS) * torch.log(P.clamp_min(EPS))
+        n = int(normalization_count) if normalization_count else P.shape[0]
+        loss = -(float(loss_coeff) / max(n, 1)) * torch.where(valid, terms, torch.zeros_like(terms)).sum()
+
+        ids32 = topk_indices.to(torch.int32).contiguous()
+        ctx.save_for_backward(q16, w_op, k16, ids32, attn_score.to(torch.float32).contiguous(),
+                              P.to(torch.float32).reshape(topk_indices.shape).contiguous(),
+                              cu_seqlens_q, cu_seqlens_k)
+        ctx.in_dtypes = (index_q.dtype, weights.dtype, index_k.dtype)
+        ctx.options = (float(sm_scale), float(loss_coeff), int(normalization_count), layout, id_mode)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        q16, w_op, k16, ids32, T32, P32, cu_q, cu_k = ctx.saved_tensors
+        sm_scale, loss_coeff, normalization_count, layout, id_mode = ctx.options
+        q_dt, w_dt, k_dt = ctx.in_dtypes
+        # Outputs straight in the input dtype when the library can write it.
+        codes = tuple(_CODES.get(dt, "f32") for dt in (q_dt, w_dt, k_dt))
+        g = grad_loss.detach().reshape(()).to(torch.float32)
+        dq, dw, dk = torch.ops.dsaib.indexer_backward(
+            q16, w_op, k16, ids32, T32, P32, g, cu_q, cu_k, sm_scale, loss_coeff, normalization_count,
+            layout, id_mode, *codes,
+        )
+        need = ctx.needs_input_grad
+        return (
+            dq.to(q_dt) if need[0] else None,
+            dw.to(w_dt) if need[1] else None,
+            dk.to(k_dt) if need[2] else None,
+            None, None, None, None, None, None, None, None, None,
+        )
+
+
+def indexer_kl_loss(
+    index_q: torch.Tensor,
+    weights: torch.Tensor,
+    index_k: torch.Tensor,
+    topk_indices: torch.Tensor,
+    attn_score: torch.Tensor,
+    *,
+    sm_scale: float,
+    loss_coeff: float = 1.0,
+    normalization_count: int = 0,
+    layout: str = "bshd",
+    id_mode: str = "local",
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """The indexer KL loss, a 0-dim tensor; its backward runs ``torch.ops.dsaib.indexer_backward``.
+
+    ============  ======================  ===========================================
+    argument      BSHD shape (THD)        dtype
+    ============  ======================  ===========================================
+    index_q       (B, S_q, H, D)          bf16 (float32/float64 are rounded to bf16)
+                  ((T_q, H, D))
+    weights       (B, S_q, H) ((T_q, H))  bf16 or float32 (float64 -> float32)
+    index_k       (B, S_kv, D) ((T_k, D)) bf16 (float32/float64 are rounded to bf16)
+    topk_indices  (B, S_q, topk)          integer; -1 or out of range: invalid slot
+    attn_score    (B, S_q, topk)          float; the target distribution T
+    ============  ======================  ===========================================
+
+    H a multiple of 8 in [8, 128], D 64 or 128. The forward computes the logits
+    and ``P`` (float32; float64 for float64 inputs) and saves ``P`` for the
+    backward, which gets ``grad_loss`` from autograd as a device tensor (CUDA
+    graphs can replay it with new values). Gradients come back in the dtypes of
+    index_q, weights and index_k. The backward's validation errors (the C++
+    library's messages) surface as ValueError/TypeError when ``backward()`` runs.
+    """
+    return _IndexerKLLossFunction.apply(
+        index_q, weights, index_k, topk_indices, attn_score, float(sm_scale), float(loss_coeff),
+        int(normalization_count), layout, id_mode, cu_seqlens_q, cu_seqlens_k,
+    )
+
+
+class IndexerKLLoss(torch.nn.Module):
+    """:func:`indexer_kl_loss` as a module: ``IndexerKLLoss(sm_scale=D**-0.5)(q, w, k, ids, T)``."""
+
+    def __init__(self, sm_scale: float, loss_coeff: float = 1.0, normalization_count: int = 0,
+                 layout: str = "bshd", id_mode: str = "local"):
+        super().__init__()
+        self.sm_scale = float(sm_scale)
+        self.loss_coeff = float(loss_coeff)
+        self.normalization_count = int(normalization_count)
+        self.layout = layout
+        self.id_mode = id_mode
+
+    def forward(self, index_q, weights, index_k, topk_indices, attn_score, cu_seqlens_q=None, cu_seqlens_k=None):
+        return indexer_kl_loss(
+            index_q, weights, index_k, topk_indices, attn_score, sm_scale=self.sm_scale,
+            loss_coeff=self.loss_coeff, normalization_count=self.normalization_count, layout=self.layout,
+            id_mode=self.id_mode, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        )
+
+    def extra_repr(self) -> str:
+        return (f"sm_scale={self.sm_scale}, loss_coeff={self.loss_coeff}, "
+                f"normalization_count={self.normalization_count}, layout={self.layout}, id_mode={self.id_mode}")

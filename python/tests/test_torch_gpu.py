@@ -1,0 +1,334 @@
+"""dsaib.torch on CUDA tensors (the sm_90a kernel), against a float64 torch autograd reference.
+
+Skipped (never passed) without torch, without a CUDA device, or when the
+installed dsaib has no cuda backend (`pip install .` builds CPU-only; see
+docs/python.md for the CUDA build).
+
+Tolerances are the library's acceptance criteria (docs/math.md section 6):
+relative RMS error <= 3e-3 for bf16 outputs and <= 1e-3 for float32 outputs,
+with the maximum elementwise error (relative to the largest reference value)
+checked beside it; NaN never passes; outputs are poisoned before each run.
+"""
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import dsaib  # noqa: E402
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device visible to torch", allow_module_level=True)
+if not dsaib.cuda_backend_available():
+    pytest.skip("dsaib has no usable cuda backend here (CPU-only build, or no compute capability 9.0 device)",
+                allow_module_level=True)
+
+import dsaib.torch as dt  # noqa: E402
+from torch_reference import (  # noqa: E402
+    assert_close_rms, make_torch_problem, reference_grads, reference_index_scores, reference_loss, rel_rms,
+)
+
+DEV = torch.device("cuda")
+TOL = {torch.bfloat16: (3e-3, 1.5e-2), torch.float32: (1e-3, 5e-3)}  # (rel RMS, rel max)
+NAMES = ("d_index_q", "d_weights", "d_index_k")
+
+
+def problem(**kw):
+    return make_torch_problem(device=DEV, **kw)
+
+
+def poison_allocator(*shapes_dtypes):
+    """Fill blocks the caching allocator will hand out next with NaN, then free them."""
+    blocks = [torch.full(s, float("nan"), dtype=d, device=DEV) for s, d in shapes_dtypes]
+    torch.cuda.synchronize()
+    del blocks
+
+
+def check_against_reference(got, want, codes):
+    for name, g, w, c in zip(NAMES, got, want, codes):
+        dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[c]
+        assert g.dtype == dtype and g.device.type == "cuda" and g.is_contiguous()
+        assert_close_rms(name, g, w, *TOL[dtype])
+
+
+CASES = {
+    # name: (problem kwargs, out dtypes)
+    "H64_D128_random_invalid_f32": (dict(B=2, S=64, S_kv=96, H=64, D=128, topk=64, seed=1), ("f32",) * 3),
+    "H8_D64_topk33_causal_bf16w_bf16out": (
+        dict(B=1, S=48, S_kv=48, H=8, D=64, topk=33, causal=True, w_dtype=torch.bfloat16, seed=2), ("bf16",) * 3),
+    "H128_D128_mixed_out": (dict(B=1, S=128, S_kv=512, H=128, D=128, topk=256, seed=3), ("bf16", "f32", "bf16")),
+    "H64_D128_topk2048_Skv4096": (dict(B=1, S=256, S_kv=4096, H=64, D=128, topk=2048, seed=4, invalid=False),
+                                  ("bf16", "bf16", "f32")),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_op_matches_float64_autograd_reference(case):
+    kw, codes = CASES[case]
+    q, w, k, ids, T = problem(**kw)
+    sm = 1.0 / math.sqrt(q.shape[-1])
+    P = reference_index_scores(q, w, k, ids, sm_scale=sm).float()
+    _, *want = reference_grads(q, w, k, ids, T, sm_scale=sm, loss_coeff=0.8)
+    poison_allocator((q.shape, torch.float32), (w.shape, torch.float32), (k.shape, torch.float32),
+                     ((k.numel(),), torch.float32))
+    got = dt.indexer_backward(q, w, k, ids, T, P, sm_scale=sm, loss_coeff=0.8, out_dtype=codes)
+    torch.cuda.synchronize()
+    check_against_reference(got, want, codes)
+    # the generic function with caller outputs prefilled with NaN
+    out = tuple(torch.full(x.shape, float("nan"), dtype={"f32": torch.float32, "bf16": torch.bfloat16}[c], device=DEV)
+                for x, c in zip((q, w, k), codes))
+    got2 = dsaib.indexer_backward(q, w, k, ids, T, P, sm_scale=sm, loss_coeff=0.8, out=out)
+    torch.cuda.synchronize()
+    assert all(a is b for a, b in zip(got2, out))
+    check_against_reference(got2, want, codes)
+    # d_index_q and d_weights are bitwise reproducible on cuda
+    assert torch.equal(got[0], got2[0]) and torch.equal(got[1], got2[1])
+
+
+def test_grad_loss_tensor_is_read_on_device_and_scales_linearly():
+    q, w, k, ids, T = problem(B=1, S=32, S_kv=64, H=64, D=128, topk=64, seed=5)
+    P = dt.index_scores(q, w, k, ids, sm_scale=0.1)
+    g = torch.full((), 1.0, device=DEV)
+    a = dt.indexer_backward(q, w, k, ids, T, P, sm_scale=0.1, grad_loss=g)
+    g.fill_(-3.0)
+    b = dt.indexer_backward(q, w, k, ids, T, P, sm_scale=0.1, grad_loss=g)
+    for x, y in zip(a, b):
+        assert rel_rms(y, -3.0 * x) < 1e-6
+
+
+def test_autograd_loss_on_cuda_matches_float64_reference():
+    q, w, k, ids, T = problem(B=2, S=64, S_kv=128, H=64, D=128, topk=128, seed=6)
+    sm = 128 ** -0.5
+    want_loss, *want = reference_grads(q, w, k, ids, T, sm_scale=sm, loss_coeff=1.3)
+    leaves = [x.detach().float().requires_grad_() for x in (q, w, k)]
+    loss = dt.indexer_kl_loss(*leaves, ids, T, sm_scale=sm, loss_coeff=1.3)
+    assert loss.device.type == "cuda" and loss.dtype == torch.float32
+    assert abs(loss.item() - want_loss.item()) <= 1e-4 * abs(want_loss.item())
+    loss.backward()
+    for name, x, r in zip(NAMES, leaves, want):
+        assert x.grad.dtype == torch.float32
+        assert_close_rms(name, x.grad, r, *TOL[torch.float32])
+    # bf16 leaves get bf16 gradients
+    leaves16 = [x.detach().clone().requires_grad_() for x in (q, w, k)]
+    dt.indexer_kl_loss(*leaves16, ids, T, sm_scale=sm, loss_coeff=1.3).backward()
+    assert [x.grad.dtype for x in leaves16] == [torch.bfloat16, torch.float32, torch.bfloat16]
+    for name, x, r in zip(NAMES, leaves16, want):
+        assert_close_rms(name, x.grad, r, *TOL[x.grad.dtype])
+
+
+def test_gradcheck_float64_tiny_cuda():
+    # float64 leaves on the bf16 grid: the forward runs in float64, the op sees the same values.
+    q, w, k, ids, T = problem(B=1, S=4, S_kv=6, H=8, D=64, topk=4, seed=7)
+    leaves = tuple(x.detach().double().requires_grad_() for x in (q, w.to(torch.bfloat16), k))
+    f = lambda a, b, c: dt.indexer_kl_loss(a, b, c, ids, T, sm_scale=0.125)  # noqa: E731
+    # nondet_tol: d_index_k is accumulated with fp32 atomics (not bitwise reproducible)
+    assert torch.autograd.gradcheck(f, leaves, eps=1e-6, atol=1e-5, rtol=1e-3, nondet_tol=1e-6)
+
+
+def test_finite_difference_of_reference_loss_vs_cuda_gradient():
+    q, w, k, ids, T = problem(B=1, S=16, S_kv=64, H=64, D=128, topk=48, seed=8)
+    sm = 128 ** -0.5
+    leaves = [x.detach().float().requires_grad_() for x in (q, w, k)]
+    dt.indexer_kl_loss(*leaves, ids, T, sm_scale=sm).backward()
+    g = torch.Generator(device="cpu").manual_seed(1)
+    base = [x.detach().double() for x in (q, w, k)]
+    h = 1e-6
+    for _ in range(4):
+        v = [torch.randn(x.shape, generator=g, dtype=torch.float64).to(DEV) for x in base]
+        hi = reference_loss(*(x + h * d for x, d in zip(base, v)), ids, T, sm_scale=sm)
+        lo = reference_loss(*(x - h * d for x, d in zip(base, v)), ids, T, sm_scale=sm)
+        fd = ((hi - lo) / (2 * h)).item()
+        an = sum((x.grad.double() * d).sum() for x, d in zip(leaves, v)).item()
+        assert math.isfinite(an) and abs(fd - an) <= 1e-3 * max(abs(fd), 1e-3), (fd, an)
+
+
+def _sleep_available():
+    return hasattr(torch.cuda, "_sleep")
+
+
+@pytest.mark.skipif(not hasattr(torch.cuda, "_sleep"), reason="torch.cuda._sleep missing")
+def test_runs_on_the_current_torch_stream():
+    # On a side stream: a long sleep, then grad_loss := 3, then the op. If the op
+    # ran on any other stream it would read grad_loss before the fill (1.0).
+    q, w, k, ids, T = problem(B=1, S=64, S_kv=128, H=64, D=128, topk=128, seed=9)
+    P = dt.index_scores(q, w, k, ids, sm_scale=0.1)
+    ref = dt.indexer_backward(q, w, k, ids, T, P, sm_scale=0.1, grad_loss=3.0)
+    g = torch.ones((), device=DEV)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    for api in ("op", "generic"):
+        g.fill_(1.0)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time
+            g.fill_(3.0)
+            if api == "op":
+                got = dt.indexer_backward(q, w, k, ids, T, P, sm_scale=0.1, grad_loss=g)
+            else:
+                got = dsaib.indexer_backward(q, w, k, ids, T, P, sm_scale=0.1, grad_loss=g)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        for name, a, b in zip(NAMES, got, ref):
+            assert rel_rms(a, b) < 1e-6, (api, name)
+
+
+@pytest.mark.skipif(not hasattr(torch.cuda, "_sleep"), reason="torch.cuda._sleep missing")
+def test_generic_function_explicit_stream():
+    q, w, k, ids, T = problem(B=1, S=64, S_kv=128, H=64, D=128, topk=128, seed=10)
+    P = dt.index_scores(q, w, k, ids, sm_scale=0.1)
+    ref = dt.indexer_backward(q, w, k, ids, T, P, sm_scale=0.1, grad_loss=2.0)
+    g = torch.ones((), device=DEV)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)
+        g.fill_(2.0)
+    # called from the default stream, told to run on `side`
+    got = dsaib.indexer_backward(q, w, k, ids, T, P, sm_scale=0.1, grad_loss=g, stream=side.cuda_stream)
+    side.synchronize()
+    for a, b in zip(got, ref):
+        assert rel_rms(a, b) < 1e-6
+
+
+def test_cuda_graph_capture_replays_with_new_grad_loss():
+    q, w, k, ids, T = problem(B=2, S=64, S_kv=128, H=64, D=128, topk=128, seed=11)
+    P = dt.index_scores(q, w, k, ids, sm_scale=0.1)
+    g = torch.ones((), device=DEV)
+    eager = dt.indexer_backward(q, w, k, ids, T, P, sm_scale=0.1, grad_loss=g, out_dtype=("f32", "f32", "bf16"))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up outside the capture
+        for _ in range(2):
+            dt.indexer_backward(q, w, k, ids, T, P, sm_scale=0.1, grad_loss=g, out_dtype=("f32", "f32", "bf16"))
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = dt.indexer_backward(q, w, k, ids, T, P, sm_scale=0.1, grad_loss=g, out_dtype=("f32", "f32", "bf16"))
+    for value in (1.0, 2.5, -0.5):
+        for s in static:
+            s.fill_(float("nan"))
+        g.fill_(value)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static[0], value * eager[0]) or rel_rms(static[0], value * eager[0]) < 1e-6
+        assert rel_rms(static[1], value * eager[1]) < 1e-6
+        assert rel_rms(static[2].float(), value * eager[2].float()) < 5e-3
+        assert all(torch.isfinite(s).all() for s in static)
+
+
+def test_cuda_graph_capture_of_autograd_loss_backward():
+    q, w, k, ids, T = problem(B=1, S=64, S_kv=128, H=64, D=128, topk=128, seed=12)
+    leaves = [x.detach().float().requires_grad_() for x in (q, w, k)]
+    g = torch.ones((), device=DEV)
+
+    def step():
+        loss = dt.indexer_kl_loss(*leaves, ids, T, sm_scale=0.1)
+        return (loss, *torch.autograd.grad(loss, leaves, grad_outputs=g))
+
+    eager = step()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    g.fill_(4.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_rms(static[0], eager[0]) < 1e-6
+    for a, b in zip(static[1:], eager[1:]):
+        assert rel_rms(a, 4.0 * b) < 1e-5
+
+
+def test_torch_compile_fullgraph_cuda():
+    q, w, k, ids, T = problem(B=1, S=64, S_kv=128, H=64, D=128, topk=128, seed=13)
+    P = dt.index_scores(q, w, k, ids, sm_scale=0.1)
+    g = torch.full((), 2.0, device=DEV)
+
+    def op(q, w, k, ids, T, P, g):
+        return dt.indexer_backward(q, w, k, ids, T, P, sm_scale=0.1, grad_loss=g)
+
+    want = op(q, w, k, ids, T, P, g)
+    got = torch.compile(op, fullgraph=True)(q, w, k, ids, T, P, g)
+    for a, b in zip(got, want):
+        assert rel_rms(a, b) < 1e-6
+
+    def loss_fn(q, w, k):
+        return dt.indexer_kl_loss(q, w, k, ids, T, sm_scale=0.1)
+
+    a = [x.detach().float().requires_grad_() for x in (q, w, k)]
+    b = [x.detach().float().requires_grad_() for x in (q, w, k)]
+    la = torch.compile(loss_fn, fullgraph=True)(*a)
+    lb = loss_fn(*b)
+    la.backward()
+    lb.backward()
+    assert abs(la.item() - lb.item()) <= 1e-5 * abs(lb.item())
+    for x, y in zip(a, b):
+        assert rel_rms(x.grad, y.grad) < 1e-4
+
+
+def test_torch_compile_reduce_overhead_cuda_graphs():
+    q, w, k, ids, T = problem(B=1, S=32, S_kv=64, H=64, D=128, topk=64, seed=14)
+    P = dt.index_scores(q, w, k, ids, sm_scale=0.1)
+
+    def op(q, w, k, ids, T, P, g):
+        return [x.clone() for x in dt.indexer_backward(q, w, k, ids, T, P, sm_scale=0.1, grad_loss=g)]
+
+    compiled = torch.compile(op, mode="reduce-overhead", fullgraph=True)
+    base = op(q, w, k, ids, T, P, torch.ones((), device=DEV))
+    for value in (1.0, 3.0, 0.5, 2.0):
+        got = compiled(q, w, k, ids, T, P, torch.full((), value, device=DEV))
+        torch.cuda.synchronize()
+        for a, b in zip(got, base):
+            assert rel_rms(a, value * b) < 1e-6
+
+
+def test_cuda_errors_keep_the_cpp_message():
+    q, w, k, ids, T = problem(seed=15)
+    P = dt.index_scores(q, w, k, ids, sm_scale=0.1)
+    with pytest.raises(ValueError, match=r"^index_k: "):
+        dt.indexer_backward(q, w, k.cpu(), ids, T, P, sm_scale=0.1)
+    with pytest.raises(ValueError, match=r"^grad_loss: expected a tensor on cuda:0"):
+        dt.indexer_backward(q, w, k, ids, T, P, sm_scale=0.1, grad_loss=torch.ones(()))
+    with pytest.raises(RuntimeError, match="deterministic"):
+        dsaib.indexer_backward(q, w, k, ids, T, P, sm_scale=0.1, deterministic=True)
+
+
+def test_generic_function_defaults_to_cuda_backend_for_cuda_tensors():
+    q, w, k, ids, T = problem(B=1, S=32, S_kv=64, H=64, D=128, topk=64, seed=16)
+    P = dt.index_scores(q, w, k, ids, sm_scale=0.1)
+    got = dsaib.indexer_backward(q, w, k, ids, T, P, sm_scale=0.1, out_dtype="bf16")
+    assert all(x.device.type == "cuda" and x.dtype == torch.bfloat16 for x in got)
+    cpu = dsaib.indexer_backward(*(x.cpu() for x in (q, w, k, ids, T, P)), sm_scale=0.1)
+    for name, a, b in zip(NAMES, got, cpu):
+        assert_close_rms(name, a.cpu(), b, *TOL[torch.bfloat16])
+
+
+def test_opcheck_cuda():
+    q, w, k, ids, T = problem(B=1, S=16, S_kv=32, H=64, D=128, topk=32, seed=17)
+    P = dt.index_scores(q, w, k, ids, sm_scale=0.1)
+    g = torch.full((), 0.5, device=DEV)
+    for codes in (("f32", "f32", "f32"), ("bf16", "f32", "bf16")):
+        args = (q, w, k, ids, T, P, g, None, None, 0.1, 1.0, 0, "bshd", "local", *codes)
+        result = torch.library.opcheck(torch.ops.dsaib.indexer_backward.default, args)
+        assert all(v == "SUCCESS" for v in result.values()), result
+
+
+def test_thd_global_ids_match_bshd_on_cuda():
+    q, w, k, ids, T = problem(B=3, S=32, S_kv=48, H=64, D=128, topk=40, seed=18, invalid=False)
+    B, S, H, D = q.shape
+    S_kv = k.shape[1]
+    P = dt.index_scores(q, w, k, ids, sm_scale=0.1)
+    bshd = dt.indexer_backward(q, w, k, ids, T, P, sm_scale=0.1)
+    gids = (ids.long() + S_kv * torch.arange(B, device=DEV).view(B, 1, 1)).to(torch.int32).reshape(B * S, -1)
+    cu_q = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=DEV)
+    cu_k = torch.arange(0, (B + 1) * S_kv, S_kv, dtype=torch.int32, device=DEV)
+    thd = dt.indexer_backward(q.reshape(B * S, H, D), w.reshape(B * S, H), k.reshape(B * S_kv, D), gids,
+                              T.reshape(B * S, -1), P.reshape(B * S, -1), sm_scale=0.1, layout="thd",
+                              id_mode="global", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    torch.cuda.synchronize()
+    for a, b in zip(thd, bshd):
+        assert rel_rms(a.reshape(b.shape), b) < 1e-6
