@@ -5,7 +5,7 @@
 // in the same run. Kept, with its flags and JSON, for scripts/ab_compare.py and
 // scripts/device/gpu_check.sh (ab, ncu).
 //   dsa-indexer-bwd-bench [--json FILE] [--seq 4096,16384] [--topk 2048] [--heads 64] [--dim 128]
-//                         [--ids causal,random] [--iters 20] [--warmup 3] [--batch 1] [--input-sets 0]
+//                         [--ids causal,random] [--iters 20] [--warmup 3] [--batch 1] [--input-sets 0] [--a-operand auto|bf16x2|bf16]
 // Reports ns per query row, TFLOP/s (6*H*D per valid slot), dK-reduce GB/s
 // (D*4 bytes per valid slot) and "floor_ratio", the ratio to the fixed 278 ns/row
 // floor of shared/design/h200-facts.md (which assumes topk valid slots per row).
@@ -54,6 +54,12 @@ int main(int argc, char** argv) {
       else if (a == "--iters") cfg.iters = std::stoi(v);
       else if (a == "--warmup") cfg.warmup = std::stoi(v);
       else if (a == "--input-sets") cfg.input_sets = std::stoi(v);
+      else if (a == "--a-operand") {
+        if (!parse_a_operand_precision(v, &base.a_operand)) {
+          std::fprintf(stderr, "--a-operand: expected auto, bf16x2 or bf16, got %s\n", v.c_str());
+          return 2;
+        }
+      }
       else {
         std::fprintf(stderr, "unknown argument %s\n", a.c_str());
         return 2;

@@ -54,6 +54,9 @@ int run_bench(const BenchArgs& a) {
       c.heads = a.heads;
       c.dim = a.dim;
       c.topk = a.topk;
+      if (!parse_a_operand_precision(a.a_operand, &c.a_operand)) {
+        throw Error(ErrorCode::invalid_argument, "a_operand", "--a-operand: expected auto, bf16x2 or bf16, got " + a.a_operand);
+      }
       bench::check_case(c);
       cases.push_back(c);
     }
@@ -184,6 +187,7 @@ int run_bench(const BenchArgs& a) {
                       {"heads", c.heads},
                       {"dim", c.dim},
                       {"topk", c.topk},
+                      {"a_operand_precision", a_operand_precision_name(c.a_operand)},
                       {"valid_slots_per_row", r.valid_slots_per_row},
                       {"input_sets", r.input_sets},
                       {"input_set_bytes", r.set_bytes},

@@ -105,6 +105,7 @@ struct BenchArgs {
   uint64_t seed = 1234;
   std::string json;                             // "" none, "-" stdout
   bool no_floor = false;
+  std::string a_operand = "auto";               // IndexerBackwardOptions::a_operand_precision
   std::string command_line;                     // for the JSON report
 };
 

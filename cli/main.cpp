@@ -192,6 +192,7 @@ struct BackwardArgs {
   int32_t threads = 0;
   int warmup = -1, repeat = 1;
   bool json = false, strict = false;
+  std::string a_operand = "auto";
 };
 
 /// "attn_score: 3 (first at element 17), ..." for the floating-point inputs holding NaN/inf; "" if none.
@@ -259,6 +260,7 @@ int cmd_backward(GenOptions& gen, const ScalarOverrides& sc, const BackwardArgs&
   }
   sc.apply_to_options(p.options);
   p.options.strict_indices = a.strict;
+  (void)parse_a_operand_precision(a.a_operand, &p.options.a_operand_precision);  // checked by CLI11
   Geometry g;
   try {
     g = analyze_problem(p);
@@ -487,6 +489,11 @@ int run_main(int argc, char** argv) {
   bwd_cmd->add_option("--warmup", a.warmup, "untimed runs before the timed ones (default: 1 on cuda, 0 on cpu)");
   bwd_cmd->add_option("--repeat", a.repeat, "timed runs (>= 1)")->check(CLI::Range(1, 1000000))->default_str("1");
   bwd_cmd->add_flag("--strict-indices", a.strict, "raise an error on the first invalid (out of range) id");
+  bwd_cmd->add_option("--a-operand", a.a_operand,
+                      "cuda: precision of the a operand of the dK/dQ GEMMs: auto (bf16x2 if an output is f32, else bf16), "
+                      "bf16x2 or bf16 (docs/api.md)")
+      ->check(CLI::IsMember({"auto", "bf16x2", "bf16"}))
+      ->default_str("auto");
   bwd_cmd->add_flag("--json", a.json, "print the report as JSON on stdout");
 
   // bench
@@ -505,6 +512,10 @@ int run_main(int argc, char** argv) {
   bench_cmd->add_option("--heads", ba.heads, "H: index heads")->default_str("64");
   bench_cmd->add_option("--dim", ba.dim, "D: head dimension")->check(CLI::IsMember({64, 128}))->default_str("128");
   bench_cmd->add_option("--topk", ba.topk, "selected keys per query row")->default_str("2048");
+  bench_cmd->add_option("--a-operand", ba.a_operand,
+                        "precision of the a operand of the dK/dQ GEMMs: auto (bf16 for these bf16 outputs), bf16x2 or bf16")
+      ->check(CLI::IsMember({"auto", "bf16x2", "bf16"}))
+      ->default_str("auto");
   bench_cmd->add_option("--batch,-b", ba.batch, "B: batch size")->check(CLI::PositiveNumber)->default_str("1");
   bench_cmd->add_option("--iters", ba.iters, "timed launches per case and per floor micro-benchmark")
       ->check(CLI::Range(1, 100000))

@@ -14,6 +14,8 @@
 #include <string>
 #include <vector>
 
+#include "dsaib/indexer_backward.hpp"
+
 namespace dsaib::bench {
 
 // ---------------------------------------------------------------- statistics, device
@@ -114,6 +116,7 @@ bool parse_id_pattern(const std::string& s, IdPattern* out);
 struct OpCase {
   IdPattern ids = IdPattern::random;
   int64_t batch = 1, seq = 4096, heads = 64, dim = 128, topk = 2048;
+  AOperandPrecision a_operand = AOperandPrecision::automatic;  // automatic = one bf16 term (bf16 outputs)
   uint64_t dk_table_bytes() const { return static_cast<uint64_t>(batch * seq * dim) * 4; }
 };
 

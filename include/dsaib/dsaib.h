@@ -28,6 +28,11 @@ typedef enum dsaib_device { DSAIB_CPU = 0, DSAIB_CUDA = 1 } dsaib_device;
 typedef enum dsaib_layout { DSAIB_BSHD = 0, DSAIB_THD = 1 } dsaib_layout;
 typedef enum dsaib_id_mode { DSAIB_IDS_LOCAL = 0, DSAIB_IDS_GLOBAL = 1 } dsaib_id_mode;
 typedef enum dsaib_backend { DSAIB_BACKEND_CPU = 0, DSAIB_BACKEND_CUDA = 1 } dsaib_backend;
+typedef enum dsaib_a_operand_precision {
+  DSAIB_A_OPERAND_AUTOMATIC = 0, /* bf16x2 when d_index_q or d_index_k is f32, else bf16 */
+  DSAIB_A_OPERAND_BF16X2 = 1,
+  DSAIB_A_OPERAND_BF16 = 2
+} dsaib_a_operand_precision;
 
 /* A strided tensor view; strides in elements. rank 0 and data NULL = absent. */
 typedef struct dsaib_tensor {
@@ -61,6 +66,7 @@ typedef struct dsaib_options {
   int32_t deterministic;
   void* stream; /* cudaStream_t */
   int32_t num_threads;
+  int32_t a_operand_precision; /* dsaib_a_operand_precision (cuda; see dsaib::AOperandPrecision) */
 } dsaib_options;
 
 /* Fills *options with the C++ defaults (bshd, local ids, cpu, sm_scale 1, ...). */

@@ -20,6 +20,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "dsaib/error.hpp"
 #include "dsaib/tensor.hpp"
@@ -55,7 +56,27 @@ enum class Backend : int32_t {
   cuda = 1,  ///< fused sm_90a kernel; all tensors on one CUDA device
 };
 
+/// cuda: precision of the tensor-core operand a = gs * w * sm_scale * [q.k > 0]
+/// (docs/math.md stage 2) in the dK and dQ GEMMs. wgmma takes it in bf16; one
+/// bf16 rounding of a adds ~1.7e-3 relative RMS error to d_index_q and
+/// d_index_k (measured, docs/perf-log.md), within the 3e-3 budget of bf16
+/// outputs but not the 1e-3 of fp32 outputs. Two bf16 terms (a = a_hi + a_lo,
+/// error ~2^-16) run the dK and dQ GEMMs twice (5 GEMMs per key block, not 3).
+/// d_weights never depends on it. The cpu backend ignores it (fp64 throughout).
+enum class AOperandPrecision : int32_t {
+  /// bf16x2 when d_index_q or d_index_k is f32, bf16 when both are bf16.
+  automatic = 0,
+  /// always two bf16 terms (most accurate, ~13% slower at DeepSeek shapes)
+  bf16x2 = 1,
+  /// always one bf16 term (fastest; do not combine with fp32 outputs that need 1e-3)
+  bf16 = 2,
+};
+
 const char* layout_name(Layout);
+/// "auto", "bf16x2" or "bf16".
+const char* a_operand_precision_name(AOperandPrecision);
+/// Parses a_operand_precision_name's words; false (and *out unchanged) for anything else.
+bool parse_a_operand_precision(const std::string& word, AOperandPrecision* out);
 const char* id_mode_name(IdMode);
 const char* backend_name(Backend);
 
@@ -125,6 +146,8 @@ struct IndexerBackwardOptions {
   void* stream = nullptr;
   /// cpu: worker threads (0 = std::thread::hardware_concurrency()).
   int32_t num_threads = 0;
+  /// cuda: precision of the a operand of the dK/dQ GEMMs (see AOperandPrecision).
+  AOperandPrecision a_operand_precision = AOperandPrecision::automatic;
 };
 
 /// Bytes of scratch memory the backend needs for this problem, on the

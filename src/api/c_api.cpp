@@ -86,6 +86,7 @@ void convert(const dsaib_inputs* in, const dsaib_outputs* out, const dsaib_optio
   p.deterministic = opt->deterministic != 0;
   p.stream = opt->stream;
   p.num_threads = opt->num_threads;
+  p.a_operand_precision = static_cast<dsaib::AOperandPrecision>(opt->a_operand_precision);
 }
 
 }  // namespace
@@ -107,6 +108,7 @@ void dsaib_default_options(dsaib_options* options) {
   options->deterministic = d.deterministic;
   options->stream = d.stream;
   options->num_threads = d.num_threads;
+  options->a_operand_precision = static_cast<int32_t>(d.a_operand_precision);
 }
 
 dsaib_status dsaib_contiguous_tensor(dsaib_tensor* view, void* data, dsaib_dtype dtype, const int64_t* shape,

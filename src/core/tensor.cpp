@@ -36,6 +36,25 @@ const char* layout_name(Layout l) { return l == Layout::bshd ? "bshd" : "thd"; }
 const char* id_mode_name(IdMode m) { return m == IdMode::local ? "local" : "global"; }
 const char* backend_name(Backend b) { return b == Backend::cpu ? "cpu" : "cuda"; }
 
+const char* a_operand_precision_name(AOperandPrecision a) {
+  switch (a) {
+    case AOperandPrecision::automatic: return "auto";
+    case AOperandPrecision::bf16x2: return "bf16x2";
+    case AOperandPrecision::bf16: return "bf16";
+  }
+  return "invalid";
+}
+
+bool parse_a_operand_precision(const std::string& word, AOperandPrecision* out) {
+  for (auto a : {AOperandPrecision::automatic, AOperandPrecision::bf16x2, AOperandPrecision::bf16}) {
+    if (word == a_operand_precision_name(a)) {
+      *out = a;
+      return true;
+    }
+  }
+  return false;
+}
+
 int64_t TensorView::numel() const {
   int64_t n = 1;
   for (int i = 0; i < rank; ++i) n *= shape[i];

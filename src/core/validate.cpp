@@ -309,6 +309,10 @@ ProblemGeometry validate_problem(const IndexerBackwardInputs& in, const IndexerB
     fail("normalization_count", ">= 0 (0 = number of query tokens)", std::to_string(opt.normalization_count));
   }
   if (opt.num_threads < 0) fail("num_threads", ">= 0 (0 = all hardware threads)", std::to_string(opt.num_threads));
+  {
+    const auto a = static_cast<int32_t>(opt.a_operand_precision);
+    if (a < 0 || a > 2) fail("a_operand_precision", "0 (automatic), 1 (bf16x2) or 2 (bf16)", std::to_string(a));
+  }
 
   // Sequences (the views were checked above).
   if (thd) {

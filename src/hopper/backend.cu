@@ -123,6 +123,16 @@ std::size_t cuda_workspace_size(const IndexerBackwardOutputs& out, const Problem
   return out.d_index_k.dtype == DType::bf16 ? static_cast<std::size_t>(g.num_k_rows * g.head_dim) * sizeof(float) : 0;
 }
 
+/// Whether the a operand runs as two bf16 terms (IndexerBackwardOptions::a_operand_precision).
+static bool a_operand_split(AOperandPrecision precision, const IndexerBackwardOutputs& out) {
+  switch (precision) {
+    case AOperandPrecision::bf16x2: return true;
+    case AOperandPrecision::bf16: return false;
+    case AOperandPrecision::automatic: break;
+  }
+  return out.d_index_q.dtype == DType::f32 || out.d_index_k.dtype == DType::f32;
+}
+
 void run_cuda_backend(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
                       const IndexerBackwardOptions& opt, const ProblemGeometry& g, void* workspace,
                       std::size_t workspace_bytes) {
@@ -155,10 +165,13 @@ void run_cuda_backend(const IndexerBackwardInputs& in, const IndexerBackwardOutp
   (void)workspace_bytes;
   const hopper::IndexerBackwardParams params = hopper::make_kernel_params(in, out, opt, g, dk_accum);
   if (dk_bytes > 0) cuda_check(cudaMemsetAsync(dk_accum, 0, dk_bytes, stream), "cudaMemsetAsync (dK accumulator)");
+  const bool split_a = a_operand_split(opt.a_operand_precision, out);
   if (g.head_dim == 64) {
-    hopper::launch_indexer_backward<64>(params, stream);
+    if (split_a) hopper::launch_indexer_backward<64, true>(params, stream);
+    else hopper::launch_indexer_backward<64, false>(params, stream);
   } else {
-    hopper::launch_indexer_backward<128>(params, stream);
+    if (split_a) hopper::launch_indexer_backward<128, true>(params, stream);
+    else hopper::launch_indexer_backward<128, false>(params, stream);
   }
   if (dk_bf16 && dk_bytes > 0) {
     const int64_t n = g.num_k_rows * g.head_dim;

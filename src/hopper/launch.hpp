@@ -7,12 +7,13 @@
 
 namespace dsaib::hopper {
 
-/// Launches the fused kernel for head dim kHeadDim on `stream` (persistent grid).
-template <int kHeadDim>
+/// Launches the fused kernel for head dim kHeadDim on `stream` (persistent grid);
+/// kSplitA: the a operand as two bf16 terms (TileConfig::kSplitA).
+template <int kHeadDim, bool kSplitA>
 void launch_indexer_backward(const IndexerBackwardParams& params, cudaStream_t stream);
 
 /// Dynamic shared memory the fused kernel needs, in bytes.
-template <int kHeadDim>
+template <int kHeadDim, bool kSplitA>
 int indexer_backward_smem_bytes();
 
 }  // namespace dsaib::hopper

@@ -7,16 +7,16 @@
 
 namespace dsaib::hopper {
 
-template <int kHeadDim>
+template <int kHeadDim, bool kSplitA>
 int indexer_backward_smem_bytes() {
-  return shared_storage_bytes<TileConfig<kHeadDim>>();
+  return shared_storage_bytes<TileConfig<kHeadDim, kSplitA>>();
 }
 
-template <int kHeadDim>
+template <int kHeadDim, bool kSplitA>
 void launch_indexer_backward(const IndexerBackwardParams& params, cudaStream_t stream) {
-  using Config = TileConfig<kHeadDim>;
+  using Config = TileConfig<kHeadDim, kSplitA>;
   if (params.num_tasks == 0) return;
-  const int smem = indexer_backward_smem_bytes<kHeadDim>();
+  const int smem = indexer_backward_smem_bytes<kHeadDim, kSplitA>();
   auto kernel = indexer_backward_kernel<Config>;
   cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
              "cudaFuncSetAttribute(indexer_backward_kernel)");

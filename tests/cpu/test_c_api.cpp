@@ -82,6 +82,7 @@ TEST(CApi, DefaultOptionsMatchCpp) {
   EXPECT_EQ(o.deterministic, 0);
   EXPECT_EQ(o.stream, nullptr);
   EXPECT_EQ(o.num_threads, 0);
+  EXPECT_EQ(o.a_operand_precision, DSAIB_A_OPERAND_AUTOMATIC);
   dsaib_default_options(nullptr);  // tolerated
 }
 

@@ -304,6 +304,8 @@ void register_cases() {
   add("layout_enum", Layout::bshd, "layout", [](Env& e) { e.opt.layout = static_cast<Layout>(7); });
   add("id_mode_enum", Layout::bshd, "id_mode", [](Env& e) { e.opt.id_mode = static_cast<IdMode>(-1); });
   add("backend_enum", Layout::bshd, "backend", [](Env& e) { e.opt.backend = static_cast<Backend>(5); });
+  add("a_operand_precision_enum", Layout::bshd, "a_operand_precision",
+      [](Env& e) { e.opt.a_operand_precision = static_cast<AOperandPrecision>(3); });
   add("layout_thd_given_bshd_tensors", Layout::bshd, "index_q", [](Env& e) { e.opt.layout = Layout::thd; });
   add("layout_bshd_given_thd_tensors", Layout::thd, "index_q", [](Env& e) { e.opt.layout = Layout::bshd; });
 

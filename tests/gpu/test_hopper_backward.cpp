@@ -109,6 +109,37 @@ TEST_F(Gpu, OutputDtypes) {
   run_case(m);
 }
 
+// The a operand's precision (IndexerBackwardOptions::a_operand_precision): with
+// fp32 outputs, one bf16 term must cost measurably more error than two (so the
+// option reaches the kernel), and each choice must fit its budget: bf16x2 the
+// 1e-3 of fp32 outputs, bf16 the 3e-3 of bf16 outputs (also forced on bf16 outputs).
+TEST_F(Gpu, AOperandPrecisionChoices) {
+  GeneratedProblem p = make_problem(spec_of(1, 128, 1024, 64, 128, 512, IdPattern::random_permutation, 11));
+  IndexerBackwardOptions ref_opt = p.options();
+  ref_opt.backend = Backend::cpu;
+  const ReferenceGradients ref = reference_backward(p.inputs(), ref_opt);
+  auto errors = [&](AOperandPrecision a, DType dt) {
+    IndexerBackwardOptions opt = p.options();
+    opt.a_operand_precision = a;
+    const OutputBuffers got = run_cuda(p, opt, dt, dt, dt);
+    const ErrorStats eq = compare(got.d_index_q, ref.d_index_q);
+    const ErrorStats ek = compare(got.d_index_k, ref.d_index_k);
+    std::printf("[numerics] a_operand %-6s %s outputs: dQ %s | dK %s\n", a_operand_precision_name(a), dtype_name(dt),
+                eq.str().c_str(), ek.str().c_str());
+    return std::make_pair(eq, ek);
+  };
+  const auto [q2, k2] = errors(AOperandPrecision::bf16x2, DType::f32);
+  const auto [q1, k1] = errors(AOperandPrecision::bf16, DType::f32);
+  const auto [qa, ka] = errors(AOperandPrecision::automatic, DType::f32);
+  EXPECT_TRUE(q2.ok(1e-3) && k2.ok(1e-3)) << q2.str() << " " << k2.str();
+  EXPECT_TRUE(qa.ok(1e-3) && ka.ok(1e-3)) << "automatic with fp32 outputs must split: " << qa.str() << " " << ka.str();
+  EXPECT_TRUE(q1.ok(3e-3) && k1.ok(3e-3)) << q1.str() << " " << k1.str();
+  EXPECT_GT(q1.rel_rms, 4 * q2.rel_rms) << "bf16 vs bf16x2 a operand: no measurable difference in d_index_q";
+  EXPECT_GT(k1.rel_rms, 4 * k2.rel_rms) << "bf16 vs bf16x2 a operand: no measurable difference in d_index_k";
+  const auto [qb, kb] = errors(AOperandPrecision::bf16, DType::bf16);
+  EXPECT_TRUE(qb.ok(3e-3) && kb.ok(3e-3)) << qb.str() << " " << kb.str();
+}
+
 // ------------------------------------------------------- index patterns ---
 
 TEST_F(Gpu, IndexPatterns) {
