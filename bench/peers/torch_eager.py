@@ -25,13 +25,17 @@ Needs only torch (2.11 on the H200 machine).
   python3 bench/peers/torch_eager.py [--seq 4096,16384] [--ids causal,random] [--iters 10]
          [--warmup 3] [--heads 64] [--dim 128] [--topk 2048] [--batch 1] [--check]
          [--json FILE] [--device cuda|cpu]
-Exit: 0 ok, 1 a failed --check, 2 bad arguments, 77 no CUDA device (with --device cuda).
+Exit: 0 ok, 1 a failed --check, 2 bad arguments, 77 no torch or no CUDA device (with --device cuda;
+a JSON record {"peer", "status": "unavailable", "reason"} is printed and written to --json).
+Invalid (-1) slots gather distinct key rows (slot index mod S_kv) rather than row 0: the gradient
+is the same, and the backward's index-add no longer serialises on one row (see indexer_loss).
 """
 
 import argparse
 import gc
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -53,7 +57,11 @@ def indexer_loss(q, w, k, ids, target, sm_scale, c):
     B = q.shape[0]
     s_kv = k.shape[1]
     valid = (ids >= 0) & (ids < s_kv)
-    idx = torch.where(valid, ids, torch.zeros_like(ids)).long()
+    # Invalid slots gather distinct rows (slot index mod S_kv), not all row 0: their
+    # gradient is 0 either way, but the backward's index-add of thousands of padded
+    # slots onto one row serialises (515,635 ns/row at S 4096, causal, docs/perf-log.md).
+    spread = (torch.arange(ids.shape[-1], device=ids.device) % s_kv).to(ids.dtype).expand_as(ids)
+    idx = torch.where(valid, ids, spread).long()
     bidx = torch.arange(B, device=q.device).view(B, 1, 1)
     k_sel = k[bidx, idx]  # (B,S,K,D): gather of the selected keys
     x = torch.einsum("bshd,bskd->bshk", q, k_sel)  # (B,S,H,K)
@@ -242,6 +250,24 @@ def is_oom(e):
     return isinstance(e, oom_types) or "out of memory" in str(e).lower()
 
 
+def write_json(path, obj):
+    """Atomic rewrite; called after every case, so a run cut short keeps what it measured."""
+    if not path:
+        return
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+    os.replace(path + ".tmp", path)
+
+
+def unavailable(reason, json_path, **extra):
+    """A peer that cannot run says why: one JSON line on stdout, the same record in --json; exit 77."""
+    rec = {"peer": "torch_eager_autograd", "status": "unavailable", "reason": reason, **extra}
+    print(json.dumps(rec), flush=True)
+    write_json(json_path, rec)
+    return 77
+
+
 def parse_list(s, conv):
     return [conv(x) for x in s.split(",") if x.strip()]
 
@@ -266,7 +292,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if torch is None:
         print("torch is not installed: the PyTorch eager peer cannot run", file=sys.stderr)
-        return 77
+        return unavailable("torch is not installed", a.json)
     try:
         seqs = parse_list(a.seq, int)
         kinds = parse_list(a.ids, str)
@@ -278,7 +304,7 @@ def main(argv=None):
         ap.error("bad sizes")
     if a.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device visible to torch: nothing to time", file=sys.stderr)
-        return 77
+        return unavailable("no CUDA device visible to torch", a.json, torch=torch.__version__)
     device = torch.device(a.device)
     info = {
         "peer": "torch_eager_autograd",
@@ -323,11 +349,10 @@ def main(argv=None):
                           f"{peak:>9s}   (bwd min {row['bwd_min_ms']:.3f} max {row['bwd_max_ms']:.3f} ms)",
                           flush=True)
                 results.append(row)
+                info["results"] = results
+                write_json(a.json, info)
     info["results"] = results
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(info, f, indent=2)
-            f.write("\n")
+    write_json(a.json, info)
     return rc
 
 

@@ -1,0 +1,221 @@
+#!/usr/bin/env python3
+"""Plot ns per query row against S for our op, the peers and the floor (issue 4).
+
+Inputs (any mix):
+  --merged FILE   scripts/device/peers_check.sh's peers.json: {"ours", "floor", "peers": [...]}
+  --ours FILE     dsa-indexer-bwd-bench --json (a list of {"ids", "seq", "ns_per_row", ...}),
+                  or `dsa-indexer-bwd bench --json` (an object with a "cases" list)
+  --peers FILE    a peer's JSON (bench/peers/*.py --json): {"peer", "status", "results": [...]};
+                  repeatable
+  --floor FILE    dsa-floor-bench --json ({"floor": [{"seq_kv", "floor_ns_per_row", ...}]})
+Without a measured floor the line is h200-facts.md's 278 ns per row.
+
+Only the DeepSeek shape is drawn (--heads 64 --dim 128 --topk 2048 by default).
+x: S = S_q = S_kv on a log2 axis; y: ns per query row (median) on a log axis.
+Solid lines: causal ids; dashed: random ids. Peers that did not run are listed
+under the plot with their reason.
+
+  python3 scripts/plot_bench.py --merged out/peers.json --out out/bench_vs_s.png
+"""
+
+import argparse
+import json
+import sys
+
+FIXED_FLOOR_NS = 278.0  # shared/design/h200-facts.md, L2-resident dK
+
+STYLE = {  # label, colour, marker
+    "dsaib": ("dsaib (ours)", "#d62728", "o"),
+    "cudnn_frontend_dsa_sm90": ("cudnn-frontend SM90", "#1f77b4", "s"),
+    "tilelang_indexer_bwd_example": ("TileLang indexer_bwd example", "#2ca02c", "^"),
+    "torch_eager_autograd": ("PyTorch eager autograd", "#7f7f7f", "D"),
+}
+EXTRA_COLOURS = ["#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22"]
+
+
+def load(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def ours_rows(d):
+    """Rows of our bench: the plain list, a {"results": [...]} record, or the bench subcommand's
+    {"cases": [{"ids", "seq", "ns_per_row" | "timing"...}]}."""
+    if d is None:
+        return []
+    if isinstance(d, list):
+        return d
+    for key in ("results", "cases"):
+        if isinstance(d.get(key), list):
+            return d[key]
+    return []
+
+
+def ns_of(r):
+    for key in ("ns_per_row", "ns_per_row_median"):
+        v = r.get(key)
+        if isinstance(v, (int, float)):
+            return float(v)
+    t = r.get("timing") or {}
+    if isinstance(t, dict) and isinstance(t.get("median_ms"), (int, float)) and r.get("seq"):
+        return t["median_ms"] * 1e6 / (r["seq"] * r.get("batch", 1))
+    return None
+
+
+def series(rows, heads, dim, topk):
+    """{ids: [(S, ns)]} for rows of the DeepSeek shape that have a time."""
+    out = {}
+    for r in rows:
+        if r.get("status", "ok") not in ("ok",):
+            continue
+        if (r.get("heads", heads), r.get("dim", dim), r.get("topk", topk)) != (heads, dim, topk):
+            continue
+        ns = ns_of(r)
+        if ns is None or not r.get("seq"):
+            continue
+        out.setdefault(r.get("ids", "?"), []).append((int(r["seq"]), ns))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def floor_points(d, heads, dim, topk):
+    if not isinstance(d, dict):
+        return []
+    pts = []
+    for r in d.get("floor", []) or []:
+        if (r.get("heads"), r.get("dim"), r.get("topk")) == (heads, dim, topk) and r.get("floor_ns_per_row"):
+            pts.append((int(r["seq_kv"]), float(r["floor_ns_per_row"])))
+    return sorted(set(pts))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--merged", action="append", default=[],
+                    help="peers.json of scripts/device/peers_check.sh (repeatable: runs are combined; ours and "
+                         "the floor come from the first file that has them)")
+    ap.add_argument("--ours", help="our bench JSON")
+    ap.add_argument("--peers", action="append", default=[], help="a peer JSON (repeatable)")
+    ap.add_argument("--floor", help="dsa-floor-bench JSON")
+    ap.add_argument("--out", default="bench_vs_s.png", help="PNG to write (default bench_vs_s.png)")
+    ap.add_argument("--heads", type=int, default=64)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--topk", type=int, default=2048)
+    ap.add_argument("--title", default=None)
+    a = ap.parse_args(argv)
+    if not (a.merged or a.ours or a.peers):
+        ap.error("give --merged, or --ours and/or --peers")
+
+    ours, floor, peers, gpu = [], None, [], None
+    for path in a.merged:
+        m = load(path)
+        if not ours:
+            ours = ours_rows(m.get("ours"))
+        if not floor_points(floor, a.heads, a.dim, a.topk):
+            floor = m.get("floor")
+        peers += list(m.get("peers", []))
+        gpu = gpu or m.get("gpu")
+    if a.ours:
+        ours = ours_rows(load(a.ours))
+    if a.floor:
+        floor = load(a.floor)
+    peers += [load(p) for p in a.peers]
+    # one record per peer: the first that ran wins over "not selected" / unavailable ones
+    rank = {"ok": 0, "partial": 1, "error": 2, "unavailable": 3, "not_selected": 4}
+    best = {}
+    for p in peers:
+        name = p.get("peer", "peer")
+        if name not in best or rank.get(p.get("status"), 5) < rank.get(best[name].get("status"), 5):
+            best[name] = p
+    peers = [p for p in best.values() if p.get("status") != "not_selected"]
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter, NullLocator
+
+    fig, ax = plt.subplots(figsize=(13, 6.5), dpi=120)
+    all_s, all_ns = set(), []
+    missing = []
+    fpts = floor_points(floor, a.heads, a.dim, a.topk)
+    floor_at = dict(fpts)
+
+    def draw(key, rows, label_extra="", ratio=False):
+        label, colour, marker = STYLE.get(key, (key, EXTRA_COLOURS[len(all_ns) % len(EXTRA_COLOURS)], "v"))
+        drawn = False
+        for ids, pts in sorted(series(rows, a.heads, a.dim, a.topk).items()):
+            xs, ys = zip(*pts)
+            all_s.update(xs)
+            all_ns.extend(ys)
+            ax.plot(xs, ys, linestyle="-" if ids == "causal" else "--", marker=marker, color=colour, linewidth=2,
+                    markersize=6, label=f"{label}{label_extra}, {ids} ids")
+            for x, y in pts:
+                text = f"{y:,.0f}"
+                if ratio:
+                    text += f" ({y / floor_at.get(x, FIXED_FLOOR_NS):.2f}x floor)"
+                ax.annotate(text, (x, y), textcoords="offset points", xytext=(7, -11 if ids == "causal" else 4),
+                            fontsize=7, color=colour)
+            drawn = True
+        for r in rows:  # cases that ran but have no time: say so under the plot
+            if r.get("status", "ok") != "ok":
+                missing.append(f"{label} {r.get('ids', '')} S{r.get('seq', '')}: {r.get('status')}"
+                               + (f" ({r.get('reason', '')[:80]})" if r.get("reason") else ""))
+        return drawn
+
+    if not draw("dsaib", ours, ratio=True):
+        missing.append("dsaib (ours): no results")
+    for p in peers:
+        name = p.get("peer", "peer")
+        status = p.get("status")
+        extra = " (partial)" if status == "partial" else ""
+        if status not in ("ok", "partial") or not draw(name, p.get("results", []), extra):
+            label = STYLE.get(name, (name,))[0]
+            reason = p.get("reason") or next((r.get("reason") for r in p.get("results", []) if r.get("reason")), "")
+            missing.append(f"{label}: {status or 'no results'}" + (f" ({reason})" if reason else ""))
+
+    if fpts:
+        xs, ys = zip(*fpts)
+        all_s.update(xs)
+        ax.plot(xs, ys, color="black", linestyle=":", linewidth=2, marker="x",
+                label="floor, measured in this run (dK scatter-add at the measured L2 reduce rate)")
+        all_ns.extend(ys)
+    else:
+        ax.axhline(FIXED_FLOOR_NS, color="black", linestyle=":", linewidth=2,
+                   label=f"floor {FIXED_FLOOR_NS:.0f} ns/row (h200-facts.md, not measured in this run)")
+        all_ns.append(FIXED_FLOOR_NS)
+
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    if all_s:
+        ticks = sorted(all_s)
+        ax.xaxis.set_major_locator(FixedLocator(ticks))
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{int(v):,}"))
+        ax.set_xlim(ticks[0] / 1.4, ticks[-1] * 1.4)
+    if all_ns:
+        lo, hi = min(all_ns) / 1.6, max(all_ns) * 1.8
+        ax.set_ylim(lo, hi)
+        ticks = [m * 10 ** e for e in range(0, 9) for m in (1, 2, 3, 5) if lo <= m * 10 ** e <= hi]
+        ax.yaxis.set_major_locator(FixedLocator(ticks))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("S = S_q = S_kv (log2)")
+    ax.set_ylabel("ns per query row (median, log)")
+    ax.set_title(a.title or f"DSA indexer backward, B1 H{a.heads} D{a.dim} topk {a.topk}, bf16 inputs"
+                 + (f"\n{gpu.split(',')[0]}" if gpu else ""))
+    ax.grid(True, which="major", alpha=0.35)
+    ax.grid(True, which="minor", axis="y", alpha=0.12)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), framealpha=0.9,
+              title="solid: causal ids, dashed: random ids", title_fontsize=8)
+    bottom = 0.0
+    if missing:
+        lines = ["not plotted:"] + [f"  {m[:160]}" for m in missing[:8]]
+        fig.text(0.01, 0.01, "\n".join(lines), fontsize=7, color="#444444", va="bottom", family="monospace")
+        bottom = 0.035 * len(lines)
+    fig.tight_layout(rect=(0, bottom, 1, 1))
+    fig.savefig(a.out)
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
