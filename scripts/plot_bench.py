@@ -4,7 +4,8 @@
 Inputs (any mix):
   --merged FILE   scripts/device/peers_check.sh's peers.json: {"ours", "floor", "peers": [...]}
   --ours FILE     dsa-indexer-bwd-bench --json (a list of {"ids", "seq", "ns_per_row", ...}),
-                  or `dsa-indexer-bwd bench --json` (an object with a "cases" list)
+                  or `dsa-indexer-bwd bench --json` (an object with a "cases" list, whose
+                  per-case floors are drawn when no --floor / merged floor is given)
   --peers FILE    a peer's JSON (bench/peers/*.py --json): {"peer", "status", "results": [...]};
                   repeatable
   --floor FILE    dsa-floor-bench --json ({"floor": [{"seq_kv", "floor_ns_per_row", ...}]})
@@ -77,6 +78,23 @@ def series(rows, heads, dim, topk):
     return {k: sorted(v) for k, v in out.items()}
 
 
+def floor_points_of_bench(d, heads, dim, topk):
+    """Per-case floors of `dsa-indexer-bwd bench --json` ({"cases": [{"seq_kv", "floor": {...}}]})."""
+    pts = {}
+    for c in (d or {}).get("cases", []) if isinstance(d, dict) else []:
+        f = c.get("floor") or {}
+        if (c.get("heads"), c.get("dim"), c.get("topk")) == (heads, dim, topk) and f.get("ns_per_row"):
+            pts[int(c["seq_kv"])] = float(f["ns_per_row"])
+    return sorted(pts.items())
+
+
+def peer_status(p):
+    """A peer record's status; a record without one counts as ok when any result row is ok."""
+    if p.get("status"):
+        return p["status"]
+    return "ok" if any(r.get("status", "ok") == "ok" for r in p.get("results") or []) else None
+
+
 def floor_points(d, heads, dim, topk):
     if not isinstance(d, dict):
         return []
@@ -114,8 +132,11 @@ def main(argv=None):
             floor = m.get("floor")
         peers += list(m.get("peers", []))
         gpu = gpu or m.get("gpu")
+    bench_floor = []
     if a.ours:
-        ours = ours_rows(load(a.ours))
+        ours_json = load(a.ours)
+        ours = ours_rows(ours_json)
+        bench_floor = floor_points_of_bench(ours_json, a.heads, a.dim, a.topk)
     if a.floor:
         floor = load(a.floor)
     peers += [load(p) for p in a.peers]
@@ -123,6 +144,7 @@ def main(argv=None):
     rank = {"ok": 0, "partial": 1, "error": 2, "unavailable": 3, "not_selected": 4}
     best = {}
     for p in peers:
+        p["status"] = peer_status(p)
         name = p.get("peer", "peer")
         if name not in best or rank.get(p.get("status"), 5) < rank.get(best[name].get("status"), 5):
             best[name] = p
@@ -136,7 +158,7 @@ def main(argv=None):
     fig, ax = plt.subplots(figsize=(13, 6.5), dpi=120)
     all_s, all_ns = set(), []
     missing = []
-    fpts = floor_points(floor, a.heads, a.dim, a.topk)
+    fpts = floor_points(floor, a.heads, a.dim, a.topk) or bench_floor
     floor_at = dict(fpts)
 
     def draw(key, rows, label_extra="", ratio=False):
