@@ -282,6 +282,13 @@ dsaib::Backend parse_backend(const std::string& s) {
                      "backend: expected \"cpu\" or \"cuda\", got \"" + s + "\"");
 }
 
+dsaib::AOperandPrecision parse_a_operand(const std::string& s) {
+  dsaib::AOperandPrecision a = dsaib::AOperandPrecision::automatic;
+  if (dsaib::parse_a_operand_precision(s, &a)) return a;
+  throw dsaib::Error(dsaib::ErrorCode::invalid_argument, "a_operand_precision",
+                     "a_operand_precision: expected \"auto\", \"bf16x2\" or \"bf16\", got \"" + s + "\"");
+}
+
 struct Options {
   std::string layout, id_mode, backend;
   float sm_scale, loss_coeff, grad_loss;
@@ -367,7 +374,8 @@ NB_MODULE(_dsaib, m) {
          const std::string& layout, const std::string& id_mode, const std::string& backend, float sm_scale,
          float loss_coeff, float grad_loss, const std::optional<Array>& grad_loss_device,
          int64_t normalization_count, bool strict_indices, bool deterministic, uintptr_t stream, int32_t num_threads,
-         const std::optional<OutArray>& workspace, bool uint16_as_bf16, bool out_uint16_as_bf16) {
+         const std::optional<OutArray>& workspace, bool uint16_as_bf16, bool out_uint16_as_bf16,
+         const std::string& a_operand_precision) {
         const auto in = make_inputs(index_q, weights, index_k, topk_indices, attn_score, index_score,
                                     cu_seqlens_q, cu_seqlens_k, uint16_as_bf16);
         dsaib::IndexerBackwardOutputs out;
@@ -376,6 +384,7 @@ NB_MODULE(_dsaib, m) {
         out.d_index_k = to_view("d_index_k", d_index_k, out_uint16_as_bf16);
         auto opt = make_options(layout, id_mode, backend, sm_scale, loss_coeff, grad_loss, normalization_count,
                                 strict_indices, deterministic, stream, num_threads);
+        opt.a_operand_precision = parse_a_operand(a_operand_precision);
         if (grad_loss_device) opt.grad_loss_device = grad_loss_pointer(*grad_loss_device, backend_device(backend, index_q));
         void* ws = nullptr;
         std::size_t ws_bytes = 0;
@@ -398,9 +407,11 @@ NB_MODULE(_dsaib, m) {
       nb::arg("sm_scale"), nb::arg("loss_coeff"), nb::arg("grad_loss"), nb::arg("grad_loss_device").none(),
       nb::arg("normalization_count"), nb::arg("strict_indices"), nb::arg("deterministic"), nb::arg("stream"),
       nb::arg("num_threads"), nb::arg("workspace").none(), nb::arg("uint16_as_bf16"), nb::arg("out_uint16_as_bf16"),
+      nb::arg("a_operand_precision") = "auto",
       "Calls dsaib::indexer_backward on caller-provided outputs. grad_loss_device (optional) is a one-element\n"
       "float32 tensor on the backend's device, read when the work runs; workspace (optional) is scratch memory\n"
-      "on that device (see indexer_backward_workspace_size). Raises ValueError/TypeError/RuntimeError.");
+      "on that device (see indexer_backward_workspace_size). a_operand_precision is \"auto\", \"bf16x2\" or\n"
+      "\"bf16\" (dsaib::AOperandPrecision; the cpu backend ignores it). Raises ValueError/TypeError/RuntimeError.");
 
   m.def(
       "indexer_kl_loss",

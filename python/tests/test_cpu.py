@@ -192,6 +192,30 @@ def test_bad_option_strings_are_value_errors():
         run(p, out_dtype="f16")
 
 
+def test_a_operand_precision_values_give_identical_cpu_results():
+    # The option picks the cuda kernel's GEMM operand precision; the cpu backend
+    # (float64 throughout) accepts all three words and ignores them.
+    p = make_problem(9)
+    base = run(p)
+    for word in ("auto", "bf16x2", "bf16"):
+        for out_dtype in ("f32", "bf16"):
+            got = run(p, a_operand_precision=word, out_dtype=out_dtype)
+            want = base if out_dtype == "f32" else tuple(dsaib.bf16_bits(b) for b in base)
+            for g, w in zip(got, want):
+                np.testing.assert_array_equal(g, w)
+
+
+def test_bad_a_operand_precision_is_value_error_and_writes_nothing():
+    p = make_problem(0)
+    out = tuple(np.full(x.shape, 7.0, dtype=np.float32) for x in (p["index_q"], p["weights"], p["index_k"]))
+    for bad in ("bf32", "BF16", "automatic", ""):
+        with pytest.raises(ValueError, match=r'^a_operand_precision: expected "auto", "bf16x2" or "bf16", got "%s"$' % bad):
+            run(p, out=out, a_operand_precision=bad)
+    assert all((o == 7.0).all() for o in out)
+    with pytest.raises(TypeError, match=r"^a_operand_precision: expected a str"):
+        run(p, a_operand_precision=2)
+
+
 def test_strict_indices_is_value_error_and_writes_nothing():
     p = make_problem(0)
     out = tuple(np.full(x.shape, 7.0, dtype=np.float32) for x in (p["index_q"], p["weights"], p["index_k"]))

@@ -68,6 +68,61 @@ def test_custom_op_is_registered_and_passes_opcheck():
         assert all(v == "SUCCESS" for v in result.values()), result
 
 
+def test_custom_op_a_operand_precision_argument():
+    # The schema's last argument, with a default: callers without it keep working.
+    schema = torch.ops.dsaib.indexer_backward.default._schema
+    last = schema.arguments[-1]
+    assert last.name == "a_operand_precision" and str(last.type) == "str" and last.default_value == "auto", str(schema)
+    q, w, k, ids, T = make_torch_problem(seed=1)
+    P = dt.index_scores(q, w, k, ids, sm_scale=SM)
+    g = torch.tensor(1.5)
+    base = (q, w, k, ids, T, P, g, None, None, SM, 0.7, 0, "bshd", "local", "f32", "f32", "bf16")
+    want = torch.ops.dsaib.indexer_backward(*base)
+    for word in ("auto", "bf16x2", "bf16"):
+        args = base + (word,)
+        result = torch.library.opcheck(torch.ops.dsaib.indexer_backward.default, args)
+        assert all(v == "SUCCESS" for v in result.values()), (word, result)
+        # the CPU backend (float64) ignores it
+        for a, b in zip(torch.ops.dsaib.indexer_backward(*args), want):
+            assert torch.equal(a, b), word
+        for a, b in zip(dt.indexer_backward(q, w, k, ids, T, P, sm_scale=SM, grad_loss=g, loss_coeff=0.7,
+                                            out_dtype=("f32", "f32", "bf16"), a_operand_precision=word), want):
+            assert torch.equal(a, b), word
+    msg = r'^a_operand_precision: expected "auto", "bf16x2" or "bf16", got "fp8"$'
+    with pytest.raises(ValueError, match=msg):
+        torch.ops.dsaib.indexer_backward(*base, "fp8")
+    with pytest.raises(ValueError, match=msg):
+        dt.indexer_backward(q, w, k, ids, T, P, sm_scale=SM, a_operand_precision="fp8")
+    with pytest.raises(ValueError, match=msg):  # the fake kernel checks it too (torch.compile)
+        with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+            fake = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in base]
+            torch.ops.dsaib.indexer_backward(*fake, "fp8")
+
+
+def test_autograd_loss_passes_a_operand_precision_to_the_backward():
+    q, w, k, ids, T = make_torch_problem(seed=13)
+    grads = {}
+    for word in ("auto", "bf16x2", "bf16"):
+        leaves = [x.detach().float().requires_grad_() for x in (q, w, k)]
+        dt.indexer_kl_loss(*leaves, ids, T, sm_scale=SM, a_operand_precision=word).backward()
+        grads[word] = [x.grad for x in leaves]
+        mod_leaves = [x.detach().float().requires_grad_() for x in (q, w, k)]
+        mod = dt.IndexerKLLoss(sm_scale=SM, a_operand_precision=word)
+        assert f"a_operand_precision={word}" in repr(mod)
+        mod(*mod_leaves, ids, T).backward()
+        for a, b in zip(mod_leaves, grads[word]):
+            assert torch.equal(a.grad, b)
+    for word in ("bf16x2", "bf16"):  # the CPU backend ignores it
+        for a, b in zip(grads[word], grads["auto"]):
+            assert torch.equal(a, b)
+    msg = r'^a_operand_precision: expected "auto", "bf16x2" or "bf16", got "half"$'
+    leaves = [x.detach().float().requires_grad_() for x in (q, w, k)]
+    with pytest.raises(ValueError, match=msg):
+        dt.indexer_kl_loss(*leaves, ids, T, sm_scale=SM, a_operand_precision="half")
+    with pytest.raises(ValueError, match=msg):
+        dt.IndexerKLLoss(sm_scale=SM, a_operand_precision="half")
+
+
 def test_op_matches_numpy_reference_and_generic_function():
     p = make_problem(3)
     t = to_torch(p)
