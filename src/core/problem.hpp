@@ -59,9 +59,10 @@ inline int64_t row_offset(const TensorView& v, Layout layout, int64_t row, int64
 /// Validates every argument (see indexer_backward() for the rules) and returns
 /// the geometry. Reads cu_seqlens (copying them from the device for cuda) and,
 /// in strict mode on cpu, topk_indices. Never writes anything.
-/// `copy_to_host` copies bytes from the backend's device memory to the host
-/// (null: the tensors are host memory and are read directly).
-using CopyToHost = void (*)(void* dst, const void* src, std::size_t bytes);
+/// `copy_to_host` copies bytes from the backend's device memory to the host,
+/// ordered after the work already queued on `stream` (opt.stream) and waited
+/// for (null: the tensors are host memory and are read directly).
+using CopyToHost = void (*)(void* dst, const void* src, std::size_t bytes, void* stream);
 ProblemGeometry validate_problem(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
                                  const IndexerBackwardOptions& opt, CopyToHost copy_to_host = nullptr,
                                  bool check_outputs = true);

@@ -124,12 +124,12 @@ void check_finite(float v, const char* name) {
 }
 
 /// Reads cu_seqlens (B + 1 int32, any stride) to the host.
-std::vector<int64_t> read_cu_seqlens(const TensorView& v, CopyToHost copy) {
+std::vector<int64_t> read_cu_seqlens(const TensorView& v, CopyToHost copy, void* stream) {
   const int64_t n = v.shape[0];
   std::vector<int32_t> span(static_cast<size_t>(n > 0 ? (n - 1) * v.strides[0] + 1 : 0));
   if (!span.empty()) {
     if (copy) {
-      copy(span.data(), v.data, span.size() * sizeof(int32_t));
+      copy(span.data(), v.data, span.size() * sizeof(int32_t), stream);
     } else {
       std::memcpy(span.data(), v.data, span.size() * sizeof(int32_t));
     }
@@ -321,8 +321,8 @@ ProblemGeometry validate_problem(const IndexerBackwardInputs& in, const IndexerB
       fail("cu_seqlens_k", "length B + 1 = " + std::to_string(in.cu_seqlens_q.shape[0]) + " (that of cu_seqlens_q)",
            "length " + std::to_string(in.cu_seqlens_k.shape[0]));
     }
-    const auto cq = read_cu_seqlens(in.cu_seqlens_q, copy_to_host);
-    const auto ck = read_cu_seqlens(in.cu_seqlens_k, copy_to_host);
+    const auto cq = read_cu_seqlens(in.cu_seqlens_q, copy_to_host, opt.stream);
+    const auto ck = read_cu_seqlens(in.cu_seqlens_k, copy_to_host, opt.stream);
     check_cu_seqlens(cq, "cu_seqlens_q", g.num_q_rows, "T_q (index_q dim 0)");
     check_cu_seqlens(ck, "cu_seqlens_k", g.num_k_rows, "T_k (index_k dim 0)");
     g.batch = static_cast<int64_t>(cq.size()) - 1;
@@ -360,7 +360,7 @@ ProblemGeometry validate_problem(const IndexerBackwardInputs& in, const IndexerB
     const int64_t span = g.num_q_rows == 0 ? 0 : byte_range(ids).hi - byte_range(ids).lo;
     std::vector<int32_t> host(static_cast<size_t>(span / 4));
     if (span > 0) {
-      if (copy_to_host) copy_to_host(host.data(), ids.data, static_cast<size_t>(span));
+      if (copy_to_host) copy_to_host(host.data(), ids.data, static_cast<size_t>(span), opt.stream);
       else std::memcpy(host.data(), ids.data, static_cast<size_t>(span));
     }
     for (int64_t row = 0; row < g.num_q_rows; ++row) {

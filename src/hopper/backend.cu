@@ -115,8 +115,10 @@ bool cuda_device_present() {
   return false;
 }
 
-void cuda_copy_to_host(void* dst, const void* src, std::size_t bytes) {
-  cuda_check(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy (validation read)");
+void cuda_copy_to_host(void* dst, const void* src, std::size_t bytes, void* stream) {
+  const auto s = static_cast<cudaStream_t>(stream);
+  cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, s), "cudaMemcpyAsync (validation read)");
+  cuda_check(cudaStreamSynchronize(s), "cudaStreamSynchronize (validation read)");
 }
 
 std::size_t cuda_workspace_size(const IndexerBackwardOutputs& out, const ProblemGeometry& g) {
