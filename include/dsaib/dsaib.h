@@ -69,7 +69,10 @@ typedef struct dsaib_options {
   int32_t a_operand_precision; /* dsaib_a_operand_precision (cuda; see dsaib::AOperandPrecision) */
 } dsaib_options;
 
-/* Fills *options with the C++ defaults (bshd, local ids, cpu, sm_scale 1, ...). */
+/* Fills *options with the C++ defaults (bshd, local ids, cpu, sm_scale 1, ...).
+   Always start from it: dsaib_options may gain fields at its end between
+   versions of this library (0.x: no ABI stability; rebuild against the header
+   of the library you link). */
 void dsaib_default_options(dsaib_options* options);
 
 /* Fills *view as a contiguous tensor of the given shape. */
