@@ -85,6 +85,25 @@ TEST(InvalidSlots, EqualCompactedProblemWhateverTheirScores) {
   }
 }
 
+// A NaN target T at a VALID slot whose P >= eps propagates (max(T, eps) as
+// std::max, not fmax): that row's d_index_q and d_weights are NaN, the other
+// rows are untouched (docs/math.md; the cuda kernel uses the same rule).
+TEST(InvalidSlots, NanTargetAtAValidSlotPropagatesToItsRow) {
+  GeneratedProblem p = holey_problem(IdMode::local);
+  const ReferenceGradients clean = grads(p, p.options());
+  const int64_t row = 20, K = topk(p), H = p.spec.heads, D = p.spec.head_dim;
+  int64_t slot = -1;
+  for (int64_t i = 0; i < K && slot < 0; ++i) {
+    if (slot_valid(p, row, i) && p.index_score.data<float>()[row * K + i] >= 1e-30f) slot = i;
+  }
+  ASSERT_GE(slot, 0);
+  p.attn_score.data<float>()[row * K + slot] = kNaN;
+  const ReferenceGradients g = grads(p, p.options());
+  for (int64_t e = 0; e < H * D; ++e) ASSERT_TRUE(std::isnan(g.d_index_q[row * H * D + e])) << e;
+  for (int64_t e = 0; e < H; ++e) ASSERT_TRUE(std::isnan(g.d_weights[row * H + e])) << e;
+  for (int64_t e = 0; e < H; ++e) EXPECT_EQ(g.d_weights[(row + 1) * H + e], clean.d_weights[(row + 1) * H + e]);
+}
+
 TEST(InvalidSlots, AllInvalidRowsGiveExactZeros) {
   GeneratedProblem p = holey_problem(IdMode::local);
   // Rows 13 and 119 are all -1; make row 70 all out of range.
