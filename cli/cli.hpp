@@ -61,6 +61,12 @@ struct GenFlags {
        has_seqlens_q = false, has_seqlens_k = false, has_seed = false, has_sm_scale = false;
 };
 
+/// The generator's (and the ids') limit on query rows, key rows, sequences: 2^31 - 1.
+inline constexpr int64_t kMaxRows = 2147483647;
+/// Parses sequence lengths given to `flag` (each token a comma-separated list of
+/// integers >= 0, no empty items). Raises dsaib::Error(invalid_argument) naming the flag and the value.
+std::vector<int64_t> parse_lengths(const std::string& flag, const std::vector<std::string>& tokens);
+
 /// Names and one-line descriptions of the presets.
 std::vector<std::pair<std::string, std::string>> preset_list();
 /// The spec of a preset with the flags' overrides applied. Raises dsaib::Error(invalid_argument).

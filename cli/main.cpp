@@ -36,6 +36,7 @@ constexpr int kExitError = 2;
 struct GenOptions {
   GenFlags f;
   std::vector<std::pair<CLI::Option*, bool*>> opts;
+  std::vector<std::string> seqlens_q_text, seqlens_k_text;
 
   void add(CLI::App* app) {
     std::string presets = "Preset (sizes and id pattern; explicit flags override it). One of:";
@@ -56,22 +57,27 @@ struct GenOptions {
     reg(app->add_option("--layout", f.layout, "bshd (fixed lengths) or thd (packed varlen)")
             ->check(CLI::IsMember({"bshd", "thd"})),
         &f.has_layout);
-    reg(app->add_option("--seqlens-q", f.seqlens_q, "THD query lengths, e.g. 1,37,300")->delimiter(','),
+    // Taken as text and split here (parse_lengths), so that empty items are errors, not dropped or zeros.
+    reg(app->add_option("--seqlens-q", seqlens_q_text, "THD query lengths, e.g. 1,37,300")->type_name("INT,..."),
         &f.has_seqlens_q);
-    reg(app->add_option("--seqlens-k", f.seqlens_k, "THD key lengths (default: the query lengths)")->delimiter(','),
+    reg(app->add_option("--seqlens-k", seqlens_k_text, "THD key lengths (default: the query lengths)")
+            ->type_name("INT,..."),
         &f.has_seqlens_k);
     reg(app->add_option("--seed", f.seed, "random seed")->default_str("0"), &f.has_seed);
     static bool unused = false;
     reg(app->add_flag("--weights-f32", f.weights_f32, "weights in f32 instead of bf16"), &unused);
   }
   void reg(CLI::Option* o, bool* has) { opts.emplace_back(o, has); }
-  /// Sets the has_* fields; returns the first given flag's name (or "").
+  /// Sets the has_* fields and parses the lengths; returns the first given flag's name (or "").
+  /// Raises dsaib::Error(invalid_argument) for malformed lengths.
   std::string finish() {
     std::string first;
     for (auto& [o, has] : opts) {
       *has = o->count() > 0;
       if (*has && first.empty()) first = o->get_name();
     }
+    if (f.has_seqlens_q) f.seqlens_q = parse_lengths("--seqlens-q", seqlens_q_text);
+    if (f.has_seqlens_k) f.seqlens_k = parse_lengths("--seqlens-k", seqlens_k_text);
     return first;
   }
 };

@@ -6,6 +6,9 @@
 #include <iostream>
 #include <numeric>
 #include <sstream>
+#include <tuple>
+#include <cerrno>
+#include <cctype>
 
 #include "cli.hpp"
 #include "dsaib/reference.hpp"
@@ -64,7 +67,72 @@ double parse_number(const std::map<std::string, std::string>& meta, const std::s
 }
 
 
+std::string join_lengths(const std::vector<int64_t>& v) {
+  std::string s;
+  for (size_t i = 0; i < v.size() && i < 16; ++i) {
+    if (i) s += ',';
+    s += std::to_string(v[i]);
+  }
+  if (v.size() > 16) s += ",... (" + std::to_string(v.size()) + " lengths)";
+  return s;
+}
+
+const std::string kMaxRowsText = std::to_string(kMaxRows) + " (2^31 - 1)";
+
+/// a * b, or -1 when it overflows int64 (a, b >= 0).
+int64_t checked_mul(int64_t a, int64_t b) {
+  int64_t r = 0;
+  return __builtin_mul_overflow(a, b, &r) ? -1 : r;
+}
+
+/// BSHD sizes (or a BSHD preset turned THD): B, B*S_q, B*S_kv each at most kMaxRows.
+void check_bshd_sizes(const GenerateSpec& s) {
+  if (s.batch < 0) bad("--batch", "--batch: expected >= 0, got " + std::to_string(s.batch));
+  if (s.s_q < 0) bad("--s-q", "--s-q: expected >= 0, got " + std::to_string(s.s_q));
+  if (s.s_kv < 0) bad("--s-kv", "--s-kv: expected >= 0, got " + std::to_string(s.s_kv));
+  if (s.batch > kMaxRows) {
+    bad("--batch", "--batch: expected at most " + kMaxRowsText + " sequences, got " + std::to_string(s.batch));
+  }
+  for (const auto& [flag, len, what] : {std::tuple<const char*, int64_t, const char*>{"--s-q", s.s_q, "query"},
+                                        {"--s-kv", s.s_kv, "key"}}) {
+    const int64_t rows = checked_mul(s.batch, len);
+    if (len > kMaxRows || rows < 0 || rows > kMaxRows) {
+      bad(flag, std::string(flag) + ": expected --batch * " + flag + " <= " + kMaxRowsText + " " + what +
+                    " rows in all, got " + flag + " " + std::to_string(len) + " with --batch " +
+                    std::to_string(s.batch) +
+                    (rows < 0 ? std::string(" (the product overflows int64)") : " (" + std::to_string(rows) + " rows)"));
+    }
+  }
+}
+
 }  // namespace
+
+std::vector<int64_t> parse_lengths(const std::string& flag, const std::vector<std::string>& tokens) {
+  std::string given;
+  for (const std::string& t : tokens) given += (given.empty() ? "" : " ") + t;
+  std::vector<int64_t> out;
+  for (const std::string& t : tokens) {
+    size_t pos = 0;
+    for (;;) {
+      const size_t comma = t.find(',', pos);
+      const std::string item = t.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
+      if (item.empty()) {
+        bad(flag, flag + ": expected a comma-separated list of lengths >= 0 without empty items, got \"" + given + "\"");
+      }
+      char* end = nullptr;
+      errno = 0;
+      const long long v = std::strtoll(item.c_str(), &end, 10);
+      if (end != item.c_str() + item.size() || errno == ERANGE || std::isspace(static_cast<unsigned char>(item[0]))) {
+        bad(flag, flag + ": expected integer lengths, got \"" + item + "\" in \"" + given + "\"");
+      }
+      if (v < 0) bad(flag, flag + ": expected lengths >= 0, got " + item + " in \"" + given + "\"");
+      out.push_back(v);
+      if (comma == std::string::npos) break;
+      pos = comma + 1;
+    }
+  }
+  return out;
+}
 
 std::string format_float(double v) {
   char buf[64];
@@ -145,6 +213,7 @@ GenerateSpec make_spec(const GenFlags& f, int32_t threads) {
     else if (f.has_seqlens_q) s.seqlens_k = s.seqlens_q;
     if (s.seqlens_q.empty() || (p.layout == Layout::bshd && !f.has_seqlens_q)) {
       // A BSHD preset turned THD: B sequences of S_q (resp. S_kv) tokens.
+      check_bshd_sizes(s);
       s.seqlens_q.assign(static_cast<size_t>(std::max<int64_t>(s.batch, 0)), s.s_q);
       if (!f.has_seqlens_k) s.seqlens_k.assign(static_cast<size_t>(std::max<int64_t>(s.batch, 0)), s.s_kv);
     }
@@ -152,13 +221,32 @@ GenerateSpec make_spec(const GenFlags& f, int32_t threads) {
       bad("--seqlens-k", "--seqlens-k: expected " + std::to_string(s.seqlens_q.size()) +
                              " lengths (one per sequence of --seqlens-q), got " + std::to_string(s.seqlens_k.size()));
     }
-    for (size_t i = 0; i < s.seqlens_q.size(); ++i) {
-      if (s.seqlens_q[i] < 0 || s.seqlens_k[i] < 0) bad("--seqlens-q", "sequence lengths: expected >= 0, got a negative one");
+    // Lengths >= 0 and totals (checked, no int64 overflow) within the row limit, before anything is allocated.
+    for (const auto& [flag, lens, what] :
+         {std::tuple<const char*, const std::vector<int64_t>*, const char*>{"--seqlens-q", &s.seqlens_q, "query"},
+          {"--seqlens-k", &s.seqlens_k, "key"}}) {
+      // Lengths the user did not give come from the preset or from --seqlens-q / --s-q.
+      const std::string name = std::string(flag) == "--seqlens-k" && !f.has_seqlens_k
+                                   ? (f.has_seqlens_q ? "--seqlens-q" : "--s-kv")
+                                   : std::string(flag);
+      int64_t total = 0;
+      for (const int64_t len : *lens) {
+        if (len < 0) bad(name, name + ": expected lengths >= 0, got " + std::to_string(len) + " in " + join_lengths(*lens));
+        if (__builtin_add_overflow(total, len, &total) || total > kMaxRows) {
+          bad(name, name + ": expected lengths summing to at most " + kMaxRowsText + " " + what +
+                        " rows (cu_seqlens are int32), got " + join_lengths(*lens) +
+                        (total > kMaxRows ? " (at least " + std::to_string(total) + ")"
+                                          : std::string(" (the sum overflows int64)")));
+        }
+      }
     }
     s.batch = static_cast<int64_t>(s.seqlens_q.size());
   } else if (f.has_seqlens_q || f.has_seqlens_k) {
     bad("--seqlens-q", "--seqlens-q/--seqlens-k: only with --layout thd");
+  } else {
+    check_bshd_sizes(s);
   }
+  if (s.topk > kMaxRows) bad("--topk", "--topk: expected at most " + kMaxRowsText + ", got " + std::to_string(s.topk));
   if (f.weights_f32) s.weights_f32 = true;
   if (f.has_sm_scale) s.sm_scale = f.sm_scale;
   s.seed = f.seed;

@@ -64,6 +64,11 @@ using detail::float_to_bf16;
 constexpr int kAttnHeads = 4;  // main-attention heads drawn for attn_score
 constexpr int kAttnDim = 32;   // their head dim
 
+// Rows (query rows, key rows, sequences) and topk: at most 2^31 - 1, since ids
+// and cu_seqlens are int32. Every size product below then fits int64.
+constexpr int64_t kMaxRows = std::numeric_limits<int32_t>::max();
+const std::string kMaxRowsText = "2147483647 (2^31 - 1)";
+
 [[noreturn]] void fail(const std::string& arg, const std::string& expected, const std::string& got) {
   throw Error(ErrorCode::invalid_argument, arg, arg + ": expected " + expected + ", got " + got);
 }
@@ -188,6 +193,19 @@ Sequences resolve(const GenerateSpec& spec) {
     if (spec.batch < 0) fail("batch", ">= 0", std::to_string(spec.batch));
     if (spec.s_q < 0) fail("s_q", ">= 0", std::to_string(spec.s_q));
     if (spec.s_kv < 0) fail("s_kv", ">= 0", std::to_string(spec.s_kv));
+    // Checked before anything is allocated: B, B*S_q and B*S_kv all at most kMaxRows.
+    if (spec.batch > kMaxRows) fail("batch", "at most " + kMaxRowsText + " sequences", std::to_string(spec.batch));
+    int64_t tq = 0, tk = 0;
+    if (__builtin_mul_overflow(spec.batch, spec.s_q, &tq) || tq > kMaxRows) {
+      fail("s_q", "batch * s_q <= " + kMaxRowsText + " query rows in all",
+           "batch " + std::to_string(spec.batch) + " * s_q " + std::to_string(spec.s_q) +
+               (tq > kMaxRows ? " = " + std::to_string(tq) : std::string(" (overflows int64)")));
+    }
+    if (__builtin_mul_overflow(spec.batch, spec.s_kv, &tk) || tk > kMaxRows) {
+      fail("s_kv", "batch * s_kv <= " + kMaxRowsText + " key rows in all",
+           "batch " + std::to_string(spec.batch) + " * s_kv " + std::to_string(spec.s_kv) +
+               (tk > kMaxRows ? " = " + std::to_string(tk) : std::string(" (overflows int64)")));
+    }
     for (int64_t b = 0; b < spec.batch; ++b) {
       s.q_start.push_back(b * spec.s_q);
       s.q_len.push_back(spec.s_q);
@@ -201,6 +219,8 @@ Sequences resolve(const GenerateSpec& spec) {
       fail("seqlens_k", std::to_string(spec.seqlens_q.size()) + " lengths (one per sequence of seqlens_q) or none",
            std::to_string(lk.size()) + " lengths");
     }
+    // Checked (no int64 overflow) before anything is allocated: the totals fit
+    // cu_seqlens (int32), at most kMaxRows rows each.
     int64_t tq = 0, tk = 0;
     for (size_t b = 0; b < lk.size(); ++b) {
       if (spec.seqlens_q[b] < 0) fail("seqlens_q", "lengths >= 0", sizes_string(spec.seqlens_q));
@@ -209,11 +229,14 @@ Sequences resolve(const GenerateSpec& spec) {
       s.q_len.push_back(spec.seqlens_q[b]);
       s.k_start.push_back(tk);
       s.k_len.push_back(lk[b]);
-      tq += spec.seqlens_q[b];
-      tk += lk[b];
-    }
-    if (tq > std::numeric_limits<int32_t>::max() || tk > std::numeric_limits<int32_t>::max()) {
-      fail("seqlens_q", "totals that fit cu_seqlens (int32)", "T_q = " + std::to_string(tq) + ", T_k = " + std::to_string(tk));
+      if (__builtin_add_overflow(tq, spec.seqlens_q[b], &tq) || tq > kMaxRows) {
+        fail("seqlens_q", "lengths summing to at most " + kMaxRowsText + " query rows (cu_seqlens are int32)",
+             sizes_string(spec.seqlens_q));
+      }
+      if (__builtin_add_overflow(tk, lk[b], &tk) || tk > kMaxRows) {
+        fail(spec.seqlens_k.empty() ? "seqlens_q" : "seqlens_k",
+             "lengths summing to at most " + kMaxRowsText + " key rows (cu_seqlens are int32)", sizes_string(lk));
+      }
     }
   }
   for (size_t b = 0; b < s.q_len.size(); ++b) {
@@ -221,9 +244,7 @@ Sequences resolve(const GenerateSpec& spec) {
     s.num_k_rows += s.k_len[b];
     s.max_k_len = std::max(s.max_k_len, s.k_len[b]);
   }
-  if (s.num_k_rows > std::numeric_limits<int32_t>::max()) {
-    fail("s_kv", "at most 2^31 - 1 key rows in all (ids are int32)", std::to_string(s.num_k_rows) + " key rows");
-  }
+  if (spec.topk > kMaxRows) fail("topk", "at most " + kMaxRowsText, std::to_string(spec.topk));
   s.seq_of_q_row.resize(static_cast<size_t>(s.num_q_rows));
   for (size_t b = 0; b < s.q_len.size(); ++b) {
     for (int64_t t = 0; t < s.q_len[b]; ++t) s.seq_of_q_row[s.q_start[b] + t] = static_cast<int32_t>(b);

@@ -263,6 +263,64 @@ TEST_F(Cli, BenchHelpStatesTheFloorFormulaAndBadFlagsExitWithTwo) {
   }
 }
 
+// Sizes beyond the 2^31 - 1 row limit (or whose sums / products overflow int64)
+// are errors naming the flag, the limit and the value: no crash, no bad_alloc.
+TEST_F(Cli, HugeSizesAreErrorsNamingTheFlagAndTheLimit) {
+  const std::string out = path("huge.safetensors");
+  const std::string h = "4611686018427387904";  // 2^62
+  const struct {
+    std::string args, flag, value;
+  } cases[] = {
+      {"generate --preset thd --seqlens-q " + h + "," + h + "," + h + "," + h, "--seqlens-q", h},
+      {"backward --preset thd --seqlens-q 1,1 --seqlens-k 9223372036854775807,2", "--seqlens-k", "9223372036854775807"},
+      {"generate --preset tiny --batch 4 --s-q " + h + " --s-kv 0", "--s-q", h},
+      {"generate --preset tiny --batch 2 --s-q " + h, "--s-q", h},
+      {"generate --preset tiny --batch 2 --s-q 2 --s-kv " + h, "--s-kv", h},
+      {"generate --preset tiny --batch 4000000000 --s-q 4000000000", "--batch", "4000000000"},
+      {"generate --preset tiny --layout thd --batch 3000000000 --s-q 1", "--batch", "3000000000"},
+      {"generate --preset tiny --batch 2 --s-q 1073741824", "--s-q", "1073741824"},
+  };
+  for (const auto& c : cases) {
+    const std::string args = c.args + (c.args.rfind("generate", 0) == 0 ? " --out " + quote(out) : "");
+    const Result r = run(args);
+    EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.output;
+    EXPECT_TRUE(contains(r.output, "error (invalid_argument): " + c.flag + ": expected")) << args << "\n" << r.output;
+    EXPECT_TRUE(contains(r.output, "2147483647")) << args << "\n" << r.output;
+    EXPECT_TRUE(contains(r.output, c.value)) << args << "\n" << r.output;
+    EXPECT_FALSE(contains(r.output, "out of host memory")) << args << "\n" << r.output;
+    EXPECT_FALSE(std::filesystem::exists(out)) << args;
+  }
+}
+
+// Sequence lengths: empty items are errors, not zeros or dropped; the error names
+// the flag holding the bad item and shows it.
+TEST_F(Cli, SequenceLengthListsRejectEmptyAndNegativeItems) {
+  const struct {
+    std::string args, flag, frag;
+  } cases[] = {
+      {"--seqlens-q ''", "--seqlens-q", "without empty items, got \"\""},
+      {"--seqlens-q 1,,2", "--seqlens-q", "without empty items, got \"1,,2\""},
+      {"--seqlens-q 1,2,", "--seqlens-q", "\"1,2,\""},
+      {"--seqlens-q 3,-5", "--seqlens-q", "got -5 in \"3,-5\""},
+      {"--seqlens-q 3,5 --seqlens-k 1,-5", "--seqlens-k", "got -5 in \"1,-5\""},
+      {"--seqlens-q 3,5 --seqlens-k 1,,5", "--seqlens-k", "\"1,,5\""},
+      {"--seqlens-q 3,x", "--seqlens-q", "\"x\""},
+  };
+  for (const auto& c : cases) {
+    const std::string args = "backward --preset tiny --verify none " + c.args;
+    const Result r = run(args);
+    EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.output;
+    EXPECT_TRUE(contains(r.output, "error (invalid_argument): " + c.flag + ": expected")) << args << "\n" << r.output;
+    EXPECT_TRUE(contains(r.output, c.frag)) << args << "\n" << r.output;
+  }
+  // Well-formed lists still work, as one token or several.
+  const Result ok = run("backward --preset tiny --verify none --seqlens-q 3,5 --seqlens-k 4 6 --json", false);
+  ASSERT_EQ(ok.exit_code, 0) << ok.output;
+  const auto j = nlohmann::json::parse(ok.output);
+  EXPECT_EQ(j["problem"]["q_lengths"], (std::vector<int64_t>{3, 5}));
+  EXPECT_EQ(j["problem"]["k_lengths"], (std::vector<int64_t>{4, 6}));
+}
+
 TEST_F(Cli, BadUsageExitsWithTwo) {
   for (const std::string args : {"", "backward --bogus", "backward --preset nope", "backward --heads 7 --preset tiny",
                                  "backward --verify maybe", "generate --preset tiny",

@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <set>
 
@@ -322,6 +323,46 @@ TEST(Generate, RejectsBadSpecs) {
       EXPECT_EQ(e.argument(), b.arg) << msg;
       EXPECT_EQ(msg.rfind(std::string(b.arg) + ": expected ", 0), 0u) << msg;
       EXPECT_NE(msg.find(", got "), std::string::npos) << msg;
+    }
+  }
+}
+
+/// Sizes whose row counts overflow int64 or exceed the 2^31 - 1 row limit are
+/// errors raised before anything is allocated (no crash, no bad_alloc).
+TEST(Generate, RejectsSizesBeyondTheRowLimitWithoutOverflow) {
+  constexpr int64_t kHuge = int64_t{1} << 62;
+  struct Bad {
+    const char* arg;
+    void (*mutate)(GenerateSpec&);
+  };
+  const Bad bad[] = {
+      {"s_q", [](GenerateSpec& s) { s.batch = 4, s.s_q = kHuge, s.s_kv = 0; }},          // B*S_q wraps to 0
+      {"s_q", [](GenerateSpec& s) { s.batch = 2, s.s_q = kHuge, s.s_kv = 1; }},          // B*S_q = -2^63
+      {"s_q", [](GenerateSpec& s) { s.batch = 2, s.s_q = int64_t{1} << 30, s.s_kv = 1; }},  // 2^31 rows
+      {"s_kv", [](GenerateSpec& s) { s.batch = 4, s.s_q = 1, s.s_kv = kHuge; }},
+      {"batch", [](GenerateSpec& s) { s.batch = 4000000000, s.s_q = 0, s.s_kv = 0; }},
+      {"topk", [](GenerateSpec& s) { s.topk = int64_t{1} << 40; }},
+      {"seqlens_q", [](GenerateSpec& s) {
+         s.layout = Layout::thd;
+         s.seqlens_q = {kHuge, kHuge, kHuge, kHuge};  // sums to 2^64 = 0 (mod 2^64)
+       }},
+      {"seqlens_k", [](GenerateSpec& s) {
+         s.layout = Layout::thd;
+         s.seqlens_q = {1, 1};
+         s.seqlens_k = {std::numeric_limits<int64_t>::max(), 2};
+       }},
+  };
+  for (const Bad& b : bad) {
+    GenerateSpec s = small_spec(91);
+    b.mutate(s);
+    try {
+      (void)make_problem(s);
+      ADD_FAILURE() << "no error for " << b.arg;
+    } catch (const Error& e) {
+      const std::string msg = e.what();
+      EXPECT_EQ(e.code(), ErrorCode::invalid_argument) << msg;
+      EXPECT_EQ(e.argument(), b.arg) << msg;
+      EXPECT_NE(msg.find("2147483647"), std::string::npos) << msg;
     }
   }
 }
