@@ -169,8 +169,39 @@ void print_metrics(std::ostream& s, const std::vector<Metric>& metrics) {
 
 // ---------------------------------------------------------------- generate
 
+/// Fails (io_error / invalid_argument, naming --out) before any work when `out` cannot
+/// be written as a file: a directory, a missing or unwritable parent directory, or the
+/// same file as the input `in` (which would be overwritten).
+void check_out_path(const std::string& out, const std::string& in) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::is_directory(out, ec)) {
+    throw Error(ErrorCode::io_error, "--out", "--out: expected a file name, got \"" + out + "\", a directory");
+  }
+  const fs::path parent = fs::path(out).has_parent_path() ? fs::path(out).parent_path() : fs::path(".");
+  if (!fs::is_directory(parent, ec) || ::access(parent.c_str(), W_OK) != 0) {
+    throw Error(ErrorCode::io_error, "--out",
+                "--out: expected a file in an existing writable directory, got \"" + out + "\"");
+  }
+  if (!in.empty()) {
+    bool same = false;
+    if (fs::exists(out, ec) && fs::exists(in, ec)) {
+      same = fs::equivalent(out, in, ec) && !ec;
+    } else {
+      const fs::path a = fs::weakly_canonical(out, ec), b = fs::weakly_canonical(in, ec);
+      same = !ec && a == b;
+    }
+    if (same) {
+      throw Error(ErrorCode::invalid_argument, "--out",
+                  "--out: expected a file other than the input (--in " + in + "), got \"" + out +
+                      "\" (the gradients would overwrite the problem)");
+    }
+  }
+}
+
 int cmd_generate(GenOptions& gen, const ScalarOverrides& sc, const std::string& out, int32_t threads) {
   gen.finish();
+  check_out_path(out, "");
   sc.apply_to_flags(gen.f);
   const auto t0 = std::chrono::steady_clock::now();
   Problem p = generate(gen.f, threads);
@@ -244,16 +275,7 @@ int cmd_backward(GenOptions& gen, const ScalarOverrides& sc, const BackwardArgs&
     throw Error(ErrorCode::backend_unavailable, "--backend",
                 "--backend: expected cpu or auto (" + cuda_unavailable_reason() + "), got cuda");
   }
-  if (!a.out.empty()) {
-    const std::filesystem::path parent = std::filesystem::path(a.out).has_parent_path()
-                                             ? std::filesystem::path(a.out).parent_path()
-                                             : std::filesystem::path(".");
-    std::error_code ec;
-    if (!std::filesystem::is_directory(parent, ec) || ::access(parent.c_str(), W_OK) != 0) {
-      throw Error(ErrorCode::io_error, "--out",
-                  "--out: expected a file in an existing writable directory, got \"" + a.out + "\"");
-    }
-  }
+  if (!a.out.empty()) check_out_path(a.out, a.in);
 
   // Inputs.
   Problem p;

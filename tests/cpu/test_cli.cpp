@@ -321,6 +321,33 @@ TEST_F(Cli, SequenceLengthListsRejectEmptyAndNegativeItems) {
   EXPECT_EQ(j["problem"]["k_lengths"], (std::vector<int64_t>{4, 6}));
 }
 
+// --out is checked before any work: not the input file (it would be overwritten
+// with the gradients), not a directory, in an existing directory.
+TEST_F(Cli, OutputPathIsCheckedUpFront) {
+  const std::string in = path("keep.safetensors");
+  std::filesystem::copy_file(tiny_problem(), in, std::filesystem::copy_options::overwrite_existing);
+  const auto size = std::filesystem::file_size(in);
+  for (const std::string& out : {in, path("sub/../keep.safetensors")}) {
+    std::filesystem::create_directories(path("sub"));
+    const Result r = run("backward --verify none --in " + quote(in) + " --out " + quote(out));
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_TRUE(contains(r.output, "--out: expected a file other than the input")) << r.output;
+    EXPECT_FALSE(contains(r.output, "backend:")) << "not up front:\n" << r.output;
+  }
+  EXPECT_EQ(std::filesystem::file_size(in), size);
+  EXPECT_EQ(dsaib::read_safetensors(in).count("index_q"), 1u);
+
+  for (const std::string& args : {"backward --verify none --in " + quote(in) + " --out " + quote(path("sub")),
+                                  "generate --preset tiny --out " + quote(path("sub")),
+                                  "generate --preset tiny --out " + quote(path("nonexistent/x.safetensors")),
+                                  "backward --preset tiny --out " + quote(path("nonexistent/x.safetensors"))}) {
+    const Result r = run(args);
+    EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.output;
+    EXPECT_TRUE(contains(r.output, "error (io_error): --out: expected a file")) << args << "\n" << r.output;
+    EXPECT_FALSE(contains(r.output, "generate: done")) << "not up front: " << args << "\n" << r.output;
+  }
+}
+
 TEST_F(Cli, BadUsageExitsWithTwo) {
   for (const std::string args : {"", "backward --bogus", "backward --preset nope", "backward --heads 7 --preset tiny",
                                  "backward --verify maybe", "generate --preset tiny",
