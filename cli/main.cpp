@@ -317,6 +317,21 @@ int cmd_backward(GenOptions& gen, const ScalarOverrides& sc, const BackwardArgs&
   log_stage("backend: " + backend_line);
   const DType out_dtype = a.out_dtype == "f32" ? DType::f32 : DType::bf16;
   const int warmup = a.warmup >= 0 ? a.warmup : (backend == Backend::cuda ? 1 : 0);
+  // The a-operand precision of the dK/dQ GEMMs (IndexerBackwardOptions::a_operand_precision):
+  // auto is bf16x2 when an output is f32, else bf16; the cpu backend ignores it (fp64 throughout).
+  std::string a_operand_used, a_operand_line;
+  if (backend == Backend::cuda) {
+    AOperandPrecision used = p.options.a_operand_precision;
+    if (used == AOperandPrecision::automatic) {
+      used = out_dtype == DType::f32 ? AOperandPrecision::bf16x2 : AOperandPrecision::bf16;
+      a_operand_line = std::string(a_operand_precision_name(used)) + " (auto: " + dtype_name(out_dtype) + " outputs)";
+    } else {
+      a_operand_line = std::string(a_operand_precision_name(used)) + " (requested)";
+    }
+    a_operand_used = a_operand_precision_name(used);
+  } else {
+    a_operand_used = a_operand_line = "ignored (cpu backend)";
+  }
   log_stage("problem: " + g.summary());
   const std::string input_nonfinite = nonfinite_inputs(p);
   if (!input_nonfinite.empty()) log_stage("warning: non-finite input values (" + input_nonfinite + "): at valid slots and in q/w/k they propagate through the math; T and P at invalid slots are ignored");
@@ -390,6 +405,7 @@ int cmd_backward(GenOptions& gen, const ScalarOverrides& sc, const BackwardArgs&
                     {"normalization_count", n_norm}};
     j["backend"] = {{"name", backend_name(backend)}, {"why", backend_note}, {"device", r.device}};
     j["out_dtype"] = dtype_name(out_dtype);
+    j["a_operand"] = {{"requested", a_operand_precision_name(p.options.a_operand_precision)}, {"used", a_operand_used}};
     j["timing"] = {{"timer", r.timer},
                    {"warmup", warmup},
                    {"seconds", r.seconds},
@@ -440,6 +456,7 @@ int cmd_backward(GenOptions& gen, const ScalarOverrides& sc, const BackwardArgs&
     << "  scalars     sm_scale=" << format_float(p.options.sm_scale) << " loss_coeff=" << format_float(p.options.loss_coeff)
     << " grad_loss=" << format_float(p.options.grad_loss) << " N=" << n_norm << "\n"
     << "  backend     " << backend_line << ", " << r.device << "\n"
+    << "  a operand   " << a_operand_line << "\n"
     << "  backward    " << human_seconds(mean);
   if (r.seconds.size() > 1) s << " mean, " << human_seconds(best) << " min of " << r.seconds.size() << " runs";
   s << " (" << human_seconds(g.num_q_rows > 0 ? mean / double(g.num_q_rows) : 0.0) << " per query row, "

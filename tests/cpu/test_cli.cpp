@@ -348,6 +348,22 @@ TEST_F(Cli, OutputPathIsCheckedUpFront) {
   }
 }
 
+// The report states the a-operand precision; the cpu backend ignores it.
+TEST_F(Cli, ReportStatesTheAOperandPrecision) {
+  const std::string in = tiny_problem();
+  Result r = run("backward --backend cpu --verify none --a-operand bf16x2 --in " + quote(in));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "  a operand   ignored (cpu backend)")) << r.output;
+  r = run("backward --backend cpu --verify none --json --a-operand bf16 --in " + quote(in), false);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto j = nlohmann::json::parse(r.output);
+  EXPECT_EQ(j["a_operand"]["requested"], "bf16");
+  EXPECT_EQ(j["a_operand"]["used"], "ignored (cpu backend)");
+  r = run("backward --backend cpu --verify none --json --in " + quote(in), false);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(nlohmann::json::parse(r.output)["a_operand"]["requested"], "auto");
+}
+
 TEST_F(Cli, BadUsageExitsWithTwo) {
   for (const std::string args : {"", "backward --bogus", "backward --preset nope", "backward --heads 7 --preset tiny",
                                  "backward --verify maybe", "generate --preset tiny",
