@@ -35,6 +35,8 @@ The C++ library's errors surface with the C++ message unchanged:
 
 from __future__ import annotations
 
+import operator
+
 import numpy as _np
 
 from . import _dsaib
@@ -187,6 +189,96 @@ def _is_scalar(x) -> bool:
     return isinstance(x, (int, float, _np.integer, _np.floating)) and not isinstance(x, bool)
 
 
+# ---- argument checks ----------------------------------------------------------
+#
+# What the extension's typed parameters would otherwise reject with nanobind's
+# "incompatible function arguments" (which names no argument), or convert
+# silently (float64 -> float32 overflow, float -> int truncation), is checked
+# here, with messages in the library's style: "NAME: expected X, got Y".
+
+_INT32_MAX = 2**31 - 1
+_INT64_MAX = 2**63 - 1
+_OUT_NAMES = ("d_index_q", "d_weights", "d_index_k")
+
+
+def _is_bool(x) -> bool:
+    return isinstance(x, (bool, _np.bool_))
+
+
+def _type_name(x) -> str:
+    return type(x).__name__
+
+
+def _f32_value(name, x) -> float:
+    """A real number as the float the extension takes, which it converts to
+    float32: rejects bools, non-numbers and values that are not finite in float32."""
+    if _is_bool(x):
+        raise TypeError(f"{name}: expected a real number, got bool {x!r}")
+    if isinstance(x, (complex, _np.complexfloating)) or isinstance(x, str):
+        raise TypeError(f"{name}: expected a real number, got {_type_name(x)} {x!r}")
+    try:
+        value = float(x)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}: expected a real number, got {_type_name(x)}") from None
+    with _np.errstate(over="ignore", invalid="ignore"):
+        finite = bool(_np.isfinite(_np.float32(value)))
+    if not finite:
+        raise ValueError(f"{name}: expected a finite float32 value, got {value!r}")
+    return value
+
+
+def _int_value(name, x, lo, hi, what) -> int:
+    """An integer (int, numpy integer, anything with __index__; not bool, not float) in [lo, hi]."""
+    if _is_bool(x):
+        raise TypeError(f"{name}: expected an int, got bool {x!r}")
+    try:
+        value = operator.index(x)
+    except TypeError:
+        raise TypeError(f"{name}: expected an int, got {_type_name(x)} {x!r}") from None
+    if not lo <= value <= hi:
+        raise ValueError(f"{name}: expected an int in {what}, got {value}")
+    return value
+
+
+def _grad_loss(x):
+    """(value, tensor): a real number (not bool), or a tensor (checked by the extension:
+    one float32 element on the backend's device)."""
+    if _is_bool(x):
+        raise TypeError(f"grad_loss: expected a real number or a one-element float32 tensor, got bool {x!r}")
+    if _is_scalar(x):
+        return _f32_value("grad_loss", x), None
+    if hasattr(x, "__dlpack__") or type(x).__name__ == "PyCapsule":
+        return 1.0, x
+    raise TypeError(f"grad_loss: expected a real number or a one-element float32 tensor, got {_type_name(x)}")
+
+
+def _check_out(out) -> tuple:
+    """out as a tuple of three writable arrays."""
+    if isinstance(out, (str, bytes)) or not hasattr(out, "__iter__"):
+        raise TypeError(f"out: expected a tuple (d_index_q, d_weights, d_index_k), got {_type_name(out)}")
+    out = tuple(out)
+    if len(out) != 3:
+        raise ValueError(f"out: expected (d_index_q, d_weights, d_index_k), got {len(out)} items")
+    for name, o in zip(_OUT_NAMES, out):
+        if o is None:
+            raise TypeError(f"out: expected 3 arrays (d_index_q, d_weights, d_index_k), got None for {name}")
+        if isinstance(o, _np.ndarray):
+            read_only = not o.flags.writeable
+        elif hasattr(o, "__dlpack__") or _framework(o) == "torch":
+            read_only = False  # a read-only DLPack export is reported by the extension
+        else:
+            try:
+                read_only = memoryview(o).readonly
+            except TypeError:
+                raise TypeError(f"out: expected 3 arrays (d_index_q, d_weights, d_index_k), got a "
+                                f"{_type_name(o)} for {name}") from None
+        if read_only:
+            raise ValueError(f"out: expected writable arrays, got a read-only {name}")
+    if any(_framework(o) == "jax" for o in out):
+        raise TypeError("out: jax arrays are immutable; leave out=None to get new jax arrays")
+    return out
+
+
 def _a_operand(a_operand_precision) -> str:
     """The option as the str the extension parses (it raises ValueError for a bad word)."""
     if not isinstance(a_operand_precision, str):
@@ -305,13 +397,25 @@ def indexer_backward(
       tensors are returned.
 
     Raises:
-      TypeError: unsupported dtype (message from the C++ library).
+      TypeError: unsupported dtype (message from the C++ library or the
+        binding: ``NAME: expected dtype X, got Y`` with X what NAME takes); a
+        bool or non-number for sm_scale/loss_coeff/grad_loss; a non-int
+        normalization_count/num_threads; None in ``out``.
       ValueError: bad rank/shape/stride/device/option/cu_seqlens, or an
-        invalid id with ``strict_indices=True`` (message from the C++ library).
+        invalid id with ``strict_indices=True`` (message from the C++ library);
+        sm_scale/loss_coeff/grad_loss not finite as float32; num_threads
+        outside [0, 2^31-1]; ``out`` not 3 arrays, or a read-only one.
       RuntimeError: backend unavailable, unsupported option, CUDA failure.
     """
     if out_dtype not in ("f32", "bf16"):
         raise ValueError(f'out_dtype: expected "f32" or "bf16", got {out_dtype!r}')
+    sm_scale = _f32_value("sm_scale", sm_scale)
+    loss_coeff = _f32_value("loss_coeff", loss_coeff)
+    grad_loss_value, grad_loss_tensor = _grad_loss(grad_loss)
+    normalization_count = _int_value("normalization_count", normalization_count, 0, _INT64_MAX, "[0, 2^63-1]")
+    num_threads = _int_value("num_threads", num_threads, 0, _INT32_MAX, "[0, 2^31-1]")
+    if out is not None:
+        out = _check_out(out)
     fw = _framework(index_q)
     kind, index = _device(index_q)
     device = f"cuda:{index}" if kind == "cuda" else kind
@@ -332,12 +436,6 @@ def indexer_backward(
         # numpy/cupy bf16 outputs allocated here are uint16 bit patterns; this
         # does not change how uint16 *inputs* are read.
         out_uint16_as_bf16 = True
-    else:
-        out = tuple(out)
-        if len(out) != 3:
-            raise ValueError(f"out: expected (d_index_q, d_weights, d_index_k), got {len(out)} items")
-        if any(_framework(o) == "jax" for o in out):
-            raise TypeError("out: jax arrays are immutable; leave out=None to get new jax arrays")
 
     workspace = None
     if fw == "torch" and backend == "cuda" and device.startswith("cuda") and _framework(out[2]) == "torch" \
@@ -347,11 +445,6 @@ def indexer_backward(
         # The fp32 dK accumulator (indexer_backward_workspace_size), from torch's
         # caching allocator so it is stream-ordered and CUDA-graph safe.
         workspace = torch.empty(max(int(index_k.numel()), 1), dtype=torch.float32, device=index_q.device)
-
-    if _is_scalar(grad_loss):
-        grad_loss_value, grad_loss_tensor = float(grad_loss), None
-    else:
-        grad_loss_value, grad_loss_tensor = 1.0, grad_loss
 
     if fw == "torch" and backend == "cuda" and explicit_stream:
         import torch
@@ -406,6 +499,10 @@ def indexer_kl_loss(
     from index_score). Same arguments, shapes and errors as
     :func:`indexer_backward`.
     """
+    sm_scale = _f32_value("sm_scale", sm_scale)
+    loss_coeff = _f32_value("loss_coeff", loss_coeff)
+    grad_loss = _f32_value("grad_loss", grad_loss)
+    normalization_count = _int_value("normalization_count", normalization_count, 0, _INT64_MAX, "[0, 2^63-1]")
     return _dsaib.indexer_kl_loss(
         _export(index_q), _export(weights), _export(index_k), _export(topk_indices), _export(attn_score),
         _export(index_score), _export(cu_seqlens_q), _export(cu_seqlens_k), layout, id_mode, float(sm_scale), float(loss_coeff),

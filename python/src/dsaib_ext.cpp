@@ -13,7 +13,8 @@
 //                                                  numpy has no bfloat16)
 //   float32                                     -> f32
 //   int32                                       -> i32
-//   anything else                               -> TypeError
+//   anything else                               -> TypeError "NAME: expected dtype X, got Y",
+//                                                  X the dtypes NAME takes (src/core/validate.cpp)
 //
 // Errors: dsaib::Error is translated by its code:
 //   invalid_argument whose message is about a dtype -> TypeError
@@ -69,6 +70,16 @@ std::string dtype_string(nb::dlpack::dtype dt) {
   return got;
 }
 
+/// The dtypes argument `name` takes, as the library's validation lists them
+/// (src/core/validate.cpp): "bf16", "bf16 or f32", "f32" or "i32".
+const char* expected_dtypes(const std::string& name) {
+  if (name == "index_q" || name == "index_k") return "bf16";
+  if (name == "weights" || name == "d_index_q" || name == "d_weights" || name == "d_index_k") return "bf16 or f32";
+  if (name == "attn_score" || name == "index_score" || name == "grad_loss") return "f32";
+  if (name == "topk_indices" || name == "cu_seqlens_q" || name == "cu_seqlens_k") return "i32";
+  return "bf16, f32 or i32";
+}
+
 dsaib::DType to_dtype(const char* name, nb::dlpack::dtype dt, bool uint16_as_bf16) {
   const auto code = static_cast<nb::dlpack::dtype_code>(dt.code);
   if (dt.lanes == 1) {
@@ -79,8 +90,9 @@ dsaib::DType to_dtype(const char* name, nb::dlpack::dtype dt, bool uint16_as_bf1
         uint16_as_bf16)
       return dsaib::DType::bf16;
   }
-  std::string msg = std::string(name) + ": expected dtype bf16, f32 or i32, got " + dtype_string(dt);
-  if (code == nb::dlpack::dtype_code::UInt && dt.bits == 16)
+  const std::string expected = expected_dtypes(name);
+  std::string msg = std::string(name) + ": expected dtype " + expected + ", got " + dtype_string(dt);
+  if (code == nb::dlpack::dtype_code::UInt && dt.bits == 16 && expected.find("bf16") != std::string::npos)
     msg += " (pass uint16_as_bf16=True to read uint16 as bf16 bit patterns)";
   throw PyTypeError{msg};
 }

@@ -175,8 +175,111 @@ def test_caller_uint16_outputs_without_the_flag_are_type_error():
 def test_float64_is_type_error():
     p = make_problem(0)
     p["weights"] = p["weights"].astype(np.float64)
-    with pytest.raises(TypeError, match=r"^weights: expected dtype bf16, f32 or i32, got float64$"):
+    with pytest.raises(TypeError, match=r"^weights: expected dtype bf16 or f32, got float64$"):
         run(p)
+
+
+@pytest.mark.parametrize("name,dtype,want", [
+    ("topk_indices", np.int64, "i32"),
+    ("attn_score", np.float64, "f32"),
+    ("index_score", np.float16, "f32"),
+    ("index_q", np.float64, "bf16"),
+    ("weights", np.int64, "bf16 or f32"),
+])
+def test_binding_dtype_error_lists_what_the_argument_takes(name, dtype, want):
+    p = make_problem(0)
+    p[name] = p[name].astype(dtype)
+    got = np.dtype(dtype).name
+    with pytest.raises(TypeError, match=r"^%s: expected dtype %s, got %s$" % (name, want, got)):
+        run(p)
+
+
+def test_binding_dtype_error_for_cu_seqlens_and_outputs():
+    p = make_problem(6, invalid=False)
+    thd = {k: np.ascontiguousarray(v.reshape((-1,) + v.shape[2:])) for k, v in p.items()}
+    cu_q = np.array([0, 5, 10], np.int64)
+    cu_k = np.array([0, 7, 14], np.int32)
+    with pytest.raises(TypeError, match=r"^cu_seqlens_q: expected dtype i32, got int64$"):
+        run(thd, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    out = [np.empty(p["index_q"].shape, np.float32), np.empty(p["weights"].shape, np.float64),
+           np.empty(p["index_k"].shape, np.float32)]
+    with pytest.raises(TypeError, match=r"^d_weights: expected dtype bf16 or f32, got float64$"):
+        run(p, out=out)
+    # uint16 where bf16 is not taken: no uint16_as_bf16 hint
+    for name in ("index_q", "index_k"):
+        p[name] = dsaib.bf16_to_f32(p[name])
+    p["topk_indices"] = p["topk_indices"].astype(np.uint16)
+    with pytest.raises(TypeError, match=r"^topk_indices: expected dtype i32, got uint16$"):
+        dsaib.indexer_backward(**p, sm_scale=SM_SCALE)
+
+
+def test_read_only_output_is_value_error_naming_it():
+    p = make_problem(0)
+    out = [np.empty(x.shape, np.float32) for x in (p["index_q"], p["weights"], p["index_k"])]
+    out[1].flags.writeable = False
+    with pytest.raises(ValueError, match=r"^out: expected writable arrays, got a read-only d_weights$"):
+        run(p, out=out)
+
+
+def test_out_must_hold_three_arrays():
+    p = make_problem(0)
+    with pytest.raises(TypeError, match=r"^out: expected 3 arrays .*got None for d_index_q$"):
+        run(p, out=(None, None, None))
+    with pytest.raises(ValueError, match=r"^out: expected \(d_index_q, d_weights, d_index_k\), got 2 items$"):
+        run(p, out=(np.empty(1, np.float32),) * 2)
+    with pytest.raises(TypeError, match=r"^out: expected a tuple"):
+        run(p, out=3)
+
+
+@pytest.mark.parametrize("bad", [True, np.bool_(False), "1.0", [1.0]])
+def test_grad_loss_must_be_a_number_or_a_tensor(bad):
+    with pytest.raises(TypeError, match=r"^grad_loss: expected a real number or a one-element float32 tensor, got "):
+        run(make_problem(0), grad_loss=bad)
+
+
+def test_grad_loss_tensor_and_number_agree():
+    p = make_problem(0)
+    for a, b in zip(run(p, grad_loss=np.ones(1, np.float32) * 1.5), run(p, grad_loss=1.5)):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(TypeError, match=r"^grad_loss: expected dtype float32"):
+        run(p, grad_loss=np.ones(1, np.float64))
+
+
+@pytest.mark.parametrize("bad,exc,msg", [
+    (2**40, ValueError, r"^num_threads: expected an int in \[0, 2\^31-1\], got 1099511627776$"),
+    (-1, ValueError, r"^num_threads: expected an int in \[0, 2\^31-1\], got -1$"),
+    (2.0, TypeError, r"^num_threads: expected an int, got float 2.0$"),
+    (True, TypeError, r"^num_threads: expected an int, got bool True$"),
+])
+def test_num_threads_is_an_int32(bad, exc, msg):
+    with pytest.raises(exc, match=msg):
+        run(make_problem(0), num_threads=bad)
+
+
+def test_normalization_count_must_be_an_integer():
+    p = make_problem(2)
+    with pytest.raises(TypeError, match=r"^normalization_count: expected an int, got float 2.5$"):
+        run(p, normalization_count=2.5)
+    with pytest.raises(TypeError, match=r"^normalization_count: "):
+        dsaib.indexer_kl_loss(**p, sm_scale=SM_SCALE, uint16_as_bf16=True, normalization_count=2.5)
+    with pytest.raises(ValueError, match=r"^normalization_count: expected an int in \[0, 2\^63-1\], got 9223372036854775808$"):
+        run(p, normalization_count=2**63)
+    for a, b in zip(run(p, normalization_count=np.int64(5)), run(p, normalization_count=5)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_scale_overflowing_float32_reports_the_given_value():
+    p = make_problem(0)
+    with pytest.raises(ValueError, match=r"^sm_scale: expected a finite float32 value, got 1e\+300$"):
+        run(p, sm_scale=1e300)
+    with pytest.raises(ValueError, match=r"^loss_coeff: expected a finite float32 value, got -1e\+39$"):
+        run(p, loss_coeff=-1e39)
+    with pytest.raises(ValueError, match=r"^grad_loss: expected a finite float32 value, got 3.5e\+38$"):
+        run(p, grad_loss=3.5e38)
+    with pytest.raises(ValueError, match=r"^sm_scale: expected a finite float32 value, got 1e\+300$"):
+        dsaib.indexer_kl_loss(**p, sm_scale=1e300, uint16_as_bf16=True)
+    with pytest.raises(TypeError, match=r"^sm_scale: expected a real number, got bool True$"):
+        run(p, sm_scale=True)
 
 
 def test_non_finite_scale_is_value_error():

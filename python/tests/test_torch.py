@@ -165,7 +165,7 @@ def test_op_errors_keep_the_cpp_message():
         dt.indexer_backward(q, w[..., :7], k, ids, T, P, sm_scale=SM)
     with pytest.raises(TypeError, match=r"^index_score: expected dtype f32, got dtype "):
         dt.indexer_backward(q, w, k, ids, T, P.to(torch.bfloat16), sm_scale=SM)
-    with pytest.raises(TypeError, match=r"^index_score: expected dtype bf16, f32 or i32, got float64$"):
+    with pytest.raises(TypeError, match=r"^index_score: expected dtype f32, got float64$"):
         dt.indexer_backward(q, w, k, ids, T, P.double(), sm_scale=SM)
     with pytest.raises(ValueError, match=r"^grad_loss: expected a tensor with one element, got 2 elements$"):
         dt.indexer_backward(q, w, k, ids, T, P, sm_scale=SM, grad_loss=torch.ones(2))
@@ -303,3 +303,16 @@ def test_generic_function_accepts_tensors_that_require_grad_and_non_contiguous_v
     for g, w in zip(got, numpy_reference(p, SM)):
         assert not g.requires_grad
         np.testing.assert_allclose(g.double().numpy(), w, rtol=1e-5, atol=1e-7)
+
+
+def test_generic_function_int64_topk_names_what_topk_indices_takes():
+    # torch.topk returns int64 ids: the binding says topk_indices takes i32 (not "bf16, f32 or i32").
+    t = to_torch(make_problem(13))
+    t["topk_indices"] = t["topk_indices"].long()
+    with pytest.raises(TypeError, match=r"^topk_indices: expected dtype i32, got int64$"):
+        dsaib.indexer_backward(**t, sm_scale=0.125)
+    t = to_torch(make_problem(13))
+    with pytest.raises(TypeError, match=r"^grad_loss: expected a real number or a one-element float32 tensor, got bool"):
+        dsaib.indexer_backward(**t, sm_scale=0.125, grad_loss=True)
+    with pytest.raises(ValueError, match=r"^sm_scale: expected a finite float32 value, got 1e\+300$"):
+        dsaib.indexer_backward(**t, sm_scale=1e300)
