@@ -13,7 +13,9 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <limits>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -31,6 +33,27 @@ namespace {
 
 constexpr int kExitFail = 1;
 constexpr int kExitError = 2;
+
+/// Integer range checks whose messages read "--flag: expected >= 1, got 0" (CLI11
+/// prefixes the flag), instead of CLI::Range's double-formatted bounds.
+CLI::Validator int_range(int64_t lo, int64_t hi = std::numeric_limits<int64_t>::max()) {
+  const std::string expected = hi == std::numeric_limits<int64_t>::max()
+                                   ? ">= " + std::to_string(lo)
+                                   : "an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]";
+  return CLI::Validator(
+      [lo, hi, expected](std::string& v) -> std::string {
+        char* end = nullptr;
+        errno = 0;
+        const long long x = std::strtoll(v.c_str(), &end, 10);
+        if (v.empty() || end != v.c_str() + v.size() || errno == ERANGE) {
+          return "expected an integer " + (expected.rfind(">=", 0) == 0 ? expected : expected.substr(11)) +
+                 ", got \"" + v + "\"";
+        }
+        if (x < lo || x > hi) return "expected " + expected + ", got " + v;
+        return std::string();
+      },
+      expected.rfind(">=", 0) == 0 ? "INT " + expected : "INT in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
+}
 
 /// The generation flags of a subcommand, and the CLI11 options that set them.
 struct GenOptions {
@@ -95,7 +118,7 @@ struct ScalarOverrides {
     o_gl = app->add_option("--grad-loss", grad_loss, "upstream gradient of the loss (default 1)" + suffix);
     o_n = app->add_option("--normalization-count", normalization_count,
                           "N in c = grad_loss*loss_coeff/N (default 0: the number of query tokens)" + suffix)
-              ->check(CLI::NonNegativeNumber);
+              ->check(int_range(0));
   }
   bool any_given() const { return o_sm->count() || o_lc->count() || o_gl->count() || o_n->count(); }
   void apply_to_flags(GenFlags& f) const {
@@ -504,7 +527,7 @@ int run_main(int argc, char** argv) {
   gen_cmd->add_option("--out,-o", gen_out, "output .safetensors file")->required();
   gen_g.add(gen_cmd);
   gen_sc.add(gen_cmd, false);
-  gen_cmd->add_option("--threads", gen_threads, "worker threads (0: all cores)")->check(CLI::NonNegativeNumber);
+  gen_cmd->add_option("--threads", gen_threads, "worker threads (0: all cores)")->check(int_range(0, 1 << 20));
 
   // backward
   CLI::App* bwd_cmd = app.add_subcommand("backward", "run, time and verify the backward of a problem");
@@ -527,12 +550,13 @@ int run_main(int argc, char** argv) {
       ->check(CLI::IsMember({"auto", "none", "all", "sample"}))
       ->default_str("auto");
   bwd_cmd->add_option("--sample-rows", a.sample_rows, "query rows and key rows checked by --verify sample")
-      ->check(CLI::PositiveNumber)
+      ->check(int_range(1))
       ->default_str("64");
   bwd_cmd->add_option("--threads", a.threads, "worker threads of the cpu backend, reference and generator (0: all cores)")
-      ->check(CLI::NonNegativeNumber);
-  bwd_cmd->add_option("--warmup", a.warmup, "untimed runs before the timed ones (default: 1 on cuda, 0 on cpu)");
-  bwd_cmd->add_option("--repeat", a.repeat, "timed runs (>= 1)")->check(CLI::Range(1, 1000000))->default_str("1");
+      ->check(int_range(0, 1 << 20));
+  bwd_cmd->add_option("--warmup", a.warmup, "untimed runs before the timed ones (default: 1 on cuda, 0 on cpu)")
+      ->check(int_range(0, 100000));
+  bwd_cmd->add_option("--repeat", a.repeat, "timed runs (>= 1)")->check(int_range(1, 1000000))->default_str("1");
   bwd_cmd->add_flag("--strict-indices", a.strict, "raise an error on the first invalid (out of range) id");
   bwd_cmd->add_option("--a-operand", a.a_operand,
                       "cuda: precision of the a operand of the dK/dQ GEMMs: auto (bf16x2 if an output is f32, else bf16), "
@@ -547,29 +571,29 @@ int run_main(int argc, char** argv) {
   BenchArgs ba;
   bench_cmd->add_option("--seq", ba.seqs, "S_q = S_kv of each case, a comma-separated list")
       ->delimiter(',')
-      ->check(CLI::PositiveNumber)
+      ->check(int_range(1))
       ->default_str("4096,16384,65536");
   bench_cmd->add_option("--ids", ba.ids, "id patterns, a comma-separated list: causal (row t selects min(t+1, topk) "
                                          "keys of 0..t), random (topk keys of the whole sequence)")
       ->delimiter(',')
       ->check(CLI::IsMember({"causal", "random"}))
       ->default_str("causal,random");
-  bench_cmd->add_option("--heads", ba.heads, "H: index heads")->default_str("64");
+  bench_cmd->add_option("--heads", ba.heads, "H: index heads")->check(int_range(1))->default_str("64");
   bench_cmd->add_option("--dim", ba.dim, "D: head dimension")->check(CLI::IsMember({64, 128}))->default_str("128");
-  bench_cmd->add_option("--topk", ba.topk, "selected keys per query row")->default_str("2048");
+  bench_cmd->add_option("--topk", ba.topk, "selected keys per query row")->check(int_range(1))->default_str("2048");
   bench_cmd->add_option("--a-operand", ba.a_operand,
                         "precision of the a operand of the dK/dQ GEMMs: auto (bf16 for these bf16 outputs), bf16x2 or bf16")
       ->check(CLI::IsMember({"auto", "bf16x2", "bf16"}))
       ->default_str("auto");
-  bench_cmd->add_option("--batch,-b", ba.batch, "B: batch size")->check(CLI::PositiveNumber)->default_str("1");
+  bench_cmd->add_option("--batch,-b", ba.batch, "B: batch size")->check(int_range(1))->default_str("1");
   bench_cmd->add_option("--iters", ba.iters, "timed launches per case and per floor micro-benchmark")
-      ->check(CLI::Range(1, 100000))
+      ->check(int_range(1, 100000))
       ->default_str("20");
-  bench_cmd->add_option("--warmup", ba.warmup, "untimed launches first")->check(CLI::Range(0, 100000))->default_str("3");
+  bench_cmd->add_option("--warmup", ba.warmup, "untimed launches first")->check(int_range(0, 100000))->default_str("3");
   bench_cmd->add_option("--input-sets", ba.input_sets,
                         "input sets rotated over (0: automatic, enough to exceed twice the L2 and at least 2; "
                         "1: no rotation)")
-      ->check(CLI::Range(0, 1024))
+      ->check(int_range(0, 1024))
       ->default_str("0");
   bench_cmd->add_option("--seed", ba.seed, "generator seed (a case uses seed + S)")->default_str("1234");
   bench_cmd->add_option("--json", ba.json, "also write the report as JSON to FILE (- : JSON on stdout, the table on "

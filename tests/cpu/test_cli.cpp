@@ -364,6 +364,35 @@ TEST_F(Cli, ReportStatesTheAOperandPrecision) {
   EXPECT_EQ(nlohmann::json::parse(r.output)["a_operand"]["requested"], "auto");
 }
 
+// Integer flags out of range: "--flag: expected ..., got VALUE" (no double-formatted
+// CLI11 bounds); backward --warmup is bounded like bench's.
+TEST_F(Cli, IntegerRangeErrorsNameTheFlagAndTheValue) {
+  const struct {
+    std::string args, message;
+  } cases[] = {
+      {"backward --sample-rows 0", "--sample-rows: expected >= 1, got 0"},
+      {"backward --sample-rows x", "--sample-rows: expected an integer >= 1, got \"x\""},
+      {"backward --threads -1", "--threads: expected an integer in [0, 1048576], got -1"},
+      {"backward --warmup -5", "--warmup: expected an integer in [0, 100000], got -5"},
+      {"backward --warmup 100001", "--warmup: expected an integer in [0, 100000], got 100001"},
+      {"backward --repeat 0", "--repeat: expected an integer in [1, 1000000], got 0"},
+      {"backward --normalization-count -3", "--normalization-count: expected >= 0, got -3"},
+      {"generate --threads -2 --out x.safetensors", "--threads: expected an integer in [0, 1048576], got -2"},
+      {"bench --seq 0", "--seq: expected >= 1, got 0"},
+      {"bench --seq 64,-1", "--seq: expected >= 1, got -1"},
+      {"bench --topk -1", "--topk: expected >= 1, got -1"},
+      {"bench --batch 0", "--batch: expected >= 1, got 0"},
+      {"bench --iters 0", "--iters: expected an integer in [1, 100000], got 0"},
+      {"bench --warmup -5", "--warmup: expected an integer in [0, 100000], got -5"},
+  };
+  for (const auto& c : cases) {
+    const Result r = run(c.args);
+    EXPECT_EQ(r.exit_code, 2) << c.args << "\n" << r.output;
+    EXPECT_TRUE(contains(r.output, c.message)) << c.args << "\n" << r.output;
+    EXPECT_FALSE(contains(r.output, "0.000000")) << c.args << "\n" << r.output;
+  }
+}
+
 TEST_F(Cli, BadUsageExitsWithTwo) {
   for (const std::string args : {"", "backward --bogus", "backward --preset nope", "backward --heads 7 --preset tiny",
                                  "backward --verify maybe", "generate --preset tiny",
