@@ -256,7 +256,27 @@ struct BackwardArgs {
 };
 
 /// "attn_score: 3 (first at element 17), ..." for the floating-point inputs holding NaN/inf; "" if none.
-std::string nonfinite_inputs(const Problem& p) {
+/// What every backend (and the fp64 reference) does with NaN/inf in each input
+/// (g_i = -c * max(T_i, eps) * [P_i >= eps], G = sum_i g_i, gs_i = g_i - P_i * G;
+/// a slot and head contribute only where the logit x = q_h . k > 0).
+std::string nonfinite_effect(const std::string& name) {
+  if (name == "index_q" || name == "index_k") {
+    return name + ": a logit q.k that comes out NaN (or -inf) counts as not positive (relu(NaN) = 0, [NaN > 0] = 0), "
+                  "so that slot and head drop out silently, not propagated; a logit of +inf propagates";
+  }
+  if (name == "weights") return "weights: propagate into d_index_q and d_index_k of the row's selected keys";
+  if (name == "attn_score") {
+    return "attn_score: at a valid slot whose index_score is >= eps (e^-100), NaN/inf propagates through "
+           "G = sum g_i into every gradient of that query row (where index_score < eps it is ignored)";
+  }
+  if (name == "index_score") {
+    return "index_score: at a valid slot, NaN/inf propagates into that slot's gradients (a NaN one also drops its "
+           "attn_score term, as NaN >= eps is false)";
+  }
+  return name + ": propagate";
+}
+
+std::string nonfinite_inputs(const Problem& p, std::vector<std::string>* names = nullptr) {
   std::string out;
   for (const char* name : {"index_q", "weights", "index_k", "attn_score", "index_score"}) {
     const auto it = p.tensors.find(name);
@@ -278,6 +298,7 @@ std::string nonfinite_inputs(const Problem& p) {
       }
     }
     if (count > 0) {
+      if (names) names->push_back(name);
       out += (out.empty() ? "" : ", ") + std::string(name) + ": " + std::to_string(count) + " (first at element " +
              std::to_string(first) + ")";
     }
@@ -356,8 +377,14 @@ int cmd_backward(GenOptions& gen, const ScalarOverrides& sc, const BackwardArgs&
     a_operand_used = a_operand_line = "ignored (cpu backend)";
   }
   log_stage("problem: " + g.summary());
-  const std::string input_nonfinite = nonfinite_inputs(p);
-  if (!input_nonfinite.empty()) log_stage("warning: non-finite input values (" + input_nonfinite + "): at valid slots and in q/w/k they propagate through the math; T and P at invalid slots are ignored");
+  std::vector<std::string> nonfinite_names;
+  const std::string input_nonfinite = nonfinite_inputs(p, &nonfinite_names);
+  if (!input_nonfinite.empty()) {
+    std::string effects;
+    for (const std::string& n : nonfinite_names) effects += "; " + nonfinite_effect(n);
+    log_stage("warning: non-finite input values (" + input_nonfinite + ")" + effects +
+              "; attn_score and index_score at invalid slots (id -1 or out of range) are ignored");
+  }
 
   RunResult r = backend == Backend::cuda ? run_cuda(p, g, out_dtype, warmup, a.repeat)
                                          : run_cpu(p, g, out_dtype, threads, warmup, a.repeat);

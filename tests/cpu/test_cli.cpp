@@ -3,6 +3,7 @@
 
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -391,6 +392,31 @@ TEST_F(Cli, IntegerRangeErrorsNameTheFlagAndTheValue) {
     EXPECT_TRUE(contains(r.output, c.message)) << c.args << "\n" << r.output;
     EXPECT_FALSE(contains(r.output, "0.000000")) << c.args << "\n" << r.output;
   }
+}
+
+// The warning about NaN/inf inputs says what the backends do: a NaN logit q.k counts
+// as not positive and drops out (not propagated); weights propagate; attn_score and
+// index_score at valid slots propagate.
+TEST_F(Cli, NonFiniteInputWarningSaysWhatHappens) {
+  std::map<std::string, std::string> meta;
+  auto t = dsaib::read_safetensors(tiny_problem(), &meta);
+  t.at("index_q").data<uint16_t>()[5] = 0x7fc0;  // bf16 NaN
+  dsaib::write_safetensors(path("nan_q.safetensors"), t, meta);
+  Result r = run("backward --backend cpu --verify none --in " + quote(path("nan_q.safetensors")));
+  EXPECT_TRUE(contains(r.output, "warning: non-finite input values (index_q: 1 (first at element 5))")) << r.output;
+  EXPECT_TRUE(contains(r.output, "counts as not positive")) << r.output;
+  EXPECT_TRUE(contains(r.output, "drop out silently, not propagated")) << r.output;
+  EXPECT_FALSE(contains(r.output, "propagate through the math")) << r.output;
+  EXPECT_FALSE(contains(r.output, "attn_score: at a valid slot")) << r.output;  // only the affected inputs
+  EXPECT_EQ(r.exit_code, 0) << r.output;  // dropped, so the outputs stay finite
+
+  t.at("attn_score").data<float>()[0] = std::nanf("");  // row 0, slot 0: valid (causal, key 0)
+  dsaib::write_safetensors(path("nan_qt.safetensors"), t, meta);
+  r = run("backward --backend cpu --verify none --in " + quote(path("nan_qt.safetensors")));
+  EXPECT_TRUE(contains(r.output, "attn_score: 1 (first at element 0)")) << r.output;
+  EXPECT_TRUE(contains(r.output, "into every gradient of that query row")) << r.output;
+  EXPECT_TRUE(contains(r.output, "non-finite  ")) << r.output;
+  EXPECT_EQ(r.exit_code, 1) << r.output;
 }
 
 TEST_F(Cli, BadUsageExitsWithTwo) {
