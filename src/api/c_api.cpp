@@ -116,6 +116,14 @@ dsaib_status dsaib_contiguous_tensor(dsaib_tensor* view, void* data, dsaib_dtype
   return guarded([&] {
     require(view, "view");
     if (rank > 0) require(shape, "shape");
+    if (static_cast<int32_t>(dtype) < 0 || static_cast<int32_t>(dtype) > 2) {
+      throw dsaib::Error(dsaib::ErrorCode::invalid_argument, "dtype",
+                         "dtype: expected 0 (bf16), 1 (f32) or 2 (i32), got " + std::to_string(static_cast<int32_t>(dtype)));
+    }
+    if (static_cast<int32_t>(device) < 0 || static_cast<int32_t>(device) > 1) {
+      throw dsaib::Error(dsaib::ErrorCode::invalid_argument, "device",
+                         "device: expected 0 (cpu) or 1 (cuda), got " + std::to_string(static_cast<int32_t>(device)));
+    }
     const dsaib::TensorView v = dsaib::contiguous_view(data, static_cast<dsaib::DType>(dtype), shape, rank,
                                                       static_cast<dsaib::DeviceType>(device), device_index);
     view->data = v.data;

@@ -238,6 +238,21 @@ std::map<std::string, HostTensor> read_safetensors(const std::string& path,
     }
   }
 
+  // The tensors cover the byte buffer exactly, in some order, with no hole and
+  // nothing after the last one (as the format's reference reader requires).
+  uint64_t covered = 0;
+  for (const Entry* e : by_offset) {
+    if (e->begin != covered) {
+      io_fail(path, "tensor '" + e->name + "' starts at byte " + std::to_string(e->begin) + " of the data buffer, expected " +
+                        std::to_string(covered) + " (the tensors must cover the buffer without holes)");
+    }
+    covered = e->end;
+  }
+  if (covered != buffer_bytes) {
+    io_fail(path, "data buffer: expected " + std::to_string(covered) + " bytes (the end of the last tensor), got " +
+                      std::to_string(buffer_bytes) + " (trailing bytes after the last tensor)");
+  }
+
   std::map<std::string, HostTensor> out;
   const uint64_t data_start = 8 + header_bytes;
   for (const Entry* e : by_offset) {

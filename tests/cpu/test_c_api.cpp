@@ -101,6 +101,13 @@ TEST(CApi, ContiguousTensor) {
   EXPECT_EQ(dsaib_contiguous_tensor(nullptr, buf, DSAIB_F32, shape, 3, DSAIB_CPU, 0), DSAIB_INVALID_ARGUMENT);
   EXPECT_NE(std::string(dsaib_last_error()).find("view: expected"), std::string::npos) << dsaib_last_error();
   EXPECT_EQ(dsaib_contiguous_tensor(&t, buf, DSAIB_F32, nullptr, 3, DSAIB_CPU, 0), DSAIB_INVALID_ARGUMENT);
+  dsaib_tensor before;
+  std::memcpy(&before, &t, sizeof t);
+  EXPECT_EQ(dsaib_contiguous_tensor(&t, buf, static_cast<dsaib_dtype>(42), shape, 3, DSAIB_CPU, 0), DSAIB_INVALID_ARGUMENT);
+  EXPECT_STREQ(dsaib_last_error(), "dtype: expected 0 (bf16), 1 (f32) or 2 (i32), got 42");
+  EXPECT_EQ(dsaib_contiguous_tensor(&t, buf, DSAIB_F32, shape, 3, static_cast<dsaib_device>(-1), 0), DSAIB_INVALID_ARGUMENT);
+  EXPECT_STREQ(dsaib_last_error(), "device: expected 0 (cpu) or 1 (cuda), got -1");
+  EXPECT_EQ(std::memcmp(&before, &t, sizeof t), 0) << "nothing is written on an error";
 }
 
 TEST(CApi, SuccessMatchesCppAndClearsLastError) {

@@ -225,6 +225,15 @@ TEST(Safetensors, OffsetsAndShapesMismatch) {
                     d, {"'x'", "'y'", "overlap"});
   expect_bad_header("off7.safetensors", R"({"x": {"dtype": "F32", "shape": [1], "data_offsets": [0, 1e3]}})", d,
                     {"data_offsets[1]", "non-negative integer"});
+  // The tensors must cover the buffer exactly (the format's reference reader rejects the rest).
+  expect_bad_header("off8.safetensors", R"({"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})", d,
+                    {"data buffer: expected 8 bytes", "got 16", "trailing bytes"});
+  expect_bad_header("off9.safetensors",
+                    R"({"x": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+                        "y": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}})",
+                    d, {"tensor 'y' starts at byte 8", "expected 4", "holes"});
+  expect_bad_header("off10.safetensors", R"({"x": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}})", d,
+                    {"tensor 'x' starts at byte 8", "expected 0"});
 }
 
 TEST(Safetensors, NegativeAndHugeShapes) {
