@@ -16,11 +16,12 @@ cudnn_frontend_dsa.py, tilelang_indexer_bwd.py).
   "reason"} and exits 77 (like our own bench without a GPU).
 
 Importable without torch: `torch` is then None and callers report unavailable.
-The inputs come from torch_eager.py (make_ids, make_inputs), which stays self-contained.
+The inputs (make_inputs), the float64 oracle (reference_softmax, reference_grads,
+rel_err) and the JSON/list helpers come from torch_eager.py, which stays
+self-contained; this module re-exports them.
 """
 
 import json
-import math
 import os
 import site
 import statistics
@@ -30,9 +31,10 @@ import time
 # torch_eager.py stays self-contained (bench/CMakeLists.txt copies it alone next to the
 # built benches); its input generator is the one every peer uses.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torch_eager import make_inputs, torch  # noqa: E402  (torch is None without torch)
+# The inputs and the float64 oracle live there too (one copy of each).
+from torch_eager import (  # noqa: E402,F401  (torch is None without torch)
+    EPS, is_oom, make_inputs, parse_list, reference_grads, reference_softmax, rel_err, torch, write_json)
 
-EPS = math.exp(-100.0)  # an fp32 subnormal; CUDA torch does not flush it
 UNAVAILABLE = 77  # exit status of a peer that cannot run here (its JSON says why)
 DEFAULT_SITE = os.environ.get("DSAIB_PEERS_SITE", "/tmp/peers-site")
 
@@ -74,30 +76,6 @@ def short_error(e, limit=400):
     return f"{type(e).__name__}: {(lines[0] if lines else '')[:limit]}"
 
 
-def is_oom(e):
-    if torch is None:
-        return False
-    oom_types = tuple(t for t in (getattr(torch, "OutOfMemoryError", None),
-                                  getattr(torch.cuda, "OutOfMemoryError", None)) if t is not None)
-    return isinstance(e, oom_types) or "out of memory" in str(e).lower()
-
-
-def parse_list(s, conv):
-    return [conv(x) for x in s.split(",") if x.strip()]
-
-
-def write_json(path, obj):
-    """Atomic rewrite (peers rewrite their file after every case, so a run that a
-    timeout kills still leaves the cases it finished)."""
-    if not path:
-        return
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
-
-
 def report_unavailable(peer, reason, json_path, **extra):
     rec = {"peer": peer, "status": "unavailable", "reason": reason, **extra}
     print(json.dumps({"peer": peer, "status": "unavailable", "reason": reason}), flush=True)
@@ -119,56 +97,6 @@ def make_problem(B, S, H, D, K, kind, device, seed):
 
 
 # --------------------------------------------------------------------------- the oracle
-
-def _logits64(q, w, k, ids, sm_scale):
-    B = q.shape[0]
-    s_kv = k.shape[1]
-    valid = (ids >= 0) & (ids < s_kv)
-    idx = torch.where(valid, ids, torch.zeros_like(ids)).long()
-    bidx = torch.arange(B, device=idx.device).view(B, 1, 1).expand_as(idx)
-    k_sel = k[bidx, idx]
-    x = torch.einsum("bshd,bskd->bshk", q, k_sel)
-    z = sm_scale * (torch.relu(x) * w.unsqueeze(-1)).sum(dim=2)
-    return valid, idx, bidx, k_sel, x, z
-
-
-def reference_softmax(q, w, k, ids, sm_scale):
-    """P = softmax of the true logits over each row's valid slots (0 elsewhere); inputs
-    float64 (any device)."""
-    valid, _, _, _, _, z = _logits64(q, w, k, ids, sm_scale)
-    z = z.masked_fill(~valid, -math.inf)
-    zmax = z.max(dim=-1, keepdim=True).values
-    zmax = torch.where(torch.isfinite(zmax), zmax, torch.zeros_like(zmax))
-    e = torch.exp(z - zmax)
-    return e / e.sum(dim=-1, keepdim=True).clamp_min(1e-300)
-
-
-def reference_grads(q, w, k, ids, target, sm_scale, c):
-    """Closed form of indexer-backward-math.md, float64 (inputs already float64, any device).
-    P is recomputed as the softmax of the true logits over the valid slots."""
-    B, S, H, D = q.shape
-    valid, idx, bidx, k_sel, x, _ = _logits64(q, w, k, ids, sm_scale)
-    p = reference_softmax(q, w, k, ids, sm_scale)
-    tt = target.clamp_min(EPS)
-    m = p >= EPS
-    g = torch.where(valid & m, -c * tt, torch.zeros_like(tt))
-    G = g.sum(dim=-1, keepdim=True)
-    gs = torch.where(valid, g - p * G, torch.zeros_like(g))  # dLoss/dz
-    dw = sm_scale * torch.einsum("bsk,bshk->bsh", gs, torch.relu(x))
-    a = gs.unsqueeze(2) * w.unsqueeze(-1) * sm_scale * (x > 0).to(x.dtype)  # (B,S,H,K)
-    dq = torch.einsum("bshk,bskd->bshd", a, k_sel)
-    dk_sel = torch.einsum("bshk,bshd->bskd", a, q) * valid.unsqueeze(-1).to(q.dtype)
-    dk = torch.zeros_like(k).index_put_((bidx.reshape(-1), idx.reshape(-1)), dk_sel.reshape(-1, D), accumulate=True)
-    return dq, dw, dk
-
-
-def rel_err(got, want):
-    """Relative RMS error ||got - want|| / ||want|| in float64."""
-    got = got.detach().to(want.device, torch.float64)
-    want = want.detach().to(torch.float64)
-    den = want.norm().item()
-    return (got - want).norm().item() / (den if den > 0 else 1.0)
-
 
 def max_abs_err(got, want):
     return (got.detach().to(want.device, torch.float64) - want.detach().to(torch.float64)).abs().max().item()

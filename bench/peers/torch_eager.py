@@ -75,21 +75,40 @@ def indexer_loss(q, w, k, ids, target, sm_scale, c):
 
 # --------------------------------------------------------------------------- the oracle
 
-def reference_grads(q, w, k, ids, target, sm_scale, c):
-    """Closed form of indexer-backward-math.md, float64 (inputs already float64, CPU)."""
-    B, S, H, D = q.shape
+def _reference_logits(q, w, k, ids, sm_scale):
+    """Valid mask, gather indices, selected keys, x = q.k and z (float64 inputs, any device)."""
+    B = q.shape[0]
     s_kv = k.shape[1]
     valid = (ids >= 0) & (ids < s_kv)
     idx = torch.where(valid, ids, torch.zeros_like(ids)).long()
-    bidx = torch.arange(B).view(B, 1, 1).expand_as(idx)
+    bidx = torch.arange(B, device=idx.device).view(B, 1, 1).expand_as(idx)
     k_sel = k[bidx, idx]
     x = torch.einsum("bshd,bskd->bshk", q, k_sel)
     z = sm_scale * (torch.relu(x) * w.unsqueeze(-1)).sum(dim=2)
+    return valid, idx, bidx, k_sel, x, z
+
+
+def _softmax_valid(z, valid):
     z = z.masked_fill(~valid, -math.inf)
     zmax = z.max(dim=-1, keepdim=True).values
     zmax = torch.where(torch.isfinite(zmax), zmax, torch.zeros_like(zmax))
     e = torch.exp(z - zmax)
-    p = e / e.sum(dim=-1, keepdim=True).clamp_min(1e-300)
+    return e / e.sum(dim=-1, keepdim=True).clamp_min(1e-300)
+
+
+def reference_softmax(q, w, k, ids, sm_scale):
+    """P = softmax of the true logits over each row's valid slots (0 elsewhere); inputs
+    float64 (any device)."""
+    valid, _, _, _, _, z = _reference_logits(q, w, k, ids, sm_scale)
+    return _softmax_valid(z, valid)
+
+
+def reference_grads(q, w, k, ids, target, sm_scale, c):
+    """Closed form of indexer-backward-math.md, float64 (inputs already float64, any device).
+    P is the softmax of the true logits over the valid slots."""
+    D = q.shape[3]
+    valid, idx, bidx, k_sel, x, z = _reference_logits(q, w, k, ids, sm_scale)
+    p = _softmax_valid(z, valid)
     tt = target.clamp_min(EPS)
     m = p >= EPS
     g = torch.where(valid & m, -c * tt, torch.zeros_like(tt))
@@ -143,8 +162,9 @@ def make_inputs(B, S, H, D, K, kind, device, seed):
 # --------------------------------------------------------------------------- --check
 
 def rel_err(got, want):
-    got = got.detach().to("cpu", torch.float64)
-    want = want.detach().to("cpu", torch.float64)
+    """Relative RMS error ||got - want|| / ||want|| in float64, on want's device."""
+    got = got.detach().to(want.device, torch.float64)
+    want = want.detach().to(torch.float64)
     den = want.norm().item()
     return (got - want).norm().item() / (den if den > 0 else 1.0)
 
@@ -245,6 +265,8 @@ def time_case(B, S, H, D, K, kind, iters, warmup, device, seed):
 
 
 def is_oom(e):
+    if torch is None:
+        return False
     oom_types = tuple(t for t in (getattr(torch, "OutOfMemoryError", None),
                                   getattr(torch.cuda, "OutOfMemoryError", None)) if t is not None)
     return isinstance(e, oom_types) or "out of memory" in str(e).lower()
