@@ -51,4 +51,11 @@ __device__ __forceinline__ const uint16_t* key_row_ptr(const IndexerBackwardPara
 /// (no -ftz / --use_fast_math).
 __device__ __forceinline__ float eps_exp_minus_100() { return __int_as_float(27); }
 
+/// max(T, eps) as the cpu reference computes it (std::max): a NaN target T
+/// propagates (fmax would replace it by eps and hide it). fp32 kernel and fp64 reference.
+template <class T>
+__device__ __forceinline__ T max_keeping_nan(T t, T eps) {
+  return t < eps ? eps : t;
+}
+
 }  // namespace dsaib::hopper

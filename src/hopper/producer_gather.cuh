@@ -23,10 +23,6 @@
 
 namespace dsaib::hopper {
 
-/// max(t, eps) as the fp64 reference computes it (std::max): a NaN target T
-/// propagates (fmaxf would replace it by eps and hide it).
-__device__ __forceinline__ float max_propagating_nan(float t, float eps) { return t < eps ? eps : t; }
-
 template <class Config>
 struct ProducerGather {
   using Element = typename Config::Element;
@@ -167,7 +163,7 @@ struct ProducerGather {
         for (int j = 0; j < kPerThread; ++j) {
           if (s.key_row[j] >= 0) {
             ++count;
-            if (s.pred[j] >= eps) g_part += -c * max_propagating_nan(s.attn[j], eps);
+            if (s.pred[j] >= eps) g_part += -c * max_keeping_nan(s.attn[j], eps);
           }
         }
         int chunk_valid = 0;
@@ -200,7 +196,7 @@ struct ProducerGather {
         CUTE_UNROLL
         for (int j = 0; j < kPerThread; ++j) {
           if (s.key_row[j] >= 0) {
-            const float g = s.pred[j] >= eps ? -c * max_propagating_nan(s.attn[j], eps) : 0.0f;
+            const float g = s.pred[j] >= eps ? -c * max_keeping_nan(s.attn[j], eps) : 0.0f;
             ss.slot_gs[pos] = g - s.pred[j] * G;
             ss.slot_key_row[pos] = s.key_row[j];
             ++pos;

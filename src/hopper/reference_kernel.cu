@@ -13,10 +13,6 @@
 #include "hopper/problem_device.cuh"
 
 namespace dsaib::hopper {
-namespace {
-/// max(t, eps) with std::max semantics (the cpu reference): a NaN target propagates.
-__device__ __forceinline__ double max_nan(double t, double eps) { return t < eps ? eps : t; }
-}  // namespace
 
 IndexerBackwardParams make_kernel_params(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
                                          const IndexerBackwardOptions& opt, const detail::ProblemGeometry& g,
@@ -57,7 +53,7 @@ __global__ void __launch_bounds__(kThreads) reference_backward_kernel(const Inde
   // G = sum over valid slots of g_i
   double part = 0.0;
   for (int i = tid; i < p.topk; i += kThreads) {
-    if (key_row_of(p, seq, ids[i]) >= 0 && static_cast<double>(pred[i]) >= eps) part += -c * max_nan(static_cast<double>(attn[i]), eps);
+    if (key_row_of(p, seq, ids[i]) >= 0 && static_cast<double>(pred[i]) >= eps) part += -c * max_keeping_nan(static_cast<double>(attn[i]), eps);
   }
   red[tid] = part;
   __syncthreads();
@@ -75,7 +71,7 @@ __global__ void __launch_bounds__(kThreads) reference_backward_kernel(const Inde
       s_kr = kr;
       if (kr >= 0) {
         const double P = pred[i];
-        const double g = P >= eps ? -c * max_nan(static_cast<double>(attn[i]), eps) : 0.0;
+        const double g = P >= eps ? -c * max_keeping_nan(static_cast<double>(attn[i]), eps) : 0.0;
         s_gs = g - P * G;
       }
     }
