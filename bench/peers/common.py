@@ -83,6 +83,44 @@ def report_unavailable(peer, reason, json_path, **extra):
     return UNAVAILABLE
 
 
+# --------------------------------------------------------------------------- command line
+
+def add_problem_args(ap):
+    """The problem and timing flags every package peer takes (same names as our bench)."""
+    ap.add_argument("--seq", default="4096,16384,65536", help="comma list of S (S_q = S_kv)")
+    ap.add_argument("--ids", default="causal,random", help="comma list of causal,random")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--heads", type=int, default=64)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--topk", type=int, default=2048)
+    ap.add_argument("--iters", type=int, default=10, help="timed calls, median reported (default 10)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed calls after the first (compiling) one")
+    ap.add_argument("--seed", type=int, default=1234)
+
+
+def add_run_args(ap):
+    """--check, --check-only, --site and --json (after a peer's own flags)."""
+    ap.add_argument("--check", action="store_true", help="check the gradients first (small problem)")
+    ap.add_argument("--check-only", action="store_true", help="run --check and stop")
+    ap.add_argument("--site", default=DEFAULT_SITE,
+                    help="unpacked peer payload to put on sys.path (default $DSAIB_PEERS_SITE or /tmp/peers-site)")
+    ap.add_argument("--json", metavar="FILE", help="write the results as JSON (rewritten after every case)")
+
+
+def parse_cases(ap, a):
+    """(seqs, kinds) of the parsed flags; ap.error() on bad values."""
+    try:
+        seqs = parse_list(a.seq, int)
+        kinds = parse_list(a.ids, str)
+    except ValueError:
+        ap.error("bad --seq")
+    if any(k not in ("causal", "random") for k in kinds) or not seqs or min(seqs) < 1:
+        ap.error("bad --ids or --seq")
+    if a.iters < 1 or a.warmup < 0 or a.batch < 1:
+        ap.error("bad --iters/--warmup/--batch")
+    return seqs, kinds
+
+
 # --------------------------------------------------------------------------- inputs
 
 def make_problem(B, S, H, D, K, kind, device, seed):

@@ -202,34 +202,14 @@ def run_check(ex, seed, shape=(1, 2560, 64, 128, 2048), device="cuda"):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seq", default="4096,16384,65536", help="comma list of S (S_q = S_kv)")
-    ap.add_argument("--ids", default="causal,random", help="comma list of causal,random")
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--heads", type=int, default=64)
-    ap.add_argument("--dim", type=int, default=128)
-    ap.add_argument("--topk", type=int, default=2048)
-    ap.add_argument("--iters", type=int, default=10, help="timed calls, median reported (default 10)")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed calls after the first (compiling) one")
-    ap.add_argument("--seed", type=int, default=1234)
+    common.add_problem_args(ap)
     ap.add_argument("--mask", default="patched", choices=("patched", "original"),
                     help="patched (default): validity test pos > -1; original: the example's pos > -1 and pos <= t")
     ap.add_argument("--example-dir", default=DEFAULT_EXAMPLE,
                     help="folder with the example's indexer_bwd.py, index.py, utils.py (default .peers/tilelang_example)")
-    ap.add_argument("--check", action="store_true", help="check the gradients first (small problem)")
-    ap.add_argument("--check-only", action="store_true", help="run --check and stop")
-    ap.add_argument("--site", default=common.DEFAULT_SITE,
-                    help="unpacked peer payload to put on sys.path (default $DSAIB_PEERS_SITE or /tmp/peers-site)")
-    ap.add_argument("--json", metavar="FILE", help="write the results as JSON (rewritten after every case)")
+    common.add_run_args(ap)
     a = ap.parse_args(argv)
-    try:
-        seqs = common.parse_list(a.seq, int)
-        kinds = common.parse_list(a.ids, str)
-    except ValueError:
-        ap.error("bad --seq")
-    if any(k not in ("causal", "random") for k in kinds) or not seqs or min(seqs) < 1:
-        ap.error("bad --ids or --seq")
-    if a.iters < 1 or a.warmup < 0 or a.batch < 1:
-        ap.error("bad --iters/--warmup/--batch")
+    seqs, kinds = common.parse_cases(ap, a)
 
     reason = common.cuda_reason()
     if reason:
