@@ -54,7 +54,8 @@ _A_OPERAND = ("auto", "bf16x2", "bf16")
 
 
 def _check_a_operand(word: str) -> str:
-    """The fake kernel's copy of the extension's check (same message), so tracing rejects what running would."""
+    """The fake kernel's copy of the extension's check (same message), so tracing rejects what running would.
+    Plain Python on purpose: torch.compile (dynamo) traces it; a call into the extension would break the graph."""
     if word not in _A_OPERAND:
         raise ValueError(f'a_operand_precision: expected "auto", "bf16x2" or "bf16", got "{word}"')
     return word
