@@ -76,6 +76,7 @@ const char* scatter_way_name(ScatterWay w) {
     case ScatterWay::float4_atomic: return "float4";
     case ScatterWay::scalar_atomic: return "scalar";
     case ScatterWay::bulk_reduce: return "bulk";
+    case ScatterWay::float4_fragment: return "fragment";
   }
   return "?";
 }

@@ -48,10 +48,14 @@ DeviceInfo probe_device();
 ///   scalar  atomicAdd(float) per thread, a warp per row;
 ///   bulk    cp.reduce.async.bulk .add.f32 of one row from shared memory (a warp restages a group of
 ///           8 rows, lane 0 issues one bulk reduce per row, a ring of 4 groups stays in flight).
-enum class ScatterWay { float4_atomic, scalar_atomic, bulk_reduce };
+/// float4_fragment is not one of the floor's ways: it adds with the pattern of a
+/// wgmma accumulator scattered from registers (each warp instruction adds 32 B to
+/// each of 16 rows; 16 instructions complete the 16 rows), to measure what that
+/// pattern costs against whole-row adds.
+enum class ScatterWay { float4_atomic, scalar_atomic, bulk_reduce, float4_fragment };
 inline const std::vector<ScatterWay> kAllScatterWays = {ScatterWay::float4_atomic, ScatterWay::scalar_atomic,
                                                         ScatterWay::bulk_reduce};
-const char* scatter_way_name(ScatterWay w);  // "float4", "scalar", "bulk"
+const char* scatter_way_name(ScatterWay w);  // "float4", "scalar", "bulk", "fragment"
 
 /// The scatter-add micro-benchmark: rows of `row_floats` fp32 values (the dK row, D)
 /// added into rows of an fp32 table chosen by a hash of the row-add index (uniform,

@@ -79,6 +79,29 @@ __global__ void __launch_bounds__(kAtomicThreads) scatter_float4_kernel(float* _
   }
 }
 
+// The register-scatter pattern of a wgmma accumulator (the fused kernel's dK
+// before staging): a warp owns 16 rows; instruction j adds columns
+// [8j, 8j + 8) of all 16 rows, lanes 2m and 2m+1 holding 4 columns each of row m.
+template <int RowFloats>
+__global__ void __launch_bounds__(kAtomicThreads) scatter_fragment_kernel(float* __restrict__ table, uint32_t rows,
+                                                                           uint32_t n_adds, uint32_t seed) {
+  constexpr uint32_t kRowsPerGroup = 16;
+  const uint32_t lane = threadIdx.x & 31u;
+  const uint32_t sub = lane / 2, half = lane & 1u;
+  const uint32_t warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const uint32_t n_warps = (gridDim.x * blockDim.x) >> 5;
+  const uint32_t n_groups = n_adds / kRowsPerGroup;
+  for (uint32_t g = warp; g < n_groups; g += n_warps) {
+    float* dst = table + static_cast<size_t>(row_of(g * kRowsPerGroup + sub, seed, rows)) * RowFloats + 4 * half;
+#pragma unroll
+    for (int j = 0; j < RowFloats / 8; ++j) {
+      const int c = 8 * j + 4 * static_cast<int>(half);
+      atomicAdd(reinterpret_cast<float4*>(dst + 8 * j),
+                make_float4(value_of_column(c), value_of_column(c + 1), value_of_column(c + 2), value_of_column(c + 3)));
+    }
+  }
+}
+
 // A warp per row, RowFloats/32 scalar adds per lane (column j*32 + lane has the value of column lane).
 template <int RowFloats>
 __global__ void __launch_bounds__(kAtomicThreads) scatter_scalar_kernel(float* __restrict__ table, uint32_t rows,
@@ -155,6 +178,12 @@ Launch launch_shape(ScatterWay w, int sms) {
                  "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
       l = {sms * per_sm, kAtomicThreads, 0};
       break;
+    case ScatterWay::float4_fragment:
+      check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, scatter_fragment_kernel<RowFloats>,
+                                                               kAtomicThreads, 0),
+                 "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+      l = {sms * per_sm, kAtomicThreads, 0};
+      break;
     case ScatterWay::scalar_atomic:
       check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, scatter_scalar_kernel<RowFloats>,
                                                                kAtomicThreads, 0),
@@ -184,6 +213,9 @@ void launch_scatter(ScatterWay w, const Launch& l, float* table, uint32_t rows, 
   switch (w) {
     case ScatterWay::float4_atomic:
       scatter_float4_kernel<RowFloats><<<l.grid, l.block, 0, s>>>(table, rows, n_adds, seed);
+      break;
+    case ScatterWay::float4_fragment:
+      scatter_fragment_kernel<RowFloats><<<l.grid, l.block, 0, s>>>(table, rows, n_adds, seed);
       break;
     case ScatterWay::scalar_atomic:
       scatter_scalar_kernel<RowFloats><<<l.grid, l.block, 0, s>>>(table, rows, n_adds, seed);
@@ -219,9 +251,10 @@ std::vector<ScatterResult> measure_scatter_rows(const ScatterConfig& c, const st
   constexpr uint64_t kRowBytes = RowFloats * 4;
   const uint64_t rows = std::max<uint64_t>(1, c.table_bytes / kRowBytes);
   if (rows > 0xffffffffull) throw Error(ErrorCode::invalid_argument, "table_bytes", "scatter table over 2^32 rows");
-  const uint64_t adds = c.payload_bytes / kRowBytes / kBulkRowsPerGroup * kBulkRowsPerGroup;
+  // whole groups for every way: 8 rows (bulk) and 16 rows (fragment)
+  const uint64_t adds = c.payload_bytes / kRowBytes / 16 * 16;
   if (adds == 0 || adds > 0xffffffffull) {
-    throw Error(ErrorCode::invalid_argument, "payload_bytes", "scatter payload must be 8 rows to 2^32 rows");
+    throw Error(ErrorCode::invalid_argument, "payload_bytes", "scatter payload must be 16 rows to 2^32 rows");
   }
   const uint32_t n_adds = static_cast<uint32_t>(adds);
   int dev = 0, sms = 0;

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One build-check-time cycle on the H200 (through the device tool), driven by
 # binaries built here and carried in .device/bin (see scripts/device/stage.sh).
-#   usage: scripts/device/gpu_check.sh [tests|cli|bench|bench-floor|sanitizer|all|ab|ncu] [gtest filter]
+#   usage: scripts/device/gpu_check.sh [tests|cli|bench|bench-floor|sanitizer|all|ab|ncu|ncu-source] [gtest filter]
 #   bench        dsa-indexer-bwd-bench: the op alone, ratio to the fixed 278 ns (bench.json)
 #   bench-floor  dsa-indexer-bwd bench: the floor micro-benchmarks and the op in one run,
 #                issue 4's shapes, ratio to the floor measured per case (bench_floor.json)
@@ -51,6 +51,17 @@ if [[ $what == ab ]]; then
   echo "=== paired A/B (baseline: ab/bench_A)"
   for b in .device/bin/ab/bench_*; do
     [[ $b == */bench_A ]] && continue
+    # A variant staged with its CLI (ab/cli_X, stage.sh AB_CLIS) is first checked
+    # against the fp64 reference at the DeepSeek shape; a failing variant is not timed.
+    cli=.device/bin/ab/cli_${b##*/bench_}
+    if [[ -x $cli ]]; then
+      echo "--- verify $(basename "$cli")"
+      if ! timeout 200 "$cli" backward --preset deepseek-v32 --backend cuda --verify sample 2>&1 | tail -6; then
+        echo "$(basename "$cli"): verification FAILED, variant not timed"
+        rc=1
+        continue
+      fi
+    fi
     echo "--- A = bench_A, B = $(basename "$b")"
     timeout 240 python3 scripts/ab_compare.py .device/bin/ab/bench_A "$b" --pairs ${AB_PAIRS:-6} \
       --args "${AB_ARGS:---seq 4096 --iters 15}" --out "$out/ab_$(basename "$b").json"
@@ -65,5 +76,22 @@ if [[ $what == ncu ]]; then
     "$bin/dsa-indexer-bwd-bench" --seq 4096 --ids random --iters 1 > "$out/ncu.txt" 2>&1
   rc=$((rc | $?))
   grep -E "Duration|Throughput|Pipe|Stall|stall|Issue Slot|Warp Cycles|L2 Hit|Mem Busy|Max Bandwidth|Registers|Executed Ipc" "$out/ncu.txt" | head -60
+fi
+if [[ $what == ncu-source ]]; then
+  # Per-SASS-instruction warp-stall samples of the fused kernel (random ids, S 4096):
+  # which instructions of which role the warps wait on. ncu_source.csv: the source
+  # page (SASS) exported from the report; ncu_source_top.txt: the 60 instructions
+  # with the most stall samples.
+  echo "=== ncu source counters (--clock-control none), random ids S 4096"
+  rep=/tmp/dsaib_source
+  timeout 300 ncu --clock-control none --kernel-name regex:indexer_backward_kernel --launch-skip 2 --launch-count 1 \
+    --section SourceCounters --section WarpStateStats --section SpeedOfLight --section MemoryWorkloadAnalysis_Tables \
+    --import-source yes -f -o "$rep" "$bin/dsa-indexer-bwd-bench" --seq 4096 --ids random --iters 1 > "$out/ncu_source.log" 2>&1
+  rc=$((rc | $?))
+  ncu --import "$rep.ncu-rep" --page source --csv --print-source sass > "$out/ncu_source.csv" 2>>"$out/ncu_source.log"
+  rc=$((rc | $?))
+  ncu --import "$rep.ncu-rep" --page details > "$out/ncu_details.txt" 2>>"$out/ncu_source.log"
+  python3 scripts/ncu_top_stalls.py "$out/ncu_source.csv" 60 > "$out/ncu_source_top.txt" 2>&1 || true
+  head -80 "$out/ncu_source_top.txt"
 fi
 exit $rc

@@ -13,5 +13,10 @@ if [[ -n ${AB_VARIANTS:-} ]]; then
   rm -rf .device/bin/ab && mkdir -p .device/bin/ab
   for kv in $AB_VARIANTS; do cp "${kv#*=}" ".device/bin/ab/bench_${kv%%=*}"; done
 fi
+# Their CLIs, checked against the fp64 reference before timing: AB_CLIS="B=path/to/dsa-indexer-bwd ..."
+if [[ -n ${AB_CLIS:-} ]]; then
+  mkdir -p .device/bin/ab
+  for kv in $AB_CLIS; do cp "${kv#*=}" ".device/bin/ab/cli_${kv%%=*}"; done
+fi
 strip --strip-debug .device/bin/* .device/bin/ab/* 2>/dev/null || true
 du -sh .device/bin/* .device/bin/ab/* 2>/dev/null

@@ -1,6 +1,7 @@
 // Consumer role (warpgroup 1): per task, for each gathered block of keys,
 //   GEMM1 S = Q K^T -> dW, masked A -> GEMM2 dK_blk = A^T Q, GEMM3 dQ += A K
-// then the dK block is scatter-added from registers with float4 reductions;
+// then the dK block is staged per warp in shared memory and scatter-added row by
+// row with float4 reductions;
 // dQ and dW are written at the end of the task.
 #pragma once
 
@@ -139,21 +140,34 @@ struct ConsumerMma {
         warpgroup_gemm<false>(mma_dq, tDQrAt(_, _, _, 0, a_buf), tDQrKt(_, _, _, ks), tDQrDQ);
         if constexpr (Config::kSplitA) warpgroup_gemm<false>(mma_dq, tDQrAt(_, _, _, 1, a_buf), tDQrKt(_, _, _, ks), tDQrDQ);
         warpgroup_wait<Config::kATerms>();  // GEMM2 complete; GEMM3's kATerms groups may be in flight
-        // dK accumulator: value i is key row r0 + 8*((i/2)%2), column c0 + (i%2) + 8*(i/4).
-        // Lanes 2m and 2m+1 hold columns c0..c0+1 and c0+2..c0+3 of the same two rows;
-        // they swap halves so the even lane owns row r0 and the odd lane row r0 + 8,
-        // four consecutive columns each, and issue one float4 red per 4 columns.
-        const bool odd = lane & 1;
-        const int32_t kr = ss.key_row[ks][r0 + (odd ? 8 : 0)];
-        float* dst = p.dk_accum + static_cast<int64_t>(kr) * kD + (c0 - (odd ? 2 : 0));
-        CUTE_UNROLL
-        for (int j = 0; j < kD / 8; ++j) {
-          const float a0 = tDKrDK(4 * j), a1 = tDKrDK(4 * j + 1);      // row r0
-          const float b0 = tDKrDK(4 * j + 2), b1 = tDKrDK(4 * j + 3);  // row r0 + 8
-          const float s0 = __shfl_xor_sync(0xffffffffu, odd ? a0 : b0, 1);
-          const float s1 = __shfl_xor_sync(0xffffffffu, odd ? a1 : b1, 1);
-          const float4 v = odd ? make_float4(s0, s1, b0, b1) : make_float4(a0, a1, s0, s1);
-          if (kr >= 0) atomicAdd(reinterpret_cast<float4*>(dst + 8 * j), v);
+        // dK scatter, staged per warp: warp w's accumulator holds key rows
+        // 16w..16w+15 whole (value i is row r0 + 8*((i/2)%2), column
+        // c0 + (i%2) + 8*(i/4)), so the warp writes them to its own rows of
+        // dk_stage and reads them back row-contiguous: one float4 red per lane
+        // covers kLanesPerRow*16 B of one key row (a whole 512-B row at D=128)
+        // instead of 32 B of each of 16 rows (perf-log v10: the L2 takes the
+        // whole-row pattern ~16% faster). Only this warp touches these rows:
+        // __syncwarp orders its reads of the previous block before the writes
+        // (WAR) and the writes before the reads (RAW).
+        {
+          const int warp = tid / 32;
+          __syncwarp();
+          CUTE_UNROLL
+          for (int j = 0; j < kD / 8; ++j) {
+            *reinterpret_cast<float2*>(&ss.dk_stage[r0][c0 + 8 * j]) = make_float2(tDKrDK(4 * j), tDKrDK(4 * j + 1));
+            *reinterpret_cast<float2*>(&ss.dk_stage[r0 + 8][c0 + 8 * j]) = make_float2(tDKrDK(4 * j + 2), tDKrDK(4 * j + 3));
+          }
+          __syncwarp();
+          constexpr int kLanesPerRow = kD / 4;
+          constexpr int kRowsPerStep = 32 / kLanesPerRow;
+          const int col = 4 * (lane % kLanesPerRow);
+          CUTE_UNROLL
+          for (int rr = 0; rr < 16; rr += kRowsPerStep) {
+            const int r = 16 * warp + rr + lane / kLanesPerRow;
+            const int32_t kr = ss.key_row[ks][r];
+            const float4 v = *reinterpret_cast<const float4*>(&ss.dk_stage[r][col]);
+            if (kr >= 0) atomicAdd(reinterpret_cast<float4*>(p.dk_accum + static_cast<int64_t>(kr) * kD + col), v);
+          }
         }
         warpgroup_wait<0>();               // GEMM3 complete
         k_pipe.consumer_release(k_state);  // GEMM1/GEMM3 reads of k[ks], reads of gs[ks]/key_row[ks] are done

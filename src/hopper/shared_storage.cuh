@@ -20,6 +20,11 @@ struct SharedStorage {
   alignas(1024) Element q[cute::cosize_v<typename Config::SmemLayoutQ>];  // (64 heads, D) x kStagesQ
   alignas(1024) Element k[cute::cosize_v<typename Config::SmemLayoutK>];  // (64 keys, D) x kStagesK
   alignas(1024) Element a[cute::cosize_v<typename Config::SmemLayoutA>];  // (64 keys, 64 heads) x kATerms x kABuffers
+  // ---- consumer-private, per warp: the dK block staged row-contiguous; consumer
+  //      warp w writes and reads only rows 16w..16w+15 (ordered by __syncwarp).
+  //      Rows padded by kDkStagePad floats: the accumulator's float2 stores of 8
+  //      rows then fall in distinct bank pairs (2 wavefronts per store, the minimum).
+  alignas(128) float dk_stage[Config::kBlockKeys][Config::kHeadDim + Config::kDkStagePad];
   // ---- per K stage, read with ordinary loads
   float gs[kStagesK][Config::kBlockKeys];        // dLoss/dz of each gathered slot (0 on tail entries)
   int32_t key_row[kStagesK][Config::kBlockKeys]; // flat index_k row of each gathered slot, -1 on tail entries

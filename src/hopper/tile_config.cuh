@@ -41,11 +41,12 @@ struct TileConfig {
   // spill (D=64 spills 4 bytes at 232 and above, D=128 is clean at 240).
   static constexpr int kConsumerRegisters = kHeadDim == 64 ? 216 : 240;
 
-  // dK blocks go straight from the accumulator registers to the fp32 dK
-  // accumulator: lanes 2m/2m+1 swap halves so each thread issues float4
-  // atomicAdd (red.global.add.v4.f32) per 4 columns; nothing is staged.
-  // (Measured against per-row cp.reduce.async.bulk from an smem staging
-  // buffer in docs/perf-log.md, v3 vs v4.)
+  // dK blocks leave the accumulator through a per-warp staging area in shared
+  // memory (each warp's 16 key rows, padded by kDkStagePad floats), and every
+  // lane issues float4 atomicAdd (red.global.add.v4.f32) on contiguous columns
+  // of one key row. (perf-log: v3 bulk reduce per row, v4 float4 red straight
+  // from registers, v10 staged rows; v10 kept.)
+  static constexpr int kDkStagePad = 8;
 
   // A = gs * w * sm_scale * [x > 0] is a wgmma operand, so it is bf16. One bf16
   // rounding of A alone gives ~1.7e-3 relative RMS in dQ and dK, over the 1e-3
