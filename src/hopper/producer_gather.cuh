@@ -32,6 +32,8 @@ struct ProducerGather {
   static constexpr int kThreads = Config::kProducerThreads;
   static constexpr int kPerThread = Config::kSlotsPerThread;
   static constexpr int kWarps = kThreads / 32;
+  static constexpr int kGatherRows = kBlock * kChunksPerRow / kThreads;  // rows per thread per block: 8 (D128), 4 (D64)
+  static_assert(kGatherRows % 4 == 0 && kGatherRows * kThreads == kBlock * kChunksPerRow, "whole rows, int4 loads");
 
   const IndexerBackwardParams& p;
   SharedStorage<Config>& ss;
@@ -115,6 +117,12 @@ struct ProducerGather {
     cute::Tensor sQ = cute::make_tensor(cute::make_smem_ptr(ss.q), typename Config::SmemLayoutQ{});
     cute::Tensor sK = cute::make_tensor(cute::make_smem_ptr(ss.k), typename Config::SmemLayoutK{});
 
+    // Gather mapping: thread t copies the 16-byte column chunk t % kChunksPerRow
+    // of kGatherRows consecutive rows of a block, starting at gather_row0. For
+    // copy i, a warp's 32 lanes cover whole key rows (coalesced).
+    const int gather_col = (tid % kChunksPerRow) * 8;
+    const int gather_row0 = (tid / kChunksPerRow) * kGatherRows;
+
     auto k_state = make_producer_start_state<Config::kStagesK>();
     auto q_state = make_producer_start_state<Config::kStagesQ>();
 
@@ -123,10 +131,10 @@ struct ProducerGather {
       const int h0 = static_cast<int>(task % p.head_groups) * Config::kHeadTile;
       const int nh = min(Config::kHeadTile, p.heads - h0);
       const RowSequence seq = row_sequence(p, row);
-      // Element offset of the sequence's first key row: one division per task;
-      // a selected key row kr of this sequence is then at
-      // k_seq_base + (kr - seq.k_start) * k_row_stride (no per-copy division).
-      const uint16_t* k_seq_base = key_row_ptr(p, seq.k_start);
+      // This thread's column of the sequence's first key row: one division per
+      // task; its chunk of a selected key row kr of this sequence is then at
+      // k_seq_col + (kr - seq.k_start) * k_row_stride (no per-copy division).
+      const uint16_t* k_seq_col = key_row_ptr(p, seq.k_start) + gather_col;
       const int32_t* ids = p.topk_indices + batched_offset(row, p.q_rows_per_batch, p.ids_batch_stride, p.ids_row_stride);
       const float* attn = p.attn_score + batched_offset(row, p.q_rows_per_batch, p.attn_batch_stride, p.attn_row_stride);
       const float* pred = p.index_score + batched_offset(row, p.q_rows_per_batch, p.pred_batch_stride, p.pred_row_stride);
@@ -213,11 +221,18 @@ struct ProducerGather {
             ss.gs[ks][tid] = in_list ? ss.slot_gs[first + tid] : 0.0f;
             ss.key_row[ks][tid] = in_list ? ss.slot_key_row[first + tid] : -1;
           }
-          for (int chunk = tid; chunk < kBlock * kChunksPerRow; chunk += kThreads) {
-            const int r = chunk / kChunksPerRow, col = (chunk % kChunksPerRow) * 8;
-            const int32_t kr = first + r < chunk_valid ? ss.slot_key_row[first + r] : -1;
-            const uint16_t* src = kr >= 0 ? k_seq_base + (kr - seq.k_start) * p.k_row_stride + col : p.index_k;
-            copy16(src, &sK(r, col, ks), kr >= 0);
+          // This thread's kGatherRows consecutive rows: one vector load of their key rows.
+          int32_t kr[kGatherRows];
+          CUTE_UNROLL
+          for (int q = 0; q < kGatherRows / 4; ++q) {
+            const int4 v = *reinterpret_cast<const int4*>(&ss.slot_key_row[first + gather_row0 + 4 * q]);
+            kr[4 * q] = v.x, kr[4 * q + 1] = v.y, kr[4 * q + 2] = v.z, kr[4 * q + 3] = v.w;
+          }
+          CUTE_UNROLL
+          for (int i = 0; i < kGatherRows; ++i) {
+            const bool valid = first + gather_row0 + i < chunk_valid;  // entries past the list are stale
+            const uint16_t* src = valid ? k_seq_col + (static_cast<int64_t>(kr[i]) - seq.k_start) * p.k_row_stride : p.index_k;
+            copy16(src, &sK(gather_row0 + i, gather_col, ks), valid);
           }
           cute::cp_async_fence();
           if (pending) {
