@@ -30,17 +30,6 @@ __device__ __forceinline__ void warpgroup_gemm(TiledMma& mma, const TA& tA, cons
   cute::warpgroup_fence_operand(tC);
 }
 
-/// `red.global.add.v4.f32` (PTX ISA 8.1+, sm_90) under a predicate: no branch
-/// around it. Relaxed, gpu scope, like atomicAdd(float4*), whose SASS it matches
-/// (REDG.E.ADD.F32x4); nothing in the kernel reads dk_accum.
-__device__ __forceinline__ void red_add_f32x4(float* addr, const float4& v, bool pred) {
-  asm volatile(
-      "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %5, 0;\n\t"
-      "@p red.relaxed.gpu.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n\t}"
-      :
-      : "l"(addr), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(static_cast<int>(pred)));
-}
-
 template <class Config>
 struct ConsumerMma {
   using Element = typename Config::Element;
@@ -171,21 +160,13 @@ struct ConsumerMma {
           __syncwarp();
           constexpr int kLanesPerRow = kD / 4;
           constexpr int kRowsPerStep = 32 / kLanesPerRow;
-          constexpr int kSteps = 16 / kRowsPerStep;
           const int col = 4 * (lane % kLanesPerRow);
-          const int row0 = 16 * warp + lane / kLanesPerRow;
-          // All loads first, then all reductions: a predicated red (no branch per
-          // row) lets every shared load be in flight before the first red waits.
-          int32_t kr[kSteps];
-          float4 v[kSteps];
           CUTE_UNROLL
-          for (int s = 0; s < kSteps; ++s) {
-            kr[s] = ss.key_row[ks][row0 + s * kRowsPerStep];
-            v[s] = *reinterpret_cast<const float4*>(&ss.dk_stage[row0 + s * kRowsPerStep][col]);
-          }
-          CUTE_UNROLL
-          for (int s = 0; s < kSteps; ++s) {
-            red_add_f32x4(p.dk_accum + static_cast<int64_t>(max(kr[s], 0)) * kD + col, v[s], kr[s] >= 0);
+          for (int rr = 0; rr < 16; rr += kRowsPerStep) {
+            const int r = 16 * warp + rr + lane / kLanesPerRow;
+            const int32_t kr = ss.key_row[ks][r];
+            const float4 v = *reinterpret_cast<const float4*>(&ss.dk_stage[r][col]);
+            if (kr >= 0) atomicAdd(reinterpret_cast<float4*>(p.dk_accum + static_cast<int64_t>(kr) * kD + col), v);
           }
         }
         warpgroup_wait<0>();               // GEMM3 complete
