@@ -193,13 +193,22 @@ void print_metrics(std::ostream& s, const std::vector<Metric>& metrics) {
 // ---------------------------------------------------------------- generate
 
 /// Fails (io_error / invalid_argument, naming --out) before any work when `out` cannot
-/// be written as a file: a directory, a missing or unwritable parent directory, or the
-/// same file as the input `in` (which would be overwritten).
+/// be written as a file: a directory, a FIFO, device or socket, a missing or unwritable
+/// parent directory, or the same file as the input `in` (which would be overwritten).
 void check_out_path(const std::string& out, const std::string& in) {
   namespace fs = std::filesystem;
   std::error_code ec;
   if (fs::is_directory(out, ec)) {
     throw Error(ErrorCode::io_error, "--out", "--out: expected a file name, got \"" + out + "\", a directory");
+  }
+  // An existing FIFO, device or socket (also behind a symbolic link) would be
+  // replaced by the file, not written to: refused (write_safetensors refuses it too).
+  const fs::file_status st = fs::status(out, ec);
+  if (!ec && fs::exists(st) && !fs::is_regular_file(st)) {
+    throw Error(ErrorCode::io_error, "--out",
+                "--out: expected a regular file or a new path, got \"" + out + "\", " +
+                    (fs::is_fifo(st) ? "a FIFO" : fs::is_character_file(st) || fs::is_block_file(st) ? "a device"
+                                                : fs::is_socket(st) ? "a socket" : "not a regular file"));
   }
   const fs::path parent = fs::path(out).has_parent_path() ? fs::path(out).parent_path() : fs::path(".");
   if (!fs::is_directory(parent, ec) || ::access(parent.c_str(), W_OK) != 0) {

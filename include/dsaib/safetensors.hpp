@@ -35,10 +35,13 @@ std::map<std::string, HostTensor> read_safetensors(const std::string& path,
                                                    std::map<std::string, std::string>* metadata = nullptr);
 
 /// Writes the tensors (in name order) and the metadata to `path`, replacing
-/// the file. Raises dsaib::Error(invalid_argument) naming the tensor when a
-/// tensor is inconsistent (negative size, bytes.size() != numel * dtype size)
-/// or named "__metadata__", and dsaib::Error(io_error) when the file cannot be
-/// written.
+/// the file: a temporary file next to it is renamed over it, so a reader never
+/// sees a half-written file. A symbolic link is followed (its target is
+/// replaced, the link stays). Raises dsaib::Error(invalid_argument) naming the
+/// tensor when a tensor is inconsistent (negative size, bytes.size() != numel *
+/// dtype size) or named "__metadata__", and dsaib::Error(io_error) when the file
+/// cannot be written or when `path` (or a link's target) exists and is not a
+/// regular file (directory, FIFO, device, socket), which is never replaced.
 void write_safetensors(const std::string& path, const std::map<std::string, HostTensor>& tensors,
                        const std::map<std::string, std::string>& metadata = {});
 

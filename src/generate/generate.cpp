@@ -52,6 +52,8 @@
 #include <thread>
 #include <vector>
 
+#include "core/threads.hpp"
+
 #include "core/bf16.hpp"
 #include "dsaib/generate.hpp"
 
@@ -149,10 +151,9 @@ void parallel_for(int threads, int64_t n, int64_t chunk, Fn fn) {
       for (int64_t i = lo; i < hi; ++i) fn(i, tid);
     }
   };
-  std::vector<std::thread> pool;
-  for (int t = 1; t < threads; ++t) pool.emplace_back(work, t);
-  work(0);
-  for (auto& th : pool) th.join();
+  // Thread t uses scratch t; a thread the system refuses leaves its chunks to
+  // the running ones (detail::run_items_on_threads).
+  detail::run_items_on_threads(threads, work);
 }
 
 // ---------------------------------------------------------------- layout ---

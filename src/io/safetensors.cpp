@@ -311,9 +311,33 @@ void write_safetensors(const std::string& path, const std::map<std::string, Host
   // Pad with spaces so that the data buffer starts 8-byte aligned (as the reference writer does).
   text.append((8 - text.size() % 8) % 8, ' ');
 
+  // The file to replace: a symbolic link's target (the link stays); an
+  // existing non-regular file (FIFO, device, directory, socket) is refused,
+  // since renaming over it would replace it instead of writing to it.
+  namespace fs = std::filesystem;
+  std::string target = path;
+  {
+    std::error_code sec;
+    if (fs::is_symlink(fs::symlink_status(path, sec))) {
+      const fs::path resolved = fs::weakly_canonical(fs::path(path), sec);
+      if (sec) io_fail(path, "cannot resolve the symbolic link (" + sec.message() + ")");
+      target = resolved.string();
+    }
+    const fs::file_status st = fs::status(target, sec);
+    if (!sec && fs::exists(st) && !fs::is_regular_file(st)) {
+      const char* kind = fs::is_directory(st)   ? "a directory"
+                         : fs::is_fifo(st)      ? "a FIFO"
+                         : fs::is_character_file(st) ? "a character device"
+                         : fs::is_block_file(st) ? "a block device"
+                         : fs::is_socket(st)    ? "a socket"
+                                                : "not a regular file";
+      io_fail(path, std::string("expected a regular file or a new path, got ") + kind + " (" + target +
+                        "); it is not replaced");
+    }
+  }
   // Write a temporary file next to the target, then rename it over the target.
   static std::atomic<unsigned> counter{0};
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++);
+  const std::string tmp = target + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++);
   {
     std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
     if (!f) io_fail(path, std::string("cannot open for writing (") + std::strerror(errno) + ")");
@@ -334,7 +358,7 @@ void write_safetensors(const std::string& path, const std::map<std::string, Host
     }
   }
   std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
+  std::filesystem::rename(tmp, target, ec);
   if (ec) {
     std::remove(tmp.c_str());
     io_fail(path, "cannot replace the file (" + ec.message() + ")");

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "core/element_access.hpp"
+#include "core/threads.hpp"
 #include "dsaib/reference.hpp"
 
 namespace dsaib::detail {
@@ -126,19 +127,12 @@ int thread_count(const IndexerBackwardOptions& opt, int64_t rows) {
   return static_cast<int>(std::min<int64_t>(n, std::max<int64_t>(rows, 1)));
 }
 
-/// Runs fn(thread_index, row_begin, row_end) over a static split of [0, rows).
+/// Runs fn(part, row_begin, row_end) once for each of `parts` static parts of
+/// [0, rows), on up to `parts` threads (detail::run_items_on_threads: a thread
+/// the system refuses leaves its parts to the running ones).
 template <class Fn>
-void parallel_rows(int threads, int64_t rows, Fn fn) {
-  std::vector<std::thread> pool;
-  for (int t = 0; t < threads; ++t) {
-    const int64_t lo = rows * t / threads, hi = rows * (t + 1) / threads;
-    if (t == threads - 1) {
-      fn(t, lo, hi);
-    } else {
-      pool.emplace_back(fn, t, lo, hi);
-    }
-  }
-  for (auto& th : pool) th.join();
+void parallel_rows(int parts, int64_t rows, Fn fn) {
+  detail::run_items_on_threads(parts, [&](int t) { fn(t, rows * t / parts, rows * (t + 1) / parts); });
 }
 
 ReferenceGradients compute_full(const IndexerBackwardInputs& in, const IndexerBackwardOptions& opt,
@@ -155,9 +149,11 @@ ReferenceGradients compute_full(const IndexerBackwardInputs& in, const IndexerBa
   const ProblemReader rd{in, g};
   const double c = scale_from_host(g, opt, read_grad_loss(opt));
   const int threads = thread_count(opt, g.num_q_rows);
-  std::vector<std::vector<double>> dk_parts(threads);
+  // One fp64 dK partial per part (num_k_rows * D * 8 bytes each), allocated
+  // here so that running out of memory is a std::bad_alloc of this call, not a
+  // failure inside a worker thread.
+  std::vector<std::vector<double>> dk_parts(threads, std::vector<double>(g.num_k_rows * D, 0.0));
   parallel_rows(threads, g.num_q_rows, [&](int t, int64_t lo, int64_t hi) {
-    dk_parts[t].assign(g.num_k_rows * D, 0.0);
     RowScratch s(g);
     for (int64_t r = lo; r < hi; ++r) {
       row_backward(rd, r, c, opt.sm_scale, s, dk_parts[t].data());

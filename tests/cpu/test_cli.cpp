@@ -1,5 +1,6 @@
 // End-to-end tests of the dsa-indexer-bwd command line tool (small problems, cpu backend).
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <unistd.h>
 
@@ -347,6 +348,33 @@ TEST_F(Cli, OutputPathIsCheckedUpFront) {
     EXPECT_TRUE(contains(r.output, "error (io_error): --out: expected a file")) << args << "\n" << r.output;
     EXPECT_FALSE(contains(r.output, "generate: done")) << "not up front: " << args << "\n" << r.output;
   }
+}
+
+// An existing FIFO or device as --out is refused up front and left as it was
+// (writing by rename would replace it); a symbolic link is written through.
+TEST_F(Cli, OutputPathFifoRefusedSymlinkFollowed) {
+  namespace fs = std::filesystem;
+  const std::string fifo = path("out.fifo");
+  std::error_code ec;
+  fs::remove(fifo, ec);
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  for (const std::string& args : {"generate --preset tiny --out " + quote(fifo),
+                                  "backward --preset tiny --verify none --out " + quote(fifo)}) {
+    const Result r = run(args);
+    EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.output;
+    EXPECT_TRUE(contains(r.output, "error (io_error): --out: expected a regular file or a new path")) << r.output;
+    EXPECT_TRUE(contains(r.output, "a FIFO")) << r.output;
+    EXPECT_FALSE(contains(r.output, "generate: done")) << "not up front: " << args << "\n" << r.output;
+  }
+  EXPECT_TRUE(fs::is_fifo(fs::status(fifo)));
+  const std::string target = path("target.safetensors"), link = path("link.safetensors");
+  fs::remove(link, ec);
+  fs::copy_file(tiny_problem(), target, fs::copy_options::overwrite_existing);
+  fs::create_symlink(target, link);
+  const Result r = run("generate --preset tiny --seed 9 --out " + quote(link));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(fs::is_symlink(fs::symlink_status(link)));
+  EXPECT_EQ(dsaib::read_safetensors(target).count("index_q"), 1u);
 }
 
 // The report states the a-operand precision; the cpu backend ignores it.

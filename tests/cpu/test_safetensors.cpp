@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "dsaib/error.hpp"
@@ -303,6 +304,40 @@ TEST(Safetensors, WriterRejectsInconsistentTensors) {
     EXPECT_EQ(e.code(), ErrorCode::io_error);
     EXPECT_NE(std::string(e.what()).find("cannot open for writing"), std::string::npos) << e.what();
   }
+}
+
+TEST(Safetensors, WriterFollowsSymlinksAndNeverReplacesSpecialFiles) {
+  namespace fs = std::filesystem;
+  const HostTensor t(DType::f32, {3});
+  // A symbolic link: its target gets the new file, the link stays a link.
+  const std::string target = temp_path("link_target.safetensors");
+  const std::string link = temp_path("link.safetensors");
+  dsaib::write_safetensors(target, {{"old", t}});
+  std::error_code ec;
+  fs::remove(link, ec);
+  fs::create_symlink(target, link);
+  dsaib::write_safetensors(link, {{"new", t}});
+  EXPECT_TRUE(fs::is_symlink(fs::symlink_status(link)));
+  const auto back = dsaib::read_safetensors(target);
+  EXPECT_EQ(back.count("new"), 1u);
+  EXPECT_EQ(back.count("old"), 0u);
+  // A FIFO and a directory are refused (io_error naming the kind) and stay what they were.
+  const std::string fifo = temp_path("fifo.safetensors");
+  fs::remove(fifo, ec);
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  const std::string dir = temp_path("dir.safetensors");
+  fs::create_directories(dir);
+  for (const auto& [p, kind] : {std::pair<std::string, std::string>{fifo, "a FIFO"}, {dir, "a directory"}}) {
+    try {
+      dsaib::write_safetensors(p, {{"x", t}});
+      ADD_FAILURE() << p;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::io_error);
+      EXPECT_NE(std::string(e.what()).find(kind), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_TRUE(fs::is_fifo(fs::status(fifo)));
+  EXPECT_TRUE(fs::is_directory(fs::status(dir)));
 }
 
 }  // namespace

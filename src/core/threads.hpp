@@ -1,0 +1,46 @@
+// Host thread fan-out for the CPU backend and the generator: n work items on up
+// to n threads, robust to a thread that cannot be started.
+#pragma once
+
+#include <atomic>
+#include <system_error>
+#include <thread>
+#include <vector>
+
+namespace dsaib::detail {
+
+/// Tests only: at most this many extra threads are started by
+/// run_items_on_threads (-1, the default: no limit). Lets a test take the path
+/// where the system refuses a thread, which it cannot provoke portably.
+inline std::atomic<int>& thread_start_limit_for_testing() {
+  static std::atomic<int> limit{-1};
+  return limit;
+}
+
+/// Runs worker(k) exactly once for every k in [0, n), on the calling thread and
+/// up to n - 1 started threads, which take items from a shared counter. A
+/// thread the system refuses (std::thread throws std::system_error, e.g. past
+/// the process's thread limit) is not an error: the threads already running,
+/// at least the caller, take its items. The results therefore must not depend
+/// on which thread runs an item. worker must not throw.
+template <class Worker>
+void run_items_on_threads(int n, Worker worker) {
+  std::atomic<int> next{0};
+  auto loop = [&] {
+    for (int k = next.fetch_add(1); k < n; k = next.fetch_add(1)) worker(k);
+  };
+  std::vector<std::thread> pool;
+  const int limit = thread_start_limit_for_testing().load();
+  for (int t = 1; t < n; ++t) {
+    if (limit >= 0 && t > limit) break;
+    try {
+      pool.emplace_back(loop);
+    } catch (const std::system_error&) {
+      break;  // fewer threads; the ones running take the remaining items
+    }
+  }
+  loop();
+  for (auto& th : pool) th.join();
+}
+
+}  // namespace dsaib::detail
