@@ -55,6 +55,37 @@ CLI::Validator int_range(int64_t lo, int64_t hi = std::numeric_limits<int64_t>::
       expected.rfind(">=", 0) == 0 ? "INT " + expected : "INT in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
 }
 
+/// A finite floating-point value (fp32 range): NaN, inf and out-of-range text are
+/// errors naming the flag, before any file is read.
+CLI::Validator finite_float() {
+  return CLI::Validator(
+      [](std::string& v) -> std::string {
+        char* end = nullptr;
+        errno = 0;
+        const double x = std::strtod(v.c_str(), &end);
+        if (v.empty() || end != v.c_str() + v.size()) return "expected a number, got \"" + v + "\"";
+        if (!std::isfinite(x) || std::fabs(x) > std::numeric_limits<float>::max()) {
+          return "expected a finite number (fp32 range), got " + v;
+        }
+        return std::string();
+      },
+      "FLOAT (finite)");
+}
+
+/// An unsigned 64-bit integer written in decimal digits only (no sign, no
+/// wrap-around, no clamping).
+CLI::Validator uint64_text() {
+  return CLI::Validator(
+      [](std::string& v) -> std::string {
+        const bool digits = !v.empty() && v.find_first_not_of("0123456789") == std::string::npos;
+        errno = 0;
+        if (digits) (void)std::strtoull(v.c_str(), nullptr, 10);
+        if (!digits || errno == ERANGE) return "expected an integer in [0, 2^64 - 1], got \"" + v + "\"";
+        return std::string();
+      },
+      "UINT64");
+}
+
 /// The generation flags of a subcommand, and the CLI11 options that set them.
 struct GenOptions {
   GenFlags f;
@@ -86,7 +117,7 @@ struct GenOptions {
     reg(app->add_option("--seqlens-k", seqlens_k_text, "THD key lengths (default: the query lengths)")
             ->type_name("INT,..."),
         &f.has_seqlens_k);
-    reg(app->add_option("--seed", f.seed, "random seed")->default_str("0"), &f.has_seed);
+    reg(app->add_option("--seed", f.seed, "random seed")->default_str("0")->check(uint64_text()), &f.has_seed);
     static bool unused = false;
     reg(app->add_flag("--weights-f32", f.weights_f32, "weights in f32 instead of bf16"), &unused);
   }
@@ -113,9 +144,10 @@ struct ScalarOverrides {
 
   void add(CLI::App* app, bool overriding) {
     const std::string suffix = overriding ? " (overrides the file's metadata)" : "";
-    o_sm = app->add_option("--sm-scale", sm_scale, "logit scale (default 1/sqrt(D))" + suffix);
-    o_lc = app->add_option("--loss-coeff", loss_coeff, "loss weight (default 1)" + suffix);
-    o_gl = app->add_option("--grad-loss", grad_loss, "upstream gradient of the loss (default 1)" + suffix);
+    o_sm = app->add_option("--sm-scale", sm_scale, "logit scale (default 1/sqrt(D))" + suffix)->check(finite_float());
+    o_lc = app->add_option("--loss-coeff", loss_coeff, "loss weight (default 1)" + suffix)->check(finite_float());
+    o_gl = app->add_option("--grad-loss", grad_loss, "upstream gradient of the loss (default 1)" + suffix)
+               ->check(finite_float());
     o_n = app->add_option("--normalization-count", normalization_count,
                           "N in c = grad_loss*loss_coeff/N (default 0: the number of query tokens)" + suffix)
               ->check(int_range(0));
@@ -271,12 +303,14 @@ struct BackwardArgs {
 std::string nonfinite_effect(const std::string& name) {
   if (name == "index_q" || name == "index_k") {
     return name + ": a logit q.k that comes out NaN (or -inf) counts as not positive (relu(NaN) = 0, [NaN > 0] = 0), "
-                  "so that slot and head drop out silently, not propagated; a logit of +inf propagates";
+                  "so that slot and head drop out silently, not propagated; a logit of +inf (e.g. +inf in index_k "
+                  "against a positive query entry) propagates";
   }
   if (name == "weights") return "weights: propagate into d_index_q and d_index_k of the row's selected keys";
   if (name == "attn_score") {
-    return "attn_score: at a valid slot whose index_score is >= eps (e^-100), NaN/inf propagates through "
-           "G = sum g_i into every gradient of that query row (where index_score < eps it is ignored)";
+    return "attn_score: at a valid slot whose index_score is >= eps (e^-100), NaN and +inf propagate through "
+           "G = sum g_i into every gradient of that query row, -inf is clamped to eps (max(T, eps)); where "
+           "index_score < eps it is ignored";
   }
   if (name == "index_score") {
     return "index_score: at a valid slot, NaN/inf propagates into that slot's gradients (a NaN one also drops its "
@@ -417,7 +451,9 @@ int cmd_backward(GenOptions& gen, const ScalarOverrides& sc, const BackwardArgs&
   if (!a.in.empty() && !sc.any_given()) stored = verify_against_stored(p, r, "torch_");
   // Outputs were poisoned with NaN: every element must come back finite (checked even without --verify).
   const int64_t nonfinite = count_nonfinite(r.d_index_q) + count_nonfinite(r.d_weights) + count_nonfinite(r.d_index_k);
-  const bool pass = v.pass() && nonfinite == 0 &&
+  // Non-finite inputs make the gradients meaningless even where they match the
+  // reference (a NaN logit drops out silently): never a PASS.
+  const bool pass = v.pass() && nonfinite == 0 && input_nonfinite.empty() &&
                     std::all_of(stored.begin(), stored.end(), [](const Metric& m) { return m.pass; });
 
   // Gradients to a file.
@@ -497,6 +533,9 @@ int cmd_backward(GenOptions& gen, const ScalarOverrides& sc, const BackwardArgs&
                    {"sampled_q_rows", v.q_rows.size()},
                    {"sampled_k_rows", v.k_rows.size()},
                    {"outputs", outs}};
+    nlohmann::ordered_json nfi = nlohmann::ordered_json::object();
+    for (const std::string& n : nonfinite_names) nfi[n] = count_nonfinite(p.tensors.at(n));
+    j["nonfinite_inputs"] = nfi;
     j["nonfinite_outputs"] = nonfinite;
     j["output_file"] = a.out;
     j["pass"] = pass;
@@ -538,8 +577,11 @@ int cmd_backward(GenOptions& gen, const ScalarOverrides& sc, const BackwardArgs&
       << ")\n";
   }
   if (!a.out.empty()) s << "  output      " << a.out << "\n";
-  const char* verdict = !pass ? "FAIL" : v.mode != "none" ? "PASS" : !stored.empty() ? "PASS (stored gradients only)"
-                                                                                    : "OK (not verified)";
+  const std::string verdict = !input_nonfinite.empty() ? "FAIL (non-finite inputs: " + input_nonfinite + ")"
+                              : !pass                   ? "FAIL"
+                              : v.mode != "none"        ? "PASS"
+                              : !stored.empty()         ? "PASS (stored gradients only)"
+                                                        : "OK (not verified)";
   s << "  result      " << verdict << "\n";
   std::cout << s.str() << std::flush;
   return pass ? 0 : kExitFail;
@@ -631,7 +673,7 @@ int run_main(int argc, char** argv) {
                         "1: no rotation)")
       ->check(int_range(0, 1024))
       ->default_str("0");
-  bench_cmd->add_option("--seed", ba.seed, "generator seed (a case uses seed + S)")->default_str("1234");
+  bench_cmd->add_option("--seed", ba.seed, "generator seed (a case uses seed + S)")->default_str("1234")->check(uint64_text());
   bench_cmd->add_option("--json", ba.json, "also write the report as JSON to FILE (- : JSON on stdout, the table on "
                                            "stderr)")
       ->type_name("FILE");

@@ -130,6 +130,9 @@ struct IndexerBackwardOptions {
   float grad_loss = 1.0f;
   /// If non-null: a single f32 read at run time from memory on the backend's
   /// device (host memory for cpu), so CUDA-graph replays may change it.
+  /// cpu: must be finite (checked before anything is written); cuda: not
+  /// checked (reading it would synchronise), a non-finite value gives
+  /// non-finite gradients.
   const float* grad_loss_device = nullptr;
   /// N in c = grad_loss * loss_coeff / N. 0 means "number of query tokens"
   /// (B*S_q for BSHD, T_q for THD). Must be >= 0.

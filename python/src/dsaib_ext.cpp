@@ -22,6 +22,7 @@
 //   unsupported, backend_unavailable, cuda_error,
 //   io_error, internal                              -> RuntimeError
 // with what() unchanged, so Python sees the C++ message verbatim.
+#include <cmath>
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
@@ -160,7 +161,14 @@ const float* grad_loss_pointer(const Array& g, const std::string& want_device) {
     throw dsaib::Error(dsaib::ErrorCode::invalid_argument, "grad_loss",
                        "grad_loss: expected a tensor on " + want_device + " (the backend's device), got one on " + got);
   }
-  return static_cast<const float*>(g.data());
+  const auto* p = static_cast<const float*>(g.data());
+  // cpu: read now and checked like a Python float (the library would name
+  // grad_loss_device); cuda: read by the kernel at run time, not checked.
+  if (want_device == "cpu" && !std::isfinite(*p)) {
+    throw dsaib::Error(dsaib::ErrorCode::invalid_argument, "grad_loss",
+                       "grad_loss: expected a finite value, got " + std::to_string(*p));
+  }
+  return p;
 }
 
 // ---- Buffer: memory owned by this module, exported through DLPack -----------

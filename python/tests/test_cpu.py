@@ -287,6 +287,17 @@ def test_non_finite_scale_is_value_error():
         run(make_problem(0), sm_scale=float("nan"))
 
 
+def test_non_finite_grad_loss_array_is_value_error_before_writing():
+    # A float grad_loss and a one-element float32 array are checked alike on the cpu backend.
+    p = make_problem(0)
+    for bad, text in ((np.nan, "nan"), (np.inf, "inf"), (-np.inf, "-inf")):
+        out = tuple(np.full(s, 7.0, dtype=np.float32) for s in (p["index_q"].shape, p["weights"].shape,
+                                                                 p["index_k"].shape))
+        with pytest.raises(ValueError, match=rf"^grad_loss: expected a finite value, got {text}$"):
+            run(p, grad_loss=np.array([bad], dtype=np.float32), out=out)
+        assert all((o == 7.0).all() for o in out)
+
+
 def test_bad_option_strings_are_value_errors():
     p = make_problem(0)
     with pytest.raises(ValueError, match=r'^layout: expected "bshd" or "thd", got "sbhd"$'):

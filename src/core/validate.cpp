@@ -305,6 +305,9 @@ ProblemGeometry validate_problem(const IndexerBackwardInputs& in, const IndexerB
   check_finite(opt.loss_coeff, "loss_coeff");
   if (opt.grad_loss_device == nullptr) check_finite(opt.grad_loss, "grad_loss");
   else if (reinterpret_cast<std::uintptr_t>(opt.grad_loss_device) % 4 != 0) fail("grad_loss_device", "a 4-byte aligned pointer", "misaligned pointer");
+  // cpu: the scalar is host memory and is read now, like grad_loss. (cuda: the
+  // kernel reads it at run time, so that graph replays may change it; not checked.)
+  else if (opt.backend == Backend::cpu) check_finite(*opt.grad_loss_device, "grad_loss_device");
   if (opt.normalization_count < 0) {
     fail("normalization_count", ">= 0 (0 = number of query tokens)", std::to_string(opt.normalization_count));
   }

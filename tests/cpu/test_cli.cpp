@@ -413,6 +413,13 @@ TEST_F(Cli, IntegerRangeErrorsNameTheFlagAndTheValue) {
       {"bench --batch 0", "--batch: expected >= 1, got 0"},
       {"bench --iters 0", "--iters: expected an integer in [1, 100000], got 0"},
       {"bench --warmup -5", "--warmup: expected an integer in [0, 100000], got -5"},
+      // Scalars and seeds are checked where they are typed, not blamed on a file or clamped.
+      {"backward --preset tiny --sm-scale nan", "--sm-scale: expected a finite number (fp32 range), got nan"},
+      {"backward --preset tiny --grad-loss inf", "--grad-loss: expected a finite number (fp32 range), got inf"},
+      {"backward --preset tiny --loss-coeff 1e39", "--loss-coeff: expected a finite number (fp32 range), got 1e39"},
+      {"generate --preset tiny --seed -1 --out x.safetensors", "--seed: expected an integer in [0, 2^64 - 1], got \"-1\""},
+      {"backward --preset tiny --seed 18446744073709551616",
+       "--seed: expected an integer in [0, 2^64 - 1], got \"18446744073709551616\""},
   };
   for (const auto& c : cases) {
     const Result r = run(c.args);
@@ -424,7 +431,7 @@ TEST_F(Cli, IntegerRangeErrorsNameTheFlagAndTheValue) {
 
 // The warning about NaN/inf inputs says what the backends do: a NaN logit q.k counts
 // as not positive and drops out (not propagated); weights propagate; attn_score and
-// index_score at valid slots propagate.
+// index_score at valid slots propagate. Non-finite inputs are never a PASS.
 TEST_F(Cli, NonFiniteInputWarningSaysWhatHappens) {
   std::map<std::string, std::string> meta;
   auto t = dsaib::read_safetensors(tiny_problem(), &meta);
@@ -436,7 +443,15 @@ TEST_F(Cli, NonFiniteInputWarningSaysWhatHappens) {
   EXPECT_TRUE(contains(r.output, "drop out silently, not propagated")) << r.output;
   EXPECT_FALSE(contains(r.output, "propagate through the math")) << r.output;
   EXPECT_FALSE(contains(r.output, "attn_score: at a valid slot")) << r.output;  // only the affected inputs
-  EXPECT_EQ(r.exit_code, 0) << r.output;  // dropped, so the outputs stay finite
+  // The outputs stay finite (the NaN logit drops out), but a NaN input is never a PASS.
+  EXPECT_TRUE(contains(r.output, "result      FAIL (non-finite inputs: index_q: 1 (first at element 5))")) << r.output;
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  r = run("backward --backend cpu --verify all --json --in " + quote(path("nan_q.safetensors")), false);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  const auto j = nlohmann::json::parse(r.output);
+  EXPECT_EQ(j["nonfinite_inputs"]["index_q"], 1) << r.output;
+  EXPECT_EQ(j["nonfinite_outputs"], 0) << r.output;
+  EXPECT_EQ(j["pass"], false) << r.output;
 
   t.at("attn_score").data<float>()[0] = std::nanf("");  // row 0, slot 0: valid (causal, key 0)
   dsaib::write_safetensors(path("nan_qt.safetensors"), t, meta);

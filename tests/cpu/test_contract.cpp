@@ -295,6 +295,12 @@ void register_cases() {
     add_both("sm_scale_" + tag, "sm_scale", [bad](Env& e) { e.opt.sm_scale = bad; });
     add_both("loss_coeff_" + tag, "loss_coeff", [bad](Env& e) { e.opt.loss_coeff = bad; });
     add_both("grad_loss_" + tag, "grad_loss", [bad](Env& e) { e.opt.grad_loss = bad; });
+    // cpu: the host scalar behind grad_loss_device is checked like grad_loss.
+    add("grad_loss_device_" + tag, Layout::bshd, "grad_loss_device", [bad](Env& e) {
+      auto* f = reinterpret_cast<float*>(e.buffer(4));
+      *f = bad;
+      e.opt.grad_loss_device = f;
+    });
   }
   add("grad_loss_device_misaligned", Layout::bshd, "grad_loss_device", [](Env& e) {
     e.opt.grad_loss_device = reinterpret_cast<const float*>(e.buffer(8) + 2);
