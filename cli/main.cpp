@@ -55,6 +55,12 @@ CLI::Validator int_range(int64_t lo, int64_t hi = std::numeric_limits<int64_t>::
       expected.rfind(">=", 0) == 0 ? "INT " + expected : "INT in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
 }
 
+/// A file name that is not empty ("--out ''" would otherwise mean "no output").
+CLI::Validator nonempty_path() {
+  return CLI::Validator([](std::string& v) -> std::string { return v.empty() ? "expected a file name, got \"\"" : ""; },
+                        "FILE");
+}
+
 /// A finite floating-point value (fp32 range): NaN, inf and out-of-range text are
 /// errors naming the flag, before any file is read.
 CLI::Validator finite_float() {
@@ -602,7 +608,7 @@ int run_main(int argc, char** argv) {
   ScalarOverrides gen_sc;
   std::string gen_out;
   int32_t gen_threads = 0;
-  gen_cmd->add_option("--out,-o", gen_out, "output .safetensors file")->required();
+  gen_cmd->add_option("--out,-o", gen_out, "output .safetensors file")->required()->check(nonempty_path());
   gen_g.add(gen_cmd);
   gen_sc.add(gen_cmd, false);
   gen_cmd->add_option("--threads", gen_threads, "worker threads (0: all cores)")->check(int_range(0, 1 << 20));
@@ -613,7 +619,8 @@ int run_main(int argc, char** argv) {
   ScalarOverrides bwd_sc;
   BackwardArgs a;
   bwd_cmd->add_option("--in,-i", a.in, "input problem file (else one is generated from the generation flags)");
-  bwd_cmd->add_option("--out,-o", a.out, "write d_index_q, d_weights, d_index_k to this .safetensors file");
+  bwd_cmd->add_option("--out,-o", a.out, "write d_index_q, d_weights, d_index_k to this .safetensors file")
+      ->check(nonempty_path());
   bwd_g.add(bwd_cmd);
   bwd_sc.add(bwd_cmd, true);
   bwd_cmd->add_option("--backend", a.backend, "auto (cuda if available, else cpu), cpu or cuda")

@@ -418,6 +418,8 @@ TEST_F(Cli, IntegerRangeErrorsNameTheFlagAndTheValue) {
       {"backward --preset tiny --grad-loss inf", "--grad-loss: expected a finite number (fp32 range), got inf"},
       {"backward --preset tiny --loss-coeff 1e39", "--loss-coeff: expected a finite number (fp32 range), got 1e39"},
       {"generate --preset tiny --seed -1 --out x.safetensors", "--seed: expected an integer in [0, 2^64 - 1], got \"-1\""},
+      {"backward --preset tiny --verify none --out ''", "--out: expected a file name, got \"\""},
+      {"generate --preset tiny --out ''", "--out: expected a file name, got \"\""},
       {"backward --preset tiny --seed 18446744073709551616",
        "--seed: expected an integer in [0, 2^64 - 1], got \"18446744073709551616\""},
   };
