@@ -254,6 +254,34 @@ GenerateSpec make_spec(const GenFlags& f, int32_t threads) {
   return s;
 }
 
+/// generate_problem, with its argument errors renamed for the command line: a
+/// GenerateSpec field the user set by a flag is named by that flag ("--topk: ..."),
+/// one that came from the preset says so ("topk (preset small): ...").
+GeneratedProblem generate_with_flag_names(const GenerateSpec& spec, const GenFlags& f) {
+  try {
+    return generate_problem(spec);
+  } catch (const Error& e) {
+    struct Field {
+      const char* field;
+      const char* flag;
+      bool given;
+    };
+    const Field fields[] = {{"batch", "--batch", f.has_batch},          {"s_q", "--s-q", f.has_s_q},
+                            {"s_kv", "--s-kv", f.has_s_kv},             {"heads", "--heads", f.has_heads},
+                            {"head_dim", "--head-dim", f.has_head_dim}, {"topk", "--topk", f.has_topk},
+                            {"seqlens_q", "--seqlens-q", f.has_seqlens_q}, {"seqlens_k", "--seqlens-k", f.has_seqlens_k},
+                            {"sm_scale", "--sm-scale", f.has_sm_scale}};
+    const std::string msg = e.what();
+    for (const Field& fd : fields) {
+      const std::string prefix = std::string(fd.field) + ":";
+      if (e.argument() != fd.field || msg.rfind(prefix, 0) != 0) continue;
+      const std::string name = fd.given ? std::string(fd.flag) : std::string(fd.field) + " (preset " + f.preset + ")";
+      throw Error(e.code(), fd.given ? fd.flag : fd.field, name + ":" + msg.substr(prefix.size()));
+    }
+    throw;
+  }
+}
+
 Problem generate(const GenFlags& f, int32_t threads) {
   const GenerateSpec spec = make_spec(f, threads);
   const auto t0 = std::chrono::steady_clock::now();
@@ -262,7 +290,7 @@ Problem generate(const GenFlags& f, int32_t threads) {
                                                     ? " with overrides"
                                                     : "") +
             ", seed " + std::to_string(f.seed) + " ...");
-  GeneratedProblem gp = generate_problem(spec);
+  GeneratedProblem gp = generate_with_flag_names(spec, f);
   log_stage("generate: done in " + human_seconds(seconds_since(t0)));
   Problem p;
   p.options = gp.options();

@@ -419,6 +419,10 @@ TEST_F(Cli, IntegerRangeErrorsNameTheFlagAndTheValue) {
       {"backward --preset tiny --loss-coeff 1e39", "--loss-coeff: expected a finite number (fp32 range), got 1e39"},
       {"generate --preset tiny --seed -1 --out x.safetensors", "--seed: expected an integer in [0, 2^64 - 1], got \"-1\""},
       {"backward --preset tiny --verify none --out ''", "--out: expected a file name, got \"\""},
+      // The generator's field errors are named by the flag that set the field.
+      {"backward --preset tiny --topk 0", "error (invalid_argument): --topk: expected >= 1, got 0"},
+      {"backward --preset tiny --heads 12", "error (invalid_argument): --heads: expected a multiple of 8 in [8, 128], got 12"},
+      {"generate --preset tiny --head-dim 32 --out x.safetensors", "error (invalid_argument): --head-dim: expected 64 or 128, got 32"},
       {"generate --preset tiny --out ''", "--out: expected a file name, got \"\""},
       {"backward --preset tiny --seed 18446744073709551616",
        "--seed: expected an integer in [0, 2^64 - 1], got \"18446744073709551616\""},
