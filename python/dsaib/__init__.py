@@ -25,7 +25,9 @@ Errors
 ------
 The C++ library's errors surface with the C++ message unchanged:
 
-* ``TypeError``: a dtype the library does not take for that argument.
+* ``TypeError``: a dtype the library does not take for that argument; an
+  input that is not an array (None, a list, a scalar) or a numpy array in
+  non-native byte order (checked in Python, naming the argument).
 * ``ValueError``: wrong rank/shape/stride/device, bad option values, bad
   cu_seqlens, overlapping outputs, and (``strict_indices=True``) an invalid
   topk id.
@@ -130,6 +132,21 @@ def _device(x):
     if kind == _DL_CPU:
         return ("cpu", 0)
     return ("dlpack-device-%d" % kind, int(index))
+
+
+def _check_arrays(**arrays):
+    """TypeError naming the argument for an input that is not a tensor (None, a
+    list, a scalar) or a numpy array in non-native byte order, before anything
+    else happens (the extension would only report "incompatible function arguments")."""
+    for name, x in arrays.items():
+        if x is None and name.startswith("cu_seqlens"):
+            continue
+        if not (hasattr(x, "__dlpack__") or isinstance(x, (_np.ndarray, _dsaib.Buffer))
+                or type(x).__name__ == "PyCapsule"):  # a raw DLPack capsule is taken too
+            raise TypeError(f"{name}: expected an array (numpy, torch, cupy, jax or a DLPack tensor), "
+                            f"got {type(x).__name__}")
+        if isinstance(x, _np.ndarray) and not x.dtype.isnative:
+            raise TypeError(f"{name}: expected native byte order, got dtype {x.dtype.str}")
 
 
 def _export(x):
@@ -407,6 +424,9 @@ def indexer_backward(
         outside [0, 2^31-1]; ``out`` not 3 arrays, or a read-only one.
       RuntimeError: backend unavailable, unsupported option, CUDA failure.
     """
+    _check_arrays(index_q=index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
+                  attn_score=attn_score, index_score=index_score, cu_seqlens_q=cu_seqlens_q,
+                  cu_seqlens_k=cu_seqlens_k)
     if out_dtype not in ("f32", "bf16"):
         raise ValueError(f'out_dtype: expected "f32" or "bf16", got {out_dtype!r}')
     sm_scale = _f32_value("sm_scale", sm_scale)
@@ -499,6 +519,9 @@ def indexer_kl_loss(
     from index_score). Same arguments, shapes and errors as
     :func:`indexer_backward`.
     """
+    _check_arrays(index_q=index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
+                  attn_score=attn_score, index_score=index_score, cu_seqlens_q=cu_seqlens_q,
+                  cu_seqlens_k=cu_seqlens_k)
     sm_scale = _f32_value("sm_scale", sm_scale)
     loss_coeff = _f32_value("loss_coeff", loss_coeff)
     grad_loss = _f32_value("grad_loss", grad_loss)

@@ -298,6 +298,23 @@ def test_non_finite_grad_loss_array_is_value_error_before_writing():
         assert all((o == 7.0).all() for o in out)
 
 
+def test_non_array_inputs_are_type_errors_naming_the_argument():
+    p = make_problem(0)
+    cases = [
+        ("index_q", None, r"^index_q: expected an array \(numpy, torch, cupy, jax or a DLPack tensor\), got NoneType$"),
+        ("weights", p["weights"].tolist(), r"^weights: expected an array .*, got list$"),
+        ("attn_score", 1.0, r"^attn_score: expected an array .*, got float$"),
+        ("weights", p["weights"].astype(">f4"), r"^weights: expected native byte order, got dtype >f4$"),
+    ]
+    for name, value, pattern in cases:
+        q = dict(p)
+        q[name] = value
+        with pytest.raises(TypeError, match=pattern):
+            run(q)
+        with pytest.raises(TypeError, match=pattern):
+            dsaib.indexer_kl_loss(**q, sm_scale=SM_SCALE, uint16_as_bf16=True)
+
+
 def test_bad_option_strings_are_value_errors():
     p = make_problem(0)
     with pytest.raises(ValueError, match=r'^layout: expected "bshd" or "thd", got "sbhd"$'):
