@@ -62,20 +62,20 @@ CLI::Validator nonempty_path() {
 }
 
 /// A finite floating-point value (fp32 range): NaN, inf and out-of-range text are
-/// errors naming the flag, before any file is read.
-CLI::Validator finite_float() {
+/// errors naming the flag, before any file is read. With `nonzero`, 0 is one too.
+CLI::Validator finite_float(bool nonzero = false) {
   return CLI::Validator(
-      [](std::string& v) -> std::string {
+      [nonzero](std::string& v) -> std::string {
         char* end = nullptr;
         errno = 0;
         const double x = std::strtod(v.c_str(), &end);
         if (v.empty() || end != v.c_str() + v.size()) return "expected a number, got \"" + v + "\"";
-        if (!std::isfinite(x) || std::fabs(x) > std::numeric_limits<float>::max()) {
-          return "expected a finite number (fp32 range), got " + v;
+        if (!std::isfinite(x) || std::fabs(x) > std::numeric_limits<float>::max() || (nonzero && x == 0.0)) {
+          return std::string("expected a finite ") + (nonzero ? "nonzero " : "") + "number (fp32 range), got " + v;
         }
         return std::string();
       },
-      "FLOAT (finite)");
+      nonzero ? "FLOAT (finite, nonzero)" : "FLOAT (finite)");
 }
 
 /// An unsigned 64-bit integer written in decimal digits only (no sign, no
@@ -150,7 +150,10 @@ struct ScalarOverrides {
 
   void add(CLI::App* app, bool overriding) {
     const std::string suffix = overriding ? " (overrides the file's metadata)" : "";
-    o_sm = app->add_option("--sm-scale", sm_scale, "logit scale (default 1/sqrt(D))" + suffix)->check(finite_float());
+    // 0 is refused: the generator reads 0 as "1/sqrt(D)", a backward override would
+    // take it literally (all-zero gradients); one meaning, none surprising.
+    o_sm = app->add_option("--sm-scale", sm_scale, "logit scale (default 1/sqrt(D))" + suffix)
+               ->check(finite_float(/*nonzero=*/true));
     o_lc = app->add_option("--loss-coeff", loss_coeff, "loss weight (default 1)" + suffix)->check(finite_float());
     o_gl = app->add_option("--grad-loss", grad_loss, "upstream gradient of the loss (default 1)" + suffix)
                ->check(finite_float());

@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <set>
 #include <string>
 #include <system_error>
 #include <utility>
@@ -195,8 +196,23 @@ std::map<std::string, HostTensor> read_safetensors(const std::string& path,
   const uint64_t buffer_bytes = file_bytes - 8 - header_bytes;
 
   json root;
+  // Duplicate keys in an object are an error (the format's reference reader
+  // rejects them; nlohmann would keep the last one silently).
+  std::vector<std::set<std::string>> open_objects;
+  std::string duplicate_key;
+  const json::parser_callback_t no_duplicates = [&](int, json::parse_event_t event, json& parsed) {
+    if (event == json::parse_event_t::object_start) {
+      open_objects.emplace_back();
+    } else if (event == json::parse_event_t::object_end) {
+      if (!open_objects.empty()) open_objects.pop_back();
+    } else if (event == json::parse_event_t::key && !open_objects.empty()) {
+      const std::string key = parsed.get<std::string>();
+      if (!open_objects.back().insert(key).second && duplicate_key.empty()) duplicate_key = key;
+    }
+    return true;
+  };
   try {
-    root = json::parse(header);
+    root = json::parse(header, no_duplicates);
   } catch (const json::exception& e) {
     std::string msg = e.what();
     // "[json.exception.parse_error.101] parse error at line 1, column 5: ..." -> keep the part after the tag.
@@ -204,6 +220,7 @@ std::map<std::string, HostTensor> read_safetensors(const std::string& path,
     if (msg.rfind("[json.exception", 0) == 0 && tag_end != std::string::npos) msg = msg.substr(tag_end + 2);
     io_fail(path, "header is not valid JSON (" + msg + ")");
   }
+  if (!duplicate_key.empty()) io_fail(path, "header: duplicate key \"" + duplicate_key + "\"");
   if (!root.is_object()) io_fail(path, "header: expected a JSON object, got " + describe(root));
 
   std::vector<Entry> entries;

@@ -414,8 +414,9 @@ TEST_F(Cli, IntegerRangeErrorsNameTheFlagAndTheValue) {
       {"bench --iters 0", "--iters: expected an integer in [1, 100000], got 0"},
       {"bench --warmup -5", "--warmup: expected an integer in [0, 100000], got -5"},
       // Scalars and seeds are checked where they are typed, not blamed on a file or clamped.
-      {"backward --preset tiny --sm-scale nan", "--sm-scale: expected a finite number (fp32 range), got nan"},
+      {"backward --preset tiny --sm-scale nan", "--sm-scale: expected a finite nonzero number (fp32 range), got nan"},
       {"backward --preset tiny --grad-loss inf", "--grad-loss: expected a finite number (fp32 range), got inf"},
+      {"backward --preset tiny --sm-scale 0", "--sm-scale: expected a finite nonzero number (fp32 range), got 0"},
       {"backward --preset tiny --loss-coeff 1e39", "--loss-coeff: expected a finite number (fp32 range), got 1e39"},
       {"generate --preset tiny --seed -1 --out x.safetensors", "--seed: expected an integer in [0, 2^64 - 1], got \"-1\""},
       {"backward --preset tiny --verify none --out ''", "--out: expected a file name, got \"\""},

@@ -208,6 +208,21 @@ TEST(Safetensors, WrongDtypeStrings) {
                     {"unknown dtype \"f32\""});
 }
 
+TEST(Safetensors, DuplicateKeysAreErrors) {
+  // The format's reference reader rejects them; keeping the last one would hide a second tensor.
+  const std::string d(8, '\0');
+  expect_bad_header("dup1.safetensors",
+                    R"({"x": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, )"
+                    R"("x": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}})",
+                    d, {"duplicate key \"x\""});
+  expect_bad_header("dup2.safetensors",
+                    R"({"x": {"dtype": "F32", "dtype": "I32", "shape": [2], "data_offsets": [0, 8]}})", d,
+                    {"duplicate key \"dtype\""});
+  expect_bad_header("dup3.safetensors",
+                    R"({"__metadata__": {"a": "1", "a": "2"}, "x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})",
+                    d, {"duplicate key \"a\""});
+}
+
 TEST(Safetensors, OffsetsAndShapesMismatch) {
   const std::string d(16, '\0');
   expect_bad_header("off1.safetensors", R"({"x": {"dtype": "F32", "shape": [3], "data_offsets": [0, 16]}})", d,
