@@ -27,7 +27,8 @@ const char* safetensors_dtype_name(DType dtype);
 /// Supported dtypes: BF16, F32, I32. Raises dsaib::Error(ErrorCode::io_error)
 /// with argument() == path and a message starting with the path for every
 /// unreadable or malformed file: missing file, truncated file, header length
-/// beyond the file, invalid JSON, a header that is not the expected object,
+/// beyond the file, invalid JSON, a duplicate key in any object of the header,
+/// a header that is not the expected object,
 /// an unknown or unsupported dtype (named), negative, non-integer or
 /// overflowing shapes, data_offsets out of the buffer, overlapping each other
 /// or not matching numel * dtype size, non-string metadata values.
