@@ -476,7 +476,7 @@ int cmd_backward(GenOptions& gen, const ScalarOverrides& sc, const BackwardArgs&
         {"loss_coeff", format_float(p.options.loss_coeff)},
         {"grad_loss", format_float(p.options.grad_loss)},
         {"normalization_count",
-         std::to_string(p.options.normalization_count > 0 ? p.options.normalization_count : g.num_q_rows)},
+         std::to_string(g.normalization_count)},  // N as the library uses it (max(rows, 1) when 0)
         {"input", p.origin},
         {"backward_seconds", format_float(mean)},
     };
@@ -485,7 +485,7 @@ int cmd_backward(GenOptions& gen, const ScalarOverrides& sc, const BackwardArgs&
     log_stage("wrote " + a.out);
   }
 
-  const int64_t n_norm = p.options.normalization_count > 0 ? p.options.normalization_count : g.num_q_rows;
+  const int64_t n_norm = g.normalization_count;  // as the library uses it: max(rows, 1) when 0
   if (a.json) {
     nlohmann::ordered_json j;
     j["problem"] = {{"layout", layout_name(g.layout)},
