@@ -666,7 +666,16 @@ int run_main(int argc, char** argv) {
       ->delimiter(',')
       ->check(CLI::IsMember({"causal", "random"}))
       ->default_str("causal,random");
-  bench_cmd->add_option("--heads", ba.heads, "H: index heads")->check(int_range(1))->default_str("64");
+  bench_cmd->add_option("--heads", ba.heads, "H: index heads (multiple of 8, 8..128)")
+      ->check(CLI::Validator(
+          [](std::string& v) -> std::string {
+            char* end = nullptr;
+            const long long h = std::strtoll(v.c_str(), &end, 10);
+            const bool ok = !v.empty() && end == v.c_str() + v.size() && h >= 8 && h <= 128 && h % 8 == 0;
+            return ok ? std::string() : "expected a multiple of 8 in [8, 128], got " + v;
+          },
+          "INT (multiple of 8, 8..128)"))
+      ->default_str("64");
   bench_cmd->add_option("--dim", ba.dim, "D: head dimension")->check(CLI::IsMember({64, 128}))->default_str("128");
   bench_cmd->add_option("--topk", ba.topk, "selected keys per query row")->check(int_range(1))->default_str("2048");
   bench_cmd->add_option("--a-operand", ba.a_operand,
@@ -713,8 +722,11 @@ int run_main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    const int rc = app.exit(e);
-    return rc == 0 ? 0 : kExitError;
+    if (e.get_exit_code() == 0) return app.exit(e);  // --help and friends
+    // One error style for the whole tool: "dsa-indexer-bwd: error (...): message".
+    std::cerr << "dsa-indexer-bwd: error (invalid_argument): " << e.what() << "\n"
+              << "Run with --help or --help-all for more information.\n";
+    return kExitError;
   }
 
   if (*presets_cmd) {

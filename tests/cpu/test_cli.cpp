@@ -420,6 +420,7 @@ TEST_F(Cli, IntegerRangeErrorsNameTheFlagAndTheValue) {
       {"backward --preset tiny --loss-coeff 1e39", "--loss-coeff: expected a finite number (fp32 range), got 1e39"},
       {"generate --preset tiny --seed -1 --out x.safetensors", "--seed: expected an integer in [0, 2^64 - 1], got \"-1\""},
       {"backward --preset tiny --verify none --out ''", "--out: expected a file name, got \"\""},
+      {"bench --heads 12", "dsa-indexer-bwd: error (invalid_argument): --heads: expected a multiple of 8 in [8, 128], got 12"},
       // The generator's field errors are named by the flag that set the field.
       {"backward --preset tiny --topk 0", "error (invalid_argument): --topk: expected >= 1, got 0"},
       {"backward --preset tiny --heads 12", "error (invalid_argument): --heads: expected a multiple of 8 in [8, 128], got 12"},
