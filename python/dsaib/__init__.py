@@ -390,7 +390,8 @@ def indexer_backward(
         waits for the stream before wrapping the outputs. With an explicit
         torch stream other than the current one, outputs allocated here are
         marked as used on it (``record_stream``); ordering the inputs before
-        that stream is the caller's job.
+        that stream is the caller's job. On the cpu backend only None or 0
+        (anything else is a ValueError).
       uint16_as_bf16: read uint16/int16 arrays (inputs, and outputs given in
         ``out``) as bf16 bit patterns; without it a uint16 array is a TypeError.
       a_operand_precision: cuda only: the precision of the tensor-core operand
@@ -442,6 +443,8 @@ def indexer_backward(
     if backend is None:
         backend = "cuda" if kind == "cuda" else "cpu"
     explicit_stream = stream is not None
+    if explicit_stream and backend == "cpu" and stream != 0:
+        raise ValueError(f"stream: expected None or 0 on the cpu backend (it runs on host threads), got {stream!r}")
     if stream is None:
         stream = _default_stream(fw, index_q, device) if backend == "cuda" else 0
 

@@ -315,6 +315,12 @@ def test_non_array_inputs_are_type_errors_naming_the_argument():
             dsaib.indexer_kl_loss(**q, sm_scale=SM_SCALE, uint16_as_bf16=True)
 
 
+def test_stream_on_the_cpu_backend_is_value_error():
+    with pytest.raises(ValueError, match=r"^stream: expected None or 0 on the cpu backend .*got 1234$"):
+        run(make_problem(0), stream=1234)
+    run(make_problem(0), stream=0)  # 0 is the "no stream" value and stays accepted
+
+
 def test_bad_option_strings_are_value_errors():
     p = make_problem(0)
     with pytest.raises(ValueError, match=r'^layout: expected "bshd" or "thd", got "sbhd"$'):
