@@ -27,12 +27,29 @@
 
 #include "cli.hpp"
 #include "dsaib/safetensors.hpp"
+#include "io/output_path.hpp"
 
 namespace dsaib::cli {
 namespace {
 
 constexpr int kExitFail = 1;
 constexpr int kExitError = 2;
+
+/// "" if `v` is a plain decimal integer (optional '-', digits, no leading zero
+/// except "0" itself), else why not. CLI11 2.1 converts integers with base 0, so
+/// "010" would be read as octal 8 and "0x10" as 16: only decimal text is taken.
+std::string decimal_integer_error(const std::string& v) {
+  const size_t d = (!v.empty() && v[0] == '-') ? 1 : 0;
+  const bool digits = v.size() > d && v.find_first_not_of("0123456789", d) == std::string::npos;
+  if (!digits) return "expected a decimal integer, got \"" + v + "\"";
+  if (v.size() > d + 1 && v[d] == '0') return "expected a decimal integer without leading zeros, got \"" + v + "\"";
+  return std::string();
+}
+
+/// Any decimal integer (the range is checked elsewhere).
+CLI::Validator decimal_int() {
+  return CLI::Validator([](std::string& v) { return decimal_integer_error(v); }, "INT");
+}
 
 /// Integer range checks whose messages read "--flag: expected >= 1, got 0" (CLI11
 /// prefixes the flag), instead of CLI::Range's double-formatted bounds.
@@ -42,6 +59,9 @@ CLI::Validator int_range(int64_t lo, int64_t hi = std::numeric_limits<int64_t>::
                                    : "an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]";
   return CLI::Validator(
       [lo, hi, expected](std::string& v) -> std::string {
+        if (!v.empty() && decimal_integer_error(v).find("leading zeros") != std::string::npos) {
+          return decimal_integer_error(v);
+        }
         char* end = nullptr;
         errno = 0;
         const long long x = std::strtoll(v.c_str(), &end, 10);
@@ -70,7 +90,9 @@ CLI::Validator finite_float(bool nonzero = false) {
         errno = 0;
         const double x = std::strtod(v.c_str(), &end);
         if (v.empty() || end != v.c_str() + v.size()) return "expected a number, got \"" + v + "\"";
-        if (!std::isfinite(x) || std::fabs(x) > std::numeric_limits<float>::max() || (nonzero && x == 0.0)) {
+        // nonzero: also after rounding to fp32 (1e-50 becomes 0 there)
+        if (!std::isfinite(x) || std::fabs(x) > std::numeric_limits<float>::max() ||
+            (nonzero && static_cast<float>(x) == 0.0f)) {
           return std::string("expected a finite ") + (nonzero ? "nonzero " : "") + "number (fp32 range), got " + v;
         }
         return std::string();
@@ -87,7 +109,7 @@ CLI::Validator uint64_text() {
         errno = 0;
         if (digits) (void)std::strtoull(v.c_str(), nullptr, 10);
         if (!digits || errno == ERANGE) return "expected an integer in [0, 2^64 - 1], got \"" + v + "\"";
-        return std::string();
+        return decimal_integer_error(v);  // no leading zeros (CLI11 would read them as octal)
       },
       "UINT64");
 }
@@ -102,12 +124,12 @@ struct GenOptions {
     std::string presets = "Preset (sizes and id pattern; explicit flags override it). One of:";
     for (const auto& [name, desc] : preset_list()) presets += "\n  " + name + ": " + desc;
     reg(app->add_option("--preset", f.preset, presets)->default_str("small"), &f.has_preset);
-    reg(app->add_option("--batch,-b", f.batch, "B: batch size (BSHD) / number of sequences"), &f.has_batch);
-    reg(app->add_option("--s-q", f.s_q, "S_q: query tokens per sequence (also sets S_kv unless --s-kv)"), &f.has_s_q);
-    reg(app->add_option("--s-kv", f.s_kv, "S_kv: key tokens per sequence"), &f.has_s_kv);
-    reg(app->add_option("--heads", f.heads, "H: index heads (multiple of 8, 8..128)"), &f.has_heads);
-    reg(app->add_option("--head-dim", f.head_dim, "D: head dimension (64 or 128)"), &f.has_head_dim);
-    reg(app->add_option("--topk", f.topk, "selected keys per query row"), &f.has_topk);
+    reg(app->add_option("--batch,-b", f.batch, "B: batch size (BSHD) / number of sequences")->check(decimal_int()), &f.has_batch);
+    reg(app->add_option("--s-q", f.s_q, "S_q: query tokens per sequence (also sets S_kv unless --s-kv)")->check(decimal_int()), &f.has_s_q);
+    reg(app->add_option("--s-kv", f.s_kv, "S_kv: key tokens per sequence")->check(decimal_int()), &f.has_s_kv);
+    reg(app->add_option("--heads", f.heads, "H: index heads (multiple of 8, 8..128)")->check(decimal_int()), &f.has_heads);
+    reg(app->add_option("--head-dim", f.head_dim, "D: head dimension (64 or 128)")->check(decimal_int()), &f.has_head_dim);
+    reg(app->add_option("--topk", f.topk, "selected keys per query row")->check(decimal_int()), &f.has_topk);
     reg(app->add_option("--ids", f.ids, "id pattern: causal (true top-k over keys <= t) or permutation")
             ->check(CLI::IsMember({"causal", "permutation"})),
         &f.has_ids);
@@ -236,25 +258,34 @@ void print_metrics(std::ostream& s, const std::vector<Metric>& metrics) {
 /// Fails (io_error / invalid_argument, naming --out) before any work when `out` cannot
 /// be written as a file: a directory, a FIFO, device or socket, a missing or unwritable
 /// parent directory, or the same file as the input `in` (which would be overwritten).
-void check_out_path(const std::string& out, const std::string& in) {
+void check_out_path(const std::string& out_given, const std::string& in) {
   namespace fs = std::filesystem;
   std::error_code ec;
+  // The file that will really be written: a symbolic link's final target (the
+  // writer follows the chain), so its directory is the one that must be writable.
+  std::string out;
+  try {
+    out = detail::resolve_output_path(out_given);
+  } catch (const Error& e) {
+    throw Error(ErrorCode::io_error, "--out", std::string("--out: ") + e.what());
+  }
+  const std::string shown = out == out_given ? out : out_given + " (-> " + out + ")";
   if (fs::is_directory(out, ec)) {
-    throw Error(ErrorCode::io_error, "--out", "--out: expected a file name, got \"" + out + "\", a directory");
+    throw Error(ErrorCode::io_error, "--out", "--out: expected a file name, got \"" + shown + "\", a directory");
   }
   // An existing FIFO, device or socket (also behind a symbolic link) would be
   // replaced by the file, not written to: refused (write_safetensors refuses it too).
   const fs::file_status st = fs::status(out, ec);
   if (!ec && fs::exists(st) && !fs::is_regular_file(st)) {
     throw Error(ErrorCode::io_error, "--out",
-                "--out: expected a regular file or a new path, got \"" + out + "\", " +
+                "--out: expected a regular file or a new path, got \"" + shown + "\", " +
                     (fs::is_fifo(st) ? "a FIFO" : fs::is_character_file(st) || fs::is_block_file(st) ? "a device"
                                                 : fs::is_socket(st) ? "a socket" : "not a regular file"));
   }
   const fs::path parent = fs::path(out).has_parent_path() ? fs::path(out).parent_path() : fs::path(".");
   if (!fs::is_directory(parent, ec) || ::access(parent.c_str(), W_OK) != 0) {
     throw Error(ErrorCode::io_error, "--out",
-                "--out: expected a file in an existing writable directory, got \"" + out + "\"");
+                "--out: expected a file in an existing writable directory, got \"" + shown + "\"");
   }
   if (!in.empty()) {
     bool same = false;
@@ -266,7 +297,7 @@ void check_out_path(const std::string& out, const std::string& in) {
     }
     if (same) {
       throw Error(ErrorCode::invalid_argument, "--out",
-                  "--out: expected a file other than the input (--in " + in + "), got \"" + out +
+                  "--out: expected a file other than the input (--in " + in + "), got \"" + shown +
                       "\" (the gradients would overwrite the problem)");
     }
   }
@@ -328,15 +359,25 @@ std::string nonfinite_effect(const std::string& name) {
   return name + ": propagate";
 }
 
-std::string nonfinite_inputs(const Problem& p, std::vector<std::string>* names = nullptr) {
+/// attn_score and index_score count only at valid slots (the backends never read
+/// the others, so NaN padding there is fine).
+std::string nonfinite_inputs(const Problem& p, const Geometry& g,
+                             std::vector<std::pair<std::string, int64_t>>* found = nullptr) {
   std::string out;
+  const HostTensor& ids = p.tensors.at("topk_indices");
   for (const char* name : {"index_q", "weights", "index_k", "attn_score", "index_score"}) {
     const auto it = p.tensors.find(name);
     if (it == p.tensors.end()) continue;
     const HostTensor& t = it->second;
     if (t.dtype == DType::i32) continue;
+    const bool per_slot = std::string(name) == "attn_score" || std::string(name) == "index_score";
     int64_t count = 0, first = -1;
     for (int64_t e = 0; e < t.numel(); ++e) {
+      if (per_slot && g.topk > 0) {  // same (rows, topk) layout as topk_indices, contiguous
+        int64_t b, tq;
+        g.q_row_coords(e / g.topk, &b, &tq);
+        if (g.key_row(b, ids.data<int32_t>()[e]) < 0) continue;
+      }
       float v;
       if (t.dtype == DType::f32) {
         v = t.data<float>()[e];
@@ -350,7 +391,7 @@ std::string nonfinite_inputs(const Problem& p, std::vector<std::string>* names =
       }
     }
     if (count > 0) {
-      if (names) names->push_back(name);
+      if (found) found->emplace_back(name, count);
       out += (out.empty() ? "" : ", ") + std::string(name) + ": " + std::to_string(count) + " (first at element " +
              std::to_string(first) + ")";
     }
@@ -429,11 +470,11 @@ int cmd_backward(GenOptions& gen, const ScalarOverrides& sc, const BackwardArgs&
     a_operand_used = a_operand_line = "ignored (cpu backend)";
   }
   log_stage("problem: " + g.summary());
-  std::vector<std::string> nonfinite_names;
-  const std::string input_nonfinite = nonfinite_inputs(p, &nonfinite_names);
+  std::vector<std::pair<std::string, int64_t>> nonfinite_found;
+  const std::string input_nonfinite = nonfinite_inputs(p, g, &nonfinite_found);
   if (!input_nonfinite.empty()) {
     std::string effects;
-    for (const std::string& n : nonfinite_names) effects += "; " + nonfinite_effect(n);
+    for (const auto& nf : nonfinite_found) effects += "; " + nonfinite_effect(nf.first);
     log_stage("warning: non-finite input values (" + input_nonfinite + ")" + effects +
               "; attn_score and index_score at invalid slots (id -1 or out of range) are ignored");
   }
@@ -543,7 +584,7 @@ int cmd_backward(GenOptions& gen, const ScalarOverrides& sc, const BackwardArgs&
                    {"sampled_k_rows", v.k_rows.size()},
                    {"outputs", outs}};
     nlohmann::ordered_json nfi = nlohmann::ordered_json::object();
-    for (const std::string& n : nonfinite_names) nfi[n] = count_nonfinite(p.tensors.at(n));
+    for (const auto& nf : nonfinite_found) nfi[nf.first] = nf.second;
     j["nonfinite_inputs"] = nfi;
     j["nonfinite_outputs"] = nonfinite;
     j["output_file"] = a.out;
@@ -669,9 +710,9 @@ int run_main(int argc, char** argv) {
   bench_cmd->add_option("--heads", ba.heads, "H: index heads (multiple of 8, 8..128)")
       ->check(CLI::Validator(
           [](std::string& v) -> std::string {
-            char* end = nullptr;
-            const long long h = std::strtoll(v.c_str(), &end, 10);
-            const bool ok = !v.empty() && end == v.c_str() + v.size() && h >= 8 && h <= 128 && h % 8 == 0;
+            if (!decimal_integer_error(v).empty()) return decimal_integer_error(v);
+            const long long h = std::strtoll(v.c_str(), nullptr, 10);
+            const bool ok = h >= 8 && h <= 128 && h % 8 == 0;
             return ok ? std::string() : "expected a multiple of 8 in [8, 128], got " + v;
           },
           "INT (multiple of 8, 8..128)"))
@@ -751,7 +792,8 @@ int main(int argc, char** argv) {
     std::cerr << "dsa-indexer-bwd: error (" << dsaib::error_code_name(e.code()) << "): " << e.what() << std::endl;
   } catch (const std::bad_alloc&) {
     std::cerr << "dsa-indexer-bwd: error: out of host memory (the problem's tensors, e.g. B*S_q*topk ids and scores, "
-                 "do not fit; reduce --batch/--s-q/--s-kv/--topk)" << std::endl;
+                 "do not fit: reduce --batch/--s-q/--s-kv/--topk; or the cpu backend's per-thread fp64 dK parts, "
+                 "--threads x S_kv x D x 8 bytes, do not: reduce --threads)" << std::endl;
   } catch (const std::exception& e) {
     std::cerr << "dsa-indexer-bwd: error: " << e.what() << std::endl;
   } catch (...) {

@@ -9,6 +9,7 @@
 
 #include "cli.hpp"
 #include "dsaib/reference.hpp"
+#include "core/threads.hpp"
 
 namespace dsaib::cli {
 namespace {
@@ -166,10 +167,10 @@ Verification verify_sampled(const Problem& p, const Geometry& g, const RunResult
       }
     }
   };
-  std::vector<std::thread> pool;
-  for (int t = 1; t < T; ++t) pool.emplace_back(worker);
-  worker();
-  for (auto& th : pool) th.join();
+  // At most one thread per work item; a thread the system refuses leaves its
+  // items to the running ones (detail::run_items_on_threads).
+  const int workers = static_cast<int>(std::min<size_t>(static_cast<size_t>(T), items.size()));
+  detail::run_items_on_threads(workers, [&](int) { worker(); });
   if (error) std::rethrow_exception(error);
   log_stage("verify: reference done in " + human_seconds(seconds_since(t0)));
 

@@ -139,14 +139,25 @@ def _check_arrays(**arrays):
     list, a scalar) or a numpy array in non-native byte order, before anything
     else happens (the extension would only report "incompatible function arguments")."""
     for name, x in arrays.items():
-        if x is None and name.startswith("cu_seqlens"):
+        if x is None and (name.startswith("cu_seqlens") or name == "grad_loss"):
             continue
         if not (hasattr(x, "__dlpack__") or isinstance(x, (_np.ndarray, _dsaib.Buffer))
-                or type(x).__name__ == "PyCapsule"):  # a raw DLPack capsule is taken too
+                or type(x).__name__ == "PyCapsule"  # a raw DLPack capsule is taken too
+                or _has_buffer(x)):  # and buffer-protocol objects (memoryview, array.array)
             raise TypeError(f"{name}: expected an array (numpy, torch, cupy, jax or a DLPack tensor), "
                             f"got {type(x).__name__}")
         if isinstance(x, _np.ndarray) and not x.dtype.isnative:
             raise TypeError(f"{name}: expected native byte order, got dtype {x.dtype.str}")
+
+
+def _has_buffer(x) -> bool:
+    if isinstance(x, (str, bytes, bytearray)):
+        return False
+    try:
+        memoryview(x)
+        return True
+    except TypeError:
+        return False
 
 
 def _export(x):
@@ -437,6 +448,9 @@ def indexer_backward(
     num_threads = _int_value("num_threads", num_threads, 0, _INT32_MAX, "[0, 2^31-1]")
     if out is not None:
         out = _check_out(out)
+        _check_arrays(**dict(zip(_OUT_NAMES, out)))
+    if grad_loss_tensor is not None:
+        _check_arrays(grad_loss=grad_loss_tensor)
     fw = _framework(index_q)
     kind, index = _device(index_q)
     device = f"cuda:{index}" if kind == "cuda" else kind

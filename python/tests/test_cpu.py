@@ -315,6 +315,20 @@ def test_non_array_inputs_are_type_errors_naming_the_argument():
             dsaib.indexer_kl_loss(**q, sm_scale=SM_SCALE, uint16_as_bf16=True)
 
 
+def test_buffer_protocol_inputs_and_byte_order_of_outputs():
+    p = make_problem(0)
+    want = run(p)
+    q = dict(p)
+    q["weights"] = memoryview(p["weights"])  # buffer protocol, no DLPack: taken as before
+    for got, w in zip(run(q), want):
+        np.testing.assert_array_equal(got, w)
+    out = tuple(np.empty(p[n].shape, dtype=">f4") for n in ("index_q", "weights", "index_k"))
+    with pytest.raises(TypeError, match=r"^d_index_q: expected native byte order, got dtype >f4$"):
+        run(p, out=out)
+    with pytest.raises(TypeError, match=r"^grad_loss: expected native byte order, got dtype >f4$"):
+        run(p, grad_loss=np.array([1.0], dtype=">f4"))
+
+
 def test_stream_on_the_cpu_backend_is_value_error():
     with pytest.raises(ValueError, match=r"^stream: expected None or 0 on the cpu backend .*got 1234$"):
         run(make_problem(0), stream=1234)

@@ -30,6 +30,7 @@ void run_items_on_threads(int n, Worker worker) {
     for (int k = next.fetch_add(1); k < n; k = next.fetch_add(1)) worker(k);
   };
   std::vector<std::thread> pool;
+  pool.reserve(n > 1 ? static_cast<size_t>(n - 1) : 0);  // a bad_alloc here leaves no thread running
   const int limit = thread_start_limit_for_testing().load();
   for (int t = 1; t < n; ++t) {
     if (limit >= 0 && t > limit) break;

@@ -4,6 +4,7 @@
 // checked before it is used, and every failure is a dsaib::Error(io_error)
 // whose message starts with the file's path.
 #include "dsaib/safetensors.hpp"
+#include "io/output_path.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -291,6 +292,23 @@ std::map<std::string, HostTensor> read_safetensors(const std::string& path,
   return out;
 }
 
+namespace detail {
+
+std::string resolve_output_path(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::path t = path;
+  for (int hops = 0; fs::is_symlink(fs::symlink_status(t, ec)); ++hops) {
+    if (hops == 40) io_fail(path, "too many levels of symbolic links");
+    const fs::path next = fs::read_symlink(t, ec);
+    if (ec) io_fail(path, "cannot read the symbolic link " + t.string() + " (" + ec.message() + ")");
+    t = next.is_relative() ? t.parent_path() / next : next;
+  }
+  return t.string();
+}
+
+}  // namespace detail
+
 void write_safetensors(const std::string& path, const std::map<std::string, HostTensor>& tensors,
                        const std::map<std::string, std::string>& metadata) {
   json header = json::object();
@@ -335,11 +353,7 @@ void write_safetensors(const std::string& path, const std::map<std::string, Host
   std::string target = path;
   {
     std::error_code sec;
-    if (fs::is_symlink(fs::symlink_status(path, sec))) {
-      const fs::path resolved = fs::weakly_canonical(fs::path(path), sec);
-      if (sec) io_fail(path, "cannot resolve the symbolic link (" + sec.message() + ")");
-      target = resolved.string();
-    }
+    target = detail::resolve_output_path(path);  // a dangling link's target is created
     const fs::file_status st = fs::status(target, sec);
     if (!sec && fs::exists(st) && !fs::is_regular_file(st)) {
       const char* kind = fs::is_directory(st)   ? "a directory"

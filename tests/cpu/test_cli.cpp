@@ -417,6 +417,13 @@ TEST_F(Cli, IntegerRangeErrorsNameTheFlagAndTheValue) {
       {"backward --preset tiny --sm-scale nan", "--sm-scale: expected a finite nonzero number (fp32 range), got nan"},
       {"backward --preset tiny --grad-loss inf", "--grad-loss: expected a finite number (fp32 range), got inf"},
       {"backward --preset tiny --sm-scale 0", "--sm-scale: expected a finite nonzero number (fp32 range), got 0"},
+      {"backward --preset tiny --sm-scale 1e-50", "--sm-scale: expected a finite nonzero number (fp32 range), got 1e-50"},
+      // CLI11 reads integers in base 0: leading zeros (octal) and hex are refused, not converted.
+      {"backward --preset tiny --seed 010", "--seed: expected a decimal integer without leading zeros, got \"010\""},
+      {"backward --preset tiny --topk 010", "--topk: expected a decimal integer without leading zeros, got \"010\""},
+      {"backward --preset tiny --heads 0x40", "--heads: expected a decimal integer, got \"0x40\""},
+      {"bench --heads 064", "--heads: expected a decimal integer without leading zeros, got \"064\""},
+      {"backward --preset tiny --threads 08", "--threads: expected a decimal integer without leading zeros, got \"08\""},
       {"backward --preset tiny --loss-coeff 1e39", "--loss-coeff: expected a finite number (fp32 range), got 1e39"},
       {"generate --preset tiny --seed -1 --out x.safetensors", "--seed: expected an integer in [0, 2^64 - 1], got \"-1\""},
       {"backward --preset tiny --verify none --out ''", "--out: expected a file name, got \"\""},
@@ -461,6 +468,19 @@ TEST_F(Cli, NonFiniteInputWarningSaysWhatHappens) {
   EXPECT_EQ(j["nonfinite_outputs"], 0) << r.output;
   EXPECT_EQ(j["pass"], false) << r.output;
 
+  // NaN scores at an invalid slot (id -1) are never read: no warning, no FAIL.
+  {
+    auto u = dsaib::read_safetensors(tiny_problem(), &meta);
+    const int64_t topk = u.at("topk_indices").shape.back();
+    int32_t* ids = u.at("topk_indices").data<int32_t>();
+    ids[topk - 1] = -1;  // row 0, last slot
+    u.at("attn_score").data<float>()[topk - 1] = std::nanf("");
+    u.at("index_score").data<float>()[topk - 1] = std::nanf("");
+    dsaib::write_safetensors(path("nan_invalid.safetensors"), u, meta);
+    const Result ri = run("backward --backend cpu --verify all --in " + quote(path("nan_invalid.safetensors")));
+    EXPECT_EQ(ri.exit_code, 0) << ri.output;
+    EXPECT_FALSE(contains(ri.output, "non-finite")) << ri.output;
+  }
   t.at("attn_score").data<float>()[0] = std::nanf("");  // row 0, slot 0: valid (causal, key 0)
   dsaib::write_safetensors(path("nan_qt.safetensors"), t, meta);
   r = run("backward --backend cpu --verify none --in " + quote(path("nan_qt.safetensors")));

@@ -336,6 +336,24 @@ TEST(Safetensors, WriterFollowsSymlinksAndNeverReplacesSpecialFiles) {
   const auto back = dsaib::read_safetensors(target);
   EXPECT_EQ(back.count("new"), 1u);
   EXPECT_EQ(back.count("old"), 0u);
+  // A dangling link (also at the end of a chain, with a relative target): its
+  // target is created and the links stay; a target in a missing directory is an io_error.
+  const std::string dangling = temp_path("dangling.safetensors"), chain = temp_path("chain.safetensors");
+  const std::string created = temp_path("created_by_link.safetensors");
+  fs::remove(dangling, ec);
+  fs::remove(chain, ec);
+  fs::remove(created, ec);
+  fs::create_symlink("created_by_link.safetensors", dangling);  // relative to the link's directory
+  fs::create_symlink(dangling, chain);
+  dsaib::write_safetensors(chain, {{"new", t}});
+  EXPECT_TRUE(fs::is_symlink(fs::symlink_status(chain)));
+  EXPECT_TRUE(fs::is_symlink(fs::symlink_status(dangling)));
+  EXPECT_EQ(dsaib::read_safetensors(created).count("new"), 1u);
+  const std::string nowhere = temp_path("nowhere.safetensors");
+  fs::remove(nowhere, ec);
+  fs::create_symlink(temp_path("no_such_dir/x.safetensors"), nowhere);
+  EXPECT_THROW(dsaib::write_safetensors(nowhere, {{"x", t}}), Error);
+  EXPECT_TRUE(fs::is_symlink(fs::symlink_status(nowhere)));
   // A FIFO and a directory are refused (io_error naming the kind) and stay what they were.
   const std::string fifo = temp_path("fifo.safetensors");
   fs::remove(fifo, ec);
