@@ -273,14 +273,11 @@ void check_out_path(const std::string& out_given, const std::string& in) {
   if (fs::is_directory(out, ec)) {
     throw Error(ErrorCode::io_error, "--out", "--out: expected a file name, got \"" + shown + "\", a directory");
   }
-  // An existing FIFO, device or socket (also behind a symbolic link) would be
-  // replaced by the file, not written to: refused (write_safetensors refuses it too).
-  const fs::file_status st = fs::status(out, ec);
-  if (!ec && fs::exists(st) && !fs::is_regular_file(st)) {
+  // An existing FIFO, device or socket would be replaced by the file, not
+  // written to: refused up front (write_safetensors refuses it too).
+  if (const char* kind = detail::non_regular_file_kind(out)) {
     throw Error(ErrorCode::io_error, "--out",
-                "--out: expected a regular file or a new path, got \"" + shown + "\", " +
-                    (fs::is_fifo(st) ? "a FIFO" : fs::is_character_file(st) || fs::is_block_file(st) ? "a device"
-                                                : fs::is_socket(st) ? "a socket" : "not a regular file"));
+                "--out: expected a regular file or a new path, got \"" + shown + "\", " + kind);
   }
   const fs::path parent = fs::path(out).has_parent_path() ? fs::path(out).parent_path() : fs::path(".");
   if (!fs::is_directory(parent, ec) || ::access(parent.c_str(), W_OK) != 0) {

@@ -11,4 +11,10 @@ namespace dsaib::detail {
 /// Raises dsaib::Error(io_error) naming `path` for a loop or an unreadable link.
 std::string resolve_output_path(const std::string& path);
 
+/// What an existing non-regular file at `path` is ("a directory", "a FIFO",
+/// "a character device", "a block device", "a socket", "not a regular file"),
+/// following symbolic links; nullptr when nothing is there or a regular file
+/// is. A file written by rename would replace such a thing, not write to it.
+const char* non_regular_file_kind(const std::string& path);
+
 }  // namespace dsaib::detail

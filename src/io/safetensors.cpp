@@ -307,6 +307,19 @@ std::string resolve_output_path(const std::string& path) {
   return t.string();
 }
 
+const char* non_regular_file_kind(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::file_status st = fs::status(path, ec);
+  if (ec || !fs::exists(st) || fs::is_regular_file(st)) return nullptr;
+  return fs::is_directory(st)        ? "a directory"
+         : fs::is_fifo(st)           ? "a FIFO"
+         : fs::is_character_file(st) ? "a character device"
+         : fs::is_block_file(st)     ? "a block device"
+         : fs::is_socket(st)         ? "a socket"
+                                     : "not a regular file";
+}
+
 }  // namespace detail
 
 void write_safetensors(const std::string& path, const std::map<std::string, HostTensor>& tensors,
@@ -346,25 +359,13 @@ void write_safetensors(const std::string& path, const std::map<std::string, Host
   // Pad with spaces so that the data buffer starts 8-byte aligned (as the reference writer does).
   text.append((8 - text.size() % 8) % 8, ' ');
 
-  // The file to replace: a symbolic link's target (the link stays); an
-  // existing non-regular file (FIFO, device, directory, socket) is refused,
-  // since renaming over it would replace it instead of writing to it.
-  namespace fs = std::filesystem;
-  std::string target = path;
-  {
-    std::error_code sec;
-    target = detail::resolve_output_path(path);  // a dangling link's target is created
-    const fs::file_status st = fs::status(target, sec);
-    if (!sec && fs::exists(st) && !fs::is_regular_file(st)) {
-      const char* kind = fs::is_directory(st)   ? "a directory"
-                         : fs::is_fifo(st)      ? "a FIFO"
-                         : fs::is_character_file(st) ? "a character device"
-                         : fs::is_block_file(st) ? "a block device"
-                         : fs::is_socket(st)    ? "a socket"
-                                                : "not a regular file";
-      io_fail(path, std::string("expected a regular file or a new path, got ") + kind + " (" + target +
-                        "); it is not replaced");
-    }
+  // The file to replace: a symbolic link's target (the link stays; a dangling
+  // link's target is created); an existing non-regular file (FIFO, device,
+  // directory, socket) is refused, since renaming over it would replace it.
+  const std::string target = detail::resolve_output_path(path);
+  if (const char* kind = detail::non_regular_file_kind(target)) {
+    io_fail(path, std::string("expected a regular file or a new path, got ") + kind + " (" + target +
+                      "); it is not replaced");
   }
   // Write a temporary file next to the target, then rename it over the target.
   static std::atomic<unsigned> counter{0};
