@@ -38,11 +38,19 @@ constexpr int kExitError = 2;
 /// "" if `v` is a plain decimal integer (optional '-', digits, no leading zero
 /// except "0" itself), else why not. CLI11 2.1 converts integers with base 0, so
 /// "010" would be read as octal 8 and "0x10" as 16: only decimal text is taken.
-std::string decimal_integer_error(const std::string& v) {
+bool is_digits(const std::string& v, size_t from) {
+  return v.size() > from && v.find_first_not_of("0123456789", from) == std::string::npos;
+}
+
+/// "010", "-07": digits with a leading zero (octal to CLI11).
+bool has_leading_zero(const std::string& v) {
   const size_t d = (!v.empty() && v[0] == '-') ? 1 : 0;
-  const bool digits = v.size() > d && v.find_first_not_of("0123456789", d) == std::string::npos;
-  if (!digits) return "expected a decimal integer, got \"" + v + "\"";
-  if (v.size() > d + 1 && v[d] == '0') return "expected a decimal integer without leading zeros, got \"" + v + "\"";
+  return is_digits(v, d) && v.size() > d + 1 && v[d] == '0';
+}
+
+std::string decimal_integer_error(const std::string& v) {
+  if (!is_digits(v, (!v.empty() && v[0] == '-') ? 1 : 0)) return "expected a decimal integer, got \"" + v + "\"";
+  if (has_leading_zero(v)) return "expected a decimal integer without leading zeros, got \"" + v + "\"";
   return std::string();
 }
 
@@ -59,9 +67,7 @@ CLI::Validator int_range(int64_t lo, int64_t hi = std::numeric_limits<int64_t>::
                                    : "an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]";
   return CLI::Validator(
       [lo, hi, expected](std::string& v) -> std::string {
-        if (!v.empty() && decimal_integer_error(v).find("leading zeros") != std::string::npos) {
-          return decimal_integer_error(v);
-        }
+        if (has_leading_zero(v)) return decimal_integer_error(v);
         char* end = nullptr;
         errno = 0;
         const long long x = std::strtoll(v.c_str(), &end, 10);
@@ -105,7 +111,7 @@ CLI::Validator finite_float(bool nonzero = false) {
 CLI::Validator uint64_text() {
   return CLI::Validator(
       [](std::string& v) -> std::string {
-        const bool digits = !v.empty() && v.find_first_not_of("0123456789") == std::string::npos;
+        const bool digits = is_digits(v, 0);
         errno = 0;
         if (digits) (void)std::strtoull(v.c_str(), nullptr, 10);
         if (!digits || errno == ERANGE) return "expected an integer in [0, 2^64 - 1], got \"" + v + "\"";
@@ -707,7 +713,7 @@ int run_main(int argc, char** argv) {
   bench_cmd->add_option("--heads", ba.heads, "H: index heads (multiple of 8, 8..128)")
       ->check(CLI::Validator(
           [](std::string& v) -> std::string {
-            if (!decimal_integer_error(v).empty()) return decimal_integer_error(v);
+            if (std::string e = decimal_integer_error(v); !e.empty()) return e;
             const long long h = std::strtoll(v.c_str(), nullptr, 10);
             const bool ok = h >= 8 && h <= 128 && h % 8 == 0;
             return ok ? std::string() : "expected a multiple of 8 in [8, 128], got " + v;
