@@ -171,24 +171,21 @@ template <int RowFloats>
 Launch launch_shape(ScatterWay w, int sms) {
   int per_sm = 0;
   Launch l{};
+  // The three atomic kernels: kAtomicThreads threads, no shared memory.
+  auto atomic_launch = [&](auto kernel) {
+    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kAtomicThreads, 0),
+               "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+    return Launch{sms * per_sm, kAtomicThreads, 0};
+  };
   switch (w) {
     case ScatterWay::float4_atomic:
-      check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, scatter_float4_kernel<RowFloats>,
-                                                               kAtomicThreads, 0),
-                 "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-      l = {sms * per_sm, kAtomicThreads, 0};
+      l = atomic_launch(scatter_float4_kernel<RowFloats>);
       break;
     case ScatterWay::float4_fragment:
-      check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, scatter_fragment_kernel<RowFloats>,
-                                                               kAtomicThreads, 0),
-                 "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-      l = {sms * per_sm, kAtomicThreads, 0};
+      l = atomic_launch(scatter_fragment_kernel<RowFloats>);
       break;
     case ScatterWay::scalar_atomic:
-      check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, scatter_scalar_kernel<RowFloats>,
-                                                               kAtomicThreads, 0),
-                 "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-      l = {sms * per_sm, kAtomicThreads, 0};
+      l = atomic_launch(scatter_scalar_kernel<RowFloats>);
       break;
     case ScatterWay::bulk_reduce:
       check_cuda(cudaFuncSetAttribute(scatter_bulk_kernel<RowFloats>, cudaFuncAttributeMaxDynamicSharedMemorySize,
