@@ -381,14 +381,7 @@ std::string nonfinite_inputs(const Problem& p, const Geometry& g,
         g.q_row_coords(e / g.topk, &b, &tq);
         if (g.key_row(b, ids.data<int32_t>()[e]) < 0) continue;
       }
-      float v;
-      if (t.dtype == DType::f32) {
-        v = t.data<float>()[e];
-      } else {
-        const uint32_t bits = static_cast<uint32_t>(t.data<uint16_t>()[e]) << 16;
-        std::memcpy(&v, &bits, 4);
-      }
-      if (!std::isfinite(v)) {
+      if (!std::isfinite(element(t, e))) {
         if (first < 0) first = e;
         ++count;
       }
