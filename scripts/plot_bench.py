@@ -189,6 +189,8 @@ def main(argv=None):
         name = p.get("peer", "peer")
         status = p.get("status")
         extra = " (partial)" if status == "partial" else ""
+        if (p.get("check") or {}).get("ok") is False:  # timed, but its gradients missed the fp64 tolerance
+            extra += " (FAILED its accuracy check)"
         if status not in ("ok", "partial") or not draw(name, p.get("results", []), extra):
             label = STYLE.get(name, (name,))[0]
             reason = p.get("reason") or next((r.get("reason") for r in p.get("results", []) if r.get("reason")), "")

@@ -67,7 +67,7 @@ enum class Backend : int32_t {
 enum class AOperandPrecision : int32_t {
   /// bf16x2 when d_index_q or d_index_k is f32, bf16 when both are bf16.
   automatic = 0,
-  /// always two bf16 terms (most accurate, ~13% slower at DeepSeek shapes)
+  /// always two bf16 terms (most accurate; ~1.4x the time of one term at DeepSeek shapes)
   bf16x2 = 1,
   /// always one bf16 term (fastest; do not combine with fp32 outputs that need 1e-3)
   bf16 = 2,

@@ -408,7 +408,7 @@ def indexer_backward(
       a_operand_precision: cuda only: the precision of the tensor-core operand
         ``a = gs * w * sm_scale * [q.k > 0]`` in the dK and dQ GEMMs.
         ``"bf16x2"``: two bf16 terms (a = a_hi + a_lo, error ~2^-16; the GEMMs
-        run twice). ``"bf16"``: one bf16 term, ~13% faster at DeepSeek shapes,
+        run twice). ``"bf16"``: one bf16 term, ~30% faster at DeepSeek shapes,
         but it adds ~1.3-1.6e-3 relative RMS error to d_index_q and d_index_k
         (fine for bf16 outputs, whose budget is 3e-3; not for float32 outputs
         held to 1e-3). ``"auto"`` (default): ``"bf16x2"`` when d_index_q or

@@ -1,8 +1,10 @@
 // Consumer role (warpgroup 1): per task, for each gathered block of keys,
 //   GEMM1 S = Q K^T -> dW, masked A -> GEMM2 dK_blk = A^T Q, GEMM3 dQ += A K
-// then the dK block is staged per warp in shared memory and scatter-added row by
-// row with float4 reductions;
-// dQ and dW are written at the end of the task.
+// then the dK block is staged in shared memory and scatter-added row by row with
+// float4 reductions: by the scatter role (scatter_reduce.cuh) from a double
+// buffer when Config::kScatterRole, else by this warpgroup from per-warp rows;
+// dQ and dW are written at the end of the task. With the scatter role the
+// consumer stages an end marker after its last task.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -40,6 +42,7 @@ struct ConsumerMma {
   SharedStorage<Config>& ss;
   MbarrierPipeline<Config::kStagesK> k_pipe;
   MbarrierPipeline<Config::kStagesQ> q_pipe;
+  MbarrierPipeline<Config::kDkBuffers> dk_pipe;  // kScatterRole: this role fills the staging buffers
 
   __device__ void run() {
     using namespace cute;
@@ -93,6 +96,7 @@ struct ConsumerMma {
     auto k_state = make_consumer_start_state<Config::kStagesK>();
     auto q_state = make_consumer_start_state<Config::kStagesQ>();
     int a_buf = 0;  // sA double buffer (see the WAR note below)
+    auto dk_state = make_producer_start_state<Config::kDkBuffers>();
 
     for (int64_t task = blockIdx.x; task < p.num_tasks; task += gridDim.x) {
       const int64_t row = task / p.head_groups;
@@ -147,16 +151,34 @@ struct ConsumerMma {
         // covers kLanesPerRow*16 B of one key row (a whole 512-B row at D=128)
         // instead of 32 B of each of 16 rows (perf-log v10: the L2 adds whole
         // rows at ~3.5 TB/s and the fragment pattern at ~2.2 TB/s; the op got
-        // 16% faster). Only this warp touches these rows:
-        // __syncwarp orders its reads of the previous block before the writes
-        // (WAR) and the writes before the reads (RAW).
-        {
+        // 16% faster).
+        if constexpr (Config::kScatterRole) {
+          // Stage the block for the scatter role (perf-log v16), which issues the
+          // reds; the key rows go with it, so k stage ks is released below as
+          // before. RAW and WAR on buffer buf: dk_full / dk_empty (contract
+          // blocks in shared_storage.cuh): every consumer thread arrives after
+          // its stores, every scatter thread after its loads.
+          const int warp = tid / 32, buf = dk_state.index;
+          dk_pipe.producer_acquire(dk_state);  // the scatter role has read buffer buf
+          CUTE_UNROLL
+          for (int j = 0; j < kD / 8; ++j) {
+            *reinterpret_cast<float2*>(&ss.dk_stage[buf][r0][c0 + 8 * j]) = make_float2(tDKrDK(4 * j), tDKrDK(4 * j + 1));
+            *reinterpret_cast<float2*>(&ss.dk_stage[buf][r0 + 8][c0 + 8 * j]) = make_float2(tDKrDK(4 * j + 2), tDKrDK(4 * j + 3));
+          }
+          if (lane < 16) ss.dk_key_row[buf][16 * warp + lane] = ss.key_row[ks][16 * warp + lane];
+          if (tid == 0) ss.dk_end[buf] = 0;
+          dk_pipe.producer_commit(dk_state);  // every consumer thread, after its stores
+          dk_state.advance();
+        } else {
+          // Two-role kernel: this warp scatters its own rows. Only this warp
+          // touches them: __syncwarp orders its reads of the previous block
+          // before the writes (WAR) and the writes before the reads (RAW).
           const int warp = tid / 32;
           __syncwarp();
           CUTE_UNROLL
           for (int j = 0; j < kD / 8; ++j) {
-            *reinterpret_cast<float2*>(&ss.dk_stage[r0][c0 + 8 * j]) = make_float2(tDKrDK(4 * j), tDKrDK(4 * j + 1));
-            *reinterpret_cast<float2*>(&ss.dk_stage[r0 + 8][c0 + 8 * j]) = make_float2(tDKrDK(4 * j + 2), tDKrDK(4 * j + 3));
+            *reinterpret_cast<float2*>(&ss.dk_stage[0][r0][c0 + 8 * j]) = make_float2(tDKrDK(4 * j), tDKrDK(4 * j + 1));
+            *reinterpret_cast<float2*>(&ss.dk_stage[0][r0 + 8][c0 + 8 * j]) = make_float2(tDKrDK(4 * j + 2), tDKrDK(4 * j + 3));
           }
           __syncwarp();
           constexpr int kLanesPerRow = kD / 4;
@@ -166,7 +188,7 @@ struct ConsumerMma {
           for (int rr = 0; rr < 16; rr += kRowsPerStep) {
             const int r = 16 * warp + rr + lane / kLanesPerRow;
             const int32_t kr = ss.key_row[ks][r];
-            const float4 v = *reinterpret_cast<const float4*>(&ss.dk_stage[r][col]);
+            const float4 v = *reinterpret_cast<const float4*>(&ss.dk_stage[0][r][col]);
             if (kr >= 0) atomicAdd(reinterpret_cast<float4*>(p.dk_accum + static_cast<int64_t>(kr) * kD + col), v);
           }
         }
@@ -205,6 +227,11 @@ struct ConsumerMma {
           }
         }
       }
+    }
+    if constexpr (Config::kScatterRole) {  // the end marker: the scatter role exits
+      dk_pipe.producer_acquire(dk_state);
+      if (tid == 0) ss.dk_end[dk_state.index] = 1;
+      dk_pipe.producer_commit(dk_state);
     }
   }
 };

@@ -20,11 +20,18 @@ struct SharedStorage {
   alignas(1024) Element q[cute::cosize_v<typename Config::SmemLayoutQ>];  // (64 heads, D) x kStagesQ
   alignas(1024) Element k[cute::cosize_v<typename Config::SmemLayoutK>];  // (64 keys, D) x kStagesK
   alignas(1024) Element a[cute::cosize_v<typename Config::SmemLayoutA>];  // (64 keys, 64 heads) x kATerms x kABuffers
-  // ---- consumer-private, per warp: the dK block staged row-contiguous; consumer
-  //      warp w writes and reads only rows 16w..16w+15 (ordered by __syncwarp).
-  //      Rows padded by kDkStagePad floats: the accumulator's float2 stores of 8
-  //      rows then fall in distinct bank pairs (2 wavefronts per store, the minimum).
-  alignas(128) float dk_stage[Config::kBlockKeys][Config::kHeadDim + Config::kDkStagePad];
+  // ---- the dK block staged row-contiguous, rows padded by kDkStagePad floats: the
+  //      accumulator's float2 stores of 8 rows then fall in distinct bank pairs
+  //      (2 wavefronts per store, the minimum).
+  //      kScatterRole: kDkBuffers = 2 buffers, consumer -> scatter role through
+  //        dk_full / dk_empty (contract blocks below).
+  //      otherwise: one buffer, consumer-private per warp: consumer warp w writes
+  //        and reads only rows 16w..16w+15 (ordered by __syncwarp).
+  alignas(128) float dk_stage[Config::kDkBuffers][Config::kBlockKeys][Config::kHeadDim + Config::kDkStagePad];
+  // kScatterRole: with dk_stage[b], the flat key row of each staged row (-1 on
+  // tail rows) and the end marker (1: no more blocks; the scatter role exits).
+  int32_t dk_key_row[Config::kDkBuffers][Config::kBlockKeys];
+  int32_t dk_end[Config::kDkBuffers];
   // ---- per K stage, read with ordinary loads
   float gs[kStagesK][Config::kBlockKeys];        // dLoss/dz of each gathered slot (0 on tail entries)
   int32_t key_row[kStagesK][Config::kBlockKeys]; // flat index_k row of each gathered slot, -1 on tail entries
@@ -77,6 +84,23 @@ struct SharedStorage {
   //   reuse        : immediately after the wait
   uint64_t q_full[kStagesQ];
   uint64_t q_empty[kStagesQ];
+  // dk_full[b]  "dK block (or the end marker) staged in buffer b" (kScatterRole only)
+  //   arrive count : Config::kConsumerThreads (128) thread arrivals
+  //   who arrives  : every consumer thread, after its stores of dk_stage[b]
+  //                  (lanes 0-15 of each warp: dk_key_row[b]; thread 0: dk_end[b])
+  //   tx bytes     : none
+  //   waiters      : all scatter threads, consumer-side PipelineState
+  //   publishes    : dk_stage[b][*], dk_key_row[b][*], dk_end[b]
+  //   reuse        : the consumer restages buffer b only after dk_empty[b]
+  // dk_empty[b] "buffer b may be overwritten"
+  //   arrive count : Config::kScatterThreads (128) thread arrivals
+  //   who arrives  : every scatter thread, after its loads of dk_stage[b] / dk_key_row[b]
+  //   tx bytes     : none
+  //   waiters      : consumer threads, starting on phase 1
+  //   publishes    : the end of the scatter role's reads of buffer b (write-after-read)
+  //   reuse        : immediately after the wait
+  uint64_t dk_full[Config::kDkBuffers];
+  uint64_t dk_empty[Config::kDkBuffers];
   // sA is not guarded by mbarriers: only consumer threads touch it. RAW: every
   // consumer thread stores its part of sA[buf], fences to the async proxy and
   // arrives at NamedBarrierId::kConsumerSmemReady before wgmma reads it. WAR:
@@ -93,6 +117,11 @@ struct KernelBarrierCounts {
                 "every producer thread arrives");
   static_assert(kEmptyArrivals == Config::kConsumerWarpgroups * Config::kThreadsPerWarpgroup,
                 "every consumer thread arrives");
+  // dK ring (kScatterRole): every consumer thread stages, every scatter thread reads.
+  static constexpr uint32_t kDkFullArrivals = Config::kConsumerThreads;
+  static constexpr uint32_t kDkEmptyArrivals = Config::kScatterThreads;
+  static_assert(!Config::kScatterRole || kDkEmptyArrivals == Config::kThreadsPerWarpgroup,
+                "every scatter thread arrives");
 };
 
 template <class Config>

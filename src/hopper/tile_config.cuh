@@ -27,6 +27,18 @@ struct TileConfig {
 
   static constexpr int kProducerWarpgroups = 1;
   static constexpr int kConsumerWarpgroups = 1;
+  // Scatter role (perf-log v16): a third warpgroup does the dK scatter-add from
+  // double-buffered staging, so the reds leave continuously instead of in the
+  // consumer's chain (-13 to -15% against v11 at S 4096 and 16384, both id
+  // patterns). A 384-thread CTA caps ptxas at 168 registers for every region
+  // (perf-log build probe); the consumer without the scatter fits that for one
+  // bf16 a term, not for the split (A_lo) kernel at D=128, which keeps the
+  // two-role layout. Two buffers: a third measured no change, and kStagesK = 6
+  // beside them no significant change at S 16384 (perf-log).
+  static constexpr bool kScatterRole = !kSplitA_ || kHeadDim_ == 64;
+  static constexpr int kScatterWarpgroups = kScatterRole ? 1 : 0;
+  static constexpr int kScatterThreads = kScatterWarpgroups * 128;
+  static constexpr int kDkBuffers = kScatterRole ? 2 : 1;
   static constexpr int kThreadsPerWarpgroup = 128;
   static constexpr int kProducerThreads = kProducerWarpgroups * kThreadsPerWarpgroup;
   // Stage 1 walks a row in chunks of kSlotChunk slots, kSlotsPerThread
@@ -34,12 +46,15 @@ struct TileConfig {
   static constexpr int kSlotsPerThread = 8;
   static constexpr int kSlotChunk = kProducerThreads * kSlotsPerThread;
   static constexpr int kConsumerThreads = kConsumerWarpgroups * kThreadsPerWarpgroup;
-  static constexpr int kThreads = (kProducerWarpgroups + kConsumerWarpgroups) * kThreadsPerWarpgroup;
-  // setmaxnreg budgets: 128 * (producer + consumer) <= 65536 registers per CTA.
+  static constexpr int kThreads = (kProducerWarpgroups + kConsumerWarpgroups + kScatterWarpgroups) * kThreadsPerWarpgroup;
+  // setmaxnreg budgets of the two-role kernel: 128 * (producer + consumer) <= 65536
+  // registers per CTA.
   static constexpr int kProducerRegisters = 128;
   // Chosen by reading ptxas -v: the largest budgets that compile without a
   // spill (D=64 spills 4 bytes at 232 and above, D=128 is clean at 240).
-  static constexpr int kConsumerRegisters = kHeadDim == 64 ? 216 : 240;
+  // With the scatter warpgroup every region is compiled within 168 registers
+  // (launch bound 384); the consumer then keeps what it has (no setmaxnreg.inc).
+  static constexpr int kConsumerRegisters = kScatterRole ? 168 : (kHeadDim == 64 ? 216 : 240);
 
   // dK blocks leave the accumulator through a per-warp staging area in shared
   // memory (each warp's 16 key rows, padded by kDkStagePad floats), and every

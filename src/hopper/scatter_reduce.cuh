@@ -1,0 +1,53 @@
+// Scatter role (warpgroup 2, 128 threads; only when Config::kScatterRole): adds
+// every dK block the consumer stages into the global fp32 dK accumulator, one
+// float4 red per lane on contiguous columns of one key row (a whole 512-B row
+// per warp instruction at D=128), and hands the buffer back. Warp w takes rows
+// 16w..16w+15. Runs until the consumer stages the end marker.
+#pragma once
+
+#include <cute/config.hpp>
+
+#include "hopper/pipeline.cuh"
+#include "hopper/shared_storage.cuh"
+
+namespace dsaib::hopper {
+
+template <class Config>
+struct ScatterReduce {
+  static constexpr int kD = Config::kHeadDim;
+  static constexpr int kLanesPerRow = kD / 4;
+  static constexpr int kRowsPerStep = 32 / kLanesPerRow;
+  static constexpr int kSteps = 16 / kRowsPerStep;
+
+  const IndexerBackwardParams& p;
+  SharedStorage<Config>& ss;
+  MbarrierPipeline<Config::kDkBuffers> dk_pipe;  // this role empties the staging buffers
+
+  __device__ void run() {
+    const int tid = threadIdx.x % Config::kThreadsPerWarpgroup;
+    const int warp = tid / 32, lane = tid % 32;
+    const int col = 4 * (lane % kLanesPerRow);
+    const int row0 = 16 * warp + lane / kLanesPerRow;
+    auto state = make_consumer_start_state<Config::kDkBuffers>();
+    for (;;) {
+      dk_pipe.consumer_wait(state);
+      const int b = state.index;
+      if (ss.dk_end[b]) return;  // the consumer is done; nothing is left to read
+      int32_t kr[kSteps];
+      float4 v[kSteps];
+      CUTE_UNROLL
+      for (int s = 0; s < kSteps; ++s) {
+        kr[s] = ss.dk_key_row[b][row0 + s * kRowsPerStep];
+        v[s] = *reinterpret_cast<const float4*>(&ss.dk_stage[b][row0 + s * kRowsPerStep][col]);
+      }
+      dk_pipe.consumer_release(state);  // this thread's loads of buffer b are done
+      state.advance();
+      CUTE_UNROLL
+      for (int s = 0; s < kSteps; ++s) {
+        if (kr[s] >= 0) atomicAdd(reinterpret_cast<float4*>(p.dk_accum + static_cast<int64_t>(kr[s]) * kD + col), v[s]);
+      }
+    }
+  }
+};
+
+}  // namespace dsaib::hopper
