@@ -760,8 +760,20 @@ int run_main(int argc, char** argv) {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     if (e.get_exit_code() == 0) return app.exit(e);  // --help and friends
+    // No subcommand matched: name the word that came and the ones expected
+    // (CLI11 says only "A subcommand is required").
+    std::string message = e.what();
+    bool matched = false;
+    for (const CLI::App* sub : app.get_subcommands({})) matched = matched || sub->parsed();
+    if (!matched) {
+      std::string names;
+      for (const CLI::App* sub : app.get_subcommands({})) names += (names.empty() ? "" : ", ") + sub->get_name();
+      message = argc >= 2 && argv[1][0] != '-'
+                    ? "unknown subcommand '" + std::string(argv[1]) + "': expected one of " + names
+                    : "a subcommand is required: one of " + names;
+    }
     // One error style for the whole tool: "dsa-indexer-bwd: error (...): message".
-    std::cerr << "dsa-indexer-bwd: error (invalid_argument): " << e.what() << "\n"
+    std::cerr << "dsa-indexer-bwd: error (invalid_argument): " << message << "\n"
               << "Run with --help or --help-all for more information.\n";
     return kExitError;
   }

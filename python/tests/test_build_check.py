@@ -1,38 +1,61 @@
 """The build-time self-check (python/tools/check_extension_exceptions.py) must be able to fail.
 
 CMake runs it after linking the extension; here it runs against the installed
-module: it passes on a healthy build, and fails, naming the compiler and the
-remedy, when its child process crashes (simulated with SIGSEGV).
+module (it must pass) and against stand-in `_dsaib` modules in a temporary
+directory: one whose library call kills the process with SIGSEGV, as the
+/opt/gcc build did on its first C++ exception (it must fail, naming the
+compiler and the remedy), one that crashes on import, and one whose call
+returns without raising.
 """
 import os
 import pathlib
 import subprocess
 import sys
 
+import pytest
+
 import dsaib._dsaib as ext
 
 CHECK = pathlib.Path(__file__).resolve().parents[1] / "tools" / "check_extension_exceptions.py"
-MODULE_DIR = os.path.dirname(ext.__file__)
+
+STAND_INS = {
+    "crash_on_library_error": (
+        "import os, signal\n"
+        "def empty(shape, dtype, device):\n"
+        "    raise ValueError('dtype: expected \"f32\" or \"bf16\", got \"f64\"')\n"
+        "def indexer_backward(**kw):\n"
+        "    os.kill(os.getpid(), signal.SIGSEGV)\n"),
+    "crash_on_import": "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n",
+    "no_exception": (
+        "def empty(shape, dtype, device):\n"
+        "    raise ValueError('dtype: expected \"f32\" or \"bf16\", got \"f64\"')\n"
+        "def indexer_backward(**kw):\n"
+        "    return None\n"),
+}
 
 
-def run_check(simulate_crash):
-    env = dict(os.environ)
-    env.pop("DSAIB_SELF_CHECK_SIMULATE_CRASH", None)
-    if simulate_crash:
-        env["DSAIB_SELF_CHECK_SIMULATE_CRASH"] = "1"
-    return subprocess.run([sys.executable, str(CHECK), MODULE_DIR, "/opt/example/g++"],
-                          capture_output=True, text=True, env=env, timeout=120)
+def run_check(module_dir):
+    return subprocess.run([sys.executable, str(CHECK), str(module_dir), "/opt/example/g++"],
+                          capture_output=True, text=True, timeout=300)
 
 
 def test_self_check_passes_on_this_build():
-    r = run_check(simulate_crash=False)
+    r = run_check(os.path.dirname(ext.__file__))
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "reaches Python as ValueError" in r.stdout
+    assert "of the extension and of the library reach Python as ValueError" in r.stdout
 
 
-def test_self_check_fails_when_the_module_crashes():
-    r = run_check(simulate_crash=True)
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+@pytest.mark.parametrize("kind", sorted(STAND_INS))
+def test_self_check_fails_on_a_broken_module(tmp_path, kind):
+    (tmp_path / "_dsaib.py").write_text(STAND_INS[kind])
+    r = run_check(tmp_path)
     assert r.returncode == 1, r.stdout + r.stderr
-    assert "SIGSEGV" in r.stderr
-    assert "/opt/example/g++" in r.stderr
-    assert "CXX=/usr/bin/g++" in r.stderr
+    assert "FAILED" in r.stderr
+    if kind == "crash_on_library_error":
+        assert "SIGSEGV" in r.stderr and "on its first" in r.stderr
+        assert "/opt/example/g++" in r.stderr and "CXX=/usr/bin/g++" in r.stderr
+    elif kind == "crash_on_import":
+        assert "while being imported" in r.stderr
+    else:
+        assert "NO-EXCEPTION library" in r.stderr

@@ -1,11 +1,16 @@
 #!/usr/bin/env python3
-"""Build-time self-check of the dsaib extension: does a C++ exception reach Python?
+"""Build-time self-check of the dsaib extension: do C++ exceptions reach Python?
 
 Run by CMake right after linking dsaib._dsaib (python/CMakeLists.txt, option
-DSAIB_PY_SELF_CHECK), in a child process so that a crash is seen, not suffered:
-the child imports the freshly built module from its build directory and calls
-``_dsaib.empty((2,), "f64", "cpu")``, which the library rejects with a
-dsaib::Error that nanobind must translate into a ValueError.
+DSAIB_PY_SELF_CHECK), in a child process so that a crash is seen, not suffered.
+The child imports the freshly built module from its build directory and makes
+two calls that must raise ValueError:
+  1. ``_dsaib.empty((2,), "f64", "cpu")``: a dsaib::Error thrown in the
+     extension's own code;
+  2. ``_dsaib.indexer_backward(...)`` on tiny valid cpu arrays (standard-library
+     ``array`` buffers, no numpy) with ``normalization_count=-1``: a dsaib::Error
+     thrown inside the dsaib library (core/validate.cpp), which is where users'
+     invalid arguments are caught.
 
 Why: on an image whose default compiler links the C++ runtime into the
 extension in a way the process's unwinder cannot use (seen on the H200 image
@@ -14,71 +19,111 @@ C++ exception, i.e. on the first invalid argument a user passes. This check
 turns that into a build error that names the compiler and the remedy.
 
 usage: check_extension_exceptions.py MODULE_DIR CXX_COMPILER
-Exit: 0 the ValueError arrived (or the module cannot be imported in this
-environment: reported, not fatal, since the import itself is tested by the
-package tests); 1 the child crashed or raised something else.
-Test hook: DSAIB_SELF_CHECK_SIMULATE_CRASH=1 makes the child kill itself with
-SIGSEGV after the import (the negative control of python/tests/test_build_check.py).
+Exit: 0 both errors arrived as ValueError, or the module cannot be imported in
+this environment without crashing (reported, not fatal: the package tests
+import it); 1 the child crashed, hung (120 s) or raised something else.
+python/tests/test_build_check.py runs it against the installed module and
+against a stand-in module whose calls crash (the negative control).
 """
-import os
 import signal
 import subprocess
 import sys
 
+TIMEOUT_S = 120
+
 CHILD = r"""
-import os, signal, sys
-sys.path.insert(0, sys.argv[1])
+import array, sys
+module_dir = sys.argv[1]
+sys.path.insert(0, module_dir)
+print("IMPORTING", flush=True)
 try:
     import _dsaib
 except ImportError as e:
-    print("IMPORT-SKIPPED: " + str(e))
+    print("IMPORT-SKIPPED: ImportError: %s" % e, flush=True)
     sys.exit(3)
-if os.environ.get("DSAIB_SELF_CHECK_SIMULATE_CRASH") == "1":
-    os.kill(os.getpid(), signal.SIGSEGV)
-try:
-    _dsaib.empty((2,), "f64", "cpu")
-except ValueError as e:
-    if "dtype" in str(e):
-        print("OK: " + str(e))
-        sys.exit(0)
-    print("WRONG-MESSAGE: " + str(e))
+except Exception as e:
+    print("IMPORT-SKIPPED: %s: %s" % (type(e).__name__, e), flush=True)
+    sys.exit(3)
+print("IMPORTED", flush=True)
+
+
+def expect_value_error(what, fragment, call):
+    try:
+        call()
+    except ValueError as e:
+        if fragment in str(e):
+            print("OK %s: %s" % (what, e), flush=True)
+            return
+        print("WRONG-MESSAGE %s: %s" % (what, e), flush=True)
+        sys.exit(2)
+    except BaseException as e:
+        print("WRONG-EXCEPTION %s: %s: %s" % (what, type(e).__name__, e), flush=True)
+        sys.exit(2)
+    print("NO-EXCEPTION %s" % what, flush=True)
     sys.exit(2)
-except BaseException as e:
-    print("WRONG-EXCEPTION: %s: %s" % (type(e).__name__, e))
-    sys.exit(2)
-print("NO-EXCEPTION: _dsaib.empty accepted dtype 'f64'")
-sys.exit(2)
+
+
+def buf(code, shape, fill=0):
+    n = 1
+    for s in shape:
+        n *= s
+    return memoryview(array.array(code, [fill] * n)).cast("B").cast(code, shape)
+
+
+B, S, H, D, K, T = 1, 1, 8, 64, 1, 1
+args = dict(index_q=buf("H", [B, S, H, D]), weights=buf("f", [B, S, H]), index_k=buf("H", [B, K, D]),
+            topk_indices=buf("i", [B, S, T]), attn_score=buf("f", [B, S, T], 1.0),
+            index_score=buf("f", [B, S, T], 1.0), cu_seqlens_q=None, cu_seqlens_k=None,
+            d_index_q=buf("f", [B, S, H, D]), d_weights=buf("f", [B, S, H]), d_index_k=buf("f", [B, K, D]),
+            layout="bshd", id_mode="local", backend="cpu", sm_scale=1.0, loss_coeff=1.0, grad_loss=1.0,
+            grad_loss_device=None, normalization_count=-1, strict_indices=False, deterministic=False, stream=0,
+            num_threads=1, workspace=None, uint16_as_bf16=True, out_uint16_as_bf16=True)
+expect_value_error("extension", "dtype", lambda: _dsaib.empty((2,), "f64", "cpu"))
+expect_value_error("library", "normalization_count", lambda: _dsaib.indexer_backward(**args))
+sys.exit(0)
 """
+
+REMEDY = ("Rebuild with the system compiler, e.g.\n"
+          "  CC=/usr/bin/gcc CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++ pip install .\n"
+          "(docs/python.md, 'Installing'). Skip this check with -C cmake.define.DSAIB_PY_SELF_CHECK=OFF.")
+
+
+def signal_name(rc):
+    try:
+        return signal.Signals(-rc).name
+    except ValueError:
+        return "signal %d" % -rc
 
 
 def main(argv):
     if len(argv) != 3:
-        print(__doc__.strip().splitlines()[0], file=sys.stderr)
         print("usage: check_extension_exceptions.py MODULE_DIR CXX_COMPILER", file=sys.stderr)
         return 2
     module_dir, cxx = argv[1], argv[2]
-    r = subprocess.run([sys.executable, "-c", CHILD, module_dir], capture_output=True, text=True)
+    try:
+        r = subprocess.run([sys.executable, "-c", CHILD, module_dir], capture_output=True, text=True,
+                           timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        print("dsaib self-check FAILED: the extension built with %s did not answer in %d s (a hang while\n"
+              "importing it or while raising a C++ exception). %s" % (cxx, TIMEOUT_S, REMEDY), file=sys.stderr)
+        return 1
     out = (r.stdout + r.stderr).strip()
     if r.returncode == 0:
-        print("dsaib self-check: a C++ exception reaches Python as ValueError (%s)" % cxx)
+        print("dsaib self-check: C++ exceptions of the extension and of the library reach Python as "
+              "ValueError (%s)" % cxx)
         return 0
     if r.returncode == 3:
         print("dsaib self-check: skipped, the module does not import here: " + out)
         return 0
     if r.returncode < 0:
-        try:
-            what = signal.Signals(-r.returncode).name
-        except ValueError:
-            what = "signal %d" % -r.returncode
-        print(
-            "dsaib self-check FAILED: the extension built with the C++ compiler %s crashed (%s) on its first\n"
-            "C++ exception (an invalid argument, which the library reports by throwing). Such a build would\n"
-            "crash the Python process on any bad input. Rebuild with the system compiler, e.g.\n"
-            "  CC=/usr/bin/gcc CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++ pip install .\n"
-            "(docs/python.md, 'Installing'). Skip this check with -C cmake.define.DSAIB_PY_SELF_CHECK=OFF."
-            % (cxx, what),
-            file=sys.stderr,
-        )
+        if "IMPORTED" not in r.stdout:
+            print("dsaib self-check FAILED: the extension built with %s crashed (%s) while being imported.\n%s"
+                  % (cxx, signal_name(r.returncode), out), file=sys.stderr)
+            return 1
+        print("dsaib self-check FAILED: the extension built with the C++ compiler %s crashed (%s) on its first\n"
+              "C++ exception (an invalid argument, which the library reports by throwing). Such a build would\n"
+              "crash the Python process on any bad input. %s" % (cxx, signal_name(r.returncode), REMEDY),
+              file=sys.stderr)
         return 1
     print("dsaib self-check FAILED (exit %d): %s" % (r.returncode, out), file=sys.stderr)
     return 1

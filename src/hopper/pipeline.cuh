@@ -47,7 +47,8 @@ __device__ PipelineState<kStages> make_producer_start_state() {
 }
 
 /// Why a kernel trapped: written before __trap() by a timed-out wait
-/// (1 = k pipeline, 2 = q pipeline), readable by a debugger or a later launch.
+/// (the MbarrierPipeline id: 1 = k pipeline, 2 = q pipeline, 3 = dK ring of the
+/// scatter role), readable by a debugger or a later launch.
 static __device__ uint32_t g_dsaib_wait_timeout_code = 0;
 
 /// Waits for the phase with parity `phase` of the mbarrier to complete.

@@ -120,8 +120,14 @@ struct KernelBarrierCounts {
   // dK ring (kScatterRole): every consumer thread stages, every scatter thread reads.
   static constexpr uint32_t kDkFullArrivals = Config::kConsumerThreads;
   static constexpr uint32_t kDkEmptyArrivals = Config::kScatterThreads;
-  static_assert(!Config::kScatterRole || kDkEmptyArrivals == Config::kThreadsPerWarpgroup,
-                "every scatter thread arrives");
+  // The roles' thread counts as the kernel splits them (warpgroup 1 = consumer,
+  // warpgroup 2 = scatter; indexer_backward_kernel.cuh).
+  static_assert(kDkFullArrivals == Config::kConsumerWarpgroups * Config::kThreadsPerWarpgroup,
+                "every consumer thread stages and arrives on dk_full");
+  static_assert(!Config::kScatterRole ||
+                    (kDkEmptyArrivals == Config::kThreadsPerWarpgroup &&
+                     Config::kThreads == Config::kProducerThreads + Config::kConsumerThreads + kDkEmptyArrivals),
+                "every scatter thread (all of warpgroup 2) arrives on dk_empty");
 };
 
 template <class Config>

@@ -107,6 +107,10 @@ TEST_F(Gpu, OutputDtypes) {
   m.dk = DType::bf16;
   m.dw = DType::f32;
   run_case(m);
+  // D=64 with fp32 outputs: the split-A D=64 kernel (scatter role, two a terms).
+  Case d64{"d64 f32 outputs", spec_of(1, 64, 512, 64, 64, 200, IdPattern::random_permutation)};
+  d64.dq = d64.dw = d64.dk = DType::f32;
+  run_case(d64);
 }
 
 // The a operand's precision (IndexerBackwardOptions::a_operand_precision): with
@@ -362,6 +366,14 @@ TEST_F(Sanitized, TailCases) {
   }
   run_case({"san h8", spec_of(1, 16, 300, 8, 128, 200)});
   run_case({"san d64", spec_of(1, 16, 300, 64, 64, 200)});
+  // The split-A D=64 kernel (scatter role, two a terms) with invalid slots.
+  Case d64f32{"san d64 f32 + holes", spec_of(1, 16, 300, 64, 64, 200, IdPattern::random_permutation)};
+  d64f32.dq = d64f32.dw = d64f32.dk = DType::f32;
+  d64f32.mutate = [](GeneratedProblem& p) {
+    invalidate_row(p, 5);
+    refresh_scores(p);
+  };
+  run_case(d64f32);
   Case f32{"san f32 outputs + holes", spec_of(2, 16, 300, 64, 128, 200, IdPattern::random_permutation)};
   f32.dq = f32.dw = f32.dk = DType::f32;
   f32.mutate = [](GeneratedProblem& p) {
