@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""Builds diagnostic ablations of the fused kernel (timing only, wrong results)
+as dsa-indexer-bwd-bench binaries, for a device call that asks where the time
+goes (docs/perf-log.md, "ablations"). Each ablation is a source edit of a
+checkout of HEAD in its own git worktree (never this tree), guarded so that a
+stale edit fails loudly instead of building the unchanged kernel.
+
+  scripts/build_ablations.py [--out .device/ablations] [--only NAME ...] [--keep]
+
+Then on the H200 (carry the output folder):
+  for b in .device/ablations/bench_*; do $b --seq 16384 --iters 15 --json ...; done
+or paired against HEAD with scripts/ab_compare.py. The edits keep every wait and
+release, so the pipelines run as in the real kernel; a never-true runtime
+predicate (`p.num_tasks < 0`) removes work without letting the compiler drop
+the surrounding code (no_gemms clears the accumulators instead: a kept-but-
+skipped wgmma makes the consumer spill). Only the bf16-output kernels (one a
+term) are what the bench times by default; the split kernels are edited too. Predictions go into the perf log before the run.
+"""
+import argparse
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+# name -> (what it measures, [(file, old, new)])
+ABLATIONS = {
+    "no_reds": (
+        "scatter role loads, releases, issues no reds: the op without the dK reduce traffic",
+        [("src/hopper/scatter_reduce.cuh",
+          "        if (kr[s] >= 0) atomicAdd(",
+          "        if (kr[s] >= 0 && p.num_tasks < 0) atomicAdd(")]),
+    "no_gemms": (
+        "consumer issues no wgmma (S and dK cleared instead, dQ left): producer + scatter + the consumer's "
+        "A / staging work",
+        [("src/hopper/consumer_mma.cuh",
+          "        warpgroup_gemm<true>(mma_s, tSrQ(_, _, _, qs), tSrK(_, _, _, ks), tSrS);  // GEMM1: S = Q K^T",
+          "        clear(tSrS);"),
+         ("src/hopper/consumer_mma.cuh",
+          "        warpgroup_gemm<true>(mma_dk, tDKrA(_, _, _, 0, a_buf), tDKrQt(_, _, _, qs), tDKrDK);",
+          "        clear(tDKrDK);"),
+         ("src/hopper/consumer_mma.cuh",
+          "        warpgroup_gemm<false>(mma_dq, tDQrAt(_, _, _, 0, a_buf), tDQrKt(_, _, _, ks), tDQrDQ);",
+          "")]),
+    "no_gather": (
+        "producer issues no K row copies (stale sK): the op without the gather's L2 reads",
+        [("src/hopper/producer_gather.cuh",
+          "            copy16(src, &sK(gather_row0 + i, gather_col, ks), valid);",
+          "            if (p.num_tasks < 0) copy16(src, &sK(gather_row0 + i, gather_col, ks), valid);")]),
+    "no_staging": (
+        "consumer stages nothing into dk_stage (still acquires / commits): the staging stores' cost",
+        [("src/hopper/consumer_mma.cuh",
+          "            *reinterpret_cast<float2*>(&ss.dk_stage[buf][r0][c0 + 8 * j]) =",
+          "            if (p.num_tasks < 0) *reinterpret_cast<float2*>(&ss.dk_stage[buf][r0][c0 + 8 * j]) ="),
+         ("src/hopper/consumer_mma.cuh",
+          "            *reinterpret_cast<float2*>(&ss.dk_stage[buf][r0 + 8][c0 + 8 * j]) =",
+          "            if (p.num_tasks < 0) *reinterpret_cast<float2*>(&ss.dk_stage[buf][r0 + 8][c0 + 8 * j]) =")]),
+}
+
+
+def run(cmd, **kw):
+    print("+", " ".join(str(c) for c in cmd), flush=True)
+    subprocess.run(cmd, check=True, **kw)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=str(REPO / ".device" / "ablations"))
+    ap.add_argument("--only", nargs="*", choices=sorted(ABLATIONS))
+    ap.add_argument("--keep", action="store_true", help="keep the worktrees under /tmp")
+    ap.add_argument("--jobs", default=str(os.cpu_count() or 2))
+    a = ap.parse_args()
+    cache = REPO / "build" / "CMakeCache.txt"
+    cutlass = ""
+    if cache.exists():
+        for line in cache.read_text().splitlines():
+            if line.startswith("DSAIB_CUTLASS_INCLUDE_DIR:"):
+                cutlass = line.split("=", 1)[1]
+    out = pathlib.Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], check=True,
+                          capture_output=True, text=True).stdout.strip()
+    for name in a.only or sorted(ABLATIONS):
+        what, edits = ABLATIONS[name]
+        wt = pathlib.Path(f"/tmp/dsaib-ablation-{name}")
+        if wt.exists():
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(wt)], check=False)
+            shutil.rmtree(wt, ignore_errors=True)
+        run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(wt), "HEAD"])
+        try:
+            for rel, old, new in edits:
+                f = wt / rel
+                s = f.read_text()
+                if s.count(old) != 1:
+                    sys.exit(f"{name}: the edit of {rel} no longer applies (expected exactly one of:\n{old})")
+                f.write_text(s.replace(old, new))
+            cfg = ["cmake", "-S", str(wt), "-B", str(wt / "build"), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
+                   "-DDSAIB_ENABLE_CUDA=ON"]
+            if cutlass:
+                cfg.append(f"-DDSAIB_CUTLASS_INCLUDE_DIR={cutlass}")
+            run(cfg, stdout=subprocess.DEVNULL)
+            run(["cmake", "--build", str(wt / "build"), "--target", "dsa-indexer-bwd-bench", "-j", a.jobs])
+            dst = out / f"bench_{name}"
+            shutil.copy2(wt / "build" / "bench" / "dsa-indexer-bwd-bench", dst)
+            subprocess.run(["strip", "--strip-debug", str(dst)], check=False)
+            (out / f"bench_{name}.txt").write_text(f"{name} on {head}: {what}\n")
+            print(f"{dst}: {what}", flush=True)
+        finally:
+            if not a.keep:
+                subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(wt)], check=False)
+
+
+if __name__ == "__main__":
+    main()
