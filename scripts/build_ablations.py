@@ -57,6 +57,12 @@ ABLATIONS = {
          ("src/hopper/consumer_mma.cuh",
           "            *reinterpret_cast<float2*>(&ss.dk_stage[buf][r0 + 8][c0 + 8 * j]) =",
           "            if (p.num_tasks < 0) *reinterpret_cast<float2*>(&ss.dk_stage[buf][r0 + 8][c0 + 8 * j]) =")]),
+    # Not an ablation: a tuning candidate built the same way (paired A/B against the op).
+    "stages_k6": (
+        "candidate: K pipeline depth 6 instead of 4 (perf-log: -2% on v11, not significant on v16 with 2 pairs)",
+        [("src/hopper/tile_config.cuh",
+          "  static constexpr int kStagesK = 4;     // gathered-K pipeline depth",
+          "  static constexpr int kStagesK = 6;     // gathered-K pipeline depth")]),
 }
 
 
