@@ -57,7 +57,12 @@ ABLATIONS = {
          ("src/hopper/consumer_mma.cuh",
           "            *reinterpret_cast<float2*>(&ss.dk_stage[buf][r0 + 8][c0 + 8 * j]) =",
           "            if (p.num_tasks < 0) *reinterpret_cast<float2*>(&ss.dk_stage[buf][r0 + 8][c0 + 8 * j]) =")]),
-    # Not an ablation: a tuning candidate built the same way (paired A/B against the op).
+    # Not ablations: design alternatives built the same way (paired A/B against the op).
+    "non_persistent": (
+        "design check: one CTA per task (grid = num_tasks) instead of the persistent grid of one CTA per SM",
+        [("src/hopper/launch_impl.cuh",
+          "  const int64_t grid = std::min<int64_t>(params.num_tasks, static_cast<int64_t>(sms) * blocks_per_sm);",
+          "  const int64_t grid = params.num_tasks + 0 * static_cast<int64_t>(sms) * blocks_per_sm;")]),
     "stages_k6": (
         "candidate: K pipeline depth 6 instead of 4 (perf-log: -2% on v11, not significant on v16 with 2 pairs)",
         [("src/hopper/tile_config.cuh",
