@@ -43,7 +43,16 @@ command -v "$PYTHON" >/dev/null 2>&1 || die "$PYTHON not found"
 installed_cutlass="$("$PYTHON" -c 'import importlib.metadata as m; print(m.version("nvidia-cutlass"))' 2>/dev/null || true)"
 if [[ "$installed_cutlass" != "$CUTLASS_VERSION" ]]; then
   log "pip install nvidia-cutlass==$CUTLASS_VERSION (found: ${installed_cutlass:-none})"
-  PIP_DISABLE_PIP_VERSION_CHECK=1 "$PYTHON" -m pip install --quiet --root-user-action=ignore \
+  # Debian 12's own python3 is "externally managed" (PEP 668): pip refuses
+  # system-wide installs there unless told. This wheel only carries headers and
+  # the cutlass_library package, which nothing from Debian provides, so it is
+  # installed anyway; a venv's or pyenv's python is used as it is.
+  pip_extra=()
+  if "$PYTHON" -c 'import os, sys, sysconfig; sys.exit(0 if os.path.exists(os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED")) and sys.prefix == sys.base_prefix else 1)'; then
+    log "$PYTHON is externally managed (PEP 668): installing with --break-system-packages"
+    pip_extra=(--break-system-packages)
+  fi
+  PIP_DISABLE_PIP_VERSION_CHECK=1 "$PYTHON" -m pip install --quiet --root-user-action=ignore "${pip_extra[@]}" \
     "nvidia-cutlass==$CUTLASS_VERSION" || die "pip install nvidia-cutlass==$CUTLASS_VERSION failed"
 else
   log "nvidia-cutlass $CUTLASS_VERSION: present"
