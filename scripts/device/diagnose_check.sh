@@ -16,13 +16,16 @@ export PATH=/usr/local/cuda/bin:$PATH
 t0=$(date +%s)
 stamp() { echo "### $1 at +$(( $(date +%s) - t0 )) s"; }
 rc=0
-{
+exec > >(tee "$out/summary.txt") 2>&1
+if true; then
   if [[ -z ${SKIP_CHECKS:-} ]]; then
     stamp "gpu tests"
-    OUT=/tmp/diag bash scripts/device/gpu_check.sh tests | tail -4 || rc=1
+    OUT=/tmp/diag bash scripts/device/gpu_check.sh tests | tail -4
+    (( PIPESTATUS[0] == 0 )) || rc=1
     cp /tmp/diag/gpu_tests.log "$out/" 2>/dev/null
     stamp "sanitizer"
-    timeout 240 bash tests/sanitizer/run_sanitizer.sh .device/bin /tmp/diag/san 2>&1 | tail -8 || rc=1
+    timeout 240 bash tests/sanitizer/run_sanitizer.sh .device/bin /tmp/diag/san 2>&1 | tail -8
+    (( PIPESTATUS[0] == 0 )) || rc=1
     cp /tmp/diag/san/sanitizer_summary.txt "$out/" 2>/dev/null
   fi
   stamp "ablations"
@@ -33,6 +36,6 @@ rc=0
     timeout 240 python3 scripts/ab_compare.py .device/bin/dsa-indexer-bwd-bench .device/ablations/bench_$cand \
       --pairs "${AB_PAIRS:-6}" --args "${AB_ARGS:---seq 16384 --iters 10}" --out "$out/ab_$cand.json" || rc=1
   done
-  stamp done
-} 2>&1 | tee "$out/summary.txt"
+  stamp "done (rc=$rc)"
+fi
 exit $rc
