@@ -76,6 +76,13 @@ if [[ $what == ncu ]]; then
     "$bin/dsa-indexer-bwd-bench" --seq 4096 --ids random --iters 1 > "$out/ncu.txt" 2>&1
   rc=$((rc | $?))
   grep -E "Duration|Throughput|Pipe|Stall|stall|Issue Slot|Warp Cycles|L2 Hit|Mem Busy|Max Bandwidth|Registers|Executed Ipc" "$out/ncu.txt" | head -60
+  # Tensor-core work counted by the hardware (bf16 in, fp32 accumulate): ops / duration
+  # = achieved tensor rate, to set against the cuBLAS rate of the floor bench. A separate
+  # run, allowed to fail (metric names differ between ncu versions): never the verdict.
+  timeout 120 ncu --clock-control none --kernel-name regex:indexer_backward_kernel --launch-skip 2 --launch-count 1 \
+    --metrics sm__ops_path_tensor_src_bf16_dst_fp32.sum,gpu__time_duration.sum \
+    "$bin/dsa-indexer-bwd-bench" --seq 4096 --ids random --iters 1 > "$out/ncu_tensor.txt" 2>&1 \
+    && grep -E "sm__ops_path_tensor|gpu__time_duration" "$out/ncu_tensor.txt" || echo "ncu tensor-op metric: not available (see ncu_tensor.txt)"
 fi
 if [[ $what == ncu-source ]]; then
   # Per-SASS-instruction warp-stall samples of the fused kernel (random ids, S 4096):
