@@ -6,7 +6,7 @@
 # non_persistent) against the op.
 #   build here:  cmake --build build && scripts/device/stage.sh build && scripts/build_ablations.py
 #   device run, carry [".device/bin", ".device/ablations"]: bash scripts/device/diagnose_check.sh
-# Env: SKIP_CHECKS=1 (no tests/sanitizer), ROUNDS (ablation rounds, 2), AB_PAIRS (6),
+# Env: SKIP_CHECKS=1 (no tests/sanitizer), SEQS (16384), ITERS (10), ROUNDS (ablation rounds, 2), AB_PAIRS (5),
 #      AB_ARGS ("--seq 16384 --iters 10"). At most 8 files come back: summary.txt,
 #      ablations.json, ab_*.json, sanitizer_summary.txt, gpu_tests.log.
 set -uo pipefail
@@ -29,12 +29,12 @@ if true; then
     cp /tmp/diag/san/sanitizer_summary.txt "$out/" 2>/dev/null
   fi
   stamp "ablations"
-  ROUNDS=${ROUNDS:-2} OUT="$out" timeout 300 bash scripts/device/ablations_check.sh || rc=1
+  SEQS=${SEQS:-16384} ITERS=${ITERS:-10} ROUNDS=${ROUNDS:-2} OUT="$out" timeout 300 bash scripts/device/ablations_check.sh || rc=1
   stamp "paired A/B of the design candidates"
   for cand in stages_k6 non_persistent; do
     [[ -x .device/ablations/bench_$cand ]] || continue
     timeout 240 python3 scripts/ab_compare.py .device/bin/dsa-indexer-bwd-bench .device/ablations/bench_$cand \
-      --pairs "${AB_PAIRS:-6}" --args "${AB_ARGS:---seq 16384 --iters 10}" --out "$out/ab_$cand.json" || rc=1
+      --pairs "${AB_PAIRS:-5}" --args "${AB_ARGS:---seq 16384 --iters 10}" --out "$out/ab_$cand.json" || rc=1
   done
   stamp "done (rc=$rc)"
 fi
