@@ -33,7 +33,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # The inputs and the float64 oracle live there too (one copy of each).
 from torch_eager import (  # noqa: E402,F401  (torch is None without torch)
-    EPS, is_oom, make_inputs, parse_list, reference_grads, reference_softmax, rel_err, torch, write_json)
+    EPS, add_problem_args, is_oom, make_inputs, parse_list, reference_grads, reference_softmax, rel_err, torch,
+    write_json)
 
 UNAVAILABLE = 77  # exit status of a peer that cannot run here (its JSON says why)
 DEFAULT_SITE = os.environ.get("DSAIB_PEERS_SITE", "/tmp/peers-site")
@@ -84,19 +85,6 @@ def report_unavailable(peer, reason, json_path, **extra):
 
 
 # --------------------------------------------------------------------------- command line
-
-def add_problem_args(ap):
-    """The problem and timing flags every package peer takes (same names as our bench)."""
-    ap.add_argument("--seq", default="4096,16384,65536", help="comma list of S (S_q = S_kv)")
-    ap.add_argument("--ids", default="causal,random", help="comma list of causal,random")
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--heads", type=int, default=64)
-    ap.add_argument("--dim", type=int, default=128)
-    ap.add_argument("--topk", type=int, default=2048)
-    ap.add_argument("--iters", type=int, default=10, help="timed calls, median reported (default 10)")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed calls after the first (compiling) one")
-    ap.add_argument("--seed", type=int, default=1234)
-
 
 def add_run_args(ap):
     """--check, --check-only, --site and --json (after a peer's own flags)."""

@@ -294,18 +294,24 @@ def parse_list(s, conv):
     return [conv(x) for x in s.split(",") if x.strip()]
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description="PyTorch eager autograd peer of the DSA indexer backward "
-                                             "(times loss.backward() only).")
-    ap.add_argument("--seq", default="4096", help="comma list of S (S_q = S_kv), default 4096")
+def add_problem_args(ap, seq="4096,16384,65536", warmup=2):
+    """The problem and timing flags of every peer (same names as our bench); common.py re-exports it."""
+    ap.add_argument("--seq", default=seq, help=f"comma list of S (S_q = S_kv), default {seq}")
     ap.add_argument("--ids", default="causal,random", help="comma list of causal,random")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--heads", type=int, default=64)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--topk", type=int, default=2048)
-    ap.add_argument("--iters", type=int, default=10, help="timed runs, median reported (default 10)")
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=10, help="timed calls, median reported (default 10)")
+    ap.add_argument("--warmup", type=int, default=warmup,
+                    help=f"untimed warm-up calls before the timed ones (default {warmup})")
     ap.add_argument("--seed", type=int, default=1234)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="PyTorch eager autograd peer of the DSA indexer backward "
+                                             "(times loss.backward() only).")
+    add_problem_args(ap, seq="4096", warmup=3)
     ap.add_argument("--check", action="store_true", help="check the gradients on a tiny size first")
     ap.add_argument("--check-only", action="store_true", help="run --check and stop")
     ap.add_argument("--json", metavar="FILE", help="write the results as JSON")
