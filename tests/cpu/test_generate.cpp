@@ -282,12 +282,33 @@ TEST(Generate, ViewsAndOptions) {
   EXPECT_EQ(b.index_k.shape, (std::vector<int64_t>{2, 24, 64}));
 }
 
+/// A spec change that make_problem must reject as invalid_argument naming arg.
+struct BadSpec {
+  const char* arg;
+  void (*mutate)(GenerateSpec&);
+};
+
+/// Runs every case on small_spec(seed) and checks the error; `also` adds the
+/// assertions of the caller on its message.
+template <size_t N, class Also>
+void expect_rejected(const BadSpec (&bad)[N], uint64_t seed, Also also) {
+  for (const BadSpec& b : bad) {
+    GenerateSpec s = small_spec(seed);
+    b.mutate(s);
+    try {
+      (void)make_problem(s);
+      ADD_FAILURE() << "no error for " << b.arg;
+    } catch (const Error& e) {
+      const std::string msg = e.what();
+      EXPECT_EQ(e.code(), ErrorCode::invalid_argument) << msg;
+      EXPECT_EQ(e.argument(), b.arg) << msg;
+      also(b, msg);
+    }
+  }
+}
+
 TEST(Generate, RejectsBadSpecs) {
-  struct Bad {
-    const char* arg;
-    void (*mutate)(GenerateSpec&);
-  };
-  const Bad bad[] = {
+  const BadSpec bad[] = {
       {"heads", [](GenerateSpec& s) { s.heads = 12; }},
       {"heads", [](GenerateSpec& s) { s.heads = 0; }},
       {"heads", [](GenerateSpec& s) { s.heads = 136; }},
@@ -311,31 +332,17 @@ TEST(Generate, RejectsBadSpecs) {
          s.seqlens_k = {3};
        }},
   };
-  for (const Bad& b : bad) {
-    GenerateSpec s = small_spec(90);
-    b.mutate(s);
-    try {
-      (void)make_problem(s);
-      ADD_FAILURE() << "no error for " << b.arg;
-    } catch (const Error& e) {
-      const std::string msg = e.what();
-      EXPECT_EQ(e.code(), ErrorCode::invalid_argument) << msg;
-      EXPECT_EQ(e.argument(), b.arg) << msg;
-      EXPECT_EQ(msg.rfind(std::string(b.arg) + ": expected ", 0), 0u) << msg;
-      EXPECT_NE(msg.find(", got "), std::string::npos) << msg;
-    }
-  }
+  expect_rejected(bad, 90, [](const BadSpec& b, const std::string& msg) {
+    EXPECT_EQ(msg.rfind(std::string(b.arg) + ": expected ", 0), 0u) << msg;
+    EXPECT_NE(msg.find(", got "), std::string::npos) << msg;
+  });
 }
 
 /// Sizes whose row counts overflow int64 or exceed the 2^31 - 1 row limit are
 /// errors raised before anything is allocated (no crash, no bad_alloc).
 TEST(Generate, RejectsSizesBeyondTheRowLimitWithoutOverflow) {
   constexpr int64_t kHuge = int64_t{1} << 62;
-  struct Bad {
-    const char* arg;
-    void (*mutate)(GenerateSpec&);
-  };
-  const Bad bad[] = {
+  const BadSpec bad[] = {
       {"s_q", [](GenerateSpec& s) { s.batch = 4, s.s_q = kHuge, s.s_kv = 0; }},          // B*S_q wraps to 0
       {"s_q", [](GenerateSpec& s) { s.batch = 2, s.s_q = kHuge, s.s_kv = 1; }},          // B*S_q = -2^63
       {"s_q", [](GenerateSpec& s) { s.batch = 2, s.s_q = int64_t{1} << 30, s.s_kv = 1; }},  // 2^31 rows
@@ -352,19 +359,9 @@ TEST(Generate, RejectsSizesBeyondTheRowLimitWithoutOverflow) {
          s.seqlens_k = {std::numeric_limits<int64_t>::max(), 2};
        }},
   };
-  for (const Bad& b : bad) {
-    GenerateSpec s = small_spec(91);
-    b.mutate(s);
-    try {
-      (void)make_problem(s);
-      ADD_FAILURE() << "no error for " << b.arg;
-    } catch (const Error& e) {
-      const std::string msg = e.what();
-      EXPECT_EQ(e.code(), ErrorCode::invalid_argument) << msg;
-      EXPECT_EQ(e.argument(), b.arg) << msg;
-      EXPECT_NE(msg.find("2147483647"), std::string::npos) << msg;
-    }
-  }
+  expect_rejected(bad, 91, [](const BadSpec&, const std::string& msg) {
+    EXPECT_NE(msg.find("2147483647"), std::string::npos) << msg;
+  });
 }
 
 /// The documented speed: B1 S1024 H64 D128 topk 256 causal in a few seconds on 2 cores.
