@@ -26,6 +26,7 @@ if not dsaib.cuda_backend_available():
 import dsaib.torch as dt  # noqa: E402
 from torch_reference import (  # noqa: E402
     assert_close_rms, make_torch_problem, reference_grads, reference_index_scores, reference_loss, rel_rms,
+    warm_up_on_side_stream,
 )
 
 DEV = torch.device("cuda")
@@ -234,12 +235,8 @@ def test_cuda_graph_capture_replays_with_new_grad_loss():
     P = dt.index_scores(q, w, k, ids, sm_scale=0.1)
     g = torch.ones((), device=DEV)
     eager = dt.indexer_backward(q, w, k, ids, T, P, sm_scale=0.1, grad_loss=g, out_dtype=("f32", "f32", "bf16"))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up outside the capture
-        for _ in range(2):
-            dt.indexer_backward(q, w, k, ids, T, P, sm_scale=0.1, grad_loss=g, out_dtype=("f32", "f32", "bf16"))
-    torch.cuda.current_stream().wait_stream(side)
+    warm_up_on_side_stream(  # outside the capture
+        lambda: dt.indexer_backward(q, w, k, ids, T, P, sm_scale=0.1, grad_loss=g, out_dtype=("f32", "f32", "bf16")))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static = dt.indexer_backward(q, w, k, ids, T, P, sm_scale=0.1, grad_loss=g, out_dtype=("f32", "f32", "bf16"))
@@ -274,12 +271,7 @@ def test_cuda_graph_capture_of_autograd_loss_backward():
     # torch warns about the stream mismatch). This was the "known defect" of
     # the previous session: the test's, not the op's.
     eager = tuple(t.detach() for t in step())
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
+    warm_up_on_side_stream(step)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static = step()

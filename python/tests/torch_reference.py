@@ -103,3 +103,15 @@ def assert_close_rms(name, got, want, rms_tol, max_tol):
     r, m = rel_rms(got, want), rel_max(got, want)
     assert r <= rms_tol and m <= max_tol, f"{name}: rel RMS {r:.3e} (tol {rms_tol:.1e}), rel max {m:.3e} (tol {max_tol:.1e})"
     return r, m
+
+
+def warm_up_on_side_stream(step, runs=2):
+    """Runs `step` `runs` times on a fresh side stream ordered after the current
+    stream, then orders the current stream after it: the warm-up that torch asks
+    for before a CUDA-graph capture (caching allocator, lazy initialisation)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(runs):
+            step()
+    torch.cuda.current_stream().wait_stream(side)

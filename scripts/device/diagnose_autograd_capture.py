@@ -14,7 +14,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python", "tests"))
 import dsaib.torch as dt  # noqa: E402
-from torch_reference import make_torch_problem  # noqa: E402
+from torch_reference import make_torch_problem, warm_up_on_side_stream  # noqa: E402
 
 DEV = "cuda"
 
@@ -22,12 +22,7 @@ DEV = "cuda"
 def capture(name, step, mode="global"):
     try:
         step()  # eager
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
+        warm_up_on_side_stream(step)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, capture_error_mode=mode):
             step()
