@@ -763,9 +763,7 @@ int run_main(int argc, char** argv) {
     // No subcommand matched: name the word that came and the ones expected
     // (CLI11 says only "A subcommand is required").
     std::string message = e.what();
-    bool matched = false;
-    for (const CLI::App* sub : app.get_subcommands({})) matched = matched || sub->parsed();
-    if (!matched) {
+    if (app.get_subcommands().empty()) {  // the subcommands that were parsed: none
       std::string names;
       for (const CLI::App* sub : app.get_subcommands({})) names += (names.empty() ? "" : ", ") + sub->get_name();
       message = argc >= 2 && argv[1][0] != '-'

@@ -21,8 +21,7 @@ struct ScatterReduce {
   // Warp w covers its 16 staged rows whole: kRowsPerStep rows per step, every lane busy.
   static_assert(kLanesPerRow * kRowsPerStep == 32 && kSteps * kRowsPerStep == 16,
                 "a warp's steps cover rows 16w..16w+15, all D columns");
-  static_assert(4 * Config::kThreadsPerWarpgroup / 32 * 16 == 4 * Config::kBlockKeys,
-                "4 warps x 16 rows = the staged block");
+  static_assert(Config::kThreadsPerWarpgroup / 32 * 16 == Config::kBlockKeys, "4 warps x 16 rows = the staged block");
 
   const IndexerBackwardParams& p;
   SharedStorage<Config>& ss;
