@@ -4,6 +4,7 @@
 # alternated per round so drift hits all alike, at S 4096 and 16384, causal and
 # random ids. Carry [".device/bin/dsa-indexer-bwd-bench", ".device/ablations"].
 #   ROUNDS=3 ITERS=15 SEQS=4096,16384 bash scripts/device/ablations_check.sh
+# EXCLUDE="stages_k6 ..." skips those builds (e.g. candidates timed by a paired A/B instead).
 # Writes $OUT/ablations.json (every run) and prints the median per binary and case.
 set -uo pipefail
 out=${OUT:-out}
@@ -15,6 +16,7 @@ for ((r = 0; r < rounds; ++r)); do
   for b in "${bins[@]}"; do
     [[ -x $b && $b != *.txt ]] || continue
     name=$(basename "$b"); [[ $name == dsa-indexer-bwd-bench ]] && name=op
+    [[ " ${EXCLUDE:-} " == *" ${name#bench_} "* ]] && continue
     timeout 120 "$b" --seq "${SEQS:-4096,16384}" --iters "${ITERS:-15}" --json "$work/${name}_$r.json" >/dev/null 2>&1 \
       || echo "$name round $r: rc=$?"
   done
