@@ -132,7 +132,10 @@ struct KernelBarrierCounts {
 
 template <class Config>
 constexpr int shared_storage_bytes() {
-  return static_cast<int>(sizeof(SharedStorage<Config>)) + 1024;  // + alignment slack
+  constexpr int bytes = static_cast<int>(sizeof(SharedStorage<Config>)) + 1024;  // + alignment slack
+  // sm_90's opt-in maximum of dynamic shared memory per block (227 KiB).
+  static_assert(bytes <= 232448, "SharedStorage exceeds the 227 KiB of shared memory a CTA can opt in to on sm_90");
+  return bytes;
 }
 
 }  // namespace dsaib::hopper

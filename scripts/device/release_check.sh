@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# One device call that checks a commit for release on the H200: the GPU tests
+# and the bench-tool tests of the staged binaries, the sanitizer harness, then
+# issue 5's `pip install .` built ON the H200, twice:
+#   1. with the image's default compiler (gcc first in PATH: /opt/gcc there),
+#      whose extension segfaults on its first C++ exception (perf/python notes);
+#      the build-time self-check (python/tools/check_extension_exceptions.py)
+#      must make this install FAIL, naming the compiler;
+#   2. with the system gcc (scripts/device/pip_install_check.sh): must build,
+#      then python/tests on the GPU and the training demo at DeepSeek shape.
+#
+#   build here:  cmake --build build && bash scripts/device/stage.sh build
+#   device run, carry [".device/bin", ".device/cutlass-include.tar.xz"]:
+#                bash scripts/device/release_check.sh
+# Writes into $OUT (8 files): summary.txt, gpu_tests.log, sanitizer_summary.txt,
+# pip_default_cc.log, pip_install.log, pytest_gpu.log, demo.log, demo_cuda.png.
+# Exit status 0 only when every step gave its required result.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+out=${OUT:-out}
+mkdir -p "$out"
+export PATH=/usr/local/cuda/bin:$PATH PYTHONUNBUFFERED=1
+t0=$(date +%s)
+stamp() { echo "### $1 at +$(( $(date +%s) - t0 )) s"; }
+rc=0
+fail() { echo "release_check: FAILED: $*"; rc=1; }
+exec > >(tee "$out/summary.txt") 2>&1
+
+stamp "gpu tests"
+OUT=/tmp/rc_tests bash scripts/device/gpu_check.sh tests | tail -3
+(( PIPESTATUS[0] == 0 )) || fail "gpu tests"
+cp /tmp/rc_tests/gpu_tests.log "$out/" 2>/dev/null
+stamp "bench-tool tests"
+DSAIB_BIN_DIR=.device/bin timeout 200 .device/bin/test_gpu_bench 2>&1 | grep -E "PASSED|FAILED|OK \]" | tail -6
+(( PIPESTATUS[0] == 0 )) || fail "bench-tool tests"
+
+stamp "sanitizer"
+timeout 240 bash tests/sanitizer/run_sanitizer.sh .device/bin /tmp/rc_san 2>&1 | tail -8
+(( PIPESTATUS[0] == 0 )) || fail "sanitizer"
+cp /tmp/rc_san/sanitizer_summary.txt "$out/" 2>/dev/null
+
+stamp "pip install with the image's default compiler (the self-check must fail it)"
+cc=$(command -v gcc) cxx=$(command -v g++)
+echo "default compilers: $cc ($($cc --version | head -1)), $cxx"
+rm -rf /tmp/cutlass-pinned /tmp/rc_site_default /tmp/rc_build_default && mkdir -p /tmp/cutlass-pinned
+tar -xJf .device/cutlass-include.tar.xz -C /tmp/cutlass-pinned
+CC=$cc CXX=$cxx CUDAHOSTCXX=$cxx CMAKE_BUILD_PARALLEL_LEVEL=16 timeout 240 python3 -m pip install --no-build-isolation \
+  --no-deps --no-index --no-cache-dir --target /tmp/rc_site_default . \
+  -C cmake.define.DSAIB_ENABLE_CUDA=ON -C cmake.define.DSAIB_CUTLASS_INCLUDE_DIR=/tmp/cutlass-pinned/include \
+  -C build-dir=/tmp/rc_build_default -v > /tmp/rc_pip_default.log 2>&1
+pip_rc=$?
+{ echo "pip install with CC=$cc: rc=$pip_rc"; grep -n -i -E "self-check|check_extension|segfault|signal|ValueError|compiler|error" /tmp/rc_pip_default.log | tail -40; } \
+  > "$out/pip_default_cc.log"
+tail -12 "$out/pip_default_cc.log"
+if [[ $pip_rc -eq 0 ]]; then
+  # Built and passed its own check: then the module must really raise, not crash.
+  if PYTHONPATH=/tmp/rc_site_default timeout 60 python3 -c 'import dsaib, numpy as np
+try:
+    dsaib._dsaib.empty((2,), "f64", "cpu")
+except ValueError as e:
+    print("ValueError:", e)' >> "$out/pip_default_cc.log" 2>&1; then
+    echo "default compiler: install passed its self-check and the module raises ValueError (the defect did not occur)"
+  else
+    fail "default compiler: install succeeded but the module does not raise ValueError (self-check missed the defect)"
+  fi
+else
+  grep -q -E "check_extension_exceptions|self-check" /tmp/rc_pip_default.log \
+    && echo "default compiler: install failed in the self-check (as required when the defect occurs)" \
+    || fail "default compiler: install failed, but not in the self-check (see pip_default_cc.log)"
+fi
+
+stamp "pip install with the system gcc, python/tests on the GPU"
+OUT=/tmp/rc_pip SKIP_DIAG=1 bash scripts/device/pip_install_check.sh | tail -4
+(( PIPESTATUS[0] == 0 )) || fail "pip install / python tests (system gcc)"
+cp /tmp/rc_pip/pip_install.log /tmp/rc_pip/pytest_gpu.log "$out/" 2>/dev/null
+
+stamp "training demo, cuda, DeepSeek shape"
+PYTHONPATH=/tmp/dsaib-pip-site timeout -k 5 90 python3 python/examples/train_indexer.py --device cuda \
+  --out "$out/demo_cuda.png" --csv /tmp/rc_demo_cuda.csv > "$out/demo.log" 2>&1
+demo_rc=$?
+tail -6 "$out/demo.log"
+(( demo_rc == 0 )) || fail "demo (rc=$demo_rc)"
+stamp "done (rc=$rc)"
+exit $rc
