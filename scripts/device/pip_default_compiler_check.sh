@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# `pip install .` on the H200 with the compilers the environment chooses (no
+# CC/CXX override: the image's CC/CXX or the first cc/c++ in PATH, /opt/gcc
+# there). An extension built that way segfaulted on its first C++ exception
+# (docs/python.md). Required result: either the install fails IN the build-time
+# self-check (python/tools/check_extension_exceptions.py) naming the compiler, or
+# it succeeds and the installed module raises ValueError for a bad argument.
+#   device run, carry [".device/cutlass-include.tar.xz"]: bash scripts/device/pip_default_compiler_check.sh
+# Writes $OUT/pip_default_cc.log. Exit status 0 on the required result.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+out=${OUT:-out}
+mkdir -p "$out"
+export PATH=/usr/local/cuda/bin:$PATH
+log=$out/pip_default_cc.log
+site=/tmp/dsaib-default-cc-site
+{
+  echo "CC=${CC:-<unset>} CXX=${CXX:-<unset>} CUDAHOSTCXX=${CUDAHOSTCXX:-<unset>}; cc -> $(command -v cc), c++ -> $(command -v c++)"
+  c++ --version | head -1
+} > "$log" 2>&1
+rm -rf /tmp/cutlass-pinned "$site" /tmp/dsaib-default-cc-build && mkdir -p /tmp/cutlass-pinned
+tar -xJf .device/cutlass-include.tar.xz -C /tmp/cutlass-pinned
+CMAKE_BUILD_PARALLEL_LEVEL=16 timeout 240 python3 -m pip install --no-build-isolation --no-deps --no-index \
+  --no-cache-dir --target "$site" . \
+  -C cmake.define.DSAIB_ENABLE_CUDA=ON -C cmake.define.DSAIB_CUTLASS_INCLUDE_DIR=/tmp/cutlass-pinned/include \
+  -C build-dir=/tmp/dsaib-default-cc-build -v > /tmp/dsaib-default-cc-pip.log 2>&1
+pip_rc=$?
+{
+  echo "pip install rc=$pip_rc"
+  grep -E "CXX compiler identification|CUDA host compiler|self-check|check_extension|Segmentation|signal|ValueError|Error|error:" \
+    /tmp/dsaib-default-cc-pip.log | tail -30
+} >> "$log"
+rc=0
+if [[ $pip_rc -eq 0 ]]; then
+  if PYTHONPATH=$site timeout 60 python3 -c '
+import dsaib._dsaib as ext
+try:
+    ext.empty((2,), "f64", "cpu")
+except ValueError as e:
+    print("installed module raises ValueError:", e)
+else:
+    raise SystemExit("no exception")' >> "$log" 2>&1; then
+    echo "RESULT: installed with the default compiler; its self-check passed and the module raises ValueError (the defect did not occur)" >> "$log"
+  else
+    echo "RESULT: FAILED: installed, but the module does not raise ValueError: the self-check missed the defect" >> "$log"
+    rc=1
+  fi
+elif grep -q "dsaib self-check FAILED" /tmp/dsaib-default-cc-pip.log; then
+  echo "RESULT: the install failed in the self-check, as required when the defect occurs" >> "$log"
+else
+  echo "RESULT: FAILED: the install failed outside the self-check" >> "$log"
+  rc=1
+fi
+cat "$log"
+exit $rc
