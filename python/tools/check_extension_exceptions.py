@@ -80,6 +80,20 @@ args = dict(index_q=buf("H", [B, S, H, D]), weights=buf("f", [B, S, H]), index_k
             num_threads=1, workspace=None, uint16_as_bf16=True, out_uint16_as_bf16=True)
 expect_value_error("extension", "dtype", lambda: _dsaib.empty((2,), "f64", "cpu"))
 expect_value_error("library", "normalization_count", lambda: _dsaib.indexer_backward(**args))
+# The /opt/gcc build on the H200 passed the two probes above and still crashed in
+# python/tests on a shape error raised after valid runs on the cpu backend's
+# worker threads (2026-11-30, fifth session): so run the backend once, on all
+# cores, then raise a shape error and the first error again.
+valid = dict(args, normalization_count=0, num_threads=0)
+try:
+    _dsaib.indexer_backward(**valid)
+except BaseException as e:
+    print("VALID-CALL-RAISED %s: %s" % (type(e).__name__, e), flush=True)
+    sys.exit(2)
+print("VALID-CALL-OK", flush=True)
+expect_value_error("library, shape, after a run", "weights",
+                   lambda: _dsaib.indexer_backward(**dict(valid, weights=buf("f", [B, S, 2]))))
+expect_value_error("library, after a run", "normalization_count", lambda: _dsaib.indexer_backward(**args))
 sys.exit(0)
 """
 
@@ -120,9 +134,10 @@ def main(argv):
             print("dsaib self-check FAILED: the extension built with %s crashed (%s) while being imported.\n%s"
                   % (cxx, signal_name(r.returncode), out), file=sys.stderr)
             return 1
-        print("dsaib self-check FAILED: the extension built with the C++ compiler %s crashed (%s) on its first\n"
+        print("dsaib self-check FAILED: the extension built with the C++ compiler %s crashed (%s) on a\n"
               "C++ exception (an invalid argument, which the library reports by throwing). Such a build would\n"
-              "crash the Python process on any bad input. %s" % (cxx, signal_name(r.returncode), REMEDY),
+              "crash the Python process on any bad input. %s\nThe check's steps before the crash:\n%s"
+              % (cxx, signal_name(r.returncode), REMEDY, out),
               file=sys.stderr)
         return 1
     print("dsaib self-check FAILED (exit %d): %s" % (r.returncode, out), file=sys.stderr)

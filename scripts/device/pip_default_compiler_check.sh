@@ -6,7 +6,8 @@
 # self-check (python/tools/check_extension_exceptions.py) naming the compiler, or
 # it succeeds and the installed module raises ValueError for a bad argument.
 #   device run, carry [".device/cutlass-include.tar.xz"]: bash scripts/device/pip_default_compiler_check.sh
-# Writes $OUT/pip_default_cc.log. Exit status 0 on the required result.
+# PYTEST=1 also runs python/tests with that install. Writes $OUT/pip_default_cc.log.
+# Exit status 0 on the required result.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 out=${OUT:-out}
@@ -32,18 +33,39 @@ pip_rc=$?
 } >> "$log"
 rc=0
 if [[ $pip_rc -eq 0 ]]; then
-  if PYTHONPATH=$site timeout 60 python3 -c '
+  # The installed module must raise ValueError for a bad argument alone, with
+  # torch imported before it, and with torch imported after it (torch brings
+  # its own C++ runtime into the process).
+  for order in alone torch-first torch-after; do
+    PYTHONPATH=$site ORDER=$order timeout 60 python3 -c '
+import os
+if os.environ["ORDER"] == "torch-first":
+    import torch
 import dsaib._dsaib as ext
+if os.environ["ORDER"] == "torch-after":
+    import torch
 try:
     ext.empty((2,), "f64", "cpu")
 except ValueError as e:
-    print("installed module raises ValueError:", e)
+    print(os.environ["ORDER"] + ": the installed module raises ValueError:", e)
 else:
-    raise SystemExit("no exception")' >> "$log" 2>&1; then
+    raise SystemExit("no exception")' >> "$log" 2>&1
+    probe_rc=$?
+    if [[ $probe_rc -ne 0 ]]; then
+      echo "$order: FAILED, exit $probe_rc (139 = segfault)" >> "$log"
+      rc=1
+    fi
+  done
+  if [[ -n ${PYTEST:-} ]]; then
+    PYTHONPATH=$site timeout 150 python3 -m pytest -q -x -p no:cacheprovider python/tests > /tmp/dsaib-default-cc-pytest.log 2>&1
+    pytest_rc=$?
+    echo "python/tests with this install: exit $pytest_rc (139 = segfault); $(tail -1 /tmp/dsaib-default-cc-pytest.log)" >> "$log"
+    (( pytest_rc == 0 )) || rc=1
+  fi
+  if (( rc == 0 )); then
     echo "RESULT: installed with the default compiler; its self-check passed and the module raises ValueError (the defect did not occur)" >> "$log"
   else
-    echo "RESULT: FAILED: installed, but the module does not raise ValueError: the self-check missed the defect" >> "$log"
-    rc=1
+    echo "RESULT: FAILED: installed, but the module crashes or does not raise ValueError: the self-check missed the defect" >> "$log"
   fi
 elif grep -q "dsaib self-check FAILED" /tmp/dsaib-default-cc-pip.log; then
   echo "RESULT: the install failed in the self-check, as required when the defect occurs" >> "$log"
