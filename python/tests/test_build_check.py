@@ -2,10 +2,10 @@
 
 CMake runs it after linking the extension; here it runs against the installed
 module (it must pass) and against stand-in `_dsaib` modules in a temporary
-directory: one whose library call kills the process with SIGSEGV, as the
-/opt/gcc build did on its first C++ exception (it must fail, naming the
-compiler and the remedy), one that crashes on import, and one whose call
-returns without raising.
+directory: one whose library call kills the process with SIGSEGV, one that
+raises correctly until a valid run and then crashes (as the /opt/gcc build on
+the H200 did in python/tests; both must fail, naming the compiler and the
+remedy), one that crashes on import, and one whose call returns without raising.
 """
 import os
 import pathlib
@@ -25,6 +25,19 @@ STAND_INS = {
         "    raise ValueError('dtype: expected \"f32\" or \"bf16\", got \"f64\"')\n"
         "def indexer_backward(**kw):\n"
         "    os.kill(os.getpid(), signal.SIGSEGV)\n"),
+    # The defect seen on the H200 (fifth session): errors raise correctly until
+    # the cpu backend has run, then a shape error crashes.
+    "crash_after_a_valid_run": (
+        "import os, signal\n"
+        "ran = []\n"
+        "def empty(shape, dtype, device):\n"
+        "    raise ValueError('dtype: expected \"f32\" or \"bf16\", got \"f64\"')\n"
+        "def indexer_backward(**kw):\n"
+        "    if ran:\n"
+        "        os.kill(os.getpid(), signal.SIGSEGV)\n"
+        "    if kw['normalization_count'] < 0:\n"
+        "        raise ValueError('normalization_count: expected >= 0, got -1')\n"
+        "    ran.append(1)\n"),
     "crash_on_import": "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n",
     "no_exception": (
         "def empty(shape, dtype, device):\n"
@@ -52,9 +65,11 @@ def test_self_check_fails_on_a_broken_module(tmp_path, kind):
     r = run_check(tmp_path)
     assert r.returncode == 1, r.stdout + r.stderr
     assert "FAILED" in r.stderr
-    if kind == "crash_on_library_error":
-        assert "SIGSEGV" in r.stderr and "on its first" in r.stderr
+    if kind.startswith("crash_") and kind != "crash_on_import":
+        assert "crashed (SIGSEGV) on a" in r.stderr and "steps before the crash" in r.stderr
         assert "/opt/example/g++" in r.stderr and "CXX=/usr/bin/g++" in r.stderr
+        if kind == "crash_after_a_valid_run":
+            assert "VALID-CALL-OK" in r.stderr
     elif kind == "crash_on_import":
         assert "while being imported" in r.stderr
     else:
