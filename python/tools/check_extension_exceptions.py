@@ -34,6 +34,14 @@ TIMEOUT_S = 120
 CHILD = r"""
 import array, sys
 module_dir = sys.argv[1]
+# torch, when this Python has it, is imported first, as in the package's users
+# and tests: the H200's /opt/gcc build crashed on a library error after a valid
+# run only with torch in the process (2026-11-30, fifth session).
+try:
+    import torch  # noqa: F401
+    print("TORCH-PRELOADED", flush=True)
+except Exception:
+    pass
 sys.path.insert(0, module_dir)
 print("IMPORTING", flush=True)
 try:
