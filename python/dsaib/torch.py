@@ -183,6 +183,83 @@ def indexer_backward(
 # ---- the forward: logits, index scores, loss (plain torch) ------------------
 
 
+def _shape_str(shape) -> str:
+    dims = tuple(int(d) for d in shape)
+    return "(" + ", ".join(str(d) for d in dims) + ("," if len(dims) == 1 else "") + ")"
+
+
+def _check_forward_arguments(index_q, weights, index_k, topk_indices, attn_score, sm_scale, layout,
+                             cu_seqlens_q, cu_seqlens_k):
+    """The checks of the C++ validation that the torch forward depends on, with its messages
+    (attn_score None: not checked, for index_scores).
+
+    Run before the forward computes anything, so that a bad shape raises
+    ValueError naming the argument instead of failing inside torch. The rest
+    (dtypes, strides, devices, cu_seqlens values, ...) is validated by the
+    library in the backward.
+    """
+    def fail(name, expected, got):
+        raise ValueError(f"{name}: expected {expected}, got {got}")
+
+    names = ("index_q", "weights", "index_k", "topk_indices", "attn_score")[: 5 if attn_score is not None else 4]
+    tensors = (index_q, weights, index_k, topk_indices, attn_score)[: len(names)]
+    for name, t in zip(names, tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if layout not in ("bshd", "thd"):
+        fail("layout", '"bshd" or "thd"', f'"{layout}"')
+    thd = layout == "thd"
+    r = 1 if thd else 0
+    for name, t, rank in zip(names, tensors, (4 - r, 3 - r, 3 - r, 3 - r, 3 - r)):
+        if t.dim() != rank:
+            fail(name, f"rank {rank}", f"rank {t.dim()} with shape {_shape_str(t.shape)}")
+    if topk_indices.is_floating_point() or topk_indices.is_complex() or topk_indices.dtype == torch.bool:
+        raise TypeError(f"topk_indices: expected an integer dtype, got {topk_indices.dtype}")
+    if attn_score is not None and not attn_score.is_floating_point():
+        raise TypeError(f"attn_score: expected a floating-point dtype, got {attn_score.dtype}")
+    H, D = index_q.shape[-2], index_q.shape[-1]
+    if H < 8 or H > 128 or H % 8 != 0:
+        fail("index_q", f"H (heads, dim {2 - r}) a multiple of 8 in [8, 128]", f"H = {H} (shape {_shape_str(index_q.shape)})")
+    if D not in (64, 128):
+        fail("index_q", "D (last dim) 64 or 128", f"D = {D} (shape {_shape_str(index_q.shape)})")
+    K = topk_indices.shape[-1]
+    if K < 1:
+        fail("topk_indices", "topk (last dim) >= 1", f"topk = {K}")
+
+    def expect(name, t, shape, meaning):
+        if tuple(t.shape) != tuple(shape):
+            fail(name, f"shape {_shape_str(shape)} {meaning}", f"shape {_shape_str(t.shape)}")
+
+    if thd:
+        T, Tk = index_q.shape[0], index_k.shape[0]
+        expect("weights", weights, (T, H), "(T_q, H)")
+        expect("index_k", index_k, (Tk, D), "(T_k, D)")
+        expect("topk_indices", topk_indices, (T, K), "(T_q, topk)")
+        if attn_score is not None:
+            expect("attn_score", attn_score, (T, K), "(T_q, topk)")
+        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+            if cu is None:
+                fail(name, "an int32 tensor of shape (B + 1,) for layout thd", "None")
+            if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.shape[0] < 1:
+                got = f"shape {_shape_str(cu.shape)}" if isinstance(cu, torch.Tensor) else type(cu).__name__
+                fail(name, "a tensor of shape (B + 1,)", got)
+        if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
+            fail("cu_seqlens_k", f"shape {_shape_str(cu_seqlens_q.shape)} like cu_seqlens_q",
+                 f"shape {_shape_str(cu_seqlens_k.shape)}")
+    else:
+        B, S = index_q.shape[0], index_q.shape[1]
+        expect("weights", weights, (B, S, H), "(B, S_q, H)")
+        expect("index_k", index_k, (B, index_k.shape[1], D), "(B, S_kv, D) with B and D of index_q")
+        expect("topk_indices", topk_indices, (B, S, K), "(B, S_q, topk)")
+        if attn_score is not None:
+            expect("attn_score", attn_score, (B, S, K), "(B, S_q, topk)")
+        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+            if cu is not None:
+                fail(name, "absent for layout bshd", "a tensor")
+    if not math.isfinite(float(sm_scale)):
+        fail("sm_scale", "a finite value", repr(float(sm_scale)))
+
+
 def _key_rows(index_k, topk_indices, layout, id_mode, cu_seqlens_q, cu_seqlens_k):
     """Flat key row of every slot ((R, topk) int64, 0 at invalid slots) and the valid mask."""
     ids = topk_indices.to(torch.int64)
@@ -268,6 +345,8 @@ def index_scores(
     from the given values (round index_q/index_k to bf16 first to get what the
     library's backward sees). Not differentiable (use :func:`indexer_kl_loss`).
     """
+    _check_forward_arguments(index_q, weights, index_k, topk_indices, None, sm_scale, layout,
+                             cu_seqlens_q, cu_seqlens_k)
     with torch.no_grad():
         rows, valid = _key_rows(index_k, topk_indices, layout, id_mode, cu_seqlens_q, cu_seqlens_k)
         z = _logits(index_q, weights, index_k, rows, valid, sm_scale, dtype)
@@ -356,8 +435,15 @@ def indexer_kl_loss(
     and ``P`` (float32; float64 for float64 inputs) and saves ``P`` for the
     backward, which gets ``grad_loss`` from autograd as a device tensor (CUDA
     graphs can replay it with new values). Gradients come back in the dtypes of
-    index_q, weights and index_k. The backward's validation errors (the C++
-    library's messages) surface as ValueError/TypeError when ``backward()`` runs.
+    index_q, weights and index_k.
+
+    Raises, before computing anything: ValueError for a shape, rank, H, D or
+    topk the library does not take, a non-finite ``sm_scale``, a bad
+    ``layout`` or missing/extra cu_seqlens (the C++ library's messages);
+    TypeError for a non-tensor argument, non-integer ``topk_indices`` or
+    non-float ``attn_score``. The library validates everything else (strides,
+    devices, cu_seqlens values, ``loss_coeff``, ...) in the backward, where its
+    errors surface as ValueError/TypeError when ``backward()`` runs.
 
     ``a_operand_precision`` (``"auto"``, ``"bf16x2"`` or ``"bf16"``) goes to
     the backward's op (see :func:`indexer_backward`): ``"auto"`` uses two bf16
@@ -366,6 +452,8 @@ def indexer_kl_loss(
     relative RMS error to those gradients. A bad value is a ValueError here.
     """
     _check_a_operand(_a_operand(a_operand_precision))
+    _check_forward_arguments(index_q, weights, index_k, topk_indices, attn_score, sm_scale, layout,
+                             cu_seqlens_q, cu_seqlens_k)
     return _IndexerKLLossFunction.apply(
         index_q, weights, index_k, topk_indices, attn_score, float(sm_scale), float(loss_coeff),
         int(normalization_count), layout, id_mode, cu_seqlens_q, cu_seqlens_k, a_operand_precision,

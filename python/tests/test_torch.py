@@ -253,11 +253,38 @@ def test_autograd_loss_finite_difference_of_reference():
         assert abs(fd - an) <= 1e-5 * max(abs(fd), 1e-3), (fd, an)
 
 
-def test_autograd_loss_errors_surface_at_backward():
-    q, w, k, ids, T = make_torch_problem(seed=0)
+def test_autograd_loss_shape_errors_raise_before_the_forward_with_the_cpp_message():
+    q, w, k, ids, T = make_torch_problem(seed=0)  # B2 S5 S_kv7 H8 D64 topk4
     qq = q.detach().float()[:, :, :4].contiguous().requires_grad_()  # H = 4: not a multiple of 8
-    loss = dt.indexer_kl_loss(qq, w[:, :, :4], k, ids, T, sm_scale=SM)
-    with pytest.raises(ValueError, match=r"^index_q: "):
+    with pytest.raises(ValueError, match=r"^index_q: expected H \(heads, dim 2\) a multiple of 8 in \[8, 128\], got H = 4 \(shape \(2, 5, 4, 64\)\)$"):
+        dt.indexer_kl_loss(qq, w[:, :, :4], k, ids, T, sm_scale=SM)
+    cases = [
+        (dict(attn_score=T[:, :, :3]), r"^attn_score: expected shape \(2, 5, 4\) \(B, S_q, topk\), got shape \(2, 5, 3\)$"),
+        (dict(weights=w[:, :2]), r"^weights: expected shape \(2, 5, 8\) \(B, S_q, H\), got shape \(2, 2, 8\)$"),
+        (dict(index_k=k[:1]), r"^index_k: expected shape \(2, 7, 64\) \(B, S_kv, D\) with B and D of index_q, got shape \(1, 7, 64\)$"),
+        (dict(topk_indices=ids[:, :3]), r"^topk_indices: expected shape \(2, 5, 4\) \(B, S_q, topk\), got shape \(2, 3, 4\)$"),
+        (dict(index_q=q[0]), r"^index_q: expected rank 4, got rank 3 with shape \(5, 8, 64\)$"),
+    ]
+    args = dict(index_q=q, weights=w, index_k=k, topk_indices=ids, attn_score=T)
+    for change, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            dt.indexer_kl_loss(**dict(args, **change), sm_scale=SM)
+    with pytest.raises(ValueError, match=r"^sm_scale: expected a finite value, got nan$"):
+        dt.indexer_kl_loss(**args, sm_scale=float("nan"))
+    with pytest.raises(TypeError, match=r"^topk_indices: expected an integer dtype, got torch.float32$"):
+        dt.indexer_kl_loss(**dict(args, topk_indices=ids.float()), sm_scale=SM)
+    with pytest.raises(ValueError, match=r"^index_k: expected shape"):
+        dt.index_scores(q, w, k[:1], ids, sm_scale=SM)
+    # The same messages as the library's own validation (the op, all checks at once).
+    with pytest.raises(ValueError, match=cases[1][1]):
+        dt.indexer_backward(q, w[:, :2], k, ids, T, T, sm_scale=SM)
+
+
+def test_autograd_loss_other_errors_surface_at_backward():
+    q, w, k, ids, T = make_torch_problem(seed=0)
+    qq = q.detach().float().requires_grad_()
+    loss = dt.indexer_kl_loss(qq, w, k, ids, T, sm_scale=SM, loss_coeff=float("inf"))
+    with pytest.raises(ValueError, match=r"^loss_coeff: "):
         loss.backward()
 
 
