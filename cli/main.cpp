@@ -616,6 +616,9 @@ int cmd_backward(GenOptions& gen, const ScalarOverrides& sc, const BackwardArgs&
   if (!stored.empty()) {
     s << "  stored      vs the gradients stored in the input file (torch_*: torch autograd)\n";
     print_metrics(s, stored);
+  } else if (!a.in.empty() && sc.any_given() &&
+             (p.tensors.count("torch_d_index_q") || p.tensors.count("torch_d_weights") || p.tensors.count("torch_d_index_k"))) {
+    s << "  stored      not compared: the scalar flags changed the problem the stored torch_* gradients are for\n";
   }
   if (nonfinite > 0) {
     s << "  non-finite  " << nonfinite << " output elements are NaN/inf ("

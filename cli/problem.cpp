@@ -369,6 +369,29 @@ Problem load_problem(const std::string& path) {
   for (const char* key : {"generator", "preset", "ids", "seed"}) {
     if (meta.count(key)) p.info[key] = meta.at(key);
   }
+  // Gradients stored by the file's producer (torch_d_*, scripts/dump_torch_step.py
+  // --with-grads) are compared with ours after the run: a stored tensor that
+  // cannot be compared is an error here, not skipped later.
+  const std::pair<const char*, const char*> stored[] = {
+      {"torch_d_index_q", "index_q"}, {"torch_d_weights", "weights"}, {"torch_d_index_k", "index_k"}};
+  for (const auto& [name, like] : stored) {
+    const auto it = p.tensors.find(name);
+    if (it == p.tensors.end()) continue;
+    const HostTensor& t = it->second;
+    const HostTensor& ref = p.tensors.at(like);
+    auto shape_str = [](const std::vector<int64_t>& v) {
+      std::string out = "(";
+      for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + std::to_string(v[i]);
+      return out + (v.size() == 1 ? ",)" : ")");
+    };
+    if (t.shape != ref.shape) {
+      bad(name, path + ": " + name + ": expected shape " + shape_str(ref.shape) + " like " + like +
+                    " (a stored gradient), got shape " + shape_str(t.shape));
+    }
+    if (t.dtype != DType::f32 && t.dtype != DType::bf16) {
+      bad(name, path + ": " + name + ": expected dtype f32 or bf16 (a stored gradient), got dtype " + dtype_name(t.dtype));
+    }
+  }
   return p;
 }
 

@@ -298,7 +298,7 @@ def _check_out(out) -> tuple:
             try:
                 read_only = memoryview(o).readonly
             except TypeError:
-                raise TypeError(f"out: expected 3 arrays (d_index_q, d_weights, d_index_k), got a "
+                raise TypeError(f"out: expected 3 arrays (d_index_q, d_weights, d_index_k), got "
                                 f"{_type_name(o)} for {name}") from None
         if read_only:
             raise ValueError(f"out: expected writable arrays, got a read-only {name}")

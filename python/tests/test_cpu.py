@@ -229,6 +229,8 @@ def test_out_must_hold_three_arrays():
         run(p, out=(np.empty(1, np.float32),) * 2)
     with pytest.raises(TypeError, match=r"^out: expected a tuple"):
         run(p, out=3)
+    with pytest.raises(TypeError, match=r"^out: expected 3 arrays \(d_index_q, d_weights, d_index_k\), got int for d_index_q$"):
+        run(p, out=(1, 2, 3))
 
 
 @pytest.mark.parametrize("bad", [True, np.bool_(False), "1.0", [1.0]])

@@ -165,11 +165,31 @@ TEST_F(Cli, ComparesWithGradientsStoredInTheFileAndFailsWhenTheyDiffer) {
   EXPECT_TRUE(contains(r.output, "gradients stored in the input file")) << r.output;
   EXPECT_TRUE(contains(r.output, "torch_d_index_k")) << r.output;
 
+  // Scalar flags change the problem: the stored gradients are not compared, and the report says so.
+  r = run("backward --in " + quote(path("with_grads.safetensors")) + " --verify none --sm-scale 0.5");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "stored      not compared: the scalar flags changed the problem")) << r.output;
+
   store("torch_d_weights", ref.d_weights, 1.01);  // 1% off: fails the 3e-3 bf16 threshold
   dsaib::write_safetensors(path("with_bad_grads.safetensors"), t, meta);
   r = run("backward --in " + quote(path("with_bad_grads.safetensors")) + " --verify all");
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_TRUE(contains(r.output, "result      FAIL")) << r.output;
+
+  // A stored gradient that cannot be compared is an error before the run, not skipped.
+  auto wrong = t;
+  wrong["torch_d_index_q"] = dsaib::HostTensor(dsaib::DType::f32, {1, 2, 3});
+  dsaib::write_safetensors(path("wrong_shape_grads.safetensors"), wrong, meta);
+  r = run("backward --in " + quote(path("wrong_shape_grads.safetensors")) + " --verify none");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_TRUE(contains(r.output, "torch_d_index_q: expected shape")) << r.output;
+  EXPECT_TRUE(contains(r.output, "like index_q (a stored gradient), got shape (1, 2, 3)")) << r.output;
+  wrong = t;
+  wrong["torch_d_index_k"] = dsaib::HostTensor(dsaib::DType::i32, t.at("index_k").shape);
+  dsaib::write_safetensors(path("wrong_dtype_grads.safetensors"), wrong, meta);
+  r = run("backward --in " + quote(path("wrong_dtype_grads.safetensors")) + " --verify none");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_TRUE(contains(r.output, "torch_d_index_k: expected dtype f32 or bf16 (a stored gradient), got dtype i32")) << r.output;
 }
 
 TEST_F(Cli, MalformedFileIsAnErrorNotACrash) {
