@@ -36,8 +36,15 @@ STAND_INS = {
         "    if ran:\n"
         "        os.kill(os.getpid(), signal.SIGSEGV)\n"
         "    if kw['normalization_count'] < 0:\n"
-        "        raise ValueError('normalization_count: expected >= 0, got -1')\n"
+        "        raise ValueError('normalization_count: expected >= 0 (0 = number of query tokens), got -1')\n"
         "    ran.append(1)\n"),
+    # What -static-libstdc++ without hidden archive symbols did here with torch
+    # imported: the right exception, the numbers missing from its message.
+    "corrupted_message": (
+        "def empty(shape, dtype, device):\n"
+        "    raise ValueError('dtype: expected \"f32\" or \"bf16\", got \"f64\"')\n"
+        "def indexer_backward(**kw):\n"
+        "    raise ValueError('normalization_count: expected >= 0 (0 = number of query tokens), got ')\n"),
     "crash_on_import": "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n",
     "no_exception": (
         "def empty(shape, dtype, device):\n"
@@ -72,5 +79,7 @@ def test_self_check_fails_on_a_broken_module(tmp_path, kind):
             assert "VALID-CALL-OK" in r.stderr
     elif kind == "crash_on_import":
         assert "while being imported" in r.stderr
+    elif kind == "corrupted_message":
+        assert "wrong message" in r.stderr and "WRONG-MESSAGE library" in r.stderr
     else:
         assert "NO-EXCEPTION library" in r.stderr

@@ -3,25 +3,32 @@
 
 Run by CMake right after linking dsaib._dsaib (python/CMakeLists.txt, option
 DSAIB_PY_SELF_CHECK), in a child process so that a crash is seen, not suffered.
-The child imports the freshly built module from its build directory and makes
-two calls that must raise ValueError:
+The child imports torch first when this Python has it (as users and the
+package's tests do), then the freshly built module from its build directory,
+and checks that these calls raise ValueError with exactly the expected message:
   1. ``_dsaib.empty((2,), "f64", "cpu")``: a dsaib::Error thrown in the
      extension's own code;
   2. ``_dsaib.indexer_backward(...)`` on tiny valid cpu arrays (standard-library
      ``array`` buffers, no numpy) with ``normalization_count=-1``: a dsaib::Error
      thrown inside the dsaib library (core/validate.cpp), which is where users'
-     invalid arguments are caught.
+     invalid arguments are caught;
+  3. a valid run of the cpu backend on all cores, then a shape error (a message
+     with numbers) and 2. again.
 
-Why: on an image whose default compiler links the C++ runtime into the
-extension in a way the process's unwinder cannot use (seen on the H200 image
-with CC/CXX=/opt/gcc, docs/python.md), the extension segfaults on its first
-C++ exception, i.e. on the first invalid argument a user passes. This check
-turns that into a build error that names the compiler and the remedy.
+Why: an extension whose C++ runtime is linked statically and exported can end
+up running half on that runtime and half on the libstdc++.so torch loaded: on
+the H200 image (CC/CXX=/opt/gcc) it segfaulted on a C++ exception once torch
+was imported and the cpu backend had run; with -static-libstdc++ here, the
+numbers vanish from the messages (python/tests/test_static_runtime.py). The
+extension is now linked with -Wl,--exclude-libs,ALL (python/CMakeLists.txt,
+DSAIB_PY_HIDE_STATIC_LIBS), which fixes the second; this check turns either
+into a build error that names the compiler and the remedy.
 
 usage: check_extension_exceptions.py MODULE_DIR CXX_COMPILER
-Exit: 0 both errors arrived as ValueError, or the module cannot be imported in
-this environment without crashing (reported, not fatal: the package tests
-import it); 1 the child crashed, hung (120 s) or raised something else.
+Exit: 0 every call raised ValueError with its message, or the module cannot be
+imported in this environment without crashing (reported, not fatal: the
+package tests import it); 1 the child crashed, hung (120 s), raised something
+else or a wrong message.
 python/tests/test_build_check.py runs it against the installed module and
 against a stand-in module whose calls crash (the negative control).
 """
@@ -33,15 +40,14 @@ TIMEOUT_S = 120
 
 CHILD = r"""
 import array, sys
-module_dir = sys.argv[1]
-# torch, when this Python has it, is imported first, as in the package's users
-# and tests: the H200's /opt/gcc build crashed on a library error after a valid
-# run only with torch in the process (2026-11-30, fifth session).
-try:
+module_dir, order = sys.argv[1], sys.argv[2]
+# torch (ORDER torch-first / torch-after) is imported before or after the module,
+# as users and the package's tests do: the H200's /opt/gcc build crashed on a
+# library error after a valid run with torch imported first; a -static-libstdc++
+# build here garbles messages with torch imported after (fifth session).
+if order == "torch-first":
     import torch  # noqa: F401
-    print("TORCH-PRELOADED", flush=True)
-except Exception:
-    pass
+    print("TORCH-LOADED", flush=True)
 sys.path.insert(0, module_dir)
 print("IMPORTING", flush=True)
 try:
@@ -53,13 +59,19 @@ except Exception as e:
     print("IMPORT-SKIPPED: %s: %s" % (type(e).__name__, e), flush=True)
     sys.exit(3)
 print("IMPORTED", flush=True)
+sys.path.remove(module_dir)  # the package directory holds a torch.py of its own
+if order == "torch-after":
+    import torch  # noqa: F401,F811
+    print("TORCH-LOADED", flush=True)
 
 
-def expect_value_error(what, fragment, call):
+def expect_value_error(what, message, call):
+    # The whole message: a C++ runtime mixed with another one in the process
+    # can also corrupt what it formats (numbers missing) without crashing.
     try:
         call()
     except ValueError as e:
-        if fragment in str(e):
+        if str(e) == message:
             print("OK %s: %s" % (what, e), flush=True)
             return
         print("WRONG-MESSAGE %s: %s" % (what, e), flush=True)
@@ -86,8 +98,9 @@ args = dict(index_q=buf("H", [B, S, H, D]), weights=buf("f", [B, S, H]), index_k
             layout="bshd", id_mode="local", backend="cpu", sm_scale=1.0, loss_coeff=1.0, grad_loss=1.0,
             grad_loss_device=None, normalization_count=-1, strict_indices=False, deterministic=False, stream=0,
             num_threads=1, workspace=None, uint16_as_bf16=True, out_uint16_as_bf16=True)
-expect_value_error("extension", "dtype", lambda: _dsaib.empty((2,), "f64", "cpu"))
-expect_value_error("library", "normalization_count", lambda: _dsaib.indexer_backward(**args))
+NORMALIZATION = "normalization_count: expected >= 0 (0 = number of query tokens), got -1"
+expect_value_error("extension", 'dtype: expected "f32" or "bf16", got "f64"', lambda: _dsaib.empty((2,), "f64", "cpu"))
+expect_value_error("library", NORMALIZATION, lambda: _dsaib.indexer_backward(**args))
 # The /opt/gcc build on the H200 passed the two probes above and still crashed in
 # python/tests on a shape error raised after valid runs on the cpu backend's
 # worker threads (2026-11-30, fifth session): so run the backend once, on all
@@ -99,9 +112,9 @@ except BaseException as e:
     print("VALID-CALL-RAISED %s: %s" % (type(e).__name__, e), flush=True)
     sys.exit(2)
 print("VALID-CALL-OK", flush=True)
-expect_value_error("library, shape, after a run", "weights",
+expect_value_error("library, shape, after a run", "weights: expected shape (1, 1, 8) (B, S_q, H), got shape (1, 1, 2)",
                    lambda: _dsaib.indexer_backward(**dict(valid, weights=buf("f", [B, S, 2]))))
-expect_value_error("library, after a run", "normalization_count", lambda: _dsaib.indexer_backward(**args))
+expect_value_error("library, after a run", NORMALIZATION, lambda: _dsaib.indexer_backward(**args))
 sys.exit(0)
 """
 
@@ -123,7 +136,25 @@ def main(argv):
         return 2
     module_dir, cxx = argv[1], argv[2]
     try:
-        r = subprocess.run([sys.executable, "-c", CHILD, module_dir], capture_output=True, text=True,
+        import importlib.util
+        have_torch = importlib.util.find_spec("torch") is not None
+    except Exception:  # noqa: BLE001
+        have_torch = False
+    orders = ("torch-first", "torch-after") if have_torch else ("alone",)
+    for order in orders:
+        rc = check_once(module_dir, cxx, order)
+        if rc is not None:
+            return rc
+    print("dsaib self-check: C++ exceptions of the extension and of the library reach Python as "
+          "ValueError with their messages (%s; %s)" % (cxx, "torch imported before and after the module"
+                                                        if have_torch else "torch not installed"))
+    return 0
+
+
+def check_once(module_dir, cxx, order):
+    """None when the child passed; else main's exit status (0: skipped, reported)."""
+    try:
+        r = subprocess.run([sys.executable, "-c", CHILD, module_dir, order], capture_output=True, text=True,
                            timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
         print("dsaib self-check FAILED: the extension built with %s did not answer in %d s (a hang while\n"
@@ -131,14 +162,14 @@ def main(argv):
         return 1
     out = (r.stdout + r.stderr).strip()
     if r.returncode == 0:
-        print("dsaib self-check: C++ exceptions of the extension and of the library reach Python as "
-              "ValueError (%s)" % cxx)
-        return 0
+        return None  # this order passed
     if r.returncode == 3:
         print("dsaib self-check: skipped, the module does not import here: " + out)
         return 0
     if r.returncode < 0:
-        if "IMPORTING" not in r.stdout:  # torch itself crashed while being imported: not ours to judge
+        torch_crashed = (order == "torch-first" and "IMPORTING" not in r.stdout) or (
+            order == "torch-after" and "IMPORTED" in r.stdout and "TORCH-LOADED" not in r.stdout)
+        if torch_crashed:  # torch itself crashed while being imported: not ours to judge
             print("dsaib self-check: skipped, importing torch crashed this Python (%s) before the module "
                   "was loaded" % signal_name(r.returncode))
             return 0
@@ -150,6 +181,12 @@ def main(argv):
               "C++ exception (an invalid argument, which the library reports by throwing). Such a build would\n"
               "crash the Python process on any bad input. %s\nThe check's steps before the crash:\n%s"
               % (cxx, signal_name(r.returncode), REMEDY, out),
+              file=sys.stderr)
+        return 1
+    if "WRONG-MESSAGE" in r.stdout:
+        print("dsaib self-check FAILED: the extension built with the C++ compiler %s raised ValueError with a\n"
+              "wrong message (a C++ runtime linked into the extension and another one in the process, e.g.\n"
+              "torch's, can corrupt what it formats). %s\nThe check's steps:\n%s" % (cxx, REMEDY, out),
               file=sys.stderr)
         return 1
     print("dsaib self-check FAILED (exit %d): %s" % (r.returncode, out), file=sys.stderr)
