@@ -71,6 +71,9 @@ CLI::Validator int_range(int64_t lo, int64_t hi = std::numeric_limits<int64_t>::
         char* end = nullptr;
         errno = 0;
         const long long x = std::strtoll(v.c_str(), &end, 10);
+        if (errno == ERANGE && !v.empty() && end == v.c_str() + v.size()) {  // an integer, beyond int64
+          return "expected an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "], got " + v;
+        }
         if (v.empty() || end != v.c_str() + v.size() || errno == ERANGE) {
           return "expected an integer " + (expected.rfind(">=", 0) == 0 ? expected : expected.substr(11)) +
                  ", got \"" + v + "\"";

@@ -240,6 +240,16 @@ GenerateSpec make_spec(const GenFlags& f, int32_t threads) {
         }
       }
     }
+    // Flags the THD lengths make meaningless are refused, not silently dropped.
+    if (f.has_batch && f.batch != static_cast<int64_t>(s.seqlens_q.size())) {
+      bad("--batch", "--batch: expected " + std::to_string(s.seqlens_q.size()) + " (the number of sequences in " +
+                         join_lengths(s.seqlens_q) + ") or no --batch, got " + std::to_string(f.batch));
+    }
+    if (f.has_seqlens_q && f.has_s_q) bad("--s-q", "--s-q: expected no --s-q with --seqlens-q (the query lengths), got " + std::to_string(f.s_q));
+    if ((f.has_seqlens_k || f.has_seqlens_q) && f.has_s_kv) {
+      bad("--s-kv", "--s-kv: expected no --s-kv with --seqlens-" + std::string(f.has_seqlens_k ? "k" : "q") +
+                        " (the key lengths), got " + std::to_string(f.s_kv));
+    }
     s.batch = static_cast<int64_t>(s.seqlens_q.size());
   } else if (f.has_seqlens_q || f.has_seqlens_k) {
     bad("--seqlens-q", "--seqlens-q/--seqlens-k: only with --layout thd");

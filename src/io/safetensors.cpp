@@ -143,9 +143,12 @@ Entry parse_entry(const std::string& path, const std::string& name, const json& 
     }
   }
   if (overflow || e.end - e.begin != bytes) {
+    std::string shape = "(";  // the sizes were read above: print them, not a description of the array
+    for (size_t i = 0; i < e.shape.size(); ++i) shape += (i ? ", " : "") + std::to_string(e.shape[i]);
+    shape += e.shape.size() == 1 ? ",)" : ")";
     io_fail(path, where + ": data_offsets [" + std::to_string(e.begin) + ", " + std::to_string(e.end) + "] span " +
-                      std::to_string(e.end - e.begin) + " bytes, but dtype " + ds + " and shape " + describe(js) +
-                      " need " + (overflow ? std::string("more than 2^64") : std::to_string(bytes)));
+                      std::to_string(e.end - e.begin) + " bytes, but dtype " + ds + " and shape " + shape +
+                      " need " + (overflow ? std::string("more than 2^64 bytes") : std::to_string(bytes)));
   }
   return e;
 }
