@@ -302,6 +302,10 @@ def _check_out(out) -> tuple:
                                 f"{_type_name(o)} for {name}") from None
         if read_only:
             raise ValueError(f"out: expected writable arrays, got a read-only {name}")
+        if _framework(o) == "torch" and o.requires_grad:
+            # Written in place behind autograd's back: torch itself refuses that for such tensors.
+            raise ValueError(f"out: expected tensors that do not require grad (they are written in place), "
+                             f"got {name} with requires_grad=True")
     if any(_framework(o) == "jax" for o in out):
         raise TypeError("out: jax arrays are immutable; leave out=None to get new jax arrays")
     return out

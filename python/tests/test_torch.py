@@ -343,3 +343,12 @@ def test_generic_function_int64_topk_names_what_topk_indices_takes():
         dsaib.indexer_backward(**t, sm_scale=0.125, grad_loss=True)
     with pytest.raises(ValueError, match=r"^sm_scale: expected a finite float32 value, got 1e\+300$"):
         dsaib.indexer_backward(**t, sm_scale=1e300)
+
+
+def test_out_tensors_that_require_grad_are_refused():
+    t = to_torch(make_problem(3))
+    out = tuple(torch.empty(t[n].shape, dtype=torch.float32) for n in ("index_q", "weights", "index_k"))
+    out[1].requires_grad_()
+    with pytest.raises(ValueError, match=r"^out: expected tensors that do not require grad \(they are written in "
+                                         r"place\), got d_weights with requires_grad=True$"):
+        dsaib.indexer_backward(**t, sm_scale=SM, out=out)
