@@ -239,13 +239,30 @@ def _check_forward_arguments(index_q, weights, index_k, topk_indices, attn_score
             expect("attn_score", attn_score, (T, K), "(T_q, topk)")
         for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
             if cu is None:
-                fail(name, "an int32 tensor of shape (B + 1,) for layout thd", "None")
-            if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.shape[0] < 1:
-                got = f"shape {_shape_str(cu.shape)}" if isinstance(cu, torch.Tensor) else type(cu).__name__
-                fail(name, "a tensor of shape (B + 1,)", got)
-        if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
-            fail("cu_seqlens_k", f"shape {_shape_str(cu_seqlens_q.shape)} like cu_seqlens_q",
-                 f"shape {_shape_str(cu_seqlens_k.shape)}")
+                fail(name, "a tensor", "nothing (absent)")
+            if not isinstance(cu, torch.Tensor):
+                raise TypeError(f"{name}: expected a torch.Tensor, got {type(cu).__name__}")
+            if cu.dim() != 1:
+                fail(name, "rank 1", f"rank {cu.dim()} with shape {_shape_str(cu.shape)}")
+        nq, nk = cu_seqlens_q.shape[0], cu_seqlens_k.shape[0]
+        if nq < 1:
+            fail("cu_seqlens_q", "length B + 1 >= 1", "length 0")
+        if nk != nq:
+            fail("cu_seqlens_k", f"length B + 1 = {nq} (that of cu_seqlens_q)", f"length {nk}")
+        # Values: read here only for cpu tensors (no device sync); on a GPU the
+        # forward stays in bounds (_key_rows) and the backward's library check raises.
+        for name, cu, total, what in (("cu_seqlens_q", cu_seqlens_q, T, "T_q (index_q dim 0)"),
+                                      ("cu_seqlens_k", cu_seqlens_k, Tk, "T_k (index_k dim 0)")):
+            if cu.device.type != "cpu" or cu.is_floating_point():
+                continue
+            v = [int(x) for x in cu.tolist()]
+            if v[0] != 0:
+                fail(name, "cu_seqlens starting at 0", f"first value {v[0]}")
+            for i in range(1, len(v)):
+                if v[i] < v[i - 1]:
+                    fail(name, "non-decreasing values", f"value {v[i]} at position {i} after {v[i - 1]}")
+            if v[-1] != total:
+                fail(name, f"last value equal to {what} = {total}", str(v[-1]))
     else:
         B, S = index_q.shape[0], index_q.shape[1]
         expect("weights", weights, (B, S, H), "(B, S_q, H)")
@@ -256,8 +273,9 @@ def _check_forward_arguments(index_q, weights, index_k, topk_indices, attn_score
         for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
             if cu is not None:
                 fail(name, "absent for layout bshd", "a tensor")
-    if not math.isfinite(float(sm_scale)):
-        fail("sm_scale", "a finite value", repr(float(sm_scale)))
+    scale32 = float(torch.tensor(float(sm_scale), dtype=torch.float32))  # the library's precision: 1e39 -> inf
+    if not math.isfinite(scale32):
+        fail("sm_scale", "a finite value", repr(scale32))
 
 
 def _key_rows(index_k, topk_indices, layout, id_mode, cu_seqlens_q, cu_seqlens_k):
@@ -273,15 +291,14 @@ def _key_rows(index_k, topk_indices, layout, id_mode, cu_seqlens_q, cu_seqlens_k
     elif layout == "thd":
         if ids.dim() != 2 or index_k.dim() != 2:
             raise ValueError(f"topk_indices/index_k: expected rank 2 for layout thd, got ranks {ids.dim()} and {index_k.dim()}")
-        if cu_seqlens_q is None or cu_seqlens_k is None:
-            raise ValueError("cu_seqlens_q/cu_seqlens_k: expected int32 tensors of shape (B + 1,) for layout thd, got None")
         cu_q = cu_seqlens_q.to(device=dev, dtype=torch.int64)
         cu_k = cu_seqlens_k.to(device=dev, dtype=torch.int64)
         n_seq = cu_q.numel() - 1
         rows_q = torch.arange(ids.shape[0], device=dev, dtype=torch.int64)
         seq = torch.searchsorted(cu_q[1:].contiguous(), rows_q, right=True).clamp(0, max(n_seq - 1, 0))
+        seq_end = (seq + 1).clamp(max=cu_k.numel() - 1)  # in bounds for any cu_seqlens (checked elsewhere)
         start = cu_k[seq].unsqueeze(1)
-        length = (cu_k[seq + 1] - cu_k[seq]).unsqueeze(1)
+        length = (cu_k[seq_end] - cu_k[seq]).unsqueeze(1)
     else:
         raise ValueError(f'layout: expected "bshd" or "thd", got "{layout}"')
     if id_mode == "local":
@@ -292,6 +309,10 @@ def _key_rows(index_k, topk_indices, layout, id_mode, cu_seqlens_q, cu_seqlens_k
         rows = ids
     else:
         raise ValueError(f'id_mode: expected "local" or "global", got "{id_mode}"')
+    # In bounds even for cu_seqlens the library will reject in the backward
+    # (values are not read to the host here for GPU tensors).
+    n_key_rows = index_k.numel() // max(index_k.shape[-1], 1)  # flat rows (B*S_kv or T_k)
+    valid = valid & (rows >= 0) & (rows < n_key_rows)
     rows = torch.where(valid, rows, torch.zeros_like(rows))
     topk = ids.shape[-1]
     return rows.reshape(-1, topk), valid.reshape(-1, topk)
@@ -438,12 +459,13 @@ def indexer_kl_loss(
     index_q, weights and index_k.
 
     Raises, before computing anything: ValueError for a shape, rank, H, D or
-    topk the library does not take, a non-finite ``sm_scale``, a bad
-    ``layout`` or missing/extra cu_seqlens (the C++ library's messages);
+    topk the library does not take, an ``sm_scale`` not finite as float32, a
+    bad ``layout``, missing/extra cu_seqlens, cu_seqlens of the wrong length
+    and, for cpu tensors, cu_seqlens values (the C++ library's messages);
     TypeError for a non-tensor argument, non-integer ``topk_indices`` or
     non-float ``attn_score``. The library validates everything else (strides,
-    devices, cu_seqlens values, ``loss_coeff``, ...) in the backward, where its
-    errors surface as ValueError/TypeError when ``backward()`` runs.
+    devices, GPU cu_seqlens values, ``loss_coeff``, ...) in the backward, where
+    its errors surface as ValueError/TypeError when ``backward()`` runs.
 
     ``a_operand_precision`` (``"auto"``, ``"bf16x2"`` or ``"bf16"``) goes to
     the backward's op (see :func:`indexer_backward`): ``"auto"`` uses two bf16

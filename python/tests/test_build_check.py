@@ -83,3 +83,14 @@ def test_self_check_fails_on_a_broken_module(tmp_path, kind):
         assert "wrong message" in r.stderr and "WRONG-MESSAGE library" in r.stderr
     else:
         assert "NO-EXCEPTION library" in r.stderr
+
+
+def test_self_check_goes_on_without_a_torch_that_raises_on_import(tmp_path):
+    # A broken torch (raising on import) is not the extension's defect: checked without it, not failed.
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text('raise ImportError("libtorch_cpu.so: cannot open")\n')
+    env = dict(os.environ, PYTHONPATH=str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, str(CHECK), os.path.dirname(ext.__file__), "/opt/example/g++"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "torch failed to import, checked without it: ImportError: libtorch_cpu.so: cannot open" in r.stdout

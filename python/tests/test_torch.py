@@ -280,6 +280,51 @@ def test_autograd_loss_shape_errors_raise_before_the_forward_with_the_cpp_messag
         dt.indexer_backward(q, w[:, :2], k, ids, T, T, sm_scale=SM)
 
 
+def test_autograd_loss_thd_cu_seqlens_errors_match_the_library():
+    q, w, k, ids, T = make_torch_problem(seed=8, invalid=False)  # B2 S5 S_kv7
+    B, S, H, D = q.shape
+    S_kv = k.shape[1]
+    qt, wt, kt = (x.reshape((-1,) + tuple(x.shape[2:])) for x in (q, w, k))
+    gids = (ids.long() + S_kv * torch.arange(B).view(B, 1, 1)).to(torch.int32).reshape(B * S, -1)
+    Tt = T.reshape(B * S, -1)
+    cu_q = torch.arange(0, (B + 1) * S, S, dtype=torch.int32)
+    cu_k = torch.arange(0, (B + 1) * S_kv, S_kv, dtype=torch.int32)
+    base = dict(index_q=qt, weights=wt, index_k=kt, topk_indices=gids, attn_score=Tt, index_score=Tt,
+                cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    bad_cu_k = cu_k.clone()
+    bad_cu_k[-1] = 100
+    cases = [
+        dict(cu_seqlens_q=None),
+        dict(cu_seqlens_q=cu_q.view(1, -1)),
+        dict(cu_seqlens_q=cu_q[:0], cu_seqlens_k=cu_k[:0]),
+        dict(cu_seqlens_k=torch.cat([cu_k, cu_k[-1:]])),
+        dict(cu_seqlens_k=bad_cu_k),  # values: the forward must not index out of bounds
+        dict(cu_seqlens_q=cu_q.flip(0)),
+    ]
+    for change in cases:
+        a = dict(base, **change)
+        with pytest.raises(ValueError) as lib:  # the library's own validation (the op)
+            dt.indexer_backward(**a, sm_scale=SM, layout="thd", id_mode="global")
+        loss_args = {n: a[n] for n in ("index_q", "weights", "index_k", "topk_indices", "attn_score",
+                                       "cu_seqlens_q", "cu_seqlens_k")}
+        with pytest.raises(ValueError) as ours:
+            dt.indexer_kl_loss(**loss_args, sm_scale=SM, layout="thd", id_mode="global")
+        assert str(ours.value) == str(lib.value), change
+        with pytest.raises(ValueError) as ours:
+            dt.index_scores(**{n: loss_args[n] for n in loss_args if n != "attn_score"}, sm_scale=SM,
+                            layout="thd", id_mode="global")
+        assert str(ours.value) == str(lib.value), change
+
+
+def test_autograd_loss_sm_scale_must_be_finite_in_float32():
+    q, w, k, ids, T = make_torch_problem(seed=0)
+    with pytest.raises(ValueError) as lib:
+        dt.indexer_backward(q, w, k, ids, T, T, sm_scale=1e39)
+    with pytest.raises(ValueError) as ours:
+        dt.indexer_kl_loss(q, w, k, ids, T, sm_scale=1e39)
+    assert str(ours.value) == str(lib.value) == "sm_scale: expected a finite value, got inf"
+
+
 def test_autograd_loss_other_errors_surface_at_backward():
     q, w, k, ids, T = make_torch_problem(seed=0)
     qq = q.detach().float().requires_grad_()
