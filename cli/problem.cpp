@@ -211,7 +211,17 @@ GenerateSpec make_spec(const GenFlags& f, int32_t threads) {
     if (f.has_seqlens_q) s.seqlens_q = f.seqlens_q;
     if (f.has_seqlens_k) s.seqlens_k = f.seqlens_k;
     else if (f.has_seqlens_q) s.seqlens_k = s.seqlens_q;
-    if (s.seqlens_q.empty() || (p.layout == Layout::bshd && !f.has_seqlens_q)) {
+    // Lengths from sizes: a BSHD preset (or none) turned THD without --seqlens-q.
+    const bool from_sizes = s.seqlens_q.empty() || (p.layout == Layout::bshd && !f.has_seqlens_q);
+    const std::string q_lengths_source =
+        f.has_seqlens_q ? std::string("--seqlens-q")
+                        : from_sizes ? (f.has_batch ? std::string("--batch") : "B of preset " + f.preset)
+                                     : "preset " + f.preset;
+    if (from_sizes && s.batch == 0) {
+      const std::string flag = f.has_batch ? "--batch" : "--preset";
+      bad(flag, flag + ": expected at least one sequence (B >= 1) for layout thd, got B = 0");
+    }
+    if (from_sizes) {
       // A BSHD preset turned THD: B sequences of S_q (resp. S_kv) tokens.
       check_bshd_sizes(s);
       s.seqlens_q.assign(static_cast<size_t>(std::max<int64_t>(s.batch, 0)), s.s_q);
@@ -219,7 +229,8 @@ GenerateSpec make_spec(const GenFlags& f, int32_t threads) {
     }
     if (s.seqlens_q.size() != s.seqlens_k.size()) {
       bad("--seqlens-k", "--seqlens-k: expected " + std::to_string(s.seqlens_q.size()) +
-                             " lengths (one per sequence of --seqlens-q), got " + std::to_string(s.seqlens_k.size()));
+                             " lengths (one per query sequence, from " + q_lengths_source + "), got " +
+                             std::to_string(s.seqlens_k.size()));
     }
     // Lengths >= 0 and totals (checked, no int64 overflow) within the row limit, before anything is allocated.
     for (const auto& [flag, lens, what] :
@@ -245,10 +256,14 @@ GenerateSpec make_spec(const GenFlags& f, int32_t threads) {
       bad("--batch", "--batch: expected " + std::to_string(s.seqlens_q.size()) + " (the number of sequences in " +
                          join_lengths(s.seqlens_q) + ") or no --batch, got " + std::to_string(f.batch));
     }
-    if (f.has_seqlens_q && f.has_s_q) bad("--s-q", "--s-q: expected no --s-q with --seqlens-q (the query lengths), got " + std::to_string(f.s_q));
-    if ((f.has_seqlens_k || f.has_seqlens_q) && f.has_s_kv) {
-      bad("--s-kv", "--s-kv: expected no --s-kv with --seqlens-" + std::string(f.has_seqlens_k ? "k" : "q") +
-                        " (the key lengths), got " + std::to_string(f.s_kv));
+    if (!from_sizes && f.has_s_q) {
+      bad("--s-q", "--s-q: expected no --s-q with the query lengths of " + q_lengths_source + " (" +
+                       join_lengths(s.seqlens_q) + "), got " + std::to_string(f.s_q));
+    }
+    if ((!from_sizes || f.has_seqlens_k) && f.has_s_kv) {
+      const std::string k_source = f.has_seqlens_k ? std::string("--seqlens-k") : q_lengths_source;
+      bad("--s-kv", "--s-kv: expected no --s-kv with the key lengths of " + k_source + " (" +
+                        join_lengths(s.seqlens_k) + "), got " + std::to_string(f.s_kv));
     }
     s.batch = static_cast<int64_t>(s.seqlens_q.size());
   } else if (f.has_seqlens_q || f.has_seqlens_k) {
