@@ -210,13 +210,14 @@ def _check_forward_arguments(index_q, weights, index_k, topk_indices, attn_score
         fail("layout", '"bshd" or "thd"', f'"{layout}"')
     thd = layout == "thd"
     r = 1 if thd else 0
+    # Per tensor, in the library's order: the dtype, then the rank.
     for name, t, rank in zip(names, tensors, (4 - r, 3 - r, 3 - r, 3 - r, 3 - r)):
+        if name == "topk_indices" and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
+            raise TypeError(f"topk_indices: expected an integer dtype, got {t.dtype}")
+        if name == "attn_score" and not t.is_floating_point():
+            raise TypeError(f"attn_score: expected a floating-point dtype, got {t.dtype}")
         if t.dim() != rank:
             fail(name, f"rank {rank}", f"rank {t.dim()} with shape {_shape_str(t.shape)}")
-    if topk_indices.is_floating_point() or topk_indices.is_complex() or topk_indices.dtype == torch.bool:
-        raise TypeError(f"topk_indices: expected an integer dtype, got {topk_indices.dtype}")
-    if attn_score is not None and not attn_score.is_floating_point():
-        raise TypeError(f"attn_score: expected a floating-point dtype, got {attn_score.dtype}")
     H, D = index_q.shape[-2], index_q.shape[-1]
     if H < 8 or H > 128 or H % 8 != 0:
         fail("index_q", f"H (heads, dim {2 - r}) a multiple of 8 in [8, 128]", f"H = {H} (shape {_shape_str(index_q.shape)})")

@@ -273,6 +273,11 @@ def test_autograd_loss_shape_errors_raise_before_the_forward_with_the_cpp_messag
         dt.indexer_kl_loss(**args, sm_scale=float("nan"))
     with pytest.raises(TypeError, match=r"^topk_indices: expected an integer dtype, got torch.float32$"):
         dt.indexer_kl_loss(**dict(args, topk_indices=ids.float()), sm_scale=SM)
+    # dtype before rank, per tensor, as the library checks (the op raises TypeError for the dtype too)
+    with pytest.raises(TypeError, match=r"^attn_score: expected a floating-point dtype, got torch.int64$"):
+        dt.indexer_kl_loss(**dict(args, attn_score=T[0].long()), sm_scale=SM)
+    with pytest.raises(TypeError, match=r"^attn_score: "):
+        dt.indexer_backward(q, w, k, ids, T[0].long(), T, sm_scale=SM)
     with pytest.raises(ValueError, match=r"^index_k: expected shape"):
         dt.index_scores(q, w, k[:1], ids, sm_scale=SM)
     # The same messages as the library's own validation (the op, all checks at once).
