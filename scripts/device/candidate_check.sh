@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One device call for a kernel candidate built into .device/cand/<name>/
-# (dsa-indexer-bwd-bench, dsa-indexer-bwd, test_gpu_hopper): correctness first
-# (its GPU tests, its CLI against the fp64 reference at the case's shape), then
+# (dsa-indexer-bwd-bench, dsa-indexer-bwd, test_gpu_hopper, optionally
+# sync_calibration): correctness first (its GPU tests, its CLI against the fp64
+# reference at the case's shape, the sanitizer harness when sync_calibration is
+# there), then
 # a paired A/B of its bench against the staged op (.device/bin).
 #   device run, carry [".device/bin", ".device/cand/<name>"]:
 #     CAND=v17d64 AB_ARGS="--seq 16384 --dim 64 --iters 10" bash scripts/device/candidate_check.sh
@@ -24,6 +26,11 @@ rc=0
   echo "### $CAND: CLI against the fp64 reference (${CLI_ARGS:=--preset deepseek-v32 --backend cuda --verify sample})"
   timeout 200 "$dir/dsa-indexer-bwd" backward $CLI_ARGS 2>&1 | tail -8
   (( PIPESTATUS[0] == 0 )) || { echo "$CAND: CLI check FAILED: not timed"; exit 1; }
+  if [[ -x $dir/sync_calibration ]]; then  # staged with it: the sanitizer harness on the candidate too
+    echo "### $CAND: sanitizer harness"
+    timeout 240 bash tests/sanitizer/run_sanitizer.sh "$dir" /tmp/cand_san 2>&1 | tail -8
+    (( PIPESTATUS[0] == 0 )) || { echo "$CAND: sanitizer FAILED: not timed"; exit 1; }
+  fi
   echo "### $CAND: paired A/B against .device/bin (${AB_ARGS:=--seq 16384 --iters 10})"
   timeout 400 python3 scripts/ab_compare.py .device/bin/dsa-indexer-bwd-bench "$dir/dsa-indexer-bwd-bench" \
     --pairs "${AB_PAIRS:-5}" --args "$AB_ARGS" --out "$out/ab_$CAND.json"
