@@ -274,7 +274,11 @@ def _check_forward_arguments(index_q, weights, index_k, topk_indices, attn_score
         for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
             if cu is not None:
                 fail(name, "absent for layout bshd", "a tensor")
-    scale32 = float(torch.tensor(float(sm_scale), dtype=torch.float32))  # the library's precision: 1e39 -> inf
+    try:
+        scale = float(sm_scale)
+    except OverflowError:  # an int beyond float64
+        scale = math.inf
+    scale32 = float(torch.tensor(scale, dtype=torch.float32))  # the library's precision: 1e39 -> inf
     if not math.isfinite(scale32):
         fail("sm_scale", "a finite value", repr(scale32))
 

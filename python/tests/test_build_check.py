@@ -94,3 +94,14 @@ def test_self_check_goes_on_without_a_torch_that_raises_on_import(tmp_path):
                        capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "torch failed to import, checked without it: ImportError: libtorch_cpu.so: cannot open" in r.stdout
+
+
+def test_self_check_checks_the_module_alone_when_torch_crashes_on_import(tmp_path):
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, str(CHECK), os.path.dirname(ext.__file__), "/opt/example/g++"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "reach Python as ValueError with their messages" in r.stdout  # the module itself was checked
+    assert "torch failed to import, checked without it: importing it crashed" in r.stdout

@@ -38,6 +38,7 @@ import sys
 
 TIMEOUT_S = 180
 TORCH_FAILURES = []  # messages of a torch that raised on import in a child
+TORCH_SKIP = "torch-skip"  # check_once: torch, not the module, crashed or hung
 
 CHILD = r"""
 import array, sys
@@ -152,8 +153,13 @@ def main(argv):
     orders = ("torch-first", "torch-after") if have_torch else ("alone",)
     for order in orders:
         rc = check_once(module_dir, cxx, order)
+        if rc == TORCH_SKIP:  # torch crashed or hung while importing: check the module without it
+            TORCH_FAILURES.append("importing it crashed or took more than %d s" % TIMEOUT_S)
+            rc = check_once(module_dir, cxx, "alone")
+            if rc is None:
+                break
         if rc is not None:
-            return rc
+            return 0 if rc == TORCH_SKIP else rc
     torch_note = "torch not installed"
     if have_torch:
         torch_note = ("torch imported before and after the module" if not TORCH_FAILURES else
@@ -164,7 +170,7 @@ def main(argv):
 
 
 def check_once(module_dir, cxx, order):
-    """None when the child passed; else main's exit status (0: skipped, reported)."""
+    """None when the child passed; TORCH_SKIP when importing torch crashed or hung; else main's exit status."""
     try:
         r = subprocess.run([sys.executable, "-c", CHILD, module_dir, order], capture_output=True, text=True,
                            timeout=TIMEOUT_S)
@@ -172,8 +178,7 @@ def check_once(module_dir, cxx, order):
         partial = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
         if (order == "torch-first" and "IMPORTING" not in partial) or (
                 order == "torch-after" and "IMPORTED" in partial and "TORCH-" not in partial):
-            print("dsaib self-check: skipped, importing torch took more than %d s" % TIMEOUT_S)
-            return 0
+            return TORCH_SKIP
         print("dsaib self-check FAILED: the extension built with %s did not answer in %d s (a hang while\n"
               "importing it or while raising a C++ exception). %s" % (cxx, TIMEOUT_S, REMEDY), file=sys.stderr)
         return 1
@@ -190,9 +195,7 @@ def check_once(module_dir, cxx, order):
         torch_crashed = (order == "torch-first" and "IMPORTING" not in r.stdout) or (
             order == "torch-after" and "IMPORTED" in r.stdout and "TORCH-LOADED" not in r.stdout)
         if torch_crashed:  # torch itself crashed while being imported: not ours to judge
-            print("dsaib self-check: skipped, importing torch crashed this Python (%s) before the module "
-                  "was loaded" % signal_name(r.returncode))
-            return 0
+            return TORCH_SKIP
         if "IMPORTED" not in r.stdout:
             print("dsaib self-check FAILED: the extension built with %s crashed (%s) while being imported.\n%s"
                   % (cxx, signal_name(r.returncode), out), file=sys.stderr)
