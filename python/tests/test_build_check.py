@@ -54,9 +54,16 @@ STAND_INS = {
 }
 
 
-def run_check(module_dir):
+def run_check(module_dir, env=None):
     return subprocess.run([sys.executable, str(CHECK), str(module_dir), "/opt/example/g++"],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
+def fake_torch_env(tmp_path, init_source):
+    """An environment whose `import torch` runs init_source (a stand-in for a broken torch)."""
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text(init_source)
+    return dict(os.environ, PYTHONPATH=str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
 def test_self_check_passes_on_this_build():
@@ -87,21 +94,15 @@ def test_self_check_fails_on_a_broken_module(tmp_path, kind):
 
 def test_self_check_goes_on_without_a_torch_that_raises_on_import(tmp_path):
     # A broken torch (raising on import) is not the extension's defect: checked without it, not failed.
-    (tmp_path / "torch").mkdir()
-    (tmp_path / "torch" / "__init__.py").write_text('raise ImportError("libtorch_cpu.so: cannot open")\n')
-    env = dict(os.environ, PYTHONPATH=str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, str(CHECK), os.path.dirname(ext.__file__), "/opt/example/g++"],
-                       capture_output=True, text=True, timeout=300, env=env)
+    env = fake_torch_env(tmp_path, 'raise ImportError("libtorch_cpu.so: cannot open")\n')
+    r = run_check(os.path.dirname(ext.__file__), env)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "torch failed to import, checked without it: ImportError: libtorch_cpu.so: cannot open" in r.stdout
 
 
 def test_self_check_checks_the_module_alone_when_torch_crashes_on_import(tmp_path):
-    (tmp_path / "torch").mkdir()
-    (tmp_path / "torch" / "__init__.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n")
-    env = dict(os.environ, PYTHONPATH=str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, str(CHECK), os.path.dirname(ext.__file__), "/opt/example/g++"],
-                       capture_output=True, text=True, timeout=300, env=env)
+    env = fake_torch_env(tmp_path, "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n")
+    r = run_check(os.path.dirname(ext.__file__), env)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "reach Python as ValueError with their messages" in r.stdout  # the module itself was checked
     assert "torch failed to import, checked without it: importing it crashed" in r.stdout
