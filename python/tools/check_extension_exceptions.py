@@ -159,7 +159,7 @@ def main(argv):
             if rc is None:
                 break
         if rc is not None:
-            return 0 if rc == TORCH_SKIP else rc
+            return rc
     torch_note = "torch not installed"
     if have_torch:
         torch_note = ("torch imported before and after the module" if not TORCH_FAILURES else
@@ -169,6 +169,13 @@ def main(argv):
     return 0
 
 
+def torch_import_unfinished(order, stdout):
+    """Whether the child stopped while importing torch (its markers: IMPORTING, IMPORTED, TORCH-*)."""
+    if order == "torch-first":
+        return "IMPORTING" not in stdout
+    return order == "torch-after" and "IMPORTED" in stdout and "TORCH-" not in stdout
+
+
 def check_once(module_dir, cxx, order):
     """None when the child passed; TORCH_SKIP when importing torch crashed or hung; else main's exit status."""
     try:
@@ -176,8 +183,7 @@ def check_once(module_dir, cxx, order):
                            timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired as e:
         partial = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-        if (order == "torch-first" and "IMPORTING" not in partial) or (
-                order == "torch-after" and "IMPORTED" in partial and "TORCH-" not in partial):
+        if torch_import_unfinished(order, partial):
             return TORCH_SKIP
         print("dsaib self-check FAILED: the extension built with %s did not answer in %d s (a hang while\n"
               "importing it or while raising a C++ exception). %s" % (cxx, TIMEOUT_S, REMEDY), file=sys.stderr)
@@ -192,9 +198,7 @@ def check_once(module_dir, cxx, order):
         print("dsaib self-check: skipped, the module does not import here: " + out)
         return 0
     if r.returncode < 0:
-        torch_crashed = (order == "torch-first" and "IMPORTING" not in r.stdout) or (
-            order == "torch-after" and "IMPORTED" in r.stdout and "TORCH-LOADED" not in r.stdout)
-        if torch_crashed:  # torch itself crashed while being imported: not ours to judge
+        if torch_import_unfinished(order, r.stdout):  # torch itself crashed while being imported: not ours to judge
             return TORCH_SKIP
         if "IMPORTED" not in r.stdout:
             print("dsaib self-check FAILED: the extension built with %s crashed (%s) while being imported.\n%s"
