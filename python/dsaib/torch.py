@@ -193,10 +193,12 @@ def _check_forward_arguments(index_q, weights, index_k, topk_indices, attn_score
     """The checks of the C++ validation that the torch forward depends on, with its messages
     (attn_score None: not checked, for index_scores).
 
-    Run before the forward computes anything, so that a bad shape raises
-    ValueError naming the argument instead of failing inside torch. The rest
-    (dtypes, strides, devices, cu_seqlens values, ...) is validated by the
-    library in the backward.
+    Run before the forward computes anything (so _key_rows and _logits can
+    take ranks and shapes as given), so that a bad shape raises ValueError
+    naming the argument instead of failing inside torch. cu_seqlens values are
+    checked here for cpu tensors only (the rules of core/validate.cpp's
+    check_cu_seqlens; no device sync); the rest (dtypes, strides, devices, GPU
+    cu_seqlens values, ...) is validated by the library in the backward.
     """
     def fail(name, expected, got):
         raise ValueError(f"{name}: expected {expected}, got {got}")
@@ -288,14 +290,10 @@ def _key_rows(index_k, topk_indices, layout, id_mode, cu_seqlens_q, cu_seqlens_k
     ids = topk_indices.to(torch.int64)
     dev = ids.device
     if layout == "bshd":
-        if ids.dim() != 3 or index_k.dim() != 3:
-            raise ValueError(f"topk_indices/index_k: expected rank 3 for layout bshd, got ranks {ids.dim()} and {index_k.dim()}")
         B, S_kv = ids.shape[0], index_k.shape[1]
         start = (torch.arange(B, device=dev, dtype=torch.int64) * S_kv).view(B, 1, 1)
         length = torch.full_like(start, S_kv)
     elif layout == "thd":
-        if ids.dim() != 2 or index_k.dim() != 2:
-            raise ValueError(f"topk_indices/index_k: expected rank 2 for layout thd, got ranks {ids.dim()} and {index_k.dim()}")
         cu_q = cu_seqlens_q.to(device=dev, dtype=torch.int64)
         cu_k = cu_seqlens_k.to(device=dev, dtype=torch.int64)
         n_seq = cu_q.numel() - 1
