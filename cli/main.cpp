@@ -210,11 +210,6 @@ struct ScalarOverrides {
   }
 };
 
-std::string shape_string(const std::vector<int64_t>& s) {
-  std::string out = "(";
-  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
-  return out + (s.size() == 1 ? ",)" : ")");
-}
 
 std::string sci(double v, int digits = 2) {
   if (std::isnan(v)) return "nan";

@@ -134,6 +134,12 @@ std::vector<int64_t> parse_lengths(const std::string& flag, const std::vector<st
   return out;
 }
 
+std::string shape_string(const std::vector<int64_t>& s) {
+  std::string out = "(";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + (s.size() == 1 ? ",)" : ")");
+}
+
 std::string format_float(double v) {
   char buf[64];
   std::snprintf(buf, sizeof buf, "%.9g", v);
@@ -404,14 +410,9 @@ Problem load_problem(const std::string& path) {
     if (it == p.tensors.end()) continue;
     const HostTensor& t = it->second;
     const HostTensor& ref = p.tensors.at(like);
-    auto shape_str = [](const std::vector<int64_t>& v) {
-      std::string out = "(";
-      for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + std::to_string(v[i]);
-      return out + (v.size() == 1 ? ",)" : ")");
-    };
     if (t.shape != ref.shape) {
-      bad(name, path + ": " + name + ": expected shape " + shape_str(ref.shape) + " like " + like +
-                    " (a stored gradient), got shape " + shape_str(t.shape));
+      bad(name, path + ": " + name + ": expected shape " + shape_string(ref.shape) + " like " + like +
+                    " (a stored gradient), got shape " + shape_string(t.shape));
     }
     if (t.dtype != DType::f32 && t.dtype != DType::bf16) {
       bad(name, path + ": " + name + ": expected dtype f32 or bf16 (a stored gradient), got dtype " + dtype_name(t.dtype));
