@@ -57,9 +57,9 @@ else:
     fi
   done
   if [[ -n ${PYTEST:-} ]]; then
-    PYTHONPATH=$site timeout 150 python3 -m pytest -q -x -p no:cacheprovider python/tests > /tmp/dsaib-default-cc-pytest.log 2>&1
+    PYTHONPATH=$site timeout 300 python3 -m pytest -q -x -p no:cacheprovider python/tests > /tmp/dsaib-default-cc-pytest.log 2>&1
     pytest_rc=$?
-    echo "python/tests with this install: exit $pytest_rc (139 = segfault); $(tail -1 /tmp/dsaib-default-cc-pytest.log)" >> "$log"
+    echo "python/tests with this install: exit $pytest_rc (124 = timeout, 139 = segfault); $(tail -1 /tmp/dsaib-default-cc-pytest.log)" >> "$log"
     (( pytest_rc == 0 )) || rc=1
   fi
   if (( rc == 0 )); then

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Diagnosis of the H200 image's default compiler (/opt/gcc) for `pip install .`:
+# what the compiler is and how it links, then two builds with it, each followed
+# by python/tests (-v, faulthandler dumps after 25 s in one test):
+#   hidden:  the default build (DSAIB_PY_HIDE_STATIC_LIBS ON);
+#   shared:  also DSAIB_PY_SHARED_CXX_RUNTIME=ON (libstdc++.so and libgcc_s.so).
+#   device run, carry [".device/cutlass-include.tar.xz"]: bash scripts/device/opt_gcc_diag.sh
+# Writes $OUT/opt_gcc_info.txt, $OUT/pytest_{hidden,shared}.log. Exit 0 always
+# unless a build fails; read the logs.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+out=${OUT:-out}
+mkdir -p "$out"
+export PATH=/usr/local/cuda/bin:$PATH PYTHONUNBUFFERED=1
+cxx=${CXX:-c++}
+{
+  echo "CC=${CC:-<unset>} CXX=${CXX:-<unset>}"
+  file "$(command -v "$cxx")"; ls -la "$(dirname "$(command -v "$cxx")")" | head -20
+  if file "$(command -v "$cxx")" | grep -q text; then echo "--- script:"; head -c 1500 "$(command -v "$cxx")"; echo; fi
+  "$cxx" -v 2>&1 | tail -2
+  echo "--- link line of a shared object:"
+  echo 'int f(){return 1;}' > /tmp/t.cpp
+  "$cxx" -shared -fPIC /tmp/t.cpp -o /tmp/t.so -### 2>&1 | tail -1 | tr ' ' '\n' | grep -E "^\"?-(l|B|static|shared|L|-as-needed|-no-as-needed)" | tr '\n' ' '; echo
+  "$cxx" -print-file-name=libstdc++.so; "$cxx" -print-file-name=libstdc++.a
+  echo "--- specs mentioning static:"; "$cxx" -dumpspecs 2>/dev/null | grep -n -i "static-lib" | head
+} > "$out/opt_gcc_info.txt" 2>&1
+rm -rf /tmp/cutlass-pinned && mkdir -p /tmp/cutlass-pinned
+tar -xJf .device/cutlass-include.tar.xz -C /tmp/cutlass-pinned
+rc=0
+for variant in hidden shared; do
+  site=/tmp/diag-$variant-site
+  extra=()
+  [[ $variant == shared ]] && extra=(-C cmake.define.DSAIB_PY_SHARED_CXX_RUNTIME=ON)
+  rm -rf "$site" "/tmp/diag-$variant-build"
+  t0=$(date +%s)
+  CMAKE_BUILD_PARALLEL_LEVEL=16 timeout 200 python3 -m pip install --no-build-isolation --no-deps --no-index \
+    --no-cache-dir --target "$site" . -C cmake.define.DSAIB_ENABLE_CUDA=ON \
+    -C cmake.define.DSAIB_CUTLASS_INCLUDE_DIR=/tmp/cutlass-pinned/include \
+    -C "build-dir=/tmp/diag-$variant-build" "${extra[@]}" -v > "/tmp/diag-$variant-pip.log" 2>&1
+  pip_rc=$?
+  {
+    echo "pip rc=$pip_rc in $(( $(date +%s) - t0 )) s"
+    grep -E "CXX compiler identification|self-check|Error|error:" "/tmp/diag-$variant-pip.log" | tail -12
+    so=$(ls "$site"/dsaib/_dsaib*.so 2>/dev/null)
+    [[ -n $so ]] && { ls -la "$so"; ldd "$so"; }
+  } >> "$out/opt_gcc_info.txt" 2>&1
+  (( pip_rc == 0 )) || { rc=1; continue; }
+  PYTHONPATH=$site timeout -k 5 170 python3 -X faulthandler -m pytest -v -x -p no:cacheprovider \
+    -o faulthandler_timeout=25 --durations=8 --ignore=python/tests/test_static_runtime.py python/tests > "$out/pytest_$variant.log" 2>&1 &
+done
+wait
+for variant in hidden shared; do echo "== $variant"; tail -5 "$out/pytest_$variant.log"; done
+cat "$out/opt_gcc_info.txt" | head -60
+exit $rc
