@@ -3,9 +3,12 @@
 # what the compiler is and how it links, then two builds with it, each followed
 # by python/tests (-v, faulthandler dumps after 25 s in one test):
 #   hidden:  the default build (DSAIB_PY_HIDE_STATIC_LIBS ON);
-#   shared:  also DSAIB_PY_SHARED_CXX_RUNTIME=ON (libstdc++.so and libgcc_s.so).
+#   extra:   ran once, as "shared", (087d1d2, docs/results/2026-11-30-s6) with an option
+#            DSAIB_PY_SHARED_CXX_RUNTIME (-lstdc++ -lgcc_s), a no-op with /opt/gcc
+#            (only libstdc++.a there) and since removed; with EXTRA_CMAKE_ARGS
+#            ("-C cmake.define.X=Y ...") it builds with those instead.
 #   device run, carry [".device/cutlass-include.tar.xz"]: bash scripts/device/opt_gcc_diag.sh
-# Writes $OUT/opt_gcc_info.txt, $OUT/pytest_{hidden,shared}.log. Exit 0 always
+# Writes $OUT/opt_gcc_info.txt, $OUT/pytest_{hidden,extra}.log. Exit 0 always
 # unless a build fails; read the logs.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -27,10 +30,13 @@ cxx=${CXX:-c++}
 rm -rf /tmp/cutlass-pinned && mkdir -p /tmp/cutlass-pinned
 tar -xJf .device/cutlass-include.tar.xz -C /tmp/cutlass-pinned
 rc=0
-for variant in hidden shared; do
+for variant in hidden extra; do
   site=/tmp/diag-$variant-site
   extra=()
-  [[ $variant == shared ]] && extra=(-C cmake.define.DSAIB_PY_SHARED_CXX_RUNTIME=ON)
+  if [[ $variant == extra ]]; then
+    [[ -n ${EXTRA_CMAKE_ARGS:-} ]] || continue
+    read -r -a extra <<< "$EXTRA_CMAKE_ARGS"
+  fi
   rm -rf "$site" "/tmp/diag-$variant-build"
   t0=$(date +%s)
   CMAKE_BUILD_PARALLEL_LEVEL=16 timeout 200 python3 -m pip install --no-build-isolation --no-deps --no-index \
@@ -49,6 +55,6 @@ for variant in hidden shared; do
     -o faulthandler_timeout=25 --durations=8 --ignore=python/tests/test_static_runtime.py python/tests > "$out/pytest_$variant.log" 2>&1 &
 done
 wait
-for variant in hidden shared; do echo "== $variant"; tail -5 "$out/pytest_$variant.log"; done
+for variant in hidden extra; do [[ -f $out/pytest_$variant.log ]] && { echo "== $variant"; tail -5 "$out/pytest_$variant.log"; }; done
 cat "$out/opt_gcc_info.txt" | head -60
 exit $rc
