@@ -37,6 +37,7 @@ The C++ library's errors surface with the C++ message unchanged:
 
 from __future__ import annotations
 
+import math
 import operator
 
 import numpy as _np
@@ -237,6 +238,27 @@ def _type_name(x) -> str:
     return type(x).__name__
 
 
+# The smallest magnitude that rounds to inf in float32: 2^128 - 2^103 (halfway
+# between FLT_MAX and 2^128; ties go to the even significand, i.e. to inf).
+_F32_OVERFLOW = 2.0**128 - 2.0**103
+
+
+def _f32_finite_error(name: str, value: float):
+    """The C++ library's message for a value that is not finite once converted
+    to float32 ("NAME: expected a finite value, got inf", as check_finite in
+    core/validate.cpp prints it), or None when the value is fine. Pure Python
+    (no numpy or torch), so torch.compile traces it with symbolic floats. A
+    finite value that overflows float32 (1e+300) reads as the library sees it:
+    "got inf"."""
+    if abs(value) < _F32_OVERFLOW:  # False for nan and +-inf (one comparison: traceable)
+        return None
+    if math.isnan(value):
+        text = "-nan" if math.copysign(1.0, value) < 0 else "nan"  # as glibc's ostream prints it
+    else:
+        text = "-inf" if value < 0 else "inf"
+    return f"{name}: expected a finite value, got {text}"
+
+
 def _f32_value(name, x) -> float:
     """A real number as the float the extension takes, which it converts to
     float32: rejects bools, non-numbers and values that are not finite in float32."""
@@ -246,26 +268,35 @@ def _f32_value(name, x) -> float:
         raise TypeError(f"{name}: expected a real number, got {_type_name(x)} {x!r}")
     try:
         value = float(x)
+    except OverflowError:  # an int beyond float64
+        value = math.inf if x > 0 else -math.inf
     except (TypeError, ValueError):
         raise TypeError(f"{name}: expected a real number, got {_type_name(x)}") from None
-    with _np.errstate(over="ignore", invalid="ignore"):
-        finite = bool(_np.isfinite(_np.float32(value)))
-    if not finite:
-        raise ValueError(f"{name}: expected a finite float32 value, got {value!r}")
+    error = _f32_finite_error(name, value)
+    if error:
+        raise ValueError(error)
     return value
 
 
-def _int_value(name, x, lo, hi, what) -> int:
-    """An integer (int, numpy integer, anything with __index__; not bool, not float) in [lo, hi]."""
+def _int_value(name, x, lo, hi, what, below=None) -> int:
+    """An integer (int, numpy integer, anything with __index__; not bool, not float) in [lo, hi].
+    below: the C++ library's "expected ..." text for a value under lo (its message then)."""
     if _is_bool(x):
         raise TypeError(f"{name}: expected an int, got bool {x!r}")
     try:
         value = operator.index(x)
     except TypeError:
         raise TypeError(f"{name}: expected an int, got {_type_name(x)} {x!r}") from None
+    if value < lo and below:
+        raise ValueError(f"{name}: expected {below}, got {value}")
     if not lo <= value <= hi:
         raise ValueError(f"{name}: expected an int in {what}, got {value}")
     return value
+
+
+#: The C++ library's "expected" texts for negative counts (core/validate.cpp).
+_NORMALIZATION_COUNT_BELOW = ">= 0 (0 = number of query tokens)"
+_NUM_THREADS_BELOW = ">= 0 (0 = all hardware threads)"
 
 
 def _grad_loss(x):
@@ -448,8 +479,9 @@ def indexer_backward(
     sm_scale = _f32_value("sm_scale", sm_scale)
     loss_coeff = _f32_value("loss_coeff", loss_coeff)
     grad_loss_value, grad_loss_tensor = _grad_loss(grad_loss)
-    normalization_count = _int_value("normalization_count", normalization_count, 0, _INT64_MAX, "[0, 2^63-1]")
-    num_threads = _int_value("num_threads", num_threads, 0, _INT32_MAX, "[0, 2^31-1]")
+    normalization_count = _int_value("normalization_count", normalization_count, 0, _INT64_MAX, "[0, 2^63-1]",
+                                     _NORMALIZATION_COUNT_BELOW)
+    num_threads = _int_value("num_threads", num_threads, 0, _INT32_MAX, "[0, 2^31-1]", _NUM_THREADS_BELOW)
     if out is not None:
         out = _check_out(out)
         _check_arrays(**dict(zip(_OUT_NAMES, out)))
@@ -546,7 +578,8 @@ def indexer_kl_loss(
     sm_scale = _f32_value("sm_scale", sm_scale)
     loss_coeff = _f32_value("loss_coeff", loss_coeff)
     grad_loss = _f32_value("grad_loss", grad_loss)
-    normalization_count = _int_value("normalization_count", normalization_count, 0, _INT64_MAX, "[0, 2^63-1]")
+    normalization_count = _int_value("normalization_count", normalization_count, 0, _INT64_MAX, "[0, 2^63-1]",
+                                     _NORMALIZATION_COUNT_BELOW)
     return _dsaib.indexer_kl_loss(
         _export(index_q), _export(weights), _export(index_k), _export(topk_indices), _export(attn_score),
         _export(index_score), _export(cu_seqlens_q), _export(cu_seqlens_k), layout, id_mode, float(sm_scale), float(loss_coeff),

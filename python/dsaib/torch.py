@@ -32,7 +32,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import _a_operand, _dsaib, _export
+from . import _NORMALIZATION_COUNT_BELOW, _a_operand, _dsaib, _export, _f32_finite_error
 
 __all__ = ["indexer_backward", "indexer_kl_loss", "IndexerKLLoss", "index_scores", "EPS"]
 
@@ -111,12 +111,25 @@ def _indexer_backward_op(
     return dq, dw, dk
 
 
+def _check_same_device(index_q, **tensors):
+    """ValueError naming the first tensor (None skipped) not on index_q's device."""
+    for name, t in tensors.items():
+        if t is not None and t.device != index_q.device:
+            raise ValueError(f"{name}: expected memory on device '{index_q.device}' (that of index_q), "
+                             f"got device '{t.device}'")
+
+
 @_indexer_backward_op.register_fake
 def _indexer_backward_fake(index_q, weights, index_k, topk_indices, attn_score, index_score, grad_loss,
                            cu_seqlens_q, cu_seqlens_k, sm_scale, loss_coeff, normalization_count, layout,
                            id_mode, dq_dtype, dw_dtype, dk_dtype, a_operand_precision="auto"):
-    # Contiguous outputs on index_q's device, like the real kernel's.
+    # Contiguous outputs on index_q's device, like the real kernel's. This is
+    # also the Meta kernel: a call that mixes meta tensors with real ones lands
+    # here and must fail like the real kernels would, not return empty tensors.
     _check_a_operand(a_operand_precision)
+    _check_same_device(index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
+                       attn_score=attn_score, index_score=index_score, grad_loss=grad_loss,
+                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     return (
         index_q.new_empty(index_q.shape, dtype=_out_dtype("dq_dtype", dq_dtype)),
         index_q.new_empty(weights.shape, dtype=_out_dtype("dw_dtype", dw_dtype)),
@@ -189,7 +202,7 @@ def _shape_str(shape) -> str:
 
 
 def _check_forward_arguments(index_q, weights, index_k, topk_indices, attn_score, sm_scale, layout,
-                             cu_seqlens_q, cu_seqlens_k):
+                             cu_seqlens_q, cu_seqlens_k, loss_coeff=1.0, normalization_count=0):
     """The checks of the C++ validation that the torch forward depends on, with its messages
     (attn_score None: not checked, for index_scores).
 
@@ -245,6 +258,8 @@ def _check_forward_arguments(index_q, weights, index_k, topk_indices, attn_score
                 fail(name, "a tensor", "nothing (absent)")
             if not isinstance(cu, torch.Tensor):
                 raise TypeError(f"{name}: expected a torch.Tensor, got {type(cu).__name__}")
+            if cu.dtype != torch.int32:  # the binding's message, which the backward would give
+                raise TypeError(f"{name}: expected dtype i32, got {str(cu.dtype).replace('torch.', '')}")
             if cu.dim() != 1:
                 fail(name, "rank 1", f"rank {cu.dim()} with shape {_shape_str(cu.shape)}")
         nq, nk = cu_seqlens_q.shape[0], cu_seqlens_k.shape[0]
@@ -256,7 +271,7 @@ def _check_forward_arguments(index_q, weights, index_k, topk_indices, attn_score
         # forward stays in bounds (_key_rows) and the backward's library check raises.
         for name, cu, total, what in (("cu_seqlens_q", cu_seqlens_q, T, "T_q (index_q dim 0)"),
                                       ("cu_seqlens_k", cu_seqlens_k, Tk, "T_k (index_k dim 0)")):
-            if cu.device.type != "cpu" or cu.is_floating_point():
+            if cu.device.type != "cpu":
                 continue
             v = [int(x) for x in cu.tolist()]
             if v[0] != 0:
@@ -276,13 +291,16 @@ def _check_forward_arguments(index_q, weights, index_k, topk_indices, attn_score
         for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
             if cu is not None:
                 fail(name, "absent for layout bshd", "a tensor")
-    try:
-        scale = float(sm_scale)
-    except OverflowError:  # an int beyond float64
-        scale = math.inf
-    scale32 = float(torch.tensor(scale, dtype=torch.float32))  # the library's precision: 1e39 -> inf
-    if not math.isfinite(scale32):
-        fail("sm_scale", "a finite value", repr(scale32))
+    for name, x in (("sm_scale", sm_scale), ("loss_coeff", loss_coeff)):
+        try:
+            value = float(x)
+        except OverflowError:  # an int beyond float64
+            value = math.inf if x > 0 else -math.inf
+        error = _f32_finite_error(name, value)  # the library's precision: 1e39 -> inf
+        if error:
+            raise ValueError(error)
+    if normalization_count < 0:
+        fail("normalization_count", _NORMALIZATION_COUNT_BELOW, str(int(normalization_count)))
 
 
 def _key_rows(index_k, topk_indices, layout, id_mode, cu_seqlens_q, cu_seqlens_k):
@@ -462,13 +480,15 @@ def indexer_kl_loss(
     index_q, weights and index_k.
 
     Raises, before computing anything: ValueError for a shape, rank, H, D or
-    topk the library does not take, an ``sm_scale`` not finite as float32, a
-    bad ``layout``, missing/extra cu_seqlens, cu_seqlens of the wrong length
-    and, for cpu tensors, cu_seqlens values (the C++ library's messages);
-    TypeError for a non-tensor argument, non-integer ``topk_indices`` or
-    non-float ``attn_score``. The library validates everything else (strides,
-    devices, GPU cu_seqlens values, ``loss_coeff``, ...) in the backward, where
-    its errors surface as ValueError/TypeError when ``backward()`` runs.
+    topk the library does not take, an ``sm_scale`` or ``loss_coeff`` not
+    finite as float32, a negative ``normalization_count``, a bad ``layout``,
+    missing/extra cu_seqlens, cu_seqlens of the wrong length and, for cpu
+    tensors, cu_seqlens values (the C++ library's messages); TypeError for a
+    non-tensor argument, non-integer ``topk_indices``, non-float
+    ``attn_score`` or cu_seqlens that are not int32. The library validates
+    everything else (strides, devices, GPU cu_seqlens values, ...) in the
+    backward, where its errors surface as ValueError/TypeError when
+    ``backward()`` runs.
 
     ``a_operand_precision`` (``"auto"``, ``"bf16x2"`` or ``"bf16"``) goes to
     the backward's op (see :func:`indexer_backward`): ``"auto"`` uses two bf16
@@ -478,7 +498,7 @@ def indexer_kl_loss(
     """
     _check_a_operand(_a_operand(a_operand_precision))
     _check_forward_arguments(index_q, weights, index_k, topk_indices, attn_score, sm_scale, layout,
-                             cu_seqlens_q, cu_seqlens_k)
+                             cu_seqlens_q, cu_seqlens_k, loss_coeff, normalization_count)
     return _IndexerKLLossFunction.apply(
         index_q, weights, index_k, topk_indices, attn_score, float(sm_scale), float(loss_coeff),
         int(normalization_count), layout, id_mode, cu_seqlens_q, cu_seqlens_k, a_operand_precision,
