@@ -196,6 +196,14 @@ def indexer_backward(
 # ---- the forward: logits, index scores, loss (plain torch) ------------------
 
 
+def _binding_dtype_name(dtype: torch.dtype) -> str:
+    """How the extension names a torch dtype in a dtype error: the library's codes
+    ("dtype f32") for the dtypes the library has, the DLPack spelling otherwise."""
+    special = {torch.float32: "dtype f32", torch.bfloat16: "dtype bf16", torch.int32: "dtype i32",
+               torch.bool: "bool8"}
+    return special.get(dtype, str(dtype).replace("torch.", ""))
+
+
 def _shape_str(shape) -> str:
     dims = tuple(int(d) for d in shape)
     return "(" + ", ".join(str(d) for d in dims) + ("," if len(dims) == 1 else "") + ")"
@@ -209,18 +217,28 @@ def _check_forward_arguments(index_q, weights, index_k, topk_indices, attn_score
     Run before the forward computes anything (so _key_rows and _logits can
     take ranks and shapes as given), so that a bad shape raises ValueError
     naming the argument instead of failing inside torch. cu_seqlens values are
-    checked here for cpu tensors only (the rules of core/validate.cpp's
-    check_cu_seqlens; no device sync); the rest (dtypes, strides, devices, GPU
-    cu_seqlens values, ...) is validated by the library in the backward.
+    checked here for cpu tensors in eager mode only (the rules of
+    core/validate.cpp's check_cu_seqlens; no device sync, and nothing
+    data-dependent for torch.compile to trace); for the loss (attn_score given)
+    also the cu_seqlens dtype and device, which its backward needs. The rest
+    (strides, GPU cu_seqlens values, ...) is validated by the library in the
+    backward.
     """
     def fail(name, expected, got):
         raise ValueError(f"{name}: expected {expected}, got {got}")
+
+    loss = attn_score is not None  # index_scores (no backward) takes any integer cu_seqlens on any device
 
     names = ("index_q", "weights", "index_k", "topk_indices", "attn_score")[: 5 if attn_score is not None else 4]
     tensors = (index_q, weights, index_k, topk_indices, attn_score)[: len(names)]
     for name, t in zip(names, tensors):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    # One device for every tensor (torch mixes meta with cpu tensors without an
+    # error, and the forward would then compute from uninitialised memory).
+    for name, t in zip(names[1:], tensors[1:]):
+        if t.device != index_q.device:
+            fail(name, f"memory on device '{index_q.device}' (that of index_q)", f"device '{t.device}'")
     if layout not in ("bshd", "thd"):
         fail("layout", '"bshd" or "thd"', f'"{layout}"')
     thd = layout == "thd"
@@ -258,8 +276,10 @@ def _check_forward_arguments(index_q, weights, index_k, topk_indices, attn_score
                 fail(name, "a tensor", "nothing (absent)")
             if not isinstance(cu, torch.Tensor):
                 raise TypeError(f"{name}: expected a torch.Tensor, got {type(cu).__name__}")
-            if cu.dtype != torch.int32:  # the binding's message, which the backward would give
-                raise TypeError(f"{name}: expected dtype i32, got {str(cu.dtype).replace('torch.', '')}")
+            if loss and cu.dtype != torch.int32:  # what the backward would raise, before the forward
+                raise TypeError(f"{name}: expected dtype i32, got {_binding_dtype_name(cu.dtype)}")
+            if loss and cu.device != index_q.device:
+                fail(name, f"memory on device '{index_q.device}' (that of index_q)", f"device '{cu.device}'")
             if cu.dim() != 1:
                 fail(name, "rank 1", f"rank {cu.dim()} with shape {_shape_str(cu.shape)}")
         nq, nk = cu_seqlens_q.shape[0], cu_seqlens_k.shape[0]
@@ -271,8 +291,8 @@ def _check_forward_arguments(index_q, weights, index_k, topk_indices, attn_score
         # forward stays in bounds (_key_rows) and the backward's library check raises.
         for name, cu, total, what in (("cu_seqlens_q", cu_seqlens_q, T, "T_q (index_q dim 0)"),
                                       ("cu_seqlens_k", cu_seqlens_k, Tk, "T_k (index_k dim 0)")):
-            if cu.device.type != "cpu":
-                continue
+            if cu.device.type != "cpu" or cu.is_floating_point() or torch.compiler.is_compiling():
+                continue  # compiled: not traceable (data-dependent); the backward's library check raises
             v = [int(x) for x in cu.tolist()]
             if v[0] != 0:
                 fail(name, "cu_seqlens starting at 0", f"first value {v[0]}")
@@ -299,8 +319,11 @@ def _check_forward_arguments(index_q, weights, index_k, topk_indices, attn_score
         error = _f32_finite_error(name, value)  # the library's precision: 1e39 -> inf
         if error:
             raise ValueError(error)
-    if normalization_count < 0:
-        fail("normalization_count", _NORMALIZATION_COUNT_BELOW, str(int(normalization_count)))
+    n = int(normalization_count)  # as the loss converts it
+    if n < 0:
+        fail("normalization_count", _NORMALIZATION_COUNT_BELOW, str(n))
+    if n > 2**63 - 1:
+        fail("normalization_count", "an int in [0, 2^63-1]", str(n))
 
 
 def _key_rows(index_k, topk_indices, layout, id_mode, cu_seqlens_q, cu_seqlens_k):
@@ -479,14 +502,15 @@ def indexer_kl_loss(
     graphs can replay it with new values). Gradients come back in the dtypes of
     index_q, weights and index_k.
 
-    Raises, before computing anything: ValueError for a shape, rank, H, D or
-    topk the library does not take, an ``sm_scale`` or ``loss_coeff`` not
-    finite as float32, a negative ``normalization_count``, a bad ``layout``,
+    Raises, before computing anything: ValueError for tensors on different
+    devices, a shape, rank, H, D or topk the library does not take, an
+    ``sm_scale`` or ``loss_coeff`` not finite as float32, a
+    ``normalization_count`` outside [0, 2^63-1], a bad ``layout``,
     missing/extra cu_seqlens, cu_seqlens of the wrong length and, for cpu
-    tensors, cu_seqlens values (the C++ library's messages); TypeError for a
-    non-tensor argument, non-integer ``topk_indices``, non-float
-    ``attn_score`` or cu_seqlens that are not int32. The library validates
-    everything else (strides, devices, GPU cu_seqlens values, ...) in the
+    tensors in eager mode, cu_seqlens values (the C++ library's messages);
+    TypeError for a non-tensor argument, non-integer ``topk_indices``,
+    non-float ``attn_score`` or cu_seqlens that are not int32. The library
+    validates everything else (strides, GPU cu_seqlens values, ...) in the
     backward, where its errors surface as ValueError/TypeError when
     ``backward()`` runs.
 

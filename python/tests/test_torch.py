@@ -400,6 +400,58 @@ def test_loss_compiles_with_dynamic_shapes_in_one_graph():
             assert rel_rms < 5e-3, rel_rms
 
 
+def test_thd_loss_compiles_in_one_graph_static_and_dynamic():
+    # cu_seqlens values are checked on the host only in eager mode (compiled:
+    # the library checks them in the backward), so THD traces without a break.
+    import itertools
+
+    def loss_fn(q, w, k, ids, T, cq, ck):
+        return dt.indexer_kl_loss(q, w, k, ids, T, sm_scale=SM, layout="thd", cu_seqlens_q=cq, cu_seqlens_k=ck)
+
+    g = torch.Generator().manual_seed(6)
+    for dynamic in (False, True):
+        closs = torch.compile(loss_fn, dynamic=dynamic, fullgraph=True)
+        for lens_q, lens_k in (((3, 4), (5, 6)), ((2, 5), (7, 5))):
+            Tq, Tk = sum(lens_q), sum(lens_k)
+            q, w, k = torch.randn(Tq, 8, 64, generator=g), torch.randn(Tq, 8, generator=g), torch.randn(Tk, 64, generator=g)
+            ids = torch.randint(-1, min(lens_k), (Tq, 4), generator=g, dtype=torch.int32)
+            T = torch.softmax(torch.randn(Tq, 4, generator=g), -1)
+            cq = torch.tensor([0, *itertools.accumulate(lens_q)], dtype=torch.int32)
+            ck = torch.tensor([0, *itertools.accumulate(lens_k)], dtype=torch.int32)
+            a = [x.clone().requires_grad_() for x in (q, w, k)]
+            b = [x.clone().requires_grad_() for x in (q, w, k)]
+            la, lb = closs(*a, ids, T, cq, ck), loss_fn(*b, ids, T, cq, ck)
+            la.backward()
+            lb.backward()
+            torch.testing.assert_close(la, lb, rtol=3e-3, atol=0)  # inductor may skip the bf16 rounding
+            for x, y in zip(a, b):
+                rel_rms = float((x.grad - y.grad).pow(2).mean().sqrt() / y.grad.pow(2).mean().sqrt())
+                assert rel_rms < 5e-3, rel_rms
+
+
+def test_loss_and_index_scores_refuse_meta_tensors_mixed_with_real_ones():
+    # torch computes with a meta tensor beside cpu ones without an error (from
+    # uninitialised memory); the forward checks devices first.
+    q, w, k, ids, T = make_torch_problem(seed=8)
+    with pytest.raises(ValueError, match=r"^weights: expected memory on device 'meta' \(that of index_q\), got device 'cpu'$"):
+        dt.indexer_kl_loss(q.to("meta"), w, k, ids, T, sm_scale=SM)
+    with pytest.raises(ValueError, match=r"^index_k: expected memory on device 'cpu' \(that of index_q\), got device 'meta'$"):
+        dt.index_scores(q, w, k.to("meta"), ids, sm_scale=SM)
+
+
+def test_index_scores_takes_any_integer_cu_seqlens():
+    # no backward, no library call: int64 cu_seqlens (torch's default) are fine here
+    q, w, k, ids, T = make_torch_problem(seed=9)
+    B, S = q.shape[:2]
+    S_kv = k.shape[1]
+    P32 = dt.index_scores(q[0], w[0], k[0], ids[0], sm_scale=SM, layout="thd",
+                          cu_seqlens_q=torch.tensor([0, S], dtype=torch.int32),
+                          cu_seqlens_k=torch.tensor([0, S_kv], dtype=torch.int32))
+    P64 = dt.index_scores(q[0], w[0], k[0], ids[0], sm_scale=SM, layout="thd",
+                          cu_seqlens_q=torch.tensor([0, S]), cu_seqlens_k=torch.tensor([0, S_kv]))
+    assert torch.equal(P32, P64)
+
+
 def test_loss_checks_loss_coeff_normalization_count_and_cu_seqlens_before_the_forward():
     q, w, k, ids, T = make_torch_problem(seed=3)
     with pytest.raises(ValueError, match=r"^loss_coeff: expected a finite value, got nan$"):
@@ -408,6 +460,8 @@ def test_loss_checks_loss_coeff_normalization_count_and_cu_seqlens_before_the_fo
         dt.indexer_kl_loss(q, w, k, ids, T, sm_scale=SM, loss_coeff=1e39)
     with pytest.raises(ValueError, match=r"^normalization_count: expected >= 0 \(0 = number of query tokens\), got -2$"):
         dt.indexer_kl_loss(q, w, k, ids, T, sm_scale=SM, normalization_count=-2)
+    with pytest.raises(ValueError, match=r"^normalization_count: expected an int in \[0, 2\^63-1\], got 9223372036854775808$"):
+        dt.indexer_kl_loss(q, w, k, ids, T, sm_scale=SM, normalization_count=2**63)
     B, S, H, D = q.shape
     cu = torch.tensor([0, S], dtype=torch.int64)
     cu_k = torch.tensor([0, k.shape[1]], dtype=torch.int32)
