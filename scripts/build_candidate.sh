@@ -33,6 +33,12 @@ if ! cmake --build "$wt/build" -j"$(nproc)" --target dsa-indexer-bwd-bench dsa-i
   exit 1
 fi
 grep -E "Used [0-9]+ registers|spill stores" "$wt/build.log" | sed 's/^ *//' | paste - - | grep -E "168|2[0-9][0-9] registers" || true
+# ptxas's note that a kernel's wgmma run serialized (too few registers): a
+# likely loss even without a spill (perf-log, probe v22).
+if grep -q "C7512" "$wt/build.log"; then
+  echo "build_candidate: WARNING: ptxas serializes wgmma in:"
+  grep "C7512" "$wt/build.log" | sed 's/.*function //' | sort -u
+fi
 out=$repo/.device/cand/$name
 rm -rf "$out" && mkdir -p "$out"
 cp "$wt/build/bench/dsa-indexer-bwd-bench" "$wt/build/cli/dsa-indexer-bwd" "$wt/build/tests/gpu/test_gpu_hopper" \
