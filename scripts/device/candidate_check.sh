@@ -9,8 +9,8 @@
 #     CAND=v17d64 AB_ARGS="--seq 16384 --dim 64 --iters 10" bash scripts/device/candidate_check.sh
 # Env: CAND (required), AB_ARGS (default "--seq 16384 --iters 10"), AB_PAIRS (5),
 #      CLI_ARGS (default "--preset deepseek-v32 --backend cuda --verify sample"),
-#      SKIP_SANITIZER=1 (screening several candidates in one call: the sanitizer
-#      harness, ~110 s, then runs only on the one that lands).
+#      SKIP_SANITIZER=1 (any non-empty value; screening several candidates in one
+#      call: the sanitizer harness, ~110 s, then runs only on the one that lands).
 # Writes $OUT/candidate_<name>.txt and $OUT/ab_<name>.json. Exit 0 when the
 # tests and the check passed and the A/B ran.
 set -uo pipefail
