@@ -81,9 +81,6 @@ void save_problem(const std::string& path, const Problem& p);
 /// "%.9g": round-trips a float.
 std::string format_float(double v);
 
-/// "(2, 5, 8)", "(3,)": a shape as the library's messages write it.
-std::string shape_string(const std::vector<int64_t>& s);
-
 // ---------------------------------------------------------------- running
 
 struct RunResult {

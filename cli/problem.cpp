@@ -134,12 +134,6 @@ std::vector<int64_t> parse_lengths(const std::string& flag, const std::vector<st
   return out;
 }
 
-std::string shape_string(const std::vector<int64_t>& s) {
-  std::string out = "(";
-  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
-  return out + (s.size() == 1 ? ",)" : ")");
-}
-
 std::string format_float(double v) {
   char buf[64];
   std::snprintf(buf, sizeof buf, "%.9g", v);

@@ -28,4 +28,8 @@ struct HostTensor {
   TensorView view() const;
 };
 
+/// "(2, 5, 8)", "(3,)", "()": a shape as the library's messages write it (the
+/// format of TensorView::shape_string, for shapes of any rank).
+std::string shape_string(const std::vector<int64_t>& shape);
+
 }  // namespace dsaib

@@ -1,6 +1,7 @@
 #include <sstream>
 
 #include "dsaib/error.hpp"
+#include "dsaib/host_tensor.hpp"
 #include "dsaib/indexer_backward.hpp"
 #include "dsaib/tensor.hpp"
 
@@ -83,6 +84,9 @@ static std::string tuple_string(const int64_t* v, int n) {
 }
 
 std::string TensorView::shape_string() const { return tuple_string(shape, rank); }
+std::string shape_string(const std::vector<int64_t>& shape) {
+  return tuple_string(shape.data(), static_cast<int>(shape.size()));
+}
 std::string TensorView::strides_string() const { return tuple_string(strides, rank); }
 
 TensorView contiguous_view(void* data, DType dtype, const int64_t* shape, int32_t rank,

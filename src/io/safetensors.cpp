@@ -143,11 +143,8 @@ Entry parse_entry(const std::string& path, const std::string& name, const json& 
     }
   }
   if (overflow || e.end - e.begin != bytes) {
-    std::string shape = "(";  // the sizes were read above: print them, not a description of the array
-    for (size_t i = 0; i < e.shape.size(); ++i) shape += (i ? ", " : "") + std::to_string(e.shape[i]);
-    shape += e.shape.size() == 1 ? ",)" : ")";
     io_fail(path, where + ": data_offsets [" + std::to_string(e.begin) + ", " + std::to_string(e.end) + "] span " +
-                      std::to_string(e.end - e.begin) + " bytes, but dtype " + ds + " and shape " + shape +
+                      std::to_string(e.end - e.begin) + " bytes, but dtype " + ds + " and shape " + shape_string(e.shape) +
                       " need " + (overflow ? std::string("more than 2^64 bytes") : std::to_string(bytes)));
   }
   return e;
