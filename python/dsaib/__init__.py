@@ -243,20 +243,28 @@ def _type_name(x) -> str:
 _F32_OVERFLOW = 2.0**128 - 2.0**103
 
 
-def _f32_finite_error(name: str, value: float):
-    """The C++ library's message for a value that is not finite once converted
-    to float32 ("NAME: expected a finite value, got inf", as check_finite in
-    core/validate.cpp prints it), or None when the value is fine. Pure Python
-    (no numpy or torch), so torch.compile traces it with symbolic floats. A
-    finite value that overflows float32 (1e+300) reads as the library sees it:
-    "got inf"."""
+def _float_or_inf(x) -> float:
+    """float(x), with a number beyond float64 (a huge int or Fraction) as +-inf,
+    which is what float32 makes of it anyway."""
+    try:
+        return float(x)
+    except OverflowError:
+        return math.inf if x > 0 else -math.inf
+
+
+def _check_f32_finite(name: str, value: float) -> None:
+    """ValueError with the C++ library's message for a value that is not finite
+    once converted to float32 ("NAME: expected a finite value, got inf", as
+    check_finite in core/validate.cpp prints it). Pure Python (no numpy or
+    torch), so torch.compile traces it with symbolic floats. A finite value that
+    overflows float32 (1e+300) reads as the library sees it: "got inf"."""
     if abs(value) < _F32_OVERFLOW:  # False for nan and +-inf (one comparison: traceable)
-        return None
+        return
     if math.isnan(value):
         text = "-nan" if math.copysign(1.0, value) < 0 else "nan"  # as glibc's ostream prints it
     else:
         text = "-inf" if value < 0 else "inf"
-    return f"{name}: expected a finite value, got {text}"
+    raise ValueError(f"{name}: expected a finite value, got {text}")
 
 
 def _f32_value(name, x) -> float:
@@ -267,14 +275,10 @@ def _f32_value(name, x) -> float:
     if isinstance(x, (complex, _np.complexfloating)) or isinstance(x, str):
         raise TypeError(f"{name}: expected a real number, got {_type_name(x)} {x!r}")
     try:
-        value = float(x)
-    except OverflowError:  # an int beyond float64
-        value = math.inf if x > 0 else -math.inf
+        value = _float_or_inf(x)
     except (TypeError, ValueError):
         raise TypeError(f"{name}: expected a real number, got {_type_name(x)}") from None
-    error = _f32_finite_error(name, value)
-    if error:
-        raise ValueError(error)
+    _check_f32_finite(name, value)
     return value
 
 

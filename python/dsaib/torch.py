@@ -32,7 +32,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import _NORMALIZATION_COUNT_BELOW, _a_operand, _dsaib, _export, _f32_finite_error
+from . import (_INT64_MAX, _NORMALIZATION_COUNT_BELOW, _a_operand, _check_f32_finite, _dsaib, _export,
+               _float_or_inf)
 
 __all__ = ["indexer_backward", "indexer_kl_loss", "IndexerKLLoss", "index_scores", "EPS"]
 
@@ -199,8 +200,7 @@ def indexer_backward(
 def _binding_dtype_name(dtype: torch.dtype) -> str:
     """How the extension names a torch dtype in a dtype error: the library's codes
     ("dtype f32") for the dtypes the library has, the DLPack spelling otherwise."""
-    special = {torch.float32: "dtype f32", torch.bfloat16: "dtype bf16", torch.int32: "dtype i32",
-               torch.bool: "bool8"}
+    special = {torch.float32: "dtype f32", torch.bfloat16: "dtype bf16", torch.bool: "bool8"}
     return special.get(dtype, str(dtype).replace("torch.", ""))
 
 
@@ -229,16 +229,14 @@ def _check_forward_arguments(index_q, weights, index_k, topk_indices, attn_score
 
     loss = attn_score is not None  # index_scores (no backward) takes any integer cu_seqlens on any device
 
-    names = ("index_q", "weights", "index_k", "topk_indices", "attn_score")[: 5 if attn_score is not None else 4]
+    names = ("index_q", "weights", "index_k", "topk_indices", "attn_score")[: 5 if loss else 4]
     tensors = (index_q, weights, index_k, topk_indices, attn_score)[: len(names)]
     for name, t in zip(names, tensors):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     # One device for every tensor (torch mixes meta with cpu tensors without an
     # error, and the forward would then compute from uninitialised memory).
-    for name, t in zip(names[1:], tensors[1:]):
-        if t.device != index_q.device:
-            fail(name, f"memory on device '{index_q.device}' (that of index_q)", f"device '{t.device}'")
+    _check_same_device(index_q, **dict(zip(names[1:], tensors[1:])))
     if layout not in ("bshd", "thd"):
         fail("layout", '"bshd" or "thd"', f'"{layout}"')
     thd = layout == "thd"
@@ -269,7 +267,7 @@ def _check_forward_arguments(index_q, weights, index_k, topk_indices, attn_score
         expect("weights", weights, (T, H), "(T_q, H)")
         expect("index_k", index_k, (Tk, D), "(T_k, D)")
         expect("topk_indices", topk_indices, (T, K), "(T_q, topk)")
-        if attn_score is not None:
+        if loss:
             expect("attn_score", attn_score, (T, K), "(T_q, topk)")
         for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
             if cu is None:
@@ -278,8 +276,8 @@ def _check_forward_arguments(index_q, weights, index_k, topk_indices, attn_score
                 raise TypeError(f"{name}: expected a torch.Tensor, got {type(cu).__name__}")
             if loss and cu.dtype != torch.int32:  # what the backward would raise, before the forward
                 raise TypeError(f"{name}: expected dtype i32, got {_binding_dtype_name(cu.dtype)}")
-            if loss and cu.device != index_q.device:
-                fail(name, f"memory on device '{index_q.device}' (that of index_q)", f"device '{cu.device}'")
+            if loss:
+                _check_same_device(index_q, **{name: cu})
             if cu.dim() != 1:
                 fail(name, "rank 1", f"rank {cu.dim()} with shape {_shape_str(cu.shape)}")
         nq, nk = cu_seqlens_q.shape[0], cu_seqlens_k.shape[0]
@@ -306,23 +304,17 @@ def _check_forward_arguments(index_q, weights, index_k, topk_indices, attn_score
         expect("weights", weights, (B, S, H), "(B, S_q, H)")
         expect("index_k", index_k, (B, index_k.shape[1], D), "(B, S_kv, D) with B and D of index_q")
         expect("topk_indices", topk_indices, (B, S, K), "(B, S_q, topk)")
-        if attn_score is not None:
+        if loss:
             expect("attn_score", attn_score, (B, S, K), "(B, S_q, topk)")
         for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
             if cu is not None:
                 fail(name, "absent for layout bshd", "a tensor")
     for name, x in (("sm_scale", sm_scale), ("loss_coeff", loss_coeff)):
-        try:
-            value = float(x)
-        except OverflowError:  # an int beyond float64
-            value = math.inf if x > 0 else -math.inf
-        error = _f32_finite_error(name, value)  # the library's precision: 1e39 -> inf
-        if error:
-            raise ValueError(error)
+        _check_f32_finite(name, _float_or_inf(x))  # the library's precision: 1e39 -> inf
     n = int(normalization_count)  # as the loss converts it
     if n < 0:
         fail("normalization_count", _NORMALIZATION_COUNT_BELOW, str(n))
-    if n > 2**63 - 1:
+    if n > _INT64_MAX:
         fail("normalization_count", "an int in [0, 2^63-1]", str(n))
 
 
@@ -334,7 +326,7 @@ def _key_rows(index_k, topk_indices, layout, id_mode, cu_seqlens_q, cu_seqlens_k
         B, S_kv = ids.shape[0], index_k.shape[1]
         start = (torch.arange(B, device=dev, dtype=torch.int64) * S_kv).view(B, 1, 1)
         length = torch.full_like(start, S_kv)
-    elif layout == "thd":
+    else:  # "thd" (_check_forward_arguments checked the layout before every call)
         cu_q = cu_seqlens_q.to(device=dev, dtype=torch.int64)
         cu_k = cu_seqlens_k.to(device=dev, dtype=torch.int64)
         n_seq = cu_q.numel() - 1
@@ -343,8 +335,6 @@ def _key_rows(index_k, topk_indices, layout, id_mode, cu_seqlens_q, cu_seqlens_k
         seq_end = (seq + 1).clamp(max=cu_k.numel() - 1)  # in bounds for any cu_seqlens (checked elsewhere)
         start = cu_k[seq].unsqueeze(1)
         length = (cu_k[seq_end] - cu_k[seq]).unsqueeze(1)
-    else:
-        raise ValueError(f'layout: expected "bshd" or "thd", got "{layout}"')
     if id_mode == "local":
         valid = (ids >= 0) & (ids < length)
         rows = ids + start
