@@ -12,6 +12,7 @@
 # unless a build fails; read the logs.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+source scripts/device/pip_cuda_install.sh
 out=${OUT:-out}
 mkdir -p "$out"
 export PATH=/usr/local/cuda/bin:$PATH PYTHONUNBUFFERED=1
@@ -27,8 +28,7 @@ cxx=${CXX:-c++}
   "$cxx" -print-file-name=libstdc++.so; "$cxx" -print-file-name=libstdc++.a
   echo "--- specs mentioning static:"; "$cxx" -dumpspecs 2>/dev/null | grep -n -i "static-lib" | head
 } > "$out/opt_gcc_info.txt" 2>&1
-rm -rf /tmp/cutlass-pinned && mkdir -p /tmp/cutlass-pinned
-tar -xJf .device/cutlass-include.tar.xz -C /tmp/cutlass-pinned
+unpack_pinned_cutlass
 rc=0
 for variant in hidden extra; do
   site=/tmp/diag-$variant-site
@@ -39,10 +39,8 @@ for variant in hidden extra; do
   fi
   rm -rf "$site" "/tmp/diag-$variant-build"
   t0=$(date +%s)
-  CMAKE_BUILD_PARALLEL_LEVEL=16 timeout 200 python3 -m pip install --no-build-isolation --no-deps --no-index \
-    --no-cache-dir --target "$site" . -C cmake.define.DSAIB_ENABLE_CUDA=ON \
-    -C cmake.define.DSAIB_CUTLASS_INCLUDE_DIR=/tmp/cutlass-pinned/include \
-    -C "build-dir=/tmp/diag-$variant-build" "${extra[@]}" -v > "/tmp/diag-$variant-pip.log" 2>&1
+  CMAKE_BUILD_PARALLEL_LEVEL=16 pip_install_cuda 200 "$site" "/tmp/diag-$variant-build" "${extra[@]}" \
+    > "/tmp/diag-$variant-pip.log" 2>&1
   pip_rc=$?
   {
     echo "pip rc=$pip_rc in $(( $(date +%s) - t0 )) s"

@@ -10,6 +10,7 @@
 # Exit status 0 on the required result.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+source scripts/device/pip_cuda_install.sh
 out=${OUT:-out}
 mkdir -p "$out"
 export PATH=/usr/local/cuda/bin:$PATH
@@ -19,12 +20,9 @@ site=/tmp/dsaib-default-cc-site
   echo "CC=${CC:-<unset>} CXX=${CXX:-<unset>} CUDAHOSTCXX=${CUDAHOSTCXX:-<unset>}; cc -> $(command -v cc), c++ -> $(command -v c++)"
   c++ --version | head -1
 } > "$log" 2>&1
-rm -rf /tmp/cutlass-pinned "$site" /tmp/dsaib-default-cc-build && mkdir -p /tmp/cutlass-pinned
-tar -xJf .device/cutlass-include.tar.xz -C /tmp/cutlass-pinned
-CMAKE_BUILD_PARALLEL_LEVEL=16 timeout 240 python3 -m pip install --no-build-isolation --no-deps --no-index \
-  --no-cache-dir --target "$site" . \
-  -C cmake.define.DSAIB_ENABLE_CUDA=ON -C cmake.define.DSAIB_CUTLASS_INCLUDE_DIR=/tmp/cutlass-pinned/include \
-  -C build-dir=/tmp/dsaib-default-cc-build -v > /tmp/dsaib-default-cc-pip.log 2>&1
+rm -rf "$site" /tmp/dsaib-default-cc-build
+unpack_pinned_cutlass
+CMAKE_BUILD_PARALLEL_LEVEL=16 pip_install_cuda 240 "$site" /tmp/dsaib-default-cc-build > /tmp/dsaib-default-cc-pip.log 2>&1
 pip_rc=$?
 {
   echo "pip install rc=$pip_rc"

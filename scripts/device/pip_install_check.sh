@@ -15,6 +15,7 @@
 # PYTEST_ARGS (default python/tests) narrows the pytest run.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+source scripts/device/pip_cuda_install.sh
 OUT=${OUT:-/tmp/dsaib-pip-check}
 SITE=/tmp/dsaib-pip-site
 mkdir -p "$OUT"
@@ -23,12 +24,10 @@ export PATH=/usr/local/cuda/bin:$PATH
 status=0
 {
   python3 -c 'import sys, torch, scikit_build_core, nanobind; print(sys.version.split()[0], "torch", torch.__version__, "scikit-build-core", scikit_build_core.__version__, "nanobind", nanobind.__version__)'
-  rm -rf /tmp/cutlass-pinned && mkdir -p /tmp/cutlass-pinned && tar -xJf .device/cutlass-include.tar.xz -C /tmp/cutlass-pinned
+  unpack_pinned_cutlass
   start=$(date +%s)
   CC=${DSAIB_CC:-/usr/bin/gcc} CXX=${DSAIB_CXX:-/usr/bin/g++} CUDAHOSTCXX=${DSAIB_CXX:-/usr/bin/g++} \
-  python3 -m pip install --no-build-isolation --no-deps --no-index --no-cache-dir --target "$SITE" . \
-    -C cmake.define.DSAIB_ENABLE_CUDA=ON -C cmake.define.DSAIB_CUTLASS_INCLUDE_DIR=/tmp/cutlass-pinned/include \
-    -C build-dir=/tmp/dsaib-pip-build -v 2>&1 | grep -E "CUTLASS|cuda|Successfully|error|Error|ptxas info    : Used" | head -40
+    pip_install_cuda 0 "$SITE" /tmp/dsaib-pip-build 2>&1 | grep -E "CUTLASS|cuda|Successfully|error|Error|ptxas info    : Used" | head -40
   echo "pip install rc=${PIPESTATUS[0]} in $(( $(date +%s) - start )) s"
 } > "$OUT/pip_install.log" 2>&1
 cat "$OUT/pip_install.log"
