@@ -17,6 +17,7 @@ skipped wgmma makes the consumer spill). Only the bf16-output kernels (one a
 term) are what the bench times by default; the split kernels are edited too. Predictions go into the perf log before the run.
 """
 import argparse
+import contextlib
 import os
 import pathlib
 import shutil
@@ -76,6 +77,57 @@ def run(cmd, **kw):
     subprocess.run(cmd, check=True, **kw)
 
 
+def cutlass_include_dir() -> str:
+    """$DSAIB_CUTLASS_INCLUDE_DIR, else the value this tree's build/CMakeCache.txt holds ("" if none)."""
+    if os.environ.get("DSAIB_CUTLASS_INCLUDE_DIR"):
+        return os.environ["DSAIB_CUTLASS_INCLUDE_DIR"]
+    cache = REPO / "build" / "CMakeCache.txt"
+    if cache.exists():
+        for line in cache.read_text().splitlines():
+            if line.startswith("DSAIB_CUTLASS_INCLUDE_DIR:"):
+                return line.split("=", 1)[1]
+    return ""
+
+
+def remove_worktree(wt: pathlib.Path):
+    subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(wt)], check=False)
+    shutil.rmtree(wt, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def worktree_build(wt: pathlib.Path, prepare, targets, jobs, keep=False, log=None):
+    """A git worktree of HEAD at wt (never this tree; one left there is replaced),
+    edited by prepare(wt), then a Release CUDA build of targets in wt/build.
+    Yields wt to copy from; removes it afterwards unless keep. log: a file for
+    the build's output (its error and spill lines are printed if it fails)."""
+    if wt.exists():
+        remove_worktree(wt)
+    run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(wt), "HEAD"])
+    try:
+        prepare(wt)
+        cfg = ["cmake", "-S", str(wt), "-B", str(wt / "build"), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
+               "-DDSAIB_ENABLE_CUDA=ON"]
+        cutlass = cutlass_include_dir()
+        if cutlass:
+            cfg.append(f"-DDSAIB_CUTLASS_INCLUDE_DIR={cutlass}")
+        run(cfg, stdout=subprocess.DEVNULL)
+        build = ["cmake", "--build", str(wt / "build"), "-j", str(jobs), "--target", *targets]
+        if log is None:
+            run(build)
+        else:
+            with open(log, "w") as f:
+                try:
+                    run(build, stdout=f, stderr=subprocess.STDOUT)
+                except subprocess.CalledProcessError:
+                    lines = pathlib.Path(log).read_text().splitlines()
+                    print("\n".join([line for line in lines if "error" in line or "spill" in line][:20]), flush=True)
+                    raise
+        yield wt
+    finally:
+        if not keep:
+            remove_worktree(wt)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(REPO / ".device" / "ablations"))
@@ -83,44 +135,28 @@ def main():
     ap.add_argument("--keep", action="store_true", help="keep the worktrees under /tmp")
     ap.add_argument("--jobs", default=str(os.cpu_count() or 2))
     a = ap.parse_args()
-    cache = REPO / "build" / "CMakeCache.txt"
-    cutlass = ""
-    if cache.exists():
-        for line in cache.read_text().splitlines():
-            if line.startswith("DSAIB_CUTLASS_INCLUDE_DIR:"):
-                cutlass = line.split("=", 1)[1]
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], check=True,
                           capture_output=True, text=True).stdout.strip()
     for name in a.only or sorted(ABLATIONS):
         what, edits = ABLATIONS[name]
-        wt = pathlib.Path(f"/tmp/dsaib-ablation-{name}")
-        if wt.exists():
-            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(wt)], check=False)
-            shutil.rmtree(wt, ignore_errors=True)
-        run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(wt), "HEAD"])
-        try:
+
+        def apply_edits(wt, name=name, edits=edits):
             for rel, old, new in edits:
                 f = wt / rel
                 s = f.read_text()
                 if s.count(old) != 1:
                     sys.exit(f"{name}: the edit of {rel} no longer applies (expected exactly one of:\n{old})")
                 f.write_text(s.replace(old, new))
-            cfg = ["cmake", "-S", str(wt), "-B", str(wt / "build"), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
-                   "-DDSAIB_ENABLE_CUDA=ON"]
-            if cutlass:
-                cfg.append(f"-DDSAIB_CUTLASS_INCLUDE_DIR={cutlass}")
-            run(cfg, stdout=subprocess.DEVNULL)
-            run(["cmake", "--build", str(wt / "build"), "--target", "dsa-indexer-bwd-bench", "-j", a.jobs])
+
+        with worktree_build(pathlib.Path(f"/tmp/dsaib-ablation-{name}"), apply_edits, ["dsa-indexer-bwd-bench"],
+                            a.jobs, a.keep) as wt:
             dst = out / f"bench_{name}"
             shutil.copy2(wt / "build" / "bench" / "dsa-indexer-bwd-bench", dst)
             subprocess.run(["strip", "--strip-debug", str(dst)], check=False)
             (out / f"bench_{name}.txt").write_text(f"{name} on {head}: {what}\n")
             print(f"{dst}: {what}", flush=True)
-        finally:
-            if not a.keep:
-                subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(wt)], check=False)
 
 
 if __name__ == "__main__":
