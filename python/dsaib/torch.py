@@ -352,16 +352,31 @@ def _key_rows(index_k, topk_indices, layout, id_mode, cu_seqlens_q, cu_seqlens_k
     return rows.reshape(-1, topk), valid.reshape(-1, topk)
 
 
-def _logits(index_q, weights, index_k, rows, valid, sm_scale, dtype):
-    """z (R, topk) in `dtype`, -inf at invalid slots; computed in row chunks to bound memory."""
+# Elements of the largest (rows, topk, max(D, H)) intermediate the reference
+# forward makes at once; rows beyond it are computed in chunks.
+_LOGITS_CHUNK_ELEMENTS = 1 << 26
+
+
+@torch.library.custom_op("dsaib::index_logits", mutates_args=())
+def _index_logits_op(index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor,
+                     rows: torch.Tensor, valid: torch.Tensor, sm_scale: float,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """z (R, topk) in `dtype`, -inf at invalid slots; computed in row chunks to bound memory.
+
+    An op of its own (not differentiable; the loss's forward and index_scores
+    need no graph through it) so that torch.compile sees one call with
+    symbolic shapes instead of tracing the Python loop over the chunks, which
+    specialises R; torch 2.11's dynamo fails on that inside the loss's
+    autograd.Function under ``dynamic=True``.
+    """
     R, topk = rows.shape
     H, D = index_q.shape[-2], index_q.shape[-1]
+    if index_k.numel() == 0 or R == 0:
+        return torch.full((R, topk), float("-inf"), dtype=dtype, device=index_q.device)
     q = index_q.reshape(R, H, D)
     w = weights.reshape(R, H)
     k = index_k.reshape(-1, D)
-    if k.shape[0] == 0 or R == 0:
-        return torch.full((R, topk), float("-inf"), dtype=dtype, device=index_q.device)
-    chunk = max(1, (1 << 26) // max(1, topk * max(D, H)))
+    chunk = max(1, _LOGITS_CHUNK_ELEMENTS // max(1, topk * max(D, H)))
     parts = []
     for r0 in range(0, R, chunk):
         r1 = min(R, r0 + chunk)
@@ -370,6 +385,16 @@ def _logits(index_q, weights, index_k, rows, valid, sm_scale, dtype):
         parts.append(torch.bmm(w[r0:r1].to(dtype).unsqueeze(1), torch.relu(x)).squeeze(1))
     z = torch.cat(parts) * sm_scale
     return z.masked_fill(~valid, float("-inf"))
+
+
+@_index_logits_op.register_fake
+def _index_logits_fake(index_q, weights, index_k, rows, valid, sm_scale, dtype):
+    return index_q.new_empty(rows.shape, dtype=dtype)
+
+
+def _logits(index_q, weights, index_k, rows, valid, sm_scale, dtype):
+    """z (R, topk) in `dtype`, -inf at invalid slots (see _index_logits_op)."""
+    return _index_logits_op(index_q, weights, index_k, rows, valid, float(sm_scale), dtype)
 
 
 def _softmax_valid(z):
