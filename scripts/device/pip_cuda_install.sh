@@ -4,9 +4,20 @@
 # and no CUTLASS headers: the build runs without isolation, with the pinned
 # headers carried as .device/cutlass-include.tar.xz.
 
-# Unpacks the carried headers to /tmp/cutlass-pinned/include.
+# Unpacks the carried headers to /tmp/cutlass-pinned/include, once per tarball:
+# under a lock, and skipped when the stamp names the same tarball, so that two
+# installs may run at once (release_check.sh) without one deleting the headers
+# the other compiles against.
 unpack_pinned_cutlass() {
-  rm -rf /tmp/cutlass-pinned && mkdir -p /tmp/cutlass-pinned && tar -xJf .device/cutlass-include.tar.xz -C /tmp/cutlass-pinned
+  local sum
+  sum=$(sha256sum .device/cutlass-include.tar.xz | cut -d' ' -f1)
+  (
+    flock 9
+    if [[ "$(cat /tmp/cutlass-pinned/.stamp 2>/dev/null)" != "$sum" ]]; then
+      rm -rf /tmp/cutlass-pinned && mkdir -p /tmp/cutlass-pinned &&
+        tar -xJf .device/cutlass-include.tar.xz -C /tmp/cutlass-pinned && echo "$sum" > /tmp/cutlass-pinned/.stamp
+    fi
+  ) 9>/tmp/cutlass-pinned.lock
 }
 
 # pip_install_cuda LIMIT SITE BUILD_DIR [PIP_ARGS...]: builds the package with

@@ -6,7 +6,7 @@
 # self-check (python/tools/check_extension_exceptions.py) naming the compiler, or
 # it succeeds and the installed module raises ValueError for a bad argument.
 #   device run, carry [".device/cutlass-include.tar.xz"]: bash scripts/device/pip_default_compiler_check.sh
-# PYTEST=1 also runs python/tests with that install. Writes $OUT/pip_default_cc.log.
+# PYTEST=1 also runs python/tests with that install (PYTEST_LIMIT s, default 360). Writes $OUT/pip_default_cc.log.
 # Exit status 0 on the required result.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -57,9 +57,10 @@ else:
     fi
   done
   if [[ -n ${PYTEST:-} ]]; then
-    PYTHONPATH=$site timeout 300 python3 -m pytest -q -x -p no:cacheprovider python/tests > /tmp/dsaib-default-cc-pytest.log 2>&1
+    PYTHONPATH=$site timeout "${PYTEST_LIMIT:-360}" python3 -m pytest -q -x -p no:cacheprovider python/tests > /tmp/dsaib-default-cc-pytest.log 2>&1
     pytest_rc=$?
     echo "python/tests with this install: exit $pytest_rc (124 = timeout, 139 = segfault); $(tail -1 /tmp/dsaib-default-cc-pytest.log)" >> "$log"
+    grep -E "^(FAILED|ERROR) |^E  " /tmp/dsaib-default-cc-pytest.log | head -20 >> "$log"
     (( pytest_rc == 0 )) || rc=1
   fi
   if (( rc == 0 )); then

@@ -12,7 +12,7 @@
 #
 #   device run, carry [".device/cutlass-include.tar.xz"]: bash scripts/device/pip_install_check.sh
 # Writes into $OUT: pip_install.log, pytest_gpu.log, capture_diagnostic.log.
-# PYTEST_ARGS (default python/tests) narrows the pytest run.
+# PYTEST_ARGS (default python/tests) narrows the pytest run; PYTEST_LIMIT (s, default 300).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 source scripts/device/pip_cuda_install.sh
@@ -34,7 +34,7 @@ cat "$OUT/pip_install.log"
 grep -q "pip install rc=0" "$OUT/pip_install.log" || exit 2
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 python3 -c 'import dsaib, dsaib.torch; print("dsaib from", dsaib.__file__, "cuda backend:", dsaib.cuda_available() if hasattr(dsaib, "cuda_available") else "?")'
-timeout 150 python3 -m pytest -q --no-header -p no:cacheprovider ${PYTEST_ARGS:-python/tests} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15
+timeout "${PYTEST_LIMIT:-300}" python3 -m pytest -q --no-header -p no:cacheprovider ${PYTEST_ARGS:-python/tests} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15
 status=${PIPESTATUS[0]}
 [[ -n ${SKIP_DIAG:-} ]] || timeout 60 python3 scripts/device/diagnose_autograd_capture.py 2>&1 | tee "$OUT/capture_diagnostic.log" | tail -20
 exit $status
