@@ -5,11 +5,17 @@
 // Stage 1 (docs/math.md): over the row's valid slots
 //   g_i = -c * max(T_i, eps) * [P_i >= eps],  G = sum g_i,  gs_i = g_i - P_i * G
 // The row is walked in chunks of kSlotChunk slots; thread t owns the
-// kSlotsPerThread consecutive slots t*kSlotsPerThread.. of a chunk and issues
-// all their loads before using any (one memory latency per chunk, not one per
-// slot). Pass 1 computes G and the number of valid slots; pass 2 writes the
-// chunk's valid slots, in slot order, into a shared list (an exclusive scan of
-// per-thread counts), from which blocks of kBlockKeys keys are gathered. Each
+// kSlotsPerThread slots t, t + kThreads, t + 2*kThreads, ... of a chunk
+// (a warp's load j reads 32 consecutive slots, 128 coalesced bytes; with
+// consecutive slots per thread each load spanned 1 KiB and ncu counted 18% of
+// the kernel's L2 sectors as excessive; paired A/B at S 16384: -1.1% causal,
+// -1.9% random, docs/perf-log.md "v21") and issues all their
+// loads before using any (one memory latency per chunk, not one per slot).
+// Pass 1 computes G and the number of valid slots; pass 2 writes the chunk's
+// valid slots, thread by thread (slots t, t + kThreads, ... of thread t in
+// turn: a fixed permutation of the slot order, the same in every run), into a
+// shared list (an exclusive scan of per-thread counts), from which blocks of
+// kBlockKeys keys are gathered. Each
 // chunk's last block is padded with key_row -1 / gs 0 / zero-filled K rows.
 // Invalid slots never reach the consumers and are never dereferenced.
 #pragma once
@@ -58,12 +64,12 @@ struct ProducerGather {
     int32_t id[kPerThread];
     CUTE_UNROLL
     for (int j = 0; j < kPerThread; ++j) {
-      const int i = first_slot + j;
+      const int i = first_slot + j * kThreads;
       id[j] = i < p.topk ? ids[i] : -1;
     }
     CUTE_UNROLL
     for (int j = 0; j < kPerThread; ++j) {
-      const int i = first_slot + j;
+      const int i = first_slot + j * kThreads;
       const int64_t kr = key_row_of(p, seq, id[j]);  // -1 also for slots past topk (id -1)
       s.key_row[j] = static_cast<int32_t>(kr);
       s.attn[j] = kr >= 0 ? attn[i] : 0.0f;
@@ -165,7 +171,7 @@ struct ProducerGather {
       int num_blocks = 0;
       for (int chunk0 = 0; chunk0 < p.topk; chunk0 += Config::kSlotChunk) {
         SlotBatch s;
-        load_batch(chunk0 + tid * kPerThread, seq, ids, attn, pred, s);
+        load_batch(chunk0 + tid, seq, ids, attn, pred, s);
         int count = 0;
         CUTE_UNROLL
         for (int j = 0; j < kPerThread; ++j) {
@@ -193,7 +199,7 @@ struct ProducerGather {
       PipelineState<Config::kStagesK> pending_state{};
       for (int chunk0 = 0; chunk0 < p.topk; chunk0 += Config::kSlotChunk) {
         SlotBatch s;
-        load_batch(chunk0 + tid * kPerThread, seq, ids, attn, pred, s);
+        load_batch(chunk0 + tid, seq, ids, attn, pred, s);
         int count = 0;
         CUTE_UNROLL
         for (int j = 0; j < kPerThread; ++j) count += s.key_row[j] >= 0;

@@ -40,7 +40,7 @@ struct SharedStorage {
   int32_t num_blocks[kStagesQ];                  // blocks of valid keys in this task
   // ---- producer-private (ordered by NamedBarrierId::kProducerSync)
   float slot_gs[Config::kSlotChunk];             // compacted valid slots of one chunk: gs
-  alignas(16) int32_t slot_key_row[Config::kSlotChunk];  //   and flat key row, in slot order (int4 reads)
+  alignas(16) int32_t slot_key_row[Config::kSlotChunk];  //   and flat key row, thread by thread (int4 reads)
   float producer_partial[Config::kProducerThreads / 32][2];  // per-warp (G, count) partials
   int32_t producer_scan[Config::kProducerThreads / 32];      // per-warp valid counts for the scan
 

@@ -44,8 +44,9 @@ struct TileConfig {
   static constexpr int kDkBuffers = kScatterRole ? 2 : 1;
   static constexpr int kThreadsPerWarpgroup = 128;
   static constexpr int kProducerThreads = kProducerWarpgroups * kThreadsPerWarpgroup;
-  // Stage 1 walks a row in chunks of kSlotChunk slots, kSlotsPerThread
-  // consecutive slots per producer thread, loads batched before use.
+  // Stage 1 walks a row in chunks of kSlotChunk slots, kSlotsPerThread slots
+  // per producer thread (strided by kProducerThreads: coalesced warp loads),
+  // loads batched before use.
   static constexpr int kSlotsPerThread = 8;
   static constexpr int kSlotChunk = kProducerThreads * kSlotsPerThread;
   static constexpr int kConsumerThreads = kConsumerWarpgroups * kThreadsPerWarpgroup;
