@@ -367,7 +367,10 @@ def _index_logits_op(index_q: torch.Tensor, weights: torch.Tensor, index_k: torc
     need no graph through it) so that torch.compile sees one call with
     symbolic shapes instead of tracing the Python loop over the chunks, which
     specialises R; torch 2.11's dynamo fails on that inside the loss's
-    autograd.Function under ``dynamic=True``.
+    autograd.Function under ``dynamic=True``. Autocast is off inside: the
+    result is in `dtype`, as the fake kernel says, also under an enclosing
+    ``torch.autocast`` (whose bmm would otherwise run in bf16 in eager only,
+    since compiled graphs call the op with autocast off).
     """
     R, topk = rows.shape
     H, D = index_q.shape[-2], index_q.shape[-1]
@@ -378,13 +381,14 @@ def _index_logits_op(index_q: torch.Tensor, weights: torch.Tensor, index_k: torc
     k = index_k.reshape(-1, D)
     chunk = max(1, _LOGITS_CHUNK_ELEMENTS // max(1, topk * max(D, H)))
     parts = []
-    for r0 in range(0, R, chunk):
-        r1 = min(R, r0 + chunk)
-        kg = k[rows[r0:r1]].to(dtype)                                # (c, topk, D)
-        x = torch.bmm(q[r0:r1].to(dtype), kg.transpose(1, 2))        # (c, H, topk)
-        parts.append(torch.bmm(w[r0:r1].to(dtype).unsqueeze(1), torch.relu(x)).squeeze(1))
-    z = torch.cat(parts) * sm_scale
-    return z.masked_fill(~valid, float("-inf"))
+    with torch.autocast(index_q.device.type, enabled=False):
+        for r0 in range(0, R, chunk):
+            r1 = min(R, r0 + chunk)
+            kg = k[rows[r0:r1]].to(dtype)                            # (c, topk, D)
+            x = torch.bmm(q[r0:r1].to(dtype), kg.transpose(1, 2))    # (c, H, topk)
+            parts.append(torch.bmm(w[r0:r1].to(dtype).unsqueeze(1), torch.relu(x)).squeeze(1))
+        z = torch.cat(parts) * sm_scale
+        return z.masked_fill(~valid, float("-inf"))
 
 
 @_index_logits_op.register_fake

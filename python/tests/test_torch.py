@@ -521,3 +521,21 @@ def test_out_tensors_that_require_grad_are_refused():
     with pytest.raises(ValueError, match=r"^out: expected tensors that do not require grad \(they are written in "
                                          r"place\), got d_weights with requires_grad=True$"):
         dsaib.indexer_backward(**t, sm_scale=SM, out=out)
+
+
+def test_logits_stay_in_their_dtype_under_autocast():
+    # dsaib::index_logits turns autocast off inside: eager returns the dtype its
+    # fake kernel promises, which compiled graphs get (float32 here, not
+    # autocast's bf16 bmm), and the loss under autocast equals the loss without it.
+    g = torch.Generator().manual_seed(8)
+    q, w, k = torch.randn(1, 4, 8, 64, generator=g), torch.randn(1, 4, 8, generator=g), torch.randn(1, 6, 64, generator=g)
+    ids = torch.randint(-1, 6, (1, 4, 3), generator=g, dtype=torch.int32)
+    T = torch.softmax(torch.randn(1, 4, 3, generator=g), -1)
+    plain = dt.index_scores(q, w, k, ids, sm_scale=SM)
+    plain_loss = dt.indexer_kl_loss(q, w, k, ids, T, sm_scale=SM)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        scores = dt.index_scores(q, w, k, ids, sm_scale=SM)
+        loss = dt.indexer_kl_loss(q, w, k, ids, T, sm_scale=SM)
+    assert scores.dtype == torch.float32
+    torch.testing.assert_close(scores, plain, rtol=0, atol=0)
+    torch.testing.assert_close(loss, plain_loss, rtol=0, atol=0)
