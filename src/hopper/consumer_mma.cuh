@@ -11,7 +11,6 @@
 #include <cuda/ptx>
 #include <cutlass/arch/barrier.h>
 
-#include "hopper/l2_policy.cuh"
 #include "hopper/problem_device.cuh"
 #include "hopper/shared_storage.cuh"
 
@@ -185,13 +184,12 @@ struct ConsumerMma {
           constexpr int kLanesPerRow = kD / 4;
           constexpr int kRowsPerStep = 32 / kLanesPerRow;
           const int col = 4 * (lane % kLanesPerRow);
-          const uint64_t dk_policy = l2_policy_evict_last();
           CUTE_UNROLL
           for (int rr = 0; rr < 16; rr += kRowsPerStep) {
             const int r = 16 * warp + rr + lane / kLanesPerRow;
             const int32_t kr = ss.key_row[ks][r];
             const float4 v = *reinterpret_cast<const float4*>(&ss.dk_stage[0][r][col]);
-            if (kr >= 0) red_add_f32x4(p.dk_accum + static_cast<int64_t>(kr) * kD + col, v, dk_policy);
+            if (kr >= 0) atomicAdd(reinterpret_cast<float4*>(p.dk_accum + static_cast<int64_t>(kr) * kD + col), v);
           }
         }
         warpgroup_wait<0>();               // GEMM3 complete

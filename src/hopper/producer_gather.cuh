@@ -24,7 +24,6 @@
 #include <cute/tensor.hpp>
 #include <cuda/ptx>
 
-#include "hopper/l2_policy.cuh"
 #include "hopper/problem_device.cuh"
 #include "hopper/shared_storage.cuh"
 
@@ -60,24 +59,21 @@ struct ProducerGather {
     float pred[kPerThread];
   };
 
-  /// kLastUse: stage 1's second pass, the last read of these streams (ld.global.cs:
-  /// evict-first, so they do not push dK and K out of L2; l2_policy.cuh).
-  template <bool kLastUse>
   __device__ void load_batch(int first_slot, const RowSequence& seq, const int32_t* ids, const float* attn,
                              const float* pred, SlotBatch& s) const {
     int32_t id[kPerThread];
     CUTE_UNROLL
     for (int j = 0; j < kPerThread; ++j) {
       const int i = first_slot + j * kThreads;
-      id[j] = i < p.topk ? (kLastUse ? __ldcs(ids + i) : ids[i]) : -1;
+      id[j] = i < p.topk ? ids[i] : -1;
     }
     CUTE_UNROLL
     for (int j = 0; j < kPerThread; ++j) {
       const int i = first_slot + j * kThreads;
       const int64_t kr = key_row_of(p, seq, id[j]);  // -1 also for slots past topk (id -1)
       s.key_row[j] = static_cast<int32_t>(kr);
-      s.attn[j] = kr >= 0 ? (kLastUse ? __ldcs(attn + i) : attn[i]) : 0.0f;
-      s.pred[j] = kr >= 0 ? (kLastUse ? __ldcs(pred + i) : pred[i]) : 0.0f;
+      s.attn[j] = kr >= 0 ? attn[i] : 0.0f;
+      s.pred[j] = kr >= 0 ? pred[i] : 0.0f;
     }
   }
 
@@ -133,7 +129,6 @@ struct ProducerGather {
     const int gather_col = (tid % kChunksPerRow) * 8;
     const int gather_row0 = (tid / kChunksPerRow) * kGatherRows;
 
-    const uint64_t keep = l2_policy_evict_last();
     auto k_state = make_producer_start_state<Config::kStagesK>();
     auto q_state = make_producer_start_state<Config::kStagesQ>();
 
@@ -176,7 +171,7 @@ struct ProducerGather {
       int num_blocks = 0;
       for (int chunk0 = 0; chunk0 < p.topk; chunk0 += Config::kSlotChunk) {
         SlotBatch s;
-        load_batch<false>(chunk0 + tid, seq, ids, attn, pred, s);
+        load_batch(chunk0 + tid, seq, ids, attn, pred, s);
         int count = 0;
         CUTE_UNROLL
         for (int j = 0; j < kPerThread; ++j) {
@@ -204,7 +199,7 @@ struct ProducerGather {
       PipelineState<Config::kStagesK> pending_state{};
       for (int chunk0 = 0; chunk0 < p.topk; chunk0 += Config::kSlotChunk) {
         SlotBatch s;
-        load_batch<true>(chunk0 + tid, seq, ids, attn, pred, s);
+        load_batch(chunk0 + tid, seq, ids, attn, pred, s);
         int count = 0;
         CUTE_UNROLL
         for (int j = 0; j < kPerThread; ++j) count += s.key_row[j] >= 0;
@@ -243,7 +238,7 @@ struct ProducerGather {
           for (int i = 0; i < kGatherRows; ++i) {
             const bool valid = first + gather_row0 + i < chunk_valid;  // entries past the list are stale
             const uint16_t* src = valid ? k_seq_col + (static_cast<int64_t>(kr[i]) - seq.k_start) * p.k_row_stride : p.index_k;
-            cp_async_16_zfill(src, &sK(gather_row0 + i, gather_col, ks), valid, keep);  // K stays in L2
+            copy16(src, &sK(gather_row0 + i, gather_col, ks), valid);
           }
           cute::cp_async_fence();
           if (pending) {

@@ -7,7 +7,6 @@
 
 #include <cute/config.hpp>
 
-#include "hopper/l2_policy.cuh"
 #include "hopper/pipeline.cuh"
 #include "hopper/shared_storage.cuh"
 
@@ -34,7 +33,6 @@ struct ScatterReduce {
     const int col = 4 * (lane % kLanesPerRow);
     const int row0 = 16 * warp + lane / kLanesPerRow;
     auto state = make_consumer_start_state<Config::kDkBuffers>();
-    const uint64_t keep = l2_policy_evict_last();  // dK stays in L2 (l2_policy.cuh)
     for (;;) {
       dk_pipe.consumer_wait(state);
       const int b = state.index;
@@ -50,7 +48,7 @@ struct ScatterReduce {
       state.advance();
       CUTE_UNROLL
       for (int s = 0; s < kSteps; ++s) {
-        if (kr[s] >= 0) red_add_f32x4(p.dk_accum + static_cast<int64_t>(kr[s]) * kD + col, v[s], keep);
+        if (kr[s] >= 0) atomicAdd(reinterpret_cast<float4*>(p.dk_accum + static_cast<int64_t>(kr[s]) * kD + col), v[s]);
       }
     }
   }
