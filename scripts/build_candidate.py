@@ -6,7 +6,7 @@ worktree_build), `git apply` of the patch, a Release CUDA build of the four
 binaries the check runs (bench, CLI, GPU tests, sync_calibration), stripped,
 and ptxas's register/spill lines of the fused kernels. Exits non-zero when the
 patch does not apply or the build fails (the project builds with -Werror on
-spills); warns when ptxas serializes a kernel's wgmma (C7512, perf-log probe v22).
+spills, and cmake/ptxas_gate.sh fails a compile on C7512, serialised wgmma).
 
   scripts/build_candidate.py docs/kernel-ladder/v19-bulk-reduce-scatter-role.patch v19 [--keep]
 
@@ -64,9 +64,6 @@ def main():
     for sp, rg in zip(spills, regs):
         if re.search(r"Used (168|2\d\d) registers", rg):
             print(f"{sp}\t{rg}")
-    serialized = sorted(set(re.findall(r"C7512.*function '([^']+)'", text)))
-    if serialized:  # a likely loss even without a spill
-        print("build_candidate: WARNING: ptxas serializes wgmma in:\n  " + "\n  ".join(serialized))
     print(f"build_candidate: device run, carry [\".device/bin\", \".device/cand/{a.name}\"]: "
           f"CAND={a.name} bash scripts/device/candidate_check.sh")
 

@@ -1,10 +1,9 @@
 // Consumer role (warpgroup 1): per task, for each gathered block of keys,
 //   GEMM1 S = Q K^T -> dW, masked A -> GEMM2 dK_blk = A^T Q, GEMM3 dQ += A K
 // then the dK block is staged in shared memory and scatter-added row by row with
-// float4 reductions: by the scatter role (scatter_reduce.cuh) from a double
-// buffer when Config::kScatterRole, else by this warpgroup from per-warp rows;
-// dQ and dW are written at the end of the task. With the scatter role the
-// consumer stages an end marker after its last task.
+// float4 reductions by the scatter role (scatter_reduce.cuh) from a double
+// buffer; dQ and dW are written at the end of the task. After its last task the
+// consumer stages an end marker.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -42,7 +41,7 @@ struct ConsumerMma {
   SharedStorage<Config>& ss;
   MbarrierPipeline<Config::kStagesK> k_pipe;
   MbarrierPipeline<Config::kStagesQ> q_pipe;
-  MbarrierPipeline<Config::kDkBuffers> dk_pipe;  // kScatterRole: this role fills the staging buffers
+  MbarrierPipeline<Config::kDkBuffers> dk_pipe;  // this role fills the staging buffers
 
   __device__ void run() {
     using namespace cute;
@@ -144,20 +143,18 @@ struct ConsumerMma {
         warpgroup_gemm<false>(mma_dq, tDQrAt(_, _, _, 0, a_buf), tDQrKt(_, _, _, ks), tDQrDQ);
         if constexpr (Config::kSplitA) warpgroup_gemm<false>(mma_dq, tDQrAt(_, _, _, 1, a_buf), tDQrKt(_, _, _, ks), tDQrDQ);
         warpgroup_wait<Config::kATerms>();  // GEMM2 complete; GEMM3's kATerms groups may be in flight
-        // dK scatter, staged per warp: warp w's accumulator holds key rows
-        // 16w..16w+15 whole (value i is row r0 + 8*((i/2)%2), column
-        // c0 + (i%2) + 8*(i/4)), so the warp writes them to its own rows of
-        // dk_stage and reads them back row-contiguous: one float4 red per lane
+        // dK staging: warp w's accumulator holds key rows 16w..16w+15 whole
+        // (value i is row r0 + 8*((i/2)%2), column c0 + (i%2) + 8*(i/4)); it
+        // writes them to its rows of dk_stage[buf], and the scatter role
+        // (perf-log v16) reads them back row-contiguous: one float4 red per lane
         // covers kLanesPerRow*16 B of one key row (a whole 512-B row at D=128)
         // instead of 32 B of each of 16 rows (perf-log v10: the L2 adds whole
-        // rows at ~3.5 TB/s and the fragment pattern at ~2.2 TB/s; the op got
-        // 16% faster).
-        if constexpr (Config::kScatterRole) {
-          // Stage the block for the scatter role (perf-log v16), which issues the
-          // reds; the key rows go with it, so k stage ks is released below as
-          // before. RAW and WAR on buffer buf: dk_full / dk_empty (contract
-          // blocks in shared_storage.cuh): every consumer thread arrives after
-          // its stores, every scatter thread after its loads.
+        // rows at ~3.5 TB/s and the fragment pattern at ~2.2 TB/s). The key rows
+        // go with the block, so k stage ks is released below as before. RAW and
+        // WAR on buffer buf: dk_full / dk_empty (contract blocks in
+        // shared_storage.cuh): every consumer thread arrives after its stores,
+        // every scatter thread after its loads.
+        {
           const int warp = tid / 32, buf = dk_state.index;
           dk_pipe.producer_acquire(dk_state);  // the scatter role has read buffer buf
           CUTE_UNROLL
@@ -169,28 +166,6 @@ struct ConsumerMma {
           if (tid == 0) ss.dk_end[buf] = 0;
           dk_pipe.producer_commit(dk_state);  // every consumer thread, after its stores
           dk_state.advance();
-        } else {
-          // Two-role kernel: this warp scatters its own rows. Only this warp
-          // touches them: __syncwarp orders its reads of the previous block
-          // before the writes (WAR) and the writes before the reads (RAW).
-          const int warp = tid / 32;
-          __syncwarp();
-          CUTE_UNROLL
-          for (int j = 0; j < kD / 8; ++j) {
-            *reinterpret_cast<float2*>(&ss.dk_stage[0][r0][c0 + 8 * j]) = make_float2(tDKrDK(4 * j), tDKrDK(4 * j + 1));
-            *reinterpret_cast<float2*>(&ss.dk_stage[0][r0 + 8][c0 + 8 * j]) = make_float2(tDKrDK(4 * j + 2), tDKrDK(4 * j + 3));
-          }
-          __syncwarp();
-          constexpr int kLanesPerRow = kD / 4;
-          constexpr int kRowsPerStep = 32 / kLanesPerRow;
-          const int col = 4 * (lane % kLanesPerRow);
-          CUTE_UNROLL
-          for (int rr = 0; rr < 16; rr += kRowsPerStep) {
-            const int r = 16 * warp + rr + lane / kLanesPerRow;
-            const int32_t kr = ss.key_row[ks][r];
-            const float4 v = *reinterpret_cast<const float4*>(&ss.dk_stage[0][r][col]);
-            if (kr >= 0) atomicAdd(reinterpret_cast<float4*>(p.dk_accum + static_cast<int64_t>(kr) * kD + col), v);
-          }
         }
         warpgroup_wait<0>();               // GEMM3 complete
         k_pipe.consumer_release(k_state);  // GEMM1/GEMM3 reads of k[ks], reads of gs[ks]/key_row[ks] are done
@@ -228,11 +203,10 @@ struct ConsumerMma {
         }
       }
     }
-    if constexpr (Config::kScatterRole) {  // the end marker: the scatter role exits
-      dk_pipe.producer_acquire(dk_state);
-      if (tid == 0) ss.dk_end[dk_state.index] = 1;
-      dk_pipe.producer_commit(dk_state);
-    }
+    // The end marker: the scatter role exits.
+    dk_pipe.producer_acquire(dk_state);
+    if (tid == 0) ss.dk_end[dk_state.index] = 1;
+    dk_pipe.producer_commit(dk_state);
   }
 };
 

@@ -3,10 +3,10 @@
 // scatter_reduce.cuh.
 //
 //   warpgroup 0 : ProducerGather  (Q/w loads, stage 1, compaction, K gather; kProducerRegisters)
-//   warpgroup 1 : ConsumerMma     (GEMM1-3, dW, A, dK staging, epilogue; kConsumerRegisters;
-//                                  also the dK scatter when !Config::kScatterRole)
-//   warpgroup 2 : ScatterReduce   (dK scatter-add from the staging double buffer; only when
-//                                  Config::kScatterRole: 384 threads, 168 registers everywhere)
+//   warpgroup 1 : ConsumerMma     (GEMM1-3, dW, A, dK staging, epilogue; kConsumerRegisters)
+//   warpgroup 2 : ScatterReduce   (dK scatter-add from the staging double buffer; kScatterRegisters)
+// Every kernel has the three roles (v24: the split-A D=128 kernel too, its consumer
+// raised to 232 registers with setmaxnreg, its scatter role lowered to 144).
 // Persistent: CTA b takes tasks b, b + gridDim.x, ... (task = row * head_groups + group).
 #pragma once
 
@@ -30,14 +30,12 @@ __global__ void __launch_bounds__(Config::kThreads, 1) indexer_backward_kernel(c
   using Counts = KernelBarrierCounts<Config>;
   const MbarrierPipeline<Config::kStagesK> k_pipe{ss.k_full, ss.k_empty, 1u};
   const MbarrierPipeline<Config::kStagesQ> q_pipe{ss.q_full, ss.q_empty, 2u};
-  // kScatterRole: the consumer fills dk_stage, the scatter role empties it.
+  // The consumer fills dk_stage, the scatter role empties it.
   const MbarrierPipeline<Config::kDkBuffers> dk_pipe{ss.dk_full, ss.dk_empty, 3u};
   if (threadIdx.x == 0) {
     k_pipe.init({Counts::kFullArrivals, Counts::kEmptyArrivals});
     q_pipe.init({Counts::kFullArrivals, Counts::kEmptyArrivals});
-    if constexpr (Config::kScatterRole) {
-      dk_pipe.init({Counts::kDkFullArrivals, Counts::kDkEmptyArrivals});
-    }
+    dk_pipe.init({Counts::kDkFullArrivals, Counts::kDkEmptyArrivals});
   }
   init_barriers_fence_and_sync();
 
@@ -46,10 +44,11 @@ __global__ void __launch_bounds__(Config::kThreads, 1) indexer_backward_kernel(c
     cutlass::arch::warpgroup_reg_dealloc<Config::kProducerRegisters>();
     ProducerGather<Config>{p, ss, k_pipe, q_pipe}.run();
   } else if (warpgroup == 1) {
-    if constexpr (!Config::kScatterRole) cutlass::arch::warpgroup_reg_alloc<Config::kConsumerRegisters>();
+    if constexpr (Config::kConsumerRegisters > Config::kEntryRegisters) cutlass::arch::warpgroup_reg_alloc<Config::kConsumerRegisters>();
     ConsumerMma<Config>{p, ss, k_pipe, q_pipe, dk_pipe}.run();
   } else {
-    if constexpr (Config::kScatterRole) ScatterReduce<Config>{p, ss, dk_pipe}.run();
+    if constexpr (Config::kScatterRegisters < Config::kEntryRegisters) cutlass::arch::warpgroup_reg_dealloc<Config::kScatterRegisters>();
+    ScatterReduce<Config>{p, ss, dk_pipe}.run();
   }
 }
 

@@ -51,16 +51,22 @@ __device__ PipelineState<kStages> make_producer_start_state() {
 /// scatter role), readable by a debugger or a later launch.
 static __device__ uint32_t g_dsaib_wait_timeout_code = 0;
 
+/// The cold path of a timed-out wait: records why, then traps. Out of line on
+/// purpose: with a `trap` inlined into the roles, ptxas (nvcc 13.0) ignores a
+/// `setmaxnreg.inc` (a region then gets the lower of the entry limit and its own;
+/// a `.dec` still applies) and prints no diagnostic (perf-log, eighth session,
+/// "Build probe: setmaxnreg"); as a call on the cold path it does not.
+static __device__ __noinline__ void mbarrier_wait_timed_out(uint32_t timeout_code) {
+  g_dsaib_wait_timeout_code = timeout_code;
+  __trap();
+}
+
 /// Waits for the phase with parity `phase` of the mbarrier to complete.
 /// Traps instead of hanging after about 2^31 polls, far beyond any legal wait.
-/// (No printf here: a call inside the consumer's loop would serialise wgmma.)
 __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t phase, uint32_t timeout_code) {
   uint32_t polls = 0;
   while (!cuda::ptx::mbarrier_try_wait_parity(bar, phase)) {
-    if (++polls == (1u << 31)) {
-      g_dsaib_wait_timeout_code = timeout_code;
-      __trap();
-    }
+    if (++polls == (1u << 31)) mbarrier_wait_timed_out(timeout_code);
   }
 }
 

@@ -1,4 +1,4 @@
-// Scatter role (warpgroup 2, 128 threads; only when Config::kScatterRole): adds
+// Scatter role (warpgroup 2, 128 threads, kScatterRegisters): adds
 // every dK block the consumer stages into the global fp32 dK accumulator, one
 // float4 red per lane on contiguous columns of one key row (a whole 512-B row
 // per warp instruction at D=128), and hands the buffer back. Warp w takes rows

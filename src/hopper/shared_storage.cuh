@@ -23,12 +23,10 @@ struct SharedStorage {
   // ---- the dK block staged row-contiguous, rows padded by kDkStagePad floats: the
   //      accumulator's float2 stores of 8 rows then fall in distinct bank pairs
   //      (2 wavefronts per store, the minimum).
-  //      kScatterRole: kDkBuffers = 2 buffers, consumer -> scatter role through
-  //        dk_full / dk_empty (contract blocks below).
-  //      otherwise: one buffer, consumer-private per warp: consumer warp w writes
-  //        and reads only rows 16w..16w+15 (ordered by __syncwarp).
+  //      kDkBuffers = 2 buffers, consumer -> scatter role through dk_full /
+  //      dk_empty (contract blocks below).
   alignas(128) float dk_stage[Config::kDkBuffers][Config::kBlockKeys][Config::kHeadDim + Config::kDkStagePad];
-  // kScatterRole: with dk_stage[b], the flat key row of each staged row (-1 on
+  // With dk_stage[b], the flat key row of each staged row (-1 on
   // tail rows) and the end marker (1: no more blocks; the scatter role exits).
   int32_t dk_key_row[Config::kDkBuffers][Config::kBlockKeys];
   int32_t dk_end[Config::kDkBuffers];
@@ -84,7 +82,7 @@ struct SharedStorage {
   //   reuse        : immediately after the wait
   uint64_t q_full[kStagesQ];
   uint64_t q_empty[kStagesQ];
-  // dk_full[b]  "dK block (or the end marker) staged in buffer b" (kScatterRole only)
+  // dk_full[b]  "dK block (or the end marker) staged in buffer b"
   //   arrive count : Config::kConsumerThreads (128) thread arrivals
   //   who arrives  : every consumer thread, after its stores of dk_stage[b]
   //                  (lanes 0-15 of each warp: dk_key_row[b]; thread 0: dk_end[b])
@@ -117,16 +115,15 @@ struct KernelBarrierCounts {
                 "every producer thread arrives");
   static_assert(kEmptyArrivals == Config::kConsumerWarpgroups * Config::kThreadsPerWarpgroup,
                 "every consumer thread arrives");
-  // dK ring (kScatterRole): every consumer thread stages, every scatter thread reads.
+  // dK ring: every consumer thread stages, every scatter thread reads.
   static constexpr uint32_t kDkFullArrivals = Config::kConsumerThreads;
   static constexpr uint32_t kDkEmptyArrivals = Config::kScatterThreads;
   // The roles' thread counts as the kernel splits them (warpgroup 1 = consumer,
   // warpgroup 2 = scatter; indexer_backward_kernel.cuh).
   static_assert(kDkFullArrivals == Config::kConsumerWarpgroups * Config::kThreadsPerWarpgroup,
                 "every consumer thread stages and arrives on dk_full");
-  static_assert(!Config::kScatterRole ||
-                    (kDkEmptyArrivals == Config::kThreadsPerWarpgroup &&
-                     Config::kThreads == Config::kProducerThreads + Config::kConsumerThreads + kDkEmptyArrivals),
+  static_assert(kDkEmptyArrivals == Config::kThreadsPerWarpgroup &&
+                    Config::kThreads == Config::kProducerThreads + Config::kConsumerThreads + kDkEmptyArrivals,
                 "every scatter thread (all of warpgroup 2) arrives on dk_empty");
 };
 

@@ -26,7 +26,9 @@ struct TileConfig {
   // causal, -8.0 [-10.1, -6.0] random ns/row at S 16384 against 4 (5 pairs);
   // -2% on v11 before. Every instantiation still fits the 227 KiB opt-in
   // (static_assert in shared_storage.cuh).
-  static constexpr int kStagesK = 6;
+  // The split-A D=128 kernel (v24) stages dK for the scatter role in two buffers
+  // and its sA holds two terms: 5 K stages are what fit in 227 KiB there.
+  static constexpr int kStagesK = (kSplitA_ && kHeadDim_ == 128) ? 5 : 6;
   static constexpr int kStagesQ = 2;     // per-task Q/w pipeline depth
 
   static constexpr int kProducerWarpgroups = 1;
@@ -34,14 +36,13 @@ struct TileConfig {
   // Scatter role (perf-log v16): a third warpgroup does the dK scatter-add from
   // double-buffered staging, so the reds leave continuously instead of in the
   // consumer's chain (-13 to -15% against v11 at S 4096 and 16384, both id
-  // patterns). A 384-thread CTA caps ptxas at 168 registers for every region
-  // (perf-log build probe); the consumer without the scatter fits that for one
-  // bf16 a term, not for the split (A_lo) kernel at D=128, which keeps the
-  // two-role layout. Two buffers: a third measured no change (perf-log).
-  static constexpr bool kScatterRole = !kSplitA_ || kHeadDim_ == 64;
-  static constexpr int kScatterWarpgroups = kScatterRole ? 1 : 0;
+  // patterns). Since v24 every kernel has it: the split (A_lo) kernel at D=128
+  // raises its consumer's limit with setmaxnreg (below; -15% against its
+  // two-role layout, perf-log v24). Two buffers: a third measured no change
+  // (perf-log).
+  static constexpr int kScatterWarpgroups = 1;
   static constexpr int kScatterThreads = kScatterWarpgroups * 128;
-  static constexpr int kDkBuffers = kScatterRole ? 2 : 1;
+  static constexpr int kDkBuffers = 2;
   static constexpr int kThreadsPerWarpgroup = 128;
   static constexpr int kProducerThreads = kProducerWarpgroups * kThreadsPerWarpgroup;
   // Stage 1 walks a row in chunks of kSlotChunk slots, kSlotsPerThread slots
@@ -51,14 +52,28 @@ struct TileConfig {
   static constexpr int kSlotChunk = kProducerThreads * kSlotsPerThread;
   static constexpr int kConsumerThreads = kConsumerWarpgroups * kThreadsPerWarpgroup;
   static constexpr int kThreads = (kProducerWarpgroups + kConsumerWarpgroups + kScatterWarpgroups) * kThreadsPerWarpgroup;
-  // setmaxnreg budgets of the two-role kernel: 128 * (producer + consumer) <= 65536
-  // registers per CTA.
+  // setmaxnreg budgets. The CTA starts with kEntryRegisters per thread (ptxas's
+  // limit for 384 threads, __launch_bounds__(384, 1)), and setmaxnreg.inc only takes
+  // what the other warpgroups gave back with setmaxnreg.dec: producer + consumer +
+  // scatter <= 3 * kEntryRegisters, or the raising warpgroup waits forever (CUTLASS
+  // issue 2007). The producer lowers to 128. The split-A D=128 consumer (5 GEMMs per
+  // block, two A terms) raises to 232 and its scatter role lowers to 144 (v24;
+  // ptxas -v: no spill, no C7512; the build fails on either, cmake/ptxas_check.cmake); the other kernels' consumer and scatter role
+  // keep the 168 they start with.
+  static constexpr int kEntryRegisters = 168;
   static constexpr int kProducerRegisters = 128;
-  // Chosen by reading ptxas -v: the largest budgets that compile without a
-  // spill (D=64 spills 4 bytes at 232 and above, D=128 is clean at 240).
-  // With the scatter warpgroup every region is compiled within 168 registers
-  // (launch bound 384); the consumer then keeps what it has (no setmaxnreg.inc).
-  static constexpr int kConsumerRegisters = kScatterRole ? 168 : (kHeadDim == 64 ? 216 : 240);
+  static constexpr bool kRaisedConsumer = kSplitA_ && kHeadDim_ == 128;
+  static constexpr int kScatterRegisters = kRaisedConsumer ? 144 : kEntryRegisters;
+  static constexpr int kConsumerRegisters = kRaisedConsumer ? 232 : kEntryRegisters;
+  // One warpgroup per role. A kernel that raises a limit must give back exactly
+  // what it takes (CUTLASS issue 2007: a hang with a sum below the entry total);
+  // one that does not may only lower.
+  static_assert(kConsumerRegisters <= kEntryRegisters
+                    ? kProducerRegisters + kConsumerRegisters + kScatterRegisters <= 3 * kEntryRegisters
+                    : kProducerRegisters + kConsumerRegisters + kScatterRegisters == 3 * kEntryRegisters,
+                "setmaxnreg.inc can only take the registers the other warpgroups released");
+  static_assert(kThreads == 384 && kEntryRegisters == 65536 / 384 / 8 * 8,
+                "three 128-thread warpgroups, ptxas's entry limit at 384 threads");
 
   // dK blocks leave the accumulator through a per-warp staging area in shared
   // memory (each warp's 16 key rows, padded by kDkStagePad floats), and every
