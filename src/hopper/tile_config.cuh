@@ -58,7 +58,8 @@ struct TileConfig {
   // scatter <= 3 * kEntryRegisters, or the raising warpgroup waits forever (CUTLASS
   // issue 2007). The producer lowers to 128. The split-A D=128 consumer (5 GEMMs per
   // block, two A terms) raises to 232 and its scatter role lowers to 144 (v24;
-  // ptxas -v: no spill, no C7512; the build fails on either, cmake/ptxas_check.cmake); the other kernels' consumer and scatter role
+  // ptxas -v: no spill, no wgmma serialisation; the build fails on either,
+  // cmake/ptxas_gate.sh); the other kernels' consumer and scatter role
   // keep the 168 they start with.
   static constexpr int kEntryRegisters = 168;
   static constexpr int kProducerRegisters = 128;
