@@ -41,6 +41,12 @@ ABLATIONS = {
         [("src/hopper/consumer_mma.cuh",
           "        warpgroup_gemm<true>(mma_s, tSrQ(_, _, _, qs), tSrK(_, _, _, ks), tSrS);  // GEMM1: S = Q K^T",
           "        clear(tSrS);"),
+         ("src/hopper/consumer_mma.cuh",  # the split kernels' GEMM1 sites (kGemm1Ahead)
+          "warpgroup_gemm<true>(mma_s, tSrQ(_, _, _, qs), tSrK(_, _, _, k_state.index), tSrS);  // GEMM1 of block 0",
+          "clear(tSrS);"),
+         ("src/hopper/consumer_mma.cuh",
+          "warpgroup_gemm<true>(mma_s, tSrQ(_, _, _, qs), tSrK(_, _, _, k_next.index), tSrS);  // GEMM1: S = Q K^T",
+          "clear(tSrS);"),
          ("src/hopper/consumer_mma.cuh",
           "        warpgroup_gemm<true>(mma_dk, tDKrA(_, _, _, 0, a_buf), tDKrQt(_, _, _, qs), tDKrDK);",
           "        clear(tDKrDK);"),

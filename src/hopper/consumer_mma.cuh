@@ -109,11 +109,28 @@ struct ConsumerMma {
       float dw[2] = {0.0f, 0.0f};
       clear(tDQrDQ);
 
+      // With kGemm1Ahead (tile_config.cuh), GEMM1 of block blk+1 is issued
+      // right after GEMM2/3 of block blk, so the tensor pipe works on it while
+      // this warpgroup stages block blk's dK. S (tSrS) is free by then: A of
+      // block blk has left it for tSrA and sA. Per block, three wgmma steps in
+      // order: GEMM2 (kATerms groups), GEMM3 (kATerms groups), then GEMM1 of
+      // the next block or an empty group (one group either way), so every wait
+      // counts the same groups on every path; waits that depend on a runtime
+      // branch make ptxas serialise every wgmma (C7514/C7515, perf-log v25).
+      if constexpr (Config::kGemm1Ahead) {
+        if (num_blocks > 0) {
+          k_pipe.consumer_wait(k_state);  // K block 0, its gs and key_row
+          warpgroup_gemm<true>(mma_s, tSrQ(_, _, _, qs), tSrK(_, _, _, k_state.index), tSrS);  // GEMM1 of block 0
+        }
+      }
       for (int blk = 0; blk < num_blocks; ++blk) {
         const int ks = k_state.index;
-        k_pipe.consumer_wait(k_state);
-        warpgroup_gemm<true>(mma_s, tSrQ(_, _, _, qs), tSrK(_, _, _, ks), tSrS);  // GEMM1: S = Q K^T
-        warpgroup_wait<0>();
+        if constexpr (!Config::kGemm1Ahead) {
+          k_pipe.consumer_wait(k_state);
+          warpgroup_gemm<true>(mma_s, tSrQ(_, _, _, qs), tSrK(_, _, _, ks), tSrS);  // GEMM1: S = Q K^T
+        }
+        warpgroup_wait<0>();  // GEMM1 of this block complete
+        if constexpr (Config::kGemm1Ahead) warpgroup_fence_operand(tSrS);
 
         // dW and the masked A (docs/math.md stage 2)
         CUTE_UNROLL
@@ -136,13 +153,27 @@ struct ConsumerMma {
         consumer_smem_ready_sync<Config>();  // sA[a_buf] complete
 
         // GEMM2: dK_blk = A^T Q (every A term), then GEMM3: dQ += A K. wgmma
-        // groups of a warpgroup complete in order, so the dK block is scattered
-        // as soon as GEMM2's groups are done, while GEMM3 still runs.
+        // groups of a warpgroup complete in order, so the dK block is staged
+        // as soon as GEMM2's groups are done, while GEMM3 (and, with
+        // kGemm1Ahead, the next GEMM1) still run.
         warpgroup_gemm<true>(mma_dk, tDKrA(_, _, _, 0, a_buf), tDKrQt(_, _, _, qs), tDKrDK);
         if constexpr (Config::kSplitA) warpgroup_gemm<false>(mma_dk, tDKrA(_, _, _, 1, a_buf), tDKrQt(_, _, _, qs), tDKrDK);
         warpgroup_gemm<false>(mma_dq, tDQrAt(_, _, _, 0, a_buf), tDQrKt(_, _, _, ks), tDQrDQ);
         if constexpr (Config::kSplitA) warpgroup_gemm<false>(mma_dq, tDQrAt(_, _, _, 1, a_buf), tDQrKt(_, _, _, ks), tDQrDQ);
-        warpgroup_wait<Config::kATerms>();  // GEMM2 complete; GEMM3's kATerms groups may be in flight
+        auto k_next = k_state;  // with kGemm1Ahead: block blk+1's K stage
+        if constexpr (Config::kGemm1Ahead) {
+          k_next.advance();
+          if (blk + 1 < num_blocks) {
+            k_pipe.consumer_wait(k_next);  // K block blk+1, its gs and key_row
+            warpgroup_gemm<true>(mma_s, tSrQ(_, _, _, qs), tSrK(_, _, _, k_next.index), tSrS);  // GEMM1: S = Q K^T
+          } else {
+            cute::warpgroup_commit_batch();  // the empty group in GEMM1's place
+          }
+          warpgroup_wait<Config::kATerms + 1>();  // GEMM2 complete; GEMM3 and the next GEMM1 may run
+          warpgroup_fence_operand(tDKrDK);
+        } else {
+          warpgroup_wait<Config::kATerms>();  // GEMM2 complete; GEMM3's kATerms groups may be in flight
+        }
         // dK staging: warp w's accumulator holds key rows 16w..16w+15 whole
         // (value i is row r0 + 8*((i/2)%2), column c0 + (i%2) + 8*(i/4)); it
         // writes them to its rows of dk_stage[buf], and the scatter role
@@ -167,11 +198,14 @@ struct ConsumerMma {
           dk_pipe.producer_commit(dk_state);  // every consumer thread, after its stores
           dk_state.advance();
         }
-        warpgroup_wait<0>();               // GEMM3 complete
+        // GEMM3 complete (with kGemm1Ahead the next GEMM1 may still run: it reads k[ks+1])
+        warpgroup_wait<Config::kGemm1Ahead ? 1 : 0>();
         k_pipe.consumer_release(k_state);  // GEMM1/GEMM3 reads of k[ks], reads of gs[ks]/key_row[ks] are done
-        k_state.advance();
+        if constexpr (Config::kGemm1Ahead) k_state = k_next;
+        else k_state.advance();
         a_buf ^= 1;
       }
+      if constexpr (Config::kGemm1Ahead) warpgroup_wait<0>();  // the last (empty) group: dQ is read next
       q_pipe.consumer_release(q_state);  // GEMM1/GEMM2 reads of q[qs] were waited for
       q_state.advance();
 

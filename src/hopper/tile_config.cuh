@@ -56,14 +56,15 @@ struct TileConfig {
   // limit for 384 threads, __launch_bounds__(384, 1)), and setmaxnreg.inc only takes
   // what the other warpgroups gave back with setmaxnreg.dec: producer + consumer +
   // scatter <= 3 * kEntryRegisters, or the raising warpgroup waits forever (CUTLASS
-  // issue 2007). The producer lowers to 128. The split-A D=128 consumer (5 GEMMs per
-  // block, two A terms) raises to 232 and its scatter role lowers to 144 (v24;
-  // ptxas -v: no spill, no wgmma serialisation; the build fails on either,
-  // cmake/ptxas_gate.sh); the other kernels' consumer and scatter role
-  // keep the 168 they start with.
+  // issue 2007). The producer lowers to 128. The split-A consumers (5 GEMMs per
+  // block, two A terms, GEMM1 one block ahead) raise to 232 and their scatter
+  // role lowers to 144 (v24 at D=128, v26 at D=64; SASS: up to R213 at D=128,
+  // R176 at D=64; ptxas -v: no spill, no wgmma serialisation; the build fails on
+  // either, cmake/ptxas_gate.sh); the one-term kernels' consumer and scatter
+  // role keep the 168 they start with.
   static constexpr int kEntryRegisters = 168;
   static constexpr int kProducerRegisters = 128;
-  static constexpr bool kRaisedConsumer = kSplitA_ && kHeadDim_ == 128;
+  static constexpr bool kRaisedConsumer = kSplitA_;
   static constexpr int kScatterRegisters = kRaisedConsumer ? 144 : kEntryRegisters;
   static constexpr int kConsumerRegisters = kRaisedConsumer ? 232 : kEntryRegisters;
   // One warpgroup per role. A kernel that raises a limit must give back exactly
@@ -90,6 +91,12 @@ struct TileConfig {
   // Chosen per call (AOperandPrecision; automatic: split iff an fp32 dQ/dK output).
   static constexpr bool kSplitA = kSplitA_;
   static constexpr int kATerms = kSplitA ? 2 : 1;
+  // GEMM1 one block ahead (consumer_mma.cuh): GEMM1 of block j+1 is issued
+  // after GEMM2/3 of block j and overlaps block j's dK staging. Measured on
+  // every kernel as v25 (perf-log, ninth session, S 16384, 3 pairs): split-A
+  // -5.9% causal, -6.8% random; one-term +3.5% / +4.1% (with the 232 / 144
+  // budget it needs there). So the split kernels only (v26).
+  static constexpr bool kGemm1Ahead = kSplitA;
 
   using Element = cutlass::bfloat16_t;
 
