@@ -5,8 +5,9 @@
 //   warpgroup 0 : ProducerGather  (Q/w loads, stage 1, compaction, K gather; kProducerRegisters)
 //   warpgroup 1 : ConsumerMma     (GEMM1-3, dW, A, dK staging, epilogue; kConsumerRegisters)
 //   warpgroup 2 : ScatterReduce   (dK scatter-add from the staging double buffer; kScatterRegisters)
-// Every kernel has the three roles (v24: the split-A D=128 kernel too, its consumer
-// raised to 232 registers with setmaxnreg, its scatter role lowered to 144).
+// Every kernel has the three roles (since v24). The split-A kernels raise their
+// consumer to 232 registers with setmaxnreg and lower their scatter role to 144
+// (v24 at D=128, v26 at D=64; tile_config.cuh).
 // Persistent: CTA b takes tasks b, b + gridDim.x, ... (task = row * head_groups + group).
 #pragma once
 
