@@ -360,8 +360,9 @@ std::string nonfinite_effect(const std::string& name) {
   return name + ": propagate";
 }
 
-/// attn_score and index_score count only at valid slots (the backends never read
-/// the others, so NaN padding there is fine).
+/// attn_score and index_score count only at valid slots, index_k only in key rows
+/// that a valid slot selects (the backends never read the others, so NaN padding
+/// there is fine).
 std::string nonfinite_inputs(const Problem& p, const Geometry& g,
                              std::vector<std::pair<std::string, int64_t>>* found = nullptr) {
   std::string out;
@@ -378,6 +379,10 @@ std::string nonfinite_inputs(const Problem& p, const Geometry& g,
         int64_t b, tq;
         g.q_row_coords(e / g.topk, &b, &tq);
         if (g.key_row(b, ids.data<int32_t>()[e]) < 0) continue;
+      }
+      if (std::string(name) == "index_k" && g.head_dim > 0 &&
+          !g.key_selected[static_cast<size_t>(e / g.head_dim)]) {
+        continue;  // a key row no valid slot selects
       }
       if (!std::isfinite(element(t, e))) {
         if (first < 0) first = e;

@@ -517,6 +517,24 @@ TEST_F(Cli, NonFiniteInputWarningSaysWhatHappens) {
     EXPECT_EQ(ri.exit_code, 0) << ri.output;
     EXPECT_FALSE(contains(ri.output, "non-finite")) << ri.output;
   }
+  // NaN in index_k counts only in key rows that a valid slot selects (newcomer
+  // review, tenth session: an unread row used to fail the verdict).
+  {
+    auto u = dsaib::read_safetensors(tiny_problem(), &meta);
+    u.at("index_k").data<uint16_t>()[3] = 0x7fc0;  // key row 0 (selected: causal, slot 0 of row 0)
+    dsaib::write_safetensors(path("nan_k_read.safetensors"), u, meta);
+    const Result rr = run("backward --backend cpu --verify none --in " + quote(path("nan_k_read.safetensors")));
+    EXPECT_TRUE(contains(rr.output, "index_k: 1 (first at element 3)")) << rr.output;
+    EXPECT_EQ(rr.exit_code, 1) << rr.output;
+    int32_t* ids = u.at("topk_indices").data<int32_t>();
+    for (int64_t e = 0; e < u.at("topk_indices").numel(); ++e) {
+      if (ids[e] == 0) ids[e] = -1;  // now no valid slot selects key row 0
+    }
+    dsaib::write_safetensors(path("nan_k_unread.safetensors"), u, meta);
+    const Result ru = run("backward --backend cpu --verify all --in " + quote(path("nan_k_unread.safetensors")));
+    EXPECT_EQ(ru.exit_code, 0) << ru.output;
+    EXPECT_FALSE(contains(ru.output, "non-finite")) << ru.output;
+  }
   t.at("attn_score").data<float>()[0] = std::nanf("");  // row 0, slot 0: valid (causal, key 0)
   dsaib::write_safetensors(path("nan_qt.safetensors"), t, meta);
   r = run("backward --backend cpu --verify none --in " + quote(path("nan_qt.safetensors")));
