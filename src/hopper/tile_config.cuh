@@ -97,6 +97,10 @@ struct TileConfig {
   // -5.9% causal, -6.8% random; one-term +3.5% / +4.1% (with the 232 / 144
   // budget it needs there). So the split kernels only (v26).
   static constexpr bool kGemm1Ahead = kSplitA;
+  // The consumer then holds K block j while it waits for block j+1, which the
+  // producer commits only after acquiring block j+2 (deferred commit,
+  // producer_gather.cuh): three stages, or the two roles wait on each other.
+  static_assert(!kGemm1Ahead || kStagesK >= 3, "GEMM1 one block ahead needs at least 3 K stages");
 
   using Element = cutlass::bfloat16_t;
 
