@@ -373,6 +373,7 @@ std::string nonfinite_inputs(const Problem& p, const Geometry& g,
     const HostTensor& t = it->second;
     if (t.dtype == DType::i32) continue;
     const bool per_slot = std::string(name) == "attn_score" || std::string(name) == "index_score";
+    const bool per_key_row = std::string(name) == "index_k" && g.head_dim > 0;
     int64_t count = 0, first = -1;
     for (int64_t e = 0; e < t.numel(); ++e) {
       if (per_slot && g.topk > 0) {  // same (rows, topk) layout as topk_indices, contiguous
@@ -380,10 +381,7 @@ std::string nonfinite_inputs(const Problem& p, const Geometry& g,
         g.q_row_coords(e / g.topk, &b, &tq);
         if (g.key_row(b, ids.data<int32_t>()[e]) < 0) continue;
       }
-      if (std::string(name) == "index_k" && g.head_dim > 0 &&
-          !g.key_selected[static_cast<size_t>(e / g.head_dim)]) {
-        continue;  // a key row no valid slot selects
-      }
+      if (per_key_row && !g.key_selected[static_cast<size_t>(e / g.head_dim)]) continue;  // a key row no valid slot selects
       if (!std::isfinite(element(t, e))) {
         if (first < 0) first = e;
         ++count;

@@ -92,10 +92,11 @@ struct TileConfig {
   static constexpr bool kSplitA = kSplitA_;
   static constexpr int kATerms = kSplitA ? 2 : 1;
   // GEMM1 one block ahead (consumer_mma.cuh): GEMM1 of block j+1 is issued
-  // after GEMM2/3 of block j and overlaps block j's dK staging. Measured on
-  // every kernel as v25 (perf-log, ninth session, S 16384, 3 pairs): split-A
-  // -5.9% causal, -6.8% random; one-term +3.5% / +4.1% (with the 232 / 144
-  // budget it needs there). So the split kernels only (v26).
+  // after GEMM2/3 of block j and overlaps block j's dK staging. Split kernels
+  // only (v26, perf-log tenth session, S 16384, 3 pairs, against v24): D=128
+  // -5.0% causal / -7.7% random, D=64 -7.7% / -7.9%. In the one-term kernels the
+  // same loop cost +3.5% / +4.1% (v25) and +3.3% / +3.8% with their scatter
+  // role kept at 168 (v26x).
   static constexpr bool kGemm1Ahead = kSplitA;
   // The consumer then holds K block j while it waits for block j+1, which the
   // producer commits only after acquiring block j+2 (deferred commit,
