@@ -83,6 +83,13 @@ if [[ $what == ncu ]]; then
     --metrics sm__ops_path_tensor_src_bf16_dst_fp32.sum,gpu__time_duration.sum \
     "$bin/dsa-indexer-bwd-bench" --seq 4096 --ids random --iters 1 > "$out/ncu_tensor.txt" 2>&1 \
     && grep -E "sm__ops_path_tensor|gpu__time_duration" "$out/ncu_tensor.txt" || echo "ncu tensor-op metric: not available (see ncu_tensor.txt)"
+  # Stall reasons (the numbers behind WarpStateStats' chart): warps stalled per
+  # issued instruction, by reason, largest first. Also a separate run, allowed to fail.
+  timeout 120 ncu --clock-control none --kernel-name regex:indexer_backward_kernel --launch-skip 2 --launch-count 1 \
+    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+    "$bin/dsa-indexer-bwd-bench" --seq 4096 --ids random --iters 1 > "$out/ncu_stalls.txt" 2>&1 \
+    && python3 scripts/ncu_stall_reasons.py "$out/ncu_stalls.txt" | tee "$out/ncu_stall_reasons.txt" \
+    || echo "ncu stall-reason metrics: not available (see ncu_stalls.txt)"
 fi
 if [[ $what == ncu-source ]]; then
   # Per-SASS-instruction warp-stall samples of the fused kernel (random ids, S 4096):

@@ -8,10 +8,10 @@
 namespace dsaib::hopper {
 
 enum class NamedBarrierId : uint32_t {
-  /// The consumer warpgroup: all consumer threads wrote sA[buf] and fenced to
-  /// the async proxy; after it, wgmma may read it (and, by then, every thread
-  /// has finished the GEMM2/3 that read sA[buf ^ 1] one block earlier).
-  kConsumerSmemReady = 0,
+  /// The score-role warpgroup: all its threads wrote sA[buf] and fenced to the
+  /// async proxy; after it, its GEMM3 may read sA[buf] (the dK role's GEMM2
+  /// waits on the a_full mbarrier instead, shared_storage.cuh).
+  kScoreSmemReady = 0,
   /// The producer warpgroup: stage-1 partial sums / counts and the compacted
   /// slot list are complete (or fully consumed) before the next step.
   kProducerSync = 1,
@@ -19,7 +19,7 @@ enum class NamedBarrierId : uint32_t {
 
 template <class Config>
 struct NamedBarrierThreads {
-  static constexpr uint32_t kConsumerSmemReady = Config::kConsumerThreads;
+  static constexpr uint32_t kScoreSmemReady = Config::kScoreThreads;
   static constexpr uint32_t kProducerSync = Config::kProducerThreads;
 };
 
@@ -30,9 +30,9 @@ __device__ inline void producer_sync() {
 }
 
 template <class Config>
-__device__ inline void consumer_smem_ready_sync() {
-  cutlass::arch::NamedBarrier::sync(NamedBarrierThreads<Config>::kConsumerSmemReady,
-                                    static_cast<uint32_t>(NamedBarrierId::kConsumerSmemReady));
+__device__ inline void score_smem_ready_sync() {
+  cutlass::arch::NamedBarrier::sync(NamedBarrierThreads<Config>::kScoreSmemReady,
+                                    static_cast<uint32_t>(NamedBarrierId::kScoreSmemReady));
 }
 
 }  // namespace dsaib::hopper

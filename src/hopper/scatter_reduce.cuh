@@ -1,8 +1,8 @@
-// Scatter role (warpgroup 2, 128 threads, kScatterRegisters): adds
-// every dK block the consumer stages into the global fp32 dK accumulator, one
+// Scatter role (warpgroup 3, 128 threads, kScatterRegisters): adds
+// every dK block the dK role (dk_mma.cuh) stages into the global fp32 dK accumulator, one
 // float4 red per lane on contiguous columns of one key row (a whole 512-B row
 // per warp instruction at D=128), and hands the buffer back. Warp w takes rows
-// 16w..16w+15. Runs until the consumer stages the end marker.
+// 16w..16w+15. Runs until the dK role stages the end marker.
 #pragma once
 
 #include <cute/config.hpp>
@@ -36,7 +36,7 @@ struct ScatterReduce {
     for (;;) {
       dk_pipe.consumer_wait(state);
       const int b = state.index;
-      if (ss.dk_end[b]) return;  // the consumer is done; nothing is left to read
+      if (ss.dk_end[b]) return;  // the dK role is done; nothing is left to read
       int32_t kr[kSteps];
       float4 v[kSteps];
       CUTE_UNROLL

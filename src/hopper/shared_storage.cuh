@@ -30,6 +30,9 @@ struct SharedStorage {
   // tail rows) and the end marker (1: no more blocks; the scatter role exits).
   int32_t dk_key_row[Config::kDkBuffers][Config::kBlockKeys];
   int32_t dk_end[Config::kDkBuffers];
+  // With sA[b], the flat key row of each of its 64 keys (-1 on tail keys): the
+  // score role copies them from key_row[ks], so the dK role needs no K stage.
+  int32_t a_key_row[Config::kABuffers][Config::kBlockKeys];
   // ---- per K stage, read with ordinary loads
   float gs[kStagesK][Config::kBlockKeys];        // dLoss/dz of each gathered slot (0 on tail entries)
   int32_t key_row[kStagesK][Config::kBlockKeys]; // flat index_k row of each gathered slot, -1 on tail entries
@@ -50,14 +53,15 @@ struct SharedStorage {
   //                  copies into k[s] (zero-fill included) completed, and
   //                  (3) fence.proxy.async.shared::cta
   //   tx bytes     : none (cp.async completion is waited for, not tracked)
-  //   waiters      : all consumer threads, on the consumer PipelineState's phase
+  //   waiters      : all score-role threads, on the consumer PipelineState's phase
   //   publishes    : k[s], gs[s][*], key_row[s][*]
   //   reuse        : the producer overwrites stage s only after k_empty[s]
   // k_empty[s]  "stage s may be overwritten"
-  //   arrive count : Config::kConsumerThreads (128) thread arrivals
-  //   who arrives  : every consumer thread, after warpgroup_wait<0> of GEMM1 and
-  //                  GEMM3 (the wgmma reads of k[s]) and its own reads of
-  //                  gs[s] / key_row[s]
+  //   arrive count : Config::kScoreThreads (128) thread arrivals
+  //   who arrives  : every score-role thread, after the warpgroup_wait<0> that
+  //                  completes GEMM1 and GEMM3 of the block (the wgmma reads of
+  //                  k[s]; GEMM3's wait is the next block's, or the task's last)
+  //                  and its own reads of gs[s] / key_row[s]
   //   tx bytes     : none
   //   waiters      : producer threads, starting on phase 1 (make_producer_start_state)
   //   publishes    : the end of all reads of stage s (write-after-read order)
@@ -69,62 +73,88 @@ struct SharedStorage {
   //   who arrives  : every producer thread, after its w_scaled/num_blocks stores,
   //                  cp.async.wait_group 0 for its Q copies, and fence.proxy.async
   //   tx bytes     : none
-  //   waiters      : all consumer threads, consumer phase
+  //   waiters      : all score-role and dK-role threads, consumer phase
   //   publishes    : q[s], w_scaled[s][*], num_blocks[s]
   //   reuse        : after q_empty[s]
   // q_empty[s]  "Q stage s may be overwritten"
-  //   arrive count : Config::kConsumerThreads (128) thread arrivals
-  //   who arrives  : every consumer thread after its last GEMM1/GEMM2 of the
-  //                  task has been waited for (and after reading w_scaled/num_blocks)
+  //   arrive count : Config::kScoreThreads + Config::kDkThreads (256) thread arrivals
+  //   who arrives  : every score-role thread after its last GEMM1 of the task
+  //                  has been waited for, every dK-role thread after its last
+  //                  GEMM2 (both after reading w_scaled / num_blocks)
   //   tx bytes     : none
   //   waiters      : producer threads, starting on phase 1
   //   publishes    : the end of all reads of q[s]
   //   reuse        : immediately after the wait
   uint64_t q_full[kStagesQ];
   uint64_t q_empty[kStagesQ];
+  // a_full[b]   "A of a block (every term) and its key rows are in sA[b] / a_key_row[b]"
+  //   arrive count : Config::kScoreThreads (128) thread arrivals
+  //   who arrives  : every score-role thread, after its stmatrix stores of sA[b]
+  //                  (lanes 0-15 of each warp: a_key_row[b]) and
+  //                  fence.proxy.async.shared::cta (GEMM2 reads sA[b] through the
+  //                  async proxy)
+  //   tx bytes     : none
+  //   waiters      : all dK-role threads, consumer-side PipelineState
+  //   publishes    : sA[b] (all terms), a_key_row[b][*]
+  //   reuse        : the score role rewrites buffer b only after a_empty[b]
+  // a_empty[b]  "sA[b] / a_key_row[b] may be overwritten"
+  //   arrive count : Config::kDkThreads (128) thread arrivals
+  //   who arrives  : every dK-role thread, after warpgroup_wait<0> of GEMM2 (the
+  //                  wgmma reads of sA[b]) and its read of a_key_row[b]
+  //   tx bytes     : none
+  //   waiters      : score-role threads, starting on phase 1
+  //   publishes    : the end of the dK role's reads of buffer b (write-after-read);
+  //                  the score role's own GEMM3 reads of sA[b] are ordered by its
+  //                  own warpgroup_wait<0> in the next block (see below)
+  //   reuse        : immediately after the wait
+  uint64_t a_full[Config::kABuffers];
+  uint64_t a_empty[Config::kABuffers];
   // dk_full[b]  "dK block (or the end marker) staged in buffer b"
-  //   arrive count : Config::kConsumerThreads (128) thread arrivals
-  //   who arrives  : every consumer thread, after its stores of dk_stage[b]
+  //   arrive count : Config::kDkThreads (128) thread arrivals
+  //   who arrives  : every dK-role thread, after its stores of dk_stage[b]
   //                  (lanes 0-15 of each warp: dk_key_row[b]; thread 0: dk_end[b])
   //   tx bytes     : none
   //   waiters      : all scatter threads, consumer-side PipelineState
   //   publishes    : dk_stage[b][*], dk_key_row[b][*], dk_end[b]
-  //   reuse        : the consumer restages buffer b only after dk_empty[b]
+  //   reuse        : the dK role restages buffer b only after dk_empty[b]
   // dk_empty[b] "buffer b may be overwritten"
   //   arrive count : Config::kScatterThreads (128) thread arrivals
   //   who arrives  : every scatter thread, after its loads of dk_stage[b] / dk_key_row[b]
   //   tx bytes     : none
-  //   waiters      : consumer threads, starting on phase 1
+  //   waiters      : dK-role threads, starting on phase 1
   //   publishes    : the end of the scatter role's reads of buffer b (write-after-read)
   //   reuse        : immediately after the wait
   uint64_t dk_full[Config::kDkBuffers];
   uint64_t dk_empty[Config::kDkBuffers];
-  // sA is not guarded by mbarriers: only consumer threads touch it. RAW: every
-  // consumer thread stores its part of sA[buf], fences to the async proxy and
-  // arrives at NamedBarrierId::kConsumerSmemReady before wgmma reads it. WAR:
-  // sA[buf] is rewritten two blocks later, after every consumer thread has
-  // waited for that block's GEMM2/3 (warpgroup_wait) and then passed the next
-  // block's kConsumerSmemReady barrier.
+  // sA within the score role: RAW: every score-role thread stores its part of
+  // sA[buf], fences to the async proxy and arrives at
+  // NamedBarrierId::kScoreSmemReady before its own GEMM3 reads it. WAR: sA[buf]
+  // is rewritten two blocks later, after every score-role thread has waited
+  // (warpgroup_wait<0> after the next block's GEMM1) for the GEMM3 that read it.
 };
 
 template <class Config>
 struct KernelBarrierCounts {
-  static constexpr uint32_t kFullArrivals = Config::kProducerThreads;
-  static constexpr uint32_t kEmptyArrivals = Config::kConsumerThreads;
-  static_assert(kFullArrivals == Config::kProducerWarpgroups * Config::kThreadsPerWarpgroup,
-                "every producer thread arrives");
-  static_assert(kEmptyArrivals == Config::kConsumerWarpgroups * Config::kThreadsPerWarpgroup,
-                "every consumer thread arrives");
-  // dK ring: every consumer thread stages, every scatter thread reads.
-  static constexpr uint32_t kDkFullArrivals = Config::kConsumerThreads;
+  // K stages: every producer thread fills, every score-role thread releases.
+  static constexpr uint32_t kKFullArrivals = Config::kProducerThreads;
+  static constexpr uint32_t kKEmptyArrivals = Config::kScoreThreads;
+  // Q stages: every producer thread fills, both MMA roles release.
+  static constexpr uint32_t kQFullArrivals = Config::kProducerThreads;
+  static constexpr uint32_t kQEmptyArrivals = Config::kScoreThreads + Config::kDkThreads;
+  // sA buffers: every score-role thread fills, every dK-role thread releases.
+  static constexpr uint32_t kAFullArrivals = Config::kScoreThreads;
+  static constexpr uint32_t kAEmptyArrivals = Config::kDkThreads;
+  // dK ring: every dK-role thread stages, every scatter thread reads.
+  static constexpr uint32_t kDkFullArrivals = Config::kDkThreads;
   static constexpr uint32_t kDkEmptyArrivals = Config::kScatterThreads;
-  // The roles' thread counts as the kernel splits them (warpgroup 1 = consumer,
-  // warpgroup 2 = scatter; indexer_backward_kernel.cuh).
-  static_assert(kDkFullArrivals == Config::kConsumerWarpgroups * Config::kThreadsPerWarpgroup,
-                "every consumer thread stages and arrives on dk_full");
-  static_assert(kDkEmptyArrivals == Config::kThreadsPerWarpgroup &&
-                    Config::kThreads == Config::kProducerThreads + Config::kConsumerThreads + kDkEmptyArrivals,
-                "every scatter thread (all of warpgroup 2) arrives on dk_empty");
+  // Each role is one whole warpgroup (indexer_backward_kernel.cuh), and every
+  // thread of it arrives.
+  static_assert(Config::kProducerThreads == Config::kThreadsPerWarpgroup &&
+                    Config::kScoreThreads == Config::kThreadsPerWarpgroup &&
+                    Config::kDkThreads == Config::kThreadsPerWarpgroup &&
+                    Config::kScatterThreads == Config::kThreadsPerWarpgroup &&
+                    Config::kThreads == 4 * Config::kThreadsPerWarpgroup,
+                "one warpgroup per role, every thread of a role arrives");
 };
 
 template <class Config>

@@ -31,51 +31,51 @@ struct TileConfig {
   static constexpr int kStagesK = (kSplitA_ && kHeadDim_ == 128) ? 5 : 6;
   static constexpr int kStagesQ = 2;     // per-task Q/w pipeline depth
 
-  static constexpr int kProducerWarpgroups = 1;
-  static constexpr int kConsumerWarpgroups = 1;
-  // Scatter role (perf-log v16): a third warpgroup does the dK scatter-add from
-  // double-buffered staging, so the reds leave continuously instead of in the
-  // consumer's chain (-13 to -15% against v11 at S 4096 and 16384, both id
-  // patterns). Since v24 every kernel has it: the split (A_lo) kernel at D=128
-  // raises its consumer's limit with setmaxnreg (below; -15% against its
-  // two-role layout, perf-log v24). Two buffers: a third measured no change
-  // (perf-log).
-  static constexpr int kScatterWarpgroups = 1;
-  static constexpr int kScatterThreads = kScatterWarpgroups * 128;
-  static constexpr int kDkBuffers = 2;
+  // Four roles, one warpgroup each (indexer_backward_kernel.cuh): producer
+  // (gather), score MMA (GEMM1, dW, A, GEMM3 -> dQ), dK MMA (GEMM2 -> dK,
+  // staging) and scatter (dK reds). v28 split the one consumer warpgroup of
+  // v16-v27 into the score and dK roles: its chain (GEMM1, A, GEMM2, dK
+  // staging, GEMM3) was the bound (perf-log tenth session, wait-time probe;
+  // eleventh session, ncu source view).
   static constexpr int kThreadsPerWarpgroup = 128;
-  static constexpr int kProducerThreads = kProducerWarpgroups * kThreadsPerWarpgroup;
+  static constexpr int kProducerThreads = kThreadsPerWarpgroup;
+  static constexpr int kScoreThreads = kThreadsPerWarpgroup;
+  static constexpr int kDkThreads = kThreadsPerWarpgroup;
+  // Scatter role (perf-log v16): the dK scatter-add from double-buffered
+  // staging, so the reds leave continuously instead of in an MMA role's chain
+  // (-13 to -15% against v11 at S 4096 and 16384, both id patterns). Two
+  // buffers: a third measured no change (perf-log).
+  static constexpr int kScatterThreads = kThreadsPerWarpgroup;
+  static constexpr int kDkBuffers = 2;
+  // Warpgroup index of each role (the kernel's role split).
+  static constexpr int kProducerWarpgroup = 0;
+  static constexpr int kScoreWarpgroup = 1;
+  static constexpr int kDkWarpgroup = 2;
+  static constexpr int kScatterWarpgroup = 3;
+  static constexpr int kThreads = kProducerThreads + kScoreThreads + kDkThreads + kScatterThreads;
   // Stage 1 walks a row in chunks of kSlotChunk slots, kSlotsPerThread slots
   // per producer thread (strided by kProducerThreads: coalesced warp loads),
   // loads batched before use.
   static constexpr int kSlotsPerThread = 8;
   static constexpr int kSlotChunk = kProducerThreads * kSlotsPerThread;
-  static constexpr int kConsumerThreads = kConsumerWarpgroups * kThreadsPerWarpgroup;
-  static constexpr int kThreads = (kProducerWarpgroups + kConsumerWarpgroups + kScatterWarpgroups) * kThreadsPerWarpgroup;
   // setmaxnreg budgets. The CTA starts with kEntryRegisters per thread (ptxas's
-  // limit for 384 threads, __launch_bounds__(384, 1)), and setmaxnreg.inc only takes
-  // what the other warpgroups gave back with setmaxnreg.dec: producer + consumer +
-  // scatter <= 3 * kEntryRegisters, or the raising warpgroup waits forever (CUTLASS
-  // issue 2007). The producer lowers to 128. The split-A consumers (5 GEMMs per
-  // block, two A terms, GEMM1 one block ahead) raise to 232 and their scatter
-  // role lowers to 144 (v24 at D=128, v26 at D=64; SASS: up to R213 at D=128,
-  // R176 at D=64; ptxas -v: no spill, no wgmma serialisation; the build fails on
-  // either, cmake/ptxas_gate.sh); the one-term kernels' consumer and scatter
-  // role keep the 168 they start with.
-  static constexpr int kEntryRegisters = 168;
-  static constexpr int kProducerRegisters = 128;
-  static constexpr bool kRaisedConsumer = kSplitA_;
-  static constexpr int kScatterRegisters = kRaisedConsumer ? 144 : kEntryRegisters;
-  static constexpr int kConsumerRegisters = kRaisedConsumer ? 232 : kEntryRegisters;
-  // One warpgroup per role. A kernel that raises a limit must give back exactly
-  // what it takes (CUTLASS issue 2007: a hang with a sum below the entry total);
-  // one that does not may only lower.
-  static_assert(kConsumerRegisters <= kEntryRegisters
-                    ? kProducerRegisters + kConsumerRegisters + kScatterRegisters <= 3 * kEntryRegisters
-                    : kProducerRegisters + kConsumerRegisters + kScatterRegisters == 3 * kEntryRegisters,
+  // limit for 512 threads, __launch_bounds__(512, 1)), and setmaxnreg.inc only
+  // takes what the other warpgroups gave back with setmaxnreg.dec: the four
+  // budgets must sum to exactly 4 * kEntryRegisters, or the raising warpgroup
+  // waits forever (CUTLASS issue 2007). The score role holds S (32 fp32), dQ
+  // (64 at D=128) and the A fragments (16 per term); the dK role holds dK (64 at
+  // D=128); the scatter role kSteps float4 values and key rows. ptxas -v with
+  // -warn-spills -Werror and cmake/ptxas_gate.sh (serialised wgmma) check that
+  // each role fits its budget.
+  static constexpr int kEntryRegisters = 128;
+  static constexpr int kProducerRegisters = kSplitA_ ? 112 : 120;
+  static constexpr int kScoreRegisters = kSplitA_ ? 176 : 160;
+  static constexpr int kDkRegisters = kSplitA_ ? 104 : 112;
+  static constexpr int kScatterRegisters = 120;
+  static_assert(kProducerRegisters + kScoreRegisters + kDkRegisters + kScatterRegisters == 4 * kEntryRegisters,
                 "setmaxnreg.inc can only take the registers the other warpgroups released");
-  static_assert(kThreads == 384 && kEntryRegisters == 65536 / 384 / 8 * 8,
-                "three 128-thread warpgroups, ptxas's entry limit at 384 threads");
+  static_assert(kThreads == 512 && kEntryRegisters == 65536 / 512 / 8 * 8,
+                "four 128-thread warpgroups, ptxas's entry limit at 512 threads");
 
   // dK blocks leave the accumulator through a per-warp staging area in shared
   // memory (each warp's 16 key rows, padded by kDkStagePad floats), and every
@@ -91,18 +91,6 @@ struct TileConfig {
   // Chosen per call (AOperandPrecision; automatic: split iff an fp32 dQ/dK output).
   static constexpr bool kSplitA = kSplitA_;
   static constexpr int kATerms = kSplitA ? 2 : 1;
-  // GEMM1 one block ahead (consumer_mma.cuh): GEMM1 of block j+1 is issued
-  // after GEMM2/3 of block j and overlaps block j's dK staging. Split kernels
-  // only (v26, perf-log tenth session, S 16384, 3 pairs, against v24): D=128
-  // -5.0% causal / -7.7% random, D=64 -7.7% / -7.9%. In the one-term kernels the
-  // same loop cost +3.5% / +4.1% (v25) and +3.3% / +3.8% with their scatter
-  // role kept at 168 (v26x).
-  static constexpr bool kGemm1Ahead = kSplitA;
-  // The consumer then holds K block j while it waits for block j+1, which the
-  // producer commits only after acquiring block j+2 (deferred commit,
-  // producer_gather.cuh): three stages, or the two roles wait on each other.
-  static_assert(!kGemm1Ahead || kStagesK >= 3, "GEMM1 one block ahead needs at least 3 K stages");
-
   using Element = cutlass::bfloat16_t;
 
   // Shared-memory layouts (128-byte swizzle, K-major atoms of 8 x 64 bf16).
@@ -114,8 +102,9 @@ struct TileConfig {
   using SmemLayoutK = decltype(cute::tile_to_shape(
       SmemAtom{}, cute::Shape<cute::Int<kBlockKeys>, cute::Int<kHeadDim>, cute::Int<kStagesK>>{}));
   // sA: (keys, heads, term, buf), heads contiguous; term 0 = A_hi, 1 = A_lo;
-  // double-buffered across blocks (kABuffers) so that no barrier is needed
-  // between a block's GEMM2/3 and the next block's A stores.
+  // double-buffered across blocks (kABuffers): the score role writes block
+  // j+1's A while the dK role's GEMM2 still reads block j's (a_full / a_empty,
+  // shared_storage.cuh).
   static constexpr int kABuffers = 2;
   using SmemLayoutA = decltype(cute::tile_to_shape(
       SmemAtom{}, cute::Shape<cute::Int<kBlockKeys>, cute::Int<kHeadTile>, cute::Int<kATerms>, cute::Int<kABuffers>>{}));

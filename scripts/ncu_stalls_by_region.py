@@ -1,0 +1,57 @@
+#!/usr/bin/env python3
+"""Warp-stall samples of an ncu source-page CSV (`ncu --import R.ncu-rep --page
+source --csv --print-source sass`, as `gpu_check.sh ncu-source` writes it) summed
+over SASS address ranges, e.g. the kernel's roles (between their USETMAXREG /
+EXIT) or the code regions of one role, with the top stall reasons of each range.
+
+usage: ncu_stalls_by_region.py SOURCE.csv OFFSET=NAME [OFFSET=NAME ...] [--end OFFSET]
+OFFSETs are hex, relative to the kernel's first instruction; a range runs from
+its offset to the next one (the last to --end, or to the end of the kernel).
+Shares are of the samples inside all the ranges.
+"""
+import csv
+import sys
+
+
+def number(s):
+    try:
+        return float(str(s).replace(",", ""))
+    except ValueError:
+        return 0.0
+
+
+def main():
+    args = sys.argv[1:]
+    end = None
+    if "--end" in args:
+        i = args.index("--end")
+        end = int(args[i + 1], 16)
+        del args[i:i + 2]
+    path, specs = args[0], args[1:]
+    lines = open(path).read().splitlines()
+    start = next(i for i, l in enumerate(lines) if "Address" in l and "Source" in l)
+    rows = list(csv.DictReader(lines[start:]))
+    samples = next(c for c in rows[0] if "Warp Stall Sampling (All" in c)
+    reasons = [c for c in rows[0] if c.startswith("stall_") and "Not Issued" not in c]
+    base = int(rows[0]["Address"], 16)
+    bounds = sorted((int(a, 16), name) for a, name in (s.split("=", 1) for s in specs))
+    agg = {name: {"total": 0.0} for _, name in bounds}
+    for r in rows:
+        off = int(r["Address"], 16) - base
+        if off < bounds[0][0] or (end is not None and off >= end):
+            continue
+        name = [n for a, n in bounds if off >= a][-1]
+        d = agg[name]
+        d["total"] += number(r[samples])
+        for c in reasons:
+            d[c] = d.get(c, 0.0) + number(r[c])
+    total = sum(d["total"] for d in agg.values()) or 1.0
+    for a, name in bounds:
+        d = agg[name]
+        top = sorted(((v, c) for c, v in d.items() if c != "total"), reverse=True)[:5]
+        why = ", ".join(f"{c[6:]} {100 * v / max(d['total'], 1):.0f}%" for v, c in top if v > 0)
+        print(f"{a:6x} {name:24s} {d['total']:8.0f} {100 * d['total'] / total:5.1f}%  {why}")
+
+
+if __name__ == "__main__":
+    main()

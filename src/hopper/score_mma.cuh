@@ -1,0 +1,172 @@
+// Score role (warpgroup 1, kScoreRegisters): per task, for each gathered block
+// of keys,
+//   GEMM1 S = Q K^T -> dW, masked A (bf16, one or two terms) -> sA[b]
+//   GEMM3 dQ += A K
+// and at the end of the task it writes dQ and dW. The dK role (dk_mma.cuh)
+// takes A from sA[b] for GEMM2 (dK = A^T Q); the two roles hand sA over through
+// a_full / a_empty (shared_storage.cuh).
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cuda/ptx>
+#include <cutlass/arch/barrier.h>
+
+#include "hopper/problem_device.cuh"
+#include "hopper/shared_storage.cuh"
+#include "hopper/warpgroup_gemm.cuh"
+
+namespace dsaib::hopper {
+
+template <class Config>
+struct ScoreMma {
+  using Element = typename Config::Element;
+  static constexpr int kD = Config::kHeadDim;
+  static constexpr int kBlock = Config::kBlockKeys;
+
+  const IndexerBackwardParams& p;
+  SharedStorage<Config>& ss;
+  MbarrierPipeline<Config::kStagesK> k_pipe;   // this role consumes K stages
+  MbarrierPipeline<Config::kStagesQ> q_pipe;   // and Q stages (with the dK role)
+  MbarrierPipeline<Config::kABuffers> a_pipe;  // and fills sA for the dK role
+
+  __device__ void run() {
+    using namespace cute;
+    const int tid = threadIdx.x - Config::kScoreWarpgroup * Config::kThreadsPerWarpgroup;  // 0..127
+    const int lane = tid % 32;
+    const int warp = tid / 32;
+
+    Tensor sQ = make_tensor(make_smem_ptr(ss.q), typename Config::SmemLayoutQ{});     // (64 heads, D, stage)
+    Tensor sK = make_tensor(make_smem_ptr(ss.k), typename Config::SmemLayoutK{});     // (64 keys, D, stage)
+    Tensor sKt = make_tensor(make_smem_ptr(ss.k), typename Config::SmemLayoutKt{});   // (D, 64 keys, stage)
+    Tensor sAt = make_tensor(make_smem_ptr(ss.a), typename Config::SmemLayoutAt{});   // (64 heads, 64 keys, term, buf)
+
+    typename Config::TiledMmaS mma_s;
+    typename Config::TiledMmaDQ mma_dq;
+    auto thr_s = mma_s.get_thread_slice(tid);
+    auto thr_dq = mma_dq.get_thread_slice(tid);
+
+    // GEMM1 operands and accumulator
+    Tensor tSrQ = thr_s.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K, stageQ) descriptors
+    Tensor tSrK = thr_s.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stageK)
+    Tensor tSrS = partition_fragment_C(mma_s, Shape<Int<Config::kHeadTile>, Int<kBlock>>{});  // (MMA, M, N) fp32
+    Tensor tSrA = make_tensor_like<Element>(tSrS);   // A_hi
+    Tensor tSrAlo = make_tensor_like<Element>(tSrS); // A_lo = bf16(A - A_hi)
+    // A leaves the accumulator layout (heads x keys) for sA (keys x heads,
+    // heads contiguous) through transposing stmatrix: 8x8 bf16 tiles per instruction.
+    auto smem_copy_a = make_tiled_copy_C(Copy_Atom<SM90_U16x8_STSM_T, Element>{}, mma_s);
+    auto thr_copy_a = smem_copy_a.get_thread_slice(tid);
+    Tensor tAsAt = thr_copy_a.partition_D(sAt);      // (CPY, CPY_M, CPY_N, term, buf)
+    Tensor tArA = thr_copy_a.retile_S(tSrA);
+    Tensor tArAlo = thr_copy_a.retile_S(tSrAlo);
+    // GEMM3
+    Tensor tDQrAt = thr_dq.partition_fragment_A(sAt);  // (MMA, M, K, term, buf)
+    Tensor tDQrKt = thr_dq.partition_fragment_B(sKt);
+    Tensor tDQrDQ = partition_fragment_C(mma_dq, Shape<Int<Config::kHeadTile>, Int<kD>>{});
+
+    // wgmma m64nNk16 accumulator layout (PTX ISA, "Register fragment D"):
+    // value i of thread tid sits at row r0 + 8 * ((i / 2) % 2) and column
+    // c0 + (i % 2) + 8 * (i / 4), with r0 = 16 * warp + lane / 4, c0 = 2 * (lane % 4).
+    static_assert(decltype(size(tSrS))::value == Config::kHeadTile * kBlock / 128, "one m64 tile per warpgroup");
+    static_assert(decltype(size(tDQrDQ))::value == Config::kHeadTile * kD / 128, "one m64 tile per warpgroup");
+    const int r0 = warp * 16 + lane / 4;
+    const int c0 = 2 * (lane % 4);
+
+    auto k_state = make_consumer_start_state<Config::kStagesK>();
+    auto q_state = make_consumer_start_state<Config::kStagesQ>();
+    auto a_state = make_producer_start_state<Config::kABuffers>();
+
+    for (int64_t task = blockIdx.x; task < p.num_tasks; task += gridDim.x) {
+      const int64_t row = task / p.head_groups;
+      const int h0 = static_cast<int>(task % p.head_groups) * Config::kHeadTile;
+      const int nh = min(Config::kHeadTile, p.heads - h0);
+
+      q_pipe.consumer_wait(q_state);
+      const int qs = q_state.index;
+      const int num_blocks = ss.num_blocks[qs];
+      const float w_row[2] = {ss.w_scaled[qs][r0], ss.w_scaled[qs][r0 + 8]};
+      float dw[2] = {0.0f, 0.0f};
+      clear(tDQrDQ);
+
+      // Per block: GEMM1 (one wgmma group), then GEMM3 (kATerms groups). The
+      // wait after GEMM1 (<0>) also completes the previous block's GEMM3, so
+      // GEMM3 runs on the tensor pipe while this warpgroup waits for the next
+      // K stage and issues the next GEMM1; the previous K stage is released
+      // only then. Every wait has the same count on every path (waits that
+      // depend on a runtime branch make ptxas serialise every wgmma,
+      // C7514/C7515, perf-log v25).
+      auto k_prev = k_state;
+      for (int blk = 0; blk < num_blocks; ++blk) {
+        const int ks = k_state.index;
+        k_pipe.consumer_wait(k_state);  // K block blk, its gs and key_row
+        warpgroup_gemm<true>(mma_s, tSrQ(_, _, _, qs), tSrK(_, _, _, ks), tSrS);  // GEMM1: S = Q K^T
+        warpgroup_wait<0>();  // GEMM1 of this block and GEMM3 of the previous one complete
+        if (blk > 0) k_pipe.consumer_release(k_prev);  // GEMM1/GEMM3 reads of the previous stage are done
+
+        // dW and the masked A (docs/math.md stage 2)
+        CUTE_UNROLL
+        for (int i = 0; i < size(tSrS); ++i) {
+          const int key = c0 + (i % 2) + 8 * (i / 4);
+          const float x = tSrS(i);
+          const float gs = ss.gs[ks][key];
+          const int half = (i >> 1) & 1;  // value i sits in row r0 + 8 * half
+          dw[half] += gs * fmaxf(x, 0.0f);
+          const float a = x > 0.0f ? gs * w_row[half] : 0.0f;
+          tSrA(i) = Element(a);
+          if constexpr (Config::kSplitA) tSrAlo(i) = Element(a - static_cast<float>(tSrA(i)));
+        }
+        // WAR on sA[b]: the dK role's GEMM2 of two blocks ago read it (a_empty);
+        // this role's GEMM3 of two blocks ago was completed by the
+        // warpgroup_wait<0> of the previous block.
+        a_pipe.producer_acquire(a_state);
+        const int b = a_state.index;
+        copy(smem_copy_a, tArA, tAsAt(_, _, _, 0, b));
+        if constexpr (Config::kSplitA) copy(smem_copy_a, tArAlo, tAsAt(_, _, _, 1, b));
+        if (lane < 16) ss.a_key_row[b][16 * warp + lane] = ss.key_row[ks][16 * warp + lane];
+        cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);  // sA is read by wgmma next
+        score_smem_ready_sync<Config>();  // sA[b] complete for this role's GEMM3
+        a_pipe.producer_commit(a_state);  // and for the dK role's GEMM2: every thread, after its stores and fence
+        a_state.advance();
+
+        // GEMM3: dQ += A K (every A term)
+        warpgroup_gemm<false>(mma_dq, tDQrAt(_, _, _, 0, b), tDQrKt(_, _, _, ks), tDQrDQ);
+        if constexpr (Config::kSplitA) warpgroup_gemm<false>(mma_dq, tDQrAt(_, _, _, 1, b), tDQrKt(_, _, _, ks), tDQrDQ);
+        k_prev = k_state;
+        k_state.advance();
+      }
+      warpgroup_wait<0>();  // the last GEMM3 of the task: dQ is read next
+      if (num_blocks > 0) k_pipe.consumer_release(k_prev);
+      q_pipe.consumer_release(q_state);  // GEMM1 reads of q[qs] were waited for
+      q_state.advance();
+
+      // ---- epilogue: dW (quad reduction over the 4 lanes sharing a row), dQ
+      CUTE_UNROLL
+      for (int half = 0; half < 2; ++half) {
+        float v = dw[half];
+        v += __shfl_xor_sync(0xffffffffu, v, 1);
+        v += __shfl_xor_sync(0xffffffffu, v, 2);
+        const int h = r0 + 8 * half;
+        if (lane % 4 == 0 && h < nh) {
+          const int64_t o = row * p.heads + h0 + h;
+          if (p.dw_f32) static_cast<float*>(p.d_weights)[o] = v * p.sm_scale;
+          else static_cast<Element*>(p.d_weights)[o] = Element(v * p.sm_scale);
+        }
+      }
+      CUTE_UNROLL
+      for (int i = 0; i < size(tDQrDQ); i += 2) {
+        const int h = r0 + 8 * ((i / 2) % 2);
+        const int d = c0 + 8 * (i / 4);  // values i, i+1 are columns d, d+1
+        if (h < nh) {
+          const int64_t o = (row * p.heads + h0 + h) * kD + d;
+          if (p.dq_f32) {
+            *reinterpret_cast<float2*>(static_cast<float*>(p.d_index_q) + o) = make_float2(tDQrDQ(i), tDQrDQ(i + 1));
+          } else {
+            __nv_bfloat162 v2 = __floats2bfloat162_rn(tDQrDQ(i), tDQrDQ(i + 1));
+            *reinterpret_cast<__nv_bfloat162*>(static_cast<Element*>(p.d_index_q) + o) = v2;
+          }
+        }
+      }
+    }
+  }
+};
+
+}  // namespace dsaib::hopper
