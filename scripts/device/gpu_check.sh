@@ -11,7 +11,7 @@ what=${1:-all}
 filter=${2:-*}
 out=${OUT:-out}
 mkdir -p "$out"
-bin=.device/bin
+bin=${BIN:-.device/bin}  # BIN: another staged folder (a candidate: .device/cand/NAME)
 export PATH=/usr/local/cuda/bin:$PATH
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
 rc=0
