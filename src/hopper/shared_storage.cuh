@@ -80,7 +80,8 @@ struct SharedStorage {
   //   arrive count : Config::kScoreThreads + Config::kDkThreads (256) thread arrivals
   //   who arrives  : every score-role thread after its last GEMM1 of the task
   //                  has been waited for, every dK-role thread after its last
-  //                  GEMM2 (both after reading w_scaled / num_blocks)
+  //                  GEMM2 (the score role after reading w_scaled / num_blocks,
+  //                  the dK role after reading num_blocks)
   //   tx bytes     : none
   //   waiters      : producer threads, starting on phase 1
   //   publishes    : the end of all reads of q[s]

@@ -91,6 +91,12 @@ struct TileConfig {
   // Chosen per call (AOperandPrecision; automatic: split iff an fp32 dQ/dK output).
   static constexpr bool kSplitA = kSplitA_;
   static constexpr int kATerms = kSplitA ? 2 : 1;
+  // The score role holds K stage j-1 until GEMM1 of block j completes, while
+  // it waits for block j, which the producer commits only after acquiring
+  // block j+1 (deferred commit, producer_gather.cuh): three stages, or the two
+  // roles wait on each other.
+  static_assert(kStagesK >= 3, "the score role holds one K stage while it waits for the next, deferred one");
+
   using Element = cutlass::bfloat16_t;
 
   // Shared-memory layouts (128-byte swizzle, K-major atoms of 8 x 64 bf16).
