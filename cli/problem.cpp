@@ -432,9 +432,10 @@ std::string Geometry::summary() const {
 Geometry analyze_problem(const Problem& p) {
   const bool thd = p.options.layout == Layout::thd;
   // Ranks first, so that the output shapes below make sense; the library checks the rest.
-  const std::map<std::string, size_t> ranks = {{"index_q", thd ? 3u : 4u},     {"weights", thd ? 2u : 3u},
-                                               {"index_k", thd ? 2u : 3u},     {"topk_indices", thd ? 2u : 3u},
-                                               {"attn_score", thd ? 2u : 3u},  {"index_score", thd ? 2u : 3u}};
+  // In the order docs/errors.md gives (the library's own order): index_q first.
+  const std::vector<std::pair<std::string, size_t>> ranks = {
+      {"index_q", thd ? 3u : 4u},      {"weights", thd ? 2u : 3u},    {"index_k", thd ? 2u : 3u},
+      {"topk_indices", thd ? 2u : 3u}, {"attn_score", thd ? 2u : 3u}, {"index_score", thd ? 2u : 3u}};
   for (const auto& [name, rank] : ranks) {
     const auto it = p.tensors.find(name);
     if (it == p.tensors.end()) bad(name, name + ": expected a tensor, got nothing (absent)");
@@ -442,7 +443,8 @@ Geometry analyze_problem(const Problem& p) {
       std::string shape;
       for (int64_t d : it->second.shape) shape += (shape.empty() ? "" : ", ") + std::to_string(d);
       bad(name, name + ": expected rank " + std::to_string(rank) + " (" + layout_name(p.options.layout) +
-                    " layout), got rank " + std::to_string(it->second.shape.size()) + " with shape (" + shape + ")");
+                    " layout, from the file's layout metadata or --layout), got rank " +
+                    std::to_string(it->second.shape.size()) + " with shape (" + shape + ")");
     }
   }
   if (thd) {

@@ -242,6 +242,15 @@ TEST_F(Cli, WrongTensorIsAnErrorNamingIt) {
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_TRUE(contains(r.output, "index_k: expected rank 3")) << r.output;
 
+  // A bshd file whose metadata says thd: the first tensor checked is index_q
+  // (docs/errors.md's order), and the message says where the layout came from.
+  auto thd_meta = meta;
+  thd_meta["layout"] = "thd";
+  dsaib::write_safetensors(path("layout_mismatch.safetensors"), t, thd_meta);
+  r = run("backward --in " + quote(path("layout_mismatch.safetensors")));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_TRUE(contains(r.output, "index_q: expected rank 3 (thd layout, from the file's layout metadata")) << r.output;
+
   auto missing = t;
   missing.erase("attn_score");
   dsaib::write_safetensors(path("missing.safetensors"), missing, meta);
