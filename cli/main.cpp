@@ -30,6 +30,24 @@
 #include "io/output_path.hpp"
 
 namespace dsaib::cli {
+
+/// Set once `backward --json` has been parsed: errors are then also printed as a
+/// JSON object on stdout (besides the usual line on stderr), so that a caller
+/// parsing stdout gets a report on every exit.
+bool g_json_errors = false;
+
+/// The tool's one error style on stderr, and the JSON error object on stdout
+/// when g_json_errors: {"error": {"code", "argument", "message"}, "result": "ERROR", "exit_code": 2}.
+void report_error(const std::string& code, const std::string& argument, const std::string& message) {
+  std::cerr << "dsa-indexer-bwd: error" << (code.empty() ? "" : " (" + code + ")") << ": " << message << std::endl;
+  if (!g_json_errors) return;
+  nlohmann::ordered_json j;
+  j["error"] = {{"code", code.empty() ? "error" : code}, {"argument", argument}, {"message", message}};
+  j["result"] = "ERROR";
+  j["exit_code"] = 2;
+  std::cout << j.dump(2) << std::endl;
+}
+
 namespace {
 
 constexpr int kExitFail = 1;
@@ -524,6 +542,11 @@ int cmd_backward(GenOptions& gen, const ScalarOverrides& sc, const BackwardArgs&
   }
 
   const int64_t n_norm = g.normalization_count;  // as the library uses it: max(rows, 1) when 0
+  const std::string verdict = !input_nonfinite.empty() ? "FAIL (non-finite inputs: " + input_nonfinite + ")"
+                              : !pass                   ? "FAIL"
+                              : v.mode != "none"        ? "PASS"
+                              : !stored.empty()         ? "PASS (stored gradients only)"
+                                                        : "OK (not verified)";
   if (a.json) {
     nlohmann::ordered_json j;
     j["problem"] = {{"layout", layout_name(g.layout)},
@@ -585,7 +608,8 @@ int cmd_backward(GenOptions& gen, const ScalarOverrides& sc, const BackwardArgs&
     j["nonfinite_inputs"] = nfi;
     j["nonfinite_outputs"] = nonfinite;
     j["output_file"] = a.out;
-    j["pass"] = pass;
+    j["pass"] = pass;  // no check failed (true also when nothing was checked: see "result")
+    j["result"] = verdict;  // the text report's verdict
     std::cout << j.dump(2) << std::endl;
     return pass ? 0 : kExitFail;
   }
@@ -627,11 +651,6 @@ int cmd_backward(GenOptions& gen, const ScalarOverrides& sc, const BackwardArgs&
       << ")\n";
   }
   if (!a.out.empty()) s << "  output      " << a.out << "\n";
-  const std::string verdict = !input_nonfinite.empty() ? "FAIL (non-finite inputs: " + input_nonfinite + ")"
-                              : !pass                   ? "FAIL"
-                              : v.mode != "none"        ? "PASS"
-                              : !stored.empty()         ? "PASS (stored gradients only)"
-                                                        : "OK (not verified)";
   s << "  result      " << verdict << "\n";
   std::cout << s.str() << std::flush;
   return pass ? 0 : kExitFail;
@@ -692,7 +711,7 @@ int run_main(int argc, char** argv) {
                       "bf16x2 or bf16 (docs/api.md)")
       ->check(CLI::IsMember({"auto", "bf16x2", "bf16"}))
       ->default_str("auto");
-  bwd_cmd->add_flag("--json", a.json, "print the report as JSON on stdout");
+  bwd_cmd->add_flag("--json", a.json, "print the report as JSON on stdout (an error too: {\"error\": {code, argument, message}, \"result\": \"ERROR\"})");
 
   // bench
   CLI::App* bench_cmd = app.add_subcommand(
@@ -789,6 +808,7 @@ int run_main(int argc, char** argv) {
     for (int i = 0; i < argc; ++i) ba.command_line += (i ? " " : "") + std::string(argv[i]);
     return run_bench(ba);
   }
+  g_json_errors = a.json;
   return cmd_backward(bwd_g, bwd_sc, a);
 }
 
@@ -799,15 +819,16 @@ int main(int argc, char** argv) {
   try {
     return dsaib::cli::run_main(argc, argv);
   } catch (const dsaib::Error& e) {
-    std::cerr << "dsa-indexer-bwd: error (" << dsaib::error_code_name(e.code()) << "): " << e.what() << std::endl;
+    dsaib::cli::report_error(dsaib::error_code_name(e.code()), e.argument(), e.what());
   } catch (const std::bad_alloc&) {
-    std::cerr << "dsa-indexer-bwd: error: out of host memory (the problem's tensors, e.g. B*S_q*topk ids and scores, "
-                 "do not fit: reduce --batch/--s-q/--s-kv/--topk; or the cpu backend's per-thread fp64 dK parts, "
-                 "--threads x S_kv x D x 8 bytes, do not: reduce --threads)" << std::endl;
+    dsaib::cli::report_error("", "",
+                             "out of host memory (the problem's tensors, e.g. B*S_q*topk ids and scores, "
+                             "do not fit: reduce --batch/--s-q/--s-kv/--topk; or the cpu backend's per-thread fp64 dK "
+                             "parts, --threads x S_kv x D x 8 bytes, do not: reduce --threads)");
   } catch (const std::exception& e) {
-    std::cerr << "dsa-indexer-bwd: error: " << e.what() << std::endl;
+    dsaib::cli::report_error("", "", e.what());
   } catch (...) {
-    std::cerr << "dsa-indexer-bwd: error: unknown exception" << std::endl;
+    dsaib::cli::report_error("", "", "unknown exception");
   }
   return dsaib::cli::kExitError;
 }

@@ -102,6 +102,27 @@ TEST_F(Cli, BackwardOnFileVerifiesAllAndWritesGradients) {
   EXPECT_EQ(meta.at("normalization_count"), "128");
 }
 
+TEST_F(Cli, JsonReportOnErrorsAndUnverifiedRuns) {
+  // With --json, an error is also a JSON object on stdout (stderr keeps the line).
+  Result r = run("backward --json --in " + quote(path("does_not_exist.safetensors")), /*with_stderr=*/false);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  ASSERT_FALSE(r.output.empty());
+  auto j = nlohmann::json::parse(r.output);
+  EXPECT_EQ(j["result"], "ERROR");
+  EXPECT_EQ(j["exit_code"], 2);
+  EXPECT_EQ(j["error"]["code"], "io_error");
+  EXPECT_TRUE(contains(j["error"]["message"].get<std::string>(), "does_not_exist.safetensors")) << r.output;
+  // Without --json, stdout stays empty on an error.
+  r = run("backward --in " + quote(path("does_not_exist.safetensors")), /*with_stderr=*/false);
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_TRUE(r.output.empty()) << r.output;
+  // Nothing checked: "pass" (no check failed) but "result" says it was not verified.
+  r = run("backward --preset tiny --verify none --json", /*with_stderr=*/false);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  j = nlohmann::json::parse(r.output);
+  EXPECT_EQ(j["result"], "OK (not verified)");
+}
+
 TEST_F(Cli, GeneratedThdGlobalIdsF32OutputsJsonReport) {
   const std::string out = path("thd_grads.safetensors");
   const Result r = run("backward --layout thd --seqlens-q 1,37,50 --heads 16 --head-dim 64 --topk 24 --id-mode global"
@@ -122,6 +143,7 @@ TEST_F(Cli, GeneratedThdGlobalIdsF32OutputsJsonReport) {
     EXPECT_EQ(o["dtype"], "f32");
   }
   EXPECT_TRUE(j["pass"].get<bool>());
+  EXPECT_EQ(j["result"], "PASS");
   EXPECT_GT(j["timing"]["mean_seconds"].get<double>(), 0.0);
   const auto g = dsaib::read_safetensors(out);
   EXPECT_EQ(g.at("d_index_q").shape, (std::vector<int64_t>{88, 16, 64}));
