@@ -41,6 +41,20 @@ int main(int argc, char** argv) {
   OpCase base;
   OpConfig cfg;
   std::vector<IdPattern> kinds;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--help" || a == "-h") {
+      std::printf(
+          "dsa-indexer-bwd-bench: the cuda backend's whole op (dK zeroing, fused kernel, bf16 cast) timed with\n"
+          "CUDA events (warm-up, median and spread of many launches, input sets rotated beyond L2).\n"
+          "  --seq 4096,16384   S_q = S_kv values        --ids causal,random   id patterns\n"
+          "  --topk 2048  --heads 64  --dim 128  --batch 1  --iters 20  --warmup 3\n"
+          "  --input-sets 0 (automatic rotation; 1: off)  --a-operand auto|bf16x2|bf16  --json FILE\n"
+          "`dsa-indexer-bwd bench` runs the same cases with the floor measured in the same run.\n"
+          "Exit: 0 ok, 1 a CUDA error, 2 bad arguments, 77 no sm_90 GPU.\n");
+      return 0;
+    }
+  }
   try {
     for (int i = 1; i + 1 < argc; i += 2) {
       const std::string a = argv[i], v = argv[i + 1];
