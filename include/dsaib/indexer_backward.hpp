@@ -111,7 +111,7 @@ struct IndexerBackwardInputs {
 /// Output tensors, each bf16 or f32, shaped like index_q, weights and index_k,
 /// and contiguous. Every element is overwritten (rows whose slots are all
 /// invalid get 0; key rows never selected get 0); incoming contents never matter.
-/// Outputs must not overlap each other or any input.
+/// Outputs must not overlap each other or any input (the 4 bytes at grad_loss_device included).
 struct IndexerBackwardOutputs {
   TensorView d_index_q;
   TensorView d_weights;

@@ -301,6 +301,16 @@ ProblemGeometry validate_problem(const IndexerBackwardInputs& in, const IndexerB
     }
   }
 
+  if (opt.grad_loss_device != nullptr && check_outputs) {
+    // An input like the others: the cuda kernel reads it while outputs are written.
+    const auto lo = reinterpret_cast<std::uintptr_t>(opt.grad_loss_device);
+    for (int i = 0; i < 3; ++i) {
+      const ByteRange r = byte_range(*outs[i]);
+      if (r.lo != r.hi && lo < r.hi && r.lo < lo + sizeof(float)) {
+        fail(out_names[i], "memory disjoint from input grad_loss_device", "overlapping memory");
+      }
+    }
+  }
   check_finite(opt.sm_scale, "sm_scale");
   check_finite(opt.loss_coeff, "loss_coeff");
   if (opt.grad_loss_device == nullptr) check_finite(opt.grad_loss, "grad_loss");

@@ -302,6 +302,11 @@ void register_cases() {
       e.opt.grad_loss_device = f;
     });
   }
+  // grad_loss_device is an input: an output over it is rejected like any overlap
+  // (the cuda kernel reads it while the outputs are written).
+  add("overlap_d_index_q_over_grad_loss_device", Layout::bshd, "d_index_q", [](Env& e) {
+    e.opt.grad_loss_device = static_cast<const float*>(e.out.d_index_q.data) + 3;
+  });
   add("grad_loss_device_misaligned", Layout::bshd, "grad_loss_device", [](Env& e) {
     e.opt.grad_loss_device = reinterpret_cast<const float*>(e.buffer(8) + 2);
   });
