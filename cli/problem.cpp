@@ -190,6 +190,11 @@ GenerateSpec make_spec(const GenFlags& f, int32_t threads) {
   } else if (f.has_seqlens_q || f.has_seqlens_k) {
     s.layout = Layout::thd;  // giving sequence lengths means THD
   }
+  if (s.layout == Layout::bshd && p.layout == Layout::thd && !f.has_s_q) {
+    // A THD preset has sequence lengths, not one S_q: no silent 0-length problem.
+    bad("--s-q", "--s-q: expected a query length for --layout bshd with preset " + f.preset +
+                     " (a THD preset has no fixed lengths), got none");
+  }
   if (f.has_batch) s.batch = f.batch;
   if (f.has_s_q) s.s_q = f.s_q;
   if (f.has_s_kv) s.s_kv = f.s_kv;

@@ -102,6 +102,16 @@ TEST_F(Cli, BackwardOnFileVerifiesAllAndWritesGradients) {
   EXPECT_EQ(meta.at("normalization_count"), "128");
 }
 
+TEST_F(Cli, ThdPresetAsBshdNeedsLengths) {
+  // The thd preset has per-sequence lengths only: as bshd it needs --s-q, not a 0-length problem.
+  Result r = run("generate --preset thd --layout bshd --out " + quote(path("thd_as_bshd.safetensors")));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_TRUE(contains(r.output, "--s-q: expected a query length for --layout bshd with preset thd")) << r.output;
+  EXPECT_FALSE(std::filesystem::exists(path("thd_as_bshd.safetensors")));
+  r = run("generate --preset thd --layout bshd --s-q 32 --out " + quote(path("thd_as_bshd.safetensors")));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+}
+
 TEST_F(Cli, JsonReportOnErrorsAndUnverifiedRuns) {
   // With --json, an error is also a JSON object on stdout (stderr keeps the line).
   Result r = run("backward --json --in " + quote(path("does_not_exist.safetensors")), /*with_stderr=*/false);
