@@ -30,6 +30,10 @@
 #include "io/output_path.hpp"
 
 namespace dsaib::cli {
+namespace {
+
+constexpr int kExitFail = 1;
+constexpr int kExitError = 2;
 
 /// Set once `backward --json` has been parsed: errors are then also printed as a
 /// JSON object on stdout (besides the usual line on stderr), so that a caller
@@ -37,21 +41,16 @@ namespace dsaib::cli {
 bool g_json_errors = false;
 
 /// The tool's one error style on stderr, and the JSON error object on stdout
-/// when g_json_errors: {"error": {"code", "argument", "message"}, "result": "ERROR", "exit_code": 2}.
+/// when g_json_errors: {"error": {"code", "argument", "message"}, "result": "ERROR", "exit_code": kExitError}.
 void report_error(const std::string& code, const std::string& argument, const std::string& message) {
   std::cerr << "dsa-indexer-bwd: error" << (code.empty() ? "" : " (" + code + ")") << ": " << message << std::endl;
   if (!g_json_errors) return;
   nlohmann::ordered_json j;
   j["error"] = {{"code", code.empty() ? "error" : code}, {"argument", argument}, {"message", message}};
   j["result"] = "ERROR";
-  j["exit_code"] = 2;
+  j["exit_code"] = kExitError;
   std::cout << j.dump(2) << std::endl;
 }
-
-namespace {
-
-constexpr int kExitFail = 1;
-constexpr int kExitError = 2;
 
 /// "" if `v` is a plain decimal integer (optional '-', digits, no leading zero
 /// except "0" itself), else why not. CLI11 2.1 converts integers with base 0, so
@@ -794,8 +793,8 @@ int run_main(int argc, char** argv) {
                     : "a subcommand is required: one of " + names;
     }
     // One error style for the whole tool: "dsa-indexer-bwd: error (...): message".
-    std::cerr << "dsa-indexer-bwd: error (invalid_argument): " << message << "\n"
-              << "Run with --help or --help-all for more information.\n";
+    report_error("invalid_argument", "", message);
+    std::cerr << "Run with --help or --help-all for more information.\n";
     return kExitError;
   }
 
