@@ -9,15 +9,11 @@ OFFSETs are hex, relative to the kernel's first instruction; a range runs from
 its offset to the next one (the last to --end, or to the end of the kernel).
 Shares are of the samples inside all the ranges.
 """
-import csv
+import os
 import sys
 
-
-def number(s):
-    try:
-        return float(str(s).replace(",", ""))
-    except ValueError:
-        return 0.0
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ncu_top_stalls import number, read_source_csv  # noqa: E402
 
 
 def main():
@@ -28,9 +24,7 @@ def main():
         end = int(args[i + 1], 16)
         del args[i:i + 2]
     path, specs = args[0], args[1:]
-    lines = open(path).read().splitlines()
-    start = next(i for i, l in enumerate(lines) if "Address" in l and "Source" in l)
-    rows = list(csv.DictReader(lines[start:]))
+    rows = read_source_csv(path)
     samples = next(c for c in rows[0] if "Warp Stall Sampling (All" in c)
     reasons = [c for c in rows[0] if c.startswith("stall_") and "Not Issued" not in c]
     base = int(rows[0]["Address"], 16)

@@ -18,14 +18,19 @@ def number(s):
         return 0.0
 
 
+def read_source_csv(path):
+    """The rows of an ncu source-page CSV (dicts by column name). ncu may print a
+    kernel header before the table: reading starts at the header row."""
+    with open(path, newline="") as f:
+        lines = f.read().splitlines()
+    start = next(i for i, l in enumerate(lines) if "Address" in l and "Source" in l)
+    return list(csv.DictReader(lines[start:]))
+
+
 def main():
     path = sys.argv[1]
     n = int(sys.argv[2]) if len(sys.argv) > 2 else 40
-    with open(path, newline="") as f:
-        lines = f.read().splitlines()
-    # ncu may print a kernel header before the table: start at the header row.
-    start = next(i for i, l in enumerate(lines) if "Address" in l and "Source" in l)
-    rows = list(csv.DictReader(lines[start:]))
+    rows = read_source_csv(path)
     cols = rows[0].keys() if rows else []
     samp = next((c for c in cols if "Warp Stall Sampling (All" in c), None)
     if samp is None:
