@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One build-check-time cycle on the H200 (through the device tool), driven by
 # binaries built here and carried in .device/bin (see scripts/device/stage.sh).
-#   usage: scripts/device/gpu_check.sh [tests|cli|bench|bench-floor|sanitizer|all|ab|ncu|ncu-source] [gtest filter]
+#   usage: scripts/device/gpu_check.sh [tests|cli|bench|bench-floor|sanitizer|all|ab|ncu|ncu-source|ncu-l2] [gtest filter]
+#   ncu-l2       ncu memory tables (L2 hit rate per operation: loads, reductions; L2
+#                fabric; DRAM bytes) of one launch per S in SEQS (default "16384 65536"), ids IDS (random)
 #   bench        dsa-indexer-bwd-bench: the op alone, ratio to the fixed 278 ns (bench.json)
 #   bench-floor  dsa-indexer-bwd bench: the floor micro-benchmarks and the op in one run,
 #                issue 4's shapes, ratio to the floor measured per case (bench_floor.json)
@@ -107,5 +109,18 @@ if [[ $what == ncu-source ]]; then
   ncu --import "$rep.ncu-rep" --page details > "$out/ncu_details.txt" 2>>"$out/ncu_source.log"
   python3 scripts/ncu_top_stalls.py "$out/ncu_source.csv" 60 > "$out/ncu_source_top.txt" 2>&1 || true
   head -80 "$out/ncu_source_top.txt"
+fi
+if [[ $what == ncu-l2 ]]; then
+  # Where the dK reds and the K gathers are served as dK outgrows the L2: the
+  # memory-workload tables of one launch per sequence length.
+  for seq in ${SEQS:-16384 65536}; do
+    echo "=== ncu memory tables (--clock-control none), ${IDS:-random} ids S $seq"
+    timeout 300 ncu --clock-control none --kernel-name regex:indexer_backward_kernel --launch-skip 1 --launch-count 1 \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
+      --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,lts__xbar2lts_cycles_active.avg.pct_of_peak_sustained_elapsed \
+      "$bin/dsa-indexer-bwd-bench" --seq "$seq" --ids "${IDS:-random}" --iters 1 --warmup 1 > "$out/ncu_l2_s$seq.txt" 2>&1
+    rc=$((rc | $?))
+    grep -E "Duration|L2 Hit|Hit Rate|dram__bytes|lts__|Fabric|Reduction|Global Load|Mem Busy|Max Bandwidth|DRAM Throughput|L2 Cache Throughput" "$out/ncu_l2_s$seq.txt" | head -40
+  done
 fi
 exit $rc
