@@ -3,13 +3,16 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <initializer_list>
 #include <random>
+#include <thread>
 
 #include "bench_core.hpp"
 #include "cuda_check.hpp"
+#include "core/threads.hpp"
 #include "dsaib/indexer_backward.hpp"
 
 namespace dsaib::bench {
@@ -30,54 +33,78 @@ struct HostCase {
   int64_t valid_slots = 0;
 };
 
+/// Seed of row block `block` (splitmix64 of seed and block): every block draws
+/// from its own generator, so the values do not depend on the thread count.
+uint64_t block_seed(uint64_t seed, uint64_t block) {
+  uint64_t z = seed + 0x9e3779b97f4a7c15ull * (block + 1);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+/// The case's inputs, drawn on all host threads in blocks of kRowsPerBlock query
+/// rows (S 65536 at H64 D128 took ~50 s on one thread): q, k ~ N(0, 1), w ~ N(0, 1/H)
+/// in bf16; per row, min(avail, topk) distinct ids, sorted, uniform over the
+/// available keys (causal: 0..t; random: the whole sequence), and attn / pred
+/// uniform, each normalised to sum 1 over the row's valid slots.
 HostCase generate(const OpCase& c, uint64_t seed) {
   const int64_t B = c.batch, S = c.seq, H = c.heads, D = c.dim, K = c.topk;
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::uniform_real_distribution<float> uni(0.0f, 1.0f);
+  constexpr int64_t kRowsPerBlock = 64;
+  const int64_t rows = B * S, blocks = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
   HostCase h;
-  h.q.resize(B * S * H * D);
-  h.k.resize(B * S * D);
-  h.w.resize(B * S * H);
-  for (auto& x : h.q) x = to_bf16(normal(rng));
-  for (auto& x : h.k) x = to_bf16(normal(rng));
-  for (auto& x : h.w) x = to_bf16(normal(rng) / std::sqrt(static_cast<float>(H)));
-  h.ids.assign(B * S * K, -1);
-  h.attn.assign(B * S * K, 0.0f);
-  h.pred.assign(B * S * K, 0.0f);
-  // A partial Fisher-Yates over an identity pool, undone after each row (the pool
-  // stays the identity, so a row costs O(topk), not O(S)).
-  std::vector<int32_t> pool(S);
-  for (int64_t s = 0; s < S; ++s) pool[s] = static_cast<int32_t>(s);
-  std::vector<int64_t> picks(std::min(S, K));
-  for (int64_t b = 0; b < B; ++b) {
-    for (int64_t t = 0; t < S; ++t) {
-      // causal: keys 0..t (all of them when t < topk); random: any key of the sequence
-      const int64_t avail = c.ids == IdPattern::causal ? t + 1 : S;
-      const int64_t n = std::min(avail, K);
-      for (int64_t i = 0; i < n; ++i) {
-        std::uniform_int_distribution<int64_t> pick(i, avail - 1);
-        picks[i] = pick(rng);
-        std::swap(pool[i], pool[picks[i]]);
+  h.q.resize(rows * H * D);
+  h.k.resize(rows * D);
+  h.w.resize(rows * H);
+  h.ids.assign(rows * K, -1);
+  h.attn.assign(rows * K, 0.0f);
+  h.pred.assign(rows * K, 0.0f);
+  std::vector<int64_t> block_slots(blocks, 0);
+  std::atomic<int64_t> next_block{0};
+  const int threads = static_cast<int>(std::clamp<int64_t>(std::thread::hardware_concurrency(), 1, blocks));
+  detail::run_items_on_threads(threads, [&](int) {
+    // A partial Fisher-Yates over an identity pool, undone after each row (the pool
+    // stays the identity, so a row costs O(topk), not O(S)); one pool per thread.
+    std::vector<int32_t> pool(S);
+    for (int64_t s = 0; s < S; ++s) pool[s] = static_cast<int32_t>(s);
+    std::vector<int64_t> picks(std::min(S, K));
+    for (int64_t blk = next_block.fetch_add(1); blk < blocks; blk = next_block.fetch_add(1)) {
+      std::mt19937_64 rng(block_seed(seed, static_cast<uint64_t>(blk)));
+      std::normal_distribution<float> normal(0.0f, 1.0f);
+      std::uniform_real_distribution<float> uni(0.0f, 1.0f);
+      const int64_t r0 = blk * kRowsPerBlock, r1 = std::min(rows, r0 + kRowsPerBlock);
+      for (int64_t i = r0 * H * D; i < r1 * H * D; ++i) h.q[i] = to_bf16(normal(rng));
+      for (int64_t i = r0 * D; i < r1 * D; ++i) h.k[i] = to_bf16(normal(rng));
+      for (int64_t i = r0 * H; i < r1 * H; ++i) h.w[i] = to_bf16(normal(rng) / std::sqrt(static_cast<float>(H)));
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t t = r % S;
+        // causal: keys 0..t (all of them when t < topk); random: any key of the sequence
+        const int64_t avail = c.ids == IdPattern::causal ? t + 1 : S;
+        const int64_t n = std::min(avail, K);
+        for (int64_t i = 0; i < n; ++i) {
+          std::uniform_int_distribution<int64_t> pick(i, avail - 1);
+          picks[i] = pick(rng);
+          std::swap(pool[i], pool[picks[i]]);
+        }
+        const int64_t row = r * K;
+        std::copy(pool.begin(), pool.begin() + n, h.ids.begin() + row);
+        for (int64_t i = n - 1; i >= 0; --i) std::swap(pool[i], pool[picks[i]]);
+        std::sort(h.ids.begin() + row, h.ids.begin() + row + n);
+        float st = 0, sp = 0;
+        for (int64_t i = 0; i < n; ++i) {
+          h.attn[row + i] = uni(rng);
+          h.pred[row + i] = uni(rng);
+          st += h.attn[row + i];
+          sp += h.pred[row + i];
+        }
+        for (int64_t i = 0; i < n; ++i) {
+          h.attn[row + i] /= st;
+          h.pred[row + i] /= sp;
+        }
+        block_slots[blk] += n;
       }
-      const int64_t row = (b * S + t) * K;
-      std::copy(pool.begin(), pool.begin() + n, h.ids.begin() + row);
-      for (int64_t i = n - 1; i >= 0; --i) std::swap(pool[i], pool[picks[i]]);
-      std::sort(h.ids.begin() + row, h.ids.begin() + row + n);
-      float st = 0, sp = 0;
-      for (int64_t i = 0; i < n; ++i) {
-        h.attn[row + i] = uni(rng);
-        h.pred[row + i] = uni(rng);
-        st += h.attn[row + i];
-        sp += h.pred[row + i];
-      }
-      for (int64_t i = 0; i < n; ++i) {
-        h.attn[row + i] /= st;
-        h.pred[row + i] /= sp;
-      }
-      h.valid_slots += n;
     }
-  }
+  });
+  for (int64_t v : block_slots) h.valid_slots += v;
   return h;
 }
 
