@@ -37,7 +37,12 @@ def main():
     ap.add_argument("name")
     ap.add_argument("--keep", action="store_true", help="keep the worktree /tmp/cand-<name>")
     ap.add_argument("--jobs", default=str(os.cpu_count() or 2))
+    ap.add_argument("--targets", default=",".join(TARGETS),
+                    help="comma-separated subset of the binaries (screening an A/B: dsa-indexer-bwd-bench,dsa-indexer-bwd)")
     a = ap.parse_args()
+    if not a.targets or set(a.targets.split(",")) - set(TARGETS):
+        sys.exit(f"build_candidate: --targets: expected names from {', '.join(TARGETS)}, got '{a.targets}'")
+    targets = {t: TARGETS[t] for t in a.targets.split(",")}
     patch = pathlib.Path(a.patch).resolve()
     if not cutlass_include_dir():
         sys.exit("build_candidate: set DSAIB_CUTLASS_INCLUDE_DIR (no build/CMakeCache.txt to read it from)")
@@ -47,12 +52,12 @@ def main():
     wt = pathlib.Path(f"/tmp/cand-{a.name}")
     log = pathlib.Path(f"/tmp/cand-{a.name}-build.log")
     try:
-        with worktree_build(wt, lambda w: run(["git", "-C", str(w), "apply", str(patch)]), list(TARGETS), a.jobs,
+        with worktree_build(wt, lambda w: run(["git", "-C", str(w), "apply", str(patch)]), list(targets), a.jobs,
                             a.keep, log=log) as w:
             out = REPO / ".device" / "cand" / a.name
             shutil.rmtree(out, ignore_errors=True)
             out.mkdir(parents=True)
-            for rel in TARGETS.values():
+            for rel in targets.values():
                 shutil.copy2(w / "build" / rel, out)
             subprocess.run(["strip", "--strip-debug", *map(str, out.iterdir())], check=False)
     except subprocess.CalledProcessError as e:
