@@ -10,6 +10,7 @@
 
 #include "api/cuda_backend.hpp"
 #include "hopper/cuda_check.hpp"
+#include "hopper/l2_hints.hpp"
 #include "hopper/launch.hpp"
 
 namespace dsaib::hopper {
@@ -135,6 +136,22 @@ static bool a_operand_split(AOperandPrecision precision, const IndexerBackwardOu
   return out.d_index_q.dtype == DType::f32 || out.d_index_k.dtype == DType::f32;
 }
 
+/// l2_hints.hpp's decision for this launch: the rows in flight are one persistent CTA
+/// per SM (the kernel's occupancy), head_groups tasks per row.
+static bool use_l2_hints(hopper::L2Hints mode, const ProblemGeometry& g, int64_t head_groups) {
+  if (mode != hopper::L2Hints::automatic) return mode == hopper::L2Hints::on;
+  int device = 0, sms = 0, l2_bytes = 0;
+  cuda_check(cudaGetDevice(&device), "cudaGetDevice");
+  cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
+             "cudaDeviceGetAttribute(cudaDevAttrMultiProcessorCount)");
+  cuda_check(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device),
+             "cudaDeviceGetAttribute(cudaDevAttrL2CacheSize)");
+  const int64_t groups = std::max<int64_t>(head_groups, 1);
+  const int64_t rows_in_flight = std::max<int64_t>((sms + groups - 1) / groups, 1);
+  const int64_t key_rows = hopper::key_rows_in_flight(g.q_len, g.k_len, rows_in_flight);
+  return hopper::l2_hints_pay(mode, key_rows, g.head_dim, l2_bytes);
+}
+
 void run_cuda_backend(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
                       const IndexerBackwardOptions& opt, const ProblemGeometry& g, void* workspace,
                       std::size_t workspace_bytes) {
@@ -148,6 +165,7 @@ void run_cuda_backend(const IndexerBackwardInputs& in, const IndexerBackwardOutp
     throw Error(ErrorCode::invalid_argument, "index_k",
                 "index_k: expected fewer than 2^31 key rows on the cuda backend, got " + std::to_string(g.num_k_rows));
   }
+  const hopper::L2Hints l2_mode = hopper::l2_hints_from_env();  // throws on a bad value, before any write
   hopper::DeviceGuard guard(in.index_q.device_index);
   cudaStream_t stream = static_cast<cudaStream_t>(opt.stream);
   const std::size_t dk_bytes = static_cast<std::size_t>(g.num_k_rows * g.head_dim) * sizeof(float);
@@ -168,11 +186,15 @@ void run_cuda_backend(const IndexerBackwardInputs& in, const IndexerBackwardOutp
   const hopper::IndexerBackwardParams params = hopper::make_kernel_params(in, out, opt, g, dk_accum);
   if (dk_bytes > 0) cuda_check(cudaMemsetAsync(dk_accum, 0, dk_bytes, stream), "cudaMemsetAsync (dK accumulator)");
   const bool split_a = a_operand_split(opt.a_operand_precision, out);
+  // The split-A kernels have no hinted variant (launch.hpp).
+  const bool l2_keep_dk = !split_a && use_l2_hints(l2_mode, g, params.head_groups);
   if (g.head_dim == 64) {
     if (split_a) hopper::launch_indexer_backward<64, true>(params, stream);
+    else if (l2_keep_dk) hopper::launch_indexer_backward<64, false, true>(params, stream);
     else hopper::launch_indexer_backward<64, false>(params, stream);
   } else {
     if (split_a) hopper::launch_indexer_backward<128, true>(params, stream);
+    else if (l2_keep_dk) hopper::launch_indexer_backward<128, false, true>(params, stream);
     else hopper::launch_indexer_backward<128, false>(params, stream);
   }
   if (dk_bf16 && dk_bytes > 0) {

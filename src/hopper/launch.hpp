@@ -8,8 +8,10 @@
 namespace dsaib::hopper {
 
 /// Launches the fused kernel for head dim kHeadDim on `stream` (persistent grid);
-/// kSplitA: the a operand as two bf16 terms (TileConfig::kSplitA).
-template <int kHeadDim, bool kSplitA>
+/// kSplitA: the a operand as two bf16 terms (TileConfig::kSplitA); kL2KeepDk:
+/// the dK reds with an L2 evict_last policy (TileConfig::kL2KeepDk, l2_hints.hpp),
+/// instantiated for the one-term kernels (kSplitA false) only.
+template <int kHeadDim, bool kSplitA, bool kL2KeepDk = false>
 void launch_indexer_backward(const IndexerBackwardParams& params, cudaStream_t stream);
 
 /// Dynamic shared memory the fused kernel needs, in bytes.

@@ -12,9 +12,10 @@ int indexer_backward_smem_bytes() {
   return shared_storage_bytes<TileConfig<kHeadDim, kSplitA>>();
 }
 
-template <int kHeadDim, bool kSplitA>
+template <int kHeadDim, bool kSplitA, bool kL2KeepDk>
 void launch_indexer_backward(const IndexerBackwardParams& params, cudaStream_t stream) {
-  using Config = TileConfig<kHeadDim, kSplitA>;
+  static_assert(!(kSplitA && kL2KeepDk), "the L2-hinted kernels are the one-term ones (launch.hpp)");
+  using Config = TileConfig<kHeadDim, kSplitA, kL2KeepDk>;
   if (params.num_tasks == 0) return;
   const int smem = indexer_backward_smem_bytes<kHeadDim, kSplitA>();
   auto kernel = indexer_backward_kernel<Config>;

@@ -2,11 +2,14 @@
 // every dK block the dK role (dk_mma.cuh) stages into the global fp32 dK accumulator, one
 // float4 red per lane on contiguous columns of one key row (a whole 512-B row
 // per warp instruction at D=128), and hands the buffer back. Warp w takes rows
-// 16w..16w+15. Runs until the dK role stages the end marker.
+// 16w..16w+15. Runs until the dK role stages the end marker. With
+// Config::kL2KeepDk the reds carry an L2 evict_last policy for part of the dK
+// lines (l2_policy.cuh; taken when dK and K outgrow the L2, l2_hints.hpp).
 #pragma once
 
 #include <cute/config.hpp>
 
+#include "hopper/l2_policy.cuh"
 #include "hopper/pipeline.cuh"
 #include "hopper/shared_storage.cuh"
 
@@ -48,6 +51,10 @@ struct ScatterReduce {
       state.advance();
       CUTE_UNROLL
       for (int s = 0; s < kSteps; ++s) {
+        if constexpr (Config::kL2KeepDk) {  // the same red with an L2 policy (l2_policy.cuh)
+          if (kr[s] >= 0) red_add_f32x4(p.dk_accum + static_cast<int64_t>(kr[s]) * kD + col, v[s], l2_policy_dk_reds());
+          continue;
+        }
         if (kr[s] >= 0) atomicAdd(reinterpret_cast<float4*>(p.dk_accum + static_cast<int64_t>(kr[s]) * kD + col), v[s]);
       }
     }

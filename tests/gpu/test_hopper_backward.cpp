@@ -6,11 +6,14 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "gpu/device_problem.hpp"
+#include "hopper/l2_hints.hpp"
 #include "hopper/reference_kernel.hpp"
 
 namespace dsaib::test {
@@ -70,6 +73,15 @@ void run_case(const Case& c) {
   check_against_cpu(p, c.dq, c.dw, c.dk, p.options(), c.name);
 }
 
+/// Sets DSAIB_L2_HINTS (l2_hints.hpp) for its scope.
+class ScopedL2Hints {
+ public:
+  explicit ScopedL2Hints(const char* value) { setenv("DSAIB_L2_HINTS", value, 1); }
+  ~ScopedL2Hints() { unsetenv("DSAIB_L2_HINTS"); }
+  ScopedL2Hints(const ScopedL2Hints&) = delete;
+  ScopedL2Hints& operator=(const ScopedL2Hints&) = delete;
+};
+
 // ------------------------------------------------------------ shapes ---
 
 TEST_F(Gpu, RaceReportShapes) {
@@ -93,6 +105,29 @@ TEST_F(Gpu, HeadCounts) {
 TEST_F(Gpu, HeadDim64) {
   run_case({"d64 causal", spec_of(2, 64, 256, 64, 64, 100)});
   run_case({"d64 h8 perm", spec_of(1, 33, 500, 8, 64, 257, IdPattern::random_permutation)});
+}
+
+/// Automatic: key tables whose dK + K exceed half the L2 take the hinted kernel
+/// (the decision is checked on each case's own sizes and this device's SMs and L2),
+/// and its results match the fp64 CPU reference.
+TEST_F(Gpu, L2HintedKernelChosenForLargeKeyTables) {
+  int device = 0, sms = 0, l2_bytes = 0;
+  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device), cudaSuccess);
+  const ScopedL2Hints automatic("auto");
+  for (const Case& c : {Case{"auto d128 sq48 skv49152", spec_of(1, 48, 49152, 64, 128, 2048, IdPattern::random_permutation)},
+                        Case{"auto d64 sq40 skv98304", spec_of(1, 40, 98304, 64, 64, 1000, IdPattern::random_permutation)},
+                        Case{"auto d128 b2 sq24 skv49152 causal", spec_of(2, 24, 49152, 64, 128, 300)}}) {
+    const std::vector<int64_t> q_len(c.spec.batch, c.spec.s_q), k_len(c.spec.batch, c.spec.s_kv);
+    const int64_t key_rows = hopper::key_rows_in_flight(q_len, k_len, sms);
+    EXPECT_TRUE(hopper::l2_hints_pay(hopper::L2Hints::automatic, key_rows, c.spec.head_dim, l2_bytes))
+        << c.name << ": " << key_rows << " key rows, L2 " << l2_bytes << " bytes";
+    run_case(c);
+  }
+  // And a table that fits stays on the unhinted kernel.
+  EXPECT_FALSE(hopper::l2_hints_pay(hopper::L2Hints::automatic, hopper::key_rows_in_flight({4096}, {4096}, sms), 128,
+                                    l2_bytes));
 }
 
 TEST_F(Gpu, Tiny) { run_case({"sq1 skv1", spec_of(1, 1, 1, 64, 128, 4)}); }
@@ -360,21 +395,24 @@ TEST_F(Sanitized, RaceReportShapes) {
   run_case({"san race3", spec_of(1, 512, 512, 64, 128, 128)});
 }
 
-TEST_F(Sanitized, TailCases) {
+/// The sanitizer's small cases, named "<tag> ...": chunk tails, H < 64 and H > 64,
+/// D 64, invalid slots, fp32 outputs (the split-A kernels), THD with local and global ids.
+void run_tail_cases(const std::string& tag) {
   for (int64_t topk : {1, 100, 129, 1000}) {
-    run_case({"san topk " + std::to_string(topk), spec_of(1, 8, 1100, 64, 128, topk, IdPattern::random_permutation)});
+    run_case({tag + " topk " + std::to_string(topk), spec_of(1, 8, 1100, 64, 128, topk, IdPattern::random_permutation)});
   }
-  run_case({"san h8", spec_of(1, 16, 300, 8, 128, 200)});
-  run_case({"san d64", spec_of(1, 16, 300, 64, 64, 200)});
+  run_case({tag + " h8", spec_of(1, 16, 300, 8, 128, 200)});
+  run_case({tag + " h72", spec_of(1, 16, 300, 72, 128, 160)});
+  run_case({tag + " d64", spec_of(1, 16, 300, 64, 64, 200)});
   // The split-A D=64 kernel (scatter role, two a terms) with invalid slots.
-  Case d64f32{"san d64 f32 + holes", spec_of(1, 16, 300, 64, 64, 200, IdPattern::random_permutation)};
+  Case d64f32{tag + " d64 f32 + holes", spec_of(1, 16, 300, 64, 64, 200, IdPattern::random_permutation)};
   d64f32.dq = d64f32.dw = d64f32.dk = DType::f32;
   d64f32.mutate = [](GeneratedProblem& p) {
     invalidate_row(p, 5);
     refresh_scores(p);
   };
   run_case(d64f32);
-  Case f32{"san f32 outputs + holes", spec_of(2, 16, 300, 64, 128, 200, IdPattern::random_permutation)};
+  Case f32{tag + " f32 outputs + holes", spec_of(2, 16, 300, 64, 128, 200, IdPattern::random_permutation)};
   f32.dq = f32.dw = f32.dk = DType::f32;
   f32.mutate = [](GeneratedProblem& p) {
     invalidate_run(p, 0, Where::middle, 50);
@@ -382,11 +420,26 @@ TEST_F(Sanitized, TailCases) {
     refresh_scores(p);
   };
   run_case(f32);
-  GenerateSpec thd = spec_of(1, 0, 0, 64, 128, 64);
-  thd.layout = Layout::thd;
-  thd.seqlens_q = {1, 37, 30};
-  thd.seqlens_k = {1, 37, 30};
-  run_case({"san thd", thd});
+  Case holes{tag + " bf16 outputs + holes", f32.spec};
+  holes.mutate = f32.mutate;
+  run_case(holes);
+  for (IdMode mode : {IdMode::local, IdMode::global}) {
+    GenerateSpec thd = spec_of(1, 0, 0, 64, 128, 64);
+    thd.layout = Layout::thd;
+    thd.id_mode = mode;
+    thd.seqlens_q = {1, 37, 30};
+    thd.seqlens_k = {1, 37, 30};
+    run_case({tag + (mode == IdMode::local ? " thd" : " thd global"), thd});
+  }
+}
+
+TEST_F(Sanitized, TailCases) { run_tail_cases("san"); }
+
+/// The same cases with DSAIB_L2_HINTS=on: the hinted kernels (TileConfig<..., kL2KeepDk = true>)
+/// where a one-term kernel runs; the split-A cases stay unhinted.
+TEST_F(Sanitized, L2HintedKernel) {
+  const ScopedL2Hints on("on");
+  run_tail_cases("san hinted");
 }
 
 /// B1, S_q = S_kv = 4096, H64, D128, topk 2048: run once, every output finite.

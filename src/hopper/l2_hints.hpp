@@ -1,0 +1,71 @@
+// When the fused kernel's dK reds carry their L2 policy (device side:
+// l2_policy.cuh, TileConfig::kL2KeepDk). Host code only, header-only: the cuda
+// backend decides per launch, and the CPU tests check the estimate without a GPU.
+//
+// docs/perf-log.md, twelfth session: at B1 S 65536 D128, where dK (fp32, 32 MiB)
+// and K (bf16, 16 MiB) fill most of the H200's 60 MiB L2, the policy gave random
+// ids -4.4% and causal ids -0.4% (paired A/B, "v32b"); where everything fits,
+// nothing is lost to win. So the hinted kernel is taken only when the keys that
+// the CTAs in flight can touch need more than half of the L2 for dK and K; below
+// that the launch runs the unhinted kernel, byte for byte the one before.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "dsaib/error.hpp"
+
+namespace dsaib::hopper {
+
+enum class L2Hints { automatic, on, off };
+
+/// DSAIB_L2_HINTS: "auto" (also unset or empty), "on" (every launch of a one-term
+/// kernel; the split-A kernels have no hinted variant) or "off". A tuning and test
+/// switch, read once per call before anything is written.
+/// Throws Error(invalid_argument, "DSAIB_L2_HINTS") for any other value.
+inline L2Hints l2_hints_from_env() {
+  const char* v = std::getenv("DSAIB_L2_HINTS");
+  const std::string s = v == nullptr ? "" : v;
+  if (s.empty() || s == "auto") return L2Hints::automatic;
+  if (s == "on") return L2Hints::on;
+  if (s == "off") return L2Hints::off;
+  throw Error(ErrorCode::invalid_argument, "DSAIB_L2_HINTS",
+              "DSAIB_L2_HINTS: expected \"auto\", \"on\" or \"off\", got \"" + s + "\"");
+}
+
+/// The most key rows that `rows_in_flight` consecutive flat query rows can touch:
+/// the largest sum of k_len over the sequences one window of that many rows meets
+/// (sequences with no query rows are never met). q_len and k_len: per sequence,
+/// in flat order (BSHD: B times S_q and S_kv). The persistent grid hands out tasks
+/// in row order, so about grid / head_groups rows are in flight at once.
+inline int64_t key_rows_in_flight(const std::vector<int64_t>& q_len, const std::vector<int64_t>& k_len,
+                                  int64_t rows_in_flight) {
+  const std::size_t n = std::min(q_len.size(), k_len.size());
+  int64_t most = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    if (q_len[i] <= 0) continue;
+    // Worst window for sequence i: its last row, then the rows that follow.
+    int64_t keys = k_len[i], rows_left = rows_in_flight - 1;
+    for (std::size_t j = i + 1; j < n && rows_left > 0; ++j) {
+      if (q_len[j] <= 0) continue;
+      keys += k_len[j];
+      rows_left -= q_len[j];
+    }
+    most = std::max(most, keys);
+  }
+  return most;
+}
+
+/// Whether a launch takes the hinted kernel: `mode` from l2_hints_from_env();
+/// automatic: when those key rows' dK (fp32) and K (bf16) bytes exceed half of
+/// `l2_bytes` (cudaDevAttrL2CacheSize; 0 = unknown: no hints).
+inline bool l2_hints_pay(L2Hints mode, int64_t key_rows, int64_t head_dim, int64_t l2_bytes) {
+  if (mode != L2Hints::automatic) return mode == L2Hints::on;
+  const int64_t bytes = key_rows * head_dim * static_cast<int64_t>(sizeof(float) + 2);
+  return l2_bytes > 0 && bytes > l2_bytes / 2;
+}
+
+}  // namespace dsaib::hopper

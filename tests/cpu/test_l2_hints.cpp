@@ -1,0 +1,85 @@
+// The cuda backend's L2-hint decision (src/hopper/l2_hints.hpp: whether the dK reds
+// carry their L2 policy), host code only: the working-set estimate over sequences,
+// the threshold and the DSAIB_L2_HINTS switch.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "hopper/l2_hints.hpp"
+
+namespace dsaib::hopper {
+namespace {
+
+constexpr int64_t kH200L2 = 62914560;  // cudaDevAttrL2CacheSize on the H200 (60 MiB)
+
+TEST(L2Hints, OneSequenceTouchesItsWholeKeyTable) {
+  EXPECT_EQ(key_rows_in_flight({65536}, {65536}, 132), 65536);
+  EXPECT_EQ(key_rows_in_flight({1}, {300}, 132), 300);
+}
+
+TEST(L2Hints, ConsecutiveRowsMeetOnlyTheSequencesOfOneWindow) {
+  // B4, S 16384: a window of 132 rows meets at most two sequences.
+  EXPECT_EQ(key_rows_in_flight(std::vector<int64_t>(4, 16384), std::vector<int64_t>(4, 16384), 132), 32768);
+  // Short query sequences: 132 rows over sequences of 10 rows meet 15 of them
+  // (the last row of one, then 131 rows: 13 whole sequences and one row of a 15th).
+  EXPECT_EQ(key_rows_in_flight(std::vector<int64_t>(40, 10), std::vector<int64_t>(40, 1000), 132), 15 * 1000);
+  // Every sequence met when the window covers them all.
+  EXPECT_EQ(key_rows_in_flight({3, 2, 4}, {100, 200, 300}, 132), 600);
+  // The largest window wins, wherever it is.
+  EXPECT_EQ(key_rows_in_flight({100, 100, 1, 1}, {10, 10, 5000, 7000}, 2), 12000);
+}
+
+TEST(L2Hints, SequencesWithoutQueryRowsAreNeverMet) {
+  EXPECT_EQ(key_rows_in_flight({0, 5, 0}, {100000, 7, 100000}, 132), 7);
+  EXPECT_EQ(key_rows_in_flight({}, {}, 132), 0);
+}
+
+TEST(L2Hints, AutomaticTakesTheHintsAboveHalfTheL2) {
+  // perf-log v32b: S 65536 D128 (48 MiB of dK + K) gains; S 16384 (12 MiB) fits.
+  EXPECT_TRUE(l2_hints_pay(L2Hints::automatic, 65536, 128, kH200L2));
+  EXPECT_FALSE(l2_hints_pay(L2Hints::automatic, 16384, 128, kH200L2));
+  EXPECT_FALSE(l2_hints_pay(L2Hints::automatic, 65536, 64, kH200L2));  // 24 MiB
+  EXPECT_TRUE(l2_hints_pay(L2Hints::automatic, 98304, 64, kH200L2));   // 36 MiB
+  // The boundary: 30 MiB is half, so 40960 rows at D128 (30 MiB) stay unhinted.
+  EXPECT_FALSE(l2_hints_pay(L2Hints::automatic, 40960, 128, kH200L2));
+  EXPECT_TRUE(l2_hints_pay(L2Hints::automatic, 40961, 128, kH200L2));
+  EXPECT_FALSE(l2_hints_pay(L2Hints::automatic, 1 << 20, 128, 0));  // unknown L2 size: no hints
+}
+
+TEST(L2Hints, OnAndOffOverrideTheSize) {
+  EXPECT_TRUE(l2_hints_pay(L2Hints::on, 1, 64, kH200L2));
+  EXPECT_FALSE(l2_hints_pay(L2Hints::off, 1 << 20, 128, kH200L2));
+}
+
+class L2HintsEnv : public ::testing::Test {
+ protected:
+  void TearDown() override { unsetenv("DSAIB_L2_HINTS"); }
+};
+
+TEST_F(L2HintsEnv, ParsesItsThreeValues) {
+  unsetenv("DSAIB_L2_HINTS");
+  EXPECT_EQ(l2_hints_from_env(), L2Hints::automatic);
+  for (const auto& [text, mode] : {std::pair{"", L2Hints::automatic}, std::pair{"auto", L2Hints::automatic},
+                                   std::pair{"on", L2Hints::on}, std::pair{"off", L2Hints::off}}) {
+    setenv("DSAIB_L2_HINTS", text, 1);
+    EXPECT_EQ(l2_hints_from_env(), mode) << '"' << text << '"';
+  }
+}
+
+TEST_F(L2HintsEnv, RejectsOtherValuesNamingTheVariable) {
+  setenv("DSAIB_L2_HINTS", "yes", 1);
+  try {
+    (void)l2_hints_from_env();
+    FAIL() << "expected an Error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+    EXPECT_EQ(e.argument(), "DSAIB_L2_HINTS");
+    EXPECT_NE(std::string(e.what()).find("got \"yes\""), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace dsaib::hopper
