@@ -310,6 +310,18 @@ TEST_F(Gpu, RejectsBadInputBeforeWriting) {
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
   }
+  // a bad value of the DSAIB_L2_HINTS switch (l2_hints.hpp); the fp32 d_index_k is
+  // the accumulator the backend zeroes first, so a late check would show here
+  {
+    const ScopedL2Hints bad("yes");
+    try {
+      indexer_backward(dp.inputs(), out.views(), opt);
+      ADD_FAILURE() << "DSAIB_L2_HINTS=yes accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+      EXPECT_EQ(e.argument(), "DSAIB_L2_HINTS");
+    }
+  }
   EXPECT_EQ(out.d_index_q.buffer.to_host(), before_q);
   EXPECT_EQ(out.d_index_k.buffer.to_host(), before_k);
 }
