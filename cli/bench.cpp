@@ -74,7 +74,10 @@ int run_bench(const BenchArgs& a) {
   std::ostream& out = a.json == "-" ? std::cerr : std::cout;
   const std::string device_line = dev.name + " (sm_" + std::to_string(dev.cc_major) + std::to_string(dev.cc_minor) +
                                   ", " + std::to_string(dev.sm_count) + " SMs, L2 " +
-                                  fmt("%.1f", dev.l2_bytes / kMiB) + " MiB), driver " +
+                                  fmt("%.1f", dev.l2_bytes / kMiB) + " MiB, " +
+                                  (dev.l2_persisting_bytes >= 0 ? fmt("%.2f", dev.l2_persisting_bytes / kMiB) + " MiB"
+                                                                : std::string("unknown")) +
+                                  " set aside for persisting lines), driver " +
                                   version_string(dev.driver_version) + ", runtime " +
                                   version_string(dev.runtime_version);
   out << "dsa-indexer-bwd bench\n"
@@ -216,6 +219,7 @@ int run_bench(const BenchArgs& a) {
                    {"compute_capability", std::to_string(dev.cc_major) + "." + std::to_string(dev.cc_minor)},
                    {"sm_count", dev.sm_count},
                    {"l2_bytes", dev.l2_bytes},
+                   {"l2_persisting_bytes", dev.l2_persisting_bytes},
                    {"memory_bytes", dev.total_bytes},
                    {"driver", version_string(dev.driver_version)},
                    {"runtime", version_string(dev.runtime_version)}};

@@ -62,6 +62,12 @@ DeviceInfo probe_device() {
     cudaGetLastError();
     return d;
   }
+  size_t persisting = 0;
+  if (cudaDeviceGetLimit(&persisting, cudaLimitPersistingL2CacheSize) == cudaSuccess) {
+    d.l2_persisting_bytes = static_cast<int64_t>(persisting);
+  } else {
+    cudaGetLastError();
+  }
   size_t free_b = 0, total_b = 0;
   if (cudaMemGetInfo(&free_b, &total_b) == cudaSuccess) {
     d.free_bytes = free_b;

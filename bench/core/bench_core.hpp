@@ -35,6 +35,11 @@ struct DeviceInfo {
   std::string name;
   int cc_major = 0, cc_minor = 0, sm_count = 0;
   int64_t l2_bytes = 0;
+  // L2 set aside for persisting (evict_last) lines in this context
+  // (cudaLimitPersistingL2CacheSize; -1 when the query failed). The dK reds' L2
+  // hint (src/hopper/l2_policy.cuh) keeps about this much of dK resident, so its
+  // gain depends on it.
+  int64_t l2_persisting_bytes = -1;
   uint64_t free_bytes = 0, total_bytes = 0;
   int driver_version = 0, runtime_version = 0;  // e.g. 13000
 };
