@@ -3,11 +3,13 @@
 // backend decides per launch, and the CPU tests check the estimate without a GPU.
 //
 // docs/perf-log.md, twelfth session: at B1 S 65536 D128, where dK (fp32, 32 MiB)
-// and K (bf16, 16 MiB) fill most of the H200's 60 MiB L2, the policy gave random
-// ids -4.4% and causal ids -0.4% (paired A/B, "v32b"); where everything fits,
-// nothing is lost to win. So the hinted kernel is taken only when the keys that
-// the CTAs in flight can touch need more than half of the L2 for dK and K; below
-// that the launch runs the unhinted kernel, byte for byte the one before.
+// and K (bf16, 16 MiB) fill most of the H200's 60 MiB L2, the hinted kernel took
+// -2.3% (call 5, "v33") to -4.4% (call 4, the same kernel, "v32b" at 0.35) at
+// random ids and ~0 at causal ids (paired A/Bs). At S 16384, 32768 and 49152
+// (12, 24, 36 MiB) hint on against off changed nothing (call 8, "gate probe").
+// So the hinted kernel is taken only when the keys that the CTAs in flight can
+// touch need more than half of the L2 for dK and K; below that the launch runs
+// the unhinted kernel, byte for byte the one before (v28).
 #pragma once
 
 #include <algorithm>

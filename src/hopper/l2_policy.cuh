@@ -7,8 +7,8 @@
 // last red (docs/perf-log.md, twelfth session, call 1). Marking a fixed fraction
 // of the dK lines evict_last keeps those lines resident; the rest keep their
 // normal priority (evict_unchanged). Measured, paired A/B at S 65536 against no
-// hint (perf-log "v32b"): fraction 1.0: random -1.1%; 0.25 / 0.35 / 0.5: random
-// -4.4 / -4.4 / -4.3%, causal -0.3 to -0.4% (within noise). 1.0 gains least, as
+// hint (perf-log "v32b"): fraction 1.0: random B/A 0.989; 0.25 / 0.35 / 0.5:
+// random 0.955 / 0.956 / 0.957, causal 0.995-0.997 (within noise). 1.0 gains least, as
 // if only about the persisting set-aside (11.25 MiB in force on the H200 we
 // measured, cudaLimitPersistingL2CacheSize) held evict_last lines and the rest
 // churned among themselves; 0.35 of 32 MiB is about that size.
