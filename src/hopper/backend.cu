@@ -5,12 +5,14 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <limits>
 #include <string>
 
 #include "api/cuda_backend.hpp"
 #include "hopper/cuda_check.hpp"
 #include "hopper/l2_hints.hpp"
+#include "hopper/l2_policy.cuh"
 #include "hopper/launch.hpp"
 
 namespace dsaib::hopper {
@@ -25,6 +27,14 @@ __global__ void cast_dk_to_bf16(const float* __restrict__ src, __nv_bfloat16* __
   } else {
     for (int64_t j = i; j < n; ++j) dst[j] = __float2bfloat16_rn(src[j]);
   }
+}
+
+/// applypriority evict_normal on each of the `lines` 128-byte L2 lines from the
+/// 128-byte aligned `first_line` (the lines of the dK accumulator after an
+/// L2-hinted kernel; l2_policy.cuh).
+__global__ void reset_l2_priority_to_normal(const char* first_line, int64_t lines) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < lines) l2_priority_to_normal(first_line + i * 128);
 }
 
 /// Restores the caller's current device on scope exit.
@@ -96,6 +106,12 @@ IndexerBackwardParams make_kernel_params(const IndexerBackwardInputs& in, const 
   return p;
 }
 
+namespace {
+std::atomic<uint64_t> l2_hinted_launch_count{0};
+}  // namespace
+
+uint64_t l2_hinted_launches() { return l2_hinted_launch_count.load(std::memory_order_relaxed); }
+
 }  // namespace dsaib::hopper
 
 namespace dsaib::detail {
@@ -136,8 +152,8 @@ static bool a_operand_split(AOperandPrecision precision, const IndexerBackwardOu
   return out.d_index_q.dtype == DType::f32 || out.d_index_k.dtype == DType::f32;
 }
 
-/// l2_hints.hpp's decision for this launch: the rows in flight are one persistent CTA
-/// per SM (the kernel's occupancy), head_groups tasks per row.
+
+/// l2_hints.hpp's decision for this launch, on this device's SM count and L2 size.
 static bool use_l2_hints(hopper::L2Hints mode, const ProblemGeometry& g, int64_t head_groups) {
   if (mode != hopper::L2Hints::automatic) return mode == hopper::L2Hints::on;
   int device = 0, sms = 0, l2_bytes = 0;
@@ -146,10 +162,7 @@ static bool use_l2_hints(hopper::L2Hints mode, const ProblemGeometry& g, int64_t
              "cudaDeviceGetAttribute(cudaDevAttrMultiProcessorCount)");
   cuda_check(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device),
              "cudaDeviceGetAttribute(cudaDevAttrL2CacheSize)");
-  const int64_t groups = std::max<int64_t>(head_groups, 1);
-  const int64_t rows_in_flight = std::max<int64_t>((sms + groups - 1) / groups, 1);
-  const int64_t key_rows = hopper::key_rows_in_flight(g.q_len, g.k_len, rows_in_flight);
-  return hopper::l2_hints_pay(mode, key_rows, g.head_dim, l2_bytes);
+  return hopper::l2_hints_for_launch(mode, g.q_len, g.k_len, head_groups, sms, l2_bytes, g.head_dim);
 }
 
 void run_cuda_backend(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
@@ -167,6 +180,10 @@ void run_cuda_backend(const IndexerBackwardInputs& in, const IndexerBackwardOutp
   }
   const hopper::L2Hints l2_mode = hopper::l2_hints_from_env();  // throws on a bad value, before any write
   hopper::DeviceGuard guard(in.index_q.device_index);
+  // Which kernel: decided (device queries included) before anything is allocated or written.
+  const bool split_a = a_operand_split(opt.a_operand_precision, out);
+  // The split-A kernels have no hinted variant (launch.hpp).
+  const bool l2_keep_dk = !split_a && use_l2_hints(l2_mode, g, (g.heads + 63) / 64);
   cudaStream_t stream = static_cast<cudaStream_t>(opt.stream);
   const std::size_t dk_bytes = static_cast<std::size_t>(g.num_k_rows * g.head_dim) * sizeof(float);
   const bool dk_bf16 = out.d_index_k.dtype == DType::bf16;
@@ -185,9 +202,6 @@ void run_cuda_backend(const IndexerBackwardInputs& in, const IndexerBackwardOutp
   (void)workspace_bytes;
   const hopper::IndexerBackwardParams params = hopper::make_kernel_params(in, out, opt, g, dk_accum);
   if (dk_bytes > 0) cuda_check(cudaMemsetAsync(dk_accum, 0, dk_bytes, stream), "cudaMemsetAsync (dK accumulator)");
-  const bool split_a = a_operand_split(opt.a_operand_precision, out);
-  // The split-A kernels have no hinted variant (launch.hpp).
-  const bool l2_keep_dk = !split_a && use_l2_hints(l2_mode, g, params.head_groups);
   if (g.head_dim == 64) {
     if (split_a) hopper::launch_indexer_backward<64, true>(params, stream);
     else if (l2_keep_dk) hopper::launch_indexer_backward<64, false, true>(params, stream);
@@ -196,6 +210,17 @@ void run_cuda_backend(const IndexerBackwardInputs& in, const IndexerBackwardOutp
     if (split_a) hopper::launch_indexer_backward<128, true>(params, stream);
     else if (l2_keep_dk) hopper::launch_indexer_backward<128, false, true>(params, stream);
     else hopper::launch_indexer_backward<128, false>(params, stream);
+  }
+  if (l2_keep_dk && dk_bytes > 0) {
+    // No evict_last line of the accumulator outlives the call (l2_policy.cuh). Every
+    // 128-byte line that holds a byte of it (an fp32 d_index_k need not be 128-byte aligned).
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(dk_accum) & ~uintptr_t{127};
+    const uintptr_t end = reinterpret_cast<uintptr_t>(dk_accum) + dk_bytes;
+    const int64_t lines = static_cast<int64_t>((end - begin + 127) / 128), threads = 256;
+    hopper::reset_l2_priority_to_normal<<<static_cast<unsigned>((lines + threads - 1) / threads), threads, 0, stream>>>(
+        reinterpret_cast<const char*>(begin), lines);
+    hopper::cuda_check_launch("reset_l2_priority_to_normal");
+    hopper::l2_hinted_launch_count.fetch_add(1, std::memory_order_relaxed);
   }
   if (dk_bf16 && dk_bytes > 0) {
     const int64_t n = g.num_k_rows * g.head_dim;

@@ -70,4 +70,20 @@ inline bool l2_hints_pay(L2Hints mode, int64_t key_rows, int64_t head_dim, int64
   return l2_bytes > 0 && bytes > l2_bytes / 2;
 }
 
+/// How many launches in this process took the hinted kernel (defined in backend.cu,
+/// cuda builds only; for tests: the decision is invisible in the results).
+uint64_t l2_hinted_launches();
+
+/// The whole decision for one launch, from the problem and the device: `mode`,
+/// the per-sequence q_len / k_len, head_groups tasks per query row, `sms`
+/// resident CTAs (one per SM), `l2_bytes`, the head dim. The rows in flight are
+/// ceil(sms / head_groups) consecutive query rows.
+inline bool l2_hints_for_launch(L2Hints mode, const std::vector<int64_t>& q_len, const std::vector<int64_t>& k_len,
+                                int64_t head_groups, int64_t sms, int64_t l2_bytes, int64_t head_dim) {
+  if (mode != L2Hints::automatic) return mode == L2Hints::on;
+  const int64_t groups = std::max<int64_t>(head_groups, 1);
+  const int64_t rows_in_flight = std::max<int64_t>((sms + groups - 1) / groups, 1);
+  return l2_hints_pay(mode, key_rows_in_flight(q_len, k_len, rows_in_flight), head_dim, l2_bytes);
+}
+
 }  // namespace dsaib::hopper

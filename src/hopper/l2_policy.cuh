@@ -4,25 +4,35 @@
 // At B1 S_kv 65536 D 128 the fp32 dK accumulator (32 MiB) and the gathered keys
 // (16 MiB) nearly fill the H200's 60 MiB L2, and ncu counts ~233 KB of DRAM
 // write-back per query row: ~23% of the reds land on dK lines evicted since their
-// last red (docs/perf-log.md, twelfth session, call 1). Marking a fixed fraction
-// of the dK lines evict_last keeps those lines resident; the rest keep their
-// normal priority (evict_unchanged). Measured, paired A/B at S 65536 against no
-// hint (perf-log "v32b"): fraction 1.0: random B/A 0.989; 0.25 / 0.35 / 0.5:
-// random 0.955 / 0.956 / 0.957, causal 0.995-0.997 (within noise). 1.0 gains least, as
-// if only about the persisting set-aside (11.25 MiB in force on the H200 we
-// measured, cudaLimitPersistingL2CacheSize) held evict_last lines and the rest
-// churned among themselves; 0.35 of 32 MiB is about that size.
+// last red (docs/perf-log.md, twelfth session, call 1).
+//
+// The reds carry a createpolicy.fractional.L2::evict_last policy with fraction
+// 0.35: the PTX ISA applies the primary priority (evict_last) to that fraction of
+// the cache accesses made with the policy and the secondary one (here the default,
+// evict_unchanged) to the rest; which accesses is the hardware's choice (the CUDA
+// guide says of hitRatio: random, with a distribution that depends on the
+// architecture and the memory extent). So it is a share of the dK traffic, not a
+// chosen set of lines, and evict_last is a priority, not a pin. After the kernel,
+// reset_l2_priority_to_normal (backend.cu) applies evict_normal to every line of
+// the accumulator, so that no evict_last line outlives the call.
+//
+// Measured, paired A/B at S 65536 against no hint (perf-log "v32b"): fraction
+// 1.0: random B/A 0.989; 0.25 / 0.35 / 0.5: random 0.955 / 0.956 / 0.957, causal
+// 0.995-0.997 (within noise). A hypothesis for why 1.0 gains least, not
+// measured: only about the persisting set-aside (11.25 MiB in force on the H200
+// we measured, cudaLimitPersistingL2CacheSize) holds evict_last lines, and with
+// every red evict_last they churn among themselves.
 //
 // Own inline PTX because neither CCCL's cuda::ptx (13.0) nor CuTe wraps
-// createpolicy or red.global with an L2::cache_hint.
+// createpolicy, red.global with an L2::cache_hint, or applypriority.
 #pragma once
 
 #include <cstdint>
 
 namespace dsaib::hopper {
 
-/// The createpolicy value of the dK reds: L2 evict_last for 35% of the lines
-/// they touch, evict_unchanged for the others.
+/// The createpolicy value of the dK reds: L2 evict_last for 35% of the accesses
+/// made with it, evict_unchanged for the others.
 __device__ __forceinline__ uint64_t l2_policy_dk_reds() {
   uint64_t policy;
   asm("createpolicy.fractional.L2::evict_last.b64 %0, 0.35;" : "=l"(policy));
@@ -36,6 +46,13 @@ __device__ __forceinline__ void red_add_f32x4(float* dst, const float4& v, uint6
                :
                : "l"(dst), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "l"(policy)
                : "memory");
+}
+
+/// applypriority.global.L2::evict_normal on the 128-byte L2 line at `line`
+/// (128-byte aligned): an evict_last line becomes a normal one; no effect on
+/// data, and none when the line is not in L2.
+__device__ __forceinline__ void l2_priority_to_normal(const void* line) {
+  asm volatile("applypriority.global.L2::evict_normal [%0], 128;" : : "l"(line) : "memory");
 }
 
 }  // namespace dsaib::hopper

@@ -36,6 +36,8 @@ struct ScatterReduce {
     const int col = 4 * (lane % kLanesPerRow);
     const int row0 = 16 * warp + lane / kLanesPerRow;
     auto state = make_consumer_start_state<Config::kDkBuffers>();
+    [[maybe_unused]] uint64_t dk_policy = 0;  // the reds' L2 policy (kL2KeepDk only)
+    if constexpr (Config::kL2KeepDk) dk_policy = l2_policy_dk_reds();
     for (;;) {
       dk_pipe.consumer_wait(state);
       const int b = state.index;
@@ -52,7 +54,7 @@ struct ScatterReduce {
       CUTE_UNROLL
       for (int s = 0; s < kSteps; ++s) {
         if constexpr (Config::kL2KeepDk) {  // the same red with an L2 policy (l2_policy.cuh)
-          if (kr[s] >= 0) red_add_f32x4(p.dk_accum + static_cast<int64_t>(kr[s]) * kD + col, v[s], l2_policy_dk_reds());
+          if (kr[s] >= 0) red_add_f32x4(p.dk_accum + static_cast<int64_t>(kr[s]) * kD + col, v[s], dk_policy);
           continue;
         }
         if (kr[s] >= 0) atomicAdd(reinterpret_cast<float4*>(p.dk_accum + static_cast<int64_t>(kr[s]) * kD + col), v[s]);

@@ -54,6 +54,24 @@ TEST(L2Hints, OnAndOffOverrideTheSize) {
   EXPECT_FALSE(l2_hints_pay(L2Hints::off, 1 << 20, 128, kH200L2));
 }
 
+TEST(L2Hints, LaunchDecisionCountsRowsInFlightPerHeadGroup) {
+  // B1 S 65536 D128 on 132 SMs: one window meets the whole table (48 MiB).
+  EXPECT_TRUE(l2_hints_for_launch(L2Hints::automatic, {65536}, {65536}, 1, 132, kH200L2, 128));
+  // B4 S 16384: 132 rows in flight meet two sequences (24 MiB, under half the L2).
+  const std::vector<int64_t> four(4, 16384);
+  EXPECT_FALSE(l2_hints_for_launch(L2Hints::automatic, four, four, 1, 132, kH200L2, 128));
+  // Sequences of 40 query rows: 132 rows in flight meet 5 sequences (60 MiB); with
+  // 4 head groups per row only ceil(132 / 4) = 33 rows are in flight, which meet
+  // 2 sequences (the last row of one and 32 of the next: 24 MiB).
+  const std::vector<int64_t> q40(8, 40), k16k(8, 16384);
+  EXPECT_TRUE(l2_hints_for_launch(L2Hints::automatic, q40, k16k, 1, 132, kH200L2, 128));
+  EXPECT_FALSE(l2_hints_for_launch(L2Hints::automatic, q40, k16k, 4, 132, kH200L2, 128));
+  // on / off override; head_groups 0 and sms 0 are treated as 1.
+  EXPECT_TRUE(l2_hints_for_launch(L2Hints::on, {1}, {1}, 1, 132, kH200L2, 64));
+  EXPECT_FALSE(l2_hints_for_launch(L2Hints::off, {65536}, {65536}, 1, 132, kH200L2, 128));
+  EXPECT_TRUE(l2_hints_for_launch(L2Hints::automatic, {65536}, {65536}, 0, 0, kH200L2, 128));
+}
+
 class L2HintsEnv : public ::testing::Test {
  protected:
   void TearDown() override { unsetenv("DSAIB_L2_HINTS"); }

@@ -73,13 +73,23 @@ void run_case(const Case& c) {
   check_against_cpu(p, c.dq, c.dw, c.dk, p.options(), c.name);
 }
 
-/// Sets DSAIB_L2_HINTS (l2_hints.hpp) for its scope.
+/// Sets DSAIB_L2_HINTS (l2_hints.hpp) for its scope, then restores what was there.
 class ScopedL2Hints {
  public:
-  explicit ScopedL2Hints(const char* value) { setenv("DSAIB_L2_HINTS", value, 1); }
-  ~ScopedL2Hints() { unsetenv("DSAIB_L2_HINTS"); }
+  explicit ScopedL2Hints(const char* value) {
+    if (const char* v = std::getenv("DSAIB_L2_HINTS")) previous_ = v, had_ = true;
+    setenv("DSAIB_L2_HINTS", value, 1);
+  }
+  ~ScopedL2Hints() {
+    if (had_) setenv("DSAIB_L2_HINTS", previous_.c_str(), 1);
+    else unsetenv("DSAIB_L2_HINTS");
+  }
   ScopedL2Hints(const ScopedL2Hints&) = delete;
   ScopedL2Hints& operator=(const ScopedL2Hints&) = delete;
+
+ private:
+  std::string previous_;
+  bool had_ = false;
 };
 
 // ------------------------------------------------------------ shapes ---
@@ -107,27 +117,38 @@ TEST_F(Gpu, HeadDim64) {
   run_case({"d64 h8 perm", spec_of(1, 33, 500, 8, 64, 257, IdPattern::random_permutation)});
 }
 
-/// Automatic: key tables whose dK + K exceed half the L2 take the hinted kernel
-/// (the decision is checked on each case's own sizes and this device's SMs and L2),
-/// and its results match the fp64 CPU reference.
+/// Automatic: key tables whose dK + K exceed half the L2 take the hinted kernel,
+/// and its results match the fp64 CPU reference. Which kernel ran is read from
+/// hopper::l2_hinted_launches() (the two kernels give the same results).
 TEST_F(Gpu, L2HintedKernelChosenForLargeKeyTables) {
-  int device = 0, sms = 0, l2_bytes = 0;
-  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
-  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), cudaSuccess);
-  ASSERT_EQ(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device), cudaSuccess);
-  const ScopedL2Hints automatic("auto");
-  for (const Case& c : {Case{"auto d128 sq48 skv49152", spec_of(1, 48, 49152, 64, 128, 2048, IdPattern::random_permutation)},
-                        Case{"auto d64 sq40 skv98304", spec_of(1, 40, 98304, 64, 64, 1000, IdPattern::random_permutation)},
-                        Case{"auto d128 b2 sq24 skv49152 causal", spec_of(2, 24, 49152, 64, 128, 300)}}) {
-    const std::vector<int64_t> q_len(c.spec.batch, c.spec.s_q), k_len(c.spec.batch, c.spec.s_kv);
-    const int64_t key_rows = hopper::key_rows_in_flight(q_len, k_len, sms);
-    EXPECT_TRUE(hopper::l2_hints_pay(hopper::L2Hints::automatic, key_rows, c.spec.head_dim, l2_bytes))
-        << c.name << ": " << key_rows << " key rows, L2 " << l2_bytes << " bytes";
+  const auto hinted_runs = [](const Case& c) {
+    const uint64_t before = hopper::l2_hinted_launches();
     run_case(c);
+    return hopper::l2_hinted_launches() - before;
+  };
+  {
+    const ScopedL2Hints automatic("auto");
+    for (const Case& c :
+         {Case{"auto d128 sq48 skv49152", spec_of(1, 48, 49152, 64, 128, 2048, IdPattern::random_permutation)},
+          Case{"auto d64 sq40 skv98304", spec_of(1, 40, 98304, 64, 64, 1000, IdPattern::random_permutation)},
+          Case{"auto d128 b2 sq24 skv49152 causal", spec_of(2, 24, 49152, 64, 128, 300)}}) {
+      EXPECT_GE(hinted_runs(c), 1u) << c.name << ": the unhinted kernel ran";
+    }
+    // A table that fits stays on the unhinted kernel.
+    EXPECT_EQ(hinted_runs({"auto d128 sq64 skv4096", spec_of(1, 64, 4096, 64, 128, 512)}), 0u);
+    // So does every split-A call (fp32 outputs), whatever the size.
+    Case f32{"auto d128 f32 sq16 skv49152", spec_of(1, 16, 49152, 64, 128, 256, IdPattern::random_permutation)};
+    f32.dq = f32.dw = f32.dk = DType::f32;
+    EXPECT_EQ(hinted_runs(f32), 0u);
   }
-  // And a table that fits stays on the unhinted kernel.
-  EXPECT_FALSE(hopper::l2_hints_pay(hopper::L2Hints::automatic, hopper::key_rows_in_flight({4096}, {4096}, sms), 128,
-                                    l2_bytes));
+  {
+    const ScopedL2Hints off("off");
+    EXPECT_EQ(hinted_runs({"off d128 sq48 skv49152", spec_of(1, 48, 49152, 64, 128, 2048)}), 0u);
+  }
+  {
+    const ScopedL2Hints on("on");
+    EXPECT_GE(hinted_runs({"on d128 sq16 skv300", spec_of(1, 16, 300, 64, 128, 200)}), 1u);
+  }
 }
 
 TEST_F(Gpu, Tiny) { run_case({"sq1 skv1", spec_of(1, 1, 1, 64, 128, 4)}); }
