@@ -95,6 +95,12 @@ TensorView contiguous_view(void* data, DType dtype, const int64_t* shape, int32_
     throw Error(ErrorCode::invalid_argument, "rank",
                 "rank: expected 0.." + std::to_string(kMaxRank) + ", got " + std::to_string(rank));
   }
+  for (int32_t i = 0; i < rank; ++i) {
+    if (shape[i] < 0) {
+      throw Error(ErrorCode::invalid_argument, "shape",
+                  "shape: expected sizes >= 0, got " + std::to_string(shape[i]) + " at dimension " + std::to_string(i));
+    }
+  }
   TensorView v;
   v.data = data;
   v.dtype = dtype;

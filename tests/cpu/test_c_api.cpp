@@ -107,6 +107,9 @@ TEST(CApi, ContiguousTensor) {
   EXPECT_STREQ(dsaib_last_error(), "dtype: expected 0 (bf16), 1 (f32) or 2 (i32), got 42");
   EXPECT_EQ(dsaib_contiguous_tensor(&t, buf, DSAIB_F32, shape, 3, static_cast<dsaib_device>(-1), 0), DSAIB_INVALID_ARGUMENT);
   EXPECT_STREQ(dsaib_last_error(), "device: expected 0 (cpu) or 1 (cuda), got -1");
+  const int64_t negative[3] = {2, -3, 4};
+  EXPECT_EQ(dsaib_contiguous_tensor(&t, buf, DSAIB_F32, negative, 3, DSAIB_CPU, 0), DSAIB_INVALID_ARGUMENT);
+  EXPECT_STREQ(dsaib_last_error(), "shape: expected sizes >= 0, got -3 at dimension 1");
   EXPECT_EQ(std::memcmp(&before, &t, sizeof t), 0) << "nothing is written on an error";
 }
 
