@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <cstring>
 #include <iostream>
+#include <limits>
 #include <numeric>
 #include <sstream>
 #include <tuple>
@@ -66,6 +67,19 @@ double parse_number(const std::map<std::string, std::string>& meta, const std::s
   return v;
 }
 
+/// A metadata scalar that the op takes as fp32: parse_number's rules, and the value
+/// must lie in fp32 range (1e39 would become inf); with `nonzero`, it must not
+/// round to 0 in fp32 either (1e-50). The same rules as the CLI's flags.
+float parse_fp32(const std::map<std::string, std::string>& meta, const std::string& key, double fallback,
+                 const std::string& path, bool nonzero, bool* found = nullptr) {
+  const double v = parse_number(meta, key, fallback, path, found);
+  if (std::fabs(v) > std::numeric_limits<float>::max() || (nonzero && static_cast<float>(v) == 0.0f)) {
+    throw Error(ErrorCode::invalid_argument, key,
+                path + ": metadata " + key + ": expected a finite " + (nonzero ? "nonzero " : "") +
+                    "number (fp32 range), got \"" + meta.at(key) + "\"");
+  }
+  return static_cast<float>(v);
+}
 
 std::string join_lengths(const std::vector<int64_t>& v) {
   std::string s;
@@ -387,10 +401,10 @@ Problem load_problem(const std::string& path) {
   const HostTensor& q = p.tensors.at("index_q");
   const int64_t d = q.shape.empty() ? 0 : q.shape.back();
   bool found = false;
-  p.options.sm_scale = static_cast<float>(parse_number(meta, "sm_scale", d > 0 ? 1.0 / std::sqrt(double(d)) : 1.0, path, &found));
+  p.options.sm_scale = parse_fp32(meta, "sm_scale", d > 0 ? 1.0 / std::sqrt(double(d)) : 1.0, path, true, &found);
   if (!found) log_stage("note: " + path + " has no sm_scale metadata; using 1/sqrt(D) = " + format_float(p.options.sm_scale));
-  p.options.loss_coeff = static_cast<float>(parse_number(meta, "loss_coeff", 1.0, path));
-  p.options.grad_loss = static_cast<float>(parse_number(meta, "grad_loss", 1.0, path));
+  p.options.loss_coeff = parse_fp32(meta, "loss_coeff", 1.0, path, false);
+  p.options.grad_loss = parse_fp32(meta, "grad_loss", 1.0, path, false);
   const double n = parse_number(meta, "normalization_count", 0.0, path);
   if (!(n >= 0) || n != std::floor(n) || n > 9.0e18) {
     bad("normalization_count", path + ": metadata normalization_count: expected an integer in [0, 9e18], got " + format_float(n));

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <tuple>
 
 #include <nlohmann/json.hpp>
 
@@ -296,6 +297,21 @@ TEST_F(Cli, WrongTensorIsAnErrorNamingIt) {
   r = run("backward --in " + quote(path("bad_meta.safetensors")));
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_TRUE(contains(r.output, "metadata sm_scale: expected a finite number")) << r.output;
+
+  // Values the op would take as fp32 inf or 0 are errors too (the flags' rules).
+  for (const auto& [key, value, message] :
+       {std::tuple<std::string, std::string, std::string>{"sm_scale", "1e-50",
+                                                          "metadata sm_scale: expected a finite nonzero number (fp32 range), got \"1e-50\""},
+        {"sm_scale", "1e39", "metadata sm_scale: expected a finite nonzero number (fp32 range), got \"1e39\""},
+        {"loss_coeff", "-1e39", "metadata loss_coeff: expected a finite number (fp32 range), got \"-1e39\""},
+        {"grad_loss", "3.5e38", "metadata grad_loss: expected a finite number (fp32 range), got \"3.5e38\""}}) {
+    auto m = meta;
+    m[key] = value;
+    dsaib::write_safetensors(path("range_meta.safetensors"), t, m);
+    r = run("backward --in " + quote(path("range_meta.safetensors")));
+    EXPECT_EQ(r.exit_code, 2) << key << "=" << value << ": " << r.output;
+    EXPECT_TRUE(contains(r.output, message)) << r.output;
+  }
 }
 
 // `bench` runs only with the cuda backend on a GPU; elsewhere it must say so and fail
