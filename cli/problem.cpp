@@ -6,6 +6,7 @@
 #include <iostream>
 #include <limits>
 #include <numeric>
+#include <set>
 #include <sstream>
 #include <tuple>
 #include <cerrno>
@@ -412,6 +413,27 @@ Problem load_problem(const std::string& path) {
   p.options.normalization_count = static_cast<int64_t>(n);
   for (const char* key : {"generator", "preset", "ids", "seed"}) {
     if (meta.count(key)) p.info[key] = meta.at(key);
+  }
+  // A misspelt key or tensor name is otherwise silently ignored: name what is.
+  {
+    static const std::set<std::string> known_keys = {
+        "layout", "id_mode", "sm_scale", "loss_coeff", "grad_loss", "normalization_count",
+        "generator", "preset", "ids", "seed", "format"};
+    std::string keys, names;
+    for (const auto& [key, value] : meta) {
+      if (!known_keys.count(key)) keys += (keys.empty() ? "" : ", ") + key;
+    }
+    for (const auto& [name, tensor] : p.tensors) {
+      const bool known = std::find(std::begin(kInputNames), std::end(kInputNames), name) != std::end(kInputNames) ||
+                         name == "cu_seqlens_q" || name == "cu_seqlens_k" || name == "torch_d_index_q" ||
+                         name == "torch_d_weights" || name == "torch_d_index_k";
+      if (!known) names += (names.empty() ? "" : ", ") + name;
+    }
+    if (!keys.empty()) {
+      log_stage("note: " + path + ": ignored metadata keys: " + keys +
+                " (read: layout, id_mode, sm_scale, loss_coeff, grad_loss, normalization_count)");
+    }
+    if (!names.empty()) log_stage("note: " + path + ": ignored tensors: " + names);
   }
   // Gradients stored by the file's producer (torch_d_*, scripts/dump_torch_step.py
   // --with-grads) are compared with ours after the run: a stored tensor that

@@ -284,6 +284,20 @@ TEST_F(Cli, WrongTensorIsAnErrorNamingIt) {
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_TRUE(contains(r.output, "index_q: expected rank 3 (thd layout, from the file's layout metadata")) << r.output;
 
+  // A misspelt metadata key and an extra tensor are named (not silently ignored); the run goes on.
+  auto extra = t;
+  extra["index_qq"] = dsaib::HostTensor(dsaib::DType::f32, {2});
+  auto typo_meta = meta;
+  typo_meta["sm_sclae"] = "0.5";
+  dsaib::write_safetensors(path("typo.safetensors"), extra, typo_meta);
+  r = run("backward --in " + quote(path("typo.safetensors")));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "ignored metadata keys: sm_sclae")) << r.output;
+  EXPECT_TRUE(contains(r.output, "ignored tensors: index_qq")) << r.output;
+  r = run("backward --in " + quote(tiny_problem()));  // a file the CLI wrote: nothing to name
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_FALSE(contains(r.output, "ignored metadata") || contains(r.output, "ignored tensors")) << r.output;
+
   auto missing = t;
   missing.erase("attn_score");
   dsaib::write_safetensors(path("missing.safetensors"), missing, meta);
