@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdint>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -74,7 +75,8 @@ GenerateSpec make_spec(const GenFlags& flags, int32_t threads);
 /// Runs the generator and wraps its output as a Problem.
 Problem generate(const GenFlags& flags, int32_t threads);
 /// Reads a problem file. Raises dsaib::Error(io_error / invalid_argument).
-Problem load_problem(const std::string& path);
+/// `overridden`: metadata keys that flags replace (ScalarFlags); those are not read.
+Problem load_problem(const std::string& path, const std::set<std::string>& overridden = {});
 /// Writes a problem file (inputs and their metadata).
 void save_problem(const std::string& path, const Problem& p);
 

@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cctype>
 #include <cmath>
 #include <limits>
 #include <cstdio>
@@ -115,10 +116,13 @@ CLI::Validator finite_float(bool nonzero = false) {
         char* end = nullptr;
         errno = 0;
         const double x = std::strtod(v.c_str(), &end);
-        if (v.empty() || end != v.c_str() + v.size()) return "expected a number, got \"" + v + "\"";
-        // nonzero: also after rounding to fp32 (1e-50 becomes 0 there)
-        if (!std::isfinite(x) || std::fabs(x) > std::numeric_limits<float>::max() ||
-            (nonzero && static_cast<float>(x) == 0.0f)) {
+        // strtod skips leading blanks; trailing ones stop it: refuse both alike
+        if (v.empty() || std::isspace(static_cast<unsigned char>(v[0])) || end != v.c_str() + v.size()) {
+          return "expected a number, got \"" + v + "\"";
+        }
+        // in fp32 range: finite after rounding to fp32 (3.4028235e38 rounds to the
+        // largest float, 3.5e38 to inf); nonzero: also after that rounding (1e-50 is 0)
+        if (!std::isfinite(x) || std::isinf(static_cast<float>(x)) || (nonzero && static_cast<float>(x) == 0.0f)) {
           return std::string("expected a finite ") + (nonzero ? "nonzero " : "") + "number (fp32 range), got " + v;
         }
         return std::string();
@@ -218,6 +222,15 @@ struct ScalarOverrides {
     if (o_lc->count()) f.loss_coeff = loss_coeff;
     if (o_gl->count()) f.grad_loss = grad_loss;
     if (o_n->count()) f.normalization_count = normalization_count;
+  }
+  /// The problem-file metadata keys these flags override (not read from the file).
+  std::set<std::string> overridden_keys() const {
+    std::set<std::string> k;
+    if (o_sm->count()) k.insert("sm_scale");
+    if (o_lc->count()) k.insert("loss_coeff");
+    if (o_gl->count()) k.insert("grad_loss");
+    if (o_n->count()) k.insert("normalization_count");
+    return k;
   }
   void apply_to_options(IndexerBackwardOptions& o) const {
     if (o_sm->count()) o.sm_scale = sm_scale;
@@ -432,7 +445,7 @@ int cmd_backward(GenOptions& gen, const ScalarOverrides& sc, const BackwardArgs&
   Problem p;
   if (!a.in.empty()) {
     log_stage("reading " + a.in + " ...");
-    p = load_problem(a.in);
+    p = load_problem(a.in, sc.overridden_keys());
   } else {
     sc.apply_to_flags(gen.f);
     p = generate(gen.f, threads);

@@ -61,7 +61,9 @@ double parse_number(const std::map<std::string, std::string>& meta, const std::s
   char* end = nullptr;
   errno = 0;
   const double v = std::strtod(s.c_str(), &end);
-  if (s.empty() || end != s.c_str() + s.size() || errno == ERANGE || !std::isfinite(v)) {
+  // As the flags (main.cpp, finite_float): no surrounding blanks; overflow is inf and
+  // refused, underflow rounds towards 0 and is the caller's to judge.
+  if (s.empty() || std::isspace(static_cast<unsigned char>(s[0])) || end != s.c_str() + s.size() || !std::isfinite(v)) {
     throw Error(ErrorCode::invalid_argument, key,
                 path + ": metadata " + key + ": expected a finite number, got \"" + s + "\"");
   }
@@ -69,12 +71,13 @@ double parse_number(const std::map<std::string, std::string>& meta, const std::s
 }
 
 /// A metadata scalar that the op takes as fp32: parse_number's rules, and the value
-/// must lie in fp32 range (1e39 would become inf); with `nonzero`, it must not
-/// round to 0 in fp32 either (1e-50). The same rules as the CLI's flags.
+/// must stay finite when rounded to fp32 (1e39 would become inf; 3.40282347e+38,
+/// which the writer prints for the largest float, does not); with `nonzero`, it
+/// must not round to 0 in fp32 either (1e-50). The same rules as the CLI's flags.
 float parse_fp32(const std::map<std::string, std::string>& meta, const std::string& key, double fallback,
                  const std::string& path, bool nonzero, bool* found = nullptr) {
   const double v = parse_number(meta, key, fallback, path, found);
-  if (std::fabs(v) > std::numeric_limits<float>::max() || (nonzero && static_cast<float>(v) == 0.0f)) {
+  if (std::isinf(static_cast<float>(v)) || (nonzero && static_cast<float>(v) == 0.0f)) {
     throw Error(ErrorCode::invalid_argument, key,
                 path + ": metadata " + key + ": expected a finite " + (nonzero ? "nonzero " : "") +
                     "number (fp32 range), got \"" + meta.at(key) + "\"");
@@ -371,7 +374,7 @@ void save_problem(const std::string& path, const Problem& p) {
   write_safetensors(path, p.tensors, meta);
 }
 
-Problem load_problem(const std::string& path) {
+Problem load_problem(const std::string& path, const std::set<std::string>& overridden) {
   std::map<std::string, std::string> meta;
   Problem p;
   p.tensors = read_safetensors(path, &meta);
@@ -401,16 +404,22 @@ Problem load_problem(const std::string& path) {
   }
   const HostTensor& q = p.tensors.at("index_q");
   const int64_t d = q.shape.empty() ? 0 : q.shape.back();
-  bool found = false;
-  p.options.sm_scale = parse_fp32(meta, "sm_scale", d > 0 ? 1.0 / std::sqrt(double(d)) : 1.0, path, true, &found);
-  if (!found) log_stage("note: " + path + " has no sm_scale metadata; using 1/sqrt(D) = " + format_float(p.options.sm_scale));
-  p.options.loss_coeff = parse_fp32(meta, "loss_coeff", 1.0, path, false);
-  p.options.grad_loss = parse_fp32(meta, "grad_loss", 1.0, path, false);
-  const double n = parse_number(meta, "normalization_count", 0.0, path);
-  if (!(n >= 0) || n != std::floor(n) || n > 9.0e18) {
-    bad("normalization_count", path + ": metadata normalization_count: expected an integer in [0, 9e18], got " + format_float(n));
+  // Scalars a flag overrides are not read (a bad value there can be corrected by the flag).
+  const auto read = [&](const char* key) { return !overridden.count(key); };
+  if (read("sm_scale")) {
+    bool found = false;
+    p.options.sm_scale = parse_fp32(meta, "sm_scale", d > 0 ? 1.0 / std::sqrt(double(d)) : 1.0, path, true, &found);
+    if (!found) log_stage("note: " + path + " has no sm_scale metadata; using 1/sqrt(D) = " + format_float(p.options.sm_scale));
   }
-  p.options.normalization_count = static_cast<int64_t>(n);
+  if (read("loss_coeff")) p.options.loss_coeff = parse_fp32(meta, "loss_coeff", 1.0, path, false);
+  if (read("grad_loss")) p.options.grad_loss = parse_fp32(meta, "grad_loss", 1.0, path, false);
+  if (read("normalization_count")) {
+    const double n = parse_number(meta, "normalization_count", 0.0, path);
+    if (!(n >= 0) || n != std::floor(n) || n > 9.0e18) {
+      bad("normalization_count", path + ": metadata normalization_count: expected an integer in [0, 9e18], got " + format_float(n));
+    }
+    p.options.normalization_count = static_cast<int64_t>(n);
+  }
   for (const char* key : {"generator", "preset", "ids", "seed"}) {
     if (meta.count(key)) p.info[key] = meta.at(key);
   }

@@ -56,7 +56,8 @@ struct TensorView {
 };
 
 /// A row-major (contiguous) view of `data` with the given shape (rank 0..4, every
-/// size >= 0). Throws Error(invalid_argument, "rank" / "shape") otherwise.
+/// size >= 0, the element count below 2^63). Throws Error(invalid_argument,
+/// "rank" / "shape") otherwise.
 TensorView contiguous_view(void* data, DType dtype, std::initializer_list<int64_t> shape,
                            DeviceType device = DeviceType::cpu, int32_t device_index = 0);
 TensorView contiguous_view(void* data, DType dtype, const int64_t* shape, int32_t rank,

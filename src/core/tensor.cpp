@@ -111,7 +111,11 @@ TensorView contiguous_view(void* data, DType dtype, const int64_t* shape, int32_
   for (int i = rank - 1; i >= 0; --i) {
     v.shape[i] = shape[i];
     v.strides[i] = stride;
-    stride *= shape[i] > 0 ? shape[i] : 1;
+    if (__builtin_mul_overflow(stride, shape[i] > 0 ? shape[i] : 1, &stride)) {
+      throw Error(ErrorCode::invalid_argument, "shape",
+                  "shape: expected an element count below 2^63, got sizes that overflow it at dimension " +
+                      std::to_string(i));
+    }
   }
   return v;
 }

@@ -110,6 +110,10 @@ TEST(CApi, ContiguousTensor) {
   const int64_t negative[3] = {2, -3, 4};
   EXPECT_EQ(dsaib_contiguous_tensor(&t, buf, DSAIB_F32, negative, 3, DSAIB_CPU, 0), DSAIB_INVALID_ARGUMENT);
   EXPECT_STREQ(dsaib_last_error(), "shape: expected sizes >= 0, got -3 at dimension 1");
+  const int64_t huge[4] = {int64_t{1} << 40, int64_t{1} << 40, int64_t{1} << 40, 4};
+  EXPECT_EQ(dsaib_contiguous_tensor(&t, buf, DSAIB_F32, huge, 4, DSAIB_CPU, 0), DSAIB_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(dsaib_last_error()).find("shape: expected an element count below 2^63"), std::string::npos)
+      << dsaib_last_error();
   EXPECT_EQ(std::memcmp(&before, &t, sizeof t), 0) << "nothing is written on an error";
 }
 

@@ -326,6 +326,39 @@ TEST_F(Cli, WrongTensorIsAnErrorNamingIt) {
     EXPECT_EQ(r.exit_code, 2) << key << "=" << value << ": " << r.output;
     EXPECT_TRUE(contains(r.output, message)) << r.output;
   }
+  // Leading blanks are refused as trailing ones are.
+  auto blank = meta;
+  blank["loss_coeff"] = " 1";
+  dsaib::write_safetensors(path("blank_meta.safetensors"), t, blank);
+  r = run("backward --in " + quote(path("blank_meta.safetensors")));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_TRUE(contains(r.output, "metadata loss_coeff: expected a finite number, got \" 1\"")) << r.output;
+  // A bad value that a flag overrides is not read.
+  auto zero_scale = meta;
+  zero_scale["sm_scale"] = "0";
+  dsaib::write_safetensors(path("zero_scale.safetensors"), t, zero_scale);
+  r = run("backward --in " + quote(path("zero_scale.safetensors")) + " --sm-scale 0.125");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  // Underflow is a value (0 after rounding), as for the flags; only sm_scale must stay nonzero.
+  auto tiny = meta;
+  tiny["grad_loss"] = "1e-400";
+  dsaib::write_safetensors(path("tiny_meta.safetensors"), t, tiny);
+  r = run("backward --in " + quote(path("tiny_meta.safetensors")));
+  EXPECT_NE(r.exit_code, 2) << r.output;
+}
+
+TEST_F(Cli, FileWrittenWithTheLargestFloatLoadsBack) {
+  // generate prints 3.4028234e38 as "3.40282347e+38", which rounds to the largest
+  // float, not to inf: backward must read it (and the flag must take that text).
+  const std::string f = path("max_float.safetensors");
+  Result r = run("generate --preset tiny --loss-coeff 3.4028234e38 --out " + quote(f));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  r = run("backward --in " + quote(f));
+  EXPECT_NE(r.exit_code, 2) << r.output;
+  EXPECT_FALSE(contains(r.output, "fp32 range")) << r.output;
+  r = run("backward --preset tiny --loss-coeff 3.40282347e+38");
+  EXPECT_NE(r.exit_code, 2) << r.output;
+  EXPECT_FALSE(contains(r.output, "fp32 range")) << r.output;
 }
 
 // `bench` runs only with the cuda backend on a GPU; elsewhere it must say so and fail
