@@ -78,6 +78,16 @@ TEST_F(Cli, GenerateWritesAProblemFile) {
   EXPECT_EQ(meta.at("grad_loss"), "1");
 }
 
+// Gradients far below the output dtype's range (grad_loss 1e-45: ~1e-48) round to 0;
+// that is the correct rounding, not a failure (docs/math.md §6). For fp32 outputs too.
+TEST_F(Cli, VerifierAcceptsGradientsBelowTheDtypeRange) {
+  for (const char* dtype : {"bf16", "f32"}) {
+    const Result r = run(std::string("backward --preset tiny --grad-loss 1e-45 --verify all --out-dtype ") + dtype);
+    EXPECT_EQ(r.exit_code, 0) << dtype << ": " << r.output;
+    EXPECT_TRUE(contains(r.output, "result      PASS")) << r.output;
+  }
+}
+
 TEST_F(Cli, BackwardOnFileVerifiesAllAndWritesGradients) {
   const std::string in = tiny_problem();
   const std::string out = path("grads.safetensors");
