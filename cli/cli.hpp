@@ -3,8 +3,11 @@
 
 #include "core/problem.hpp"
 
+#include <cctype>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <map>
 #include <set>
 #include <string>
@@ -15,6 +18,28 @@
 #include "dsaib/indexer_backward.hpp"
 
 namespace dsaib::cli {
+
+// ---------------------------------------------------------------- scalar text
+
+/// The whole of `text` as a number (strtod's syntax), into *value. False when it is
+/// not one: empty, a leading blank (strtod would skip it) or anything left over
+/// (a trailing blank included). Overflow parses as inf, underflow towards 0: the
+/// caller judges the value. The CLI's flags (finite_float) and a problem file's
+/// metadata (load_problem) share these rules.
+inline bool parse_number_text(const std::string& text, double* value) {
+  if (text.empty() || std::isspace(static_cast<unsigned char>(text[0]))) return false;
+  char* end = nullptr;
+  *value = std::strtod(text.c_str(), &end);
+  return end == text.c_str() + text.size();
+}
+
+/// Whether a finite `v` can be an fp32 scalar of the op: finite after rounding to
+/// fp32 (3.40282347e+38, the largest float as written, is; 3.5e38 is not) and, with
+/// `nonzero`, not 0 after that rounding (1e-50).
+inline bool fits_fp32_scalar(double v, bool nonzero) {
+  const float f = static_cast<float>(v);
+  return !std::isinf(f) && !(nonzero && f == 0.0f);
+}
 
 // ---------------------------------------------------------------- problems
 

@@ -113,16 +113,9 @@ CLI::Validator nonempty_path() {
 CLI::Validator finite_float(bool nonzero = false) {
   return CLI::Validator(
       [nonzero](std::string& v) -> std::string {
-        char* end = nullptr;
-        errno = 0;
-        const double x = std::strtod(v.c_str(), &end);
-        // strtod skips leading blanks; trailing ones stop it: refuse both alike
-        if (v.empty() || std::isspace(static_cast<unsigned char>(v[0])) || end != v.c_str() + v.size()) {
-          return "expected a number, got \"" + v + "\"";
-        }
-        // in fp32 range: finite after rounding to fp32 (3.4028235e38 rounds to the
-        // largest float, 3.5e38 to inf); nonzero: also after that rounding (1e-50 is 0)
-        if (!std::isfinite(x) || std::isinf(static_cast<float>(x)) || (nonzero && static_cast<float>(x) == 0.0f)) {
+        double x = 0;
+        if (!parse_number_text(v, &x)) return "expected a number, got \"" + v + "\"";
+        if (!std::isfinite(x) || !fits_fp32_scalar(x, nonzero)) {
           return std::string("expected a finite ") + (nonzero ? "nonzero " : "") + "number (fp32 range), got " + v;
         }
         return std::string();

@@ -58,26 +58,20 @@ double parse_number(const std::map<std::string, std::string>& meta, const std::s
   if (found) *found = it != meta.end();
   if (it == meta.end()) return fallback;
   const std::string& s = it->second;
-  char* end = nullptr;
-  errno = 0;
-  const double v = std::strtod(s.c_str(), &end);
-  // As the flags (main.cpp, finite_float): no surrounding blanks; overflow is inf and
-  // refused, underflow rounds towards 0 and is the caller's to judge.
-  if (s.empty() || std::isspace(static_cast<unsigned char>(s[0])) || end != s.c_str() + s.size() || !std::isfinite(v)) {
+  double v = 0;
+  if (!parse_number_text(s, &v) || !std::isfinite(v)) {
     throw Error(ErrorCode::invalid_argument, key,
                 path + ": metadata " + key + ": expected a finite number, got \"" + s + "\"");
   }
   return v;
 }
 
-/// A metadata scalar that the op takes as fp32: parse_number's rules, and the value
-/// must stay finite when rounded to fp32 (1e39 would become inf; 3.40282347e+38,
-/// which the writer prints for the largest float, does not); with `nonzero`, it
-/// must not round to 0 in fp32 either (1e-50). The same rules as the CLI's flags.
+/// A metadata scalar that the op takes as fp32: parse_number's rules and
+/// fits_fp32_scalar (cli.hpp), the rules of the CLI's flags.
 float parse_fp32(const std::map<std::string, std::string>& meta, const std::string& key, double fallback,
                  const std::string& path, bool nonzero, bool* found = nullptr) {
   const double v = parse_number(meta, key, fallback, path, found);
-  if (std::isinf(static_cast<float>(v)) || (nonzero && static_cast<float>(v) == 0.0f)) {
+  if (!fits_fp32_scalar(v, nonzero)) {
     throw Error(ErrorCode::invalid_argument, key,
                 path + ": metadata " + key + ": expected a finite " + (nonzero ? "nonzero " : "") +
                     "number (fp32 range), got \"" + meta.at(key) + "\"");
@@ -420,35 +414,37 @@ Problem load_problem(const std::string& path, const std::set<std::string>& overr
     }
     p.options.normalization_count = static_cast<int64_t>(n);
   }
-  for (const char* key : {"generator", "preset", "ids", "seed"}) {
+  // Metadata keys: the options read above, then what is kept for the report.
+  static const char* const kReadKeys[] = {"layout",    "id_mode",   "sm_scale",
+                                          "loss_coeff", "grad_loss", "normalization_count"};
+  static const char* const kInfoKeys[] = {"generator", "preset", "ids", "seed"};
+  for (const char* key : kInfoKeys) {
     if (meta.count(key)) p.info[key] = meta.at(key);
-  }
-  // A misspelt key or tensor name is otherwise silently ignored: name what is.
-  {
-    static const std::set<std::string> known_keys = {
-        "layout", "id_mode", "sm_scale", "loss_coeff", "grad_loss", "normalization_count",
-        "generator", "preset", "ids", "seed", "format"};
-    std::string keys, names;
-    for (const auto& [key, value] : meta) {
-      if (!known_keys.count(key)) keys += (keys.empty() ? "" : ", ") + key;
-    }
-    for (const auto& [name, tensor] : p.tensors) {
-      const bool known = std::find(std::begin(kInputNames), std::end(kInputNames), name) != std::end(kInputNames) ||
-                         name == "cu_seqlens_q" || name == "cu_seqlens_k" || name == "torch_d_index_q" ||
-                         name == "torch_d_weights" || name == "torch_d_index_k";
-      if (!known) names += (names.empty() ? "" : ", ") + name;
-    }
-    if (!keys.empty()) {
-      log_stage("note: " + path + ": ignored metadata keys: " + keys +
-                " (read: layout, id_mode, sm_scale, loss_coeff, grad_loss, normalization_count)");
-    }
-    if (!names.empty()) log_stage("note: " + path + ": ignored tensors: " + names);
   }
   // Gradients stored by the file's producer (torch_d_*, scripts/dump_torch_step.py
   // --with-grads) are compared with ours after the run: a stored tensor that
   // cannot be compared is an error here, not skipped later.
   const std::pair<const char*, const char*> stored[] = {
       {"torch_d_index_q", "index_q"}, {"torch_d_weights", "weights"}, {"torch_d_index_k", "index_k"}};
+  // A misspelt key or tensor name is otherwise silently ignored: name what is.
+  {
+    std::set<std::string> known_keys(std::begin(kReadKeys), std::end(kReadKeys));
+    known_keys.insert(std::begin(kInfoKeys), std::end(kInfoKeys));
+    known_keys.insert("format");  // written by some safetensors writers
+    std::set<std::string> known_names(std::begin(kInputNames), std::end(kInputNames));
+    known_names.insert(std::begin(kSeqlenNames), std::end(kSeqlenNames));
+    for (const auto& entry : stored) known_names.insert(entry.first);
+    std::string keys, names, read;
+    for (const auto& [key, value] : meta) {
+      if (!known_keys.count(key)) keys += (keys.empty() ? "" : ", ") + key;
+    }
+    for (const auto& [name, tensor] : p.tensors) {
+      if (!known_names.count(name)) names += (names.empty() ? "" : ", ") + name;
+    }
+    for (const char* key : kReadKeys) read += (read.empty() ? "" : ", ") + std::string(key);
+    if (!keys.empty()) log_stage("note: " + path + ": ignored metadata keys: " + keys + " (read: " + read + ")");
+    if (!names.empty()) log_stage("note: " + path + ": ignored tensors: " + names);
+  }
   for (const auto& [name, like] : stored) {
     const auto it = p.tensors.find(name);
     if (it == p.tensors.end()) continue;
