@@ -263,25 +263,28 @@ TEST_F(Cli, MalformedFileIsAnErrorNotACrash) {
 TEST_F(Cli, WrongTensorIsAnErrorNamingIt) {
   std::map<std::string, std::string> meta;
   auto t = dsaib::read_safetensors(tiny_problem(), &meta);
+  // Writes `tensors` and `m` as NAME.safetensors and runs backward on it (with `flags`).
+  const auto backward_on = [&](const std::string& name, const decltype(t)& tensors,
+                               const std::map<std::string, std::string>& m, const std::string& flags = "") {
+    dsaib::write_safetensors(path(name + ".safetensors"), tensors, m);
+    return run("backward --in " + quote(path(name + ".safetensors")) + flags);
+  };
 
   auto wrong_dtype = t;
   wrong_dtype["index_q"] = dsaib::HostTensor(dsaib::DType::f32, t.at("index_q").shape);
-  dsaib::write_safetensors(path("wrong_dtype.safetensors"), wrong_dtype, meta);
-  Result r = run("backward --in " + quote(path("wrong_dtype.safetensors")));
+  Result r = backward_on("wrong_dtype", wrong_dtype, meta);
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_TRUE(contains(r.output, "index_q: expected dtype bf16")) << r.output;
 
   auto wrong_shape = t;
   wrong_shape["weights"] = dsaib::HostTensor(dsaib::DType::bf16, {2, 64, 9});
-  dsaib::write_safetensors(path("wrong_shape.safetensors"), wrong_shape, meta);
-  r = run("backward --in " + quote(path("wrong_shape.safetensors")));
+  r = backward_on("wrong_shape", wrong_shape, meta);
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_TRUE(contains(r.output, "weights")) << r.output;
 
   auto wrong_rank = t;
   wrong_rank["index_k"] = dsaib::HostTensor(dsaib::DType::bf16, {128, 64});
-  dsaib::write_safetensors(path("wrong_rank.safetensors"), wrong_rank, meta);
-  r = run("backward --in " + quote(path("wrong_rank.safetensors")));
+  r = backward_on("wrong_rank", wrong_rank, meta);
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_TRUE(contains(r.output, "index_k: expected rank 3")) << r.output;
 
@@ -289,8 +292,7 @@ TEST_F(Cli, WrongTensorIsAnErrorNamingIt) {
   // (docs/errors.md's order), and the message says where the layout came from.
   auto thd_meta = meta;
   thd_meta["layout"] = "thd";
-  dsaib::write_safetensors(path("layout_mismatch.safetensors"), t, thd_meta);
-  r = run("backward --in " + quote(path("layout_mismatch.safetensors")));
+  r = backward_on("layout_mismatch", t, thd_meta);
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_TRUE(contains(r.output, "index_q: expected rank 3 (thd layout, from the file's layout metadata")) << r.output;
 
@@ -299,8 +301,7 @@ TEST_F(Cli, WrongTensorIsAnErrorNamingIt) {
   extra["index_qq"] = dsaib::HostTensor(dsaib::DType::f32, {2});
   auto typo_meta = meta;
   typo_meta["sm_sclae"] = "0.5";
-  dsaib::write_safetensors(path("typo.safetensors"), extra, typo_meta);
-  r = run("backward --in " + quote(path("typo.safetensors")));
+  r = backward_on("typo", extra, typo_meta);
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_TRUE(contains(r.output, "ignored metadata keys: sm_sclae")) << r.output;
   EXPECT_TRUE(contains(r.output, "ignored tensors: index_qq")) << r.output;
@@ -310,15 +311,13 @@ TEST_F(Cli, WrongTensorIsAnErrorNamingIt) {
 
   auto missing = t;
   missing.erase("attn_score");
-  dsaib::write_safetensors(path("missing.safetensors"), missing, meta);
-  r = run("backward --in " + quote(path("missing.safetensors")));
+  r = backward_on("missing", missing, meta);
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_TRUE(contains(r.output, "missing tensor 'attn_score'")) << r.output;
 
   auto bad_meta = meta;
   bad_meta["sm_scale"] = "fast";
-  dsaib::write_safetensors(path("bad_meta.safetensors"), t, bad_meta);
-  r = run("backward --in " + quote(path("bad_meta.safetensors")));
+  r = backward_on("bad_meta", t, bad_meta);
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_TRUE(contains(r.output, "metadata sm_scale: expected a finite number")) << r.output;
 
@@ -331,29 +330,25 @@ TEST_F(Cli, WrongTensorIsAnErrorNamingIt) {
         {"grad_loss", "3.5e38", "metadata grad_loss: expected a finite number (fp32 range), got \"3.5e38\""}}) {
     auto m = meta;
     m[key] = value;
-    dsaib::write_safetensors(path("range_meta.safetensors"), t, m);
-    r = run("backward --in " + quote(path("range_meta.safetensors")));
+    r = backward_on("range_meta", t, m);
     EXPECT_EQ(r.exit_code, 2) << key << "=" << value << ": " << r.output;
     EXPECT_TRUE(contains(r.output, message)) << r.output;
   }
   // Leading blanks are refused as trailing ones are.
   auto blank = meta;
   blank["loss_coeff"] = " 1";
-  dsaib::write_safetensors(path("blank_meta.safetensors"), t, blank);
-  r = run("backward --in " + quote(path("blank_meta.safetensors")));
+  r = backward_on("blank_meta", t, blank);
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_TRUE(contains(r.output, "metadata loss_coeff: expected a finite number, got \" 1\"")) << r.output;
   // A bad value that a flag overrides is not read.
   auto zero_scale = meta;
   zero_scale["sm_scale"] = "0";
-  dsaib::write_safetensors(path("zero_scale.safetensors"), t, zero_scale);
-  r = run("backward --in " + quote(path("zero_scale.safetensors")) + " --sm-scale 0.125");
+  r = backward_on("zero_scale", t, zero_scale, " --sm-scale 0.125");
   EXPECT_EQ(r.exit_code, 0) << r.output;
   // Underflow is a value (0 after rounding), as for the flags; only sm_scale must stay nonzero.
   auto tiny = meta;
   tiny["grad_loss"] = "1e-400";
-  dsaib::write_safetensors(path("tiny_meta.safetensors"), t, tiny);
-  r = run("backward --in " + quote(path("tiny_meta.safetensors")));
+  r = backward_on("tiny_meta", t, tiny);
   EXPECT_NE(r.exit_code, 2) << r.output;
 }
 
