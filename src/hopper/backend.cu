@@ -52,6 +52,9 @@ class DeviceGuard {
 
 }  // namespace
 
+/// Tasks per query row: one per group of up to 64 heads (TileConfig::kHeadTile).
+static int64_t head_groups_of(const detail::ProblemGeometry& g) { return (g.heads + 63) / 64; }
+
 IndexerBackwardParams make_kernel_params(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
                                          const IndexerBackwardOptions& opt, const detail::ProblemGeometry& g,
                                          float* dk_accum) {
@@ -90,7 +93,7 @@ IndexerBackwardParams make_kernel_params(const IndexerBackwardInputs& in, const 
   p.heads = static_cast<int32_t>(g.heads);
   p.head_dim = static_cast<int32_t>(g.head_dim);
   p.topk = static_cast<int32_t>(g.topk);
-  p.head_groups = static_cast<int32_t>((g.heads + 63) / 64);
+  p.head_groups = static_cast<int32_t>(head_groups_of(g));
   p.num_tasks = g.num_q_rows * p.head_groups;
   p.thd = thd;
   p.global_ids = g.id_mode == IdMode::global;
@@ -152,7 +155,6 @@ static bool a_operand_split(AOperandPrecision precision, const IndexerBackwardOu
   return out.d_index_q.dtype == DType::f32 || out.d_index_k.dtype == DType::f32;
 }
 
-
 /// l2_hints.hpp's decision for this launch, on this device's SM count and L2 size.
 static bool use_l2_hints(hopper::L2Hints mode, const ProblemGeometry& g, int64_t head_groups) {
   if (mode != hopper::L2Hints::automatic) return mode == hopper::L2Hints::on;
@@ -183,7 +185,7 @@ void run_cuda_backend(const IndexerBackwardInputs& in, const IndexerBackwardOutp
   // Which kernel: decided (device queries included) before anything is allocated or written.
   const bool split_a = a_operand_split(opt.a_operand_precision, out);
   // The split-A kernels have no hinted variant (launch.hpp).
-  const bool l2_keep_dk = !split_a && use_l2_hints(l2_mode, g, (g.heads + 63) / 64);
+  const bool l2_keep_dk = !split_a && use_l2_hints(l2_mode, g, hopper::head_groups_of(g));
   cudaStream_t stream = static_cast<cudaStream_t>(opt.stream);
   const std::size_t dk_bytes = static_cast<std::size_t>(g.num_k_rows * g.head_dim) * sizeof(float);
   const bool dk_bf16 = out.d_index_k.dtype == DType::bf16;
