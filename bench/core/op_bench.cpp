@@ -3,7 +3,6 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <initializer_list>
@@ -59,49 +58,52 @@ HostCase generate(const OpCase& c, uint64_t seed) {
   h.attn.assign(rows * K, 0.0f);
   h.pred.assign(rows * K, 0.0f);
   std::vector<int64_t> block_slots(blocks, 0);
-  std::atomic<int64_t> next_block{0};
   const int threads = static_cast<int>(std::clamp<int64_t>(std::thread::hardware_concurrency(), 1, blocks));
-  detail::run_items_on_threads(threads, [&](int) {
-    // A partial Fisher-Yates over an identity pool, undone after each row (the pool
-    // stays the identity, so a row costs O(topk), not O(S)); one pool per thread.
-    std::vector<int32_t> pool(S);
-    for (int64_t s = 0; s < S; ++s) pool[s] = static_cast<int32_t>(s);
-    std::vector<int64_t> picks(std::min(S, K));
-    for (int64_t blk = next_block.fetch_add(1); blk < blocks; blk = next_block.fetch_add(1)) {
-      std::mt19937_64 rng(block_seed(seed, static_cast<uint64_t>(blk)));
-      std::normal_distribution<float> normal(0.0f, 1.0f);
-      std::uniform_real_distribution<float> uni(0.0f, 1.0f);
-      const int64_t r0 = blk * kRowsPerBlock, r1 = std::min(rows, r0 + kRowsPerBlock);
-      for (int64_t i = r0 * H * D; i < r1 * H * D; ++i) h.q[i] = to_bf16(normal(rng));
-      for (int64_t i = r0 * D; i < r1 * D; ++i) h.k[i] = to_bf16(normal(rng));
-      for (int64_t i = r0 * H; i < r1 * H; ++i) h.w[i] = to_bf16(normal(rng) / std::sqrt(static_cast<float>(H)));
-      for (int64_t r = r0; r < r1; ++r) {
-        const int64_t t = r % S;
-        // causal: keys 0..t (all of them when t < topk); random: any key of the sequence
-        const int64_t avail = c.ids == IdPattern::causal ? t + 1 : S;
-        const int64_t n = std::min(avail, K);
-        for (int64_t i = 0; i < n; ++i) {
-          std::uniform_int_distribution<int64_t> pick(i, avail - 1);
-          picks[i] = pick(rng);
-          std::swap(pool[i], pool[picks[i]]);
-        }
-        const int64_t row = r * K;
-        std::copy(pool.begin(), pool.begin() + n, h.ids.begin() + row);
-        for (int64_t i = n - 1; i >= 0; --i) std::swap(pool[i], pool[picks[i]]);
-        std::sort(h.ids.begin() + row, h.ids.begin() + row + n);
-        float st = 0, sp = 0;
-        for (int64_t i = 0; i < n; ++i) {
-          h.attn[row + i] = uni(rng);
-          h.pred[row + i] = uni(rng);
-          st += h.attn[row + i];
-          sp += h.pred[row + i];
-        }
-        for (int64_t i = 0; i < n; ++i) {
-          h.attn[row + i] /= st;
-          h.pred[row + i] /= sp;
-        }
-        block_slots[blk] += n;
+  // A partial Fisher-Yates over an identity pool, undone after each row (the pool
+  // stays the identity, so a row costs O(topk), not O(S)); one pool per thread.
+  std::vector<std::vector<int32_t>> pools(threads);
+  std::vector<std::vector<int64_t>> picks_of(threads);
+  detail::parallel_for(threads, blocks, 1, [&](int64_t blk, int tid) {
+    std::vector<int32_t>& pool = pools[tid];
+    std::vector<int64_t>& picks = picks_of[tid];
+    if (pool.empty()) {  // this thread's first block (S >= 1)
+      pool.resize(S);
+      for (int64_t s = 0; s < S; ++s) pool[s] = static_cast<int32_t>(s);
+      picks.resize(std::min(S, K));
+    }
+    std::mt19937_64 rng(block_seed(seed, static_cast<uint64_t>(blk)));
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::uniform_real_distribution<float> uni(0.0f, 1.0f);
+    const int64_t r0 = blk * kRowsPerBlock, r1 = std::min(rows, r0 + kRowsPerBlock);
+    for (int64_t i = r0 * H * D; i < r1 * H * D; ++i) h.q[i] = to_bf16(normal(rng));
+    for (int64_t i = r0 * D; i < r1 * D; ++i) h.k[i] = to_bf16(normal(rng));
+    for (int64_t i = r0 * H; i < r1 * H; ++i) h.w[i] = to_bf16(normal(rng) / std::sqrt(static_cast<float>(H)));
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t t = r % S;
+      // causal: keys 0..t (all of them when t < topk); random: any key of the sequence
+      const int64_t avail = c.ids == IdPattern::causal ? t + 1 : S;
+      const int64_t n = std::min(avail, K);
+      for (int64_t i = 0; i < n; ++i) {
+        std::uniform_int_distribution<int64_t> pick(i, avail - 1);
+        picks[i] = pick(rng);
+        std::swap(pool[i], pool[picks[i]]);
       }
+      const int64_t row = r * K;
+      std::copy(pool.begin(), pool.begin() + n, h.ids.begin() + row);
+      for (int64_t i = n - 1; i >= 0; --i) std::swap(pool[i], pool[picks[i]]);
+      std::sort(h.ids.begin() + row, h.ids.begin() + row + n);
+      float st = 0, sp = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        h.attn[row + i] = uni(rng);
+        h.pred[row + i] = uni(rng);
+        st += h.attn[row + i];
+        sp += h.pred[row + i];
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        h.attn[row + i] /= st;
+        h.pred[row + i] /= sp;
+      }
+      block_slots[blk] += n;
     }
   });
   for (int64_t v : block_slots) h.valid_slots += v;

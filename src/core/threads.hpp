@@ -2,7 +2,9 @@
 // to n threads, robust to a thread that cannot be started.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <system_error>
 #include <thread>
 #include <vector>
@@ -42,6 +44,24 @@ void run_items_on_threads(int n, Worker worker) {
   }
   loop();
   for (auto& th : pool) th.join();
+}
+
+/// Calls fn(item, thread_index) for every item in [0, n) on `threads` threads
+/// (run_items_on_threads), handing out `chunk` items at a time from a shared
+/// counter (items may differ in cost). thread_index < threads picks the caller's
+/// per-thread scratch. Results must not depend on the thread an item runs on.
+template <class Fn>
+void parallel_for(int threads, int64_t n, int64_t chunk, Fn fn) {
+  std::atomic<int64_t> next{0};
+  auto work = [&](int tid) {
+    for (;;) {
+      const int64_t lo = next.fetch_add(chunk);
+      if (lo >= n) return;
+      const int64_t hi = std::min(n, lo + chunk);
+      for (int64_t i = lo; i < hi; ++i) fn(i, tid);
+    }
+  };
+  run_items_on_threads(threads, work);
 }
 
 }  // namespace dsaib::detail

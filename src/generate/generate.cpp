@@ -137,25 +137,6 @@ int resolve_threads(int32_t requested, int64_t work_items) {
   return static_cast<int>(std::min<int64_t>(n, std::max<int64_t>(work_items, 1)));
 }
 
-/// Calls fn(item, thread_index) for every item in [0, n), handing out chunks
-/// dynamically (causal rows differ in cost). Results must not depend on the
-/// thread an item runs on.
-template <class Fn>
-void parallel_for(int threads, int64_t n, int64_t chunk, Fn fn) {
-  std::atomic<int64_t> next{0};
-  auto work = [&](int tid) {
-    for (;;) {
-      const int64_t lo = next.fetch_add(chunk);
-      if (lo >= n) return;
-      const int64_t hi = std::min(n, lo + chunk);
-      for (int64_t i = lo; i < hi; ++i) fn(i, tid);
-    }
-  };
-  // Thread t uses scratch t; a thread the system refuses leaves its chunks to
-  // the running ones (detail::run_items_on_threads).
-  detail::run_items_on_threads(threads, work);
-}
-
 // ---------------------------------------------------------------- layout ---
 
 struct Sequences {
@@ -340,7 +321,7 @@ GeneratedProblem generate_problem(const GenerateSpec& spec) {
   uint16_t* kdst = p.index_k.data<uint16_t>();
   std::vector<float> k32(static_cast<size_t>(Tk * D));
   std::vector<float> attn_k(static_cast<size_t>(Tk * kAttnHeads * kAttnDim));
-  parallel_for(threads, Tk, 64, [&](int64_t j, int) {
+  detail::parallel_for(threads, Tk, 64, [&](int64_t j, int) {
     Rng rng(spec.seed, kStreamK, static_cast<uint64_t>(j));
     for (int64_t d = 0; d < D; ++d) {
       const uint16_t h = float_to_bf16(static_cast<float>(rng.normal()));
@@ -373,7 +354,7 @@ GeneratedProblem generate_problem(const GenerateSpec& spec) {
     }
   }
 
-  parallel_for(threads, Tq, 8, [&](int64_t r, int tid) {
+  detail::parallel_for(threads, Tq, 8, [&](int64_t r, int tid) {
     RowScratch& s = scratch[tid];
     const int64_t b = seqs.seq_of_q_row[r];
     const int64_t t = r - seqs.q_start[b];
