@@ -161,6 +161,8 @@ def main(argv=None):
     fpts = floor_points(floor, a.heads, a.dim, a.topk) or bench_floor
     floor_at = dict(fpts)
 
+    labels = []  # point annotations; spread apart per S once the axes are final (spread_labels)
+
     def draw(key, rows, label_extra="", ratio=False):
         label, colour, marker = STYLE.get(key, (key, EXTRA_COLOURS[len(all_ns) % len(EXTRA_COLOURS)], "v"))
         drawn = False
@@ -174,8 +176,8 @@ def main(argv=None):
                 text = f"{y:,.0f}"
                 if ratio:
                     text += f" ({y / floor_at.get(x, FIXED_FLOOR_NS):.2f}x floor)"
-                ax.annotate(text, (x, y), textcoords="offset points", xytext=(7, -11 if ids == "causal" else 4),
-                            fontsize=7, color=colour)
+                labels.append(ax.annotate(text, (x, y), textcoords="offset points",
+                                          xytext=(7, -11 if ids == "causal" else 4), fontsize=7, color=colour))
             drawn = True
         for r in rows:  # cases that ran but have no time: say so under the plot
             if r.get("status", "ok") != "ok":
@@ -236,9 +238,36 @@ def main(argv=None):
         fig.text(0.01, 0.01, "\n".join(lines), fontsize=7, color="#444444", va="bottom", family="monospace")
         bottom = 0.035 * len(lines)
     fig.tight_layout(rect=(0, bottom, 1, 1))
+    spread_labels(fig, ax, labels)
     fig.savefig(a.out)
     print(f"wrote {a.out}")
     return 0
+
+
+def spread_labels(fig, ax, labels, gap_pt=9.0, above_pt=4.0, below_pt=-11.0):
+    """Keeps the point labels at one S from overlapping: each label sits just
+    above or just below its own point; of all above/below choices (at most 2^12
+    per S) the one with the fewest overlaps wins, then the fewest labels moved
+    off their default side. Labels of different S never meet."""
+    import itertools
+
+    to_pt = 72.0 / fig.dpi
+    by_x = {}
+    for t in labels:
+        by_x.setdefault(t.xy[0], []).append((ax.transData.transform(t.xy)[1] * to_pt, t))
+    for group in by_x.values():
+        if len(group) > 12:
+            continue
+        defaults = [t.xyann[1] for _, t in group]
+        best = None
+        for sides in itertools.product((above_pt, below_pt), repeat=len(group)):
+            ys = sorted(base + dy for (base, _), dy in zip(group, sides))
+            overlaps = sum(b - a < gap_pt for a, b in zip(ys, ys[1:]))
+            moved = sum(dy != d for dy, d in zip(sides, defaults))
+            if best is None or (overlaps, moved) < best[0]:
+                best = ((overlaps, moved), sides)
+        for (_, t), dy in zip(group, best[1]):
+            t.xyann = (t.xyann[0], dy)
 
 
 if __name__ == "__main__":
