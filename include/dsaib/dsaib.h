@@ -20,7 +20,8 @@ typedef enum dsaib_status {
   DSAIB_BACKEND_UNAVAILABLE = 4,
   DSAIB_CUDA_ERROR = 5,
   DSAIB_IO_ERROR = 6,
-  DSAIB_INTERNAL = 7
+  DSAIB_INTERNAL = 7,
+  DSAIB_OUT_OF_MEMORY = 8
 } dsaib_status;
 
 typedef enum dsaib_dtype { DSAIB_BF16 = 0, DSAIB_F32 = 1, DSAIB_I32 = 2 } dsaib_dtype;

@@ -175,6 +175,9 @@ std::size_t indexer_backward_workspace_size(const IndexerBackwardInputs& inputs,
 /// - unsupported: deterministic=true on cuda.
 /// - backend_unavailable: cuda requested but not built or no device.
 /// - cuda_error: a CUDA call failed (after validation).
+/// - out_of_memory: the cpu backend's fp64 working set ((rows*H*(D+1) +
+///   (threads+1)*key_rows*D) * 8 bytes) or the cuda backend's dK accumulator
+///   could not be allocated; nothing was written.
 ///
 /// `workspace` must hold indexer_backward_workspace_size() bytes on the
 /// backend's device, 256-byte aligned; it may be null when that size is 0,

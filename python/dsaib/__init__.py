@@ -33,6 +33,8 @@ The C++ library's errors surface with the C++ message unchanged:
   topk id.
 * ``RuntimeError``: the cuda backend is unavailable (e.g. a CPU-only build),
   ``deterministic=True`` on cuda, CUDA failures.
+* ``MemoryError``: host memory (the cpu backend's fp64 working set) or device
+  memory could not be allocated.
 """
 
 from __future__ import annotations
@@ -474,6 +476,7 @@ def indexer_backward(
         sm_scale/loss_coeff/grad_loss not finite as float32; num_threads
         outside [0, 2^31-1]; ``out`` not 3 arrays, or a read-only one.
       RuntimeError: backend unavailable, unsupported option, CUDA failure.
+      MemoryError: host or device memory could not be allocated.
     """
     _check_arrays(index_q=index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
                   attn_score=attn_score, index_score=index_score, cu_seqlens_q=cu_seqlens_q,

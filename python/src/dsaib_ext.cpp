@@ -19,6 +19,7 @@
 // Errors: dsaib::Error is translated by its code:
 //   invalid_argument whose message is about a dtype -> TypeError
 //   invalid_argument, index_out_of_range            -> ValueError
+//   out_of_memory                                   -> MemoryError
 //   unsupported, backend_unavailable, cuda_error,
 //   io_error, internal                              -> RuntimeError
 // with what() unchanged, so Python sees the C++ message verbatim.
@@ -375,6 +376,9 @@ NB_MODULE(_dsaib, m) {
           break;
         case dsaib::ErrorCode::index_out_of_range:
           PyErr_SetString(PyExc_ValueError, msg.c_str());
+          break;
+        case dsaib::ErrorCode::out_of_memory:
+          PyErr_SetString(PyExc_MemoryError, msg.c_str());
           break;
         default:
           PyErr_SetString(PyExc_RuntimeError, msg.c_str());

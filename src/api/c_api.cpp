@@ -1,11 +1,24 @@
 // extern "C" wrapper over dsaib::indexer_backward. Exceptions never cross it.
 #include "dsaib/dsaib.h"
 
+#include <new>
 #include <string>
 
 #include "dsaib/indexer_backward.hpp"
 
 namespace {
+
+// guarded() returns an Error's code as the status: the two enums must agree.
+static_assert(DSAIB_OK == static_cast<int>(dsaib::ErrorCode::ok) &&
+                  DSAIB_INVALID_ARGUMENT == static_cast<int>(dsaib::ErrorCode::invalid_argument) &&
+                  DSAIB_UNSUPPORTED == static_cast<int>(dsaib::ErrorCode::unsupported) &&
+                  DSAIB_INDEX_OUT_OF_RANGE == static_cast<int>(dsaib::ErrorCode::index_out_of_range) &&
+                  DSAIB_BACKEND_UNAVAILABLE == static_cast<int>(dsaib::ErrorCode::backend_unavailable) &&
+                  DSAIB_CUDA_ERROR == static_cast<int>(dsaib::ErrorCode::cuda_error) &&
+                  DSAIB_IO_ERROR == static_cast<int>(dsaib::ErrorCode::io_error) &&
+                  DSAIB_INTERNAL == static_cast<int>(dsaib::ErrorCode::internal) &&
+                  DSAIB_OUT_OF_MEMORY == static_cast<int>(dsaib::ErrorCode::out_of_memory),
+              "dsaib_status (dsaib.h) and dsaib::ErrorCode (error.hpp) must have the same values");
 
 thread_local std::string g_last_error;
 
@@ -47,6 +60,9 @@ dsaib_status guarded(Fn fn) {
   } catch (const dsaib::Error& e) {
     g_last_error = e.what();
     return static_cast<dsaib_status>(e.code());
+  } catch (const std::bad_alloc& e) {
+    g_last_error = std::string("out of memory: ") + e.what();
+    return DSAIB_OUT_OF_MEMORY;
   } catch (const std::exception& e) {
     g_last_error = std::string("internal: ") + e.what();
     return DSAIB_INTERNAL;

@@ -136,6 +136,7 @@ const char* error_code_name(ErrorCode code) {
     case ErrorCode::cuda_error: return "cuda_error";
     case ErrorCode::io_error: return "io_error";
     case ErrorCode::internal: return "internal";
+    case ErrorCode::out_of_memory: return "out_of_memory";
   }
   return "unknown";
 }

@@ -9,9 +9,12 @@
 
 namespace dsaib::hopper {
 
+/// Throws on a failed CUDA call: out_of_memory for cudaErrorMemoryAllocation
+/// (e.g. the dK accumulator's cudaMallocAsync), cuda_error for anything else.
 inline void cuda_check(cudaError_t status, const char* what) {
   if (status != cudaSuccess) {
-    throw Error(ErrorCode::cuda_error, what,
+    const ErrorCode code = status == cudaErrorMemoryAllocation ? ErrorCode::out_of_memory : ErrorCode::cuda_error;
+    throw Error(code, what,
                 std::string(what) + ": CUDA error " + cudaGetErrorName(status) + ": " + cudaGetErrorString(status));
   }
 }

@@ -13,6 +13,8 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <new>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -143,16 +145,28 @@ ReferenceGradients compute_full(const IndexerBackwardInputs& in, const IndexerBa
   res.heads = g.heads;
   res.head_dim = g.head_dim;
   const int64_t H = g.heads, D = g.head_dim;
-  res.d_index_q.assign(g.num_q_rows * H * D, 0.0);
-  res.d_weights.assign(g.num_q_rows * H, 0.0);
-  res.d_index_k.assign(g.num_k_rows * D, 0.0);
+  const int threads = thread_count(opt, g.num_q_rows);
+  // The fp64 working set: the three gradients and one dK partial per part
+  // (num_k_rows * D * 8 bytes each), all allocated here, so that running out of
+  // memory is an out_of_memory error of this call, not a failure inside a
+  // worker thread.
+  std::vector<std::vector<double>> dk_parts;
+  try {
+    res.d_index_q.assign(g.num_q_rows * H * D, 0.0);
+    res.d_weights.assign(g.num_q_rows * H, 0.0);
+    res.d_index_k.assign(g.num_k_rows * D, 0.0);
+    dk_parts.assign(threads, std::vector<double>(g.num_k_rows * D, 0.0));
+  } catch (const std::bad_alloc&) {
+    const double elements = static_cast<double>(g.num_q_rows) * H * (D + 1) +
+                            static_cast<double>(g.num_k_rows) * D * (threads + 1);
+    throw Error(ErrorCode::out_of_memory, "num_threads",
+                "num_threads: expected room in host memory for the cpu backend's fp64 working set (" +
+                    std::to_string(static_cast<long long>(elements * 8.0 / (1 << 20))) +
+                    " MiB: d_index_q, d_weights, d_index_k and one fp64 d_index_k partial per worker thread, " +
+                    std::to_string(threads) + " threads), got an allocation failure (fewer threads need less)");
+  }
   const ProblemReader rd{in, g};
   const double c = scale_from_host(g, opt, read_grad_loss(opt));
-  const int threads = thread_count(opt, g.num_q_rows);
-  // One fp64 dK partial per part (num_k_rows * D * 8 bytes each), allocated
-  // here so that running out of memory is a std::bad_alloc of this call, not a
-  // failure inside a worker thread.
-  std::vector<std::vector<double>> dk_parts(threads, std::vector<double>(g.num_k_rows * D, 0.0));
   parallel_rows(threads, g.num_q_rows, [&](int t, int64_t lo, int64_t hi) {
     RowScratch s(g);
     for (int64_t r = lo; r < hi; ++r) {

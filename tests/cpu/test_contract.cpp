@@ -20,6 +20,10 @@
 #include <memory>
 #include <tuple>
 
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
 #include "support/test_support.hpp"
 
 namespace dsaib::test {
@@ -465,6 +469,86 @@ TEST(Accepted, EmptyProblems) {
     for (double v : to_doubles(o.d_weights)) ASSERT_EQ(v, 0.0);
     for (double v : to_doubles(o.d_index_k)) ASSERT_EQ(v, 0.0);
   }
+}
+
+// ---- running out of memory is an error of the call, not a crash ---------------
+
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+constexpr bool kSanitizedBuild = true;  // their shadow memory needs more address space than the limit leaves
+#else
+constexpr bool kSanitizedBuild = false;
+#endif
+
+/// Address space mapped by this process now (bytes), from /proc/self/statm.
+size_t mapped_bytes() {
+  std::FILE* f = std::fopen("/proc/self/statm", "r");
+  unsigned long pages = 0;
+  if (f) {
+    if (std::fscanf(f, "%lu", &pages) != 1) pages = 0;
+    std::fclose(f);
+  }
+  return static_cast<size_t>(pages) * static_cast<size_t>(sysconf(_SC_PAGESIZE));
+}
+
+/// In a child process: index_k and d_index_k of 2^20 key rows, left unmapped
+/// by the kernel (mmap: no page is touched but the few the ids select), then
+/// an address-space limit 64 MiB above what is mapped, so the cpu backend's
+/// fp64 working set (~3.5 GiB here) cannot be allocated. Exits 0 when
+/// indexer_backward() raised out_of_memory naming num_threads and wrote
+/// nothing (the poisoned first and last output bytes unchanged), else a code
+/// that says which check failed.
+[[noreturn]] void run_out_of_memory_child() {
+  GenerateSpec s = small_spec(53);
+  s.batch = 1;
+  s.s_q = 6;
+  s.s_kv = 9;
+  s.topk = 5;
+  const GeneratedProblem p = make_problem(s);
+  constexpr int64_t kKeys = int64_t{1} << 20;
+  const int64_t D = p.index_k.shape[2];
+  const size_t k_bytes = static_cast<size_t>(kKeys * D) * 2;
+  auto* k = static_cast<unsigned char*>(mmap(nullptr, k_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+  auto* dk = static_cast<unsigned char*>(mmap(nullptr, k_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+  if (k == MAP_FAILED || dk == MAP_FAILED) std::_Exit(10);
+  std::memcpy(k, p.index_k.bytes.data(), p.index_k.bytes.size());  // the 9 real key rows first
+  OutputBuffers o = make_outputs(p, DType::f32, DType::f32, DType::bf16);
+  IndexerBackwardInputs in = p.inputs();
+  in.index_k = contiguous_view(k, DType::bf16, {1, kKeys, D});
+  IndexerBackwardOutputs out = o.views();
+  out.d_index_k = contiguous_view(dk, DType::bf16, {1, kKeys, D});
+  for (HostTensor* t : {&o.d_index_q, &o.d_weights}) std::fill(t->bytes.begin(), t->bytes.end(), 0xA5);
+  dk[0] = dk[k_bytes - 1] = 0xA5;
+  const Snapshot dq_before(o.d_index_q), dw_before(o.d_weights);
+  IndexerBackwardOptions opt = p.options();
+  opt.num_threads = 6;  // one fp64 d_index_k partial (512 MiB) per thread
+  const rlim_t limit = mapped_bytes() + (size_t{64} << 20);
+  const rlimit r{limit, limit};
+  if (setrlimit(RLIMIT_AS, &r) != 0) std::_Exit(11);
+  try {
+    indexer_backward(in, out, opt);
+  } catch (const Error& e) {
+    if (e.code() != ErrorCode::out_of_memory) std::_Exit(12);
+    if (e.argument() != "num_threads" || std::string(e.what()).find("num_threads: expected room in host memory") != 0)
+      std::_Exit(13);
+    if (!dq_before.unchanged() || !dw_before.unchanged() ||
+        dk[0] != 0xA5 || dk[k_bytes - 1] != 0xA5 || dk[1] != 0)
+      std::_Exit(14);
+    std::_Exit(0);
+  } catch (...) {
+    std::_Exit(15);
+  }
+  std::_Exit(16);  // it ran: the limit did not bite
+}
+
+TEST(Resources, CpuOutOfMemoryIsAnErrorAndWritesNothing) {
+  if (kSanitizedBuild) GTEST_SKIP() << "address-space limits and sanitizer shadow memory do not mix";
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(run_out_of_memory_child(), ::testing::ExitedWithCode(0), "");
+}
+
+TEST(Resources, OutOfMemoryHasItsName) {
+  EXPECT_STREQ(error_code_name(ErrorCode::out_of_memory), "out_of_memory");
+  EXPECT_EQ(static_cast<int>(ErrorCode::out_of_memory), 8);
 }
 
 TEST(Accepted, BackendCudaWithoutDeviceIsUnavailable) {
