@@ -12,12 +12,21 @@
 // -1.9% random, docs/perf-log.md "v21") and issues all their
 // loads before using any (one memory latency per chunk, not one per slot).
 // Pass 1 computes G and the number of valid slots; pass 2 writes the chunk's
-// valid slots, thread by thread (slots t, t + kThreads, ... of thread t in
-// turn: a fixed permutation of the slot order, the same in every run), into a
-// shared list (an exclusive scan of per-thread counts), from which blocks of
-// kBlockKeys keys are gathered. Each
-// chunk's last block is padded with key_row -1 / gs 0 / zero-filled K rows.
-// Invalid slots never reach the consumers and are never dereferenced.
+// valid slots into a shared list in slot order (a ballot per slot row of
+// kThreads slots and a prefix over (row, warp) counts), from which blocks of
+// kBlockKeys keys are gathered. Each chunk's last block is padded with key_row
+// -1 / gs 0 / zero-filled K rows. Invalid slots never reach the consumers and
+// are never dereferenced.
+//
+// Order of the blocks (v38, docs/perf-log.md "v37 / v38 / v39"): in slot order,
+// a block of sorted ids covers a narrow part of the key range, and the CTAs,
+// which run rows of about equal cost in phase, gather and reduce into about the
+// same key rows at the same time; that costs less than spreading them (v36:
+// +2 to +4%). Odd waves of tasks (task / gridDim.x) take the chunks last to
+// first (v37), so a wave starts on the half of dK and K the previous one ended
+// on. Against thread-order lists and forward chunks (v33), paired A/B, 4 pairs:
+// random ids S 4096 -2.6%, S 16384 -0.5%, S 65536 -0.5%; causal S 4096 -1.5%,
+// S 16384 -1.0%, S 65536 0.
 #pragma once
 
 #include <cute/arch/copy_sm80.hpp>
@@ -197,26 +206,48 @@ struct ProducerGather {
       //      once block j+1 has been issued (two blocks of copies in flight)
       bool pending = false;
       PipelineState<Config::kStagesK> pending_state{};
-      for (int chunk0 = 0; chunk0 < p.topk; chunk0 += Config::kSlotChunk) {
+      // Odd waves of tasks (task / gridDim.x) walk the chunks last to first, so
+      // every CTA turns at the same end of the key range: the half of dK and K
+      // touched last in one wave is touched first in the next (v37).
+      const int num_chunks = (p.topk + Config::kSlotChunk - 1) / Config::kSlotChunk;
+      const bool reverse_chunks = ((task / gridDim.x) & 1) != 0;
+      for (int ci = 0; ci < num_chunks; ++ci) {
+        const int chunk0 = (reverse_chunks ? num_chunks - 1 - ci : ci) * Config::kSlotChunk;
         SlotBatch s;
         load_batch(chunk0 + tid, seq, ids, attn, pred, s);
-        int count = 0;
+        // The list in slot order (v38; sorted ids: each block covers a narrow key
+        // range). Slot chunk0 + tid + j * kThreads goes to position
+        //   (valid slots of rows j' < j) + (valid slots of threads < tid in row j),
+        // row j being the kThreads slots chunk0 + j * kThreads + [0, kThreads).
+        const int lane = tid % 32, warp = tid / 32;
+        int pos[kPerThread];
         CUTE_UNROLL
-        for (int j = 0; j < kPerThread; ++j) count += s.key_row[j] >= 0;
+        for (int j = 0; j < kPerThread; ++j) {
+          const unsigned valid = __ballot_sync(0xffffffffu, s.key_row[j] >= 0);
+          pos[j] = __popc(valid & ((1u << lane) - 1u));
+          if (lane == 0) ss.producer_scan_rows[j][warp] = __popc(valid);
+        }
+        // the previous chunk's list has been fully read (the barrier after its blocks)
+        producer_sync<Config>();
         int chunk_valid = 0;
-        int pos = warpgroup_exclusive_scan(count, &chunk_valid);
-        // the previous chunk's list has been fully read (its copies were issued
-        // before the barrier inside the scan)
+        CUTE_UNROLL
+        for (int j = 0; j < kPerThread; ++j) {
+          CUTE_UNROLL
+          for (int w = 0; w < kWarps; ++w) {
+            const int n = ss.producer_scan_rows[j][w];
+            if (w == warp) pos[j] += chunk_valid;
+            chunk_valid += n;
+          }
+        }
         CUTE_UNROLL
         for (int j = 0; j < kPerThread; ++j) {
           if (s.key_row[j] >= 0) {
             const float g = s.pred[j] >= eps ? -c * max_keeping_nan(s.attn[j], eps) : 0.0f;
-            ss.slot_gs[pos] = g - s.pred[j] * G;
-            ss.slot_key_row[pos] = s.key_row[j];
-            ++pos;
+            ss.slot_gs[pos[j]] = g - s.pred[j] * G;
+            ss.slot_key_row[pos[j]] = s.key_row[j];
           }
         }
-        producer_sync<Config>();  // list complete; producer_scan free
+        producer_sync<Config>();  // list complete; producer_scan_rows read by every thread
         const int chunk_blocks = (chunk_valid + kBlock - 1) / kBlock;
         for (int blk = 0; blk < chunk_blocks; ++blk) {
           k_pipe.producer_acquire(k_state);

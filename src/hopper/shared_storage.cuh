@@ -41,9 +41,10 @@ struct SharedStorage {
   int32_t num_blocks[kStagesQ];                  // blocks of valid keys in this task
   // ---- producer-private (ordered by NamedBarrierId::kProducerSync)
   float slot_gs[Config::kSlotChunk];             // compacted valid slots of one chunk: gs
-  alignas(16) int32_t slot_key_row[Config::kSlotChunk];  //   and flat key row, thread by thread (int4 reads)
+  alignas(16) int32_t slot_key_row[Config::kSlotChunk];  //   and flat key row, in slot order (int4 reads)
   float producer_partial[Config::kProducerThreads / 32][2];  // per-warp (G, count) partials
-  int32_t producer_scan[Config::kProducerThreads / 32];      // per-warp valid counts for the scan
+  int32_t producer_scan[Config::kProducerThreads / 32];      // pass 1: per-warp valid counts for the scan
+  int32_t producer_scan_rows[Config::kSlotsPerThread][Config::kProducerThreads / 32];  // pass 2: valid slots per (slot row, warp)
 
   // ---------------------------------------------------------------------------
   // k_full[s]   "gathered block s is ready"
