@@ -10,7 +10,8 @@
 # Env: CAND (required), AB_ARGS (default "--seq 16384 --iters 10"), AB_PAIRS (5),
 #      CLI_ARGS (default "--preset deepseek-v32 --backend cuda --verify sample"),
 #      SKIP_SANITIZER=1 (any non-empty value; screening several candidates in one
-#      call: the sanitizer harness, ~110 s, then runs only on the one that lands).
+#      call: the sanitizer harness, ~110 s, then runs only on the one that lands),
+#      BASE (default .device/bin: the folder whose dsa-indexer-bwd-bench is side A).
 # Writes $OUT/candidate_<name>.txt and $OUT/ab_<name>.json. Exit 0 when the
 # tests and the check passed and the A/B ran.
 set -uo pipefail
@@ -33,8 +34,8 @@ rc=0
     timeout 240 bash tests/sanitizer/run_sanitizer.sh "$dir" /tmp/cand_san 2>&1 | tail -8
     (( PIPESTATUS[0] == 0 )) || { echo "$CAND: sanitizer FAILED: not timed"; exit 1; }
   fi
-  echo "### $CAND: paired A/B against .device/bin (${AB_ARGS:=--seq 16384 --iters 10})"
-  timeout 400 python3 scripts/ab_compare.py .device/bin/dsa-indexer-bwd-bench "$dir/dsa-indexer-bwd-bench" \
+  echo "### $CAND: paired A/B against ${BASE:=.device/bin} (${AB_ARGS:=--seq 16384 --iters 10})"
+  timeout 400 python3 scripts/ab_compare.py "$BASE/dsa-indexer-bwd-bench" "$dir/dsa-indexer-bwd-bench" \
     --pairs "${AB_PAIRS:-5}" --args "$AB_ARGS" --out "$out/ab_$CAND.json"
 } 2>&1 | tee "$out/candidate_$CAND.txt"
 rc=${PIPESTATUS[0]}
