@@ -244,11 +244,13 @@ def main(argv=None):
     return 0
 
 
-def spread_labels(fig, ax, labels, gap_pt=9.0, above_pt=4.0, below_pt=-11.0):
-    """Keeps the point labels at one S from overlapping: each label sits just
-    above or just below its own point; of all above/below choices (at most 2^12
-    per S) the one with the fewest overlaps wins, then the fewest labels moved
-    off their default side. Labels of different S never meet."""
+def spread_labels(fig, ax, labels, gap_pt=9.0, offsets_pt=(4.0, -11.0, 13.0, -20.0)):
+    """Keeps the point labels at one S apart and in the order of their points:
+    each label sits at one of `offsets_pt` from its own point (points above or
+    below it); of all choices (up to 8 labels per S) the one with the fewest
+    order inversions wins (a label never sits above the label of a higher
+    point), then the fewest overlaps (baselines closer than gap_pt), then the
+    least movement from each label's default. Labels of different S never meet."""
     import itertools
 
     to_pt = 72.0 / fig.dpi
@@ -256,16 +258,19 @@ def spread_labels(fig, ax, labels, gap_pt=9.0, above_pt=4.0, below_pt=-11.0):
     for t in labels:
         by_x.setdefault(t.xy[0], []).append((ax.transData.transform(t.xy)[1] * to_pt, t))
     for group in by_x.values():
-        if len(group) > 12:
+        if len(group) > 8:
             continue
         defaults = [t.xyann[1] for _, t in group]
         best = None
-        for sides in itertools.product((above_pt, below_pt), repeat=len(group)):
-            ys = sorted(base + dy for (base, _), dy in zip(group, sides))
-            overlaps = sum(b - a < gap_pt for a, b in zip(ys, ys[1:]))
-            moved = sum(dy != d for dy, d in zip(sides, defaults))
-            if best is None or (overlaps, moved) < best[0]:
-                best = ((overlaps, moved), sides)
+        for sides in itertools.product(offsets_pt, repeat=len(group)):
+            ys = [base + dy for (base, _), dy in zip(group, sides)]
+            inversions = sum(1 for a, b in itertools.combinations(range(len(group)), 2)
+                             if (group[a][0] - group[b][0]) * (ys[a] - ys[b]) < 0)
+            order = sorted(ys)
+            overlaps = sum(hi - lo < gap_pt for lo, hi in zip(order, order[1:]))
+            moved = sum(abs(dy - d) for dy, d in zip(sides, defaults))
+            if best is None or (inversions, overlaps, moved) < best[0]:
+                best = ((inversions, overlaps, moved), sides)
         for (_, t), dy in zip(group, best[1]):
             t.xyann = (t.xyann[0], dy)
 
