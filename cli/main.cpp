@@ -826,7 +826,7 @@ int main(int argc, char** argv) {
   } catch (const dsaib::Error& e) {
     dsaib::cli::report_error(dsaib::error_code_name(e.code()), e.argument(), e.what());
   } catch (const std::bad_alloc&) {
-    dsaib::cli::report_error("", "",
+    dsaib::cli::report_error(dsaib::error_code_name(dsaib::ErrorCode::out_of_memory), "",
                              "out of host memory (the problem's tensors, e.g. B*S_q*topk ids and scores, "
                              "do not fit: reduce --batch/--s-q/--s-kv/--topk; or the cpu backend's per-thread fp64 dK "
                              "parts, --threads x S_kv x D x 8 bytes, do not: reduce --threads)");

@@ -175,9 +175,13 @@ std::size_t indexer_backward_workspace_size(const IndexerBackwardInputs& inputs,
 /// - unsupported: deterministic=true on cuda.
 /// - backend_unavailable: cuda requested but not built or no device.
 /// - cuda_error: a CUDA call failed (after validation).
-/// - out_of_memory: the cpu backend's fp64 working set ((rows*H*(D+1) +
-///   (threads+1)*key_rows*D) * 8 bytes) or the cuda backend's dK accumulator
-///   could not be allocated; nothing was written.
+/// - out_of_memory: the cpu backend's fp64 working set could not be allocated
+///   (rows*H*(D+1) + key_rows*D doubles for the gradients, and per worker thread
+///   key_rows*D + 2*(H*D + topk) more: argument() is "num_threads" when the
+///   per-thread part is most of it, else ""), nothing written; or a CUDA call
+///   failed with cudaErrorMemoryAllocation (the workspace allocation comes
+///   before any write; a kernel launch failing so late may have zeroed an fp32
+///   d_index_k).
 ///
 /// `workspace` must hold indexer_backward_workspace_size() bytes on the
 /// backend's device, 256-byte aligned; it may be null when that size is 0,

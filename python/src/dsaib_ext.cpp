@@ -262,6 +262,11 @@ Buffer make_buffer(const std::vector<int64_t>& shape, const std::string& dtype, 
     if (st != cudaSuccess) {
       delete a;
       (void)cudaGetLastError();
+      if (st == cudaErrorMemoryAllocation) {  // MemoryError, as the library's out_of_memory
+        throw dsaib::Error(dsaib::ErrorCode::out_of_memory, "cudaMalloc",
+                           std::string("cudaMalloc: expected ") + std::to_string(bytes) +
+                               " bytes of device memory for an output, got " + cudaGetErrorString(st));
+      }
       cuda_call(false, "cudaMalloc", cudaGetErrorString(st));
     }
 #else

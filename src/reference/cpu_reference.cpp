@@ -137,6 +137,28 @@ void parallel_rows(int parts, int64_t rows, Fn fn) {
   detail::run_items_on_threads(parts, [&](int t) { fn(t, rows * t / parts, rows * (t + 1) / parts); });
 }
 
+/// out_of_memory for compute_full's working set. The per-thread parts are named
+/// (argument num_threads) when they are most of it and there is more than one;
+/// otherwise the problem's size is the cause and no argument is blamed.
+[[noreturn]] void throw_working_set_out_of_memory(const ProblemGeometry& g, int threads) {
+  const double H = static_cast<double>(g.heads), D = static_cast<double>(g.head_dim);
+  const double gradients = static_cast<double>(g.num_q_rows) * H * (D + 1) + static_cast<double>(g.num_k_rows) * D;
+  const double per_thread = static_cast<double>(g.num_k_rows) * D + 2 * H * D + H + D + 2.0 * static_cast<double>(g.topk);
+  const double mib = (gradients + threads * per_thread) * 8.0 / (1 << 20);
+  const bool threads_dominate = threads > 1 && threads * per_thread > gradients;
+  const std::string what = "room in host memory for the cpu backend's fp64 working set (" +
+                           std::to_string(static_cast<long long>(mib)) +
+                           " MiB: d_index_q, d_weights and d_index_k, and per worker thread one fp64 d_index_k "
+                           "partial and its row scratch; " +
+                           std::to_string(threads) + (threads == 1 ? " worker thread" : " worker threads") +
+                           "), got an allocation failure";
+  if (threads_dominate) {
+    throw Error(ErrorCode::out_of_memory, "num_threads",
+                "num_threads: expected " + what + " (fewer threads need less)");
+  }
+  throw Error(ErrorCode::out_of_memory, "", "out of memory: expected " + what);
+}
+
 ReferenceGradients compute_full(const IndexerBackwardInputs& in, const IndexerBackwardOptions& opt,
                                 const ProblemGeometry& g) {
   ReferenceGradients res;
@@ -146,29 +168,27 @@ ReferenceGradients compute_full(const IndexerBackwardInputs& in, const IndexerBa
   res.head_dim = g.head_dim;
   const int64_t H = g.heads, D = g.head_dim;
   const int threads = thread_count(opt, g.num_q_rows);
-  // The fp64 working set: the three gradients and one dK partial per part
-  // (num_k_rows * D * 8 bytes each), all allocated here, so that running out of
-  // memory is an out_of_memory error of this call, not a failure inside a
-  // worker thread.
+  // The fp64 working set: the three gradients, and per part (worker thread) a
+  // dK partial (num_k_rows * D * 8 bytes) and its row scratch (~(2 H D + 2 topk)
+  // * 8 bytes), all allocated here, so that running out of memory is an
+  // out_of_memory error of this call, never a failure inside a worker thread.
   std::vector<std::vector<double>> dk_parts;
+  std::vector<RowScratch> scratch;
   try {
     res.d_index_q.assign(g.num_q_rows * H * D, 0.0);
     res.d_weights.assign(g.num_q_rows * H, 0.0);
     res.d_index_k.assign(g.num_k_rows * D, 0.0);
-    dk_parts.assign(threads, std::vector<double>(g.num_k_rows * D, 0.0));
+    dk_parts.resize(threads);
+    for (std::vector<double>& part : dk_parts) part.assign(g.num_k_rows * D, 0.0);
+    scratch.reserve(threads);
+    for (int t = 0; t < threads; ++t) scratch.emplace_back(g);
   } catch (const std::bad_alloc&) {
-    const double elements = static_cast<double>(g.num_q_rows) * H * (D + 1) +
-                            static_cast<double>(g.num_k_rows) * D * (threads + 1);
-    throw Error(ErrorCode::out_of_memory, "num_threads",
-                "num_threads: expected room in host memory for the cpu backend's fp64 working set (" +
-                    std::to_string(static_cast<long long>(elements * 8.0 / (1 << 20))) +
-                    " MiB: d_index_q, d_weights, d_index_k and one fp64 d_index_k partial per worker thread, " +
-                    std::to_string(threads) + " threads), got an allocation failure (fewer threads need less)");
+    throw_working_set_out_of_memory(g, threads);
   }
   const ProblemReader rd{in, g};
   const double c = scale_from_host(g, opt, read_grad_loss(opt));
   parallel_rows(threads, g.num_q_rows, [&](int t, int64_t lo, int64_t hi) {
-    RowScratch s(g);
+    RowScratch& s = scratch[t];
     for (int64_t r = lo; r < hi; ++r) {
       row_backward(rd, r, c, opt.sm_scale, s, dk_parts[t].data());
       std::copy(s.dq.begin(), s.dq.end(), res.d_index_q.begin() + r * H * D);

@@ -473,7 +473,13 @@ TEST(Accepted, EmptyProblems) {
 
 // ---- running out of memory is an error of the call, not a crash ---------------
 
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#if defined(__has_feature)
+#define DSAIB_HAS_FEATURE(x) __has_feature(x)
+#else
+#define DSAIB_HAS_FEATURE(x) 0
+#endif
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__) || DSAIB_HAS_FEATURE(address_sanitizer) || \
+    DSAIB_HAS_FEATURE(thread_sanitizer) || DSAIB_HAS_FEATURE(memory_sanitizer)
 constexpr bool kSanitizedBuild = true;  // their shadow memory needs more address space than the limit leaves
 #else
 constexpr bool kSanitizedBuild = false;
@@ -493,11 +499,12 @@ size_t mapped_bytes() {
 /// In a child process: index_k and d_index_k of 2^20 key rows, left unmapped
 /// by the kernel (mmap: no page is touched but the few the ids select), then
 /// an address-space limit 64 MiB above what is mapped, so the cpu backend's
-/// fp64 working set (~3.5 GiB here) cannot be allocated. Exits 0 when
-/// indexer_backward() raised out_of_memory naming num_threads and wrote
-/// nothing (the poisoned first and last output bytes unchanged), else a code
-/// that says which check failed.
-[[noreturn]] void run_out_of_memory_child() {
+/// fp64 working set (0.5 GiB of gradients and 0.5 GiB per thread here) cannot
+/// be allocated. Exits 0 when indexer_backward() raised out_of_memory with
+/// argument `argument` and a message starting with `prefix`, and wrote nothing
+/// (the poisoned first and last output bytes unchanged), else a code that says
+/// which check failed.
+[[noreturn]] void run_out_of_memory_child(int threads, const std::string& argument, const std::string& prefix) {
   GenerateSpec s = small_spec(53);
   s.batch = 1;
   s.s_q = 6;
@@ -520,7 +527,7 @@ size_t mapped_bytes() {
   dk[0] = dk[k_bytes - 1] = 0xA5;
   const Snapshot dq_before(o.d_index_q), dw_before(o.d_weights);
   IndexerBackwardOptions opt = p.options();
-  opt.num_threads = 6;  // one fp64 d_index_k partial (512 MiB) per thread
+  opt.num_threads = threads;  // one fp64 d_index_k partial (512 MiB) per thread
   const rlim_t limit = mapped_bytes() + (size_t{64} << 20);
   const rlimit r{limit, limit};
   if (setrlimit(RLIMIT_AS, &r) != 0) std::_Exit(11);
@@ -528,8 +535,7 @@ size_t mapped_bytes() {
     indexer_backward(in, out, opt);
   } catch (const Error& e) {
     if (e.code() != ErrorCode::out_of_memory) std::_Exit(12);
-    if (e.argument() != "num_threads" || std::string(e.what()).find("num_threads: expected room in host memory") != 0)
-      std::_Exit(13);
+    if (e.argument() != argument || std::string(e.what()).find(prefix) != 0) std::_Exit(13);
     if (!dq_before.unchanged() || !dw_before.unchanged() ||
         dk[0] != 0xA5 || dk[k_bytes - 1] != 0xA5 || dk[1] != 0)
       std::_Exit(14);
@@ -543,7 +549,12 @@ size_t mapped_bytes() {
 TEST(Resources, CpuOutOfMemoryIsAnErrorAndWritesNothing) {
   if (kSanitizedBuild) GTEST_SKIP() << "address-space limits and sanitizer shadow memory do not mix";
   GTEST_FLAG_SET(death_test_style, "threadsafe");
-  EXPECT_EXIT(run_out_of_memory_child(), ::testing::ExitedWithCode(0), "");
+  // Six threads: the per-thread dK partials are most of it, num_threads is named.
+  EXPECT_EXIT(run_out_of_memory_child(6, "num_threads", "num_threads: expected room in host memory"),
+              ::testing::ExitedWithCode(0), "");
+  // One thread: the problem's size is the cause; no argument is blamed.
+  EXPECT_EXIT(run_out_of_memory_child(1, "", "out of memory: expected room in host memory"),
+              ::testing::ExitedWithCode(0), "");
 }
 
 TEST(Resources, OutOfMemoryHasItsName) {
