@@ -177,7 +177,7 @@ std::size_t indexer_backward_workspace_size(const IndexerBackwardInputs& inputs,
 /// - cuda_error: a CUDA call failed (after validation).
 /// - out_of_memory: the cpu backend's fp64 working set could not be allocated
 ///   (rows*H*(D+1) + key_rows*D doubles for the gradients, and per worker thread
-///   key_rows*D + 2*(H*D + topk) more: argument() is "num_threads" when the
+///   about key_rows*D + 2*(H*D + topk) more: argument() is "num_threads" when the
 ///   per-thread part is most of it, else ""), nothing written; or a CUDA call
 ///   failed with cudaErrorMemoryAllocation (the workspace allocation comes
 ///   before any write; a kernel launch failing so late may have zeroed an fp32

@@ -88,6 +88,10 @@ struct RowScratch {
   explicit RowScratch(const ProblemGeometry& g)
       : q(g.heads * g.head_dim), w(g.heads), k(g.head_dim), dq(g.heads * g.head_dim), dw(g.heads),
         gs(g.topk), krow(g.topk) {}
+  /// Its size in 8-byte elements (the constructor's vectors).
+  static double elements(const ProblemGeometry& g) {
+    return 2.0 * g.heads * g.head_dim + 2.0 * g.heads + g.head_dim + 2.0 * g.topk;
+  }
 };
 
 /// Stage 2 of one row. dk (num_k_rows*D) may be null (no dK wanted).
@@ -143,7 +147,7 @@ void parallel_rows(int parts, int64_t rows, Fn fn) {
 [[noreturn]] void throw_working_set_out_of_memory(const ProblemGeometry& g, int threads) {
   const double H = static_cast<double>(g.heads), D = static_cast<double>(g.head_dim);
   const double gradients = static_cast<double>(g.num_q_rows) * H * (D + 1) + static_cast<double>(g.num_k_rows) * D;
-  const double per_thread = static_cast<double>(g.num_k_rows) * D + 2 * H * D + H + D + 2.0 * static_cast<double>(g.topk);
+  const double per_thread = static_cast<double>(g.num_k_rows) * D + RowScratch::elements(g);
   const double mib = (gradients + threads * per_thread) * 8.0 / (1 << 20);
   const bool threads_dominate = threads > 1 && threads * per_thread > gradients;
   const std::string what = "room in host memory for the cpu backend's fp64 working set (" +
