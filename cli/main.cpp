@@ -828,8 +828,8 @@ int main(int argc, char** argv) {
   } catch (const std::bad_alloc&) {
     dsaib::cli::report_error(dsaib::error_code_name(dsaib::ErrorCode::out_of_memory), "",
                              "out of host memory (the problem's tensors, e.g. B*S_q*topk ids and scores, "
-                             "do not fit: reduce --batch/--s-q/--s-kv/--topk; or the cpu backend's per-thread fp64 dK "
-                             "parts, --threads x S_kv x D x 8 bytes, do not: reduce --threads)");
+                             "do not fit: reduce --batch/--s-q/--s-kv/--topk; the cpu backend's own working set "
+                             "reports itself as out_of_memory with what it needed)");
   } catch (const std::exception& e) {
     dsaib::cli::report_error("", "", e.what());
   } catch (...) {
