@@ -48,6 +48,7 @@ int main(int argc, char** argv) {
           "dsa-indexer-bwd-bench: the cuda backend's whole op (dK zeroing, fused kernel, bf16 cast) timed with\n"
           "CUDA events (warm-up, median and spread of many launches, input sets rotated beyond L2).\n"
           "  --seq 4096,16384   S_q = S_kv values        --ids causal,random   id patterns\n"
+          "    (ids ascending within a row; causal-shuffled, random-shuffled: in a random order)\n"
           "  --topk 2048  --heads 64  --dim 128  --batch 1  --iters 20  --warmup 3\n"
           "  --input-sets 0 (automatic rotation; 1: off)  --a-operand auto|bf16x2|bf16  --json FILE\n"
           "`dsa-indexer-bwd bench` runs the same cases with the floor measured in the same run.\n"
@@ -88,7 +89,7 @@ int main(int argc, char** argv) {
     for (const auto& k : split(ids_arg)) {
       IdPattern p;
       if (!parse_id_pattern(k, &p)) {
-        std::fprintf(stderr, "bad --ids %s (causal, random)\n", k.c_str());
+        std::fprintf(stderr, "bad --ids %s (causal, random, causal-shuffled, random-shuffled)\n", k.c_str());
         return 2;
       }
       kinds.push_back(p);

@@ -47,7 +47,7 @@ int run_bench(const BenchArgs& a) {
     for (int64_t s : a.seqs) {
       bench::OpCase c;
       if (!bench::parse_id_pattern(ids, &c.ids)) {
-        throw Error(ErrorCode::invalid_argument, "ids", "--ids: expected causal or random, got " + ids);
+        throw Error(ErrorCode::invalid_argument, "ids", "--ids: expected causal, random, causal-shuffled or random-shuffled, got " + ids);
       }
       c.batch = a.batch;
       c.seq = s;

@@ -727,9 +727,11 @@ int run_main(int argc, char** argv) {
       ->check(int_range(1))
       ->default_str("4096,16384,65536");
   bench_cmd->add_option("--ids", ba.ids, "id patterns, a comma-separated list: causal (row t selects min(t+1, topk) "
-                                         "keys of 0..t), random (topk keys of the whole sequence)")
+                                         "keys of 0..t), random (topk keys of the whole sequence); ids ascending "
+                                         "within a row, or in a random order with causal-shuffled / random-shuffled "
+                                         "(as a top-k by score returns them)")
       ->delimiter(',')
-      ->check(CLI::IsMember({"causal", "random"}))
+      ->check(CLI::IsMember({"causal", "random", "causal-shuffled", "random-shuffled"}))
       ->default_str("causal,random");
   bench_cmd->add_option("--heads", ba.heads, "H: index heads (multiple of 8, 8..128)")
       ->check(CLI::Validator(

@@ -104,13 +104,27 @@ Floor floor_per_row(double slots, int64_t heads, int64_t dim, double scatter_tbp
   return f;
 }
 
-const char* id_pattern_name(IdPattern p) { return p == IdPattern::causal ? "causal" : "random"; }
+const char* id_pattern_name(IdPattern p) {
+  switch (p) {
+    case IdPattern::causal: return "causal";
+    case IdPattern::random: return "random";
+    case IdPattern::causal_shuffled: return "causal-shuffled";
+    case IdPattern::random_shuffled: return "random-shuffled";
+  }
+  return "unknown";
+}
+
+bool is_causal(IdPattern p) { return p == IdPattern::causal || p == IdPattern::causal_shuffled; }
+bool is_shuffled(IdPattern p) { return p == IdPattern::causal_shuffled || p == IdPattern::random_shuffled; }
 
 bool parse_id_pattern(const std::string& s, IdPattern* out) {
-  if (s == "causal") *out = IdPattern::causal;
-  else if (s == "random") *out = IdPattern::random;
-  else return false;
-  return true;
+  for (IdPattern p : {IdPattern::causal, IdPattern::random, IdPattern::causal_shuffled, IdPattern::random_shuffled}) {
+    if (s == id_pattern_name(p)) {
+      *out = p;
+      return true;
+    }
+  }
+  return false;
 }
 
 int auto_input_sets(uint64_t set_bytes, int64_t l2_bytes, uint64_t free_bytes) {

@@ -43,8 +43,9 @@ uint64_t block_seed(uint64_t seed, uint64_t block) {
 
 /// The case's inputs, drawn on all host threads in blocks of kRowsPerBlock query
 /// rows (S 65536 at H64 D128 took ~50 s on one thread): q, k ~ N(0, 1), w ~ N(0, 1/H)
-/// in bf16; per row, min(avail, topk) distinct ids, sorted, uniform over the
-/// available keys (causal: 0..t; random: the whole sequence), and attn / pred
+/// in bf16; per row, min(avail, topk) distinct ids, uniform over the available keys
+/// (causal: 0..t; random: the whole sequence), ascending or, for the -shuffled
+/// patterns, in a random order (the same draw, permuted), and attn / pred
 /// uniform, each normalised to sum 1 over the row's valid slots.
 HostCase generate(const OpCase& c, uint64_t seed) {
   const int64_t B = c.batch, S = c.seq, H = c.heads, D = c.dim, K = c.topk;
@@ -81,7 +82,7 @@ HostCase generate(const OpCase& c, uint64_t seed) {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t t = r % S;
       // causal: keys 0..t (all of them when t < topk); random: any key of the sequence
-      const int64_t avail = c.ids == IdPattern::causal ? t + 1 : S;
+      const int64_t avail = is_causal(c.ids) ? t + 1 : S;
       const int64_t n = std::min(avail, K);
       for (int64_t i = 0; i < n; ++i) {
         std::uniform_int_distribution<int64_t> pick(i, avail - 1);
@@ -92,6 +93,7 @@ HostCase generate(const OpCase& c, uint64_t seed) {
       std::copy(pool.begin(), pool.begin() + n, h.ids.begin() + row);
       for (int64_t i = n - 1; i >= 0; --i) std::swap(pool[i], pool[picks[i]]);
       std::sort(h.ids.begin() + row, h.ids.begin() + row + n);
+      if (is_shuffled(c.ids)) std::shuffle(h.ids.begin() + row, h.ids.begin() + row + n, rng);
       float st = 0, sp = 0;
       for (int64_t i = 0; i < n; ++i) {
         h.attn[row + i] = uni(rng);
