@@ -2,9 +2,10 @@
 cudnn_frontend_dsa.py, tilelang_indexer_bwd.py).
 
 - Inputs: the problem of bench/bench_indexer_backward.cpp: bf16 q, k ~ N(0, 1),
-  w ~ N(0, 1)/sqrt(H); ids sorted and distinct per row, causal (row t selects
+  w ~ N(0, 1)/sqrt(H); ids distinct per row, causal (row t selects
   min(t+1, topk) of the keys 0..t, the rest of the row is -1) or random (topk
-  of all S_kv keys); fp32 attn_score T and index_score P uniform, normalised
+  of all S_kv keys), ascending, or for causal-shuffled / random-shuffled in the
+  top-k's score order (unrelated to the id); fp32 attn_score T and index_score P uniform, normalised
   over each row's valid slots and 0 at -1 slots.
 - The oracle: the closed form of shared/design/indexer-backward-math.md in
   float64 (reference_grads), on any torch device.
@@ -102,7 +103,7 @@ def parse_cases(ap, a):
         kinds = parse_list(a.ids, str)
     except ValueError:
         ap.error("bad --seq")
-    if any(k not in ("causal", "random") for k in kinds) or not seqs or min(seqs) < 1:
+    if any(k not in ("causal", "random", "causal-shuffled", "random-shuffled") for k in kinds) or not seqs or min(seqs) < 1:
         ap.error("bad --ids or --seq")
     if a.iters < 1 or a.warmup < 0 or a.batch < 1:
         ap.error("bad --iters/--warmup/--batch")

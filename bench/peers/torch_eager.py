@@ -125,8 +125,10 @@ def reference_grads(q, w, k, ids, target, sm_scale, c):
 # --------------------------------------------------------------------------- inputs
 
 def make_ids(B, S, s_kv, K, kind, gen, device):
-    """Sorted distinct key ids per row, -1 padded. causal: keys 0..t (row t < K keeps t+1);
-    random: K of all s_kv keys."""
+    """Distinct key ids per row, -1 padded. causal: keys 0..t (row t < K keeps t+1);
+    random: K of all s_kv keys. Ascending within the row, or for causal-shuffled /
+    random-shuffled in the order the top-k returns them (by its random score, which is
+    unrelated to the id)."""
     ids = torch.full((B, S, K), -1, dtype=torch.int32, device=device)
     kk = min(K, s_kv)
     chunk = max(1, (1 << 26) // s_kv)
@@ -135,12 +137,13 @@ def make_ids(B, S, s_kv, K, kind, gen, device):
         for t0 in range(0, S, chunk):
             t1 = min(S, t0 + chunk)
             r = torch.rand((t1 - t0, s_kv), generator=gen, device=device)
-            if kind == "causal":
+            if kind.startswith("causal"):
                 rows = torch.arange(t0, t1, device=device).view(-1, 1)
                 r = r.masked_fill(cols > rows, -1.0)
             val, idx = r.topk(kk, dim=-1)
             idx = torch.where(val < 0, torch.full_like(idx, s_kv), idx)
-            idx = idx.sort(dim=-1).values
+            if not kind.endswith("-shuffled"):
+                idx = idx.sort(dim=-1).values
             idx = torch.where(idx == s_kv, torch.full_like(idx, -1), idx)
             ids[b, t0:t1, :kk] = idx.to(torch.int32)
     return ids
@@ -297,7 +300,7 @@ def parse_list(s, conv):
 def add_problem_args(ap, seq="4096,16384,65536", warmup=2):
     """The problem and timing flags of every peer (same names as our bench); common.py re-exports it."""
     ap.add_argument("--seq", default=seq, help=f"comma list of S (S_q = S_kv), default {seq}")
-    ap.add_argument("--ids", default="causal,random", help="comma list of causal,random")
+    ap.add_argument("--ids", default="causal,random", help="comma list of causal, random, causal-shuffled, random-shuffled")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--heads", type=int, default=64)
     ap.add_argument("--dim", type=int, default=128)
@@ -326,7 +329,7 @@ def main(argv=None):
         kinds = parse_list(a.ids, str)
     except ValueError:
         ap.error("bad --seq")
-    if any(k not in ("causal", "random") for k in kinds) or not seqs or min(seqs) < 1:
+    if any(k not in ("causal", "random", "causal-shuffled", "random-shuffled") for k in kinds) or not seqs or min(seqs) < 1:
         ap.error("bad --ids or --seq")
     if a.iters < 1 or a.warmup < 0 or a.topk < 1 or a.heads < 1 or a.dim < 1 or a.batch < 1:
         ap.error("bad sizes")
