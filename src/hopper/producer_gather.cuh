@@ -18,15 +18,14 @@
 // -1 / gs 0 / zero-filled K rows. Invalid slots never reach the consumers and
 // are never dereferenced.
 //
-// Order of the blocks (v38, docs/perf-log.md "v37 / v38 / v39"): in slot order,
-// a block of sorted ids covers a narrow part of the key range, and the CTAs,
-// which run rows of about equal cost in phase, gather and reduce into about the
-// same key rows at the same time; that costs less than spreading them (v36:
-// +2 to +4%). Odd waves of tasks (task / gridDim.x) take the chunks last to
-// first (v37), so a wave starts on the half of dK and K the previous one ended
-// on. Against thread-order lists and forward chunks (v33), paired A/B, 4 pairs:
-// random ids S 4096 -2.6%, S 16384 -0.5%, S 65536 -0.5%; causal S 4096 -1.5%,
-// S 16384 -1.0%, S 65536 0.
+// Order of the blocks (v38, docs/perf-log.md "v37 / v38 / v39"): the list is in
+// slot order, and odd waves of tasks (task / gridDim.x) take the chunks last to
+// first (v37). Against thread-order lists and forward chunks (v33), paired A/B
+// with ascending ids, 4 pairs: random ids S 4096 -2.6%, S 16384 -0.5%, S 65536
+// -0.5%; causal S 4096 -1.5%, S 16384 -1.0%, S 65536 0. Ids in a random order
+// within the row run as fast as ascending ones (fourteenth session, call 3), so
+// the gain is not that of narrow blocks alone; ordering the list by key bucket
+// (v42) cost 2-4%.
 #pragma once
 
 #include <cute/arch/copy_sm80.hpp>
@@ -215,8 +214,7 @@ struct ProducerGather {
         const int chunk0 = (reverse_chunks ? num_chunks - 1 - ci : ci) * Config::kSlotChunk;
         SlotBatch s;
         load_batch(chunk0 + tid, seq, ids, attn, pred, s);
-        // The list in slot order (v38; sorted ids: each block covers a narrow key
-        // range). Slot chunk0 + tid + j * kThreads goes to position
+        // The list in slot order (v38). Slot chunk0 + tid + j * kThreads goes to position
         //   (valid slots of rows j' < j) + (valid slots of threads < tid in row j),
         // row j being the kThreads slots chunk0 + j * kThreads + [0, kThreads).
         const int lane = tid % 32, warp = tid / 32;
