@@ -108,12 +108,20 @@ TEST_F(BenchTools, BenchSubcommandWithoutFloorAndWithoutRotation) {
 TEST_F(BenchTools, OpBenchKeepsItsJsonForAbCompare) {
   const std::string json = path("op.json");
   const CommandResult r = run_command(shell_quote(binary(DSAIB_OP_BENCH_PATH)) +
-                                      " --seq 512 --ids causal,random --heads 16 --dim 128 --topk 128 --iters 3"
-                                      " --json " + shell_quote(json) + " 2>&1");
+                                      " --seq 512 --ids causal,random,causal-shuffled,random-shuffled --heads 16"
+                                      " --dim 128 --topk 128 --iters 3 --json " + shell_quote(json) + " 2>&1");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const nlohmann::json j = read_json(json);
   ASSERT_TRUE(j.is_array());
-  ASSERT_EQ(j.size(), 2u);
+  ASSERT_EQ(j.size(), 4u);
+  // The shuffled patterns are the same draws in another order: as many valid slots.
+  EXPECT_EQ(j[0]["ids"], "causal");
+  EXPECT_EQ(j[2]["ids"], "causal-shuffled");
+  EXPECT_EQ(j[3]["ids"], "random-shuffled");
+  EXPECT_EQ(j[2]["valid_slots_per_row"], j[0]["valid_slots_per_row"]);
+  EXPECT_EQ(j[3]["valid_slots_per_row"], j[1]["valid_slots_per_row"]);
+  EXPECT_LT(j[0]["valid_slots_per_row"].get<double>(), 128.0);  // causal: rows t < 127 keep t + 1
+  EXPECT_EQ(j[1]["valid_slots_per_row"].get<double>(), 128.0);
   for (const auto& c : j) {
     for (const char* key : {"ids", "seq", "heads", "dim", "topk", "ns_per_row", "median_ms", "fixed_floor_ratio"}) {
       EXPECT_TRUE(c.contains(key)) << key << " missing in " << c.dump();
