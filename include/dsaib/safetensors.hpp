@@ -31,7 +31,9 @@ const char* safetensors_dtype_name(DType dtype);
 /// a header that is not the expected object,
 /// an unknown or unsupported dtype (named), negative, non-integer or
 /// overflowing shapes, data_offsets out of the buffer, overlapping each other
-/// or not matching numel * dtype size, non-string metadata values.
+/// or not matching numel * dtype size, non-string metadata values. A tensor whose
+/// bytes cannot be allocated raises dsaib::Error(ErrorCode::out_of_memory), same
+/// argument and message start.
 std::map<std::string, HostTensor> read_safetensors(const std::string& path,
                                                    std::map<std::string, std::string>* metadata = nullptr);
 

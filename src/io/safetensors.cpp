@@ -280,7 +280,9 @@ std::map<std::string, HostTensor> read_safetensors(const std::string& path,
     try {
       t.bytes.resize(e->end - e->begin);
     } catch (const std::bad_alloc&) {
-      io_fail(path, "tensor '" + e->name + "': cannot allocate " + std::to_string(e->end - e->begin) + " bytes");
+      throw Error(ErrorCode::out_of_memory, path,
+                  path + ": tensor '" + e->name + "': expected room in host memory for its " +
+                      std::to_string(e->end - e->begin) + " bytes, got an allocation failure");
     }
     if (!t.bytes.empty()) {
       f.seekg(static_cast<std::streamoff>(data_start + e->begin), std::ios::beg);

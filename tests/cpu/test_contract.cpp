@@ -473,29 +473,6 @@ TEST(Accepted, EmptyProblems) {
 
 // ---- running out of memory is an error of the call, not a crash ---------------
 
-#if defined(__has_feature)
-#define DSAIB_HAS_FEATURE(x) __has_feature(x)
-#else
-#define DSAIB_HAS_FEATURE(x) 0
-#endif
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__) || DSAIB_HAS_FEATURE(address_sanitizer) || \
-    DSAIB_HAS_FEATURE(thread_sanitizer) || DSAIB_HAS_FEATURE(memory_sanitizer)
-constexpr bool kSanitizedBuild = true;  // their shadow memory needs more address space than the limit leaves
-#else
-constexpr bool kSanitizedBuild = false;
-#endif
-
-/// Address space mapped by this process now (bytes), from /proc/self/statm.
-size_t mapped_bytes() {
-  std::FILE* f = std::fopen("/proc/self/statm", "r");
-  unsigned long pages = 0;
-  if (f) {
-    if (std::fscanf(f, "%lu", &pages) != 1) pages = 0;
-    std::fclose(f);
-  }
-  return static_cast<size_t>(pages) * static_cast<size_t>(sysconf(_SC_PAGESIZE));
-}
-
 /// In a child process: index_k and d_index_k of 2^20 key rows, left unmapped
 /// by the kernel (mmap: no page is touched but the few the ids select), then
 /// an address-space limit 64 MiB above what is mapped, so the cpu backend's

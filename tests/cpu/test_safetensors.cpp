@@ -9,15 +9,19 @@
 #include <string>
 #include <vector>
 
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include "dsaib/error.hpp"
 #include "dsaib/safetensors.hpp"
+#include "support/test_support.hpp"
 
 namespace {
 
 using dsaib::DType;
+using dsaib::test::kSanitizedBuild;
+using dsaib::test::mapped_bytes;
 using dsaib::Error;
 using dsaib::ErrorCode;
 using dsaib::HostTensor;
@@ -84,6 +88,40 @@ void expect_bad_header(const std::string& name, const std::string& header, const
   const std::string path = temp_path(name);
   write_bytes(path, make_file(header, data));
   expect_io_error(path, fragments);
+}
+
+/// In a child process: reads a (sparse) file holding one 1 GiB tensor under an
+/// address-space limit 64 MiB above what is mapped; exits 0 when the reader
+/// raised out_of_memory naming the path and the tensor, else a code that says
+/// which check failed.
+[[noreturn]] void read_under_memory_limit(const std::string& path) {
+  const rlim_t limit = mapped_bytes() + (size_t{64} << 20);
+  const rlimit r{limit, limit};
+  if (setrlimit(RLIMIT_AS, &r) != 0) std::_Exit(11);
+  try {
+    dsaib::read_safetensors(path);
+  } catch (const Error& e) {
+    if (e.code() != ErrorCode::out_of_memory) std::_Exit(12);
+    const std::string msg = e.what();
+    if (e.argument() != path || msg.rfind(path + ": tensor 'big': expected room in host memory", 0) != 0) std::_Exit(13);
+    std::_Exit(0);
+  } catch (...) {
+    std::_Exit(14);
+  }
+  std::_Exit(15);  // it read the tensor: the limit did not bite
+}
+
+TEST(Safetensors, TensorBeyondHostMemoryIsOutOfMemory) {
+  if (kSanitizedBuild) GTEST_SKIP() << "address-space limits and sanitizer shadow memory do not mix";
+  constexpr uint64_t kBytes = uint64_t{1} << 30;
+  const std::string path = temp_path("big.safetensors");
+  const std::string header = "{\"big\":{\"dtype\":\"F32\",\"shape\":[" + std::to_string(kBytes / 4) +
+                             "],\"data_offsets\":[0," + std::to_string(kBytes) + "]}}";
+  write_bytes(path, make_file(header, ""));
+  ASSERT_EQ(truncate(path.c_str(), static_cast<off_t>(8 + header.size() + kBytes)), 0);  // sparse: no disk used
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(read_under_memory_limit(path), ::testing::ExitedWithCode(0), "");
+  std::filesystem::remove(path);
 }
 
 TEST(Safetensors, RoundTripEveryDtypeAndMetadata) {

@@ -2,6 +2,7 @@
 #include "support/test_support.hpp"
 
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -382,5 +383,15 @@ CommandResult run_command(const std::string& command) {
 }
 
 std::string shell_quote(const std::string& s) { return "'" + s + "'"; }
+
+size_t mapped_bytes() {
+  std::FILE* f = std::fopen("/proc/self/statm", "r");
+  unsigned long pages = 0;
+  if (f) {
+    if (std::fscanf(f, "%lu", &pages) != 1) pages = 0;
+    std::fclose(f);
+  }
+  return static_cast<size_t>(pages) * static_cast<size_t>(sysconf(_SC_PAGESIZE));
+}
 
 }  // namespace dsaib::test

@@ -172,4 +172,21 @@ CommandResult run_command(const std::string& command);
 /// `s` in single quotes for the shell (s must hold no single quote).
 std::string shell_quote(const std::string& s);
 
+/// Address space mapped by this process now (bytes), from /proc/self/statm; the
+/// base of the RLIMIT_AS limits of the out-of-memory tests.
+size_t mapped_bytes();
+
+#if defined(__has_feature)
+#define DSAIB_HAS_FEATURE(x) __has_feature(x)
+#else
+#define DSAIB_HAS_FEATURE(x) 0
+#endif
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__) || DSAIB_HAS_FEATURE(address_sanitizer) || \
+    DSAIB_HAS_FEATURE(thread_sanitizer) || DSAIB_HAS_FEATURE(memory_sanitizer)
+/// A sanitizer build: its shadow memory needs more address space than an RLIMIT_AS limit leaves.
+constexpr bool kSanitizedBuild = true;
+#else
+constexpr bool kSanitizedBuild = false;
+#endif
+
 }  // namespace dsaib::test
