@@ -268,7 +268,7 @@ def _check_forward_arguments(index_q, weights, index_k, topk_indices, attn_score
         expect("index_k", index_k, (Tk, D), "(T_k, D)")
         expect("topk_indices", topk_indices, (T, K), "(T_q, topk)")
         if loss:
-            expect("attn_score", attn_score, (T, K), "(T_q, topk)")
+            expect("attn_score", attn_score, (T, K), "(T_q, topk), topk from topk_indices")
         for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
             if cu is None:
                 fail(name, "a tensor", "nothing (absent)")
@@ -305,7 +305,7 @@ def _check_forward_arguments(index_q, weights, index_k, topk_indices, attn_score
         expect("index_k", index_k, (B, index_k.shape[1], D), "(B, S_kv, D) with B and D of index_q")
         expect("topk_indices", topk_indices, (B, S, K), "(B, S_q, topk)")
         if loss:
-            expect("attn_score", attn_score, (B, S, K), "(B, S_q, topk)")
+            expect("attn_score", attn_score, (B, S, K), "(B, S_q, topk), topk from topk_indices")
         for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
             if cu is not None:
                 fail(name, "absent for layout bshd", "a tensor")

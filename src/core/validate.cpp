@@ -235,8 +235,8 @@ ProblemGeometry validate_problem(const IndexerBackwardInputs& in, const IndexerB
     check_shape(in.weights, "weights", {T, H}, "(T_q, H)");
     check_shape(in.index_k, "index_k", {Tk, D}, "(T_k, D)");
     check_shape(in.topk_indices, "topk_indices", {T, K}, "(T_q, topk)");
-    check_shape(in.attn_score, "attn_score", {T, K}, "(T_q, topk)");
-    check_shape(in.index_score, "index_score", {T, K}, "(T_q, topk)");
+    check_shape(in.attn_score, "attn_score", {T, K}, "(T_q, topk), topk from topk_indices");
+    check_shape(in.index_score, "index_score", {T, K}, "(T_q, topk), topk from topk_indices");
     if (check_outputs) {
       check_shape(out.d_index_q, "d_index_q", {T, H, D}, "(T_q, H, D) like index_q");
       check_shape(out.d_weights, "d_weights", {T, H}, "(T_q, H) like weights");
@@ -247,8 +247,8 @@ ProblemGeometry validate_problem(const IndexerBackwardInputs& in, const IndexerB
     check_shape(in.weights, "weights", {B, S, H}, "(B, S_q, H)");
     check_shape(in.index_k, "index_k", {B, g.s_kv, D}, "(B, S_kv, D) with B and D of index_q");
     check_shape(in.topk_indices, "topk_indices", {B, S, K}, "(B, S_q, topk)");
-    check_shape(in.attn_score, "attn_score", {B, S, K}, "(B, S_q, topk)");
-    check_shape(in.index_score, "index_score", {B, S, K}, "(B, S_q, topk)");
+    check_shape(in.attn_score, "attn_score", {B, S, K}, "(B, S_q, topk), topk from topk_indices");
+    check_shape(in.index_score, "index_score", {B, S, K}, "(B, S_q, topk), topk from topk_indices");
     if (check_outputs) {
       check_shape(out.d_index_q, "d_index_q", {B, S, H, D}, "(B, S_q, H, D) like index_q");
       check_shape(out.d_weights, "d_weights", {B, S, H}, "(B, S_q, H) like weights");

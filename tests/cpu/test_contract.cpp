@@ -395,6 +395,22 @@ INSTANTIATE_TEST_SUITE_P(Cases, Contract, ::testing::Range<size_t>(0, [] {
                          }()),
                          [](const ::testing::TestParamInfo<size_t>& info) { return sanitize(cases()[info.param].name); });
 
+// topk comes from topk_indices: when the scores disagree with it, the message says so.
+TEST(Messages, ScoresAgainstTopkOfTopkIndices) {
+  for (Layout layout : {Layout::bshd, Layout::thd}) {
+    std::unique_ptr<Env> env = make_env(layout);
+    TensorView& ids = env->in.topk_indices;
+    ids.shape[ids.rank - 1] -= 1;
+    try {
+      indexer_backward(env->in, env->out, env->opt);
+      ADD_FAILURE() << "no error raised";
+    } catch (const Error& err) {
+      EXPECT_EQ(err.argument(), "attn_score") << err.what();
+      EXPECT_NE(std::string(err.what()).find("topk from topk_indices"), std::string::npos) << err.what();
+    }
+  }
+}
+
 // ---- strict mode ------------------------------------------------------------
 
 TEST(Strict, ReportsFirstOffendingSlot) {
