@@ -259,7 +259,7 @@ def test_autograd_loss_shape_errors_raise_before_the_forward_with_the_cpp_messag
     with pytest.raises(ValueError, match=r"^index_q: expected H \(heads, dim 2\) a multiple of 8 in \[8, 128\], got H = 4 \(shape \(2, 5, 4, 64\)\)$"):
         dt.indexer_kl_loss(qq, w[:, :, :4], k, ids, T, sm_scale=SM)
     cases = [
-        (dict(attn_score=T[:, :, :3]), r"^attn_score: expected shape \(2, 5, 4\) \(B, S_q, topk\), got shape \(2, 5, 3\)$"),
+        (dict(attn_score=T[:, :, :3]), r"^attn_score: expected shape \(2, 5, 4\) \(B, S_q, topk\), topk from topk_indices, got shape \(2, 5, 3\)$"),
         (dict(weights=w[:, :2]), r"^weights: expected shape \(2, 5, 8\) \(B, S_q, H\), got shape \(2, 2, 8\)$"),
         (dict(index_k=k[:1]), r"^index_k: expected shape \(2, 7, 64\) \(B, S_kv, D\) with B and D of index_q, got shape \(1, 7, 64\)$"),
         (dict(topk_indices=ids[:, :3]), r"^topk_indices: expected shape \(2, 5, 4\) \(B, S_q, topk\), got shape \(2, 3, 4\)$"),
