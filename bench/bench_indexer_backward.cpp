@@ -114,7 +114,7 @@ int main(int argc, char** argv) {
   }
   std::vector<OpResult> results;
   try {
-    std::printf("%-7s %6s %4s %4s %5s %8s %10s %9s %8s %9s %7s\n", "ids", "S", "H", "D", "topk", "valid/r",
+    std::printf("%-15s %6s %4s %4s %5s %8s %10s %9s %8s %9s %7s\n", "ids", "S", "H", "D", "topk", "valid/r",
                 "median_ms", "ns/row", "TFLOP/s", "dK GB/s", "x278");
     for (IdPattern kind : kinds) {
       for (int64_t S : seqs) {
@@ -123,7 +123,7 @@ int main(int argc, char** argv) {
         c.seq = S;
         const OpResult r = run_op_case(c, cfg);
         results.push_back(r);
-        std::printf("%-7s %6lld %4lld %4lld %5lld %8.1f %10.3f %9.1f %8.1f %9.1f %7.2f   (min %.3f max %.3f ms, "
+        std::printf("%-15s %6lld %4lld %4lld %5lld %8.1f %10.3f %9.1f %8.1f %9.1f %7.2f   (min %.3f max %.3f ms, "
                     "%d input sets)\n",
                     id_pattern_name(kind), (long long)S, (long long)c.heads, (long long)c.dim, (long long)c.topk,
                     r.valid_slots_per_row, r.t.median_ms, r.ns_per_row, r.tflops, r.dk_gbps,

@@ -138,7 +138,7 @@ int run_bench(const BenchArgs& a) {
 
   // 2. The op, every case.
   char line[320];
-  std::snprintf(line, sizeof line, "%-7s %3s %6s %4s %4s %5s %9s %4s %8s %19s %8s %8s %9s %7s %6s\n", "ids", "B", "S",
+  std::snprintf(line, sizeof line, "%-15s %3s %6s %4s %4s %5s %9s %4s %8s %19s %8s %8s %9s %7s %6s\n", "ids", "B", "S",
                 "H", "D", "topk", "valid/row", "sets", "ns/row", "(min-max)", "TFLOP/s", "dK GB/s", "floor ns",
                 "xfloor", "x278");
   out << line << std::flush;
@@ -178,7 +178,7 @@ int run_bench(const BenchArgs& a) {
     }
     char spread[64];
     std::snprintf(spread, sizeof spread, "(%.1f-%.1f)", r.ns_per_row_min, r.ns_per_row_max);
-    std::snprintf(line, sizeof line, "%-7s %3lld %6lld %4lld %4lld %5lld %9.1f %4d %8.1f %19s %8.1f %8.1f %9s %7s %6.2f\n",
+    std::snprintf(line, sizeof line, "%-15s %3lld %6lld %4lld %4lld %5lld %9.1f %4d %8.1f %19s %8.1f %8.1f %9s %7s %6.2f\n",
                   bench::id_pattern_name(c.ids), (long long)c.batch, (long long)c.seq, (long long)c.heads,
                   (long long)c.dim, (long long)c.topk, r.valid_slots_per_row, r.input_sets, r.ns_per_row, spread,
                   r.tflops, r.dk_gbps, floor_ns.c_str(), floor_x.c_str(), fixed_ratio);

@@ -99,7 +99,7 @@ std::vector<std::pair<std::string, std::string>> preset_list();
 GenerateSpec make_spec(const GenFlags& flags, int32_t threads);
 /// Runs the generator and wraps its output as a Problem.
 Problem generate(const GenFlags& flags, int32_t threads);
-/// Reads a problem file. Raises dsaib::Error(io_error / invalid_argument).
+/// Reads a problem file. Raises dsaib::Error(io_error / invalid_argument / out_of_memory).
 /// `overridden`: metadata keys that flags replace (ScalarFlags); those are not read.
 Problem load_problem(const std::string& path, const std::set<std::string>& overridden = {});
 /// Writes a problem file (inputs and their metadata).

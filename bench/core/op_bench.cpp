@@ -73,6 +73,9 @@ HostCase generate(const OpCase& c, uint64_t seed) {
       picks.resize(std::min(S, K));
     }
     std::mt19937_64 rng(block_seed(seed, static_cast<uint64_t>(blk)));
+    // The -shuffled patterns' order comes from a generator of its own, so that they
+    // draw the same ids, q, k, w, attn and pred as their ascending patterns.
+    std::mt19937_64 order_rng(block_seed(~seed, static_cast<uint64_t>(blk)));
     std::normal_distribution<float> normal(0.0f, 1.0f);
     std::uniform_real_distribution<float> uni(0.0f, 1.0f);
     const int64_t r0 = blk * kRowsPerBlock, r1 = std::min(rows, r0 + kRowsPerBlock);
@@ -93,7 +96,7 @@ HostCase generate(const OpCase& c, uint64_t seed) {
       std::copy(pool.begin(), pool.begin() + n, h.ids.begin() + row);
       for (int64_t i = n - 1; i >= 0; --i) std::swap(pool[i], pool[picks[i]]);
       std::sort(h.ids.begin() + row, h.ids.begin() + row + n);
-      if (is_shuffled(c.ids)) std::shuffle(h.ids.begin() + row, h.ids.begin() + row + n, rng);
+      if (is_shuffled(c.ids)) std::shuffle(h.ids.begin() + row, h.ids.begin() + row + n, order_rng);
       float st = 0, sp = 0;
       for (int64_t i = 0; i < n; ++i) {
         h.attn[row + i] = uni(rng);

@@ -202,7 +202,7 @@ def main(argv=None):
         common.write_json(a.json, info)
     if a.check_only:
         return rc
-    print(f"{'ids':7s} {'S':>6s} {'valid/r':>8s} {'median_ms':>10s} {'ns/row':>9s} {'first_call_s':>12s}",
+    print(f"{'ids':15s} {'S':>6s} {'valid/r':>8s} {'median_ms':>10s} {'ns/row':>9s} {'first_call_s':>12s}",
           flush=True)
     for kind in kinds:
         for S in seqs:
@@ -219,14 +219,14 @@ def main(argv=None):
                     raise RuntimeError("non-finite gradient")
                 row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
                 row["status"] = "ok"
-                print(f"{kind:7s} {S:6d} {row['valid_slots_per_row']:8.1f} {row['bwd_median_ms']:10.3f} "
+                print(f"{kind:15s} {S:6d} {row['valid_slots_per_row']:8.1f} {row['bwd_median_ms']:10.3f} "
                       f"{row['ns_per_row']:9.1f} {row['first_call_s']:12.2f}   (min {row['bwd_min_ms']:.3f} "
                       f"max {row['bwd_max_ms']:.3f} ms)", flush=True)
             except Exception as e:  # noqa: BLE001 (OOM, unsupported shape, compile error: report and go on)
                 row["status"] = "oom" if common.is_oom(e) else "error"
                 row["reason"] = common.short_error(e)
                 row["traceback"] = traceback.format_exc(limit=8)
-                print(f"{kind:7s} {S:6d}  {row['status'].upper()}: {row['reason']}", flush=True)
+                print(f"{kind:15s} {S:6d}  {row['status'].upper()}: {row['reason']}", flush=True)
                 rc = 1
             del case
             gc.collect()

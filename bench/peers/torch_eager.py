@@ -354,7 +354,7 @@ def main(argv=None):
             rc = 1
     results = []
     if not a.check_only:
-        print(f"{'ids':7s} {'S':>6s} {'H':>4s} {'D':>4s} {'topk':>5s} {'valid/r':>8s} {'bwd_ms':>9s} "
+        print(f"{'ids':15s} {'S':>6s} {'H':>4s} {'D':>4s} {'topk':>5s} {'valid/r':>8s} {'bwd_ms':>9s} "
               f"{'ns/row':>9s} {'fwd_ms':>8s} {'peak GiB':>9s}", flush=True)
         for kind in kinds:
             for S in seqs:
@@ -371,11 +371,11 @@ def main(argv=None):
                     gc.collect()
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
-                    print(f"{kind:7s} {S:6d} {a.heads:4d} {a.dim:4d} {a.topk:5d}  {row['status'].upper()}: "
+                    print(f"{kind:15s} {S:6d} {a.heads:4d} {a.dim:4d} {a.topk:5d}  {row['status'].upper()}: "
                           f"{row['reason']}", flush=True)
                 else:
                     peak = "-" if row["peak_mem_gib"] is None else f"{row['peak_mem_gib']:.2f}"
-                    print(f"{kind:7s} {S:6d} {a.heads:4d} {a.dim:4d} {a.topk:5d} {row['valid_slots_per_row']:8.1f} "
+                    print(f"{kind:15s} {S:6d} {a.heads:4d} {a.dim:4d} {a.topk:5d} {row['valid_slots_per_row']:8.1f} "
                           f"{row['bwd_median_ms']:9.3f} {row['ns_per_row']:9.1f} {row['fwd_median_ms']:8.3f} "
                           f"{peak:>9s}   (bwd min {row['bwd_min_ms']:.3f} max {row['bwd_max_ms']:.3f} ms)",
                           flush=True)

@@ -2,7 +2,8 @@
 //
 // The reader trusts nothing in the file: every size, offset and JSON type is
 // checked before it is used, and every failure is a dsaib::Error(io_error)
-// whose message starts with the file's path.
+// whose message starts with the file's path (out_of_memory when a tensor's
+// bytes cannot be allocated).
 #include "dsaib/safetensors.hpp"
 #include "io/output_path.hpp"
 
