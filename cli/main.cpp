@@ -102,6 +102,23 @@ CLI::Validator int_range(int64_t lo, int64_t hi = std::numeric_limits<int64_t>::
       expected.rfind(">=", 0) == 0 ? "INT " + expected : "INT in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
 }
 
+/// One of `choices` (exact text): "expected one of a, b, got \"x\"" otherwise.
+CLI::Validator one_of(std::vector<std::string> choices) {
+  std::string list;
+  for (const std::string& c : choices) list += (list.empty() ? "" : ", ") + c;
+  std::string name = "{";
+  for (const std::string& c : choices) name += (name.size() > 1 ? "," : "") + c;
+  name += "}";
+  return CLI::Validator(
+      [choices, list](std::string& v) -> std::string {
+        for (const std::string& c : choices) {
+          if (v == c) return std::string();
+        }
+        return "expected one of " + list + ", got \"" + v + "\"";
+      },
+      name);
+}
+
 /// A file name that is not empty ("--out ''" would otherwise mean "no output").
 CLI::Validator nonempty_path() {
   return CLI::Validator([](std::string& v) -> std::string { return v.empty() ? "expected a file name, got \"\"" : ""; },
@@ -154,13 +171,13 @@ struct GenOptions {
     reg(app->add_option("--head-dim", f.head_dim, "D: head dimension (64 or 128)")->check(decimal_int()), &f.has_head_dim);
     reg(app->add_option("--topk", f.topk, "selected keys per query row")->check(decimal_int()), &f.has_topk);
     reg(app->add_option("--ids", f.ids, "id pattern: causal (true top-k over keys <= t) or permutation")
-            ->check(CLI::IsMember({"causal", "permutation"})),
+            ->check(one_of({"causal", "permutation"})),
         &f.has_ids);
     reg(app->add_option("--id-mode", f.id_mode, "ids local to their sequence or global flat rows")
-            ->check(CLI::IsMember({"local", "global"})),
+            ->check(one_of({"local", "global"})),
         &f.has_id_mode);
     reg(app->add_option("--layout", f.layout, "bshd (fixed lengths) or thd (packed varlen)")
-            ->check(CLI::IsMember({"bshd", "thd"})),
+            ->check(one_of({"bshd", "thd"})),
         &f.has_layout);
     // Taken as text and split here (parse_lengths), so that empty items are errors, not dropped or zeros.
     reg(app->add_option("--seqlens-q", seqlens_q_text, "THD query lengths, e.g. 1,37,300")->type_name("INT,..."),
@@ -692,15 +709,15 @@ int run_main(int argc, char** argv) {
   bwd_g.add(bwd_cmd);
   bwd_sc.add(bwd_cmd, true);
   bwd_cmd->add_option("--backend", a.backend, "auto (cuda if available, else cpu), cpu or cuda")
-      ->check(CLI::IsMember({"auto", "cpu", "cuda"}))
+      ->check(one_of({"auto", "cpu", "cuda"}))
       ->default_str("auto");
   bwd_cmd->add_option("--out-dtype", a.out_dtype, "dtype of the gradients")
-      ->check(CLI::IsMember({"bf16", "f32"}))
+      ->check(one_of({"bf16", "f32"}))
       ->default_str("bf16");
   bwd_cmd->add_option("--verify", a.verify,
                       "compare with the fp64 reference: all rows, sampled rows, none, or auto (all for problems up to "
                       "about twice the small preset, else sample)")
-      ->check(CLI::IsMember({"auto", "none", "all", "sample"}))
+      ->check(one_of({"auto", "none", "all", "sample"}))
       ->default_str("auto");
   bwd_cmd->add_option("--sample-rows", a.sample_rows, "query rows and key rows checked by --verify sample")
       ->check(int_range(1))
@@ -714,7 +731,7 @@ int run_main(int argc, char** argv) {
   bwd_cmd->add_option("--a-operand", a.a_operand,
                       "cuda: precision of the a operand of the dK/dQ GEMMs: auto (bf16x2 if an output is f32, else bf16), "
                       "bf16x2 or bf16 (docs/api.md)")
-      ->check(CLI::IsMember({"auto", "bf16x2", "bf16"}))
+      ->check(one_of({"auto", "bf16x2", "bf16"}))
       ->default_str("auto");
   bwd_cmd->add_flag("--json", a.json, "print the report as JSON on stdout (an error too: {\"error\": {code, argument, message}, \"result\": \"ERROR\"})");
 
@@ -731,7 +748,7 @@ int run_main(int argc, char** argv) {
                                          "within a row, or in a random order with causal-shuffled / random-shuffled "
                                          "(as a top-k by score returns them)")
       ->delimiter(',')
-      ->check(CLI::IsMember({"causal", "random", "causal-shuffled", "random-shuffled"}))
+      ->check(one_of({"causal", "random", "causal-shuffled", "random-shuffled"}))
       ->default_str("causal,random");
   bench_cmd->add_option("--heads", ba.heads, "H: index heads (multiple of 8, 8..128)")
       ->check(CLI::Validator(
@@ -747,7 +764,7 @@ int run_main(int argc, char** argv) {
   bench_cmd->add_option("--topk", ba.topk, "selected keys per query row")->check(int_range(1))->default_str("2048");
   bench_cmd->add_option("--a-operand", ba.a_operand,
                         "precision of the a operand of the dK/dQ GEMMs: auto (bf16 for these bf16 outputs), bf16x2 or bf16")
-      ->check(CLI::IsMember({"auto", "bf16x2", "bf16"}))
+      ->check(one_of({"auto", "bf16x2", "bf16"}))
       ->default_str("auto");
   bench_cmd->add_option("--batch,-b", ba.batch, "B: batch size")->check(int_range(1))->default_str("1");
   bench_cmd->add_option("--iters", ba.iters, "timed launches per case and per floor micro-benchmark")

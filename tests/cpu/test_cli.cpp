@@ -512,9 +512,9 @@ TEST_F(Cli, ReportStatesTheAOperandPrecision) {
   EXPECT_EQ(nlohmann::json::parse(r.output)["a_operand"]["requested"], "auto");
 }
 
-// Integer flags out of range: "--flag: expected ..., got VALUE" (no double-formatted
+// Flag values out of range or not among the choices: "--flag: expected ..., got VALUE" (no double-formatted
 // CLI11 bounds); backward --warmup is bounded like bench's.
-TEST_F(Cli, IntegerRangeErrorsNameTheFlagAndTheValue) {
+TEST_F(Cli, FlagValueErrorsNameTheFlagAndTheValue) {
   const struct {
     std::string args, message;
   } cases[] = {
@@ -570,6 +570,10 @@ TEST_F(Cli, IntegerRangeErrorsNameTheFlagAndTheValue) {
       {"generate --preset tiny --out ''", "--out: expected a file name, got \"\""},
       {"backward --preset tiny --seed 18446744073709551616",
        "--seed: expected an integer in [0, 2^64 - 1], got \"18446744073709551616\""},
+      // Choices: the list and the value, in the same form.
+      {"bench --ids causal,sorted", "--ids: expected one of causal, random, causal-shuffled, random-shuffled, got \"sorted\""},
+      {"backward --preset tiny --backend gpu", "--backend: expected one of auto, cpu, cuda, got \"gpu\""},
+      {"generate --preset tiny --layout bhsd --out x.safetensors", "--layout: expected one of bshd, thd, got \"bhsd\""},
   };
   for (const auto& c : cases) {
     const Result r = run(c.args);
