@@ -35,7 +35,10 @@ void check_tensor(const TensorView& v, const TensorRule& rule, DeviceType device
   const std::string name = rule.name;
   if (!v.present()) fail(name, "a tensor", "nothing (absent)");
   if (std::find(rule.dtypes.begin(), rule.dtypes.end(), v.dtype) == rule.dtypes.end()) {
-    fail(name, "dtype " + dtype_list(rule.dtypes), std::string("dtype ") + dtype_name(v.dtype));
+    const int code = static_cast<int>(v.dtype);
+    const bool known = code >= 0 && code <= static_cast<int>(DType::i32);
+    fail(name, "dtype " + dtype_list(rule.dtypes),
+         known ? std::string("dtype ") + dtype_name(v.dtype) : "an unknown DType value " + std::to_string(code));
   }
   if (v.rank != rule.rank) {
     fail(name, "rank " + std::to_string(rule.rank),

@@ -411,6 +411,18 @@ TEST(Messages, ScoresAgainstTopkOfTopkIndices) {
   }
 }
 
+// A DType value outside the enum is reported by its number, not as a name.
+TEST(Messages, UnknownDtypeValueByNumber) {
+  std::unique_ptr<Env> env = make_env(Layout::bshd);
+  env->in.index_q.dtype = static_cast<DType>(9);
+  try {
+    indexer_backward(env->in, env->out, env->opt);
+    ADD_FAILURE() << "no error raised";
+  } catch (const Error& err) {
+    EXPECT_STREQ(err.what(), "index_q: expected dtype bf16, got an unknown DType value 9");
+  }
+}
+
 // ---- strict mode ------------------------------------------------------------
 
 TEST(Strict, ReportsFirstOffendingSlot) {
