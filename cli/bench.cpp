@@ -47,7 +47,7 @@ int run_bench(const BenchArgs& a) {
     for (int64_t s : a.seqs) {
       bench::OpCase c;
       if (!bench::parse_id_pattern(ids, &c.ids)) {
-        throw Error(ErrorCode::invalid_argument, "ids", "--ids: expected causal, random, causal-shuffled or random-shuffled, got " + ids);
+        throw Error(ErrorCode::invalid_argument, "ids", "--ids: expected one of causal, random, causal-shuffled, random-shuffled, got \"" + ids + "\"");
       }
       c.batch = a.batch;
       c.seq = s;
@@ -238,7 +238,7 @@ int run_bench(const BenchArgs& a) {
         {"floor_valid_slots", "floor.valid_slots_ns_per_row: the same formula with the valid slots per row actually "
                               "present (causal rows t < topk hold t+1) instead of topk"},
         {"floor_ratio", "ns_per_row / floor.ns_per_row"},
-        {"fixed_floor_ratio", "ns_per_row / 278 (shared/design/h200-facts.md: H64 D128 topk 2048, dK in L2)"},
+        {"fixed_floor_ratio", "ns_per_row / 278 (the project's design notes, h200-facts.md, outside this repository: H64 D128 topk 2048, dK in L2)"},
         {"fixed_floor_ns_per_row", bench::kFixedFloorNsPerRow}};
     if (gemm) {
       nlohmann::ordered_json sc = nlohmann::ordered_json::array();

@@ -794,8 +794,9 @@ int run_main(int argc, char** argv) {
       "per valid slot), dK-reduce GB/s (D*4 B per valid slot), the floor, and the ratios:\n"
       "  floor ns/row = max(topk*D*4 B / scatter rate at this case's dK size,\n"
       "                     6*H*D*topk FLOP / GEMM rate)\n"
-      "  xfloor = ns/row / floor;  x278 = ns/row / 278 ns (the fixed floor of\n"
-      "  shared/design/h200-facts.md: H64 D128 topk 2048, dK in L2, 3.77 TB/s).\n"
+      "  xfloor = ns/row / floor;  x278 = ns/row / 278 ns (the fixed floor of the project's\n"
+      "  design notes, h200-facts.md, outside this repository: H64 D128 topk 2048, dK in L2,\n"
+      "  3.77 TB/s).\n"
       "The JSON states every formula and the rotation, and holds each launch's time.\n"
       "Exit status: 0 ok, 1 a floor micro-benchmark failed its correctness check, 2 error\n"
       "(bad usage; no GPU or a build without CUDA: \"bench needs the CUDA backend and a GPU\").\n"));
@@ -816,6 +817,11 @@ int run_main(int argc, char** argv) {
       message = argc >= 2 && argv[1][0] != '-'
                     ? "unknown subcommand '" + std::string(argv[1]) + "': expected one of " + names
                     : "a subcommand is required: one of " + names;
+    }
+    // `backward --json` reports a command-line error as JSON too (the flag is
+    // known from the words even though the parse failed).
+    if (argc >= 2 && std::string(argv[1]) == "backward") {
+      for (int i = 2; i < argc; ++i) g_json_errors = g_json_errors || std::string(argv[i]) == "--json";
     }
     // One error style for the whole tool: "dsa-indexer-bwd: error (...): message".
     report_error("invalid_argument", "", message);

@@ -133,6 +133,14 @@ TEST_F(Cli, JsonReportOnErrorsAndUnverifiedRuns) {
   EXPECT_EQ(j["exit_code"], 2);
   EXPECT_EQ(j["error"]["code"], "io_error");
   EXPECT_TRUE(contains(j["error"]["message"].get<std::string>(), "does_not_exist.safetensors")) << r.output;
+  // A command-line error too.
+  r = run("backward --json --layout x", /*with_stderr=*/false);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  ASSERT_FALSE(r.output.empty());
+  j = nlohmann::json::parse(r.output);
+  EXPECT_EQ(j["result"], "ERROR");
+  EXPECT_EQ(j["error"]["code"], "invalid_argument");
+  EXPECT_EQ(j["error"]["message"], "--layout: expected one of bshd, thd, got \"x\"");
   // Without --json, stdout stays empty on an error.
   r = run("backward --in " + quote(path("does_not_exist.safetensors")), /*with_stderr=*/false);
   EXPECT_EQ(r.exit_code, 2);

@@ -94,28 +94,32 @@ void expect_bad_header(const std::string& name, const std::string& header, const
 /// address-space limit 64 MiB above what is mapped; exits 0 when the reader
 /// raised out_of_memory naming the path and the tensor, else a code that says
 /// which check failed.
+/// Removes the folder of `path` (the child's own copy; see below), then _Exit(code).
+[[noreturn]] void exit_removing(const std::string& path, int code) {
+  std::error_code ec;
+  std::filesystem::remove_all(std::filesystem::path(path).parent_path(), ec);
+  std::_Exit(code);
+}
+
 [[noreturn]] void read_under_memory_limit(const std::string& path) {
   // The death test re-runs the test body in the child, which writes its own copy of
   // the file under its own pid's folder: remove that folder before every exit.
-  const auto exit_with = [&path](int code) {
-    std::error_code ec;
-    std::filesystem::remove_all(std::filesystem::path(path).parent_path(), ec);
-    std::_Exit(code);
-  };
   const rlim_t limit = mapped_bytes() + (size_t{64} << 20);
   const rlimit r{limit, limit};
-  if (setrlimit(RLIMIT_AS, &r) != 0) exit_with(11);
+  if (setrlimit(RLIMIT_AS, &r) != 0) exit_removing(path, 11);
   try {
     dsaib::read_safetensors(path);
   } catch (const Error& e) {
-    if (e.code() != ErrorCode::out_of_memory) exit_with(12);
+    if (e.code() != ErrorCode::out_of_memory) exit_removing(path, 12);
     const std::string msg = e.what();
-    if (e.argument() != path || msg.rfind(path + ": tensor 'big': expected room in host memory", 0) != 0) exit_with(13);
-    exit_with(0);
+    if (e.argument() != path || msg.rfind(path + ": tensor 'big': expected room in host memory", 0) != 0) {
+      exit_removing(path, 13);
+    }
+    exit_removing(path, 0);
   } catch (...) {
-    exit_with(14);
+    exit_removing(path, 14);
   }
-  exit_with(15);  // it read the tensor: the limit did not bite
+  exit_removing(path, 15);  // it read the tensor: the limit did not bite
 }
 
 TEST(Safetensors, TensorBeyondHostMemoryIsOutOfMemory) {
