@@ -29,9 +29,14 @@ the CLI ignores. Needs torch and safetensors.
 """
 import argparse
 import math
+import sys
 
-import torch
-from safetensors.torch import load_file, save_file
+try:
+    import torch
+    from safetensors.torch import load_file, save_file
+except ImportError as e:  # --help and the error below need neither
+    torch = None
+    _IMPORT_ERROR = e
 
 EPS = math.exp(-100.0)  # the loss's probability floor (docs/math.md)
 
@@ -122,6 +127,8 @@ def main():
     ap.add_argument("--with-grads", action="store_true", help="also store torch autograd gradients (fp64 -> f32)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    if torch is None:
+        sys.exit(f"dump_torch_step.py: needs torch and safetensors (pip install torch safetensors): {_IMPORT_ERROR}")
 
     gen = torch.Generator().manual_seed(args.seed)
     if args.qkw:
