@@ -89,7 +89,7 @@ int main(int argc, char** argv) {
     for (const auto& k : split(ids_arg)) {
       IdPattern p;
       if (!parse_id_pattern(k, &p)) {
-        std::fprintf(stderr, "--ids: expected one of causal, random, causal-shuffled, random-shuffled, got \"%s\"\n", k.c_str());
+        std::fprintf(stderr, "--ids: expected one of %s, got \"%s\"\n", id_pattern_list().c_str(), k.c_str());
         return 2;
       }
       kinds.push_back(p);

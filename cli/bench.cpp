@@ -47,7 +47,7 @@ int run_bench(const BenchArgs& a) {
     for (int64_t s : a.seqs) {
       bench::OpCase c;
       if (!bench::parse_id_pattern(ids, &c.ids)) {
-        throw Error(ErrorCode::invalid_argument, "ids", "--ids: expected one of causal, random, causal-shuffled, random-shuffled, got \"" + ids + "\"");
+        throw Error(ErrorCode::invalid_argument, "ids", "--ids: expected one of " + bench::id_pattern_list() + ", got \"" + ids + "\"");
       }
       c.batch = a.batch;
       c.seq = s;

@@ -117,8 +117,14 @@ const char* id_pattern_name(IdPattern p) {
 bool is_causal(IdPattern p) { return p == IdPattern::causal || p == IdPattern::causal_shuffled; }
 bool is_shuffled(IdPattern p) { return p == IdPattern::causal_shuffled || p == IdPattern::random_shuffled; }
 
+std::string id_pattern_list() {
+  std::string s;
+  for (IdPattern p : kIdPatterns) s += (s.empty() ? "" : ", ") + std::string(id_pattern_name(p));
+  return s;
+}
+
 bool parse_id_pattern(const std::string& s, IdPattern* out) {
-  for (IdPattern p : {IdPattern::causal, IdPattern::random, IdPattern::causal_shuffled, IdPattern::random_shuffled}) {
+  for (IdPattern p : kIdPatterns) {
     if (s == id_pattern_name(p)) {
       *out = p;
       return true;

@@ -119,7 +119,11 @@ Floor floor_per_row(double slots, int64_t heads, int64_t dim, double scatter_tbp
 /// top-k by score returns them in, which is unrelated to the id). attn_score and
 /// index_score random, normalised over the valid slots.
 enum class IdPattern { causal, random, causal_shuffled, random_shuffled };
+inline constexpr IdPattern kIdPatterns[] = {IdPattern::causal, IdPattern::random, IdPattern::causal_shuffled,
+                                            IdPattern::random_shuffled};
 const char* id_pattern_name(IdPattern p);
+/// The names of kIdPatterns, comma-separated ("causal, random, ..."), for messages.
+std::string id_pattern_list();
 /// Keys 0..t only (causal, causal-shuffled).
 bool is_causal(IdPattern p);
 /// Ids in a random order within the row (causal-shuffled, random-shuffled).

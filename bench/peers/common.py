@@ -34,7 +34,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # The inputs and the float64 oracle live there too (one copy of each).
 from torch_eager import (  # noqa: E402,F401  (torch is None without torch)
-    EPS, add_problem_args, is_oom, make_inputs, parse_list, reference_grads, reference_softmax, rel_err, torch,
+    EPS, ID_KINDS, add_problem_args, is_oom, make_inputs, parse_list, reference_grads, reference_softmax, rel_err, torch,
     write_json)
 
 UNAVAILABLE = 77  # exit status of a peer that cannot run here (its JSON says why)
@@ -103,7 +103,7 @@ def parse_cases(ap, a):
         kinds = parse_list(a.ids, str)
     except ValueError:
         ap.error("bad --seq")
-    if any(k not in ("causal", "random", "causal-shuffled", "random-shuffled") for k in kinds) or not seqs or min(seqs) < 1:
+    if any(k not in ID_KINDS for k in kinds) or not seqs or min(seqs) < 1:
         ap.error("bad --ids or --seq")
     if a.iters < 1 or a.warmup < 0 or a.batch < 1:
         ap.error("bad --iters/--warmup/--batch")

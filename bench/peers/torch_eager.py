@@ -124,6 +124,10 @@ def reference_grads(q, w, k, ids, target, sm_scale, c):
 
 # --------------------------------------------------------------------------- inputs
 
+# The id patterns (--ids), as named by our bench (bench/core/bench_core.hpp).
+ID_KINDS = ("causal", "random", "causal-shuffled", "random-shuffled")
+
+
 def make_ids(B, S, s_kv, K, kind, gen, device):
     """Distinct key ids per row, -1 padded. causal: keys 0..t (row t < K keeps t+1);
     random: K of all s_kv keys. Ascending within the row, or for causal-shuffled /
@@ -300,7 +304,7 @@ def parse_list(s, conv):
 def add_problem_args(ap, seq="4096,16384,65536", warmup=2):
     """The problem and timing flags of every peer (same names as our bench); common.py re-exports it."""
     ap.add_argument("--seq", default=seq, help=f"comma list of S (S_q = S_kv), default {seq}")
-    ap.add_argument("--ids", default="causal,random", help="comma list of causal, random, causal-shuffled, random-shuffled")
+    ap.add_argument("--ids", default="causal,random", help="comma list of " + ", ".join(ID_KINDS))
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--heads", type=int, default=64)
     ap.add_argument("--dim", type=int, default=128)
@@ -329,7 +333,7 @@ def main(argv=None):
         kinds = parse_list(a.ids, str)
     except ValueError:
         ap.error("bad --seq")
-    if any(k not in ("causal", "random", "causal-shuffled", "random-shuffled") for k in kinds) or not seqs or min(seqs) < 1:
+    if any(k not in ID_KINDS for k in kinds) or not seqs or min(seqs) < 1:
         ap.error("bad --ids or --seq")
     if a.iters < 1 or a.warmup < 0 or a.topk < 1 or a.heads < 1 or a.dim < 1 or a.batch < 1:
         ap.error("bad sizes")
