@@ -21,7 +21,6 @@
 #include <tuple>
 
 #include <sys/mman.h>
-#include <sys/resource.h>
 #include <unistd.h>
 
 #include "support/test_support.hpp"
@@ -533,9 +532,7 @@ TEST(Accepted, EmptyProblems) {
   const Snapshot dq_before(o.d_index_q), dw_before(o.d_weights);
   IndexerBackwardOptions opt = p.options();
   opt.num_threads = threads;  // one fp64 d_index_k partial (512 MiB) per thread
-  const rlim_t limit = mapped_bytes() + (size_t{64} << 20);
-  const rlimit r{limit, limit};
-  if (setrlimit(RLIMIT_AS, &r) != 0) std::_Exit(11);
+  if (!limit_address_space(size_t{64} << 20)) std::_Exit(11);
   try {
     indexer_backward(in, out, opt);
   } catch (const Error& e) {

@@ -9,7 +9,6 @@
 #include <string>
 #include <vector>
 
-#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -21,7 +20,7 @@ namespace {
 
 using dsaib::DType;
 using dsaib::test::kSanitizedBuild;
-using dsaib::test::mapped_bytes;
+using dsaib::test::limit_address_space;
 using dsaib::Error;
 using dsaib::ErrorCode;
 using dsaib::HostTensor;
@@ -104,9 +103,7 @@ void expect_bad_header(const std::string& name, const std::string& header, const
 [[noreturn]] void read_under_memory_limit(const std::string& path) {
   // The death test re-runs the test body in the child, which writes its own copy of
   // the file under its own pid's folder: remove that folder before every exit.
-  const rlim_t limit = mapped_bytes() + (size_t{64} << 20);
-  const rlimit r{limit, limit};
-  if (setrlimit(RLIMIT_AS, &r) != 0) exit_removing(path, 11);
+  if (!limit_address_space(size_t{64} << 20)) exit_removing(path, 11);
   try {
     dsaib::read_safetensors(path);
   } catch (const Error& e) {

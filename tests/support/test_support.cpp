@@ -1,6 +1,7 @@
 // Shared test helpers; see test_support.hpp.
 #include "support/test_support.hpp"
 
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -384,14 +385,16 @@ CommandResult run_command(const std::string& command) {
 
 std::string shell_quote(const std::string& s) { return "'" + s + "'"; }
 
-size_t mapped_bytes() {
+bool limit_address_space(size_t headroom) {
   std::FILE* f = std::fopen("/proc/self/statm", "r");
   unsigned long pages = 0;
   if (f) {
     if (std::fscanf(f, "%lu", &pages) != 1) pages = 0;
     std::fclose(f);
   }
-  return static_cast<size_t>(pages) * static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  const rlim_t limit = static_cast<rlim_t>(pages) * static_cast<rlim_t>(sysconf(_SC_PAGESIZE)) + headroom;
+  const rlimit r{limit, limit};
+  return setrlimit(RLIMIT_AS, &r) == 0;
 }
 
 }  // namespace dsaib::test

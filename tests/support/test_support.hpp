@@ -172,9 +172,10 @@ CommandResult run_command(const std::string& command);
 /// `s` in single quotes for the shell (s must hold no single quote).
 std::string shell_quote(const std::string& s);
 
-/// Address space mapped by this process now (bytes), from /proc/self/statm; the
-/// base of the RLIMIT_AS limits of the out-of-memory tests.
-size_t mapped_bytes();
+/// Limits this process's address space (RLIMIT_AS) to what it maps now (from
+/// /proc/self/statm) plus `headroom` bytes, for the out-of-memory tests (run it in
+/// a forked child). False when setrlimit failed.
+bool limit_address_space(size_t headroom);
 
 #if defined(__has_feature)
 #define DSAIB_HAS_FEATURE(x) __has_feature(x)
