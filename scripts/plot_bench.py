@@ -170,14 +170,15 @@ def main(argv=None):
             xs, ys = zip(*pts)
             all_s.update(xs)
             all_ns.extend(ys)
-            ax.plot(xs, ys, linestyle="-" if ids.startswith("causal") else "--", marker=marker, color=colour, linewidth=2,
+            causal = ids.startswith("causal")  # causal and causal-shuffled: solid, labels below
+            ax.plot(xs, ys, linestyle="-" if causal else "--", marker=marker, color=colour, linewidth=2,
                     markersize=6, label=f"{label}{label_extra}, {ids} ids")
             for x, y in pts:
                 text = f"{y:,.0f}"
                 if ratio:
                     text += f" ({y / floor_at.get(x, FIXED_FLOOR_NS):.2f}x floor)"
                 labels.append(ax.annotate(text, (x, y), textcoords="offset points",
-                                          xytext=(7, -11 if ids.startswith("causal") else 4), fontsize=7, color=colour))
+                                          xytext=(7, -11 if causal else 4), fontsize=7, color=colour))
             drawn = True
         for r in rows:  # cases that ran but have no time: say so under the plot
             if r.get("status", "ok") != "ok":
