@@ -43,6 +43,12 @@ struct IndexerBackwardParams {
   void* d_weights;  // (num_q_rows, H)
   bool dq_f32, dw_f32;
   float* dk_accum;  // (num_k_rows, D) fp32, zeroed before the kernel
+
+  // Start delays of the persistent CTAs (start_stagger.hpp, v44): CTA b >= the
+  // first delayed one waits ((37 b) mod 32) / 32 of start_stagger_max_ns before
+  // its first task. Set by the launcher once the grid is known; 0 = none.
+  uint32_t start_stagger_max_ns;
+  int64_t start_stagger_first_cta;
 };
 
 }  // namespace dsaib::hopper

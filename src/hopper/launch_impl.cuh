@@ -4,6 +4,7 @@
 #include "hopper/cuda_check.hpp"
 #include "hopper/indexer_backward_kernel.cuh"
 #include "hopper/launch.hpp"
+#include "hopper/start_stagger.hpp"
 
 namespace dsaib::hopper {
 
@@ -32,7 +33,11 @@ void launch_indexer_backward(const IndexerBackwardParams& params, cudaStream_t s
                     std::to_string(smem) + " bytes)");
   }
   const int64_t grid = std::min<int64_t>(params.num_tasks, static_cast<int64_t>(sms) * blocks_per_sm);
-  kernel<<<static_cast<unsigned>(grid), Config::kThreads, smem, stream>>>(params);
+  IndexerBackwardParams launch_params = params;
+  const StartStagger stagger = start_stagger_for_launch(params.num_tasks, grid, params.topk, params.head_dim);
+  launch_params.start_stagger_max_ns = stagger.max_ns;
+  launch_params.start_stagger_first_cta = stagger.first_delayed_cta;
+  kernel<<<static_cast<unsigned>(grid), Config::kThreads, smem, stream>>>(launch_params);
   cuda_check_launch("indexer_backward_kernel");
 }
 

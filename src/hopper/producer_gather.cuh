@@ -140,6 +140,14 @@ struct ProducerGather {
     auto k_state = make_producer_start_state<Config::kStagesK>();
     auto q_state = make_producer_start_state<Config::kStagesQ>();
 
+    // Start delay (v44, start_stagger.hpp): the CTAs with a task fewer than the
+    // first `start_stagger_first_cta` ones start out of phase. Only this role
+    // waits; the others wait on its pipelines anyway. No memory is touched.
+    if (p.start_stagger_max_ns != 0 && blockIdx.x >= p.start_stagger_first_cta) {
+      const uint64_t delay = (static_cast<uint64_t>(p.start_stagger_max_ns) * ((blockIdx.x * 37u) % 32u)) / 32u;
+      const uint64_t start = cuda::ptx::get_sreg_globaltimer();
+      while (cuda::ptx::get_sreg_globaltimer() - start < delay) __nanosleep(500);
+    }
     for (int64_t task = blockIdx.x; task < p.num_tasks; task += gridDim.x) {
       const int64_t row = task / p.head_groups;
       const int h0 = static_cast<int>(task % p.head_groups) * Config::kHeadTile;
