@@ -93,6 +93,8 @@ IndexerBackwardParams make_kernel_params(const IndexerBackwardInputs& in, const 
   p.heads = static_cast<int32_t>(g.heads);
   p.head_dim = static_cast<int32_t>(g.head_dim);
   p.topk = static_cast<int32_t>(g.topk);
+  const int64_t longest_k = g.k_len.empty() ? 0 : *std::max_element(g.k_len.begin(), g.k_len.end());
+  p.max_valid_slots_per_row = std::min<int64_t>(g.topk, longest_k);
   p.head_groups = static_cast<int32_t>(head_groups_of(g));
   p.num_tasks = g.num_q_rows * p.head_groups;
   p.thd = thd;

@@ -49,6 +49,9 @@ struct IndexerBackwardParams {
   // its first task. Set by the launcher once the grid is known; 0 = none.
   uint32_t start_stagger_max_ns;
   int64_t start_stagger_first_cta;
+  // Host hint for that plan (not read by the kernel): the most valid slots a row
+  // can have, min(topk, the longest key sequence).
+  int64_t max_valid_slots_per_row;
 };
 
 }  // namespace dsaib::hopper

@@ -34,7 +34,8 @@ void launch_indexer_backward(const IndexerBackwardParams& params, cudaStream_t s
   }
   const int64_t grid = std::min<int64_t>(params.num_tasks, static_cast<int64_t>(sms) * blocks_per_sm);
   IndexerBackwardParams launch_params = params;
-  const StartStagger stagger = start_stagger_for_launch(params.num_tasks, grid, params.topk, params.head_dim);
+  const StartStagger stagger = start_stagger_for_launch(params.num_tasks, grid, params.max_valid_slots_per_row,
+                                                          params.head_dim);
   launch_params.start_stagger_max_ns = stagger.max_ns;
   launch_params.start_stagger_first_cta = stagger.first_delayed_cta;
   kernel<<<static_cast<unsigned>(grid), Config::kThreads, smem, stream>>>(launch_params);

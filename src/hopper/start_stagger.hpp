@@ -28,23 +28,26 @@ struct StartStagger {
   int64_t first_delayed_cta = 0;  // CTAs b >= this one (the ones with a task fewer) are delayed
 };
 
-/// Estimated time of one task (one query row, up to 64 heads, `topk` slots) on
-/// one CTA while the whole grid runs, in ns: the H200's measured ~0.176 ns per
-/// slot and row at D 128 (~360 ns per row at topk 2048, random ids) and ~0.113
-/// at D 64 (~231), times the 132 CTAs that share that rate.
-inline double estimated_task_ns(int64_t topk, int64_t head_dim) {
+/// Estimated time of one task (one query row, up to 64 heads, `slots` valid
+/// slots) on one CTA while the whole grid runs, in ns: the H200's measured
+/// ~0.176 ns per slot and row at D 128 (~360 ns per row at topk 2048, random
+/// ids) and ~0.113 at D 64 (~231), times the 132 CTAs that share that rate.
+inline double estimated_task_ns(int64_t slots, int64_t head_dim) {
   const double per_slot_ns_per_cta = head_dim == 64 ? 0.113 * 132 : 0.176 * 132;
-  return per_slot_ns_per_cta * static_cast<double>(std::max<int64_t>(topk, 0));
+  return per_slot_ns_per_cta * static_cast<double>(std::max<int64_t>(slots, 0));
 }
 
 /// The delay plan of one launch of `grid` persistent CTAs over `num_tasks` tasks
-/// (CTA b runs tasks b, b + grid, ...).
-inline StartStagger start_stagger_for_launch(int64_t num_tasks, int64_t grid, int64_t topk, int64_t head_dim) {
+/// (CTA b runs tasks b, b + grid, ...). `slots_per_row`: the most valid slots a
+/// row can have, min(topk, the longest key sequence), so that short sequences
+/// (few valid slots under a large topk) do not get a delay sized for topk.
+inline StartStagger start_stagger_for_launch(int64_t num_tasks, int64_t grid, int64_t slots_per_row,
+                                             int64_t head_dim) {
   StartStagger s;
   if (grid <= 0 || num_tasks <= grid) return s;  // one wave: no CTA has slack
   const int64_t tail = num_tasks % grid;
   if (tail == 0) return s;  // every CTA runs the same number of tasks
-  const double half_task = 0.5 * estimated_task_ns(topk, head_dim);
+  const double half_task = 0.5 * estimated_task_ns(slots_per_row, head_dim);
   s.max_ns = static_cast<uint32_t>(std::min(half_task, 1.0e6));  // at most 1 ms
   s.first_delayed_cta = tail;
   return s;

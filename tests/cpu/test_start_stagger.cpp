@@ -46,4 +46,13 @@ TEST(StartStagger, ScalesWithTheTaskAndIsCapped) {
   EXPECT_EQ(start_stagger_for_launch(16384, 132, 1 << 30, 128).max_ns, 1000000u);  // at most 1 ms
 }
 
+TEST(StartStagger, ShortSequencesGetADelaySizedForTheirKeys) {
+  // topk 2048 over sequences of 256 keys: at most 256 valid slots per row, so the
+  // delay is sized for 256 slots (the launcher passes min(topk, longest k_len)).
+  const auto s = start_stagger_for_launch(16384, 132, 256, 128);
+  EXPECT_NEAR(s.max_ns, 0.5 * 0.176 * 132 * 256, 1.0);
+  EXPECT_LT(s.max_ns, start_stagger_for_launch(16384, 132, 2048, 128).max_ns / 7);
+  EXPECT_EQ(start_stagger_for_launch(16384, 132, 0, 128).max_ns, 0u);  // no key at all
+}
+
 }  // namespace
