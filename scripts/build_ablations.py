@@ -70,8 +70,8 @@ ABLATIONS = {
     "non_persistent": (
         "design check: one CTA per task (grid = num_tasks) instead of the persistent grid of one CTA per SM",
         [("src/hopper/launch_impl.cuh",
-          "  const int64_t grid = std::min<int64_t>(params.num_tasks, static_cast<int64_t>(sms) * blocks_per_sm);",
-          "  const int64_t grid = params.num_tasks + 0 * static_cast<int64_t>(sms) * blocks_per_sm;")]),
+          "  return std::min<int64_t>(num_tasks, static_cast<int64_t>(sms) * blocks_per_sm);",
+          "  return num_tasks + 0 * static_cast<int64_t>(sms) * blocks_per_sm;")]),
     "stages_k4": (
         "design check: K pipeline depth 4 instead of the landed 6 (5 in the split-A D=128 kernel; perf-log, "
         "fifth session: 6 measured -6.5 / -8.0 ns/row against 4 at S 16384)",

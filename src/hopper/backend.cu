@@ -14,6 +14,7 @@
 #include "hopper/l2_hints.hpp"
 #include "hopper/l2_policy.cuh"
 #include "hopper/launch.hpp"
+#include "hopper/start_stagger.hpp"
 
 namespace dsaib::hopper {
 namespace {
@@ -93,8 +94,6 @@ IndexerBackwardParams make_kernel_params(const IndexerBackwardInputs& in, const 
   p.heads = static_cast<int32_t>(g.heads);
   p.head_dim = static_cast<int32_t>(g.head_dim);
   p.topk = static_cast<int32_t>(g.topk);
-  const int64_t longest_k = g.k_len.empty() ? 0 : *std::max_element(g.k_len.begin(), g.k_len.end());
-  p.max_valid_slots_per_row = std::min<int64_t>(g.topk, longest_k);
   p.head_groups = static_cast<int32_t>(head_groups_of(g));
   p.num_tasks = g.num_q_rows * p.head_groups;
   p.thd = thd;
@@ -169,6 +168,18 @@ static bool use_l2_hints(hopper::L2Hints mode, const ProblemGeometry& g, int64_t
   return hopper::l2_hints_for_launch(mode, g.q_len, g.k_len, head_groups, sms, l2_bytes, g.head_dim);
 }
 
+/// The persistent grid, the start delays for it (start_stagger.hpp, v44), the launch.
+template <int kHeadDim, bool kSplitA, bool kL2KeepDk>
+static void launch_with_start_stagger(hopper::IndexerBackwardParams params, const ProblemGeometry& g,
+                                      cudaStream_t stream) {
+  const int64_t grid = hopper::indexer_backward_grid<kHeadDim, kSplitA, kL2KeepDk>(params.num_tasks);
+  const hopper::StartStagger stagger = hopper::start_stagger_for_launch(params.num_tasks, grid, params.head_groups,
+                                                                        g.topk, g.q_len, g.k_len, kHeadDim);
+  params.start_stagger_max_ns = stagger.max_ns;
+  params.start_stagger_first_delayed_cta = stagger.first_delayed_cta;
+  hopper::launch_indexer_backward<kHeadDim, kSplitA, kL2KeepDk>(params, grid, stream);
+}
+
 void run_cuda_backend(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
                       const IndexerBackwardOptions& opt, const ProblemGeometry& g, void* workspace,
                       std::size_t workspace_bytes) {
@@ -207,13 +218,13 @@ void run_cuda_backend(const IndexerBackwardInputs& in, const IndexerBackwardOutp
   const hopper::IndexerBackwardParams params = hopper::make_kernel_params(in, out, opt, g, dk_accum);
   if (dk_bytes > 0) cuda_check(cudaMemsetAsync(dk_accum, 0, dk_bytes, stream), "cudaMemsetAsync (dK accumulator)");
   if (g.head_dim == 64) {
-    if (split_a) hopper::launch_indexer_backward<64, true>(params, stream);
-    else if (l2_keep_dk) hopper::launch_indexer_backward<64, false, true>(params, stream);
-    else hopper::launch_indexer_backward<64, false>(params, stream);
+    if (split_a) launch_with_start_stagger<64, true, false>(params, g, stream);
+    else if (l2_keep_dk) launch_with_start_stagger<64, false, true>(params, g, stream);
+    else launch_with_start_stagger<64, false, false>(params, g, stream);
   } else {
-    if (split_a) hopper::launch_indexer_backward<128, true>(params, stream);
-    else if (l2_keep_dk) hopper::launch_indexer_backward<128, false, true>(params, stream);
-    else hopper::launch_indexer_backward<128, false>(params, stream);
+    if (split_a) launch_with_start_stagger<128, true, false>(params, g, stream);
+    else if (l2_keep_dk) launch_with_start_stagger<128, false, true>(params, g, stream);
+    else launch_with_start_stagger<128, false, false>(params, g, stream);
   }
   if (l2_keep_dk && dk_bytes > 0) {
     // No evict_last line of the accumulator outlives the call (l2_policy.cuh). Every

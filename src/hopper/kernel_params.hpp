@@ -44,14 +44,11 @@ struct IndexerBackwardParams {
   bool dq_f32, dw_f32;
   float* dk_accum;  // (num_k_rows, D) fp32, zeroed before the kernel
 
-  // Start delays of the persistent CTAs (start_stagger.hpp, v44): CTA b >= the
-  // first delayed one waits ((37 b) mod 32) / 32 of start_stagger_max_ns before
-  // its first task. Set by the launcher once the grid is known; 0 = none.
+  // Start delays of the persistent CTAs (start_stagger.hpp, v44): CTA b waits
+  // start_delay_ns(start_stagger_max_ns, start_stagger_first_delayed_cta, b)
+  // before its first task. Set by run_cuda_backend once the grid is known; 0 = none.
   uint32_t start_stagger_max_ns;
-  int64_t start_stagger_first_cta;
-  // Host hint for that plan (not read by the kernel): the most valid slots a row
-  // can have, min(topk, the longest key sequence).
-  int64_t max_valid_slots_per_row;
+  int64_t start_stagger_first_delayed_cta;
 };
 
 }  // namespace dsaib::hopper

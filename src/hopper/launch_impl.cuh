@@ -4,7 +4,6 @@
 #include "hopper/cuda_check.hpp"
 #include "hopper/indexer_backward_kernel.cuh"
 #include "hopper/launch.hpp"
-#include "hopper/start_stagger.hpp"
 
 namespace dsaib::hopper {
 
@@ -14,10 +13,10 @@ int indexer_backward_smem_bytes() {
 }
 
 template <int kHeadDim, bool kSplitA, bool kL2KeepDk>
-void launch_indexer_backward(const IndexerBackwardParams& params, cudaStream_t stream) {
+int64_t indexer_backward_grid(int64_t num_tasks) {
   static_assert(!(kSplitA && kL2KeepDk), "the L2-hinted kernels are the one-term ones (launch.hpp)");
   using Config = TileConfig<kHeadDim, kSplitA, kL2KeepDk>;
-  if (params.num_tasks == 0) return;
+  if (num_tasks <= 0) return 0;
   const int smem = indexer_backward_smem_bytes<kHeadDim, kSplitA>();
   auto kernel = indexer_backward_kernel<Config>;
   cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
@@ -32,13 +31,16 @@ void launch_indexer_backward(const IndexerBackwardParams& params, cudaStream_t s
                 "indexer_backward_kernel: expected at least one resident CTA per SM, got 0 (shared memory " +
                     std::to_string(smem) + " bytes)");
   }
-  const int64_t grid = std::min<int64_t>(params.num_tasks, static_cast<int64_t>(sms) * blocks_per_sm);
-  IndexerBackwardParams launch_params = params;
-  const StartStagger stagger = start_stagger_for_launch(params.num_tasks, grid, params.max_valid_slots_per_row,
-                                                          params.head_dim);
-  launch_params.start_stagger_max_ns = stagger.max_ns;
-  launch_params.start_stagger_first_cta = stagger.first_delayed_cta;
-  kernel<<<static_cast<unsigned>(grid), Config::kThreads, smem, stream>>>(launch_params);
+  return std::min<int64_t>(num_tasks, static_cast<int64_t>(sms) * blocks_per_sm);
+}
+
+template <int kHeadDim, bool kSplitA, bool kL2KeepDk>
+void launch_indexer_backward(const IndexerBackwardParams& params, int64_t grid, cudaStream_t stream) {
+  static_assert(!(kSplitA && kL2KeepDk), "the L2-hinted kernels are the one-term ones (launch.hpp)");
+  using Config = TileConfig<kHeadDim, kSplitA, kL2KeepDk>;
+  if (params.num_tasks == 0 || grid <= 0) return;
+  const int smem = indexer_backward_smem_bytes<kHeadDim, kSplitA>();
+  indexer_backward_kernel<Config><<<static_cast<unsigned>(grid), Config::kThreads, smem, stream>>>(params);
   cuda_check_launch("indexer_backward_kernel");
 }
 

@@ -34,6 +34,7 @@
 
 #include "hopper/problem_device.cuh"
 #include "hopper/shared_storage.cuh"
+#include "hopper/start_stagger.hpp"
 
 namespace dsaib::hopper {
 
@@ -140,11 +141,10 @@ struct ProducerGather {
     auto k_state = make_producer_start_state<Config::kStagesK>();
     auto q_state = make_producer_start_state<Config::kStagesQ>();
 
-    // Start delay (v44, start_stagger.hpp): the CTAs with a task fewer than the
-    // first `start_stagger_first_cta` ones start out of phase. Only this role
-    // waits; the others wait on its pipelines anyway. No memory is touched.
-    if (p.start_stagger_max_ns != 0 && blockIdx.x >= p.start_stagger_first_cta) {
-      const uint64_t delay = (static_cast<uint64_t>(p.start_stagger_max_ns) * ((blockIdx.x * 37u) % 32u)) / 32u;
+    // Start delay (v44, start_stagger.hpp): CTAs from start_stagger_first_delayed_cta
+    // on (the ones with a task fewer) start out of phase. Only this role waits;
+    // the others wait on its pipelines anyway. No memory is touched.
+    if (const uint64_t delay = start_delay_ns(p.start_stagger_max_ns, p.start_stagger_first_delayed_cta, blockIdx.x)) {
       const uint64_t start = cuda::ptx::get_sreg_globaltimer();
       while (cuda::ptx::get_sreg_globaltimer() - start < delay) __nanosleep(500);
     }
