@@ -195,7 +195,10 @@ void run_cuda_backend(const IndexerBackwardInputs& in, const IndexerBackwardOutp
   }
   const hopper::L2Hints l2_mode = hopper::l2_hints_from_env();  // throws on a bad value, before any write
   hopper::DeviceGuard guard(in.index_q.device_index);
-  // Which kernel: decided (device queries included) before anything is allocated or written.
+  // Which kernel: decided before anything is allocated or written. The grid's device
+  // queries (indexer_backward_grid, in launch_with_start_stagger) still come after the
+  // workspace allocation and the dK memset, as before v44; moving them first is
+  // docs/kernel-ladder/host-grid-first-and-stagger-switch.patch (not yet GPU-run).
   const bool split_a = a_operand_split(opt.a_operand_precision, out);
   // The split-A kernels have no hinted variant (launch.hpp).
   const bool l2_keep_dk = !split_a && use_l2_hints(l2_mode, g, hopper::head_groups_of(g));

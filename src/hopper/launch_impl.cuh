@@ -1,4 +1,5 @@
-// Template body of launch_indexer_backward, included by the per-D instantiation files.
+// Template bodies of indexer_backward_grid and launch_indexer_backward, included by
+// the per-D instantiation files.
 #pragma once
 
 #include "hopper/cuda_check.hpp"
