@@ -168,16 +168,25 @@ static bool use_l2_hints(hopper::L2Hints mode, const ProblemGeometry& g, int64_t
   return hopper::l2_hints_for_launch(mode, g.q_len, g.k_len, head_groups, sms, l2_bytes, g.head_dim);
 }
 
-/// The persistent grid, the start delays for it (start_stagger.hpp, v44), the launch.
-template <int kHeadDim, bool kSplitA, bool kL2KeepDk>
-static void launch_with_start_stagger(hopper::IndexerBackwardParams params, const ProblemGeometry& g,
-                                      cudaStream_t stream) {
-  const int64_t grid = hopper::indexer_backward_grid<kHeadDim, kSplitA, kL2KeepDk>(params.num_tasks);
-  const hopper::StartStagger stagger = hopper::start_stagger_for_launch(params.num_tasks, grid, params.head_groups,
-                                                                        g.topk, g.q_len, g.k_len, kHeadDim);
-  params.start_stagger_max_ns = stagger.max_ns;
-  params.start_stagger_first_delayed_cta = stagger.first_delayed_cta;
-  hopper::launch_indexer_backward<kHeadDim, kSplitA, kL2KeepDk>(params, grid, stream);
+/// One of the six fused kernels, as a type: head dim, split a operand, L2 hint.
+template <int kD, bool kSplit, bool kL2>
+struct KernelChoice {
+  static constexpr int kHeadDim = kD;
+  static constexpr bool kSplitA = kSplit, kL2KeepDk = kL2;
+};
+
+/// Calls f(KernelChoice<...>{}) for the kernel that serves head_dim, split_a, l2_keep_dk.
+template <class F>
+static void with_kernel_choice(int64_t head_dim, bool split_a, bool l2_keep_dk, F&& f) {
+  if (head_dim == 64) {
+    if (split_a) f(KernelChoice<64, true, false>{});
+    else if (l2_keep_dk) f(KernelChoice<64, false, true>{});
+    else f(KernelChoice<64, false, false>{});
+  } else {
+    if (split_a) f(KernelChoice<128, true, false>{});
+    else if (l2_keep_dk) f(KernelChoice<128, false, true>{});
+    else f(KernelChoice<128, false, false>{});
+  }
 }
 
 void run_cuda_backend(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
@@ -194,14 +203,24 @@ void run_cuda_backend(const IndexerBackwardInputs& in, const IndexerBackwardOutp
                 "index_k: expected fewer than 2^31 key rows on the cuda backend, got " + std::to_string(g.num_k_rows));
   }
   const hopper::L2Hints l2_mode = hopper::l2_hints_from_env();  // throws on a bad value, before any write
+  const bool stagger_on = hopper::start_stagger_enabled_from_env();  // likewise
   hopper::DeviceGuard guard(in.index_q.device_index);
-  // Which kernel: decided before anything is allocated or written. The grid's device
-  // queries (indexer_backward_grid, in launch_with_start_stagger) still come after the
-  // workspace allocation and the dK memset, as before v44; moving them first is
-  // docs/kernel-ladder/host-grid-first-and-stagger-switch.patch (not yet GPU-run).
+  // Which kernel and its grid: decided (device queries included) before anything is
+  // allocated or written.
   const bool split_a = a_operand_split(opt.a_operand_precision, out);
   // The split-A kernels have no hinted variant (launch.hpp).
   const bool l2_keep_dk = !split_a && use_l2_hints(l2_mode, g, hopper::head_groups_of(g));
+  // The persistent grid (occupancy query) and the start delays for it (start_stagger.hpp, v44).
+  const int64_t num_tasks = g.num_q_rows * hopper::head_groups_of(g);
+  int64_t grid = 0;
+  with_kernel_choice(g.head_dim, split_a, l2_keep_dk, [&](auto k) {
+    using K = decltype(k);
+    grid = hopper::indexer_backward_grid<K::kHeadDim, K::kSplitA, K::kL2KeepDk>(num_tasks);
+  });
+  const hopper::StartStagger stagger =
+      stagger_on ? hopper::start_stagger_for_launch(num_tasks, grid, hopper::head_groups_of(g), g.topk, g.q_len,
+                                                    g.k_len, g.head_dim)
+                 : hopper::StartStagger{};
   cudaStream_t stream = static_cast<cudaStream_t>(opt.stream);
   const std::size_t dk_bytes = static_cast<std::size_t>(g.num_k_rows * g.head_dim) * sizeof(float);
   const bool dk_bf16 = out.d_index_k.dtype == DType::bf16;
@@ -218,17 +237,14 @@ void run_cuda_backend(const IndexerBackwardInputs& in, const IndexerBackwardOutp
     }
   }
   (void)workspace_bytes;
-  const hopper::IndexerBackwardParams params = hopper::make_kernel_params(in, out, opt, g, dk_accum);
+  hopper::IndexerBackwardParams params = hopper::make_kernel_params(in, out, opt, g, dk_accum);
+  params.start_stagger_max_ns = stagger.max_ns;
+  params.start_stagger_first_delayed_cta = stagger.first_delayed_cta;
   if (dk_bytes > 0) cuda_check(cudaMemsetAsync(dk_accum, 0, dk_bytes, stream), "cudaMemsetAsync (dK accumulator)");
-  if (g.head_dim == 64) {
-    if (split_a) launch_with_start_stagger<64, true, false>(params, g, stream);
-    else if (l2_keep_dk) launch_with_start_stagger<64, false, true>(params, g, stream);
-    else launch_with_start_stagger<64, false, false>(params, g, stream);
-  } else {
-    if (split_a) launch_with_start_stagger<128, true, false>(params, g, stream);
-    else if (l2_keep_dk) launch_with_start_stagger<128, false, true>(params, g, stream);
-    else launch_with_start_stagger<128, false, false>(params, g, stream);
-  }
+  with_kernel_choice(g.head_dim, split_a, l2_keep_dk, [&](auto k) {
+    using K = decltype(k);
+    hopper::launch_indexer_backward<K::kHeadDim, K::kSplitA, K::kL2KeepDk>(params, grid, stream);
+  });
   if (l2_keep_dk && dk_bytes > 0) {
     // No evict_last line of the accumulator outlives the call (l2_policy.cuh). Every
     // 128-byte line that holds a byte of it (an fp32 d_index_k need not be 128-byte aligned).

@@ -46,7 +46,7 @@ struct IndexerBackwardParams {
 
   // Start delays of the persistent CTAs (start_stagger.hpp, v44): CTA b waits
   // start_delay_ns(start_stagger_max_ns, start_stagger_first_delayed_cta, b)
-  // before its first task. Set by launch_with_start_stagger (backend.cu) once the
+  // before its first task. Set by run_cuda_backend (backend.cu) once the
   // grid is known; 0 = none.
   uint32_t start_stagger_max_ns;
   int64_t start_stagger_first_delayed_cta;

@@ -20,11 +20,17 @@
 // once, which the plan bounds by asking for at least kMinWaves waves. No delay
 // with tail 0, fewer waves, or a max_ns under kMinDelayNs (the timer and
 // __nanosleep granularity would dominate it).
+//
+// DSAIB_START_STAGGER=off turns the delays off (for A/B runs and debugging).
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 #include <vector>
+
+#include "dsaib/error.hpp"
 
 #if defined(__CUDACC__)
 #define DSAIB_START_STAGGER_HD __host__ __device__
@@ -72,6 +78,18 @@ inline int64_t fewest_slots_of_tasks(int64_t first_task, int64_t num_tasks, int6
     row0 = row1;
   }
   return std::max<int64_t>(fewest, 0);
+}
+
+/// DSAIB_START_STAGGER: "auto" (also unset or empty): the plan below; "off": no
+/// delays. Read once per call before anything is written.
+/// Throws Error(invalid_argument, "DSAIB_START_STAGGER") for any other value.
+inline bool start_stagger_enabled_from_env() {
+  const char* v = std::getenv("DSAIB_START_STAGGER");
+  const std::string s = v == nullptr ? "" : v;
+  if (s.empty() || s == "auto") return true;
+  if (s == "off") return false;
+  throw Error(ErrorCode::invalid_argument, "DSAIB_START_STAGGER",
+              "DSAIB_START_STAGGER: expected \"auto\" or \"off\", got \"" + s + "\"");
 }
 
 /// The delay plan of one launch of `grid` persistent CTAs over `num_tasks` tasks

@@ -1,7 +1,9 @@
 // The start-delay plan of the persistent CTAs (src/hopper/start_stagger.hpp, v44).
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <set>
+#include <string>
 #include <vector>
 
 #include "hopper/start_stagger.hpp"
@@ -12,6 +14,7 @@ using dsaib::hopper::fewest_slots_of_tasks;
 using dsaib::hopper::kTaskNsPerSlotD128;
 using dsaib::hopper::kTaskNsPerSlotD64;
 using dsaib::hopper::start_delay_ns;
+using dsaib::hopper::start_stagger_enabled_from_env;
 using dsaib::hopper::start_stagger_for_launch;
 using dsaib::hopper::StartStagger;
 using Lens = std::vector<int64_t>;
@@ -93,6 +96,34 @@ TEST(StartStagger, SizedForTheCheapestExtraTask) {
   // head groups: task t is row t / groups
   EXPECT_EQ(fewest_slots_of_tasks(2 * 4100, 2 * 4224, 2, 2048, q1, k1), 2048);
   EXPECT_EQ(fewest_slots_of_tasks(2 * 127, 2 * 129, 2, 2048, q1, k1), 128);
+}
+
+class StartStaggerEnv : public ::testing::Test {
+ protected:
+  void TearDown() override { unsetenv("DSAIB_START_STAGGER"); }
+};
+
+TEST_F(StartStaggerEnv, AutoByDefaultOffOnRequest) {
+  unsetenv("DSAIB_START_STAGGER");
+  EXPECT_TRUE(start_stagger_enabled_from_env());
+  for (const char* on : {"", "auto"}) {
+    setenv("DSAIB_START_STAGGER", on, 1);
+    EXPECT_TRUE(start_stagger_enabled_from_env()) << '"' << on << '"';
+  }
+  setenv("DSAIB_START_STAGGER", "off", 1);
+  EXPECT_FALSE(start_stagger_enabled_from_env());
+}
+
+TEST_F(StartStaggerEnv, RejectsOtherValuesNamingTheVariable) {
+  setenv("DSAIB_START_STAGGER", "on", 1);  // not a value: auto is the only way on
+  try {
+    (void)start_stagger_enabled_from_env();
+    FAIL() << "expected an Error";
+  } catch (const dsaib::Error& e) {
+    EXPECT_EQ(e.code(), dsaib::ErrorCode::invalid_argument);
+    EXPECT_EQ(e.argument(), "DSAIB_START_STAGGER");
+    EXPECT_NE(std::string(e.what()).find("got \"on\""), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace
