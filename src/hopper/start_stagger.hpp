@@ -8,13 +8,14 @@
 // the gathers, then the dK reds); they drift apart only over many waves. CTAs
 // held in step cost ~7% at S 65536 (perf-log, fifteenth session, the epoch-gate
 // probes), and delaying the start of most CTAs by up to about half a task took
-// random ids at S 4096 (31 waves) -1.2% (v44, 8-pair A/B).
+// random ids at S 4096 (31 waves) -1.2% (v44, 8-pair A/B); three quarters of a
+// task took another -1.0% there (sixteenth session, 8-pair A/B; kTaskShare).
 //
 // With num_tasks = waves * grid + tail (0 < tail < grid), CTAs 0 .. tail-1 run
 // one task more than the others (CTA b runs tasks b, b + grid, ...). Only the
 // others are delayed, CTA b by ((37 b) mod 32) / 32 of max_ns (a scrambled
-// spread over CTA ids), where max_ns is half the estimated time of the cheapest
-// of those extra tasks. When the tasks cost about the same (BSHD, or THD with
+// spread over CTA ids), where max_ns is kTaskShare (3/4) of the estimated time of
+// the cheapest of those extra tasks. When the tasks cost about the same (BSHD, or THD with
 // equal sequences) the delayed CTAs still finish before the ones with an extra
 // task, so the delay costs no time; with unequal tasks it can cost up to max_ns
 // once, which the plan bounds by asking for at least kMinWaves waves. No delay
@@ -46,6 +47,12 @@ namespace dsaib::hopper {
 /// ~0.113 at D 64 (~231), each times the 132 CTAs that share that rate.
 inline constexpr double kTaskNsPerSlotD128 = 0.176 * 132;
 inline constexpr double kTaskNsPerSlotD64 = 0.113 * 132;
+/// The delay's share of the cheapest extra task. Measured against 0.5 (v44), 8
+/// pairs at S 4096: 0.75 random -3.7 [-6.4, -1.0] ns/row, causal +0.7 [-2.1, +3.4];
+/// 1.0 random -2.9 [-5.2, -0.6], causal +1.5 [-0.8, +3.9] (perf-log, sixteenth
+/// session). Below 1, a delayed CTA still ends before the CTAs with an extra task
+/// when the tasks cost the same.
+inline constexpr double kTaskShare = 0.75;
 inline constexpr int64_t kMinWaves = 4;
 inline constexpr double kMinDelayNs = 2000.0;
 inline constexpr double kMaxDelayNs = 1.0e6;
@@ -103,9 +110,9 @@ inline StartStagger start_stagger_for_launch(int64_t num_tasks, int64_t grid, in
   if (tail == 0) return s;  // every CTA runs the same number of tasks: no slack
   const int64_t slots = fewest_slots_of_tasks(num_tasks - tail, num_tasks, head_groups, topk, q_len, k_len);
   const double per_slot = head_dim == 64 ? kTaskNsPerSlotD64 : kTaskNsPerSlotD128;
-  const double half_task = std::min(0.5 * per_slot * static_cast<double>(slots), kMaxDelayNs);
-  if (half_task < kMinDelayNs) return s;
-  s.max_ns = static_cast<uint32_t>(half_task);
+  const double delay = std::min(kTaskShare * per_slot * static_cast<double>(slots), kMaxDelayNs);
+  if (delay < kMinDelayNs) return s;
+  s.max_ns = static_cast<uint32_t>(delay);
   s.first_delayed_cta = tail;
   return s;
 }

@@ -13,6 +13,7 @@ namespace {
 using dsaib::hopper::fewest_slots_of_tasks;
 using dsaib::hopper::kTaskNsPerSlotD128;
 using dsaib::hopper::kTaskNsPerSlotD64;
+using dsaib::hopper::kTaskShare;
 using dsaib::hopper::start_delay_ns;
 using dsaib::hopper::start_stagger_enabled_from_env;
 using dsaib::hopper::start_stagger_for_launch;
@@ -28,7 +29,7 @@ TEST(StartStagger, DeepSeekShapeDelaysOnlyTheCtasWithATaskFewer) {
   // B1 S 4096 H64: 4096 tasks on 132 CTAs = 31 waves and 4 tasks more.
   const StartStagger s = bshd(1, 4096, 64, 2048, 128);
   EXPECT_EQ(s.first_delayed_cta, 4);
-  EXPECT_EQ(s.max_ns, static_cast<uint32_t>(0.5 * 0.176 * 132 * 2048));  // half a task, ~23.8 us
+  EXPECT_EQ(s.max_ns, static_cast<uint32_t>(0.75 * 0.176 * 132 * 2048));  // 3/4 of a task, ~35.7 us
   for (int b = 0; b < 4; ++b) EXPECT_EQ(start_delay_ns(s.max_ns, s.first_delayed_cta, b), 0u) << "CTA " << b;
   // exact steps: (37 b) mod 32 thirty-seconds of max_ns
   EXPECT_EQ(start_delay_ns(s.max_ns, 4, 4), s.max_ns * 20ull / 32);   // 148 mod 32 = 20
@@ -62,8 +63,8 @@ TEST(StartStagger, NoDelayWithoutSlackOrWithFewWaves) {
 TEST(StartStagger, ScalesWithTheTaskAndIsCapped) {
   const StartStagger d128 = bshd(1, 16384, 64, 2048, 128), d64 = bshd(1, 16384, 64, 2048, 64);
   EXPECT_EQ(d128.first_delayed_cta, 16384 % 132);
-  EXPECT_EQ(d64.max_ns, static_cast<uint32_t>(0.5 * kTaskNsPerSlotD64 * 2048));
-  EXPECT_EQ(bshd(1, 16384, 64, 512, 128).max_ns, static_cast<uint32_t>(0.5 * kTaskNsPerSlotD128 * 512));
+  EXPECT_EQ(d64.max_ns, static_cast<uint32_t>(kTaskShare * kTaskNsPerSlotD64 * 2048));
+  EXPECT_EQ(bshd(1, 16384, 64, 512, 128).max_ns, static_cast<uint32_t>(kTaskShare * kTaskNsPerSlotD128 * 512));
   EXPECT_EQ(start_stagger_for_launch(16384, 132, 1, 1 << 30, Lens{16384}, Lens{1 << 30}, 128).max_ns,
             1000000u);  // at most 1 ms
   // H128: two tasks per row, tasks = rows x 2
@@ -75,7 +76,7 @@ TEST(StartStagger, ScalesWithTheTaskAndIsCapped) {
 TEST(StartStagger, SizedForTheCheapestExtraTask) {
   // Sequences shorter than topk: a row has at most k_len valid slots.
   const StartStagger s256 = bshd(64, 256, 64, 2048, 128);
-  EXPECT_EQ(s256.max_ns, static_cast<uint32_t>(0.5 * kTaskNsPerSlotD128 * 256));
+  EXPECT_EQ(s256.max_ns, static_cast<uint32_t>(kTaskShare * kTaskNsPerSlotD128 * 256));
   // THD: 20 sequences of 512 rows and keys, then one of 1 row and 65536 keys. The
   // extra tasks (the last tail = 10241 mod 132 = 77) are rows of both kinds: the
   // cheapest has 512 slots, not 2048.
@@ -85,7 +86,7 @@ TEST(StartStagger, SizedForTheCheapestExtraTask) {
   EXPECT_EQ(fewest_slots_of_tasks(10241 - 77, 10241, 1, 2048, q, k), 512);
   const StartStagger thd = start_stagger_for_launch(10241, 132, 1, 2048, q, k, 128);
   EXPECT_EQ(thd.first_delayed_cta, 77);
-  EXPECT_EQ(thd.max_ns, static_cast<uint32_t>(0.5 * kTaskNsPerSlotD128 * 512));
+  EXPECT_EQ(thd.max_ns, static_cast<uint32_t>(kTaskShare * kTaskNsPerSlotD128 * 512));
   // A sequence with no query rows holds no task, whatever its keys.
   Lens q0 = {4096, 0}, k0 = {4096, 65536};
   EXPECT_EQ(fewest_slots_of_tasks(4092, 4096, 1, 8192, q0, k0), 4096);
