@@ -15,6 +15,7 @@
 #include "gpu/device_problem.hpp"
 #include "hopper/l2_hints.hpp"
 #include "hopper/reference_kernel.hpp"
+#include "hopper/start_stagger.hpp"
 
 namespace dsaib::test {
 namespace {
@@ -73,22 +74,23 @@ void run_case(const Case& c) {
   check_against_cpu(p, c.dq, c.dw, c.dk, p.options(), c.name);
 }
 
-/// Sets DSAIB_L2_HINTS (l2_hints.hpp) for its scope, then restores what was there.
-class ScopedL2Hints {
+/// Sets an environment variable (DSAIB_L2_HINTS, l2_hints.hpp; DSAIB_START_STAGGER,
+/// start_stagger.hpp) for its scope, then restores what was there.
+class ScopedEnv {
  public:
-  explicit ScopedL2Hints(const char* value) {
-    if (const char* v = std::getenv("DSAIB_L2_HINTS")) previous_ = v, had_ = true;
-    setenv("DSAIB_L2_HINTS", value, 1);
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* v = std::getenv(name)) previous_ = v, had_ = true;
+    setenv(name, value, 1);
   }
-  ~ScopedL2Hints() {
-    if (had_) setenv("DSAIB_L2_HINTS", previous_.c_str(), 1);
-    else unsetenv("DSAIB_L2_HINTS");
+  ~ScopedEnv() {
+    if (had_) setenv(name_.c_str(), previous_.c_str(), 1);
+    else unsetenv(name_.c_str());
   }
-  ScopedL2Hints(const ScopedL2Hints&) = delete;
-  ScopedL2Hints& operator=(const ScopedL2Hints&) = delete;
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
 
  private:
-  std::string previous_;
+  std::string name_, previous_;
   bool had_ = false;
 };
 
@@ -127,7 +129,7 @@ TEST_F(Gpu, L2HintedKernelChosenForLargeKeyTables) {
     return hopper::l2_hinted_launches() - before;
   };
   {
-    const ScopedL2Hints automatic("auto");
+    const ScopedEnv automatic("DSAIB_L2_HINTS", "auto");
     for (const Case& c :
          {Case{"auto d128 sq48 skv49152", spec_of(1, 48, 49152, 64, 128, 2048, IdPattern::random_permutation)},
           Case{"auto d64 sq40 skv98304", spec_of(1, 40, 98304, 64, 64, 1000, IdPattern::random_permutation)},
@@ -142,12 +144,29 @@ TEST_F(Gpu, L2HintedKernelChosenForLargeKeyTables) {
     EXPECT_EQ(hinted_runs(f32), 0u);
   }
   {
-    const ScopedL2Hints off("off");
+    const ScopedEnv off("DSAIB_L2_HINTS", "off");
     EXPECT_EQ(hinted_runs({"off d128 sq48 skv49152", spec_of(1, 48, 49152, 64, 128, 2048)}), 0u);
   }
   {
-    const ScopedL2Hints on("on");
+    const ScopedEnv on("DSAIB_L2_HINTS", "on");
     EXPECT_GE(hinted_runs({"on d128 sq16 skv300", spec_of(1, 16, 300, 64, 128, 200)}), 1u);
+  }
+}
+
+/// A shape on which the start stagger delays CTAs (at least 4 waves of the
+/// persistent grid and a remainder; start_stagger.hpp), with the delays planned
+/// (auto) and off: both match the fp64 CPU reference.
+TEST_F(Gpu, StartStaggerOnAndOff) {
+  int sms = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+  const int64_t rows = 4 * int64_t{sms} + 5;  // one CTA per SM at D 128: 4 waves and a tail of 5
+  const hopper::StartStagger plan =
+      hopper::start_stagger_for_launch(rows, sms, 1, 512, {rows}, {2048}, 128);
+  ASSERT_GT(plan.max_ns, 0u) << "the case no longer exercises the delays";
+  for (const char* mode : {"auto", "off"}) {
+    const ScopedEnv env("DSAIB_START_STAGGER", mode);
+    run_case({std::string("stagger ") + mode + " sq" + std::to_string(rows) + " skv2048 topk512",
+              spec_of(1, rows, 2048, 64, 128, 512, IdPattern::random_permutation)});
   }
 }
 
@@ -334,13 +353,25 @@ TEST_F(Gpu, RejectsBadInputBeforeWriting) {
   // a bad value of the DSAIB_L2_HINTS switch (l2_hints.hpp); the fp32 d_index_k is
   // the accumulator the backend zeroes first, so a late check would show here
   {
-    const ScopedL2Hints bad("yes");
+    const ScopedEnv bad("DSAIB_L2_HINTS", "yes");
     try {
       indexer_backward(dp.inputs(), out.views(), opt);
       ADD_FAILURE() << "DSAIB_L2_HINTS=yes accepted";
     } catch (const Error& e) {
       EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
       EXPECT_EQ(e.argument(), "DSAIB_L2_HINTS");
+    }
+  }
+  // likewise a bad value of the DSAIB_START_STAGGER switch (start_stagger.hpp)
+  {
+    const ScopedEnv bad("DSAIB_START_STAGGER", "bogus");
+    try {
+      indexer_backward(dp.inputs(), out.views(), opt);
+      ADD_FAILURE() << "DSAIB_START_STAGGER=bogus accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+      EXPECT_EQ(e.argument(), "DSAIB_START_STAGGER");
+      EXPECT_NE(std::string(e.what()).find("bogus"), std::string::npos) << e.what();
     }
   }
   EXPECT_EQ(out.d_index_q.buffer.to_host(), before_q);
@@ -471,7 +502,7 @@ TEST_F(Sanitized, TailCases) { run_tail_cases("san"); }
 /// The same cases with DSAIB_L2_HINTS=on: the hinted kernels (TileConfig<..., kL2KeepDk = true>)
 /// where a one-term kernel runs; the split-A cases stay unhinted.
 TEST_F(Sanitized, L2HintedKernel) {
-  const ScopedL2Hints on("on");
+  const ScopedEnv on("DSAIB_L2_HINTS", "on");
   run_tail_cases("san hinted");
 }
 
