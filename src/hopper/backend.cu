@@ -56,6 +56,9 @@ class DeviceGuard {
 /// Tasks per query row: one per group of up to 64 heads (TileConfig::kHeadTile).
 static int64_t head_groups_of(const detail::ProblemGeometry& g) { return (g.heads + 63) / 64; }
 
+/// Tasks of one launch: query rows x head groups (IndexerBackwardParams::num_tasks).
+static int64_t num_tasks_of(const detail::ProblemGeometry& g) { return g.num_q_rows * head_groups_of(g); }
+
 IndexerBackwardParams make_kernel_params(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
                                          const IndexerBackwardOptions& opt, const detail::ProblemGeometry& g,
                                          float* dk_accum) {
@@ -95,7 +98,7 @@ IndexerBackwardParams make_kernel_params(const IndexerBackwardInputs& in, const 
   p.head_dim = static_cast<int32_t>(g.head_dim);
   p.topk = static_cast<int32_t>(g.topk);
   p.head_groups = static_cast<int32_t>(head_groups_of(g));
-  p.num_tasks = g.num_q_rows * p.head_groups;
+  p.num_tasks = num_tasks_of(g);
   p.thd = thd;
   p.global_ids = g.id_mode == IdMode::global;
   p.sm_scale = opt.sm_scale;
@@ -209,16 +212,17 @@ void run_cuda_backend(const IndexerBackwardInputs& in, const IndexerBackwardOutp
   // allocated or written.
   const bool split_a = a_operand_split(opt.a_operand_precision, out);
   // The split-A kernels have no hinted variant (launch.hpp).
-  const bool l2_keep_dk = !split_a && use_l2_hints(l2_mode, g, hopper::head_groups_of(g));
+  const int64_t head_groups = hopper::head_groups_of(g);
+  const bool l2_keep_dk = !split_a && use_l2_hints(l2_mode, g, head_groups);
   // The persistent grid (occupancy query) and the start delays for it (start_stagger.hpp, v44).
-  const int64_t num_tasks = g.num_q_rows * hopper::head_groups_of(g);
+  const int64_t num_tasks = hopper::num_tasks_of(g);
   int64_t grid = 0;
   with_kernel_choice(g.head_dim, split_a, l2_keep_dk, [&](auto k) {
     using K = decltype(k);
     grid = hopper::indexer_backward_grid<K::kHeadDim, K::kSplitA, K::kL2KeepDk>(num_tasks);
   });
   const hopper::StartStagger stagger =
-      stagger_on ? hopper::start_stagger_for_launch(num_tasks, grid, hopper::head_groups_of(g), g.topk, g.q_len,
+      stagger_on ? hopper::start_stagger_for_launch(num_tasks, grid, head_groups, g.topk, g.q_len,
                                                     g.k_len, g.head_dim)
                  : hopper::StartStagger{};
   cudaStream_t stream = static_cast<cudaStream_t>(opt.stream);

@@ -39,10 +39,25 @@ template <int kHeadDim, bool kSplitA, bool kL2KeepDk>
 void launch_indexer_backward(const IndexerBackwardParams& params, int64_t grid, cudaStream_t stream) {
   static_assert(!(kSplitA && kL2KeepDk), "the L2-hinted kernels are the one-term ones (launch.hpp)");
   using Config = TileConfig<kHeadDim, kSplitA, kL2KeepDk>;
-  if (params.num_tasks == 0 || grid <= 0) return;
+  if (grid <= 0) return;  // indexer_backward_grid gives 0 for 0 tasks
   const int smem = indexer_backward_smem_bytes<kHeadDim, kSplitA>();
   indexer_backward_kernel<Config><<<static_cast<unsigned>(grid), Config::kThreads, smem, stream>>>(params);
   cuda_check_launch("indexer_backward_kernel");
 }
 
 }  // namespace dsaib::hopper
+
+/// The explicit instantiations of one head dim (instantiate_d64.cu, instantiate_d128.cu:
+/// one translation unit per D, compiled in parallel): the grid and the launch of the
+/// two-term, the one-term and the L2-hinted one-term kernel, and the shared-memory size.
+#define DSAIB_INSTANTIATE_INDEXER_BACKWARD(D)                                                                  \
+  namespace dsaib::hopper {                                                                                   \
+  template int64_t indexer_backward_grid<D, true>(int64_t);                                                   \
+  template void launch_indexer_backward<D, true>(const IndexerBackwardParams&, int64_t, cudaStream_t);        \
+  template int64_t indexer_backward_grid<D, false>(int64_t);                                                  \
+  template void launch_indexer_backward<D, false>(const IndexerBackwardParams&, int64_t, cudaStream_t);       \
+  template int64_t indexer_backward_grid<D, false, true>(int64_t);                                            \
+  template void launch_indexer_backward<D, false, true>(const IndexerBackwardParams&, int64_t, cudaStream_t); \
+  template int indexer_backward_smem_bytes<D, true>();                                                        \
+  template int indexer_backward_smem_bytes<D, false>();                                                       \
+  }
