@@ -10,6 +10,7 @@
 #include <cstring>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gpu/device_problem.hpp"
@@ -350,28 +351,18 @@ TEST_F(Gpu, RejectsBadInputBeforeWriting) {
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
   }
-  // a bad value of the DSAIB_L2_HINTS switch (l2_hints.hpp); the fp32 d_index_k is
-  // the accumulator the backend zeroes first, so a late check would show here
-  {
-    const ScopedEnv bad("DSAIB_L2_HINTS", "yes");
+  // a bad value of either tuning switch (DSAIB_L2_HINTS, l2_hints.hpp; DSAIB_START_STAGGER,
+  // start_stagger.hpp); the fp32 d_index_k is the accumulator the backend zeroes first,
+  // so a late check would show here
+  for (const auto& [name, value] : {std::pair{"DSAIB_L2_HINTS", "yes"}, std::pair{"DSAIB_START_STAGGER", "bogus"}}) {
+    const ScopedEnv bad(name, value);
     try {
       indexer_backward(dp.inputs(), out.views(), opt);
-      ADD_FAILURE() << "DSAIB_L2_HINTS=yes accepted";
+      ADD_FAILURE() << name << "=" << value << " accepted";
     } catch (const Error& e) {
       EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
-      EXPECT_EQ(e.argument(), "DSAIB_L2_HINTS");
-    }
-  }
-  // likewise a bad value of the DSAIB_START_STAGGER switch (start_stagger.hpp)
-  {
-    const ScopedEnv bad("DSAIB_START_STAGGER", "bogus");
-    try {
-      indexer_backward(dp.inputs(), out.views(), opt);
-      ADD_FAILURE() << "DSAIB_START_STAGGER=bogus accepted";
-    } catch (const Error& e) {
-      EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
-      EXPECT_EQ(e.argument(), "DSAIB_START_STAGGER");
-      EXPECT_NE(std::string(e.what()).find("bogus"), std::string::npos) << e.what();
+      EXPECT_EQ(e.argument(), name);
+      EXPECT_NE(std::string(e.what()).find(value), std::string::npos) << e.what();
     }
   }
   EXPECT_EQ(out.d_index_q.buffer.to_host(), before_q);
