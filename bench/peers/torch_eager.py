@@ -343,6 +343,7 @@ def main(argv=None):
     device = torch.device(a.device)
     info = {
         "peer": "torch_eager_autograd",
+        "status": "ok",
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -387,6 +388,8 @@ def main(argv=None):
                 info["results"] = results
                 write_json(a.json, info)
     info["results"] = results
+    if results and all(r["status"] != "ok" for r in results):
+        info["status"] = "error"  # as cudnn_frontend_dsa.py: no case ran
     write_json(a.json, info)
     return rc
 

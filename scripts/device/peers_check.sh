@@ -24,9 +24,15 @@
 #       not selected)  OURS=1 FLOOR=1 (0 skips our bench / the floor bench)
 #     BIN=.device/bin (where the two bench binaries are)  PYTHON=python3
 #   The cudnn-frontend archive (~60 MiB) does not fit the device tool's 64 MiB carry together
-#   with the TileLang one (~29 MiB): run one call per archive, e.g. PEERS=cudnn_frontend with
-#   .peers/cudnn.tar.xz carried, and draw both peers.json files in one plot with
-#   scripts/plot_bench.py --merged a.json --merged b.json.
+#   with the TileLang one (~29 MiB). All peers in one run (seventeenth session): unpack each
+#   archive in a call of its own into an ignored folder that stays on the warm machine,
+#     call 1, carry [".peers/cudnn.tar.xz"]:    mkdir -p .peers/site && tar -C .peers/site -xJf .peers/cudnn.tar.xz
+#     call 2, carry [".peers/tilelang.tar.xz"]: tar -C .peers/site -xJf .peers/tilelang.tar.xz
+#   (the working tree must leave room: move docs/results out of it for call 1), then at once
+#     call 3, carry [".device/peersbin", ".peers/tilelang_example"]:
+#       rm -f .peers/*.tar.xz; BIN=.device/peersbin PEERS_SITE=$PWD/.peers/site scripts/device/peers_check.sh
+#   (the machine is given back after 30 s idle; then the unpacked site is gone). Or run one call
+#   per archive and draw both peers.json files with scripts/plot_bench.py --merged a.json --merged b.json.
 set -uo pipefail
 out=${OUT:-out}
 mkdir -p "$out"
