@@ -83,6 +83,7 @@ const char* scatter_way_name(ScatterWay w) {
     case ScatterWay::scalar_atomic: return "scalar";
     case ScatterWay::bulk_reduce: return "bulk";
     case ScatterWay::float4_fragment: return "fragment";
+    case ScatterWay::gather_float4: return "gather";
   }
   return "?";
 }

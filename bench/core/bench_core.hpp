@@ -57,10 +57,16 @@ DeviceInfo probe_device();
 /// wgmma accumulator scattered from registers (each warp instruction adds 32 B to
 /// each of 16 rows; 16 instructions complete the 16 rows), to measure what that
 /// pattern costs against whole-row adds.
-enum class ScatterWay { float4_atomic, scalar_atomic, bulk_reduce, float4_fragment };
+/// gather_float4 is not one of the floor's ways either: each float4 row-add first
+/// reads the row's key (D bf16 = D*2 bytes, `ld.global.cg`) from a zeroed bf16 key
+/// table with as many rows as the fp32 table, and adds it to the payload, so each
+/// 512-B add (D128) waits on a 256-B read of the same key, as the fused op's K
+/// gathers and dK reds touch the same keys. Its rate is the scatter rate that is
+/// left when the key reads share the L2 and crossbar (seventeenth session).
+enum class ScatterWay { float4_atomic, scalar_atomic, bulk_reduce, float4_fragment, gather_float4 };
 inline const std::vector<ScatterWay> kAllScatterWays = {ScatterWay::float4_atomic, ScatterWay::scalar_atomic,
                                                         ScatterWay::bulk_reduce};
-const char* scatter_way_name(ScatterWay w);  // "float4", "scalar", "bulk", "fragment"
+const char* scatter_way_name(ScatterWay w);  // "float4", "scalar", "bulk", "fragment", "gather"
 
 /// The scatter-add micro-benchmark: rows of `row_floats` fp32 values (the dK row, D)
 /// added into rows of an fp32 table chosen by a hash of the row-add index (uniform,

@@ -102,6 +102,45 @@ __global__ void __launch_bounds__(kAtomicThreads) scatter_fragment_kernel(float*
   }
 }
 
+// The float4 way with a key read before each add (ScatterWay::gather_float4): lane
+// col4 of a row reads 4 bf16 (8 B) of the row's key from `keys` (a zeroed (rows, D)
+// bf16 table; L2 only, as the fused op's cp.async.cg gathers) and adds them to its
+// 4 payload values, so the add depends on the read. kUnroll steps per warp: their
+// reads are issued before their adds, to keep several reads in flight.
+template <int RowFloats>
+__global__ void __launch_bounds__(kAtomicThreads) gather_scatter_float4_kernel(float* __restrict__ table,
+                                                                                const uint2* __restrict__ keys,
+                                                                                uint32_t rows, uint32_t n_adds,
+                                                                                uint32_t seed) {
+  constexpr uint32_t kLanesPerRow = RowFloats / 4;
+  constexpr uint32_t kRowsPerStep = 32 / kLanesPerRow;
+  constexpr uint32_t kUnroll = 4;
+  const uint32_t lane = threadIdx.x & 31u;
+  const uint32_t sub = lane / kLanesPerRow, col4 = lane % kLanesPerRow;
+  const uint32_t warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const uint32_t n_warps = (gridDim.x * blockDim.x) >> 5;
+  const uint32_t n_steps = n_adds / kRowsPerStep;
+  const float4 v = make_float4(value_of_column(4 * col4), value_of_column(4 * col4 + 1),
+                               value_of_column(4 * col4 + 2), value_of_column(4 * col4 + 3));
+  for (uint32_t s0 = warp * kUnroll; s0 < n_steps; s0 += n_warps * kUnroll) {
+    uint32_t row[kUnroll];
+    uint2 k[kUnroll];
+#pragma unroll
+    for (uint32_t u = 0; u < kUnroll; ++u) {
+      row[u] = row_of((s0 + u) * kRowsPerStep + sub, seed, rows);
+      k[u] = s0 + u < n_steps ? __ldcg(keys + static_cast<size_t>(row[u]) * kLanesPerRow + col4) : make_uint2(0, 0);
+    }
+#pragma unroll
+    for (uint32_t u = 0; u < kUnroll; ++u) {
+      if (s0 + u >= n_steps) break;
+      const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&k[u].x));
+      const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&k[u].y));
+      float4* dst = reinterpret_cast<float4*>(table + static_cast<size_t>(row[u]) * RowFloats) + col4;
+      atomicAdd(dst, make_float4(v.x + lo.x, v.y + lo.y, v.z + hi.x, v.w + hi.y));
+    }
+  }
+}
+
 // A warp per row, RowFloats/32 scalar adds per lane (column j*32 + lane has the value of column lane).
 template <int RowFloats>
 __global__ void __launch_bounds__(kAtomicThreads) scatter_scalar_kernel(float* __restrict__ table, uint32_t rows,
@@ -184,6 +223,9 @@ Launch launch_shape(ScatterWay w, int sms) {
     case ScatterWay::float4_fragment:
       l = atomic_launch(scatter_fragment_kernel<RowFloats>);
       break;
+    case ScatterWay::gather_float4:
+      l = atomic_launch(gather_scatter_float4_kernel<RowFloats>);
+      break;
     case ScatterWay::scalar_atomic:
       l = atomic_launch(scatter_scalar_kernel<RowFloats>);
       break;
@@ -206,8 +248,12 @@ Launch launch_shape(ScatterWay w, int sms) {
 
 template <int RowFloats>
 void launch_scatter(ScatterWay w, const Launch& l, float* table, uint32_t rows, uint32_t n_adds, uint32_t seed,
-                    cudaStream_t s) {
+                    cudaStream_t s, const void* keys = nullptr) {
   switch (w) {
+    case ScatterWay::gather_float4:
+      gather_scatter_float4_kernel<RowFloats>
+          <<<l.grid, l.block, 0, s>>>(table, static_cast<const uint2*>(keys), rows, n_adds, seed);
+      break;
     case ScatterWay::float4_atomic:
       scatter_float4_kernel<RowFloats><<<l.grid, l.block, 0, s>>>(table, rows, n_adds, seed);
       break;
@@ -227,10 +273,10 @@ void launch_scatter(ScatterWay w, const Launch& l, float* table, uint32_t rows, 
 // Column sums of a zeroed table after one launch must be n_adds * value_of_column(c), exactly.
 template <int RowFloats>
 bool check_scatter(ScatterWay w, const Launch& l, float* d_table, uint64_t rows, uint32_t n_adds, uint32_t seed,
-                   cudaStream_t s) {
+                   cudaStream_t s, const void* keys) {
   const size_t elems = rows * RowFloats;
   check_cuda(cudaMemsetAsync(d_table, 0, elems * 4, s), "cudaMemsetAsync");
-  launch_scatter<RowFloats>(w, l, d_table, static_cast<uint32_t>(rows), n_adds, seed, s);
+  launch_scatter<RowFloats>(w, l, d_table, static_cast<uint32_t>(rows), n_adds, seed, s, keys);
   check_cuda(cudaStreamSynchronize(s), "scatter check launch");
   std::vector<float> h(elems);
   check_cuda(cudaMemcpy(h.data(), d_table, elems * 4, cudaMemcpyDeviceToHost), "cudaMemcpy D2H");
@@ -259,6 +305,10 @@ std::vector<ScatterResult> measure_scatter_rows(const ScatterConfig& c, const st
   check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
   DeviceBuffer table(rows * kRowBytes);
   Timer timer;
+  // The gather way's key table: (rows, D) bf16, zeroed (its reads add 0).
+  const bool gathers = std::find(ways.begin(), ways.end(), ScatterWay::gather_float4) != ways.end();
+  DeviceBuffer keys(gathers ? rows * RowFloats * 2 : 0);
+  if (gathers) check_cuda(cudaMemsetAsync(keys.ptr, 0, keys.bytes, timer.stream), "cudaMemsetAsync");
   std::vector<ScatterResult> out;
   for (ScatterWay w : ways) {
     const Launch l = launch_shape<RowFloats>(w, sms);
@@ -270,16 +320,16 @@ std::vector<ScatterResult> measure_scatter_rows(const ScatterConfig& c, const st
     r.payload_bytes = static_cast<uint64_t>(n_adds) * kRowBytes;
     r.grid = l.grid;
     r.block = l.block;
-    r.check_ok = check_scatter<RowFloats>(w, l, table.as<float>(), rows, n_adds, c.seed, timer.stream);
+    r.check_ok = check_scatter<RowFloats>(w, l, table.as<float>(), rows, n_adds, c.seed, timer.stream, keys.ptr);
     for (int i = 0; i < c.warmup; ++i)
       launch_scatter<RowFloats>(w, l, table.as<float>(), static_cast<uint32_t>(rows), n_adds, c.seed + 1 + i,
-                                timer.stream);
+                                timer.stream, keys.ptr);
     check_cuda(cudaStreamSynchronize(timer.stream), "scatter warm-up");
     std::vector<float> ms;
     for (int i = 0; i < c.iters; ++i) {
       ms.push_back(timer.time([&] {
         launch_scatter<RowFloats>(w, l, table.as<float>(), static_cast<uint32_t>(rows), n_adds, c.seed + 100 + i,
-                                  timer.stream);
+                                  timer.stream, keys.ptr);
       }));
     }
     r.t = stats_of(ms);

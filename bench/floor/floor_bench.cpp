@@ -7,6 +7,10 @@
 //      (float4 atomicAdd, scalar atomicAdd, cp.reduce.async.bulk add.f32), and, not
 //      part of the floor, float4 adds in a wgmma accumulator's register pattern
 //      (32 B into each of 16 rows per warp instruction; ScatterWay::float4_fragment);
+//      and, not part of the floor either, float4 adds that each first read the row's
+//      256-B bf16 key from a key table of the same row count (ScatterWay::gather_float4:
+//      the scatter rate left when the fused op's key reads share the L2; the ns per
+//      row it implies at topk 2048 is printed beside it);
 //   b. the bf16 GEMM rate of cuBLAS (8192^3 by default);
 //   c. the derived floor per query row of the backward for a fixed list of shapes:
 //        max(topk*D*4 B / scatter rate (best way, table size matching S_kv*D*4 B),
@@ -145,7 +149,8 @@ void write_scatter_array(FILE* f, const char* key, const std::vector<ScatterResu
 }
 
 void write_json(const std::string& path, const DeviceInfo& dev, const Options& o, const std::vector<ScatterResult>& sc,
-                const std::vector<ScatterResult>& frag, const GemmResult& g, const std::vector<FloorResult>& fl) {
+                const std::vector<ScatterResult>& frag, const std::vector<ScatterResult>& gath, const GemmResult& g,
+                const std::vector<FloorResult>& fl) {
   FILE* f = std::fopen(path.c_str(), "w");
   if (!f) {
     std::fprintf(stderr, "cannot write %s\n", path.c_str());
@@ -155,6 +160,7 @@ void write_json(const std::string& path, const DeviceInfo& dev, const Options& o
                dev.name.c_str(), dev.sm_count, (long long)dev.l2_bytes, o.iters, o.warmup);
   write_scatter_array(f, "scatter", sc);
   write_scatter_array(f, "scatter_fragment_pattern", frag);
+  write_scatter_array(f, "scatter_with_key_reads", gath);
   std::fprintf(f,
                "  \"gemm\": {\"m\": %d, \"n\": %d, \"k\": %d, \"dtype\": \"bf16\", \"compute\": \"fp32\", "
                "\"median_ms\": %.5f, \"min_ms\": %.5f, \"max_ms\": %.5f, \"tflops\": %.2f, \"check\": %s, "
@@ -232,7 +238,7 @@ int main(int argc, char** argv) {
               dev.name.c_str(), dev.sm_count, dev.l2_bytes / kMiB, o.iters, o.warmup);
   std::fflush(stdout);
 
-  std::vector<ScatterResult> sc, frag;
+  std::vector<ScatterResult> sc, frag, gath;
   GemmResult g;
   try {
     for (double mib : o.tables_mib) {
@@ -253,6 +259,11 @@ int main(int argc, char** argv) {
                      scatter_way_name(r.way), r.t.median_ms, r.tbps, r.check_ok ? "ok" : "FAIL");
         frag.push_back(r);
       }
+      for (const ScatterResult& r : measure_scatter(c, {ScatterWay::gather_float4})) {
+        std::fprintf(stderr, "  scatter %7.1f MiB %-8s %8.3f ms  %6.3f TB/s  check %s\n", mib_of(r),
+                     scatter_way_name(r.way), r.t.median_ms, r.tbps, r.check_ok ? "ok" : "FAIL");
+        gath.push_back(r);
+      }
     }
     g = measure_gemm(o.gemm_size, o.iters, o.warmup);
     std::fprintf(stderr, "  gemm %d^3 %8.3f ms  %7.1f TFLOP/s  check %s (max rel err %.2g)\n", g.m, g.t.median_ms,
@@ -265,16 +276,20 @@ int main(int argc, char** argv) {
 
   std::printf("\nfp32 scatter-add of 512-B rows into random rows, TB/s of payload (%.0f MiB added per launch)\n",
               sc.empty() ? 0.0 : sc.front().payload_bytes / kMiB);
-  std::printf("%10s %9s %9s %9s %9s %9s   %s\n", "table MiB", "rows", "float4", "scalar", "bulk", "fragment",
-              "check");
-  for (size_t i = 0; i + 2 < sc.size() && i / 3 < frag.size(); i += 3) {
+  std::printf("%10s %9s %9s %9s %9s %9s %9s %12s   %s\n", "table MiB", "rows", "float4", "scalar", "bulk", "fragment",
+              "gather", "gather ns/r", "check");
+  for (size_t i = 0; i + 2 < sc.size() && i / 3 < frag.size() && i / 3 < gath.size(); i += 3) {
     const ScatterResult& fr = frag[i / 3];
-    const bool ok = sc[i].check_ok && sc[i + 1].check_ok && sc[i + 2].check_ok && fr.check_ok;
-    std::printf("%10.1f %9llu %9.3f %9.3f %9.3f %9.3f   %s\n", mib_of(sc[i]), (unsigned long long)sc[i].rows,
-                sc[i].tbps, sc[i + 1].tbps, sc[i + 2].tbps, fr.tbps, ok ? "ok" : "FAIL");
+    const ScatterResult& ga = gath[i / 3];
+    const bool ok = sc[i].check_ok && sc[i + 1].check_ok && sc[i + 2].check_ok && fr.check_ok && ga.check_ok;
+    std::printf("%10.1f %9llu %9.3f %9.3f %9.3f %9.3f %9.3f %12.1f   %s\n", mib_of(sc[i]),
+                (unsigned long long)sc[i].rows, sc[i].tbps, sc[i + 1].tbps, sc[i + 2].tbps, fr.tbps, ga.tbps,
+                2048.0 * kRowBytes / (ga.tbps * 1e12) * 1e9, ok ? "ok" : "FAIL");
   }
   std::printf("(fragment: not a floor way; float4 adds in a wgmma accumulator's register pattern, 32 B into each\n"
-              " of 16 rows per warp instruction)\n");
+              " of 16 rows per warp instruction)\n"
+              "(gather: not a floor way; float4 adds that each first read the row's 256-B bf16 key from a key\n"
+              " table of as many rows (half the bytes); gather ns/r: 2048 such adds, one query row at topk 2048)\n");
   std::printf("\nbf16 GEMM (cuBLAS, fp32 compute) %d^3: %.1f TFLOP/s (median %.3f ms, min %.3f, max %.3f)  check %s\n",
               g.m, g.tflops, g.t.median_ms, g.t.min_ms, g.t.max_ms, g.check_ok ? "ok" : "FAIL");
   std::printf("\nfloor per query row = max(topk*D*4 B / scatter rate, 6*H*D*topk / GEMM rate)\n");
@@ -286,10 +301,11 @@ int main(int argc, char** argv) {
                 r.rate_table_mib, r.way.c_str(), r.f.scatter_ns, r.f.gemm_ns, r.f.ns, r.approx ? "  (approx)" : "");
   std::printf("(approx: rate measured with 512-B rows into a table of another size than this dK)\n");
 
-  if (!o.json.empty()) write_json(o.json, dev, o, sc, frag, g, fl);
+  if (!o.json.empty()) write_json(o.json, dev, o, sc, frag, gath, g, fl);
   bool ok = g.check_ok;
   for (const auto& r : sc) ok = ok && r.check_ok;
   for (const auto& r : frag) ok = ok && r.check_ok;
+  for (const auto& r : gath) ok = ok && r.check_ok;
   if (!ok) {
     std::fprintf(stderr, "a correctness check failed\n");
     return 1;
