@@ -385,7 +385,18 @@ struct Cublas {
   }
 };
 
+__global__ void spin_kernel(uint64_t ns) {
+  const uint64_t t0 = cuda::ptx::get_sreg_globaltimer();
+  while (cuda::ptx::get_sreg_globaltimer() - t0 < ns) __nanosleep(1000);
+}
+
 }  // namespace
+
+void gpu_spin(cudaStream_t s, double us) {
+  if (!(us > 0)) return;
+  spin_kernel<<<1, 1, 0, s>>>(static_cast<uint64_t>(us * 1e3));
+  check_cuda(cudaGetLastError(), "spin kernel launch");
+}
 
 std::vector<ScatterResult> measure_scatter(const ScatterConfig& c, const std::vector<ScatterWay>& ways) {
   if (c.iters < 1 || c.warmup < 0) throw Error(ErrorCode::invalid_argument, "iters", "iters >= 1, warmup >= 0");
