@@ -34,7 +34,12 @@ ABLATIONS = {
         "scatter role loads, releases, issues no reds: the op without the dK reduce traffic",
         [("src/hopper/scatter_reduce.cuh",
           "        if (kr[s] >= 0) atomicAdd(",
-          "        if (kr[s] >= 0 && p.num_tasks < 0) atomicAdd(")]),
+          "        if (kr[s] >= 0 && p.num_tasks < 0) atomicAdd("),
+         # the L2-hinted kernels' red (taken at B1 D128 from S_kv ~43 K on; until the
+         # seventeenth session this edit was missing, and no_reds at S 65536 still reduced)
+         ("src/hopper/scatter_reduce.cuh",
+          "          if (kr[s] >= 0) red_add_f32x4(",
+          "          if (kr[s] >= 0 && p.num_tasks < 0) red_add_f32x4(")]),
     "no_gemms": (
         "MMA roles issue no wgmma (S and dK cleared instead, dQ left): producer + scatter + the score role's "
         "A work and the dK role's staging",
