@@ -92,6 +92,15 @@ inline constexpr int64_t kMaxRows = 2147483647;
 /// Parses sequence lengths given to `flag` (each token a comma-separated list of
 /// integers >= 0, no empty items). Raises dsaib::Error(invalid_argument) naming the flag and the value.
 std::vector<int64_t> parse_lengths(const std::string& flag, const std::vector<std::string>& tokens);
+/// The comma-separated items of `tokens` (each token may hold several). Raises
+/// dsaib::Error(invalid_argument, flag) on an empty item ("a,,b", "a,", ""), naming
+/// `what` the list should hold and the text given: empty items are errors, never dropped.
+std::vector<std::string> split_list_items(const std::string& flag, const std::vector<std::string>& tokens,
+                                          const std::string& what);
+/// split_list_items, then each item a decimal integer >= min_value. Raises
+/// dsaib::Error(invalid_argument, flag) naming the bad item.
+std::vector<int64_t> parse_int_list(const std::string& flag, const std::vector<std::string>& tokens,
+                                    int64_t min_value, const std::string& what);
 
 /// Names and one-line descriptions of the presets.
 std::vector<std::pair<std::string, std::string>> preset_list();

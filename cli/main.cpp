@@ -739,17 +739,21 @@ int run_main(int argc, char** argv) {
   CLI::App* bench_cmd = app.add_subcommand(
       "bench", "benchmark the cuda backend against the hardware floor measured in the same run (needs a GPU)");
   BenchArgs ba;
-  bench_cmd->add_option("--seq", ba.seqs, "S_q = S_kv of each case, a comma-separated list")
-      ->delimiter(',')
-      ->check(int_range(1))
-      ->default_str("4096,16384,65536");
-  bench_cmd->add_option("--ids", ba.ids, "id patterns, a comma-separated list: causal (row t selects min(t+1, topk) "
-                                         "keys of 0..t), random (topk keys of the whole sequence); ids ascending "
-                                         "within a row, or in a random order with causal-shuffled / random-shuffled "
-                                         "(as a top-k by score returns them)")
-      ->delimiter(',')
-      ->check(one_of({"causal", "random", "causal-shuffled", "random-shuffled"}))
-      ->default_str("causal,random");
+  // --seq and --ids are taken as text and split in the bench branch below
+  // (split_list_items), so that an empty item ("4096,,16384") is an error, not dropped.
+  std::vector<std::string> bench_seq_text, bench_ids_text;
+  CLI::Option* bench_seq_opt =
+      bench_cmd->add_option("--seq", bench_seq_text, "S_q = S_kv of each case, a comma-separated list")
+          ->type_name("INT,...")
+          ->default_str("4096,16384,65536");
+  CLI::Option* bench_ids_opt =
+      bench_cmd->add_option("--ids", bench_ids_text,
+                            "id patterns, a comma-separated list: causal (row t selects min(t+1, topk) "
+                            "keys of 0..t), random (topk keys of the whole sequence); ids ascending "
+                            "within a row, or in a random order with causal-shuffled / random-shuffled "
+                            "(as a top-k by score returns them)")
+          ->type_name("PATTERN,...")
+          ->default_str("causal,random");
   bench_cmd->add_option("--heads", ba.heads, "H: index heads (multiple of 8, 8..128)")
       ->check(CLI::Validator(
           [](std::string& v) -> std::string {
@@ -788,7 +792,8 @@ int run_main(int argc, char** argv) {
       "     1 GiB per launch; float4 atomicAdd, scalar atomicAdd and cp.reduce.async.bulk, the\n"
       "     best counts), and the cuBLAS bf16 GEMM rate (8192^3, fp32 compute);\n"
       "  2. the op (dK zeroing, fused kernel, bf16 cast) for every --ids x --seq case: --warmup\n"
-      "     untimed launches, then --iters launches, each timed with CUDA events; input sets\n"
+      "     untimed launches, then --iters launches, each timed with CUDA events after a 3 ms\n"
+      "     GPU spin (the events bracket GPU time, not the host's calls); input sets\n"
       "     rotated so consecutive launches touch different memory, beyond L2.\n"
       "Per case: ns per query row (median over the launches; min-max), TFLOP/s (6*H*D FLOP\n"
       "per valid slot), dK-reduce GB/s (D*4 B per valid slot), the floor, and the ratios:\n"
@@ -835,6 +840,18 @@ int run_main(int argc, char** argv) {
   }
   if (*gen_cmd) return cmd_generate(gen_g, gen_sc, gen_out, gen_threads);
   if (*bench_cmd) {
+    if (bench_seq_opt->count() > 0) ba.seqs = parse_int_list("--seq", bench_seq_text, 1, "sequence lengths >= 1");
+    if (bench_ids_opt->count() > 0) {
+      // Checked here too (run_bench checks again), so a build without CUDA reports bad usage as such.
+      const std::vector<std::string> patterns = {"causal", "random", "causal-shuffled", "random-shuffled"};
+      ba.ids = split_list_items("--ids", bench_ids_text, "id patterns");
+      for (const std::string& id : ba.ids) {
+        if (std::find(patterns.begin(), patterns.end(), id) == patterns.end()) {
+          throw Error(ErrorCode::invalid_argument, "--ids",
+                      "--ids: expected one of causal, random, causal-shuffled, random-shuffled, got \"" + id + "\"");
+        }
+      }
+    }
     for (int i = 0; i < argc; ++i) ba.command_line += (i ? " " : "") + std::string(argv[i]);
     return run_bench(ba);
   }

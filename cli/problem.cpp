@@ -119,31 +119,53 @@ void check_bshd_sizes(const GenerateSpec& s) {
 
 }  // namespace
 
-std::vector<int64_t> parse_lengths(const std::string& flag, const std::vector<std::string>& tokens) {
+namespace {
+std::string joined(const std::vector<std::string>& tokens) {
   std::string given;
   for (const std::string& t : tokens) given += (given.empty() ? "" : " ") + t;
-  std::vector<int64_t> out;
+  return given;
+}
+}  // namespace
+
+std::vector<std::string> split_list_items(const std::string& flag, const std::vector<std::string>& tokens,
+                                          const std::string& what) {
+  std::vector<std::string> out;
   for (const std::string& t : tokens) {
     size_t pos = 0;
     for (;;) {
       const size_t comma = t.find(',', pos);
-      const std::string item = t.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
+      std::string item = t.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
       if (item.empty()) {
-        bad(flag, flag + ": expected a comma-separated list of lengths >= 0 without empty items, got \"" + given + "\"");
+        bad(flag, flag + ": expected a comma-separated list of " + what + " without empty items, got \"" +
+                      joined(tokens) + "\"");
       }
-      char* end = nullptr;
-      errno = 0;
-      const long long v = std::strtoll(item.c_str(), &end, 10);
-      if (end != item.c_str() + item.size() || errno == ERANGE || std::isspace(static_cast<unsigned char>(item[0]))) {
-        bad(flag, flag + ": expected integer lengths, got \"" + item + "\" in \"" + given + "\"");
-      }
-      if (v < 0) bad(flag, flag + ": expected lengths >= 0, got " + item + " in \"" + given + "\"");
-      out.push_back(v);
+      out.push_back(std::move(item));
       if (comma == std::string::npos) break;
       pos = comma + 1;
     }
   }
   return out;
+}
+
+std::vector<int64_t> parse_int_list(const std::string& flag, const std::vector<std::string>& tokens,
+                                    int64_t min_value, const std::string& what) {
+  const std::string given = joined(tokens);
+  std::vector<int64_t> out;
+  for (const std::string& item : split_list_items(flag, tokens, what)) {
+    char* end = nullptr;
+    errno = 0;
+    const long long v = std::strtoll(item.c_str(), &end, 10);
+    if (end != item.c_str() + item.size() || errno == ERANGE || std::isspace(static_cast<unsigned char>(item[0]))) {
+      bad(flag, flag + ": expected integer " + what + ", got \"" + item + "\" in \"" + given + "\"");
+    }
+    if (v < min_value) bad(flag, flag + ": expected " + what + ", got " + item + " in \"" + given + "\"");
+    out.push_back(v);
+  }
+  return out;
+}
+
+std::vector<int64_t> parse_lengths(const std::string& flag, const std::vector<std::string>& tokens) {
+  return parse_int_list(flag, tokens, 0, "lengths >= 0");
 }
 
 std::string format_float(double v) {

@@ -58,8 +58,8 @@ DeviceInfo probe_device();
 /// each of 16 rows; 16 instructions complete the 16 rows), to measure what that
 /// pattern costs against whole-row adds.
 /// gather_float4 is not one of the floor's ways either: each float4 row-add first
-/// reads the row's key (D bf16 = D*2 bytes, `ld.global.cg`) from a zeroed bf16 key
-/// table with as many rows as the fp32 table, and adds it to the payload, so each
+/// reads the row's key (D bf16 = D*2 bytes, `ld.global.cg`) from a bf16 key table of
+/// 1.0 with as many rows as the fp32 table, and adds it to the payload, so each
 /// 512-B add (D128) waits on a 256-B read of the same key, as the fused op's K
 /// gathers and dK reds touch the same keys. Its rate is the scatter rate that is
 /// left when the key reads share the L2 and crossbar (seventeenth session).

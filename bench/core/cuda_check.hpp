@@ -60,10 +60,12 @@ struct Timer {
     if (stream) cudaStreamDestroy(stream);
   }
   /// Milliseconds of the work `launch` enqueues on `stream`, bracketed by the events.
-  /// The stream first runs a kGpuPreRollUs spin (gpu_spin), so the start event fires
-  /// only after launch()'s host-side work has queued the op behind it: the interval is
-  /// the GPU time of the op, not the host's argument checks and launch calls (the
-  /// peers' timer, bench/peers/common.py gpu_time, does the same with a 3 ms sleep).
+  /// The stream first runs a kGpuPreRollUs spin (gpu_spin): the start event fires only
+  /// after launch()'s host-side work has queued the op behind it, and the GPU is busy,
+  /// not idle, when the timed work starts (the cudnn-frontend and TileLang peers' timer,
+  /// bench/peers/common.py gpu_time, does the same with a 3 ms sleep). Measured: ~2%
+  /// lower times for the op and the floor kernels alike (docs/perf-log.md, seventeenth
+  /// session, "The bench's timer"), so not from the host's calls alone.
   template <typename Launch>
   float time(Launch&& launch) {
     gpu_spin(stream, kGpuPreRollUs);

@@ -102,9 +102,15 @@ __global__ void __launch_bounds__(kAtomicThreads) scatter_fragment_kernel(float*
   }
 }
 
+__global__ void fill_ones_bf16_kernel(__nv_bfloat16* p, size_t n) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x)
+    p[i] = __float2bfloat16_rn(1.0f);
+}
+
 // The float4 way with a key read before each add (ScatterWay::gather_float4): lane
-// col4 of a row reads 4 bf16 (8 B) of the row's key from `keys` (a zeroed (rows, D)
-// bf16 table; L2 only, as the fused op's cp.async.cg gathers) and adds them to its
+// col4 of a row reads 4 bf16 (8 B) of the row's key from `keys` (a (rows, D) bf16
+// table of 1.0; L2 only, as the fused op's cp.async.cg gathers) and adds them to its
 // 4 payload values, so the add depends on the read. kUnroll steps per warp: their
 // reads are issued before their adds, to keep several reads in flight.
 template <int RowFloats>
@@ -284,7 +290,8 @@ bool check_scatter(ScatterWay w, const Launch& l, float* d_table, uint64_t rows,
   for (uint64_t r = 0; r < rows; ++r)
     for (int c = 0; c < RowFloats; ++c) col[c] += h[r * RowFloats + c];
   for (int c = 0; c < RowFloats; ++c) {
-    if (col[c] != static_cast<double>(n_adds) * value_of_column(c)) return false;
+    const double key = w == ScatterWay::gather_float4 ? 1.0 : 0.0;  // the gather way adds its key (all 1.0)
+    if (col[c] != static_cast<double>(n_adds) * (value_of_column(c) + key)) return false;
   }
   return true;
 }
@@ -308,7 +315,10 @@ std::vector<ScatterResult> measure_scatter_rows(const ScatterConfig& c, const st
   // The gather way's key table: (rows, D) bf16, zeroed (its reads add 0).
   const bool gathers = std::find(ways.begin(), ways.end(), ScatterWay::gather_float4) != ways.end();
   DeviceBuffer keys(gathers ? rows * RowFloats * 2 : 0);
-  if (gathers) check_cuda(cudaMemsetAsync(keys.ptr, 0, keys.bytes, timer.stream), "cudaMemsetAsync");
+  if (gathers) {  // every key value 1.0, so the check proves each add used its key
+    fill_ones_bf16_kernel<<<1024, 256, 0, timer.stream>>>(keys.as<__nv_bfloat16>(), keys.bytes / 2);
+    check_cuda(cudaGetLastError(), "fill kernel launch");
+  }
   std::vector<ScatterResult> out;
   for (ScatterWay w : ways) {
     const Launch l = launch_shape<RowFloats>(w, sms);
