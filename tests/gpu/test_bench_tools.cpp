@@ -141,8 +141,20 @@ TEST_F(BenchTools, FloorBenchChecksEveryWay) {
   const nlohmann::json j = read_json(json);
   ASSERT_EQ(j["scatter"].size(), 6u);
   for (const auto& s : j["scatter"]) EXPECT_TRUE(s["check"].get<bool>()) << s.dump();
+  // The ways that are not part of the floor, one per table: each checked too (the
+  // gather way's keys are 1.0, so its exact column sums prove every add read its key).
+  for (const char* extra : {"scatter_fragment_pattern", "scatter_with_key_reads"}) {
+    ASSERT_EQ(j[extra].size(), 2u) << extra;
+    for (const auto& s : j[extra]) EXPECT_TRUE(s["check"].get<bool>()) << extra << " " << s.dump();
+  }
+  EXPECT_EQ(j["scatter_with_key_reads"][0]["way"], "gather");
   EXPECT_TRUE(j["gemm"]["check"].get<bool>());
   ASSERT_EQ(j["floor"].size(), 8u);
+  // The floor uses the three floor ways only: each case's way is one of them.
+  for (const auto& f : j["floor"]) {
+    const std::string way = f["scatter_way"].get<std::string>();
+    EXPECT_TRUE(way == "float4" || way == "scalar" || way == "bulk") << f.dump();
+  }
 }
 
 }  // namespace
