@@ -59,23 +59,36 @@ __device__ __forceinline__ uint32_t row_of(uint32_t i, uint32_t seed, uint32_t r
 __host__ __device__ inline float value_of_column(int c) { return 1.0f + static_cast<float>(c & 3); }
 
 // A warp adds 32 / (RowFloats/4) rows per step: lanes [j*RowFloats/4, (j+1)*RowFloats/4) own row j.
+// This thread's place in that pattern, shared by the float4 and gather ways.
+template <int RowFloats>
+struct Float4RowLanes {
+  static constexpr uint32_t kLanesPerRow = RowFloats / 4;
+  static constexpr uint32_t kRowsPerStep = 32 / kLanesPerRow;
+  uint32_t sub, col4;     // row within the step, float4 column within the row
+  uint32_t warp, n_warps;  // this warp and all warps of the grid
+  uint32_t n_steps;       // warp steps of n_adds row-adds
+  float4 v;               // the payload of columns 4 col4 .. 4 col4 + 3
+  __device__ explicit Float4RowLanes(uint32_t n_adds) {
+    const uint32_t lane = threadIdx.x & 31u;
+    sub = lane / kLanesPerRow;
+    col4 = lane % kLanesPerRow;
+    warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    n_warps = (gridDim.x * blockDim.x) >> 5;
+    n_steps = n_adds / kRowsPerStep;
+    v = make_float4(value_of_column(4 * col4), value_of_column(4 * col4 + 1), value_of_column(4 * col4 + 2),
+                    value_of_column(4 * col4 + 3));
+  }
+};
+
 template <int RowFloats>
 __global__ void __launch_bounds__(kAtomicThreads) scatter_float4_kernel(float* __restrict__ table, uint32_t rows,
                                                                          uint32_t n_adds, uint32_t seed) {
-  constexpr uint32_t kLanesPerRow = RowFloats / 4;
-  constexpr uint32_t kRowsPerStep = 32 / kLanesPerRow;
-  const uint32_t lane = threadIdx.x & 31u;
-  const uint32_t sub = lane / kLanesPerRow, col4 = lane % kLanesPerRow;
-  const uint32_t warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-  const uint32_t n_warps = (gridDim.x * blockDim.x) >> 5;
-  const uint32_t n_steps = n_adds / kRowsPerStep;
-  const float4 v = make_float4(value_of_column(4 * col4), value_of_column(4 * col4 + 1),
-                               value_of_column(4 * col4 + 2), value_of_column(4 * col4 + 3));
+  const Float4RowLanes<RowFloats> t(n_adds);
 #pragma unroll 4
-  for (uint32_t s = warp; s < n_steps; s += n_warps) {
-    const uint32_t i = s * kRowsPerStep + sub;
-    float4* dst = reinterpret_cast<float4*>(table + static_cast<size_t>(row_of(i, seed, rows)) * RowFloats) + col4;
-    atomicAdd(dst, v);
+  for (uint32_t s = t.warp; s < t.n_steps; s += t.n_warps) {
+    const uint32_t i = s * t.kRowsPerStep + t.sub;
+    float4* dst = reinterpret_cast<float4*>(table + static_cast<size_t>(row_of(i, seed, rows)) * RowFloats) + t.col4;
+    atomicAdd(dst, t.v);
   }
 }
 
@@ -118,31 +131,24 @@ __global__ void __launch_bounds__(kAtomicThreads) gather_scatter_float4_kernel(f
                                                                                 const uint2* __restrict__ keys,
                                                                                 uint32_t rows, uint32_t n_adds,
                                                                                 uint32_t seed) {
-  constexpr uint32_t kLanesPerRow = RowFloats / 4;
-  constexpr uint32_t kRowsPerStep = 32 / kLanesPerRow;
   constexpr uint32_t kUnroll = 4;
-  const uint32_t lane = threadIdx.x & 31u;
-  const uint32_t sub = lane / kLanesPerRow, col4 = lane % kLanesPerRow;
-  const uint32_t warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-  const uint32_t n_warps = (gridDim.x * blockDim.x) >> 5;
-  const uint32_t n_steps = n_adds / kRowsPerStep;
-  const float4 v = make_float4(value_of_column(4 * col4), value_of_column(4 * col4 + 1),
-                               value_of_column(4 * col4 + 2), value_of_column(4 * col4 + 3));
-  for (uint32_t s0 = warp * kUnroll; s0 < n_steps; s0 += n_warps * kUnroll) {
+  const Float4RowLanes<RowFloats> t(n_adds);
+  for (uint32_t s0 = t.warp * kUnroll; s0 < t.n_steps; s0 += t.n_warps * kUnroll) {
     uint32_t row[kUnroll];
     uint2 k[kUnroll];
 #pragma unroll
     for (uint32_t u = 0; u < kUnroll; ++u) {
-      row[u] = row_of((s0 + u) * kRowsPerStep + sub, seed, rows);
-      k[u] = s0 + u < n_steps ? __ldcg(keys + static_cast<size_t>(row[u]) * kLanesPerRow + col4) : make_uint2(0, 0);
+      row[u] = row_of((s0 + u) * t.kRowsPerStep + t.sub, seed, rows);
+      k[u] = s0 + u < t.n_steps ? __ldcg(keys + static_cast<size_t>(row[u]) * t.kLanesPerRow + t.col4)
+                                : make_uint2(0, 0);
     }
 #pragma unroll
     for (uint32_t u = 0; u < kUnroll; ++u) {
-      if (s0 + u >= n_steps) break;
+      if (s0 + u >= t.n_steps) break;
       const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&k[u].x));
       const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&k[u].y));
-      float4* dst = reinterpret_cast<float4*>(table + static_cast<size_t>(row[u]) * RowFloats) + col4;
-      atomicAdd(dst, make_float4(v.x + lo.x, v.y + lo.y, v.z + hi.x, v.w + hi.y));
+      float4* dst = reinterpret_cast<float4*>(table + static_cast<size_t>(row[u]) * RowFloats) + t.col4;
+      atomicAdd(dst, make_float4(t.v.x + lo.x, t.v.y + lo.y, t.v.z + hi.x, t.v.w + hi.y));
     }
   }
 }
@@ -276,7 +282,8 @@ void launch_scatter(ScatterWay w, const Launch& l, float* table, uint32_t rows, 
   check_cuda(cudaGetLastError(), "scatter kernel launch");
 }
 
-// Column sums of a zeroed table after one launch must be n_adds * value_of_column(c), exactly.
+// Column sums of a zeroed table after one launch must be n_adds * value_of_column(c), exactly
+// (n_adds * (value_of_column(c) + 1) for the gather way, whose keys are all 1.0).
 template <int RowFloats>
 bool check_scatter(ScatterWay w, const Launch& l, float* d_table, uint64_t rows, uint32_t n_adds, uint32_t seed,
                    cudaStream_t s, const void* keys) {
@@ -289,8 +296,8 @@ bool check_scatter(ScatterWay w, const Launch& l, float* d_table, uint64_t rows,
   std::vector<double> col(RowFloats, 0.0);
   for (uint64_t r = 0; r < rows; ++r)
     for (int c = 0; c < RowFloats; ++c) col[c] += h[r * RowFloats + c];
+  const double key = w == ScatterWay::gather_float4 ? 1.0 : 0.0;  // the gather way adds its key (all 1.0)
   for (int c = 0; c < RowFloats; ++c) {
-    const double key = w == ScatterWay::gather_float4 ? 1.0 : 0.0;  // the gather way adds its key (all 1.0)
     if (col[c] != static_cast<double>(n_adds) * (value_of_column(c) + key)) return false;
   }
   return true;
@@ -312,7 +319,7 @@ std::vector<ScatterResult> measure_scatter_rows(const ScatterConfig& c, const st
   check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
   DeviceBuffer table(rows * kRowBytes);
   Timer timer;
-  // The gather way's key table: (rows, D) bf16, zeroed (its reads add 0).
+  // The gather way's key table: (rows, D) bf16.
   const bool gathers = std::find(ways.begin(), ways.end(), ScatterWay::gather_float4) != ways.end();
   DeviceBuffer keys(gathers ? rows * RowFloats * 2 : 0);
   if (gathers) {  // every key value 1.0, so the check proves each add used its key

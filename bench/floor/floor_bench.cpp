@@ -249,21 +249,17 @@ int main(int argc, char** argv) {
       c.iters = o.iters;
       c.warmup = o.warmup;
       c.seed = o.seed;
-      for (const ScatterResult& r : measure_scatter(c)) {
-        std::fprintf(stderr, "  scatter %7.1f MiB %-6s %8.3f ms  %6.3f TB/s  check %s\n", mib_of(r),
-                     scatter_way_name(r.way), r.t.median_ms, r.tbps, r.check_ok ? "ok" : "FAIL");
-        sc.push_back(r);
-      }
-      for (const ScatterResult& r : measure_scatter(c, {ScatterWay::float4_fragment})) {
-        std::fprintf(stderr, "  scatter %7.1f MiB %-8s %8.3f ms  %6.3f TB/s  check %s\n", mib_of(r),
-                     scatter_way_name(r.way), r.t.median_ms, r.tbps, r.check_ok ? "ok" : "FAIL");
-        frag.push_back(r);
-      }
-      for (const ScatterResult& r : measure_scatter(c, {ScatterWay::gather_float4})) {
-        std::fprintf(stderr, "  scatter %7.1f MiB %-8s %8.3f ms  %6.3f TB/s  check %s\n", mib_of(r),
-                     scatter_way_name(r.way), r.t.median_ms, r.tbps, r.check_ok ? "ok" : "FAIL");
-        gath.push_back(r);
-      }
+      // Measures `ways` on this table, prints each, and appends them to `into`.
+      auto measure_into = [&](const std::vector<ScatterWay>& ways, int name_width, std::vector<ScatterResult>& into) {
+        for (const ScatterResult& r : measure_scatter(c, ways)) {
+          std::fprintf(stderr, "  scatter %7.1f MiB %-*s %8.3f ms  %6.3f TB/s  check %s\n", mib_of(r), name_width,
+                       scatter_way_name(r.way), r.t.median_ms, r.tbps, r.check_ok ? "ok" : "FAIL");
+          into.push_back(r);
+        }
+      };
+      measure_into(kAllScatterWays, 6, sc);
+      measure_into({ScatterWay::float4_fragment}, 8, frag);
+      measure_into({ScatterWay::gather_float4}, 8, gath);
     }
     g = measure_gemm(o.gemm_size, o.iters, o.warmup);
     std::fprintf(stderr, "  gemm %d^3 %8.3f ms  %7.1f TFLOP/s  check %s (max rel err %.2g)\n", g.m, g.t.median_ms,
@@ -303,9 +299,9 @@ int main(int argc, char** argv) {
 
   if (!o.json.empty()) write_json(o.json, dev, o, sc, frag, gath, g, fl);
   bool ok = g.check_ok;
-  for (const auto& r : sc) ok = ok && r.check_ok;
-  for (const auto& r : frag) ok = ok && r.check_ok;
-  for (const auto& r : gath) ok = ok && r.check_ok;
+  for (const auto* results : {&sc, &frag, &gath}) {
+    for (const auto& r : *results) ok = ok && r.check_ok;
+  }
   if (!ok) {
     std::fprintf(stderr, "a correctness check failed\n");
     return 1;
