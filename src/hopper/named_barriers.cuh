@@ -8,10 +8,7 @@
 namespace dsaib::hopper {
 
 enum class NamedBarrierId : uint32_t {
-  /// The score-role warpgroup: all its threads wrote sA[buf] and fenced to the
-  /// async proxy; after it, its GEMM3 may read sA[buf] (the dK role's GEMM2
-  /// waits on the a_full mbarrier instead, shared_storage.cuh).
-  kScoreSmemReady = 0,
+  // Id 0 was kScoreSmemReady (sA[buf] -> the score role's GEMM3) up to v49; unused since v50.
   /// The producer warpgroup: stage-1 partial sums / counts and the compacted
   /// slot list are complete (or fully consumed) before the next step.
   kProducerSync = 1,
@@ -19,7 +16,6 @@ enum class NamedBarrierId : uint32_t {
 
 template <class Config>
 struct NamedBarrierThreads {
-  static constexpr uint32_t kScoreSmemReady = Config::kScoreThreads;
   static constexpr uint32_t kProducerSync = Config::kProducerThreads;
 };
 
@@ -27,12 +23,6 @@ template <class Config>
 __device__ inline void producer_sync() {
   cutlass::arch::NamedBarrier::sync(NamedBarrierThreads<Config>::kProducerSync,
                                     static_cast<uint32_t>(NamedBarrierId::kProducerSync));
-}
-
-template <class Config>
-__device__ inline void score_smem_ready_sync() {
-  cutlass::arch::NamedBarrier::sync(NamedBarrierThreads<Config>::kScoreSmemReady,
-                                    static_cast<uint32_t>(NamedBarrierId::kScoreSmemReady));
 }
 
 }  // namespace dsaib::hopper

@@ -46,7 +46,12 @@ struct ScoreMma {
     auto thr_dq = mma_dq.get_thread_slice(tid);
 
     // GEMM1 operands and accumulator
-    Tensor tSrQ = thr_s.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K, stageQ) descriptors
+    // Q in registers (GEMM1 is wgmma RS), loaded from sQ[qs] once per task with ldmatrix
+    Tensor tSrQ = thr_s.partition_fragment_A(sQ(_, _, 0));  // (MMA, MMA_M, MMA_K) bf16 registers
+    auto smem_copy_q = make_tiled_copy_A(Copy_Atom<SM75_U32x4_LDSM_N, Element>{}, mma_s);
+    auto thr_copy_q = smem_copy_q.get_thread_slice(tid);
+    Tensor tQsQ = thr_copy_q.partition_S(sQ);      // (CPY, CPY_M, CPY_K, stageQ)
+    Tensor tQrQ = thr_copy_q.retile_D(tSrQ);
     Tensor tSrK = thr_s.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stageK)
     Tensor tSrS = partition_fragment_C(mma_s, Shape<Int<Config::kHeadTile>, Int<kBlock>>{});  // (MMA, M, N) fp32
     Tensor tSrA = make_tensor_like<Element>(tSrS);   // A_hi
@@ -58,8 +63,11 @@ struct ScoreMma {
     Tensor tAsAt = thr_copy_a.partition_D(sAt);      // (CPY, CPY_M, CPY_N, term, buf)
     Tensor tArA = thr_copy_a.retile_S(tSrA);
     Tensor tArAlo = thr_copy_a.retile_S(tSrAlo);
-    // GEMM3
-    Tensor tDQrAt = thr_dq.partition_fragment_A(sAt);  // (MMA, M, K, term, buf)
+    // GEMM3 takes A from registers (wgmma RS): the bf16 A terms, in the GEMM1
+    // accumulator's layout, viewed as wgmma A fragments
+    Tensor tDQrA = make_tensor(tSrA.data(), acc_layout_as_a_operand(tSrA.layout()));      // (MMA, M, K)
+    Tensor tDQrAlo = make_tensor(tSrAlo.data(), acc_layout_as_a_operand(tSrAlo.layout()));
+    static_assert(decltype(size<2>(tDQrA))::value == kBlock / 16, "one k-block per 16 keys");
     Tensor tDQrKt = thr_dq.partition_fragment_B(sKt);
     Tensor tDQrDQ = partition_fragment_C(mma_dq, Shape<Int<Config::kHeadTile>, Int<kD>>{});
 
@@ -83,6 +91,9 @@ struct ScoreMma {
       q_pipe.consumer_wait(q_state);
       const int qs = q_state.index;
       const int num_blocks = ss.num_blocks[qs];
+      // This task's Q, read once. Every GEMM1 of the previous task was
+      // waited for (in its block), so no wgmma still reads these registers.
+      copy(smem_copy_q, tQsQ(_, _, _, qs), tQrQ);
       const float w_row[2] = {ss.w_scaled[qs][r0], ss.w_scaled[qs][r0 + 8]};
       float dw[2] = {0.0f, 0.0f};
       clear(tDQrDQ);
@@ -98,7 +109,7 @@ struct ScoreMma {
       for (int blk = 0; blk < num_blocks; ++blk) {
         const int ks = k_state.index;
         k_pipe.consumer_wait(k_state);  // K block blk, its gs and key_row
-        warpgroup_gemm<true>(mma_s, tSrQ(_, _, _, qs), tSrK(_, _, _, ks), tSrS);  // GEMM1: S = Q K^T
+        warpgroup_gemm_rs<true>(mma_s, tSrQ, tSrK(_, _, _, ks), tSrS);  // GEMM1: S = Q K^T (Q from registers)
         warpgroup_wait<0>();  // GEMM1 of this block and GEMM3 of the previous one complete
         if (blk > 0) k_pipe.consumer_release(k_prev);  // GEMM1/GEMM3 reads of the previous stage are done
 
@@ -114,28 +125,29 @@ struct ScoreMma {
           tSrA(i) = Element(a);
           if constexpr (Config::kSplitA) tSrAlo(i) = Element(a - static_cast<float>(tSrA(i)));
         }
-        // WAR on sA[b]: the dK role's GEMM2 of two blocks ago read it (a_empty);
-        // this role's GEMM3 of two blocks ago was completed by the
-        // warpgroup_wait<0> of the previous block.
+        // WAR on sA[b]: the dK role's GEMM2 of two blocks ago read it (a_empty).
+        // This role never reads sA (its GEMM3 takes A from registers).
         a_pipe.producer_acquire(a_state);
         const int b = a_state.index;
+        // The stmatrix reads A's registers before GEMM3 is issued: PTX leaves any
+        // access to a wgmma's A registers undefined until wgmma.wait_group.
         copy(smem_copy_a, tArA, tAsAt(_, _, _, 0, b));
         if constexpr (Config::kSplitA) copy(smem_copy_a, tArAlo, tAsAt(_, _, _, 1, b));
         if (lane < 16) ss.a_key_row[b][16 * warp + lane] = ss.key_row[ks][16 * warp + lane];
-        cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);  // sA is read by wgmma next
-        score_smem_ready_sync<Config>();  // sA[b] complete for this role's GEMM3
-        a_pipe.producer_commit(a_state);  // and for the dK role's GEMM2: every thread, after its stores and fence
+        cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);  // sA is read by the dK role's wgmma next
+        // GEMM3: dQ += A K with A from registers. The next block's
+        // warpgroup_wait<0> (or the one after the loop) completes it before A's
+        // registers are written or dQ is read.
+        warpgroup_gemm_rs<false>(mma_dq, tDQrA, tDQrKt(_, _, _, ks), tDQrDQ);
+        if constexpr (Config::kSplitA) warpgroup_gemm_rs<false>(mma_dq, tDQrAlo, tDQrKt(_, _, _, ks), tDQrDQ);
+        a_pipe.producer_commit(a_state);  // every thread, after its stores and fence
         a_state.advance();
-
-        // GEMM3: dQ += A K (every A term)
-        warpgroup_gemm<false>(mma_dq, tDQrAt(_, _, _, 0, b), tDQrKt(_, _, _, ks), tDQrDQ);
-        if constexpr (Config::kSplitA) warpgroup_gemm<false>(mma_dq, tDQrAt(_, _, _, 1, b), tDQrKt(_, _, _, ks), tDQrDQ);
         k_prev = k_state;
         k_state.advance();
       }
       warpgroup_wait<0>();  // the last GEMM3 of the task: dQ is read next
       if (num_blocks > 0) k_pipe.consumer_release(k_prev);
-      q_pipe.consumer_release(q_state);  // GEMM1 reads of q[qs] were waited for
+      q_pipe.consumer_release(q_state);  // this role's ldmatrix reads of q[qs] are done
       q_state.advance();
 
       // ---- epilogue: dW (quad reduction over the 4 lanes sharing a row), dQ

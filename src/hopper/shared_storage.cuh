@@ -16,7 +16,8 @@ struct SharedStorage {
   static constexpr int kStagesK = Config::kStagesK;
   static constexpr int kStagesQ = Config::kStagesQ;
 
-  // ---- buffers read by wgmma (async proxy); 1024-byte aligned for the 128B swizzle
+  // ---- buffers read by wgmma (async proxy; q also by the score role's ldmatrix);
+  //      1024-byte aligned for the 128B swizzle
   alignas(1024) Element q[cute::cosize_v<typename Config::SmemLayoutQ>];  // (64 heads, D) x kStagesQ
   alignas(1024) Element k[cute::cosize_v<typename Config::SmemLayoutK>];  // (64 keys, D) x kStagesK
   alignas(1024) Element a[cute::cosize_v<typename Config::SmemLayoutA>];  // (64 keys, 64 heads) x kATerms x kABuffers
@@ -73,16 +74,20 @@ struct SharedStorage {
   //   arrive count : Config::kProducerThreads (128) thread arrivals
   //   who arrives  : every producer thread, after its w_scaled/num_blocks stores,
   //                  cp.async.wait_group 0 for its Q copies, and fence.proxy.async
+  //                  (GEMM2 reads q[s] through the async proxy; the score role's
+  //                  ldmatrix loads of q[s] are generic-proxy reads)
   //   tx bytes     : none
   //   waiters      : all score-role and dK-role threads, consumer phase
   //   publishes    : q[s], w_scaled[s][*], num_blocks[s]
   //   reuse        : after q_empty[s]
   // q_empty[s]  "Q stage s may be overwritten"
   //   arrive count : Config::kScoreThreads + Config::kDkThreads (256) thread arrivals
-  //   who arrives  : every score-role thread after its last GEMM1 of the task
-  //                  has been waited for, every dK-role thread after its last
-  //                  GEMM2 (the score role after reading w_scaled / num_blocks,
-  //                  the dK role after reading num_blocks)
+  //   who arrives  : every score-role thread after the task's last
+  //                  warpgroup_wait<0> (its reads of q[s] are the ldmatrix loads
+  //                  of the task's Q into registers, before its first GEMM1),
+  //                  every dK-role thread after its last GEMM2 (the score role
+  //                  after reading w_scaled / num_blocks, the dK role after
+  //                  reading num_blocks)
   //   tx bytes     : none
   //   waiters      : producer threads, starting on phase 1
   //   publishes    : the end of all reads of q[s]
@@ -105,9 +110,9 @@ struct SharedStorage {
   //                  wgmma reads of sA[b]) and its read of a_key_row[b]
   //   tx bytes     : none
   //   waiters      : score-role threads, starting on phase 1
-  //   publishes    : the end of the dK role's reads of buffer b (write-after-read);
-  //                  the score role's own GEMM3 reads of sA[b] are ordered by its
-  //                  own warpgroup_wait<0> in the next block (see below)
+  //   publishes    : the end of all reads of buffer b (write-after-read): the dK
+  //                  role is its only reader (the score role's GEMM3 takes A
+  //                  from registers, see below)
   //   reuse        : immediately after the wait
   uint64_t a_full[Config::kABuffers];
   uint64_t a_empty[Config::kABuffers];
@@ -128,11 +133,15 @@ struct SharedStorage {
   //   reuse        : immediately after the wait
   uint64_t dk_full[Config::kDkBuffers];
   uint64_t dk_empty[Config::kDkBuffers];
-  // sA within the score role: RAW: every score-role thread stores its part of
-  // sA[buf], fences to the async proxy and arrives at
-  // NamedBarrierId::kScoreSmemReady before its own GEMM3 reads it. WAR: sA[buf]
-  // is rewritten two blocks later, after every score-role thread has waited
-  // (warpgroup_wait<0> after the next block's GEMM1) for the GEMM3 that read it.
+  // The score role never reads sA: GEMM3 (wgmma RS) takes A from the role's
+  // registers, the bf16 A terms in the GEMM1 accumulator layout. Each thread's
+  // stmatrix into sA[b] reads those registers before GEMM3 is issued (PTX leaves
+  // access to an in-flight wgmma's A registers undefined until
+  // wgmma.wait_group). WAR on A's registers: the next block's warpgroup_wait<0>
+  // (after its GEMM1), or the one after the block loop, completes GEMM3 before
+  // A is rewritten or dQ is read. GEMM1 (wgmma RS) takes Q from registers that
+  // ldmatrix loads from q[qs] once per task, after the q_full wait; every GEMM1
+  // of the previous task was waited for before they are rewritten.
 };
 
 template <class Config>

@@ -3,9 +3,9 @@
 // One task = one query row and one group of up to kHeadTile heads. A task walks
 // the row's VALID selected keys (compacted by the producer) in blocks of
 // kBlockKeys, and per block runs:
-//   GEMM1  S   (heads x keys) = Q (heads x D) . K_blk^T        wgmma SS, K-major / K-major
+//   GEMM1  S   (heads x keys) = Q (heads x D) . K_blk^T        wgmma RS: Q from registers / K-major
 //   GEMM2  dK  (keys x D)     = A^T (keys x heads) . Q          wgmma SS, K-major / MN-major
-//   GEMM3  dQ (heads x D)    += A (heads x keys) . K_blk        wgmma SS, MN-major / MN-major
+//   GEMM3  dQ (heads x D)    += A (heads x keys) . K_blk        wgmma RS: A from registers / MN-major
 // H < 64 is zero-padded to 64 in shared memory (never read from global);
 // H > 64 becomes several tasks per row.
 #pragma once
@@ -72,10 +72,13 @@ struct TileConfig {
   // -warn-spills -Werror and cmake/ptxas_gate.sh (serialised wgmma) check that
   // each role fits its budget.
   static constexpr int kEntryRegisters = 128;
-  static constexpr int kProducerRegisters = kSplitA_ ? 112 : 120;
-  static constexpr int kScoreRegisters = kSplitA_ ? 176 : 160;
-  static constexpr int kDkRegisters = kSplitA_ ? 104 : 112;
-  static constexpr int kScatterRegisters = 120;
+  // Since GEMM1 takes Q from registers (v51) the score role also holds Q (32 at
+  // D=128) for the whole task: its SASS reaches R174 of 184 (one term) and R189
+  // of 192 (split A, D=128), so the split kernel has no room left there.
+  static constexpr int kProducerRegisters = 112;
+  static constexpr int kScoreRegisters = kSplitA_ ? 192 : 184;
+  static constexpr int kDkRegisters = 104;
+  static constexpr int kScatterRegisters = kSplitA_ ? 104 : 112;
   static_assert(kProducerRegisters + kScoreRegisters + kDkRegisters + kScatterRegisters == 4 * kEntryRegisters,
                 "setmaxnreg.inc can only take the registers the other warpgroups released");
   static_assert(kThreads == 512 && kEntryRegisters == 65536 / 512 / 8 * 8,
@@ -134,18 +137,24 @@ struct TileConfig {
                                                     cute::Int<kBlockKeys * kHeadTile * kATerms>>{})));
 
   // Tiled MMAs, one warpgroup each.
+  // GEMM1 takes Q from registers (wgmma RS), loaded once per task with
+  // ldmatrix, so it reads no sQ per block (16 KiB per block at D 128; perf-log
+  // v51: -1.6 to -3.1% at S 4096 to 65536, except ~0 at random S 65536).
   using TiledMmaS = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<Element, Element, float,
+      cute::GMMA::rs_op_selector<Element, Element, float,
                                  cute::Shape<cute::Int<kHeadTile>, cute::Int<kBlockKeys>, cute::Int<kHeadDim>>,
                                  cute::GMMA::Major::K, cute::GMMA::Major::K>()));
   using TiledMmaDK = decltype(cute::make_tiled_mma(
       cute::GMMA::ss_op_selector<Element, Element, float,
                                  cute::Shape<cute::Int<kBlockKeys>, cute::Int<kHeadDim>, cute::Int<kHeadTile>>,
                                  cute::GMMA::Major::K, cute::GMMA::Major::MN>()));
+  // GEMM3 takes A from registers (wgmma RS, perf-log v50): A (heads x keys) is computed
+  // in the GEMM1 accumulator's layout, which is the 16-bit wgmma A fragment over
+  // the same keys (FA3 feeds P to P.V so); GEMM3 reads no sA.
   using TiledMmaDQ = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<Element, Element, float,
+      cute::GMMA::rs_op_selector<Element, Element, float,
                                  cute::Shape<cute::Int<kHeadTile>, cute::Int<kHeadDim>, cute::Int<kBlockKeys>>,
-                                 cute::GMMA::Major::MN, cute::GMMA::Major::MN>()));
+                                 cute::GMMA::Major::K, cute::GMMA::Major::MN>()));
 };
 
 }  // namespace dsaib::hopper

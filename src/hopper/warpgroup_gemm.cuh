@@ -23,4 +23,30 @@ __device__ __forceinline__ void warpgroup_gemm(TiledMma& mma, const TA& tA, cons
   cute::warpgroup_fence_operand(tC);
 }
 
+/// As warpgroup_gemm, with A in registers (wgmma RS): the A fragment is
+/// fenced too, so the compiler neither moves its writes past the issue nor
+/// reuses its registers before the caller's warpgroup_wait.
+template <bool kZeroInit, class TiledMma, class TA, class TB, class TC>
+__device__ __forceinline__ void warpgroup_gemm_rs(TiledMma& mma, TA& tA, const TB& tB, TC& tC) {
+  cute::warpgroup_fence_operand(tA);
+  warpgroup_gemm<kZeroInit>(mma, tA, tB, tC);
+  cute::warpgroup_fence_operand(tA);
+}
+
+/// The wgmma accumulator layout ((2, 2, N/8), M, N') as the A-operand register
+/// layout of a 16-bit wgmma whose K is that N: ((2, 2, 2), M, N/16) (FA3's
+/// convert_layout_acc_Aregs for SM90 and 16-bit A).
+template <class Layout>
+__device__ __forceinline__ auto acc_layout_as_a_operand(Layout acc) {
+  using namespace cute;
+  static_assert(decltype(rank<0>(acc))::value == 3 && decltype(size<0, 0>(acc))::value == 2 &&
+                    decltype(size<0, 1>(acc))::value == 2,
+                "an SM90 wgmma accumulator layout");
+  static_assert(decltype(size<2>(acc))::value == 1,
+                "one N tile: with several, the k-block order would have to be (N/16, N')");
+  auto l = logical_divide(get<0, 2>(acc), Tile<_2>{});  // ((2, N/16))
+  return make_layout(make_layout(get<0, 0>(acc), get<0, 1>(acc), get<0, 0>(l)), get<1>(acc),
+                     coalesce(make_layout(get<2>(acc), get<0, 1>(l))));
+}
+
 }  // namespace dsaib::hopper
