@@ -6,13 +6,21 @@
 // scripts/device/gpu_check.sh (ab, ncu).
 //   dsa-indexer-bwd-bench [--json FILE] [--seq 4096,16384] [--topk 2048] [--heads 64] [--dim 128]
 //                         [--ids causal,random] [--iters 20] [--warmup 3] [--batch 1] [--input-sets 0] [--a-operand auto|bf16x2|bf16]
+//                         [--l2-set-aside-mib X]
 // Reports ns per query row, TFLOP/s (6*H*D per valid slot), dK-reduce GB/s
 // (D*4 bytes per valid slot) and "fixed_floor_ratio" (console: x278), the ratio to the
 // fixed 278 ns/row floor of shared/design/h200-facts.md (which assumes topk valid slots
 // per row); the same key as in `dsa-indexer-bwd bench --json`, whose "floor_ratio" is
 // the ratio to the floor it measures (this tool measures none).
 // --input-sets 1 turns the rotation off (the behaviour before it was added).
+// --l2-set-aside-mib X sets this process's L2 set-aside for persisting lines
+// (cudaLimitPersistingL2CacheSize, a context-wide limit that belongs to the
+// application, never to the library) before the runs: the L2-hinted kernel's
+// evict_last dK lines live there (src/hopper/l2_policy.cuh). The driver rounds
+// and caps the value; the one in force is printed to stderr.
 // Exit: 0 ok, 1 a CUDA error, 2 bad arguments, 77 no sm_90 GPU.
+#include <cuda_runtime.h>
+
 #include <cstdio>
 #include <exception>
 #include <sstream>
@@ -41,6 +49,7 @@ int main(int argc, char** argv) {
   OpCase base;
   OpConfig cfg;
   std::vector<IdPattern> kinds;
+  double l2_set_aside_mib = -1.0;  // < 0: leave the context's limit as it is
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--help" || a == "-h") {
@@ -51,6 +60,7 @@ int main(int argc, char** argv) {
           "    (ids ascending within a row; causal-shuffled, random-shuffled: in a random order)\n"
           "  --topk 2048  --heads 64  --dim 128  --batch 1  --iters 20  --warmup 3\n"
           "  --input-sets 0 (automatic rotation; 1: off)  --a-operand auto|bf16x2|bf16  --json FILE\n"
+          "  --l2-set-aside-mib X   set the context's L2 set-aside for persisting lines first\n"
           "`dsa-indexer-bwd bench` runs the same cases with the floor measured in the same run.\n"
           "Exit: 0 ok, 1 a CUDA error, 2 bad arguments, 77 no sm_90 GPU.\n");
       return 0;
@@ -71,6 +81,13 @@ int main(int argc, char** argv) {
       else if (a == "--iters") cfg.iters = std::stoi(v);
       else if (a == "--warmup") cfg.warmup = std::stoi(v);
       else if (a == "--input-sets") cfg.input_sets = std::stoi(v);
+      else if (a == "--l2-set-aside-mib") {
+        l2_set_aside_mib = std::stod(v);
+        if (!(l2_set_aside_mib >= 0.0)) {
+          std::fprintf(stderr, "--l2-set-aside-mib: expected a number >= 0, got %s\n", v.c_str());
+          return 2;
+        }
+      }
       else if (a == "--a-operand") {
         if (!parse_a_operand_precision(v, &base.a_operand)) {
           std::fprintf(stderr, "--a-operand: expected auto, bf16x2 or bf16, got %s\n", v.c_str());
@@ -111,6 +128,17 @@ int main(int argc, char** argv) {
   if (!dev.usable) {
     std::fprintf(stderr, "no compute-capability-9.0 GPU (%s): nothing to benchmark\n", dev.reason.c_str());
     return 77;
+  }
+  if (l2_set_aside_mib >= 0.0) {
+    const size_t bytes = static_cast<size_t>(l2_set_aside_mib * 1024.0 * 1024.0);
+    const cudaError_t e = cudaDeviceSetLimit(cudaLimitPersistingL2CacheSize, bytes);
+    size_t now = 0;
+    if (e != cudaSuccess || cudaDeviceGetLimit(&now, cudaLimitPersistingL2CacheSize) != cudaSuccess) {
+      std::fprintf(stderr, "--l2-set-aside-mib %.2f: %s\n", l2_set_aside_mib, cudaGetErrorString(e));
+      return 1;
+    }
+    std::fprintf(stderr, "L2 set aside for persisting lines: %.2f MiB (was %.2f MiB)\n", now / 1048576.0,
+                 dev.l2_persisting_bytes / 1048576.0);
   }
   std::vector<OpResult> results;
   try {
