@@ -115,9 +115,13 @@ IndexerBackwardParams make_kernel_params(const IndexerBackwardInputs& in, const 
 
 namespace {
 std::atomic<uint64_t> l2_hinted_launch_count{0};
+std::atomic<int32_t> l2_last_keep_fraction_value{0};
 }  // namespace
 
 uint64_t l2_hinted_launches() { return l2_hinted_launch_count.load(std::memory_order_relaxed); }
+L2KeepFraction l2_last_keep_fraction() {
+  return static_cast<L2KeepFraction>(l2_last_keep_fraction_value.load(std::memory_order_relaxed));
+}
 
 }  // namespace dsaib::hopper
 
@@ -171,6 +175,21 @@ static bool use_l2_hints(hopper::L2Hints mode, const ProblemGeometry& g, int64_t
   return hopper::l2_hints_for_launch(mode, g.q_len, g.k_len, head_groups, sms, l2_bytes, g.head_dim);
 }
 
+/// The hinted kernel's evict_last share for this launch (l2_hints.hpp), from the
+/// context's L2 set-aside for persisting lines, read per call: the application may
+/// change it between calls.
+static hopper::L2KeepFraction l2_keep_fraction_for_launch(const ProblemGeometry& g, int64_t head_groups) {
+  int device = 0, sms = 0;
+  size_t set_aside = 0;
+  cuda_check(cudaGetDevice(&device), "cudaGetDevice");
+  cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
+             "cudaDeviceGetAttribute(cudaDevAttrMultiProcessorCount)");
+  cuda_check(cudaDeviceGetLimit(&set_aside, cudaLimitPersistingL2CacheSize),
+             "cudaDeviceGetLimit(cudaLimitPersistingL2CacheSize)");
+  return hopper::l2_keep_fraction(static_cast<int64_t>(set_aside),
+                                  hopper::key_rows_for_launch(g.q_len, g.k_len, head_groups, sms), g.head_dim);
+}
+
 /// One of the six fused kernels, as a type: head dim, split a operand, L2 hint.
 template <int kD, bool kSplit, bool kL2>
 struct KernelChoice {
@@ -214,6 +233,8 @@ void run_cuda_backend(const IndexerBackwardInputs& in, const IndexerBackwardOutp
   // The split-A kernels have no hinted variant (launch.hpp).
   const int64_t head_groups = hopper::head_groups_of(g);
   const bool l2_keep_dk = !split_a && use_l2_hints(l2_mode, g, head_groups);
+  const hopper::L2KeepFraction l2_keep_fraction =
+      l2_keep_dk ? l2_keep_fraction_for_launch(g, head_groups) : hopper::L2KeepFraction::f035;
   // The persistent grid (occupancy query) and the start delays for it (start_stagger.hpp, v44).
   const int64_t num_tasks = hopper::num_tasks_of(g);
   int64_t grid = 0;
@@ -244,6 +265,7 @@ void run_cuda_backend(const IndexerBackwardInputs& in, const IndexerBackwardOutp
   hopper::IndexerBackwardParams params = hopper::make_kernel_params(in, out, opt, g, dk_accum);
   params.start_stagger_max_ns = stagger.max_ns;
   params.start_stagger_first_delayed_cta = stagger.first_delayed_cta;
+  params.l2_keep_fraction = static_cast<int32_t>(l2_keep_fraction);
   if (dk_bytes > 0) cuda_check(cudaMemsetAsync(dk_accum, 0, dk_bytes, stream), "cudaMemsetAsync (dK accumulator)");
   with_kernel_choice(g.head_dim, split_a, l2_keep_dk, [&](auto k) {
     using K = decltype(k);
@@ -259,6 +281,7 @@ void run_cuda_backend(const IndexerBackwardInputs& in, const IndexerBackwardOutp
         reinterpret_cast<const char*>(begin), lines);
     hopper::cuda_check_launch("reset_l2_priority_to_normal");
     hopper::l2_hinted_launch_count.fetch_add(1, std::memory_order_relaxed);
+    hopper::l2_last_keep_fraction_value.store(static_cast<int32_t>(l2_keep_fraction), std::memory_order_relaxed);
   }
   if (dk_bf16 && dk_bytes > 0) {
     const int64_t n = g.num_k_rows * g.head_dim;

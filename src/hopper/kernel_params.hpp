@@ -50,6 +50,11 @@ struct IndexerBackwardParams {
   // grid is known; 0 = none.
   uint32_t start_stagger_max_ns;
   int64_t start_stagger_first_delayed_cta;
+
+  // The L2-hinted kernels' evict_last share of the dK reds: an L2KeepFraction
+  // (l2_hints.hpp) set by run_cuda_backend; the other kernels ignore it. Last,
+  // so that the other kernels' parameter offsets stay those of v51.
+  int32_t l2_keep_fraction = 0;
 };
 
 }  // namespace dsaib::hopper

@@ -74,6 +74,15 @@ inline bool l2_hints_pay(L2Hints mode, int64_t key_rows, int64_t head_dim, int64
 /// cuda builds only; for tests: the decision is invisible in the results).
 uint64_t l2_hinted_launches();
 
+/// The key rows that the CTAs in flight can touch at once (key_rows_in_flight over
+/// ceil(sms / head_groups) consecutive query rows): the basis of both L2 decisions.
+inline int64_t key_rows_for_launch(const std::vector<int64_t>& q_len, const std::vector<int64_t>& k_len,
+                                   int64_t head_groups, int64_t sms) {
+  const int64_t groups = std::max<int64_t>(head_groups, 1);
+  const int64_t rows_in_flight = std::max<int64_t>((sms + groups - 1) / groups, 1);
+  return key_rows_in_flight(q_len, k_len, rows_in_flight);
+}
+
 /// The whole decision for one launch, from the problem and the device: `mode`,
 /// the per-sequence q_len / k_len, head_groups tasks per query row, `sms`
 /// resident CTAs (one per SM), `l2_bytes`, the head dim. The rows in flight are
@@ -81,9 +90,47 @@ uint64_t l2_hinted_launches();
 inline bool l2_hints_for_launch(L2Hints mode, const std::vector<int64_t>& q_len, const std::vector<int64_t>& k_len,
                                 int64_t head_groups, int64_t sms, int64_t l2_bytes, int64_t head_dim) {
   if (mode != L2Hints::automatic) return mode == L2Hints::on;
-  const int64_t groups = std::max<int64_t>(head_groups, 1);
-  const int64_t rows_in_flight = std::max<int64_t>((sms + groups - 1) / groups, 1);
-  return l2_hints_pay(mode, key_rows_in_flight(q_len, k_len, rows_in_flight), head_dim, l2_bytes);
+  return l2_hints_pay(mode, key_rows_for_launch(q_len, k_len, head_groups, sms), head_dim, l2_bytes);
 }
+
+/// The share of the hinted kernel's dK reds that carry the evict_last policy
+/// (l2_policy.cuh). evict_last lines live in the context's L2 set-aside for
+/// persisting lines (cudaLimitPersistingL2CacheSize: the application's setting,
+/// 11.25 MiB in a fresh context on the H200, at most 37.5 MiB), and a set-aside
+/// holds its share of the L2 away from the other lines, so the share follows the
+/// set-aside in force. Measured at B1 S 65536 D128, random ids, against 0.35 with
+/// 11.25 MiB (docs/perf-log.md, eighteenth session, call 7): 0.35 with 37.5 MiB
+/// +38% (dK and K squeezed into the other 22.5 MiB), 1.0 with 37.5 MiB -2.2%
+/// [-4.5, +0.1]; 1.0 with 11.25 MiB gained least (perf-log "v32b").
+enum class L2KeepFraction : int32_t {
+  f035 = 0,  // the set-aside holds less than 3/4 of dK (the default 11.25 MiB at every hinted launch)
+  f075 = 1,  // 3/4 of dK or more (not measured; between the two measured points)
+  f100 = 2,  // all of dK
+};
+
+/// The fraction as a number (0.35, 0.75, 1.0).
+inline float l2_keep_fraction_value(L2KeepFraction f) {
+  switch (f) {
+    case L2KeepFraction::f100: return 1.0f;
+    case L2KeepFraction::f075: return 0.75f;
+    case L2KeepFraction::f035: break;
+  }
+  return 0.35f;
+}
+
+/// The fraction for `set_aside_bytes` of persisting L2 and `key_rows` key rows of
+/// fp32 dK at `head_dim` (key_rows_for_launch): f100 when the set-aside holds
+/// all their dK bytes, f075 when it holds 3/4 of them, f035 otherwise (no
+/// set-aside included).
+inline L2KeepFraction l2_keep_fraction(int64_t set_aside_bytes, int64_t key_rows, int64_t head_dim) {
+  const int64_t dk_bytes = key_rows * head_dim * static_cast<int64_t>(sizeof(float));
+  if (set_aside_bytes >= dk_bytes) return L2KeepFraction::f100;
+  if (4 * set_aside_bytes >= 3 * dk_bytes) return L2KeepFraction::f075;
+  return L2KeepFraction::f035;
+}
+
+/// The fraction the last hinted launch in this process used (defined in
+/// backend.cu, cuda builds only; for tests: the choice is invisible in the results).
+L2KeepFraction l2_last_keep_fraction();
 
 }  // namespace dsaib::hopper

@@ -31,11 +31,19 @@
 
 namespace dsaib::hopper {
 
-/// The createpolicy value of the dK reds: L2 evict_last for 35% of the accesses
-/// made with it, evict_unchanged for the others.
-__device__ __forceinline__ uint64_t l2_policy_dk_reds() {
+/// The createpolicy value of the dK reds: L2 evict_last for 35%, 75% or all of
+/// the accesses made with it (`keep_fraction`, an L2KeepFraction chosen on the
+/// host from the set-aside in force, l2_hints.hpp), evict_unchanged for the
+/// others. The fraction is an immediate in PTX, hence one instruction per value.
+__device__ __forceinline__ uint64_t l2_policy_dk_reds(int32_t keep_fraction) {
   uint64_t policy;
-  asm("createpolicy.fractional.L2::evict_last.b64 %0, 0.35;" : "=l"(policy));
+  if (keep_fraction == 2) {
+    asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+  } else if (keep_fraction == 1) {
+    asm("createpolicy.fractional.L2::evict_last.b64 %0, 0.75;" : "=l"(policy));
+  } else {
+    asm("createpolicy.fractional.L2::evict_last.b64 %0, 0.35;" : "=l"(policy));
+  }
   return policy;
 }
 

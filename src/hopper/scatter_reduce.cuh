@@ -37,7 +37,7 @@ struct ScatterReduce {
     const int row0 = 16 * warp + lane / kLanesPerRow;
     auto state = make_consumer_start_state<Config::kDkBuffers>();
     [[maybe_unused]] uint64_t dk_policy = 0;  // the reds' L2 policy (kL2KeepDk only)
-    if constexpr (Config::kL2KeepDk) dk_policy = l2_policy_dk_reds();
+    if constexpr (Config::kL2KeepDk) dk_policy = l2_policy_dk_reds(p.l2_keep_fraction);
     for (;;) {
       dk_pipe.consumer_wait(state);
       const int b = state.index;

@@ -72,6 +72,32 @@ TEST(L2Hints, LaunchDecisionCountsRowsInFlightPerHeadGroup) {
   EXPECT_TRUE(l2_hints_for_launch(L2Hints::automatic, {65536}, {65536}, 0, 0, kH200L2, 128));
 }
 
+TEST(L2Hints, KeepFractionFollowsTheSetAside) {
+  constexpr int64_t kMiB = 1 << 20;
+  // B1 S 65536 D128: 32 MiB of dK. The H200's default set-aside (11.25 MiB) keeps
+  // the measured 0.35; its cap (37.5 MiB) holds all of dK: 1.0 (perf-log, call 7).
+  EXPECT_EQ(l2_keep_fraction(11 * kMiB + kMiB / 4, 65536, 128), L2KeepFraction::f035);
+  EXPECT_EQ(l2_keep_fraction(37 * kMiB + kMiB / 2, 65536, 128), L2KeepFraction::f100);
+  EXPECT_EQ(l2_keep_fraction(0, 65536, 128), L2KeepFraction::f035);
+  // The boundaries: all of dK (32 MiB) and 3/4 of it (24 MiB).
+  EXPECT_EQ(l2_keep_fraction(32 * kMiB, 65536, 128), L2KeepFraction::f100);
+  EXPECT_EQ(l2_keep_fraction(32 * kMiB - 1, 65536, 128), L2KeepFraction::f075);
+  EXPECT_EQ(l2_keep_fraction(24 * kMiB, 65536, 128), L2KeepFraction::f075);
+  EXPECT_EQ(l2_keep_fraction(24 * kMiB - 1, 65536, 128), L2KeepFraction::f035);
+  // Every automatic hinted launch has more than 30 MiB of dK + K, i.e. more than
+  // 20 MiB of dK at D128: the default 11.25 MiB never reaches 3/4 of it.
+  EXPECT_EQ(l2_keep_fraction(11 * kMiB + kMiB / 4, 40961, 128), L2KeepFraction::f035);
+  // A small table forced on (DSAIB_L2_HINTS=on) fits the default set-aside whole.
+  EXPECT_EQ(l2_keep_fraction(11 * kMiB + kMiB / 4, 300, 128), L2KeepFraction::f100);
+  EXPECT_FLOAT_EQ(l2_keep_fraction_value(L2KeepFraction::f035), 0.35f);
+  EXPECT_FLOAT_EQ(l2_keep_fraction_value(L2KeepFraction::f075), 0.75f);
+  EXPECT_FLOAT_EQ(l2_keep_fraction_value(L2KeepFraction::f100), 1.0f);
+  // key_rows_for_launch is the estimate of the hint decision.
+  EXPECT_EQ(key_rows_for_launch({65536}, {65536}, 1, 132), 65536);
+  const std::vector<int64_t> q40(8, 40), k16k(8, 16384);
+  EXPECT_EQ(key_rows_for_launch(q40, k16k, 4, 132), 2 * 16384);
+}
+
 class L2HintsEnv : public ::testing::Test {
  protected:
   void TearDown() override { unsetenv("DSAIB_L2_HINTS"); }

@@ -151,7 +151,40 @@ TEST_F(Gpu, L2HintedKernelChosenForLargeKeyTables) {
   {
     const ScopedEnv on("DSAIB_L2_HINTS", "on");
     EXPECT_GE(hinted_runs({"on d128 sq16 skv300", spec_of(1, 16, 300, 64, 128, 200)}), 1u);
+    // 300 key rows of dK (150 KiB) fit any set-aside but none: all reds evict_last.
+    size_t set_aside = 0;
+    ASSERT_EQ(cudaDeviceGetLimit(&set_aside, cudaLimitPersistingL2CacheSize), cudaSuccess);
+    if (set_aside >= 300 * 128 * sizeof(float)) EXPECT_EQ(hopper::l2_last_keep_fraction(), hopper::L2KeepFraction::f100);
   }
+}
+
+/// The hinted kernel's evict_last share follows the context's L2 set-aside for
+/// persisting lines (l2_hints.hpp): set to the device's maximum, a 24 MiB dK
+/// (S_kv 49152, D128) takes 1.0 where the maximum holds it; set to 0, 0.35. Both
+/// match the fp64 reference; the test restores the limit it found.
+TEST_F(Gpu, L2KeepFractionFollowsTheSetAside) {
+  size_t before = 0;
+  int max_set_aside = 0;
+  ASSERT_EQ(cudaDeviceGetLimit(&before, cudaLimitPersistingL2CacheSize), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&max_set_aside, cudaDevAttrMaxPersistingL2CacheSize, 0), cudaSuccess);
+  struct Restore {
+    size_t bytes;
+    ~Restore() { EXPECT_EQ(cudaDeviceSetLimit(cudaLimitPersistingL2CacheSize, bytes), cudaSuccess); }
+  } restore{before};
+  const ScopedEnv automatic("DSAIB_L2_HINTS", "auto");
+  const Case c{"set-aside d128 sq48 skv49152", spec_of(1, 48, 49152, 64, 128, 2048, IdPattern::random_permutation)};
+  const int64_t dk_bytes = int64_t{49152} * 128 * 4;
+  ASSERT_EQ(cudaDeviceSetLimit(cudaLimitPersistingL2CacheSize, static_cast<size_t>(max_set_aside)), cudaSuccess);
+  size_t now = 0;
+  ASSERT_EQ(cudaDeviceGetLimit(&now, cudaLimitPersistingL2CacheSize), cudaSuccess);
+  const uint64_t hinted = hopper::l2_hinted_launches();
+  run_case(c);
+  ASSERT_GT(hopper::l2_hinted_launches(), hinted) << "the case no longer takes the hinted kernel";
+  EXPECT_EQ(hopper::l2_last_keep_fraction(), hopper::l2_keep_fraction(static_cast<int64_t>(now), 49152, 128));
+  if (static_cast<int64_t>(now) >= dk_bytes) EXPECT_EQ(hopper::l2_last_keep_fraction(), hopper::L2KeepFraction::f100);
+  ASSERT_EQ(cudaDeviceSetLimit(cudaLimitPersistingL2CacheSize, 0), cudaSuccess);
+  run_case(c);
+  EXPECT_EQ(hopper::l2_last_keep_fraction(), hopper::L2KeepFraction::f035);
 }
 
 /// A shape on which the start stagger delays CTAs (at least 4 waves of the
