@@ -7,7 +7,8 @@
 // last red (docs/perf-log.md, twelfth session, call 1).
 //
 // The reds carry a createpolicy.fractional.L2::evict_last policy with fraction
-// 0.35: the PTX ISA applies the primary priority (evict_last) to that fraction of
+// 0.35, 0.75 or 1.0 (l2_keep_fraction in l2_hints.hpp: from the context's L2
+// set-aside for persisting lines; 0.35 at the H200's default): the PTX ISA applies the primary priority (evict_last) to that fraction of
 // the cache accesses made with the policy and the secondary one (here the default,
 // evict_unchanged) to the rest; which accesses is the hardware's choice (the CUDA
 // guide says of hitRatio: random, with a distribution that depends on the
@@ -21,7 +22,10 @@
 // 0.995-0.997 (within noise). A hypothesis for why 1.0 gains least, not
 // measured: only about the persisting set-aside (11.25 MiB in force on the H200
 // we measured, cudaLimitPersistingL2CacheSize) holds evict_last lines, and with
-// every red evict_last they churn among themselves.
+// every red evict_last they churn among themselves. With the set-aside at its
+// cap (37.5 MiB), 0.35 took +37% at random ids and 1.0 took -1.6% against 0.35
+// at the default (perf-log, eighteenth session, calls 7-8): hence the fraction
+// follows the set-aside.
 //
 // Own inline PTX because neither CCCL's cuda::ptx (13.0) nor CuTe wraps
 // createpolicy, red.global with an L2::cache_hint, or applypriority.
