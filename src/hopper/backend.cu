@@ -163,7 +163,17 @@ static bool a_operand_split(AOperandPrecision precision, const IndexerBackwardOu
   return out.d_index_q.dtype == DType::f32 || out.d_index_k.dtype == DType::f32;
 }
 
-/// l2_hints.hpp's decision for this launch, on this device's SM count and L2 size.
+/// The context's L2 set-aside for persisting lines (cudaLimitPersistingL2CacheSize),
+/// read per call: the application may change it between calls.
+static int64_t l2_set_aside_bytes() {
+  size_t set_aside = 0;
+  cuda_check(cudaDeviceGetLimit(&set_aside, cudaLimitPersistingL2CacheSize),
+             "cudaDeviceGetLimit(cudaLimitPersistingL2CacheSize)");
+  return static_cast<int64_t>(set_aside);
+}
+
+/// l2_hints.hpp's decision for this launch, on this device's SM count, L2 size and
+/// the context's set-aside.
 static bool use_l2_hints(hopper::L2Hints mode, const ProblemGeometry& g, int64_t head_groups) {
   if (mode != hopper::L2Hints::automatic) return mode == hopper::L2Hints::on;
   int device = 0, sms = 0, l2_bytes = 0;
@@ -172,7 +182,8 @@ static bool use_l2_hints(hopper::L2Hints mode, const ProblemGeometry& g, int64_t
              "cudaDeviceGetAttribute(cudaDevAttrMultiProcessorCount)");
   cuda_check(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device),
              "cudaDeviceGetAttribute(cudaDevAttrL2CacheSize)");
-  return hopper::l2_hints_for_launch(mode, g.q_len, g.k_len, head_groups, sms, l2_bytes, g.head_dim);
+  return hopper::l2_hints_for_launch(mode, g.q_len, g.k_len, head_groups, sms, l2_bytes, g.head_dim,
+                                     l2_set_aside_bytes());
 }
 
 /// The hinted kernel's evict_last share for this launch (l2_hints.hpp), from the
@@ -180,13 +191,10 @@ static bool use_l2_hints(hopper::L2Hints mode, const ProblemGeometry& g, int64_t
 /// change it between calls.
 static hopper::L2KeepFraction l2_keep_fraction_for_launch(const ProblemGeometry& g, int64_t head_groups) {
   int device = 0, sms = 0;
-  size_t set_aside = 0;
   cuda_check(cudaGetDevice(&device), "cudaGetDevice");
   cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
              "cudaDeviceGetAttribute(cudaDevAttrMultiProcessorCount)");
-  cuda_check(cudaDeviceGetLimit(&set_aside, cudaLimitPersistingL2CacheSize),
-             "cudaDeviceGetLimit(cudaLimitPersistingL2CacheSize)");
-  return hopper::l2_keep_fraction(static_cast<int64_t>(set_aside),
+  return hopper::l2_keep_fraction(l2_set_aside_bytes(),
                                   hopper::key_rows_for_launch(g.q_len, g.k_len, head_groups, sms), g.head_dim);
 }
 

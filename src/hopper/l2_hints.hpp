@@ -63,11 +63,25 @@ inline int64_t key_rows_in_flight(const std::vector<int64_t>& q_len, const std::
 
 /// Whether a launch takes the hinted kernel: `mode` from l2_hints_from_env();
 /// automatic: when those key rows' dK (fp32) and K (bf16) bytes exceed half of
-/// `l2_bytes` (cudaDevAttrL2CacheSize; 0 = unknown: no hints).
-inline bool l2_hints_pay(L2Hints mode, int64_t key_rows, int64_t head_dim, int64_t l2_bytes) {
+/// `l2_bytes` (cudaDevAttrL2CacheSize; 0 = unknown: no hints), or when the
+/// context's L2 set-aside for persisting lines (`set_aside_bytes`,
+/// cudaLimitPersistingL2CacheSize) holds all of dK and dK and K exceed half of
+/// the L2 that the set-aside leaves to the other lines. The second clause (v55):
+/// a set-aside holds its share away from normal lines, and with 37.5 MiB the
+/// unhinted kernel took +8 / +17 / +36% at random ids S 24576 / 32768 / 40960
+/// against the default set-aside (perf-log, eighteenth session, call 9); the
+/// hinted kernel then keeps all of dK evict_last in the set-aside
+/// (l2_keep_fraction: 1.0). It is never true at the H200's default 11.25 MiB
+/// (dK of at most 11.25 MiB and dK + K above 24.4 MiB cannot both hold), so
+/// default launches decide as before.
+inline bool l2_hints_pay(L2Hints mode, int64_t key_rows, int64_t head_dim, int64_t l2_bytes,
+                         int64_t set_aside_bytes) {
   if (mode != L2Hints::automatic) return mode == L2Hints::on;
+  if (l2_bytes <= 0) return false;
+  const int64_t dk_bytes = key_rows * head_dim * static_cast<int64_t>(sizeof(float));
   const int64_t bytes = key_rows * head_dim * static_cast<int64_t>(sizeof(float) + 2);
-  return l2_bytes > 0 && bytes > l2_bytes / 2;
+  if (bytes > l2_bytes / 2) return true;
+  return set_aside_bytes > 0 && set_aside_bytes >= dk_bytes && bytes > (l2_bytes - set_aside_bytes) / 2;
 }
 
 /// How many launches in this process took the hinted kernel (defined in backend.cu,
@@ -85,12 +99,14 @@ inline int64_t key_rows_for_launch(const std::vector<int64_t>& q_len, const std:
 
 /// The whole decision for one launch, from the problem and the device: `mode`,
 /// the per-sequence q_len / k_len, head_groups tasks per query row, `sms`
-/// resident CTAs (one per SM), `l2_bytes`, the head dim. The rows in flight are
-/// ceil(sms / head_groups) consecutive query rows.
+/// resident CTAs (one per SM), `l2_bytes`, the head dim, `set_aside_bytes`. The
+/// rows in flight are ceil(sms / head_groups) consecutive query rows.
 inline bool l2_hints_for_launch(L2Hints mode, const std::vector<int64_t>& q_len, const std::vector<int64_t>& k_len,
-                                int64_t head_groups, int64_t sms, int64_t l2_bytes, int64_t head_dim) {
+                                int64_t head_groups, int64_t sms, int64_t l2_bytes, int64_t head_dim,
+                                int64_t set_aside_bytes) {
   if (mode != L2Hints::automatic) return mode == L2Hints::on;
-  return l2_hints_pay(mode, key_rows_for_launch(q_len, k_len, head_groups, sms), head_dim, l2_bytes);
+  return l2_hints_pay(mode, key_rows_for_launch(q_len, k_len, head_groups, sms), head_dim, l2_bytes,
+                      set_aside_bytes);
 }
 
 /// The share of the hinted kernel's dK reds that carry the evict_last policy

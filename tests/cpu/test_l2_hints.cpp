@@ -14,6 +14,7 @@ namespace dsaib::hopper {
 namespace {
 
 constexpr int64_t kH200L2 = 62914560;  // cudaDevAttrL2CacheSize on the H200 (60 MiB)
+constexpr int64_t kH200SetAside = 11796480;  // cudaLimitPersistingL2CacheSize in a fresh context (11.25 MiB)
 
 TEST(L2Hints, OneSequenceTouchesItsWholeKeyTable) {
   EXPECT_EQ(key_rows_in_flight({65536}, {65536}, 132), 65536);
@@ -39,37 +40,62 @@ TEST(L2Hints, SequencesWithoutQueryRowsAreNeverMet) {
 
 TEST(L2Hints, AutomaticTakesTheHintsAboveHalfTheL2) {
   // perf-log v32b: S 65536 D128 (48 MiB of dK + K) gains; S 16384 (12 MiB) fits.
-  EXPECT_TRUE(l2_hints_pay(L2Hints::automatic, 65536, 128, kH200L2));
-  EXPECT_FALSE(l2_hints_pay(L2Hints::automatic, 16384, 128, kH200L2));
-  EXPECT_FALSE(l2_hints_pay(L2Hints::automatic, 65536, 64, kH200L2));  // 24 MiB
-  EXPECT_TRUE(l2_hints_pay(L2Hints::automatic, 98304, 64, kH200L2));   // 36 MiB
+  EXPECT_TRUE(l2_hints_pay(L2Hints::automatic, 65536, 128, kH200L2, kH200SetAside));
+  EXPECT_FALSE(l2_hints_pay(L2Hints::automatic, 16384, 128, kH200L2, kH200SetAside));
+  EXPECT_FALSE(l2_hints_pay(L2Hints::automatic, 65536, 64, kH200L2, kH200SetAside));  // 24 MiB
+  EXPECT_TRUE(l2_hints_pay(L2Hints::automatic, 98304, 64, kH200L2, kH200SetAside));   // 36 MiB
   // The boundary: 30 MiB is half, so 40960 rows at D128 (30 MiB) stay unhinted.
-  EXPECT_FALSE(l2_hints_pay(L2Hints::automatic, 40960, 128, kH200L2));
-  EXPECT_TRUE(l2_hints_pay(L2Hints::automatic, 40961, 128, kH200L2));
-  EXPECT_FALSE(l2_hints_pay(L2Hints::automatic, 1 << 20, 128, 0));  // unknown L2 size: no hints
+  EXPECT_FALSE(l2_hints_pay(L2Hints::automatic, 40960, 128, kH200L2, kH200SetAside));
+  EXPECT_TRUE(l2_hints_pay(L2Hints::automatic, 40961, 128, kH200L2, kH200SetAside));
+  EXPECT_FALSE(l2_hints_pay(L2Hints::automatic, 1 << 20, 128, 0, kH200SetAside));  // unknown L2 size: no hints
+}
+
+TEST(L2Hints, ASetAsideThatHoldsDkTakesTheHintsEarlier) {
+  constexpr int64_t kMiB = 1 << 20;
+  const int64_t cap = 37 * kMiB + kMiB / 2;  // the H200's largest set-aside
+  // 22.5 MiB left to normal lines: dK + K above 11.25 MiB (15360 rows at D128)
+  // take the hinted kernel while the 37.5 MiB hold dK (up to 76800 rows).
+  EXPECT_FALSE(l2_hints_pay(L2Hints::automatic, 15360, 128, kH200L2, cap));
+  EXPECT_TRUE(l2_hints_pay(L2Hints::automatic, 15361, 128, kH200L2, cap));
+  EXPECT_TRUE(l2_hints_pay(L2Hints::automatic, 24576, 128, kH200L2, cap));
+  EXPECT_TRUE(l2_hints_pay(L2Hints::automatic, 40960, 128, kH200L2, cap));
+  EXPECT_TRUE(l2_hints_pay(L2Hints::automatic, 76800, 128, kH200L2, cap));
+  // Past the set-aside the first clause decides (dK + K above 30 MiB).
+  EXPECT_TRUE(l2_hints_pay(L2Hints::automatic, 100000, 128, kH200L2, cap));
+  // The default set-aside never moves the gate: 40960 rows stay unhinted, as do
+  // the rows whose dK fits 11.25 MiB.
+  for (int64_t rows : {1, 15361, 23040, 30000, 40960}) {
+    EXPECT_FALSE(l2_hints_pay(L2Hints::automatic, rows, 128, kH200L2, kH200SetAside)) << rows;
+    EXPECT_FALSE(l2_hints_pay(L2Hints::automatic, rows, 128, kH200L2, 0)) << rows;
+  }
+  // Unknown L2 size: no hints, whatever the set-aside.
+  EXPECT_FALSE(l2_hints_pay(L2Hints::automatic, 24576, 128, 0, cap));
+  // A set-aside larger than the L2 (not possible on a device; the arithmetic
+  // stays defined): dK fits, nothing is left to normal lines.
+  EXPECT_TRUE(l2_hints_pay(L2Hints::automatic, 1024, 128, kH200L2, 2 * kH200L2));
 }
 
 TEST(L2Hints, OnAndOffOverrideTheSize) {
-  EXPECT_TRUE(l2_hints_pay(L2Hints::on, 1, 64, kH200L2));
-  EXPECT_FALSE(l2_hints_pay(L2Hints::off, 1 << 20, 128, kH200L2));
+  EXPECT_TRUE(l2_hints_pay(L2Hints::on, 1, 64, kH200L2, kH200SetAside));
+  EXPECT_FALSE(l2_hints_pay(L2Hints::off, 1 << 20, 128, kH200L2, kH200SetAside));
 }
 
 TEST(L2Hints, LaunchDecisionCountsRowsInFlightPerHeadGroup) {
   // B1 S 65536 D128 on 132 SMs: one window meets the whole table (48 MiB).
-  EXPECT_TRUE(l2_hints_for_launch(L2Hints::automatic, {65536}, {65536}, 1, 132, kH200L2, 128));
+  EXPECT_TRUE(l2_hints_for_launch(L2Hints::automatic, {65536}, {65536}, 1, 132, kH200L2, 128, kH200SetAside));
   // B4 S 16384: 132 rows in flight meet two sequences (24 MiB, under half the L2).
   const std::vector<int64_t> four(4, 16384);
-  EXPECT_FALSE(l2_hints_for_launch(L2Hints::automatic, four, four, 1, 132, kH200L2, 128));
+  EXPECT_FALSE(l2_hints_for_launch(L2Hints::automatic, four, four, 1, 132, kH200L2, 128, kH200SetAside));
   // Sequences of 40 query rows: 132 rows in flight meet 5 sequences (60 MiB); with
   // 4 head groups per row only ceil(132 / 4) = 33 rows are in flight, which meet
   // 2 sequences (the last row of one and 32 of the next: 24 MiB).
   const std::vector<int64_t> q40(8, 40), k16k(8, 16384);
-  EXPECT_TRUE(l2_hints_for_launch(L2Hints::automatic, q40, k16k, 1, 132, kH200L2, 128));
-  EXPECT_FALSE(l2_hints_for_launch(L2Hints::automatic, q40, k16k, 4, 132, kH200L2, 128));
+  EXPECT_TRUE(l2_hints_for_launch(L2Hints::automatic, q40, k16k, 1, 132, kH200L2, 128, kH200SetAside));
+  EXPECT_FALSE(l2_hints_for_launch(L2Hints::automatic, q40, k16k, 4, 132, kH200L2, 128, kH200SetAside));
   // on / off override; head_groups 0 and sms 0 are treated as 1.
-  EXPECT_TRUE(l2_hints_for_launch(L2Hints::on, {1}, {1}, 1, 132, kH200L2, 64));
-  EXPECT_FALSE(l2_hints_for_launch(L2Hints::off, {65536}, {65536}, 1, 132, kH200L2, 128));
-  EXPECT_TRUE(l2_hints_for_launch(L2Hints::automatic, {65536}, {65536}, 0, 0, kH200L2, 128));
+  EXPECT_TRUE(l2_hints_for_launch(L2Hints::on, {1}, {1}, 1, 132, kH200L2, 64, kH200SetAside));
+  EXPECT_FALSE(l2_hints_for_launch(L2Hints::off, {65536}, {65536}, 1, 132, kH200L2, 128, kH200SetAside));
+  EXPECT_TRUE(l2_hints_for_launch(L2Hints::automatic, {65536}, {65536}, 0, 0, kH200L2, 128, kH200SetAside));
 }
 
 TEST(L2Hints, KeepFractionFollowsTheSetAside) {

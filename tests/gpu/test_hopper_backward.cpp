@@ -160,8 +160,9 @@ TEST_F(Gpu, L2HintedKernelChosenForLargeKeyTables) {
 
 /// The hinted kernel's evict_last share follows the context's L2 set-aside for
 /// persisting lines (l2_hints.hpp): set to the device's maximum, a 24 MiB dK
-/// (S_kv 49152, D128) takes 1.0 where the maximum holds it; set to 0, 0.35. Both
-/// match the fp64 reference; the test restores the limit it found.
+/// (S_kv 49152, D128) takes 1.0 where the maximum holds it, and a 12 MiB dK
+/// (S_kv 24576) takes the hinted kernel as well; set to 0, 0.35 and the unhinted
+/// kernel. All match the fp64 reference; the test restores the limit it found.
 TEST_F(Gpu, L2KeepFractionFollowsTheSetAside) {
   size_t before = 0;
   int max_set_aside = 0;
@@ -182,9 +183,25 @@ TEST_F(Gpu, L2KeepFractionFollowsTheSetAside) {
   ASSERT_GT(hopper::l2_hinted_launches(), hinted) << "the case no longer takes the hinted kernel";
   EXPECT_EQ(hopper::l2_last_keep_fraction(), hopper::l2_keep_fraction(static_cast<int64_t>(now), 49152, 128));
   if (static_cast<int64_t>(now) >= dk_bytes) EXPECT_EQ(hopper::l2_last_keep_fraction(), hopper::L2KeepFraction::f100);
+  // A table under the default gate (dK + K 18 MiB) takes the hinted kernel too
+  // when the set-aside holds its dK and leaves less than twice dK + K to the
+  // other lines (l2_hints_pay, v55): at the H200's 37.5 MiB, with fraction 1.0.
+  const Case small{"set-aside d128 sq48 skv24576", spec_of(1, 48, 24576, 64, 128, 2048, IdPattern::random_permutation)};
+  int l2_bytes = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, 0), cudaSuccess);
+  const bool expect_small_hinted =
+      hopper::l2_hints_pay(hopper::L2Hints::automatic, 24576, 128, l2_bytes, static_cast<int64_t>(now));
+  const uint64_t hinted_small = hopper::l2_hinted_launches();
+  run_case(small);
+  EXPECT_EQ(hopper::l2_hinted_launches() - hinted_small, expect_small_hinted ? 1u : 0u);
+  if (expect_small_hinted) EXPECT_EQ(hopper::l2_last_keep_fraction(), hopper::L2KeepFraction::f100);
   ASSERT_EQ(cudaDeviceSetLimit(cudaLimitPersistingL2CacheSize, 0), cudaSuccess);
   run_case(c);
   EXPECT_EQ(hopper::l2_last_keep_fraction(), hopper::L2KeepFraction::f035);
+  // With no set-aside the small table stays on the unhinted kernel.
+  const uint64_t hinted_none = hopper::l2_hinted_launches();
+  run_case(small);
+  EXPECT_EQ(hopper::l2_hinted_launches(), hinted_none);
 }
 
 /// A shape on which the start stagger delays CTAs (at least 4 waves of the
