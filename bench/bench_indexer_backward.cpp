@@ -21,7 +21,9 @@
 // Exit: 0 ok, 1 a CUDA error, 2 bad arguments, 77 no sm_90 GPU.
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <sstream>
 #include <string>
@@ -82,11 +84,17 @@ int main(int argc, char** argv) {
       else if (a == "--warmup") cfg.warmup = std::stoi(v);
       else if (a == "--input-sets") cfg.input_sets = std::stoi(v);
       else if (a == "--l2-set-aside-mib") {
-        l2_set_aside_mib = std::stod(v);
-        if (!(l2_set_aside_mib >= 0.0)) {
-          std::fprintf(stderr, "--l2-set-aside-mib: expected a number >= 0, got %s\n", v.c_str());
+        // A whole decimal number of MiB, 0 to 1 TiB (the driver caps it at the
+        // device's maximum); trailing characters, inf and nan are errors.
+        char* end = nullptr;
+        const double mib = std::strtod(v.c_str(), &end);
+        if (v.empty() || v.find_first_of("xXpP") != std::string::npos || end != v.c_str() + v.size() ||
+            !std::isfinite(mib) || mib < 0.0 || mib > 1048576.0) {
+          std::fprintf(stderr, "--l2-set-aside-mib: expected a number of MiB from 0 to 1048576, got \"%s\"\n",
+                       v.c_str());
           return 2;
         }
+        l2_set_aside_mib = mib;
       }
       else if (a == "--a-operand") {
         if (!parse_a_operand_precision(v, &base.a_operand)) {
@@ -131,9 +139,10 @@ int main(int argc, char** argv) {
   }
   if (l2_set_aside_mib >= 0.0) {
     const size_t bytes = static_cast<size_t>(l2_set_aside_mib * 1024.0 * 1024.0);
-    const cudaError_t e = cudaDeviceSetLimit(cudaLimitPersistingL2CacheSize, bytes);
+    cudaError_t e = cudaDeviceSetLimit(cudaLimitPersistingL2CacheSize, bytes);
     size_t now = 0;
-    if (e != cudaSuccess || cudaDeviceGetLimit(&now, cudaLimitPersistingL2CacheSize) != cudaSuccess) {
+    if (e == cudaSuccess) e = cudaDeviceGetLimit(&now, cudaLimitPersistingL2CacheSize);
+    if (e != cudaSuccess) {
       std::fprintf(stderr, "--l2-set-aside-mib %.2f: %s\n", l2_set_aside_mib, cudaGetErrorString(e));
       return 1;
     }

@@ -28,9 +28,12 @@ wrap B2 ".device/cand/$cand/dsa-indexer-bwd-bench" "$mib"
 wrap B3 .device/bin/dsa-indexer-bwd-bench 0
 wrap B4 ".device/cand/$cand/dsa-indexer-bwd-bench"
 rc=0
+: > "$out/l2_probe.txt"
 for b in ${PROBES:-B1 B2 B3}; do
-  echo "### A = .device/bin (set-aside as the context has it), B = $b ($(tail -1 .device/probe_wrappers/$b))"
+  echo "### A = .device/bin (set-aside as the context has it), B = $b ($(tail -1 .device/probe_wrappers/$b))" |
+    tee -a "$out/l2_probe.txt"
   timeout 300 python3 scripts/ab_compare.py .device/bin/dsa-indexer-bwd-bench ".device/probe_wrappers/$b" \
-    --pairs "${PAIRS:-3}" --args "$args" --out "$out/l2_probe_$b.json" || rc=1
-done 2>&1 | tee "$out/l2_probe.txt"
+    --pairs "${PAIRS:-3}" --args "$args" --out "$out/l2_probe_$b.json" 2>&1 | tee -a "$out/l2_probe.txt"
+  (( PIPESTATUS[0] == 0 )) || rc=1
+done
 exit $rc

@@ -98,7 +98,11 @@ mkdir -p "$site"
 shopt -s nullglob
 archives=(.peers/*.tar.xz .peers/*/*.tar.xz)
 if ((${#archives[@]} == 0)); then
-  echo "no .peers/*.tar.xz carried: cudnn-frontend and TileLang will report themselves unavailable"
+  if [[ -n $(ls -A "$site" 2>/dev/null) ]]; then
+    echo "no .peers/*.tar.xz carried: using what an earlier call unpacked into $site ($(ls "$site" | wc -l) entries)"
+  else
+    echo "no .peers/*.tar.xz carried and $site is empty: cudnn-frontend and TileLang will report themselves unavailable"
+  fi
 fi
 for a in "${archives[@]}"; do
   t0=$(date +%s)

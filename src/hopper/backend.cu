@@ -164,11 +164,15 @@ static bool a_operand_split(AOperandPrecision precision, const IndexerBackwardOu
 }
 
 /// The context's L2 set-aside for persisting lines (cudaLimitPersistingL2CacheSize),
-/// read per call: the application may change it between calls.
+/// read per call: the application may change it between calls (a CUDA graph
+/// keeps the choice made at capture). It only tunes a cache hint, so a failed
+/// query counts as no set-aside (its error cleared) instead of failing the call.
 static int64_t l2_set_aside_bytes() {
   size_t set_aside = 0;
-  cuda_check(cudaDeviceGetLimit(&set_aside, cudaLimitPersistingL2CacheSize),
-             "cudaDeviceGetLimit(cudaLimitPersistingL2CacheSize)");
+  if (cudaDeviceGetLimit(&set_aside, cudaLimitPersistingL2CacheSize) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
   return static_cast<int64_t>(set_aside);
 }
 
@@ -195,7 +199,8 @@ static hopper::L2KeepFraction l2_keep_fraction_for_launch(const ProblemGeometry&
   cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
              "cudaDeviceGetAttribute(cudaDevAttrMultiProcessorCount)");
   return hopper::l2_keep_fraction(l2_set_aside_bytes(),
-                                  hopper::key_rows_for_launch(g.q_len, g.k_len, head_groups, sms), g.head_dim);
+                                  hopper::typical_key_rows_for_launch(g.q_len, g.k_len, head_groups, sms),
+                                  g.head_dim);
 }
 
 /// One of the six fused kernels, as a type: head dim, split a operand, L2 hint.
@@ -289,7 +294,7 @@ void run_cuda_backend(const IndexerBackwardInputs& in, const IndexerBackwardOutp
         reinterpret_cast<const char*>(begin), lines);
     hopper::cuda_check_launch("reset_l2_priority_to_normal");
     hopper::l2_hinted_launch_count.fetch_add(1, std::memory_order_relaxed);
-    hopper::l2_last_keep_fraction_value.store(static_cast<int32_t>(l2_keep_fraction), std::memory_order_relaxed);
+    hopper::l2_last_keep_fraction_value.store(params.l2_keep_fraction, std::memory_order_relaxed);  // what the kernel got
   }
   if (dk_bf16 && dk_bytes > 0) {
     const int64_t n = g.num_k_rows * g.head_dim;

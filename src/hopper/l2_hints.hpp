@@ -61,6 +61,28 @@ inline int64_t key_rows_in_flight(const std::vector<int64_t>& q_len, const std::
   return most;
 }
 
+/// As key_rows_in_flight, for windows that start at a sequence's first query row:
+/// the key rows a window touches for most of a launch. With long sequences (B2
+/// S 65536) that is one sequence's keys, where the worst window (the last row of
+/// one sequence and the rows after it, for ~rows_in_flight rows of each
+/// sequence) also counts the next one.
+inline int64_t typical_key_rows_in_flight(const std::vector<int64_t>& q_len, const std::vector<int64_t>& k_len,
+                                          int64_t rows_in_flight) {
+  const std::size_t n = std::min(q_len.size(), k_len.size());
+  int64_t most = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    if (q_len[i] <= 0) continue;
+    int64_t keys = k_len[i], rows_left = rows_in_flight - q_len[i];
+    for (std::size_t j = i + 1; j < n && rows_left > 0; ++j) {
+      if (q_len[j] <= 0) continue;
+      keys += k_len[j];
+      rows_left -= q_len[j];
+    }
+    most = std::max(most, keys);
+  }
+  return most;
+}
+
 /// Whether a launch takes the hinted kernel: `mode` from l2_hints_from_env();
 /// automatic: when those key rows' dK (fp32) and K (bf16) bytes exceed half of
 /// `l2_bytes` (cudaDevAttrL2CacheSize; 0 = unknown: no hints), or when the
@@ -95,6 +117,16 @@ inline int64_t key_rows_for_launch(const std::vector<int64_t>& q_len, const std:
   const int64_t groups = std::max<int64_t>(head_groups, 1);
   const int64_t rows_in_flight = std::max<int64_t>((sms + groups - 1) / groups, 1);
   return key_rows_in_flight(q_len, k_len, rows_in_flight);
+}
+
+/// typical_key_rows_in_flight over the same rows in flight: the basis of the
+/// evict_last share (l2_keep_fraction), which should fit the set-aside for most
+/// of the launch, not only in its worst window.
+inline int64_t typical_key_rows_for_launch(const std::vector<int64_t>& q_len, const std::vector<int64_t>& k_len,
+                                           int64_t head_groups, int64_t sms) {
+  const int64_t groups = std::max<int64_t>(head_groups, 1);
+  const int64_t rows_in_flight = std::max<int64_t>((sms + groups - 1) / groups, 1);
+  return typical_key_rows_in_flight(q_len, k_len, rows_in_flight);
 }
 
 /// The whole decision for one launch, from the problem and the device: `mode`,
@@ -135,9 +167,9 @@ inline float l2_keep_fraction_value(L2KeepFraction f) {
 }
 
 /// The fraction for `set_aside_bytes` of persisting L2 and `key_rows` key rows of
-/// fp32 dK at `head_dim` (key_rows_for_launch): f100 when the set-aside holds
-/// all their dK bytes, f075 when it holds 3/4 of them, f035 otherwise (no
-/// set-aside included).
+/// fp32 dK at `head_dim` (typical_key_rows_for_launch): f100 when the set-aside
+/// holds all their dK bytes (also when there are none), f075 when it holds 3/4
+/// of them, f035 otherwise (no set-aside included).
 inline L2KeepFraction l2_keep_fraction(int64_t set_aside_bytes, int64_t key_rows, int64_t head_dim) {
   const int64_t dk_bytes = key_rows * head_dim * static_cast<int64_t>(sizeof(float));
   if (set_aside_bytes >= dk_bytes) return L2KeepFraction::f100;

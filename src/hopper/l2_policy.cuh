@@ -33,6 +33,8 @@
 
 #include <cstdint>
 
+#include "hopper/l2_hints.hpp"
+
 namespace dsaib::hopper {
 
 /// The createpolicy value of the dK reds: L2 evict_last for 35%, 75% or all of
@@ -41,9 +43,9 @@ namespace dsaib::hopper {
 /// others. The fraction is an immediate in PTX, hence one instruction per value.
 __device__ __forceinline__ uint64_t l2_policy_dk_reds(int32_t keep_fraction) {
   uint64_t policy;
-  if (keep_fraction == 2) {
+  if (keep_fraction == static_cast<int32_t>(L2KeepFraction::f100)) {
     asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
-  } else if (keep_fraction == 1) {
+  } else if (keep_fraction == static_cast<int32_t>(L2KeepFraction::f075)) {
     asm("createpolicy.fractional.L2::evict_last.b64 %0, 0.75;" : "=l"(policy));
   } else {
     asm("createpolicy.fractional.L2::evict_last.b64 %0, 0.35;" : "=l"(policy));
