@@ -455,7 +455,13 @@ int cmd_backward(GenOptions& gen, const ScalarOverrides& sc, const BackwardArgs&
   Problem p;
   if (!a.in.empty()) {
     log_stage("reading " + a.in + " ...");
-    p = load_problem(a.in, sc.overridden_keys());
+    try {
+      p = load_problem(a.in, sc.overridden_keys());
+    } catch (const Error& e) {  // name the flag the file came from (the message names the file)
+      const std::string msg = e.what();
+      if (msg.rfind("--in", 0) == 0) throw;
+      throw Error(e.code(), "--in", "--in: " + msg);
+    }
   } else {
     sc.apply_to_flags(gen.f);
     p = generate(gen.f, threads);

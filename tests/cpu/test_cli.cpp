@@ -576,6 +576,9 @@ TEST_F(Cli, FlagValueErrorsNameTheFlagAndTheValue) {
       {"backward --preset tiny --heads 12", "error (invalid_argument): --heads: expected a multiple of 8 in [8, 128], got 12"},
       {"generate --preset tiny --head-dim 32 --out x.safetensors", "error (invalid_argument): --head-dim: expected 64 or 128, got 32"},
       {"generate --preset tiny --out ''", "--out: expected a file name, got \"\""},
+      // A file that cannot be read is named with the flag it came from.
+      {"backward --in /nonexistent/p.safetensors",
+       "error (io_error): --in: /nonexistent/p.safetensors: cannot open for reading"},
       {"backward --preset tiny --seed 18446744073709551616",
        "--seed: expected an integer in [0, 2^64 - 1], got \"18446744073709551616\""},
       // bench's lists: empty items are errors naming the flag (CLI11's delimiter used to drop
