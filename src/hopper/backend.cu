@@ -176,31 +176,31 @@ static int64_t l2_set_aside_bytes() {
   return static_cast<int64_t>(set_aside);
 }
 
-/// l2_hints.hpp's decision for this launch, on this device's SM count, L2 size and
-/// the context's set-aside.
-static bool use_l2_hints(hopper::L2Hints mode, const ProblemGeometry& g, int64_t head_groups) {
-  if (mode != hopper::L2Hints::automatic) return mode == hopper::L2Hints::on;
+/// The L2 side of a launch (l2_hints.hpp): whether it takes the hinted kernel and,
+/// if so, its evict_last share.
+struct L2Plan {
+  bool keep_dk = false;
+  hopper::L2KeepFraction fraction = hopper::L2KeepFraction::f035;
+};
+
+/// l2_hints.hpp's decisions for this launch, on this device's SM count and L2 size
+/// and the context's set-aside, each queried once. The split-A kernels have no
+/// hinted variant (launch.hpp).
+static L2Plan l2_plan_for_launch(hopper::L2Hints mode, const ProblemGeometry& g, int64_t head_groups, bool split_a) {
+  if (split_a || mode == hopper::L2Hints::off) return {};
   int device = 0, sms = 0, l2_bytes = 0;
   cuda_check(cudaGetDevice(&device), "cudaGetDevice");
   cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
              "cudaDeviceGetAttribute(cudaDevAttrMultiProcessorCount)");
-  cuda_check(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device),
-             "cudaDeviceGetAttribute(cudaDevAttrL2CacheSize)");
-  return hopper::l2_hints_for_launch(mode, g.q_len, g.k_len, head_groups, sms, l2_bytes, g.head_dim,
-                                     l2_set_aside_bytes());
-}
-
-/// The hinted kernel's evict_last share for this launch (l2_hints.hpp), from the
-/// context's L2 set-aside for persisting lines, read per call: the application may
-/// change it between calls.
-static hopper::L2KeepFraction l2_keep_fraction_for_launch(const ProblemGeometry& g, int64_t head_groups) {
-  int device = 0, sms = 0;
-  cuda_check(cudaGetDevice(&device), "cudaGetDevice");
-  cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
-             "cudaDeviceGetAttribute(cudaDevAttrMultiProcessorCount)");
-  return hopper::l2_keep_fraction(l2_set_aside_bytes(),
-                                  hopper::typical_key_rows_for_launch(g.q_len, g.k_len, head_groups, sms),
-                                  g.head_dim);
+  if (mode == hopper::L2Hints::automatic) {
+    cuda_check(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device),
+               "cudaDeviceGetAttribute(cudaDevAttrL2CacheSize)");
+  }
+  const int64_t set_aside = l2_set_aside_bytes();
+  if (!hopper::l2_hints_for_launch(mode, g.q_len, g.k_len, head_groups, sms, l2_bytes, g.head_dim, set_aside)) return {};
+  const int64_t key_rows =
+      hopper::key_rows_for_launch(g.q_len, g.k_len, head_groups, sms, hopper::WindowStart::first_row);
+  return {true, hopper::l2_keep_fraction(set_aside, key_rows, g.head_dim)};
 }
 
 /// One of the six fused kernels, as a type: head dim, split a operand, L2 hint.
@@ -243,11 +243,9 @@ void run_cuda_backend(const IndexerBackwardInputs& in, const IndexerBackwardOutp
   // Which kernel and its grid: decided (device queries included) before anything is
   // allocated or written.
   const bool split_a = a_operand_split(opt.a_operand_precision, out);
-  // The split-A kernels have no hinted variant (launch.hpp).
   const int64_t head_groups = hopper::head_groups_of(g);
-  const bool l2_keep_dk = !split_a && use_l2_hints(l2_mode, g, head_groups);
-  const hopper::L2KeepFraction l2_keep_fraction =
-      l2_keep_dk ? l2_keep_fraction_for_launch(g, head_groups) : hopper::L2KeepFraction::f035;
+  const L2Plan l2 = l2_plan_for_launch(l2_mode, g, head_groups, split_a);
+  const bool l2_keep_dk = l2.keep_dk;
   // The persistent grid (occupancy query) and the start delays for it (start_stagger.hpp, v44).
   const int64_t num_tasks = hopper::num_tasks_of(g);
   int64_t grid = 0;
@@ -278,7 +276,7 @@ void run_cuda_backend(const IndexerBackwardInputs& in, const IndexerBackwardOutp
   hopper::IndexerBackwardParams params = hopper::make_kernel_params(in, out, opt, g, dk_accum);
   params.start_stagger_max_ns = stagger.max_ns;
   params.start_stagger_first_delayed_cta = stagger.first_delayed_cta;
-  params.l2_keep_fraction = static_cast<int32_t>(l2_keep_fraction);
+  params.l2_keep_fraction = static_cast<int32_t>(l2.fraction);
   if (dk_bytes > 0) cuda_check(cudaMemsetAsync(dk_accum, 0, dk_bytes, stream), "cudaMemsetAsync (dK accumulator)");
   with_kernel_choice(g.head_dim, split_a, l2_keep_dk, [&](auto k) {
     using K = decltype(k);

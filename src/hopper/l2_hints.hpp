@@ -38,41 +38,28 @@ inline L2Hints l2_hints_from_env() {
               "DSAIB_L2_HINTS: expected \"auto\", \"on\" or \"off\", got \"" + s + "\"");
 }
 
+/// Where the windows of key_rows_in_flight start within a sequence.
+enum class WindowStart {
+  last_row,   // the worst window: a sequence's last row and the rows after it (the hint's gate)
+  first_row,  // the window for most of a launch: a sequence's first row onwards (the evict_last share;
+              // with long sequences, B2 S 65536, one sequence's keys where the worst window counts two)
+};
+
 /// The most key rows that `rows_in_flight` consecutive flat query rows can touch:
 /// the largest sum of k_len over the sequences one window of that many rows meets
-/// (sequences with no query rows are never met). q_len and k_len: per sequence,
-/// in flat order (BSHD: B times S_q and S_kv). The persistent grid hands out tasks
-/// in row order, so about grid / head_groups rows are in flight at once.
+/// (sequences with no query rows are never met), over the windows that start at
+/// each sequence's last row (`start` last_row, the default) or first row. q_len and
+/// k_len: per sequence, in flat order (BSHD: B times S_q and S_kv). The persistent
+/// grid hands out tasks in row order, so about grid / head_groups rows are in
+/// flight at once.
 inline int64_t key_rows_in_flight(const std::vector<int64_t>& q_len, const std::vector<int64_t>& k_len,
-                                  int64_t rows_in_flight) {
+                                  int64_t rows_in_flight, WindowStart start = WindowStart::last_row) {
   const std::size_t n = std::min(q_len.size(), k_len.size());
   int64_t most = 0;
   for (std::size_t i = 0; i < n; ++i) {
     if (q_len[i] <= 0) continue;
-    // Worst window for sequence i: its last row, then the rows that follow.
-    int64_t keys = k_len[i], rows_left = rows_in_flight - 1;
-    for (std::size_t j = i + 1; j < n && rows_left > 0; ++j) {
-      if (q_len[j] <= 0) continue;
-      keys += k_len[j];
-      rows_left -= q_len[j];
-    }
-    most = std::max(most, keys);
-  }
-  return most;
-}
-
-/// As key_rows_in_flight, for windows that start at a sequence's first query row:
-/// the key rows a window touches for most of a launch. With long sequences (B2
-/// S 65536) that is one sequence's keys, where the worst window (the last row of
-/// one sequence and the rows after it, for ~rows_in_flight rows of each
-/// sequence) also counts the next one.
-inline int64_t typical_key_rows_in_flight(const std::vector<int64_t>& q_len, const std::vector<int64_t>& k_len,
-                                          int64_t rows_in_flight) {
-  const std::size_t n = std::min(q_len.size(), k_len.size());
-  int64_t most = 0;
-  for (std::size_t i = 0; i < n; ++i) {
-    if (q_len[i] <= 0) continue;
-    int64_t keys = k_len[i], rows_left = rows_in_flight - q_len[i];
+    // The window's rows of sequence i, then the rows that follow.
+    int64_t keys = k_len[i], rows_left = rows_in_flight - (start == WindowStart::last_row ? 1 : q_len[i]);
     for (std::size_t j = i + 1; j < n && rows_left > 0; ++j) {
       if (q_len[j] <= 0) continue;
       keys += k_len[j];
@@ -111,22 +98,13 @@ inline bool l2_hints_pay(L2Hints mode, int64_t key_rows, int64_t head_dim, int64
 uint64_t l2_hinted_launches();
 
 /// The key rows that the CTAs in flight can touch at once (key_rows_in_flight over
-/// ceil(sms / head_groups) consecutive query rows): the basis of both L2 decisions.
+/// ceil(sms / head_groups) consecutive query rows): the basis of both L2 decisions,
+/// the gate with the worst windows, the evict_last share with those from a first row.
 inline int64_t key_rows_for_launch(const std::vector<int64_t>& q_len, const std::vector<int64_t>& k_len,
-                                   int64_t head_groups, int64_t sms) {
+                                   int64_t head_groups, int64_t sms, WindowStart start = WindowStart::last_row) {
   const int64_t groups = std::max<int64_t>(head_groups, 1);
   const int64_t rows_in_flight = std::max<int64_t>((sms + groups - 1) / groups, 1);
-  return key_rows_in_flight(q_len, k_len, rows_in_flight);
-}
-
-/// typical_key_rows_in_flight over the same rows in flight: the basis of the
-/// evict_last share (l2_keep_fraction), which should fit the set-aside for most
-/// of the launch, not only in its worst window.
-inline int64_t typical_key_rows_for_launch(const std::vector<int64_t>& q_len, const std::vector<int64_t>& k_len,
-                                           int64_t head_groups, int64_t sms) {
-  const int64_t groups = std::max<int64_t>(head_groups, 1);
-  const int64_t rows_in_flight = std::max<int64_t>((sms + groups - 1) / groups, 1);
-  return typical_key_rows_in_flight(q_len, k_len, rows_in_flight);
+  return key_rows_in_flight(q_len, k_len, rows_in_flight, start);
 }
 
 /// The whole decision for one launch, from the problem and the device: `mode`,
@@ -167,7 +145,7 @@ inline float l2_keep_fraction_value(L2KeepFraction f) {
 }
 
 /// The fraction for `set_aside_bytes` of persisting L2 and `key_rows` key rows of
-/// fp32 dK at `head_dim` (typical_key_rows_for_launch): f100 when the set-aside
+/// fp32 dK at `head_dim` (key_rows_for_launch from a first row): f100 when the set-aside
 /// holds all their dK bytes (also when there are none), f075 when it holds 3/4
 /// of them, f035 otherwise (no set-aside included).
 inline L2KeepFraction l2_keep_fraction(int64_t set_aside_bytes, int64_t key_rows, int64_t head_dim) {

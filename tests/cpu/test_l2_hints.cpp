@@ -123,18 +123,18 @@ TEST(L2Hints, KeepFractionFollowsTheSetAside) {
   // H200's cap holds it (1.0), though the worst window meets both sequences.
   const std::vector<int64_t> b2(2, 65536);
   EXPECT_EQ(key_rows_for_launch(b2, b2, 1, 132), 2 * 65536);
-  EXPECT_EQ(typical_key_rows_for_launch(b2, b2, 1, 132), 65536);
-  EXPECT_EQ(l2_keep_fraction(37 * kMiB + kMiB / 2, typical_key_rows_for_launch(b2, b2, 1, 132), 128),
+  EXPECT_EQ(key_rows_for_launch(b2, b2, 1, 132, WindowStart::first_row), 65536);
+  EXPECT_EQ(l2_keep_fraction(37 * kMiB + kMiB / 2, key_rows_for_launch(b2, b2, 1, 132, WindowStart::first_row), 128),
             L2KeepFraction::f100);
   // Short sequences: a window from the first row of one meets the next ones
   // (40 query rows each: 132 rows cover 4 sequences from a first row, 5 from
   // a last row).
   const std::vector<int64_t> q40(8, 40), k16k(8, 16384);
-  EXPECT_EQ(typical_key_rows_for_launch(q40, k16k, 1, 132), 4 * 16384);
+  EXPECT_EQ(key_rows_for_launch(q40, k16k, 1, 132, WindowStart::first_row), 4 * 16384);
   EXPECT_EQ(key_rows_for_launch(q40, k16k, 1, 132), 5 * 16384);
-  EXPECT_EQ(typical_key_rows_for_launch({65536}, {65536}, 1, 132), 65536);
-  EXPECT_EQ(typical_key_rows_for_launch({0, 5}, {100000, 7}, 1, 132), 7);
-  EXPECT_EQ(typical_key_rows_for_launch({}, {}, 1, 132), 0);
+  EXPECT_EQ(key_rows_for_launch({65536}, {65536}, 1, 132, WindowStart::first_row), 65536);
+  EXPECT_EQ(key_rows_for_launch({0, 5}, {100000, 7}, 1, 132, WindowStart::first_row), 7);
+  EXPECT_EQ(key_rows_for_launch({}, {}, 1, 132, WindowStart::first_row), 0);
   // key_rows_for_launch is the estimate of the hint decision.
   EXPECT_EQ(key_rows_for_launch({65536}, {65536}, 1, 132), 65536);
   EXPECT_EQ(key_rows_for_launch(q40, k16k, 4, 132), 2 * 16384);
