@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# One device call: the GPU's SM clock, power draw and clock-event reasons
+# (nvidia-smi, sampled every SAMPLE_MS) while each of these runs alone, long
+# enough for ~50 samples:
+#   op_random65536 / op_random16384 / op_causal16384  the staged op bench (.device/bin)
+#   no_reds16384   the no_reds ablation's bench (.device/ablations, if staged), random ids
+#   floor          the floor bench: its scatter ways with a large payload, then cuBLAS
+# The question: does the fused op (tensor cores and the L2's reds busy together)
+# run at a lower SM clock, or under a power cap, than either half alone?
+#   device run, carry [".device/bin", ".device/ablations"]: bash scripts/device/clock_probe.sh
+# Env: SAMPLE_MS (20). Writes $OUT/clock_<name>.csv (raw samples), $OUT/run_<name>.txt
+# (each tool's console) and $OUT/clock_probe.txt (the summary).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+out=${OUT:-out}
+mkdir -p "$out"
+ms=${SAMPLE_MS:-20}
+q="timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active"
+nvidia-smi --query-gpu="$q" --format=csv,noheader >/dev/null 2>&1 ||
+  q="timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
+nvidia-smi --query-gpu=name,driver_version,power.limit,power.max_limit,clocks.max.sm,clocks.max.mem,clocks.applications.graphics \
+  --format=csv | tee "$out/clock_probe.txt"
+rc=0
+probe() {  # name command...
+  local name=$1; shift
+  nvidia-smi --query-gpu="$q" --format=csv,noheader,nounits -lms "$ms" > "$out/clock_$name.csv" &
+  local sampler=$!
+  sleep 0.3
+  timeout 240 "$@" > "$out/run_$name.txt" 2>&1 || { echo "$name: rc=$?" | tee -a "$out/clock_probe.txt"; rc=1; }
+  kill "$sampler" 2>/dev/null; wait "$sampler" 2>/dev/null
+  python3 - "$out/clock_$name.csv" "$name" <<'EOF' | tee -a "$out/clock_probe.txt"
+import sys, statistics
+path, name = sys.argv[1], sys.argv[2]
+rows = []
+for line in open(path):
+    f = [x.strip() for x in line.split(",")]
+    if len(f) < 6: continue
+    try: rows.append((float(f[1]), float(f[2]), float(f[3]), float(f[4]), int(f[5], 16)))
+    except ValueError: pass
+busy = [r for r in rows if r[3] > 150.0]  # watts: samples while a kernel runs (idle H200 ~75-120 W)
+def stat(i): v = sorted(r[i] for r in busy); return f"{statistics.median(v):.0f} [{v[0]:.0f}, {v[-1]:.0f}]"
+if not busy:
+    print(f"{name:16s} no busy samples of {len(rows)}"); sys.exit(0)
+reasons = {}
+for r in busy: reasons[r[4]] = reasons.get(r[4], 0) + 1
+print(f"{name:16s} busy samples {len(busy):4d}/{len(rows):4d}  SM MHz {stat(0)}  mem MHz {stat(1)}  "
+      f"W {stat(2)}  C {stat(3)}  reasons " + " ".join(f"{k:#x}:{v}" for k, v in sorted(reasons.items())))
+EOF
+}
+bench=.device/bin/dsa-indexer-bwd-bench
+probe op_random65536 "$bench" --seq 65536 --ids random --iters 60
+probe op_random16384 "$bench" --seq 16384 --ids random --iters 250
+probe op_causal16384 "$bench" --seq 16384 --ids causal --iters 250
+if [[ -x .device/ablations/bench_no_reds ]]; then
+  probe no_reds16384 .device/ablations/bench_no_reds --seq 16384 --ids random --iters 250
+fi
+probe floor .device/bin/dsa-floor-bench --tables 8 --payload-mib 65536 --iters 40 --gemm-size 16384
+echo "reasons: bitmask of nvidia-smi clocks_event_reasons (0x1 idle, 0x4 SW power cap, 0x8 HW slowdown," \
+  "0x20 SW thermal, 0x40 HW thermal, 0x80 HW power brake); busy = samples above 150 W" | tee -a "$out/clock_probe.txt"
+exit $rc
