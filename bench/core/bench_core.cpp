@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
 
 #include "bench_core.hpp"
 #include "cuda_check.hpp"
@@ -132,6 +133,20 @@ bool parse_id_pattern(const std::string& s, IdPattern* out) {
     }
   }
   return false;
+}
+
+int sustained_launches(double sustained_ms, double launch_ms) {
+  if (!std::isfinite(sustained_ms) || sustained_ms < 0) {
+    throw Error(ErrorCode::invalid_argument, "sustained_ms",
+                "a finite number of milliseconds >= 0, got " + std::to_string(sustained_ms));
+  }
+  if (!(launch_ms > 0) || !std::isfinite(launch_ms)) {
+    throw Error(ErrorCode::invalid_argument, "launch_ms",
+                "a positive, finite launch time, got " + std::to_string(launch_ms));
+  }
+  const double n = std::ceil(sustained_ms / launch_ms);
+  if (n >= kSustainedMaxLaunches) return kSustainedMaxLaunches;
+  return std::max(kSustainedMinLaunches, static_cast<int>(n));
 }
 
 int auto_input_sets(uint64_t set_bytes, int64_t l2_bytes, uint64_t free_bytes) {

@@ -149,7 +149,18 @@ struct OpConfig {
   int iters = 20, warmup = 3;
   int input_sets = 0;        // 0: automatic (see auto_input_sets), else this many
   uint64_t seed = 1234;      // the case's generator seed is seed + seq
+  /// Milliseconds of back-to-back launches after the timed ones (0: none). See
+  /// OpResult::ns_per_row_sustained.
+  double sustained_ms = 0;
 };
+
+/// Launches of a sustained run: enough for `sustained_ms` at `launch_ms` each, at least
+/// kSustainedMinLaunches, at most kSustainedMaxLaunches. Raises dsaib::Error
+/// (invalid_argument, "sustained_ms") when sustained_ms is negative or not finite, or
+/// launch_ms is not positive.
+inline constexpr int kSustainedMinLaunches = 20;
+inline constexpr int kSustainedMaxLaunches = 20000;
+int sustained_launches(double sustained_ms, double launch_ms);
 
 /// Input-set rotation: a case keeps N sets (inputs and outputs; copies of one generated
 /// set at different addresses) and launch i uses set i mod N, so consecutive launches touch
@@ -172,6 +183,17 @@ struct OpResult {
   double ns_per_row = 0, ns_per_row_min = 0, ns_per_row_max = 0;  // median / min / max time over B*S rows
   double tflops = 0;                // 6*H*D FLOP per valid slot / median time
   double dk_gbps = 0;               // D*4 B of dK reduce per valid slot / median time
+  // Sustained run (OpConfig::sustained_ms > 0): `sustained_launches` launches back to
+  // back, an event recorded between each two, no host wait and no pre-roll in between,
+  // as a training step runs them. The GPU's power management has then had the whole
+  // run to act: on the H200 the op reaches the 700 W limit at S 65536 and the SM clock
+  // drops (docs/perf-log.md, nineteenth session). ns_per_row_sustained is the median
+  // over the second half of the launches (the steady state), _first_half over the first.
+  // The per-launch times above, each after a 3 ms pre-roll (Timer::time), are what the
+  // peers' timer measures; these are what a loop of back-to-back launches gets.
+  int sustained_launches = 0;
+  double sustained_seconds = 0;     // GPU time of the whole sustained run
+  double ns_per_row_sustained = 0, ns_per_row_sustained_first_half = 0;
 };
 
 /// Raises dsaib::Error with the library's own message when the case is not a valid
@@ -180,7 +202,8 @@ void check_case(const OpCase& c);
 
 /// Generates the case on the host, uploads it (and its copies), times the whole op
 /// (dK zeroing, fused kernel, bf16 cast) with CUDA events around each launch:
-/// `warmup` untimed launches, then `iters` timed ones.
+/// `warmup` untimed launches, then `iters` timed ones, then (sustained_ms > 0) the
+/// sustained run.
 OpResult run_op_case(const OpCase& c, const OpConfig& cfg);
 
 }  // namespace dsaib::bench

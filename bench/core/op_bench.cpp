@@ -188,6 +188,7 @@ OpResult run_op_case(const OpCase& c, const OpConfig& cfg) {
   if (cfg.iters < 1 || cfg.warmup < 0 || cfg.input_sets < 0) {
     throw Error(ErrorCode::invalid_argument, "iters", "iters >= 1, warmup >= 0, input_sets >= 0");
   }
+  (void)sustained_launches(cfg.sustained_ms, 1.0);  // rejects a bad sustained_ms before any work
   check_case(c);
   OpResult r;
   r.c = c;
@@ -248,6 +249,39 @@ OpResult run_op_case(const OpCase& c, const OpConfig& cfg) {
   r.ns_per_row_max = r.t.max_ms * ns_per_ms_row;
   r.tflops = 6.0 * c.heads * c.dim * static_cast<double>(h.valid_slots) / sec / 1e12;
   r.dk_gbps = static_cast<double>(h.valid_slots) * c.dim * 4.0 / sec / 1e9;
+
+  if (cfg.sustained_ms > 0) {
+    // Back to back: an event between each two launches, no host wait until the end.
+    const int n = sustained_launches(cfg.sustained_ms, r.t.median_ms);
+    std::vector<cudaEvent_t> ev(static_cast<size_t>(n) + 1, nullptr);
+    struct Events {
+      std::vector<cudaEvent_t>& v;
+      ~Events() {
+        for (cudaEvent_t e : v)
+          if (e) cudaEventDestroy(e);
+      }
+    } guard{ev};
+    for (auto& e : ev) check_cuda(cudaEventCreate(&e), "cudaEventCreate (sustained run)");
+    check_cuda(cudaEventRecord(ev[0], timer.stream), "cudaEventRecord");
+    for (int i = 0; i < n; ++i) {
+      run();
+      check_cuda(cudaEventRecord(ev[i + 1], timer.stream), "cudaEventRecord");
+    }
+    check_cuda(cudaEventSynchronize(ev[n]), "the sustained run");
+    check_cuda(cudaGetLastError(), "after the sustained run");
+    std::vector<float> first, second;
+    for (int i = 0; i < n; ++i) {
+      float ms = 0;
+      check_cuda(cudaEventElapsedTime(&ms, ev[i], ev[i + 1]), "cudaEventElapsedTime");
+      (i < n / 2 ? first : second).push_back(ms);
+    }
+    float total = 0;
+    check_cuda(cudaEventElapsedTime(&total, ev[0], ev[n]), "cudaEventElapsedTime");
+    r.sustained_launches = n;
+    r.sustained_seconds = total * 1e-3;
+    r.ns_per_row_sustained = stats_of(second).median_ms * ns_per_ms_row;
+    r.ns_per_row_sustained_first_half = stats_of(first).median_ms * ns_per_ms_row;
+  }
   return r;
 }
 

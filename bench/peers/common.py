@@ -94,6 +94,10 @@ def add_run_args(ap):
     ap.add_argument("--site", default=DEFAULT_SITE,
                     help="unpacked peer payload to put on sys.path (default $DSAIB_PEERS_SITE or /tmp/peers-site)")
     ap.add_argument("--json", metavar="FILE", help="write the results as JSON (rewritten after every case)")
+    ap.add_argument("--sustained-ms", type=float, default=0.0, metavar="MS",
+                    help="after the timed calls, MS ms of calls back to back (no sleep, no host wait; "
+                         "prepare() between them): the steady state under the GPU's power management, "
+                         "as dsa-indexer-bwd-bench --sustained-ms (0: not run)")
 
 
 def parse_cases(ap, a):
@@ -151,6 +155,35 @@ def gpu_time(op, iters, warmup, prepare=None, sleep_ms=3.0):
         if it >= warmup:
             times.append(e0.elapsed_time(e1))
     return times
+
+
+def gpu_time_sustained(op, sustained_ms, median_ms, prepare=None):
+    """The sustained run of dsa-indexer-bwd-bench --sustained-ms (bench/core/op_bench.cpp):
+    max(20, ceil(sustained_ms / median_ms)) calls (at most 20000) back to back, CUDA events
+    around each op() only, prepare() between them on the same stream, one host wait at the
+    end. Returns (every call's time in ms, in order; the whole run's GPU seconds), for
+    summarize_sustained."""
+    if not (sustained_ms >= 0.0) or sustained_ms == float("inf"):
+        raise ValueError(f"sustained_ms: expected a finite number >= 0, got {sustained_ms}")
+    n = min(20000, max(20, int(-(-sustained_ms // median_ms))))
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+    for e0, e1 in ev:
+        if prepare is not None:
+            prepare()
+        e0.record()
+        op()
+        e1.record()
+    ev[-1][1].synchronize()
+    times = [e0.elapsed_time(e1) for e0, e1 in ev]
+    return times, ev[0][0].elapsed_time(ev[-1][1]) * 1e-3
+
+
+def summarize_sustained(times_ms, seconds, rows):
+    """Keys of dsa-indexer-bwd-bench's JSON: the steady state is the second half's median."""
+    half = len(times_ms) // 2
+    return {"sustained_launches": len(times_ms), "sustained_seconds": seconds,
+            "ns_per_row_sustained": statistics.median(times_ms[half:]) * 1e6 / rows,
+            "ns_per_row_sustained_first_half": statistics.median(times_ms[:half]) * 1e6 / rows}
 
 
 def first_call(op, prepare=None):

@@ -215,6 +215,10 @@ def main(argv=None):
                 row["first_call_s"] = common.first_call(case.run, case.restore)
                 times = common.gpu_time(case.run, a.iters, a.warmup, prepare=case.restore)
                 row.update(common.summarize(times, a.batch * S))
+                if a.sustained_ms > 0:
+                    st, secs = common.gpu_time_sustained(case.run, a.sustained_ms, row["bwd_median_ms"],
+                                                         prepare=case.restore)
+                    row.update(common.summarize_sustained(st, secs, a.batch * S))
                 if not all(bool(torch.isfinite(x.float()).all().item()) for x in (case.dq, case.dw, case.dk)):
                     raise RuntimeError("non-finite gradient")
                 row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -222,6 +226,10 @@ def main(argv=None):
                 print(f"{kind:15s} {S:6d} {row['valid_slots_per_row']:8.1f} {row['bwd_median_ms']:10.3f} "
                       f"{row['ns_per_row']:9.1f} {row['first_call_s']:12.2f}   (min {row['bwd_min_ms']:.3f} "
                       f"max {row['bwd_max_ms']:.3f} ms)", flush=True)
+                if a.sustained_ms > 0:
+                    print(f"{'':15s} {'':6s}   sustained: {row['sustained_launches']} calls back to back over "
+                          f"{row['sustained_seconds']:.2f} s: {row['ns_per_row_sustained']:.1f} ns/row in the "
+                          f"second half, {row['ns_per_row_sustained_first_half']:.1f} in the first", flush=True)
             except Exception as e:  # noqa: BLE001 (OOM, unsupported shape, compile error: report and go on)
                 row["status"] = "oom" if common.is_oom(e) else "error"
                 row["reason"] = common.short_error(e)

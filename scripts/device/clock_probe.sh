@@ -8,7 +8,8 @@
 # The question: does the fused op (tensor cores and the L2's reds busy together)
 # run at a lower SM clock, or under a power cap, than either half alone?
 #   device run, carry [".device/bin", ".device/ablations"]: bash scripts/device/clock_probe.sh
-# Env: SAMPLE_MS (20), RUNS (names below), ITERS_SCALE (1). Writes $OUT/clock_<name>.csv (raw samples), $OUT/run_<name>.txt
+# Env: SAMPLE_MS (20), RUNS (names below), ITERS_SCALE (1), SUSTAINED_MS (3000: the
+#      sus_<ids>_<S> runs, e.g. sus_random_65536: 10 timed launches, then a sustained run). Writes $OUT/clock_<name>.csv (raw samples), $OUT/run_<name>.txt
 # (each tool's console) and $OUT/clock_probe.txt (the summary).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -70,6 +71,10 @@ for r in $runs; do
       probe $r .device/ablations/bench_no_reds --seq 16384 --ids random --iters $((250 * x)) ;;
     no_reds65536) [[ -x .device/ablations/bench_no_reds ]] &&
       probe $r .device/ablations/bench_no_reds --seq 65536 --ids random --iters $((60 * x)) ;;
+    sus_causal_*|sus_random_*)  # the op's timed launches, then SUSTAINED_MS of launches back to back
+      ids=${r#sus_}; ids=${ids%_*}; seq=${r##*_}
+      probe $r "$bench" --seq "$seq" --ids "$ids" --iters 10 --sustained-ms "${SUSTAINED_MS:-3000}" \
+        --json "$out/$r.json" ;;
     floor) probe $r .device/bin/dsa-floor-bench --tables 8 --payload-mib 65536 --iters $((40 * x)) --gemm-size 16384 ;;
     *) echo "unknown run $r"; rc=2 ;;
   esac

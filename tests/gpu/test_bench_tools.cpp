@@ -132,6 +132,34 @@ TEST_F(BenchTools, OpBenchKeepsItsJsonForAbCompare) {
   }
 }
 
+TEST_F(BenchTools, OpBenchSustainedRunReportsItsSteadyState) {
+  const std::string json = path("sustained.json");
+  const CommandResult r = run_command(shell_quote(binary(DSAIB_OP_BENCH_PATH)) +
+                                      " --seq 512 --ids random --heads 16 --dim 128 --topk 128 --iters 3"
+                                      " --sustained-ms 50 --json " + shell_quote(json) + " 2>&1");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("sustained:"), std::string::npos) << r.output;
+  const nlohmann::json j = read_json(json);
+  ASSERT_EQ(j.size(), 1u);
+  const auto& c = j[0];
+  // At least kSustainedMinLaunches (20) launches, timed back to back.
+  EXPECT_GE(c["sustained_launches"].get<int>(), 20) << c.dump();
+  const double ns = c["ns_per_row_sustained"].get<double>(), first = c["ns_per_row_sustained_first_half"].get<double>();
+  EXPECT_TRUE(std::isfinite(ns) && ns > 0.0) << c.dump();
+  EXPECT_TRUE(std::isfinite(first) && first > 0.0) << c.dump();
+  // The whole run's GPU time covers its launches: at least half of them at the second half's median.
+  EXPECT_GE(c["sustained_seconds"].get<double>() * 1e9,
+            0.5 * c["sustained_launches"].get<double>() * ns * 512.0 * 0.5) << c.dump();
+  // Without the flag: no sustained run, zeros.
+  const std::string plain = path("plain.json");
+  const CommandResult q = run_command(shell_quote(binary(DSAIB_OP_BENCH_PATH)) +
+                                      " --seq 512 --ids random --heads 16 --dim 128 --topk 128 --iters 3 --json " +
+                                      shell_quote(plain) + " 2>&1");
+  ASSERT_EQ(q.exit_code, 0) << q.output;
+  EXPECT_EQ(read_json(plain)[0]["sustained_launches"], 0);
+  EXPECT_EQ(q.output.find("sustained:"), std::string::npos) << q.output;
+}
+
 TEST_F(BenchTools, FloorBenchChecksEveryWay) {
   const std::string json = path("floor.json");
   const CommandResult r = run_command(shell_quote(binary(DSAIB_FLOOR_BENCH_PATH)) +

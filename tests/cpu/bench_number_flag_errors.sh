@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# dsa-indexer-bwd-bench's number flags (--l2-set-aside-mib, --sustained-ms): every
+# bad value exits 2 with a message that names the flag and the value, before any GPU
+# is touched (so it runs in CI without one). A good value gets past parsing (exit 0
+# with a GPU, 77 without).
+set -uo pipefail
+bench=${1:?usage: bench_number_flag_errors.sh path/to/dsa-indexer-bwd-bench}
+fail=0
+check() {  # flag max good...
+  local flag=$1 over=$2; shift 2
+  for v in abc "" inf nan 1e300 12abc 0x10 -1 "$over"; do
+    err=$("$bench" --seq 16 "$flag" "$v" 2>&1 >/dev/null)
+    rc=$?
+    if [[ $rc -ne 2 || $err != *"$flag"*"\"$v\""* ]]; then
+      echo "FAIL: $flag '$v': rc=$rc, stderr: $err"
+      fail=1
+    fi
+  done
+  for v in "$@"; do
+    "$bench" --seq 16 --iters 1 --warmup 0 "$flag" "$v" >/dev/null 2>&1
+    rc=$?
+    if [[ $rc -eq 2 ]]; then
+      echo "FAIL: $flag '$v' rejected"
+      fail=1
+    fi
+  done
+}
+check --l2-set-aside-mib 1048577 0 37.5 1048576
+check --sustained-ms 600001 0 1 250.5
+[[ $fail -eq 0 ]] && echo "bench number flags: bad values rejected, good ones parsed"
+exit $fail
