@@ -75,6 +75,12 @@ for r in $runs; do
       ids=${r#sus_}; ids=${ids%_*}; seq=${r##*_}
       probe $r "$bench" --seq "$seq" --ids "$ids" --iters 10 --sustained-ms "${SUSTAINED_MS:-3000}" \
         --json "$out/$r.json" ;;
+    cudnn_sustained)  # the cudnn-frontend peer, issue 4's cases, pre-rolled then sustained
+      # (its archive unpacked into PEERS_SITE first; see scripts/device/peers_check.sh)
+      probe $r python3 bench/peers/cudnn_frontend_dsa.py --seq "${SEQS:-4096,16384,65536}" --ids causal,random \
+        --iters 10 --warmup 2 --sustained-ms "${SUSTAINED_MS:-3000}" --site "${PEERS_SITE:-/tmp/peers-site}" \
+        --json "$out/$r.json"
+      grep -E "sustained|ns/row|^(causal|random)" "$out/run_$r.txt" | tail -20 ;;
     floor) probe $r .device/bin/dsa-floor-bench --tables 8 --payload-mib 65536 --iters $((40 * x)) --gemm-size 16384 ;;
     *) echo "unknown run $r"; rc=2 ;;
   esac
