@@ -84,6 +84,11 @@ int run_bench(const BenchArgs& a) {
       << "  device      " << device_line << "\n"
       << "  method      CUDA events around each launch; median (min-max) of " << a.iters << " launches after "
       << a.warmup << " warm-ups; input sets rotated beyond L2\n"
+      << "  sustained   "
+      << (a.sustained_ms > 0 ? fmt("%.0f", a.sustained_ms) + " ms of launches back to back per case (steady state "
+                                                           "under the power limit: median of the second half)"
+                             : std::string("off (--sustained-ms 0)"))
+      << "\n"
       << std::flush;
 
   // 1. Floor micro-benchmarks: the scatter-add rate at each case's dK table, the GEMM rate.
@@ -147,6 +152,7 @@ int run_bench(const BenchArgs& a) {
   cfg.warmup = a.warmup;
   cfg.input_sets = a.input_sets;
   cfg.seed = a.seed;
+  cfg.sustained_ms = a.sustained_ms;
   nlohmann::ordered_json jcases = nlohmann::ordered_json::array();
   for (const bench::OpCase& c : cases) {
     log_stage(std::string("op: ") + bench::id_pattern_name(c.ids) + " S=" + std::to_string(c.seq) +
@@ -183,6 +189,27 @@ int run_bench(const BenchArgs& a) {
                   (long long)c.dim, (long long)c.topk, r.valid_slots_per_row, r.input_sets, r.ns_per_row, spread,
                   r.tflops, r.dk_gbps, floor_ns.c_str(), floor_x.c_str(), fixed_ratio);
     out << line << std::flush;
+    nlohmann::ordered_json jsustained = nullptr;
+    if (r.sustained_launches > 0) {
+      std::string sx = "-";
+      jsustained = {{"launches", r.sustained_launches},
+                    {"seconds", r.sustained_seconds},
+                    {"ns_per_row", r.ns_per_row_sustained},
+                    {"ns_per_row_first_half", r.ns_per_row_sustained_first_half},
+                    {"floor_ratio", nullptr},
+                    {"fixed_floor_ratio", r.ns_per_row_sustained / bench::kFixedFloorNsPerRow}};
+      if (!jfloor.is_null()) {
+        const double fns = jfloor["ns_per_row"].get<double>();
+        jsustained["floor_ratio"] = r.ns_per_row_sustained / fns;
+        sx = fmt("%.2f", r.ns_per_row_sustained / fns);
+      }
+      std::snprintf(line, sizeof line,
+                    "%-15s %3s %6s   sustained: %d launches back to back, %.2f s: %.1f ns/row (second half; first "
+                    "half %.1f), xfloor %s, x278 %.2f\n",
+                    "", "", "", r.sustained_launches, r.sustained_seconds, r.ns_per_row_sustained,
+                    r.ns_per_row_sustained_first_half, sx.c_str(), r.ns_per_row_sustained / bench::kFixedFloorNsPerRow);
+      out << line << std::flush;
+    }
     jcases.push_back({{"ids", bench::id_pattern_name(c.ids)},
                       {"batch", c.batch},
                       {"seq", c.seq},
@@ -204,7 +231,8 @@ int run_bench(const BenchArgs& a) {
                       {"dk_reduce_gbps", r.dk_gbps},
                       {"floor", jfloor},
                       {"floor_ratio", jratio},
-                      {"fixed_floor_ratio", fixed_ratio}});
+                      {"fixed_floor_ratio", fixed_ratio},
+                      {"sustained", jsustained}});
   }
   out << "ns/row: median over B*S query rows (min-max of the launches); xfloor: ns/row / floor ns; x278: ns/row / "
          "278 ns\n";
@@ -224,6 +252,7 @@ int run_bench(const BenchArgs& a) {
                    {"driver", version_string(dev.driver_version)},
                    {"runtime", version_string(dev.runtime_version)}};
     j["settings"] = {{"iters", a.iters},      {"warmup", a.warmup},     {"input_sets", a.input_sets},
+                     {"sustained_ms", a.sustained_ms},
                      {"seed", a.seed},        {"floor", !a.no_floor},   {"dtypes", "bf16 inputs and outputs"},
                      {"layout", "bshd"},      {"id_mode", "local"}};
     j["method"] = {
@@ -231,6 +260,9 @@ int run_bench(const BenchArgs& a) {
         {"timing", "CUDA events recorded around each launch on a non-blocking stream, synchronised after each; "
                    "warm-up launches untimed"},
         {"statistics", "median, min and max over the timed launches; ns_per_row = time / (B*S_q)"},
+        {"sustained", "after the timed launches, settings.sustained_ms of launches back to back (an event between "
+                      "each two, no spin, no host wait); sustained.ns_per_row = the median over the second half "
+                      "of them (the steady state under the GPU's power limit), ratios as above; null when 0"},
         {"tflops", "6*H*D FLOP per valid slot / median time"},
         {"dk_reduce_gbps", "D*4 bytes of fp32 dK reduce per valid slot / median time"},
         {"input_rotation", bench::rotation_method()},

@@ -144,6 +144,7 @@ struct BenchArgs {
   std::vector<std::string> ids = {"causal", "random"};
   int64_t batch = 1, heads = 64, dim = 128, topk = 2048;
   int iters = 20, warmup = 3, input_sets = 0;  // input_sets 0: automatic
+  double sustained_ms = 2000;                   // back-to-back launches after the timed ones (0: none)
   uint64_t seed = 1234;
   std::string json;                             // "" none, "-" stdout
   bool no_floor = false;

@@ -5,7 +5,8 @@
 //   dsa-indexer-bwd backward [--in p.safetensors | generation flags] [--out grads.safetensors]
 //                            [--backend auto|cpu|cuda] [--out-dtype bf16|f32] [--verify auto|none|all|sample]
 //   dsa-indexer-bwd bench [--seq 4096,16384,65536] [--ids causal,random] [--heads 64] [--dim 128] [--topk 2048]
-//                         [--batch 1] [--iters 20] [--warmup 3] [--json FILE] [--no-floor]   (cuda builds, a GPU)
+//                         [--batch 1] [--iters 20] [--warmup 3] [--sustained-ms 2000] [--json FILE] [--no-floor]
+//                         (cuda builds, a GPU)
 //   dsa-indexer-bwd presets
 //
 // Exit status: 0 success (and PASS), 1 verification FAIL, 2 error (bad usage, bad file, bad input).
@@ -123,6 +124,21 @@ CLI::Validator one_of(std::vector<std::string> choices) {
 CLI::Validator nonempty_path() {
   return CLI::Validator([](std::string& v) -> std::string { return v.empty() ? "expected a file name, got \"\"" : ""; },
                         "FILE");
+}
+
+/// A decimal number of milliseconds in [0, hi]: NaN, inf, negative and out-of-range
+/// text are errors naming the flag.
+CLI::Validator millis_range(double hi) {
+  return CLI::Validator(
+      [hi](std::string& v) -> std::string {
+        double x = 0;
+        if (!parse_number_text(v, &x) || !std::isfinite(x) || x < 0 || x > hi) {
+          return "expected a number of milliseconds from 0 to " + std::to_string(static_cast<int64_t>(hi)) +
+                 ", got \"" + v + "\"";
+        }
+        return std::string();
+      },
+      "MS");
 }
 
 /// A finite floating-point value (fp32 range): NaN, inf and out-of-range text are
@@ -790,6 +806,11 @@ int run_main(int argc, char** argv) {
   bench_cmd->add_option("--json", ba.json, "also write the report as JSON to FILE (- : JSON on stdout, the table on "
                                            "stderr)")
       ->type_name("FILE");
+  bench_cmd->add_option("--sustained-ms", ba.sustained_ms,
+                        "after each case's timed launches, MS ms of launches back to back (no spin, no host "
+                        "wait): the steady state under the GPU's power limit (0: skip)")
+      ->check(millis_range(600000))
+      ->default_str("2000");
   bench_cmd->add_flag("--no-floor", ba.no_floor, "skip the floor micro-benchmarks (only the ratio to 278 ns)");
   bench_cmd->footer(std::string(
       "Runs on the GPU (compute capability 9.0, cuda backend), in this order:\n"
@@ -800,7 +821,11 @@ int run_main(int argc, char** argv) {
       "  2. the op (dK zeroing, fused kernel, bf16 cast) for every --ids x --seq case: --warmup\n"
       "     untimed launches, then --iters launches, each timed with CUDA events after a 3 ms\n"
       "     GPU spin (the events bracket GPU time, not the host's calls); input sets\n"
-      "     rotated so consecutive launches touch different memory, beyond L2.\n"
+      "     rotated so consecutive launches touch different memory, beyond L2;\n"
+      "  3. then (--sustained-ms, default 2000) launches back to back for that long, an event\n"
+      "     between each two and no spin: the GPU's power management has the whole run to act\n"
+      "     (on the H200 the op reaches the 700 W limit and the SM clock drops), so this is\n"
+      "     what a training loop gets; sustained ns/row = the median of the run's second half.\n"
       "Per case: ns per query row (median over the launches; min-max), TFLOP/s (6*H*D FLOP\n"
       "per valid slot), dK-reduce GB/s (D*4 B per valid slot), the floor, and the ratios:\n"
       "  floor ns/row = max(topk*D*4 B / scatter rate at this case's dK size,\n"

@@ -27,10 +27,10 @@ grep -E "backward |result|d_index|d_weights" "$work/cli_summary.txt" | head -12
 # size), the op, the ratio to that floor and to the fixed 278 ns.
 cli=.device/bin/dsa-indexer-bwd
 {
-  $cli bench --seq 4096,16384,65536 --ids causal,random --iters 15 --json "$work/bench_main.json" 2>>"$work/bench_stderr.log"
+  $cli bench --seq 4096,16384,65536 --ids causal,random --iters 15 --sustained-ms 3000 --json "$work/bench_main.json" 2>>"$work/bench_stderr.log"
   for extra in "--topk 512" "--topk 1024" "--heads 32" "--heads 128" "--dim 64"; do
     tag=$(echo "$extra" | tr -d ' -')
-    $cli bench --seq 16384 --ids random $extra --iters 15 --no-floor --json "$work/bench_$tag.json" 2>>"$work/bench_stderr.log" | grep -E "^random "
+    $cli bench --seq 16384 --ids random $extra --iters 15 --no-floor --sustained-ms 0 --json "$work/bench_$tag.json" 2>>"$work/bench_stderr.log" | grep -E "^random "
   done
 } 2>&1 | tee "$work/bench_final.txt"
 # Paired A/B: a operand as two bf16 terms (A) vs automatic = one term for bf16 outputs (B).

@@ -14,6 +14,8 @@
 #     peers_check.log    the whole console output
 #   env knobs (defaults):
 #     SEQS=4096,16384,65536  IDS=causal,random  ITERS=20 (ours)  PEER_ITERS=10  PEER_WARMUP=2
+#     SUSTAINED_MS=3000 (ours and cudnn-frontend, after the timed launches: launches back to back
+#       for that long, the steady state under the power limit; nineteenth session)
 #     TORCH_SEQS=$SEQS  TORCH_ITERS=5  (PyTorch eager: ~0.25 s per backward and ~85 GiB peak
 #       memory at S 65536, scaled from the measured 3.8 us/row and 5.3 GiB at S 4096; an
 #       out-of-memory case is reported as "oom" and the run goes on; TORCH_SEQS=4096,16384 skips it)
@@ -45,6 +47,7 @@ export SEQS=${SEQS:-4096,16384,65536}
 export IDS=${IDS:-causal,random}
 export ITERS=${ITERS:-20}
 export PEER_ITERS=${PEER_ITERS:-10}
+export SUSTAINED_MS=${SUSTAINED_MS:-3000}  # ours and cudnn-frontend: then this long back to back (0: not run)
 export PEER_WARMUP=${PEER_WARMUP:-2}
 export TORCH_SEQS=${TORCH_SEQS:-$SEQS}
 export TORCH_ITERS=${TORCH_ITERS:-5}
@@ -131,14 +134,16 @@ if [[ $OURS != 1 ]]; then
   echo "=== ours: not run (OURS=$OURS)"
   printf '%s\t%s\t%s\t%s\n' ours unselected 0 0 >>"$steps"
 elif [[ -x $bin/dsa-indexer-bwd-bench ]]; then
-  step ours 180 "$bin/dsa-indexer-bwd-bench" --json "$work/ours.json" --seq "$SEQS" --ids "$IDS" --iters "$ITERS"
+  step ours 180 "$bin/dsa-indexer-bwd-bench" --json "$work/ours.json" --seq "$SEQS" --ids "$IDS" --iters "$ITERS" \
+    --sustained-ms "$SUSTAINED_MS"
 else
   echo "=== ours: $bin/dsa-indexer-bwd-bench missing (scripts/device/stage.sh)"
   printf '%s\t%s\t%s\t%s\n' ours missing 0 0 >>"$steps"
 fi
 selected cudnn_frontend &&
   step cudnn_frontend 240 "$py" bench/peers/cudnn_frontend_dsa.py "${check_flag[@]}" --seq "$SEQS" --ids "$IDS" \
-    --iters "$PEER_ITERS" --warmup "$PEER_WARMUP" --site "$site" --json "$work/cudnn_frontend.json"
+    --iters "$PEER_ITERS" --warmup "$PEER_WARMUP" --sustained-ms "$SUSTAINED_MS" --site "$site" \
+    --json "$work/cudnn_frontend.json"
 selected tilelang &&
   step tilelang 240 "$py" bench/peers/tilelang_indexer_bwd.py "${check_flag[@]}" --seq "$SEQS" --ids "$IDS" \
     --iters "$PEER_ITERS" --warmup "$PEER_WARMUP" --site "$site" --json "$work/tilelang.json"
@@ -150,7 +155,7 @@ echo "=== merge into $out/peers.json"
 "$py" - "$work" "$out/peers.json" <<'EOF'
 import json, os, subprocess, sys, time
 work, dest = sys.argv[1], sys.argv[2]
-env = {k: os.environ.get(k) for k in ("SEQS", "IDS", "ITERS", "PEER_ITERS", "PEER_WARMUP", "TORCH_SEQS",
+env = {k: os.environ.get(k) for k in ("SEQS", "IDS", "ITERS", "PEER_ITERS", "PEER_WARMUP", "SUSTAINED_MS", "TORCH_SEQS",
                                       "TORCH_ITERS", "CHECK", "BUDGET_S", "PEERS", "OURS", "FLOOR")}
 steps = {}
 for line in open(os.path.join(work, "steps.tsv")):

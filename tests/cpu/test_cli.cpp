@@ -382,7 +382,7 @@ TEST_F(Cli, BenchHelpStatesTheFloorFormulaAndBadFlagsExitWithTwo) {
   EXPECT_EQ(help.exit_code, 0) << help.output;
   for (const char* frag : {"--seq", "--ids", "--heads", "--dim", "--topk", "--batch", "--iters", "--warmup", "--json",
                            "--no-floor", "floor ns/row = max(topk*D*4 B / scatter rate", "6*H*D*topk FLOP / GEMM rate",
-                           "x278"}) {
+                           "x278", "--sustained-ms", "back to back"}) {
     EXPECT_TRUE(contains(help.output, frag)) << "'" << frag << "' not in:\n" << help.output;
   }
   for (const std::string args : {"bench --dim 96", "bench --ids causal,sorted", "bench --seq 0", "bench --iters 0",
@@ -556,6 +556,10 @@ TEST_F(Cli, FlagValueErrorsNameTheFlagAndTheValue) {
       {"bench --batch 0", "--batch: expected >= 1, got 0"},
       {"bench --iters 0", "--iters: expected an integer in [1, 100000], got 0"},
       {"bench --warmup -5", "--warmup: expected an integer in [0, 100000], got -5"},
+      {"bench --sustained-ms -1", "--sustained-ms: expected a number of milliseconds from 0 to 600000, got \"-1\""},
+      {"bench --sustained-ms nan", "--sustained-ms: expected a number of milliseconds from 0 to 600000, got \"nan\""},
+      {"bench --sustained-ms 600001",
+       "--sustained-ms: expected a number of milliseconds from 0 to 600000, got \"600001\""},
       // Scalars and seeds are checked where they are typed, not blamed on a file or clamped.
       {"backward --preset tiny --sm-scale nan", "--sm-scale: expected a finite nonzero number (fp32 range), got nan"},
       {"backward --preset tiny --grad-loss inf", "--grad-loss: expected a finite number (fp32 range), got inf"},

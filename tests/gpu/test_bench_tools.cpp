@@ -55,7 +55,7 @@ TEST_F(BenchTools, BenchSubcommandMeasuresTheFloorAndTheOpAndWritesJson) {
   const std::string json = path("bench.json");
   const CommandResult r = run_command(shell_quote(binary(DSAIB_CLI_PATH)) +
                                       " bench --seq 512,1024 --ids causal,random --heads 16 --dim 64 --topk 128"
-                                      " --iters 5 --warmup 1 --json " +
+                                      " --iters 5 --warmup 1 --sustained-ms 40 --json " +
                                       shell_quote(json) + " 2>&1");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   for (const char* frag : {"scatter-add", "bf16 GEMM", "xfloor", "x278", "causal", "random"}) {
@@ -89,13 +89,23 @@ TEST_F(BenchTools, BenchSubcommandMeasuresTheFloorAndTheOpAndWritesJson) {
     EXPECT_GT(floor_ns, 0.0);
     EXPECT_NEAR(c["floor_ratio"].get<double>(), ns / floor_ns, 1e-9 * ns / floor_ns);
     EXPECT_NEAR(c["fixed_floor_ratio"].get<double>(), ns / 278.0, 1e-9 * ns);
+    // The sustained run: at least 20 launches back to back, its ratios from its own median.
+    const auto& st = c["sustained"];
+    ASSERT_TRUE(st.is_object());
+    EXPECT_GE(st["launches"].get<int>(), 20);
+    const double sns = st["ns_per_row"].get<double>();
+    EXPECT_TRUE(std::isfinite(sns) && sns > 0.0);
+    EXPECT_NEAR(st["floor_ratio"].get<double>(), sns / floor_ns, 1e-9 * sns / floor_ns);
+    EXPECT_NEAR(st["fixed_floor_ratio"].get<double>(), sns / 278.0, 1e-9 * sns);
   }
+  EXPECT_EQ(j["settings"]["sustained_ms"], 40.0);
+  EXPECT_NE(r.output.find("sustained:"), std::string::npos) << r.output;
 }
 
 TEST_F(BenchTools, BenchSubcommandWithoutFloorAndWithoutRotation) {
   const CommandResult r = run_command(shell_quote(binary(DSAIB_CLI_PATH)) +
                                       " bench --seq 256 --ids random --heads 8 --dim 128 --topk 64 --iters 3"
-                                      " --input-sets 1 --no-floor --json - 2>/dev/null");
+                                      " --input-sets 1 --no-floor --sustained-ms 0 --json - 2>/dev/null");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const nlohmann::json j = nlohmann::json::parse(r.output);
   EXPECT_TRUE(j["floor_measurements"].is_null());
@@ -103,6 +113,7 @@ TEST_F(BenchTools, BenchSubcommandWithoutFloorAndWithoutRotation) {
   EXPECT_EQ(j["cases"][0]["input_sets"], 1);
   EXPECT_TRUE(j["cases"][0]["floor"].is_null());
   EXPECT_TRUE(j["cases"][0]["floor_ratio"].is_null());
+  EXPECT_TRUE(j["cases"][0]["sustained"].is_null());  // --sustained-ms 0: no sustained run
 }
 
 TEST_F(BenchTools, OpBenchKeepsItsJsonForAbCompare) {
