@@ -7,6 +7,12 @@ separate processes, N pairs, each run printing JSON (dsa-indexer-bwd-bench
 deltas (B - A) and a Student-t 95% confidence interval of the mean delta.
 
 usage: ab_compare.py BIN_A BIN_B [--pairs 8] [--args "--seq 4096 --ids random"] [--out FILE]
+                     [--metric ns_per_row | ns_per_row_sustained]
+
+--metric ns_per_row_sustained compares the sustained runs' steady state (pass
+--sustained-ms in --args too): back to back the op runs at the H200's power
+limit, where a change pays by its energy as much as by its latency
+(docs/perf-log.md, nineteenth session).
 """
 import argparse
 import json
@@ -23,7 +29,7 @@ T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.
        2.045, 2.042]
 
 
-def run(binary, extra):
+def run(binary, extra, metric="ns_per_row"):
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         path = f.name
     cmd = [binary, "--json", path] + extra
@@ -31,7 +37,14 @@ def run(binary, extra):
     with open(path) as f:
         rows = json.load(f)
     os.unlink(path)
-    return {f'{r["ids"]} S{r["seq"]} H{r["heads"]} D{r["dim"]} k{r["topk"]}': r["ns_per_row"] for r in rows}
+    out = {}
+    for r in rows:
+        v = r.get(metric)
+        if not isinstance(v, (int, float)) or not v > 0:
+            raise SystemExit(f"{binary}: no positive {metric!r} in its JSON (for ns_per_row_sustained pass "
+                             f"--sustained-ms in --args)")
+        out[f'{r["ids"]} S{r["seq"]} H{r["heads"]} D{r["dim"]} k{r["topk"]}'] = v
+    return out
 
 
 def main():
@@ -41,17 +54,21 @@ def main():
     ap.add_argument("--pairs", type=int, default=8)
     ap.add_argument("--args", default="")
     ap.add_argument("--out", default="")
+    ap.add_argument("--metric", default="ns_per_row", choices=("ns_per_row", "ns_per_row_sustained"))
     o = ap.parse_args()
+    if o.metric == "ns_per_row_sustained" and "--sustained-ms" not in o.args:
+        ap.error("--metric ns_per_row_sustained needs --sustained-ms in --args")
     extra = o.args.split()
     samples = {}
     for i in range(o.pairs):
         order = [("A", o.a), ("B", o.b)] if i % 2 == 0 else [("B", o.b), ("A", o.a)]
         got = {}
         for tag, binary in order:
-            got[tag] = run(binary, extra)
+            got[tag] = run(binary, extra, o.metric)
         for case in got["A"]:
             samples.setdefault(case, []).append((got["A"][case], got["B"][case]))
     report = []
+    print(f"metric: {o.metric}")
     print(f"{'case':34s} {'A ns/row':>9s} {'B ns/row':>9s} {'B-A mean':>9s} {'95% CI':>22s} {'B/A':>6s}")
     for case, pairs in samples.items():
         deltas = [b - a for a, b in pairs]
@@ -62,7 +79,7 @@ def main():
         ma = statistics.median(a for a, _ in pairs)
         mb = statistics.median(b for _, b in pairs)
         print(f"{case:34s} {ma:9.1f} {mb:9.1f} {mean:9.1f} [{mean - half:8.1f}, {mean + half:8.1f}] {mb / ma:6.3f}")
-        report.append({"case": case, "a_median": ma, "b_median": mb, "delta_mean": mean, "ci95": [mean - half, mean + half],
+        report.append({"case": case, "metric": o.metric, "a_median": ma, "b_median": mb, "delta_mean": mean, "ci95": [mean - half, mean + half],
                        "pairs": pairs})
     if o.out:
         with open(o.out, "w") as f:
