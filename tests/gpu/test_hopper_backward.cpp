@@ -487,6 +487,60 @@ TEST_F(Gpu, CudaGraphReplayReadsGradLossFromDevice) {
   cudaStreamDestroy(stream);
 }
 
+/// The L2-hinted kernel (forced with DSAIB_L2_HINTS=on) captured into a CUDA graph:
+/// the capture makes the same decision as an eager call (one hinted launch, counted
+/// at capture), the graph replays twice, and each replay gives the eager call's
+/// d_index_q / d_weights bit for bit and its d_index_k up to the order of the fp32
+/// reds. The evict_last fraction is chosen when the launch is captured (from the
+/// set-aside in force then) and travels in the kernel's parameters, so a replay
+/// keeps it; this is what the graph holds, not re-decided per replay.
+TEST_F(Gpu, CudaGraphCaptureOfTheL2HintedKernel) {
+  const ScopedEnv on("DSAIB_L2_HINTS", "on");
+  const GenerateSpec spec = spec_of(1, 48, 1100, 64, 128, 512, IdPattern::random_permutation);
+  run_case({"graph hinted, eager against the fp64 reference", spec});  // the hinted kernel is right here
+  GeneratedProblem p = make_problem(spec);
+  DeviceProblem dp(p);
+  DeviceOutputs eager(p, DType::bf16, DType::bf16, DType::f32);
+  DeviceOutputs graphed(p, DType::bf16, DType::bf16, DType::f32);
+  cudaStream_t stream;
+  check_cuda(cudaStreamCreate(&stream), "stream");
+  IndexerBackwardOptions opt = p.options();
+  opt.backend = Backend::cuda;
+  opt.stream = stream;
+  DeviceBuffer ws(indexer_backward_workspace_size(dp.inputs(), eager.views(), opt));
+
+  eager.poison();
+  uint64_t before = hopper::l2_hinted_launches();
+  indexer_backward(dp.inputs(), eager.views(), opt, ws.ptr, ws.bytes);
+  check_cuda(cudaStreamSynchronize(stream), "sync");
+  ASSERT_EQ(hopper::l2_hinted_launches() - before, 1u) << "the eager call did not take the hinted kernel";
+  const hopper::L2KeepFraction eager_fraction = hopper::l2_last_keep_fraction();
+  const HostTensor q0 = eager.d_index_q.to_host(), w0 = eager.d_weights.to_host(), k0 = eager.d_index_k.to_host();
+
+  cudaGraph_t graph;
+  before = hopper::l2_hinted_launches();
+  check_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
+  indexer_backward(dp.inputs(), graphed.views(), opt, ws.ptr, ws.bytes);
+  check_cuda(cudaStreamEndCapture(stream, &graph), "end capture");
+  EXPECT_EQ(hopper::l2_hinted_launches() - before, 1u) << "the captured call did not take the hinted kernel";
+  EXPECT_EQ(hopper::l2_last_keep_fraction(), eager_fraction);
+  cudaGraphExec_t exec;
+  check_cuda(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  for (int replay = 0; replay < 2; ++replay) {
+    graphed.poison();
+    check_cuda(cudaGraphLaunch(exec, stream), "graph launch");
+    check_cuda(cudaStreamSynchronize(stream), "sync");
+    EXPECT_EQ(hash_bytes(graphed.d_index_q.to_host()), hash_bytes(q0)) << "d_index_q, replay " << replay;
+    EXPECT_EQ(hash_bytes(graphed.d_weights.to_host()), hash_bytes(w0)) << "d_weights, replay " << replay;
+    const ErrorStats e = compare(graphed.d_index_k.to_host(), to_doubles(k0));
+    EXPECT_LE(e.max_abs, 1e-5 * e.max_abs_ref) << "d_index_k, replay " << replay << ": " << e.str();
+    EXPECT_TRUE(e.all_finite) << "d_index_k, replay " << replay;
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
 // ---------------------------------------- the sanitizer's shapes (label sanitizer) ---
 // tests/sanitizer/run_sanitizer.sh runs this suite under racecheck, synccheck,
 // memcheck and initcheck. Each case also checks numerics, so the suite is a
