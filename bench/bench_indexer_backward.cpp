@@ -40,15 +40,16 @@ namespace {
 
 using namespace dsaib::bench;
 
-/// A decimal number in [lo, hi]: trailing characters, hex, inf and nan are rejected.
+/// A decimal number in [lo, hi]: blanks, trailing characters, hex, inf and nan are
+/// rejected; -0 reads as 0.
 bool parse_bounded_decimal(const std::string& v, double lo, double hi, double* out) {
   char* end = nullptr;
   const double x = std::strtod(v.c_str(), &end);
-  if (v.empty() || v.find_first_of("xXpP") != std::string::npos || end != v.c_str() + v.size() ||
+  if (v.empty() || v.find_first_of("xXpP \t\n\v\f\r") != std::string::npos || end != v.c_str() + v.size() ||
       !std::isfinite(x) || x < lo || x > hi) {
     return false;
   }
-  *out = x;
+  *out = x + 0.0;
   return true;
 }
 
@@ -187,7 +188,7 @@ int main(int argc, char** argv) {
                     r.valid_slots_per_row, r.t.median_ms, r.ns_per_row, r.tflops, r.dk_gbps,
                     r.ns_per_row / kFixedFloorNsPerRow, r.t.min_ms, r.t.max_ms, r.input_sets);
         if (r.sustained_launches > 0) {
-          std::printf("%-15s %6s   sustained: %d launches back to back over %.2f s: %.1f ns/row (x278 %.2f) in the "
+          std::printf("%-15s %6s   sustained: %d launches back to back over %.3f s: %.1f ns/row (x278 %.2f) in the "
                       "second half, %.1f in the first\n",
                       "", "", r.sustained_launches, r.sustained_seconds, r.ns_per_row_sustained,
                       r.ns_per_row_sustained / kFixedFloorNsPerRow, r.ns_per_row_sustained_first_half);
@@ -213,7 +214,7 @@ int main(int argc, char** argv) {
                    "\"valid_slots_per_row\": %.2f, \"median_ms\": %.5f, \"min_ms\": %.5f, \"max_ms\": %.5f, "
                    "\"ns_per_row\": %.2f, \"tflops\": %.2f, \"dk_reduce_gbps\": %.1f, \"fixed_floor_ratio\": %.3f, "
                    "\"batch\": %lld, \"warmup\": %d, \"iters\": %d, \"input_sets\": %d, \"input_set_bytes\": %llu, "
-                   "\"sustained_launches\": %d, \"sustained_seconds\": %.3f, \"ns_per_row_sustained\": %.2f, "
+                   "\"sustained_launches\": %d, \"sustained_seconds\": %.6f, \"ns_per_row_sustained\": %.2f, "
                    "\"ns_per_row_sustained_first_half\": %.2f}%s\n",
                    id_pattern_name(r.c.ids), (long long)r.c.seq, (long long)r.c.heads, (long long)r.c.dim,
                    (long long)r.c.topk, r.valid_slots_per_row, r.t.median_ms, r.t.min_ms, r.t.max_ms, r.ns_per_row,

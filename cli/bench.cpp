@@ -85,7 +85,7 @@ int run_bench(const BenchArgs& a) {
       << "  method      CUDA events around each launch; median (min-max) of " << a.iters << " launches after "
       << a.warmup << " warm-ups; input sets rotated beyond L2\n"
       << "  sustained   "
-      << (a.sustained_ms > 0 ? fmt("%.0f", a.sustained_ms) + " ms of launches back to back per case (steady state "
+      << (a.sustained_ms > 0 ? fmt("%g", a.sustained_ms) + " ms of launches back to back per case (steady state "
                                                            "under the power limit: median of the second half)"
                              : std::string("off (--sustained-ms 0)"))
       << "\n"
@@ -152,12 +152,13 @@ int run_bench(const BenchArgs& a) {
   cfg.warmup = a.warmup;
   cfg.input_sets = a.input_sets;
   cfg.seed = a.seed;
-  cfg.sustained_ms = a.sustained_ms;
+  cfg.sustained_ms = a.sustained_ms + 0.0;  // -0 -> 0
   nlohmann::ordered_json jcases = nlohmann::ordered_json::array();
   for (const bench::OpCase& c : cases) {
     log_stage(std::string("op: ") + bench::id_pattern_name(c.ids) + " S=" + std::to_string(c.seq) +
               ": generating, uploading, " + std::to_string(a.warmup) + " + " + std::to_string(a.iters) +
-              " launches ...");
+              " launches" + (cfg.sustained_ms > 0 ? ", then ~" + fmt("%g", cfg.sustained_ms) + " ms back to back" : "") +
+              " ...");
     const bench::OpResult r = bench::run_op_case(c, cfg);
     const double fixed_ratio = r.ns_per_row / bench::kFixedFloorNsPerRow;
     nlohmann::ordered_json jfloor = nullptr, jratio = nullptr;
@@ -204,7 +205,7 @@ int run_bench(const BenchArgs& a) {
         sx = fmt("%.2f", r.ns_per_row_sustained / fns);
       }
       std::snprintf(line, sizeof line,
-                    "%-15s %3s %6s   sustained: %d launches back to back, %.2f s: %.1f ns/row (second half; first "
+                    "%-15s %3s %6s   sustained: %d launches back to back, %.3f s: %.1f ns/row (second half; first "
                     "half %.1f), xfloor %s, x278 %.2f\n",
                     "", "", "", r.sustained_launches, r.sustained_seconds, r.ns_per_row_sustained,
                     r.ns_per_row_sustained_first_half, sx.c_str(), r.ns_per_row_sustained / bench::kFixedFloorNsPerRow);
@@ -252,7 +253,7 @@ int run_bench(const BenchArgs& a) {
                    {"driver", version_string(dev.driver_version)},
                    {"runtime", version_string(dev.runtime_version)}};
     j["settings"] = {{"iters", a.iters},      {"warmup", a.warmup},     {"input_sets", a.input_sets},
-                     {"sustained_ms", a.sustained_ms},
+                     {"sustained_ms", a.sustained_ms + 0.0},
                      {"seed", a.seed},        {"floor", !a.no_floor},   {"dtypes", "bf16 inputs and outputs"},
                      {"layout", "bshd"},      {"id_mode", "local"}};
     j["method"] = {

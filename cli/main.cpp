@@ -126,13 +126,14 @@ CLI::Validator nonempty_path() {
                         "FILE");
 }
 
-/// A decimal number of milliseconds in [0, hi]: NaN, inf, negative and out-of-range
-/// text are errors naming the flag.
+/// A decimal number of milliseconds in [0, hi]: hex, NaN, inf, negative and
+/// out-of-range text are errors naming the flag (as dsa-indexer-bwd-bench's flag).
 CLI::Validator millis_range(double hi) {
   return CLI::Validator(
       [hi](std::string& v) -> std::string {
         double x = 0;
-        if (!parse_number_text(v, &x) || !std::isfinite(x) || x < 0 || x > hi) {
+        if (v.find_first_of("xXpP") != std::string::npos || !parse_number_text(v, &x) || !std::isfinite(x) || x < 0 ||
+            x > hi) {
           return "expected a number of milliseconds from 0 to " + std::to_string(static_cast<int64_t>(hi)) +
                  ", got \"" + v + "\"";
         }
@@ -807,8 +808,8 @@ int run_main(int argc, char** argv) {
                                            "stderr)")
       ->type_name("FILE");
   bench_cmd->add_option("--sustained-ms", ba.sustained_ms,
-                        "after each case's timed launches, MS ms of launches back to back (no spin, no host "
-                        "wait): the steady state under the GPU's power limit (0: skip)")
+                        "after each case's timed launches, about MS ms of launches back to back (no spin, no "
+                        "host wait; 20 to 20000 launches): the steady state under the GPU's power limit (0: skip)")
       ->check(millis_range(600000))
       ->default_str("2000");
   bench_cmd->add_flag("--no-floor", ba.no_floor, "skip the floor micro-benchmarks (only the ratio to 278 ns)");

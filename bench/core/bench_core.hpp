@@ -154,10 +154,11 @@ struct OpConfig {
   double sustained_ms = 0;
 };
 
-/// Launches of a sustained run: enough for `sustained_ms` at `launch_ms` each, at least
-/// kSustainedMinLaunches, at most kSustainedMaxLaunches. Raises dsaib::Error
-/// (invalid_argument, "sustained_ms") when sustained_ms is negative or not finite, or
-/// launch_ms is not positive.
+/// Launches of a sustained run: ceil(sustained_ms / launch_ms), at least
+/// kSustainedMinLaunches, at most kSustainedMaxLaunches (so a run on a small shape can be
+/// shorter, and on a tiny one longer, than sustained_ms). Raises dsaib::Error
+/// (invalid_argument) naming "sustained_ms" when it is negative or not finite, and
+/// "launch_ms" when that is not a positive finite time.
 inline constexpr int kSustainedMinLaunches = 20;
 inline constexpr int kSustainedMaxLaunches = 20000;
 int sustained_launches(double sustained_ms, double launch_ms);

@@ -22,7 +22,9 @@ rel_err) and the JSON/list helpers come from torch_eager.py, which stays
 self-contained; this module re-exports them.
 """
 
+import argparse
 import json
+import math
 import os
 import site
 import statistics
@@ -87,17 +89,39 @@ def report_unavailable(peer, reason, json_path, **extra):
 
 # --------------------------------------------------------------------------- command line
 
-def add_run_args(ap):
-    """--check, --check-only, --site and --json (after a peer's own flags)."""
+SUSTAINED_MS_MAX = 600000.0
+
+
+def sustained_ms_arg(text):
+    """argparse type of --sustained-ms: a decimal number of ms in [0, 600000], as the
+    C++ tools take it (no hex, no underscores, no inf / nan)."""
+    t = text.strip() if text == text.strip() else None
+    try:
+        if t is None or not t or "_" in t or any(c in t for c in "xXpP"):
+            raise ValueError
+        v = float(t)
+    except ValueError:
+        v = None
+    if v is None or not math.isfinite(v) or not 0.0 <= v <= SUSTAINED_MS_MAX:
+        raise argparse.ArgumentTypeError(
+            f"expected a number of milliseconds from 0 to {int(SUSTAINED_MS_MAX)}, got {text!r}")
+    return v + 0.0  # -0 -> 0
+
+
+def add_run_args(ap, sustained=False):
+    """--check, --check-only, --site and --json (after a peer's own flags); with
+    `sustained`, --sustained-ms too (only peers that run gpu_time_sustained)."""
     ap.add_argument("--check", action="store_true", help="check the gradients first (small problem)")
     ap.add_argument("--check-only", action="store_true", help="run --check and stop")
     ap.add_argument("--site", default=DEFAULT_SITE,
                     help="unpacked peer payload to put on sys.path (default $DSAIB_PEERS_SITE or /tmp/peers-site)")
     ap.add_argument("--json", metavar="FILE", help="write the results as JSON (rewritten after every case)")
-    ap.add_argument("--sustained-ms", type=float, default=0.0, metavar="MS",
-                    help="after the timed calls, MS ms of calls back to back (no sleep, no host wait; "
-                         "prepare() between them): the steady state under the GPU's power management, "
-                         "as dsa-indexer-bwd-bench --sustained-ms (0: not run)")
+    if sustained:
+        ap.add_argument("--sustained-ms", type=sustained_ms_arg, default=0.0, metavar="MS",
+                        help="after the timed calls, about MS ms of calls back to back (no sleep, no host "
+                             "wait; prepare() between them): the steady state under the GPU's power "
+                             "management, as dsa-indexer-bwd-bench --sustained-ms: 20 to 20000 calls "
+                             "(0: not run)")
 
 
 def parse_cases(ap, a):
@@ -158,14 +182,17 @@ def gpu_time(op, iters, warmup, prepare=None, sleep_ms=3.0):
 
 
 def gpu_time_sustained(op, sustained_ms, median_ms, prepare=None):
-    """The sustained run of dsa-indexer-bwd-bench --sustained-ms (bench/core/op_bench.cpp):
-    max(20, ceil(sustained_ms / median_ms)) calls (at most 20000) back to back, CUDA events
+    """The sustained run of dsa-indexer-bwd-bench --sustained-ms (bench/core/op_bench.cpp,
+    sustained_launches): max(20, ceil(sustained_ms / median_ms)) calls (at most 20000)
+    back to back, CUDA events
     around each op() only, prepare() between them on the same stream, one host wait at the
     end. Returns (every call's time in ms, in order; the whole run's GPU seconds), for
     summarize_sustained."""
-    if not (sustained_ms >= 0.0) or sustained_ms == float("inf"):
-        raise ValueError(f"sustained_ms: expected a finite number >= 0, got {sustained_ms}")
-    n = min(20000, max(20, int(-(-sustained_ms // median_ms))))
+    if not (0.0 <= sustained_ms <= SUSTAINED_MS_MAX):
+        raise ValueError(f"--sustained-ms: expected a number of milliseconds from 0 to 600000, got {sustained_ms}")
+    if not (median_ms > 0.0) or not math.isfinite(median_ms):
+        raise ValueError(f"the timed median must be a positive time to size the sustained run, got {median_ms} ms")
+    n = min(20000, max(20, math.ceil(sustained_ms / median_ms)))
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
     for e0, e1 in ev:
         if prepare is not None:

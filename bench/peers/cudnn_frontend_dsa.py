@@ -164,7 +164,7 @@ def main(argv=None):
     common.add_problem_args(ap)
     ap.add_argument("--dk-dtype", default="bf16", choices=("bf16", "fp32"),
                     help="d_index_k dtype (bf16: fp32 workspace + cast, like our bench; fp32: no cast)")
-    common.add_run_args(ap)
+    common.add_run_args(ap, sustained=True)
     a = ap.parse_args(argv)
     seqs, kinds = common.parse_cases(ap, a)
 
@@ -183,7 +183,9 @@ def main(argv=None):
     dk_dtype = torch.bfloat16 if a.dk_dtype == "bf16" else torch.float32
     info = {"peer": PEER, "status": "ok", "versions": versions, **common.device_info(),
             "timing": "CUDA events around indexer_backward_wrapper only (attn_score restored before, untimed); "
-                      "median of iters", "iters": a.iters, "warmup": a.warmup, "dk_dtype": a.dk_dtype,
+                      "median of iters; with sustained_ms > 0 then calls back to back for that long (the "
+                      "restore copy between them, outside the events): median of the second half",
+            "iters": a.iters, "warmup": a.warmup, "sustained_ms": a.sustained_ms, "dk_dtype": a.dk_dtype,
             "notes": NOTES, "results": []}
     print(f"{PEER}: cudnn-frontend {versions.get('nvidia-cudnn-frontend')}, cutlass-dsl "
           f"{versions.get('nvidia-cutlass-dsl-libs-base')} on {info['device']}", flush=True)

@@ -12,7 +12,7 @@
 #      sus_<ids>_<S> runs, e.g. sus_random_65536: 10 timed launches, then a sustained run). Writes $OUT/clock_<name>.csv (raw samples), $OUT/run_<name>.txt
 # (each tool's console) and $OUT/clock_probe.txt (the summary).
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 2
 out=${OUT:-out}
 mkdir -p "$out"
 ms=${SAMPLE_MS:-20}
@@ -23,7 +23,7 @@ nvidia-smi --query-gpu=$pw --format=csv,noheader >/dev/null 2>&1 || pw=power.dra
 q="timestamp,clocks.sm,clocks.mem,$pw,temperature.gpu,clocks_event_reasons.active"
 nvidia-smi --query-gpu="$q" --format=csv,noheader >/dev/null 2>&1 ||
   q="timestamp,clocks.sm,clocks.mem,$pw,temperature.gpu,clocks_throttle_reasons.active"
-echo "sampled: $q" 
+echo "sampled: $q"
 nvidia-smi --query-gpu=name,driver_version,power.limit,power.max_limit,clocks.max.sm,clocks.max.mem,clocks.applications.graphics \
   --format=csv | tee "$out/clock_probe.txt"
 rc=0
@@ -71,8 +71,9 @@ for r in $runs; do
       probe $r .device/ablations/bench_no_reds --seq 16384 --ids random --iters $((250 * x)) ;;
     no_reds65536) [[ -x .device/ablations/bench_no_reds ]] &&
       probe $r .device/ablations/bench_no_reds --seq 65536 --ids random --iters $((60 * x)) ;;
-    sus_causal_*|sus_random_*)  # the op's timed launches, then SUSTAINED_MS of launches back to back
+    sus_*_*)  # sus_<ids>_<S>: the op's timed launches, then SUSTAINED_MS of launches back to back
       ids=${r#sus_}; ids=${ids%_*}; seq=${r##*_}
+      if [[ -z $ids || ! $seq =~ ^[0-9]+$ ]]; then echo "bad run name $r (sus_<ids>_<S>)"; rc=2; continue; fi
       probe $r "$bench" --seq "$seq" --ids "$ids" --iters 10 --sustained-ms "${SUSTAINED_MS:-3000}" \
         --json "$out/$r.json" ;;
     cudnn_sustained)  # the cudnn-frontend peer, issue 4's cases, pre-rolled then sustained

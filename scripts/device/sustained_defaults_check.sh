@@ -10,7 +10,7 @@
 # Env: CHECKS ("stagger l2hints"), PAIRS (3), SUSTAINED_MS (2000), ITERS (5).
 # Writes $OUT/sustained_<check>.json and the console to $OUT/sustained_defaults.txt.
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 2
 out=${OUT:-out}
 mkdir -p "$out" .device/probe_wrappers
 bench=$PWD/.device/bin/dsa-indexer-bwd-bench
@@ -23,7 +23,7 @@ for c in ${CHECKS:-stagger l2hints}; do
     l2hints) env="DSAIB_L2_HINTS=off"; args="--seq 65536 --ids causal,random" ;;
     *) echo "unknown check $c"; rc=2; continue ;;
   esac
-  printf '#!/bin/sh\nexport %s\nexec %s "$@"\n' "$env" "$bench" > ".device/probe_wrappers/$c"
+  printf '#!/bin/sh\nexport %s\nexec "%s" "$@"\n' "$env" "$bench" > ".device/probe_wrappers/$c"
   chmod +x ".device/probe_wrappers/$c"
   echo "### A = .device/bin as it decides, B = $env; sustained ($common $args)" | tee -a "$out/sustained_defaults.txt"
   timeout 280 python3 scripts/ab_compare.py "$bench" ".device/probe_wrappers/$c" --pairs "${PAIRS:-3}" \

@@ -8,7 +8,7 @@ bench=${1:?usage: bench_number_flag_errors.sh path/to/dsa-indexer-bwd-bench}
 fail=0
 check() {  # flag max good...
   local flag=$1 over=$2; shift 2
-  for v in abc "" inf nan 1e300 12abc 0x10 -1 "$over"; do
+  for v in abc "" inf nan 1e300 12abc 0x10 -1 " 5" "5 " $'\t5' 1,5 "$over"; do
     err=$("$bench" --seq 16 "$flag" "$v" 2>&1 >/dev/null)
     rc=$?
     if [[ $rc -ne 2 || $err != *"$flag"*"\"$v\""* ]]; then
@@ -26,6 +26,6 @@ check() {  # flag max good...
   done
 }
 check --l2-set-aside-mib 1048577 0 37.5 1048576
-check --sustained-ms 600001 0 1 250.5
+check --sustained-ms 600001 0 -0 1 1e3 +5 250.5
 [[ $fail -eq 0 ]] && echo "bench number flags: bad values rejected, good ones parsed"
 exit $fail

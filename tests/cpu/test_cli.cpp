@@ -558,6 +558,8 @@ TEST_F(Cli, FlagValueErrorsNameTheFlagAndTheValue) {
       {"bench --warmup -5", "--warmup: expected an integer in [0, 100000], got -5"},
       {"bench --sustained-ms -1", "--sustained-ms: expected a number of milliseconds from 0 to 600000, got \"-1\""},
       {"bench --sustained-ms nan", "--sustained-ms: expected a number of milliseconds from 0 to 600000, got \"nan\""},
+      {"bench --sustained-ms 0x10", "--sustained-ms: expected a number of milliseconds from 0 to 600000, got \"0x10\""},
+      {"bench --sustained-ms 5abc", "--sustained-ms: expected a number of milliseconds from 0 to 600000, got \"5abc\""},
       {"bench --sustained-ms 600001",
        "--sustained-ms: expected a number of milliseconds from 0 to 600000, got \"600001\""},
       // Scalars and seeds are checked where they are typed, not blamed on a file or clamped.
