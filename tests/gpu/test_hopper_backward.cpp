@@ -507,6 +507,9 @@ TEST_F(Gpu, CudaGraphCaptureOfTheL2HintedKernel) {
   IndexerBackwardOptions opt = p.options();
   opt.backend = Backend::cuda;
   opt.stream = stream;
+  // fp32 dK (exact comparisons of the replays) with one bf16 a term: automatic would take
+  // the split-A kernels for an fp32 output, which never take the hint.
+  opt.a_operand_precision = AOperandPrecision::bf16;
   DeviceBuffer ws(indexer_backward_workspace_size(dp.inputs(), eager.views(), opt));
 
   eager.poison();
