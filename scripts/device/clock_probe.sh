@@ -9,12 +9,16 @@
 # run at a lower SM clock, or under a power cap, than either half alone?
 #   device run, carry [".device/bin", ".device/ablations"]: bash scripts/device/clock_probe.sh
 # Env: SAMPLE_MS (20), RUNS (names below), ITERS_SCALE (1), SUSTAINED_MS (3000: the
-#      sus_<ids>_<S> runs, e.g. sus_random_65536: 10 timed launches, then a sustained run). Writes $OUT/clock_<name>.csv (raw samples), $OUT/run_<name>.txt
+#      sus_<ids>_<S> runs, e.g. sus_random_65536: 10 timed launches, then a sustained run;
+#      abl_<name>: the ablation bench ABL_DIR/bench_<name> the same way at random S ABL_SEQ),
+#      RUN_DIR (where each run's console and JSON go; default $OUT). Writes $OUT/clock_<name>.csv (raw samples), $OUT/run_<name>.txt
 # (each tool's console) and $OUT/clock_probe.txt (the summary).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 2
 out=${OUT:-out}
 mkdir -p "$out"
+runs_dir=${RUN_DIR:-$out}  # each tool's console and JSON (RUN_DIR: elsewhere, when $OUT must stay small)
+mkdir -p "$runs_dir"
 ms=${SAMPLE_MS:-20}
 # power.draw is a running average (it ramps over ~1 s); power.draw.instant, where the
 # driver has it, is the instantaneous reading.
@@ -32,7 +36,8 @@ probe() {  # name command...
   nvidia-smi --query-gpu="$q" --format=csv,noheader,nounits -lms "$ms" > "$out/clock_$name.csv" &
   local sampler=$!
   sleep 0.3
-  timeout 240 "$@" > "$out/run_$name.txt" 2>&1 || { echo "$name: rc=$?" | tee -a "$out/clock_probe.txt"; rc=1; }
+  timeout 240 "$@" > "$runs_dir/run_$name.txt" 2>&1 || { echo "$name: rc=$?" | tee -a "$out/clock_probe.txt"; rc=1; }
+  grep -E "^(causal|random)|sustained:" "$runs_dir/run_$name.txt" | sed "s/^/$name: /" | tee -a "$out/clock_probe.txt"
   kill "$sampler" 2>/dev/null; wait "$sampler" 2>/dev/null
   python3 - "$out/clock_$name.csv" "$name" <<'EOF' | tee -a "$out/clock_probe.txt"
 import sys, statistics
@@ -75,13 +80,17 @@ for r in $runs; do
       ids=${r#sus_}; ids=${ids%_*}; seq=${r##*_}
       if [[ -z $ids || ! $seq =~ ^[0-9]+$ ]]; then echo "bad run name $r (sus_<ids>_<S>)"; rc=2; continue; fi
       probe $r "$bench" --seq "$seq" --ids "$ids" --iters 10 --sustained-ms "${SUSTAINED_MS:-3000}" \
-        --json "$out/$r.json" ;;
+        --json "$runs_dir/$r.json" ;;
+    abl_*)  # abl_<ablation>: $ABL_DIR/bench_<ablation> (scripts/build_ablations.py), random S 16384, sustained
+      b=${ABL_DIR:-.device/ablations_s19}/bench_${r#abl_}
+      if [[ ! -x $b ]]; then echo "$r: $b missing"; rc=2; continue; fi
+      probe $r "$b" --seq "${ABL_SEQ:-16384}" --ids random --iters 10 --sustained-ms "${SUSTAINED_MS:-3000}" \
+        --json "$runs_dir/$r.json" ;;
     cudnn_sustained)  # the cudnn-frontend peer, issue 4's cases, pre-rolled then sustained
       # (its archive unpacked into PEERS_SITE first; see scripts/device/peers_check.sh)
       probe $r python3 bench/peers/cudnn_frontend_dsa.py --seq "${SEQS:-4096,16384,65536}" --ids causal,random \
         --iters 10 --warmup 2 --sustained-ms "${SUSTAINED_MS:-3000}" --site "${PEERS_SITE:-/tmp/peers-site}" \
-        --json "$out/$r.json"
-      grep -E "sustained|ns/row|^(causal|random)" "$out/run_$r.txt" | tail -20 ;;
+        --json "$runs_dir/$r.json" ;;
     floor) probe $r .device/bin/dsa-floor-bench --tables 8 --payload-mib 65536 --iters $((40 * x)) --gemm-size 16384 ;;
     *) echo "unknown run $r"; rc=2 ;;
   esac
