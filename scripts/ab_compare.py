@@ -7,7 +7,7 @@ separate processes, N pairs, each run printing JSON (dsa-indexer-bwd-bench
 deltas (B - A) and a Student-t 95% confidence interval of the mean delta.
 
 usage: ab_compare.py BIN_A BIN_B [--pairs 8] [--args "--seq 4096 --ids random"] [--out FILE]
-                     [--metric ns_per_row | ns_per_row_sustained]
+                     [--metric ns_per_row | ns_per_row_sustained | both]
 
 --metric ns_per_row_sustained compares the sustained runs' steady state (pass
 --sustained-ms in --args too): back to back the op runs at the H200's power
@@ -29,7 +29,11 @@ T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.
        2.045, 2.042]
 
 
-def run(binary, extra, metric="ns_per_row"):
+METRICS = ("ns_per_row", "ns_per_row_sustained")
+
+
+def run(binary, extra, metrics=("ns_per_row",)):
+    """{metric: {case: value}} of one run of `binary --json FILE extra...`."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         path = f.name
     cmd = [binary, "--json", path] + extra
@@ -37,13 +41,15 @@ def run(binary, extra, metric="ns_per_row"):
     with open(path) as f:
         rows = json.load(f)
     os.unlink(path)
-    out = {}
+    out = {m: {} for m in metrics}
     for r in rows:
-        v = r.get(metric)
-        if not isinstance(v, (int, float)) or not v > 0:
-            raise SystemExit(f"{binary}: no positive {metric!r} in its JSON" +
-                             (" (does it take --sustained-ms?)" if metric == "ns_per_row_sustained" else ""))
-        out[f'{r["ids"]} S{r["seq"]} H{r["heads"]} D{r["dim"]} k{r["topk"]}'] = v
+        case = f'{r["ids"]} S{r["seq"]} H{r["heads"]} D{r["dim"]} k{r["topk"]}'
+        for m in metrics:
+            v = r.get(m)
+            if not isinstance(v, (int, float)) or not v > 0:
+                raise SystemExit(f"{binary}: no positive {m!r} in its JSON" +
+                                 (" (does it take --sustained-ms?)" if m == "ns_per_row_sustained" else ""))
+            out[m][case] = v
     return out
 
 
@@ -54,9 +60,13 @@ def main():
     ap.add_argument("--pairs", type=int, default=8)
     ap.add_argument("--args", default="")
     ap.add_argument("--out", default="")
-    ap.add_argument("--metric", default="ns_per_row", choices=("ns_per_row", "ns_per_row_sustained"))
+    ap.add_argument("--metric", default="ns_per_row", choices=METRICS + ("both",),
+                    help="which ns/row the deltas are of (both: one table each, from the same runs)")
     o = ap.parse_args()
-    if o.metric == "ns_per_row_sustained":
+    if o.pairs < 1:
+        ap.error(f"--pairs: expected >= 1, got {o.pairs}")
+    metrics = METRICS if o.metric == "both" else (o.metric,)
+    if "ns_per_row_sustained" in metrics:
         toks = o.args.split()
         vals = [toks[i + 1] for i, t in enumerate(toks[:-1]) if t == "--sustained-ms"]
         try:
@@ -64,30 +74,32 @@ def main():
         except ValueError:
             positive = False
         if not positive:
-            ap.error("--metric ns_per_row_sustained needs --sustained-ms with a positive value in --args")
+            ap.error(f"--metric {o.metric} needs --sustained-ms with a positive value in --args")
     extra = o.args.split()
-    samples = {}
+    samples = {m: {} for m in metrics}
     for i in range(o.pairs):
         order = [("A", o.a), ("B", o.b)] if i % 2 == 0 else [("B", o.b), ("A", o.a)]
         got = {}
         for tag, binary in order:
-            got[tag] = run(binary, extra, o.metric)
-        for case in got["A"]:
-            samples.setdefault(case, []).append((got["A"][case], got["B"][case]))
+            got[tag] = run(binary, extra, metrics)
+        for m in metrics:
+            for case in got["A"][m]:
+                samples[m].setdefault(case, []).append((got["A"][m][case], got["B"][m][case]))
     report = []
-    print(f"metric: {o.metric}")
-    print(f"{'case':34s} {'A ns/row':>9s} {'B ns/row':>9s} {'B-A mean':>9s} {'95% CI':>22s} {'B/A':>6s}")
-    for case, pairs in samples.items():
-        deltas = [b - a for a, b in pairs]
-        n = len(deltas)
-        mean = statistics.fmean(deltas)
-        sd = statistics.stdev(deltas) if n > 1 else float("nan")
-        half = T95[min(n - 1, 30) - 1] * sd / math.sqrt(n) if n > 1 else float("nan")
-        ma = statistics.median(a for a, _ in pairs)
-        mb = statistics.median(b for _, b in pairs)
-        print(f"{case:34s} {ma:9.1f} {mb:9.1f} {mean:9.1f} [{mean - half:8.1f}, {mean + half:8.1f}] {mb / ma:6.3f}")
-        report.append({"case": case, "metric": o.metric, "a_median": ma, "b_median": mb, "delta_mean": mean, "ci95": [mean - half, mean + half],
-                       "pairs": pairs})
+    for m in metrics:
+        print(f"metric: {m}")
+        print(f"{'case':34s} {'A ns/row':>9s} {'B ns/row':>9s} {'B-A mean':>9s} {'95% CI':>22s} {'B/A':>6s}")
+        for case, pairs in samples[m].items():
+            deltas = [b - a for a, b in pairs]
+            n = len(deltas)
+            mean = statistics.fmean(deltas)
+            sd = statistics.stdev(deltas) if n > 1 else float("nan")
+            half = T95[min(n - 1, 30) - 1] * sd / math.sqrt(n) if n > 1 else float("nan")
+            ma = statistics.median(a for a, _ in pairs)
+            mb = statistics.median(b for _, b in pairs)
+            print(f"{case:34s} {ma:9.1f} {mb:9.1f} {mean:9.1f} [{mean - half:8.1f}, {mean + half:8.1f}] {mb / ma:6.3f}")
+            report.append({"case": case, "metric": m, "a_median": ma, "b_median": mb, "delta_mean": mean,
+                           "ci95": [mean - half, mean + half], "pairs": pairs})
     if o.out:
         with open(o.out, "w") as f:
             json.dump(report, f, indent=1)
