@@ -11,7 +11,9 @@
 #      CLI_ARGS (default "--preset deepseek-v32 --backend cuda --verify sample"),
 #      SKIP_SANITIZER=1 (any non-empty value; screening several candidates in one
 #      call: the sanitizer harness, ~110 s, then runs only on the one that lands),
-#      BASE (default .device/bin: the folder whose dsa-indexer-bwd-bench is side A).
+#      BASE (default .device/bin: the folder whose dsa-indexer-bwd-bench is side A),
+#      AB_METRIC (ns_per_row; ns_per_row_sustained or both with "--sustained-ms 2000" in
+#      AB_ARGS: back to back the op is power-bound, docs/perf-log.md nineteenth session).
 # Writes $OUT/candidate_<name>.txt and $OUT/ab_<name>.json. Exit 0 when the
 # tests and the check passed and the A/B ran.
 set -uo pipefail
@@ -36,7 +38,7 @@ rc=0
   fi
   echo "### $CAND: paired A/B against ${BASE:=.device/bin} (${AB_ARGS:=--seq 16384 --iters 10})"
   timeout 400 python3 scripts/ab_compare.py "$BASE/dsa-indexer-bwd-bench" "$dir/dsa-indexer-bwd-bench" \
-    --pairs "${AB_PAIRS:-5}" --args "$AB_ARGS" --out "$out/ab_$CAND.json"
+    --pairs "${AB_PAIRS:-5}" --args "$AB_ARGS" --metric "${AB_METRIC:-ns_per_row}" --out "$out/ab_$CAND.json"
 } 2>&1 | tee "$out/candidate_$CAND.txt"
 rc=${PIPESTATUS[0]}
 exit $rc
