@@ -123,6 +123,17 @@ TEST_F(Cli, ThdPresetAsBshdNeedsLengths) {
   EXPECT_EQ(r.exit_code, 0) << r.output;
 }
 
+TEST_F(Cli, NoQueryRowsPassSaysWhatWasCompared) {
+  // S_q 0: nothing to compare but an all-zero d_index_k; the verdict says so, the exit status is 0.
+  const Result r = run("backward --preset tiny --s-q 0 --s-kv 50 --verify all");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "result      PASS (no query rows: empty d_index_q / d_weights, d_index_k all zero)"))
+      << r.output;
+  const Result q = run("backward --preset tiny --verify all");
+  EXPECT_EQ(q.exit_code, 0) << q.output;
+  EXPECT_TRUE(contains(q.output, "result      PASS\n")) << q.output;
+}
+
 TEST_F(Cli, JsonReportOnErrorsAndUnverifiedRuns) {
   // With --json, an error is also a JSON object on stdout (stderr keeps the line).
   Result r = run("backward --json --in " + quote(path("does_not_exist.safetensors")), /*with_stderr=*/false);
