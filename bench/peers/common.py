@@ -94,14 +94,13 @@ SUSTAINED_MS_MAX = 600000.0
 
 def sustained_ms_arg(text):
     """argparse type of --sustained-ms: a decimal number of ms in [0, 600000], as the
-    C++ tools take it (no hex, no underscores, no inf / nan)."""
-    t = text.strip() if text == text.strip() else None
-    try:
-        if t is None or not t or "_" in t or any(c in t for c in "xXpP"):
-            raise ValueError
-        v = float(t)
-    except ValueError:
-        v = None
+    C++ tools take it (no blanks, hex, underscores, inf or nan)."""
+    v = None
+    if text and text == text.strip() and not any(c in text for c in "_xXpP"):
+        try:
+            v = float(text)
+        except ValueError:
+            pass
     if v is None or not math.isfinite(v) or not 0.0 <= v <= SUSTAINED_MS_MAX:
         raise argparse.ArgumentTypeError(
             f"expected a number of milliseconds from 0 to {int(SUSTAINED_MS_MAX)}, got {text!r}")
@@ -184,9 +183,8 @@ def gpu_time(op, iters, warmup, prepare=None, sleep_ms=3.0):
 def gpu_time_sustained(op, sustained_ms, median_ms, prepare=None):
     """The sustained run of dsa-indexer-bwd-bench --sustained-ms (bench/core/op_bench.cpp,
     sustained_launches): max(20, ceil(sustained_ms / median_ms)) calls (at most 20000)
-    back to back, CUDA events
-    around each op() only, prepare() between them on the same stream, one host wait at the
-    end. Returns (every call's time in ms, in order; the whole run's GPU seconds), for
+    back to back, CUDA events around each op() only, prepare() between them on the same
+    stream, one host wait at the end. Returns (every call's time in ms, in order; the whole run's GPU seconds), for
     summarize_sustained."""
     if not (0.0 <= sustained_ms <= SUSTAINED_MS_MAX):
         raise ValueError(f"--sustained-ms: expected a number of milliseconds from 0 to 600000, got {sustained_ms}")
