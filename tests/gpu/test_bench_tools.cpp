@@ -44,6 +44,11 @@ class BenchTools : public ::testing::Test {
     if (!dir_.empty()) std::filesystem::remove_all(dir_, ec);
   }
   std::string path(const std::string& name) const { return (dir_ / name).string(); }
+  /// Runs one of the tools (the build's, or DSAIB_BIN_DIR's) with `args`, which
+  /// start with a blank and carry their own redirections.
+  static CommandResult run_tool(const char* built, const std::string& args) {
+    return run_command(shell_quote(binary(built)) + args);
+  }
   static nlohmann::json read_json(const std::string& p) {
     std::ifstream f(p);
     return nlohmann::json::parse(f);
@@ -53,7 +58,7 @@ class BenchTools : public ::testing::Test {
 
 TEST_F(BenchTools, BenchSubcommandMeasuresTheFloorAndTheOpAndWritesJson) {
   const std::string json = path("bench.json");
-  const CommandResult r = run_command(shell_quote(binary(DSAIB_CLI_PATH)) +
+  const CommandResult r = run_tool(DSAIB_CLI_PATH,
                                       " bench --seq 512,1024 --ids causal,random --heads 16 --dim 64 --topk 128"
                                       " --iters 5 --warmup 1 --sustained-ms 40 --json " +
                                       shell_quote(json) + " 2>&1");
@@ -103,7 +108,7 @@ TEST_F(BenchTools, BenchSubcommandMeasuresTheFloorAndTheOpAndWritesJson) {
 }
 
 TEST_F(BenchTools, BenchSubcommandWithoutFloorAndWithoutRotation) {
-  const CommandResult r = run_command(shell_quote(binary(DSAIB_CLI_PATH)) +
+  const CommandResult r = run_tool(DSAIB_CLI_PATH,
                                       " bench --seq 256 --ids random --heads 8 --dim 128 --topk 64 --iters 3"
                                       " --input-sets 1 --no-floor --sustained-ms 0 --json - 2>/dev/null");
   ASSERT_EQ(r.exit_code, 0) << r.output;
@@ -118,7 +123,7 @@ TEST_F(BenchTools, BenchSubcommandWithoutFloorAndWithoutRotation) {
 
 TEST_F(BenchTools, OpBenchKeepsItsJsonForAbCompare) {
   const std::string json = path("op.json");
-  const CommandResult r = run_command(shell_quote(binary(DSAIB_OP_BENCH_PATH)) +
+  const CommandResult r = run_tool(DSAIB_OP_BENCH_PATH,
                                       " --seq 512 --ids causal,random,causal-shuffled,random-shuffled --heads 16"
                                       " --dim 128 --topk 128 --iters 3 --json " + shell_quote(json) + " 2>&1");
   ASSERT_EQ(r.exit_code, 0) << r.output;
@@ -145,7 +150,7 @@ TEST_F(BenchTools, OpBenchKeepsItsJsonForAbCompare) {
 
 TEST_F(BenchTools, OpBenchSustainedRunReportsItsSteadyState) {
   const std::string json = path("sustained.json");
-  const CommandResult r = run_command(shell_quote(binary(DSAIB_OP_BENCH_PATH)) +
+  const CommandResult r = run_tool(DSAIB_OP_BENCH_PATH,
                                       " --seq 512 --ids random --heads 16 --dim 128 --topk 128 --iters 3"
                                       " --sustained-ms 50 --json " + shell_quote(json) + " 2>&1");
   ASSERT_EQ(r.exit_code, 0) << r.output;
@@ -163,7 +168,7 @@ TEST_F(BenchTools, OpBenchSustainedRunReportsItsSteadyState) {
             0.5 * c["sustained_launches"].get<double>() * ns * 512.0 * 0.5) << c.dump();
   // Without the flag: no sustained run, zeros.
   const std::string plain = path("plain.json");
-  const CommandResult q = run_command(shell_quote(binary(DSAIB_OP_BENCH_PATH)) +
+  const CommandResult q = run_tool(DSAIB_OP_BENCH_PATH,
                                       " --seq 512 --ids random --heads 16 --dim 128 --topk 128 --iters 3 --json " +
                                       shell_quote(plain) + " 2>&1");
   ASSERT_EQ(q.exit_code, 0) << q.output;
@@ -173,7 +178,7 @@ TEST_F(BenchTools, OpBenchSustainedRunReportsItsSteadyState) {
 
 TEST_F(BenchTools, FloorBenchChecksEveryWay) {
   const std::string json = path("floor.json");
-  const CommandResult r = run_command(shell_quote(binary(DSAIB_FLOOR_BENCH_PATH)) +
+  const CommandResult r = run_tool(DSAIB_FLOOR_BENCH_PATH,
                                       " --tables 2,8 --iters 3 --payload-mib 64 --gemm-size 1024 --json " +
                                       shell_quote(json) + " 2>&1");
   ASSERT_EQ(r.exit_code, 0) << r.output;
