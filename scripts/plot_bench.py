@@ -9,7 +9,11 @@ Inputs (any mix):
   --peers FILE    a peer's JSON (bench/peers/*.py --json): {"peer", "status", "results": [...]};
                   repeatable
   --floor FILE    dsa-floor-bench --json ({"floor": [{"seq_kv", "floor_ns_per_row", ...}]})
-Without a measured floor the line is h200-facts.md's 278 ns per row.
+  --sustained     also draw the sustained timings (launches back to back, --sustained-ms) where
+                  the JSON has them ("ns_per_row_sustained", or a case's "sustained": {"ns_per_row"}),
+                  as thin lines with hollow markers and no value labels
+Without a measured floor the line is h200-facts.md's 278 ns per row. A peer given with
+--peers wins over a record of the same peer in a --merged file when both ran.
 
 Only the DeepSeek shape is drawn (--heads 64 --dim 128 --topk 2048 by default).
 x: S = S_q = S_kv on a log2 axis; y: ns per query row (median) on a log axis.
@@ -63,7 +67,18 @@ def ns_of(r):
     return None
 
 
-def series(rows, heads, dim, topk):
+def sustained_ns_of(r):
+    """The sustained (back-to-back) ns per row of a row, or None."""
+    v = r.get("ns_per_row_sustained")
+    if isinstance(v, (int, float)) and v > 0:
+        return float(v)
+    st = r.get("sustained")
+    if isinstance(st, dict) and isinstance(st.get("ns_per_row"), (int, float)) and st["ns_per_row"] > 0:
+        return float(st["ns_per_row"])
+    return None
+
+
+def series(rows, heads, dim, topk, time_of=ns_of):
     """{ids: [(S, ns)]} for rows of the DeepSeek shape that have a time."""
     out = {}
     for r in rows:
@@ -71,7 +86,7 @@ def series(rows, heads, dim, topk):
             continue
         if (r.get("heads", heads), r.get("dim", dim), r.get("topk", topk)) != (heads, dim, topk):
             continue
-        ns = ns_of(r)
+        ns = time_of(r)
         if ns is None or not r.get("seq"):
             continue
         out.setdefault(r.get("ids", "?"), []).append((int(r["seq"]), ns))
@@ -119,6 +134,8 @@ def main(argv=None):
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--topk", type=int, default=2048)
     ap.add_argument("--title", default=None)
+    ap.add_argument("--sustained", action="store_true",
+                    help="also draw the sustained (back-to-back) timings where the JSON has them")
     a = ap.parse_args(argv)
     if not (a.merged or a.ours or a.peers):
         ap.error("give --merged, or --ours and/or --peers")
@@ -139,7 +156,7 @@ def main(argv=None):
         bench_floor = floor_points_of_bench(ours_json, a.heads, a.dim, a.topk)
     if a.floor:
         floor = load(a.floor)
-    peers += [load(p) for p in a.peers]
+    peers = [load(p) for p in a.peers] + peers  # explicit --peers records first: they win ties
     # one record per peer: the first that ran wins over "not selected" / unavailable ones
     rank = {"ok": 0, "partial": 1, "error": 2, "unavailable": 3, "not_selected": 4}
     best = {}
@@ -180,6 +197,14 @@ def main(argv=None):
                 labels.append(ax.annotate(text, (x, y), textcoords="offset points",
                                           xytext=(7, -11 if causal else 4), fontsize=7, color=colour))
             drawn = True
+        if a.sustained:
+            for ids, pts in sorted(series(rows, a.heads, a.dim, a.topk, sustained_ns_of).items()):
+                xs, ys = zip(*pts)
+                all_s.update(xs)
+                all_ns.extend(ys)
+                ax.plot(xs, ys, linestyle="-" if ids.startswith("causal") else "--", marker=marker,
+                        markerfacecolor="none", color=colour, linewidth=1, alpha=0.6, markersize=6,
+                        label=f"{label}{label_extra}, {ids} ids, sustained")
         for r in rows:  # cases that ran but have no time: say so under the plot
             if r.get("status", "ok") != "ok":
                 missing.append(f"{label} {r.get('ids', '')} S{r.get('seq', '')}: {r.get('status')}"
