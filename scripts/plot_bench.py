@@ -12,8 +12,10 @@ Inputs (any mix):
   --sustained     also draw the sustained timings (launches back to back, --sustained-ms) where
                   the JSON has them ("ns_per_row_sustained", or a case's "sustained": {"ns_per_row"}),
                   as thin lines with hollow markers and no value labels
-Without a measured floor the line is h200-facts.md's 278 ns per row. A peer given with
---peers wins over a record of the same peer in a --merged file when both ran.
+Without a measured floor the line is h200-facts.md's 278 ns per row. Of two records of the
+same peer the one with the better status is drawn (ok, partial, error, ...); on a tie, a
+--peers record wins over one from a --merged file. Times that are not finite positive numbers
+(NaN, inf, 0, negative, true/false, strings) are never drawn.
 
 Only the DeepSeek shape is drawn (--heads 64 --dim 128 --topk 2048 by default).
 x: S = S_q = S_kv on a log2 axis; y: ns per query row (median) on a log axis.
@@ -25,6 +27,7 @@ under the plot with their reason.
 
 import argparse
 import json
+import math
 import sys
 
 FIXED_FLOOR_NS = 278.0  # shared/design/h200-facts.md, L2-resident dK
@@ -56,26 +59,33 @@ def ours_rows(d):
     return []
 
 
+def time_value(v):
+    """v as a float when it is a finite positive number (not a bool), else None."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    v = float(v)
+    return v if math.isfinite(v) and v > 0 else None
+
+
 def ns_of(r):
     for key in ("ns_per_row", "ns_per_row_median"):
-        v = r.get(key)
-        if isinstance(v, (int, float)):
-            return float(v)
+        v = time_value(r.get(key))
+        if v is not None:
+            return v
     t = r.get("timing") or {}
-    if isinstance(t, dict) and isinstance(t.get("median_ms"), (int, float)) and r.get("seq"):
-        return t["median_ms"] * 1e6 / (r["seq"] * r.get("batch", 1))
+    ms = time_value(t.get("median_ms")) if isinstance(t, dict) else None
+    if ms is not None and r.get("seq"):
+        return time_value(ms * 1e6 / (r["seq"] * r.get("batch", 1)))
     return None
 
 
 def sustained_ns_of(r):
     """The sustained (back-to-back) ns per row of a row, or None."""
-    v = r.get("ns_per_row_sustained")
-    if isinstance(v, (int, float)) and v > 0:
-        return float(v)
+    v = time_value(r.get("ns_per_row_sustained"))
+    if v is not None:
+        return v
     st = r.get("sustained")
-    if isinstance(st, dict) and isinstance(st.get("ns_per_row"), (int, float)) and st["ns_per_row"] > 0:
-        return float(st["ns_per_row"])
-    return None
+    return time_value(st.get("ns_per_row")) if isinstance(st, dict) else None
 
 
 def series(rows, heads, dim, topk, time_of=ns_of):
@@ -180,8 +190,12 @@ def main(argv=None):
 
     labels = []  # point annotations; spread apart per S once the axes are final (spread_labels)
 
+    extra_colour = {}  # peers without a STYLE entry: one colour each, in the order they are drawn
+
     def draw(key, rows, label_extra="", ratio=False):
-        label, colour, marker = STYLE.get(key, (key, EXTRA_COLOURS[len(all_ns) % len(EXTRA_COLOURS)], "v"))
+        if key not in STYLE and key not in extra_colour:
+            extra_colour[key] = EXTRA_COLOURS[len(extra_colour) % len(EXTRA_COLOURS)]
+        label, colour, marker = STYLE.get(key, (key, extra_colour.get(key), "v"))
         drawn = False
         for ids, pts in sorted(series(rows, a.heads, a.dim, a.topk).items()):
             xs, ys = zip(*pts)
@@ -205,6 +219,7 @@ def main(argv=None):
                 ax.plot(xs, ys, linestyle="-" if ids.startswith("causal") else "--", marker=marker,
                         markerfacecolor="none", color=colour, linewidth=1, alpha=0.6, markersize=6,
                         label=f"{label}{label_extra}, {ids} ids, sustained")
+                drawn = True
         for r in rows:  # cases that ran but have no time: say so under the plot
             if r.get("status", "ok") != "ok":
                 missing.append(f"{label} {r.get('ids', '')} S{r.get('seq', '')}: {r.get('status')}"

@@ -22,6 +22,6 @@ run() {  # name, kernel regex, command...
 }
 {
   run op_random_4096 indexer_backward_kernel "$bin/dsa-indexer-bwd-bench" --seq 4096 --ids random --iters 2 --warmup 1
-  run floor_reds scatter_float4_kernel "$bin/dsa-floor-bench" --tables 2 --iters 2 --warmup 1 --payload-mib 256 --gemm-size 512
-  run floor_reds_with_key_reads gather_scatter_float4_kernel "$bin/dsa-floor-bench" --tables 2 --iters 2 --warmup 1 --payload-mib 256 --gemm-size 512
+  run floor_reds ^scatter_float4_kernel "$bin/dsa-floor-bench" --tables 2 --iters 2 --warmup 1 --payload-mib 256 --gemm-size 512
+  run floor_reds_with_key_reads ^gather_scatter_float4_kernel "$bin/dsa-floor-bench" --tables 2 --iters 2 --warmup 1 --payload-mib 256 --gemm-size 512
 } 2>&1 | tee "$out/l2_mix.txt"
