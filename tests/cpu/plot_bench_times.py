@@ -1,0 +1,43 @@
+"""scripts/plot_bench.py's reading of times (no plotting, no matplotlib): which
+values become points, for the timed and the sustained (--sustained) series.
+  python3 tests/cpu/plot_bench_times.py scripts/plot_bench.py
+Exits non-zero on the first wrong answer."""
+import importlib.util
+import math
+import sys
+
+spec = importlib.util.spec_from_file_location("plot_bench", sys.argv[1])
+pb = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(pb)
+
+# time_value: finite positive numbers only
+for v, want in [(300, 300.0), (1.5, 1.5), (0, None), (-3.0, None), (math.nan, None), (math.inf, None),
+                (True, None), (False, None), ("300", None), (None, None), ([300], None)]:
+    got = pb.time_value(v)
+    assert got == want, f"time_value({v!r}) = {got!r}, expected {want!r}"
+
+# timed: ns_per_row, else ns_per_row_median, else timing.median_ms per row of B*S
+assert pb.ns_of({"ns_per_row": 310.0}) == 310.0
+assert pb.ns_of({"ns_per_row": math.nan, "ns_per_row_median": 320.0}) == 320.0
+assert pb.ns_of({"seq": 4096, "batch": 2, "timing": {"median_ms": 2.4576}}) == 2.4576e6 / 8192
+assert pb.ns_of({"seq": 4096, "timing": {"median_ms": math.inf}}) is None
+assert pb.ns_of({"seq": 4096, "timing": "n/a"}) is None
+
+# sustained: the op bench's flat key, else the bench subcommand's "sustained" object
+assert pb.sustained_ns_of({"ns_per_row_sustained": 350.0}) == 350.0
+assert pb.sustained_ns_of({"ns_per_row_sustained": 0.0, "sustained": {"ns_per_row": 351.0}}) == 351.0
+assert pb.sustained_ns_of({"ns_per_row_sustained": True}) is None
+assert pb.sustained_ns_of({"sustained": None}) is None
+assert pb.sustained_ns_of({"sustained": {"ns_per_row": -1}}) is None
+assert pb.sustained_ns_of({"ns_per_row": 300.0}) is None
+
+# series: the DeepSeek shape only, status ok only, sorted by S, per id pattern
+rows = [
+    {"ids": "random", "seq": 16384, "heads": 64, "dim": 128, "topk": 2048, "ns_per_row": 331.0, "ns_per_row_sustained": 348.0},
+    {"ids": "random", "seq": 4096, "heads": 64, "dim": 128, "topk": 2048, "ns_per_row": 342.0, "ns_per_row_sustained": math.nan},
+    {"ids": "random", "seq": 8192, "heads": 32, "dim": 128, "topk": 2048, "ns_per_row": 300.0},
+    {"ids": "causal", "seq": 4096, "heads": 64, "dim": 128, "topk": 2048, "ns_per_row": 273.0, "status": "error"},
+]
+assert pb.series(rows, 64, 128, 2048) == {"random": [(4096, 342.0), (16384, 331.0)]}
+assert pb.series(rows, 64, 128, 2048, pb.sustained_ns_of) == {"random": [(16384, 348.0)]}
+print("plot_bench times: all checks passed")
