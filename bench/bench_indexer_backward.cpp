@@ -40,19 +40,6 @@ namespace {
 
 using namespace dsaib::bench;
 
-/// A decimal number in [lo, hi]: blanks, trailing characters, hex, inf and nan are
-/// rejected; -0 reads as 0.
-bool parse_bounded_decimal(const std::string& v, double lo, double hi, double* out) {
-  char* end = nullptr;
-  const double x = std::strtod(v.c_str(), &end);
-  if (v.empty() || v.find_first_of("xXpP \t\n\v\f\r") != std::string::npos || end != v.c_str() + v.size() ||
-      !std::isfinite(x) || x < lo || x > hi) {
-    return false;
-  }
-  *out = x + 0.0;
-  return true;
-}
-
 std::vector<std::string> split(const std::string& s) {
   std::vector<std::string> v;
   std::stringstream ss(s);

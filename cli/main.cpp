@@ -27,6 +27,7 @@
 #include <numeric>
 #include <sstream>
 
+#include "bench_names.hpp"
 #include "cli.hpp"
 #include "dsaib/safetensors.hpp"
 #include "io/output_path.hpp"
@@ -132,8 +133,7 @@ CLI::Validator millis_range(double hi) {
   return CLI::Validator(
       [hi](std::string& v) -> std::string {
         double x = 0;
-        if (v.find_first_of("xXpP") != std::string::npos || !parse_number_text(v, &x) || !std::isfinite(x) || x < 0 ||
-            x > hi) {
+        if (!dsaib::bench::parse_bounded_decimal(v, 0.0, hi, &x)) {  // the bench tools' rule (bench_names.hpp)
           return "expected a number of milliseconds from 0 to " + std::to_string(static_cast<int64_t>(hi)) +
                  ", got \"" + v + "\"";
         }
@@ -880,12 +880,12 @@ int run_main(int argc, char** argv) {
     if (bench_seq_opt->count() > 0) ba.seqs = parse_int_list("--seq", bench_seq_text, 1, "sequence lengths >= 1");
     if (bench_ids_opt->count() > 0) {
       // Checked here too (run_bench checks again), so a build without CUDA reports bad usage as such.
-      const std::vector<std::string> patterns = {"causal", "random", "causal-shuffled", "random-shuffled"};
       ba.ids = split_list_items("--ids", bench_ids_text, "id patterns");
       for (const std::string& id : ba.ids) {
-        if (std::find(patterns.begin(), patterns.end(), id) == patterns.end()) {
+        dsaib::bench::IdPattern parsed;
+        if (!dsaib::bench::parse_id_pattern(id, &parsed)) {
           throw Error(ErrorCode::invalid_argument, "--ids",
-                      "--ids: expected one of causal, random, causal-shuffled, random-shuffled, got \"" + id + "\"");
+                      "--ids: expected one of " + dsaib::bench::id_pattern_list() + ", got \"" + id + "\"");
         }
       }
     }

@@ -106,35 +106,6 @@ Floor floor_per_row(double slots, int64_t heads, int64_t dim, double scatter_tbp
   return f;
 }
 
-const char* id_pattern_name(IdPattern p) {
-  switch (p) {
-    case IdPattern::causal: return "causal";
-    case IdPattern::random: return "random";
-    case IdPattern::causal_shuffled: return "causal-shuffled";
-    case IdPattern::random_shuffled: return "random-shuffled";
-  }
-  return "unknown";
-}
-
-bool is_causal(IdPattern p) { return p == IdPattern::causal || p == IdPattern::causal_shuffled; }
-bool is_shuffled(IdPattern p) { return p == IdPattern::causal_shuffled || p == IdPattern::random_shuffled; }
-
-std::string id_pattern_list() {
-  std::string s;
-  for (IdPattern p : kIdPatterns) s += (s.empty() ? "" : ", ") + std::string(id_pattern_name(p));
-  return s;
-}
-
-bool parse_id_pattern(const std::string& s, IdPattern* out) {
-  for (IdPattern p : kIdPatterns) {
-    if (s == id_pattern_name(p)) {
-      *out = p;
-      return true;
-    }
-  }
-  return false;
-}
-
 int sustained_launches(double sustained_ms, double launch_ms) {
   if (!std::isfinite(sustained_ms) || sustained_ms < 0) {
     throw Error(ErrorCode::invalid_argument, "sustained_ms",

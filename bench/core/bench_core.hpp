@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_names.hpp"
 #include "dsaib/indexer_backward.hpp"
 
 namespace dsaib::bench {
@@ -119,23 +120,8 @@ Floor floor_per_row(double slots, int64_t heads, int64_t dim, double scatter_tbp
 
 // ---------------------------------------------------------------- the op
 
-/// causal: row t selects min(t+1, topk) keys of 0..t (the rest -1, empty); random: topk
-/// (at most S_kv) distinct keys of the whole sequence. Ids ascending within a row, or, in
-/// the -shuffled patterns, the same draw in a random order within the row (the order a
-/// top-k by score returns them in, which is unrelated to the id). attn_score and
-/// index_score random, normalised over the valid slots.
-enum class IdPattern { causal, random, causal_shuffled, random_shuffled };
-inline constexpr IdPattern kIdPatterns[] = {IdPattern::causal, IdPattern::random, IdPattern::causal_shuffled,
-                                            IdPattern::random_shuffled};
-const char* id_pattern_name(IdPattern p);
-/// The names of kIdPatterns, comma-separated ("causal, random, ..."), for messages.
-std::string id_pattern_list();
-/// Keys 0..t only (causal, causal-shuffled).
-bool is_causal(IdPattern p);
-/// Ids in a random order within the row (causal-shuffled, random-shuffled).
-bool is_shuffled(IdPattern p);
-/// "causal" / "random" / "causal-shuffled" / "random-shuffled"; false for anything else.
-bool parse_id_pattern(const std::string& s, IdPattern* out);
+// IdPattern, kIdPatterns, id_pattern_name / _list, is_causal, is_shuffled,
+// parse_id_pattern: bench_names.hpp (no CUDA).
 
 /// One benchmark case: bf16 inputs, bshd, local ids, S_q = S_kv = seq, bf16 outputs.
 struct OpCase {

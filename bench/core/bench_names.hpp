@@ -1,0 +1,70 @@
+// The benchmark tools' vocabulary that needs no CUDA: the id patterns of a
+// case and the decimal-flag rule. Header-only, so that `dsa-indexer-bwd`
+// checks `bench --ids` and `--sustained-ms` the same way in builds without
+// the cuda backend (where dsaib_bench, bench_core.hpp, is not built) as
+// dsa-indexer-bwd-bench and the bench core do.
+#pragma once
+
+#include <cmath>
+#include <cstdlib>
+#include <string>
+
+namespace dsaib::bench {
+
+/// causal: row t selects min(t+1, topk) keys of 0..t (the rest -1, empty); random: topk
+/// (at most S_kv) distinct keys of the whole sequence. Ids ascending within a row, or, in
+/// the -shuffled patterns, the same draw in a random order within the row (the order a
+/// top-k by score returns them in, which is unrelated to the id). attn_score and
+/// index_score random, normalised over the valid slots.
+enum class IdPattern { causal, random, causal_shuffled, random_shuffled };
+inline constexpr IdPattern kIdPatterns[] = {IdPattern::causal, IdPattern::random, IdPattern::causal_shuffled,
+                                            IdPattern::random_shuffled};
+
+/// "causal" / "random" / "causal-shuffled" / "random-shuffled".
+inline const char* id_pattern_name(IdPattern p) {
+  switch (p) {
+    case IdPattern::causal: return "causal";
+    case IdPattern::random: return "random";
+    case IdPattern::causal_shuffled: return "causal-shuffled";
+    case IdPattern::random_shuffled: return "random-shuffled";
+  }
+  return "unknown";
+}
+
+/// The names of kIdPatterns, comma-separated ("causal, random, ..."), for messages.
+inline std::string id_pattern_list() {
+  std::string s;
+  for (IdPattern p : kIdPatterns) s += (s.empty() ? "" : ", ") + std::string(id_pattern_name(p));
+  return s;
+}
+
+/// Keys 0..t only (causal, causal-shuffled).
+inline bool is_causal(IdPattern p) { return p == IdPattern::causal || p == IdPattern::causal_shuffled; }
+/// Ids in a random order within the row (causal-shuffled, random-shuffled).
+inline bool is_shuffled(IdPattern p) { return p == IdPattern::causal_shuffled || p == IdPattern::random_shuffled; }
+
+/// One of the names of id_pattern_name; false for anything else.
+inline bool parse_id_pattern(const std::string& s, IdPattern* out) {
+  for (IdPattern p : kIdPatterns) {
+    if (s == id_pattern_name(p)) {
+      *out = p;
+      return true;
+    }
+  }
+  return false;
+}
+
+/// A decimal number in [lo, hi] (the tools' millisecond and MiB flags): blanks,
+/// trailing characters, hex, inf and nan are rejected; -0 reads as 0.
+inline bool parse_bounded_decimal(const std::string& v, double lo, double hi, double* out) {
+  char* end = nullptr;
+  const double x = std::strtod(v.c_str(), &end);
+  if (v.empty() || v.find_first_of("xXpP \t\n\v\f\r") != std::string::npos || end != v.c_str() + v.size() ||
+      !std::isfinite(x) || x < lo || x > hi) {
+    return false;
+  }
+  *out = x + 0.0;
+  return true;
+}
+
+}  // namespace dsaib::bench
