@@ -49,6 +49,10 @@ class BenchTools : public ::testing::Test {
   static CommandResult run_tool(const char* built, const std::string& args) {
     return run_command(shell_quote(binary(built)) + args);
   }
+  /// The same with `--json json` appended and stderr merged into the output.
+  static CommandResult run_tool_json(const char* built, const std::string& args, const std::string& json) {
+    return run_tool(built, args + " --json " + shell_quote(json) + " 2>&1");
+  }
   static nlohmann::json read_json(const std::string& p) {
     std::ifstream f(p);
     return nlohmann::json::parse(f);
@@ -58,10 +62,10 @@ class BenchTools : public ::testing::Test {
 
 TEST_F(BenchTools, BenchSubcommandMeasuresTheFloorAndTheOpAndWritesJson) {
   const std::string json = path("bench.json");
-  const CommandResult r = run_tool(DSAIB_CLI_PATH,
-                                      " bench --seq 512,1024 --ids causal,random --heads 16 --dim 64 --topk 128"
-                                      " --iters 5 --warmup 1 --sustained-ms 40 --json " +
-                                      shell_quote(json) + " 2>&1");
+  const CommandResult r = run_tool_json(DSAIB_CLI_PATH,
+                                       " bench --seq 512,1024 --ids causal,random --heads 16 --dim 64 --topk 128"
+                                       " --iters 5 --warmup 1 --sustained-ms 40",
+                                       json);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   for (const char* frag : {"scatter-add", "bf16 GEMM", "xfloor", "x278", "causal", "random"}) {
     EXPECT_NE(r.output.find(frag), std::string::npos) << "'" << frag << "' not in:\n" << r.output;
@@ -109,8 +113,8 @@ TEST_F(BenchTools, BenchSubcommandMeasuresTheFloorAndTheOpAndWritesJson) {
 
 TEST_F(BenchTools, BenchSubcommandWithoutFloorAndWithoutRotation) {
   const CommandResult r = run_tool(DSAIB_CLI_PATH,
-                                      " bench --seq 256 --ids random --heads 8 --dim 128 --topk 64 --iters 3"
-                                      " --input-sets 1 --no-floor --sustained-ms 0 --json - 2>/dev/null");
+                                   " bench --seq 256 --ids random --heads 8 --dim 128 --topk 64 --iters 3"
+                                   " --input-sets 1 --no-floor --sustained-ms 0 --json - 2>/dev/null");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const nlohmann::json j = nlohmann::json::parse(r.output);
   EXPECT_TRUE(j["floor_measurements"].is_null());
@@ -123,9 +127,10 @@ TEST_F(BenchTools, BenchSubcommandWithoutFloorAndWithoutRotation) {
 
 TEST_F(BenchTools, OpBenchKeepsItsJsonForAbCompare) {
   const std::string json = path("op.json");
-  const CommandResult r = run_tool(DSAIB_OP_BENCH_PATH,
-                                      " --seq 512 --ids causal,random,causal-shuffled,random-shuffled --heads 16"
-                                      " --dim 128 --topk 128 --iters 3 --json " + shell_quote(json) + " 2>&1");
+  const CommandResult r = run_tool_json(DSAIB_OP_BENCH_PATH,
+                                       " --seq 512 --ids causal,random,causal-shuffled,random-shuffled --heads 16"
+                                       " --dim 128 --topk 128 --iters 3",
+                                       json);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const nlohmann::json j = read_json(json);
   ASSERT_TRUE(j.is_array());
@@ -150,9 +155,8 @@ TEST_F(BenchTools, OpBenchKeepsItsJsonForAbCompare) {
 
 TEST_F(BenchTools, OpBenchSustainedRunReportsItsSteadyState) {
   const std::string json = path("sustained.json");
-  const CommandResult r = run_tool(DSAIB_OP_BENCH_PATH,
-                                      " --seq 512 --ids random --heads 16 --dim 128 --topk 128 --iters 3"
-                                      " --sustained-ms 50 --json " + shell_quote(json) + " 2>&1");
+  const CommandResult r = run_tool_json(
+      DSAIB_OP_BENCH_PATH, " --seq 512 --ids random --heads 16 --dim 128 --topk 128 --iters 3 --sustained-ms 50", json);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("sustained:"), std::string::npos) << r.output;
   const nlohmann::json j = read_json(json);
@@ -168,9 +172,8 @@ TEST_F(BenchTools, OpBenchSustainedRunReportsItsSteadyState) {
             0.5 * c["sustained_launches"].get<double>() * ns * 512.0 * 0.5) << c.dump();
   // Without the flag: no sustained run, zeros.
   const std::string plain = path("plain.json");
-  const CommandResult q = run_tool(DSAIB_OP_BENCH_PATH,
-                                      " --seq 512 --ids random --heads 16 --dim 128 --topk 128 --iters 3 --json " +
-                                      shell_quote(plain) + " 2>&1");
+  const CommandResult q =
+      run_tool_json(DSAIB_OP_BENCH_PATH, " --seq 512 --ids random --heads 16 --dim 128 --topk 128 --iters 3", plain);
   ASSERT_EQ(q.exit_code, 0) << q.output;
   EXPECT_EQ(read_json(plain)[0]["sustained_launches"], 0);
   EXPECT_EQ(q.output.find("sustained:"), std::string::npos) << q.output;
@@ -178,9 +181,8 @@ TEST_F(BenchTools, OpBenchSustainedRunReportsItsSteadyState) {
 
 TEST_F(BenchTools, FloorBenchChecksEveryWay) {
   const std::string json = path("floor.json");
-  const CommandResult r = run_tool(DSAIB_FLOOR_BENCH_PATH,
-                                      " --tables 2,8 --iters 3 --payload-mib 64 --gemm-size 1024 --json " +
-                                      shell_quote(json) + " 2>&1");
+  const CommandResult r =
+      run_tool_json(DSAIB_FLOOR_BENCH_PATH, " --tables 2,8 --iters 3 --payload-mib 64 --gemm-size 1024", json);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const nlohmann::json j = read_json(json);
   ASSERT_EQ(j["scatter"].size(), 6u);
