@@ -193,22 +193,23 @@ int run_bench(const BenchArgs& a) {
     nlohmann::ordered_json jsustained = nullptr;
     if (r.sustained_launches > 0) {
       std::string sx = "-";
+      const double sustained_fixed_ratio = r.ns_per_row_sustained / bench::kFixedFloorNsPerRow;
       jsustained = {{"launches", r.sustained_launches},
                     {"seconds", r.sustained_seconds},
                     {"ns_per_row", r.ns_per_row_sustained},
                     {"ns_per_row_first_half", r.ns_per_row_sustained_first_half},
                     {"floor_ratio", nullptr},
-                    {"fixed_floor_ratio", r.ns_per_row_sustained / bench::kFixedFloorNsPerRow}};
+                    {"fixed_floor_ratio", sustained_fixed_ratio}};
       if (!jfloor.is_null()) {
-        const double fns = jfloor["ns_per_row"].get<double>();
-        jsustained["floor_ratio"] = r.ns_per_row_sustained / fns;
-        sx = fmt("%.2f", r.ns_per_row_sustained / fns);
+        const double sustained_ratio = r.ns_per_row_sustained / jfloor["ns_per_row"].get<double>();
+        jsustained["floor_ratio"] = sustained_ratio;
+        sx = fmt("%.2f", sustained_ratio);
       }
       std::snprintf(line, sizeof line,
                     "%-15s %3s %6s   sustained: %d launches back to back, %.3f s: %.1f ns/row (second half; first "
                     "half %.1f), xfloor %s, x278 %.2f\n",
                     "", "", "", r.sustained_launches, r.sustained_seconds, r.ns_per_row_sustained,
-                    r.ns_per_row_sustained_first_half, sx.c_str(), r.ns_per_row_sustained / bench::kFixedFloorNsPerRow);
+                    r.ns_per_row_sustained_first_half, sx.c_str(), sustained_fixed_ratio);
       out << line << std::flush;
     }
     jcases.push_back({{"ids", bench::id_pattern_name(c.ids)},
