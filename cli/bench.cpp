@@ -28,14 +28,30 @@ std::string fmt(const char* f, double v) {
 
 std::string version_string(int v) { return std::to_string(v / 1000) + "." + std::to_string(v % 1000 / 10); }
 
-/// The floor measurements of one dK table (size, row length): every way, and the best.
+/// The floor measurements of one dK table (size, row length): every floor way, the
+/// best, and the key-read way (ScatterWay::gather_float4, not a floor way) of the
+/// traffic floor.
 struct TableRates {
   std::vector<bench::ScatterResult> ways;
   const bench::ScatterResult* best = nullptr;
+  bench::ScatterResult key_read;
 };
 
 nlohmann::ordered_json stats_json(const bench::Stats& t) {
   return {{"median_ms", t.median_ms}, {"min_ms", t.min_ms}, {"max_ms", t.max_ms}, {"runs", t.runs}};
+}
+
+nlohmann::ordered_json scatter_json(const bench::ScatterResult& r) {
+  return {{"table_bytes", r.table_bytes},
+          {"rows", r.rows},
+          {"row_bytes", r.row_floats * 4},
+          {"way", bench::scatter_way_name(r.way)},
+          {"payload_bytes", r.payload_bytes},
+          {"grid", r.grid},
+          {"block", r.block},
+          {"timing", stats_json(r.t)},
+          {"tbps", r.tbps},
+          {"check", r.check_ok}};
 }
 
 }  // namespace
@@ -109,6 +125,8 @@ int run_bench(const BenchArgs& a) {
       rates.ways = bench::measure_scatter(sc);
       rates.best = &bench::fastest(rates.ways);
       for (const auto& r : rates.ways) checks_ok = checks_ok && r.check_ok;
+      rates.key_read = bench::measure_scatter(sc, {bench::ScatterWay::gather_float4}).at(0);
+      checks_ok = checks_ok && rates.key_read.check_ok;
     }
     log_stage("floor: cuBLAS bf16 GEMM " + std::to_string(kGemmSize) + "^3 ...");
     gemm = bench::measure_gemm(kGemmSize, a.iters, a.warmup);
@@ -118,8 +136,8 @@ int run_bench(const BenchArgs& a) {
         << "    scatter-add, fp32 rows into random rows of the dK table, "
         << fmt("%.0f", kScatterPayloadBytes / kMiB) << " MiB per launch, TB/s:\n";
     char line[256];
-    std::snprintf(line, sizeof line, "    %12s %10s %4s %8s %8s %8s  %-6s %s\n", "dK table", "rows", "D", "float4",
-                  "scalar", "bulk", "best", "check");
+    std::snprintf(line, sizeof line, "    %12s %10s %4s %8s %8s %8s  %-6s %10s  %s\n", "dK table", "rows", "D",
+                  "float4", "scalar", "bulk", "best", "key-read", "check");
     out << line;
     for (const auto& [key, rates] : tables) {
       std::map<std::string, double> tb;
@@ -128,11 +146,16 @@ int run_bench(const BenchArgs& a) {
         tb[bench::scatter_way_name(r.way)] = r.tbps;
         ok = ok && r.check_ok;
       }
-      std::snprintf(line, sizeof line, "    %8.1f MiB %10llu %4lld %8.3f %8.3f %8.3f  %-6s %s\n", key.first / kMiB,
-                    (unsigned long long)rates.best->rows, (long long)key.second, tb["float4"], tb["scalar"],
-                    tb["bulk"], bench::scatter_way_name(rates.best->way), ok ? "ok" : "FAIL");
+      ok = ok && rates.key_read.check_ok;
+      std::snprintf(line, sizeof line, "    %8.1f MiB %10llu %4lld %8.3f %8.3f %8.3f  %-6s %10.3f  %s\n",
+                    key.first / kMiB, (unsigned long long)rates.best->rows, (long long)key.second, tb["float4"],
+                    tb["scalar"], tb["bulk"], bench::scatter_way_name(rates.best->way), rates.key_read.tbps,
+                    ok ? "ok" : "FAIL");
       out << line;
     }
+    out << "    key-read: not a floor way; the float4 way with each row-add first reading its row's D-element bf16\n"
+        << "    key from a key table of as many rows (the op's K gather beside its dK reduce): the traffic floor\n"
+        << "    (" << kBenchTrafficFloorFormula << ")\n";
     out << "    bf16 GEMM (cuBLAS, fp32 compute) " << kGemmSize << "^3: " << fmt("%.1f", gemm->tflops)
         << " TFLOP/s (median " << fmt("%.3f", gemm->t.median_ms) << " ms)  check " << (gemm->check_ok ? "ok" : "FAIL")
         << "\n";
@@ -143,9 +166,9 @@ int run_bench(const BenchArgs& a) {
 
   // 2. The op, every case.
   char line[320];
-  std::snprintf(line, sizeof line, "%-15s %3s %6s %4s %4s %5s %9s %4s %8s %19s %8s %8s %9s %7s %6s\n", "ids", "B", "S",
-                "H", "D", "topk", "valid/row", "sets", "ns/row", "(min-max)", "TFLOP/s", "dK GB/s", "floor ns",
-                "xfloor", "x278");
+  std::snprintf(line, sizeof line, "%-15s %3s %6s %4s %4s %5s %9s %4s %8s %19s %8s %8s %9s %7s %9s %6s\n", "ids", "B",
+                "S", "H", "D", "topk", "valid/row", "sets", "ns/row", "(min-max)", "TFLOP/s", "dK GB/s", "floor ns",
+                "xfloor", "xtraffic", "x278");
   out << line << std::flush;
   bench::OpConfig cfg;
   cfg.iters = a.iters;
@@ -161,8 +184,9 @@ int run_bench(const BenchArgs& a) {
               " ...");
     const bench::OpResult r = bench::run_op_case(c, cfg);
     const double fixed_ratio = r.ns_per_row / bench::kFixedFloorNsPerRow;
-    nlohmann::ordered_json jfloor = nullptr, jratio = nullptr;
-    std::string floor_ns = "-", floor_x = "-";
+    nlohmann::ordered_json jfloor = nullptr, jratio = nullptr, jtraffic = nullptr, jtraffic_ratio = nullptr;
+    std::string floor_ns = "-", floor_x = "-", traffic_x = "-";
+    double traffic_ns = 0;
     if (gemm) {
       const TableRates& rates = tables.at({c.dk_table_bytes(), c.dim});
       const bench::Floor f =
@@ -182,34 +206,46 @@ int run_bench(const BenchArgs& a) {
       jratio = r.ns_per_row / f.ns;
       floor_ns = fmt("%.1f", f.ns);
       floor_x = fmt("%.2f", r.ns_per_row / f.ns);
+      traffic_ns = bench::traffic_floor_ns_per_row(static_cast<double>(c.topk), c.dim, rates.key_read.tbps);
+      jtraffic = {{"key_read_scatter_tbps", rates.key_read.tbps},
+                  {"ns_per_row", traffic_ns},
+                  {"valid_slots_ns_per_row",
+                   bench::traffic_floor_ns_per_row(r.valid_slots_per_row, c.dim, rates.key_read.tbps)}};
+      jtraffic_ratio = r.ns_per_row / traffic_ns;
+      traffic_x = fmt("%.2f", r.ns_per_row / traffic_ns);
     }
     char spread[64];
     std::snprintf(spread, sizeof spread, "(%.1f-%.1f)", r.ns_per_row_min, r.ns_per_row_max);
-    std::snprintf(line, sizeof line, "%-15s %3lld %6lld %4lld %4lld %5lld %9.1f %4d %8.1f %19s %8.1f %8.1f %9s %7s %6.2f\n",
+    std::snprintf(line, sizeof line,
+                  "%-15s %3lld %6lld %4lld %4lld %5lld %9.1f %4d %8.1f %19s %8.1f %8.1f %9s %7s %9s %6.2f\n",
                   bench::id_pattern_name(c.ids), (long long)c.batch, (long long)c.seq, (long long)c.heads,
                   (long long)c.dim, (long long)c.topk, r.valid_slots_per_row, r.input_sets, r.ns_per_row, spread,
-                  r.tflops, r.dk_gbps, floor_ns.c_str(), floor_x.c_str(), fixed_ratio);
+                  r.tflops, r.dk_gbps, floor_ns.c_str(), floor_x.c_str(), traffic_x.c_str(), fixed_ratio);
     out << line << std::flush;
     nlohmann::ordered_json jsustained = nullptr;
     if (r.sustained_launches > 0) {
-      std::string sx = "-";
+      std::string sx = "-", stx = "-";
       const double sustained_fixed_ratio = r.ns_per_row_sustained / bench::kFixedFloorNsPerRow;
       jsustained = {{"launches", r.sustained_launches},
                     {"seconds", r.sustained_seconds},
                     {"ns_per_row", r.ns_per_row_sustained},
                     {"ns_per_row_first_half", r.ns_per_row_sustained_first_half},
                     {"floor_ratio", nullptr},
+                    {"traffic_floor_ratio", nullptr},
                     {"fixed_floor_ratio", sustained_fixed_ratio}};
       if (!jfloor.is_null()) {
         const double sustained_ratio = r.ns_per_row_sustained / jfloor["ns_per_row"].get<double>();
+        const double sustained_traffic_ratio = r.ns_per_row_sustained / traffic_ns;
         jsustained["floor_ratio"] = sustained_ratio;
+        jsustained["traffic_floor_ratio"] = sustained_traffic_ratio;
         sx = fmt("%.2f", sustained_ratio);
+        stx = fmt("%.2f", sustained_traffic_ratio);
       }
       std::snprintf(line, sizeof line,
                     "%-15s %3s %6s   sustained: %d launches back to back, %.3f s: %.1f ns/row (second half; first "
-                    "half %.1f), xfloor %s, x278 %.2f\n",
+                    "half %.1f), xfloor %s, xtraffic %s, x278 %.2f\n",
                     "", "", "", r.sustained_launches, r.sustained_seconds, r.ns_per_row_sustained,
-                    r.ns_per_row_sustained_first_half, sx.c_str(), sustained_fixed_ratio);
+                    r.ns_per_row_sustained_first_half, sx.c_str(), stx.c_str(), sustained_fixed_ratio);
       out << line << std::flush;
     }
     jcases.push_back({{"ids", bench::id_pattern_name(c.ids)},
@@ -233,11 +269,13 @@ int run_bench(const BenchArgs& a) {
                       {"dk_reduce_gbps", r.dk_gbps},
                       {"floor", jfloor},
                       {"floor_ratio", jratio},
+                      {"traffic_floor", jtraffic},
+                      {"traffic_floor_ratio", jtraffic_ratio},
                       {"fixed_floor_ratio", fixed_ratio},
                       {"sustained", jsustained}});
   }
-  out << "ns/row: median over B*S query rows (min-max of the launches); xfloor: ns/row / floor ns; x278: ns/row / "
-         "278 ns\n";
+  out << "ns/row: median over B*S query rows (min-max of the launches); xfloor: ns/row / floor ns; xtraffic: ns/row / "
+         "traffic floor ns (the K reads and dK reduces alone); x278: ns/row / 278 ns\n";
   if (!checks_ok) out << "a floor micro-benchmark failed its correctness check (see the JSON)\n";
   out << std::flush;
 
@@ -272,26 +310,28 @@ int run_bench(const BenchArgs& a) {
         {"floor_valid_slots", "floor.valid_slots_ns_per_row: the same formula with the valid slots per row actually "
                               "present (causal rows t < topk hold t+1) instead of topk"},
         {"floor_ratio", "ns_per_row / floor.ns_per_row"},
+        {"traffic_floor_formula", kBenchTrafficFloorFormula},
+        {"traffic_floor_ratio", "ns_per_row / traffic_floor.ns_per_row (not the issue's floor: a reference for how "
+                                "close the op is to the memory traffic any design that reads each selected key's row "
+                                "once per query row and adds its dK row in fp32 must move)"},
         {"fixed_floor_ratio", "ns_per_row / 278 (the project's design notes, h200-facts.md, outside this repository: H64 D128 topk 2048, dK in L2)"},
         {"fixed_floor_ns_per_row", bench::kFixedFloorNsPerRow}};
     if (gemm) {
       nlohmann::ordered_json sc = nlohmann::ordered_json::array();
       for (const auto& [key, rates] : tables) {
         for (const auto& r : rates.ways) {
-          sc.push_back({{"table_bytes", r.table_bytes},
-                        {"rows", r.rows},
-                        {"row_bytes", r.row_floats * 4},
-                        {"way", bench::scatter_way_name(r.way)},
-                        {"payload_bytes", r.payload_bytes},
-                        {"grid", r.grid},
-                        {"block", r.block},
-                        {"timing", stats_json(r.t)},
-                        {"tbps", r.tbps},
-                        {"check", r.check_ok}});
+          sc.push_back(scatter_json(r));
         }
+      }
+      nlohmann::ordered_json kr = nlohmann::ordered_json::array();
+      for (const auto& [key, rates] : tables) {
+        nlohmann::ordered_json e = scatter_json(rates.key_read);
+        e["key_row_bytes"] = rates.key_read.row_floats * 2;  // bf16 key read before each add
+        kr.push_back(e);
       }
       j["floor_measurements"] = {
           {"scatter", sc},
+          {"key_read_scatter", kr},
           {"gemm",
            {{"m", gemm->m}, {"n", gemm->n}, {"k", gemm->k}, {"dtype", "bf16"}, {"compute", "fp32"},
             {"timing", stats_json(gemm->t)}, {"tflops", gemm->tflops}, {"check", gemm->check_ok},

@@ -95,6 +95,11 @@ const ScatterResult& fastest(const std::vector<ScatterResult>& results) {
                            [](const ScatterResult& a, const ScatterResult& b) { return a.tbps < b.tbps; });
 }
 
+double traffic_floor_ns_per_row(double slots, int64_t dim, double key_read_scatter_tbps) {
+  const double bytes = slots * static_cast<double>(dim) * 4.0;
+  return key_read_scatter_tbps > 0 ? bytes / (key_read_scatter_tbps * 1e3) : 0.0;  // 1 TB/s = 1e3 B/ns
+}
+
 Floor floor_per_row(double slots, int64_t heads, int64_t dim, double scatter_tbps, double gemm_tflops) {
   Floor f;
   const double bytes = slots * static_cast<double>(dim) * 4.0;

@@ -118,6 +118,13 @@ struct Floor {
 };
 Floor floor_per_row(double slots, int64_t heads, int64_t dim, double scatter_tbps, double gemm_tflops);
 
+/// The traffic floor of one query row (not the floor above; a second reference):
+///   ns = slots*D*4 B / key-read scatter rate
+/// where the rate is ScatterWay::gather_float4's (payload bytes of fp32 adds per second,
+/// each add after a D*2-byte key read). That is the time of the op's dK reduce and K
+/// gathers alone, with no GEMM, staging or scheduling; 0 when the rate is not positive.
+double traffic_floor_ns_per_row(double slots, int64_t dim, double key_read_scatter_tbps);
+
 // ---------------------------------------------------------------- the op
 
 // IdPattern, kIdPatterns, id_pattern_name / _list, is_causal, is_shuffled,

@@ -1,5 +1,5 @@
 // CPU tests of the benchmark core's pure functions (no GPU is touched): the
-// sustained run's launch count and the input-set rotation.
+// sustained run's launch count, the input-set rotation and the two floor formulas.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -41,6 +41,26 @@ TEST(BenchCore, SustainedLaunchesRejectBadTimes) {
       EXPECT_EQ(e.argument(), "launch_ms");
     }
   }
+}
+
+TEST(BenchCore, FloorIsTheSlowerOfTheReduceAndTheGemms) {
+  // H64 D128 topk 2048 at the design notes' 3.77 TB/s: 2048*128*4 B / 3.77e3 B/ns = 278.1 ns.
+  const Floor f = floor_per_row(2048, 64, 128, 3.77, 800.0);
+  EXPECT_NEAR(f.scatter_ns, 2048.0 * 512.0 / 3770.0, 1e-9);
+  EXPECT_NEAR(f.gemm_ns, 6.0 * 64 * 128 * 2048 / 800e3, 1e-9);  // 125.8 ns
+  EXPECT_DOUBLE_EQ(f.ns, f.scatter_ns);
+  EXPECT_STREQ(f.bound, "scatter");
+  const Floor g = floor_per_row(2048, 256, 128, 3.77, 200.0);  // 4x the heads at a quarter of the rate
+  EXPECT_DOUBLE_EQ(g.ns, g.gemm_ns);
+  EXPECT_STREQ(g.bound, "gemm");
+}
+
+TEST(BenchCore, TrafficFloorIsTheReduceBytesAtTheKeyReadRate) {
+  // The same bytes as the floor's reduce, at the rate measured with the key reads.
+  EXPECT_NEAR(traffic_floor_ns_per_row(2048, 128, 3.5), 2048.0 * 512.0 / 3500.0, 1e-9);
+  EXPECT_NEAR(traffic_floor_ns_per_row(1000.5, 64, 2.0), 1000.5 * 256.0 / 2000.0, 1e-9);
+  EXPECT_GT(traffic_floor_ns_per_row(2048, 128, 3.5), floor_per_row(2048, 64, 128, 3.77, 800.0).ns);
+  EXPECT_EQ(traffic_floor_ns_per_row(2048, 128, 0.0), 0.0);  // no rate measured
 }
 
 }  // namespace

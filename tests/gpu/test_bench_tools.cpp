@@ -67,7 +67,7 @@ TEST_F(BenchTools, BenchSubcommandMeasuresTheFloorAndTheOpAndWritesJson) {
                                        " --iters 5 --warmup 1 --sustained-ms 40",
                                        json);
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  for (const char* frag : {"scatter-add", "bf16 GEMM", "xfloor", "x278", "causal", "random"}) {
+  for (const char* frag : {"scatter-add", "bf16 GEMM", "key-read", "xfloor", "xtraffic", "x278", "causal", "random"}) {
     EXPECT_NE(r.output.find(frag), std::string::npos) << "'" << frag << "' not in:\n" << r.output;
   }
   const nlohmann::json j = read_json(json);
@@ -83,6 +83,15 @@ TEST_F(BenchTools, BenchSubcommandMeasuresTheFloorAndTheOpAndWritesJson) {
     EXPECT_EQ(s["row_bytes"], 256);
     EXPECT_GT(s["tbps"].get<double>(), 0.0);
   }
+  // The traffic floor's way, once per table, checked (each add used its key).
+  ASSERT_EQ(j["floor_measurements"]["key_read_scatter"].size(), 2u);
+  for (const auto& s : j["floor_measurements"]["key_read_scatter"]) {
+    EXPECT_TRUE(s["check"].get<bool>()) << s.dump();
+    EXPECT_EQ(s["way"], "gather");
+    EXPECT_EQ(s["key_row_bytes"], 128);
+    EXPECT_GT(s["tbps"].get<double>(), 0.0);
+  }
+  EXPECT_TRUE(j["method"]["traffic_floor_formula"].is_string());
   EXPECT_TRUE(j["floor_measurements"]["gemm"]["check"].get<bool>());
   ASSERT_EQ(j["cases"].size(), 4u);
   for (const auto& c : j["cases"]) {
@@ -98,6 +107,11 @@ TEST_F(BenchTools, BenchSubcommandMeasuresTheFloorAndTheOpAndWritesJson) {
     EXPECT_GT(floor_ns, 0.0);
     EXPECT_NEAR(c["floor_ratio"].get<double>(), ns / floor_ns, 1e-9 * ns / floor_ns);
     EXPECT_NEAR(c["fixed_floor_ratio"].get<double>(), ns / 278.0, 1e-9 * ns);
+    // The traffic floor: the reduce bytes of topk slots at the key-read rate of this table.
+    const double key_read_tbps = c["traffic_floor"]["key_read_scatter_tbps"].get<double>();
+    const double traffic_ns = c["traffic_floor"]["ns_per_row"].get<double>();
+    EXPECT_NEAR(traffic_ns, c["topk"].get<double>() * 64 * 4 / (key_read_tbps * 1e3), 1e-9 * traffic_ns);
+    EXPECT_NEAR(c["traffic_floor_ratio"].get<double>(), ns / traffic_ns, 1e-9 * ns / traffic_ns);
     // The sustained run: at least 20 launches back to back, its ratios from its own median.
     const auto& st = c["sustained"];
     ASSERT_TRUE(st.is_object());
@@ -106,6 +120,7 @@ TEST_F(BenchTools, BenchSubcommandMeasuresTheFloorAndTheOpAndWritesJson) {
     EXPECT_TRUE(std::isfinite(sns) && sns > 0.0);
     EXPECT_NEAR(st["floor_ratio"].get<double>(), sns / floor_ns, 1e-9 * sns / floor_ns);
     EXPECT_NEAR(st["fixed_floor_ratio"].get<double>(), sns / 278.0, 1e-9 * sns);
+    EXPECT_NEAR(st["traffic_floor_ratio"].get<double>(), sns / traffic_ns, 1e-9 * sns / traffic_ns);
   }
   EXPECT_EQ(j["settings"]["sustained_ms"], 40.0);
   EXPECT_NE(r.output.find("sustained:"), std::string::npos) << r.output;
@@ -122,6 +137,8 @@ TEST_F(BenchTools, BenchSubcommandWithoutFloorAndWithoutRotation) {
   EXPECT_EQ(j["cases"][0]["input_sets"], 1);
   EXPECT_TRUE(j["cases"][0]["floor"].is_null());
   EXPECT_TRUE(j["cases"][0]["floor_ratio"].is_null());
+  EXPECT_TRUE(j["cases"][0]["traffic_floor"].is_null());
+  EXPECT_TRUE(j["cases"][0]["traffic_floor_ratio"].is_null());
   EXPECT_TRUE(j["cases"][0]["sustained"].is_null());  // --sustained-ms 0: no sustained run
 }
 
