@@ -5,7 +5,8 @@ Inputs (any mix):
   --merged FILE   scripts/device/peers_check.sh's peers.json: {"ours", "floor", "peers": [...]}
   --ours FILE     dsa-indexer-bwd-bench --json (a list of {"ids", "seq", "ns_per_row", ...}),
                   or `dsa-indexer-bwd bench --json` (an object with a "cases" list, whose
-                  per-case floors are drawn when no --floor / merged floor is given)
+                  per-case floors are drawn when no --floor / merged floor is given, and whose
+                  traffic floors, the K reads and dK reduces alone, are drawn as a reference)
   --peers FILE    a peer's JSON (bench/peers/*.py --json): {"peer", "status", "results": [...]};
                   repeatable
   --floor FILE    dsa-floor-bench --json ({"floor": [{"seq_kv", "floor_ns_per_row", ...}]})
@@ -103,13 +104,15 @@ def series(rows, heads, dim, topk, time_of=ns_of):
     return {k: sorted(v) for k, v in out.items()}
 
 
-def floor_points_of_bench(d, heads, dim, topk):
-    """Per-case floors of `dsa-indexer-bwd bench --json` ({"cases": [{"seq_kv", "floor": {...}}]})."""
+def floor_points_of_bench(d, heads, dim, topk, key="floor"):
+    """Per-case floors of `dsa-indexer-bwd bench --json` ({"cases": [{"seq_kv", key: {"ns_per_row"}}]}):
+    key "floor" (the floor) or "traffic_floor" (the K reads and dK reduces alone)."""
     pts = {}
     for c in (d or {}).get("cases", []) if isinstance(d, dict) else []:
-        f = c.get("floor") or {}
-        if (c.get("heads"), c.get("dim"), c.get("topk")) == (heads, dim, topk) and f.get("ns_per_row"):
-            pts[int(c["seq_kv"])] = float(f["ns_per_row"])
+        f = c.get(key)
+        ns = time_value(f.get("ns_per_row")) if isinstance(f, dict) else None
+        if (c.get("heads"), c.get("dim"), c.get("topk")) == (heads, dim, topk) and ns is not None and c.get("seq_kv"):
+            pts[int(c["seq_kv"])] = ns
     return sorted(pts.items())
 
 
@@ -159,11 +162,12 @@ def main(argv=None):
             floor = m.get("floor")
         peers += list(m.get("peers", []))
         gpu = gpu or m.get("gpu")
-    bench_floor = []
+    bench_floor, traffic_floor = [], []
     if a.ours:
         ours_json = load(a.ours)
         ours = ours_rows(ours_json)
         bench_floor = floor_points_of_bench(ours_json, a.heads, a.dim, a.topk)
+        traffic_floor = floor_points_of_bench(ours_json, a.heads, a.dim, a.topk, "traffic_floor")
     if a.floor:
         floor = load(a.floor)
     peers = [load(p) for p in a.peers] + peers  # explicit --peers records first: they win ties
@@ -249,6 +253,13 @@ def main(argv=None):
         ax.axhline(FIXED_FLOOR_NS, color="black", linestyle=":", linewidth=2,
                    label=f"floor {FIXED_FLOOR_NS:.0f} ns/row (h200-facts.md, not measured in this run)")
         all_ns.append(FIXED_FLOOR_NS)
+
+    if traffic_floor:  # drawn only with the bench subcommand's JSON, which measures it in the same run
+        xs, ys = zip(*traffic_floor)
+        all_s.update(xs)
+        ax.plot(xs, ys, color="#555555", linestyle=(0, (1, 3)), linewidth=1.5, marker="+",
+                label="traffic floor, same run (K reads + dK reduces alone; a reference, not the floor)")
+        all_ns.extend(ys)
 
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")

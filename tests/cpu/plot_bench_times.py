@@ -1,5 +1,6 @@
 """scripts/plot_bench.py's reading of times (no plotting, no matplotlib): which
-values become points, for the timed and the sustained (--sustained) series.
+values become points, for the timed and the sustained (--sustained) series and
+the bench subcommand's floor and traffic floor.
   python3 tests/cpu/plot_bench_times.py scripts/plot_bench.py
 Exits non-zero on the first wrong answer."""
 import importlib.util
@@ -40,4 +41,17 @@ rows = [
 ]
 assert pb.series(rows, 64, 128, 2048) == {"random": [(4096, 342.0), (16384, 331.0)]}
 assert pb.series(rows, 64, 128, 2048, pb.sustained_ns_of) == {"random": [(16384, 348.0)]}
+# the bench subcommand's per-case floors: "floor" and "traffic_floor", DeepSeek shape, finite positive only
+bench = {"cases": [
+    {"seq_kv": 16384, "heads": 64, "dim": 128, "topk": 2048, "floor": {"ns_per_row": 275.2},
+     "traffic_floor": {"ns_per_row": 293.6}},
+    {"seq_kv": 4096, "heads": 64, "dim": 128, "topk": 2048, "floor": {"ns_per_row": 276.3},
+     "traffic_floor": {"ns_per_row": 295.9}},
+    {"seq_kv": 65536, "heads": 64, "dim": 128, "topk": 2048, "floor": None, "traffic_floor": {"ns_per_row": math.nan}},
+    {"seq_kv": 8192, "heads": 32, "dim": 128, "topk": 2048, "floor": {"ns_per_row": 270.0},
+     "traffic_floor": {"ns_per_row": 290.0}},
+]}
+assert pb.floor_points_of_bench(bench, 64, 128, 2048) == [(4096, 276.3), (16384, 275.2)]
+assert pb.floor_points_of_bench(bench, 64, 128, 2048, "traffic_floor") == [(4096, 295.9), (16384, 293.6)]
+assert pb.floor_points_of_bench([], 64, 128, 2048, "traffic_floor") == []
 print("plot_bench times: all checks passed")
