@@ -5,8 +5,10 @@ Inputs (any mix):
   --merged FILE   scripts/device/peers_check.sh's peers.json: {"ours", "floor", "peers": [...]}
   --ours FILE     dsa-indexer-bwd-bench --json (a list of {"ids", "seq", "ns_per_row", ...}),
                   or `dsa-indexer-bwd bench --json` (an object with a "cases" list, whose
-                  per-case floors are drawn when no --floor / merged floor is given, and whose
-                  traffic floors, the K reads and dK reduces alone, are drawn as a reference)
+                  per-case floors, measured in the same run as its times, are drawn and label
+                  the ratios unless --floor is given (they win over a --merged file's floor),
+                  and whose traffic floors, the K reads and dK reduces alone, are drawn as a
+                  reference)
   --peers FILE    a peer's JSON (bench/peers/*.py --json): {"peer", "status", "results": [...]};
                   repeatable
   --floor FILE    dsa-floor-bench --json ({"floor": [{"seq_kv", "floor_ns_per_row", ...}]})
@@ -138,7 +140,7 @@ def main(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--merged", action="append", default=[],
                     help="peers.json of scripts/device/peers_check.sh (repeatable: runs are combined; ours and "
-                         "the floor come from the first file that has them)")
+                         "the floor come from the first file that has them, unless --ours / --floor give them)")
     ap.add_argument("--ours", help="our bench JSON")
     ap.add_argument("--peers", action="append", default=[], help="a peer JSON (repeatable)")
     ap.add_argument("--floor", help="dsa-floor-bench JSON")
@@ -170,6 +172,8 @@ def main(argv=None):
         traffic_floor = floor_points_of_bench(ours_json, a.heads, a.dim, a.topk, "traffic_floor")
     if a.floor:
         floor = load(a.floor)
+    elif bench_floor:  # measured in the same run as --ours: wins over a --merged file's floor
+        floor = None
     peers = [load(p) for p in a.peers] + peers  # explicit --peers records first: they win ties
     # one record per peer: the first that ran wins over "not selected" / unavailable ones
     rank = {"ok": 0, "partial": 1, "error": 2, "unavailable": 3, "not_selected": 4}
