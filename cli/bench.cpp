@@ -207,12 +207,14 @@ int run_bench(const BenchArgs& a) {
       floor_ns = fmt("%.1f", f.ns);
       floor_x = fmt("%.2f", r.ns_per_row / f.ns);
       traffic_ns = bench::traffic_floor_ns_per_row(static_cast<double>(c.topk), c.dim, rates.key_read.tbps);
-      jtraffic = {{"key_read_scatter_tbps", rates.key_read.tbps},
-                  {"ns_per_row", traffic_ns},
-                  {"valid_slots_ns_per_row",
-                   bench::traffic_floor_ns_per_row(r.valid_slots_per_row, c.dim, rates.key_read.tbps)}};
-      jtraffic_ratio = r.ns_per_row / traffic_ns;
-      traffic_x = fmt("%.2f", r.ns_per_row / traffic_ns);
+      if (traffic_ns > 0) {  // 0: no key-read rate (never with a timed launch); then no traffic floor
+        jtraffic = {{"key_read_scatter_tbps", rates.key_read.tbps},
+                    {"ns_per_row", traffic_ns},
+                    {"valid_slots_ns_per_row",
+                     bench::traffic_floor_ns_per_row(r.valid_slots_per_row, c.dim, rates.key_read.tbps)}};
+        jtraffic_ratio = r.ns_per_row / traffic_ns;
+        traffic_x = fmt("%.2f", r.ns_per_row / traffic_ns);
+      }
     }
     char spread[64];
     std::snprintf(spread, sizeof spread, "(%.1f-%.1f)", r.ns_per_row_min, r.ns_per_row_max);
@@ -235,11 +237,13 @@ int run_bench(const BenchArgs& a) {
                     {"fixed_floor_ratio", sustained_fixed_ratio}};
       if (!jfloor.is_null()) {
         const double sustained_ratio = r.ns_per_row_sustained / jfloor["ns_per_row"].get<double>();
-        const double sustained_traffic_ratio = r.ns_per_row_sustained / traffic_ns;
         jsustained["floor_ratio"] = sustained_ratio;
-        jsustained["traffic_floor_ratio"] = sustained_traffic_ratio;
         sx = fmt("%.2f", sustained_ratio);
-        stx = fmt("%.2f", sustained_traffic_ratio);
+        if (!jtraffic.is_null()) {
+          const double sustained_traffic_ratio = r.ns_per_row_sustained / traffic_ns;
+          jsustained["traffic_floor_ratio"] = sustained_traffic_ratio;
+          stx = fmt("%.2f", sustained_traffic_ratio);
+        }
       }
       std::snprintf(line, sizeof line,
                     "%-15s %3s %6s   sustained: %d launches back to back, %.3f s: %.1f ns/row (second half; first "
@@ -311,6 +315,8 @@ int run_bench(const BenchArgs& a) {
                               "present (causal rows t < topk hold t+1) instead of topk"},
         {"floor_ratio", "ns_per_row / floor.ns_per_row"},
         {"traffic_floor_formula", kBenchTrafficFloorFormula},
+        {"traffic_floor_valid_slots", "traffic_floor.valid_slots_ns_per_row: the same formula with the valid slots "
+                                      "per row actually present instead of topk"},
         {"traffic_floor_ratio", "ns_per_row / traffic_floor.ns_per_row (not the issue's floor: a reference for how "
                                 "close the op is to the memory traffic any design that reads each selected key's row "
                                 "once per query row and adds its dK row in fp32 must move)"},

@@ -6,9 +6,9 @@ Inputs (any mix):
   --ours FILE     dsa-indexer-bwd-bench --json (a list of {"ids", "seq", "ns_per_row", ...}),
                   or `dsa-indexer-bwd bench --json` (an object with a "cases" list, whose
                   per-case floors, measured in the same run as its times, are drawn and label
-                  the ratios unless --floor is given (they win over a --merged file's floor),
-                  and whose traffic floors, the K reads and dK reduces alone, are drawn as a
-                  reference)
+                  the ratios unless a --floor file has floors for the shape (they win over a
+                  --merged file's floor), and whose traffic floors, the K reads and dK reduces
+                  alone, are drawn as a reference)
   --peers FILE    a peer's JSON (bench/peers/*.py --json): {"peer", "status", "results": [...]};
                   repeatable
   --floor FILE    dsa-floor-bench --json ({"floor": [{"seq_kv", "floor_ns_per_row", ...}]})
@@ -135,6 +135,13 @@ def floor_points(d, heads, dim, topk):
     return sorted(set(pts))
 
 
+def choose_floor(explicit, bench, merged):
+    """The floor points drawn and used for the ratio labels: the first non-empty of a --floor
+    file's, the --ours bench JSON's (measured in the same run as its times) and the first
+    --merged file's that has floors for the shape; [] draws the fixed 278 ns line."""
+    return explicit or bench or merged or []
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -155,13 +162,13 @@ def main(argv=None):
     if not (a.merged or a.ours or a.peers):
         ap.error("give --merged, or --ours and/or --peers")
 
-    ours, floor, peers, gpu = [], None, [], None
+    ours, merged_floor, peers, gpu = [], [], [], None
     for path in a.merged:
         m = load(path)
         if not ours:
             ours = ours_rows(m.get("ours"))
-        if not floor_points(floor, a.heads, a.dim, a.topk):
-            floor = m.get("floor")
+        if not merged_floor:
+            merged_floor = floor_points(m.get("floor"), a.heads, a.dim, a.topk)
         peers += list(m.get("peers", []))
         gpu = gpu or m.get("gpu")
     bench_floor, traffic_floor = [], []
@@ -170,10 +177,8 @@ def main(argv=None):
         ours = ours_rows(ours_json)
         bench_floor = floor_points_of_bench(ours_json, a.heads, a.dim, a.topk)
         traffic_floor = floor_points_of_bench(ours_json, a.heads, a.dim, a.topk, "traffic_floor")
-    if a.floor:
-        floor = load(a.floor)
-    elif bench_floor:  # measured in the same run as --ours: wins over a --merged file's floor
-        floor = None
+    explicit_floor = floor_points(load(a.floor), a.heads, a.dim, a.topk) if a.floor else []
+    fpts = choose_floor(explicit_floor, bench_floor, merged_floor)
     peers = [load(p) for p in a.peers] + peers  # explicit --peers records first: they win ties
     # one record per peer: the first that ran wins over "not selected" / unavailable ones
     rank = {"ok": 0, "partial": 1, "error": 2, "unavailable": 3, "not_selected": 4}
@@ -193,7 +198,6 @@ def main(argv=None):
     fig, ax = plt.subplots(figsize=(13, 6.5), dpi=120)
     all_s, all_ns = set(), []
     missing = []
-    fpts = floor_points(floor, a.heads, a.dim, a.topk) or bench_floor
     floor_at = dict(fpts)
 
     labels = []  # point annotations; spread apart per S once the axes are final (spread_labels)

@@ -1,5 +1,5 @@
 // CPU tests of the benchmark core's pure functions (no GPU is touched): the
-// sustained run's launch count, the input-set rotation and the two floor formulas.
+// sustained run's launch count and the two floor formulas.
 #include <gtest/gtest.h>
 
 #include <cmath>

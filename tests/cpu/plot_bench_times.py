@@ -54,4 +54,10 @@ bench = {"cases": [
 assert pb.floor_points_of_bench(bench, 64, 128, 2048) == [(4096, 276.3), (16384, 275.2)]
 assert pb.floor_points_of_bench(bench, 64, 128, 2048, "traffic_floor") == [(4096, 295.9), (16384, 293.6)]
 assert pb.floor_points_of_bench([], 64, 128, 2048, "traffic_floor") == []
+# which floor is drawn: --floor's, else the bench JSON's (same run as ours), else a --merged file's
+f, b, m = [(4096, 281.0)], [(4096, 276.3)], [(4096, 279.9)]
+assert pb.choose_floor(f, b, m) == f
+assert pb.choose_floor([], b, m) == b
+assert pb.choose_floor([], [], m) == m
+assert pb.choose_floor([], [], []) == []
 print("plot_bench times: all checks passed")
