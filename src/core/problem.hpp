@@ -57,8 +57,9 @@ inline int64_t row_offset(const TensorView& v, Layout layout, int64_t row, int64
 }
 
 /// Validates every argument (see indexer_backward() for the rules) and returns
-/// the geometry. Reads cu_seqlens (copying them from the device for cuda) and,
-/// in strict mode on cpu, topk_indices. Never writes anything.
+/// the geometry. Reads cu_seqlens and, in strict mode, topk_indices: only their
+/// elements, in place on the host or copied from the device (never the memory
+/// between a strided view's elements). Never writes anything.
 /// `copy_to_host` copies bytes from the backend's device memory to the host,
 /// ordered after the work already queued on `stream` (opt.stream) and waited
 /// for (null: the tensors are host memory and are read directly).

@@ -3,7 +3,7 @@
 //   "<argument>: expected <what>, got <what>"
 #include <algorithm>
 #include <cmath>
-#include <cstring>
+#include <new>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -61,9 +61,9 @@ void check_tensor(const TensorView& v, const TensorRule& rule, DeviceType device
            (v.shape[i] == 0 || (!__builtin_mul_overflow(v.shape[i] - 1, v.strides[i], &step) &&
                                 !__builtin_add_overflow(last, step, &last)));
     }
-    int64_t bytes = 0;
+    int64_t bytes = 0, element_bytes = 0;
     ok = ok && !__builtin_add_overflow(last, int64_t{1}, &bytes) && !__builtin_mul_overflow(bytes, esize, &bytes) &&
-         bytes <= kMaxBytes && numel * esize <= kMaxBytes;
+         bytes <= kMaxBytes && !__builtin_mul_overflow(numel, esize, &element_bytes) && element_bytes <= kMaxBytes;
     if (!ok) {
       fail(name, "sizes and strides that address at most 2^47 bytes", "shape " + v.shape_string() + " with strides " + v.strides_string());
     }
@@ -126,19 +126,37 @@ void check_finite(float v, const char* name) {
   }
 }
 
-/// Reads cu_seqlens (B + 1 int32, any stride) to the host.
-std::vector<int64_t> read_cu_seqlens(const TensorView& v, CopyToHost copy, void* stream) {
-  const int64_t n = v.shape[0];
-  std::vector<int32_t> span(static_cast<size_t>(n > 0 ? (n - 1) * v.strides[0] + 1 : 0));
-  if (!span.empty()) {
-    if (copy) {
-      copy(span.data(), v.data, span.size() * sizeof(int32_t), stream);
-    } else {
-      std::memcpy(span.data(), v.data, span.size() * sizeof(int32_t));
-    }
+/// Host memory for `n` int32 values; a failed allocation is an out_of_memory
+/// error that names `name` (never a std::bad_alloc).
+std::vector<int32_t> host_int32(int64_t n, const char* name) {
+  try {
+    return std::vector<int32_t>(static_cast<size_t>(n));
+  } catch (const std::bad_alloc&) {
+    throw Error(ErrorCode::out_of_memory, name,
+                std::string(name) + ": expected host memory for " + std::to_string(n) +
+                    " int32 values to check it, got an allocation failure");
   }
+}
+
+/// Reads cu_seqlens (B + 1 int32) to the host: only its elements are read, never
+/// the memory between them. Host memory is read in place (any stride); device
+/// memory is copied in one piece (the cuda backend requires stride 1, checked
+/// before) or, for any other stride, one element at a time.
+std::vector<int64_t> read_cu_seqlens(const TensorView& v, const char* name, CopyToHost copy, void* stream) {
+  const int64_t n = v.shape[0];
+  const auto* src = static_cast<const int32_t*>(v.data);
   std::vector<int64_t> out(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) out[i] = span[static_cast<size_t>(i * v.strides[0])];
+  if (!copy) {
+    for (int64_t i = 0; i < n; ++i) out[i] = src[i * v.strides[0]];
+    return out;
+  }
+  std::vector<int32_t> host = host_int32(n, name);
+  if (n > 0 && (v.strides[0] == 1 || n == 1)) {
+    copy(host.data(), src, static_cast<size_t>(n) * sizeof(int32_t), stream);
+  } else {
+    for (int64_t i = 0; i < n; ++i) copy(&host[static_cast<size_t>(i)], src + i * v.strides[0], sizeof(int32_t), stream);
+  }
+  for (int64_t i = 0; i < n; ++i) out[i] = host[static_cast<size_t>(i)];
   return out;
 }
 
@@ -294,6 +312,13 @@ ProblemGeometry validate_problem(const IndexerBackwardInputs& in, const IndexerB
         fail(in_names[j], "innermost stride 1 on the cuda backend", "strides " + v.strides_string());
       }
     }
+    // cu_seqlens are copied to the host in one piece below (THD; absent for BSHD).
+    for (int j = 6; j < 8 && thd; ++j) {
+      const TensorView& v = *ins[j];
+      if (v.strides[0] != 1 && v.shape[0] > 1) {
+        fail(in_names[j], "stride 1 on the cuda backend", "strides " + v.strides_string());
+      }
+    }
     for (const TensorView* v : {&in.index_q, &in.index_k, &out.d_index_q, &out.d_index_k}) {
       if (!v->present()) continue;
       const char* nm = v == &in.index_q ? "index_q" : v == &in.index_k ? "index_k" : v == &out.d_index_q ? "d_index_q" : "d_index_k";
@@ -331,8 +356,8 @@ ProblemGeometry validate_problem(const IndexerBackwardInputs& in, const IndexerB
       fail("cu_seqlens_k", "length B + 1 = " + std::to_string(in.cu_seqlens_q.shape[0]) + " (that of cu_seqlens_q)",
            "length " + std::to_string(in.cu_seqlens_k.shape[0]));
     }
-    const auto cq = read_cu_seqlens(in.cu_seqlens_q, copy_to_host, opt.stream);
-    const auto ck = read_cu_seqlens(in.cu_seqlens_k, copy_to_host, opt.stream);
+    const auto cq = read_cu_seqlens(in.cu_seqlens_q, "cu_seqlens_q", copy_to_host, opt.stream);
+    const auto ck = read_cu_seqlens(in.cu_seqlens_k, "cu_seqlens_k", copy_to_host, opt.stream);
     check_cu_seqlens(cq, "cu_seqlens_q", g.num_q_rows, "T_q (index_q dim 0)");
     check_cu_seqlens(ck, "cu_seqlens_k", g.num_k_rows, "T_k (index_k dim 0)");
     g.batch = static_cast<int64_t>(cq.size()) - 1;
@@ -367,18 +392,43 @@ ProblemGeometry validate_problem(const IndexerBackwardInputs& in, const IndexerB
   // the row's sequence is reported.
   if (opt.strict_indices) {
     const TensorView& ids = in.topk_indices;
-    const int64_t span = g.num_q_rows == 0 ? 0 : byte_range(ids).hi - byte_range(ids).lo;
-    std::vector<int32_t> host(static_cast<size_t>(span / 4));
-    if (span > 0) {
-      if (copy_to_host) copy_to_host(host.data(), ids.data, static_cast<size_t>(span), opt.stream);
-      else std::memcpy(host.data(), ids.data, static_cast<size_t>(span));
+    const int64_t slot_stride = ids.strides[thd ? 1 : 2];
+    // The ids on the host: host memory is read in place through the strides.
+    // Device memory (innermost stride 1 on cuda, checked above) is copied in one
+    // piece when its byte span is at most twice its elements' bytes plus 1 MiB
+    // (packed, padded or broadcast rows), else row by row, so that neither the
+    // memory between rows nor more than the elements' bytes is ever read.
+    const int32_t* host = static_cast<const int32_t*>(ids.data);
+    std::vector<int32_t> copied;
+    int64_t host_row_stride = -1;  // -1: rows through row_offset (in place or span copy); else row * this
+    if (copy_to_host && g.num_q_rows > 0) {
+      const int64_t span = static_cast<int64_t>(byte_range(ids).hi - byte_range(ids).lo);
+      const int64_t element_bytes = g.num_q_rows * K * static_cast<int64_t>(sizeof(int32_t));
+      if (span <= 2 * element_bytes + (int64_t{1} << 20)) {
+        copied = host_int32(span / 4, "topk_indices");
+        copy_to_host(copied.data(), ids.data, static_cast<size_t>(span), opt.stream);
+      } else {
+        copied = host_int32(g.num_q_rows * K, "topk_indices");
+        for (int64_t row = 0; row < g.num_q_rows; ++row) {
+          const int32_t* src = static_cast<const int32_t*>(ids.data) + row_offset(ids, g.layout, row, g.s_q);
+          int32_t* dst = copied.data() + row * K;
+          if (slot_stride == 1) {
+            copy_to_host(dst, src, static_cast<size_t>(K) * sizeof(int32_t), opt.stream);
+          } else {
+            for (int64_t i = 0; i < K; ++i) copy_to_host(dst + i, src + i * slot_stride, sizeof(int32_t), opt.stream);
+          }
+        }
+        host_row_stride = K;
+      }
+      host = copied.data();
     }
     for (int64_t row = 0; row < g.num_q_rows; ++row) {
       int64_t b, t;
       g.q_row_coords(row, &b, &t);
-      const int64_t base = row_offset(ids, g.layout, row, g.s_q);
+      const int64_t base = host_row_stride < 0 ? row_offset(ids, g.layout, row, g.s_q) : row * host_row_stride;
+      const int64_t step = host_row_stride < 0 ? slot_stride : 1;
       for (int64_t i = 0; i < K; ++i) {
-        const int64_t id = host[static_cast<size_t>(base + i * ids.strides[thd ? 1 : 2])];
+        const int64_t id = host[base + i * step];
         if (id != -1 && g.key_row(b, id) < 0) {
           std::ostringstream s;
           s << "topk_indices: strict mode found an out-of-range id at (b=" << b << ", t=" << t << ", slot=" << i

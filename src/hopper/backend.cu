@@ -227,12 +227,8 @@ static void with_kernel_choice(int64_t head_dim, bool split_a, bool l2_keep_dk, 
 void run_cuda_backend(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
                       const IndexerBackwardOptions& opt, const ProblemGeometry& g, void* workspace,
                       std::size_t workspace_bytes) {
-  // Remaining cuda-only limits, checked before anything is written.
-  if (g.layout == Layout::thd && (in.cu_seqlens_q.strides[0] != 1 || in.cu_seqlens_k.strides[0] != 1)) {
-    throw Error(ErrorCode::invalid_argument, "cu_seqlens_q",
-                "cu_seqlens_q/cu_seqlens_k: expected stride 1 on the cuda backend, got strides " +
-                    in.cu_seqlens_q.strides_string() + " and " + in.cu_seqlens_k.strides_string());
-  }
+  // Remaining cuda-only limits, checked before anything is written (cu_seqlens'
+  // stride 1: validate_problem, before it copies them).
   if (g.num_k_rows > std::numeric_limits<int32_t>::max() || g.topk > std::numeric_limits<int32_t>::max()) {
     throw Error(ErrorCode::invalid_argument, "index_k",
                 "index_k: expected fewer than 2^31 key rows on the cuda backend, got " + std::to_string(g.num_k_rows));

@@ -23,6 +23,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "core/problem.hpp"
 #include "support/test_support.hpp"
 
 namespace dsaib::test {
@@ -471,6 +472,188 @@ TEST(Strict, MinusOneAllowedAndSameResult) {
   EXPECT_TRUE(bitwise_equal(a.d_index_q, b.d_index_q));
   EXPECT_TRUE(bitwise_equal(a.d_weights, b.d_weights));
   EXPECT_TRUE(bitwise_equal(a.d_index_k, b.d_index_k));
+}
+
+// ---- strided views are read element by element, never across their gaps --------
+
+/// Host memory in which whole pages can be made unreadable: `pages` pages, of
+/// which those in `holes` are PROT_NONE. Unmapped on destruction.
+struct GuardedPages {
+  size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  size_t bytes = 0;
+  unsigned char* base = nullptr;
+  GuardedPages(size_t pages, std::initializer_list<size_t> holes) : bytes(pages * page) {
+    void* m = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) return;
+    base = static_cast<unsigned char*>(m);
+    for (size_t h : holes) {
+      if (mprotect(base + h * page, page, PROT_NONE) != 0) {
+        munmap(base, bytes);
+        base = nullptr;
+        return;
+      }
+    }
+  }
+  ~GuardedPages() {
+    if (base) munmap(base, bytes);
+  }
+  int32_t* at_page(size_t i) const { return reinterpret_cast<int32_t*>(base + i * page); }
+};
+
+/// Strict ids (BSHD) whose two batches sit on readable pages with an unreadable
+/// page between them: the view's byte span crosses the hole, its elements do not.
+/// Validation read the whole span once (a crash here); the result must equal that
+/// of the contiguous ids.
+TEST(StridedViews, StrictIdsAcrossAnUnreadablePage) {
+  std::unique_ptr<Env> env = make_env(Layout::bshd);
+  const TensorView& ids = env->in.topk_indices;  // (2, 6, 5), contiguous
+  GuardedPages mem(3, {1});
+  ASSERT_NE(mem.base, nullptr);
+  const int64_t per_batch = ids.shape[1] * ids.shape[2];
+  std::memcpy(mem.at_page(0), ids.data, static_cast<size_t>(per_batch) * 4);
+  std::memcpy(mem.at_page(2), static_cast<const int32_t*>(ids.data) + per_batch, static_cast<size_t>(per_batch) * 4);
+  IndexerBackwardInputs in = env->in;
+  in.topk_indices.data = mem.at_page(0);
+  in.topk_indices.strides[0] = static_cast<int64_t>(2 * mem.page / 4);
+  IndexerBackwardOptions strict = env->opt;
+  strict.strict_indices = true;
+  const OutputBuffers want = run_cpu(env->p, env->opt);
+  OutputBuffers got = make_outputs(env->p);
+  indexer_backward(in, got.views(), strict);
+  EXPECT_TRUE(bitwise_equal(want.d_index_q, got.d_index_q));
+  EXPECT_TRUE(bitwise_equal(want.d_weights, got.d_weights));
+  EXPECT_TRUE(bitwise_equal(want.d_index_k, got.d_index_k));
+}
+
+/// THD cu_seqlens with one element per readable page, unreadable pages between.
+TEST(StridedViews, CuSeqlensAcrossUnreadablePages) {
+  std::unique_ptr<Env> env = make_env(Layout::thd);
+  GuardedPages mem(10, {1, 3, 6, 8});
+  ASSERT_NE(mem.base, nullptr);
+  const int64_t stride = static_cast<int64_t>(2 * mem.page / 4);
+  IndexerBackwardInputs in = env->in;
+  for (auto [view, first_page] : {std::pair{&in.cu_seqlens_q, size_t{0}}, std::pair{&in.cu_seqlens_k, size_t{5}}}) {
+    ASSERT_EQ(view->shape[0], 3);
+    const auto* src = static_cast<const int32_t*>(view->data);
+    for (int64_t i = 0; i < 3; ++i) *mem.at_page(first_page + 2 * static_cast<size_t>(i)) = src[i * view->strides[0]];
+    view->data = mem.at_page(first_page);
+    view->strides[0] = stride;
+  }
+  for (bool strict_ids : {false, true}) {
+    IndexerBackwardOptions opt = env->opt;
+    opt.strict_indices = strict_ids;
+    const OutputBuffers want = run_cpu(env->p, opt);
+    OutputBuffers got = make_outputs(env->p);
+    indexer_backward(in, got.views(), opt);
+    EXPECT_TRUE(bitwise_equal(want.d_index_q, got.d_index_q)) << "strict " << strict_ids;
+    EXPECT_TRUE(bitwise_equal(want.d_weights, got.d_weights)) << "strict " << strict_ids;
+    EXPECT_TRUE(bitwise_equal(want.d_index_k, got.d_index_k)) << "strict " << strict_ids;
+  }
+}
+
+/// The copies validation makes from a backend's device memory (the cuda
+/// backend's path), run here on host memory with a counting memcpy: strict ids
+/// whose rows are far apart (an unreadable page and more than 1 MiB between the
+/// batches) are copied row by row, never across the gap; packed ids in one
+/// piece; cu_seqlens of stride 1 in one piece, of another stride one element at
+/// a time. The geometry and the verdict match the in-place (cpu) reads.
+struct CopyCount {
+  static inline int calls = 0;
+  static inline size_t bytes = 0;
+  static void copy(void* dst, const void* src, size_t n, void*) {
+    ++calls;
+    bytes += n;
+    std::memcpy(dst, src, n);
+  }
+};
+
+TEST(StridedViews, DeviceCopyPathReadsOnlyElements) {
+  std::unique_ptr<Env> env = make_env(Layout::bshd);
+  IndexerBackwardOptions strict = env->opt;
+  strict.strict_indices = true;
+  const size_t id_bytes = static_cast<size_t>(env->in.topk_indices.numel()) * 4;  // 2 x 6 x 5 ids
+  // Packed: one copy of the ids' bytes.
+  CopyCount::calls = 0, CopyCount::bytes = 0;
+  (void)detail::validate_problem(env->in, env->out, strict, &CopyCount::copy);
+  EXPECT_EQ(CopyCount::calls, 1);
+  EXPECT_EQ(CopyCount::bytes, id_bytes);
+  // Batches 2 MiB apart, an unreadable page right after batch 0's rows.
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  const size_t gap_pages = (size_t{2} << 20) / page;
+  GuardedPages mem(gap_pages + 1, {1});
+  ASSERT_NE(mem.base, nullptr);
+  const TensorView& ids = env->in.topk_indices;
+  const int64_t per_batch = ids.shape[1] * ids.shape[2];
+  std::memcpy(mem.at_page(0), ids.data, static_cast<size_t>(per_batch) * 4);
+  std::memcpy(mem.at_page(gap_pages), static_cast<const int32_t*>(ids.data) + per_batch,
+              static_cast<size_t>(per_batch) * 4);
+  IndexerBackwardInputs in = env->in;
+  in.topk_indices.data = mem.at_page(0);
+  in.topk_indices.strides[0] = static_cast<int64_t>(gap_pages * page / 4);
+  CopyCount::calls = 0, CopyCount::bytes = 0;
+  (void)detail::validate_problem(in, env->out, strict, &CopyCount::copy);
+  EXPECT_EQ(CopyCount::calls, 12);  // one per query row
+  EXPECT_EQ(CopyCount::bytes, id_bytes);
+  // An out-of-range id in batch 1 is found through the row-by-row copy.
+  mem.at_page(gap_pages)[3 * 5 + 2] = 99;  // (b=1, t=3, slot=2)
+  try {
+    (void)detail::validate_problem(in, env->out, strict, &CopyCount::copy);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::index_out_of_range);
+    EXPECT_NE(std::string(e.what()).find("(b=1, t=3, slot=2)"), std::string::npos) << e.what();
+  }
+
+  // THD cu_seqlens: stride 1 in one copy each; stride 2 one element per copy.
+  std::unique_ptr<Env> thd = make_env(Layout::thd);
+  CopyCount::calls = 0, CopyCount::bytes = 0;
+  const detail::ProblemGeometry g1 = detail::validate_problem(thd->in, thd->out, thd->opt, &CopyCount::copy);
+  EXPECT_EQ(CopyCount::calls, 2);
+  EXPECT_EQ(CopyCount::bytes, size_t{24});
+  IndexerBackwardInputs strided = thd->in;
+  for (TensorView* v : {&strided.cu_seqlens_q, &strided.cu_seqlens_k}) {
+    auto* b = reinterpret_cast<int32_t*>(thd->buffer(6 * 4));
+    for (int i = 0; i < 3; ++i) b[2 * i] = static_cast<const int32_t*>(v->data)[i], b[2 * i + 1] = -5;
+    v->data = b;
+    v->strides[0] = 2;
+  }
+  CopyCount::calls = 0, CopyCount::bytes = 0;
+  const detail::ProblemGeometry g2 = detail::validate_problem(strided, thd->out, thd->opt, &CopyCount::copy);
+  EXPECT_EQ(CopyCount::calls, 6);
+  EXPECT_EQ(CopyCount::bytes, size_t{24});
+  EXPECT_EQ(g1.q_start, g2.q_start);
+  EXPECT_EQ(g1.q_len, g2.q_len);
+  EXPECT_EQ(g1.k_start, g2.k_start);
+  EXPECT_EQ(g1.k_len, g2.k_len);
+}
+
+/// Broadcast (stride 0) scores and ids whose element count times 4 bytes
+/// overflows int64 while their byte span is 4 bytes: rejected by the 2^47-byte
+/// rule, naming the first such tensor, before any backend allocates for them.
+TEST(StridedViews, ElementBytesOverflowIsRejected) {
+  GenerateSpec s = small_spec(54);
+  s.batch = 1;
+  s.s_q = 1;
+  s.s_kv = 4;
+  s.topk = 2;
+  GeneratedProblem p = make_problem(s);
+  OutputBuffers o = make_outputs(p);
+  IndexerBackwardInputs in = p.inputs();
+  const int64_t huge = int64_t{1} << 61;  // 2^61 elements of 4 bytes: 2^63 bytes
+  for (TensorView* v : {&in.topk_indices, &in.attn_score, &in.index_score}) {
+    v->shape[2] = huge;
+    v->strides[0] = v->strides[1] = v->strides[2] = 0;
+  }
+  const SnapshotAll snap(p, o);
+  try {
+    indexer_backward(in, o.views(), p.options());
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument) << e.what();
+    EXPECT_EQ(e.argument(), "topk_indices") << e.what();
+    EXPECT_NE(std::string(e.what()).find("at most 2^47 bytes"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(snap.changed(), "");
 }
 
 // ---- valid corner cases are accepted ------------------------------------------
