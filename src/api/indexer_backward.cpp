@@ -12,6 +12,7 @@ namespace {
 
 detail::ProblemGeometry validate_for_backend(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
                                              const IndexerBackwardOptions& opt) {
+  detail::check_options(opt);  // errors.md: the options first, then the backend's availability
   if (opt.backend == Backend::cuda) {
     if (!detail::cuda_backend_compiled()) {
       throw Error(ErrorCode::backend_unavailable, "backend",

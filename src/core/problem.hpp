@@ -56,6 +56,10 @@ inline int64_t row_offset(const TensorView& v, Layout layout, int64_t row, int64
   return row * v.strides[0];
 }
 
+/// The option rules checked first (errors.md "Options"): layout, id_mode and
+/// backend are values of their enums. Raises invalid_argument naming the option.
+void check_options(const IndexerBackwardOptions& opt);
+
 /// Validates every argument (see indexer_backward() for the rules) and returns
 /// the geometry. Reads cu_seqlens and, in strict mode, topk_indices: only their
 /// elements, in place on the host or copied from the device (never the memory

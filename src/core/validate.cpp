@@ -181,13 +181,7 @@ double scale_from_host(const ProblemGeometry& g, const IndexerBackwardOptions& o
   return grad_loss * static_cast<double>(opt.loss_coeff) / static_cast<double>(g.normalization_count);
 }
 
-ProblemGeometry validate_problem(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
-                                 const IndexerBackwardOptions& opt, CopyToHost copy_to_host,
-                                 bool check_outputs) {
-  ProblemGeometry g;
-  g.layout = opt.layout;
-  g.id_mode = opt.id_mode;
-
+void check_options(const IndexerBackwardOptions& opt) {
   if (opt.layout != Layout::bshd && opt.layout != Layout::thd) {
     fail("layout", "bshd or thd", std::to_string(static_cast<int>(opt.layout)));
   }
@@ -197,6 +191,16 @@ ProblemGeometry validate_problem(const IndexerBackwardInputs& in, const IndexerB
   if (opt.backend != Backend::cpu && opt.backend != Backend::cuda) {
     fail("backend", "cpu or cuda", std::to_string(static_cast<int>(opt.backend)));
   }
+}
+
+ProblemGeometry validate_problem(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
+                                 const IndexerBackwardOptions& opt, CopyToHost copy_to_host,
+                                 bool check_outputs) {
+  ProblemGeometry g;
+  g.layout = opt.layout;
+  g.id_mode = opt.id_mode;
+
+  check_options(opt);
   const DeviceType device = opt.backend == Backend::cpu ? DeviceType::cpu : DeviceType::cuda;
   const int device_index = in.index_q.device_index;
   const bool thd = opt.layout == Layout::thd;

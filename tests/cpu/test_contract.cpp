@@ -344,6 +344,15 @@ void register_cases() {
   if (!cuda_backend_available()) {
     add_both("backend_cuda_unavailable", "backend", [](Env& e) { e.opt.backend = Backend::cuda; },
              ErrorCode::backend_unavailable);
+    // errors.md's order: the option values come before the backend's availability.
+    add_both("layout_before_backend_availability", "layout", [](Env& e) {
+      e.opt.backend = Backend::cuda;
+      e.opt.layout = static_cast<Layout>(7);
+    });
+    add_both("id_mode_before_backend_availability", "id_mode", [](Env& e) {
+      e.opt.backend = Backend::cuda;
+      e.opt.id_mode = static_cast<IdMode>(5);
+    });
   }
 }
 
