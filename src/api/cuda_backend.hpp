@@ -16,7 +16,8 @@ bool cuda_device_present();
 /// Device-to-host copy used by validation (cu_seqlens, strict ids): on `stream`
 /// (a cudaStream_t; null = legacy default stream), so it follows the caller's
 /// queued work even on a non-blocking stream, then waits for it.
-void cuda_copy_to_host(void* dst, const void* src, std::size_t bytes, void* stream);
+void cuda_copy_to_host(void* dst, const void* src, std::size_t row_bytes, std::size_t src_pitch,
+                       std::size_t rows, void* stream);
 
 std::size_t cuda_workspace_size(const IndexerBackwardOutputs& out, const ProblemGeometry& g);
 

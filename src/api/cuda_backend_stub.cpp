@@ -5,7 +5,7 @@ namespace dsaib::detail {
 
 bool cuda_backend_compiled() { return false; }
 bool cuda_device_present() { return false; }
-void cuda_copy_to_host(void*, const void*, std::size_t, void*) {
+void cuda_copy_to_host(void*, const void*, std::size_t, std::size_t, std::size_t, void*) {
   throw Error(ErrorCode::backend_unavailable, "backend", "backend: this build has no CUDA support");
 }
 std::size_t cuda_workspace_size(const IndexerBackwardOutputs&, const ProblemGeometry&) { return 0; }

@@ -61,13 +61,18 @@ inline int64_t row_offset(const TensorView& v, Layout layout, int64_t row, int64
 void check_options(const IndexerBackwardOptions& opt);
 
 /// Validates every argument (see indexer_backward() for the rules) and returns
-/// the geometry. Reads cu_seqlens and, in strict mode, topk_indices: only their
-/// elements, in place on the host or copied from the device (never the memory
-/// between a strided view's elements). Never writes anything.
-/// `copy_to_host` copies bytes from the backend's device memory to the host,
-/// ordered after the work already queued on `stream` (opt.stream) and waited
-/// for (null: the tensors are host memory and are read directly).
-using CopyToHost = void (*)(void* dst, const void* src, std::size_t bytes, void* stream);
+/// the geometry. Reads cu_seqlens and, in strict mode, topk_indices: on the host
+/// in place through their strides (only their elements); from the device in one
+/// piece when the view's byte span is at most twice its elements' bytes plus
+/// 1 MiB (the span, gaps included, lies within the view's bounding box), else
+/// row by row with one pitched copy, never the gaps. Never writes anything.
+/// `copy_to_host` copies `rows` rows of `row_bytes` bytes, `src_pitch` bytes
+/// apart in the backend's device memory, to consecutive rows at `dst` on the
+/// host (cudaMemcpy2DAsync's semantics; rows = 1: one piece), ordered after the
+/// work already queued on `stream` (opt.stream) and waited for (null: the
+/// tensors are host memory and are read directly).
+using CopyToHost = void (*)(void* dst, const void* src, std::size_t row_bytes, std::size_t src_pitch,
+                            std::size_t rows, void* stream);
 ProblemGeometry validate_problem(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
                                  const IndexerBackwardOptions& opt, CopyToHost copy_to_host = nullptr,
                                  bool check_outputs = true);

@@ -3,6 +3,7 @@
 //   "<argument>: expected <what>, got <what>"
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <new>
 #include <sstream>
 #include <string>
@@ -141,7 +142,7 @@ std::vector<int32_t> host_int32(int64_t n, const char* name) {
 /// Reads cu_seqlens (B + 1 int32) to the host: only its elements are read, never
 /// the memory between them. Host memory is read in place (any stride); device
 /// memory is copied in one piece (the cuda backend requires stride 1, checked
-/// before) or, for any other stride, one element at a time.
+/// before) or, for any other stride, as one pitched copy of 4-byte rows.
 std::vector<int64_t> read_cu_seqlens(const TensorView& v, const char* name, CopyToHost copy, void* stream) {
   const int64_t n = v.shape[0];
   const auto* src = static_cast<const int32_t*>(v.data);
@@ -152,9 +153,10 @@ std::vector<int64_t> read_cu_seqlens(const TensorView& v, const char* name, Copy
   }
   std::vector<int32_t> host = host_int32(n, name);
   if (n > 0 && (v.strides[0] == 1 || n == 1)) {
-    copy(host.data(), src, static_cast<size_t>(n) * sizeof(int32_t), stream);
-  } else {
-    for (int64_t i = 0; i < n; ++i) copy(&host[static_cast<size_t>(i)], src + i * v.strides[0], sizeof(int32_t), stream);
+    copy(host.data(), src, static_cast<size_t>(n) * sizeof(int32_t), static_cast<size_t>(n) * sizeof(int32_t), 1, stream);
+  } else if (n > 0) {  // not on cuda (stride 1 checked before): one pitched copy of n values
+    copy(host.data(), src, sizeof(int32_t), static_cast<size_t>(v.strides[0]) * sizeof(int32_t), static_cast<size_t>(n),
+         stream);
   }
   for (int64_t i = 0; i < n; ++i) out[i] = host[static_cast<size_t>(i)];
   return out;
@@ -193,9 +195,27 @@ void check_options(const IndexerBackwardOptions& opt) {
   }
 }
 
+namespace {
+ProblemGeometry validate_problem_unguarded(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
+                                           const IndexerBackwardOptions& opt, CopyToHost copy_to_host,
+                                           bool check_outputs);
+}  // namespace
+
 ProblemGeometry validate_problem(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
                                  const IndexerBackwardOptions& opt, CopyToHost copy_to_host,
                                  bool check_outputs) {
+  try {
+    return validate_problem_unguarded(in, out, opt, copy_to_host, check_outputs);
+  } catch (const std::bad_alloc&) {  // e.g. the per-sequence tables of a huge cu_seqlens
+    throw Error(ErrorCode::out_of_memory, "",
+                "out of memory: expected room in host memory to validate the arguments, got an allocation failure");
+  }
+}
+
+namespace {
+ProblemGeometry validate_problem_unguarded(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
+                                           const IndexerBackwardOptions& opt, CopyToHost copy_to_host,
+                                           bool check_outputs) {
   ProblemGeometry g;
   g.layout = opt.layout;
   g.id_mode = opt.id_mode;
@@ -397,40 +417,69 @@ ProblemGeometry validate_problem(const IndexerBackwardInputs& in, const IndexerB
   if (opt.strict_indices) {
     const TensorView& ids = in.topk_indices;
     const int64_t slot_stride = ids.strides[thd ? 1 : 2];
-    // The ids on the host: host memory is read in place through the strides.
-    // Device memory (innermost stride 1 on cuda, checked above) is copied in one
-    // piece when its byte span is at most twice its elements' bytes plus 1 MiB
-    // (packed, padded or broadcast rows), else row by row, so that neither the
-    // memory between rows nor more than the elements' bytes is ever read.
+    // Host memory is read in place through the strides. Device memory is copied
+    // in one piece when its byte span is at most twice its ids' bytes plus 1 MiB
+    // (packed, padded or broadcast rows; the span lies within the view's bounding
+    // box), else as groups of evenly spaced rows, one pitched copy per group:
+    // THD's rows; BSHD's rows when the batches are evenly spaced too, else each
+    // batch's. Then only the rows are read, never the memory between them.
     const int32_t* host = static_cast<const int32_t*>(ids.data);
     std::vector<int32_t> copied;
-    int64_t host_row_stride = -1;  // -1: rows through row_offset (in place or span copy); else row * this
+    // Where row (b, t)'s ids are in `host`: (multi ? b : 0) * group_elems +
+    // (multi ? t : row) * row_pitch + i * slot_stride; in place: row_offset.
+    bool grouped = false, multi = false;
+    int64_t group_elems = 0, row_pitch = 0;
     if (copy_to_host && g.num_q_rows > 0) {
       const int64_t span = static_cast<int64_t>(byte_range(ids).hi - byte_range(ids).lo);
-      const int64_t element_bytes = g.num_q_rows * K * static_cast<int64_t>(sizeof(int32_t));
-      if (span <= 2 * element_bytes + (int64_t{1} << 20)) {
+      const int64_t id_bytes = g.num_q_rows * K * static_cast<int64_t>(sizeof(int32_t));
+      if (span <= 2 * id_bytes + (int64_t{1} << 20)) {
         copied = host_int32(span / 4, "topk_indices");
-        copy_to_host(copied.data(), ids.data, static_cast<size_t>(span), opt.stream);
+        copy_to_host(copied.data(), ids.data, static_cast<size_t>(span), static_cast<size_t>(span), 1, opt.stream);
       } else {
-        copied = host_int32(g.num_q_rows * K, "topk_indices");
-        for (int64_t row = 0; row < g.num_q_rows; ++row) {
-          const int32_t* src = static_cast<const int32_t*>(ids.data) + row_offset(ids, g.layout, row, g.s_q);
-          int32_t* dst = copied.data() + row * K;
-          if (slot_stride == 1) {
-            copy_to_host(dst, src, static_cast<size_t>(K) * sizeof(int32_t), opt.stream);
+        grouped = true;
+        int64_t rows = g.num_q_rows, pitch = 0, groups = 1, group_stride = 0;
+        if (thd) {
+          pitch = ids.strides[0];
+        } else if (g.s_q == 1) {
+          pitch = ids.strides[0];
+        } else if (g.batch == 1 || ids.strides[0] == g.s_q * ids.strides[1]) {
+          pitch = ids.strides[1];
+        } else {
+          multi = true;
+          rows = g.s_q, pitch = ids.strides[1], groups = g.batch, group_stride = ids.strides[0];
+        }
+        const int64_t row_span = (K - 1) * slot_stride + 1;  // one row's elements, gaps between slots included
+        // Rows that do not overlap are copied pitched (row_span each); overlapping
+        // ones (pitch < row_span, e.g. stride 0) as the group's span, which is then
+        // no larger than its rows.
+        // (A pitch beyond cudaMemcpy2D's 2^31 - 1 bytes: one copy per row.)
+        const bool apart = pitch >= row_span;
+        const bool pitched = apart && pitch * 4 <= std::numeric_limits<int32_t>::max();
+        group_elems = apart ? rows * row_span : (rows - 1) * pitch + row_span;
+        row_pitch = apart ? row_span : pitch;
+        copied = host_int32(groups * group_elems, "topk_indices");
+        const size_t row_bytes = static_cast<size_t>(row_span) * 4;
+        for (int64_t gi = 0; gi < groups; ++gi) {
+          const int32_t* src = static_cast<const int32_t*>(ids.data) + gi * group_stride;
+          int32_t* dst = copied.data() + gi * group_elems;
+          if (pitched) {
+            copy_to_host(dst, src, row_bytes, static_cast<size_t>(pitch) * 4, static_cast<size_t>(rows), opt.stream);
+          } else if (apart) {
+            for (int64_t r = 0; r < rows; ++r) copy_to_host(dst + r * row_span, src + r * pitch, row_bytes, row_bytes, 1, opt.stream);
           } else {
-            for (int64_t i = 0; i < K; ++i) copy_to_host(dst + i, src + i * slot_stride, sizeof(int32_t), opt.stream);
+            const size_t bytes = static_cast<size_t>(group_elems) * 4;
+            copy_to_host(dst, src, bytes, bytes, 1, opt.stream);
           }
         }
-        host_row_stride = K;
       }
       host = copied.data();
     }
     for (int64_t row = 0; row < g.num_q_rows; ++row) {
       int64_t b, t;
       g.q_row_coords(row, &b, &t);
-      const int64_t base = host_row_stride < 0 ? row_offset(ids, g.layout, row, g.s_q) : row * host_row_stride;
-      const int64_t step = host_row_stride < 0 ? slot_stride : 1;
+      const int64_t base = grouped ? (multi ? b * group_elems + t * row_pitch : row * row_pitch)
+                                   : row_offset(ids, g.layout, row, g.s_q);
+      const int64_t step = slot_stride;
       for (int64_t i = 0; i < K; ++i) {
         const int64_t id = host[base + i * step];
         if (id != -1 && g.key_row(b, id) < 0) {
@@ -447,5 +496,6 @@ ProblemGeometry validate_problem(const IndexerBackwardInputs& in, const IndexerB
   }
   return g;
 }
+}  // namespace
 
 }  // namespace dsaib::detail

@@ -143,9 +143,15 @@ bool cuda_device_present() {
   return false;
 }
 
-void cuda_copy_to_host(void* dst, const void* src, std::size_t bytes, void* stream) {
+void cuda_copy_to_host(void* dst, const void* src, std::size_t row_bytes, std::size_t src_pitch, std::size_t rows,
+                       void* stream) {
   const auto s = static_cast<cudaStream_t>(stream);
-  cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, s), "cudaMemcpyAsync (validation read)");
+  if (rows == 1) {
+    cuda_check(cudaMemcpyAsync(dst, src, row_bytes, cudaMemcpyDeviceToHost, s), "cudaMemcpyAsync (validation read)");
+  } else if (rows > 1) {
+    cuda_check(cudaMemcpy2DAsync(dst, row_bytes, src, src_pitch, row_bytes, rows, cudaMemcpyDeviceToHost, s),
+               "cudaMemcpy2DAsync (validation read)");
+  }
   cuda_check(cudaStreamSynchronize(s), "cudaStreamSynchronize (validation read)");
 }
 

@@ -561,19 +561,24 @@ TEST(StridedViews, CuSeqlensAcrossUnreadablePages) {
 }
 
 /// The copies validation makes from a backend's device memory (the cuda
-/// backend's path), run here on host memory with a counting memcpy: strict ids
-/// whose rows are far apart (an unreadable page and more than 1 MiB between the
-/// batches) are copied row by row, never across the gap; packed ids in one
-/// piece; cu_seqlens of stride 1 in one piece, of another stride one element at
-/// a time. The geometry and the verdict match the in-place (cpu) reads.
+/// backend's path), run here on host memory with a counting pitched memcpy:
+/// strict ids whose batches are far apart (an unreadable page and more than
+/// 1 MiB between them) are copied as one pitched copy per batch, never across
+/// the gap; packed ids in one piece; cu_seqlens of stride 1 in one piece, of
+/// another stride as one pitched copy. The geometry and the verdict match the
+/// in-place (cpu) reads.
 struct CopyCount {
   static inline int calls = 0;
   static inline size_t bytes = 0;
-  static void copy(void* dst, const void* src, size_t n, void*) {
+  static void copy(void* dst, const void* src, size_t row_bytes, size_t src_pitch, size_t rows, void*) {
     ++calls;
-    bytes += n;
-    std::memcpy(dst, src, n);
+    bytes += row_bytes * rows;
+    for (size_t r = 0; r < rows; ++r) {
+      std::memcpy(static_cast<unsigned char*>(dst) + r * row_bytes, static_cast<const unsigned char*>(src) + r * src_pitch,
+                  row_bytes);
+    }
   }
+  static void reset() { calls = 0, bytes = 0; }
 };
 
 TEST(StridedViews, DeviceCopyPathReadsOnlyElements) {
@@ -582,7 +587,7 @@ TEST(StridedViews, DeviceCopyPathReadsOnlyElements) {
   strict.strict_indices = true;
   const size_t id_bytes = static_cast<size_t>(env->in.topk_indices.numel()) * 4;  // 2 x 6 x 5 ids
   // Packed: one copy of the ids' bytes.
-  CopyCount::calls = 0, CopyCount::bytes = 0;
+  CopyCount::reset();
   (void)detail::validate_problem(env->in, env->out, strict, &CopyCount::copy);
   EXPECT_EQ(CopyCount::calls, 1);
   EXPECT_EQ(CopyCount::bytes, id_bytes);
@@ -599,11 +604,11 @@ TEST(StridedViews, DeviceCopyPathReadsOnlyElements) {
   IndexerBackwardInputs in = env->in;
   in.topk_indices.data = mem.at_page(0);
   in.topk_indices.strides[0] = static_cast<int64_t>(gap_pages * page / 4);
-  CopyCount::calls = 0, CopyCount::bytes = 0;
+  CopyCount::reset();
   (void)detail::validate_problem(in, env->out, strict, &CopyCount::copy);
-  EXPECT_EQ(CopyCount::calls, 12);  // one per query row
+  EXPECT_EQ(CopyCount::calls, 2);  // one pitched copy per batch
   EXPECT_EQ(CopyCount::bytes, id_bytes);
-  // An out-of-range id in batch 1 is found through the row-by-row copy.
+  // An out-of-range id in batch 1 is found through those copies.
   mem.at_page(gap_pages)[3 * 5 + 2] = 99;  // (b=1, t=3, slot=2)
   try {
     (void)detail::validate_problem(in, env->out, strict, &CopyCount::copy);
@@ -613,9 +618,9 @@ TEST(StridedViews, DeviceCopyPathReadsOnlyElements) {
     EXPECT_NE(std::string(e.what()).find("(b=1, t=3, slot=2)"), std::string::npos) << e.what();
   }
 
-  // THD cu_seqlens: stride 1 in one copy each; stride 2 one element per copy.
+  // THD cu_seqlens: stride 1 in one copy each; stride 2 one pitched copy each.
   std::unique_ptr<Env> thd = make_env(Layout::thd);
-  CopyCount::calls = 0, CopyCount::bytes = 0;
+  CopyCount::reset();
   const detail::ProblemGeometry g1 = detail::validate_problem(thd->in, thd->out, thd->opt, &CopyCount::copy);
   EXPECT_EQ(CopyCount::calls, 2);
   EXPECT_EQ(CopyCount::bytes, size_t{24});
@@ -626,14 +631,133 @@ TEST(StridedViews, DeviceCopyPathReadsOnlyElements) {
     v->data = b;
     v->strides[0] = 2;
   }
-  CopyCount::calls = 0, CopyCount::bytes = 0;
+  CopyCount::reset();
   const detail::ProblemGeometry g2 = detail::validate_problem(strided, thd->out, thd->opt, &CopyCount::copy);
-  EXPECT_EQ(CopyCount::calls, 6);
+  EXPECT_EQ(CopyCount::calls, 2);
   EXPECT_EQ(CopyCount::bytes, size_t{24});
   EXPECT_EQ(g1.q_start, g2.q_start);
   EXPECT_EQ(g1.q_len, g2.q_len);
   EXPECT_EQ(g1.k_start, g2.k_start);
   EXPECT_EQ(g1.k_len, g2.k_len);
+}
+
+/// Strict mode finds the first bad id through every way validation reads the
+/// ids: in place (cpu) and through the device copies (one piece, or pitched
+/// groups), with padded rows, slots 2 apart, a broadcast (stride 0) query
+/// dimension, and THD rows 3 MiB apart.
+TEST(StridedViews, StrictFindsTheBadIdThroughEveryRead) {
+  struct Layouts {
+    const char* name;
+    Layout layout;
+    std::vector<int64_t> strides;  // of topk_indices, in elements
+    int64_t bad_row, bad_slot;     // where the bad id goes (a flat query row)
+    std::string where;             // what the message must name
+  };
+  const int64_t far = int64_t{3} << 18;  // 3 MiB of int32
+  const std::vector<Layouts> cases = {
+      {"bshd padded rows", Layout::bshd, {6 * 8, 8, 1}, 9, 4, "(b=1, t=3, slot=4)"},
+      {"bshd slots 2 apart", Layout::bshd, {6 * 10, 10, 2}, 7, 1, "(b=1, t=1, slot=1)"},
+      {"bshd broadcast over S", Layout::bshd, {5, 0, 1}, 6, 3, "(b=1, t=0, slot=3)"},
+      {"bshd batches far apart", Layout::bshd, {far, 5, 1}, 8, 0, "(b=1, t=2, slot=0)"},
+      {"bshd rows far apart", Layout::bshd, {6 * far, far, 1}, 10, 2, "(b=1, t=4, slot=2)"},
+      {"thd rows far apart", Layout::thd, {far, 1}, 5, 2, "(b=1, t=3, slot=2)"},
+      {"thd padded rows", Layout::thd, {8, 1}, 6, 4, "(b=1, t=4, slot=4)"},
+      // batches apart, rows overlapping within each (stride 0): a copy of each batch's span
+      {"bshd batches far apart, broadcast over S", Layout::bshd, {far, 0, 1}, 6, 3, "(b=1, t=0, slot=3)"},
+      // rows further apart than cudaMemcpy2D's pitch limit (2^31 - 1 bytes): one copy per row
+      {"thd rows 3 GiB apart", Layout::thd, {int64_t{3} << 28, 1}, 4, 1, "(b=1, t=2, slot=1)"},
+  };
+  for (const Layouts& c : cases) {
+    SCOPED_TRACE(c.name);
+    std::unique_ptr<Env> env = make_env(c.layout);
+    TensorView ids = env->in.topk_indices;
+    const bool thd = c.layout == Layout::thd;
+    const int64_t rows = thd ? ids.shape[0] : ids.shape[0] * ids.shape[1], K = ids.shape[thd ? 1 : 2];
+    const int64_t S = thd ? 1 : ids.shape[1];
+    auto offset = [&](int64_t row, int64_t i) {
+      return thd ? row * c.strides[0] + i * c.strides[1]
+                 : (row / S) * c.strides[0] + (row % S) * c.strides[1] + i * c.strides[2];
+    };
+    const int64_t last = offset(rows - 1, K - 1);
+    auto* mem = static_cast<int32_t*>(mmap(nullptr, static_cast<size_t>(last + 1) * 4, PROT_READ | PROT_WRITE,
+                                           MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0));
+    ASSERT_NE(mem, MAP_FAILED);
+    const auto* src = static_cast<const int32_t*>(ids.data);
+    for (int64_t row = 0; row < rows; ++row) {  // broadcast rows: the last write wins; all rows are then valid ids
+      for (int64_t i = 0; i < K; ++i) mem[offset(row, i)] = src[row * K + i];
+    }
+    mem[offset(c.bad_row, c.bad_slot)] = 1000;
+    IndexerBackwardInputs in = env->in;
+    in.topk_indices.data = mem;
+    std::copy(c.strides.begin(), c.strides.end(), in.topk_indices.strides);
+    IndexerBackwardOptions strict = env->opt;
+    strict.strict_indices = true;
+    for (bool device_copy : {false, true}) {
+      SCOPED_TRACE(device_copy ? "device copy" : "in place");
+      CopyCount::reset();
+      try {
+        (void)detail::validate_problem(in, env->out, strict, device_copy ? &CopyCount::copy : nullptr);
+        ADD_FAILURE() << "no error";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::index_out_of_range) << e.what();
+        EXPECT_NE(std::string(e.what()).find(c.where), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find("got id 1000"), std::string::npos) << e.what();
+      }
+      // Never more than the ids' bytes twice plus 1 MiB copied (the one-piece rule).
+      if (device_copy) EXPECT_LE(CopyCount::bytes, static_cast<size_t>(2 * rows * K * 4 + (1 << 20)));
+    }
+    munmap(mem, static_cast<size_t>(last + 1) * 4);
+  }
+}
+
+/// On cuda, cu_seqlens of stride 2 are refused before they are read
+/// (validate_problem called directly with views labelled cuda, on host memory).
+TEST(StridedViews, CudaRefusesStridedCuSeqlensBeforeReadingThem) {
+  std::unique_ptr<Env> env = make_env(Layout::thd);
+  IndexerBackwardInputs in = env->in;
+  IndexerBackwardOutputs out = env->out;
+  for (TensorView* v : {&in.index_q, &in.weights, &in.index_k, &in.topk_indices, &in.attn_score, &in.index_score,
+                        &in.cu_seqlens_q, &in.cu_seqlens_k, &out.d_index_q, &out.d_weights, &out.d_index_k}) {
+    v->device = DeviceType::cuda;
+    v->device_index = 0;
+  }
+  auto* b = reinterpret_cast<int32_t*>(env->buffer(6 * 4));
+  for (int i = 0; i < 3; ++i) b[2 * i] = static_cast<const int32_t*>(in.cu_seqlens_q.data)[i];
+  in.cu_seqlens_q.data = b;
+  in.cu_seqlens_q.strides[0] = 2;
+  IndexerBackwardOptions opt = env->opt;
+  opt.backend = Backend::cuda;
+  CopyCount::reset();
+  try {
+    (void)detail::validate_problem(in, out, opt, &CopyCount::copy);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument) << e.what();
+    EXPECT_EQ(e.argument(), "cu_seqlens_q") << e.what();
+    EXPECT_STREQ(e.what(), "cu_seqlens_q: expected stride 1 on the cuda backend, got strides (2,)");
+  }
+  EXPECT_EQ(CopyCount::calls, 0);
+}
+
+/// A cu_seqlens of 2^45 values (stride 0: 4 bytes of memory) passes the byte
+/// rules; the host tables for that many sequences cannot be allocated, which is
+/// an out_of_memory error of the call, not a std::bad_alloc.
+TEST(StridedViews, HugeBroadcastCuSeqlensIsOutOfMemory) {
+  if (kSanitizedBuild) GTEST_SKIP() << "sanitizers abort on allocations this large";
+  std::unique_ptr<Env> env = make_env(Layout::thd);
+  IndexerBackwardInputs in = env->in;
+  for (TensorView* v : {&in.cu_seqlens_q, &in.cu_seqlens_k}) {
+    v->shape[0] = int64_t{1} << 45;
+    v->strides[0] = 0;
+  }
+  try {
+    indexer_backward(in, env->out, env->opt);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::out_of_memory) << e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "not a dsaib::Error: " << e.what();
+  }
 }
 
 /// Broadcast (stride 0) scores and ids whose element count times 4 bytes

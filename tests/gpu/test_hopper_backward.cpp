@@ -340,6 +340,62 @@ TEST_F(Gpu, PrefilledFp32DkDoesNotMatter) {
   EXPECT_TRUE(e2.ok(1e-6)) << e2.str();
 }
 
+/// Strict mode on the cuda backend: validation copies the ids to the host in one
+/// piece (packed) or, for rows far apart, with one pitched copy
+/// (cudaMemcpy2DAsync) per group of evenly spaced rows; a clean view runs as the
+/// packed one does, a bad id is reported where it is, before any write.
+TEST_F(Gpu, StrictIdsPackedAndFarApart) {
+  GeneratedProblem p = make_problem(spec_of(2, 16, 64, 64, 128, 32, IdPattern::random_permutation));
+  DeviceProblem dp(p);
+  IndexerBackwardOptions opt = p.options();
+  opt.backend = Backend::cuda;
+  opt.strict_indices = true;
+  const int64_t rows = 32, K = 32;
+  const int64_t far = int64_t{3} << 18;  // 3 MiB of int32 between rows
+  // The ids with rows `far` apart (BSHD strides (16 far, far, 1)).
+  DeviceBuffer sparse(static_cast<size_t>((rows - 1) * far + K) * 4);
+  check_cuda(cudaMemcpy2D(sparse.ptr, static_cast<size_t>(far) * 4, p.topk_indices.bytes.data(), K * 4, K * 4, rows,
+                          cudaMemcpyHostToDevice),
+             "upload sparse ids");
+  IndexerBackwardInputs in = dp.inputs();
+  in.topk_indices.data = sparse.ptr;
+  in.topk_indices.strides[0] = 16 * far;
+  in.topk_indices.strides[1] = far;
+  HostTensor dq[2], dw[2];
+  for (int v = 0; v < 2; ++v) {
+    DeviceOutputs out(p, DType::f32, DType::f32, DType::f32);
+    out.poison();
+    indexer_backward(v == 0 ? dp.inputs() : in, out.views(), opt);
+    check_cuda(cudaDeviceSynchronize(), "sync");
+    dq[v] = out.d_index_q.to_host();
+    dw[v] = out.d_weights.to_host();
+  }
+  EXPECT_TRUE(bitwise_equal(dq[0], dq[1]));
+  EXPECT_TRUE(bitwise_equal(dw[0], dw[1]));
+  // A bad id at (b=1, t=5, slot=7), in both views.
+  const int32_t bad = 64;  // == S_kv: out of range for local ids
+  const int64_t row = 16 + 5;
+  check_cuda(cudaMemcpy(static_cast<int32_t*>(sparse.ptr) + row * far + 7, &bad, 4, cudaMemcpyHostToDevice), "bad id");
+  check_cuda(cudaMemcpy(static_cast<int32_t*>(dp.topk_indices.buffer.ptr) + row * K + 7, &bad, 4,
+                        cudaMemcpyHostToDevice),
+             "bad id");
+  for (int v = 0; v < 2; ++v) {
+    DeviceOutputs out(p, DType::f32, DType::f32, DType::f32);
+    out.d_index_k.fill(3.0);
+    const auto before = out.d_index_k.buffer.to_host();
+    try {
+      indexer_backward(v == 0 ? dp.inputs() : in, out.views(), opt);
+      ADD_FAILURE() << "bad id accepted, view " << v;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::index_out_of_range) << e.what();
+      EXPECT_NE(std::string(e.what()).find("(b=1, t=5, slot=7)"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("got id 64"), std::string::npos) << e.what();
+    }
+    check_cuda(cudaDeviceSynchronize(), "sync");
+    EXPECT_EQ(out.d_index_k.buffer.to_host(), before) << "view " << v;
+  }
+}
+
 TEST_F(Gpu, GradLossFromDeviceAndNormalizationCount) {
   GeneratedProblem p = make_problem(spec_of(1, 64, 300, 64, 128, 128));
   DeviceBuffer g(sizeof(float));
