@@ -65,7 +65,9 @@ void check_options(const IndexerBackwardOptions& opt);
 /// in place through their strides (only their elements); from the device in one
 /// piece when the view's byte span is at most twice its elements' bytes plus
 /// 1 MiB (the span, gaps included, lies within the view's bounding box), else
-/// row by row with one pitched copy, never the gaps. Never writes anything.
+/// one pitched copy per group of evenly spaced rows (all rows, or each batch's;
+/// overlapping rows as their group's span), never the memory between rows.
+/// Never writes anything.
 /// `copy_to_host` copies `rows` rows of `row_bytes` bytes, `src_pitch` bytes
 /// apart in the backend's device memory, to consecutive rows at `dst` on the
 /// host (cudaMemcpy2DAsync's semantics; rows = 1: one piece), ordered after the

@@ -131,6 +131,7 @@ void check_finite(float v, const char* name) {
 /// error that names `name` (never a std::bad_alloc).
 std::vector<int32_t> host_int32(int64_t n, const char* name) {
   try {
+    if (static_cast<uint64_t>(n) > std::vector<int32_t>().max_size()) throw std::bad_alloc();
     return std::vector<int32_t>(static_cast<size_t>(n));
   } catch (const std::bad_alloc&) {
     throw Error(ErrorCode::out_of_memory, name,
@@ -154,9 +155,14 @@ std::vector<int64_t> read_cu_seqlens(const TensorView& v, const char* name, Copy
   std::vector<int32_t> host = host_int32(n, name);
   if (n > 0 && (v.strides[0] == 1 || n == 1)) {
     copy(host.data(), src, static_cast<size_t>(n) * sizeof(int32_t), static_cast<size_t>(n) * sizeof(int32_t), 1, stream);
-  } else if (n > 0) {  // not on cuda (stride 1 checked before): one pitched copy of n values
+  } else if (n > 0 && v.strides[0] >= 1 && v.strides[0] * 4 <= std::numeric_limits<int32_t>::max()) {
+    // not on cuda (stride 1 checked before): one pitched copy of n values
     copy(host.data(), src, sizeof(int32_t), static_cast<size_t>(v.strides[0]) * sizeof(int32_t), static_cast<size_t>(n),
          stream);
+  } else {  // stride 0, or beyond a pitched copy's 2^31 - 1 bytes: one value at a time
+    for (int64_t i = 0; i < n; ++i) {
+      copy(&host[static_cast<size_t>(i)], src + i * v.strides[0], sizeof(int32_t), sizeof(int32_t), 1, stream);
+    }
   }
   for (int64_t i = 0; i < n; ++i) out[i] = host[static_cast<size_t>(i)];
   return out;
@@ -207,6 +213,9 @@ ProblemGeometry validate_problem(const IndexerBackwardInputs& in, const IndexerB
   try {
     return validate_problem_unguarded(in, out, opt, copy_to_host, check_outputs);
   } catch (const std::bad_alloc&) {  // e.g. the per-sequence tables of a huge cu_seqlens
+    throw Error(ErrorCode::out_of_memory, "",
+                "out of memory: expected room in host memory to validate the arguments, got an allocation failure");
+  } catch (const std::length_error&) {  // a std::vector larger than its max_size
     throw Error(ErrorCode::out_of_memory, "",
                 "out of memory: expected room in host memory to validate the arguments, got an allocation failure");
   }
@@ -457,7 +466,9 @@ ProblemGeometry validate_problem_unguarded(const IndexerBackwardInputs& in, cons
         const bool pitched = apart && pitch * 4 <= std::numeric_limits<int32_t>::max();
         group_elems = apart ? rows * row_span : (rows - 1) * pitch + row_span;
         row_pitch = apart ? row_span : pitch;
-        copied = host_int32(groups * group_elems, "topk_indices");
+        int64_t total = 0;  // overflows only with a slot stride above 1, which cuda refuses
+        if (__builtin_mul_overflow(groups, group_elems, &total)) total = std::numeric_limits<int64_t>::max();
+        copied = host_int32(total, "topk_indices");
         const size_t row_bytes = static_cast<size_t>(row_span) * 4;
         for (int64_t gi = 0; gi < groups; ++gi) {
           const int32_t* src = static_cast<const int32_t*>(ids.data) + gi * group_stride;

@@ -570,15 +570,17 @@ TEST(StridedViews, CuSeqlensAcrossUnreadablePages) {
 struct CopyCount {
   static inline int calls = 0;
   static inline size_t bytes = 0;
+  static inline int pitch_rule_breaks = 0;  // cudaMemcpy2D's rules: row_bytes <= src_pitch <= 2^31 - 1
   static void copy(void* dst, const void* src, size_t row_bytes, size_t src_pitch, size_t rows, void*) {
     ++calls;
     bytes += row_bytes * rows;
+    if (rows > 1 && (src_pitch < row_bytes || src_pitch > static_cast<size_t>(INT32_MAX))) ++pitch_rule_breaks;
     for (size_t r = 0; r < rows; ++r) {
       std::memcpy(static_cast<unsigned char*>(dst) + r * row_bytes, static_cast<const unsigned char*>(src) + r * src_pitch,
                   row_bytes);
     }
   }
-  static void reset() { calls = 0, bytes = 0; }
+  static void reset() { calls = 0, bytes = 0, pitch_rule_breaks = 0; }
 };
 
 TEST(StridedViews, DeviceCopyPathReadsOnlyElements) {
@@ -652,20 +654,22 @@ TEST(StridedViews, StrictFindsTheBadIdThroughEveryRead) {
     std::vector<int64_t> strides;  // of topk_indices, in elements
     int64_t bad_row, bad_slot;     // where the bad id goes (a flat query row)
     std::string where;             // what the message must name
+    int copies;                    // device copies validation makes
   };
   const int64_t far = int64_t{3} << 18;  // 3 MiB of int32
   const std::vector<Layouts> cases = {
-      {"bshd padded rows", Layout::bshd, {6 * 8, 8, 1}, 9, 4, "(b=1, t=3, slot=4)"},
-      {"bshd slots 2 apart", Layout::bshd, {6 * 10, 10, 2}, 7, 1, "(b=1, t=1, slot=1)"},
-      {"bshd broadcast over S", Layout::bshd, {5, 0, 1}, 6, 3, "(b=1, t=0, slot=3)"},
-      {"bshd batches far apart", Layout::bshd, {far, 5, 1}, 8, 0, "(b=1, t=2, slot=0)"},
-      {"bshd rows far apart", Layout::bshd, {6 * far, far, 1}, 10, 2, "(b=1, t=4, slot=2)"},
-      {"thd rows far apart", Layout::thd, {far, 1}, 5, 2, "(b=1, t=3, slot=2)"},
-      {"thd padded rows", Layout::thd, {8, 1}, 6, 4, "(b=1, t=4, slot=4)"},
+      {"bshd padded rows", Layout::bshd, {6 * 8, 8, 1}, 9, 4, "(b=1, t=3, slot=4)", 1},
+      {"bshd slots 2 apart", Layout::bshd, {6 * 10, 10, 2}, 7, 1, "(b=1, t=1, slot=1)", 1},
+      {"bshd broadcast over S", Layout::bshd, {5, 0, 1}, 6, 3, "(b=1, t=0, slot=3)", 1},
+      {"bshd batches far apart", Layout::bshd, {far, 5, 1}, 8, 0, "(b=1, t=2, slot=0)", 2},
+      {"bshd rows far apart", Layout::bshd, {6 * far, far, 1}, 10, 2, "(b=1, t=4, slot=2)", 1},
+      {"thd rows far apart", Layout::thd, {far, 1}, 5, 2, "(b=1, t=3, slot=2)", 2 + 1},
+      {"thd padded rows", Layout::thd, {8, 1}, 6, 4, "(b=1, t=4, slot=4)", 2 + 1},
       // batches apart, rows overlapping within each (stride 0): a copy of each batch's span
-      {"bshd batches far apart, broadcast over S", Layout::bshd, {far, 0, 1}, 6, 3, "(b=1, t=0, slot=3)"},
+      {"bshd batches far apart, broadcast over S", Layout::bshd, {far, 0, 1}, 6, 3, "(b=1, t=0, slot=3)", 2},
       // rows further apart than cudaMemcpy2D's pitch limit (2^31 - 1 bytes): one copy per row
-      {"thd rows 3 GiB apart", Layout::thd, {int64_t{3} << 28, 1}, 4, 1, "(b=1, t=2, slot=1)"},
+      // (THD counts its two cu_seqlens copies too)
+      {"thd rows 3 GiB apart", Layout::thd, {int64_t{3} << 28, 1}, 4, 1, "(b=1, t=2, slot=1)", 2 + 7},
   };
   for (const Layouts& c : cases) {
     SCOPED_TRACE(c.name);
@@ -703,8 +707,13 @@ TEST(StridedViews, StrictFindsTheBadIdThroughEveryRead) {
         EXPECT_NE(std::string(e.what()).find(c.where), std::string::npos) << e.what();
         EXPECT_NE(std::string(e.what()).find("got id 1000"), std::string::npos) << e.what();
       }
-      // Never more than the ids' bytes twice plus 1 MiB copied (the one-piece rule).
-      if (device_copy) EXPECT_LE(CopyCount::bytes, static_cast<size_t>(2 * rows * K * 4 + (1 << 20)));
+      // Never more than the ids' bytes twice plus 1 MiB copied (the one-piece rule),
+      // and every pitched copy within cudaMemcpy2D's rules.
+      if (device_copy) {
+        EXPECT_LE(CopyCount::bytes, static_cast<size_t>(2 * rows * K * 4 + (1 << 20)));
+        EXPECT_EQ(CopyCount::pitch_rule_breaks, 0);
+        EXPECT_EQ(CopyCount::calls, c.copies);
+      }
     }
     munmap(mem, static_cast<size_t>(last + 1) * 4);
   }

@@ -341,58 +341,89 @@ TEST_F(Gpu, PrefilledFp32DkDoesNotMatter) {
 }
 
 /// Strict mode on the cuda backend: validation copies the ids to the host in one
-/// piece (packed) or, for rows far apart, with one pitched copy
-/// (cudaMemcpy2DAsync) per group of evenly spaced rows; a clean view runs as the
-/// packed one does, a bad id is reported where it is, before any write.
+/// piece (packed) or, for rows far apart, with pitched copies (cudaMemcpy2DAsync):
+/// one for all rows, one per batch, or each batch's span when its rows overlap
+/// (stride 0). Clean views run as the packed one does; a bad id is reported
+/// where it is, before any write.
 TEST_F(Gpu, StrictIdsPackedAndFarApart) {
   GeneratedProblem p = make_problem(spec_of(2, 16, 64, 64, 128, 32, IdPattern::random_permutation));
   DeviceProblem dp(p);
   IndexerBackwardOptions opt = p.options();
   opt.backend = Backend::cuda;
   opt.strict_indices = true;
-  const int64_t rows = 32, K = 32;
+  const int64_t S = 16, rows = 32, K = 32;
   const int64_t far = int64_t{3} << 18;  // 3 MiB of int32 between rows
-  // The ids with rows `far` apart (BSHD strides (16 far, far, 1)).
-  DeviceBuffer sparse(static_cast<size_t>((rows - 1) * far + K) * 4);
-  check_cuda(cudaMemcpy2D(sparse.ptr, static_cast<size_t>(far) * 4, p.topk_indices.bytes.data(), K * 4, K * 4, rows,
-                          cudaMemcpyHostToDevice),
-             "upload sparse ids");
-  IndexerBackwardInputs in = dp.inputs();
-  in.topk_indices.data = sparse.ptr;
-  in.topk_indices.strides[0] = 16 * far;
-  in.topk_indices.strides[1] = far;
-  HostTensor dq[2], dw[2];
-  for (int v = 0; v < 2; ++v) {
+  struct View {
+    const char* name;
+    int64_t s0, s1;  // batch and row strides (slot stride 1)
+    bool same_ids;   // the packed ids (else each batch's rows are its first row's)
+    std::string where;
+  };
+  const View views[] = {
+      {"rows far apart (one pitched copy)", S * far, far, true, "(b=1, t=5, slot=7)"},
+      {"batches uneven (a pitched copy per batch)", S * far + 4096, far, true, "(b=1, t=5, slot=7)"},
+      {"rows overlapping, batches far apart (each batch's span)", far, 0, false, "(b=1, t=0, slot=7)"},
+  };
+  const int32_t bad = 64;  // == S_kv: out of range for local ids
+  const auto* ids = reinterpret_cast<const int32_t*>(p.topk_indices.bytes.data());
+  HostTensor dq0, dw0;
+  {
     DeviceOutputs out(p, DType::f32, DType::f32, DType::f32);
     out.poison();
-    indexer_backward(v == 0 ? dp.inputs() : in, out.views(), opt);
+    indexer_backward(dp.inputs(), out.views(), opt);
     check_cuda(cudaDeviceSynchronize(), "sync");
-    dq[v] = out.d_index_q.to_host();
-    dw[v] = out.d_weights.to_host();
+    dq0 = out.d_index_q.to_host();
+    dw0 = out.d_weights.to_host();
   }
-  EXPECT_TRUE(bitwise_equal(dq[0], dq[1]));
-  EXPECT_TRUE(bitwise_equal(dw[0], dw[1]));
-  // A bad id at (b=1, t=5, slot=7), in both views.
-  const int32_t bad = 64;  // == S_kv: out of range for local ids
-  const int64_t row = 16 + 5;
-  check_cuda(cudaMemcpy(static_cast<int32_t*>(sparse.ptr) + row * far + 7, &bad, 4, cudaMemcpyHostToDevice), "bad id");
-  check_cuda(cudaMemcpy(static_cast<int32_t*>(dp.topk_indices.buffer.ptr) + row * K + 7, &bad, 4,
-                        cudaMemcpyHostToDevice),
-             "bad id");
-  for (int v = 0; v < 2; ++v) {
+  for (const View& v : views) {
+    SCOPED_TRACE(v.name);
+    const int64_t last = (2 - 1) * v.s0 + (S - 1) * v.s1 + K - 1;
+    DeviceBuffer buf(static_cast<size_t>(last + 1) * 4);
+    for (int64_t r = 0; r < rows; ++r) {
+      check_cuda(cudaMemcpy(static_cast<int32_t*>(buf.ptr) + (r / S) * v.s0 + (r % S) * v.s1, ids + r * K, K * 4,
+                            cudaMemcpyHostToDevice),
+                 "upload ids");
+    }
+    IndexerBackwardInputs in = dp.inputs();
+    in.topk_indices.data = buf.ptr;
+    in.topk_indices.strides[0] = v.s0;
+    in.topk_indices.strides[1] = v.s1;
+    if (v.same_ids) {  // a clean run: dQ and dW as with the packed ids
+      DeviceOutputs out(p, DType::f32, DType::f32, DType::f32);
+      out.poison();
+      indexer_backward(in, out.views(), opt);
+      check_cuda(cudaDeviceSynchronize(), "sync");
+      EXPECT_TRUE(bitwise_equal(out.d_index_q.to_host(), dq0));
+      EXPECT_TRUE(bitwise_equal(out.d_weights.to_host(), dw0));
+    }
+    // A bad id at (b=1, t=5, slot=7): with overlapping rows, every row of batch 1.
+    check_cuda(cudaMemcpy(static_cast<int32_t*>(buf.ptr) + v.s0 + 5 * v.s1 + 7, &bad, 4, cudaMemcpyHostToDevice),
+               "bad id");
     DeviceOutputs out(p, DType::f32, DType::f32, DType::f32);
     out.d_index_k.fill(3.0);
     const auto before = out.d_index_k.buffer.to_host();
     try {
-      indexer_backward(v == 0 ? dp.inputs() : in, out.views(), opt);
-      ADD_FAILURE() << "bad id accepted, view " << v;
+      indexer_backward(in, out.views(), opt);
+      ADD_FAILURE() << "bad id accepted";
     } catch (const Error& e) {
       EXPECT_EQ(e.code(), ErrorCode::index_out_of_range) << e.what();
-      EXPECT_NE(std::string(e.what()).find("(b=1, t=5, slot=7)"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(v.where), std::string::npos) << e.what();
       EXPECT_NE(std::string(e.what()).find("got id 64"), std::string::npos) << e.what();
     }
     check_cuda(cudaDeviceSynchronize(), "sync");
-    EXPECT_EQ(out.d_index_k.buffer.to_host(), before) << "view " << v;
+    EXPECT_EQ(out.d_index_k.buffer.to_host(), before);
+  }
+  // And in the packed ids (the one-piece copy).
+  check_cuda(cudaMemcpy(static_cast<int32_t*>(dp.topk_indices.buffer.ptr) + (S + 5) * K + 7, &bad, 4,
+                        cudaMemcpyHostToDevice),
+             "bad id");
+  DeviceOutputs out(p, DType::f32, DType::f32, DType::f32);
+  try {
+    indexer_backward(dp.inputs(), out.views(), opt);
+    ADD_FAILURE() << "bad id accepted (packed)";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::index_out_of_range) << e.what();
+    EXPECT_NE(std::string(e.what()).find("(b=1, t=5, slot=7)"), std::string::npos) << e.what();
   }
 }
 
