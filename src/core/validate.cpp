@@ -470,7 +470,16 @@ ProblemGeometry validate_problem_unguarded(const IndexerBackwardInputs& in, cons
         if (__builtin_mul_overflow(groups, group_elems, &total)) total = std::numeric_limits<int64_t>::max();
         copied = host_int32(total, "topk_indices");
         const size_t row_bytes = static_cast<size_t>(row_span) * 4;
-        for (int64_t gi = 0; gi < groups; ++gi) {
+        // Groups that are themselves evenly spaced, apart and within the pitch limit,
+        // each with its rows back to back or overlapping (its elements in
+        // group_elems): one pitched copy of all groups.
+        const bool groups_pitched = groups > 1 && (!apart || pitch == row_span) && group_stride >= group_elems &&
+                                    group_stride * 4 <= std::numeric_limits<int32_t>::max();
+        if (groups_pitched) {
+          copy_to_host(copied.data(), ids.data, static_cast<size_t>(group_elems) * 4,
+                       static_cast<size_t>(group_stride) * 4, static_cast<size_t>(groups), opt.stream);
+        }
+        for (int64_t gi = 0; gi < (groups_pitched ? 0 : groups); ++gi) {
           const int32_t* src = static_cast<const int32_t*>(ids.data) + gi * group_stride;
           int32_t* dst = copied.data() + gi * group_elems;
           if (pitched) {

@@ -563,8 +563,8 @@ TEST(StridedViews, CuSeqlensAcrossUnreadablePages) {
 /// The copies validation makes from a backend's device memory (the cuda
 /// backend's path), run here on host memory with a counting pitched memcpy:
 /// strict ids whose batches are far apart (an unreadable page and more than
-/// 1 MiB between them) are copied as one pitched copy per batch, never across
-/// the gap; packed ids in one piece; cu_seqlens of stride 1 in one piece, of
+/// 1 MiB between them) are copied as one pitched copy of the batches, never
+/// across the gap; packed ids in one piece; cu_seqlens of stride 1 in one piece, of
 /// another stride as one pitched copy. The geometry and the verdict match the
 /// in-place (cpu) reads.
 struct CopyCount {
@@ -608,7 +608,7 @@ TEST(StridedViews, DeviceCopyPathReadsOnlyElements) {
   in.topk_indices.strides[0] = static_cast<int64_t>(gap_pages * page / 4);
   CopyCount::reset();
   (void)detail::validate_problem(in, env->out, strict, &CopyCount::copy);
-  EXPECT_EQ(CopyCount::calls, 2);  // one pitched copy per batch
+  EXPECT_EQ(CopyCount::calls, 1);  // one pitched copy, a batch's packed rows per pitch
   EXPECT_EQ(CopyCount::bytes, id_bytes);
   // An out-of-range id in batch 1 is found through those copies.
   mem.at_page(gap_pages)[3 * 5 + 2] = 99;  // (b=1, t=3, slot=2)
@@ -661,12 +661,13 @@ TEST(StridedViews, StrictFindsTheBadIdThroughEveryRead) {
       {"bshd padded rows", Layout::bshd, {6 * 8, 8, 1}, 9, 4, "(b=1, t=3, slot=4)", 1},
       {"bshd slots 2 apart", Layout::bshd, {6 * 10, 10, 2}, 7, 1, "(b=1, t=1, slot=1)", 1},
       {"bshd broadcast over S", Layout::bshd, {5, 0, 1}, 6, 3, "(b=1, t=0, slot=3)", 1},
-      {"bshd batches far apart", Layout::bshd, {far, 5, 1}, 8, 0, "(b=1, t=2, slot=0)", 2},
+      {"bshd batches far apart", Layout::bshd, {far, 5, 1}, 8, 0, "(b=1, t=2, slot=0)", 1},
+      {"bshd rows far apart, batches unevenly", Layout::bshd, {6 * far + 1024, far, 1}, 8, 0, "(b=1, t=2, slot=0)", 2},
       {"bshd rows far apart", Layout::bshd, {6 * far, far, 1}, 10, 2, "(b=1, t=4, slot=2)", 1},
       {"thd rows far apart", Layout::thd, {far, 1}, 5, 2, "(b=1, t=3, slot=2)", 2 + 1},
       {"thd padded rows", Layout::thd, {8, 1}, 6, 4, "(b=1, t=4, slot=4)", 2 + 1},
       // batches apart, rows overlapping within each (stride 0): a copy of each batch's span
-      {"bshd batches far apart, broadcast over S", Layout::bshd, {far, 0, 1}, 6, 3, "(b=1, t=0, slot=3)", 2},
+      {"bshd batches far apart, broadcast over S", Layout::bshd, {far, 0, 1}, 6, 3, "(b=1, t=0, slot=3)", 1},
       // rows further apart than cudaMemcpy2D's pitch limit (2^31 - 1 bytes): one copy per row
       // (THD counts its two cu_seqlens copies too)
       {"thd rows 3 GiB apart", Layout::thd, {int64_t{3} << 28, 1}, 4, 1, "(b=1, t=2, slot=1)", 2 + 7},

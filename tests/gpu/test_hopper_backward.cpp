@@ -342,8 +342,8 @@ TEST_F(Gpu, PrefilledFp32DkDoesNotMatter) {
 
 /// Strict mode on the cuda backend: validation copies the ids to the host in one
 /// piece (packed) or, for rows far apart, with pitched copies (cudaMemcpy2DAsync):
-/// one for all rows, one per batch, or each batch's span when its rows overlap
-/// (stride 0). Clean views run as the packed one does; a bad id is reported
+/// one for all rows, one per batch, or one of all batches' spans when each
+/// batch's rows overlap (stride 0). Clean views run as the packed one does; a bad id is reported
 /// where it is, before any write.
 TEST_F(Gpu, StrictIdsPackedAndFarApart) {
   GeneratedProblem p = make_problem(spec_of(2, 16, 64, 64, 128, 32, IdPattern::random_permutation));
@@ -362,7 +362,7 @@ TEST_F(Gpu, StrictIdsPackedAndFarApart) {
   const View views[] = {
       {"rows far apart (one pitched copy)", S * far, far, true, "(b=1, t=5, slot=7)"},
       {"batches uneven (a pitched copy per batch)", S * far + 4096, far, true, "(b=1, t=5, slot=7)"},
-      {"rows overlapping, batches far apart (each batch's span)", far, 0, false, "(b=1, t=0, slot=7)"},
+      {"rows overlapping, batches far apart (one pitched copy of the batches)", far, 0, false, "(b=1, t=0, slot=7)"},
   };
   const int32_t bad = 64;  // == S_kv: out of range for local ids
   const auto* ids = reinterpret_cast<const int32_t*>(p.topk_indices.bytes.data());
