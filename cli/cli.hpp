@@ -179,6 +179,7 @@ struct Metric {
   DType dtype = DType::f32;
   int64_t compared = 0;    // elements compared
   int64_t nonfinite = 0;   // non-finite output elements among them
+  int64_t ref_nonfinite = 0;  // non-finite reference elements among them (a stored gradient's NaN): never a pass
   double rel_rms = 0, max_abs = 0, ref_rms = 0, ref_max_abs = 0, tol = 0;
   bool pass = false;
 };

@@ -310,6 +310,7 @@ void print_metrics(std::ostream& s, const std::vector<Metric>& metrics) {
                   sci(m.ref_rms).c_str(), sci(m.tol, 0).c_str(), m.pass ? "PASS" : "FAIL");
     s << line;
     if (m.nonfinite > 0) s << " (" << m.nonfinite << " non-finite elements)";
+    if (m.ref_nonfinite > 0) s << " (" << m.ref_nonfinite << " non-finite reference elements)";
     s << "\n";
   }
 }
@@ -636,6 +637,7 @@ int cmd_backward(GenOptions& gen, const ScalarOverrides& sc, const BackwardArgs&
                       {"dtype", dtype_name(m.dtype)},
                       {"compared", m.compared},
                       {"nonfinite", m.nonfinite},
+                      {"ref_nonfinite", m.ref_nonfinite},
                       {"rel_rms", m.rel_rms},
                       {"max_abs", m.max_abs},
                       {"ref_rms", m.ref_rms},

@@ -35,8 +35,9 @@ struct Accumulator {
   }
   void add(double got, double ref) {
     ++m.compared;
-    if (!std::isfinite(got)) {
-      ++m.nonfinite;
+    if (!std::isfinite(got) || !std::isfinite(ref)) {
+      if (!std::isfinite(got)) ++m.nonfinite;
+      if (!std::isfinite(ref)) ++m.ref_nonfinite;
       return;
     }
     const double e = got - ref;
@@ -49,7 +50,7 @@ struct Accumulator {
   Metric finish() {
     const double n = static_cast<double>(std::max<int64_t>(m.compared - m.nonfinite, 1));
     m.ref_rms = std::sqrt(ref2 / n);
-    if (m.nonfinite > 0) {
+    if (m.nonfinite > 0 || m.ref_nonfinite > 0) {
       m.rel_rms = std::numeric_limits<double>::quiet_NaN();
       m.max_abs = std::numeric_limits<double>::quiet_NaN();
     } else if (ref2 > 0) {
@@ -57,7 +58,7 @@ struct Accumulator {
     } else {
       m.rel_rms = err2 > 0 ? std::numeric_limits<double>::infinity() : 0.0;
     }
-    m.pass = m.nonfinite == 0 && m.rel_rms <= m.tol;  // NaN never passes
+    m.pass = m.nonfinite == 0 && m.ref_nonfinite == 0 && m.rel_rms <= m.tol;  // NaN never passes
     return m;
   }
 };

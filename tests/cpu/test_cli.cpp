@@ -1,5 +1,7 @@
 // End-to-end tests of the dsa-indexer-bwd command line tool (small problems, cpu backend).
 #include <gtest/gtest.h>
+
+#include <limits>
 #include <sys/stat.h>
 
 #include <unistd.h>
@@ -231,6 +233,18 @@ TEST_F(Cli, ComparesWithGradientsStoredInTheFileAndFailsWhenTheyDiffer) {
   r = run("backward --in " + quote(path("with_grads.safetensors")) + " --verify none --sm-scale 0.5");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_TRUE(contains(r.output, "stored      not compared: the scalar flags changed the problem")) << r.output;
+
+  // A NaN in a stored gradient never passes, however the rest compares (the sums
+  // turned NaN and the relative error read as 0 before).
+  {
+    auto nan_t = t;
+    nan_t.at("torch_d_index_k").data<float>()[3] = std::numeric_limits<float>::quiet_NaN();
+    dsaib::write_safetensors(path("with_nan_grads.safetensors"), nan_t, meta);
+    r = run("backward --in " + quote(path("with_nan_grads.safetensors")) + " --verify none");
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    EXPECT_TRUE(contains(r.output, "result      FAIL")) << r.output;
+    EXPECT_TRUE(contains(r.output, "(1 non-finite reference elements)")) << r.output;
+  }
 
   store("torch_d_weights", ref.d_weights, 1.01);  // 1% off: fails the 3e-3 bf16 threshold
   dsaib::write_safetensors(path("with_bad_grads.safetensors"), t, meta);
