@@ -1,5 +1,6 @@
 // Problems of the CLI: presets, generation, problem files, geometry.
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -430,11 +431,19 @@ Problem load_problem(const std::string& path, const std::set<std::string>& overr
   if (read("loss_coeff")) p.options.loss_coeff = parse_fp32(meta, "loss_coeff", 1.0, path, false);
   if (read("grad_loss")) p.options.grad_loss = parse_fp32(meta, "grad_loss", 1.0, path, false);
   if (read("normalization_count")) {
-    const double n = parse_number(meta, "normalization_count", 0.0, path);
-    if (!(n >= 0) || n != std::floor(n) || n > 9.0e18) {
-      bad("normalization_count", path + ": metadata normalization_count: expected an integer in [0, 9e18], got " + format_float(n));
+    // A decimal integer, read exactly (the --normalization-count flag's range;
+    // what generate writes), not through a double.
+    const auto it = meta.find("normalization_count");
+    if (it != meta.end()) {
+      const std::string& text = it->second;
+      int64_t n = -1;
+      const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), n);
+      if (text.empty() || ec != std::errc() || end != text.data() + text.size() || n < 0) {
+        bad("normalization_count", path + ": metadata normalization_count: expected a decimal integer in [0, " +
+                                       std::to_string(std::numeric_limits<int64_t>::max()) + "], got \"" + text + "\"");
+      }
+      p.options.normalization_count = n;
     }
-    p.options.normalization_count = static_cast<int64_t>(n);
   }
   // Metadata keys: the options read above, then what is kept for the report.
   static const char* const kReadKeys[] = {"layout",    "id_mode",   "sm_scale",

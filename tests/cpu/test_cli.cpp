@@ -356,12 +356,25 @@ TEST_F(Cli, WrongTensorIsAnErrorNamingIt) {
         {"sm_scale", "1e39", "metadata sm_scale: expected a finite nonzero number (fp32 range), got \"1e39\""},
         {"loss_coeff", "-1e39", "metadata loss_coeff: expected a finite number (fp32 range), got \"-1e39\""},
         {"grad_loss", "3.5e38", "metadata grad_loss: expected a finite number (fp32 range), got \"3.5e38\""},
-        {"loss_coeff", " 1", "metadata loss_coeff: expected a finite number, got \" 1\""}}) {
+        {"loss_coeff", " 1", "metadata loss_coeff: expected a finite number, got \" 1\""},
+        // normalization_count: a decimal integer, read exactly (not through a double)
+        {"normalization_count", "128.0", "metadata normalization_count: expected a decimal integer in [0, 9223372036854775807], got \"128.0\""},
+        {"normalization_count", "0x80", "metadata normalization_count: expected a decimal integer in [0, 9223372036854775807], got \"0x80\""},
+        {"normalization_count", "-1", "metadata normalization_count: expected a decimal integer in [0, 9223372036854775807], got \"-1\""},
+        {"normalization_count", "9223372036854775808", "metadata normalization_count: expected a decimal integer in [0, 9223372036854775807], got \"9223372036854775808\""}}) {
     auto m = meta;
     m[key] = value;
     r = backward_on("range_meta", t, m);
     EXPECT_EQ(r.exit_code, 2) << key << "=" << value << ": " << r.output;
     EXPECT_TRUE(contains(r.output, message)) << r.output;
+  }
+  // The largest counts round-trip exactly (2^53 + 1 is not a double; 2^63 - 1 is what the flag allows).
+  for (const char* n : {"9007199254740993", "9223372036854775807"}) {
+    auto m = meta;
+    m["normalization_count"] = n;
+    r = backward_on("big_n", t, m, " --verify none --json");
+    EXPECT_EQ(r.exit_code, 0) << n << ": " << r.output;
+    EXPECT_TRUE(contains(r.output, std::string("\"normalization_count\": ") + n)) << r.output;
   }
   // A bad value that a flag overrides is not read.
   auto zero_scale = meta;
