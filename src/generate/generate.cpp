@@ -45,12 +45,17 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <numeric>
 #include <string>
 #include <thread>
 #include <vector>
+
+#if defined(__linux__)
+#include <sys/sysinfo.h>
+#endif
 
 #include "core/threads.hpp"
 
@@ -151,6 +156,38 @@ std::string sizes_string(const std::vector<int64_t>& v) {
   return s + "]";
 }
 
+/// Host bytes the problem will hold at once (its tensors, the key-side
+/// temporaries and the per-sequence tables), from the spec alone.
+double estimated_host_bytes(const GenerateSpec& spec) {
+  const bool thd = spec.layout == Layout::thd;
+  double tq = 0, tk = 0, nseq = 0;
+  if (thd) {
+    const std::vector<int64_t>& lk = spec.seqlens_k.empty() ? spec.seqlens_q : spec.seqlens_k;
+    for (int64_t v : spec.seqlens_q) tq += static_cast<double>(std::max<int64_t>(v, 0));
+    for (int64_t v : lk) tk += static_cast<double>(std::max<int64_t>(v, 0));
+    nseq = static_cast<double>(spec.seqlens_q.size());
+  } else {
+    nseq = static_cast<double>(std::max<int64_t>(spec.batch, 0));
+    tq = nseq * static_cast<double>(std::max<int64_t>(spec.s_q, 0));
+    tk = nseq * static_cast<double>(std::max<int64_t>(spec.s_kv, 0));
+  }
+  const double H = static_cast<double>(spec.heads), D = static_cast<double>(spec.head_dim),
+               K = static_cast<double>(spec.topk);
+  return tq * H * D * 2 + tq * H * 4 + tk * D * (2 + 4) + tk * kAttnHeads * kAttnDim * 4 + tq * K * 4 * 3 +
+         tq * 4 + nseq * 4 * 8 + nseq * 2 * 4;
+}
+
+/// Host memory and swap of this machine in bytes (0: unknown).
+double host_memory_and_swap_bytes() {
+#if defined(__linux__)
+  struct sysinfo info{};
+  if (sysinfo(&info) == 0) {
+    return (static_cast<double>(info.totalram) + static_cast<double>(info.totalswap)) * info.mem_unit;
+  }
+#endif
+  return 0;
+}
+
 /// Validates the spec and resolves the per-sequence row ranges.
 Sequences resolve(const GenerateSpec& spec) {
   if (spec.layout != Layout::bshd && spec.layout != Layout::thd) {
@@ -170,7 +207,24 @@ Sequences resolve(const GenerateSpec& spec) {
   if (!std::isfinite(spec.sm_scale)) fail("sm_scale", "a finite value (0 = 1/sqrt(head_dim))", std::to_string(spec.sm_scale));
   if (spec.num_threads < 0) fail("num_threads", ">= 0 (0 = all hardware threads)", std::to_string(spec.num_threads));
 
+  if (spec.topk > kMaxRows) fail("topk", "at most " + kMaxRowsText, std::to_string(spec.topk));
+
   Sequences s;
+  // Before any table or tensor is allocated: a problem larger than this
+  // machine's memory and swap is an out_of_memory error, not a process the
+  // kernel kills while its per-sequence tables grow. It runs after the shape
+  // rules (BSHD: before its tables; THD: after its lengths are summed).
+  const auto check_memory = [&spec] {
+    const double need = estimated_host_bytes(spec), have = host_memory_and_swap_bytes();
+    if (have > 0 && need > have) {
+      char text[256];
+      std::snprintf(text, sizeof text,
+                    "out of memory: expected a problem that fits this machine's %.1f GiB of memory and swap, got one "
+                    "that needs about %.1f GiB of host memory",
+                    have / 1073741824.0, need / 1073741824.0);
+      throw Error(ErrorCode::out_of_memory, "", text);
+    }
+  };
   if (spec.layout == Layout::bshd) {
     if (spec.batch < 0) fail("batch", ">= 0", std::to_string(spec.batch));
     if (spec.s_q < 0) fail("s_q", ">= 0", std::to_string(spec.s_q));
@@ -188,6 +242,7 @@ Sequences resolve(const GenerateSpec& spec) {
            "batch " + std::to_string(spec.batch) + " * s_kv " + std::to_string(spec.s_kv) +
                (tk > kMaxRows ? " = " + std::to_string(tk) : std::string(" (overflows int64)")));
     }
+    check_memory();
     for (int64_t b = 0; b < spec.batch; ++b) {
       s.q_start.push_back(b * spec.s_q);
       s.q_len.push_back(spec.s_q);
@@ -226,7 +281,7 @@ Sequences resolve(const GenerateSpec& spec) {
     s.num_k_rows += s.k_len[b];
     s.max_k_len = std::max(s.max_k_len, s.k_len[b]);
   }
-  if (spec.topk > kMaxRows) fail("topk", "at most " + kMaxRowsText, std::to_string(spec.topk));
+  if (spec.layout == Layout::thd) check_memory();  // (BSHD: before its tables)
   s.seq_of_q_row.resize(static_cast<size_t>(s.num_q_rows));
   for (size_t b = 0; b < s.q_len.size(); ++b) {
     for (int64_t t = 0; t < s.q_len[b]; ++t) s.seq_of_q_row[s.q_start[b] + t] = static_cast<int32_t>(b);

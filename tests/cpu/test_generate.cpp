@@ -364,6 +364,35 @@ TEST(Generate, RejectsSizesBeyondTheRowLimitWithoutOverflow) {
   });
 }
 
+/// A problem within the row limits but larger than the machine's memory and swap
+/// is an out_of_memory error raised before anything is allocated (the per-sequence
+/// tables of 2^31 - 1 sequences grew until the kernel killed the process).
+TEST(Generate, ProblemBeyondHostMemoryIsOutOfMemory) {
+#if !defined(__linux__)
+  GTEST_SKIP() << "the estimate compares with sysinfo's memory and swap (Linux)";
+#endif
+  for (const bool thd : {false, true}) {
+    GenerateSpec s = small_spec(95);
+    if (thd) {
+      s.layout = Layout::thd;
+      s.seqlens_q = {int64_t{1} << 30, (int64_t{1} << 30) - 1};  // 2^31 - 1 rows of H x D bf16: ~TiB
+    } else {
+      s.batch = 2147483647;
+      s.s_q = 1;
+      s.s_kv = 1;
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      (void)make_problem(s);
+      ADD_FAILURE() << "no error";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::out_of_memory) << e.what();
+      EXPECT_NE(std::string(e.what()).find("GiB of host memory"), std::string::npos) << e.what();
+    }
+    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 5.0) << "thd " << thd;
+  }
+}
+
 /// The documented speed: B1 S1024 H64 D128 topk 256 causal in a few seconds on 2 cores.
 TEST(Generate, RealisticSizeIsFast) {
   GenerateSpec s;
