@@ -86,7 +86,8 @@ dsaib_status dsaib_indexer_backward_workspace_size(const dsaib_inputs* inputs, c
 dsaib_status dsaib_indexer_backward(const dsaib_inputs* inputs, const dsaib_outputs* outputs,
                                     const dsaib_options* options, void* workspace, size_t workspace_bytes);
 
-/* Message of the last failure on this thread ("" if none). Valid until the next call on this thread. */
+/* Message of the last call's failure on this thread: "" after a call that succeeded (every call
+ * sets it) or before any call. Valid until the next call on this thread. */
 const char* dsaib_last_error(void);
 
 /* 1 if the cuda backend is compiled in and a compute-capability-9.0 device is visible. */

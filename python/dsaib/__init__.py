@@ -348,6 +348,20 @@ def _check_out(out) -> tuple:
     return out
 
 
+def _bool_value(name, x) -> bool:
+    """A flag: bool or numpy bool only (a str such as "false" would be truthy)."""
+    if not _is_bool(x):
+        raise TypeError(f"{name}: expected a bool, got {_type_name(x)} {x!r}")
+    return bool(x)
+
+
+def _option_str(name, x, words) -> str:
+    """An option word as the str the extension parses (it raises ValueError for a bad word)."""
+    if not isinstance(x, str):
+        raise TypeError(f"{name}: expected a str ({words}), got {_type_name(x)} {x!r}")
+    return x
+
+
 def _a_operand(a_operand_precision) -> str:
     """The option as the str the extension parses (it raises ValueError for a bad word)."""
     if not isinstance(a_operand_precision, str):
@@ -483,6 +497,13 @@ def indexer_backward(
                   cu_seqlens_k=cu_seqlens_k)
     if out_dtype not in ("f32", "bf16"):
         raise ValueError(f'out_dtype: expected "f32" or "bf16", got {out_dtype!r}')
+    layout = _option_str("layout", layout, '"bshd" or "thd"')
+    id_mode = _option_str("id_mode", id_mode, '"local" or "global"')
+    if backend is not None:
+        backend = _option_str("backend", backend, '"cpu", "cuda" or None')
+    strict_indices = _bool_value("strict_indices", strict_indices)
+    deterministic = _bool_value("deterministic", deterministic)
+    uint16_as_bf16 = _bool_value("uint16_as_bf16", uint16_as_bf16)
     sm_scale = _f32_value("sm_scale", sm_scale)
     loss_coeff = _f32_value("loss_coeff", loss_coeff)
     grad_loss_value, grad_loss_tensor = _grad_loss(grad_loss)
@@ -540,8 +561,8 @@ def indexer_backward(
         _export(index_score), _export(cu_seqlens_q), _export(cu_seqlens_k),
         _export(out[0]), _export(out[1]), _export(out[2]),
         layout, id_mode, backend, float(sm_scale), float(loss_coeff), grad_loss_value, _export(grad_loss_tensor),
-        int(normalization_count), bool(strict_indices), bool(deterministic),
-        int(stream), int(num_threads), _export(workspace), bool(uint16_as_bf16), out_uint16_as_bf16,
+        int(normalization_count), strict_indices, deterministic,
+        int(stream), int(num_threads), _export(workspace), uint16_as_bf16, out_uint16_as_bf16,
         _a_operand(a_operand_precision),
     )
     if fw == "jax" and allocated:
@@ -582,6 +603,10 @@ def indexer_kl_loss(
     _check_arrays(index_q=index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
                   attn_score=attn_score, index_score=index_score, cu_seqlens_q=cu_seqlens_q,
                   cu_seqlens_k=cu_seqlens_k)
+    layout = _option_str("layout", layout, '"bshd" or "thd"')
+    id_mode = _option_str("id_mode", id_mode, '"local" or "global"')
+    recompute_p = _bool_value("recompute_p", recompute_p)
+    uint16_as_bf16 = _bool_value("uint16_as_bf16", uint16_as_bf16)
     sm_scale = _f32_value("sm_scale", sm_scale)
     loss_coeff = _f32_value("loss_coeff", loss_coeff)
     grad_loss = _f32_value("grad_loss", grad_loss)
@@ -590,5 +615,5 @@ def indexer_kl_loss(
     return _dsaib.indexer_kl_loss(
         _export(index_q), _export(weights), _export(index_k), _export(topk_indices), _export(attn_score),
         _export(index_score), _export(cu_seqlens_q), _export(cu_seqlens_k), layout, id_mode, float(sm_scale), float(loss_coeff),
-        float(grad_loss), int(normalization_count), bool(recompute_p), bool(uint16_as_bf16),
+        float(grad_loss), int(normalization_count), recompute_p, uint16_as_bf16,
     )

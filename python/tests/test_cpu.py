@@ -370,6 +370,26 @@ def test_bad_option_strings_are_value_errors():
         run(p, out_dtype="f16")
 
 
+@pytest.mark.parametrize("name, bad", [("layout", None), ("layout", 0), ("id_mode", None), ("backend", 0)])
+def test_option_words_that_are_not_str_are_type_errors_naming_them(name, bad):
+    with pytest.raises(TypeError, match=r"^%s: expected a str \(.*\), got %s " % (name, type(bad).__name__)):
+        run(make_problem(0), **{name: bad})
+    if name != "backend":  # indexer_kl_loss has no backend (host only)
+        with pytest.raises(TypeError, match=r"^%s: expected a str" % name):
+            dsaib.indexer_kl_loss(**make_problem(0), sm_scale=SM_SCALE, uint16_as_bf16=True, **{name: bad})
+
+
+@pytest.mark.parametrize("name", ["strict_indices", "deterministic", "uint16_as_bf16"])
+def test_flags_are_bools(name):
+    p = make_problem(0)
+    # "false" is a truthy str: refused rather than taken as True
+    for bad in ("false", 1, None):
+        with pytest.raises(TypeError, match=r"^%s: expected a bool, got " % name):
+            run(p, **{name: bad})
+    if name != "strict_indices":  # make_problem(0) holds an out-of-range id, which strict mode reports
+        run(p, **{name: np.bool_(name == "uint16_as_bf16")})
+
+
 def test_a_operand_precision_values_give_identical_cpu_results():
     # The option picks the cuda kernel's GEMM operand precision; the cpu backend
     # (float64 throughout) accepts all three words and ignores them.
