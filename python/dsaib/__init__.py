@@ -484,7 +484,9 @@ def indexer_backward(
       TypeError: unsupported dtype (message from the C++ library or the
         binding: ``NAME: expected dtype X, got Y`` with X what NAME takes); a
         bool or non-number for sm_scale/loss_coeff/grad_loss; a non-int
-        normalization_count/num_threads; None in ``out``.
+        normalization_count/num_threads; a non-bool strict_indices/
+        deterministic/uint16_as_bf16; a non-str layout/id_mode/backend; None
+        in ``out``.
       ValueError: bad rank/shape/stride/device/option/cu_seqlens, or an
         invalid id with ``strict_indices=True`` (message from the C++ library);
         sm_scale/loss_coeff/grad_loss not finite as float32; num_threads
