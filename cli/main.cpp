@@ -733,7 +733,8 @@ int run_main(int argc, char** argv) {
   GenOptions bwd_g;
   ScalarOverrides bwd_sc;
   BackwardArgs a;
-  bwd_cmd->add_option("--in,-i", a.in, "input problem file (else one is generated from the generation flags)");
+  bwd_cmd->add_option("--in,-i", a.in, "input problem file (else one is generated from the generation flags)")
+      ->check(nonempty_path());
   bwd_cmd->add_option("--out,-o", a.out, "write d_index_q, d_weights, d_index_k to this .safetensors file")
       ->check(nonempty_path());
   bwd_g.add(bwd_cmd);

@@ -604,6 +604,7 @@ TEST_F(Cli, FlagValueErrorsNameTheFlagAndTheValue) {
       {"backward --preset tiny --sm-scale nan", "--sm-scale: expected a finite nonzero number (fp32 range), got nan"},
       {"backward --preset tiny --grad-loss inf", "--grad-loss: expected a finite number (fp32 range), got inf"},
       {"backward --preset tiny --sm-scale 0", "--sm-scale: expected a finite nonzero number (fp32 range), got 0"},
+      {"backward --in ''", "--in: expected a file name, got \"\""},  // an unset $FILE: not a generated run
       {"backward --preset tiny --sm-scale 1e-50", "--sm-scale: expected a finite nonzero number (fp32 range), got 1e-50"},
       // CLI11 reads integers in base 0: leading zeros (octal) and hex are refused, not converted.
       {"backward --preset tiny --seed 010", "--seed: expected a decimal integer without leading zeros, got \"010\""},
