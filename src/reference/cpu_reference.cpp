@@ -365,7 +365,7 @@ double indexer_kl_loss(const IndexerBackwardInputs& inputs, const IndexerBackwar
       loss += std::max(T, kEps) * std::log(std::max(P, kEps));
     }
   }
-  return -c * loss;
+  return 0.0 - c * loss;  // -(c * loss), but +0 (not -0) for a problem without terms
 }
 
 }  // namespace dsaib

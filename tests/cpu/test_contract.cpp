@@ -818,6 +818,9 @@ TEST(Accepted, EmptyProblems) {
     s.s_kv = skv;
     const GeneratedProblem p = make_problem(s);
     const OutputBuffers o = run_cpu(p, p.options());
+    const double loss = indexer_kl_loss(p.inputs(), p.options());
+    EXPECT_EQ(loss, 0.0);
+    EXPECT_FALSE(std::signbit(loss)) << "a loss of -0";
     for (double v : to_doubles(o.d_index_q)) ASSERT_EQ(v, 0.0);
     for (double v : to_doubles(o.d_weights)) ASSERT_EQ(v, 0.0);
     for (double v : to_doubles(o.d_index_k)) ASSERT_EQ(v, 0.0);
