@@ -884,6 +884,8 @@ int run_main(int argc, char** argv) {
   }
   if (*gen_cmd) return cmd_generate(gen_g, gen_sc, gen_out, gen_threads);
   if (*bench_cmd) {
+    // `bench --json -` puts its JSON on stdout: an error is a JSON object there too, as for backward --json.
+    g_json_errors = ba.json == "-";
     if (bench_seq_opt->count() > 0) ba.seqs = parse_int_list("--seq", bench_seq_text, 1, "sequence lengths >= 1");
     if (bench_ids_opt->count() > 0) {
       // Checked here too (run_bench checks again), so a build without CUDA reports bad usage as such.

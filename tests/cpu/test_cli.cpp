@@ -413,6 +413,12 @@ TEST_F(Cli, BenchWithoutAGpuSaysItNeedsTheCudaBackendAndAGpu) {
     EXPECT_TRUE(contains(r.output, "error (backend_unavailable): bench needs the CUDA backend and a GPU")) << r.output;
   }
   EXPECT_FALSE(std::filesystem::exists(path("b.json")));
+  // With --json - the JSON goes to stdout, and so does the error, as a JSON object (as backward --json).
+  const Result r = run("bench --seq 256 --json -", /*with_stderr=*/false);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  const nlohmann::json j = nlohmann::json::parse(r.output);
+  EXPECT_EQ(j["result"], "ERROR");
+  EXPECT_EQ(j["error"]["code"], "backend_unavailable");
 }
 
 TEST_F(Cli, BenchHelpStatesTheFloorFormulaAndBadFlagsExitWithTwo) {
