@@ -814,7 +814,8 @@ int run_main(int argc, char** argv) {
   bench_cmd->add_option("--seed", ba.seed, "generator seed (a case uses seed + S)")->default_str("1234")->check(uint64_text());
   bench_cmd->add_option("--json", ba.json, "also write the report as JSON to FILE (- : JSON on stdout, the table on "
                                            "stderr)")
-      ->type_name("FILE");
+      ->type_name("FILE")
+      ->check(nonempty_path());
   bench_cmd->add_option("--sustained-ms", ba.sustained_ms,
                         "after each case's timed launches, about MS ms of launches back to back (no spin, no "
                         "host wait; 20 to 20000 launches): the steady state under the GPU's power limit (0: skip)")
@@ -871,6 +872,13 @@ int run_main(int argc, char** argv) {
     // known from the words even though the parse failed).
     if (argc >= 2 && std::string(argv[1]) == "backward") {
       for (int i = 2; i < argc; ++i) g_json_errors = g_json_errors || std::string(argv[i]) == "--json";
+    }
+    // `bench --json -` likewise (its JSON goes to stdout).
+    if (argc >= 2 && std::string(argv[1]) == "bench") {
+      for (int i = 2; i + 1 < argc; ++i) {
+        g_json_errors = g_json_errors || (std::string(argv[i]) == "--json" && std::string(argv[i + 1]) == "-");
+      }
+      for (int i = 2; i < argc; ++i) g_json_errors = g_json_errors || std::string(argv[i]) == "--json=-";
     }
     // One error style for the whole tool: "dsa-indexer-bwd: error (...): message".
     report_error("invalid_argument", "", message);

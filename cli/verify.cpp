@@ -26,6 +26,7 @@ double subnormal_spacing(DType dt) { return dt == DType::bf16 ? 0x1p-133 : 0x1p-
 struct Accumulator {
   Metric m;
   double err2 = 0, ref2 = 0, spacing = 0;
+  int64_t skipped = 0;  // elements with a non-finite output or reference value (not in the sums)
   Accumulator(const char* name, const HostTensor& out) {
     m.name = name;
     m.shape = out.shape;
@@ -36,6 +37,7 @@ struct Accumulator {
   void add(double got, double ref) {
     ++m.compared;
     if (!std::isfinite(got) || !std::isfinite(ref)) {
+      ++skipped;
       if (!std::isfinite(got)) ++m.nonfinite;
       if (!std::isfinite(ref)) ++m.ref_nonfinite;
       return;
@@ -48,7 +50,7 @@ struct Accumulator {
     m.ref_max_abs = std::max(m.ref_max_abs, std::abs(ref));
   }
   Metric finish() {
-    const double n = static_cast<double>(std::max<int64_t>(m.compared - m.nonfinite, 1));
+    const double n = static_cast<double>(std::max<int64_t>(m.compared - skipped, 1));
     m.ref_rms = std::sqrt(ref2 / n);
     if (m.nonfinite > 0 || m.ref_nonfinite > 0) {
       m.rel_rms = std::numeric_limits<double>::quiet_NaN();

@@ -86,8 +86,8 @@ dsaib_status dsaib_indexer_backward_workspace_size(const dsaib_inputs* inputs, c
 dsaib_status dsaib_indexer_backward(const dsaib_inputs* inputs, const dsaib_outputs* outputs,
                                     const dsaib_options* options, void* workspace, size_t workspace_bytes);
 
-/* Message of the last call's failure on this thread: "" after a call that succeeded (every call
- * sets it) or before any call. Valid until the next call on this thread. */
+/* Message of the last failure of a dsaib_status function on this thread: "" after such a call
+ * succeeded (each of them sets it) or before any. Valid until the next such call on this thread. */
 const char* dsaib_last_error(void);
 
 /* 1 if the cuda backend is compiled in and a compute-capability-9.0 device is visible. */

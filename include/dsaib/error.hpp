@@ -16,7 +16,7 @@ enum class ErrorCode : int {
   cuda_error = 5,          ///< a CUDA runtime call failed
   io_error = 6,            ///< file reading/writing (safetensors)
   internal = 7,
-  out_of_memory = 8,       ///< host (cpu backend, safetensors reader) or device (cuda backend) memory could not be allocated
+  out_of_memory = 8,       ///< host (validation's copies, cpu backend, generator, safetensors reader) or device (cuda backend) memory could not be allocated
 };
 
 const char* error_code_name(ErrorCode code);

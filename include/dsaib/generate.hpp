@@ -46,7 +46,10 @@ struct GeneratedProblem {
 /// slots and attn_score = a genuine sparse-attention distribution over the same
 /// slots (random multi-head queries/keys, softmax per head over the selected
 /// slots, summed over heads, L1-normalised); 0 at invalid slots.
-/// Raises dsaib::Error(invalid_argument) for bad sizes.
+/// Raises dsaib::Error(invalid_argument) for bad sizes, and
+/// dsaib::Error(out_of_memory) before allocating anything when the problem
+/// needs more host memory than the machine's memory and swap (Linux sysinfo;
+/// a container's cgroup limit is not seen).
 GeneratedProblem generate_problem(const GenerateSpec& spec);
 
 }  // namespace dsaib

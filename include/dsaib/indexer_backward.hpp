@@ -175,7 +175,9 @@ std::size_t indexer_backward_workspace_size(const IndexerBackwardInputs& inputs,
 /// - unsupported: deterministic=true on cuda.
 /// - backend_unavailable: cuda requested but not built or no device.
 /// - cuda_error: a CUDA call failed (after validation).
-/// - out_of_memory: the cpu backend's fp64 working set could not be allocated
+/// - out_of_memory: validation's host copies could not be allocated (strict
+///   mode's topk_indices, cu_seqlens: argument() that tensor; the tables of a
+///   huge cu_seqlens: ""), or the cpu backend's fp64 working set could not be allocated
 ///   (rows*H*(D+1) + key_rows*D doubles for the gradients, and per worker thread
 ///   about key_rows*D + 2*(H*D + topk) more: argument() is "num_threads" when the
 ///   per-thread part is most of it, else ""), nothing written; or a CUDA call

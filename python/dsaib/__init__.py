@@ -33,8 +33,9 @@ The C++ library's errors surface with the C++ message unchanged:
   topk id.
 * ``RuntimeError``: the cuda backend is unavailable (e.g. a CPU-only build),
   ``deterministic=True`` on cuda, CUDA failures.
-* ``MemoryError``: host memory (the cpu backend's fp64 working set) or device
-  memory could not be allocated.
+* ``MemoryError``: host memory (validation's copies of ``topk_indices`` /
+  ``cu_seqlens``, the cpu backend's fp64 working set) or device memory could
+  not be allocated.
 """
 
 from __future__ import annotations

@@ -379,6 +379,11 @@ def test_option_words_that_are_not_str_are_type_errors_naming_them(name, bad):
             dsaib.indexer_kl_loss(**make_problem(0), sm_scale=SM_SCALE, uint16_as_bf16=True, **{name: bad})
 
 
+def test_kl_loss_recompute_p_is_a_bool():
+    with pytest.raises(TypeError, match=r"^recompute_p: expected a bool, got str 'false'$"):
+        dsaib.indexer_kl_loss(**make_problem(0), sm_scale=SM_SCALE, uint16_as_bf16=True, recompute_p="false")
+
+
 @pytest.mark.parametrize("name", ["strict_indices", "deterministic", "uint16_as_bf16"])
 def test_flags_are_bools(name):
     p = make_problem(0)

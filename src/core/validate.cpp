@@ -147,7 +147,15 @@ std::vector<int32_t> host_int32(int64_t n, const char* name) {
 std::vector<int64_t> read_cu_seqlens(const TensorView& v, const char* name, CopyToHost copy, void* stream) {
   const int64_t n = v.shape[0];
   const auto* src = static_cast<const int32_t*>(v.data);
-  std::vector<int64_t> out(static_cast<size_t>(n));
+  std::vector<int64_t> out;
+  try {
+    if (static_cast<uint64_t>(n) > out.max_size()) throw std::bad_alloc();
+    out.resize(static_cast<size_t>(n));
+  } catch (const std::bad_alloc&) {
+    throw Error(ErrorCode::out_of_memory, name,
+                std::string(name) + ": expected host memory for " + std::to_string(n) +
+                    " values to check it, got an allocation failure");
+  }
   if (!copy) {
     for (int64_t i = 0; i < n; ++i) out[i] = src[i * v.strides[0]];
     return out;

@@ -213,7 +213,8 @@ Sequences resolve(const GenerateSpec& spec) {
   // Before any table or tensor is allocated: a problem larger than this
   // machine's memory and swap is an out_of_memory error, not a process the
   // kernel kills while its per-sequence tables grow. It runs after the shape
-  // rules (BSHD: before its tables; THD: after its lengths are summed).
+  // rules, before the tables. (sysinfo gives the host's memory: a container's
+  // cgroup limit is not seen, and a problem above it fails when allocating.)
   const auto check_memory = [&spec] {
     const double need = estimated_host_bytes(spec), have = host_memory_and_swap_bytes();
     if (have > 0 && need > have) {
@@ -262,10 +263,6 @@ Sequences resolve(const GenerateSpec& spec) {
     for (size_t b = 0; b < lk.size(); ++b) {
       if (spec.seqlens_q[b] < 0) fail("seqlens_q", "lengths >= 0", sizes_string(spec.seqlens_q));
       if (lk[b] < 0) fail("seqlens_k", "lengths >= 0", sizes_string(lk));
-      s.q_start.push_back(tq);
-      s.q_len.push_back(spec.seqlens_q[b]);
-      s.k_start.push_back(tk);
-      s.k_len.push_back(lk[b]);
       if (__builtin_add_overflow(tq, spec.seqlens_q[b], &tq) || tq > kMaxRows) {
         fail("seqlens_q", "lengths summing to at most " + kMaxRowsText + " query rows (cu_seqlens are int32)",
              sizes_string(spec.seqlens_q));
@@ -275,13 +272,22 @@ Sequences resolve(const GenerateSpec& spec) {
              "lengths summing to at most " + kMaxRowsText + " key rows (cu_seqlens are int32)", sizes_string(lk));
       }
     }
+    check_memory();
+    tq = 0, tk = 0;  // the sums are in range: no overflow below
+    for (size_t b = 0; b < lk.size(); ++b) {
+      s.q_start.push_back(tq);
+      s.q_len.push_back(spec.seqlens_q[b]);
+      s.k_start.push_back(tk);
+      s.k_len.push_back(lk[b]);
+      tq += spec.seqlens_q[b];
+      tk += lk[b];
+    }
   }
   for (size_t b = 0; b < s.q_len.size(); ++b) {
     s.num_q_rows += s.q_len[b];
     s.num_k_rows += s.k_len[b];
     s.max_k_len = std::max(s.max_k_len, s.k_len[b]);
   }
-  if (spec.layout == Layout::thd) check_memory();  // (BSHD: before its tables)
   s.seq_of_q_row.resize(static_cast<size_t>(s.num_q_rows));
   for (size_t b = 0; b < s.q_len.size(); ++b) {
     for (int64_t t = 0; t < s.q_len[b]; ++t) s.seq_of_q_row[s.q_start[b] + t] = static_cast<int32_t>(b);

@@ -361,6 +361,8 @@ TEST_F(Cli, WrongTensorIsAnErrorNamingIt) {
         {"normalization_count", "128.0", "metadata normalization_count: expected a decimal integer in [0, 9223372036854775807], got \"128.0\""},
         {"normalization_count", "0x80", "metadata normalization_count: expected a decimal integer in [0, 9223372036854775807], got \"0x80\""},
         {"normalization_count", "-1", "metadata normalization_count: expected a decimal integer in [0, 9223372036854775807], got \"-1\""},
+        {"normalization_count", "007", "metadata normalization_count: expected a decimal integer in [0, 9223372036854775807], got \"007\""},
+        {"normalization_count", "-0", "metadata normalization_count: expected a decimal integer in [0, 9223372036854775807], got \"-0\""},
         {"normalization_count", "9223372036854775808", "metadata normalization_count: expected a decimal integer in [0, 9223372036854775807], got \"9223372036854775808\""}}) {
     auto m = meta;
     m[key] = value;
@@ -413,12 +415,16 @@ TEST_F(Cli, BenchWithoutAGpuSaysItNeedsTheCudaBackendAndAGpu) {
     EXPECT_TRUE(contains(r.output, "error (backend_unavailable): bench needs the CUDA backend and a GPU")) << r.output;
   }
   EXPECT_FALSE(std::filesystem::exists(path("b.json")));
-  // With --json - the JSON goes to stdout, and so does the error, as a JSON object (as backward --json).
-  const Result r = run("bench --seq 256 --json -", /*with_stderr=*/false);
-  EXPECT_EQ(r.exit_code, 2) << r.output;
-  const nlohmann::json j = nlohmann::json::parse(r.output);
-  EXPECT_EQ(j["result"], "ERROR");
-  EXPECT_EQ(j["error"]["code"], "backend_unavailable");
+  // With --json - the JSON goes to stdout, and so does the error, as a JSON object (as backward --json),
+  // a command-line error included.
+  for (const auto& [args, code] : {std::pair<std::string, std::string>{"bench --seq 256 --json -", "backend_unavailable"},
+                                   {"bench --json - --iters x", "invalid_argument"}}) {
+    const Result r = run(args, /*with_stderr=*/false);
+    EXPECT_EQ(r.exit_code, 2) << args << ": " << r.output;
+    const nlohmann::json j = nlohmann::json::parse(r.output);
+    EXPECT_EQ(j["result"], "ERROR") << args;
+    EXPECT_EQ(j["error"]["code"], code) << args;
+  }
 }
 
 TEST_F(Cli, BenchHelpStatesTheFloorFormulaAndBadFlagsExitWithTwo) {
@@ -611,6 +617,7 @@ TEST_F(Cli, FlagValueErrorsNameTheFlagAndTheValue) {
       {"backward --preset tiny --grad-loss inf", "--grad-loss: expected a finite number (fp32 range), got inf"},
       {"backward --preset tiny --sm-scale 0", "--sm-scale: expected a finite nonzero number (fp32 range), got 0"},
       {"backward --in ''", "--in: expected a file name, got \"\""},  // an unset $FILE: not a generated run
+      {"bench --json ''", "--json: expected a file name, got \"\""},
       {"backward --preset tiny --sm-scale 1e-50", "--sm-scale: expected a finite nonzero number (fp32 range), got 1e-50"},
       // CLI11 reads integers in base 0: leading zeros (octal) and hex are refused, not converted.
       {"backward --preset tiny --seed 010", "--seed: expected a decimal integer without leading zeros, got \"010\""},

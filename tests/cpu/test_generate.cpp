@@ -373,6 +373,7 @@ TEST(Generate, ProblemBeyondHostMemoryIsOutOfMemory) {
 #endif
   for (const bool thd : {false, true}) {
     GenerateSpec s = small_spec(95);
+    s.heads = 128, s.head_dim = 128;  // ~64 TiB at 2^31 - 1 rows: beyond any host's memory
     if (thd) {
       s.layout = Layout::thd;
       s.seqlens_q = {int64_t{1} << 30, (int64_t{1} << 30) - 1};  // 2^31 - 1 rows of H x D bf16: ~TiB
