@@ -127,18 +127,21 @@ void check_finite(float v, const char* name) {
   }
 }
 
-/// Host memory for `n` int32 values; a failed allocation is an out_of_memory
-/// error that names `name` (never a std::bad_alloc).
-std::vector<int32_t> host_int32(int64_t n, const char* name) {
+/// Host memory for `n` values of T; a failed allocation is an out_of_memory
+/// error that names `name` and says how many `what` it wanted (never a
+/// std::bad_alloc).
+template <class T>
+std::vector<T> host_vector(int64_t n, const char* name, const char* what) {
   try {
-    if (static_cast<uint64_t>(n) > std::vector<int32_t>().max_size()) throw std::bad_alloc();
-    return std::vector<int32_t>(static_cast<size_t>(n));
+    if (static_cast<uint64_t>(n) > std::vector<T>().max_size()) throw std::bad_alloc();
+    return std::vector<T>(static_cast<size_t>(n));
   } catch (const std::bad_alloc&) {
     throw Error(ErrorCode::out_of_memory, name,
-                std::string(name) + ": expected host memory for " + std::to_string(n) +
-                    " int32 values to check it, got an allocation failure");
+                std::string(name) + ": expected host memory for " + std::to_string(n) + " " + what +
+                    " to check it, got an allocation failure");
   }
 }
+std::vector<int32_t> host_int32(int64_t n, const char* name) { return host_vector<int32_t>(n, name, "int32 values"); }
 
 /// Reads cu_seqlens (B + 1 int32) to the host: only its elements are read, never
 /// the memory between them. Host memory is read in place (any stride); device
@@ -147,15 +150,7 @@ std::vector<int32_t> host_int32(int64_t n, const char* name) {
 std::vector<int64_t> read_cu_seqlens(const TensorView& v, const char* name, CopyToHost copy, void* stream) {
   const int64_t n = v.shape[0];
   const auto* src = static_cast<const int32_t*>(v.data);
-  std::vector<int64_t> out;
-  try {
-    if (static_cast<uint64_t>(n) > out.max_size()) throw std::bad_alloc();
-    out.resize(static_cast<size_t>(n));
-  } catch (const std::bad_alloc&) {
-    throw Error(ErrorCode::out_of_memory, name,
-                std::string(name) + ": expected host memory for " + std::to_string(n) +
-                    " values to check it, got an allocation failure");
-  }
+  std::vector<int64_t> out = host_vector<int64_t>(n, name, "values");
   if (!copy) {
     for (int64_t i = 0; i < n; ++i) out[i] = src[i * v.strides[0]];
     return out;
@@ -206,26 +201,6 @@ void check_options(const IndexerBackwardOptions& opt) {
   }
   if (opt.backend != Backend::cpu && opt.backend != Backend::cuda) {
     fail("backend", "cpu or cuda", std::to_string(static_cast<int>(opt.backend)));
-  }
-}
-
-namespace {
-ProblemGeometry validate_problem_unguarded(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
-                                           const IndexerBackwardOptions& opt, CopyToHost copy_to_host,
-                                           bool check_outputs);
-}  // namespace
-
-ProblemGeometry validate_problem(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
-                                 const IndexerBackwardOptions& opt, CopyToHost copy_to_host,
-                                 bool check_outputs) {
-  try {
-    return validate_problem_unguarded(in, out, opt, copy_to_host, check_outputs);
-  } catch (const std::bad_alloc&) {  // e.g. the per-sequence tables of a huge cu_seqlens
-    throw Error(ErrorCode::out_of_memory, "",
-                "out of memory: expected room in host memory to validate the arguments, got an allocation failure");
-  } catch (const std::length_error&) {  // a std::vector larger than its max_size
-    throw Error(ErrorCode::out_of_memory, "",
-                "out of memory: expected room in host memory to validate the arguments, got an allocation failure");
   }
 }
 
@@ -507,9 +482,8 @@ ProblemGeometry validate_problem_unguarded(const IndexerBackwardInputs& in, cons
       g.q_row_coords(row, &b, &t);
       const int64_t base = grouped ? (multi ? b * group_elems + t * row_pitch : row * row_pitch)
                                    : row_offset(ids, g.layout, row, g.s_q);
-      const int64_t step = slot_stride;
       for (int64_t i = 0; i < K; ++i) {
-        const int64_t id = host[base + i * step];
+        const int64_t id = host[base + i * slot_stride];
         if (id != -1 && g.key_row(b, id) < 0) {
           std::ostringstream s;
           s << "topk_indices: strict mode found an out-of-range id at (b=" << b << ", t=" << t << ", slot=" << i
@@ -525,5 +499,18 @@ ProblemGeometry validate_problem_unguarded(const IndexerBackwardInputs& in, cons
   return g;
 }
 }  // namespace
+
+ProblemGeometry validate_problem(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
+                                 const IndexerBackwardOptions& opt, CopyToHost copy_to_host,
+                                 bool check_outputs) {
+  try {
+    return validate_problem_unguarded(in, out, opt, copy_to_host, check_outputs);
+  } catch (const std::bad_alloc&) {     // e.g. the per-sequence tables of a huge cu_seqlens
+  } catch (const std::length_error&) {  // a std::vector larger than its max_size
+  }
+  // Either allocation failure: one out_of_memory error.
+  throw Error(ErrorCode::out_of_memory, "",
+              "out of memory: expected room in host memory to validate the arguments, got an allocation failure");
+}
 
 }  // namespace dsaib::detail
