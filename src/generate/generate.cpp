@@ -157,20 +157,11 @@ std::string sizes_string(const std::vector<int64_t>& v) {
 }
 
 /// Host bytes the problem will hold at once (its tensors, the key-side
-/// temporaries and the per-sequence tables), from the spec alone.
-double estimated_host_bytes(const GenerateSpec& spec) {
-  const bool thd = spec.layout == Layout::thd;
-  double tq = 0, tk = 0, nseq = 0;
-  if (thd) {
-    const std::vector<int64_t>& lk = spec.seqlens_k.empty() ? spec.seqlens_q : spec.seqlens_k;
-    for (int64_t v : spec.seqlens_q) tq += static_cast<double>(std::max<int64_t>(v, 0));
-    for (int64_t v : lk) tk += static_cast<double>(std::max<int64_t>(v, 0));
-    nseq = static_cast<double>(spec.seqlens_q.size());
-  } else {
-    nseq = static_cast<double>(std::max<int64_t>(spec.batch, 0));
-    tq = nseq * static_cast<double>(std::max<int64_t>(spec.s_q, 0));
-    tk = nseq * static_cast<double>(std::max<int64_t>(spec.s_kv, 0));
-  }
+/// temporaries and the per-sequence tables), from the spec's sizes and the row
+/// and sequence counts resolve() has checked.
+double estimated_host_bytes(const GenerateSpec& spec, int64_t q_rows, int64_t k_rows, int64_t sequences) {
+  const double tq = static_cast<double>(q_rows), tk = static_cast<double>(k_rows),
+               nseq = static_cast<double>(sequences);
   const double H = static_cast<double>(spec.heads), D = static_cast<double>(spec.head_dim),
                K = static_cast<double>(spec.topk);
   return tq * H * D * 2 + tq * H * 4 + tk * D * (2 + 4) + tk * kAttnHeads * kAttnDim * 4 + tq * K * 4 * 3 +
@@ -215,8 +206,8 @@ Sequences resolve(const GenerateSpec& spec) {
   // kernel kills while its per-sequence tables grow. It runs after the shape
   // rules, before the tables. (sysinfo gives the host's memory: a container's
   // cgroup limit is not seen, and a problem above it fails when allocating.)
-  const auto check_memory = [&spec] {
-    const double need = estimated_host_bytes(spec), have = host_memory_and_swap_bytes();
+  const auto check_memory = [&spec](int64_t q_rows, int64_t k_rows, int64_t sequences) {
+    const double need = estimated_host_bytes(spec, q_rows, k_rows, sequences), have = host_memory_and_swap_bytes();
     if (have > 0 && need > have) {
       char text[256];
       std::snprintf(text, sizeof text,
@@ -243,7 +234,7 @@ Sequences resolve(const GenerateSpec& spec) {
            "batch " + std::to_string(spec.batch) + " * s_kv " + std::to_string(spec.s_kv) +
                (tk > kMaxRows ? " = " + std::to_string(tk) : std::string(" (overflows int64)")));
     }
-    check_memory();
+    check_memory(tq, tk, spec.batch);
     for (int64_t b = 0; b < spec.batch; ++b) {
       s.q_start.push_back(b * spec.s_q);
       s.q_len.push_back(spec.s_q);
@@ -272,7 +263,7 @@ Sequences resolve(const GenerateSpec& spec) {
              "lengths summing to at most " + kMaxRowsText + " key rows (cu_seqlens are int32)", sizes_string(lk));
       }
     }
-    check_memory();
+    check_memory(tq, tk, static_cast<int64_t>(lk.size()));
     tq = 0, tk = 0;  // the sums are in range: no overflow below
     for (size_t b = 0; b < lk.size(); ++b) {
       s.q_start.push_back(tq);
