@@ -33,6 +33,27 @@ inline bool parse_number_text(const std::string& text, double* value) {
   return end == text.c_str() + text.size();
 }
 
+/// Whether v[from..] is one or more decimal digits.
+inline bool is_digits(const std::string& v, size_t from) {
+  return v.size() > from && v.find_first_not_of("0123456789", from) == std::string::npos;
+}
+
+/// "010", "-07": digits with a leading zero (octal to CLI11).
+inline bool has_leading_zero(const std::string& v) {
+  const size_t d = (!v.empty() && v[0] == '-') ? 1 : 0;
+  return is_digits(v, d) && v.size() > d + 1 && v[d] == '0';
+}
+
+/// "" if `v` is a plain decimal integer (optional '-', digits, no leading zero
+/// except "0" itself), else why not. CLI11 2.1 converts integers with base 0, so
+/// "010" would be read as octal 8 and "0x10" as 16: only decimal text is taken.
+/// The rule of the integer flags and of the integer metadata of problem files.
+inline std::string decimal_integer_error(const std::string& v) {
+  if (!is_digits(v, (!v.empty() && v[0] == '-') ? 1 : 0)) return "expected a decimal integer, got \"" + v + "\"";
+  if (has_leading_zero(v)) return "expected a decimal integer without leading zeros, got \"" + v + "\"";
+  return std::string();
+}
+
 /// Whether a finite `v` can be an fp32 scalar of the op: finite after rounding to
 /// fp32 (3.40282347e+38, the largest float as written, is; 3.5e38 is not) and, with
 /// `nonzero`, not 0 after that rounding (1e-50).

@@ -55,25 +55,6 @@ void report_error(const std::string& code, const std::string& argument, const st
   std::cout << j.dump(2) << std::endl;
 }
 
-/// "" if `v` is a plain decimal integer (optional '-', digits, no leading zero
-/// except "0" itself), else why not. CLI11 2.1 converts integers with base 0, so
-/// "010" would be read as octal 8 and "0x10" as 16: only decimal text is taken.
-bool is_digits(const std::string& v, size_t from) {
-  return v.size() > from && v.find_first_not_of("0123456789", from) == std::string::npos;
-}
-
-/// "010", "-07": digits with a leading zero (octal to CLI11).
-bool has_leading_zero(const std::string& v) {
-  const size_t d = (!v.empty() && v[0] == '-') ? 1 : 0;
-  return is_digits(v, d) && v.size() > d + 1 && v[d] == '0';
-}
-
-std::string decimal_integer_error(const std::string& v) {
-  if (!is_digits(v, (!v.empty() && v[0] == '-') ? 1 : 0)) return "expected a decimal integer, got \"" + v + "\"";
-  if (has_leading_zero(v)) return "expected a decimal integer without leading zeros, got \"" + v + "\"";
-  return std::string();
-}
-
 /// Any decimal integer (the range is checked elsewhere).
 CLI::Validator decimal_int() {
   return CLI::Validator([](std::string& v) { return decimal_integer_error(v); }, "INT");
@@ -875,10 +856,10 @@ int run_main(int argc, char** argv) {
     }
     // `bench --json -` likewise (its JSON goes to stdout).
     if (argc >= 2 && std::string(argv[1]) == "bench") {
-      for (int i = 2; i + 1 < argc; ++i) {
-        g_json_errors = g_json_errors || (std::string(argv[i]) == "--json" && std::string(argv[i + 1]) == "-");
+      for (int i = 2; i < argc; ++i) {
+        const std::string w = argv[i];
+        g_json_errors = g_json_errors || w == "--json=-" || (w == "--json" && i + 1 < argc && std::string(argv[i + 1]) == "-");
       }
-      for (int i = 2; i < argc; ++i) g_json_errors = g_json_errors || std::string(argv[i]) == "--json=-";
     }
     // One error style for the whole tool: "dsa-indexer-bwd: error (...): message".
     report_error("invalid_argument", "", message);

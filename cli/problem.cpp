@@ -438,7 +438,8 @@ Problem load_problem(const std::string& path, const std::set<std::string>& overr
       const std::string& text = it->second;
       int64_t n = -1;
       const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), n);
-      const bool plain = !text.empty() && text[0] != '-' && (text.size() == 1 || text[0] != '0');  // as the flag
+      // The flag's decimal rule (cli.hpp), and no sign: "-0" is refused as "-1" is.
+      const bool plain = decimal_integer_error(text).empty() && text[0] != '-';
       if (!plain || ec != std::errc() || end != text.data() + text.size() || n < 0) {
         bad("normalization_count", path + ": metadata normalization_count: expected a decimal integer in [0, " +
                                        std::to_string(std::numeric_limits<int64_t>::max()) + "], got \"" + text + "\"");
