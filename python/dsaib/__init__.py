@@ -365,10 +365,7 @@ def _option_str(name, x, words) -> str:
 
 def _a_operand(a_operand_precision) -> str:
     """The option as the str the extension parses (it raises ValueError for a bad word)."""
-    if not isinstance(a_operand_precision, str):
-        raise TypeError('a_operand_precision: expected a str ("auto", "bf16x2" or "bf16"), got '
-                        f"{type(a_operand_precision).__name__}")
-    return a_operand_precision
+    return _option_str("a_operand_precision", a_operand_precision, '"auto", "bf16x2" or "bf16"')
 
 
 def _shape(x):
