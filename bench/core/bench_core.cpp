@@ -95,16 +95,21 @@ const ScatterResult& fastest(const std::vector<ScatterResult>& results) {
                            [](const ScatterResult& a, const ScatterResult& b) { return a.tbps < b.tbps; });
 }
 
-double traffic_floor_ns_per_row(double slots, int64_t dim, double key_read_scatter_tbps) {
+/// ns to add `slots` rows of D fp32 values at `tbps` (0 without a rate): the
+/// reduce term of both floors.
+static double reduce_ns(double slots, int64_t dim, double tbps) {
   const double bytes = slots * static_cast<double>(dim) * 4.0;
-  return key_read_scatter_tbps > 0 ? bytes / (key_read_scatter_tbps * 1e3) : 0.0;  // 1 TB/s = 1e3 B/ns
+  return tbps > 0 ? bytes / (tbps * 1e3) : 0.0;  // 1 TB/s = 1e3 B/ns
+}
+
+double traffic_floor_ns_per_row(double slots, int64_t dim, double key_read_scatter_tbps) {
+  return reduce_ns(slots, dim, key_read_scatter_tbps);
 }
 
 Floor floor_per_row(double slots, int64_t heads, int64_t dim, double scatter_tbps, double gemm_tflops) {
   Floor f;
-  const double bytes = slots * static_cast<double>(dim) * 4.0;
   const double flops = 6.0 * static_cast<double>(heads) * static_cast<double>(dim) * slots;
-  f.scatter_ns = scatter_tbps > 0 ? bytes / (scatter_tbps * 1e3) : 0.0;  // 1 TB/s = 1e3 B/ns
+  f.scatter_ns = reduce_ns(slots, dim, scatter_tbps);
   f.gemm_ns = gemm_tflops > 0 ? flops / (gemm_tflops * 1e3) : 0.0;       // 1 TFLOP/s = 1e3 FLOP/ns
   f.ns = std::max(f.scatter_ns, f.gemm_ns);
   f.bound = f.scatter_ns >= f.gemm_ns ? "scatter" : "gemm";
