@@ -178,23 +178,46 @@ struct GenOptions {
             ->check(one_of({"bshd", "thd"})),
         &f.has_layout);
     // Taken as text and split here (parse_lengths), so that empty items are errors, not dropped or zeros.
-    reg(app->add_option("--seqlens-q", seqlens_q_text, "THD query lengths, e.g. 1,37,300")->type_name("INT,..."),
+    // Given once, like every other option: a second --seqlens-q is an error (finish),
+    // not appended to the first (CLI11's default for a list).
+    reg(add_list_once(app, "--seqlens-q", seqlens_q_text, seqlens_q_given, "THD query lengths, e.g. 1,37,300"),
         &f.has_seqlens_q);
-    reg(app->add_option("--seqlens-k", seqlens_k_text, "THD key lengths (default: the query lengths)")
-            ->type_name("INT,..."),
+    reg(add_list_once(app, "--seqlens-k", seqlens_k_text, seqlens_k_given, "THD key lengths (default: the query lengths)"),
         &f.has_seqlens_k);
     reg(app->add_option("--seed", f.seed, "random seed")->default_str("0")->check(uint64_text()), &f.has_seed);
     static bool unused = false;
     reg(app->add_flag("--weights-f32", f.weights_f32, "weights in f32 instead of bf16"), &unused);
   }
   void reg(CLI::Option* o, bool* has) { opts.emplace_back(o, has); }
+  int seqlens_q_given = 0, seqlens_k_given = 0;  // occurrences on the command line
+  /// A list option whose callback runs at each occurrence (CLI11 trigger_on_parse),
+  /// counting them: the items of one occurrence, in one token or several, are the list.
+  static CLI::Option* add_list_once(CLI::App* app, const std::string& name, std::vector<std::string>& text, int& given,
+                                    const std::string& help) {
+    return app
+        ->add_option_function<std::vector<std::string>>(
+            name,
+            [&text, &given](const std::vector<std::string>& items) {
+              text = items;
+              ++given;
+            },
+            help)
+        ->type_name("INT,...")
+        ->trigger_on_parse();
+  }
   /// Sets the has_* fields and parses the lengths; returns the first given flag's name (or "").
-  /// Raises dsaib::Error(invalid_argument) for malformed lengths.
+  /// Raises dsaib::Error(invalid_argument) for malformed lengths and for a list given twice.
   std::string finish() {
     std::string first;
     for (auto& [o, has] : opts) {
       *has = o->count() > 0;
       if (*has && first.empty()) first = o->get_name();
+    }
+    for (const auto& [name, given] : {std::pair{"--seqlens-q", seqlens_q_given}, std::pair{"--seqlens-k", seqlens_k_given}}) {
+      if (given > 1) {
+        throw Error(ErrorCode::invalid_argument, name,
+                    std::string(name) + ": expected once (one comma-separated list), got " + std::to_string(given) + " times");
+      }
     }
     if (f.has_seqlens_q) f.seqlens_q = parse_lengths("--seqlens-q", seqlens_q_text);
     if (f.has_seqlens_k) f.seqlens_k = parse_lengths("--seqlens-k", seqlens_k_text);

@@ -485,6 +485,9 @@ TEST_F(Cli, SequenceLengthListsRejectEmptyAndNegativeItems) {
       {"--seqlens-q 3,5 --seqlens-k 1,-5", "--seqlens-k", "got -5 in \"1,-5\""},
       {"--seqlens-q 3,5 --seqlens-k 1,,5", "--seqlens-k", "\"1,,5\""},
       {"--seqlens-q 3,x", "--seqlens-q", "\"x\""},
+      // given twice: an error, as for every other option (CLI11 appends lists)
+      {"--seqlens-q 3,5 --seqlens-q 7", "--seqlens-q", "once (one comma-separated list), got 2 times"},
+      {"--seqlens-q 3,5 --seqlens-k 4 6 --seqlens-k=4,6", "--seqlens-k", "got 2 times"},
   };
   for (const auto& c : cases) {
     const std::string args = "backward --preset tiny --verify none " + c.args;
