@@ -76,13 +76,35 @@ typedef struct dsaib_options {
    of the library you link). */
 void dsaib_default_options(dsaib_options* options);
 
-/* Fills *view as a contiguous tensor of the given shape. */
+/* Fills *view as a row-major contiguous tensor: shape[0..rank) (sizes >= 0,
+   element count below 2^63), strides in elements (the last one 1), data not
+   read. DSAIB_INVALID_ARGUMENT, *view unchanged and the message naming the
+   argument, for: view NULL; rank outside 0..4 (checked before shape); shape
+   NULL with rank > 0; dtype or device outside their enums; a negative size;
+   sizes whose product overflows. */
 dsaib_status dsaib_contiguous_tensor(dsaib_tensor* view, void* data, dsaib_dtype dtype, const int64_t* shape,
                                      int32_t rank, dsaib_device device, int32_t device_index);
 
+/* *bytes = the scratch memory dsaib_indexer_backward needs, on the backend's
+   device: 0 on cpu; on cuda B*S_kv*D*4 (THD: T_k*D*4) when d_index_k is bf16
+   (the fp32 dK accumulator), 0 when it is f32. Validates the problem like
+   dsaib_indexer_backward and fails with the same statuses; *bytes is
+   written only on DSAIB_OK. C++: dsaib::indexer_backward_workspace_size. */
 dsaib_status dsaib_indexer_backward_workspace_size(const dsaib_inputs* inputs, const dsaib_outputs* outputs,
                                                    const dsaib_options* options, size_t* bytes);
 
+/* Computes d_index_q, d_weights and d_index_k (shapes, dtypes and the math:
+   dsaib::indexer_backward in include/dsaib/indexer_backward.hpp and
+   docs/math.md). Absent tensors: rank 0 and data NULL (cu_seqlens for BSHD).
+   Every check runs before any output is written; inputs are never modified.
+   Statuses: DSAIB_INVALID_ARGUMENT (a tensor's dtype, rank, shape, stride,
+   device, alignment or overlap; H, D, topk, a scalar option, cu_seqlens, too
+   small a workspace), DSAIB_INDEX_OUT_OF_RANGE (strict_indices and an invalid
+   id), DSAIB_UNSUPPORTED (deterministic on cuda), DSAIB_BACKEND_UNAVAILABLE,
+   DSAIB_CUDA_ERROR, DSAIB_OUT_OF_MEMORY; dsaib_last_error() gives the message.
+   workspace: NULL with workspace_bytes 0 lets the cuda backend allocate it
+   (stream-ordered); otherwise at least the workspace size, 256-byte aligned,
+   on the backend's device. cuda runs asynchronously on options->stream. */
 dsaib_status dsaib_indexer_backward(const dsaib_inputs* inputs, const dsaib_outputs* outputs,
                                     const dsaib_options* options, void* workspace, size_t workspace_bytes);
 

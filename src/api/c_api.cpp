@@ -131,7 +131,7 @@ dsaib_status dsaib_contiguous_tensor(dsaib_tensor* view, void* data, dsaib_dtype
                                      int32_t rank, dsaib_device device, int32_t device_index) {
   return guarded([&] {
     require(view, "view");
-    if (rank > 0) require(shape, "shape");
+    if (rank > 0 && rank <= 4) require(shape, "shape");  // a bad rank is named first (contiguous_view)
     if (static_cast<int32_t>(dtype) < 0 || static_cast<int32_t>(dtype) > 2) {
       throw dsaib::Error(dsaib::ErrorCode::invalid_argument, "dtype",
                          "dtype: expected 0 (bf16), 1 (f32) or 2 (i32), got " + std::to_string(static_cast<int32_t>(dtype)));

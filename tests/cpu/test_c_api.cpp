@@ -101,6 +101,12 @@ TEST(CApi, ContiguousTensor) {
   EXPECT_EQ(dsaib_contiguous_tensor(nullptr, buf, DSAIB_F32, shape, 3, DSAIB_CPU, 0), DSAIB_INVALID_ARGUMENT);
   EXPECT_NE(std::string(dsaib_last_error()).find("view: expected"), std::string::npos) << dsaib_last_error();
   EXPECT_EQ(dsaib_contiguous_tensor(&t, buf, DSAIB_F32, nullptr, 3, DSAIB_CPU, 0), DSAIB_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(dsaib_last_error()).find("shape: expected"), std::string::npos) << dsaib_last_error();
+  // A bad rank is the error named, also when shape is null.
+  EXPECT_EQ(dsaib_contiguous_tensor(&t, buf, DSAIB_F32, nullptr, 7, DSAIB_CPU, 0), DSAIB_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(dsaib_last_error()), "rank: expected 0..4, got 7");
+  EXPECT_EQ(dsaib_contiguous_tensor(&t, buf, DSAIB_F32, nullptr, -1, DSAIB_CPU, 0), DSAIB_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(dsaib_last_error()), "rank: expected 0..4, got -1");
   dsaib_tensor before;
   std::memcpy(&before, &t, sizeof t);
   EXPECT_EQ(dsaib_contiguous_tensor(&t, buf, static_cast<dsaib_dtype>(42), shape, 3, DSAIB_CPU, 0), DSAIB_INVALID_ARGUMENT);
