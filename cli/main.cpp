@@ -52,7 +52,16 @@ void report_error(const std::string& code, const std::string& argument, const st
   j["error"] = {{"code", code.empty() ? "error" : code}, {"argument", argument}, {"message", message}};
   j["result"] = "ERROR";
   j["exit_code"] = kExitError;
-  std::cout << j.dump(2) << std::endl;
+  // The message may quote a flag's value or a path that is not UTF-8: replaced
+  // (U+FFFD), never thrown from here.
+  std::cout << j.dump(2, ' ', false, nlohmann::ordered_json::error_handler_t::replace) << std::endl;
+}
+
+/// `text` with every byte sequence that is not UTF-8 replaced by U+FFFD: for
+/// paths that go into a safetensors header (JSON, UTF-8 only).
+std::string utf8_text(const std::string& text) {
+  const auto replaced = nlohmann::json(text).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  return nlohmann::json::parse(replaced).get<std::string>();
 }
 
 /// Any decimal integer (the range is checked elsewhere).
@@ -583,7 +592,7 @@ int cmd_backward(GenOptions& gen, const ScalarOverrides& sc, const BackwardArgs&
         {"grad_loss", format_float(p.options.grad_loss)},
         {"normalization_count",
          std::to_string(g.normalization_count)},  // N as the library uses it (max(rows, 1) when 0)
-        {"input", p.origin},
+        {"input", utf8_text(p.origin)},
         {"backward_seconds", format_float(mean)},
     };
     write_safetensors(a.out, {{"d_index_q", r.d_index_q}, {"d_weights", r.d_weights}, {"d_index_k", r.d_index_k}},
@@ -666,7 +675,7 @@ int cmd_backward(GenOptions& gen, const ScalarOverrides& sc, const BackwardArgs&
     j["output_file"] = a.out;
     j["pass"] = pass;  // no check failed (true also when nothing was checked: see "result")
     j["result"] = verdict;  // the text report's verdict
-    std::cout << j.dump(2) << std::endl;
+    std::cout << j.dump(2, ' ', false, nlohmann::ordered_json::error_handler_t::replace) << std::endl;
     return pass ? 0 : kExitFail;
   }
 

@@ -327,6 +327,21 @@ const char* non_regular_file_kind(const std::string& path) {
 
 void write_safetensors(const std::string& path, const std::map<std::string, HostTensor>& tensors,
                        const std::map<std::string, std::string>& metadata) {
+  // The header is JSON, which holds UTF-8 text only: refused here, before the file
+  // is touched, rather than by the serialiser halfway through.
+  const auto require_utf8 = [](const std::string& text, const std::string& argument, const std::string& what) {
+    try {
+      (void)json(text).dump();
+    } catch (const json::type_error&) {
+      throw Error(ErrorCode::invalid_argument, argument,
+                  what + ": expected UTF-8 text (the safetensors header is JSON), got bytes that are not UTF-8");
+    }
+  };
+  for (const auto& [k, v] : metadata) {
+    require_utf8(k, "metadata", "metadata key");
+    require_utf8(v, "metadata", "metadata value of a key");
+  }
+  for (const auto& entry : tensors) require_utf8(entry.first, "tensors", "tensor name");
   json header = json::object();
   if (!metadata.empty()) {
     json m = json::object();

@@ -154,6 +154,27 @@ TEST_F(Cli, JsonReportOnErrorsAndUnverifiedRuns) {
   EXPECT_EQ(j["result"], "ERROR");
   EXPECT_EQ(j["error"]["code"], "invalid_argument");
   EXPECT_EQ(j["error"]["message"], "--layout: expected one of bshd, thd, got \"x\"");
+  // Bytes that are not UTF-8 in a flag's value or a path: still one JSON object
+  // (replaced by U+FFFD), never an abort.
+  for (const std::string& args : {std::string("backward --json --in ") + quote(path("bad\xff.safetensors")),
+                                  std::string("backward --json --preset x\xff"), std::string("bench --json - --ids \xff")}) {
+    r = run(args, /*with_stderr=*/false);
+    EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.output;
+    j = nlohmann::json::parse(r.output);
+    EXPECT_EQ(j["result"], "ERROR") << args;
+    EXPECT_TRUE(contains(j["error"]["message"].get<std::string>(), "\xef\xbf\xbd")) << args << "\n" << r.output;
+  }
+  // ...and a run from such a path writes its gradients (the header's "input" replaced).
+  {
+    const std::string in = path("in\xff.safetensors"), out = path("grads_of_bad_name.safetensors");
+    std::filesystem::copy_file(tiny_problem(), in, std::filesystem::copy_options::overwrite_existing);
+    r = run("backward --verify none --json --in " + quote(in) + " --out " + quote(out), /*with_stderr=*/false);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_EQ(nlohmann::json::parse(r.output)["result"], "OK (not verified)");
+    std::map<std::string, std::string> meta;
+    (void)dsaib::read_safetensors(out, &meta);
+    EXPECT_TRUE(contains(meta.at("input"), "in\xef\xbf\xbd.safetensors")) << meta.at("input");
+  }
   // Without --json, stdout stays empty on an error.
   r = run("backward --in " + quote(path("does_not_exist.safetensors")), /*with_stderr=*/false);
   EXPECT_EQ(r.exit_code, 2);

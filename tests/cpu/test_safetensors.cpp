@@ -358,6 +358,28 @@ TEST(Safetensors, WriterRejectsInconsistentTensors) {
     EXPECT_NE(std::string(e.what()).find("tensor 'bad'"), std::string::npos) << e.what();
   }
   EXPECT_THROW(dsaib::write_safetensors(path, {{"__metadata__", HostTensor(DType::f32, {1})}}), Error);
+  // Text that is not UTF-8 (the header is JSON): refused before the file is touched.
+  const struct {
+    std::map<std::string, HostTensor> tensors;
+    std::map<std::string, std::string> metadata;
+    std::string argument, what;
+  } not_utf8[] = {
+      {{{"x", HostTensor(DType::f32, {1})}}, {{"input", "file a\xff.st"}}, "metadata", "metadata value of a key"},
+      {{{"x", HostTensor(DType::f32, {1})}}, {{"k\xc3", "v"}}, "metadata", "metadata key"},
+      {{{"x\xe2\x82", HostTensor(DType::f32, {1})}}, {}, "tensors", "tensor name"},
+  };
+  for (const auto& c : not_utf8) {
+    std::filesystem::remove(path);
+    try {
+      dsaib::write_safetensors(path, c.tensors, c.metadata);
+      ADD_FAILURE() << c.what;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+      EXPECT_EQ(e.argument(), c.argument);
+      EXPECT_EQ(std::string(e.what()), c.what + ": expected UTF-8 text (the safetensors header is JSON), got bytes that are not UTF-8");
+    }
+    EXPECT_FALSE(std::filesystem::exists(path)) << c.what;
+  }
   try {
     dsaib::write_safetensors(temp_path("no_such_dir/x.safetensors"), {{"x", HostTensor(DType::f32, {1})}});
     ADD_FAILURE();
