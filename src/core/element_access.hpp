@@ -32,12 +32,12 @@ inline double load_element(DType dtype, const void* base, int64_t offset) {
   return 0;
 }
 
-/// bf16 rounds to nearest even; f32 rounds from double; i32 truncates toward zero.
+/// bf16 and f32 round from double to nearest even, once; i32 truncates toward zero.
 inline void store_element(DType dtype, void* base, int64_t offset, double value) {
   char* p = static_cast<char*>(base);
   switch (dtype) {
     case DType::bf16: {
-      const uint16_t h = float_to_bf16(static_cast<float>(value));
+      const uint16_t h = double_to_bf16(value);
       std::memcpy(p + offset * 2, &h, 2);
       return;
     }
