@@ -26,8 +26,11 @@ ReferenceGradients reference_backward(const IndexerBackwardInputs& inputs, const
 /// fp64 gradients of selected rows only, for verifying large problems:
 /// d_index_q/d_weights for the flat query rows `q_rows` (shape (q_rows.size(), H, D)
 /// and (q_rows.size(), H)), and d_index_k for the flat key rows `k_rows`
-/// (shape (k_rows.size(), D)). Cost: O(|q_rows| * topk * H * D) plus, for dK, a scan
-/// of all ids and O(H * D) per selection of a requested key row.
+/// (shape (k_rows.size(), D)), in the order given; a row may be requested more than
+/// once (each position gets its gradient). Cost: O(|q_rows| * topk * H * D) plus, for dK,
+/// a scan of all ids and O(H * D) per selection of a requested key row. Raises the
+/// errors of reference_backward(), and invalid_argument naming q_rows / k_rows for a
+/// row outside [0, number of rows).
 struct SampledReferenceGradients {
   std::vector<int64_t> q_rows, k_rows;
   int64_t heads = 0, head_dim = 0;

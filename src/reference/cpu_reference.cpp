@@ -271,8 +271,11 @@ SampledReferenceGradients reference_backward_sampled(const IndexerBackwardInputs
   }
   if (k_rows.empty()) return res;
   // dK of selected key rows: scan every row's ids, in row order, for hits.
+  // A row requested more than once is computed at its first position and copied to the others.
   std::vector<int64_t> slot_of_key(g.num_k_rows, -1);
-  for (size_t n = 0; n < k_rows.size(); ++n) slot_of_key[k_rows[n]] = static_cast<int64_t>(n);
+  for (size_t n = 0; n < k_rows.size(); ++n) {
+    if (slot_of_key[k_rows[n]] < 0) slot_of_key[k_rows[n]] = static_cast<int64_t>(n);
+  }
   std::vector<double> k(D);
   for (int64_t r = 0; r < g.num_q_rows; ++r) {
     int64_t b, t;
@@ -298,6 +301,10 @@ SampledReferenceGradients reference_backward_sampled(const IndexerBackwardInputs
         for (int64_t d = 0; d < D; ++d) dkj[d] += a * s.q[h * D + d];
       }
     }
+  }
+  for (size_t n = 0; n < k_rows.size(); ++n) {
+    const auto first = static_cast<size_t>(slot_of_key[k_rows[n]]);
+    if (first != n) std::copy_n(res.d_index_k.begin() + first * D, D, res.d_index_k.begin() + n * D);
   }
   return res;
 }

@@ -267,6 +267,7 @@ TEST(Outputs, AwkwardSizesAgainstSampledReference) {
     int64_t h, d, k, s;
     IdPattern ids;
   };
+  int nonzero_repeated = 0;  // repeated key rows' values that are not 0 (over all shapes)
   for (const Shape sh : {Shape{8, 64, 1, 20, IdPattern::causal_topk}, Shape{16, 64, 100, 130, IdPattern::causal_topk},
                          Shape{8, 128, 129, 140, IdPattern::random_permutation},
                          Shape{128, 64, 7, 9, IdPattern::random_permutation}}) {
@@ -281,7 +282,8 @@ TEST(Outputs, AwkwardSizesAgainstSampledReference) {
     s.ids = sh.ids;
     const GeneratedProblem p = make_problem(s);
     const ReferenceGradients full = reference_backward(p.inputs(), p.options());
-    std::vector<int64_t> qr = {0, 4, 7, 9}, kr = {0, 3, sh.s - 1, sh.s, 2 * sh.s - 1};
+    // Rows requested twice (4; 0 and 3) get their gradients at every position.
+    std::vector<int64_t> qr = {0, 4, 7, 9, 4}, kr = {0, 3, sh.s - 1, sh.s, 2 * sh.s - 1, 3, 0};
     const SampledReferenceGradients smp = reference_backward_sampled(p.inputs(), p.options(), qr, kr);
     const int64_t H = sh.h, D = sh.d;
     for (size_t n = 0; n < qr.size(); ++n) {
@@ -291,6 +293,7 @@ TEST(Outputs, AwkwardSizesAgainstSampledReference) {
     for (size_t n = 0; n < kr.size(); ++n) {
       for (int64_t d = 0; d < D; ++d) {
         ASSERT_NEAR(smp.d_index_k[n * D + d], full.d_index_k[kr[n] * D + d], 1e-13 * (1 + std::abs(full.d_index_k[kr[n] * D + d])));
+        if (n >= 5 && smp.d_index_k[n * D + d] != 0) ++nonzero_repeated;
       }
     }
     const OutputBuffers o = run_cpu(p, p.options(), DType::bf16, DType::f32, DType::bf16);
@@ -298,6 +301,7 @@ TEST(Outputs, AwkwardSizesAgainstSampledReference) {
     EXPECT_TRUE(compare(o.d_weights, full.d_weights).ok(1e-6));
     EXPECT_TRUE(compare(o.d_index_k, full.d_index_k).ok(3e-3));
   }
+  EXPECT_GT(nonzero_repeated, 0) << "key rows 0 and 3 are selected in the larger shapes: their repeats are not all 0";
 }
 
 }  // namespace
