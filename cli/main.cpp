@@ -431,6 +431,23 @@ std::string nonfinite_effect(const std::string& name) {
   return name + ": propagate";
 }
 
+/// Why outputs are not finite, as far as the run can tell: non-finite inputs; a
+/// reference beyond the output dtype's range (overflow, as IEEE rounding gives);
+/// or, with finite inputs and a reference in range (or none computed), unexplained.
+std::string nonfinite_outputs_cause(const std::string& input_nonfinite, const Verification& v) {
+  if (!input_nonfinite.empty()) return "the inputs hold non-finite values: " + input_nonfinite;
+  std::string overflowed;
+  for (const Metric& m : v.metrics) {
+    const double max_finite = m.dtype == DType::bf16 ? 3.3895313892515355e38 : std::numeric_limits<float>::max();
+    if (m.nonfinite > 0 && m.ref_max_abs > max_finite) {
+      overflowed += (overflowed.empty() ? "" : ", ") + m.name + " (|ref| up to " + format_float(m.ref_max_abs) + ")";
+    }
+  }
+  if (!overflowed.empty()) return "the fp64 reference exceeds the output dtype's range: overflow in " + overflowed;
+  if (v.mode == "none") return "the inputs are all finite; --verify tells an overflow of the output dtype from a defect";
+  return "the inputs are all finite and the fp64 reference is within the output dtype's range: unexpected";
+}
+
 /// attn_score and index_score count only at valid slots, index_k only in key rows
 /// that a valid slot selects (the backends never read the others, so NaN padding
 /// there is fine).
@@ -711,8 +728,7 @@ int cmd_backward(GenOptions& gen, const ScalarOverrides& sc, const BackwardArgs&
     s << "  stored      not compared: the scalar flags changed the problem the stored torch_* gradients are for\n";
   }
   if (nonfinite > 0) {
-    s << "  non-finite  " << nonfinite << " output elements are NaN/inf ("
-      << (input_nonfinite.empty() ? "unwritten? the inputs are all finite" : "the inputs hold non-finite values: " + input_nonfinite)
+    s << "  non-finite  " << nonfinite << " output elements are NaN/inf (" << nonfinite_outputs_cause(input_nonfinite, v)
       << ")\n";
   }
   if (!a.out.empty()) s << "  output      " << a.out << "\n";

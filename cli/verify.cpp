@@ -26,7 +26,7 @@ double subnormal_spacing(DType dt) { return dt == DType::bf16 ? 0x1p-133 : 0x1p-
 struct Accumulator {
   Metric m;
   double err2 = 0, ref2 = 0, spacing = 0;
-  int64_t skipped = 0;  // elements with a non-finite output or reference value (not in the sums)
+  int64_t ref_counted = 0;  // elements with a finite reference value (in ref2)
   Accumulator(const char* name, const HostTensor& out) {
     m.name = name;
     m.shape = out.shape;
@@ -36,22 +36,24 @@ struct Accumulator {
   }
   void add(double got, double ref) {
     ++m.compared;
-    if (!std::isfinite(got) || !std::isfinite(ref)) {
-      ++skipped;
-      if (!std::isfinite(got)) ++m.nonfinite;
-      if (!std::isfinite(ref)) ++m.ref_nonfinite;
-      return;
+    // The reference's size is reported also where the output is not finite (an
+    // overflow of the output dtype shows as a reference beyond its range).
+    if (std::isfinite(ref)) {
+      ref2 += ref * ref;
+      ++ref_counted;
+      m.ref_max_abs = std::max(m.ref_max_abs, std::abs(ref));
+    } else {
+      ++m.ref_nonfinite;
     }
+    if (!std::isfinite(got)) ++m.nonfinite;
+    if (!std::isfinite(got) || !std::isfinite(ref)) return;
     const double e = got - ref;
     const double counted = std::max(std::abs(e) - spacing, 0.0);  // beyond the dtype's resolution at 0
     err2 += counted * counted;
-    ref2 += ref * ref;
     m.max_abs = std::max(m.max_abs, std::abs(e));
-    m.ref_max_abs = std::max(m.ref_max_abs, std::abs(ref));
   }
   Metric finish() {
-    const double n = static_cast<double>(std::max<int64_t>(m.compared - skipped, 1));
-    m.ref_rms = std::sqrt(ref2 / n);
+    m.ref_rms = std::sqrt(ref2 / static_cast<double>(std::max<int64_t>(ref_counted, 1)));
     if (m.nonfinite > 0 || m.ref_nonfinite > 0) {
       m.rel_rms = std::numeric_limits<double>::quiet_NaN();
       m.max_abs = std::numeric_limits<double>::quiet_NaN();

@@ -754,6 +754,25 @@ TEST_F(Cli, NonFiniteInputWarningSaysWhatHappens) {
   EXPECT_EQ(r.exit_code, 1) << r.output;
 }
 
+// Finite inputs whose gradients overflow the output dtype: the outputs are inf
+// (IEEE rounding), the report says overflow and gives the reference's size.
+TEST_F(Cli, OverflowingGradientsAreReportedAsOverflow) {
+  const std::string scalars = " --sm-scale 3e38 --grad-loss 1e30 --loss-coeff 1e8 --in " + quote(tiny_problem());
+  Result r = run("backward --verify all" + scalars);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_TRUE(contains(r.output, "the fp64 reference exceeds the output dtype's range: overflow in d_index_q")) << r.output;
+  EXPECT_FALSE(contains(r.output, "unwritten")) << r.output;
+  r = run("backward --verify all --json" + scalars, /*with_stderr=*/false);
+  const auto j = nlohmann::json::parse(r.output);
+  for (const auto& o : j["verify"]["outputs"]) {
+    EXPECT_GT(o["nonfinite"].get<int64_t>(), 0) << o.dump();
+    EXPECT_GT(o["ref_rms"].get<double>(), 1e60) << o.dump();  // the reference, also where the output overflowed
+  }
+  r = run("backward --verify none" + scalars);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_TRUE(contains(r.output, "--verify tells an overflow of the output dtype from a defect")) << r.output;
+}
+
 TEST_F(Cli, BadUsageExitsWithTwo) {
   for (const std::string args : {"", "backward --bogus", "backward --preset nope", "backward --heads 7 --preset tiny",
                                  "backward --verify maybe", "generate --preset tiny",
