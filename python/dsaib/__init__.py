@@ -140,8 +140,9 @@ def _device(x):
 
 def _check_arrays(**arrays):
     """TypeError naming the argument for an input that is not a tensor (None, a
-    list, a scalar) or a numpy array in non-native byte order, before anything
-    else happens (the extension would only report "incompatible function arguments")."""
+    list, a scalar) or a numpy array in non-native byte order, and ValueError for a
+    numpy view whose byte strides are not whole elements, before anything else
+    happens (the extension would only report "incompatible function arguments")."""
     for name, x in arrays.items():
         if x is None and (name.startswith("cu_seqlens") or name == "grad_loss"):
             continue
@@ -152,6 +153,11 @@ def _check_arrays(**arrays):
                             f"got {type(x).__name__}")
         if isinstance(x, _np.ndarray) and not x.dtype.isnative:
             raise TypeError(f"{name}: expected native byte order, got dtype {x.dtype.str}")
+        if isinstance(x, _np.ndarray) and any(st % x.itemsize for st in x.strides):
+            # DLPack strides count elements: such a view has none (nanobind would only
+            # say "incompatible function arguments").
+            raise ValueError(f"{name}: expected strides that are multiples of the element size "
+                             f"({x.itemsize} bytes), got byte strides {x.strides}")
 
 
 def _has_buffer(x) -> bool:

@@ -342,6 +342,24 @@ def test_non_array_inputs_are_type_errors_naming_the_argument():
             dsaib.indexer_kl_loss(**q, sm_scale=SM_SCALE, uint16_as_bf16=True)
 
 
+def test_numpy_views_with_strides_between_elements_are_value_errors():
+    # A byte stride that is not a whole number of elements has no DLPack form.
+    from numpy.lib.stride_tricks import as_strided
+
+    p = make_problem(0)
+    shape = p["attn_score"].shape
+    base = np.zeros(int(np.prod(shape)) * 2 + 8, dtype=np.float32)
+    odd = as_strided(base, shape=shape, strides=(shape[1] * shape[2] * 4, shape[2] * 4, 2))
+    q = dict(p)
+    q["attn_score"] = odd
+    pattern = (r"^attn_score: expected strides that are multiples of the element size \(4 bytes\), "
+               r"got byte strides \(\d+, \d+, 2\)$")
+    with pytest.raises(ValueError, match=pattern):
+        run(q)
+    with pytest.raises(ValueError, match=pattern):
+        dsaib.indexer_kl_loss(**q, sm_scale=SM_SCALE, uint16_as_bf16=True)
+
+
 def test_buffer_protocol_inputs_and_byte_order_of_outputs():
     p = make_problem(0)
     want = run(p)
