@@ -81,7 +81,8 @@ void dsaib_default_options(dsaib_options* options);
    read. DSAIB_INVALID_ARGUMENT, *view unchanged and the message naming the
    argument, for: view NULL; rank outside 0..4 (checked before shape); shape
    NULL with rank > 0; dtype or device outside their enums; a negative size;
-   sizes whose product overflows. */
+   sizes whose product overflows (never with a size-0 dimension: the strides of
+   such an empty view saturate at INT64_MAX). */
 dsaib_status dsaib_contiguous_tensor(dsaib_tensor* view, void* data, dsaib_dtype dtype, const int64_t* shape,
                                      int32_t rank, dsaib_device device, int32_t device_index);
 

@@ -57,7 +57,8 @@ struct TensorView {
 
 /// A row-major (contiguous) view of `data` with the given shape (rank 0..4, every
 /// size >= 0, the element count below 2^63). Throws Error(invalid_argument,
-/// "rank" / "shape") otherwise.
+/// "rank" / "shape") otherwise. A view with a size-0 dimension holds no element
+/// whatever its other sizes: its strides saturate at INT64_MAX, never an error.
 TensorView contiguous_view(void* data, DType dtype, std::initializer_list<int64_t> shape,
                            DeviceType device = DeviceType::cpu, int32_t device_index = 0);
 TensorView contiguous_view(void* data, DType dtype, const int64_t* shape, int32_t rank,

@@ -7,6 +7,9 @@ HostTensor::HostTensor(DType dt, std::vector<int64_t> shp) : dtype(dt), shape(st
 }
 
 int64_t HostTensor::numel() const {
+  for (int64_t s : shape) {
+    if (s == 0) return 0;  // before any product: other sizes may be huge
+  }
   int64_t n = 1;
   for (int64_t s : shape) n *= s;
   return n;

@@ -1,3 +1,4 @@
+#include <limits>
 #include <sstream>
 
 #include "dsaib/error.hpp"
@@ -57,6 +58,9 @@ bool parse_a_operand_precision(const std::string& word, AOperandPrecision* out) 
 }
 
 int64_t TensorView::numel() const {
+  for (int i = 0; i < rank; ++i) {
+    if (shape[i] == 0) return 0;  // before any product: other sizes may be huge
+  }
   int64_t n = 1;
   for (int i = 0; i < rank; ++i) n *= shape[i];
   return n;
@@ -107,11 +111,19 @@ TensorView contiguous_view(void* data, DType dtype, const int64_t* shape, int32_
   v.rank = rank;
   v.device = device;
   v.device_index = device_index;
+  // A zero-element view holds nothing to address: its strides saturate at
+  // INT64_MAX instead of overflowing, whatever its other sizes.
+  bool zero_elements = false;
+  for (int32_t i = 0; i < rank; ++i) zero_elements = zero_elements || shape[i] == 0;
   int64_t stride = 1;
   for (int i = rank - 1; i >= 0; --i) {
     v.shape[i] = shape[i];
     v.strides[i] = stride;
     if (__builtin_mul_overflow(stride, shape[i] > 0 ? shape[i] : 1, &stride)) {
+      if (zero_elements) {
+        stride = std::numeric_limits<int64_t>::max();
+        continue;
+      }
       throw Error(ErrorCode::invalid_argument, "shape",
                   "shape: expected an element count below 2^63, got sizes that overflow it at dimension " +
                       std::to_string(i));

@@ -121,6 +121,14 @@ TEST(CApi, ContiguousTensor) {
   EXPECT_NE(std::string(dsaib_last_error()).find("shape: expected an element count below 2^63"), std::string::npos)
       << dsaib_last_error();
   EXPECT_EQ(std::memcmp(&before, &t, sizeof t), 0) << "nothing is written on an error";
+  // Zero elements: huge other sizes are no overflow (the count is 0).
+  const int64_t empty_huge[4] = {int64_t{1} << 62, 0, int64_t{1} << 40, int64_t{1} << 40};
+  ASSERT_EQ(dsaib_contiguous_tensor(&t, buf, DSAIB_F32, empty_huge, 4, DSAIB_CPU, 0), DSAIB_OK) << dsaib_last_error();
+  EXPECT_EQ(t.shape[0], int64_t{1} << 62);
+  EXPECT_EQ(t.strides[3], 1);
+  EXPECT_EQ(t.strides[2], int64_t{1} << 40);
+  EXPECT_EQ(t.strides[1], std::numeric_limits<int64_t>::max());
+  EXPECT_EQ(t.strides[0], std::numeric_limits<int64_t>::max());
 }
 
 TEST(CApi, SuccessMatchesCppAndClearsLastError) {
