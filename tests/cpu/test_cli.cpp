@@ -506,6 +506,8 @@ TEST_F(Cli, SequenceLengthListsRejectEmptyAndNegativeItems) {
       {"--seqlens-q 3,5 --seqlens-k 1,-5", "--seqlens-k", "got -5 in \"1,-5\""},
       {"--seqlens-q 3,5 --seqlens-k 1,,5", "--seqlens-k", "\"1,,5\""},
       {"--seqlens-q 3,x", "--seqlens-q", "\"x\""},
+      {"--seqlens-q +5,3", "--seqlens-q", "expected a decimal integer, got \"+5\" in \"+5,3\""},
+      {"--seqlens-q 5,007", "--seqlens-q", "without leading zeros, got \"007\" in \"5,007\""},
       // given twice: an error, as for every other option (CLI11 appends lists)
       {"--seqlens-q 3,5 --seqlens-q 7", "--seqlens-q", "once (one comma-separated list), got 2 times"},
       {"--seqlens-q 3,5 --seqlens-k 4 6 --seqlens-k=4,6", "--seqlens-k", "got 2 times"},
