@@ -26,8 +26,10 @@ const char* safetensors_dtype_name(DType dtype);
 ///
 /// Supported dtypes: BF16, F32, I32. Raises dsaib::Error(ErrorCode::io_error)
 /// with argument() == path and a message starting with the path for every
-/// unreadable or malformed file: missing file, truncated file, header length
-/// beyond the file, invalid JSON, a duplicate key in any object of the header,
+/// unreadable or malformed file: missing file, not a regular file (directory,
+/// FIFO, device, socket: refused before opening), truncated file, header length
+/// beyond the file, invalid JSON (a NUL byte or a leading byte-order mark in the
+/// header included), a duplicate key in any object of the header,
 /// a header that is not the expected object,
 /// an unknown or unsupported dtype (named), negative, non-integer or
 /// overflowing shapes, data_offsets out of the buffer, overlapping each other
@@ -42,7 +44,9 @@ std::map<std::string, HostTensor> read_safetensors(const std::string& path,
 /// sees a half-written file. A symbolic link is followed (its target is
 /// replaced, the link stays). Raises dsaib::Error(invalid_argument) naming the
 /// tensor when a tensor is inconsistent (negative size, bytes.size() != numel *
-/// dtype size) or named "__metadata__", and dsaib::Error(io_error) when the file
+/// dtype size) or named "__metadata__", invalid_argument with argument() "tensors" /
+/// "metadata" when a name, key or value is not UTF-8 (checked before the file is
+/// touched), and dsaib::Error(io_error) when the file
 /// cannot be written or when `path` (or a link's target) exists and is not a
 /// regular file (directory, FIFO, device, socket), which is never replaced.
 void write_safetensors(const std::string& path, const std::map<std::string, HostTensor>& tensors,

@@ -165,8 +165,10 @@ const char* safetensors_dtype_name(DType dtype) {
 std::map<std::string, HostTensor> read_safetensors(const std::string& path,
                                                    std::map<std::string, std::string>* metadata) {
   if (metadata) metadata->clear();
-  std::error_code ec;
-  if (std::filesystem::is_directory(path, ec)) io_fail(path, "is a directory, not a safetensors file");
+  // A FIFO or a device would block or stream forever; a directory cannot be read.
+  if (const char* kind = detail::non_regular_file_kind(path)) {
+    io_fail(path, std::string("is ") + kind + ", not a safetensors file (expected a regular file)");
+  }
   std::ifstream f(path, std::ios::binary);
   if (!f) io_fail(path, std::string("cannot open for reading (") + std::strerror(errno) + ")");
   f.seekg(0, std::ios::end);
@@ -197,6 +199,12 @@ std::map<std::string, HostTensor> read_safetensors(const std::string& path,
   if (!f) io_fail(path, "cannot read the " + std::to_string(header_bytes) + "-byte header");
   const uint64_t buffer_bytes = file_bytes - 8 - header_bytes;
 
+  // JSON text only: nlohmann would stop at a NUL (ignoring what follows) and skip a
+  // byte-order mark; the format's reference reader refuses both.
+  if (const auto nul = header.find('\0'); nul != std::string::npos) {
+    io_fail(path, "header: a NUL byte at offset " + std::to_string(nul) + " (expected JSON text, padded with spaces)");
+  }
+  if (header.rfind("\xEF\xBB\xBF", 0) == 0) io_fail(path, "header: starts with a UTF-8 byte-order mark (expected JSON text)");
   json root;
   // Duplicate keys in an object are an error (the format's reference reader
   // rejects them; nlohmann would keep the last one silently).

@@ -191,7 +191,22 @@ TEST(Safetensors, ReadsForeignLayoutAndDtypeNames) {
 
 TEST(Safetensors, MissingFileAndDirectory) {
   expect_io_error(temp_path("does_not_exist.safetensors"), {"cannot open"});
-  expect_io_error(std::filesystem::path(temp_path("x")).parent_path().string(), {"directory"});
+  expect_io_error(std::filesystem::path(temp_path("x")).parent_path().string(), {"is a directory, not a safetensors file"});
+  // Not regular files: refused before opening (a FIFO would block the reader forever).
+  const std::string fifo = temp_path("pipe.safetensors");
+  std::filesystem::remove(fifo);
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  expect_io_error(fifo, {"is a FIFO, not a safetensors file"});
+  expect_io_error("/dev/zero", {"is a character device, not a safetensors file"});
+}
+
+TEST(Safetensors, HeaderWithNulOrByteOrderMarkIsAnError) {
+  const std::string ok = R"({"x":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})";
+  expect_bad_header("nul_pad.safetensors", ok + std::string("\0\0\0", 3), std::string(4, '\0'),
+                    {"header: a NUL byte at offset " + std::to_string(ok.size())});
+  expect_bad_header("nul_mid.safetensors", R"({"x":{"dtype":"F32",)" + std::string(1, '\0') + R"("shape":[1],"data_offsets":[0,4]}})",
+                    std::string(4, '\0'), {"header: a NUL byte at offset 20"});
+  expect_bad_header("bom.safetensors", "\xEF\xBB\xBF" + ok, std::string(4, '\0'), {"byte-order mark"});
 }
 
 TEST(Safetensors, TruncatedFiles) {
