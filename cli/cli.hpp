@@ -84,6 +84,7 @@ struct Problem {
 struct Geometry : detail::ProblemGeometry {
   int64_t valid_slots = 0;
   std::vector<uint8_t> key_selected;  // per flat key row: selected by at least one valid slot
+  std::vector<uint8_t> q_row_used;    // per flat query row: holds at least one valid slot
 
   std::string summary() const;  // "bshd B=1 S_q=1024 S_kv=1024 H=64 D=128 topk=256 (ids local)"
 };

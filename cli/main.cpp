@@ -462,6 +462,10 @@ std::string nonfinite_inputs(const Problem& p, const Geometry& g,
     if (t.dtype == DType::i32) continue;
     const bool per_slot = std::string(name) == "attn_score" || std::string(name) == "index_score";
     const bool per_key_row = std::string(name) == "index_k" && g.head_dim > 0;
+    // elements per query row of index_q / weights (0: not a per-query-row tensor)
+    const int64_t per_q_row = std::string(name) == "index_q" ? g.heads * g.head_dim
+                              : std::string(name) == "weights" ? g.heads
+                                                               : 0;
     int64_t count = 0, first = -1;
     for (int64_t e = 0; e < t.numel(); ++e) {
       if (per_slot && g.topk > 0) {  // same (rows, topk) layout as topk_indices, contiguous
@@ -470,6 +474,8 @@ std::string nonfinite_inputs(const Problem& p, const Geometry& g,
         if (g.key_row(b, ids.data<int32_t>()[e]) < 0) continue;
       }
       if (per_key_row && !g.key_selected[static_cast<size_t>(e / g.head_dim)]) continue;  // a key row no valid slot selects
+      // a query row without a valid slot: its index_q and weights are never used (gradients 0)
+      if (per_q_row > 0 && !g.q_row_used[static_cast<size_t>(e / per_q_row)]) continue;
       if (!std::isfinite(element(t, e))) {
         if (first < 0) first = e;
         ++count;

@@ -545,6 +545,7 @@ Geometry analyze_problem(const Problem& p) {
   Geometry g;
   static_cast<detail::ProblemGeometry&>(g) = detail::validate_problem(p.inputs(), {}, opt, nullptr, /*check_outputs=*/false);
   g.key_selected.assign(static_cast<size_t>(g.num_k_rows), 0);
+  g.q_row_used.assign(static_cast<size_t>(g.num_q_rows), 0);
   const int32_t* ids = p.tensors.at("topk_indices").data<int32_t>();
   for (int64_t b = 0; b < g.batch; ++b) {
     for (int64_t r = g.q_start[b]; r < g.q_start[b] + g.q_len[b]; ++r) {
@@ -553,6 +554,7 @@ Geometry analyze_problem(const Problem& p) {
         if (kr < 0) continue;
         ++g.valid_slots;
         g.key_selected[static_cast<size_t>(kr)] = 1;
+        g.q_row_used[static_cast<size_t>(r)] = 1;
       }
     }
   }

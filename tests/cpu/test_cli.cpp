@@ -729,6 +729,28 @@ TEST_F(Cli, NonFiniteInputWarningSaysWhatHappens) {
     EXPECT_EQ(ri.exit_code, 0) << ri.output;
     EXPECT_FALSE(contains(ri.output, "non-finite")) << ri.output;
   }
+  // NaN in index_q / weights counts only in query rows with a valid slot (break-it
+  // review, twenty-second session: a row with none used to fail the verdict).
+  {
+    auto u = dsaib::read_safetensors(tiny_problem(), &meta);
+    const dsaib::HostTensor& q = u.at("index_q");
+    const int64_t topk = u.at("topk_indices").shape.back(), per_row_q = q.shape[2] * q.shape[3];
+    const int64_t heads = q.shape[2], row = 3;
+    int32_t* ids = u.at("topk_indices").data<int32_t>();
+    for (int64_t i = 0; i < topk; ++i) ids[row * topk + i] = -1;  // row 3: no valid slot
+    u.at("index_q").data<uint16_t>()[row * per_row_q + 7] = 0x7fc0;
+    u.at("weights").data<uint16_t>()[row * heads + 1] = 0x7fc0;
+    dsaib::write_safetensors(path("nan_q_unused.safetensors"), u, meta);
+    const Result ru = run("backward --backend cpu --verify all --in " + quote(path("nan_q_unused.safetensors")));
+    EXPECT_EQ(ru.exit_code, 0) << ru.output;
+    EXPECT_FALSE(contains(ru.output, "non-finite")) << ru.output;
+    u.at("topk_indices").data<int32_t>()[row * topk] = 0;  // key 0: row 3 now uses its index_q and weights
+    dsaib::write_safetensors(path("nan_q_used.safetensors"), u, meta);
+    const Result rr = run("backward --backend cpu --verify none --in " + quote(path("nan_q_used.safetensors")));
+    EXPECT_EQ(rr.exit_code, 1) << rr.output;
+    EXPECT_TRUE(contains(rr.output, "index_q: 1 (first at element " + std::to_string(row * per_row_q + 7) + ")")) << rr.output;
+    EXPECT_TRUE(contains(rr.output, "weights: 1 (first at element " + std::to_string(row * heads + 1) + ")")) << rr.output;
+  }
   // NaN in index_k counts only in key rows that a valid slot selects (newcomer
   // review, tenth session: an unread row used to fail the verdict).
   {
