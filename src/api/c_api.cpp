@@ -4,6 +4,7 @@
 #include <new>
 #include <string>
 
+#include "api/cuda_backend.hpp"
 #include "dsaib/indexer_backward.hpp"
 
 namespace {
@@ -86,10 +87,6 @@ void convert(const dsaib_inputs* in, const dsaib_outputs* out, const dsaib_optio
                               &out->d_weights, &out->d_index_k};
   const char* names[] = {"index_q", "weights", "index_k", "topk_indices", "attn_score", "index_score",
                          "cu_seqlens_q", "cu_seqlens_k", "d_index_q", "d_weights", "d_index_k"};
-  for (int k = 0; k < 11; ++k) check_enums(*ts[k], names[k]);
-  i = {to_view(in->index_q), to_view(in->weights), to_view(in->index_k), to_view(in->topk_indices),
-       to_view(in->attn_score), to_view(in->index_score), to_view(in->cu_seqlens_q), to_view(in->cu_seqlens_k)};
-  o = {to_view(out->d_index_q), to_view(out->d_weights), to_view(out->d_index_k)};
   p.layout = static_cast<dsaib::Layout>(opt->layout);
   p.id_mode = static_cast<dsaib::IdMode>(opt->id_mode);
   p.backend = static_cast<dsaib::Backend>(opt->backend);
@@ -103,6 +100,13 @@ void convert(const dsaib_inputs* in, const dsaib_outputs* out, const dsaib_optio
   p.stream = opt->stream;
   p.num_threads = opt->num_threads;
   p.a_operand_precision = static_cast<dsaib::AOperandPrecision>(opt->a_operand_precision);
+  // The C++ order (errors.md): options and the backend first, then the tensors,
+  // whose enum fields C can set to anything (checked before any view is used).
+  dsaib::detail::check_options_and_backend(p);
+  for (int k = 0; k < 11; ++k) check_enums(*ts[k], names[k]);
+  i = {to_view(in->index_q), to_view(in->weights), to_view(in->index_k), to_view(in->topk_indices),
+       to_view(in->attn_score), to_view(in->index_score), to_view(in->cu_seqlens_q), to_view(in->cu_seqlens_k)};
+  o = {to_view(out->d_index_q), to_view(out->d_weights), to_view(out->d_index_k)};
 }
 
 }  // namespace

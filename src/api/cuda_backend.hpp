@@ -13,6 +13,11 @@ namespace dsaib::detail {
 bool cuda_backend_compiled();
 bool cuda_device_present();
 
+/// errors.md's order up to the tensors: the options (check_options), then, for
+/// backend cuda, its availability (backend_unavailable). Touches no tensor; the C
+/// ABI runs it before its own checks of the tensors' enum fields.
+void check_options_and_backend(const IndexerBackwardOptions& opt);
+
 /// Device-to-host copy used by validation (cu_seqlens, strict ids): on `stream`
 /// (a cudaStream_t; null = legacy default stream), so it follows the caller's
 /// queued work even on a non-blocking stream, then waits for it.

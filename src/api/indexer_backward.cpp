@@ -8,23 +8,27 @@
 #include "reference/cpu_reference.hpp"
 
 namespace dsaib {
+namespace detail {
+
+void check_options_and_backend(const IndexerBackwardOptions& opt) {
+  check_options(opt);  // errors.md: the options first, then the backend's availability
+  if (opt.backend != Backend::cuda) return;
+  if (!cuda_backend_compiled()) {
+    throw Error(ErrorCode::backend_unavailable, "backend", "backend: expected cpu (this build has no CUDA support), got cuda");
+  }
+  if (!cuda_device_present()) {
+    throw Error(ErrorCode::backend_unavailable, "backend",
+                "backend: expected cpu (no CUDA device of compute capability 9.0 is visible), got cuda");
+  }
+}
+
+}  // namespace detail
 namespace {
 
 detail::ProblemGeometry validate_for_backend(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
                                              const IndexerBackwardOptions& opt) {
-  detail::check_options(opt);  // errors.md: the options first, then the backend's availability
-  if (opt.backend == Backend::cuda) {
-    if (!detail::cuda_backend_compiled()) {
-      throw Error(ErrorCode::backend_unavailable, "backend",
-                  "backend: expected cpu (this build has no CUDA support), got cuda");
-    }
-    if (!detail::cuda_device_present()) {
-      throw Error(ErrorCode::backend_unavailable, "backend",
-                  "backend: expected cpu (no CUDA device of compute capability 9.0 is visible), got cuda");
-    }
-    return detail::validate_problem(in, out, opt, &detail::cuda_copy_to_host);
-  }
-  return detail::validate_problem(in, out, opt, nullptr);
+  detail::check_options_and_backend(opt);
+  return detail::validate_problem(in, out, opt, opt.backend == Backend::cuda ? &detail::cuda_copy_to_host : nullptr);
 }
 
 }  // namespace

@@ -169,6 +169,18 @@ TEST(CApi, FailuresReportStatusAndMessageAndTouchNothing) {
       {"sm_scale", DSAIB_INVALID_ARGUMENT, "sm_scale: expected a finite value, got",
        [](CProblem& c) { c.opt.sm_scale = std::numeric_limits<float>::infinity(); }},
       {"layout enum", DSAIB_INVALID_ARGUMENT, "layout: expected bshd or thd, got 4", [](CProblem& c) { c.opt.layout = 4; }},
+      // errors.md's order, as in C++: the options before the tensors' enum fields...
+      {"layout before a rank enum", DSAIB_INVALID_ARGUMENT, "layout: expected bshd or thd, got 4",
+       [](CProblem& c) {
+         c.opt.layout = 4;
+         c.in.cu_seqlens_q.rank = 7;
+       }},
+      // ...and the backend's availability too.
+      {"cuda before a dtype enum", DSAIB_BACKEND_UNAVAILABLE, "backend: expected cpu",
+       [](CProblem& c) {
+         c.opt.backend = DSAIB_BACKEND_CUDA;
+         c.in.weights.dtype = 9;
+       }},
       {"strict", DSAIB_INDEX_OUT_OF_RANGE, "topk_indices: strict mode found an out-of-range id at (b=0, t=2, slot=1)",
        [](CProblem& c) {
          c.opt.strict_indices = 1;
