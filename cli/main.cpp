@@ -916,7 +916,13 @@ int run_main(int argc, char** argv) {
       }
     }
     // One error style for the whole tool: "dsa-indexer-bwd: error (...): message".
-    report_error("invalid_argument", "", message);
+    // The argument is the flag the message starts with ("--sm-scale: expected ..."), if any.
+    const size_t colon = message.find(": ");
+    const std::string flag = message.rfind("-", 0) == 0 && colon != std::string::npos &&
+                                     message.find(' ') > colon
+                                 ? message.substr(0, colon)
+                                 : std::string();
+    report_error("invalid_argument", flag, message);
     std::cerr << "Run with --help or --help-all for more information.\n";
     return kExitError;
   }

@@ -154,6 +154,7 @@ TEST_F(Cli, JsonReportOnErrorsAndUnverifiedRuns) {
   EXPECT_EQ(j["result"], "ERROR");
   EXPECT_EQ(j["error"]["code"], "invalid_argument");
   EXPECT_EQ(j["error"]["message"], "--layout: expected one of bshd, thd, got \"x\"");
+  EXPECT_EQ(j["error"]["argument"], "--layout");  // the flag, as for errors after the parse
   // Bytes that are not UTF-8 in a flag's value or a path: still one JSON object
   // (replaced by U+FFFD), never an abort.
   for (const std::string& args : {std::string("backward --json --in ") + quote(path("bad\xff.safetensors")),
