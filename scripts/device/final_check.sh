@@ -6,7 +6,8 @@
 # Full logs go to $WORK (default /tmp/final_check); at most 8 summary files are
 # copied to $OUT (the device tool returns no more).
 # SKIP_CHECKS=1 skips the GPU tests and the sanitizer (when release_check.sh ran
-# them on the same binaries), SKIP_AB=1 the a-operand A/B.
+# them on the same binaries), SKIP_AB=1 the a-operand A/B, SKIP_MATRIX=1 the CLI
+# matrix (cli_matrix.sh).
 set -uo pipefail
 out=${OUT:-out}
 work=${WORK:-/tmp/final_check}
@@ -23,6 +24,13 @@ if [[ -z ${SKIP_CHECKS:-} ]]; then
 fi
 OUT=$work bash scripts/device/gpu_check.sh cli > "$work/cli_summary.txt" 2>&1 || rc=1
 grep -E "backward |result|d_index|d_weights" "$work/cli_summary.txt" | head -12
+# test-cases.md's cases through the CLI on cuda against the fp64 reference (~60 s;
+# SKIP_MATRIX=1 skips it); its lines go into checks.txt.
+: > "$work/cli_matrix.txt"
+if [[ -z ${SKIP_MATRIX:-} ]]; then
+  OUT=$work bash scripts/device/cli_matrix.sh > /dev/null 2>&1 || rc=1
+  tail -1 "$work/cli_matrix.txt"
+fi
 # `dsa-indexer-bwd bench`: the floor re-measured in the same run (per case, at its dK
 # size), the op, the ratio to that floor and to the fixed 278 ns.
 cli=.device/bin/dsa-indexer-bwd
@@ -44,7 +52,7 @@ if [[ -z ${SKIP_AB:-} ]]; then
 fi
 OUT=$work bash scripts/device/gpu_check.sh ncu 2>&1 | tail -45 > "$work/ncu_summary.txt"
 head -30 "$work/ncu_summary.txt"
-cat "$work/tests_summary.txt" "$work/sanitizer_out.txt" "$work/cli_summary.txt" > "$work/checks.txt"
+cat "$work/tests_summary.txt" "$work/sanitizer_out.txt" "$work/cli_summary.txt" "$work/cli_matrix.txt" > "$work/checks.txt"
 for f in checks.txt bench_main.json bench_final.txt ab_summary.txt ncu_summary.txt ncu.txt sanitizer_summary.txt; do
   [[ -f $work/$f ]] && cp "$work/$f" "$out/"
 done
