@@ -48,8 +48,10 @@ struct GeneratedProblem {
 /// slots, summed over heads, L1-normalised); 0 at invalid slots.
 /// Raises dsaib::Error(invalid_argument) for bad sizes, and
 /// dsaib::Error(out_of_memory) before allocating anything when the problem
-/// needs more host memory than the machine's memory and swap (Linux sysinfo;
-/// a container's cgroup limit is not seen).
+/// (its tensors and each thread's scratch) needs more host memory than the
+/// machine's memory and swap (Linux sysinfo), or, when an allocation fails
+/// anyway (a container's cgroup limit or ulimit -v, which sysinfo does not see),
+/// after it. Runs with IEEE subnormals whatever the caller's FTZ/DAZ mode.
 GeneratedProblem generate_problem(const GenerateSpec& spec);
 
 }  // namespace dsaib

@@ -9,6 +9,8 @@
 #include <thread>
 #include <vector>
 
+#include "core/float_mode.hpp"
+
 namespace dsaib::detail {
 
 /// Tests only: at most this many extra threads are started by
@@ -29,6 +31,7 @@ template <class Worker>
 void run_items_on_threads(int n, Worker worker) {
   std::atomic<int> next{0};
   auto loop = [&] {
+    const IeeeSubnormalsScope ieee;  // every thread, the caller included (float_mode.hpp)
     for (int k = next.fetch_add(1); k < n; k = next.fetch_add(1)) worker(k);
   };
   std::vector<std::thread> pool;

@@ -48,7 +48,9 @@
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <new>
 #include <numeric>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -57,6 +59,7 @@
 #include <sys/sysinfo.h>
 #endif
 
+#include "core/float_mode.hpp"
 #include "core/threads.hpp"
 
 #include "core/bf16.hpp"
@@ -156,16 +159,22 @@ std::string sizes_string(const std::vector<int64_t>& v) {
   return s + "]";
 }
 
+int resolve_threads(int32_t requested, int64_t work_items);
+
 /// Host bytes the problem will hold at once (its tensors, the key-side
-/// temporaries and the per-sequence tables), from the spec's sizes and the row
-/// and sequence counts resolve() has checked.
-double estimated_host_bytes(const GenerateSpec& spec, int64_t q_rows, int64_t k_rows, int64_t sequences) {
+/// temporaries, the per-sequence tables and each thread's row scratch: topk
+/// selected ids and logits, and up to the longest key sequence of scores,
+/// candidates and permutation), from the spec's sizes and the row and sequence
+/// counts resolve() has checked.
+double estimated_host_bytes(const GenerateSpec& spec, int64_t q_rows, int64_t k_rows, int64_t sequences,
+                            int64_t max_k_len) {
   const double tq = static_cast<double>(q_rows), tk = static_cast<double>(k_rows),
                nseq = static_cast<double>(sequences);
   const double H = static_cast<double>(spec.heads), D = static_cast<double>(spec.head_dim),
                K = static_cast<double>(spec.topk);
+  const double threads = resolve_threads(spec.num_threads, std::max(q_rows, k_rows));
   return tq * H * D * 2 + tq * H * 4 + tk * D * (2 + 4) + tk * kAttnHeads * kAttnDim * 4 + tq * K * 4 * 3 +
-         tq * 4 + nseq * 4 * 8 + nseq * 2 * 4;
+         tq * 4 + nseq * 4 * 8 + nseq * 2 * 4 + threads * (K * (8 + 8) + static_cast<double>(max_k_len) * (4 + 4 + 4));
 }
 
 /// Host memory and swap of this machine in bytes (0: unknown).
@@ -206,8 +215,9 @@ Sequences resolve(const GenerateSpec& spec) {
   // kernel kills while its per-sequence tables grow. It runs after the shape
   // rules, before the tables. (sysinfo gives the host's memory: a container's
   // cgroup limit is not seen, and a problem above it fails when allocating.)
-  const auto check_memory = [&spec](int64_t q_rows, int64_t k_rows, int64_t sequences) {
-    const double need = estimated_host_bytes(spec, q_rows, k_rows, sequences), have = host_memory_and_swap_bytes();
+  const auto check_memory = [&spec](int64_t q_rows, int64_t k_rows, int64_t sequences, int64_t max_k_len) {
+    const double need = estimated_host_bytes(spec, q_rows, k_rows, sequences, max_k_len),
+                 have = host_memory_and_swap_bytes();
     if (have > 0 && need > have) {
       char text[256];
       std::snprintf(text, sizeof text,
@@ -234,7 +244,7 @@ Sequences resolve(const GenerateSpec& spec) {
            "batch " + std::to_string(spec.batch) + " * s_kv " + std::to_string(spec.s_kv) +
                (tk > kMaxRows ? " = " + std::to_string(tk) : std::string(" (overflows int64)")));
     }
-    check_memory(tq, tk, spec.batch);
+    check_memory(tq, tk, spec.batch, spec.s_kv);
     for (int64_t b = 0; b < spec.batch; ++b) {
       s.q_start.push_back(b * spec.s_q);
       s.q_len.push_back(spec.s_q);
@@ -263,7 +273,7 @@ Sequences resolve(const GenerateSpec& spec) {
              "lengths summing to at most " + kMaxRowsText + " key rows (cu_seqlens are int32)", sizes_string(lk));
       }
     }
-    check_memory(tq, tk, static_cast<int64_t>(lk.size()));
+    check_memory(tq, tk, static_cast<int64_t>(lk.size()), lk.empty() ? 0 : *std::max_element(lk.begin(), lk.end()));
     tq = 0, tk = 0;  // the sums are in range: no overflow below
     for (size_t b = 0; b < lk.size(); ++b) {
       s.q_start.push_back(tq);
@@ -331,7 +341,8 @@ IndexerBackwardOptions GeneratedProblem::options() const {
   return opt;
 }
 
-GeneratedProblem generate_problem(const GenerateSpec& spec) {
+/// generate_problem without its floating-point scope and allocation-failure mapping.
+static GeneratedProblem generate_problem_unguarded(const GenerateSpec& spec) {
   const Sequences seqs = resolve(spec);
   const int64_t H = spec.heads, D = spec.head_dim, K = spec.topk;
   const int64_t Tq = seqs.num_q_rows, Tk = seqs.num_k_rows;
@@ -525,6 +536,18 @@ GeneratedProblem generate_problem(const GenerateSpec& spec) {
     for (int64_t i = 0; i < K; ++i) tdst[r * K + i] = i < nsel ? static_cast<float>(s.t[i] / tsum) : 0.0f;
   });
   return p;
+}
+
+GeneratedProblem generate_problem(const GenerateSpec& spec) {
+  const detail::IeeeSubnormalsScope ieee;  // the caller's FTZ/DAZ must not change the problem (float_mode.hpp)
+  try {
+    return generate_problem_unguarded(spec);
+  } catch (const std::bad_alloc&) {  // past the estimate (a cgroup or address-space limit sysinfo does not see)
+  } catch (const std::length_error&) {
+  }
+  throw Error(ErrorCode::out_of_memory, "",
+              "out of memory: expected room in host memory for the problem, got an allocation failure (a limit below "
+              "the machine's memory and swap, e.g. a container's or ulimit -v)");
 }
 
 }  // namespace dsaib

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "core/element_access.hpp"
+#include "core/float_mode.hpp"
 #include "core/threads.hpp"
 #include "dsaib/reference.hpp"
 
@@ -212,6 +213,7 @@ ReferenceGradients compute_full(const IndexerBackwardInputs& in, const IndexerBa
 
 void run_cpu_backend(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
                      const IndexerBackwardOptions& opt, const ProblemGeometry& g) {
+  const IeeeSubnormalsScope ieee;  // the caller's FTZ/DAZ would read subnormals as 0 (float_mode.hpp)
   const ReferenceGradients ref = compute_full(in, opt, g);
   // Outputs are contiguous (validated), so flat element e is offset e.
   for (size_t e = 0; e < ref.d_index_q.size(); ++e) store(out.d_index_q, static_cast<int64_t>(e), ref.d_index_q[e]);
@@ -225,6 +227,7 @@ namespace dsaib {
 using namespace detail;
 
 ReferenceGradients reference_backward(const IndexerBackwardInputs& inputs, const IndexerBackwardOptions& options) {
+  const IeeeSubnormalsScope ieee;  // the caller's FTZ/DAZ would read subnormals as 0 (float_mode.hpp)
   IndexerBackwardOptions opt = options;
   opt.backend = Backend::cpu;
   opt.deterministic = false;
@@ -236,6 +239,7 @@ SampledReferenceGradients reference_backward_sampled(const IndexerBackwardInputs
                                                      const IndexerBackwardOptions& options,
                                                      const std::vector<int64_t>& q_rows,
                                                      const std::vector<int64_t>& k_rows) {
+  const IeeeSubnormalsScope ieee;  // the caller's FTZ/DAZ would read subnormals as 0 (float_mode.hpp)
   IndexerBackwardOptions opt = options;
   opt.backend = Backend::cpu;
   opt.deterministic = false;
@@ -310,6 +314,7 @@ SampledReferenceGradients reference_backward_sampled(const IndexerBackwardInputs
 }
 
 std::vector<double> reference_index_logits(const IndexerBackwardInputs& inputs, const IndexerBackwardOptions& options) {
+  const IeeeSubnormalsScope ieee;  // the caller's FTZ/DAZ would read subnormals as 0 (float_mode.hpp)
   IndexerBackwardOptions opt = options;
   opt.backend = Backend::cpu;
   opt.deterministic = false;
@@ -333,7 +338,7 @@ std::vector<double> reference_index_logits(const IndexerBackwardInputs& inputs, 
         for (int64_t h = 0; h < H; ++h) {
           double x = 0;
           for (int64_t d = 0; d < D; ++d) x += q[h * D + d] * k[d];
-          zi += w[h] * std::max(x, 0.0);
+          zi += w[h] * (x > 0 ? x : 0.0);  // relu, NaN counting as not positive (as the backward)
         }
         z[r * g.topk + i] = opt.sm_scale * zi;
       }
@@ -343,6 +348,7 @@ std::vector<double> reference_index_logits(const IndexerBackwardInputs& inputs, 
 }
 
 double indexer_kl_loss(const IndexerBackwardInputs& inputs, const IndexerBackwardOptions& options, bool recompute_p) {
+  const IeeeSubnormalsScope ieee;  // the caller's FTZ/DAZ would read subnormals as 0 (float_mode.hpp)
   IndexerBackwardOptions opt = options;
   opt.backend = Backend::cpu;
   opt.deterministic = false;
@@ -357,9 +363,17 @@ double indexer_kl_loss(const IndexerBackwardInputs& inputs, const IndexerBackwar
     int64_t b, t;
     g.q_row_coords(r, &b, &t);
     if (recompute_p) {
+      // Invalid slots are -inf; a row with a valid slot goes on even if its logits
+      // are not finite (the loss is then NaN, not the row silently dropped).
       double zmax = -std::numeric_limits<double>::infinity();
-      for (int64_t i = 0; i < g.topk; ++i) zmax = std::max(zmax, z[r * g.topk + i]);
-      if (!std::isfinite(zmax)) continue;  // no valid slot
+      bool any_valid = false;
+      for (int64_t i = 0; i < g.topk; ++i) {
+        const double zi = z[r * g.topk + i];
+        if (zi == -std::numeric_limits<double>::infinity()) continue;
+        any_valid = true;
+        zmax = std::isnan(zi) || std::isnan(zmax) ? std::numeric_limits<double>::quiet_NaN() : std::max(zmax, zi);
+      }
+      if (!any_valid) continue;  // no valid slot
       double sum = 0;
       for (int64_t i = 0; i < g.topk; ++i) sum += (p[i] = std::exp(z[r * g.topk + i] - zmax));
       for (int64_t i = 0; i < g.topk; ++i) p[i] /= sum;

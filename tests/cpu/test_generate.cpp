@@ -394,6 +394,33 @@ TEST(Generate, ProblemBeyondHostMemoryIsOutOfMemory) {
   }
 }
 
+/// In a child process under an address-space limit 64 MiB above what is mapped:
+/// a spec within this machine's memory (so the estimate lets it through) whose
+/// per-thread scratch (topk ids and logits, 16 B per slot: 4.8 GB) cannot be
+/// allocated. Exits 0 when generate_problem raised out_of_memory (a std::bad_alloc
+/// escaped before), else a code that says which check failed.
+[[noreturn]] void generate_beyond_address_space_child() {
+  GenerateSpec s = small_spec(96);
+  s.batch = 1, s.s_q = 0, s.s_kv = 1, s.topk = 300000000, s.heads = 8, s.head_dim = 64, s.num_threads = 1;
+  if (!limit_address_space(size_t{64} << 20)) std::_Exit(11);
+  try {
+    (void)generate_problem(s);
+  } catch (const Error& e) {
+    if (e.code() != ErrorCode::out_of_memory) std::_Exit(12);
+    if (std::string(e.what()).find("out of memory: expected room in host memory") != 0) std::_Exit(13);
+    std::_Exit(0);
+  } catch (...) {
+    std::_Exit(14);  // e.g. std::bad_alloc
+  }
+  std::_Exit(15);  // it ran: the limit did not bite
+}
+
+TEST(Generate, AllocationFailureIsOutOfMemory) {
+  if (kSanitizedBuild) GTEST_SKIP() << "address-space limits and sanitizer shadow memory do not mix";
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(generate_beyond_address_space_child(), ::testing::ExitedWithCode(0), "");
+}
+
 /// The documented speed: B1 S1024 H64 D128 topk 256 causal in a few seconds on 2 cores.
 TEST(Generate, RealisticSizeIsFast) {
   GenerateSpec s;

@@ -10,6 +10,10 @@
 #include <limits>
 #include <random>
 
+#if defined(__x86_64__) || defined(__SSE2__)
+#include <xmmintrin.h>
+#endif
+
 #include "core/bf16.hpp"
 #include "core/element_access.hpp"
 #include "support/test_support.hpp"
@@ -32,6 +36,98 @@ double bf16_round_reference(double d) {
   const double r = std::ldexp(q, quantum_exp);
   const double max_bf16 = std::ldexp(255.0, 120);  // 0x7f7f
   return std::copysign(r > max_bf16 ? std::numeric_limits<double>::infinity() : r, d);
+}
+
+/// Runs fn with the SSE flush-to-zero and denormals-are-zero bits set, as
+/// -ffast-math code or torch.set_flush_denormal(True) leave a thread, and checks
+/// that the library restored them; returns false where there is no MXCSR.
+template <class Fn>
+bool with_ftz_daz(Fn fn) {
+#if defined(__x86_64__) || defined(__SSE2__)
+  const unsigned saved = _mm_getcsr();
+  _mm_setcsr(saved | 0x8040u);
+  fn();
+  const unsigned after = _mm_getcsr();
+  _mm_setcsr(saved);
+  EXPECT_EQ(after, saved | 0x8040u) << "the caller's MXCSR is restored";
+  return true;
+#else
+  (void)fn;
+  return false;
+#endif
+}
+
+// The fp64 reference, the cpu backend and the generator run with IEEE
+// subnormals whatever the caller's mode: under FTZ/DAZ an index_score of
+// 27 * 2^-149 (3.8e-44, >= eps = exp(-100)) at a valid slot read as 0 and
+// masked the slot out (relative RMS 1.0 in a break-it run).
+TEST(Outputs, CallersFlushToZeroModeChangesNothing) {
+  GenerateSpec s = small_spec(71);
+  s.batch = 1, s.s_q = 6, s.s_kv = 40, s.topk = 8, s.heads = 8, s.head_dim = 64;
+  s.num_threads = 2;
+  GeneratedProblem p = make_problem(s);
+  // A subnormal P at row 3's first valid slot, a subnormal weight too.
+  const int64_t K = topk(p);
+  const int32_t* ids = p.topk_indices.data<int32_t>();
+  int64_t slot = -1;
+  for (int64_t i = 0; i < K && slot < 0; ++i) slot = ids[3 * K + i] >= 0 ? 3 * K + i : -1;
+  ASSERT_GE(slot, 0);
+  uint32_t sub = 27;  // 27 * 2^-149
+  std::memcpy(&p.index_score.data<float>()[slot], &sub, 4);
+  p.weights.data<uint16_t>()[5] = 0x0003;  // a bf16 subnormal
+  IndexerBackwardOptions opt = p.options();
+  opt.num_threads = 2;
+  const OutputBuffers want = run_cpu(p, opt);
+  const ReferenceGradients ref_want = reference_backward(p.inputs(), opt);
+  const double loss_want = indexer_kl_loss(p.inputs(), opt, /*recompute_p=*/false);
+  OutputBuffers got;
+  ReferenceGradients ref_got;
+  double loss_got = 0;
+  GeneratedProblem gen_got;
+  if (!with_ftz_daz([&] {
+        got = run_cpu(p, opt);
+        ref_got = reference_backward(p.inputs(), opt);
+        loss_got = indexer_kl_loss(p.inputs(), opt, /*recompute_p=*/false);
+        gen_got = make_problem(s);
+      })) {
+    GTEST_SKIP() << "no MXCSR on this target";
+  }
+  EXPECT_TRUE(bitwise_equal(got.d_index_q, want.d_index_q));
+  EXPECT_TRUE(bitwise_equal(got.d_weights, want.d_weights));
+  EXPECT_TRUE(bitwise_equal(got.d_index_k, want.d_index_k));
+  EXPECT_EQ(ref_got.d_index_q, ref_want.d_index_q);
+  EXPECT_EQ(ref_got.d_index_k, ref_want.d_index_k);
+  EXPECT_EQ(loss_got, loss_want);
+  const GeneratedProblem gen_want = make_problem(s);
+  EXPECT_TRUE(bitwise_equal(gen_got.index_score, gen_want.index_score));
+  EXPECT_TRUE(bitwise_equal(gen_got.attn_score, gen_want.attn_score));
+  // The slot counts: P at 3.8e-44 is >= eps, so row 3's gradients are not zero.
+  double row3 = 0;
+  const int64_t HD = s.heads * s.head_dim;
+  for (int64_t e = 0; e < HD; ++e) row3 += std::abs(want.d_index_q.data<float>()[3 * HD + e]);
+  EXPECT_GT(row3, 0.0);
+}
+
+// A NaN dot product counts as not positive in the logits and the loss, as in the
+// backward (docs/math.md, stage 2): z stays finite and the row stays in the loss.
+TEST(Outputs, LogitsAndLossTreatANanDotProductAsNotPositive) {
+  GenerateSpec s = small_spec(72);
+  s.batch = 1, s.s_q = 2, s.s_kv = 3, s.topk = 3, s.heads = 8, s.head_dim = 64;
+  GeneratedProblem p = make_problem(s);
+  p.index_q.data<uint16_t>()[0] = 0x7f80;                                      // q[row 0, head 0, d 0] = +inf
+  for (int64_t j = 0; j < 3; ++j) p.index_k.data<uint16_t>()[j * 64] = 0;      // k[:, 0] = 0: inf * 0 = NaN
+  const std::vector<double> z = reference_index_logits(p.inputs(), p.options());
+  for (int64_t i = 0; i < 3; ++i) {
+    if (p.topk_indices.data<int32_t>()[i] >= 0) EXPECT_TRUE(std::isfinite(z[i])) << "slot " << i << ": " << z[i];
+  }
+  refresh_index_score(p);  // P = softmax of those logits
+  const double loss = indexer_kl_loss(p.inputs(), p.options(), /*recompute_p=*/true);
+  EXPECT_TRUE(std::isfinite(loss)) << loss;
+  EXPECT_NEAR(loss, indexer_kl_loss(p.inputs(), p.options(), /*recompute_p=*/false), 1e-6 * std::abs(loss));  // P stored in f32
+  // Row 0 is in it: the loss differs from the same problem with row 0's ids invalid.
+  GeneratedProblem q = p;
+  for (int64_t i = 0; i < 3; ++i) q.topk_indices.data<int32_t>()[i] = -1;
+  EXPECT_NE(indexer_kl_loss(q.inputs(), q.options(), true), loss);
 }
 
 // The cpu backend rounds its fp64 results to bf16 once. Rounding through float
