@@ -432,19 +432,27 @@ std::string nonfinite_effect(const std::string& name) {
 }
 
 /// Why outputs are not finite, as far as the run can tell: non-finite inputs; a
-/// reference beyond the output dtype's range (overflow, as IEEE rounding gives);
-/// or, with finite inputs and a reference in range (or none computed), unexplained.
+/// reference at or beyond the output dtype's rounding-to-infinity point
+/// (overflow, as IEEE rounding gives); or, with finite inputs and a reference in
+/// range, unexplained (in the sampled rows only, with --verify sample; none
+/// computed with --verify none).
 std::string nonfinite_outputs_cause(const std::string& input_nonfinite, const Verification& v) {
   if (!input_nonfinite.empty()) return "the inputs hold non-finite values: " + input_nonfinite;
   std::string overflowed;
   for (const Metric& m : v.metrics) {
-    const double max_finite = m.dtype == DType::bf16 ? 3.3895313892515355e38 : std::numeric_limits<float>::max();
-    if (m.nonfinite > 0 && m.ref_max_abs > max_finite) {
+    // Halfway between the largest finite value and the next power of two: from
+    // there on, round-to-nearest-even gives infinity (bf16 0x7f7f8000, f32 2^128 (1 - 2^-25)).
+    const double to_infinity = m.dtype == DType::bf16 ? 3.39617752923046e38 : 3.4028235677973366e38;
+    if (m.nonfinite > 0 && m.ref_max_abs >= to_infinity) {
       overflowed += (overflowed.empty() ? "" : ", ") + m.name + " (|ref| up to " + format_float(m.ref_max_abs) + ")";
     }
   }
   if (!overflowed.empty()) return "the fp64 reference exceeds the output dtype's range: overflow in " + overflowed;
   if (v.mode == "none") return "the inputs are all finite; --verify tells an overflow of the output dtype from a defect";
+  if (v.mode == "sample") {
+    return "the inputs are all finite and the sampled rows' fp64 reference is within the output dtype's range; "
+           "--verify all tells an overflow in other rows from a defect";
+  }
   return "the inputs are all finite and the fp64 reference is within the output dtype's range: unexpected";
 }
 

@@ -51,7 +51,8 @@ struct GeneratedProblem {
 /// (its tensors and each thread's scratch) needs more host memory than the
 /// machine's memory and swap (Linux sysinfo), or, when an allocation fails
 /// anyway (a container's cgroup limit or ulimit -v, which sysinfo does not see),
-/// after it. Runs with IEEE subnormals whatever the caller's FTZ/DAZ mode.
+/// after it. Runs with IEEE subnormals whatever the caller's FTZ/DAZ mode
+/// (x86-64 and aarch64: src/core/float_mode.hpp).
 GeneratedProblem generate_problem(const GenerateSpec& spec);
 
 }  // namespace dsaib

@@ -162,9 +162,10 @@ std::string sizes_string(const std::vector<int64_t>& v) {
 int resolve_threads(int32_t requested, int64_t work_items);
 
 /// Host bytes the problem will hold at once (its tensors, the key-side
-/// temporaries, the per-sequence tables and each thread's row scratch: topk
-/// selected ids and logits, and up to the longest key sequence of scores,
-/// candidates and permutation), from the spec's sizes and the row and sequence
+/// temporaries, the per-sequence tables and each thread's row scratch: per
+/// selectable slot (min(topk, longest key sequence)) its id, logit, attention
+/// sums and a swap, and per key of the longest sequence a score, a candidate
+/// and a permutation entry), from the spec's sizes and the row and sequence
 /// counts resolve() has checked.
 double estimated_host_bytes(const GenerateSpec& spec, int64_t q_rows, int64_t k_rows, int64_t sequences,
                             int64_t max_k_len) {
@@ -173,8 +174,10 @@ double estimated_host_bytes(const GenerateSpec& spec, int64_t q_rows, int64_t k_
   const double H = static_cast<double>(spec.heads), D = static_cast<double>(spec.head_dim),
                K = static_cast<double>(spec.topk);
   const double threads = resolve_threads(spec.num_threads, std::max(q_rows, k_rows));
+  const double selectable = std::min(K, static_cast<double>(max_k_len));
   return tq * H * D * 2 + tq * H * 4 + tk * D * (2 + 4) + tk * kAttnHeads * kAttnDim * 4 + tq * K * 4 * 3 +
-         tq * 4 + nseq * 4 * 8 + nseq * 2 * 4 + threads * (K * (8 + 8) + static_cast<double>(max_k_len) * (4 + 4 + 4));
+         tq * 4 + nseq * 4 * 8 + nseq * 2 * 4 +
+         threads * (selectable * (8 + 8 + 8 + 8 + 16) + static_cast<double>(max_k_len) * (4 + 4 + 4));
 }
 
 /// Host memory and swap of this machine in bytes (0: unknown).
@@ -408,8 +411,17 @@ static GeneratedProblem generate_problem_unguarded(const GenerateSpec& spec) {
     s.w32.resize(H);
     s.x32.resize(H);
     s.x64.resize(H);
-    s.sel.reserve(K);
-    s.z.reserve(K);
+    // Every buffer a row can need, at its largest, here on the calling thread:
+    // the workers then never allocate (an allocation failure in a worker
+    // thread would terminate the process instead of raising out_of_memory).
+    const auto selectable = static_cast<size_t>(std::min<int64_t>(K, seqs.max_k_len));
+    s.sel.reserve(selectable);
+    s.z.reserve(selectable);
+    s.t.reserve(selectable);
+    s.p.reserve(selectable);
+    s.swaps.reserve(selectable);
+    s.z_all.reserve(static_cast<size_t>(seqs.max_k_len));
+    s.order.reserve(static_cast<size_t>(seqs.max_k_len));
     s.aq.resize(kAttnHeads * kAttnDim);
     if (spec.ids == IdPattern::random_permutation) {
       s.perm.resize(static_cast<size_t>(seqs.max_k_len));

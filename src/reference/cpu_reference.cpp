@@ -363,13 +363,14 @@ double indexer_kl_loss(const IndexerBackwardInputs& inputs, const IndexerBackwar
     int64_t b, t;
     g.q_row_coords(r, &b, &t);
     if (recompute_p) {
-      // Invalid slots are -inf; a row with a valid slot goes on even if its logits
-      // are not finite (the loss is then NaN, not the row silently dropped).
+      // Validity from the ids (a valid slot's logit may itself be -inf): a row
+      // with a valid slot goes on even if its logits are not finite (the loss is
+      // then NaN, not the row silently dropped).
       double zmax = -std::numeric_limits<double>::infinity();
       bool any_valid = false;
       for (int64_t i = 0; i < g.topk; ++i) {
+        if (g.key_row(b, static_cast<int64_t>(rd.slot(inputs.topk_indices, r, i))) < 0) continue;
         const double zi = z[r * g.topk + i];
-        if (zi == -std::numeric_limits<double>::infinity()) continue;
         any_valid = true;
         zmax = std::isnan(zi) || std::isnan(zmax) ? std::numeric_limits<double>::quiet_NaN() : std::max(zmax, zi);
       }

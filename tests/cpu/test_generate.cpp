@@ -396,12 +396,12 @@ TEST(Generate, ProblemBeyondHostMemoryIsOutOfMemory) {
 
 /// In a child process under an address-space limit 64 MiB above what is mapped:
 /// a spec within this machine's memory (so the estimate lets it through) whose
-/// per-thread scratch (topk ids and logits, 16 B per slot: 4.8 GB) cannot be
-/// allocated. Exits 0 when generate_problem raised out_of_memory (a std::bad_alloc
-/// escaped before), else a code that says which check failed.
+/// tensors (~0.2 GB of ids and scores) cannot be allocated, on two threads.
+/// Exits 0 when generate_problem raised out_of_memory (a std::bad_alloc escaped
+/// before), else a code that says which check failed.
 [[noreturn]] void generate_beyond_address_space_child() {
   GenerateSpec s = small_spec(96);
-  s.batch = 1, s.s_q = 0, s.s_kv = 1, s.topk = 300000000, s.heads = 8, s.head_dim = 64, s.num_threads = 1;
+  s.batch = 1, s.s_q = 4096, s.s_kv = 4096, s.topk = 4096, s.heads = 8, s.head_dim = 64, s.num_threads = 2;
   if (!limit_address_space(size_t{64} << 20)) std::_Exit(11);
   try {
     (void)generate_problem(s);
@@ -413,6 +413,21 @@ TEST(Generate, ProblemBeyondHostMemoryIsOutOfMemory) {
     std::_Exit(14);  // e.g. std::bad_alloc
   }
   std::_Exit(15);  // it ran: the limit did not bite
+}
+
+// A huge topk over short sequences: the per-thread scratch is sized by the
+// selectable slots (min(topk, longest key sequence)), not by topk.
+TEST(Generate, ScratchIsSizedBySelectableSlots) {
+  GenerateSpec s = small_spec(97);
+  s.batch = 2, s.s_q = 3, s.s_kv = 5, s.topk = 20000, s.heads = 8, s.head_dim = 64;  // scratch: 5 slots per thread
+  const GeneratedProblem p = make_problem(s);
+  EXPECT_EQ(topk(p), 20000);
+  const int32_t* ids = p.topk_indices.data<int32_t>();
+  for (int64_t r = 0; r < 6; ++r) {
+    int valid = 0;
+    for (int64_t i = 0; i < 20000; ++i) valid += ids[r * 20000 + i] >= 0;
+    EXPECT_EQ(valid, r % 3 + 3) << "row " << r;  // causal, queries at the end of the keys: t + 1 + (S_kv - S_q)
+  }
 }
 
 TEST(Generate, AllocationFailureIsOutOfMemory) {
