@@ -29,26 +29,64 @@ T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.
        2.045, 2.042]
 
 
+def t95(df):
+    """Two-sided 95% Student-t quantile: the table up to df 30, beyond it the
+    Cornish-Fisher expansion around z = 1.959964 (within 1e-4 of the exact
+    quantile from df 31: 2.0227 at df 39, 1.9840 at df 100)."""
+    if df <= 30:
+        return T95[df - 1]
+    z = 1.959963984540054
+    return (z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+            + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * df**3))
+
+
+def fail(binary, what):
+    raise SystemExit(f"{binary}: {what}")
+
+
 METRICS = ("ns_per_row", "ns_per_row_sustained")
 
 
 def run(binary, extra, metrics=("ns_per_row",)):
-    """{metric: {case: value}} of one run of `binary --json FILE extra...`."""
+    """{metric: {case: value}} of one run of `binary --json FILE extra...`.
+    Exits with a message naming the binary for a failed run or a JSON that is
+    not the bench's (a list of case objects with a finite positive metric, each
+    case once)."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         path = f.name
-    cmd = [binary, "--json", path] + extra
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    with open(path) as f:
-        rows = json.load(f)
-    os.unlink(path)
+    try:
+        cmd = [binary, "--json", path] + extra
+        try:
+            rc = subprocess.run(cmd, stdout=subprocess.DEVNULL).returncode
+        except OSError as e:
+            fail(binary, f"cannot run it ({e.strerror})")
+        if rc != 0:
+            fail(binary, f"exited with status {rc} ({' '.join(cmd)})")
+        try:
+            with open(path) as f:
+                rows = json.load(f)
+        except ValueError as e:
+            fail(binary, f"its --json file is not valid JSON ({e})")
+    finally:
+        os.unlink(path)
+    if not isinstance(rows, list) or not rows:
+        fail(binary, "expected its JSON to be a non-empty list of cases")
     out = {m: {} for m in metrics}
     for r in rows:
-        case = f'{r["ids"]} S{r["seq"]} H{r["heads"]} D{r["dim"]} k{r["topk"]}'
+        if not isinstance(r, dict):
+            fail(binary, f"expected each case to be an object, got {r!r}")
+        try:
+            batch = r.get("batch", 1)  # named only when not 1, as the cases of the issue's table are
+            case = f'{r["ids"]}{"" if batch == 1 else f" B{batch}"} S{r["seq"]} H{r["heads"]} D{r["dim"]} k{r["topk"]}'
+        except KeyError as e:
+            fail(binary, f"a case without {e} in its JSON")
         for m in metrics:
             v = r.get(m)
-            if not isinstance(v, (int, float)) or not v > 0:
-                raise SystemExit(f"{binary}: no positive {m!r} in its JSON" +
-                                 (" (does it take --sustained-ms?)" if m == "ns_per_row_sustained" else ""))
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v < math.inf):
+                fail(binary, f"no finite positive {m!r} for {case} in its JSON" +
+                     (" (does it take --sustained-ms?)" if m == "ns_per_row_sustained" else ""))
+            if case in out[m]:
+                fail(binary, f"case {case} twice in its JSON (the pairs would mix them)")
             out[m][case] = v
     return out
 
@@ -83,6 +121,10 @@ def main():
         for tag, binary in order:
             got[tag] = run(binary, extra, metrics)
         for m in metrics:
+            if set(got["A"][m]) != set(got["B"][m]):
+                only_a = sorted(set(got["A"][m]) - set(got["B"][m]))
+                only_b = sorted(set(got["B"][m]) - set(got["A"][m]))
+                raise SystemExit(f"A and B ran different cases: only in A {only_a}, only in B {only_b}")
             for case in got["A"][m]:
                 samples[m].setdefault(case, []).append((got["A"][m][case], got["B"][m][case]))
     report = []
@@ -94,15 +136,16 @@ def main():
             n = len(deltas)
             mean = statistics.fmean(deltas)
             sd = statistics.stdev(deltas) if n > 1 else float("nan")
-            half = T95[min(n - 1, 30) - 1] * sd / math.sqrt(n) if n > 1 else float("nan")
+            half = t95(n - 1) * sd / math.sqrt(n) if n > 1 else float("nan")
             ma = statistics.median(a for a, _ in pairs)
             mb = statistics.median(b for _, b in pairs)
             print(f"{case:34s} {ma:9.1f} {mb:9.1f} {mean:9.1f} [{mean - half:8.1f}, {mean + half:8.1f}] {mb / ma:6.3f}")
+            ci = [mean - half, mean + half] if n > 1 else None  # JSON null: one pair has no interval
             report.append({"case": case, "metric": m, "a_median": ma, "b_median": mb, "delta_mean": mean,
-                           "ci95": [mean - half, mean + half], "pairs": pairs})
+                           "ci95": ci, "pairs": pairs})
     if o.out:
         with open(o.out, "w") as f:
-            json.dump(report, f, indent=1)
+            json.dump(report, f, indent=1, allow_nan=False)
 
 
 if __name__ == "__main__":

@@ -45,8 +45,23 @@ EXTRA_COLOURS = ["#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22"]
 
 
 def load(path):
-    with open(path) as f:
-        return json.load(f)
+    """The JSON of `path`: an object or a list, else a clear exit naming the file."""
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except OSError as e:
+        raise SystemExit(f"{path}: cannot read it ({e.strerror})")
+    except ValueError as e:
+        raise SystemExit(f"{path}: not valid JSON ({e})")
+    if not isinstance(d, (dict, list)):
+        raise SystemExit(f"{path}: expected a JSON object or list, got {type(d).__name__}")
+    return d
+
+
+def seq_value(v):
+    """v as an int when it is a positive whole number (not a bool), else None."""
+    v = time_value(v)
+    return int(v) if v is not None and v == int(v) else None
 
 
 def ours_rows(d):
@@ -77,8 +92,9 @@ def ns_of(r):
             return v
     t = r.get("timing") or {}
     ms = time_value(t.get("median_ms")) if isinstance(t, dict) else None
-    if ms is not None and r.get("seq"):
-        return time_value(ms * 1e6 / (r["seq"] * r.get("batch", 1)))
+    seq, batch = seq_value(r.get("seq")), seq_value(r.get("batch", 1))
+    if ms is not None and seq is not None and batch is not None:
+        return time_value(ms * 1e6 / (seq * batch))
     return None
 
 
@@ -95,14 +111,14 @@ def series(rows, heads, dim, topk, time_of=ns_of):
     """{ids: [(S, ns)]} for rows of the DeepSeek shape that have a time."""
     out = {}
     for r in rows:
-        if r.get("status", "ok") not in ("ok",):
+        if not isinstance(r, dict) or r.get("status", "ok") not in ("ok",):
             continue
         if (r.get("heads", heads), r.get("dim", dim), r.get("topk", topk)) != (heads, dim, topk):
             continue
-        ns = time_of(r)
-        if ns is None or not r.get("seq"):
+        ns, seq = time_of(r), seq_value(r.get("seq"))
+        if ns is None or seq is None:
             continue
-        out.setdefault(r.get("ids", "?"), []).append((int(r["seq"]), ns))
+        out.setdefault(str(r.get("ids", "?")), []).append((seq, ns))
     return {k: sorted(v) for k, v in out.items()}
 
 
@@ -113,8 +129,9 @@ def floor_points_of_bench(d, heads, dim, topk, key="floor"):
     for c in (d or {}).get("cases", []) if isinstance(d, dict) else []:
         f = c.get(key)
         ns = time_value(f.get("ns_per_row")) if isinstance(f, dict) else None
-        if (c.get("heads"), c.get("dim"), c.get("topk")) == (heads, dim, topk) and ns is not None and c.get("seq_kv"):
-            pts[int(c["seq_kv"])] = ns
+        seq = seq_value(c.get("seq_kv")) if isinstance(c, dict) else None
+        if (c.get("heads"), c.get("dim"), c.get("topk")) == (heads, dim, topk) and ns is not None and seq is not None:
+            pts[seq] = ns
     return sorted(pts.items())
 
 
@@ -130,8 +147,11 @@ def floor_points(d, heads, dim, topk):
         return []
     pts = []
     for r in d.get("floor", []) or []:
-        if (r.get("heads"), r.get("dim"), r.get("topk")) == (heads, dim, topk) and r.get("floor_ns_per_row"):
-            pts.append((int(r["seq_kv"]), float(r["floor_ns_per_row"])))
+        if not isinstance(r, dict) or (r.get("heads"), r.get("dim"), r.get("topk")) != (heads, dim, topk):
+            continue
+        ns, seq = time_value(r.get("floor_ns_per_row")), seq_value(r.get("seq_kv"))
+        if ns is not None and seq is not None:  # like the times: only finite positive floors are drawn
+            pts.append((seq, ns))
     return sorted(set(pts))
 
 
@@ -233,9 +253,9 @@ def main(argv=None):
                         label=f"{label}{label_extra}, {ids} ids, sustained")
                 drawn = True
         for r in rows:  # cases that ran but have no time: say so under the plot
-            if r.get("status", "ok") != "ok":
+            if isinstance(r, dict) and r.get("status", "ok") != "ok":
                 missing.append(f"{label} {r.get('ids', '')} S{r.get('seq', '')}: {r.get('status')}"
-                               + (f" ({r.get('reason', '')[:80]})" if r.get("reason") else ""))
+                               + (f" ({str(r.get('reason'))[:80]})" if r.get("reason") else ""))
         return drawn
 
     if not draw("dsaib", ours, ratio=True):
@@ -336,4 +356,7 @@ def spread_labels(fig, ax, labels, gap_pt=9.0, offsets_pt=(4.0, -11.0, 13.0, -20
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except (AttributeError, TypeError, KeyError) as e:  # a JSON of another shape than the benches write
+        sys.exit(f"plot_bench.py: malformed input ({type(e).__name__}: {e})")

@@ -21,6 +21,17 @@ EOS
 fake a 100 110
 fake b 102 105
 fake c 100 none
+raw() {  # name json-text [exit-status]: a fake bench writing that text
+  printf '#!/bin/sh\ncat > "$2" <<'"'"'J'"'"'\n%s\nJ\nexit %s\n' "$2" "${3:-0}" > "$dir/$1"
+  chmod +x "$dir/$1"
+}
+raw notjson '{"ids": '
+raw infinite '[{"ids": "random", "seq": 16, "heads": 64, "dim": 128, "topk": 4, "ns_per_row": Infinity}]'
+raw boolean '[{"ids": "random", "seq": 16, "heads": 64, "dim": 128, "topk": 4, "ns_per_row": true}]'
+raw nokey '[{"ids": "random", "seq": 16, "dim": 128, "topk": 4, "ns_per_row": 100}]'
+raw other '[{"ids": "causal", "seq": 16, "heads": 64, "dim": 128, "topk": 4, "ns_per_row": 100}]'
+raw twice '[{"ids": "random", "seq": 16, "heads": 64, "dim": 128, "topk": 4, "ns_per_row": 100}, {"ids": "random", "seq": 16, "heads": 64, "dim": 128, "topk": 4, "ns_per_row": 101}]'
+raw crashes '[]' 3
 fail=0
 expect() {  # what output-substring rc-wanted command...
   local what=$1 sub=$2 want=$3; shift 3
@@ -41,8 +52,39 @@ expect "sustained without the flag" "needs --sustained-ms with a positive value"
   "$py" "$ab" "$dir/a" "$dir/b" --metric ns_per_row_sustained
 expect "sustained with 0 ms" "needs --sustained-ms with a positive value" 2 \
   "$py" "$ab" "$dir/a" "$dir/b" --metric ns_per_row_sustained --args "--sustained-ms 0"
-expect "no sustained key" "no positive 'ns_per_row_sustained'" 1 \
+expect "no sustained key" "no finite positive 'ns_per_row_sustained'" 1 \
   "$py" "$ab" "$dir/c" "$dir/b" --pairs 1 --metric ns_per_row_sustained --args "--sustained-ms 5"
 expect "pairs 0" "--pairs: expected >= 1" 2 "$py" "$ab" "$dir/a" "$dir/b" --pairs 0
+# Runs and JSON that are not the bench's: a message naming the binary, no traceback.
+expect "not JSON" "notjson: its --json file is not valid JSON" 1 "$py" "$ab" "$dir/notjson" "$dir/b" --pairs 1
+expect "Infinity" "no finite positive 'ns_per_row'" 1 "$py" "$ab" "$dir/a" "$dir/infinite" --pairs 1
+expect "true" "no finite positive 'ns_per_row'" 1 "$py" "$ab" "$dir/a" "$dir/boolean" --pairs 1
+expect "missing key" "a case without 'heads'" 1 "$py" "$ab" "$dir/nokey" "$dir/b" --pairs 1
+expect "other cases" "A and B ran different cases" 1 "$py" "$ab" "$dir/a" "$dir/other" --pairs 1
+expect "case twice" "twice in its JSON" 1 "$py" "$ab" "$dir/twice" "$dir/b" --pairs 1
+expect "exit status" "crashes: exited with status 3" 1 "$py" "$ab" "$dir/a" "$dir/crashes" --pairs 1
+expect "missing binary" "cannot run it" 1 "$py" "$ab" "$dir/a" "$dir/nonexistent" --pairs 1
+# One pair: no interval, and the --out file is standard JSON (null, not NaN).
+expect "one pair" "[     nan,      nan]" 0 "$py" "$ab" "$dir/a" "$dir/b" --pairs 1 --out "$dir/one.json"
+if ! "$py" -c 'import json,sys; r=json.load(open(sys.argv[1]), parse_constant=lambda c: sys.exit("NaN in --out")); assert r[0]["ci95"] is None' "$dir/one.json"; then
+  echo "FAIL: one pair: --out is not standard JSON with ci95 null"; fail=1
+fi
+# The interval: A 100 throughout, B 101, 102, 103, 106 in the four pairs: deltas
+# 1, 2, 3, 6, mean 3, sd 2.1602, t(3) 3.182: 3 +- 3.437 = [-0.437, 6.437].
+echo 0 > "$dir/count"
+cat > "$dir/steps" <<EOS
+#!/bin/sh
+n=\$(cat "$dir/count"); echo \$((n + 1)) > "$dir/count"
+case \$n in 0) v=101;; 1) v=102;; 2) v=103;; *) v=106;; esac
+printf '[{"ids": "random", "seq": 16, "heads": 64, "dim": 128, "topk": 4, "ns_per_row": %s}]' \$v > "\$2"
+EOS
+chmod +x "$dir/steps"
+fake constant 100 none
+expect "interval" "100.0     102.5       3.0 [    -0.4,      6.4]" 0 \
+  "$py" "$ab" "$dir/constant" "$dir/steps" --pairs 4
+# Beyond df 30 the quantile follows df (it was held at df 30's 2.042).
+if ! (cd "$(dirname "$ab")" && "$py" -c 'import ab_compare as a; assert abs(a.t95(39) - 2.0227) < 2e-4 and abs(a.t95(100) - 1.9840) < 2e-4 and a.t95(30) == 2.042'); then
+  echo "FAIL: t95 beyond df 30"; fail=1
+fi
 [[ $fail -eq 0 ]] && echo "ab_compare: timed, sustained and both metrics; refusals as expected"
 exit $fail

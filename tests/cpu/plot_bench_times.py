@@ -60,4 +60,32 @@ assert pb.choose_floor(f, b, m) == f
 assert pb.choose_floor([], b, m) == b
 assert pb.choose_floor([], [], m) == m
 assert pb.choose_floor([], [], []) == []
+# floors of --floor / --merged files: finite positive only (a NaN, negative, bool or
+# text floor is skipped like a time; it used to be drawn and to label the ratios)
+merged = {"floor": [
+    {"seq_kv": 4096, "heads": 64, "dim": 128, "topk": 2048, "floor_ns_per_row": 277.0},
+    {"seq_kv": 8192, "heads": 64, "dim": 128, "topk": 2048, "floor_ns_per_row": math.nan},
+    {"seq_kv": 16384, "heads": 64, "dim": 128, "topk": 2048, "floor_ns_per_row": -5},
+    {"seq_kv": 32768, "heads": 64, "dim": 128, "topk": 2048, "floor_ns_per_row": True},
+    {"seq_kv": 49152, "heads": 64, "dim": 128, "topk": 2048, "floor_ns_per_row": "n/a"},
+    {"seq_kv": 65536, "heads": 64, "dim": 128, "topk": 2048, "floor_ns_per_row": math.inf},
+    {"seq_kv": math.nan, "heads": 64, "dim": 128, "topk": 2048, "floor_ns_per_row": 275.0},
+    "not a row",
+]}
+assert pb.floor_points(merged, 64, 128, 2048) == [(4096, 277.0)], pb.floor_points(merged, 64, 128, 2048)
+# rows with a bad S or batch give no point, not an exception
+assert pb.series([{"ids": "random", "seq": math.nan, "ns_per_row": 300.0}, "x"], 64, 128, 2048) == {}
+assert pb.ns_of({"seq": 4096, "batch": 0, "timing": {"median_ms": 1.0}}) is None
+# malformed files: a clear exit naming the file
+import json, os, tempfile
+with tempfile.TemporaryDirectory() as d:
+    for name, text in (("bad.json", '{"ids": '), ("number.json", "3")):
+        path = os.path.join(d, name)
+        with open(path, "w") as f:
+            f.write(text)
+        try:
+            pb.load(path)
+            raise AssertionError(f"load({name}) did not exit")
+        except SystemExit as e:
+            assert str(e).startswith(path + ": "), e
 print("plot_bench times: all checks passed")
