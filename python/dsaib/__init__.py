@@ -74,23 +74,34 @@ def __getattr__(name):
 
 
 def bf16_bits(x) -> _np.ndarray:
-    """float32 array -> uint16 array of bf16 bit patterns (round to nearest even).
+    """float32 array -> uint16 array of bf16 bit patterns (round to nearest even),
+    of the same shape (a 0-d input gives a 0-d result).
 
     NaN stays NaN. The result is meant for ``uint16_as_bf16=True``.
     """
-    f = _np.ascontiguousarray(x, dtype=_np.float32)
+    given = _np.asarray(x, dtype=_np.float32)
+    f = _np.ascontiguousarray(given).reshape(-1)  # 1-D here, the input's shape back at the end
     u = f.view(_np.uint32).astype(_np.uint64)
     rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
     nan = _np.isnan(f)
     out = rounded.astype(_np.uint16)
     out[nan] = ((u[nan] >> 16) | 0x40).astype(_np.uint16)
-    return out
+    return out.reshape(given.shape)
 
 
 def bf16_to_f32(bits) -> _np.ndarray:
-    """uint16 array of bf16 bit patterns -> float32 array (exact)."""
-    b = _np.ascontiguousarray(bits, dtype=_np.uint16)
-    return (b.astype(_np.uint32) << 16).view(_np.float32)
+    """uint16 array of bf16 bit patterns -> float32 array (exact), of the same shape.
+
+    Raises ValueError for values that are not 16-bit patterns (outside
+    [0, 65535] as unsigned, or [-32768, 65535] for signed input such as int16
+    bits), which a cast to uint16 would wrap."""
+    a = _np.asarray(bits)
+    if a.dtype.kind in "iu" and a.size and (int(a.min()) < -32768 or int(a.max()) > 65535):
+        raise ValueError(f"bits: expected 16-bit patterns, got values in [{int(a.min())}, {int(a.max())}]")
+    if a.dtype.kind not in "iub":
+        raise TypeError(f"bits: expected an integer array of bf16 bit patterns, got dtype {a.dtype}")
+    b = _np.ascontiguousarray(a.astype(_np.uint16)).reshape(-1)
+    return (b.astype(_np.uint32) << 16).view(_np.float32).reshape(a.shape)
 
 
 # ---- frameworks ---------------------------------------------------------------
@@ -322,6 +333,30 @@ def _grad_loss(x):
     if hasattr(x, "__dlpack__") or type(x).__name__ == "PyCapsule":
         return 1.0, x
     raise TypeError(f"grad_loss: expected a real number or a one-element float32 tensor, got {_type_name(x)}")
+
+
+def _host_grad_loss(x) -> float:
+    """grad_loss as indexer_backward takes it (a real number, or a one-element
+    float32 tensor), read on the host for the loss (host tensors only)."""
+    value, tensor = _grad_loss(x)
+    if tensor is None:
+        return value
+    _check_arrays(grad_loss=tensor)
+    try:
+        arr = _np.from_dlpack(tensor) if hasattr(tensor, "__dlpack__") else None
+    except (BufferError, RuntimeError, TypeError, ValueError) as e:
+        raise ValueError(f"grad_loss: expected a one-element float32 tensor in host memory, got one numpy "
+                         f"cannot read ({e})") from None
+    if arr is None:
+        raise TypeError("grad_loss: expected a real number or a one-element float32 tensor with __dlpack__, "
+                        "got a raw DLPack capsule")
+    if arr.dtype != _np.float32:
+        raise TypeError(f"grad_loss: expected dtype float32, got dtype {arr.dtype}")
+    if arr.size != 1:
+        raise ValueError(f"grad_loss: expected a one-element tensor, got {arr.size} elements")
+    value = float(arr.reshape(-1)[0])
+    _check_f32_finite("grad_loss", value)
+    return value
 
 
 def _check_out(out) -> tuple:
@@ -615,7 +650,7 @@ def indexer_kl_loss(
     uint16_as_bf16 = _bool_value("uint16_as_bf16", uint16_as_bf16)
     sm_scale = _f32_value("sm_scale", sm_scale)
     loss_coeff = _f32_value("loss_coeff", loss_coeff)
-    grad_loss = _f32_value("grad_loss", grad_loss)
+    grad_loss = _host_grad_loss(grad_loss)
     normalization_count = _int_value("normalization_count", normalization_count, 0, _INT64_MAX, "[0, 2^63-1]",
                                      _NORMALIZATION_COUNT_BELOW)
     return _dsaib.indexer_kl_loss(

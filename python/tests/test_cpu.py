@@ -467,6 +467,39 @@ def test_cuda_backend_unavailable_is_runtime_error():
         run(make_problem(0), backend="cuda")
 
 
+def test_kl_loss_takes_grad_loss_as_the_backward_does():
+    p = make_problem(0)
+    loss = lambda **kw: dsaib.indexer_kl_loss(**p, sm_scale=SM_SCALE, uint16_as_bf16=True, **kw)
+    assert loss(grad_loss=np.ones(1, np.float32) * 1.5) == loss(grad_loss=1.5)
+    assert loss(grad_loss=np.full((), 1.5, np.float32)) == loss(grad_loss=1.5)
+    with pytest.raises(TypeError, match=r"^grad_loss: expected dtype float32"):
+        loss(grad_loss=np.ones(1, np.float64))
+    with pytest.raises(TypeError, match=r"^grad_loss: expected dtype float32"):
+        loss(grad_loss=np.full((), 1.5))  # 0-d float64: a tensor, refused by the backward too
+    with pytest.raises(TypeError, match=r"^grad_loss: expected dtype float32"):
+        run(p, grad_loss=np.full((), 1.5))
+    with pytest.raises(ValueError, match=r"^grad_loss: expected a one-element tensor, got 2 elements$"):
+        loss(grad_loss=np.ones(2, np.float32))
+    with pytest.raises(ValueError, match=r"^grad_loss: expected a finite value, got nan$"):
+        loss(grad_loss=np.array([np.nan], np.float32))
+    with pytest.raises(TypeError, match=r"^grad_loss: expected a real number or a one-element float32 tensor, got bool"):
+        loss(grad_loss=True)
+
+
+def test_bf16_helpers_keep_shapes_and_refuse_wide_values():
+    assert dsaib.bf16_bits(np.float32(1.5)).shape == ()
+    assert dsaib.bf16_bits(np.ones((2, 3), np.float32)).shape == (2, 3)
+    assert dsaib.bf16_to_f32(np.uint16(0x3FC0)).shape == ()
+    assert dsaib.bf16_to_f32(np.uint16(0x3FC0)) == 1.5
+    np.testing.assert_array_equal(dsaib.bf16_to_f32(np.array([-16512], np.int16)), [-1.0])  # int16 bits
+    t = np.arange(6, dtype=np.float32).reshape(2, 3).T
+    np.testing.assert_array_equal(dsaib.bf16_to_f32(dsaib.bf16_bits(t)), t)
+    with pytest.raises(ValueError, match=r"^bits: expected 16-bit patterns, got values in \[70000, 70000\]$"):
+        dsaib.bf16_to_f32(np.array([70000]))
+    with pytest.raises(TypeError, match=r"^bits: expected an integer array"):
+        dsaib.bf16_to_f32(np.array([1.5]))
+
+
 def test_bf16_helpers_round_trip():
     x = np.array([0.0, 1.0, -2.5, 3.140625, 2.0**-100, np.inf, -np.inf], dtype=np.float32)
     np.testing.assert_array_equal(dsaib.bf16_to_f32(dsaib.bf16_bits(x)), x)
