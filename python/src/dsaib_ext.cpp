@@ -88,14 +88,16 @@ dsaib::DType to_dtype(const char* name, nb::dlpack::dtype dt, bool uint16_as_bf1
     if (code == nb::dlpack::dtype_code::Bfloat && dt.bits == 16) return dsaib::DType::bf16;
     if (code == nb::dlpack::dtype_code::Float && dt.bits == 32) return dsaib::DType::f32;
     if (code == nb::dlpack::dtype_code::Int && dt.bits == 32) return dsaib::DType::i32;
-    if ((code == nb::dlpack::dtype_code::UInt || code == nb::dlpack::dtype_code::Int) && dt.bits == 16 &&
-        uint16_as_bf16)
-      return dsaib::DType::bf16;
   }
   const std::string expected = expected_dtypes(name);
+  const bool takes_bf16 = expected.find("bf16") != std::string::npos;
+  const bool int16 = dt.lanes == 1 && dt.bits == 16 &&
+                     (code == nb::dlpack::dtype_code::UInt || code == nb::dlpack::dtype_code::Int);
+  // 16-bit integers are bf16 bit patterns only where bf16 is taken: elsewhere (ids,
+  // scores) the error names their own dtype, not "bf16".
+  if (int16 && uint16_as_bf16 && takes_bf16) return dsaib::DType::bf16;
   std::string msg = std::string(name) + ": expected dtype " + expected + ", got " + dtype_string(dt);
-  if (code == nb::dlpack::dtype_code::UInt && dt.bits == 16 && expected.find("bf16") != std::string::npos)
-    msg += " (pass uint16_as_bf16=True to read uint16 as bf16 bit patterns)";
+  if (int16 && takes_bf16) msg += " (pass uint16_as_bf16=True to read 16-bit integers as bf16 bit patterns)";
   throw PyTypeError{msg};
 }
 

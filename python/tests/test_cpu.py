@@ -486,6 +486,21 @@ def test_kl_loss_takes_grad_loss_as_the_backward_does():
         loss(grad_loss=True)
 
 
+def test_16_bit_integers_are_bf16_only_where_bf16_is_taken():
+    p = make_problem(0)
+    q = dict(p)
+    q["topk_indices"] = p["topk_indices"].astype(np.int16)  # with the flag: still named int16, not "bf16"
+    with pytest.raises(TypeError, match=r"^topk_indices: expected dtype i32, got int16$"):
+        run(q)
+    q = dict(p)
+    q["index_q"] = p["index_q"].astype(np.int16)  # without the flag: the hint, for int16 as for uint16
+    with pytest.raises(TypeError, match=r"^index_q: expected dtype bf16, got int16 \(pass uint16_as_bf16=True to read "
+                                        r"16-bit integers as bf16 bit patterns\)$"):
+        dsaib.indexer_backward(**q, sm_scale=SM_SCALE)
+    for a, b in zip(run(q), run(p)):  # int16 and uint16 bit patterns read alike
+        np.testing.assert_array_equal(a, b)
+
+
 def test_bf16_helpers_keep_shapes_and_refuse_wide_values():
     assert dsaib.bf16_bits(np.float32(1.5)).shape == ()
     assert dsaib.bf16_bits(np.ones((2, 3), np.float32)).shape == (2, 3)
