@@ -153,10 +153,10 @@ std::vector<int64_t> parse_int_list(const std::string& flag, const std::vector<s
   const std::string given = joined(tokens);
   std::vector<int64_t> out;
   for (const std::string& item : split_list_items(flag, tokens, what)) {
-    // The integer flags' rule: decimal digits, no '+', no leading zeros ("+5", "007").
-    if (const std::string why = decimal_integer_error(item); !why.empty() && !item.empty() &&
-                                                             !std::isspace(static_cast<unsigned char>(item[0])) &&
-                                                             is_digits(item, item[0] == '-' || item[0] == '+' ? 1 : 0)) {
+    // Signed digits follow the integer flags' rule: no '+', no leading zeros ("+5",
+    // "007"); anything else gets the message below. (split_list_items refuses empty items.)
+    const bool signed_digits = is_digits(item, item[0] == '-' || item[0] == '+' ? 1 : 0);
+    if (const std::string why = decimal_integer_error(item); signed_digits && !why.empty()) {
       bad(flag, flag + ": " + why + " in \"" + given + "\"");
     }
     char* end = nullptr;

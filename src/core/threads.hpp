@@ -21,6 +21,14 @@ inline std::atomic<int>& thread_start_limit_for_testing() {
   return limit;
 }
 
+/// Worker threads for `work_items` items: `requested` (0 or less: all hardware
+/// threads), at least 1, at most one per item (and 1 when there are none).
+inline int thread_count(int32_t requested, int64_t work_items) {
+  int n = requested > 0 ? requested : static_cast<int>(std::thread::hardware_concurrency());
+  n = std::max(1, n);
+  return static_cast<int>(std::min<int64_t>(n, std::max<int64_t>(work_items, 1)));
+}
+
 /// Runs worker(k) exactly once for every k in [0, n), on the calling thread and
 /// up to n - 1 started threads, which take items from a shared counter. A
 /// thread the system refuses (std::thread throws std::system_error, e.g. past

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "core/allocation.hpp"
 #include "core/problem.hpp"
 
 namespace dsaib::detail {
@@ -503,14 +504,10 @@ ProblemGeometry validate_problem_unguarded(const IndexerBackwardInputs& in, cons
 ProblemGeometry validate_problem(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
                                  const IndexerBackwardOptions& opt, CopyToHost copy_to_host,
                                  bool check_outputs) {
-  try {
-    return validate_problem_unguarded(in, out, opt, copy_to_host, check_outputs);
-  } catch (const std::bad_alloc&) {     // e.g. the per-sequence tables of a huge cu_seqlens
-  } catch (const std::length_error&) {  // a std::vector larger than its max_size
-  }
-  // Either allocation failure: one out_of_memory error.
-  throw Error(ErrorCode::out_of_memory, "",
-              "out of memory: expected room in host memory to validate the arguments, got an allocation failure");
+  // e.g. the per-sequence tables of a huge cu_seqlens
+  return allocation_failure_as_out_of_memory(
+      "out of memory: expected room in host memory to validate the arguments, got an allocation failure",
+      [&] { return validate_problem_unguarded(in, out, opt, copy_to_host, check_outputs); });
 }
 
 }  // namespace dsaib::detail

@@ -48,17 +48,15 @@
 #include <cstdio>
 #include <cstring>
 #include <limits>
-#include <new>
 #include <numeric>
-#include <stdexcept>
 #include <string>
-#include <thread>
 #include <vector>
 
 #if defined(__linux__)
 #include <sys/sysinfo.h>
 #endif
 
+#include "core/allocation.hpp"
 #include "core/float_mode.hpp"
 #include "core/threads.hpp"
 
@@ -137,14 +135,6 @@ class Rng {
   bool has_spare_ = false;
 };
 
-// --------------------------------------------------------------- threads ---
-
-int resolve_threads(int32_t requested, int64_t work_items) {
-  int n = requested > 0 ? requested : static_cast<int>(std::thread::hardware_concurrency());
-  n = std::max(1, n);
-  return static_cast<int>(std::min<int64_t>(n, std::max<int64_t>(work_items, 1)));
-}
-
 // ---------------------------------------------------------------- layout ---
 
 struct Sequences {
@@ -159,8 +149,6 @@ std::string sizes_string(const std::vector<int64_t>& v) {
   return s + "]";
 }
 
-int resolve_threads(int32_t requested, int64_t work_items);
-
 /// Host bytes the problem will hold at once (its tensors, the key-side
 /// temporaries, the per-sequence tables and each thread's row scratch: per
 /// selectable slot (min(topk, longest key sequence)) its id, logit, attention
@@ -173,7 +161,7 @@ double estimated_host_bytes(const GenerateSpec& spec, int64_t q_rows, int64_t k_
                nseq = static_cast<double>(sequences);
   const double H = static_cast<double>(spec.heads), D = static_cast<double>(spec.head_dim),
                K = static_cast<double>(spec.topk);
-  const double threads = resolve_threads(spec.num_threads, std::max(q_rows, k_rows));
+  const double threads = detail::thread_count(spec.num_threads, std::max(q_rows, k_rows));
   const double selectable = std::min(K, static_cast<double>(max_k_len));
   return tq * H * D * 2 + tq * H * 4 + tk * D * (2 + 4) + tk * kAttnHeads * kAttnDim * 4 + tq * K * 4 * 3 +
          tq * 4 + nseq * 4 * 8 + nseq * 2 * 4 +
@@ -380,7 +368,7 @@ static GeneratedProblem generate_problem_unguarded(const GenerateSpec& spec) {
     p.index_score = HostTensor(DType::f32, {B, spec.s_q, K});
   }
 
-  const int threads = resolve_threads(spec.num_threads, std::max(Tq, Tk));
+  const int threads = detail::thread_count(spec.num_threads, std::max(Tq, Tk));
   const double w_std = 1.0 / std::sqrt(static_cast<double>(H));
 
   // Keys: bf16 index_k (+ an fp32 copy for scoring), and main-attention keys.
@@ -552,14 +540,11 @@ static GeneratedProblem generate_problem_unguarded(const GenerateSpec& spec) {
 
 GeneratedProblem generate_problem(const GenerateSpec& spec) {
   const detail::IeeeSubnormalsScope ieee;  // the caller's FTZ/DAZ must not change the problem (float_mode.hpp)
-  try {
-    return generate_problem_unguarded(spec);
-  } catch (const std::bad_alloc&) {  // past the estimate (a cgroup or address-space limit sysinfo does not see)
-  } catch (const std::length_error&) {
-  }
-  throw Error(ErrorCode::out_of_memory, "",
-              "out of memory: expected room in host memory for the problem, got an allocation failure (a limit below "
-              "the machine's memory and swap, e.g. a container's or ulimit -v)");
+  // past the estimate: a cgroup or address-space limit sysinfo does not see
+  return detail::allocation_failure_as_out_of_memory(
+      "out of memory: expected room in host memory for the problem, got an allocation failure (a limit below "
+      "the machine's memory and swap, e.g. a container's or ulimit -v)",
+      [&] { return generate_problem_unguarded(spec); });
 }
 
 }  // namespace dsaib

@@ -15,7 +15,6 @@
 #include <limits>
 #include <new>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "core/element_access.hpp"
@@ -128,12 +127,6 @@ double read_grad_loss(const IndexerBackwardOptions& opt) {
   return opt.grad_loss_device ? static_cast<double>(*opt.grad_loss_device) : static_cast<double>(opt.grad_loss);
 }
 
-int thread_count(const IndexerBackwardOptions& opt, int64_t rows) {
-  int n = opt.num_threads > 0 ? opt.num_threads : static_cast<int>(std::thread::hardware_concurrency());
-  n = std::max(1, n);
-  return static_cast<int>(std::min<int64_t>(n, std::max<int64_t>(rows, 1)));
-}
-
 /// Runs fn(part, row_begin, row_end) once for each of `parts` static parts of
 /// [0, rows), on up to `parts` threads (detail::run_items_on_threads: a thread
 /// the system refuses leaves its parts to the running ones).
@@ -172,7 +165,7 @@ ReferenceGradients compute_full(const IndexerBackwardInputs& in, const IndexerBa
   res.heads = g.heads;
   res.head_dim = g.head_dim;
   const int64_t H = g.heads, D = g.head_dim;
-  const int threads = thread_count(opt, g.num_q_rows);
+  const int threads = thread_count(opt.num_threads, g.num_q_rows);
   // The fp64 working set: the three gradients, and per part (worker thread) a
   // dK partial (num_k_rows * D * 8 bytes) and its row scratch (~(2 H D + 2 topk)
   // * 8 bytes), all allocated here, so that running out of memory is an
@@ -322,7 +315,7 @@ std::vector<double> reference_index_logits(const IndexerBackwardInputs& inputs, 
   const int64_t H = g.heads, D = g.head_dim;
   const ProblemReader rd{inputs, g};
   std::vector<double> z(g.num_q_rows * g.topk, -std::numeric_limits<double>::infinity());
-  const int threads = thread_count(opt, g.num_q_rows);
+  const int threads = thread_count(opt.num_threads, g.num_q_rows);
   parallel_rows(threads, g.num_q_rows, [&](int, int64_t lo, int64_t hi) {
     std::vector<double> q(H * D), w(H), k(D);
     for (int64_t r = lo; r < hi; ++r) {
