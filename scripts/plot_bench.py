@@ -127,10 +127,12 @@ def floor_points_of_bench(d, heads, dim, topk, key="floor"):
     key "floor" (the floor) or "traffic_floor" (the K reads and dK reduces alone)."""
     pts = {}
     for c in (d or {}).get("cases", []) if isinstance(d, dict) else []:
+        if not isinstance(c, dict) or (c.get("heads"), c.get("dim"), c.get("topk")) != (heads, dim, topk):
+            continue
         f = c.get(key)
         ns = time_value(f.get("ns_per_row")) if isinstance(f, dict) else None
-        seq = seq_value(c.get("seq_kv")) if isinstance(c, dict) else None
-        if (c.get("heads"), c.get("dim"), c.get("topk")) == (heads, dim, topk) and ns is not None and seq is not None:
+        seq = seq_value(c.get("seq_kv"))
+        if ns is not None and seq is not None:
             pts[seq] = ns
     return sorted(pts.items())
 
