@@ -23,6 +23,7 @@ self-contained; this module re-exports them.
 """
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -30,6 +31,7 @@ import site
 import statistics
 import sys
 import time
+import traceback
 
 # torch_eager.py stays self-contained (bench/CMakeLists.txt copies it alone next to the
 # built benches); its input generator is the one every peer uses.
@@ -226,3 +228,80 @@ def summarize(times_ms, rows):
     med = statistics.median(times_ms)
     return {"bwd_median_ms": med, "bwd_min_ms": min(times_ms), "bwd_max_ms": max(times_ms),
             "ns_per_row": med * 1e6 / rows, "samples": len(times_ms)}
+
+
+# --------------------------------------------------------------------------- the peers' main loops
+
+def run_check_into(info, check, json_path):
+    """A peer's --check: runs check() (its gradients at a small problem against the float64
+    oracle, a dict with "ok") into info["check"], with the error instead when it raises, and
+    its wall time; writes the JSON. Returns 0 when the check passed, else 1."""
+    t0 = time.perf_counter()
+    rc = 0
+    try:
+        info["check"] = check()
+        if not info["check"]["ok"]:
+            rc = 1
+    except Exception as e:  # noqa: BLE001 (report the failure in the JSON and go on)
+        info["check"] = {"ok": False, "error": short_error(e), "traceback": traceback.format_exc(limit=8)}
+        print(f"check ERROR: {short_error(e)}", flush=True)
+        rc = 1
+    info["check"]["wall_s"] = time.perf_counter() - t0
+    write_json(json_path, info)
+    return rc
+
+
+def time_cases(a, info, kinds, seqs, make_case, sustained_ms=0.0):
+    """The timed loop every package peer runs: for each ids kind and S, make_case(kind, S)
+    builds the problem (an object with valid_per_row, run(), restore() or None, and
+    gradients(): the tensors that must come out finite); then the first call, `a.iters`
+    CUDA-event timings after `a.warmup` (restore() before each, untimed), with sustained_ms > 0
+    the sustained run, the finiteness check and the peak memory. One row per case goes into
+    info["results"] (status "ok", or "oom" / "error" with the reason: the loop goes on), the
+    JSON is rewritten after each, and info's status becomes "error" when no case ran.
+    Returns 0 when every case ran, else 1."""
+    rc = 0
+    print(f"{'ids':15s} {'S':>6s} {'valid/r':>8s} {'median_ms':>10s} {'ns/row':>9s} {'first_call_s':>12s}",
+          flush=True)
+    for kind in kinds:
+        for S in seqs:
+            row = {"ids": kind, "seq": S, "batch": a.batch, "heads": a.heads, "dim": a.dim, "topk": a.topk}
+            case = None
+            try:
+                case = make_case(kind, S)
+                restore = getattr(case, "restore", None)
+                torch.cuda.reset_peak_memory_stats()
+                row["valid_slots_per_row"] = round(case.valid_per_row, 2)
+                row["first_call_s"] = first_call(case.run, restore)
+                times = gpu_time(case.run, a.iters, a.warmup, prepare=restore)
+                row.update(summarize(times, a.batch * S))
+                if sustained_ms > 0:
+                    st, secs = gpu_time_sustained(case.run, sustained_ms, row["bwd_median_ms"], prepare=restore)
+                    row.update(summarize_sustained(st, secs, a.batch * S))
+                if not all(bool(torch.isfinite(x.float()).all().item()) for x in case.gradients()):
+                    raise RuntimeError("non-finite gradient")
+                row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+                row["status"] = "ok"
+                print(f"{kind:15s} {S:6d} {row['valid_slots_per_row']:8.1f} {row['bwd_median_ms']:10.3f} "
+                      f"{row['ns_per_row']:9.1f} {row['first_call_s']:12.2f}   (min {row['bwd_min_ms']:.3f} "
+                      f"max {row['bwd_max_ms']:.3f} ms)", flush=True)
+                if sustained_ms > 0:
+                    print(f"{'':15s} {'':6s}   sustained: {row['sustained_launches']} calls back to back over "
+                          f"{row['sustained_seconds']:.2f} s: {row['ns_per_row_sustained']:.1f} ns/row in the "
+                          f"second half, {row['ns_per_row_sustained_first_half']:.1f} in the first", flush=True)
+            except Exception as e:  # noqa: BLE001 (OOM, unsupported shape, compile error: report and go on)
+                row["status"] = "oom" if is_oom(e) else "error"
+                row["reason"] = short_error(e)
+                row["traceback"] = traceback.format_exc(limit=8)
+                print(f"{kind:15s} {S:6d}  {row['status'].upper()}: {row['reason']}", flush=True)
+                rc = 1
+            del case
+            gc.collect()
+            torch.cuda.empty_cache()
+            info["results"].append(row)
+            write_json(a.json, info)
+    if info["results"] and all(r["status"] != "ok" for r in info["results"]):
+        info["status"] = "error"
+        info["reason"] = info["results"][0].get("reason")
+    write_json(a.json, info)
+    return rc

@@ -44,7 +44,6 @@ import gc
 import math
 import os
 import sys
-import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -108,6 +107,9 @@ class Case:
 
     def restore(self):
         self.t.copy_(self.t_pristine)
+
+    def gradients(self):
+        return (self.dq, self.dw, self.dk)
 
     def run(self):
         kwargs = {}
@@ -191,64 +193,12 @@ def main(argv=None):
           f"{versions.get('nvidia-cutlass-dsl-libs-base')} on {info['device']}", flush=True)
     rc = 0
     if a.check or a.check_only:
-        t0 = time.perf_counter()
-        try:
-            info["check"] = run_check(ib, a.seed, dk_dtype)
-            if not info["check"]["ok"]:
-                rc = 1
-        except Exception as e:  # noqa: BLE001
-            info["check"] = {"ok": False, "error": common.short_error(e), "traceback": traceback.format_exc(limit=8)}
-            print(f"check ERROR: {common.short_error(e)}", flush=True)
-            rc = 1
-        info["check"]["wall_s"] = time.perf_counter() - t0
-        common.write_json(a.json, info)
+        rc = common.run_check_into(info, lambda: run_check(ib, a.seed, dk_dtype), a.json)
     if a.check_only:
         return rc
-    print(f"{'ids':15s} {'S':>6s} {'valid/r':>8s} {'median_ms':>10s} {'ns/row':>9s} {'first_call_s':>12s}",
-          flush=True)
-    for kind in kinds:
-        for S in seqs:
-            row = {"ids": kind, "seq": S, "batch": a.batch, "heads": a.heads, "dim": a.dim, "topk": a.topk}
-            case = None
-            try:
-                case = Case(ib, a.batch, S, a.heads, a.dim, a.topk, kind, a.seed + S, dk_dtype)
-                torch.cuda.reset_peak_memory_stats()
-                row["valid_slots_per_row"] = round(case.valid_per_row, 2)
-                row["first_call_s"] = common.first_call(case.run, case.restore)
-                times = common.gpu_time(case.run, a.iters, a.warmup, prepare=case.restore)
-                row.update(common.summarize(times, a.batch * S))
-                if a.sustained_ms > 0:
-                    st, secs = common.gpu_time_sustained(case.run, a.sustained_ms, row["bwd_median_ms"],
-                                                         prepare=case.restore)
-                    row.update(common.summarize_sustained(st, secs, a.batch * S))
-                if not all(bool(torch.isfinite(x.float()).all().item()) for x in (case.dq, case.dw, case.dk)):
-                    raise RuntimeError("non-finite gradient")
-                row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
-                row["status"] = "ok"
-                print(f"{kind:15s} {S:6d} {row['valid_slots_per_row']:8.1f} {row['bwd_median_ms']:10.3f} "
-                      f"{row['ns_per_row']:9.1f} {row['first_call_s']:12.2f}   (min {row['bwd_min_ms']:.3f} "
-                      f"max {row['bwd_max_ms']:.3f} ms)", flush=True)
-                if a.sustained_ms > 0:
-                    print(f"{'':15s} {'':6s}   sustained: {row['sustained_launches']} calls back to back over "
-                          f"{row['sustained_seconds']:.2f} s: {row['ns_per_row_sustained']:.1f} ns/row in the "
-                          f"second half, {row['ns_per_row_sustained_first_half']:.1f} in the first", flush=True)
-            except Exception as e:  # noqa: BLE001 (OOM, unsupported shape, compile error: report and go on)
-                row["status"] = "oom" if common.is_oom(e) else "error"
-                row["reason"] = common.short_error(e)
-                row["traceback"] = traceback.format_exc(limit=8)
-                print(f"{kind:15s} {S:6d}  {row['status'].upper()}: {row['reason']}", flush=True)
-                rc = 1
-            del case
-            gc.collect()
-            torch.cuda.empty_cache()
-            info["results"].append(row)
-            common.write_json(a.json, info)
-    if info["results"] and all(r["status"] != "ok" for r in info["results"]):
-        info["status"] = "error"
-        info["reason"] = info["results"][0].get("reason")
-    common.write_json(a.json, info)
-    return rc
-
+    def make_case(kind, S):
+        return Case(ib, a.batch, S, a.heads, a.dim, a.topk, kind, a.seed + S, dk_dtype)
+    return max(rc, common.time_cases(a, info, kinds, seqs, make_case, sustained_ms=a.sustained_ms))
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -48,7 +48,6 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -158,6 +157,9 @@ class Case:
     def run(self):
         self.out = self.ex.indexer_bwd_interface(self.q, self.w, self.k, self.t, self.p, self.ids, self.offsets)
 
+    def gradients(self):
+        return self.out
+
     def grads_bshd(self):
         B, S, H, D = self.shape
         dq, dw, dk = self.out
@@ -230,56 +232,12 @@ def main(argv=None):
     print(f"{PEER}: tilelang {versions.get('tilelang')}, mask {a.mask} on {info['device']}", flush=True)
     rc = 0
     if a.check or a.check_only:
-        t0 = time.perf_counter()
-        try:
-            info["check"] = run_check(ex, a.seed)
-            if not info["check"]["ok"]:
-                rc = 1
-        except Exception as e:  # noqa: BLE001
-            info["check"] = {"ok": False, "error": common.short_error(e), "traceback": traceback.format_exc(limit=8)}
-            print(f"check ERROR: {common.short_error(e)}", flush=True)
-            rc = 1
-        info["check"]["wall_s"] = time.perf_counter() - t0
-        common.write_json(a.json, info)
+        rc = common.run_check_into(info, lambda: run_check(ex, a.seed), a.json)
     if a.check_only:
         return rc
-    print(f"{'ids':15s} {'S':>6s} {'valid/r':>8s} {'median_ms':>10s} {'ns/row':>9s} {'first_call_s':>12s}",
-          flush=True)
-    for kind in kinds:
-        for S in seqs:
-            row = {"ids": kind, "seq": S, "batch": a.batch, "heads": a.heads, "dim": a.dim, "topk": a.topk}
-            case = None
-            try:
-                case = Case(ex, a.batch, S, a.heads, a.dim, a.topk, kind, a.seed + S)
-                torch.cuda.reset_peak_memory_stats()
-                row["valid_slots_per_row"] = round(case.valid_per_row, 2)
-                row["first_call_s"] = common.first_call(case.run)
-                times = common.gpu_time(case.run, a.iters, a.warmup)
-                row.update(common.summarize(times, a.batch * S))
-                if not all(bool(torch.isfinite(x.float()).all().item()) for x in case.out):
-                    raise RuntimeError("non-finite gradient")
-                row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
-                row["status"] = "ok"
-                print(f"{kind:15s} {S:6d} {row['valid_slots_per_row']:8.1f} {row['bwd_median_ms']:10.3f} "
-                      f"{row['ns_per_row']:9.1f} {row['first_call_s']:12.2f}   (min {row['bwd_min_ms']:.3f} "
-                      f"max {row['bwd_max_ms']:.3f} ms)", flush=True)
-            except Exception as e:  # noqa: BLE001 (OOM, compile error: report and go on)
-                row["status"] = "oom" if common.is_oom(e) else "error"
-                row["reason"] = common.short_error(e)
-                row["traceback"] = traceback.format_exc(limit=8)
-                print(f"{kind:15s} {S:6d}  {row['status'].upper()}: {row['reason']}", flush=True)
-                rc = 1
-            del case
-            gc.collect()
-            torch.cuda.empty_cache()
-            info["results"].append(row)
-            common.write_json(a.json, info)
-    if info["results"] and all(r["status"] != "ok" for r in info["results"]):
-        info["status"] = "error"
-        info["reason"] = info["results"][0].get("reason")
-    common.write_json(a.json, info)
-    return rc
-
+    def make_case(kind, S):
+        return Case(ex, a.batch, S, a.heads, a.dim, a.topk, kind, a.seed + S)
+    return max(rc, common.time_cases(a, info, kinds, seqs, make_case))
 
 if __name__ == "__main__":
     sys.exit(main())
