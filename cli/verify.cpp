@@ -126,9 +126,12 @@ Verification verify_sampled(const Problem& p, const Geometry& g, const RunResult
     std::sort(v.q_rows.begin(), v.q_rows.end());
   }
   // Key rows: mostly selected ones (their dK is nonzero), plus up to 2 never selected (dK must be 0).
+  // At least one selected row whenever there is one: with --sample-rows 1 or 2 the never-selected
+  // rows alone would be compared, whose reference is 0, and no dK value could fail the check.
   std::vector<int64_t> selected, unselected;
   for (int64_t j = 0; j < g.num_k_rows; ++j) (g.key_selected[static_cast<size_t>(j)] ? selected : unselected).push_back(j);
-  const size_t n_unsel = std::min<size_t>({unselected.size(), 2, want});
+  const size_t room_for_unselected = selected.empty() ? want : want - 1;
+  const size_t n_unsel = std::min<size_t>({unselected.size(), 2, room_for_unselected});
   v.k_rows = pick(selected, want - n_unsel, rng);
   const auto extra = pick(unselected, n_unsel, rng);
   v.k_rows.insert(v.k_rows.end(), extra.begin(), extra.end());

@@ -216,6 +216,21 @@ TEST_F(Cli, GeneratedThdGlobalIdsF32OutputsJsonReport) {
   EXPECT_EQ(g.at("d_index_k").dtype, dsaib::DType::f32);
 }
 
+// --verify sample with 1 or 2 rows still compares a selected key row (before the fix only
+// never-selected rows were compared, whose reference is 0: no dK value could fail).
+TEST_F(Cli, SampleVerifyComparesASelectedKeyRowAtAnySampleSize) {
+  for (const char* rows : {"1", "2", "3"}) {
+    const Result r = run(std::string("backward --preset tiny --verify sample --json --sample-rows ") + rows,
+                         /*with_stderr=*/false);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const auto j = nlohmann::json::parse(r.output);
+    const auto& dk = j["verify"]["outputs"][2];
+    ASSERT_EQ(dk["name"], "d_index_k");
+    EXPECT_GT(dk["ref_rms"].get<double>(), 0.0) << "--sample-rows " << rows << ": " << dk.dump();
+    EXPECT_TRUE(dk["pass"].get<bool>()) << dk.dump();
+  }
+}
+
 TEST_F(Cli, ScalarOverridesReachTheReport) {
   const Result r = run("backward --in " + quote(tiny_problem()) +
                        " --sm-scale 0.5 --loss-coeff 2 --grad-loss 0.25 --normalization-count 7 --verify all");
