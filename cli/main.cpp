@@ -177,7 +177,7 @@ struct GenOptions {
     reg(app->add_option("--heads", f.heads, "H: index heads (multiple of 8, 8..128)")->check(decimal_int()), &f.has_heads);
     reg(app->add_option("--head-dim", f.head_dim, "D: head dimension (64 or 128)")->check(decimal_int()), &f.has_head_dim);
     reg(app->add_option("--topk", f.topk, "selected keys per query row")->check(decimal_int()), &f.has_topk);
-    reg(app->add_option("--ids", f.ids, "id pattern: causal (true top-k over keys <= t) or permutation")
+    reg(app->add_option("--ids", f.ids, "id pattern: causal (true top-k over the keys a bottom-right-aligned causal mask shows row t: s <= t + S_kv - S_q) or permutation")
             ->check(one_of({"causal", "permutation"})),
         &f.has_ids);
     reg(app->add_option("--id-mode", f.id_mode, "ids local to their sequence or global flat rows")

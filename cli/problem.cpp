@@ -525,11 +525,11 @@ Geometry analyze_problem(const Problem& p) {
     const auto it = p.tensors.find(name);
     if (it == p.tensors.end()) bad(name, name + ": expected a tensor, got nothing (absent)");
     if (it->second.shape.size() != rank) {
-      std::string shape;
-      for (int64_t d : it->second.shape) shape += (shape.empty() ? "" : ", ") + std::to_string(d);
+      // Only a file can get here (generated problems have the layout's ranks): its layout
+      // comes from its metadata, or from index_q's rank when the metadata has none.
       bad(name, name + ": expected rank " + std::to_string(rank) + " (" + layout_name(p.options.layout) +
-                    " layout, from the file's layout metadata or --layout), got rank " +
-                    std::to_string(it->second.shape.size()) + " with shape (" + shape + ")");
+                    " layout, from the file's layout metadata or, without it, index_q's rank), got rank " +
+                    std::to_string(it->second.shape.size()) + " with shape " + shape_string(it->second.shape));
     }
   }
   if (thd) {

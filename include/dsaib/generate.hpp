@@ -11,7 +11,9 @@ namespace dsaib {
 
 enum class IdPattern : int32_t {
   /// Causal top-k from the true indexer logits: row t selects the topk largest
-  /// z over keys s <= t (keys of its own sequence), -1 where fewer exist.
+  /// z over the keys of its own sequence that its bottom-right-aligned causal
+  /// mask lets it see, s < t + (S_kv - S_q) + 1 (s <= t when S_q == S_kv; with
+  /// S_q > S_kv the first S_q - S_kv rows see none), -1 where fewer exist.
   causal_topk = 0,
   /// A random permutation of the sequence's keys (no duplicates), -1 where
   /// S_kv < topk. For stress tests.

@@ -154,6 +154,7 @@ def _check_arrays(**arrays):
     list, a scalar) or a numpy array in non-native byte order, and ValueError for a
     numpy view whose byte strides are not whole elements, before anything else
     happens (the extension would only report "incompatible function arguments")."""
+    seen_capsules = []
     for name, x in arrays.items():
         if x is None and (name.startswith("cu_seqlens") or name == "grad_loss"):
             continue
@@ -162,6 +163,18 @@ def _check_arrays(**arrays):
                 or _has_buffer(x)):  # and buffer-protocol objects (memoryview, array.array)
             raise TypeError(f"{name}: expected an array (numpy, torch, cupy, jax or a DLPack tensor), "
                             f"got {type(x).__name__}")
+        if type(x).__name__ == "PyCapsule":
+            # The extension consumes a capsule (renaming it "used_dltensor"); a consumed one,
+            # or one capsule given for two arguments, would only get nanobind's
+            # "incompatible function arguments".
+            if _capsule_name(x) in (b"used_dltensor", b"used_dltensor_versioned"):
+                raise ValueError(f"{name}: expected an unused DLPack capsule, got one already consumed "
+                                 "(a capsule can be read once: pass the tensor, or a new __dlpack__())")
+            other = next((n for n, y in seen_capsules if y is x), None)
+            if other is not None:
+                raise ValueError(f"{name}: expected its own DLPack capsule, got the one given for {other} "
+                                 "(a capsule can be read once: pass the tensor, or a new __dlpack__())")
+            seen_capsules.append((name, x))
         if isinstance(x, _np.ndarray) and not x.dtype.isnative:
             raise TypeError(f"{name}: expected native byte order, got dtype {x.dtype.str}")
         if isinstance(x, _np.ndarray) and any(st % x.itemsize for st in x.strides):
@@ -169,6 +182,16 @@ def _check_arrays(**arrays):
             # say "incompatible function arguments").
             raise ValueError(f"{name}: expected strides that are multiples of the element size "
                              f"({x.itemsize} bytes), got byte strides {x.strides}")
+
+
+def _capsule_name(capsule):
+    """A PyCapsule's name (bytes; None for a nameless one), through the C API."""
+    import ctypes
+
+    get_name = ctypes.pythonapi.PyCapsule_GetName
+    get_name.restype = ctypes.c_char_p
+    get_name.argtypes = [ctypes.py_object]
+    return get_name(capsule)
 
 
 def _has_buffer(x) -> bool:
@@ -247,6 +270,7 @@ def _is_scalar(x) -> bool:
 
 _INT32_MAX = 2**31 - 1
 _INT64_MAX = 2**63 - 1
+_UINTPTR_MAX = 2**64 - 1
 _OUT_NAMES = ("d_index_q", "d_weights", "d_index_k")
 
 
@@ -487,7 +511,8 @@ def indexer_backward(
       strict_indices: raise ValueError on the first invalid topk id.
       deterministic: require bitwise-reproducible outputs (cuda rejects it).
       num_threads: cpu worker threads (0 = all cores).
-      stream: cuda only: the cudaStream_t to run on, as an int. None (default)
+      stream: cuda only: the cudaStream_t to run on, as an int (not bool or
+        float). None (default)
         is the current stream of index_q's framework: torch's
         ``torch.cuda.current_stream()``, cupy's ``cupy.cuda.get_current_stream()``;
         for jax and other producers the legacy default stream (0). The call
@@ -523,13 +548,14 @@ def indexer_backward(
       TypeError: unsupported dtype (message from the C++ library or the
         binding: ``NAME: expected dtype X, got Y`` with X what NAME takes); a
         bool or non-number for sm_scale/loss_coeff/grad_loss; a non-int
-        normalization_count/num_threads; a non-bool strict_indices/
+        normalization_count/num_threads/stream; a non-bool strict_indices/
         deterministic/uint16_as_bf16; a non-str layout/id_mode/backend; None
         in ``out``.
       ValueError: bad rank/shape/stride/device/option/cu_seqlens, or an
         invalid id with ``strict_indices=True`` (message from the C++ library);
         sm_scale/loss_coeff/grad_loss not finite as float32; num_threads
-        outside [0, 2^31-1]; ``out`` not 3 arrays, or a read-only one.
+        outside [0, 2^31-1]; stream outside [0, 2^64-1], or not None or 0 on
+        the cpu backend; ``out`` not 3 arrays, or a read-only one.
       RuntimeError: backend unavailable, unsupported option, CUDA failure.
       MemoryError: host or device memory could not be allocated.
     """
@@ -562,6 +588,8 @@ def indexer_backward(
     if backend is None:
         backend = "cuda" if kind == "cuda" else "cpu"
     explicit_stream = stream is not None
+    if explicit_stream:
+        stream = _int_value("stream", stream, 0, _UINTPTR_MAX, "[0, 2^64-1] (a cudaStream_t)")
     if explicit_stream and backend == "cpu" and stream != 0:
         raise ValueError(f"stream: expected None or 0 on the cpu backend (it runs on host threads), got {stream!r}")
     if stream is None:

@@ -380,6 +380,21 @@ def test_stream_on_the_cpu_backend_is_value_error():
     run(make_problem(0), stream=0)  # 0 is the "no stream" value and stays accepted
 
 
+@pytest.mark.parametrize("backend", ["cpu", "cuda"])
+def test_stream_must_be_an_int_before_anything_else_about_it(backend):
+    # Checked before the backend is looked at (a cpu-only build raises RuntimeError for "cuda"
+    # later): a str, a bool, a float or a negative stream names the argument.
+    p = make_problem(0)
+    for bad, err, text in (("x", TypeError, r"^stream: expected an int, got str 'x'$"),
+                           (False, TypeError, r"^stream: expected an int, got bool False$"),
+                           (0.0, TypeError, r"^stream: expected an int, got float 0\.0$"),
+                           (-1, ValueError, r"^stream: expected an int in \[0, 2\^64-1\] \(a cudaStream_t\), got -1$"),
+                           (2**64, ValueError, r"^stream: expected an int in \[0, 2\^64-1\] \(a cudaStream_t\), got 18446744073709551616$")):
+        with pytest.raises(err, match=text):
+            run(p, stream=bad, backend=backend)
+    run(p, stream=np.int64(0))  # numpy integers are ints
+
+
 def test_bad_option_strings_are_value_errors():
     p = make_problem(0)
     with pytest.raises(ValueError, match=r'^layout: expected "bshd" or "thd", got "sbhd"$'):
@@ -521,3 +536,19 @@ def test_bf16_helpers_round_trip():
     # round to nearest even: 1 + 2^-8 is a tie between 1 and 1 + 2^-7 -> 1
     assert dsaib.bf16_bits(np.float32(1 + 2**-8)) == dsaib.bf16_bits(np.float32(1.0))
     assert np.isnan(dsaib.bf16_to_f32(dsaib.bf16_bits(np.float32(np.nan))))
+
+
+def test_a_consumed_or_shared_dlpack_capsule_is_named():
+    # A DLPack capsule is read once; a second use got nanobind's generic TypeError.
+    p = make_problem(0)
+    cap = p["attn_score"].__dlpack__()
+    with pytest.raises(ValueError, match=r"^index_score: expected its own DLPack capsule, got the one given "
+                                         r"for attn_score"):
+        run({**p, "attn_score": cap, "index_score": cap})
+    cap = p["attn_score"].__dlpack__()
+    want = run(p)
+    got = run({**p, "attn_score": cap})  # a fresh capsule is taken ...
+    assert_close(got, want)
+    with pytest.raises(ValueError, match=r"^attn_score: expected an unused DLPack capsule, got one already "
+                                         r"consumed"):
+        run({**p, "attn_score": cap})  # ... once

@@ -365,6 +365,9 @@ TEST_F(Cli, WrongTensorIsAnErrorNamingIt) {
   r = backward_on("layout_mismatch", t, thd_meta);
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_TRUE(contains(r.output, "index_q: expected rank 3 (thd layout, from the file's layout metadata")) << r.output;
+  // It does not offer --layout, which --in refuses; the shape is written as the library writes it.
+  EXPECT_FALSE(contains(r.output, "--layout")) << r.output;
+  EXPECT_TRUE(contains(r.output, "got rank 4 with shape (2, 64, 8, 64)")) << r.output;
 
   // A misspelt metadata key and an extra tensor are named (not silently ignored); the run goes on.
   auto extra = t;
