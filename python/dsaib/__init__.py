@@ -555,7 +555,8 @@ def indexer_backward(
         invalid id with ``strict_indices=True`` (message from the C++ library);
         sm_scale/loss_coeff/grad_loss not finite as float32; num_threads
         outside [0, 2^31-1]; stream outside [0, 2^64-1], or not None or 0 on
-        the cpu backend; ``out`` not 3 arrays, or a read-only one.
+        the cpu backend; ``out`` not 3 arrays, or a read-only one; a DLPack
+        capsule already consumed, or given for two arguments.
       RuntimeError: backend unavailable, unsupported option, CUDA failure.
       MemoryError: host or device memory could not be allocated.
     """
