@@ -6,12 +6,16 @@
 # needs include(GoogleTest), broke `pip install . -C
 # cmake.define.DSAIB_ENABLE_CUDA=ON` from the nineteenth session until the
 # twenty-third).
-#   usage: cmake_configure_without_tests.sh SOURCE_DIR [cmake -D options...]
-src=$1
-shift
+# python/ (configured only under pip's SKBUILD, with nanobind) is not covered.
+#   usage: cmake_configure_without_tests.sh CMAKE SOURCE_DIR [cmake options...]
+#   (CMAKE: the cmake that configured this build, ctest passes ${CMAKE_COMMAND})
+cmake=$1
+src=$2
+shift 2
 dir=$(mktemp -d) || exit 1
 trap 'rm -rf "$dir"' EXIT
-if ! out=$(cmake -S "$src" -B "$dir" -DDSAIB_BUILD_TESTS=OFF "$@" 2>&1); then
+trap 'rm -rf "$dir"; exit 1' INT TERM  # ctest's timeout sends TERM
+if ! out=$("$cmake" -S "$src" -B "$dir" -DDSAIB_BUILD_TESTS=OFF "$@" 2>&1); then
   echo "$out"
   echo "cmake_configure_without_tests: FAIL: the configure with DSAIB_BUILD_TESTS=OFF failed (above)"
   exit 1

@@ -266,7 +266,7 @@ def time_cases(a, info, kinds, seqs, make_case, sustained_ms=0.0):
     for kind in kinds:
         for S in seqs:
             row = {"ids": kind, "seq": S, "batch": a.batch, "heads": a.heads, "dim": a.dim, "topk": a.topk}
-            case = None
+            case = restore = None  # restore (a bound method) holds the case too: both go before the next
             try:
                 case = make_case(kind, S)
                 restore = getattr(case, "restore", None)
@@ -295,7 +295,7 @@ def time_cases(a, info, kinds, seqs, make_case, sustained_ms=0.0):
                 row["traceback"] = traceback.format_exc(limit=8)
                 print(f"{kind:15s} {S:6d}  {row['status'].upper()}: {row['reason']}", flush=True)
                 rc = 1
-            del case
+            del case, restore  # nothing may keep this case's GPU memory while the next one is built
             gc.collect()
             torch.cuda.empty_cache()
             info["results"].append(row)

@@ -164,12 +164,18 @@ def _check_arrays(**arrays):
             raise TypeError(f"{name}: expected an array (numpy, torch, cupy, jax or a DLPack tensor), "
                             f"got {type(x).__name__}")
         if type(x).__name__ == "PyCapsule":
-            # The extension consumes a capsule (renaming it "used_dltensor"); a consumed one,
-            # or one capsule given for two arguments, would only get nanobind's
-            # "incompatible function arguments".
-            if _capsule_name(x) in (b"used_dltensor", b"used_dltensor_versioned"):
+            # The extension consumes a capsule (renaming it "used_dltensor") and takes only
+            # unversioned ones ("dltensor"); a consumed one, a versioned or foreign one, or one
+            # capsule given for two arguments would only get nanobind's "incompatible function
+            # arguments".
+            cname = _capsule_name(x)
+            if cname in (b"used_dltensor", b"used_dltensor_versioned"):
                 raise ValueError(f"{name}: expected an unused DLPack capsule, got one already consumed "
                                  "(a capsule can be read once: pass the tensor, or a new __dlpack__())")
+            if cname != b"dltensor":
+                raise TypeError(f"{name}: expected a DLPack capsule named 'dltensor' (unversioned: "
+                                f"__dlpack__() without max_version, or pass the tensor), got a capsule "
+                                f"named {cname.decode('utf-8', 'replace') if cname else None!r}")
             other = next((n for n, y in seen_capsules if y is x), None)
             if other is not None:
                 raise ValueError(f"{name}: expected its own DLPack capsule, got the one given for {other} "
@@ -184,14 +190,23 @@ def _check_arrays(**arrays):
                              f"({x.itemsize} bytes), got byte strides {x.strides}")
 
 
-def _capsule_name(capsule):
-    """A PyCapsule's name (bytes; None for a nameless one), through the C API."""
-    import ctypes
+_PYCAPSULE_GET_NAME = None
 
-    get_name = ctypes.pythonapi.PyCapsule_GetName
-    get_name.restype = ctypes.c_char_p
-    get_name.argtypes = [ctypes.py_object]
-    return get_name(capsule)
+
+def _capsule_name(capsule):
+    """A PyCapsule's name (bytes; None for a nameless one), through the C API. The
+    prototype is this module's own: ctypes.pythonapi's shared function object (whose
+    restype/argtypes other code may set) is left as it is."""
+    global _PYCAPSULE_GET_NAME
+    if _PYCAPSULE_GET_NAME is None:
+        import ctypes
+
+        proto = ctypes.PYFUNCTYPE(ctypes.c_char_p, ctypes.py_object)
+        _PYCAPSULE_GET_NAME = proto(("PyCapsule_GetName", ctypes.pythonapi))
+    try:
+        return _PYCAPSULE_GET_NAME(capsule)
+    except ValueError:  # not a real capsule (an object whose type is merely named PyCapsule)
+        return None
 
 
 def _has_buffer(x) -> bool:
@@ -339,6 +354,21 @@ def _int_value(name, x, lo, hi, what, below=None) -> int:
         raise ValueError(f"{name}: expected {below}, got {value}")
     if not lo <= value <= hi:
         raise ValueError(f"{name}: expected an int in {what}, got {value}")
+    return value
+
+
+def _stream_value(x) -> int:
+    """An explicit cudaStream_t as an int in [0, 2^64-1]: an int (anything with __index__),
+    or an object with __int__ such as numba's cuda.Stream; not bool, float or str."""
+    if _is_bool(x) or isinstance(x, (float, str, bytes)) or not (
+            hasattr(type(x), "__index__") or hasattr(type(x), "__int__")):
+        raise TypeError(f"stream: expected an int (a cudaStream_t), got {_type_name(x)} {x!r}")
+    try:
+        value = operator.index(x)
+    except TypeError:
+        value = int(x)  # __int__ only (numba's cuda.Stream)
+    if not 0 <= value <= _UINTPTR_MAX:
+        raise ValueError(f"stream: expected an int in [0, 2^64-1] (a cudaStream_t), got {value}")
     return value
 
 
@@ -512,7 +542,7 @@ def indexer_backward(
       deterministic: require bitwise-reproducible outputs (cuda rejects it).
       num_threads: cpu worker threads (0 = all cores).
       stream: cuda only: the cudaStream_t to run on, as an int (not bool or
-        float). None (default)
+        float) or an object with ``__int__`` (numba's Stream). None (default)
         is the current stream of index_q's framework: torch's
         ``torch.cuda.current_stream()``, cupy's ``cupy.cuda.get_current_stream()``;
         for jax and other producers the legacy default stream (0). The call
@@ -556,7 +586,8 @@ def indexer_backward(
         sm_scale/loss_coeff/grad_loss not finite as float32; num_threads
         outside [0, 2^31-1]; stream outside [0, 2^64-1], or not None or 0 on
         the cpu backend; ``out`` not 3 arrays, or a read-only one; a DLPack
-        capsule already consumed, or given for two arguments.
+        capsule already consumed, or given for two arguments (a versioned or
+        foreign capsule is a TypeError).
       RuntimeError: backend unavailable, unsupported option, CUDA failure.
       MemoryError: host or device memory could not be allocated.
     """
@@ -590,7 +621,7 @@ def indexer_backward(
         backend = "cuda" if kind == "cuda" else "cpu"
     explicit_stream = stream is not None
     if explicit_stream:
-        stream = _int_value("stream", stream, 0, _UINTPTR_MAX, "[0, 2^64-1] (a cudaStream_t)")
+        stream = _stream_value(stream)
     if explicit_stream and backend == "cpu" and stream != 0:
         raise ValueError(f"stream: expected None or 0 on the cpu backend (it runs on host threads), got {stream!r}")
     if stream is None:

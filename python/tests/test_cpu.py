@@ -385,14 +385,22 @@ def test_stream_must_be_an_int_before_anything_else_about_it(backend):
     # Checked before the backend is looked at (a cpu-only build raises RuntimeError for "cuda"
     # later): a str, a bool, a float or a negative stream names the argument.
     p = make_problem(0)
-    for bad, err, text in (("x", TypeError, r"^stream: expected an int, got str 'x'$"),
-                           (False, TypeError, r"^stream: expected an int, got bool False$"),
-                           (0.0, TypeError, r"^stream: expected an int, got float 0\.0$"),
+    for bad, err, text in (("x", TypeError, r"^stream: expected an int \(a cudaStream_t\), got str 'x'$"),
+                           (False, TypeError, r"^stream: expected an int \(a cudaStream_t\), got bool False$"),
+                           (0.0, TypeError, r"^stream: expected an int \(a cudaStream_t\), got float 0\.0$"),
+                           (np.float64(0), TypeError, r"^stream: expected an int \(a cudaStream_t\), got "),
+                           (object(), TypeError, r"^stream: expected an int \(a cudaStream_t\), got object"),
                            (-1, ValueError, r"^stream: expected an int in \[0, 2\^64-1\] \(a cudaStream_t\), got -1$"),
                            (2**64, ValueError, r"^stream: expected an int in \[0, 2\^64-1\] \(a cudaStream_t\), got 18446744073709551616$")):
         with pytest.raises(err, match=text):
             run(p, stream=bad, backend=backend)
     run(p, stream=np.int64(0))  # numpy integers are ints
+
+    class IntOnlyStream:  # numba's cuda.Stream converts with __int__ and has no __index__
+        def __int__(self):
+            return 0
+
+    run(p, stream=IntOnlyStream())
 
 
 def test_bad_option_strings_are_value_errors():
@@ -552,3 +560,25 @@ def test_a_consumed_or_shared_dlpack_capsule_is_named():
     with pytest.raises(ValueError, match=r"^attn_score: expected an unused DLPack capsule, got one already "
                                          r"consumed"):
         run({**p, "attn_score": cap})  # ... once
+
+
+def test_a_versioned_or_foreign_capsule_is_named():
+    # nanobind takes unversioned DLPack capsules only; a versioned one got its generic TypeError.
+    p = make_problem(0)
+    try:
+        versioned = p["attn_score"].__dlpack__(max_version=(1, 0))
+    except TypeError:
+        pytest.skip("this numpy makes no versioned DLPack capsules (numpy < 2.1)")
+    with pytest.raises(TypeError, match=r"^attn_score: expected a DLPack capsule named 'dltensor' "
+                                        r"\(unversioned.*got a capsule named 'dltensor_versioned'$"):
+        run({**p, "attn_score": versioned})
+
+
+def test_the_capsule_check_leaves_ctypes_pythonapi_alone():
+    import ctypes
+
+    fn = ctypes.pythonapi.PyCapsule_GetName
+    fn.restype = ctypes.c_void_p  # what another library may have set
+    p = make_problem(0)
+    run({**p, "attn_score": p["attn_score"].__dlpack__()})
+    assert ctypes.pythonapi.PyCapsule_GetName.restype is ctypes.c_void_p

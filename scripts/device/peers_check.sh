@@ -182,7 +182,11 @@ def load(name):
     return d
 
 try:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    # The device copy's HEAD, "-dirty" when its files differ from it (the device tool's copy can
+    # carry a .git older than the working tree it copied: the twenty-third session's run read
+    # 01dc172 for a tree at ff0539a).
+    commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
+                            text=True).stdout.strip()
 except OSError:
     commit = ""
 ours = load("ours")

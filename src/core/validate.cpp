@@ -50,8 +50,11 @@ void check_tensor(const TensorView& v, const TensorRule& rule, DeviceType device
     if (v.shape[i] < 0) fail(name, "non-negative sizes", "shape " + v.shape_string());
     if (v.strides[i] < 0) fail(name, "non-negative strides", "strides " + v.strides_string());
   }
-  // Sizes and strides must describe addressable memory: numel and the byte
-  // extent are computed without signed overflow and capped at 2^47 bytes.
+  // Sizes and strides must describe addressable memory: the element count and
+  // the byte extent are computed without signed overflow and capped at 2^47
+  // bytes. The count takes a size-0 dimension as 1, so that an empty tensor's
+  // other sizes obey the same cap (stride 0 included) and no product of sizes
+  // taken later (rows x topk, ...) can overflow or ask for absurd scratch.
   {
     constexpr int64_t kMaxBytes = int64_t{1} << 47;  // 128 TiB: the 47-bit user address space
     const int64_t esize = static_cast<int64_t>(dtype_size(v.dtype));
@@ -59,7 +62,7 @@ void check_tensor(const TensorView& v, const TensorRule& rule, DeviceType device
     bool ok = true;
     for (int i = 0; i < v.rank && ok; ++i) {
       int64_t step = 0;
-      ok = !__builtin_mul_overflow(numel, v.shape[i], &numel) &&
+      ok = !__builtin_mul_overflow(numel, std::max<int64_t>(v.shape[i], 1), &numel) &&
            (v.shape[i] == 0 || (!__builtin_mul_overflow(v.shape[i] - 1, v.strides[i], &step) &&
                                 !__builtin_add_overflow(last, step, &last)));
     }

@@ -819,6 +819,35 @@ TEST(StridedViews, ElementBytesOverflowIsRejected) {
   EXPECT_EQ(snap.changed(), "");
 }
 
+/// The same with B = 0: an empty problem whose scores and ids have 2^61 broadcast
+/// (stride 0) slots per row. Before the size-0 dimension counted as 1 in the
+/// element cap, this passed validation and the cpu backend failed inside
+/// std::vector (an internal error) or asked for terabytes of scratch.
+TEST(StridedViews, EmptyTensorWithUnaddressableSizesIsRejected) {
+  GenerateSpec s = small_spec(55);
+  s.batch = 0;
+  s.s_q = 1;
+  s.s_kv = 4;
+  s.topk = 2;
+  GeneratedProblem p = make_problem(s);
+  OutputBuffers o = make_outputs(p);
+  IndexerBackwardInputs in = p.inputs();
+  const int64_t huge = int64_t{1} << 61;
+  for (TensorView* v : {&in.topk_indices, &in.attn_score, &in.index_score}) {
+    ASSERT_EQ(v->shape[0], 0);
+    v->shape[2] = huge;
+    v->strides[0] = v->strides[1] = v->strides[2] = 0;
+  }
+  try {
+    indexer_backward(in, o.views(), p.options());
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument) << e.what();
+    EXPECT_EQ(e.argument(), "topk_indices") << e.what();
+    EXPECT_NE(std::string(e.what()).find("at most 2^47 bytes"), std::string::npos) << e.what();
+  }
+}
+
 // ---- valid corner cases are accepted ------------------------------------------
 
 TEST(Accepted, DeterministicOnCpu) {
