@@ -856,7 +856,8 @@ int run_main(int argc, char** argv) {
       ->default_str("0");
   bench_cmd->add_option("--seed", ba.seed, "generator seed (a case uses seed + S)")->default_str("1234")->check(uint64_text());
   bench_cmd->add_option("--json", ba.json, "also write the report as JSON to FILE (- : JSON on stdout, the table on "
-                                           "stderr)")
+                                           "stderr); on an error FILE is not written (exit 2, the message on "
+                                           "stderr; with - an error object on stdout)")
       ->type_name("FILE")
       ->check(nonempty_path());
   bench_cmd->add_option("--sustained-ms", ba.sustained_ms,

@@ -40,11 +40,14 @@ std::map<std::string, HostTensor> read_safetensors(const std::string& path,
                                                    std::map<std::string, std::string>* metadata = nullptr);
 
 /// Writes the tensors (in name order) and the metadata to `path`, replacing
-/// the file: a temporary file next to it is renamed over it, so a reader never
-/// sees a half-written file. A symbolic link is followed (its target is
+/// the file: a temporary file next to it (created with O_EXCL | O_NOFOLLOW, so
+/// never an existing file or a link planted at its name) is renamed over it, so
+/// a reader never sees a half-written file. A replaced file keeps its
+/// permission bits; one this process may not write is not replaced (io_error).
+/// A symbolic link is followed (its target is
 /// replaced, the link stays). Raises dsaib::Error(invalid_argument) naming the
-/// tensor when a tensor is inconsistent (negative size, bytes.size() != numel *
-/// dtype size) or named "__metadata__", invalid_argument with argument() "tensors" /
+/// tensor when a tensor is inconsistent (negative size, a byte count past 64
+/// bits, bytes.size() != numel * dtype size) or named "__metadata__", invalid_argument with argument() "tensors" /
 /// "metadata" when a name, key or value is not UTF-8 (checked before the file is
 /// touched), and dsaib::Error(io_error) when the file
 /// cannot be written or when `path` (or a link's target) exists and is not a

@@ -23,6 +23,8 @@
 #include <utility>
 #include <vector>
 
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <nlohmann/json.hpp>
@@ -42,6 +44,12 @@ constexpr const char* kMetadataKey = "__metadata__";
 
 [[noreturn]] void io_fail(const std::string& path, const std::string& message) {
   throw Error(ErrorCode::io_error, path, path + ": " + message);
+}
+
+/// io_fail after removing the temporary file `tmp` (a failed write leaves nothing behind).
+[[noreturn]] void io_fail_after_remove(const std::string& tmp, const std::string& path, const std::string& message) {
+  std::remove(tmp.c_str());
+  io_fail(path, message);
 }
 
 /// dtypes of the safetensors format that this library does not handle.
@@ -361,15 +369,21 @@ void write_safetensors(const std::string& path, const std::map<std::string, Host
     if (name == kMetadataKey) {
       throw Error(ErrorCode::invalid_argument, name, "tensor name '__metadata__' is reserved by the safetensors format");
     }
-    uint64_t numel = 1;
+    uint64_t numel = 1, need = 0;
+    bool fits = true;  // the byte count in 64 bits (a file this reader could not read otherwise)
     for (int64_t d : t.shape) {
       if (d < 0) {
         throw Error(ErrorCode::invalid_argument, name,
                     "tensor '" + name + "': expected non-negative sizes, got " + json(t.shape).dump());
       }
-      numel *= static_cast<uint64_t>(d);
+      fits = fits && !__builtin_mul_overflow(numel, static_cast<uint64_t>(d), &numel);
     }
-    const uint64_t need = numel * dtype_size(t.dtype);
+    fits = fits && !__builtin_mul_overflow(numel, static_cast<uint64_t>(dtype_size(t.dtype)), &need);
+    if (!fits) {
+      throw Error(ErrorCode::invalid_argument, name,
+                  "tensor '" + name + "': expected a shape whose byte count fits in 64 bits, got " +
+                      json(t.shape).dump() + " of dtype " + dtype_name(t.dtype));
+    }
     if (t.bytes.size() != need) {
       throw Error(ErrorCode::invalid_argument, name,
                   "tensor '" + name + "': expected " + std::to_string(need) + " bytes for dtype " +
@@ -393,28 +407,50 @@ void write_safetensors(const std::string& path, const std::map<std::string, Host
     io_fail(path, std::string("expected a regular file or a new path, got ") + kind + " (" + target +
                       "); it is not replaced");
   }
-  // Write a temporary file next to the target, then rename it over the target.
-  static std::atomic<unsigned> counter{0};
-  const std::string tmp = target + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++);
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    if (!f) io_fail(path, std::string("cannot open for writing (") + std::strerror(errno) + ")");
-    unsigned char len_bytes[8];
-    uint64_t n = text.size();
-    for (int i = 0; i < 8; ++i, n >>= 8) len_bytes[i] = static_cast<unsigned char>(n & 0xff);
-    f.write(reinterpret_cast<const char*>(len_bytes), 8);
-    f.write(text.data(), static_cast<std::streamsize>(text.size()));
-    for (const auto& [name, t] : tensors) {
-      f.write(reinterpret_cast<const char*>(t.bytes.data()), static_cast<std::streamsize>(t.bytes.size()));
-    }
-    f.flush();
-    if (!f) {
-      const std::string reason = std::strerror(errno);
-      f.close();
-      std::remove(tmp.c_str());
-      io_fail(path, "write failed (" + reason + ")");
-    }
+  // An existing file is replaced only where it could be written (as opening it for
+  // writing would require), and the new file takes its permission bits.
+  struct stat old_stat {};
+  const bool replacing = ::stat(target.c_str(), &old_stat) == 0;
+  if (replacing && ::access(target.c_str(), W_OK) != 0) {
+    io_fail(path, std::string("expected a writable file, got one this process may not write (") +
+                      std::strerror(errno) + ", " + target + "); it is not replaced");
   }
+  // Write a temporary file next to the target, then rename it over the target. The
+  // temporary is created with O_EXCL | O_NOFOLLOW: never an existing file or a link
+  // planted at its (predictable) name; a name that exists is skipped for the next one.
+  static std::atomic<unsigned> counter{0};
+  std::string tmp;
+  int fd = -1;
+  for (int attempt = 0; attempt < 64 && fd < 0; ++attempt) {
+    tmp = target + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++);
+    fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
+    if (fd < 0 && errno != EEXIST) break;
+  }
+  if (fd < 0) io_fail(path, std::string("cannot open for writing (") + std::strerror(errno) + ")");
+  auto write_all = [fd](const void* data, size_t size) {
+    const char* p = static_cast<const char*>(data);
+    while (size > 0) {
+      const ssize_t n = ::write(fd, p, size);
+      if (n < 0 && errno == EINTR) continue;
+      if (n == 0) errno = EIO;  // no progress on a regular file: report it as an I/O error
+      if (n <= 0) return false;
+      p += n;
+      size -= static_cast<size_t>(n);
+    }
+    return true;
+  };
+  unsigned char len_bytes[8];
+  uint64_t n = text.size();
+  for (int i = 0; i < 8; ++i, n >>= 8) len_bytes[i] = static_cast<unsigned char>(n & 0xff);
+  bool ok = (!replacing || ::fchmod(fd, old_stat.st_mode & 07777) == 0) && write_all(len_bytes, 8) &&
+            write_all(text.data(), text.size());
+  for (const auto& [name, t] : tensors) ok = ok && write_all(t.bytes.data(), t.bytes.size());
+  if (!ok) {
+    const std::string reason = std::strerror(errno);
+    ::close(fd);
+    io_fail_after_remove(tmp, path, "write failed (" + reason + ")");
+  }
+  if (::close(fd) != 0) io_fail_after_remove(tmp, path, std::string("write failed (") + std::strerror(errno) + ")");
   std::error_code ec;
   std::filesystem::rename(tmp, target, ec);
   if (ec) {

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <random>
 #include <string>
 #include <vector>
@@ -402,6 +403,69 @@ TEST(Safetensors, WriterRejectsInconsistentTensors) {
     EXPECT_EQ(e.code(), ErrorCode::io_error);
     EXPECT_NE(std::string(e.what()).find("cannot open for writing"), std::string::npos) << e.what();
   }
+}
+
+/// A size product past 64 bits is an inconsistent tensor (invalid_argument
+/// naming it, nothing written); it used to wrap, and the file it wrote could
+/// not be read back.
+TEST(Safetensors, WriterRejectsByteCountsPast64Bits) {
+  const std::string path = temp_path("writer_overflow.safetensors");
+  std::filesystem::remove(path);
+  for (const std::vector<int64_t>& shape : {std::vector<int64_t>{int64_t{1} << 32, int64_t{1} << 32},
+                                            std::vector<int64_t>{int64_t{1} << 62}}) {
+    HostTensor huge;
+    huge.dtype = DType::f32;
+    huge.shape = shape;  // no bytes: before the check, the wrapped product was 0
+    try {
+      dsaib::write_safetensors(path, {{"huge", huge}});
+      ADD_FAILURE() << "no error";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::invalid_argument) << e.what();
+      EXPECT_EQ(e.argument(), "huge");
+      EXPECT_NE(std::string(e.what()).find("byte count fits in 64 bits"), std::string::npos) << e.what();
+    }
+    EXPECT_FALSE(std::filesystem::exists(path));
+  }
+}
+
+/// The temporary file is created, never opened: links planted at every name it
+/// can take are not followed (their target keeps its bytes) and the call is an
+/// io_error; once they are gone the write succeeds. A replaced file keeps its
+/// permission bits.
+TEST(Safetensors, WriterNeverFollowsALinkAtItsTemporaryNameAndKeepsTheMode) {
+  namespace fs = std::filesystem;
+  const HostTensor t(DType::f32, {3});
+  const std::string target = temp_path("planted.safetensors"), victim = temp_path("victim.txt");
+  std::error_code ec;
+  fs::remove(target, ec);
+  { std::ofstream(victim, std::ios::trunc) << "precious"; }
+  std::vector<std::string> links;
+  for (int k = 0; k < 4096; ++k) {  // the writer's counter is below this in any test run
+    links.push_back(target + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(k));
+    fs::remove(links.back(), ec);
+    fs::create_symlink(victim, links.back());
+  }
+  try {
+    dsaib::write_safetensors(target, {{"x", t}});
+    ADD_FAILURE() << "no error with every temporary name taken";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::io_error) << e.what();
+  }
+  {
+    std::ifstream in(victim);
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    EXPECT_EQ(text, "precious") << "a planted link was followed";
+  }
+  EXPECT_FALSE(fs::exists(target));
+  for (const auto& l : links) fs::remove(l, ec);
+  dsaib::write_safetensors(target, {{"x", t}});
+  EXPECT_EQ(dsaib::read_safetensors(target).count("x"), 1u);
+  // The mode of a replaced file stays (0640 here), whatever the umask gives new files.
+  fs::permissions(target, fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read);
+  dsaib::write_safetensors(target, {{"y", t}});
+  EXPECT_EQ(fs::status(target).permissions() & fs::perms::mask,
+            fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read);
+  EXPECT_EQ(dsaib::read_safetensors(target).count("y"), 1u);
 }
 
 TEST(Safetensors, WriterFollowsSymlinksAndNeverReplacesSpecialFiles) {
