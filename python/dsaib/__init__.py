@@ -40,6 +40,7 @@ The C++ library's errors surface with the C++ message unchanged:
 
 from __future__ import annotations
 
+import collections.abc
 import math
 import operator
 
@@ -415,7 +416,9 @@ def _host_grad_loss(x) -> float:
 
 def _check_out(out) -> tuple:
     """out as a tuple of three writable arrays."""
-    if isinstance(out, (str, bytes)) or not hasattr(out, "__iter__"):
+    # A sequence (tuple, list, ...), as docs/python.md says: an iterator or generator is
+    # refused rather than consumed.
+    if isinstance(out, (str, bytes)) or not isinstance(out, collections.abc.Sequence):
         raise TypeError(f"out: expected a tuple (d_index_q, d_weights, d_index_k), got {_type_name(out)}")
     out = tuple(out)
     if len(out) != 3:

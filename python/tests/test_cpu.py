@@ -229,6 +229,10 @@ def test_out_must_hold_three_arrays():
         run(p, out=(np.empty(1, np.float32),) * 2)
     with pytest.raises(TypeError, match=r"^out: expected a tuple"):
         run(p, out=3)
+    outs = [np.empty(p[k].shape, np.float32) for k in ("index_q", "weights", "index_k")]
+    with pytest.raises(TypeError, match=r"^out: expected a tuple .*got generator$"):
+        run(p, out=(o for o in outs))  # an iterator is refused, not consumed
+    run(p, out=outs)  # a list is a sequence
     with pytest.raises(TypeError, match=r"^out: expected 3 arrays \(d_index_q, d_weights, d_index_k\), got int for d_index_q$"):
         run(p, out=(1, 2, 3))
 
