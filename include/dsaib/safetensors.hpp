@@ -42,8 +42,10 @@ std::map<std::string, HostTensor> read_safetensors(const std::string& path,
 /// Writes the tensors (in name order) and the metadata to `path`, replacing
 /// the file: a temporary file next to it (created with O_EXCL | O_NOFOLLOW, so
 /// never an existing file or a link planted at its name) is renamed over it, so
-/// a reader never sees a half-written file. A replaced file keeps its
-/// permission bits; one this process may not write is not replaced (io_error).
+/// a reader never sees a half-written file (its data are synced to disk before
+/// the rename). A replaced file keeps its rwx permission bits (not setuid,
+/// setgid or sticky, and not its owner: the new file belongs to this process);
+/// one this process may not write (effective ids) is not replaced (io_error).
 /// A symbolic link is followed (its target is
 /// replaced, the link stays). Raises dsaib::Error(invalid_argument) naming the
 /// tensor when a tensor is inconsistent (negative size, a byte count past 64

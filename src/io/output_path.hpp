@@ -2,6 +2,7 @@
 // and the CLI's up-front --out check share it).
 #pragma once
 
+#include <atomic>
 #include <string>
 
 namespace dsaib::detail {
@@ -16,5 +17,10 @@ std::string resolve_output_path(const std::string& path);
 /// following symbolic links; nullptr when nothing is there or a regular file
 /// is. A file written by rename would replace such a thing, not write to it.
 const char* non_regular_file_kind(const std::string& path);
+
+/// The counter in the safetensors writer's temporary names
+/// (`<target>.tmp.<pid>.<counter>`), process-wide; tests read it to know the
+/// names the next write will try.
+std::atomic<unsigned>& temporary_name_counter();
 
 }  // namespace dsaib::detail

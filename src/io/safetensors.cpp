@@ -46,12 +46,6 @@ constexpr const char* kMetadataKey = "__metadata__";
   throw Error(ErrorCode::io_error, path, path + ": " + message);
 }
 
-/// io_fail after removing the temporary file `tmp` (a failed write leaves nothing behind).
-[[noreturn]] void io_fail_after_remove(const std::string& tmp, const std::string& path, const std::string& message) {
-  std::remove(tmp.c_str());
-  io_fail(path, message);
-}
-
 /// dtypes of the safetensors format that this library does not handle.
 bool is_known_unsupported_dtype(const std::string& s) {
   static const char* const kOthers[] = {"BOOL", "U8",  "I8",  "U16", "I16",     "F16",     "U32",
@@ -370,15 +364,17 @@ void write_safetensors(const std::string& path, const std::map<std::string, Host
       throw Error(ErrorCode::invalid_argument, name, "tensor name '__metadata__' is reserved by the safetensors format");
     }
     uint64_t numel = 1, need = 0;
-    bool fits = true;  // the byte count in 64 bits (a file this reader could not read otherwise)
+    bool fits = true, empty = false;  // the byte count in 64 bits (as the reader requires)
     for (int64_t d : t.shape) {
       if (d < 0) {
         throw Error(ErrorCode::invalid_argument, name,
                     "tensor '" + name + "': expected non-negative sizes, got " + json(t.shape).dump());
       }
+      empty = empty || d == 0;
       fits = fits && !__builtin_mul_overflow(numel, static_cast<uint64_t>(d), &numel);
     }
-    fits = fits && !__builtin_mul_overflow(numel, static_cast<uint64_t>(dtype_size(t.dtype)), &need);
+    // A size-0 dimension makes 0 bytes whatever the other sizes (the reader checks it first too).
+    fits = empty || (fits && !__builtin_mul_overflow(numel, static_cast<uint64_t>(dtype_size(t.dtype)), &need));
     if (!fits) {
       throw Error(ErrorCode::invalid_argument, name,
                   "tensor '" + name + "': expected a shape whose byte count fits in 64 bits, got " +
@@ -407,27 +403,43 @@ void write_safetensors(const std::string& path, const std::map<std::string, Host
     io_fail(path, std::string("expected a regular file or a new path, got ") + kind + " (" + target +
                       "); it is not replaced");
   }
-  // An existing file is replaced only where it could be written (as opening it for
-  // writing would require), and the new file takes its permission bits.
+  // An existing file is replaced only where this process could write it (its
+  // effective ids, as opening it for writing would require); the new file takes
+  // its rwx permission bits (not setuid / setgid / sticky, not its owner).
   struct stat old_stat {};
   const bool replacing = ::stat(target.c_str(), &old_stat) == 0;
-  if (replacing && ::access(target.c_str(), W_OK) != 0) {
+  if (replacing && ::faccessat(AT_FDCWD, target.c_str(), W_OK, AT_EACCESS) != 0) {
     io_fail(path, std::string("expected a writable file, got one this process may not write (") +
                       std::strerror(errno) + ", " + target + "); it is not replaced");
   }
+  const mode_t mode = replacing ? (old_stat.st_mode & 0777) : 0666;
   // Write a temporary file next to the target, then rename it over the target. The
   // temporary is created with O_EXCL | O_NOFOLLOW: never an existing file or a link
-  // planted at its (predictable) name; a name that exists is skipped for the next one.
-  static std::atomic<unsigned> counter{0};
-  std::string tmp;
-  int fd = -1;
-  for (int attempt = 0; attempt < 64 && fd < 0; ++attempt) {
-    tmp = target + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++);
-    fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
-    if (fd < 0 && errno != EEXIST) break;
+  // planted at its (predictable) name; a name that exists is skipped for the next
+  // one. It is created with the final mode (less the umask, so never wider), then
+  // set to it exactly; its data reach the disk (fsync) before the rename.
+  struct Temporary {  // closes and removes the temporary on every way out, until kept
+    int fd = -1;
+    std::string name;
+    bool keep = false;
+    ~Temporary() {
+      if (fd >= 0) ::close(fd);
+      if (!keep && !name.empty()) std::remove(name.c_str());
+    }
+  } tmp;
+  const std::string dir = std::filesystem::path(target).parent_path().string();
+  for (int attempt = 0; attempt < 64 && tmp.fd < 0; ++attempt) {
+    const std::string name = target + ".tmp." + std::to_string(::getpid()) + "." +
+                             std::to_string(detail::temporary_name_counter()++);
+    tmp.fd = ::open(name.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, mode);
+    if (tmp.fd >= 0) tmp.name = name;
+    if (tmp.fd < 0 && errno != EEXIST) break;
   }
-  if (fd < 0) io_fail(path, std::string("cannot open for writing (") + std::strerror(errno) + ")");
-  auto write_all = [fd](const void* data, size_t size) {
+  if (tmp.fd < 0) {
+    io_fail(path, std::string("cannot open for writing (no temporary file could be created in ") +
+                      (dir.empty() ? std::string(".") : dir) + ": " + std::strerror(errno) + ")");
+  }
+  auto write_all = [fd = tmp.fd](const void* data, size_t size) {
     const char* p = static_cast<const char*>(data);
     while (size > 0) {
       const ssize_t n = ::write(fd, p, size);
@@ -442,21 +454,26 @@ void write_safetensors(const std::string& path, const std::map<std::string, Host
   unsigned char len_bytes[8];
   uint64_t n = text.size();
   for (int i = 0; i < 8; ++i, n >>= 8) len_bytes[i] = static_cast<unsigned char>(n & 0xff);
-  bool ok = (!replacing || ::fchmod(fd, old_stat.st_mode & 07777) == 0) && write_all(len_bytes, 8) &&
-            write_all(text.data(), text.size());
+  bool ok = ::fchmod(tmp.fd, mode) == 0 && write_all(len_bytes, 8) && write_all(text.data(), text.size());
   for (const auto& [name, t] : tensors) ok = ok && write_all(t.bytes.data(), t.bytes.size());
-  if (!ok) {
-    const std::string reason = std::strerror(errno);
-    ::close(fd);
-    io_fail_after_remove(tmp, path, "write failed (" + reason + ")");
+  ok = ok && ::fsync(tmp.fd) == 0;
+  if (ok) {
+    const int fd = tmp.fd;
+    tmp.fd = -1;
+    ok = ::close(fd) == 0;
   }
-  if (::close(fd) != 0) io_fail_after_remove(tmp, path, std::string("write failed (") + std::strerror(errno) + ")");
+  if (!ok) io_fail(path, std::string("write failed (") + std::strerror(errno) + ")");
   std::error_code ec;
-  std::filesystem::rename(tmp, target, ec);
-  if (ec) {
-    std::remove(tmp.c_str());
-    io_fail(path, "cannot replace the file (" + ec.message() + ")");
-  }
+  std::filesystem::rename(tmp.name, target, ec);
+  if (ec) io_fail(path, "cannot replace the file (" + ec.message() + ")");
+  tmp.keep = true;
 }
+
+namespace detail {
+std::atomic<unsigned>& temporary_name_counter() {
+  static std::atomic<unsigned> counter{0};
+  return counter;
+}
+}  // namespace detail
 
 }  // namespace dsaib

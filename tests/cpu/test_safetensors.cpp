@@ -15,6 +15,7 @@
 
 #include "dsaib/error.hpp"
 #include "dsaib/safetensors.hpp"
+#include "io/output_path.hpp"
 #include "support/test_support.hpp"
 
 namespace {
@@ -409,6 +410,15 @@ TEST(Safetensors, WriterRejectsInconsistentTensors) {
 /// naming it, nothing written); it used to wrap, and the file it wrote could
 /// not be read back.
 TEST(Safetensors, WriterRejectsByteCountsPast64Bits) {
+  // A size-0 dimension makes 0 bytes whatever the others (the reader takes such a file).
+  {
+    HostTensor empty;
+    empty.dtype = DType::f32;
+    empty.shape = {int64_t{1} << 40, int64_t{1} << 40, 0};
+    const std::string ok_path = temp_path("writer_empty_huge.safetensors");
+    dsaib::write_safetensors(ok_path, {{"empty", empty}});
+    EXPECT_EQ(dsaib::read_safetensors(ok_path).at("empty").shape, empty.shape);
+  }
   const std::string path = temp_path("writer_overflow.safetensors");
   std::filesystem::remove(path);
   for (const std::vector<int64_t>& shape : {std::vector<int64_t>{int64_t{1} << 32, int64_t{1} << 32},
@@ -440,7 +450,8 @@ TEST(Safetensors, WriterNeverFollowsALinkAtItsTemporaryNameAndKeepsTheMode) {
   fs::remove(target, ec);
   { std::ofstream(victim, std::ios::trunc) << "precious"; }
   std::vector<std::string> links;
-  for (int k = 0; k < 4096; ++k) {  // the writer's counter is below this in any test run
+  const unsigned next = dsaib::detail::temporary_name_counter().load();  // the names the next write tries
+  for (unsigned k = next; k < next + 64; ++k) {
     links.push_back(target + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(k));
     fs::remove(links.back(), ec);
     fs::create_symlink(victim, links.back());
@@ -460,12 +471,37 @@ TEST(Safetensors, WriterNeverFollowsALinkAtItsTemporaryNameAndKeepsTheMode) {
   for (const auto& l : links) fs::remove(l, ec);
   dsaib::write_safetensors(target, {{"x", t}});
   EXPECT_EQ(dsaib::read_safetensors(target).count("x"), 1u);
-  // The mode of a replaced file stays (0640 here), whatever the umask gives new files.
-  fs::permissions(target, fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read);
+  // The rwx bits of a replaced file stay (0640 here), whatever the umask gives new
+  // files; setuid / setgid are not carried over to the new file.
+  const fs::perms rw_r = fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read;
+  fs::permissions(target, rw_r);
   dsaib::write_safetensors(target, {{"y", t}});
-  EXPECT_EQ(fs::status(target).permissions() & fs::perms::mask,
-            fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read);
+  EXPECT_EQ(fs::status(target).permissions() & fs::perms::mask, rw_r);
   EXPECT_EQ(dsaib::read_safetensors(target).count("y"), 1u);
+  fs::permissions(target, rw_r | fs::perms::set_uid | fs::perms::set_gid);
+  dsaib::write_safetensors(target, {{"z", t}});
+  EXPECT_EQ(fs::status(target).permissions() & fs::perms::mask, rw_r);
+}
+
+/// A file this process may not write (its effective ids) is not replaced. Root
+/// may write any file, so the check is skipped there.
+TEST(Safetensors, WriterDoesNotReplaceAFileItMayNotWrite) {
+  if (::geteuid() == 0) GTEST_SKIP() << "root may write any file";
+  namespace fs = std::filesystem;
+  const std::string target = temp_path("read_only.safetensors");
+  std::error_code ec;
+  fs::remove(target, ec);
+  dsaib::write_safetensors(target, {{"old", HostTensor(DType::f32, {1})}});
+  fs::permissions(target, fs::perms::owner_read);
+  try {
+    dsaib::write_safetensors(target, {{"new", HostTensor(DType::f32, {1})}});
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::io_error) << e.what();
+    EXPECT_NE(std::string(e.what()).find("may not write"), std::string::npos) << e.what();
+  }
+  fs::permissions(target, fs::perms::owner_read | fs::perms::owner_write);
+  EXPECT_EQ(dsaib::read_safetensors(target).count("old"), 1u);
 }
 
 TEST(Safetensors, WriterFollowsSymlinksAndNeverReplacesSpecialFiles) {
