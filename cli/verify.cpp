@@ -130,10 +130,13 @@ Verification verify_sampled(const Problem& p, const Geometry& g, const RunResult
   // rows alone would be compared, whose reference is 0, and no dK value could fail the check.
   std::vector<int64_t> selected, unselected;
   for (int64_t j = 0; j < g.num_k_rows; ++j) (g.key_selected[static_cast<size_t>(j)] ? selected : unselected).push_back(j);
+  // When fewer rows are selected than that leaves room for, never-selected rows fill the rest
+  // (the sample has `want` rows whenever the table has them).
   const size_t room_for_unselected = selected.empty() ? want : want - 1;
   const size_t n_unsel = std::min<size_t>({unselected.size(), 2, room_for_unselected});
-  v.k_rows = pick(selected, want - n_unsel, rng);
-  const auto extra = pick(unselected, n_unsel, rng);
+  const size_t n_sel = std::min(selected.size(), want - n_unsel);
+  v.k_rows = pick(selected, n_sel, rng);
+  const auto extra = pick(unselected, std::min(unselected.size(), want - n_sel), rng);
   v.k_rows.insert(v.k_rows.end(), extra.begin(), extra.end());
   std::sort(v.k_rows.begin(), v.k_rows.end());
 

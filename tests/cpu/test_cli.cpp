@@ -231,6 +231,18 @@ TEST_F(Cli, SampleVerifyComparesASelectedKeyRowAtAnySampleSize) {
   }
 }
 
+// With fewer selected key rows than --sample-rows asks for, never-selected rows fill the
+// sample (before: at most 2 of them, so the sample was smaller than asked).
+TEST_F(Cli, SampleVerifyFillsWithUnselectedKeyRows) {
+  const Result r = run("backward --s-q 2 --s-kv 2048 --topk 4 --heads 8 --head-dim 64 --verify sample "
+                       "--sample-rows 40 --json",
+                       /*with_stderr=*/false);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto j = nlohmann::json::parse(r.output);
+  EXPECT_EQ(j["verify"]["sampled_k_rows"], 40) << j["verify"].dump();
+  EXPECT_GT(j["verify"]["outputs"][2]["ref_rms"].get<double>(), 0.0);
+}
+
 TEST_F(Cli, ScalarOverridesReachTheReport) {
   const Result r = run("backward --in " + quote(tiny_problem()) +
                        " --sm-scale 0.5 --loss-coeff 2 --grad-loss 0.25 --normalization-count 7 --verify all");
