@@ -17,6 +17,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <optional>
 #include <set>
 #include <string>
 #include <system_error>
@@ -44,6 +45,18 @@ constexpr const char* kMetadataKey = "__metadata__";
 
 [[noreturn]] void io_fail(const std::string& path, const std::string& message) {
   throw Error(ErrorCode::io_error, path, path + ": " + message);
+}
+
+/// numel * dtype size of a shape with non-negative sizes, for the reader and the
+/// writer alike; nullopt when it does not fit in 64 bits. A size-0 dimension
+/// makes 0 bytes whatever the other sizes (checked before any product).
+std::optional<uint64_t> tensor_byte_count(DType dtype, const std::vector<int64_t>& shape) {
+  if (std::find(shape.begin(), shape.end(), 0) != shape.end()) return 0;
+  uint64_t bytes = dtype_size(dtype);
+  for (int64_t d : shape) {
+    if (__builtin_mul_overflow(bytes, static_cast<uint64_t>(d), &bytes)) return std::nullopt;
+  }
+  return bytes;
 }
 
 /// dtypes of the safetensors format that this library does not handle.
@@ -131,24 +144,12 @@ Entry parse_entry(const std::string& path, const std::string& name, const json& 
                       "] run past the end of the data buffer (" + std::to_string(buffer_bytes) +
                       " bytes; truncated file?)");
   }
-  // numel * dtype size, saturating (a size that does not fit in 64 bits cannot match the offsets).
-  bool overflow = false;
-  uint64_t bytes = dtype_size(e.dtype);
-  if (std::find(e.shape.begin(), e.shape.end(), 0) != e.shape.end()) {
-    bytes = 0;
-  } else {
-    for (int64_t d : e.shape) {
-      if (bytes > std::numeric_limits<uint64_t>::max() / static_cast<uint64_t>(d)) {
-        overflow = true;
-        break;
-      }
-      bytes *= static_cast<uint64_t>(d);
-    }
-  }
-  if (overflow || e.end - e.begin != bytes) {
+  // A size that does not fit in 64 bits cannot match the offsets.
+  const std::optional<uint64_t> bytes = tensor_byte_count(e.dtype, e.shape);
+  if (!bytes || e.end - e.begin != *bytes) {
     io_fail(path, where + ": data_offsets [" + std::to_string(e.begin) + ", " + std::to_string(e.end) + "] span " +
                       std::to_string(e.end - e.begin) + " bytes, but dtype " + ds + " and shape " + shape_string(e.shape) +
-                      " need " + (overflow ? std::string("more than 2^64 bytes") : std::to_string(bytes)));
+                      " need " + (bytes ? std::to_string(*bytes) : std::string("more than 2^64 bytes")));
   }
   return e;
 }
@@ -363,23 +364,20 @@ void write_safetensors(const std::string& path, const std::map<std::string, Host
     if (name == kMetadataKey) {
       throw Error(ErrorCode::invalid_argument, name, "tensor name '__metadata__' is reserved by the safetensors format");
     }
-    uint64_t numel = 1, need = 0;
-    bool fits = true, empty = false;  // the byte count in 64 bits (as the reader requires)
     for (int64_t d : t.shape) {
       if (d < 0) {
         throw Error(ErrorCode::invalid_argument, name,
                     "tensor '" + name + "': expected non-negative sizes, got " + json(t.shape).dump());
       }
-      empty = empty || d == 0;
-      fits = fits && !__builtin_mul_overflow(numel, static_cast<uint64_t>(d), &numel);
     }
-    // A size-0 dimension makes 0 bytes whatever the other sizes (the reader checks it first too).
-    fits = empty || (fits && !__builtin_mul_overflow(numel, static_cast<uint64_t>(dtype_size(t.dtype)), &need));
-    if (!fits) {
+    // The byte count in 64 bits, as the reader requires.
+    const std::optional<uint64_t> bytes = tensor_byte_count(t.dtype, t.shape);
+    if (!bytes) {
       throw Error(ErrorCode::invalid_argument, name,
                   "tensor '" + name + "': expected a shape whose byte count fits in 64 bits, got " +
                       json(t.shape).dump() + " of dtype " + dtype_name(t.dtype));
     }
+    const uint64_t need = *bytes;
     if (t.bytes.size() != need) {
       throw Error(ErrorCode::invalid_argument, name,
                   "tensor '" + name + "': expected " + std::to_string(need) + " bytes for dtype " +
