@@ -348,10 +348,10 @@ int run_bench(const BenchArgs& a) {
     j["cases"] = jcases;
     j["checks_ok"] = checks_ok;
     if (a.json == "-") {
-      std::cout << j.dump(2, ' ', false, decltype(j)::error_handler_t::replace) << std::endl;
+      std::cout << report_json_text(j) << std::endl;
     } else {
       std::ofstream f(a.json);
-      f << j.dump(2, ' ', false, decltype(j)::error_handler_t::replace) << "\n";
+      f << report_json_text(j) << "\n";
       if (!f) throw Error(ErrorCode::io_error, "json", "cannot write " + a.json);
       log_stage("wrote " + a.json);
     }

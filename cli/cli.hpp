@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json_fwd.hpp>
+
 #include "dsaib/generate.hpp"
 #include "dsaib/host_tensor.hpp"
 #include "dsaib/indexer_backward.hpp"
@@ -233,6 +235,11 @@ double bf16_bits_to_double(uint16_t h);
 double element(const HostTensor& t, int64_t i);
 /// Stage messages on stderr: "[  1.23 s] message".
 void log_stage(const std::string& message);
+
+/// `j` as the CLI prints its JSON reports: indented by 2, with byte sequences that
+/// are not UTF-8 (a path or a flag's value quoted in it) replaced by U+FFFD
+/// instead of an exception from the serialiser.
+std::string report_json_text(const nlohmann::ordered_json& j);
 /// "1.234 s", "12.345 ms", "3.2 us".
 std::string human_seconds(double s);
 double seconds_since(std::chrono::steady_clock::time_point t0);

@@ -54,7 +54,7 @@ void report_error(const std::string& code, const std::string& argument, const st
   j["exit_code"] = kExitError;
   // The message may quote a flag's value or a path that is not UTF-8: replaced
   // (U+FFFD), never thrown from here.
-  std::cout << j.dump(2, ' ', false, nlohmann::ordered_json::error_handler_t::replace) << std::endl;
+  std::cout << report_json_text(j) << std::endl;
 }
 
 /// `text` with every byte sequence that is not UTF-8 replaced by U+FFFD: for
@@ -706,7 +706,7 @@ int cmd_backward(GenOptions& gen, const ScalarOverrides& sc, const BackwardArgs&
     j["output_file"] = a.out;
     j["pass"] = pass;  // no check failed (true also when nothing was checked: see "result")
     j["result"] = verdict;  // the text report's verdict
-    std::cout << j.dump(2, ' ', false, nlohmann::ordered_json::error_handler_t::replace) << std::endl;
+    std::cout << report_json_text(j) << std::endl;
     return pass ? 0 : kExitFail;
   }
 

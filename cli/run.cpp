@@ -4,6 +4,8 @@
 #include <mutex>
 #include <thread>
 
+#include <nlohmann/json.hpp>
+
 #include "cli.hpp"
 
 namespace dsaib::cli {
@@ -23,6 +25,10 @@ void log_stage(const std::string& message) {
   std::snprintf(stamp, sizeof stamp, "[%7.2f s] ", seconds_since(kStart));
   std::lock_guard<std::mutex> lock(log_mutex);
   std::cerr << stamp << message << std::endl;
+}
+
+std::string report_json_text(const nlohmann::ordered_json& j) {
+  return j.dump(2, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
 }
 
 int32_t resolve_threads(int32_t threads) {
