@@ -1,0 +1,67 @@
+// The C++ API through the installed package (ctest install_and_consume): a generated
+// problem on the cpu backend against the fp64 reference, and one argument error.
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "dsaib/generate.hpp"
+#include "dsaib/indexer_backward.hpp"
+#include "dsaib/reference.hpp"
+
+namespace {
+
+// Relative RMS of got against ref; NaN when got holds a non-finite value.
+double relative_rms(const std::vector<float>& got, const std::vector<double>& ref) {
+  double num = 0.0, den = 0.0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (!std::isfinite(got[i])) return std::nan("");
+    num += (got[i] - ref[i]) * (got[i] - ref[i]);
+    den += ref[i] * ref[i];
+  }
+  return den > 0.0 ? std::sqrt(num / den) : std::nan("");
+}
+
+}  // namespace
+
+int main() {
+  using namespace dsaib;
+  GenerateSpec spec;
+  spec.s_q = 48; spec.s_kv = 64; spec.heads = 8; spec.head_dim = 64; spec.topk = 16; spec.seed = 7;
+  const GeneratedProblem p = generate_problem(spec);
+  const int64_t B = spec.batch, S = spec.s_q, Skv = spec.s_kv, H = spec.heads, D = spec.head_dim;
+  // Poisoned outputs: every element must be overwritten.
+  std::vector<float> dq(B * S * H * D, std::nanf("")), dw(B * S * H, std::nanf("")), dk(B * Skv * D, std::nanf(""));
+  IndexerBackwardOutputs out{contiguous_view(dq.data(), DType::f32, {B, S, H, D}),
+                             contiguous_view(dw.data(), DType::f32, {B, S, H}),
+                             contiguous_view(dk.data(), DType::f32, {B, Skv, D})};
+  IndexerBackwardOptions opt = p.options();
+  indexer_backward(p.inputs(), out, opt);
+  const ReferenceGradients ref = reference_backward(p.inputs(), opt);
+  const double e_q = relative_rms(dq, ref.d_index_q), e_w = relative_rms(dw, ref.d_weights),
+               e_k = relative_rms(dk, ref.d_index_k);
+  std::printf("consumer_cxx: cpu backend against the fp64 reference, relative RMS dQ %.3g dW %.3g dK %.3g\n", e_q, e_w,
+              e_k);
+  // f32 outputs of the cpu backend: ~1e-7 (tests/cpu); NaN (a non-finite output) fails too.
+  if (!(e_q < 1e-5 && e_w < 1e-5 && e_k < 1e-5)) {
+    std::printf("consumer_cxx: FAIL: relative RMS above 1e-5 or not finite\n");
+    return 1;
+  }
+  // A wrong rank for index_q: dsaib::Error naming it, outputs untouched.
+  std::vector<float> dw_before = dw;
+  IndexerBackwardInputs bad = p.inputs();
+  bad.index_q = contiguous_view(bad.index_q.data, DType::bf16, {B, S, H * D});
+  try {
+    indexer_backward(bad, out, opt);
+    std::printf("consumer_cxx: FAIL: a rank-3 index_q was accepted\n");
+    return 1;
+  } catch (const Error& e) {
+    std::printf("consumer_cxx: rank-3 index_q refused: %s\n", e.what());
+    if (e.code() != ErrorCode::invalid_argument || e.argument() != "index_q" || dw != dw_before) {
+      std::printf("consumer_cxx: FAIL: expected invalid_argument naming index_q, outputs untouched\n");
+      return 1;
+    }
+  }
+  std::printf("consumer_cxx: PASS (cuda backend available: %s)\n", cuda_backend_available() ? "yes" : "no");
+  return 0;
+}
