@@ -7,7 +7,8 @@
 #   target_link_libraries(app PRIVATE dsaib::dsaib)
 # (dsaib::dsaib is also the name under add_subdirectory). Components: `dev`
 # (library, headers, package files) and `cli`. pip's wheel build installs only
-# its `python` component and does not include this file.
+# its `python` component and does not include this file; a parent project that
+# adds this one with add_subdirectory gets these rules only with DSAIB_INSTALL=ON.
 # Checked by the ctest install_and_consume (tests/install_consumer/).
 include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
@@ -17,8 +18,7 @@ set(dsaib_package_dir ${CMAKE_INSTALL_LIBDIR}/cmake/dsaib)
 install(TARGETS dsaib EXPORT dsaibTargets
   ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR} COMPONENT dev
   LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR} COMPONENT dev
-  RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR} COMPONENT dev
-  INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+  RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR} COMPONENT dev)
 install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/dsaib DESTINATION ${CMAKE_INSTALL_INCLUDEDIR} COMPONENT dev)
 install(EXPORT dsaibTargets NAMESPACE dsaib:: DESTINATION ${dsaib_package_dir} COMPONENT dev)
 
