@@ -5,6 +5,8 @@
 # runs both programs (cpu backend: results against fp64, one argument error
 # each). Also runs the installed CLI's --help. Fails on any step.
 #   usage: install_and_consume.sh CMAKE BUILD_DIR SOURCE_DIR [consumer configure options...]
+# DSAIB_CONSUMER_KEEP=DIR copies the two consumer programs there (for a run on the
+# H200: scripts/device/stage.sh puts them into .device/bin).
 cmake=$1
 build=$2
 src=$3
@@ -26,4 +28,8 @@ grep "dsaib_WITH_CUDA" "$dir/configure.log"
 "$cmake" --build "$dir/consumer" > "$dir/build.log" 2>&1 || { cat "$dir/build.log"; fail "consumer build"; }
 "$dir/consumer/consumer_cxx" || fail "consumer_cxx"
 "$dir/consumer/consumer_c" || fail "consumer_c"
+if [ -n "${DSAIB_CONSUMER_KEEP:-}" ]; then
+  mkdir -p "$DSAIB_CONSUMER_KEEP" && cp "$dir/consumer/consumer_cxx" "$dir/consumer/consumer_c" "$DSAIB_CONSUMER_KEEP/" ||
+    fail "copying the consumers to DSAIB_CONSUMER_KEEP=$DSAIB_CONSUMER_KEEP"
+fi
 echo "install_and_consume: PASS"

@@ -22,6 +22,18 @@ if [[ $what == tests || $what == all ]]; then
   timeout 420 "$bin/test_gpu_hopper" --gtest_filter="$filter" 2>&1 | tee "$out/gpu_tests.log" | grep -E "^\[(numerics|determinism)|OK|FAILED|PASSED|SKIPPED|Failure|Expected|Which is|error|rel_rms" | head -150
   rc=${PIPESTATUS[0]}
   echo "gpu tests rc=$rc"
+  # The installed-package consumer (tests/install_consumer/, staged by stage.sh):
+  # the cuda backend through find_package(dsaib) in a foreign executable. It must
+  # run the cuda part here, not skip it.
+  if [[ -x $bin/consumer_cxx ]]; then
+    echo "=== installed-package consumer"
+    timeout 60 "$bin/consumer_cxx" > "$out/consumer.log" 2>&1
+    crc=$?
+    cat "$out/consumer.log"
+    if [[ $crc -eq 0 ]] && ! grep -q "PASS (cpu and cuda backends)" "$out/consumer.log"; then crc=1; fi
+    echo "consumer rc=$crc"
+    rc=$((rc | crc))
+  fi
 fi
 if [[ $what == cli || $what == all ]]; then
   echo "=== cli (cuda backend)"

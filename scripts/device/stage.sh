@@ -8,6 +8,12 @@ mkdir -p .device/bin
 for b in tests/gpu/test_gpu_hopper tests/gpu/test_gpu_bench tests/sanitizer/sync_calibration bench/dsa-indexer-bwd-bench bench/dsa-floor-bench cli/dsa-indexer-bwd; do
   if [[ -f $build/$b ]]; then cp "$build/$b" .device/bin/; fi
 done
+# The installed-package consumers (tests/install_consumer/), built against an install
+# of this build: consumer_cxx runs the cuda backend through find_package(dsaib).
+if [[ -f $build/CMakeCache.txt ]]; then
+  DSAIB_CONSUMER_KEEP=$PWD/.device/bin sh tests/install_and_consume.sh cmake "$build" "$PWD" -G Ninja \
+    -DCUDAToolkit_ROOT=/usr/local/cuda > /dev/null || echo "stage.sh: install_and_consume failed; no consumers staged" >&2
+fi
 # Variant benches for paired A/B runs: AB_VARIANTS="A=path/to/bench B=path/to/bench ..."
 if [[ -n ${AB_VARIANTS:-} ]]; then
   rm -rf .device/bin/ab && mkdir -p .device/bin/ab
