@@ -230,6 +230,42 @@ def test_generic_function_explicit_stream():
         assert rel_rms(a, b) < 1e-6
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_tensors_on_the_second_gpu_while_the_first_is_current():
+    # All tensors on cuda:1, torch's current device cuda:0: the op runs on cuda:1 (on
+    # its current stream), its outputs live there, and cuda:0 stays current. d_index_q
+    # and d_weights are bitwise those of the same problem on cuda:0.
+    if torch.cuda.get_device_capability(1)[0] != 9:
+        pytest.skip("cuda:1 is not a compute-capability-9.0 device")
+    d0, d1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    q, w, k, ids, T = make_torch_problem(B=1, S=64, S_kv=256, H=64, D=128, topk=128, seed=23, device=d0)
+    sm = 128 ** -0.5
+    P = reference_index_scores(q, w, k, ids, sm_scale=sm).float()
+    _, *want = reference_grads(q, w, k, ids, T, sm_scale=sm)
+    on0 = dt.indexer_backward(q, w, k, ids, T, P, sm_scale=sm, out_dtype="f32")
+    torch.cuda.set_device(d0)
+    args1 = [t.to(d1) for t in (q, w, k, ids, T, P)]
+    for api in ("op", "generic"):
+        if api == "op":
+            on1 = dt.indexer_backward(*args1, sm_scale=sm, out_dtype="f32")
+        else:
+            on1 = dsaib.indexer_backward(*args1, sm_scale=sm)
+        assert torch.cuda.current_device() == 0, api
+        torch.cuda.synchronize(d1)
+        for name, g, r in zip(NAMES, on1, want):
+            assert g.device == d1, (api, name, g.device)
+            assert_close_rms(name, g.to(d0), r, *TOL[g.dtype])
+        if api == "op":
+            assert torch.equal(on1[0].to(d0), on0[0]) and torch.equal(on1[1].to(d0), on0[1]), api
+    # the autograd loss too: its gradients land on cuda:1
+    leaves = [t.detach().float().requires_grad_() for t in args1[:3]]
+    dt.indexer_kl_loss(*leaves, args1[3], args1[4], sm_scale=sm).backward()
+    assert torch.cuda.current_device() == 0
+    for name, x, r in zip(NAMES, leaves, want):
+        assert x.grad.device == d1, name
+        assert_close_rms(name, x.grad.to(d0), r, *TOL[torch.float32])
+
+
 def test_cuda_graph_capture_replays_with_new_grad_loss():
     q, w, k, ids, T = problem(B=2, S=64, S_kv=128, H=64, D=128, topk=128, seed=11)
     P = dt.index_scores(q, w, k, ids, sm_scale=0.1)

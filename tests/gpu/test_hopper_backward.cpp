@@ -536,6 +536,77 @@ TEST_F(Gpu, ThirtyReplaysBitwiseIdenticalDqDw) {
   std::printf("[determinism] 30 replays: d_index_q/d_weights hashes identical; d_index_k max |dev| / max |dK| = %.3g\n", max_dev);
 }
 
+// ---------------------------------------------------------- two GPUs ---
+
+/// Tensors on device 1 while the caller's current device is 0: the backend runs on
+/// the tensors' device (index_q.device_index), with the legacy default stream and with
+/// a stream of device 1, allocates its bf16-dK accumulator there, and gives the
+/// caller back device 0. Against the same problem on device 0: d_index_q and
+/// d_weights bitwise equal (both deterministic), d_index_k within fp32 atomic-order
+/// noise; and against the fp64 CPU reference. Skips without two sm_90 GPUs.
+TEST_F(Gpu, TensorsOnTheSecondGpu) {
+  int n = 0, major1 = 0;
+  check_cuda(cudaGetDeviceCount(&n), "cudaGetDeviceCount");
+  if (n >= 2) check_cuda(cudaDeviceGetAttribute(&major1, cudaDevAttrComputeCapabilityMajor, 1), "attribute");
+  if (n < 2 || major1 != 9) GTEST_SKIP() << "needs two compute-capability-9.0 GPUs (" << n << " visible)";
+  GeneratedProblem p = make_problem(spec_of(1, 256, 2048, 64, 128, 512));
+  check_cuda(cudaSetDevice(0), "cudaSetDevice(0)");
+  const IndexerBackwardOptions opt0 = p.options();
+  IndexerBackwardOptions ref_opt = opt0;
+  ref_opt.backend = Backend::cpu;
+  const ReferenceGradients ref = reference_backward(p.inputs(), ref_opt);
+  for (const DType dk_dtype : {DType::f32, DType::bf16}) {
+    const OutputBuffers on0 = run_cuda(p, opt0, DType::f32, DType::f32, dk_dtype);
+    for (const bool own_stream : {false, true}) {
+      const std::string name = std::string("device 1, dK ") + (dk_dtype == DType::f32 ? "f32" : "bf16") +
+                               (own_stream ? ", its stream" : ", default stream");
+      check_cuda(cudaSetDevice(1), "cudaSetDevice(1)");
+      OutputBuffers on1;
+      {
+        DeviceProblem dp(p);  // allocated on device 1
+        DeviceOutputs out(p, DType::f32, DType::f32, dk_dtype);
+        out.poison();
+        IndexerBackwardInputs in = dp.inputs();
+        IndexerBackwardOutputs o = out.views();
+        for (TensorView* v : {&in.index_q, &in.weights, &in.index_k, &in.topk_indices, &in.attn_score,
+                              &in.index_score, &o.d_index_q, &o.d_weights, &o.d_index_k})
+          v->device_index = 1;
+        cudaStream_t stream = nullptr;
+        if (own_stream) check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream on device 1");
+        check_cuda(cudaDeviceSynchronize(), "sync device 1 before the call");
+        check_cuda(cudaSetDevice(0), "cudaSetDevice(0)");  // the caller's current device
+        IndexerBackwardOptions opt = opt0;
+        opt.backend = Backend::cuda;
+        opt.stream = stream;
+        indexer_backward(in, o, opt);
+        int current = -1;
+        check_cuda(cudaGetDevice(&current), "cudaGetDevice");
+        EXPECT_EQ(current, 0) << name << ": the caller's current device was not restored";
+        check_cuda(cudaSetDevice(1), "cudaSetDevice(1)");
+        check_cuda(cudaDeviceSynchronize(), "sync device 1 after the call");
+        if (stream) check_cuda(cudaStreamDestroy(stream), "cudaStreamDestroy");
+        on1.d_index_q = out.d_index_q.to_host();
+        on1.d_weights = out.d_weights.to_host();
+        on1.d_index_k = out.d_index_k.to_host();
+      }
+      check_cuda(cudaSetDevice(0), "cudaSetDevice(0)");
+      EXPECT_EQ(hash_bytes(on1.d_index_q), hash_bytes(on0.d_index_q)) << name << ": d_index_q differs from device 0's";
+      EXPECT_EQ(hash_bytes(on1.d_weights), hash_bytes(on0.d_weights)) << name << ": d_weights differs from device 0's";
+      const ErrorStats between = compare(on1.d_index_k, to_doubles(on0.d_index_k));
+      const ErrorStats eq = compare(on1.d_index_q, ref.d_index_q);
+      const ErrorStats ew = compare(on1.d_weights, ref.d_weights);
+      const ErrorStats ek = compare(on1.d_index_k, ref.d_index_k);
+      std::printf("[numerics] %-34s dQ %s | dW %s | dK %s | dK vs device 0 max |dev| / max |dK| %.3g\n",
+                  name.c_str(), eq.str().c_str(), ew.str().c_str(), ek.str().c_str(),
+                  between.max_abs / std::max(between.max_abs_ref, 1e-300));
+      EXPECT_TRUE(eq.ok(tolerance(DType::f32))) << name << " d_index_q " << eq.str();
+      EXPECT_TRUE(ew.ok(tolerance(DType::f32))) << name << " d_weights " << ew.str();
+      EXPECT_TRUE(ek.ok(tolerance(dk_dtype))) << name << " d_index_k " << ek.str();
+      EXPECT_TRUE(between.ok(tolerance(dk_dtype))) << name << " d_index_k against device 0's " << between.str();
+    }
+  }
+}
+
 // ------------------------------------------------------------- graphs ---
 
 TEST_F(Gpu, CudaGraphReplayReadsGradLossFromDevice) {
