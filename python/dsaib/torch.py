@@ -11,6 +11,13 @@
   forward and with the upstream gradient from autograd as a device scalar.
 * :class:`IndexerKLLoss`: the same as an ``nn.Module``.
 
+Determinism: on CUDA, ``d_index_k`` is summed with fp32 atomics and is not
+bitwise reproducible (``d_index_q`` and ``d_weights`` are); the CPU backend
+is. Like torch's own atomic ops, the op honours
+``torch.use_deterministic_algorithms(True)``: a CUDA call then raises
+``RuntimeError`` (with ``warn_only=True`` it warns, ``UserWarning``, and
+runs), checked when the op runs, before anything is written.
+
 The loss (``docs/math.md``), per query row over its valid slots ``i``::
 
     z_i  = sm_scale * sum_h w_h * relu(q_h . k_{id_i})
@@ -28,6 +35,7 @@ make the forward run in float64 on the unrounded values (for finite-difference
 checks); the backward still sees them rounded to bf16 (q, k) and float32 (w).
 """
 import math
+import warnings
 from typing import Optional, Tuple
 
 import torch
@@ -93,6 +101,7 @@ def _indexer_backward_op(
     workspace = None
     stream = 0
     if dev.type == "cuda":
+        _alert_not_deterministic()
         backend = "cuda"
         stream = int(torch.cuda.current_stream(dev).cuda_stream)
         if dk.dtype == torch.bfloat16:
@@ -110,6 +119,21 @@ def _indexer_backward_op(
         a_operand_precision,
     )
     return dq, dw, dk
+
+
+def _alert_not_deterministic():
+    """torch.use_deterministic_algorithms for the cuda backend, whose d_index_k is
+    summed with fp32 atomics: RuntimeError, or a UserWarning with warn_only=True."""
+    if not torch.are_deterministic_algorithms_enabled():
+        return
+    message = ("dsaib::indexer_backward on CUDA does not have a deterministic implementation (d_index_k is "
+               "summed with fp32 atomics; d_index_q and d_weights are bitwise reproducible), but "
+               "torch.use_deterministic_algorithms(True) is set. Run it on CPU tensors, or pass warn_only=True "
+               "to torch.use_deterministic_algorithms to allow it with a warning.")
+    if torch.is_deterministic_algorithms_warn_only_enabled():
+        warnings.warn(message, UserWarning, stacklevel=3)
+    else:
+        raise RuntimeError(message)
 
 
 def _check_same_device(index_q, **tensors):

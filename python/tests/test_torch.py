@@ -68,6 +68,25 @@ def test_custom_op_is_registered_and_passes_opcheck():
         assert all(v == "SUCCESS" for v in result.values()), result
 
 
+def test_cpu_op_runs_under_use_deterministic_algorithms():
+    # The CPU backend is deterministic: no error and no warning in torch's deterministic
+    # mode (the CUDA path raises there: test_torch_gpu.py), and bitwise the same result.
+    import warnings
+    q, w, k, ids, T = make_torch_problem(seed=2)
+    P = dt.index_scores(q, w, k, ids, sm_scale=SM)
+    want = dt.indexer_backward(q, w, k, ids, T, P, sm_scale=SM)
+    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), \
+        torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = dt.indexer_backward(q, w, k, ids, T, P, sm_scale=SM)
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_custom_op_a_operand_precision_argument():
     # The schema's last argument, with a default: callers without it keep working.
     schema = torch.ops.dsaib.indexer_backward.default._schema

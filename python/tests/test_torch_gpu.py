@@ -266,6 +266,40 @@ def test_tensors_on_the_second_gpu_while_the_first_is_current():
         assert_close_rms(name, x.grad.to(d0), r, *TOL[torch.float32])
 
 
+def test_use_deterministic_algorithms_is_honoured_on_cuda():
+    # d_index_k uses fp32 atomics on cuda: torch.use_deterministic_algorithms(True)
+    # makes the op raise before writing anything, warn_only=True makes it warn and run;
+    # the autograd loss's backward goes through the same op. CPU tensors are exempt.
+    q, w, k, ids, T = problem(B=1, S=32, S_kv=64, H=64, D=128, topk=32, seed=29)
+    sm = 128 ** -0.5
+    P = reference_index_scores(q, w, k, ids, sm_scale=sm).float()
+    ref = dt.indexer_backward(q, w, k, ids, T, P, sm_scale=sm, out_dtype="f32")
+    torch.cuda.synchronize()
+    # The loss's forward runs before the switch: its bmm would need CUBLAS_WORKSPACE_CONFIG
+    # under deterministic algorithms, set before the process's first cuBLAS call.
+    leaves = [x.detach().float().requires_grad_() for x in (q, w, k)]
+    loss = dt.indexer_kl_loss(*leaves, ids, T, sm_scale=sm)
+    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), \
+        torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        with pytest.raises(RuntimeError, match="does not have a deterministic implementation"):
+            dt.indexer_backward(q, w, k, ids, T, P, sm_scale=sm, out_dtype="f32")
+        with pytest.raises(RuntimeError, match="use_deterministic_algorithms"):
+            loss.backward()
+        cpu = dt.indexer_backward(*(x.cpu() for x in (q, w, k, ids, T, P)), sm_scale=sm, out_dtype="f32")
+        for a, b in zip(cpu, ref):
+            assert rel_rms(a, b.cpu()) < 1e-4
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        with pytest.warns(UserWarning, match="does not have a deterministic implementation"):
+            got = dt.indexer_backward(q, w, k, ids, T, P, sm_scale=sm, out_dtype="f32")
+        torch.cuda.synchronize()
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+        assert rel_rms(got[2], ref[2]) < 1e-5
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
 def test_cuda_graph_capture_replays_with_new_grad_loss():
     q, w, k, ids, T = problem(B=2, S=64, S_kv=128, H=64, D=128, topk=128, seed=11)
     P = dt.index_scores(q, w, k, ids, sm_scale=0.1)
