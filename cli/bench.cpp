@@ -73,6 +73,7 @@ int run_bench(const BenchArgs& a) {
       if (!parse_a_operand_precision(a.a_operand, &c.a_operand)) {
         throw Error(ErrorCode::invalid_argument, "a_operand", "--a-operand: expected auto, bf16x2 or bf16, got " + a.a_operand);
       }
+      c.deterministic = a.deterministic;
       bench::check_case(c);
       cases.push_back(c);
     }
@@ -260,6 +261,7 @@ int run_bench(const BenchArgs& a) {
                       {"dim", c.dim},
                       {"topk", c.topk},
                       {"a_operand_precision", a_operand_precision_name(c.a_operand)},
+                      {"deterministic", c.deterministic},
                       {"valid_slots_per_row", r.valid_slots_per_row},
                       {"input_sets", r.input_sets},
                       {"input_set_bytes", r.set_bytes},

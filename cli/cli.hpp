@@ -173,6 +173,7 @@ struct BenchArgs {
   std::string json;                             // "" none, "-" stdout
   bool no_floor = false;
   std::string a_operand = "auto";               // IndexerBackwardOptions::a_operand_precision
+  bool deterministic = false;                   // IndexerBackwardOptions::deterministic
   std::string command_line;                     // for the JSON report
 };
 

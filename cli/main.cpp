@@ -404,7 +404,7 @@ struct BackwardArgs {
   int64_t sample_rows = 64;
   int32_t threads = 0;
   int warmup = -1, repeat = 1;
-  bool json = false, strict = false;
+  bool json = false, strict = false, deterministic = false;
   std::string a_operand = "auto";
 };
 
@@ -530,6 +530,7 @@ int cmd_backward(GenOptions& gen, const ScalarOverrides& sc, const BackwardArgs&
   }
   sc.apply_to_options(p.options);
   p.options.strict_indices = a.strict;
+  p.options.deterministic = a.deterministic;
   (void)parse_a_operand_precision(a.a_operand, &p.options.a_operand_precision);  // checked by CLI11
   Geometry g;
   try {
@@ -666,6 +667,7 @@ int cmd_backward(GenOptions& gen, const ScalarOverrides& sc, const BackwardArgs&
     j["backend"] = {{"name", backend_name(backend)}, {"why", backend_note}, {"device", r.device}};
     j["out_dtype"] = dtype_name(out_dtype);
     j["a_operand"] = {{"requested", a_operand_precision_name(p.options.a_operand_precision)}, {"used", a_operand_used}};
+    j["deterministic"] = p.options.deterministic;
     j["timing"] = {{"timer", r.timer},
                    {"warmup", warmup},
                    {"seconds", r.seconds},
@@ -721,8 +723,14 @@ int cmd_backward(GenOptions& gen, const ScalarOverrides& sc, const BackwardArgs&
     << "  scalars     sm_scale=" << format_float(p.options.sm_scale) << " loss_coeff=" << format_float(p.options.loss_coeff)
     << " grad_loss=" << format_float(p.options.grad_loss) << " N=" << n_norm << "\n"
     << "  backend     " << backend_line << ", " << r.device << "\n"
-    << "  a operand   " << a_operand_line << "\n"
-    << "  backward    " << human_seconds(mean);
+    << "  a operand   " << a_operand_line << "\n";
+  if (p.options.deterministic) {
+    s << "  determinism "
+      << (backend == Backend::cuda ? "d_index_k in 64-bit fixed point (--deterministic)"
+                                   : "requested (--deterministic; the cpu backend always is)")
+      << "\n";
+  }
+  s << "  backward    " << human_seconds(mean);
   if (r.seconds.size() > 1) s << " mean, " << human_seconds(best) << " min of " << r.seconds.size() << " runs";
   s << " (" << human_seconds(g.num_q_rows > 0 ? mean / double(g.num_q_rows) : 0.0) << " per query row, "
     << fixed(mean > 0 ? flops * 1e-9 / mean : 0.0, 2) << " GFLOP/s useful; " << r.timer << ")\n";
@@ -802,6 +810,9 @@ int run_main(int argc, char** argv) {
       ->check(int_range(0, 100000));
   bwd_cmd->add_option("--repeat", a.repeat, "timed runs (>= 1)")->check(int_range(1, 1000000))->default_str("1");
   bwd_cmd->add_flag("--strict-indices", a.strict, "raise an error on the first invalid (out of range) id");
+  bwd_cmd->add_flag("--deterministic", a.deterministic,
+                    "bitwise reproducible d_index_k on cuda (64-bit fixed-point accumulation, docs/api.md "
+                    "\"Determinism\"); the cpu backend always is");
   bwd_cmd->add_option("--a-operand", a.a_operand,
                       "cuda: precision of the a operand of the dK/dQ GEMMs: auto (bf16x2 if an output is f32, else bf16), "
                       "bf16x2 or bf16 (docs/api.md)")
@@ -844,6 +855,8 @@ int run_main(int argc, char** argv) {
                         "precision of the a operand of the dK/dQ GEMMs: auto (bf16 for these bf16 outputs), bf16x2 or bf16")
       ->check(one_of({"auto", "bf16x2", "bf16"}))
       ->default_str("auto");
+  bench_cmd->add_flag("--deterministic", ba.deterministic,
+                      "time the deterministic mode (fixed-point d_index_k, docs/api.md \"Determinism\")");
   bench_cmd->add_option("--batch,-b", ba.batch, "B: batch size")->check(int_range(1))->default_str("1");
   bench_cmd->add_option("--iters", ba.iters, "timed launches per case and per floor micro-benchmark")
       ->check(int_range(1, 100000))

@@ -135,6 +135,7 @@ struct OpCase {
   IdPattern ids = IdPattern::random;
   int64_t batch = 1, seq = 4096, heads = 64, dim = 128, topk = 2048;
   AOperandPrecision a_operand = AOperandPrecision::automatic;  // automatic = one bf16 term (bf16 outputs)
+  bool deterministic = false;  // IndexerBackwardOptions::deterministic (the fixed-point dK)
   uint64_t dk_table_bytes() const { return static_cast<uint64_t>(batch * seq * dim) * 4; }
 };
 

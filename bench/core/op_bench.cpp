@@ -159,6 +159,7 @@ IndexerBackwardOptions options_of(const OpCase& c) {
   opt.backend = Backend::cuda;
   opt.sm_scale = 1.0f / std::sqrt(static_cast<float>(c.dim));
   opt.a_operand_precision = c.a_operand;
+  opt.deterministic = c.deterministic;
   return opt;
 }
 

@@ -87,8 +87,10 @@ dsaib_status dsaib_contiguous_tensor(dsaib_tensor* view, void* data, dsaib_dtype
                                      int32_t rank, dsaib_device device, int32_t device_index);
 
 /* *bytes = the scratch memory dsaib_indexer_backward needs, on the backend's
-   device: 0 on cpu; on cuda B*S_kv*D*4 (THD: T_k*D*4) when d_index_k is bf16
-   (the fp32 dK accumulator), 0 when it is f32. Validates the problem like
+   device: 0 on cpu; on cuda with options->deterministic B*S_kv*D*8 (THD:
+   T_k*D*8) rounded up to a multiple of 256, plus 16 (the int64 fixed-point dK
+   and its bound); otherwise on cuda B*S_kv*D*4 (THD: T_k*D*4) when d_index_k
+   is bf16 (the fp32 dK accumulator), 0 when it is f32. Validates the problem like
    dsaib_indexer_backward and fails with the same statuses; *bytes is
    written only on DSAIB_OK. C++: dsaib::indexer_backward_workspace_size. */
 dsaib_status dsaib_indexer_backward_workspace_size(const dsaib_inputs* inputs, const dsaib_outputs* outputs,
@@ -101,7 +103,7 @@ dsaib_status dsaib_indexer_backward_workspace_size(const dsaib_inputs* inputs, c
    Statuses: DSAIB_INVALID_ARGUMENT (a tensor's dtype, rank, shape, stride,
    device, alignment or overlap; H, D, topk, a scalar option, cu_seqlens, too
    small a workspace), DSAIB_INDEX_OUT_OF_RANGE (strict_indices and an invalid
-   id), DSAIB_UNSUPPORTED (deterministic on cuda), DSAIB_BACKEND_UNAVAILABLE,
+   id), DSAIB_BACKEND_UNAVAILABLE,
    DSAIB_CUDA_ERROR, DSAIB_OUT_OF_MEMORY; dsaib_last_error() gives the message.
    workspace: NULL with workspace_bytes 0 lets the cuda backend allocate it
    (stream-ordered); otherwise at least the workspace size, 256-byte aligned,

@@ -10,7 +10,7 @@ namespace dsaib {
 enum class ErrorCode : int {
   ok = 0,
   invalid_argument = 1,    ///< wrong dtype, rank, shape, stride, alignment, size or value
-  unsupported = 2,         ///< valid input this backend cannot run (e.g. deterministic dK on cuda)
+  unsupported = 2,         ///< valid input this backend cannot run (no current rule raises it; kept for the ABI)
   index_out_of_range = 3,  ///< strict mode: a topk id outside its sequence
   backend_unavailable = 4, ///< e.g. the cuda backend on a machine without a GPU or a build without CUDA
   cuda_error = 5,          ///< a CUDA runtime call failed

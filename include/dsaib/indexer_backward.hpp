@@ -142,9 +142,12 @@ struct IndexerBackwardOptions {
   /// scan and a host synchronisation.)
   bool strict_indices = false;
   /// Require bitwise run-to-run reproducible outputs. The cpu backend always is.
-  /// The cuda backend's d_index_q and d_weights always are; its d_index_k is
-  /// accumulated with fp32 atomics and is not, so cuda rejects deterministic=true
-  /// with ErrorCode::unsupported.
+  /// The cuda backend's d_index_q and d_weights always are; its d_index_k is by
+  /// default accumulated with fp32 atomics, whose order varies from run to run.
+  /// With deterministic=true, cuda accumulates d_index_k in 64-bit fixed point
+  /// instead (src/hopper/fixed_point_dk.cuh: a bound pass sets the scale, integer
+  /// sums do not depend on the order; the rounding is far below the fp32
+  /// output's), for twice the reduction bytes and a larger workspace.
   bool deterministic = false;
   /// cuda: the cudaStream_t to run on (nullptr = legacy default stream).
   void* stream = nullptr;
@@ -155,7 +158,9 @@ struct IndexerBackwardOptions {
 };
 
 /// Bytes of scratch memory the backend needs for this problem, on the
-/// backend's device. cpu: 0. cuda: B*S_kv*D*4 (resp. T_k*D*4) when d_index_k
+/// backend's device. cpu: 0. cuda with deterministic: B*S_kv*D*8 (resp.
+/// T_k*D*8) rounded up to a multiple of 256, plus 16 (the int64 fixed-point dK
+/// and its bound). cuda otherwise: B*S_kv*D*4 (resp. T_k*D*4) when d_index_k
 /// is bf16 (the fp32 dK accumulator), 0 when it is f32.
 /// Validates like indexer_backward() and raises the same errors.
 std::size_t indexer_backward_workspace_size(const IndexerBackwardInputs& inputs,
@@ -172,7 +177,6 @@ std::size_t indexer_backward_workspace_size(const IndexerBackwardInputs& inputs,
 ///   outputs, too small a workspace. The message names the argument and says
 ///   what was expected and what came.
 /// - index_out_of_range: strict_indices and an invalid id (names b, t, slot, id).
-/// - unsupported: deterministic=true on cuda.
 /// - backend_unavailable: cuda requested but not built or no device.
 /// - cuda_error: a CUDA call failed (after validation).
 /// - out_of_memory: validation's host copies could not be allocated (strict

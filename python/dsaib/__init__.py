@@ -32,7 +32,7 @@ The C++ library's errors surface with the C++ message unchanged:
   cu_seqlens, overlapping outputs, and (``strict_indices=True``) an invalid
   topk id.
 * ``RuntimeError``: the cuda backend is unavailable (e.g. a CPU-only build),
-  ``deterministic=True`` on cuda, CUDA failures.
+  CUDA failures.
 * ``MemoryError``: host memory (validation's copies of ``topk_indices`` /
   ``cu_seqlens``, the cpu backend's fp64 working set) or device memory could
   not be allocated.
@@ -461,6 +461,16 @@ def _option_str(name, x, words) -> str:
     return x
 
 
+def _cuda_workspace_bytes(dk_elements: int, dk_bf16: bool, deterministic: bool) -> int:
+    """Scratch bytes of a cuda call (indexer_backward_workspace_size in
+    include/dsaib/indexer_backward.hpp): deterministic, the int64 fixed-point dK
+    (8 bytes per d_index_k element, rounded up to 256) and a 16-byte bound; else
+    the fp32 dK accumulator for a bf16 d_index_k (4 bytes per element); else 0."""
+    if deterministic:
+        return (dk_elements * 8 + 255) // 256 * 256 + 16
+    return max(dk_elements, 1) * 4 if dk_bf16 else 0
+
+
 def _a_operand(a_operand_precision) -> str:
     """The option as the str the extension parses (it raises ValueError for a bad word)."""
     return _option_str("a_operand_precision", a_operand_precision, '"auto", "bf16x2" or "bf16"')
@@ -542,7 +552,8 @@ def indexer_backward(
         sm_90a kernel), or None: ``"cuda"`` when index_q is a CUDA tensor, else ``"cpu"``.
       normalization_count: N; 0 means the number of query tokens.
       strict_indices: raise ValueError on the first invalid topk id.
-      deterministic: require bitwise-reproducible outputs (cuda rejects it).
+      deterministic: require bitwise-reproducible outputs; on cuda this runs the
+        fixed-point d_index_k (d_index_q and d_weights always are; the cpu backend always is).
       num_threads: cpu worker threads (0 = all cores).
       stream: cuda only: the cudaStream_t to run on, as an int (not bool or
         float) or an object with ``__int__`` (numba's Stream). None (default)
@@ -643,13 +654,14 @@ def indexer_backward(
         out_uint16_as_bf16 = True
 
     workspace = None
-    if fw == "torch" and backend == "cuda" and device.startswith("cuda") and _framework(out[2]) == "torch" \
-            and str(out[2].dtype) == "torch.bfloat16":
+    if fw == "torch" and backend == "cuda" and device.startswith("cuda") and _framework(out[2]) == "torch":
         import torch
 
-        # The fp32 dK accumulator (indexer_backward_workspace_size), from torch's
-        # caching allocator so it is stream-ordered and CUDA-graph safe.
-        workspace = torch.empty(max(int(index_k.numel()), 1), dtype=torch.float32, device=index_q.device)
+        # The dK accumulator (indexer_backward_workspace_size), from torch's caching
+        # allocator so it is stream-ordered and CUDA-graph safe.
+        nbytes = _cuda_workspace_bytes(int(index_k.numel()), str(out[2].dtype) == "torch.bfloat16", deterministic)
+        if nbytes:
+            workspace = torch.empty(nbytes, dtype=torch.uint8, device=index_q.device)
 
     if fw == "torch" and backend == "cuda" and explicit_stream:
         import torch

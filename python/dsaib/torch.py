@@ -11,12 +11,11 @@
   forward and with the upstream gradient from autograd as a device scalar.
 * :class:`IndexerKLLoss`: the same as an ``nn.Module``.
 
-Determinism: on CUDA, ``d_index_k`` is summed with fp32 atomics and is not
-bitwise reproducible (``d_index_q`` and ``d_weights`` are); the CPU backend
-is. Like torch's own atomic ops, the op honours
-``torch.use_deterministic_algorithms(True)``: a CUDA call then raises
-``RuntimeError`` (with ``warn_only=True`` it warns, ``UserWarning``, and
-runs), checked when the op runs, before anything is written.
+Determinism: under ``torch.use_deterministic_algorithms(True)`` the op runs
+the cuda backend's deterministic mode (``deterministic=True``: ``d_index_k``
+accumulated in 64-bit fixed point, bitwise reproducible; otherwise its fp32
+atomics vary in the last bits from run to run, while ``d_index_q`` and
+``d_weights`` are always reproducible). The CPU backend always is.
 
 The loss (``docs/math.md``), per query row over its valid slots ``i``::
 
@@ -35,13 +34,12 @@ make the forward run in float64 on the unrounded values (for finite-difference
 checks); the backward still sees them rounded to bf16 (q, k) and float32 (w).
 """
 import math
-import warnings
 from typing import Optional, Tuple
 
 import torch
 
-from . import (_INT64_MAX, _NORMALIZATION_COUNT_BELOW, _a_operand, _check_f32_finite, _dsaib, _export,
-               _float_or_inf)
+from . import (_INT64_MAX, _NORMALIZATION_COUNT_BELOW, _a_operand, _check_f32_finite, _cuda_workspace_bytes,
+               _dsaib, _export, _float_or_inf)
 
 __all__ = ["indexer_backward", "indexer_kl_loss", "IndexerKLLoss", "index_scores", "EPS"]
 
@@ -100,14 +98,17 @@ def _indexer_backward_op(
     dk = torch.empty(index_k.shape, dtype=_out_dtype("dk_dtype", dk_dtype), device=dev)
     workspace = None
     stream = 0
+    deterministic = False
     if dev.type == "cuda":
-        _alert_not_deterministic()
         backend = "cuda"
         stream = int(torch.cuda.current_stream(dev).cuda_stream)
-        if dk.dtype == torch.bfloat16:
-            # fp32 dK accumulator (indexer_backward_workspace_size), from torch's
+        # torch.use_deterministic_algorithms: the fixed-point d_index_k (read when the op runs).
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        nbytes = _cuda_workspace_bytes(index_k.numel(), dk.dtype == torch.bfloat16, deterministic)
+        if nbytes:
+            # The dK accumulator (indexer_backward_workspace_size), from torch's
             # allocator: stream-ordered, and from the graph pool under capture.
-            workspace = torch.empty(max(index_k.numel(), 1), dtype=torch.float32, device=dev)
+            workspace = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     else:
         backend = "cpu"
     _dsaib.indexer_backward(
@@ -115,25 +116,10 @@ def _indexer_backward_op(
         _export(index_score), _export(cu_seqlens_q), _export(cu_seqlens_k),
         _export(dq), _export(dw), _export(dk),
         layout, id_mode, backend, float(sm_scale), float(loss_coeff), 1.0, _export(grad_loss),
-        int(normalization_count), False, False, stream, 0, _export(workspace), False, False,
+        int(normalization_count), False, deterministic, stream, 0, _export(workspace), False, False,
         a_operand_precision,
     )
     return dq, dw, dk
-
-
-def _alert_not_deterministic():
-    """torch.use_deterministic_algorithms for the cuda backend, whose d_index_k is
-    summed with fp32 atomics: RuntimeError, or a UserWarning with warn_only=True."""
-    if not torch.are_deterministic_algorithms_enabled():
-        return
-    message = ("dsaib::indexer_backward on CUDA does not have a deterministic implementation (d_index_k is "
-               "summed with fp32 atomics; d_index_q and d_weights are bitwise reproducible), but "
-               "torch.use_deterministic_algorithms(True) is set. Run it on CPU tensors, or pass warn_only=True "
-               "to torch.use_deterministic_algorithms to allow it with a warning.")
-    if torch.is_deterministic_algorithms_warn_only_enabled():
-        warnings.warn(message, UserWarning, stacklevel=3)
-    else:
-        raise RuntimeError(message)
 
 
 def _check_same_device(index_q, **tensors):

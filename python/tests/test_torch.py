@@ -70,7 +70,8 @@ def test_custom_op_is_registered_and_passes_opcheck():
 
 def test_cpu_op_runs_under_use_deterministic_algorithms():
     # The CPU backend is deterministic: no error and no warning in torch's deterministic
-    # mode (the CUDA path raises there: test_torch_gpu.py), and bitwise the same result.
+    # mode (CUDA tensors take the fixed-point d_index_k there: test_torch_gpu.py), and
+    # bitwise the same result.
     import warnings
     q, w, k, ids, T = make_torch_problem(seed=2)
     P = dt.index_scores(q, w, k, ids, sm_scale=SM)

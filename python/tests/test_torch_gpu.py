@@ -266,15 +266,15 @@ def test_tensors_on_the_second_gpu_while_the_first_is_current():
         assert_close_rms(name, x.grad.to(d0), r, *TOL[torch.float32])
 
 
-def test_use_deterministic_algorithms_is_honoured_on_cuda():
-    # d_index_k uses fp32 atomics on cuda: torch.use_deterministic_algorithms(True)
-    # makes the op raise before writing anything, warn_only=True makes it warn and run;
-    # the autograd loss's backward goes through the same op. CPU tensors are exempt.
-    q, w, k, ids, T = problem(B=1, S=32, S_kv=64, H=64, D=128, topk=32, seed=29)
+def test_use_deterministic_algorithms_runs_the_deterministic_kernels():
+    # Under torch.use_deterministic_algorithms(True) the op (and the autograd loss's
+    # backward) take the fixed-point d_index_k: bitwise-equal runs, no warning, the
+    # generic function's deterministic=True result, and the fp64 reference's values.
+    import warnings
+    q, w, k, ids, T = problem(B=2, S=64, S_kv=512, H=64, D=128, topk=256, seed=29)
     sm = 128 ** -0.5
     P = reference_index_scores(q, w, k, ids, sm_scale=sm).float()
-    ref = dt.indexer_backward(q, w, k, ids, T, P, sm_scale=sm, out_dtype="f32")
-    torch.cuda.synchronize()
+    _, *want = reference_grads(q, w, k, ids, T, sm_scale=sm)
     # The loss's forward runs before the switch: its bmm would need CUBLAS_WORKSPACE_CONFIG
     # under deterministic algorithms, set before the process's first cuBLAS call.
     leaves = [x.detach().float().requires_grad_() for x in (q, w, k)]
@@ -283,21 +283,29 @@ def test_use_deterministic_algorithms_is_honoured_on_cuda():
         torch.is_deterministic_algorithms_warn_only_enabled()
     try:
         torch.use_deterministic_algorithms(True)
-        with pytest.raises(RuntimeError, match="does not have a deterministic implementation"):
-            dt.indexer_backward(q, w, k, ids, T, P, sm_scale=sm, out_dtype="f32")
-        with pytest.raises(RuntimeError, match="use_deterministic_algorithms"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            runs = {codes: [dt.indexer_backward(q, w, k, ids, T, P, sm_scale=sm, out_dtype=codes) for _ in range(3)]
+                    for codes in ("f32", "bf16")}
             loss.backward()
-        cpu = dt.indexer_backward(*(x.cpu() for x in (q, w, k, ids, T, P)), sm_scale=sm, out_dtype="f32")
-        for a, b in zip(cpu, ref):
-            assert rel_rms(a, b.cpu()) < 1e-4
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        with pytest.warns(UserWarning, match="does not have a deterministic implementation"):
-            got = dt.indexer_backward(q, w, k, ids, T, P, sm_scale=sm, out_dtype="f32")
         torch.cuda.synchronize()
-        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
-        assert rel_rms(got[2], ref[2]) < 1e-5
     finally:
         torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+    for codes, results in runs.items():
+        for later in results[1:]:
+            for name, a, b in zip(NAMES, later, results[0]):
+                assert torch.equal(a, b), (codes, name)
+        check_against_reference(results[0], want, (codes,) * 3)
+    generic = dsaib.indexer_backward(q, w, k, ids, T, P, sm_scale=sm, deterministic=True)
+    torch.cuda.synchronize()
+    for name, a, b in zip(NAMES, generic, runs["f32"][0]):
+        assert torch.equal(a, b), name
+    for name, x, r in zip(NAMES, leaves, want):
+        assert_close_rms(name, x.grad, r, *TOL[torch.float32])
+    # bf16 d_index_k with deterministic=True in the generic function (its own workspace size)
+    g16 = dsaib.indexer_backward(q, w, k, ids, T, P, sm_scale=sm, deterministic=True, out_dtype="bf16")
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(g16, runs["bf16"][0]))
 
 
 def test_cuda_graph_capture_replays_with_new_grad_loss():
@@ -403,8 +411,6 @@ def test_cuda_errors_keep_the_cpp_message():
         dt.indexer_backward(q, w, k.cpu(), ids, T, P, sm_scale=0.1)
     with pytest.raises(ValueError, match=r"^grad_loss: expected a tensor on cuda:0"):
         dt.indexer_backward(q, w, k, ids, T, P, sm_scale=0.1, grad_loss=torch.ones(()))
-    with pytest.raises(RuntimeError, match="deterministic"):
-        dsaib.indexer_backward(q, w, k, ids, T, P, sm_scale=0.1, deterministic=True)
 
 
 def test_generic_function_defaults_to_cuda_backend_for_cuda_tensors():

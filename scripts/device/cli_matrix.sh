@@ -48,6 +48,11 @@ cases=(
   "--preset small"
   "--batch 2 --s-q 8192 --topk 2048 --heads 64 --head-dim 128 --verify sample"
   "--preset deepseek-v32 --verify sample"
+  # the deterministic mode (fixed-point d_index_k): THD global ids, fp32 outputs (split A), D 64, DeepSeek
+  "--preset thd --id-mode global --deterministic"
+  "--s-q 256 --s-kv 2048 --topk 512 --out-dtype f32 --deterministic"
+  "--s-q 256 --s-kv 2048 --topk 512 --head-dim 64 --ids permutation --deterministic"
+  "--preset deepseek-v32 --verify sample --deterministic"
 )
 pass=0 fail=0
 {

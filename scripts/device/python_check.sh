@@ -55,13 +55,17 @@ EOF
 
 echo "== pytest python/tests" >>"$OUT/pytest.log"
 start=$SECONDS
-timeout -k 5 240 python3 -m pytest -q -rs -p no:cacheprovider --durations=15 python/tests >>"$OUT/pytest.log" 2>&1
+# PYTEST_ARGS: a narrower selection (e.g. "python/tests/test_torch_gpu.py -k determin"); SKIP_DEMOS=1 skips the demos.
+# shellcheck disable=SC2086
+timeout -k 5 240 python3 -m pytest -q -rs -p no:cacheprovider --durations=15 ${PYTEST_ARGS:-python/tests} >>"$OUT/pytest.log" 2>&1
 rc=$?
 note "pytest exit $rc after $((SECONDS - start)) s (124 = timed out)"
 [[ $rc -ne 0 && $status -eq 0 ]] && status=$rc
 
 : > "$OUT/demo.log"
-for dev in cpu cuda; do
+demo_devices="cpu cuda"
+[[ -n ${SKIP_DEMOS:-} ]] && demo_devices=""
+for dev in $demo_devices; do
   limit=$([[ $dev == cpu ]] && echo 30 || echo 50)
   echo "== train_indexer.py --device $dev (limit ${limit} s)" >>"$OUT/demo.log"
   start=$SECONDS

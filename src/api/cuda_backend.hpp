@@ -24,7 +24,10 @@ void check_options_and_backend(const IndexerBackwardOptions& opt);
 void cuda_copy_to_host(void* dst, const void* src, std::size_t row_bytes, std::size_t src_pitch,
                        std::size_t rows, void* stream);
 
-std::size_t cuda_workspace_size(const IndexerBackwardOutputs& out, const ProblemGeometry& g);
+/// Scratch bytes of a cuda call: the fp32 dK accumulator for a bf16 d_index_k, or
+/// the deterministic mode's int64 accumulator and bound (fixed_point_dk.hpp).
+std::size_t cuda_workspace_size(const IndexerBackwardOutputs& out, const IndexerBackwardOptions& opt,
+                                const ProblemGeometry& g);
 
 /// Launches the fused kernel on options.stream. `g` is validated.
 void run_cuda_backend(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,

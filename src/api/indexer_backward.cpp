@@ -38,7 +38,7 @@ bool cuda_backend_available() { return detail::cuda_backend_compiled() && detail
 std::size_t indexer_backward_workspace_size(const IndexerBackwardInputs& inputs, const IndexerBackwardOutputs& outputs,
                                             const IndexerBackwardOptions& options) {
   const detail::ProblemGeometry g = validate_for_backend(inputs, outputs, options);
-  return options.backend == Backend::cuda ? detail::cuda_workspace_size(outputs, g) : 0;
+  return options.backend == Backend::cuda ? detail::cuda_workspace_size(outputs, options, g) : 0;
 }
 
 void indexer_backward(const IndexerBackwardInputs& inputs, const IndexerBackwardOutputs& outputs,
@@ -48,7 +48,7 @@ void indexer_backward(const IndexerBackwardInputs& inputs, const IndexerBackward
     detail::run_cpu_backend(inputs, outputs, options, g);
     return;
   }
-  const std::size_t need = detail::cuda_workspace_size(outputs, g);
+  const std::size_t need = detail::cuda_workspace_size(outputs, options, g);
   if (workspace != nullptr || workspace_bytes != 0) {
     if (workspace_bytes < need) {
       throw Error(ErrorCode::invalid_argument, "workspace_bytes",

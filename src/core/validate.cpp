@@ -401,12 +401,6 @@ ProblemGeometry validate_problem_unguarded(const IndexerBackwardInputs& in, cons
   }
   g.normalization_count = opt.normalization_count > 0 ? opt.normalization_count : std::max<int64_t>(g.num_q_rows, 1);
 
-  if (opt.backend == Backend::cuda && opt.deterministic) {
-    throw Error(ErrorCode::unsupported, "deterministic",
-                "deterministic: expected false on the cuda backend (its d_index_k is accumulated with fp32 "
-                "atomics; d_index_q and d_weights are always reproducible), got true; use the cpu backend "
-                "for bitwise-deterministic d_index_k");
-  }
 
   // Strict ids: -1 marks an empty slot and is allowed; any other id outside
   // the row's sequence is reported.

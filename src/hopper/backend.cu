@@ -11,6 +11,7 @@
 
 #include "api/cuda_backend.hpp"
 #include "hopper/cuda_check.hpp"
+#include "hopper/fixed_point_dk.hpp"
 #include "hopper/l2_hints.hpp"
 #include "hopper/l2_policy.cuh"
 #include "hopper/launch.hpp"
@@ -155,7 +156,9 @@ void cuda_copy_to_host(void* dst, const void* src, std::size_t row_bytes, std::s
   cuda_check(cudaStreamSynchronize(s), "cudaStreamSynchronize (validation read)");
 }
 
-std::size_t cuda_workspace_size(const IndexerBackwardOutputs& out, const ProblemGeometry& g) {
+std::size_t cuda_workspace_size(const IndexerBackwardOutputs& out, const IndexerBackwardOptions& opt,
+                                const ProblemGeometry& g) {
+  if (opt.deterministic) return hopper::dk_fixed_workspace_bytes(g.num_k_rows, g.head_dim);
   return out.d_index_k.dtype == DType::bf16 ? static_cast<std::size_t>(g.num_k_rows * g.head_dim) * sizeof(float) : 0;
 }
 
@@ -209,25 +212,64 @@ static L2Plan l2_plan_for_launch(hopper::L2Hints mode, const ProblemGeometry& g,
   return {true, hopper::l2_keep_fraction(set_aside, key_rows, g.head_dim)};
 }
 
-/// One of the six fused kernels, as a type: head dim, split a operand, L2 hint.
-template <int kD, bool kSplit, bool kL2>
+/// One of the ten fused kernels, as a type: head dim, split a operand, L2 hint,
+/// fixed-point (deterministic) dK.
+template <int kD, bool kSplit, bool kL2, bool kFixed = false>
 struct KernelChoice {
   static constexpr int kHeadDim = kD;
-  static constexpr bool kSplitA = kSplit, kL2KeepDk = kL2;
+  static constexpr bool kSplitA = kSplit, kL2KeepDk = kL2, kFixedPointDk = kFixed;
 };
 
-/// Calls f(KernelChoice<...>{}) for the kernel that serves head_dim, split_a, l2_keep_dk.
+/// Calls f(KernelChoice<...>{}) for the kernel that serves head_dim, split_a,
+/// l2_keep_dk and fixed_point_dk (which excludes the L2 hint: run_cuda_backend).
 template <class F>
-static void with_kernel_choice(int64_t head_dim, bool split_a, bool l2_keep_dk, F&& f) {
+static void with_kernel_choice(int64_t head_dim, bool split_a, bool l2_keep_dk, bool fixed_point_dk, F&& f) {
   if (head_dim == 64) {
-    if (split_a) f(KernelChoice<64, true, false>{});
+    if (fixed_point_dk) split_a ? f(KernelChoice<64, true, false, true>{}) : f(KernelChoice<64, false, false, true>{});
+    else if (split_a) f(KernelChoice<64, true, false>{});
     else if (l2_keep_dk) f(KernelChoice<64, false, true>{});
     else f(KernelChoice<64, false, false>{});
   } else {
-    if (split_a) f(KernelChoice<128, true, false>{});
+    if (fixed_point_dk) split_a ? f(KernelChoice<128, true, false, true>{}) : f(KernelChoice<128, false, false, true>{});
+    else if (split_a) f(KernelChoice<128, true, false>{});
     else if (l2_keep_dk) f(KernelChoice<128, false, true>{});
     else f(KernelChoice<128, false, false>{});
   }
+}
+
+/// The deterministic path (options.deterministic; fixed_point_dk.cuh): the bound
+/// pass, the fixed-point fused kernel, the finish kernel writing d_index_k. Its
+/// workspace (the int64 accumulator and the bound) is the caller's or
+/// stream-ordered memory of its own. `grid` and `stagger` as run_cuda_backend
+/// planned them for that kernel.
+static void run_fixed_point_dk(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
+                               const IndexerBackwardOptions& opt, const ProblemGeometry& g, int64_t grid,
+                               const hopper::StartStagger& stagger, bool split_a, void* workspace,
+                               std::size_t workspace_bytes, cudaStream_t stream) {
+  const std::size_t bytes = hopper::dk_fixed_workspace_bytes(g.num_k_rows, g.head_dim);
+  char* base = static_cast<char*>(workspace);
+  const bool owns_workspace = !(workspace != nullptr && workspace_bytes >= bytes);
+  if (owns_workspace) {
+    void* ws = nullptr;
+    cuda_check(cudaMallocAsync(&ws, bytes, stream), "cudaMallocAsync (deterministic dK accumulator)");
+    base = static_cast<char*>(ws);
+  }
+  auto* dk_fixed = reinterpret_cast<unsigned long long*>(base);
+  auto* bound = reinterpret_cast<hopper::DkFixedBound*>(base + hopper::dk_fixed_bound_offset(g.num_k_rows, g.head_dim));
+  const int64_t n = g.num_k_rows * g.head_dim;
+  hopper::IndexerBackwardParams params = hopper::make_kernel_params(in, out, opt, g, nullptr);
+  params.start_stagger_max_ns = stagger.max_ns;
+  params.start_stagger_first_delayed_cta = stagger.first_delayed_cta;
+  params.dk_fixed = dk_fixed;
+  params.dk_bound = bound;
+  hopper::launch_dk_fixed_bound(params, dk_fixed, n, bound, stream);
+  with_kernel_choice(g.head_dim, split_a, false, true, [&](auto k) {
+    using K = decltype(k);
+    hopper::launch_indexer_backward<K::kHeadDim, K::kSplitA, false, true>(params, grid, stream);
+  });
+  hopper::launch_dk_fixed_finish(dk_fixed, bound, g.num_q_rows, out.d_index_k.data,
+                                 out.d_index_k.dtype == DType::bf16, n, stream);
+  if (owns_workspace) cuda_check(cudaFreeAsync(base, stream), "cudaFreeAsync (deterministic dK accumulator)");
 }
 
 void run_cuda_backend(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
@@ -246,20 +288,26 @@ void run_cuda_backend(const IndexerBackwardInputs& in, const IndexerBackwardOutp
   // allocated or written.
   const bool split_a = a_operand_split(opt.a_operand_precision, out);
   const int64_t head_groups = hopper::head_groups_of(g);
-  const L2Plan l2 = l2_plan_for_launch(l2_mode, g, head_groups, split_a);
+  // Deterministic: the fixed-point dK kernels (fixed_point_dk.cuh), which have no L2 hint.
+  const bool fixed_point_dk = opt.deterministic;
+  const L2Plan l2 = fixed_point_dk ? L2Plan{} : l2_plan_for_launch(l2_mode, g, head_groups, split_a);
   const bool l2_keep_dk = l2.keep_dk;
   // The persistent grid (occupancy query) and the start delays for it (start_stagger.hpp, v44).
   const int64_t num_tasks = hopper::num_tasks_of(g);
   int64_t grid = 0;
-  with_kernel_choice(g.head_dim, split_a, l2_keep_dk, [&](auto k) {
+  with_kernel_choice(g.head_dim, split_a, l2_keep_dk, fixed_point_dk, [&](auto k) {
     using K = decltype(k);
-    grid = hopper::indexer_backward_grid<K::kHeadDim, K::kSplitA, K::kL2KeepDk>(num_tasks);
+    grid = hopper::indexer_backward_grid<K::kHeadDim, K::kSplitA, K::kL2KeepDk, K::kFixedPointDk>(num_tasks);
   });
   const hopper::StartStagger stagger =
       stagger_on ? hopper::start_stagger_for_launch(num_tasks, grid, head_groups, g.topk, g.q_len,
                                                     g.k_len, g.head_dim)
                  : hopper::StartStagger{};
   cudaStream_t stream = static_cast<cudaStream_t>(opt.stream);
+  if (fixed_point_dk) {
+    run_fixed_point_dk(in, out, opt, g, grid, stagger, split_a, workspace, workspace_bytes, stream);
+    return;
+  }
   const std::size_t dk_bytes = static_cast<std::size_t>(g.num_k_rows * g.head_dim) * sizeof(float);
   const bool dk_bf16 = out.d_index_k.dtype == DType::bf16;
   float* dk_accum = static_cast<float*>(out.d_index_k.data);
@@ -280,7 +328,7 @@ void run_cuda_backend(const IndexerBackwardInputs& in, const IndexerBackwardOutp
   params.start_stagger_first_delayed_cta = stagger.first_delayed_cta;
   params.l2_keep_fraction = static_cast<int32_t>(l2.fraction);
   if (dk_bytes > 0) cuda_check(cudaMemsetAsync(dk_accum, 0, dk_bytes, stream), "cudaMemsetAsync (dK accumulator)");
-  with_kernel_choice(g.head_dim, split_a, l2_keep_dk, [&](auto k) {
+  with_kernel_choice(g.head_dim, split_a, l2_keep_dk, false, [&](auto k) {
     using K = decltype(k);
     hopper::launch_indexer_backward<K::kHeadDim, K::kSplitA, K::kL2KeepDk>(params, grid, stream);
   });

@@ -6,6 +6,17 @@
 
 namespace dsaib::hopper {
 
+/// The deterministic d_index_k's scale (fixed_point_dk.cuh), written by the bound
+/// pass before the fused kernel: the largest per-row bound on the sum of the
+/// magnitudes of a row's dK contributions (an fp64's bits: non-negative doubles
+/// order as unsigned integers, so atomicMax keeps the largest, in any order),
+/// and whether a row's bound was not finite. Zeroed before the pass.
+struct DkFixedBound {
+  unsigned long long max_row_bound_bits;
+  unsigned int non_finite;
+  unsigned int reserved;
+};
+
 struct IndexerBackwardParams {
   // Inputs. A flat query row r lives at (r / q_rows_per_batch) * *_batch_stride +
   // (r % q_rows_per_batch) * *_row_stride; THD sets q_rows_per_batch = T_q and
@@ -55,6 +66,12 @@ struct IndexerBackwardParams {
   // (l2_hints.hpp) set by run_cuda_backend; the other kernels ignore it. Last,
   // so that the other kernels' parameter offsets stay those of v51.
   int32_t l2_keep_fraction = 0;
+
+  // The deterministic kernels (TileConfig::kFixedPointDk, options.deterministic):
+  // the scatter role adds round(v * 2^E) to int64 dk_fixed (num_k_rows, D) instead
+  // of v to dk_accum, with E from *dk_bound (fixed_point_dk.cuh). Null otherwise.
+  unsigned long long* dk_fixed = nullptr;
+  const DkFixedBound* dk_bound = nullptr;
 };
 
 }  // namespace dsaib::hopper

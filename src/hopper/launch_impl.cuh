@@ -13,10 +13,10 @@ int indexer_backward_smem_bytes() {
   return shared_storage_bytes<TileConfig<kHeadDim, kSplitA>>();
 }
 
-template <int kHeadDim, bool kSplitA, bool kL2KeepDk>
+template <int kHeadDim, bool kSplitA, bool kL2KeepDk, bool kFixedPointDk>
 int64_t indexer_backward_grid(int64_t num_tasks) {
   static_assert(!(kSplitA && kL2KeepDk), "the L2-hinted kernels are the one-term ones (launch.hpp)");
-  using Config = TileConfig<kHeadDim, kSplitA, kL2KeepDk>;
+  using Config = TileConfig<kHeadDim, kSplitA, kL2KeepDk, kFixedPointDk>;
   if (num_tasks <= 0) return 0;
   const int smem = indexer_backward_smem_bytes<kHeadDim, kSplitA>();
   auto kernel = indexer_backward_kernel<Config>;
@@ -35,10 +35,10 @@ int64_t indexer_backward_grid(int64_t num_tasks) {
   return std::min<int64_t>(num_tasks, static_cast<int64_t>(sms) * blocks_per_sm);
 }
 
-template <int kHeadDim, bool kSplitA, bool kL2KeepDk>
+template <int kHeadDim, bool kSplitA, bool kL2KeepDk, bool kFixedPointDk>
 void launch_indexer_backward(const IndexerBackwardParams& params, int64_t grid, cudaStream_t stream) {
   static_assert(!(kSplitA && kL2KeepDk), "the L2-hinted kernels are the one-term ones (launch.hpp)");
-  using Config = TileConfig<kHeadDim, kSplitA, kL2KeepDk>;
+  using Config = TileConfig<kHeadDim, kSplitA, kL2KeepDk, kFixedPointDk>;
   if (grid <= 0) return;  // indexer_backward_grid gives 0 for 0 tasks
   const int smem = indexer_backward_smem_bytes<kHeadDim, kSplitA>();
   indexer_backward_kernel<Config><<<static_cast<unsigned>(grid), Config::kThreads, smem, stream>>>(params);
@@ -60,4 +60,16 @@ void launch_indexer_backward(const IndexerBackwardParams& params, int64_t grid, 
   template void launch_indexer_backward<D, false, true>(const IndexerBackwardParams&, int64_t, cudaStream_t); \
   template int indexer_backward_smem_bytes<D, true>();                                                        \
   template int indexer_backward_smem_bytes<D, false>();                                                       \
+  }
+
+/// The deterministic kernels of one head dim (instantiate_fixed_point_dk.cu): two-term
+/// and one-term, each with the fixed-point dK (TileConfig::kFixedPointDk).
+#define DSAIB_INSTANTIATE_INDEXER_BACKWARD_FIXED_POINT_DK(D)                                                   \
+  namespace dsaib::hopper {                                                                                   \
+  template int64_t indexer_backward_grid<D, true, false, true>(int64_t);                                      \
+  template void launch_indexer_backward<D, true, false, true>(const IndexerBackwardParams&, int64_t,          \
+                                                              cudaStream_t);                                  \
+  template int64_t indexer_backward_grid<D, false, false, true>(int64_t);                                     \
+  template void launch_indexer_backward<D, false, false, true>(const IndexerBackwardParams&, int64_t,         \
+                                                               cudaStream_t);                                 \
   }

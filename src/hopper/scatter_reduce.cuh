@@ -4,11 +4,16 @@
 // per warp instruction at D=128), and hands the buffer back. Warp w takes rows
 // 16w..16w+15. Runs until the dK role stages the end marker. With
 // Config::kL2KeepDk the reds carry an L2 evict_last policy for part of the dK
-// lines (l2_policy.cuh; taken when dK and K outgrow the L2, l2_hints.hpp).
+// lines (l2_policy.cuh; taken when dK and K outgrow the L2, l2_hints.hpp). With
+// Config::kFixedPointDk (options.deterministic) each value is added as an int64
+// fixed-point term into p.dk_fixed instead (one u64 red per element, a lane's
+// columns strided by D/4 so that each red instruction covers whole sectors;
+// fixed_point_dk.cuh): associative, so the result does not depend on the order.
 #pragma once
 
 #include <cute/config.hpp>
 
+#include "hopper/fixed_point_dk.cuh"
 #include "hopper/l2_policy.cuh"
 #include "hopper/pipeline.cuh"
 #include "hopper/shared_storage.cuh"
@@ -38,10 +43,38 @@ struct ScatterReduce {
     auto state = make_consumer_start_state<Config::kDkBuffers>();
     [[maybe_unused]] uint64_t dk_policy = 0;  // the reds' L2 policy (kL2KeepDk only)
     if constexpr (Config::kL2KeepDk) dk_policy = l2_policy_dk_reds(p.l2_keep_fraction);
+    // The fixed-point scale 2^E (kFixedPointDk only): the bound pass wrote *p.dk_bound
+    // before this kernel (stream order), and nothing writes it during the kernel.
+    [[maybe_unused]] double dk_scale = 0.0;
+    if constexpr (Config::kFixedPointDk) dk_scale = ldexp(1.0, dk_fixed_exponent(*p.dk_bound, p.num_q_rows));
     for (;;) {
       dk_pipe.consumer_wait(state);
       const int b = state.index;
       if (ss.dk_end[b]) return;  // the dK role is done; nothing is left to read
+      if constexpr (Config::kFixedPointDk) {
+        // int64 terms (fixed_point_dk.cuh), one u64 red per element: lane li of a row
+        // takes columns li + kLanesPerRow * j, so each red instruction covers a
+        // contiguous kLanesPerRow * 8 bytes of a key row (whole sectors).
+        const int li = lane % kLanesPerRow;
+        int32_t kr[kSteps];
+        float f[kSteps][4];
+        CUTE_UNROLL
+        for (int s = 0; s < kSteps; ++s) {
+          kr[s] = ss.dk_key_row[b][row0 + s * kRowsPerStep];
+          CUTE_UNROLL
+          for (int j = 0; j < 4; ++j) f[s][j] = ss.dk_stage[b][row0 + s * kRowsPerStep][li + kLanesPerRow * j];
+        }
+        dk_pipe.consumer_release(state);  // this thread's loads of buffer b are done
+        state.advance();
+        CUTE_UNROLL
+        for (int s = 0; s < kSteps; ++s) {
+          if (kr[s] < 0) continue;
+          unsigned long long* dst = p.dk_fixed + static_cast<int64_t>(kr[s]) * kD + li;
+          CUTE_UNROLL
+          for (int j = 0; j < 4; ++j) atomicAdd(dst + kLanesPerRow * j, dk_fixed_term(f[s][j], dk_scale));
+        }
+        continue;
+      }
       int32_t kr[kSteps];
       float4 v[kSteps];
       CUTE_UNROLL

@@ -15,13 +15,18 @@
 
 namespace dsaib::hopper {
 
-template <int kHeadDim_, bool kSplitA_, bool kL2KeepDk_ = false>
+template <int kHeadDim_, bool kSplitA_, bool kL2KeepDk_ = false, bool kFixedPointDk_ = false>
 struct TileConfig {
   static constexpr int kHeadDim = kHeadDim_;
   // The scatter role's dK reds carry an L2 evict_last policy for part of the
   // lines (l2_policy.cuh); launched when dK and K outgrow the L2 (l2_hints.hpp).
   // Instantiated for the one-term kernels only (launch.hpp).
   static constexpr bool kL2KeepDk = kL2KeepDk_;
+  // The deterministic d_index_k (options.deterministic): the scatter role adds
+  // int64 fixed-point terms instead of fp32 values (fixed_point_dk.cuh). Not
+  // combined with the L2 hint (launch.hpp).
+  static constexpr bool kFixedPointDk = kFixedPointDk_;
+  static_assert(!(kL2KeepDk_ && kFixedPointDk_), "the deterministic kernels have no L2-hinted variant");
   static_assert(kHeadDim == 64 || kHeadDim == 128, "D must be 64 or 128");
 
   static constexpr int kBlockKeys = 64;  // keys per gathered block

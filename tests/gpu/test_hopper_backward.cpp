@@ -35,6 +35,7 @@ struct Case {
   GenerateSpec spec;
   std::function<void(GeneratedProblem&)> mutate = nullptr;
   DType dq = DType::bf16, dw = DType::bf16, dk = DType::bf16;
+  bool deterministic = false;  // options.deterministic: the fixed-point dK kernels
 };
 
 GenerateSpec spec_of(int64_t b, int64_t sq, int64_t skv, int64_t h, int64_t d, int64_t topk,
@@ -72,7 +73,9 @@ void check_against_cpu(const GeneratedProblem& p, DType dq, DType dw, DType dk, 
 void run_case(const Case& c) {
   GeneratedProblem p = make_problem(c.spec);
   if (c.mutate) c.mutate(p);
-  check_against_cpu(p, c.dq, c.dw, c.dk, p.options(), c.name);
+  IndexerBackwardOptions opt = p.options();
+  opt.deterministic = c.deterministic;
+  check_against_cpu(p, c.dq, c.dw, c.dk, opt, c.name);
 }
 
 /// Sets an environment variable (DSAIB_L2_HINTS, l2_hints.hpp; DSAIB_START_STAGGER,
@@ -460,15 +463,6 @@ TEST_F(Gpu, RejectsBadInputBeforeWriting) {
   const auto before_q = out.d_index_q.buffer.to_host(), before_k = out.d_index_k.buffer.to_host();
   IndexerBackwardOptions opt = p.options();
   opt.backend = Backend::cuda;
-  // deterministic d_index_k is not offered by the cuda backend
-  opt.deterministic = true;
-  try {
-    indexer_backward(dp.inputs(), out.views(), opt);
-    ADD_FAILURE() << "deterministic=true accepted on cuda";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::unsupported);
-  }
-  opt.deterministic = false;
   // index_k misaligned to 16 bytes (2-byte aligned)
   IndexerBackwardInputs in = dp.inputs();
   in.index_k.data = static_cast<char*>(in.index_k.data) + 2;
@@ -534,6 +528,127 @@ TEST_F(Gpu, ThirtyReplaysBitwiseIdenticalDqDw) {
     max_dev = std::max(max_dev, e.max_abs / std::max(e.max_abs_ref, 1e-300));
   }
   std::printf("[determinism] 30 replays: d_index_q/d_weights hashes identical; d_index_k max |dev| / max |dK| = %.3g\n", max_dev);
+}
+
+// ------------------------------------------------- deterministic d_index_k ---
+
+/// options.deterministic on cuda (fixed_point_dk.cuh): ten runs of each output dtype
+/// give bitwise-equal d_index_q, d_weights and d_index_k, within the tolerances of
+/// the fp64 CPU reference; the caller's workspace of indexer_backward_workspace_size
+/// bytes is used (one byte less is refused); with fp32 outputs the fixed-point dK
+/// agrees with the fp32-atomic one to fp32 rounding.
+TEST_F(Gpu, DeterministicDkBitwiseAcrossRuns) {
+  GeneratedProblem p = make_problem(spec_of(1, 256, 2048, 64, 128, 512, IdPattern::random_permutation));
+  IndexerBackwardOptions ref_opt = p.options();
+  const ReferenceGradients ref = reference_backward(p.inputs(), ref_opt);
+  DeviceProblem dp(p);
+  for (const DType dt : {DType::bf16, DType::f32}) {
+    const std::string name = std::string("deterministic ") + (dt == DType::bf16 ? "bf16" : "f32") + " outputs";
+    DeviceOutputs out(p, dt, dt, dt);
+    IndexerBackwardOptions opt = p.options();
+    opt.backend = Backend::cuda;
+    opt.deterministic = true;
+    const std::size_t need = indexer_backward_workspace_size(dp.inputs(), out.views(), opt);
+    EXPECT_GE(need, static_cast<std::size_t>(p.index_k.shape[1] * p.index_k.shape[2]) * 8) << name;
+    DeviceBuffer ws(need);
+    try {
+      indexer_backward(dp.inputs(), out.views(), opt, ws.ptr, need - 1);
+      ADD_FAILURE() << name << ": a workspace one byte short was accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::invalid_argument) << e.what();
+      EXPECT_EQ(e.argument(), "workspace_bytes") << e.what();
+    }
+    uint64_t hq = 0, hw = 0, hk = 0;
+    for (int run = 0; run < 10; ++run) {
+      out.poison();
+      // Odd runs: the backend's own stream-ordered workspace; even runs: the caller's.
+      if (run % 2) indexer_backward(dp.inputs(), out.views(), opt);
+      else indexer_backward(dp.inputs(), out.views(), opt, ws.ptr, ws.bytes);
+      check_cuda(cudaDeviceSynchronize(), "sync");
+      const HostTensor q = out.d_index_q.to_host(), w = out.d_weights.to_host(), k = out.d_index_k.to_host();
+      if (run == 0) {
+        const ErrorStats eq = compare(q, ref.d_index_q), ew = compare(w, ref.d_weights), ek = compare(k, ref.d_index_k);
+        std::printf("[numerics] %-34s dQ %s | dW %s | dK %s\n", name.c_str(), eq.str().c_str(), ew.str().c_str(),
+                    ek.str().c_str());
+        EXPECT_TRUE(eq.ok(tolerance(dt))) << name << " d_index_q " << eq.str();
+        EXPECT_TRUE(ew.ok(tolerance(dt))) << name << " d_weights " << ew.str();
+        EXPECT_TRUE(ek.ok(tolerance(dt))) << name << " d_index_k " << ek.str();
+        hq = hash_bytes(q), hw = hash_bytes(w), hk = hash_bytes(k);
+        if (dt == DType::f32) {
+          IndexerBackwardOptions atomic = opt;
+          atomic.deterministic = false;
+          const OutputBuffers fp32_atomics = run_cuda(p, atomic, dt, dt, dt);
+          const ErrorStats between = compare(k, to_doubles(fp32_atomics.d_index_k));
+          std::printf("[determinism] fixed-point dK against fp32-atomic dK: %s\n", between.str().c_str());
+          EXPECT_LE(between.rel_rms, 1e-6) << between.str();
+        }
+        continue;
+      }
+      EXPECT_EQ(hash_bytes(q), hq) << name << ": d_index_q differs in run " << run;
+      EXPECT_EQ(hash_bytes(w), hw) << name << ": d_weights differs in run " << run;
+      EXPECT_EQ(hash_bytes(k), hk) << name << ": d_index_k differs in run " << run;
+    }
+    std::printf("[determinism] %s: 10 runs, d_index_q / d_weights / d_index_k hashes identical\n", name.c_str());
+  }
+}
+
+/// The deterministic path captured in a CUDA graph, grad_loss read from the device:
+/// the bound pass reads it too, so doubling grad_loss between replays halves the
+/// scale 2^E and doubles every output exactly (powers of two scale the whole
+/// computation exactly). Invalid slots holding NaN T and P stay out of the bound.
+TEST_F(Gpu, DeterministicDkInACudaGraph) {
+  GeneratedProblem p = make_problem(spec_of(1, 64, 300, 64, 128, 128, IdPattern::random_permutation));
+  invalidate_run(p, 3, Where::middle, 40);
+  refresh_scores(p);
+  {  // NaN T and P at the invalid slots: ignored, as if 0 (docs/math.md)
+    auto* t = reinterpret_cast<float*>(p.attn_score.bytes.data());
+    auto* pr = reinterpret_cast<float*>(p.index_score.bytes.data());
+    const auto* ids = reinterpret_cast<const int32_t*>(p.topk_indices.bytes.data());
+    for (std::size_t i = 0; i < p.topk_indices.bytes.size() / 4; ++i) {
+      if (ids[i] < 0) t[i] = pr[i] = std::nanf("");
+    }
+  }
+  DeviceProblem dp(p);
+  DeviceOutputs out(p, DType::f32, DType::f32, DType::f32);
+  DeviceBuffer g(sizeof(float));
+  cudaStream_t stream;
+  check_cuda(cudaStreamCreate(&stream), "stream");
+  IndexerBackwardOptions opt = p.options();
+  opt.backend = Backend::cuda;
+  opt.deterministic = true;
+  opt.stream = stream;
+  opt.grad_loss_device = static_cast<const float*>(g.ptr);
+  DeviceBuffer ws(indexer_backward_workspace_size(dp.inputs(), out.views(), opt));
+  cudaGraph_t graph;
+  check_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
+  indexer_backward(dp.inputs(), out.views(), opt, ws.ptr, ws.bytes);
+  check_cuda(cudaStreamEndCapture(stream, &graph), "end capture");
+  cudaGraphExec_t exec;
+  check_cuda(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  OutputBuffers at[2];
+  for (int i = 0; i < 2; ++i) {
+    const float value = i == 0 ? 1.0f : 2.0f;
+    check_cuda(cudaMemcpy(g.ptr, &value, sizeof value, cudaMemcpyHostToDevice), "grad_loss");
+    out.poison();
+    check_cuda(cudaGraphLaunch(exec, stream), "graph launch");
+    check_cuda(cudaStreamSynchronize(stream), "sync");
+    at[i].d_index_q = out.d_index_q.to_host();
+    at[i].d_weights = out.d_weights.to_host();
+    at[i].d_index_k = out.d_index_k.to_host();
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+  IndexerBackwardOptions ref_opt = p.options();
+  const ReferenceGradients ref = reference_backward(p.inputs(), ref_opt);
+  const ErrorStats ek = compare(at[0].d_index_k, ref.d_index_k);
+  std::printf("[numerics] %-34s dK %s\n", "deterministic graph, grad_loss 1", ek.str().c_str());
+  EXPECT_TRUE(ek.ok(tolerance(DType::f32))) << ek.str();
+  const std::vector<double> k1 = to_doubles(at[0].d_index_k), k2 = to_doubles(at[1].d_index_k);
+  ASSERT_EQ(k1.size(), k2.size());
+  std::size_t mismatches = 0;
+  for (std::size_t i = 0; i < k1.size(); ++i) mismatches += !(k2[i] == 2.0 * k1[i]);
+  EXPECT_EQ(mismatches, 0u) << "d_index_k with grad_loss 2 is not exactly twice that with grad_loss 1";
 }
 
 // ---------------------------------------------------------- two GPUs ---
@@ -717,7 +832,11 @@ TEST_F(Sanitized, RaceReportShapes) {
 
 /// The sanitizer's small cases, named "<tag> ...": chunk tails, H < 64 and H > 64,
 /// D 64, invalid slots, fp32 outputs (the split-A kernels), THD with local and global ids.
-void run_tail_cases(const std::string& tag) {
+void run_tail_cases(const std::string& tag, bool deterministic = false) {
+  const auto run_case = [deterministic](Case c) {
+    c.deterministic = deterministic;
+    dsaib::test::run_case(c);
+  };
   for (int64_t topk : {1, 100, 129, 1000}) {
     run_case({tag + " topk " + std::to_string(topk), spec_of(1, 8, 1100, 64, 128, topk, IdPattern::random_permutation)});
   }
@@ -754,6 +873,11 @@ void run_tail_cases(const std::string& tag) {
 }
 
 TEST_F(Sanitized, TailCases) { run_tail_cases("san"); }
+
+/// The same cases with options.deterministic: the bound pass, the fixed-point
+/// kernels (TileConfig<..., kFixedPointDk = true>, one-term and split-A, D 64 and
+/// 128) and the finish kernel.
+TEST_F(Sanitized, DeterministicDk) { run_tail_cases("san det", true); }
 
 /// The same cases with DSAIB_L2_HINTS=on: the hinted kernels (TileConfig<..., kL2KeepDk = true>)
 /// where a one-term kernel runs; the split-A cases stay unhinted.
