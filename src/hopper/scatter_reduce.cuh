@@ -35,6 +35,34 @@ struct ScatterReduce {
   SharedStorage<Config>& ss;
   MbarrierPipeline<Config::kDkBuffers> dk_pipe;  // this role empties the staging buffers
 
+  /// The deterministic reds (kFixedPointDk, fixed_point_dk.cuh): int64 terms, one
+  /// u64 red per element. Lane li of a row takes columns li + kLanesPerRow * j, so
+  /// each red instruction covers a contiguous kLanesPerRow * 8 bytes of a key row
+  /// (whole sectors). dk_scale: 2^E, set once in run().
+  template <class State>
+  __device__ __forceinline__ void fixed_point_reds(State& state, int b, int lane, int row0) {
+    const int li = lane % kLanesPerRow;
+    int32_t kr[kSteps];
+    float f[kSteps][4];
+    CUTE_UNROLL
+    for (int s = 0; s < kSteps; ++s) {
+      kr[s] = ss.dk_key_row[b][row0 + s * kRowsPerStep];
+      CUTE_UNROLL
+      for (int j = 0; j < 4; ++j) f[s][j] = ss.dk_stage[b][row0 + s * kRowsPerStep][li + kLanesPerRow * j];
+    }
+    dk_pipe.consumer_release(state);  // this thread's loads of buffer b are done
+    state.advance();
+    CUTE_UNROLL
+    for (int s = 0; s < kSteps; ++s) {
+      if (kr[s] < 0) continue;
+      unsigned long long* dst = p.dk_fixed + static_cast<int64_t>(kr[s]) * kD + li;
+      CUTE_UNROLL
+      for (int j = 0; j < 4; ++j) atomicAdd(dst + kLanesPerRow * j, dk_fixed_term(f[s][j], dk_scale));
+    }
+  }
+
+  double dk_scale = 0.0;  // 2^E of the fixed-point terms (kFixedPointDk only; run() sets it)
+
   __device__ void run() {
     const int tid = threadIdx.x % Config::kThreadsPerWarpgroup;
     const int warp = tid / 32, lane = tid % 32;
@@ -45,52 +73,31 @@ struct ScatterReduce {
     if constexpr (Config::kL2KeepDk) dk_policy = l2_policy_dk_reds(p.l2_keep_fraction);
     // The fixed-point scale 2^E (kFixedPointDk only): the bound pass wrote *p.dk_bound
     // before this kernel (stream order), and nothing writes it during the kernel.
-    [[maybe_unused]] double dk_scale = 0.0;
     if constexpr (Config::kFixedPointDk) dk_scale = ldexp(1.0, dk_fixed_exponent(*p.dk_bound, p.num_q_rows));
     for (;;) {
       dk_pipe.consumer_wait(state);
       const int b = state.index;
       if (ss.dk_end[b]) return;  // the dK role is done; nothing is left to read
       if constexpr (Config::kFixedPointDk) {
-        // int64 terms (fixed_point_dk.cuh), one u64 red per element: lane li of a row
-        // takes columns li + kLanesPerRow * j, so each red instruction covers a
-        // contiguous kLanesPerRow * 8 bytes of a key row (whole sectors).
-        const int li = lane % kLanesPerRow;
+        fixed_point_reds(state, b, lane, row0);
+      } else {
         int32_t kr[kSteps];
-        float f[kSteps][4];
+        float4 v[kSteps];
         CUTE_UNROLL
         for (int s = 0; s < kSteps; ++s) {
           kr[s] = ss.dk_key_row[b][row0 + s * kRowsPerStep];
-          CUTE_UNROLL
-          for (int j = 0; j < 4; ++j) f[s][j] = ss.dk_stage[b][row0 + s * kRowsPerStep][li + kLanesPerRow * j];
+          v[s] = *reinterpret_cast<const float4*>(&ss.dk_stage[b][row0 + s * kRowsPerStep][col]);
         }
         dk_pipe.consumer_release(state);  // this thread's loads of buffer b are done
         state.advance();
         CUTE_UNROLL
         for (int s = 0; s < kSteps; ++s) {
-          if (kr[s] < 0) continue;
-          unsigned long long* dst = p.dk_fixed + static_cast<int64_t>(kr[s]) * kD + li;
-          CUTE_UNROLL
-          for (int j = 0; j < 4; ++j) atomicAdd(dst + kLanesPerRow * j, dk_fixed_term(f[s][j], dk_scale));
+          if constexpr (Config::kL2KeepDk) {  // the same red with an L2 policy (l2_policy.cuh)
+            if (kr[s] >= 0) red_add_f32x4(p.dk_accum + static_cast<int64_t>(kr[s]) * kD + col, v[s], dk_policy);
+            continue;
+          }
+          if (kr[s] >= 0) atomicAdd(reinterpret_cast<float4*>(p.dk_accum + static_cast<int64_t>(kr[s]) * kD + col), v[s]);
         }
-        continue;
-      }
-      int32_t kr[kSteps];
-      float4 v[kSteps];
-      CUTE_UNROLL
-      for (int s = 0; s < kSteps; ++s) {
-        kr[s] = ss.dk_key_row[b][row0 + s * kRowsPerStep];
-        v[s] = *reinterpret_cast<const float4*>(&ss.dk_stage[b][row0 + s * kRowsPerStep][col]);
-      }
-      dk_pipe.consumer_release(state);  // this thread's loads of buffer b are done
-      state.advance();
-      CUTE_UNROLL
-      for (int s = 0; s < kSteps; ++s) {
-        if constexpr (Config::kL2KeepDk) {  // the same red with an L2 policy (l2_policy.cuh)
-          if (kr[s] >= 0) red_add_f32x4(p.dk_accum + static_cast<int64_t>(kr[s]) * kD + col, v[s], dk_policy);
-          continue;
-        }
-        if (kr[s] >= 0) atomicAdd(reinterpret_cast<float4*>(p.dk_accum + static_cast<int64_t>(kr[s]) * kD + col), v[s]);
       }
     }
   }

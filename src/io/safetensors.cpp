@@ -414,8 +414,10 @@ void write_safetensors(const std::string& path, const std::map<std::string, Host
   // Write a temporary file next to the target, then rename it over the target. The
   // temporary is created with O_EXCL | O_NOFOLLOW: never an existing file or a link
   // planted at its (predictable) name; a name that exists is skipped for the next
-  // one. It is created with the final mode (less the umask, so never wider), then
-  // set to it exactly; its data reach the disk (fsync) before the rename.
+  // one. It is created with the final mode less the umask (0666 & ~umask for a new
+  // file, as any other new file of this process); a replaced file's own rwx bits
+  // are then set exactly (fchmod: the umask does not narrow them). Its data reach
+  // the disk (fsync) before the rename.
   struct Temporary {  // closes and removes the temporary on every way out, until kept
     int fd = -1;
     std::string name;
@@ -452,7 +454,8 @@ void write_safetensors(const std::string& path, const std::map<std::string, Host
   unsigned char len_bytes[8];
   uint64_t n = text.size();
   for (int i = 0; i < 8; ++i, n >>= 8) len_bytes[i] = static_cast<unsigned char>(n & 0xff);
-  bool ok = ::fchmod(tmp.fd, mode) == 0 && write_all(len_bytes, 8) && write_all(text.data(), text.size());
+  bool ok = (!replacing || ::fchmod(tmp.fd, mode) == 0) && write_all(len_bytes, 8) &&
+            write_all(text.data(), text.size());
   for (const auto& [name, t] : tensors) ok = ok && write_all(t.bytes.data(), t.bytes.size());
   ok = ok && ::fsync(tmp.fd) == 0;
   if (ok) {

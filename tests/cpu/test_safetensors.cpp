@@ -483,6 +483,25 @@ TEST(Safetensors, WriterNeverFollowsALinkAtItsTemporaryNameAndKeepsTheMode) {
   EXPECT_EQ(fs::status(target).permissions() & fs::perms::mask, rw_r);
 }
 
+/// A new file gets 0666 less the umask, as any new file (it was 0666 whatever the
+/// umask from the twenty-third session until the twenty-fourth: fchmod undid it).
+TEST(Safetensors, NewFileModeFollowsTheUmask) {
+  namespace fs = std::filesystem;
+  const HostTensor t(DType::f32, {2});
+  for (const mode_t mask : {mode_t{022}, mode_t{077}, mode_t{027}}) {
+    const std::string target = temp_path("umask.safetensors");
+    std::error_code ec;
+    fs::remove(target, ec);
+    const mode_t previous = ::umask(mask);
+    dsaib::write_safetensors(target, {{"x", t}});
+    ::umask(previous);
+    struct stat st {};
+    ASSERT_EQ(::stat(target.c_str(), &st), 0);
+    EXPECT_EQ(st.st_mode & 0777, 0666 & ~mask) << "umask 0" << std::oct << mask;
+    fs::remove(target, ec);
+  }
+}
+
 /// A file this process may not write (its effective ids) is not replaced. Root
 /// may write any file, so the check is skipped there.
 TEST(Safetensors, WriterDoesNotReplaceAFileItMayNotWrite) {
