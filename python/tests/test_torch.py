@@ -44,7 +44,8 @@ def test_torch_wrong_dtype_is_type_error():
 
 import dsaib.torch as dt  # noqa: E402
 from torch_reference import (  # noqa: E402
-    assert_close_rms, make_torch_problem, reference_grads, reference_index_scores, reference_loss,
+    assert_close_rms, deterministic_algorithms, make_torch_problem, reference_grads, reference_index_scores,
+    reference_loss,
 )
 
 SM = 0.125
@@ -76,15 +77,10 @@ def test_cpu_op_runs_under_use_deterministic_algorithms():
     q, w, k, ids, T = make_torch_problem(seed=2)
     P = dt.index_scores(q, w, k, ids, sm_scale=SM)
     want = dt.indexer_backward(q, w, k, ids, T, P, sm_scale=SM)
-    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), \
-        torch.is_deterministic_algorithms_warn_only_enabled()
-    try:
-        torch.use_deterministic_algorithms(True)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            got = dt.indexer_backward(q, w, k, ids, T, P, sm_scale=SM)
-    finally:
-        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+    with deterministic_algorithms(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = dt.indexer_backward(q, w, k, ids, T, P, sm_scale=SM)
+    assert not torch.are_deterministic_algorithms_enabled()
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 

@@ -25,8 +25,8 @@ if not dsaib.cuda_backend_available():
 
 import dsaib.torch as dt  # noqa: E402
 from torch_reference import (  # noqa: E402
-    assert_close_rms, make_torch_problem, reference_grads, reference_index_scores, reference_loss, rel_rms,
-    warm_up_on_side_stream,
+    assert_close_rms, deterministic_algorithms, make_torch_problem, reference_grads, reference_index_scores,
+    reference_loss, rel_rms, warm_up_on_side_stream,
 )
 
 DEV = torch.device("cuda")
@@ -279,18 +279,12 @@ def test_use_deterministic_algorithms_runs_the_deterministic_kernels():
     # under deterministic algorithms, set before the process's first cuBLAS call.
     leaves = [x.detach().float().requires_grad_() for x in (q, w, k)]
     loss = dt.indexer_kl_loss(*leaves, ids, T, sm_scale=sm)
-    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), \
-        torch.is_deterministic_algorithms_warn_only_enabled()
-    try:
-        torch.use_deterministic_algorithms(True)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            runs = {codes: [dt.indexer_backward(q, w, k, ids, T, P, sm_scale=sm, out_dtype=codes) for _ in range(3)]
-                    for codes in ("f32", "bf16")}
-            loss.backward()
+    with deterministic_algorithms(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        runs = {codes: [dt.indexer_backward(q, w, k, ids, T, P, sm_scale=sm, out_dtype=codes) for _ in range(3)]
+                for codes in ("f32", "bf16")}
+        loss.backward()
         torch.cuda.synchronize()
-    finally:
-        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
     for codes, results in runs.items():
         for later in results[1:]:
             for name, a, b in zip(NAMES, later, results[0]):

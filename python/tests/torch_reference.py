@@ -4,6 +4,7 @@ Written independently of dsaib.torch: gather the selected keys, recompute the
 logits, a masked softmax, the clipped cross-entropy; torch.autograd gives the
 gradients. BSHD layout, local or global ids.
 """
+import contextlib
 import math
 
 import torch
@@ -103,6 +104,19 @@ def assert_close_rms(name, got, want, rms_tol, max_tol):
     r, m = rel_rms(got, want), rel_max(got, want)
     assert r <= rms_tol and m <= max_tol, f"{name}: rel RMS {r:.3e} (tol {rms_tol:.1e}), rel max {m:.3e} (tol {max_tol:.1e})"
     return r, m
+
+
+@contextlib.contextmanager
+def deterministic_algorithms():
+    """torch.use_deterministic_algorithms(True) inside the block; the previous
+    setting (and its warn_only) after it."""
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
 
 
 def warm_up_on_side_stream(step, runs=2):
