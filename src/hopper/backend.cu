@@ -237,6 +237,15 @@ static void with_kernel_choice(int64_t head_dim, bool split_a, bool l2_keep_dk, 
   }
 }
 
+/// Launches the fused kernel that with_kernel_choice picks for these flags.
+static void launch_fused_kernel(int64_t head_dim, bool split_a, bool l2_keep_dk, bool fixed_point_dk,
+                                const hopper::IndexerBackwardParams& params, int64_t grid, cudaStream_t stream) {
+  with_kernel_choice(head_dim, split_a, l2_keep_dk, fixed_point_dk, [&](auto k) {
+    using K = decltype(k);
+    hopper::launch_indexer_backward<K::kHeadDim, K::kSplitA, K::kL2KeepDk, K::kFixedPointDk>(params, grid, stream);
+  });
+}
+
 /// The deterministic path (options.deterministic; fixed_point_dk.cuh): the bound
 /// pass, the fixed-point fused kernel, the finish kernel writing d_index_k. Its
 /// workspace (the int64 accumulator and the bound) is the caller's or
@@ -263,10 +272,7 @@ static void run_fixed_point_dk(const IndexerBackwardInputs& in, const IndexerBac
   params.dk_fixed = dk_fixed;
   params.dk_bound = bound;
   hopper::launch_dk_fixed_bound(params, dk_fixed, n, bound, stream);
-  with_kernel_choice(g.head_dim, split_a, false, true, [&](auto k) {
-    using K = decltype(k);
-    hopper::launch_indexer_backward<K::kHeadDim, K::kSplitA, false, true>(params, grid, stream);
-  });
+  launch_fused_kernel(g.head_dim, split_a, false, true, params, grid, stream);
   hopper::launch_dk_fixed_finish(dk_fixed, bound, g.num_q_rows, out.d_index_k.data,
                                  out.d_index_k.dtype == DType::bf16, n, stream);
   if (owns_workspace) cuda_check(cudaFreeAsync(base, stream), "cudaFreeAsync (deterministic dK accumulator)");
@@ -328,10 +334,7 @@ void run_cuda_backend(const IndexerBackwardInputs& in, const IndexerBackwardOutp
   params.start_stagger_first_delayed_cta = stagger.first_delayed_cta;
   params.l2_keep_fraction = static_cast<int32_t>(l2.fraction);
   if (dk_bytes > 0) cuda_check(cudaMemsetAsync(dk_accum, 0, dk_bytes, stream), "cudaMemsetAsync (dK accumulator)");
-  with_kernel_choice(g.head_dim, split_a, l2_keep_dk, false, [&](auto k) {
-    using K = decltype(k);
-    hopper::launch_indexer_backward<K::kHeadDim, K::kSplitA, K::kL2KeepDk>(params, grid, stream);
-  });
+  launch_fused_kernel(g.head_dim, split_a, l2_keep_dk, false, params, grid, stream);
   if (l2_keep_dk && dk_bytes > 0) {
     // No evict_last line of the accumulator outlives the call (l2_policy.cuh). Every
     // 128-byte line that holds a byte of it (an fp32 d_index_k need not be 128-byte aligned).

@@ -20,8 +20,6 @@ __device__ __forceinline__ double warp_sum(double v) {
   return v;
 }
 
-__device__ __forceinline__ float bf16_bits_to_float(uint16_t b) { return __uint_as_float(static_cast<uint32_t>(b) << 16); }
-
 /// One warp per query row: R = 2 |c| |sm_scale| W S_T (1 + S_P) (fixed_point_dk.cuh),
 /// over the row's valid slots and all its heads, into bound->max_row_bound_bits
 /// (atomicMax), or bound->non_finite. NaN and Inf propagate through the sums
@@ -30,8 +28,7 @@ __device__ __forceinline__ float bf16_bits_to_float(uint16_t b) { return __uint_
 __global__ void dk_fixed_bound_kernel(IndexerBackwardParams p, DkFixedBound* bound) {
   const int lane = threadIdx.x % 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kBoundWarps;
-  const float grad_loss = p.grad_loss_ptr ? *p.grad_loss_ptr : p.grad_loss_value;
-  const double c = static_cast<double>(grad_loss * p.loss_coeff_over_n);  // as the producer forms it
+  const double c = static_cast<double>(loss_scale(p));  // as the producer forms it
   const float eps = eps_exp_minus_100();
   for (int64_t row = static_cast<int64_t>(blockIdx.x) * kBoundWarps + threadIdx.x / 32; row < p.num_q_rows;
        row += warps) {
@@ -71,9 +68,7 @@ __global__ void dk_fixed_bound_kernel(IndexerBackwardParams p, DkFixedBound* bou
           }
         }
       }
-      const float w = p.weights_f32 ? static_cast<const float*>(p.weights)[w_off + h]
-                                    : bf16_bits_to_float(static_cast<const uint16_t*>(p.weights)[w_off + h]);
-      w_sum += fabs(static_cast<double>(w)) * (q_nan ? static_cast<double>(NAN) : static_cast<double>(q_max));
+      w_sum += fabs(static_cast<double>(weight_at(p, w_off + h))) * (q_nan ? static_cast<double>(NAN) : static_cast<double>(q_max));
     }
     w_sum = warp_sum(w_sum);
     const double r = 2.0 * fabs(c) * fabs(static_cast<double>(p.sm_scale)) * w_sum * s_t * (1.0 + s_p);

@@ -42,6 +42,22 @@ __device__ __forceinline__ int64_t key_row_of(const IndexerBackwardParams& p, co
   return (v >= seq.k_start && v < seq.k_start + seq.k_len) ? v : -1;
 }
 
+/// A bf16's bits as the fp32 of the same value (exact).
+__device__ __forceinline__ float bf16_bits_to_float(uint16_t bits) { return __uint_as_float(static_cast<uint32_t>(bits) << 16); }
+
+/// Element i of the weights tensor as fp32, from bf16 or fp32 storage (p.weights_f32).
+__device__ __forceinline__ float weight_at(const IndexerBackwardParams& p, int64_t i) {
+  return p.weights_f32 ? static_cast<const float*>(p.weights)[i]
+                       : bf16_bits_to_float(static_cast<const uint16_t*>(p.weights)[i]);
+}
+
+/// c = grad_loss * loss_coeff / N in fp32, as stage 1 forms it: grad_loss read from
+/// the device scalar when there is one (CUDA-graph replays), else the value.
+__device__ __forceinline__ float loss_scale(const IndexerBackwardParams& p) {
+  const float grad_loss = p.grad_loss_ptr ? *p.grad_loss_ptr : p.grad_loss_value;
+  return grad_loss * p.loss_coeff_over_n;
+}
+
 __device__ __forceinline__ const uint16_t* key_row_ptr(const IndexerBackwardParams& p, int64_t key_row) {
   return p.index_k + batched_offset(key_row, p.k_rows_per_batch, p.k_batch_stride, p.k_row_stride);
 }

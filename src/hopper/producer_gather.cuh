@@ -125,8 +125,7 @@ struct ProducerGather {
 
   __device__ void run() {
     const int tid = threadIdx.x;  // 0..127 in warpgroup 0
-    const float grad_loss = p.grad_loss_ptr ? *p.grad_loss_ptr : p.grad_loss_value;
-    const float c = grad_loss * p.loss_coeff_over_n;
+    const float c = loss_scale(p);
     const float eps = eps_exp_minus_100();
 
     cute::Tensor sQ = cute::make_tensor(cute::make_smem_ptr(ss.q), typename Config::SmemLayoutQ{});
@@ -176,8 +175,7 @@ struct ProducerGather {
         float w = 0.0f;
         if (tid < nh) {
           const int64_t w_off = batched_offset(row, p.q_rows_per_batch, p.w_batch_stride, p.w_row_stride) + h0 + tid;
-          w = p.weights_f32 ? static_cast<const float*>(p.weights)[w_off]
-                            : __uint_as_float(static_cast<uint32_t>(static_cast<const uint16_t*>(p.weights)[w_off]) << 16);
+          w = weight_at(p, w_off);
         }
         ss.w_scaled[qs][tid] = w * p.sm_scale;
       }
