@@ -267,8 +267,8 @@ part_tests() {
   local line skipped=""
   line=$(grep -E "tests passed, [0-9]+ tests failed out of" "$d/ctest_gpu.txt" | tail -1)
   if grep -q "no compute-capability-9.0 GPU visible" "$d/ctest_gpu_full.log" 2>/dev/null; then
-    skipped=$(grep -c "no compute-capability-9.0 GPU visible" "$d/ctest_gpu_full.log")
-    record tests FAIL "$skipped GPU test(s) skipped for want of a visible sm_90 GPU although nvidia-smi lists one (CUDA_VISIBLE_DEVICES? see $d/ctest_gpu_full.log)"
+    skipped=$(grep -c "(Skipped)" "$d/ctest_gpu.txt")
+    record tests FAIL "$skipped GPU tests skipped, saying no sm_90 GPU is visible, although nvidia-smi lists one (CUDA_VISIBLE_DEVICES? see $d/ctest_gpu_full.log)"
     return
   fi
   if [[ $rc -ne 0 ]]; then
@@ -293,12 +293,13 @@ part_sanitizer() {
   local d=$out/sanitizer rc
   mkdir -p "$d"
   banner "sanitizer: tests/sanitizer/run_sanitizer.sh (racecheck, synccheck, memcheck, initcheck; negative controls)"
-  bash tests/sanitizer/run_sanitizer.sh "$build/tests/sanitizer_bin" "$d" >"$d/run_sanitizer.txt" 2>&1
+  timeout -k 10 3600 bash tests/sanitizer/run_sanitizer.sh "$build/tests/sanitizer_bin" "$d" >"$d/run_sanitizer.txt" 2>&1
   rc=$?
   tail -n 12 "$d/run_sanitizer.txt"
   case $rc in
     0) record sanitizer PASS "zero reports under 4 tools; negative controls flagged, positive controls clean" ;;
     77) record sanitizer FAIL "not run: $(grep SKIPPED "$d/run_sanitizer.txt" | head -1) (install compute-sanitizer, part of the CUDA toolkit)" ;;
+    124 | 137) record sanitizer FAIL "timed out after an hour (see $d)" ;;
     *) record sanitizer FAIL "exit $rc: $(grep -E 'FAILED|NOT FLAGGED|FLAGGED \(' "$d/sanitizer_summary.txt" 2>/dev/null | tr '\n' ';') (see $d)" ;;
   esac
 }
@@ -379,7 +380,8 @@ part_bench() {
   rc=$?
   cat "$d/bench.txt"
   if [[ $rc -ne 0 || $frc -ne 0 ]]; then
-    record bench FAIL "dsa-indexer-bwd bench exit $rc, dsa-floor-bench exit $frc (1: a floor micro-benchmark failed its check; see $d/*stderr.txt)"
+    # exit 1 of either: a floor micro-benchmark failed its correctness check
+    record bench FAIL "dsa-indexer-bwd bench exit $rc ($(tail -1 "$d/bench_stderr.txt")); dsa-floor-bench exit $frc ($(tail -1 "$d/floor_stderr.txt"))"
   else
     record bench PASS "ns/row and ratio to the floor measured in the same run: $d/bench.txt, $d/bench.json"
   fi
@@ -445,10 +447,12 @@ part_python() {
   banner "python: scripts/python_check.sh --install --cuda --require-cuda"
   bash scripts/python_check.sh --install --cuda --require-cuda "$d"
   rc=$?
+  local steps
+  steps=$(grep -v '^python_check:' "$d/summary.txt" 2>/dev/null | tr '\n' ';' | sed 's/;$//; s/;/; /g')
   if [[ $rc -eq 0 ]]; then
-    record python PASS "$(tail -1 "$d/summary.txt" 2>/dev/null)"
+    record python PASS "$steps"
   else
-    record python FAIL "exit $rc: $(tail -1 "$d/summary.txt" 2>/dev/null) (see $d)"
+    record python FAIL "exit $rc: $steps (see $d)"
   fi
 }
 

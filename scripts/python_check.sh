@@ -70,7 +70,7 @@ verdict() {
 
 if [[ $install == 1 ]]; then
   missing=$("$py" -c 'import importlib.util as u; print(" ".join(m for m in ("nanobind", "scikit_build_core") if u.find_spec(m) is None))')
-  [[ -z $missing ]] || { note "install: cannot build: $missing not installed in $py (python3 -m pip install \"nanobind==2.9.2\" \"scikit-build-core==0.11.6\")"; verdict 2; }
+  [[ -z $missing ]] || { note "install: cannot build: $missing not installed in $py ($py -m pip install \"nanobind==2.9.2\" \"scikit-build-core==0.11.6\")"; verdict 2; }
   flags=(-C "build-dir=$out/build")
   if [[ $cuda == 1 ]]; then
     [[ -d /usr/local/cuda/bin ]] && export PATH=/usr/local/cuda/bin:$PATH
