@@ -8,8 +8,9 @@
 #                     `python3 -c "import dsaib"` finds is checked
 #     --cuda          with --install: build the cuda backend too (needs nvcc and the CUTLASS
 #                     headers, as the CMake build does)
-#     --require-cuda  fail unless dsaib's cuda backend can run here (an sm_90 GPU), so that
-#                     the GPU tests run instead of skipping
+#     --require-cuda  fail unless dsaib's cuda backend can run here (an sm_90 GPU) and,
+#                     when torch is installed, torch sees the GPU: the GPU tests then run
+#                     instead of skipping
 #     -h, --help      this text
 #   PYTHON=... names the interpreter (default python3).
 #
@@ -24,6 +25,8 @@
 # does, so the build requirements must be installed in that interpreter first:
 #   python3 -m pip install "nanobind==2.9.2" "scikit-build-core==0.11.6" numpy pytest
 # Tests that need torch, cupy or jax skip without them (pytest -rs lists every skip).
+# Time limits: 30 minutes for pytest, 10 for each example run (a step that hits its
+# limit fails with exit 124).
 #
 # Writes O/pytest.log, O/example_{cpu,cuda}.log (and their PNG and CSV), O/install.log
 # (--install) and O/summary.txt (one line per step; its last line the verdict).
@@ -136,7 +139,7 @@ fi
 
 echo "== pytest python/tests"
 start=$SECONDS
-"$py" -m pytest -q -rs -p no:cacheprovider python/tests >"$out/pytest.log" 2>&1
+timeout -k 10 1800 "$py" -m pytest -q -rs -p no:cacheprovider python/tests >"$out/pytest.log" 2>&1
 rc=$?
 tail -n 15 "$out/pytest.log"
 summary_line=$(grep -E '^=*.*(passed|failed|error|no tests ran)' "$out/pytest.log" | tail -1 | tr -d '=' | sed 's/^ *//; s/ *$//')
@@ -156,7 +159,7 @@ for dev in "${devices[@]}"; do
   fi
   echo "== python/examples/train_indexer.py --device $dev"
   start=$SECONDS
-  "$py" python/examples/train_indexer.py --device "$dev" --out "$out/train_$dev.png" --csv "$out/train_$dev.csv" \
+  timeout -k 10 600 "$py" python/examples/train_indexer.py --device "$dev" --out "$out/train_$dev.png" --csv "$out/train_$dev.csv" \
     >"$out/example_$dev.log" 2>&1
   rc=$?
   tail -n 3 "$out/example_$dev.log"
