@@ -2,10 +2,13 @@
 //
 // It converts DLPack tensors (numpy, torch, cupy, jax, or any object with
 // __dlpack__/__dlpack_device__, or a DLPack capsule, through nanobind::ndarray)
-// into dsaib::TensorView records and calls dsaib::indexer_backward. The Python
-// layer (python/dsaib/__init__.py, python/dsaib/torch.py) allocates outputs with
-// the inputs' framework; for other producers it uses `empty`, which returns a
-// Buffer: host or device memory owned by this module, exported through DLPack.
+// into dsaib::TensorView records and calls the library: indexer_backward, its
+// workspace size (indexer_backward_workspace_size), the validation alone
+// (validate_indexer_kl_loss_inputs) and the fp64 loss. The Python layer
+// (python/dsaib/) allocates outputs with the inputs' framework; for other
+// producers it uses `empty`, which returns a Buffer: host or device memory
+// owned by this module, exported through DLPack. Sizes and argument rules are
+// the library's: nothing here or in Python re-derives them.
 //
 // dtype mapping (DLPack -> dsaib::DType):
 //   bfloat16 (16 bits)                          -> bf16
@@ -317,18 +320,10 @@ dsaib::AOperandPrecision parse_a_operand(const std::string& s) {
                      "a_operand_precision: expected \"auto\", \"bf16x2\" or \"bf16\", got \"" + s + "\"");
 }
 
-struct Options {
-  std::string layout, id_mode, backend;
-  float sm_scale, loss_coeff, grad_loss;
-  int64_t normalization_count;
-  bool strict_indices, deterministic;
-  uintptr_t stream;
-  int32_t num_threads;
-};
-
 dsaib::IndexerBackwardInputs make_inputs(const Array& index_q, const Array& weights, const Array& index_k,
                                          const Array& topk_indices, const Array& attn_score,
-                                         const Array& index_score, const std::optional<Array>& cu_seqlens_q,
+                                         const std::optional<Array>& index_score,
+                                         const std::optional<Array>& cu_seqlens_q,
                                          const std::optional<Array>& cu_seqlens_k, bool u16) {
   dsaib::IndexerBackwardInputs in;
   in.index_q = to_view("index_q", index_q, u16);
@@ -336,16 +331,20 @@ dsaib::IndexerBackwardInputs make_inputs(const Array& index_q, const Array& weig
   in.index_k = to_view("index_k", index_k, u16);
   in.topk_indices = to_view("topk_indices", topk_indices, u16);
   in.attn_score = to_view("attn_score", attn_score, u16);
-  in.index_score = to_view("index_score", index_score, u16);
+  in.index_score = opt_view("index_score", index_score, u16);
   in.cu_seqlens_q = opt_view("cu_seqlens_q", cu_seqlens_q, u16);
   in.cu_seqlens_k = opt_view("cu_seqlens_k", cu_seqlens_k, u16);
   return in;
 }
 
+/// The options of every library call, from the Python keyword arguments (the
+/// only place that maps them; a new option is one more parameter here and in
+/// the bindings' argument lists below).
 dsaib::IndexerBackwardOptions make_options(const std::string& layout, const std::string& id_mode,
                                            const std::string& backend, float sm_scale, float loss_coeff,
                                            float grad_loss, int64_t normalization_count, bool strict_indices,
-                                           bool deterministic, uintptr_t stream, int32_t num_threads) {
+                                           bool deterministic, uintptr_t stream, int32_t num_threads,
+                                           const std::string& a_operand_precision) {
   dsaib::IndexerBackwardOptions o;
   o.layout = parse_layout(layout);
   o.id_mode = parse_id_mode(id_mode);
@@ -358,7 +357,17 @@ dsaib::IndexerBackwardOptions make_options(const std::string& layout, const std:
   o.deterministic = deterministic;
   o.stream = reinterpret_cast<void*>(stream);
   o.num_threads = num_threads;
+  o.a_operand_precision = parse_a_operand(a_operand_precision);
   return o;
+}
+
+dsaib::IndexerBackwardOutputs make_outputs(const OutArray& d_index_q, const OutArray& d_weights,
+                                           const OutArray& d_index_k, bool out_uint16_as_bf16) {
+  dsaib::IndexerBackwardOutputs out;
+  out.d_index_q = to_view("d_index_q", d_index_q, out_uint16_as_bf16);
+  out.d_weights = to_view("d_weights", d_weights, out_uint16_as_bf16);
+  out.d_index_k = to_view("d_index_k", d_index_k, out_uint16_as_bf16);
+  return out;
 }
 
 }  // namespace
@@ -397,25 +406,24 @@ NB_MODULE(_dsaib, m) {
   m.def("cuda_backend_available", &dsaib::cuda_backend_available,
         "Whether the cuda backend was compiled in and an sm_90 device is present.");
 
+  // indexer_backward and indexer_backward_workspace_size take the same
+  // arguments (the second without workspace), so that Python passes one set
+  // of keyword arguments to both.
   m.def(
       "indexer_backward",
       [](const Array& index_q, const Array& weights, const Array& index_k, const Array& topk_indices,
          const Array& attn_score, const Array& index_score, const std::optional<Array>& cu_seqlens_q,
-         const std::optional<Array>& cu_seqlens_k, OutArray d_index_q, OutArray d_weights, OutArray d_index_k,
-         const std::string& layout, const std::string& id_mode, const std::string& backend, float sm_scale,
-         float loss_coeff, float grad_loss, const std::optional<Array>& grad_loss_device,
+         const std::optional<Array>& cu_seqlens_k, const OutArray& d_index_q, const OutArray& d_weights,
+         const OutArray& d_index_k, const std::string& layout, const std::string& id_mode, const std::string& backend,
+         float sm_scale, float loss_coeff, float grad_loss, const std::optional<Array>& grad_loss_device,
          int64_t normalization_count, bool strict_indices, bool deterministic, uintptr_t stream, int32_t num_threads,
          const std::optional<OutArray>& workspace, bool uint16_as_bf16, bool out_uint16_as_bf16,
          const std::string& a_operand_precision) {
         const auto in = make_inputs(index_q, weights, index_k, topk_indices, attn_score, index_score,
                                     cu_seqlens_q, cu_seqlens_k, uint16_as_bf16);
-        dsaib::IndexerBackwardOutputs out;
-        out.d_index_q = to_view("d_index_q", d_index_q, out_uint16_as_bf16);
-        out.d_weights = to_view("d_weights", d_weights, out_uint16_as_bf16);
-        out.d_index_k = to_view("d_index_k", d_index_k, out_uint16_as_bf16);
+        const auto out = make_outputs(d_index_q, d_weights, d_index_k, out_uint16_as_bf16);
         auto opt = make_options(layout, id_mode, backend, sm_scale, loss_coeff, grad_loss, normalization_count,
-                                strict_indices, deterministic, stream, num_threads);
-        opt.a_operand_precision = parse_a_operand(a_operand_precision);
+                                strict_indices, deterministic, stream, num_threads, a_operand_precision);
         if (grad_loss_device) opt.grad_loss_device = grad_loss_pointer(*grad_loss_device, backend_device(backend, index_q));
         void* ws = nullptr;
         std::size_t ws_bytes = 0;
@@ -445,6 +453,66 @@ NB_MODULE(_dsaib, m) {
       "\"bf16\" (dsaib::AOperandPrecision; the cpu backend ignores it). Raises ValueError/TypeError/RuntimeError.");
 
   m.def(
+      "indexer_backward_workspace_size",
+      [](const Array& index_q, const Array& weights, const Array& index_k, const Array& topk_indices,
+         const Array& attn_score, const Array& index_score, const std::optional<Array>& cu_seqlens_q,
+         const std::optional<Array>& cu_seqlens_k, const OutArray& d_index_q, const OutArray& d_weights,
+         const OutArray& d_index_k, const std::string& layout, const std::string& id_mode, const std::string& backend,
+         float sm_scale, float loss_coeff, float grad_loss, const std::optional<Array>& grad_loss_device,
+         int64_t normalization_count, bool strict_indices, bool deterministic, uintptr_t stream, int32_t num_threads,
+         bool uint16_as_bf16, bool out_uint16_as_bf16, const std::string& a_operand_precision) {
+        const auto in = make_inputs(index_q, weights, index_k, topk_indices, attn_score, index_score,
+                                    cu_seqlens_q, cu_seqlens_k, uint16_as_bf16);
+        const auto out = make_outputs(d_index_q, d_weights, d_index_k, out_uint16_as_bf16);
+        auto opt = make_options(layout, id_mode, backend, sm_scale, loss_coeff, grad_loss, normalization_count,
+                                strict_indices, deterministic, stream, num_threads, a_operand_precision);
+        if (grad_loss_device) opt.grad_loss_device = grad_loss_pointer(*grad_loss_device, backend_device(backend, index_q));
+        nb::gil_scoped_release release;
+        return dsaib::indexer_backward_workspace_size(in, out, opt);
+      },
+      nb::arg("index_q"), nb::arg("weights"), nb::arg("index_k"), nb::arg("topk_indices"), nb::arg("attn_score"),
+      nb::arg("index_score"), nb::arg("cu_seqlens_q").none(), nb::arg("cu_seqlens_k").none(), nb::arg("d_index_q"),
+      nb::arg("d_weights"), nb::arg("d_index_k"), nb::arg("layout"), nb::arg("id_mode"), nb::arg("backend"),
+      nb::arg("sm_scale"), nb::arg("loss_coeff"), nb::arg("grad_loss"), nb::arg("grad_loss_device").none(),
+      nb::arg("normalization_count"), nb::arg("strict_indices"), nb::arg("deterministic"), nb::arg("stream"),
+      nb::arg("num_threads"), nb::arg("uint16_as_bf16"), nb::arg("out_uint16_as_bf16"),
+      nb::arg("a_operand_precision") = "auto",
+      "dsaib::indexer_backward_workspace_size: the bytes of scratch memory indexer_backward needs with the same\n"
+      "arguments (0 on the cpu backend). Validates them as indexer_backward does and raises the same errors.");
+
+  m.def(
+      "validate_indexer_kl_loss_inputs",
+      [](const Array& index_q, const Array& weights, const Array& index_k, const Array& topk_indices,
+         const Array& attn_score, const std::optional<Array>& index_score, const std::optional<Array>& cu_seqlens_q,
+         const std::optional<Array>& cu_seqlens_k, const std::string& layout, const std::string& id_mode,
+         const std::string& backend, float sm_scale, float loss_coeff, float grad_loss, int64_t normalization_count,
+         bool strict_indices, bool deterministic, uintptr_t stream, int32_t num_threads, bool uint16_as_bf16,
+         const std::string& a_operand_precision) {
+        const auto in = make_inputs(index_q, weights, index_k, topk_indices, attn_score, index_score,
+                                    cu_seqlens_q, cu_seqlens_k, uint16_as_bf16);
+        const auto opt = make_options(layout, id_mode, backend, sm_scale, loss_coeff, grad_loss, normalization_count,
+                                      strict_indices, deterministic, stream, num_threads, a_operand_precision);
+        nb::gil_scoped_release release;  // THD on cuda waits for the copy of cu_seqlens
+        dsaib::validate_indexer_kl_loss_inputs(in, opt);
+      },
+      nb::arg("index_q"), nb::arg("weights"), nb::arg("index_k"), nb::arg("topk_indices"), nb::arg("attn_score"),
+      nb::arg("index_score").none() = nb::none(), nb::arg("cu_seqlens_q").none() = nb::none(),
+      nb::arg("cu_seqlens_k").none() = nb::none(), nb::arg("layout") = "bshd", nb::arg("id_mode") = "local",
+      nb::arg("backend") = "cpu", nb::arg("sm_scale") = 1.0f, nb::arg("loss_coeff") = 1.0f,
+      nb::arg("grad_loss") = 1.0f, nb::arg("normalization_count") = 0, nb::arg("strict_indices") = false,
+      nb::arg("deterministic") = false, nb::arg("stream") = 0, nb::arg("num_threads") = 0,
+      nb::arg("uint16_as_bf16") = false, nb::arg("a_operand_precision") = "auto",
+      "dsaib::validate_indexer_kl_loss_inputs: indexer_backward's checks of the inputs and options, without\n"
+      "outputs and without computing anything; index_score may be None (then held to attn_score's rules).\n"
+      "Reads only the tensors' metadata and, for layout thd, cu_seqlens (cuda: copied to the host on `stream`,\n"
+      "waited for). Raises what indexer_backward would, with its messages.");
+
+  m.def(
+      "check_a_operand_precision",
+      [](const std::string& word) { (void)parse_a_operand(word); }, nb::arg("word"),
+      "Raises ValueError (the message indexer_backward gives) unless word is \"auto\", \"bf16x2\" or \"bf16\".");
+
+  m.def(
       "indexer_kl_loss",
       [](const Array& index_q, const Array& weights, const Array& index_k, const Array& topk_indices,
          const Array& attn_score, const Array& index_score, const std::optional<Array>& cu_seqlens_q,
@@ -454,7 +522,7 @@ NB_MODULE(_dsaib, m) {
         const auto in = make_inputs(index_q, weights, index_k, topk_indices, attn_score, index_score,
                                     cu_seqlens_q, cu_seqlens_k, uint16_as_bf16);
         const auto opt = make_options(layout, id_mode, "cpu", sm_scale, loss_coeff, grad_loss,
-                                      normalization_count, false, false, 0, 0);
+                                      normalization_count, false, false, 0, 0, "auto");
         nb::gil_scoped_release release;
         return dsaib::indexer_kl_loss(in, opt, recompute_p);
       },
