@@ -340,8 +340,8 @@ def test_cuda_graph_capture_of_autograd_loss_backward():
     # Detached: a live loss from a run on another stream would keep that run's
     # AccumulateGrad nodes (made on the default stream) alive, and the capture
     # would then sync with the legacy stream (cudaErrorStreamCaptureImplicit;
-    # torch warns about the stream mismatch). This was the "known defect" of
-    # the previous session: the test's, not the op's.
+    # torch warns about the stream mismatch). Such a failure is the test's
+    # doing, not the op's.
     eager = tuple(t.detach() for t in step())
     warm_up_on_side_stream(step)
     graph = torch.cuda.CUDAGraph()
