@@ -278,13 +278,14 @@ def indexer_backward(
                    attn_score=attn_score, index_score=index_score, cu_seqlens_q=cu_seqlens_q,
                    cu_seqlens_k=cu_seqlens_k, d_index_q=out[0], d_weights=out[1], d_index_k=out[2],
                    grad_loss_device=grad_loss_tensor)
-    # The library's options as the extension's keyword arguments, one set for
-    # indexer_backward_workspace_size and indexer_backward.
+    # The library's options (dsaib::IndexerBackwardOptions) as the extension's
+    # keyword arguments, one set for indexer_backward_workspace_size and
+    # indexer_backward; a new option is one more entry here.
     options = dict(layout=layout, id_mode=id_mode, backend=backend, sm_scale=sm_scale, loss_coeff=loss_coeff,
                    grad_loss=grad_loss_value, normalization_count=normalization_count,
                    strict_indices=strict_indices, deterministic=deterministic, stream=int(stream),
-                   num_threads=num_threads, a_operand_precision=a_operand_precision,
-                   uint16_as_bf16=uint16_as_bf16, out_uint16_as_bf16=out_uint16_as_bf16)
+                   num_threads=num_threads, a_operand_precision=a_operand_precision)
+    bit_patterns = dict(uint16_as_bf16=uint16_as_bf16, out_uint16_as_bf16=out_uint16_as_bf16)
 
     workspace = None
     if (fw == "torch" and backend == "cuda" and _framework(out[2]) == "torch"
@@ -293,7 +294,7 @@ def indexer_backward(
 
         # The library's scratch memory, from torch's caching allocator so it is
         # stream-ordered and CUDA-graph safe (else the library allocates it).
-        nbytes = _dsaib.indexer_backward_workspace_size(**_exported(tensors), **options)
+        nbytes = _dsaib.indexer_backward_workspace_size(**_exported(tensors), **bit_patterns, **options)
         if nbytes:
             workspace = torch.empty(nbytes, dtype=torch.uint8, device=index_q.device)
 
@@ -306,7 +307,7 @@ def indexer_backward(
                 if t is not None:
                     t.record_stream(ext)
 
-    _dsaib.indexer_backward(**_exported(tensors), **options, workspace=_export(workspace))
+    _dsaib.indexer_backward(**_exported(tensors), **bit_patterns, workspace=_export(workspace), **options)
     if fw == "jax" and allocated:
         import jax.dlpack
 
@@ -353,9 +354,12 @@ def indexer_kl_loss(
     loss_coeff = _f32_value("loss_coeff", loss_coeff)
     grad_loss = _host_grad_loss(grad_loss)
     normalization_count = _normalization_count(normalization_count)
+    tensors = dict(index_q=index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
+                   attn_score=attn_score, index_score=index_score, cu_seqlens_q=cu_seqlens_q,
+                   cu_seqlens_k=cu_seqlens_k)
     return _dsaib.indexer_kl_loss(
-        _export(index_q), _export(weights), _export(index_k), _export(topk_indices), _export(attn_score),
-        _export(index_score), _export(cu_seqlens_q), _export(cu_seqlens_k), layout, id_mode, sm_scale, loss_coeff,
-        grad_loss, normalization_count, recompute_p, uint16_as_bf16,
+        **_exported(tensors), recompute_p=recompute_p, uint16_as_bf16=uint16_as_bf16, layout=layout,
+        id_mode=id_mode, sm_scale=sm_scale, loss_coeff=loss_coeff, grad_loss=grad_loss,
+        normalization_count=normalization_count,
     )
 

@@ -97,14 +97,15 @@ def _indexer_backward_op(
     tensors = dict(index_q=index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
                    attn_score=attn_score, index_score=index_score, cu_seqlens_q=cu_seqlens_q,
                    cu_seqlens_k=cu_seqlens_k, d_index_q=dq, d_weights=dw, d_index_k=dk, grad_loss_device=grad_loss)
-    # The library's options as the extension's keyword arguments. cuda: the
-    # current stream, and torch.use_deterministic_algorithms selects the
-    # fixed-point d_index_k (read when the op runs).
+    # The library's options (dsaib::IndexerBackwardOptions) as the extension's
+    # keyword arguments; a new option is one more entry here and an argument
+    # of the op. cuda: the current stream, and torch.use_deterministic_algorithms
+    # selects the fixed-point d_index_k (read when the op runs).
     options = dict(layout=layout, id_mode=id_mode, backend="cuda" if cuda else "cpu", sm_scale=float(sm_scale),
                    loss_coeff=float(loss_coeff), grad_loss=1.0, normalization_count=int(normalization_count),
                    strict_indices=False, deterministic=cuda and torch.are_deterministic_algorithms_enabled(),
                    stream=int(torch.cuda.current_stream(dev).cuda_stream) if cuda else 0, num_threads=0,
-                   a_operand_precision=a_operand_precision, uint16_as_bf16=False, out_uint16_as_bf16=False)
+                   a_operand_precision=a_operand_precision)
     workspace = None
     if cuda:
         nbytes = _dsaib.indexer_backward_workspace_size(**_exported(tensors), **options)

@@ -126,3 +126,27 @@ def test_a_operand_precision_check_is_the_librarys():
     want = raised(_dsaib.indexer_backward, **backward_args(make_problem(0), a_operand_precision="half"), workspace=None)
     assert raised(_dsaib.check_a_operand_precision, word="half") == want
     assert want == (ValueError, 'a_operand_precision: expected "auto", "bf16x2" or "bf16", got "half"')
+
+
+def test_options_are_keyword_arguments_checked_by_name():
+    # The library's options reach every binding as **options: a misspelt one is an
+    # error, not silently the default; one left out is the library's default.
+    p = make_problem(3)
+    kw = backward_args(p)
+    for fn, args in ((_dsaib.indexer_backward_workspace_size, kw),
+                     (_dsaib.validate_indexer_kl_loss_inputs, validate_args(kw))):
+        with pytest.raises(TypeError, match=r"^options: unexpected keyword argument 'sm_scal'$"):
+            fn(**args, sm_scal=1.0)
+        with pytest.raises(TypeError, match=r"^sm_scale: expected a float, got str$"):
+            fn(**dict(args, sm_scale="0.5"))
+        with pytest.raises(TypeError, match=r"^layout: expected a str, got int$"):
+            fn(**dict(args, layout=1))
+    left_out = {n: v for n, v in backward_args(p).items() if n not in ("normalization_count", "loss_coeff")}
+    _dsaib.indexer_backward(**left_out, workspace=None)  # N = query rows, loss_coeff 1
+    _dsaib.indexer_backward(**kw, workspace=None)
+    doubled = backward_args(p, loss_coeff=2.0)
+    _dsaib.indexer_backward(**doubled, workspace=None)
+    for out in OUT_OF:
+        np.testing.assert_array_equal(left_out[out], kw[out])
+        np.testing.assert_array_equal(doubled[out], 2 * kw[out])
+        assert np.abs(kw[out]).max() > 0
