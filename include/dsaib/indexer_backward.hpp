@@ -209,4 +209,15 @@ double indexer_kl_loss(const IndexerBackwardInputs& inputs, const IndexerBackwar
 /// capability 9.0 is present.
 bool cuda_backend_available();
 
+/// Runs indexer_backward()'s checks of the inputs and the options, in the same
+/// order and with the same errors, and nothing else: no outputs, no workspace,
+/// nothing computed or written. For a caller that computes index_score itself
+/// (a framework's loss forward computes P) and wants the backward's errors
+/// before it starts. index_score may be absent: it is then held to
+/// attn_score's rules (dtype f32, shape like topk_indices), which the P that
+/// the caller computes will meet. Like indexer_backward(), it reads cu_seqlens
+/// (THD) and, with strict_indices, topk_indices; for the cuda backend through
+/// a copy to the host on options.stream, waited for.
+void validate_indexer_kl_loss_inputs(const IndexerBackwardInputs& inputs, const IndexerBackwardOptions& options);
+
 }  // namespace dsaib

@@ -40,13 +40,13 @@ The C++ library's errors surface with the C++ message unchanged:
 
 from __future__ import annotations
 
-import collections.abc
-import math
-import operator
-
 import numpy as _np
 
 from . import _dsaib
+from ._args import (_OUT_NAMES, _a_operand, _bool_value, _check_out, _f32_value, _grad_loss, _host_grad_loss,
+                    _normalization_count, _num_threads, _option_str, _stream_value)
+from ._frameworks import (_alloc, _check_arrays, _default_stream, _device, _export, _exported, _framework,
+                          _is_capsule, _shape)
 
 __all__ = [
     "indexer_backward",
@@ -103,385 +103,6 @@ def bf16_to_f32(bits) -> _np.ndarray:
         raise TypeError(f"bits: expected an integer array of bf16 bit patterns, got dtype {a.dtype}")
     b = _np.ascontiguousarray(a.astype(_np.uint16)).reshape(-1)
     return (b.astype(_np.uint32) << 16).view(_np.float32).reshape(a.shape)
-
-
-# ---- frameworks ---------------------------------------------------------------
-#
-# Inputs are read through DLPack. Outputs are allocated with the framework of
-# index_q (numpy, torch, cupy); for jax and any other DLPack producer they are
-# dsaib-owned Buffers (jax gets them wrapped as jax arrays, zero-copy).
-
-_DL_CPU, _DL_CUDA, _DL_CUDA_MANAGED = 1, 2, 13
-
-
-def _framework(x) -> str:
-    """'numpy', 'torch', 'cupy', 'jax', 'dsaib' (a Buffer) or 'dlpack' (anything else)."""
-    if isinstance(x, _np.ndarray):
-        return "numpy"
-    if isinstance(x, _dsaib.Buffer):
-        return "dsaib"
-    root = type(x).__module__.split(".")[0]
-    if root == "torch":
-        return "torch"
-    if root == "cupy":
-        return "cupy"
-    if root in ("jax", "jaxlib"):
-        return "jax"
-    return "dlpack"
-
-
-def _is_torch(x) -> bool:
-    return _framework(x) == "torch"
-
-
-def _device(x):
-    """(kind, index) of a tensor: kind 'cpu' or 'cuda' (anything else is reported by the library)."""
-    if _is_torch(x):
-        return (x.device.type, x.device.index or 0)
-    dev = getattr(x, "__dlpack_device__", None)
-    if dev is None:
-        return ("cpu", 0)  # buffer-protocol objects
-    kind, index = dev()
-    kind = int(kind)
-    if kind in (_DL_CUDA, _DL_CUDA_MANAGED):
-        return ("cuda", int(index))
-    if kind == _DL_CPU:
-        return ("cpu", 0)
-    return ("dlpack-device-%d" % kind, int(index))
-
-
-def _check_arrays(**arrays):
-    """TypeError naming the argument for an input that is not a tensor (None, a
-    list, a scalar) or a numpy array in non-native byte order, and ValueError for a
-    numpy view whose byte strides are not whole elements, before anything else
-    happens (the extension would only report "incompatible function arguments")."""
-    seen_capsules = []
-    for name, x in arrays.items():
-        if x is None and (name.startswith("cu_seqlens") or name == "grad_loss"):
-            continue
-        if not (hasattr(x, "__dlpack__") or isinstance(x, (_np.ndarray, _dsaib.Buffer))
-                or type(x).__name__ == "PyCapsule"  # a raw DLPack capsule is taken too
-                or _has_buffer(x)):  # and buffer-protocol objects (memoryview, array.array)
-            raise TypeError(f"{name}: expected an array (numpy, torch, cupy, jax or a DLPack tensor), "
-                            f"got {type(x).__name__}")
-        if type(x).__name__ == "PyCapsule":
-            # The extension consumes a capsule (renaming it "used_dltensor") and takes only
-            # unversioned ones ("dltensor"); a consumed one, a versioned or foreign one, or one
-            # capsule given for two arguments would only get nanobind's "incompatible function
-            # arguments".
-            cname = _capsule_name(x)
-            if cname in (b"used_dltensor", b"used_dltensor_versioned"):
-                raise ValueError(f"{name}: expected an unused DLPack capsule, got one already consumed "
-                                 "(a capsule can be read once: pass the tensor, or a new __dlpack__())")
-            if cname != b"dltensor":
-                raise TypeError(f"{name}: expected a DLPack capsule named 'dltensor' (unversioned: "
-                                f"__dlpack__() without max_version, or pass the tensor), got a capsule "
-                                f"named {cname.decode('utf-8', 'replace') if cname else None!r}")
-            other = next((n for n, y in seen_capsules if y is x), None)
-            if other is not None:
-                raise ValueError(f"{name}: expected its own DLPack capsule, got the one given for {other} "
-                                 "(a capsule can be read once: pass the tensor, or a new __dlpack__())")
-            seen_capsules.append((name, x))
-        if isinstance(x, _np.ndarray) and not x.dtype.isnative:
-            raise TypeError(f"{name}: expected native byte order, got dtype {x.dtype.str}")
-        if isinstance(x, _np.ndarray) and any(st % x.itemsize for st in x.strides):
-            # DLPack strides count elements: such a view has none (nanobind would only
-            # say "incompatible function arguments").
-            raise ValueError(f"{name}: expected strides that are multiples of the element size "
-                             f"({x.itemsize} bytes), got byte strides {x.strides}")
-
-
-_PYCAPSULE_GET_NAME = None
-
-
-def _capsule_name(capsule):
-    """A PyCapsule's name (bytes; None for a nameless one), through the C API. The
-    prototype is this module's own: ctypes.pythonapi's shared function object (whose
-    restype/argtypes other code may set) is left as it is."""
-    global _PYCAPSULE_GET_NAME
-    if _PYCAPSULE_GET_NAME is None:
-        import ctypes
-
-        proto = ctypes.PYFUNCTYPE(ctypes.c_char_p, ctypes.py_object)
-        _PYCAPSULE_GET_NAME = proto(("PyCapsule_GetName", ctypes.pythonapi))
-    try:
-        return _PYCAPSULE_GET_NAME(capsule)
-    except ValueError:  # not a real capsule (an object whose type is merely named PyCapsule)
-        return None
-
-
-def _has_buffer(x) -> bool:
-    if isinstance(x, (str, bytes, bytearray)):
-        return False
-    try:
-        memoryview(x)
-        return True
-    except TypeError:
-        return False
-
-
-def _export(x):
-    """What the extension reads: a DLPack capsule for torch (no stream synchronisation,
-    no autograd), the array itself otherwise (the extension calls __dlpack__())."""
-    if x is None:
-        return None
-    fw = _framework(x)
-    if fw == "torch":
-        x = x.detach()
-        if x.device.type == "cuda":
-            import torch
-
-            with torch.cuda.device(x.device):
-                return x.__dlpack__(stream=-1)  # -1: the producer must not synchronise
-        return x.__dlpack__()
-    if fw == "jax":
-        x.block_until_ready()
-    return x
-
-
-def _alloc(fw, ref, shape, out_dtype, device):
-    """A contiguous output of `shape` in framework `fw` on `device` ("cpu"/"cuda:N")."""
-    shape = tuple(int(s) for s in shape)
-    if fw == "numpy":
-        return _np.empty(shape, dtype={"f32": _np.float32, "bf16": _np.uint16}[out_dtype])
-    if fw == "torch":
-        import torch
-
-        dt = {"f32": torch.float32, "bf16": torch.bfloat16}[out_dtype]
-        return torch.empty(shape, dtype=dt, device=ref.device)
-    if fw == "cupy":
-        import cupy
-
-        with cupy.cuda.Device(int(device.split(":")[1]) if ":" in device else 0):
-            return cupy.empty(shape, dtype={"f32": cupy.float32, "bf16": cupy.uint16}[out_dtype])
-    return _dsaib.empty(list(shape), out_dtype, device)
-
-
-def _default_stream(fw, ref, device) -> int:
-    """The stream the cuda backend runs on when none is given: the framework's current one."""
-    if not device.startswith("cuda"):
-        return 0
-    if fw == "torch":
-        import torch
-
-        return int(torch.cuda.current_stream(ref.device).cuda_stream)
-    if fw == "cupy":
-        import cupy
-
-        with cupy.cuda.Device(int(device.split(":")[1])):
-            return int(cupy.cuda.get_current_stream().ptr)
-    return 0  # the legacy default stream
-
-
-def _is_scalar(x) -> bool:
-    return isinstance(x, (int, float, _np.integer, _np.floating)) and not isinstance(x, bool)
-
-
-# ---- argument checks ----------------------------------------------------------
-#
-# What the extension's typed parameters would otherwise reject with nanobind's
-# "incompatible function arguments" (which names no argument), or convert
-# silently (float64 -> float32 overflow, float -> int truncation), is checked
-# here, with messages in the library's style: "NAME: expected X, got Y".
-
-_INT32_MAX = 2**31 - 1
-_INT64_MAX = 2**63 - 1
-_UINTPTR_MAX = 2**64 - 1
-_OUT_NAMES = ("d_index_q", "d_weights", "d_index_k")
-
-
-def _is_bool(x) -> bool:
-    return isinstance(x, (bool, _np.bool_))
-
-
-def _type_name(x) -> str:
-    return type(x).__name__
-
-
-# The smallest magnitude that rounds to inf in float32: 2^128 - 2^103 (halfway
-# between FLT_MAX and 2^128; ties go to the even significand, i.e. to inf).
-_F32_OVERFLOW = 2.0**128 - 2.0**103
-
-
-def _float_or_inf(x) -> float:
-    """float(x), with a number beyond float64 (a huge int or Fraction) as +-inf,
-    which is what float32 makes of it anyway."""
-    try:
-        return float(x)
-    except OverflowError:
-        return math.inf if x > 0 else -math.inf
-
-
-def _check_f32_finite(name: str, value: float) -> None:
-    """ValueError with the C++ library's message for a value that is not finite
-    once converted to float32 ("NAME: expected a finite value, got inf", as
-    check_finite in core/validate.cpp prints it). Pure Python (no numpy or
-    torch), so torch.compile traces it with symbolic floats. A finite value that
-    overflows float32 (1e+300) reads as the library sees it: "got inf"."""
-    if abs(value) < _F32_OVERFLOW:  # False for nan and +-inf (one comparison: traceable)
-        return
-    if math.isnan(value):
-        text = "-nan" if math.copysign(1.0, value) < 0 else "nan"  # as glibc's ostream prints it
-    else:
-        text = "-inf" if value < 0 else "inf"
-    raise ValueError(f"{name}: expected a finite value, got {text}")
-
-
-def _f32_value(name, x) -> float:
-    """A real number as the float the extension takes, which it converts to
-    float32: rejects bools, non-numbers and values that are not finite in float32."""
-    if _is_bool(x):
-        raise TypeError(f"{name}: expected a real number, got bool {x!r}")
-    if isinstance(x, (complex, _np.complexfloating)) or isinstance(x, str):
-        raise TypeError(f"{name}: expected a real number, got {_type_name(x)} {x!r}")
-    try:
-        value = _float_or_inf(x)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name}: expected a real number, got {_type_name(x)}") from None
-    _check_f32_finite(name, value)
-    return value
-
-
-def _int_value(name, x, lo, hi, what, below=None) -> int:
-    """An integer (int, numpy integer, anything with __index__; not bool, not float) in [lo, hi].
-    below: the C++ library's "expected ..." text for a value under lo (its message then)."""
-    if _is_bool(x):
-        raise TypeError(f"{name}: expected an int, got bool {x!r}")
-    try:
-        value = operator.index(x)
-    except TypeError:
-        raise TypeError(f"{name}: expected an int, got {_type_name(x)} {x!r}") from None
-    if value < lo and below:
-        raise ValueError(f"{name}: expected {below}, got {value}")
-    if not lo <= value <= hi:
-        raise ValueError(f"{name}: expected an int in {what}, got {value}")
-    return value
-
-
-def _stream_value(x) -> int:
-    """An explicit cudaStream_t as an int in [0, 2^64-1]: an int (anything with __index__),
-    or an object with __int__ such as numba's cuda.Stream; not bool, float or str."""
-    if _is_bool(x) or isinstance(x, (float, str, bytes)) or not (
-            hasattr(type(x), "__index__") or hasattr(type(x), "__int__")):
-        raise TypeError(f"stream: expected an int (a cudaStream_t), got {_type_name(x)} {x!r}")
-    try:
-        value = operator.index(x)
-    except TypeError:
-        value = int(x)  # __int__ only (numba's cuda.Stream)
-    if not 0 <= value <= _UINTPTR_MAX:
-        raise ValueError(f"stream: expected an int in [0, 2^64-1] (a cudaStream_t), got {value}")
-    return value
-
-
-#: The C++ library's "expected" texts for negative counts (core/validate.cpp).
-_NORMALIZATION_COUNT_BELOW = ">= 0 (0 = number of query tokens)"
-_NUM_THREADS_BELOW = ">= 0 (0 = all hardware threads)"
-
-
-def _grad_loss(x):
-    """(value, tensor): a real number (not bool), or a tensor (checked by the extension:
-    one float32 element on the backend's device)."""
-    if _is_bool(x):
-        raise TypeError(f"grad_loss: expected a real number or a one-element float32 tensor, got bool {x!r}")
-    if _is_scalar(x):
-        return _f32_value("grad_loss", x), None
-    if hasattr(x, "__dlpack__") or type(x).__name__ == "PyCapsule":
-        return 1.0, x
-    raise TypeError(f"grad_loss: expected a real number or a one-element float32 tensor, got {_type_name(x)}")
-
-
-def _host_grad_loss(x) -> float:
-    """grad_loss as indexer_backward takes it (a real number, or a one-element
-    float32 tensor), read on the host for the loss (host tensors only)."""
-    value, tensor = _grad_loss(x)
-    if tensor is None:
-        return value
-    _check_arrays(grad_loss=tensor)
-    try:
-        arr = _np.from_dlpack(tensor) if hasattr(tensor, "__dlpack__") else None
-    except (BufferError, RuntimeError, TypeError, ValueError) as e:
-        raise ValueError(f"grad_loss: expected a one-element float32 tensor in host memory, got one numpy "
-                         f"cannot read ({e})") from None
-    if arr is None:
-        raise TypeError("grad_loss: expected a real number or a one-element float32 tensor with __dlpack__, "
-                        "got a raw DLPack capsule")
-    if arr.dtype != _np.float32:
-        raise TypeError(f"grad_loss: expected dtype float32, got dtype {arr.dtype}")
-    if arr.size != 1:
-        raise ValueError(f"grad_loss: expected a one-element tensor, got {arr.size} elements")
-    value = float(arr.reshape(-1)[0])
-    _check_f32_finite("grad_loss", value)
-    return value
-
-
-def _check_out(out) -> tuple:
-    """out as a tuple of three writable arrays."""
-    # A sequence (tuple, list, ...), as docs/python.md says: an iterator or generator is
-    # refused rather than consumed.
-    if isinstance(out, (str, bytes)) or not isinstance(out, collections.abc.Sequence):
-        raise TypeError(f"out: expected a tuple (d_index_q, d_weights, d_index_k), got {_type_name(out)}")
-    out = tuple(out)
-    if len(out) != 3:
-        raise ValueError(f"out: expected (d_index_q, d_weights, d_index_k), got {len(out)} items")
-    for name, o in zip(_OUT_NAMES, out):
-        if o is None:
-            raise TypeError(f"out: expected 3 arrays (d_index_q, d_weights, d_index_k), got None for {name}")
-        if isinstance(o, _np.ndarray):
-            read_only = not o.flags.writeable
-        elif hasattr(o, "__dlpack__") or _framework(o) == "torch":
-            read_only = False  # a read-only DLPack export is reported by the extension
-        else:
-            try:
-                read_only = memoryview(o).readonly
-            except TypeError:
-                raise TypeError(f"out: expected 3 arrays (d_index_q, d_weights, d_index_k), got "
-                                f"{_type_name(o)} for {name}") from None
-        if read_only:
-            raise ValueError(f"out: expected writable arrays, got a read-only {name}")
-        if _framework(o) == "torch" and o.requires_grad:
-            # Written in place behind autograd's back: torch itself refuses that for such tensors.
-            raise ValueError(f"out: expected tensors that do not require grad (they are written in place), "
-                             f"got {name} with requires_grad=True")
-    if any(_framework(o) == "jax" for o in out):
-        raise TypeError("out: jax arrays are immutable; leave out=None to get new jax arrays")
-    return out
-
-
-def _bool_value(name, x) -> bool:
-    """A flag: bool or numpy bool only (a str such as "false" would be truthy)."""
-    if not _is_bool(x):
-        raise TypeError(f"{name}: expected a bool, got {_type_name(x)} {x!r}")
-    return bool(x)
-
-
-def _option_str(name, x, words) -> str:
-    """An option word as the str the extension parses (it raises ValueError for a bad word)."""
-    if not isinstance(x, str):
-        raise TypeError(f"{name}: expected a str ({words}), got {_type_name(x)} {x!r}")
-    return x
-
-
-def _cuda_workspace_bytes(dk_elements: int, dk_bf16: bool, deterministic: bool) -> int:
-    """Scratch bytes of a cuda call (indexer_backward_workspace_size in
-    include/dsaib/indexer_backward.hpp): deterministic, the int64 fixed-point dK
-    (8 bytes per d_index_k element, rounded up to 256) and a 16-byte bound; else
-    the fp32 dK accumulator for a bf16 d_index_k (4 bytes per element); else 0."""
-    if deterministic:
-        return (dk_elements * 8 + 255) // 256 * 256 + 16
-    return max(dk_elements, 1) * 4 if dk_bf16 else 0
-
-
-def _a_operand(a_operand_precision) -> str:
-    """The option as the str the extension parses (it raises ValueError for a bad word)."""
-    return _option_str("a_operand_precision", a_operand_precision, '"auto", "bf16x2" or "bf16"')
-
-
-def _shape(x):
-    shape = getattr(x, "shape", None)
-    if shape is None:
-        raise TypeError(f"cannot allocate outputs like a {type(x).__name__} (it has no shape, e.g. a raw DLPack "
-                        "capsule): pass the array itself, or out=(d_index_q, d_weights, d_index_k)")
-    return tuple(int(s) for s in shape)
 
 
 def indexer_backward(
@@ -571,8 +192,8 @@ def indexer_backward(
       a_operand_precision: cuda only: the precision of the tensor-core operand
         ``a = gs * w * sm_scale * [q.k > 0]`` in the dK and dQ GEMMs.
         ``"bf16x2"``: two bf16 terms (a = a_hi + a_lo, error ~2^-16; the GEMMs
-        run twice). ``"bf16"``: one bf16 term, ~30% faster at DeepSeek shapes,
-        but it adds ~1.3-1.6e-3 relative RMS error to d_index_q and d_index_k
+        run twice). ``"bf16"``: one bf16 term, faster (see docs/api.md for
+        the measured ratio), but it adds ~1.3-1.6e-3 relative RMS error to d_index_q and d_index_k
         (fine for bf16 outputs, whose budget is 3e-3; not for float32 outputs
         held to 1e-3). ``"auto"`` (default): ``"bf16x2"`` when d_index_q or
         d_index_k is float32, else ``"bf16"``. d_weights never depends on it;
@@ -620,9 +241,9 @@ def indexer_backward(
     sm_scale = _f32_value("sm_scale", sm_scale)
     loss_coeff = _f32_value("loss_coeff", loss_coeff)
     grad_loss_value, grad_loss_tensor = _grad_loss(grad_loss)
-    normalization_count = _int_value("normalization_count", normalization_count, 0, _INT64_MAX, "[0, 2^63-1]",
-                                     _NORMALIZATION_COUNT_BELOW)
-    num_threads = _int_value("num_threads", num_threads, 0, _INT32_MAX, "[0, 2^31-1]", _NUM_THREADS_BELOW)
+    normalization_count = _normalization_count(normalization_count)
+    num_threads = _num_threads(num_threads)
+    a_operand_precision = _a_operand(a_operand_precision)
     if out is not None:
         out = _check_out(out)
         _check_arrays(**dict(zip(_OUT_NAMES, out)))
@@ -653,13 +274,27 @@ def indexer_backward(
         # does not change how uint16 *inputs* are read.
         out_uint16_as_bf16 = True
 
+    tensors = dict(index_q=index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
+                   attn_score=attn_score, index_score=index_score, cu_seqlens_q=cu_seqlens_q,
+                   cu_seqlens_k=cu_seqlens_k, d_index_q=out[0], d_weights=out[1], d_index_k=out[2],
+                   grad_loss_device=grad_loss_tensor)
+    # The library's options (dsaib::IndexerBackwardOptions) as the extension's
+    # keyword arguments, one set for indexer_backward_workspace_size and
+    # indexer_backward; a new option is one more entry here.
+    options = dict(layout=layout, id_mode=id_mode, backend=backend, sm_scale=sm_scale, loss_coeff=loss_coeff,
+                   grad_loss=grad_loss_value, normalization_count=normalization_count,
+                   strict_indices=strict_indices, deterministic=deterministic, stream=int(stream),
+                   num_threads=num_threads, a_operand_precision=a_operand_precision)
+    bit_patterns = dict(uint16_as_bf16=uint16_as_bf16, out_uint16_as_bf16=out_uint16_as_bf16)
+
     workspace = None
-    if fw == "torch" and backend == "cuda" and device.startswith("cuda") and _framework(out[2]) == "torch":
+    if (fw == "torch" and backend == "cuda" and _framework(out[2]) == "torch"
+            and not any(_is_capsule(x) for x in tensors.values())):  # a raw capsule can be read once
         import torch
 
-        # The dK accumulator (indexer_backward_workspace_size), from torch's caching
-        # allocator so it is stream-ordered and CUDA-graph safe.
-        nbytes = _cuda_workspace_bytes(int(index_k.numel()), str(out[2].dtype) == "torch.bfloat16", deterministic)
+        # The library's scratch memory, from torch's caching allocator so it is
+        # stream-ordered and CUDA-graph safe (else the library allocates it).
+        nbytes = _dsaib.indexer_backward_workspace_size(**_exported(tensors), **bit_patterns, **options)
         if nbytes:
             workspace = torch.empty(nbytes, dtype=torch.uint8, device=index_q.device)
 
@@ -672,15 +307,7 @@ def indexer_backward(
                 if t is not None:
                     t.record_stream(ext)
 
-    _dsaib.indexer_backward(
-        _export(index_q), _export(weights), _export(index_k), _export(topk_indices), _export(attn_score),
-        _export(index_score), _export(cu_seqlens_q), _export(cu_seqlens_k),
-        _export(out[0]), _export(out[1]), _export(out[2]),
-        layout, id_mode, backend, float(sm_scale), float(loss_coeff), grad_loss_value, _export(grad_loss_tensor),
-        int(normalization_count), strict_indices, deterministic,
-        int(stream), int(num_threads), _export(workspace), uint16_as_bf16, out_uint16_as_bf16,
-        _a_operand(a_operand_precision),
-    )
+    _dsaib.indexer_backward(**_exported(tensors), **bit_patterns, workspace=_export(workspace), **options)
     if fw == "jax" and allocated:
         import jax.dlpack
 
@@ -726,10 +353,13 @@ def indexer_kl_loss(
     sm_scale = _f32_value("sm_scale", sm_scale)
     loss_coeff = _f32_value("loss_coeff", loss_coeff)
     grad_loss = _host_grad_loss(grad_loss)
-    normalization_count = _int_value("normalization_count", normalization_count, 0, _INT64_MAX, "[0, 2^63-1]",
-                                     _NORMALIZATION_COUNT_BELOW)
+    normalization_count = _normalization_count(normalization_count)
+    tensors = dict(index_q=index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
+                   attn_score=attn_score, index_score=index_score, cu_seqlens_q=cu_seqlens_q,
+                   cu_seqlens_k=cu_seqlens_k)
     return _dsaib.indexer_kl_loss(
-        _export(index_q), _export(weights), _export(index_k), _export(topk_indices), _export(attn_score),
-        _export(index_score), _export(cu_seqlens_q), _export(cu_seqlens_k), layout, id_mode, float(sm_scale), float(loss_coeff),
-        float(grad_loss), int(normalization_count), recompute_p, uint16_as_bf16,
+        **_exported(tensors), recompute_p=recompute_p, uint16_as_bf16=uint16_as_bf16, layout=layout,
+        id_mode=id_mode, sm_scale=sm_scale, loss_coeff=loss_coeff, grad_loss=grad_loss,
+        normalization_count=normalization_count,
     )
+

@@ -38,8 +38,9 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import (_INT64_MAX, _NORMALIZATION_COUNT_BELOW, _a_operand, _check_f32_finite, _cuda_workspace_bytes,
-               _dsaib, _export, _float_or_inf)
+from . import _dsaib
+from ._args import _a_operand, _float_or_inf, _normalization_count
+from ._frameworks import _export, _exported
 
 __all__ = ["indexer_backward", "indexer_kl_loss", "IndexerKLLoss", "index_scores", "EPS"]
 
@@ -57,14 +58,10 @@ def _out_dtype(name: str, code: str) -> torch.dtype:
         raise ValueError(f'{name}: expected "f32" or "bf16", got {code!r}') from None
 
 
-_A_OPERAND = ("auto", "bf16x2", "bf16")
-
-
 def _check_a_operand(word: str) -> str:
-    """The fake kernel's copy of the extension's check (same message), so tracing rejects what running would.
-    Plain Python on purpose: torch.compile (dynamo) traces it; a call into the extension would break the graph."""
-    if word not in _A_OPERAND:
-        raise ValueError(f'a_operand_precision: expected "auto", "bf16x2" or "bf16", got "{word}"')
+    """The library's check of the word (its ValueError), for the fake kernel, so
+    that tracing rejects what running would, and for IndexerKLLoss."""
+    _dsaib.check_a_operand_precision(word)
     return word
 
 
@@ -96,29 +93,27 @@ def _indexer_backward_op(
     dq = torch.empty(index_q.shape, dtype=_out_dtype("dq_dtype", dq_dtype), device=dev)
     dw = torch.empty(weights.shape, dtype=_out_dtype("dw_dtype", dw_dtype), device=dev)
     dk = torch.empty(index_k.shape, dtype=_out_dtype("dk_dtype", dk_dtype), device=dev)
+    cuda = dev.type == "cuda"
+    tensors = dict(index_q=index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
+                   attn_score=attn_score, index_score=index_score, cu_seqlens_q=cu_seqlens_q,
+                   cu_seqlens_k=cu_seqlens_k, d_index_q=dq, d_weights=dw, d_index_k=dk, grad_loss_device=grad_loss)
+    # The library's options (dsaib::IndexerBackwardOptions) as the extension's
+    # keyword arguments; a new option is one more entry here and an argument
+    # of the op. cuda: the current stream, and torch.use_deterministic_algorithms
+    # selects the fixed-point d_index_k (read when the op runs).
+    options = dict(layout=layout, id_mode=id_mode, backend="cuda" if cuda else "cpu", sm_scale=float(sm_scale),
+                   loss_coeff=float(loss_coeff), grad_loss=1.0, normalization_count=int(normalization_count),
+                   strict_indices=False, deterministic=cuda and torch.are_deterministic_algorithms_enabled(),
+                   stream=int(torch.cuda.current_stream(dev).cuda_stream) if cuda else 0, num_threads=0,
+                   a_operand_precision=a_operand_precision)
     workspace = None
-    stream = 0
-    deterministic = False
-    if dev.type == "cuda":
-        backend = "cuda"
-        stream = int(torch.cuda.current_stream(dev).cuda_stream)
-        # torch.use_deterministic_algorithms: the fixed-point d_index_k (read when the op runs).
-        deterministic = torch.are_deterministic_algorithms_enabled()
-        nbytes = _cuda_workspace_bytes(index_k.numel(), dk.dtype == torch.bfloat16, deterministic)
+    if cuda:
+        nbytes = _dsaib.indexer_backward_workspace_size(**_exported(tensors), **options)
         if nbytes:
-            # The dK accumulator (indexer_backward_workspace_size), from torch's
-            # allocator: stream-ordered, and from the graph pool under capture.
+            # The library's scratch memory from torch's allocator: stream-ordered,
+            # and from the graph pool under capture.
             workspace = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-    else:
-        backend = "cpu"
-    _dsaib.indexer_backward(
-        _export(index_q), _export(weights), _export(index_k), _export(topk_indices), _export(attn_score),
-        _export(index_score), _export(cu_seqlens_q), _export(cu_seqlens_k),
-        _export(dq), _export(dw), _export(dk),
-        layout, id_mode, backend, float(sm_scale), float(loss_coeff), 1.0, _export(grad_loss),
-        int(normalization_count), False, deterministic, stream, 0, _export(workspace), False, False,
-        a_operand_precision,
-    )
+    _dsaib.indexer_backward(**_exported(tensors), **options, workspace=_export(workspace))
     return dq, dw, dk
 
 
@@ -182,11 +177,12 @@ def indexer_backward(
         three such codes (d_index_q, d_weights, d_index_k).
       a_operand_precision: CUDA only: ``"auto"`` (default), ``"bf16x2"`` or
         ``"bf16"``, the precision of the a operand of the dK/dQ GEMMs. One
-        bf16 term (``"bf16"``) is ~30% faster at DeepSeek shapes and adds
-        ~1.3-1.6e-3 relative RMS error to d_index_q/d_index_k; two terms
-        (``"bf16x2"``) keep float32 outputs within 1e-3. ``"auto"`` takes two
-        terms when d_index_q or d_index_k is float32. The CPU backend ignores
-        it. See :func:`dsaib.indexer_backward`.
+        bf16 term (``"bf16"``) is faster (see docs/api.md for the measured
+        ratio) and adds ~1.3-1.6e-3 relative RMS error to
+        d_index_q/d_index_k; two terms (``"bf16x2"``) keep float32 outputs
+        within 1e-3. ``"auto"`` takes two terms when d_index_q or d_index_k
+        is float32. The CPU backend ignores it. See
+        :func:`dsaib.indexer_backward`.
 
     The outputs are new contiguous tensors on index_q's device. No host
     synchronisation (BSHD); THD reads cu_seqlens to the host for validation.
@@ -207,125 +203,79 @@ def indexer_backward(
 # ---- the forward: logits, index scores, loss (plain torch) ------------------
 
 
-def _binding_dtype_name(dtype: torch.dtype) -> str:
-    """How the extension names a torch dtype in a dtype error: the library's codes
-    ("dtype f32") for the dtypes the library has, the DLPack spelling otherwise."""
-    special = {torch.float32: "dtype f32", torch.bfloat16: "dtype bf16", torch.bool: "bool8"}
-    return special.get(dtype, str(dtype).replace("torch.", ""))
-
-
-def _shape_str(shape) -> str:
-    dims = tuple(int(d) for d in shape)
-    return "(" + ", ".join(str(d) for d in dims) + ("," if len(dims) == 1 else "") + ")"
-
-
-def _check_forward_arguments(index_q, weights, index_k, topk_indices, attn_score, sm_scale, layout,
-                             cu_seqlens_q, cu_seqlens_k, loss_coeff=1.0, normalization_count=0):
-    """The checks of the C++ validation that the torch forward depends on, with its messages
-    (attn_score None: not checked, for index_scores).
-
-    Run before the forward computes anything (so _key_rows and _logits can
-    take ranks and shapes as given), so that a bad shape raises ValueError
-    naming the argument instead of failing inside torch. cu_seqlens values are
-    checked here for cpu tensors in eager mode only (the rules of
-    core/validate.cpp's check_cu_seqlens; no device sync, and nothing
-    data-dependent for torch.compile to trace); for the loss (attn_score given)
-    also the cu_seqlens dtype and device, which its backward needs. The rest
-    (strides, GPU cu_seqlens values, ...) is validated by the library in the
-    backward.
-    """
-    def fail(name, expected, got):
-        raise ValueError(f"{name}: expected {expected}, got {got}")
-
-    loss = attn_score is not None  # index_scores (no backward) takes any integer cu_seqlens on any device
-
-    names = ("index_q", "weights", "index_k", "topk_indices", "attn_score")[: 5 if loss else 4]
-    tensors = (index_q, weights, index_k, topk_indices, attn_score)[: len(names)]
-    for name, t in zip(names, tensors):
-        if not isinstance(t, torch.Tensor):
+def _check_torch_arguments(index_q, weights, index_k, topk_indices, attn_score=None, cu_seqlens_q=None,
+                           cu_seqlens_k=None, cu_seqlens_on_any_device=False):
+    """The torch layer's own rules, before the library's: every tensor argument a
+    torch.Tensor, all on index_q's device (torch would compute with a meta tensor
+    beside cpu ones, from uninitialised memory; the library cannot see meta
+    tensors), topk_indices of an integer dtype and attn_score of a floating one
+    (the forward converts them to int32 and float32)."""
+    tensors = dict(index_q=index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
+                   attn_score=attn_score, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor) and (t is not None or name in ("index_q", "weights", "index_k",
+                                                                            "topk_indices")):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    # One device for every tensor (torch mixes meta with cpu tensors without an
-    # error, and the forward would then compute from uninitialised memory).
-    _check_same_device(index_q, **dict(zip(names[1:], tensors[1:])))
-    if layout not in ("bshd", "thd"):
-        fail("layout", '"bshd" or "thd"', f'"{layout}"')
-    thd = layout == "thd"
-    r = 1 if thd else 0
-    # Per tensor, in the library's order: the dtype, then the rank.
-    for name, t, rank in zip(names, tensors, (4 - r, 3 - r, 3 - r, 3 - r, 3 - r)):
-        if name == "topk_indices" and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
-            raise TypeError(f"topk_indices: expected an integer dtype, got {t.dtype}")
-        if name == "attn_score" and not t.is_floating_point():
-            raise TypeError(f"attn_score: expected a floating-point dtype, got {t.dtype}")
-        if t.dim() != rank:
-            fail(name, f"rank {rank}", f"rank {t.dim()} with shape {_shape_str(t.shape)}")
-    H, D = index_q.shape[-2], index_q.shape[-1]
-    if H < 8 or H > 128 or H % 8 != 0:
-        fail("index_q", f"H (heads, dim {2 - r}) a multiple of 8 in [8, 128]", f"H = {H} (shape {_shape_str(index_q.shape)})")
-    if D not in (64, 128):
-        fail("index_q", "D (last dim) 64 or 128", f"D = {D} (shape {_shape_str(index_q.shape)})")
-    K = topk_indices.shape[-1]
-    if K < 1:
-        fail("topk_indices", "topk (last dim) >= 1", f"topk = {K}")
+    same_device = {n: t for n, t in tensors.items() if n != "index_q"}
+    if cu_seqlens_on_any_device:
+        del same_device["cu_seqlens_q"], same_device["cu_seqlens_k"]
+    _check_same_device(index_q, **same_device)
+    if topk_indices.is_floating_point() or topk_indices.is_complex() or topk_indices.dtype == torch.bool:
+        raise TypeError(f"topk_indices: expected an integer dtype, got {topk_indices.dtype}")
+    if attn_score is not None and not attn_score.is_floating_point():
+        raise TypeError(f"attn_score: expected a floating-point dtype, got {attn_score.dtype}")
 
-    def expect(name, t, shape, meaning):
-        if tuple(t.shape) != tuple(shape):
-            fail(name, f"shape {_shape_str(shape)} {meaning}", f"shape {_shape_str(t.shape)}")
 
-    if thd:
-        T, Tk = index_q.shape[0], index_k.shape[0]
-        expect("weights", weights, (T, H), "(T_q, H)")
-        expect("index_k", index_k, (Tk, D), "(T_k, D)")
-        expect("topk_indices", topk_indices, (T, K), "(T_q, topk)")
-        if loss:
-            expect("attn_score", attn_score, (T, K), "(T_q, topk), topk from topk_indices")
-        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-            if cu is None:
-                fail(name, "a tensor", "nothing (absent)")
-            if not isinstance(cu, torch.Tensor):
-                raise TypeError(f"{name}: expected a torch.Tensor, got {type(cu).__name__}")
-            if loss and cu.dtype != torch.int32:  # what the backward would raise, before the forward
-                raise TypeError(f"{name}: expected dtype i32, got {_binding_dtype_name(cu.dtype)}")
-            if loss:
-                _check_same_device(index_q, **{name: cu})
-            if cu.dim() != 1:
-                fail(name, "rank 1", f"rank {cu.dim()} with shape {_shape_str(cu.shape)}")
-        nq, nk = cu_seqlens_q.shape[0], cu_seqlens_k.shape[0]
-        if nq < 1:
-            fail("cu_seqlens_q", "length B + 1 >= 1", "length 0")
-        if nk != nq:
-            fail("cu_seqlens_k", f"length B + 1 = {nq} (that of cu_seqlens_q)", f"length {nk}")
-        # Values: read here only for cpu tensors (no device sync); on a GPU the
-        # forward stays in bounds (_key_rows) and the backward's library check raises.
-        for name, cu, total, what in (("cu_seqlens_q", cu_seqlens_q, T, "T_q (index_q dim 0)"),
-                                      ("cu_seqlens_k", cu_seqlens_k, Tk, "T_k (index_k dim 0)")):
-            if cu.device.type != "cpu" or cu.is_floating_point() or torch.compiler.is_compiling():
-                continue  # compiled: not traceable (data-dependent); the backward's library check raises
-            v = [int(x) for x in cu.tolist()]
-            if v[0] != 0:
-                fail(name, "cu_seqlens starting at 0", f"first value {v[0]}")
-            for i in range(1, len(v)):
-                if v[i] < v[i - 1]:
-                    fail(name, "non-decreasing values", f"value {v[i]} at position {i} after {v[i - 1]}")
-            if v[-1] != total:
-                fail(name, f"last value equal to {what} = {total}", str(v[-1]))
-    else:
-        B, S = index_q.shape[0], index_q.shape[1]
-        expect("weights", weights, (B, S, H), "(B, S_q, H)")
-        expect("index_k", index_k, (B, index_k.shape[1], D), "(B, S_kv, D) with B and D of index_q")
-        expect("topk_indices", topk_indices, (B, S, K), "(B, S_q, topk)")
-        if loss:
-            expect("attn_score", attn_score, (B, S, K), "(B, S_q, topk), topk from topk_indices")
-        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-            if cu is not None:
-                fail(name, "absent for layout bshd", "a tensor")
-    for name, x in (("sm_scale", sm_scale), ("loss_coeff", loss_coeff)):
-        _check_f32_finite(name, _float_or_inf(x))  # the library's precision: 1e39 -> inf
-    n = int(normalization_count)  # as the loss converts it
-    if n < 0:
-        fail("normalization_count", _NORMALIZATION_COUNT_BELOW, str(n))
-    if n > _INT64_MAX:
-        fail("normalization_count", "an int in [0, 2^63-1]", str(n))
+def _library_view(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What the library's validation is shown of a tensor that the forward hands
+    to the backward as ``t.to(dtype).contiguous()``: t itself when that is t,
+    else a stand-in of that dtype and t's shape, one row broadcast over the
+    others (no copy of t; its values are never read by the validation)."""
+    if t.dtype == dtype and t.is_contiguous():
+        return t
+    return torch.empty(t.shape[-1:], dtype=dtype, device=t.device).expand(t.shape)
+
+
+def _validate_forward(index_q, weights, index_k, topk_indices, attn_score, *, sm_scale, layout, id_mode,
+                      cu_seqlens_q, cu_seqlens_k, loss_coeff=1.0, normalization_count=0,
+                      a_operand_precision="auto", any_integer_cu_seqlens=False):
+    """The library's validation (dsaib::validate_indexer_kl_loss_inputs) of what
+    the backward will get, before the forward computes anything, so that a bad
+    argument raises its TypeError/ValueError naming the argument, as the
+    backward would, instead of failing inside torch or at backward().
+
+    The tensors are shown as the forward converts them (_library_view): bf16
+    index_q/index_k, float32 (or bf16) weights, int32 topk_indices, float32
+    attn_score (absent: shaped like topk_indices); index_score is the P the
+    forward computes. any_integer_cu_seqlens (index_scores, which has no
+    backward): cu_seqlens of any integer dtype on any device are shown as
+    int32 on index_q's device. Only metadata is read, and for THD cu_seqlens
+    (on a GPU: a copy to the host on the current stream, waited for). Not run
+    while torch.compile traces (the library is not traceable; the backward op
+    checks the same when it runs) nor for meta tensors (no memory to check).
+    """
+    if torch.compiler.is_compiling() or index_q.device.type not in ("cpu", "cuda"):
+        return
+    cuda = index_q.device.type == "cuda"
+    w_dtype = weights.dtype if weights.dtype in (torch.bfloat16, torch.float32) else torch.float32
+    if any_integer_cu_seqlens:
+        cu_seqlens_q, cu_seqlens_k = (
+            cu if cu is None or cu.is_floating_point() or cu.is_complex() or cu.dtype == torch.bool
+            else cu.to(device=index_q.device, dtype=torch.int32) for cu in (cu_seqlens_q, cu_seqlens_k))
+    if attn_score is None:
+        attn_score = torch.empty(topk_indices.shape[-1:], dtype=torch.float32, device=index_q.device).expand(
+            topk_indices.shape)
+    tensors = dict(index_q=_library_view(index_q, torch.bfloat16), weights=_library_view(weights, w_dtype),
+                   index_k=_library_view(index_k, torch.bfloat16),
+                   topk_indices=_library_view(topk_indices, torch.int32),
+                   attn_score=_library_view(attn_score, torch.float32), cu_seqlens_q=cu_seqlens_q,
+                   cu_seqlens_k=cu_seqlens_k)
+    _dsaib.validate_indexer_kl_loss_inputs(
+        **_exported(tensors), layout=layout, id_mode=id_mode, backend="cuda" if cuda else "cpu",
+        sm_scale=_float_or_inf(sm_scale), loss_coeff=_float_or_inf(loss_coeff),
+        normalization_count=_normalization_count(int(normalization_count)),
+        stream=int(torch.cuda.current_stream(index_q.device).cuda_stream) if cuda else 0,
+        a_operand_precision=a_operand_precision)
 
 
 def _key_rows(index_k, topk_indices, layout, id_mode, cu_seqlens_q, cu_seqlens_k):
@@ -336,7 +286,7 @@ def _key_rows(index_k, topk_indices, layout, id_mode, cu_seqlens_q, cu_seqlens_k
         B, S_kv = ids.shape[0], index_k.shape[1]
         start = (torch.arange(B, device=dev, dtype=torch.int64) * S_kv).view(B, 1, 1)
         length = torch.full_like(start, S_kv)
-    else:  # "thd" (_check_forward_arguments checked the layout before every call)
+    elif layout == "thd":
         cu_q = cu_seqlens_q.to(device=dev, dtype=torch.int64)
         cu_k = cu_seqlens_k.to(device=dev, dtype=torch.int64)
         n_seq = cu_q.numel() - 1
@@ -345,6 +295,8 @@ def _key_rows(index_k, topk_indices, layout, id_mode, cu_seqlens_q, cu_seqlens_k
         seq_end = (seq + 1).clamp(max=cu_k.numel() - 1)  # in bounds for any cu_seqlens (checked elsewhere)
         start = cu_k[seq].unsqueeze(1)
         length = (cu_k[seq_end] - cu_k[seq]).unsqueeze(1)
+    else:  # reached only under torch.compile, where the library's checks run in the backward op
+        raise ValueError(f'layout: expected "bshd" or "thd", got "{layout}"')
     if id_mode == "local":
         valid = (ids >= 0) & (ids < length)
         rows = ids + start
@@ -353,8 +305,8 @@ def _key_rows(index_k, topk_indices, layout, id_mode, cu_seqlens_q, cu_seqlens_k
         rows = ids
     else:
         raise ValueError(f'id_mode: expected "local" or "global", got "{id_mode}"')
-    # In bounds even for cu_seqlens the library will reject in the backward
-    # (values are not read to the host here for GPU tensors).
+    # In bounds even for cu_seqlens the library has not seen (under
+    # torch.compile it checks them in the backward op).
     n_key_rows = index_k.numel() // max(index_k.shape[-1], 1)  # flat rows (B*S_kv or T_k)
     valid = valid & (rows >= 0) & (rows < n_key_rows)
     rows = torch.where(valid, rows, torch.zeros_like(rows))
@@ -438,9 +390,16 @@ def index_scores(
     0 at invalid slots (and in rows with no valid slot). Computed in ``dtype``
     from the given values (round index_q/index_k to bf16 first to get what the
     library's backward sees). Not differentiable (use :func:`indexer_kl_loss`).
+
+    Arguments are validated as :func:`indexer_kl_loss` validates them (without
+    attn_score), except that cu_seqlens may be of any integer dtype, on any
+    device.
     """
-    _check_forward_arguments(index_q, weights, index_k, topk_indices, None, sm_scale, layout,
-                             cu_seqlens_q, cu_seqlens_k)
+    _check_torch_arguments(index_q, weights, index_k, topk_indices, None, cu_seqlens_q, cu_seqlens_k,
+                           cu_seqlens_on_any_device=True)
+    _validate_forward(index_q, weights, index_k, topk_indices, None, sm_scale=sm_scale, layout=layout,
+                      id_mode=id_mode, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                      any_integer_cu_seqlens=True)
     with torch.no_grad():
         rows, valid = _key_rows(index_k, topk_indices, layout, id_mode, cu_seqlens_q, cu_seqlens_k)
         z = _logits(index_q, weights, index_k, rows, valid, sm_scale, dtype)
@@ -531,27 +490,32 @@ def indexer_kl_loss(
     graphs can replay it with new values). Gradients come back in the dtypes of
     index_q, weights and index_k.
 
-    Raises, before computing anything: ValueError for tensors on different
-    devices, a shape, rank, H, D or topk the library does not take, an
-    ``sm_scale`` or ``loss_coeff`` not finite as float32, a
-    ``normalization_count`` outside [0, 2^63-1], a bad ``layout``,
-    missing/extra cu_seqlens, cu_seqlens of the wrong length and, for cpu
-    tensors in eager mode, cu_seqlens values (the C++ library's messages);
-    TypeError for a non-tensor argument, non-integer ``topk_indices``,
-    non-float ``attn_score`` or cu_seqlens that are not int32. The library
-    validates everything else (strides, GPU cu_seqlens values, ...) in the
-    backward, where its errors surface as ValueError/TypeError when
-    ``backward()`` runs.
+    Raises, before computing anything: TypeError for a non-tensor argument,
+    non-integer ``topk_indices`` or non-float ``attn_score``, and ValueError
+    for tensors on different devices; then whatever the backward would raise
+    for these arguments, with the C++ library's messages, from its own
+    validation (dsaib::validate_indexer_kl_loss_inputs, given the tensors as
+    the forward converts them): a rank, shape, H, D or topk it does not take,
+    an ``sm_scale`` or ``loss_coeff`` not finite as float32, a
+    ``normalization_count`` outside [0, 2^63-1], a bad ``layout``, ``id_mode``
+    or ``a_operand_precision``, missing/extra cu_seqlens, cu_seqlens that are
+    not int32, of the wrong length or with bad values (THD on a GPU reads them
+    to the host: one synchronisation). Under torch.compile the library's
+    checks run in the backward op instead (they are not traceable), where
+    its errors surface when ``backward()`` runs.
 
     ``a_operand_precision`` (``"auto"``, ``"bf16x2"`` or ``"bf16"``) goes to
     the backward's op (see :func:`indexer_backward`): ``"auto"`` uses two bf16
     terms for float32 gradients of index_q/index_k (float32/float64 leaves)
-    and one for bf16 leaves; ``"bf16"`` is ~30% faster and adds ~1.3-1.6e-3
-    relative RMS error to those gradients. A bad value is a ValueError here.
+    and one for bf16 leaves; ``"bf16"`` is faster (see docs/api.md) and adds
+    ~1.3-1.6e-3 relative RMS error to those gradients. A bad value is a
+    ValueError here.
     """
-    _check_a_operand(_a_operand(a_operand_precision))
-    _check_forward_arguments(index_q, weights, index_k, topk_indices, attn_score, sm_scale, layout,
-                             cu_seqlens_q, cu_seqlens_k, loss_coeff, normalization_count)
+    a_operand_precision = _a_operand(a_operand_precision)
+    _check_torch_arguments(index_q, weights, index_k, topk_indices, attn_score, cu_seqlens_q, cu_seqlens_k)
+    _validate_forward(index_q, weights, index_k, topk_indices, attn_score, sm_scale=sm_scale, layout=layout,
+                      id_mode=id_mode, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, loss_coeff=loss_coeff,
+                      normalization_count=normalization_count, a_operand_precision=a_operand_precision)
     return _IndexerKLLossFunction.apply(
         index_q, weights, index_k, topk_indices, attn_score, float(sm_scale), float(loss_coeff),
         int(normalization_count), layout, id_mode, cu_seqlens_q, cu_seqlens_k, a_operand_precision,

@@ -2,10 +2,13 @@
 //
 // It converts DLPack tensors (numpy, torch, cupy, jax, or any object with
 // __dlpack__/__dlpack_device__, or a DLPack capsule, through nanobind::ndarray)
-// into dsaib::TensorView records and calls dsaib::indexer_backward. The Python
-// layer (python/dsaib/__init__.py, python/dsaib/torch.py) allocates outputs with
-// the inputs' framework; for other producers it uses `empty`, which returns a
-// Buffer: host or device memory owned by this module, exported through DLPack.
+// into dsaib::TensorView records and calls the library: indexer_backward, its
+// workspace size (indexer_backward_workspace_size), the validation alone
+// (validate_indexer_kl_loss_inputs) and the fp64 loss. The Python layer
+// (python/dsaib/) allocates outputs with the inputs' framework; for other
+// producers it uses `empty`, which returns a Buffer: host or device memory
+// owned by this module, exported through DLPack. Sizes and argument rules are
+// the library's: nothing here or in Python re-derives them.
 //
 // dtype mapping (DLPack -> dsaib::DType):
 //   bfloat16 (16 bits)                          -> bf16
@@ -30,10 +33,12 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if DSAIB_PY_WITH_CUDA
@@ -142,8 +147,8 @@ std::string device_string(int dev_type, int dev_id) {
 }
 
 /// The device a backend runs on, as "cpu" or "cuda:N" (N = index_q's device).
-std::string backend_device(const std::string& backend, const Array& index_q) {
-  if (backend == "cuda") return "cuda:" + std::to_string(index_q.device_id());
+std::string backend_device(dsaib::Backend backend, const Array& index_q) {
+  if (backend == dsaib::Backend::cuda) return "cuda:" + std::to_string(index_q.device_id());
   return "cpu";
 }
 
@@ -317,18 +322,10 @@ dsaib::AOperandPrecision parse_a_operand(const std::string& s) {
                      "a_operand_precision: expected \"auto\", \"bf16x2\" or \"bf16\", got \"" + s + "\"");
 }
 
-struct Options {
-  std::string layout, id_mode, backend;
-  float sm_scale, loss_coeff, grad_loss;
-  int64_t normalization_count;
-  bool strict_indices, deterministic;
-  uintptr_t stream;
-  int32_t num_threads;
-};
-
 dsaib::IndexerBackwardInputs make_inputs(const Array& index_q, const Array& weights, const Array& index_k,
                                          const Array& topk_indices, const Array& attn_score,
-                                         const Array& index_score, const std::optional<Array>& cu_seqlens_q,
+                                         const std::optional<Array>& index_score,
+                                         const std::optional<Array>& cu_seqlens_q,
                                          const std::optional<Array>& cu_seqlens_k, bool u16) {
   dsaib::IndexerBackwardInputs in;
   in.index_q = to_view("index_q", index_q, u16);
@@ -336,29 +333,85 @@ dsaib::IndexerBackwardInputs make_inputs(const Array& index_q, const Array& weig
   in.index_k = to_view("index_k", index_k, u16);
   in.topk_indices = to_view("topk_indices", topk_indices, u16);
   in.attn_score = to_view("attn_score", attn_score, u16);
-  in.index_score = to_view("index_score", index_score, u16);
+  in.index_score = opt_view("index_score", index_score, u16);
   in.cu_seqlens_q = opt_view("cu_seqlens_q", cu_seqlens_q, u16);
   in.cu_seqlens_k = opt_view("cu_seqlens_k", cu_seqlens_k, u16);
   return in;
 }
 
-dsaib::IndexerBackwardOptions make_options(const std::string& layout, const std::string& id_mode,
-                                           const std::string& backend, float sm_scale, float loss_coeff,
-                                           float grad_loss, int64_t normalization_count, bool strict_indices,
-                                           bool deterministic, uintptr_t stream, int32_t num_threads) {
+/// The library's options from a binding's keyword arguments (**options): the
+/// one place that maps them, so that a new option is one entry here and one in
+/// the Python layer's options. An option not given keeps its default in
+/// dsaib::IndexerBackwardOptions; a name not known here is a TypeError.
+class OptionReader {
+ public:
+  explicit OptionReader(const nb::kwargs& kw) : kw_(kw) {}
+
+  /// Whether option `name` was given (it then counts as known).
+  bool given(const char* name) {
+    if (!kw_.contains(name)) return false;
+    known_.emplace_back(name);
+    return true;
+  }
+  template <class T>
+  T value(const char* name) const {
+    T v{};
+    if (!nb::try_cast<T>(kw_[name], v)) {
+      throw PyTypeError{std::string(name) + ": expected " + what<T>() + ", got " +
+                        nb::cast<std::string>(nb::str(nb::handle(kw_[name]).type().attr("__name__")))};
+    }
+    return v;
+  }
+  /// TypeError naming a keyword argument that is no option.
+  void check_all_known() const {
+    for (auto item : kw_) {
+      const auto name = nb::cast<std::string>(nb::str(item.first));
+      if (std::find(known_.begin(), known_.end(), name) == known_.end()) {
+        throw PyTypeError{"options: unexpected keyword argument '" + name + "'"};
+      }
+    }
+  }
+
+ private:
+  template <class T>
+  static std::string what() {
+    if constexpr (std::is_same_v<T, std::string>) return "a str";
+    else if constexpr (std::is_same_v<T, bool>) return "a bool";
+    else if constexpr (std::is_floating_point_v<T>) return "a float";
+    else return "an int in the range of its C type";
+  }
+  const nb::kwargs& kw_;
+  std::vector<std::string> known_;
+};
+
+dsaib::IndexerBackwardOptions make_options(const nb::kwargs& kw) {
+  OptionReader r(kw);
   dsaib::IndexerBackwardOptions o;
-  o.layout = parse_layout(layout);
-  o.id_mode = parse_id_mode(id_mode);
-  o.backend = parse_backend(backend);
-  o.sm_scale = sm_scale;
-  o.loss_coeff = loss_coeff;
-  o.grad_loss = grad_loss;
-  o.normalization_count = normalization_count;
-  o.strict_indices = strict_indices;
-  o.deterministic = deterministic;
-  o.stream = reinterpret_cast<void*>(stream);
-  o.num_threads = num_threads;
+  if (r.given("layout")) o.layout = parse_layout(r.value<std::string>("layout"));
+  if (r.given("id_mode")) o.id_mode = parse_id_mode(r.value<std::string>("id_mode"));
+  if (r.given("backend")) o.backend = parse_backend(r.value<std::string>("backend"));
+  if (r.given("sm_scale")) o.sm_scale = r.value<float>("sm_scale");
+  if (r.given("loss_coeff")) o.loss_coeff = r.value<float>("loss_coeff");
+  if (r.given("grad_loss")) o.grad_loss = r.value<float>("grad_loss");
+  if (r.given("normalization_count")) o.normalization_count = r.value<int64_t>("normalization_count");
+  if (r.given("strict_indices")) o.strict_indices = r.value<bool>("strict_indices");
+  if (r.given("deterministic")) o.deterministic = r.value<bool>("deterministic");
+  if (r.given("stream")) o.stream = reinterpret_cast<void*>(r.value<uintptr_t>("stream"));
+  if (r.given("num_threads")) o.num_threads = r.value<int32_t>("num_threads");
+  if (r.given("a_operand_precision")) {
+    o.a_operand_precision = parse_a_operand(r.value<std::string>("a_operand_precision"));
+  }
+  r.check_all_known();
   return o;
+}
+
+dsaib::IndexerBackwardOutputs make_outputs(const OutArray& d_index_q, const OutArray& d_weights,
+                                           const OutArray& d_index_k, bool out_uint16_as_bf16) {
+  dsaib::IndexerBackwardOutputs out;
+  out.d_index_q = to_view("d_index_q", d_index_q, out_uint16_as_bf16);
+  out.d_weights = to_view("d_weights", d_weights, out_uint16_as_bf16);
+  out.d_index_k = to_view("d_index_k", d_index_k, out_uint16_as_bf16);
+  return out;
 }
 
 }  // namespace
@@ -397,34 +450,34 @@ NB_MODULE(_dsaib, m) {
   m.def("cuda_backend_available", &dsaib::cuda_backend_available,
         "Whether the cuda backend was compiled in and an sm_90 device is present.");
 
+  // Every library call takes the tensors as named arguments and the library's
+  // options as **options (make_options): layout, id_mode, backend, sm_scale,
+  // loss_coeff, grad_loss, normalization_count, strict_indices, deterministic,
+  // stream, num_threads, a_operand_precision. indexer_backward and
+  // indexer_backward_workspace_size take the same arguments (the second
+  // without workspace), so that Python passes one set to both.
   m.def(
       "indexer_backward",
       [](const Array& index_q, const Array& weights, const Array& index_k, const Array& topk_indices,
          const Array& attn_score, const Array& index_score, const std::optional<Array>& cu_seqlens_q,
-         const std::optional<Array>& cu_seqlens_k, OutArray d_index_q, OutArray d_weights, OutArray d_index_k,
-         const std::string& layout, const std::string& id_mode, const std::string& backend, float sm_scale,
-         float loss_coeff, float grad_loss, const std::optional<Array>& grad_loss_device,
-         int64_t normalization_count, bool strict_indices, bool deterministic, uintptr_t stream, int32_t num_threads,
+         const std::optional<Array>& cu_seqlens_k, const OutArray& d_index_q, const OutArray& d_weights,
+         const OutArray& d_index_k, const std::optional<Array>& grad_loss_device,
          const std::optional<OutArray>& workspace, bool uint16_as_bf16, bool out_uint16_as_bf16,
-         const std::string& a_operand_precision) {
+         const nb::kwargs& options) {
         const auto in = make_inputs(index_q, weights, index_k, topk_indices, attn_score, index_score,
                                     cu_seqlens_q, cu_seqlens_k, uint16_as_bf16);
-        dsaib::IndexerBackwardOutputs out;
-        out.d_index_q = to_view("d_index_q", d_index_q, out_uint16_as_bf16);
-        out.d_weights = to_view("d_weights", d_weights, out_uint16_as_bf16);
-        out.d_index_k = to_view("d_index_k", d_index_k, out_uint16_as_bf16);
-        auto opt = make_options(layout, id_mode, backend, sm_scale, loss_coeff, grad_loss, normalization_count,
-                                strict_indices, deterministic, stream, num_threads);
-        opt.a_operand_precision = parse_a_operand(a_operand_precision);
-        if (grad_loss_device) opt.grad_loss_device = grad_loss_pointer(*grad_loss_device, backend_device(backend, index_q));
+        const auto out = make_outputs(d_index_q, d_weights, d_index_k, out_uint16_as_bf16);
+        auto opt = make_options(options);
+        const std::string device = backend_device(opt.backend, index_q);
+        if (grad_loss_device) opt.grad_loss_device = grad_loss_pointer(*grad_loss_device, device);
         void* ws = nullptr;
         std::size_t ws_bytes = 0;
         if (workspace) {
-          const std::string want = backend_device(backend, index_q);
           const std::string got = device_string(workspace->device_type(), workspace->device_id());
-          if (got != want) {
+          if (got != device) {
             throw dsaib::Error(dsaib::ErrorCode::invalid_argument, "workspace",
-                               "workspace: expected a tensor on " + want + " (the backend's device), got one on " + got);
+                               "workspace: expected a tensor on " + device + " (the backend's device), got one on " +
+                                   got);
           }
           ws = workspace->data();
           ws_bytes = workspace->nbytes();
@@ -434,34 +487,76 @@ NB_MODULE(_dsaib, m) {
       },
       nb::arg("index_q"), nb::arg("weights"), nb::arg("index_k"), nb::arg("topk_indices"), nb::arg("attn_score"),
       nb::arg("index_score"), nb::arg("cu_seqlens_q").none(), nb::arg("cu_seqlens_k").none(), nb::arg("d_index_q"),
-      nb::arg("d_weights"), nb::arg("d_index_k"), nb::arg("layout"), nb::arg("id_mode"), nb::arg("backend"),
-      nb::arg("sm_scale"), nb::arg("loss_coeff"), nb::arg("grad_loss"), nb::arg("grad_loss_device").none(),
-      nb::arg("normalization_count"), nb::arg("strict_indices"), nb::arg("deterministic"), nb::arg("stream"),
-      nb::arg("num_threads"), nb::arg("workspace").none(), nb::arg("uint16_as_bf16"), nb::arg("out_uint16_as_bf16"),
-      nb::arg("a_operand_precision") = "auto",
-      "Calls dsaib::indexer_backward on caller-provided outputs. grad_loss_device (optional) is a one-element\n"
-      "float32 tensor on the backend's device, read when the work runs; workspace (optional) is scratch memory\n"
-      "on that device (see indexer_backward_workspace_size). a_operand_precision is \"auto\", \"bf16x2\" or\n"
-      "\"bf16\" (dsaib::AOperandPrecision; the cpu backend ignores it). Raises ValueError/TypeError/RuntimeError.");
+      nb::arg("d_weights"), nb::arg("d_index_k"),
+      nb::arg("grad_loss_device").none() = nb::none(), nb::arg("workspace").none() = nb::none(),
+      nb::arg("uint16_as_bf16") = false, nb::arg("out_uint16_as_bf16") = false, nb::arg("options"),
+      "Calls dsaib::indexer_backward on caller-provided outputs, with the library's options as keyword\n"
+      "arguments. grad_loss_device (optional) is a one-element float32 tensor on the backend's device, read\n"
+      "when the work runs; workspace (optional) is scratch memory on that device (see\n"
+      "indexer_backward_workspace_size). Raises ValueError/TypeError/RuntimeError.");
+
+  m.def(
+      "indexer_backward_workspace_size",
+      [](const Array& index_q, const Array& weights, const Array& index_k, const Array& topk_indices,
+         const Array& attn_score, const Array& index_score, const std::optional<Array>& cu_seqlens_q,
+         const std::optional<Array>& cu_seqlens_k, const OutArray& d_index_q, const OutArray& d_weights,
+         const OutArray& d_index_k, const std::optional<Array>& grad_loss_device, bool uint16_as_bf16,
+         bool out_uint16_as_bf16, const nb::kwargs& options) {
+        const auto in = make_inputs(index_q, weights, index_k, topk_indices, attn_score, index_score,
+                                    cu_seqlens_q, cu_seqlens_k, uint16_as_bf16);
+        const auto out = make_outputs(d_index_q, d_weights, d_index_k, out_uint16_as_bf16);
+        auto opt = make_options(options);
+        if (grad_loss_device) opt.grad_loss_device = grad_loss_pointer(*grad_loss_device, backend_device(opt.backend, index_q));
+        nb::gil_scoped_release release;
+        return dsaib::indexer_backward_workspace_size(in, out, opt);
+      },
+      nb::arg("index_q"), nb::arg("weights"), nb::arg("index_k"), nb::arg("topk_indices"), nb::arg("attn_score"),
+      nb::arg("index_score"), nb::arg("cu_seqlens_q").none(), nb::arg("cu_seqlens_k").none(), nb::arg("d_index_q"),
+      nb::arg("d_weights"), nb::arg("d_index_k"),
+      nb::arg("grad_loss_device").none() = nb::none(), nb::arg("uint16_as_bf16") = false,
+      nb::arg("out_uint16_as_bf16") = false, nb::arg("options"),
+      "dsaib::indexer_backward_workspace_size: the bytes of scratch memory indexer_backward needs with the same\n"
+      "arguments (0 on the cpu backend). Validates them as indexer_backward does and raises the same errors.");
+
+  m.def(
+      "validate_indexer_kl_loss_inputs",
+      [](const Array& index_q, const Array& weights, const Array& index_k, const Array& topk_indices,
+         const Array& attn_score, const std::optional<Array>& index_score, const std::optional<Array>& cu_seqlens_q,
+         const std::optional<Array>& cu_seqlens_k, bool uint16_as_bf16, const nb::kwargs& options) {
+        const auto in = make_inputs(index_q, weights, index_k, topk_indices, attn_score, index_score,
+                                    cu_seqlens_q, cu_seqlens_k, uint16_as_bf16);
+        const auto opt = make_options(options);
+        nb::gil_scoped_release release;  // THD on cuda waits for the copy of cu_seqlens
+        dsaib::validate_indexer_kl_loss_inputs(in, opt);
+      },
+      nb::arg("index_q"), nb::arg("weights"), nb::arg("index_k"), nb::arg("topk_indices"), nb::arg("attn_score"),
+      nb::arg("index_score").none() = nb::none(), nb::arg("cu_seqlens_q").none() = nb::none(),
+      nb::arg("cu_seqlens_k").none() = nb::none(), nb::arg("uint16_as_bf16") = false, nb::arg("options"),
+      "dsaib::validate_indexer_kl_loss_inputs: indexer_backward's checks of the inputs and options, without\n"
+      "outputs and without computing anything; index_score may be None (then held to attn_score's rules).\n"
+      "Reads only the tensors' metadata and, for layout thd, cu_seqlens (cuda: copied to the host on the\n"
+      "stream option, waited for). Raises what indexer_backward would, with its messages.");
+
+  m.def(
+      "check_a_operand_precision",
+      [](const std::string& word) { (void)parse_a_operand(word); }, nb::arg("word"),
+      "Raises ValueError (the message indexer_backward gives) unless word is \"auto\", \"bf16x2\" or \"bf16\".");
 
   m.def(
       "indexer_kl_loss",
       [](const Array& index_q, const Array& weights, const Array& index_k, const Array& topk_indices,
          const Array& attn_score, const Array& index_score, const std::optional<Array>& cu_seqlens_q,
-         const std::optional<Array>& cu_seqlens_k, const std::string& layout, const std::string& id_mode,
-         float sm_scale, float loss_coeff, float grad_loss, int64_t normalization_count, bool recompute_p,
-         bool uint16_as_bf16) {
+         const std::optional<Array>& cu_seqlens_k, bool recompute_p, bool uint16_as_bf16,
+         const nb::kwargs& options) {
         const auto in = make_inputs(index_q, weights, index_k, topk_indices, attn_score, index_score,
                                     cu_seqlens_q, cu_seqlens_k, uint16_as_bf16);
-        const auto opt = make_options(layout, id_mode, "cpu", sm_scale, loss_coeff, grad_loss,
-                                      normalization_count, false, false, 0, 0);
+        const auto opt = make_options(options);  // the library takes cpu tensors here, whatever `backend` says
         nb::gil_scoped_release release;
         return dsaib::indexer_kl_loss(in, opt, recompute_p);
       },
       nb::arg("index_q"), nb::arg("weights"), nb::arg("index_k"), nb::arg("topk_indices"), nb::arg("attn_score"),
-      nb::arg("index_score"), nb::arg("cu_seqlens_q").none(), nb::arg("cu_seqlens_k").none(), nb::arg("layout"),
-      nb::arg("id_mode"), nb::arg("sm_scale"), nb::arg("loss_coeff"), nb::arg("grad_loss"),
-      nb::arg("normalization_count"), nb::arg("recompute_p"), nb::arg("uint16_as_bf16"),
+      nb::arg("index_score"), nb::arg("cu_seqlens_q").none() = nb::none(), nb::arg("cu_seqlens_k").none() = nb::none(),
+      nb::arg("recompute_p") = true, nb::arg("uint16_as_bf16") = false, nb::arg("options"),
       "fp64 host evaluation of the loss whose gradient indexer_backward computes (cpu tensors only).");
 
   m.def("cuda_compiled", []() {

@@ -25,7 +25,7 @@ STAND_INS = {
         "    raise ValueError('dtype: expected \"f32\" or \"bf16\", got \"f64\"')\n"
         "def indexer_backward(**kw):\n"
         "    os.kill(os.getpid(), signal.SIGSEGV)\n"),
-    # The defect seen on the H200 (fifth session): errors raise correctly until
+    # The defect seen on the H200: errors raise correctly until
     # the cpu backend has run, then a shape error crashes.
     "crash_after_a_valid_run": (
         "import os, signal\n"

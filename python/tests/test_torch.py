@@ -289,7 +289,8 @@ def test_autograd_loss_shape_errors_raise_before_the_forward_with_the_cpp_messag
         dt.indexer_kl_loss(**args, sm_scale=float("nan"))
     with pytest.raises(TypeError, match=r"^topk_indices: expected an integer dtype, got torch.float32$"):
         dt.indexer_kl_loss(**dict(args, topk_indices=ids.float()), sm_scale=SM)
-    # dtype before rank, per tensor, as the library checks (the op raises TypeError for the dtype too)
+    # the torch layer's dtype rules come before the library's rank and shape checks
+    # (the op raises TypeError for the dtype too)
     with pytest.raises(TypeError, match=r"^attn_score: expected a floating-point dtype, got torch.int64$"):
         dt.indexer_kl_loss(**dict(args, attn_score=T[0].long()), sm_scale=SM)
     with pytest.raises(TypeError, match=r"^attn_score: "):
@@ -390,8 +391,8 @@ def test_torch_compile_fullgraph_cpu():
 
 @pytest.mark.parametrize("chunk_elements", [None, 6 * 64 * 2])
 def test_loss_compiles_with_dynamic_shapes_in_one_graph(monkeypatch, chunk_elements):
-    # The loss's argument checks are plain Python on floats (no torch.tensor or
-    # numpy on sm_scale), so dynamo traces them with dynamic shapes too. The
+    # The library's argument checks do not run while dynamo traces (the backward
+    # op runs them), so nothing in the loss specialises the shapes. The
     # logits are one opaque op (dsaib::index_logits), so the Python loop over
     # row chunks is not traced: with chunk_elements set, 2 rows per chunk (torch
     # 2.11's dynamo failed on that loop with an AssertionError, even unchunked).
@@ -424,8 +425,8 @@ def test_loss_compiles_with_dynamic_shapes_in_one_graph(monkeypatch, chunk_eleme
 
 
 def test_thd_loss_compiles_in_one_graph_static_and_dynamic():
-    # cu_seqlens values are checked on the host only in eager mode (compiled:
-    # the library checks them in the backward), so THD traces without a break.
+    # The library's checks, cu_seqlens values included, run before the forward in
+    # eager mode only (compiled: in the backward op), so THD traces without a break.
     import itertools
 
     def loss_fn(q, w, k, ids, T, cq, ck):
@@ -463,7 +464,8 @@ def test_loss_and_index_scores_refuse_meta_tensors_mixed_with_real_ones():
 
 
 def test_index_scores_takes_any_integer_cu_seqlens():
-    # no backward, no library call: int64 cu_seqlens (torch's default) are fine here
+    # no backward: int64 cu_seqlens (torch's default) are fine here; the library
+    # validates them as int32
     q, w, k, ids, T = make_torch_problem(seed=9)
     B, S = q.shape[:2]
     S_kv = k.shape[1]
@@ -473,6 +475,46 @@ def test_index_scores_takes_any_integer_cu_seqlens():
     P64 = dt.index_scores(q[0], w[0], k[0], ids[0], sm_scale=SM, layout="thd",
                           cu_seqlens_q=torch.tensor([0, S]), cu_seqlens_k=torch.tensor([0, S_kv]))
     assert torch.equal(P32, P64)
+    with pytest.raises(ValueError, match=r"^cu_seqlens_k: expected last value equal to T_k \(index_k dim 0\) = 7, "
+                                         r"got 9$"):
+        dt.index_scores(q[0], w[0], k[0], ids[0], sm_scale=SM, layout="thd",
+                        cu_seqlens_q=torch.tensor([0, S]), cu_seqlens_k=torch.tensor([0, S_kv + 2]))
+
+
+def _strided(t):
+    """t's values in a non-contiguous tensor (its last two dims stored transposed)."""
+    return t.transpose(-1, -2).contiguous().transpose(-1, -2) if t.dim() >= 2 else t[::1]
+
+
+def test_loss_validates_what_the_backward_gets_from_strided_and_wider_inputs():
+    # The forward converts (float -> bf16 q/k, float64 -> float32 w and T, int64 -> int32
+    # ids, contiguous): the library's validation is shown tensors of those dtypes and
+    # shapes, so strided and wider inputs pass and a bad shape among them gets the
+    # op's message for the converted tensors.
+    q, w, k, ids, T = make_torch_problem(seed=21)
+    wide = [_strided(q.float()), _strided(w.double()), _strided(k.float()), _strided(ids.long()),
+            _strided(T.double())]
+    assert not any(t.is_contiguous() for t in wide)
+    leaves = [x.detach().requires_grad_() for x in wide[:3]]
+    loss = dt.indexer_kl_loss(*leaves, *wide[3:], sm_scale=SM)
+    loss.backward()
+    base = [x.detach().float().requires_grad_() for x in (q, w, k)]
+    want = dt.indexer_kl_loss(*base, ids, T, sm_scale=SM)
+    want.backward()
+    torch.testing.assert_close(loss.float(), want, rtol=1e-6, atol=0)
+    for a, b in zip(leaves, base):
+        torch.testing.assert_close(a.grad.float(), b.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(dt.index_scores(*wide[:4], sm_scale=SM).float(),
+                               dt.index_scores(q, w, k, ids, sm_scale=SM), rtol=1e-6, atol=1e-7)
+    P = dt.index_scores(q, w, k, ids, sm_scale=SM)
+    with pytest.raises(ValueError) as lib:  # the op on the converted tensors
+        dt.indexer_backward(q, w, k[:1], ids, T, P, sm_scale=SM)
+    with pytest.raises(ValueError) as ours:
+        dt.indexer_kl_loss(wide[0], wide[1], _strided(k.float()[:1]), *wide[3:], sm_scale=SM)
+    assert str(ours.value) == str(lib.value)
+    with pytest.raises(ValueError) as ours:
+        dt.index_scores(wide[0], wide[1], _strided(k.float()[:1]), wide[3], sm_scale=SM)
+    assert str(ours.value) == str(lib.value)
 
 
 def test_loss_checks_loss_coeff_normalization_count_and_cu_seqlens_before_the_forward():

@@ -340,8 +340,8 @@ def test_cuda_graph_capture_of_autograd_loss_backward():
     # Detached: a live loss from a run on another stream would keep that run's
     # AccumulateGrad nodes (made on the default stream) alive, and the capture
     # would then sync with the legacy stream (cudaErrorStreamCaptureImplicit;
-    # torch warns about the stream mismatch). This was the "known defect" of
-    # the previous session: the test's, not the op's.
+    # torch warns about the stream mismatch). Such a failure is the test's
+    # doing, not the op's.
     eager = tuple(t.detach() for t in step())
     warm_up_on_side_stream(step)
     graph = torch.cuda.CUDAGraph()
@@ -442,3 +442,25 @@ def test_thd_global_ids_match_bshd_on_cuda():
     torch.cuda.synchronize()
     for a, b in zip(thd, bshd):
         assert rel_rms(a.reshape(b.shape), b) < 1e-6
+
+
+def test_loss_forward_checks_gpu_cu_seqlens_like_the_op():
+    # Eager THD on the GPU: the library's validation reads cu_seqlens (a copy to
+    # the host on the current stream) before the forward, with the op's message.
+    q, w, k, ids, T = problem(B=2, S=32, S_kv=48, H=64, D=128, topk=40, seed=19, invalid=False)
+    B, S, H, D = q.shape
+    S_kv = k.shape[1]
+    gids = (ids.long() + S_kv * torch.arange(B, device=DEV).view(B, 1, 1)).to(torch.int32).reshape(B * S, -1)
+    cu_q = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=DEV)
+    bad_cu_k = torch.arange(0, (B + 1) * S_kv, S_kv, dtype=torch.int32, device=DEV)
+    bad_cu_k[-1] += 5
+    thd = dict(layout="thd", id_mode="global", cu_seqlens_q=cu_q, cu_seqlens_k=bad_cu_k)
+    qt, wt, kt, Tt = q.reshape(B * S, H, D), w.reshape(B * S, H), k.reshape(B * S_kv, D), T.reshape(B * S, -1)
+    with pytest.raises(ValueError) as lib:
+        dt.indexer_backward(qt, wt, kt, gids, Tt, Tt, sm_scale=0.1, **thd)
+    assert str(lib.value).startswith("cu_seqlens_k: expected last value equal to T_k"), str(lib.value)
+    leaf = qt.detach().float().requires_grad_()
+    with pytest.raises(ValueError) as ours:
+        dt.indexer_kl_loss(leaf, wt, kt, gids, Tt, sm_scale=0.1, **thd)
+    assert str(ours.value) == str(lib.value)
+    assert leaf.grad is None

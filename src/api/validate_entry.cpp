@@ -1,0 +1,19 @@
+// validate_indexer_kl_loss_inputs: indexer_backward()'s checks of the inputs
+// and the options, without outputs.
+#include "api/cuda_backend.hpp"
+#include "core/problem.hpp"
+#include "dsaib/indexer_backward.hpp"
+
+namespace dsaib {
+
+void validate_indexer_kl_loss_inputs(const IndexerBackwardInputs& inputs, const IndexerBackwardOptions& options) {
+  IndexerBackwardInputs in = inputs;
+  // An absent P is checked as the caller's future P: same dtype and shape as T.
+  if (!in.index_score.present()) in.index_score = in.attn_score;
+  detail::check_options_and_backend(options);
+  (void)detail::validate_problem(in, IndexerBackwardOutputs{}, options,
+                                 options.backend == Backend::cuda ? &detail::cuda_copy_to_host : nullptr,
+                                 /*check_outputs=*/false);
+}
+
+}  // namespace dsaib
