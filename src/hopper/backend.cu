@@ -83,11 +83,11 @@ IndexerBackwardParams make_kernel_params(const IndexerBackwardInputs& in, const 
   p.ids_batch_stride = batch_stride(in.topk_indices);
   p.ids_row_stride = row_stride(in.topk_indices);
   p.attn_score = static_cast<const float*>(in.attn_score.data);
-  p.attn_batch_stride = batch_stride(in.attn_score);
-  p.attn_row_stride = row_stride(in.attn_score);
+  p.attn_score_batch_stride = batch_stride(in.attn_score);
+  p.attn_score_row_stride = row_stride(in.attn_score);
   p.index_score = static_cast<const float*>(in.index_score.data);
-  p.pred_batch_stride = batch_stride(in.index_score);
-  p.pred_row_stride = row_stride(in.index_score);
+  p.index_score_batch_stride = batch_stride(in.index_score);
+  p.index_score_row_stride = row_stride(in.index_score);
   p.cu_seqlens_q = thd ? static_cast<const int32_t*>(in.cu_seqlens_q.data) : nullptr;
   p.cu_seqlens_k = thd ? static_cast<const int32_t*>(in.cu_seqlens_k.data) : nullptr;
   p.num_q_rows = g.num_q_rows;

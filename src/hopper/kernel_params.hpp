@@ -1,4 +1,4 @@
-// The ABI between the host launcher (launch.cu) and the sm_90a kernels: plain
+// The ABI between the host launcher (backend.cu) and the sm_90a kernels: plain
 // pointers, sizes and strides (in elements). Built by make_kernel_params().
 #pragma once
 
@@ -29,10 +29,10 @@ struct IndexerBackwardParams {
   int64_t k_batch_stride, k_row_stride;
   const int32_t* topk_indices;
   int64_t ids_batch_stride, ids_row_stride;
-  const float* attn_score;
-  int64_t attn_batch_stride, attn_row_stride;
-  const float* index_score;
-  int64_t pred_batch_stride, pred_row_stride;
+  const float* attn_score;  // T
+  int64_t attn_score_batch_stride, attn_score_row_stride;
+  const float* index_score;  // P
+  int64_t index_score_batch_stride, index_score_row_stride;
   const int32_t* cu_seqlens_q;  // THD only (B + 1), device
   const int32_t* cu_seqlens_k;
 
