@@ -94,15 +94,6 @@ __global__ void dk_fixed_finish_kernel(const unsigned long long* __restrict__ ac
 
 }  // namespace
 
-std::size_t dk_fixed_bound_offset(int64_t num_k_rows, int64_t head_dim) {
-  const std::size_t acc = static_cast<std::size_t>(num_k_rows * head_dim) * sizeof(unsigned long long);
-  return (acc + 255) / 256 * 256;
-}
-
-std::size_t dk_fixed_workspace_bytes(int64_t num_k_rows, int64_t head_dim) {
-  return dk_fixed_bound_offset(num_k_rows, head_dim) + sizeof(DkFixedBound);
-}
-
 void launch_dk_fixed_bound(const IndexerBackwardParams& p, unsigned long long* dk_fixed, int64_t elements,
                            DkFixedBound* bound, cudaStream_t stream) {
   if (elements > 0) {
