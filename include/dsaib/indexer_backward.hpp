@@ -110,8 +110,8 @@ enum class L2Hints : int32_t {
 /// CTAs do not run the same phase (loads, gathers, reductions) at the same time.
 /// Measured on the H200 at B1 H64 D128 topk 2048: about -2% at random ids
 /// S 4096, within noise at causal ids and at S 16384. Only launches of at
-/// least 4 waves with a remainder are delayed. Results are the same either way up to the order of the fp32
-/// additions. The cpu backend ignores it.
+/// least 4 waves with a remainder are delayed. Results are the same either way
+/// up to the order of the fp32 additions. The cpu backend ignores it.
 enum class StartStagger : int32_t {
   /// delays as above
   automatic = 0,
