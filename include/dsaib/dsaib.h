@@ -34,6 +34,15 @@ typedef enum dsaib_a_operand_precision {
   DSAIB_A_OPERAND_BF16X2 = 1,
   DSAIB_A_OPERAND_BF16 = 2
 } dsaib_a_operand_precision;
+typedef enum dsaib_l2_hints {
+  DSAIB_L2_HINTS_AUTOMATIC = 0, /* hinted when dK and K outgrow half of the L2 */
+  DSAIB_L2_HINTS_ON = 1,
+  DSAIB_L2_HINTS_OFF = 2
+} dsaib_l2_hints;
+typedef enum dsaib_start_stagger {
+  DSAIB_START_STAGGER_AUTOMATIC = 0, /* delay the CTAs with a task fewer */
+  DSAIB_START_STAGGER_OFF = 1
+} dsaib_start_stagger;
 
 /* A strided tensor view; strides in elements. rank 0 and data NULL = absent. */
 typedef struct dsaib_tensor {
@@ -68,6 +77,8 @@ typedef struct dsaib_options {
   void* stream; /* cudaStream_t */
   int32_t num_threads;
   int32_t a_operand_precision; /* dsaib_a_operand_precision (cuda; see dsaib::AOperandPrecision) */
+  int32_t l2_hints;            /* dsaib_l2_hints (cuda; see dsaib::L2Hints) */
+  int32_t start_stagger;       /* dsaib_start_stagger (cuda; see dsaib::StartStagger) */
 } dsaib_options;
 
 /* Fills *options with the C++ defaults (bshd, local ids, cpu, sm_scale 1, ...).

@@ -1,8 +1,7 @@
 // dsaib: the training-time backward pass of the DeepSeek Sparse Attention
 // "lightning indexer" (DeepSeek-V3.2, GLM-5).
 //
-// The math implemented is docs/math.md (the project's copy of the contract
-// shared/design/indexer-backward-math.md). In short, for every query row t and
+// The math implemented is docs/math.md. In short, for every query row t and
 // every VALID selected slot i (id in range for the row's sequence):
 //
 //   c     = grad_loss * loss_coeff / N
@@ -60,14 +59,17 @@ enum class Backend : int32_t {
 /// (docs/math.md stage 2) in the dK and dQ GEMMs. wgmma takes it in bf16; one
 /// bf16 rounding of a adds ~1.3-1.7e-3 relative RMS error to d_index_q and
 /// d_index_k (measured on the H200 with fp32 outputs: 1.3e-3 / 1.6e-3; bf16
-/// outputs including their rounding: 2.1e-3 / 2.3e-3; docs/perf-log.md v9),
-/// within the 3e-3 budget of bf16 outputs but not the 1e-3 of fp32 outputs. Two bf16 terms (a = a_hi + a_lo,
-/// error ~2^-16) run the dK and dQ GEMMs twice (5 GEMMs per key block, not 3).
-/// d_weights never depends on it. The cpu backend ignores it (fp64 throughout).
+/// outputs including their rounding: 2.1e-3 / 2.3e-3), within the 3e-3 budget
+/// of bf16 outputs but not the 1e-3 of fp32 outputs. Two bf16 terms
+/// (a = a_hi + a_lo, error ~2^-16) run the dK and dQ GEMMs twice (5 GEMMs per
+/// key block, not 3). d_weights never depends on it. The cpu backend ignores it
+/// (fp64 throughout).
 enum class AOperandPrecision : int32_t {
   /// bf16x2 when d_index_q or d_index_k is f32, bf16 when both are bf16.
   automatic = 0,
-  /// always two bf16 terms (most accurate; ~1.4x the time of one term at DeepSeek shapes)
+  /// always two bf16 terms (most accurate; ~1.15x the time of one bf16 term at
+  /// DeepSeek shapes: 1.145x causal, 1.152x random ids at B1 S 4096 H64 D128
+  /// topk 2048 on the H200)
   bf16x2 = 1,
   /// always one bf16 term (fastest; do not combine with fp32 outputs that need 1e-3)
   bf16 = 2,
@@ -80,6 +82,51 @@ const char* a_operand_precision_name(AOperandPrecision);
 bool parse_a_operand_precision(const std::string& word, AOperandPrecision* out);
 const char* id_mode_name(IdMode);
 const char* backend_name(Backend);
+
+/// cuda: L2 eviction-policy hints on the fused kernel's d_index_k reductions.
+/// The fp32 dK accumulator is updated by scattered atomic adds; when dK and K
+/// outgrow the L2, lines of dK are evicted between two adds to them. The hinted
+/// kernel gives part of the adds an evict_last priority (the share follows the
+/// context's persisting-L2 set-aside, cudaLimitPersistingL2CacheSize). Measured
+/// on the H200 at B1 S 65536 D128: -2% to -4% at random ids, ~0 at causal ids;
+/// no change while dK and K fit half of the L2. Results are the same either
+/// way up to the order of the fp32 additions. Only the one-term kernels have a
+/// hinted variant: split-a (bf16x2) and deterministic launches never take it.
+/// The cpu backend ignores it.
+enum class L2Hints : int32_t {
+  /// hinted when the key rows that the CTAs in flight can touch need more than
+  /// half of the L2 for dK (fp32) and K (bf16), or when the persisting set-aside
+  /// holds all of that dK and dK and K need more than half of the rest of the L2.
+  automatic = 0,
+  /// always hinted (one-term launches)
+  on = 1,
+  /// never hinted
+  off = 2,
+};
+
+/// cuda: delayed start of the persistent CTAs that run one task fewer. When the
+/// tasks do not divide evenly over the persistent grid, the CTAs with a task
+/// fewer start up to 3/4 of a task late, spread over 32 steps, so the grid's
+/// CTAs do not run the same phase (loads, gathers, reductions) at the same time.
+/// Measured on the H200 at B1 H64 D128 topk 2048: about -2% at random ids
+/// S 4096, within noise at causal ids and at S 16384. Only launches of at
+/// least 4 waves with a remainder are delayed. Results are the same either way
+/// up to the order of the fp32 additions. The cpu backend ignores it.
+enum class StartStagger : int32_t {
+  /// delays as above
+  automatic = 0,
+  /// no delays
+  off = 1,
+};
+
+/// "auto", "on" or "off".
+const char* l2_hints_name(L2Hints);
+/// Parses l2_hints_name's words; false (and *out unchanged) for anything else.
+bool parse_l2_hints(const std::string& word, L2Hints* out);
+/// "auto" or "off".
+const char* start_stagger_name(StartStagger);
+/// Parses start_stagger_name's words; false (and *out unchanged) for anything else.
+bool parse_start_stagger(const std::string& word, StartStagger* out);
 
 /// Input tensors (never modified).
 ///
@@ -155,6 +202,10 @@ struct IndexerBackwardOptions {
   int32_t num_threads = 0;
   /// cuda: precision of the a operand of the dK/dQ GEMMs (see AOperandPrecision).
   AOperandPrecision a_operand_precision = AOperandPrecision::automatic;
+  /// cuda: L2 hints on the d_index_k reductions (see L2Hints).
+  L2Hints l2_hints = L2Hints::automatic;
+  /// cuda: delayed start of the CTAs with a task fewer (see StartStagger).
+  StartStagger start_stagger = StartStagger::automatic;
 };
 
 /// Bytes of scratch memory the backend needs for this problem, on the

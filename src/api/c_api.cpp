@@ -20,6 +20,16 @@ static_assert(DSAIB_OK == static_cast<int>(dsaib::ErrorCode::ok) &&
                   DSAIB_INTERNAL == static_cast<int>(dsaib::ErrorCode::internal) &&
                   DSAIB_OUT_OF_MEMORY == static_cast<int>(dsaib::ErrorCode::out_of_memory),
               "dsaib_status (dsaib.h) and dsaib::ErrorCode (error.hpp) must have the same values");
+// convert() casts the options' enum fields: the C and C++ enums must agree.
+static_assert(DSAIB_A_OPERAND_AUTOMATIC == static_cast<int>(dsaib::AOperandPrecision::automatic) &&
+                  DSAIB_A_OPERAND_BF16X2 == static_cast<int>(dsaib::AOperandPrecision::bf16x2) &&
+                  DSAIB_A_OPERAND_BF16 == static_cast<int>(dsaib::AOperandPrecision::bf16) &&
+                  DSAIB_L2_HINTS_AUTOMATIC == static_cast<int>(dsaib::L2Hints::automatic) &&
+                  DSAIB_L2_HINTS_ON == static_cast<int>(dsaib::L2Hints::on) &&
+                  DSAIB_L2_HINTS_OFF == static_cast<int>(dsaib::L2Hints::off) &&
+                  DSAIB_START_STAGGER_AUTOMATIC == static_cast<int>(dsaib::StartStagger::automatic) &&
+                  DSAIB_START_STAGGER_OFF == static_cast<int>(dsaib::StartStagger::off),
+              "the option enums of dsaib.h and indexer_backward.hpp must have the same values");
 
 thread_local std::string g_last_error;
 
@@ -100,6 +110,8 @@ void convert(const dsaib_inputs* in, const dsaib_outputs* out, const dsaib_optio
   p.stream = opt->stream;
   p.num_threads = opt->num_threads;
   p.a_operand_precision = static_cast<dsaib::AOperandPrecision>(opt->a_operand_precision);
+  p.l2_hints = static_cast<dsaib::L2Hints>(opt->l2_hints);
+  p.start_stagger = static_cast<dsaib::StartStagger>(opt->start_stagger);
   // The C++ order (errors.md): options and the backend first, then the tensors,
   // whose enum fields C can set to anything (checked before any view is used).
   dsaib::detail::check_options_and_backend(p);
@@ -129,6 +141,8 @@ void dsaib_default_options(dsaib_options* options) {
   options->stream = d.stream;
   options->num_threads = d.num_threads;
   options->a_operand_precision = static_cast<int32_t>(d.a_operand_precision);
+  options->l2_hints = static_cast<int32_t>(d.l2_hints);
+  options->start_stagger = static_cast<int32_t>(d.start_stagger);
 }
 
 dsaib_status dsaib_contiguous_tensor(dsaib_tensor* view, void* data, dsaib_dtype dtype, const int64_t* shape,

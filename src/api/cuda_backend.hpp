@@ -1,11 +1,12 @@
 // The seam between the backend-neutral API and the Hopper backend.
-// Implemented in src/hopper/launch.cu when built with CUDA, else by
+// Implemented in src/hopper/backend.cu when built with CUDA, else by
 // src/api/cuda_backend_stub.cpp.
 #pragma once
 
 #include <cstddef>
 
 #include "core/problem.hpp"
+#include "hopper/launch_plan.hpp"
 
 namespace dsaib::detail {
 
@@ -24,12 +25,14 @@ void check_options_and_backend(const IndexerBackwardOptions& opt);
 void cuda_copy_to_host(void* dst, const void* src, std::size_t row_bytes, std::size_t src_pitch,
                        std::size_t rows, void* stream);
 
-/// Scratch bytes of a cuda call: the fp32 dK accumulator for a bf16 d_index_k, or
-/// the deterministic mode's int64 accumulator and bound (fixed_point_dk.hpp).
-std::size_t cuda_workspace_size(const IndexerBackwardOutputs& out, const IndexerBackwardOptions& opt,
-                                const ProblemGeometry& g);
+/// The launch plan of a call on the device of index_q (hopper::plan_launch with
+/// that device's properties, queried as run_cuda_backend queries them). `g` is
+/// validated. Launches, allocates and writes nothing.
+hopper::LaunchPlan cuda_launch_plan(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
+                                    const IndexerBackwardOptions& opt, const ProblemGeometry& g);
 
-/// Launches the fused kernel on options.stream. `g` is validated.
+/// Plans the launch (cuda_launch_plan), then launches the fused kernel on
+/// options.stream. `g` is validated.
 void run_cuda_backend(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
                       const IndexerBackwardOptions& opt, const ProblemGeometry& g, void* workspace,
                       std::size_t workspace_bytes);

@@ -8,8 +8,9 @@ bool cuda_device_present() { return false; }
 void cuda_copy_to_host(void*, const void*, std::size_t, std::size_t, std::size_t, void*) {
   throw Error(ErrorCode::backend_unavailable, "backend", "backend: this build has no CUDA support");
 }
-std::size_t cuda_workspace_size(const IndexerBackwardOutputs&, const IndexerBackwardOptions&, const ProblemGeometry&) {
-  return 0;
+hopper::LaunchPlan cuda_launch_plan(const IndexerBackwardInputs&, const IndexerBackwardOutputs&,
+                                    const IndexerBackwardOptions&, const ProblemGeometry&) {
+  throw Error(ErrorCode::backend_unavailable, "backend", "backend: expected cpu (this build has no CUDA support), got cuda");
 }
 void run_cuda_backend(const IndexerBackwardInputs&, const IndexerBackwardOutputs&, const IndexerBackwardOptions&,
                       const ProblemGeometry&, void*, std::size_t) {

@@ -5,6 +5,7 @@
 
 #include "api/cuda_backend.hpp"
 #include "core/problem.hpp"
+#include "hopper/launch_plan.hpp"
 #include "reference/cpu_reference.hpp"
 
 namespace dsaib {
@@ -22,23 +23,36 @@ void check_options_and_backend(const IndexerBackwardOptions& opt) {
   }
 }
 
-}  // namespace detail
 namespace {
 
-detail::ProblemGeometry validate_for_backend(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
-                                             const IndexerBackwardOptions& opt) {
-  detail::check_options_and_backend(opt);
-  return detail::validate_problem(in, out, opt, opt.backend == Backend::cuda ? &detail::cuda_copy_to_host : nullptr);
+ProblemGeometry validate_for_backend(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
+                                     const IndexerBackwardOptions& opt) {
+  check_options_and_backend(opt);
+  return validate_problem(in, out, opt, opt.backend == Backend::cuda ? &cuda_copy_to_host : nullptr);
 }
 
 }  // namespace
+
+hopper::LaunchPlan plan_indexer_backward(const IndexerBackwardInputs& inputs, const IndexerBackwardOutputs& outputs,
+                                         const IndexerBackwardOptions& options) {
+  check_options(options);
+  if (options.backend != Backend::cuda) {
+    throw Error(ErrorCode::invalid_argument, "backend",
+                "backend: expected cuda (the launch plan is the cuda backend's), got " + std::string(backend_name(options.backend)));
+  }
+  const ProblemGeometry g = validate_for_backend(inputs, outputs, options);
+  return cuda_launch_plan(inputs, outputs, options, g);
+}
+
+}  // namespace detail
+using detail::validate_for_backend;
 
 bool cuda_backend_available() { return detail::cuda_backend_compiled() && detail::cuda_device_present(); }
 
 std::size_t indexer_backward_workspace_size(const IndexerBackwardInputs& inputs, const IndexerBackwardOutputs& outputs,
                                             const IndexerBackwardOptions& options) {
   const detail::ProblemGeometry g = validate_for_backend(inputs, outputs, options);
-  return options.backend == Backend::cuda ? detail::cuda_workspace_size(outputs, options, g) : 0;
+  return options.backend == Backend::cuda ? hopper::workspace_bytes(g, outputs.d_index_k.dtype, options.deterministic) : 0;
 }
 
 void indexer_backward(const IndexerBackwardInputs& inputs, const IndexerBackwardOutputs& outputs,
@@ -48,7 +62,7 @@ void indexer_backward(const IndexerBackwardInputs& inputs, const IndexerBackward
     detail::run_cpu_backend(inputs, outputs, options, g);
     return;
   }
-  const std::size_t need = detail::cuda_workspace_size(outputs, options, g);
+  const std::size_t need = hopper::workspace_bytes(g, outputs.d_index_k.dtype, options.deterministic);
   if (workspace != nullptr || workspace_bytes != 0) {
     if (workspace_bytes < need) {
       throw Error(ErrorCode::invalid_argument, "workspace_bytes",

@@ -57,6 +57,43 @@ bool parse_a_operand_precision(const std::string& word, AOperandPrecision* out) 
   return false;
 }
 
+const char* l2_hints_name(L2Hints h) {
+  switch (h) {
+    case L2Hints::automatic: return "auto";
+    case L2Hints::on: return "on";
+    case L2Hints::off: return "off";
+  }
+  return "invalid";
+}
+
+bool parse_l2_hints(const std::string& word, L2Hints* out) {
+  for (auto h : {L2Hints::automatic, L2Hints::on, L2Hints::off}) {
+    if (word == l2_hints_name(h)) {
+      *out = h;
+      return true;
+    }
+  }
+  return false;
+}
+
+const char* start_stagger_name(StartStagger s) {
+  switch (s) {
+    case StartStagger::automatic: return "auto";
+    case StartStagger::off: return "off";
+  }
+  return "invalid";
+}
+
+bool parse_start_stagger(const std::string& word, StartStagger* out) {
+  for (auto s : {StartStagger::automatic, StartStagger::off}) {
+    if (word == start_stagger_name(s)) {
+      *out = s;
+      return true;
+    }
+  }
+  return false;
+}
+
 int64_t TensorView::numel() const {
   for (int i = 0; i < rank; ++i) {
     if (shape[i] == 0) return 0;  // before any product: other sizes may be huge

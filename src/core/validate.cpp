@@ -367,6 +367,10 @@ ProblemGeometry validate_problem_unguarded(const IndexerBackwardInputs& in, cons
   {
     const auto a = static_cast<int32_t>(opt.a_operand_precision);
     if (a < 0 || a > 2) fail("a_operand_precision", "0 (automatic), 1 (bf16x2) or 2 (bf16)", std::to_string(a));
+    const auto h = static_cast<int32_t>(opt.l2_hints);
+    if (h < 0 || h > 2) fail("l2_hints", "0 (automatic), 1 (on) or 2 (off)", std::to_string(h));
+    const auto s = static_cast<int32_t>(opt.start_stagger);
+    if (s < 0 || s > 1) fail("start_stagger", "0 (automatic) or 1 (off)", std::to_string(s));
   }
 
   // Sequences (the views were checked above).

@@ -63,10 +63,10 @@ struct DkMma {
         a_state.advance();
 
         // dK staging: warp w writes its key rows 16w..16w+15 to the same rows
-        // of dk_stage[buf], and the scatter role (perf-log v16) reads them back
+        // of dk_stage[buf], and the scatter role reads them back
         // row-contiguous: one float4 red per lane covers kLanesPerRow*16 B of
         // one key row (a whole 512-B row at D=128) instead of 32 B of each of
-        // 16 rows (perf-log v10: the L2 adds whole rows at ~3.5 TB/s and the
+        // 16 rows (the L2 adds whole rows at ~3.5 TB/s and the
         // fragment pattern at ~2.2 TB/s). RAW and WAR on buffer buf: dk_full /
         // dk_empty (contract blocks in shared_storage.cuh): every dK-role
         // thread arrives after its stores, every scatter thread after its loads.

@@ -34,14 +34,14 @@ __global__ void dk_fixed_bound_kernel(IndexerBackwardParams p, DkFixedBound* bou
        row += warps) {
     const RowSequence seq = row_sequence(p, row);
     const int32_t* ids = p.topk_indices + batched_offset(row, p.q_rows_per_batch, p.ids_batch_stride, p.ids_row_stride);
-    const float* attn = p.attn_score + batched_offset(row, p.q_rows_per_batch, p.attn_batch_stride, p.attn_row_stride);
-    const float* pred = p.index_score + batched_offset(row, p.q_rows_per_batch, p.pred_batch_stride, p.pred_row_stride);
+    const float* attn_score = p.attn_score + batched_offset(row, p.q_rows_per_batch, p.attn_score_batch_stride, p.attn_score_row_stride);
+    const float* index_score = p.index_score + batched_offset(row, p.q_rows_per_batch, p.index_score_batch_stride, p.index_score_row_stride);
     double s_t = 0.0, s_p = 0.0;
     bool any_valid = false;
     for (int j = lane; j < p.topk; j += 32) {
       if (key_row_of(p, seq, ids[j]) < 0) continue;  // invalid slots: T and P ignored
       any_valid = true;
-      const float t = attn[j], pr = pred[j];
+      const float t = attn_score[j], pr = index_score[j];
       // g_i = -c max(T, eps) [P >= eps] (producer_gather.cuh); |P| with NaN kept.
       if (!(pr < eps)) s_t += static_cast<double>(max_keeping_nan(t, eps));  // NaN P: counted
       s_p += fabs(static_cast<double>(pr));
@@ -93,15 +93,6 @@ __global__ void dk_fixed_finish_kernel(const unsigned long long* __restrict__ ac
 }
 
 }  // namespace
-
-std::size_t dk_fixed_bound_offset(int64_t num_k_rows, int64_t head_dim) {
-  const std::size_t acc = static_cast<std::size_t>(num_k_rows * head_dim) * sizeof(unsigned long long);
-  return (acc + 255) / 256 * 256;
-}
-
-std::size_t dk_fixed_workspace_bytes(int64_t num_k_rows, int64_t head_dim) {
-  return dk_fixed_bound_offset(num_k_rows, head_dim) + sizeof(DkFixedBound);
-}
 
 void launch_dk_fixed_bound(const IndexerBackwardParams& p, unsigned long long* dk_fixed, int64_t elements,
                            DkFixedBound* bound, cudaStream_t stream) {

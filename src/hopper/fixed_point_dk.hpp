@@ -1,5 +1,6 @@
-// Host side of the deterministic d_index_k (fixed_point_dk.cuh): its workspace,
-// the bound pass before the fused kernel and the finish kernel after it.
+// Host side of the deterministic d_index_k (fixed_point_dk.cuh): the bound pass
+// before the fused kernel and the finish kernel after it (its workspace:
+// dk_fixed_workspace_bytes in launch_plan.hpp).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -10,13 +11,6 @@
 #include "hopper/kernel_params.hpp"
 
 namespace dsaib::hopper {
-
-/// Offset of the DkFixedBound in the deterministic workspace: after the int64
-/// (num_k_rows, D) accumulator, rounded up to 256 bytes.
-std::size_t dk_fixed_bound_offset(int64_t num_k_rows, int64_t head_dim);
-
-/// Bytes of the deterministic workspace: the accumulator, then the bound.
-std::size_t dk_fixed_workspace_bytes(int64_t num_k_rows, int64_t head_dim);
 
 /// On `stream`: zeroes the accumulator `dk_fixed` (`elements` int64) and `*bound`,
 /// then runs the bound pass over the query rows of `p` (one warp per row).

@@ -6,7 +6,7 @@
 //   warpgroup 1 : ScoreMma        (GEMM1, dW, A -> sA, GEMM3 dQ, epilogue; kScoreRegisters)
 //   warpgroup 2 : DkMma           (GEMM2 dK from sA, dK staging, end marker; kDkRegisters)
 //   warpgroup 3 : ScatterReduce   (dK scatter-add from the staging double buffer; kScatterRegisters)
-// Every kernel (both head dims, one or two A terms) has the four roles (v28).
+// Every kernel (both head dims, one or two A terms) has the four roles.
 // Persistent: CTA b takes tasks b, b + gridDim.x, ... (task = row * head_groups + group).
 #pragma once
 

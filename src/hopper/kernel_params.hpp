@@ -1,4 +1,4 @@
-// The ABI between the host launcher (launch.cu) and the sm_90a kernels: plain
+// The ABI between the host launcher (backend.cu) and the sm_90a kernels: plain
 // pointers, sizes and strides (in elements). Built by make_kernel_params().
 #pragma once
 
@@ -29,10 +29,10 @@ struct IndexerBackwardParams {
   int64_t k_batch_stride, k_row_stride;
   const int32_t* topk_indices;
   int64_t ids_batch_stride, ids_row_stride;
-  const float* attn_score;
-  int64_t attn_batch_stride, attn_row_stride;
-  const float* index_score;
-  int64_t pred_batch_stride, pred_row_stride;
+  const float* attn_score;  // T
+  int64_t attn_score_batch_stride, attn_score_row_stride;
+  const float* index_score;  // P
+  int64_t index_score_batch_stride, index_score_row_stride;
   const int32_t* cu_seqlens_q;  // THD only (B + 1), device
   const int32_t* cu_seqlens_k;
 
@@ -55,16 +55,15 @@ struct IndexerBackwardParams {
   bool dq_f32, dw_f32;
   float* dk_accum;  // (num_k_rows, D) fp32, zeroed before the kernel
 
-  // Start delays of the persistent CTAs (start_stagger.hpp, v44): CTA b waits
+  // Start delays of the persistent CTAs (start_stagger.hpp): CTA b waits
   // start_delay_ns(start_stagger_max_ns, start_stagger_first_delayed_cta, b)
-  // before its first task. Set by run_cuda_backend (backend.cu) once the
-  // grid is known; 0 = none.
+  // before its first task. From the launch plan (launch_plan.hpp); 0 = none.
   uint32_t start_stagger_max_ns;
   int64_t start_stagger_first_delayed_cta;
 
   // The L2-hinted kernels' evict_last share of the dK reds: an L2KeepFraction
-  // (l2_hints.hpp) set by run_cuda_backend; the other kernels ignore it. Last,
-  // so that the other kernels' parameter offsets stay those of v51.
+  // (l2_hints.hpp) from the launch plan; the other kernels ignore it. After the
+  // fields every kernel reads, so that adding it moved none of their offsets.
   int32_t l2_keep_fraction = 0;
 
   // The deterministic kernels (TileConfig::kFixedPointDk, options.deterministic):

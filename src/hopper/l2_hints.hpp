@@ -1,42 +1,24 @@
 // When the fused kernel's dK reds carry their L2 policy (device side:
-// l2_policy.cuh, TileConfig::kL2KeepDk). Host code only, header-only: the cuda
-// backend decides per launch, and the CPU tests check the estimate without a GPU.
+// l2_policy.cuh, TileConfig::kL2KeepDk). Host code only, header-only:
+// launch_plan.cpp decides per launch, and the CPU tests check the estimate
+// without a GPU.
 //
-// docs/perf-log.md, twelfth session: at B1 S 65536 D128, where dK (fp32, 32 MiB)
-// and K (bf16, 16 MiB) fill most of the H200's 60 MiB L2, the hinted kernel took
-// -2.3% (call 5, "v33") to -4.4% (call 4, the same kernel, "v32b" at 0.35) at
-// random ids and ~0 at causal ids (paired A/Bs). At S 16384, 32768 and 49152
-// (12, 24, 36 MiB) hint on against off changed nothing (call 8, "gate probe").
-// So the hinted kernel is taken only when the keys that the CTAs in flight can
-// touch need more than half of the L2 for dK and K; below that the launch runs
-// the unhinted kernel, byte for byte the one before (v28).
+// Measured on the H200 at B1 S 65536 D128, where dK (fp32, 32 MiB) and K (bf16,
+// 16 MiB) fill most of the 60 MiB L2: the hinted kernel took -2.3% to -4.4% at
+// random ids (two paired A/Bs of the same kernel, evict_last share 0.35) and ~0
+// at causal ids. At S 16384, 32768 and 49152 (12, 24, 36 MiB) hint on against
+// off changed nothing. So the hinted kernel is taken only when the keys that the
+// CTAs in flight can touch need more than half of the L2 for dK and K; below
+// that the launch runs the unhinted kernel, which has no policy at all.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <string>
 #include <vector>
 
-#include "dsaib/error.hpp"
+#include "dsaib/indexer_backward.hpp"
 
 namespace dsaib::hopper {
-
-enum class L2Hints { automatic, on, off };
-
-/// DSAIB_L2_HINTS: "auto" (also unset or empty), "on" (every launch of a one-term
-/// kernel; the split-A kernels have no hinted variant) or "off". A tuning and test
-/// switch, read once per call before anything is written.
-/// Throws Error(invalid_argument, "DSAIB_L2_HINTS") for any other value.
-inline L2Hints l2_hints_from_env() {
-  const char* v = std::getenv("DSAIB_L2_HINTS");
-  const std::string s = v == nullptr ? "" : v;
-  if (s.empty() || s == "auto") return L2Hints::automatic;
-  if (s == "on") return L2Hints::on;
-  if (s == "off") return L2Hints::off;
-  throw Error(ErrorCode::invalid_argument, "DSAIB_L2_HINTS",
-              "DSAIB_L2_HINTS: expected \"auto\", \"on\" or \"off\", got \"" + s + "\"");
-}
 
 /// Where the windows of key_rows_in_flight start within a sequence.
 enum class WindowStart {
@@ -70,19 +52,20 @@ inline int64_t key_rows_in_flight(const std::vector<int64_t>& q_len, const std::
   return most;
 }
 
-/// Whether a launch takes the hinted kernel: `mode` from l2_hints_from_env();
-/// automatic: when those key rows' dK (fp32) and K (bf16) bytes exceed half of
-/// `l2_bytes` (cudaDevAttrL2CacheSize; 0 = unknown: no hints), or when the
-/// context's L2 set-aside for persisting lines (`set_aside_bytes`,
+/// Whether a launch takes the hinted kernel: `mode` is
+/// IndexerBackwardOptions::l2_hints (on: always; off: never); automatic: when
+/// those key rows' dK (fp32) and K (bf16) bytes exceed half of `l2_bytes`
+/// (cudaDevAttrL2CacheSize; 0 = unknown: no hints), or when the context's L2
+/// set-aside for persisting lines (`set_aside_bytes`,
 /// cudaLimitPersistingL2CacheSize) holds all of dK and dK and K exceed half of
-/// the L2 that the set-aside leaves to the other lines. The second clause (v55):
-/// a set-aside holds its share away from normal lines, and with 37.5 MiB the
+/// the L2 that the set-aside leaves to the other lines. The second clause: a
+/// set-aside holds its share away from normal lines, and with 37.5 MiB the
 /// unhinted kernel took +8 / +17 / +36% at random ids S 24576 / 32768 / 40960
-/// against the default set-aside (perf-log, eighteenth session, call 9); the
-/// hinted kernel then keeps all of dK evict_last in the set-aside
-/// (l2_keep_fraction: 1.0). It is never true at the H200's default 11.25 MiB
-/// (dK of at most 11.25 MiB and dK + K above 24.4 MiB cannot both hold), so
-/// default launches decide as before.
+/// against the default set-aside (measured on the H200); the hinted kernel then
+/// keeps all of dK evict_last in the set-aside (l2_keep_fraction: 1.0). It is
+/// never true at the H200's default 11.25 MiB (dK of at most 11.25 MiB and
+/// dK + K above 24.4 MiB cannot both hold), so there only the first clause
+/// decides.
 inline bool l2_hints_pay(L2Hints mode, int64_t key_rows, int64_t head_dim, int64_t l2_bytes,
                          int64_t set_aside_bytes) {
   if (mode != L2Hints::automatic) return mode == L2Hints::on;
@@ -92,10 +75,6 @@ inline bool l2_hints_pay(L2Hints mode, int64_t key_rows, int64_t head_dim, int64
   if (bytes > l2_bytes / 2) return true;
   return set_aside_bytes > 0 && set_aside_bytes >= dk_bytes && bytes > (l2_bytes - set_aside_bytes) / 2;
 }
-
-/// How many launches in this process took the hinted kernel (defined in backend.cu,
-/// cuda builds only; for tests: the decision is invisible in the results).
-uint64_t l2_hinted_launches();
 
 /// The key rows that the CTAs in flight can touch at once (key_rows_in_flight over
 /// ceil(sms / head_groups) consecutive query rows): the basis of both L2 decisions,
@@ -124,10 +103,10 @@ inline bool l2_hints_for_launch(L2Hints mode, const std::vector<int64_t>& q_len,
 /// persisting lines (cudaLimitPersistingL2CacheSize: the application's setting,
 /// 11.25 MiB in a fresh context on the H200, at most 37.5 MiB), and a set-aside
 /// holds its share of the L2 away from the other lines, so the share follows the
-/// set-aside in force. Measured at B1 S 65536 D128, random ids, against 0.35 with
-/// 11.25 MiB (docs/perf-log.md, eighteenth session, call 7): 0.35 with 37.5 MiB
-/// +38% (dK and K squeezed into the other 22.5 MiB), 1.0 with 37.5 MiB -2.2%
-/// [-4.5, +0.1]; 1.0 with 11.25 MiB gained least (perf-log "v32b").
+/// set-aside in force. Measured on the H200 at B1 S 65536 D128, random ids,
+/// against 0.35 with 11.25 MiB: 0.35 with 37.5 MiB +38% (dK and K squeezed into
+/// the other 22.5 MiB), 1.0 with 37.5 MiB -2.2% [-4.5, +0.1]; with 11.25 MiB,
+/// 1.0 gained least of 0.25 / 0.35 / 0.5 / 1.0 (l2_policy.cuh).
 enum class L2KeepFraction : int32_t {
   f035 = 0,  // the set-aside holds less than 3/4 of dK (the default 11.25 MiB at every hinted launch)
   f075 = 1,  // 3/4 of dK or more (not measured; between the two measured points)
@@ -154,9 +133,5 @@ inline L2KeepFraction l2_keep_fraction(int64_t set_aside_bytes, int64_t key_rows
   if (4 * set_aside_bytes >= 3 * dk_bytes) return L2KeepFraction::f075;
   return L2KeepFraction::f035;
 }
-
-/// The fraction the last hinted launch in this process used (defined in
-/// backend.cu, cuda builds only; for tests: the choice is invisible in the results).
-L2KeepFraction l2_last_keep_fraction();
 
 }  // namespace dsaib::hopper

@@ -4,7 +4,7 @@
 // At B1 S_kv 65536 D 128 the fp32 dK accumulator (32 MiB) and the gathered keys
 // (16 MiB) nearly fill the H200's 60 MiB L2, and ncu counts ~233 KB of DRAM
 // write-back per query row: ~23% of the reds land on dK lines evicted since their
-// last red (docs/perf-log.md, twelfth session, call 1).
+// last red.
 //
 // The reds carry a createpolicy.fractional.L2::evict_last policy with fraction
 // 0.35, 0.75 or 1.0 (l2_keep_fraction in l2_hints.hpp: from the context's L2
@@ -17,15 +17,14 @@
 // reset_l2_priority_to_normal (backend.cu) applies evict_normal to every line of
 // the accumulator, so that no evict_last line outlives the call.
 //
-// Measured, paired A/B at S 65536 against no hint (perf-log "v32b"): fraction
+// Measured on the H200, paired A/B at S 65536 against no hint: fraction
 // 1.0: random B/A 0.989; 0.25 / 0.35 / 0.5: random 0.955 / 0.956 / 0.957, causal
 // 0.995-0.997 (within noise). A hypothesis for why 1.0 gains least, not
 // measured: only about the persisting set-aside (11.25 MiB in force on the H200
 // we measured, cudaLimitPersistingL2CacheSize) holds evict_last lines, and with
 // every red evict_last they churn among themselves. With the set-aside at its
-// cap (37.5 MiB), 0.35 took +37% at random ids and 1.0 took -1.6% against 0.35
-// at the default (perf-log, eighteenth session, calls 7-8): hence the fraction
-// follows the set-aside.
+// cap (37.5 MiB), 0.35 took +38% at random ids and 1.0 took -1.6% against 0.35
+// at the default: hence the fraction follows the set-aside.
 //
 // Own inline PTX because neither CCCL's cuda::ptx (13.0) nor CuTe wraps
 // createpolicy, red.global with an L2::cache_hint, or applypriority.

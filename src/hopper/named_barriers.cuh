@@ -8,7 +8,6 @@
 namespace dsaib::hopper {
 
 enum class NamedBarrierId : uint32_t {
-  // Id 0 was kScoreSmemReady (sA[buf] -> the score role's GEMM3) up to v49; unused since v50.
   /// The producer warpgroup: stage-1 partial sums / counts and the compacted
   /// slot list are complete (or fully consumed) before the next step.
   kProducerSync = 1,

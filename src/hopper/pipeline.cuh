@@ -55,8 +55,8 @@ static __device__ uint32_t g_dsaib_wait_timeout_code = 0;
 /// The cold path of a timed-out wait: records why, then traps. Out of line on
 /// purpose: with a `trap` inlined into the roles, ptxas (nvcc 13.0) ignores a
 /// `setmaxnreg.inc` (a region then gets the lower of the entry limit and its own;
-/// a `.dec` still applies) and prints no diagnostic (perf-log, eighth session,
-/// "Build probe: setmaxnreg"); as a call on the cold path it does not.
+/// a `.dec` still applies) and prints no diagnostic (seen in a build with the
+/// trap inlined); as a call on the cold path it does not.
 static __device__ __noinline__ void mbarrier_wait_timed_out(uint32_t timeout_code) {
   g_dsaib_wait_timeout_code = timeout_code;
   __trap();

@@ -9,7 +9,7 @@
 // (a warp's load j reads 32 consecutive slots, 128 coalesced bytes; with
 // consecutive slots per thread each load spanned 1 KiB and ncu counted 18% of
 // the kernel's L2 sectors as excessive; paired A/B at S 16384: -1.1% causal,
-// -1.9% random, docs/perf-log.md "v21") and issues all their
+// -1.9% random) and issues all their
 // loads before using any (one memory latency per chunk, not one per slot).
 // Pass 1 computes G and the number of valid slots; pass 2 writes the chunk's
 // valid slots into a shared list in slot order (a ballot per slot row of
@@ -18,14 +18,13 @@
 // -1 / gs 0 / zero-filled K rows. Invalid slots never reach the consumers and
 // are never dereferenced.
 //
-// Order of the blocks (v38, docs/perf-log.md "v37 / v38 / v39"): the list is in
-// slot order, and odd waves of tasks (task / gridDim.x) take the chunks last to
-// first (v37). Against thread-order lists and forward chunks (v33), paired A/B
-// with ascending ids, 4 pairs: random ids S 4096 -2.6%, S 16384 -0.5%, S 65536
-// -0.5%; causal S 4096 -1.5%, S 16384 -1.0%, S 65536 0. Ids in a random order
-// within the row run as fast as ascending ones (fourteenth session, call 3), so
-// the gain is not that of narrow blocks alone; ordering the list by key bucket
-// (v42) cost 1.8-3.6% with shuffled ids (its only A/B).
+// Order of the blocks: the list is in slot order, and odd waves of tasks
+// (task / gridDim.x) take the chunks last to first. Against thread-order lists
+// and forward chunks, paired A/B with ascending ids, 4 pairs: random ids S 4096
+// -2.6%, S 16384 -0.5%, S 65536 -0.5%; causal S 4096 -1.5%, S 16384 -1.0%,
+// S 65536 0. Ids in a random order within the row run as fast as ascending
+// ones, so the gain is not that of narrow blocks alone; ordering the list by
+// key bucket cost 1.8-3.6% with shuffled ids (its only A/B).
 #pragma once
 
 #include <cute/arch/copy_sm80.hpp>
@@ -64,12 +63,12 @@ struct ProducerGather {
   /// One thread's slots of a chunk: key rows (-1 invalid) and, when wanted, T and P.
   struct SlotBatch {
     int32_t key_row[kPerThread];
-    float attn[kPerThread];
-    float pred[kPerThread];
+    float attn_score[kPerThread];
+    float index_score[kPerThread];
   };
 
-  __device__ void load_batch(int first_slot, const RowSequence& seq, const int32_t* ids, const float* attn,
-                             const float* pred, SlotBatch& s) const {
+  __device__ void load_batch(int first_slot, const RowSequence& seq, const int32_t* ids, const float* attn_score,
+                             const float* index_score, SlotBatch& s) const {
     int32_t id[kPerThread];
     CUTE_UNROLL
     for (int j = 0; j < kPerThread; ++j) {
@@ -81,8 +80,8 @@ struct ProducerGather {
       const int i = first_slot + j * kThreads;
       const int64_t kr = key_row_of(p, seq, id[j]);  // -1 also for slots past topk (id -1)
       s.key_row[j] = static_cast<int32_t>(kr);
-      s.attn[j] = kr >= 0 ? attn[i] : 0.0f;
-      s.pred[j] = kr >= 0 ? pred[i] : 0.0f;
+      s.attn_score[j] = kr >= 0 ? attn_score[i] : 0.0f;
+      s.index_score[j] = kr >= 0 ? index_score[i] : 0.0f;
     }
   }
 
@@ -140,7 +139,7 @@ struct ProducerGather {
     auto k_state = make_producer_start_state<Config::kStagesK>();
     auto q_state = make_producer_start_state<Config::kStagesQ>();
 
-    // Start delay (v44, start_stagger.hpp): CTAs from start_stagger_first_delayed_cta
+    // Start delay (start_stagger.hpp): CTAs from start_stagger_first_delayed_cta
     // on (the ones with a task fewer) start out of phase. Only this role waits;
     // the others wait on its pipelines anyway. No memory is touched.
     if (const uint64_t delay = start_delay_ns(p.start_stagger_max_ns, p.start_stagger_first_delayed_cta, blockIdx.x)) {
@@ -157,8 +156,8 @@ struct ProducerGather {
       // k_seq_col + (kr - seq.k_start) * k_row_stride (no per-copy division).
       const uint16_t* k_seq_col = key_row_ptr(p, seq.k_start) + gather_col;
       const int32_t* ids = p.topk_indices + batched_offset(row, p.q_rows_per_batch, p.ids_batch_stride, p.ids_row_stride);
-      const float* attn = p.attn_score + batched_offset(row, p.q_rows_per_batch, p.attn_batch_stride, p.attn_row_stride);
-      const float* pred = p.index_score + batched_offset(row, p.q_rows_per_batch, p.pred_batch_stride, p.pred_row_stride);
+      const float* attn_score = p.attn_score + batched_offset(row, p.q_rows_per_batch, p.attn_score_batch_stride, p.attn_score_row_stride);
+      const float* index_score = p.index_score + batched_offset(row, p.q_rows_per_batch, p.index_score_batch_stride, p.index_score_row_stride);
 
       // ---- Q tile and weights of this task
       q_pipe.producer_acquire(q_state);
@@ -185,13 +184,13 @@ struct ProducerGather {
       int num_blocks = 0;
       for (int chunk0 = 0; chunk0 < p.topk; chunk0 += Config::kSlotChunk) {
         SlotBatch s;
-        load_batch(chunk0 + tid, seq, ids, attn, pred, s);
+        load_batch(chunk0 + tid, seq, ids, attn_score, index_score, s);
         int count = 0;
         CUTE_UNROLL
         for (int j = 0; j < kPerThread; ++j) {
           if (s.key_row[j] >= 0) {
             ++count;
-            if (s.pred[j] >= eps) g_part += -c * max_keeping_nan(s.attn[j], eps);
+            if (s.index_score[j] >= eps) g_part += -c * max_keeping_nan(s.attn_score[j], eps);
           }
         }
         int chunk_valid = 0;
@@ -211,7 +210,7 @@ struct ProducerGather {
       //      once block j+1 has been issued (two blocks of copies in flight)
       bool pending = false;
       PipelineState<Config::kStagesK> pending_state{};
-      // Odd waves of tasks (task / gridDim.x) walk the chunks last to first (v37):
+      // Odd waves of tasks (task / gridDim.x) walk the chunks last to first:
       // with ascending ids every CTA then turns at the same end of the key range,
       // the half of dK and K touched last in one wave is touched first in the next.
       const int num_chunks = (p.topk + Config::kSlotChunk - 1) / Config::kSlotChunk;
@@ -219,8 +218,8 @@ struct ProducerGather {
       for (int ci = 0; ci < num_chunks; ++ci) {
         const int chunk0 = (reverse_chunks ? num_chunks - 1 - ci : ci) * Config::kSlotChunk;
         SlotBatch s;
-        load_batch(chunk0 + tid, seq, ids, attn, pred, s);
-        // The list in slot order (v38). Slot chunk0 + tid + j * kThreads goes to position
+        load_batch(chunk0 + tid, seq, ids, attn_score, index_score, s);
+        // The list in slot order. Slot chunk0 + tid + j * kThreads goes to position
         //   (valid slots of rows j' < j) + (valid slots of threads < tid in row j),
         // row j being the kThreads slots chunk0 + j * kThreads + [0, kThreads).
         const int lane = tid % 32, warp = tid / 32;
@@ -246,8 +245,8 @@ struct ProducerGather {
         CUTE_UNROLL
         for (int j = 0; j < kPerThread; ++j) {
           if (s.key_row[j] >= 0) {
-            const float g = s.pred[j] >= eps ? -c * max_keeping_nan(s.attn[j], eps) : 0.0f;
-            ss.slot_gs[pos[j]] = g - s.pred[j] * G;
+            const float g = s.index_score[j] >= eps ? -c * max_keeping_nan(s.attn_score[j], eps) : 0.0f;
+            ss.slot_gs[pos[j]] = g - s.index_score[j] * G;
             ss.slot_key_row[pos[j]] = s.key_row[j];
           }
         }

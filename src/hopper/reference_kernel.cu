@@ -40,8 +40,8 @@ __global__ void __launch_bounds__(kThreads) reference_backward_kernel(const Inde
   const int tid = threadIdx.x;
   const RowSequence seq = row_sequence(p, row);
   const int32_t* ids = p.topk_indices + batched_offset(row, p.q_rows_per_batch, p.ids_batch_stride, p.ids_row_stride);
-  const float* attn = p.attn_score + batched_offset(row, p.q_rows_per_batch, p.attn_batch_stride, p.attn_row_stride);
-  const float* pred = p.index_score + batched_offset(row, p.q_rows_per_batch, p.pred_batch_stride, p.pred_row_stride);
+  const float* attn_score = p.attn_score + batched_offset(row, p.q_rows_per_batch, p.attn_score_batch_stride, p.attn_score_row_stride);
+  const float* index_score = p.index_score + batched_offset(row, p.q_rows_per_batch, p.index_score_batch_stride, p.index_score_row_stride);
   const uint16_t* q_row = p.index_q + batched_offset(row, p.q_rows_per_batch, p.q_batch_stride, p.q_row_stride);
   const int64_t w_off = batched_offset(row, p.q_rows_per_batch, p.w_batch_stride, p.w_row_stride);
   const double eps = exp(-100.0);
@@ -53,7 +53,7 @@ __global__ void __launch_bounds__(kThreads) reference_backward_kernel(const Inde
   // G = sum over valid slots of g_i
   double part = 0.0;
   for (int i = tid; i < p.topk; i += kThreads) {
-    if (key_row_of(p, seq, ids[i]) >= 0 && static_cast<double>(pred[i]) >= eps) part += -c * max_keeping_nan(static_cast<double>(attn[i]), eps);
+    if (key_row_of(p, seq, ids[i]) >= 0 && static_cast<double>(index_score[i]) >= eps) part += -c * max_keeping_nan(static_cast<double>(attn_score[i]), eps);
   }
   red[tid] = part;
   __syncthreads();
@@ -70,8 +70,8 @@ __global__ void __launch_bounds__(kThreads) reference_backward_kernel(const Inde
       const int64_t kr = key_row_of(p, seq, ids[i]);
       s_kr = kr;
       if (kr >= 0) {
-        const double P = pred[i];
-        const double g = P >= eps ? -c * max_keeping_nan(static_cast<double>(attn[i]), eps) : 0.0;
+        const double P = index_score[i];
+        const double g = P >= eps ? -c * max_keeping_nan(static_cast<double>(attn_score[i]), eps) : 0.0;
         s_gs = g - P * G;
       }
     }

@@ -104,7 +104,7 @@ struct ScoreMma {
       // K stage and issues the next GEMM1; the previous K stage is released
       // only then. Every wait has the same count on every path (waits that
       // depend on a runtime branch make ptxas serialise every wgmma,
-      // C7514/C7515, perf-log v25).
+      // C7514/C7515).
       auto k_prev = k_state;
       for (int blk = 0; blk < num_blocks; ++blk) {
         const int ks = k_state.index;
@@ -172,8 +172,8 @@ struct ScoreMma {
           if (p.dq_f32) {
             *reinterpret_cast<float2*>(static_cast<float*>(p.d_index_q) + o) = make_float2(tDQrDQ(i), tDQrDQ(i + 1));
           } else {
-            __nv_bfloat162 v2 = __floats2bfloat162_rn(tDQrDQ(i), tDQrDQ(i + 1));
-            *reinterpret_cast<__nv_bfloat162*>(static_cast<Element*>(p.d_index_q) + o) = v2;
+            __nv_bfloat162 packed = __floats2bfloat162_rn(tDQrDQ(i), tDQrDQ(i + 1));
+            *reinterpret_cast<__nv_bfloat162*>(static_cast<Element*>(p.d_index_q) + o) = packed;
           }
         }
       }

@@ -1,15 +1,15 @@
-// When the persistent CTAs start out of phase (v44). The plan is host code,
-// header-only (the launcher decides per launch, and the CPU tests check it
+// When the persistent CTAs start out of phase. The plan is host code,
+// header-only (launch_plan.cpp decides per launch, and the CPU tests check it
 // without a GPU); start_delay_ns is also compiled for the device, where the
 // producer computes its own CTA's delay with it.
 //
 // All CTAs of the persistent grid start their first task at the same moment and
 // then do the same kind of work at the same time (stage 1's streamed loads, then
 // the gathers, then the dK reds); they drift apart only over many waves. CTAs
-// held in step cost ~7% at S 65536 (perf-log, fifteenth session, the epoch-gate
-// probes), and delaying the start of most CTAs by up to about half a task took
-// random ids at S 4096 (31 waves) -1.2% (v44, 8-pair A/B); three quarters of a
-// task took another -1.0% there (sixteenth session, 8-pair A/B; kTaskShare).
+// held in step (a gate at every chunk of every wave) cost ~7% at S 65536 with
+// shuffled ids, and delaying the start of most CTAs by up to about half a task
+// took random ids at S 4096 (31 waves) -1.2% (8-pair A/B on the H200); three
+// quarters of a task took another -1.0% there (8-pair A/B; kTaskShare).
 //
 // With num_tasks = waves * grid + tail (0 < tail < grid), CTAs 0 .. tail-1 run
 // one task more than the others (CTA b runs tasks b, b + grid, ...). Only the
@@ -22,16 +22,13 @@
 // with tail 0, fewer waves, or a max_ns under kMinDelayNs (the timer and
 // __nanosleep granularity would dominate it).
 //
-// DSAIB_START_STAGGER=off turns the delays off (for A/B runs and debugging).
+// IndexerBackwardOptions::start_stagger = off turns the delays off (for A/B runs
+// and debugging).
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <string>
 #include <vector>
-
-#include "dsaib/error.hpp"
 
 #if defined(__CUDACC__)
 #define DSAIB_START_STAGGER_HD __host__ __device__
@@ -47,17 +44,18 @@ namespace dsaib::hopper {
 /// ~0.113 at D 64 (~231), each times the 132 CTAs that share that rate.
 inline constexpr double kTaskNsPerSlotD128 = 0.176 * 132;
 inline constexpr double kTaskNsPerSlotD64 = 0.113 * 132;
-/// The delay's share of the cheapest extra task. Measured against 0.5 (v44), 8
-/// pairs at S 4096: 0.75 random -3.7 [-6.4, -1.0] ns/row, causal +0.7 [-2.1, +3.4];
-/// 1.0 random -2.9 [-5.2, -0.6], causal +1.5 [-0.8, +3.9] (perf-log, sixteenth
-/// session). Below 1, a delayed CTA still ends before the CTAs with an extra task
-/// when the tasks cost the same.
+/// The delay's share of the cheapest extra task. Measured against 0.5, 8 pairs
+/// at S 4096: 0.75 random -3.7 [-6.4, -1.0] ns/row, causal +0.7 [-2.1, +3.4];
+/// 1.0 random -2.9 [-5.2, -0.6], causal +1.5 [-0.8, +3.9]. Below 1, a delayed
+/// CTA still ends before the CTAs with an extra task when the tasks cost the
+/// same.
 inline constexpr double kTaskShare = 0.75;
 inline constexpr int64_t kMinWaves = 4;
 inline constexpr double kMinDelayNs = 2000.0;
 inline constexpr double kMaxDelayNs = 1.0e6;
 
-struct StartStagger {
+/// The start delays of one launch (IndexerBackwardParams::start_stagger_*).
+struct StartDelays {
   uint32_t max_ns = 0;            // 0: no CTA is delayed
   int64_t first_delayed_cta = 0;  // CTAs b >= this one (the ones with a task fewer) are delayed
 };
@@ -87,24 +85,12 @@ inline int64_t fewest_slots_of_tasks(int64_t first_task, int64_t num_tasks, int6
   return std::max<int64_t>(fewest, 0);
 }
 
-/// DSAIB_START_STAGGER: "auto" (also unset or empty): the plan below; "off": no
-/// delays. Read once per call before anything is written.
-/// Throws Error(invalid_argument, "DSAIB_START_STAGGER") for any other value.
-inline bool start_stagger_enabled_from_env() {
-  const char* v = std::getenv("DSAIB_START_STAGGER");
-  const std::string s = v == nullptr ? "" : v;
-  if (s.empty() || s == "auto") return true;
-  if (s == "off") return false;
-  throw Error(ErrorCode::invalid_argument, "DSAIB_START_STAGGER",
-              "DSAIB_START_STAGGER: expected \"auto\" or \"off\", got \"" + s + "\"");
-}
-
 /// The delay plan of one launch of `grid` persistent CTAs over `num_tasks` tasks
 /// (head_groups per query row; q_len / k_len as for fewest_slots_of_tasks).
-inline StartStagger start_stagger_for_launch(int64_t num_tasks, int64_t grid, int64_t head_groups, int64_t topk,
-                                             const std::vector<int64_t>& q_len, const std::vector<int64_t>& k_len,
-                                             int64_t head_dim) {
-  StartStagger s;
+inline StartDelays start_delays_for_launch(int64_t num_tasks, int64_t grid, int64_t head_groups, int64_t topk,
+                                           const std::vector<int64_t>& q_len, const std::vector<int64_t>& k_len,
+                                           int64_t head_dim) {
+  StartDelays s;
   if (grid <= 0 || num_tasks < kMinWaves * grid) return s;  // too few waves for the delay to be safe
   const int64_t tail = num_tasks % grid;
   if (tail == 0) return s;  // every CTA runs the same number of tasks: no slack

@@ -31,29 +31,29 @@ struct TileConfig {
 
   static constexpr int kBlockKeys = 64;  // keys per gathered block
   static constexpr int kHeadTile = 64;   // heads per task (wgmma M)
-  // Gathered-K pipeline depth. 6 (perf-log, fifth session): -6.5 [-8.2, -4.7]
-  // causal, -8.0 [-10.1, -6.0] random ns/row at S 16384 against 4 (5 pairs);
-  // -2% on v11 before. Every instantiation still fits the 227 KiB opt-in
-  // (static_assert in shared_storage.cuh).
-  // The split-A D=128 kernel (v24) stages dK for the scatter role in two buffers
+  // Gathered-K pipeline depth. 6: -6.5 [-8.2, -4.7] causal, -8.0 [-10.1, -6.0]
+  // random ns/row at S 16384 against 4 (5 pairs on the H200). Every
+  // instantiation still fits the 227 KiB opt-in (static_assert in
+  // shared_storage.cuh).
+  // The split-A D=128 kernel stages dK for the scatter role in two buffers
   // and its sA holds two terms: 5 K stages are what fit in 227 KiB there.
   static constexpr int kStagesK = (kSplitA_ && kHeadDim_ == 128) ? 5 : 6;
   static constexpr int kStagesQ = 2;     // per-task Q/w pipeline depth
 
   // Four roles, one warpgroup each (indexer_backward_kernel.cuh): producer
   // (gather), score MMA (GEMM1, dW, A, GEMM3 -> dQ), dK MMA (GEMM2 -> dK,
-  // staging) and scatter (dK reds). v28 split the one consumer warpgroup of
-  // v16-v27 into the score and dK roles: its chain (GEMM1, A, GEMM2, dK
-  // staging, GEMM3) was the bound (perf-log tenth session, wait-time probe;
-  // eleventh session, ncu source view).
+  // staging) and scatter (dK reds). The score and dK roles are one consumer
+  // warpgroup split in two: its chain (GEMM1, A, GEMM2, dK staging, GEMM3) was
+  // the bound (wait-time probe, ncu source view); the split took -2.5% to -3%
+  // at S 16384 (one A term, 3 pairs).
   static constexpr int kThreadsPerWarpgroup = 128;
   static constexpr int kProducerThreads = kThreadsPerWarpgroup;
   static constexpr int kScoreThreads = kThreadsPerWarpgroup;
   static constexpr int kDkThreads = kThreadsPerWarpgroup;
-  // Scatter role (perf-log v16): the dK scatter-add from double-buffered
-  // staging, so the reds leave continuously instead of in an MMA role's chain
-  // (-13 to -15% against v11 at S 4096 and 16384, both id patterns). Two
-  // buffers: a third measured no change (perf-log).
+  // Scatter role: the dK scatter-add from double-buffered staging, so the reds
+  // leave continuously instead of in an MMA role's chain (-13 to -15% against
+  // reds issued by the consumer, at S 4096 and 16384, both id patterns). Two
+  // buffers: a third measured no change.
   static constexpr int kScatterThreads = kThreadsPerWarpgroup;
   static constexpr int kDkBuffers = 2;
   // Warpgroup index of each role (the kernel's role split).
@@ -77,7 +77,7 @@ struct TileConfig {
   // -warn-spills -Werror and cmake/ptxas_gate.sh (serialised wgmma) check that
   // each role fits its budget.
   static constexpr int kEntryRegisters = 128;
-  // Since GEMM1 takes Q from registers (v51) the score role also holds Q (32 at
+  // Since GEMM1 takes Q from registers the score role also holds Q (32 at
   // D=128) for the whole task: its SASS reaches R174 of 184 (one term) and R189
   // of 192 (split A, D=128), so the split kernel has no room left there.
   static constexpr int kProducerRegisters = 112;
@@ -92,8 +92,10 @@ struct TileConfig {
   // dK blocks leave the accumulator through a per-warp staging area in shared
   // memory (each warp's 16 key rows, padded by kDkStagePad floats), and every
   // lane issues float4 atomicAdd (red.global.add.v4.f32) on contiguous columns
-  // of one key row. (perf-log: v3 bulk reduce per row, v4 float4 red straight
-  // from registers, v10 staged rows; v10 kept.)
+  // of one key row: ~-16% against float4 reds straight from the
+  // accumulator's fragments (16 rows of 32 B per warp instruction; the L2 adds
+  // whole rows at ~3.5 TB/s, that pattern at ~2.2 TB/s). One bulk reduce per
+  // staged row instead of the float4 reds took +21 ns/row at random ids.
   static constexpr int kDkStagePad = 8;
 
   // A = gs * w * sm_scale * [x > 0] is a wgmma operand, so it is bf16. One bf16
@@ -143,8 +145,8 @@ struct TileConfig {
 
   // Tiled MMAs, one warpgroup each.
   // GEMM1 takes Q from registers (wgmma RS), loaded once per task with
-  // ldmatrix, so it reads no sQ per block (16 KiB per block at D 128; perf-log
-  // v51: -1.6 to -3.1% at S 4096 to 65536, except ~0 at random S 65536).
+  // ldmatrix, so it reads no sQ per block (16 KiB per block at D 128): -1.6 to
+  // -3.1% at S 4096 to 65536, except ~0 at random S 65536.
   using TiledMmaS = decltype(cute::make_tiled_mma(
       cute::GMMA::rs_op_selector<Element, Element, float,
                                  cute::Shape<cute::Int<kHeadTile>, cute::Int<kBlockKeys>, cute::Int<kHeadDim>>,
@@ -153,9 +155,10 @@ struct TileConfig {
       cute::GMMA::ss_op_selector<Element, Element, float,
                                  cute::Shape<cute::Int<kBlockKeys>, cute::Int<kHeadDim>, cute::Int<kHeadTile>>,
                                  cute::GMMA::Major::K, cute::GMMA::Major::MN>()));
-  // GEMM3 takes A from registers (wgmma RS, perf-log v50): A (heads x keys) is computed
-  // in the GEMM1 accumulator's layout, which is the 16-bit wgmma A fragment over
-  // the same keys (FA3 feeds P to P.V so); GEMM3 reads no sA.
+  // GEMM3 takes A from registers (wgmma RS; -0.5 to -1.2% at S 16384 / 65536):
+  // A (heads x keys) is computed in the GEMM1 accumulator's layout, which is the
+  // 16-bit wgmma A fragment over the same keys (FA3 feeds P to P.V so); GEMM3
+  // reads no sA.
   using TiledMmaDQ = decltype(cute::make_tiled_mma(
       cute::GMMA::rs_op_selector<Element, Element, float,
                                  cute::Shape<cute::Int<kHeadTile>, cute::Int<kHeadDim>, cute::Int<kBlockKeys>>,

@@ -83,6 +83,10 @@ TEST(CApi, DefaultOptionsMatchCpp) {
   EXPECT_EQ(o.stream, nullptr);
   EXPECT_EQ(o.num_threads, 0);
   EXPECT_EQ(o.a_operand_precision, DSAIB_A_OPERAND_AUTOMATIC);
+  EXPECT_EQ(o.l2_hints, DSAIB_L2_HINTS_AUTOMATIC);
+  EXPECT_EQ(o.l2_hints, static_cast<int32_t>(d.l2_hints));
+  EXPECT_EQ(o.start_stagger, DSAIB_START_STAGGER_AUTOMATIC);
+  EXPECT_EQ(o.start_stagger, static_cast<int32_t>(d.start_stagger));
   dsaib_default_options(nullptr);  // tolerated
 }
 
@@ -134,6 +138,9 @@ TEST(CApi, ContiguousTensor) {
 TEST(CApi, SuccessMatchesCppAndClearsLastError) {
   for (Layout layout : {Layout::bshd, Layout::thd}) {
     CProblem c(layout);
+    // Valid values of the cuda tuning options pass (the cpu backend ignores them).
+    c.opt.l2_hints = layout == Layout::bshd ? DSAIB_L2_HINTS_ON : DSAIB_L2_HINTS_OFF;
+    c.opt.start_stagger = DSAIB_START_STAGGER_OFF;
     // Leave an error behind first.
     ASSERT_EQ(dsaib_indexer_backward(nullptr, &c.out, &c.opt, nullptr, 0), DSAIB_INVALID_ARGUMENT);
     ASSERT_STRNE(dsaib_last_error(), "");
@@ -169,6 +176,10 @@ TEST(CApi, FailuresReportStatusAndMessageAndTouchNothing) {
       {"sm_scale", DSAIB_INVALID_ARGUMENT, "sm_scale: expected a finite value, got",
        [](CProblem& c) { c.opt.sm_scale = std::numeric_limits<float>::infinity(); }},
       {"layout enum", DSAIB_INVALID_ARGUMENT, "layout: expected bshd or thd, got 4", [](CProblem& c) { c.opt.layout = 4; }},
+      {"l2_hints enum", DSAIB_INVALID_ARGUMENT, "l2_hints: expected 0 (automatic), 1 (on) or 2 (off), got 3",
+       [](CProblem& c) { c.opt.l2_hints = 3; }},
+      {"start_stagger enum", DSAIB_INVALID_ARGUMENT, "start_stagger: expected 0 (automatic) or 1 (off), got -1",
+       [](CProblem& c) { c.opt.start_stagger = -1; }},
       // errors.md's order, as in C++: the options before the tensors' enum fields...
       {"layout before a rank enum", DSAIB_INVALID_ARGUMENT, "layout: expected bshd or thd, got 4",
        [](CProblem& c) {

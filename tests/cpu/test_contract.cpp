@@ -321,6 +321,10 @@ void register_cases() {
   add("backend_enum", Layout::bshd, "backend", [](Env& e) { e.opt.backend = static_cast<Backend>(5); });
   add("a_operand_precision_enum", Layout::bshd, "a_operand_precision",
       [](Env& e) { e.opt.a_operand_precision = static_cast<AOperandPrecision>(3); });
+  add("l2_hints_enum", Layout::bshd, "l2_hints", [](Env& e) { e.opt.l2_hints = static_cast<L2Hints>(3); });
+  add("l2_hints_negative", Layout::bshd, "l2_hints", [](Env& e) { e.opt.l2_hints = static_cast<L2Hints>(-1); });
+  add("start_stagger_enum", Layout::bshd, "start_stagger",
+      [](Env& e) { e.opt.start_stagger = static_cast<StartStagger>(2); });
   add("layout_thd_given_bshd_tensors", Layout::bshd, "index_q", [](Env& e) { e.opt.layout = Layout::thd; });
   add("layout_bshd_given_thd_tensors", Layout::thd, "index_q", [](Env& e) { e.opt.layout = Layout::bshd; });
 

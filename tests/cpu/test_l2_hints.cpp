@@ -1,9 +1,8 @@
 // The cuda backend's L2-hint decision (src/hopper/l2_hints.hpp: whether the dK reds
 // carry their L2 policy), host code only: the working-set estimate over sequences,
-// the threshold and the DSAIB_L2_HINTS switch.
+// the threshold, and the option's words (IndexerBackwardOptions::l2_hints).
 #include <gtest/gtest.h>
 
-#include <cstdlib>
 #include <string>
 #include <utility>
 #include <vector>
@@ -39,7 +38,7 @@ TEST(L2Hints, SequencesWithoutQueryRowsAreNeverMet) {
 }
 
 TEST(L2Hints, AutomaticTakesTheHintsAboveHalfTheL2) {
-  // perf-log v32b: S 65536 D128 (48 MiB of dK + K) gains; S 16384 (12 MiB) fits.
+  // Measured: S 65536 D128 (48 MiB of dK + K) gains; S 16384 (12 MiB) fits.
   EXPECT_TRUE(l2_hints_pay(L2Hints::automatic, 65536, 128, kH200L2, kH200SetAside));
   EXPECT_FALSE(l2_hints_pay(L2Hints::automatic, 16384, 128, kH200L2, kH200SetAside));
   EXPECT_FALSE(l2_hints_pay(L2Hints::automatic, 65536, 64, kH200L2, kH200SetAside));  // 24 MiB
@@ -101,7 +100,7 @@ TEST(L2Hints, LaunchDecisionCountsRowsInFlightPerHeadGroup) {
 TEST(L2Hints, KeepFractionFollowsTheSetAside) {
   constexpr int64_t kMiB = 1 << 20;
   // B1 S 65536 D128: 32 MiB of dK. The H200's default set-aside (11.25 MiB) keeps
-  // the measured 0.35; its cap (37.5 MiB) holds all of dK: 1.0 (perf-log, call 7).
+  // the measured 0.35; its cap (37.5 MiB) holds all of dK: 1.0.
   EXPECT_EQ(l2_keep_fraction(11 * kMiB + kMiB / 4, 65536, 128), L2KeepFraction::f035);
   EXPECT_EQ(l2_keep_fraction(37 * kMiB + kMiB / 2, 65536, 128), L2KeepFraction::f100);
   EXPECT_EQ(l2_keep_fraction(0, 65536, 128), L2KeepFraction::f035);
@@ -113,7 +112,7 @@ TEST(L2Hints, KeepFractionFollowsTheSetAside) {
   // Every automatic hinted launch has more than 30 MiB of dK + K, i.e. more than
   // 20 MiB of dK at D128: the default 11.25 MiB never reaches 3/4 of it.
   EXPECT_EQ(l2_keep_fraction(11 * kMiB + kMiB / 4, 40961, 128), L2KeepFraction::f035);
-  // A small table forced on (DSAIB_L2_HINTS=on) fits the default set-aside whole.
+  // A small table forced on (l2_hints on) fits the default set-aside whole.
   EXPECT_EQ(l2_keep_fraction(11 * kMiB + kMiB / 4, 300, 128), L2KeepFraction::f100);
   EXPECT_FLOAT_EQ(l2_keep_fraction_value(L2KeepFraction::f035), 0.35f);
   EXPECT_FLOAT_EQ(l2_keep_fraction_value(L2KeepFraction::f075), 0.75f);
@@ -140,31 +139,21 @@ TEST(L2Hints, KeepFractionFollowsTheSetAside) {
   EXPECT_EQ(key_rows_for_launch(q40, k16k, 4, 132), 2 * 16384);
 }
 
-class L2HintsEnv : public ::testing::Test {
- protected:
-  void TearDown() override { unsetenv("DSAIB_L2_HINTS"); }
-};
-
-TEST_F(L2HintsEnv, ParsesItsThreeValues) {
-  unsetenv("DSAIB_L2_HINTS");
-  EXPECT_EQ(l2_hints_from_env(), L2Hints::automatic);
-  for (const auto& [text, mode] : {std::pair{"", L2Hints::automatic}, std::pair{"auto", L2Hints::automatic},
-                                   std::pair{"on", L2Hints::on}, std::pair{"off", L2Hints::off}}) {
-    setenv("DSAIB_L2_HINTS", text, 1);
-    EXPECT_EQ(l2_hints_from_env(), mode) << '"' << text << '"';
+TEST(L2Hints, NamesAndParsesTheOptionWords) {
+  for (const auto& [word, mode] : {std::pair{"auto", L2Hints::automatic}, std::pair{"on", L2Hints::on},
+                                   std::pair{"off", L2Hints::off}}) {
+    EXPECT_STREQ(l2_hints_name(mode), word);
+    L2Hints got = mode == L2Hints::on ? L2Hints::off : L2Hints::on;
+    ASSERT_TRUE(parse_l2_hints(word, &got)) << word;
+    EXPECT_EQ(got, mode) << word;
   }
-}
-
-TEST_F(L2HintsEnv, RejectsOtherValuesNamingTheVariable) {
-  setenv("DSAIB_L2_HINTS", "yes", 1);
-  try {
-    (void)l2_hints_from_env();
-    FAIL() << "expected an Error";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
-    EXPECT_EQ(e.argument(), "DSAIB_L2_HINTS");
-    EXPECT_NE(std::string(e.what()).find("got \"yes\""), std::string::npos) << e.what();
+  for (const char* bad : {"", "yes", "ON", "automatic", "auto "}) {
+    L2Hints got = L2Hints::on;
+    EXPECT_FALSE(parse_l2_hints(bad, &got)) << '"' << bad << '"';
+    EXPECT_EQ(got, L2Hints::on) << "unchanged on failure";
   }
+  EXPECT_STREQ(l2_hints_name(static_cast<L2Hints>(7)), "invalid");
+  EXPECT_EQ(IndexerBackwardOptions{}.l2_hints, L2Hints::automatic);
 }
 
 }  // namespace

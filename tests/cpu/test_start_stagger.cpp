@@ -1,11 +1,13 @@
-// The start-delay plan of the persistent CTAs (src/hopper/start_stagger.hpp, v44).
+// The start-delay plan of the persistent CTAs (src/hopper/start_stagger.hpp) and
+// the option's words (IndexerBackwardOptions::start_stagger).
 #include <gtest/gtest.h>
 
-#include <cstdlib>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "dsaib/indexer_backward.hpp"
 #include "hopper/start_stagger.hpp"
 
 namespace {
@@ -15,19 +17,18 @@ using dsaib::hopper::kTaskNsPerSlotD128;
 using dsaib::hopper::kTaskNsPerSlotD64;
 using dsaib::hopper::kTaskShare;
 using dsaib::hopper::start_delay_ns;
-using dsaib::hopper::start_stagger_enabled_from_env;
-using dsaib::hopper::start_stagger_for_launch;
-using dsaib::hopper::StartStagger;
+using dsaib::hopper::start_delays_for_launch;
+using dsaib::hopper::StartDelays;
 using Lens = std::vector<int64_t>;
 
-StartStagger bshd(int64_t batch, int64_t s, int64_t heads, int64_t topk, int64_t dim, int64_t grid = 132) {
+StartDelays bshd(int64_t batch, int64_t s, int64_t heads, int64_t topk, int64_t dim, int64_t grid = 132) {
   const int64_t groups = (heads + 63) / 64;
-  return start_stagger_for_launch(batch * s * groups, grid, groups, topk, Lens(batch, s), Lens(batch, s), dim);
+  return start_delays_for_launch(batch * s * groups, grid, groups, topk, Lens(batch, s), Lens(batch, s), dim);
 }
 
 TEST(StartStagger, DeepSeekShapeDelaysOnlyTheCtasWithATaskFewer) {
   // B1 S 4096 H64: 4096 tasks on 132 CTAs = 31 waves and 4 tasks more.
-  const StartStagger s = bshd(1, 4096, 64, 2048, 128);
+  const StartDelays s = bshd(1, 4096, 64, 2048, 128);
   EXPECT_EQ(s.first_delayed_cta, 4);
   EXPECT_EQ(s.max_ns, static_cast<uint32_t>(0.75 * 0.176 * 132 * 2048));  // 3/4 of a task, ~35.7 us
   for (int b = 0; b < 4; ++b) EXPECT_EQ(start_delay_ns(s.max_ns, s.first_delayed_cta, b), 0u) << "CTA " << b;
@@ -61,21 +62,21 @@ TEST(StartStagger, NoDelayWithoutSlackOrWithFewWaves) {
 }
 
 TEST(StartStagger, ScalesWithTheTaskAndIsCapped) {
-  const StartStagger d128 = bshd(1, 16384, 64, 2048, 128), d64 = bshd(1, 16384, 64, 2048, 64);
+  const StartDelays d128 = bshd(1, 16384, 64, 2048, 128), d64 = bshd(1, 16384, 64, 2048, 64);
   EXPECT_EQ(d128.first_delayed_cta, 16384 % 132);
   EXPECT_EQ(d64.max_ns, static_cast<uint32_t>(kTaskShare * kTaskNsPerSlotD64 * 2048));
   EXPECT_EQ(bshd(1, 16384, 64, 512, 128).max_ns, static_cast<uint32_t>(kTaskShare * kTaskNsPerSlotD128 * 512));
-  EXPECT_EQ(start_stagger_for_launch(16384, 132, 1, 1 << 30, Lens{16384}, Lens{1 << 30}, 128).max_ns,
+  EXPECT_EQ(start_delays_for_launch(16384, 132, 1, 1 << 30, Lens{16384}, Lens{1 << 30}, 128).max_ns,
             1000000u);  // at most 1 ms
   // H128: two tasks per row, tasks = rows x 2
-  const StartStagger h128 = bshd(1, 4096, 128, 2048, 128);
+  const StartDelays h128 = bshd(1, 4096, 128, 2048, 128);
   EXPECT_EQ(h128.first_delayed_cta, (4096 * 2) % 132);
   EXPECT_EQ(h128.max_ns, d128.max_ns);
 }
 
 TEST(StartStagger, SizedForTheCheapestExtraTask) {
   // Sequences shorter than topk: a row has at most k_len valid slots.
-  const StartStagger s256 = bshd(64, 256, 64, 2048, 128);
+  const StartDelays s256 = bshd(64, 256, 64, 2048, 128);
   EXPECT_EQ(s256.max_ns, static_cast<uint32_t>(kTaskShare * kTaskNsPerSlotD128 * 256));
   // THD: 20 sequences of 512 rows and keys, then one of 1 row and 65536 keys. The
   // extra tasks (the last tail = 10241 mod 132 = 77) are rows of both kinds: the
@@ -84,7 +85,7 @@ TEST(StartStagger, SizedForTheCheapestExtraTask) {
   q.push_back(1);
   k.push_back(65536);
   EXPECT_EQ(fewest_slots_of_tasks(10241 - 77, 10241, 1, 2048, q, k), 512);
-  const StartStagger thd = start_stagger_for_launch(10241, 132, 1, 2048, q, k, 128);
+  const StartDelays thd = start_delays_for_launch(10241, 132, 1, 2048, q, k, 128);
   EXPECT_EQ(thd.first_delayed_cta, 77);
   EXPECT_EQ(thd.max_ns, static_cast<uint32_t>(kTaskShare * kTaskNsPerSlotD128 * 512));
   // A sequence with no query rows holds no task, whatever its keys.
@@ -99,32 +100,21 @@ TEST(StartStagger, SizedForTheCheapestExtraTask) {
   EXPECT_EQ(fewest_slots_of_tasks(2 * 127, 2 * 129, 2, 2048, q1, k1), 128);
 }
 
-class StartStaggerEnv : public ::testing::Test {
- protected:
-  void TearDown() override { unsetenv("DSAIB_START_STAGGER"); }
-};
-
-TEST_F(StartStaggerEnv, AutoByDefaultOffOnRequest) {
-  unsetenv("DSAIB_START_STAGGER");
-  EXPECT_TRUE(start_stagger_enabled_from_env());
-  for (const char* on : {"", "auto"}) {
-    setenv("DSAIB_START_STAGGER", on, 1);
-    EXPECT_TRUE(start_stagger_enabled_from_env()) << '"' << on << '"';
+TEST(StartStagger, NamesAndParsesTheOptionWords) {
+  using dsaib::StartStagger;
+  for (const auto& [word, mode] : {std::pair{"auto", StartStagger::automatic}, std::pair{"off", StartStagger::off}}) {
+    EXPECT_STREQ(dsaib::start_stagger_name(mode), word);
+    StartStagger got = mode == StartStagger::off ? StartStagger::automatic : StartStagger::off;
+    ASSERT_TRUE(dsaib::parse_start_stagger(word, &got)) << word;
+    EXPECT_EQ(got, mode) << word;
   }
-  setenv("DSAIB_START_STAGGER", "off", 1);
-  EXPECT_FALSE(start_stagger_enabled_from_env());
-}
-
-TEST_F(StartStaggerEnv, RejectsOtherValuesNamingTheVariable) {
-  setenv("DSAIB_START_STAGGER", "on", 1);  // not a value: auto is the only way on
-  try {
-    (void)start_stagger_enabled_from_env();
-    FAIL() << "expected an Error";
-  } catch (const dsaib::Error& e) {
-    EXPECT_EQ(e.code(), dsaib::ErrorCode::invalid_argument);
-    EXPECT_EQ(e.argument(), "DSAIB_START_STAGGER");
-    EXPECT_NE(std::string(e.what()).find("got \"on\""), std::string::npos) << e.what();
+  for (const char* bad : {"", "on", "OFF", "automatic"}) {  // "on" is not a word: auto is the only way on
+    StartStagger got = StartStagger::off;
+    EXPECT_FALSE(dsaib::parse_start_stagger(bad, &got)) << '"' << bad << '"';
+    EXPECT_EQ(got, StartStagger::off) << "unchanged on failure";
   }
+  EXPECT_STREQ(dsaib::start_stagger_name(static_cast<StartStagger>(5)), "invalid");
+  EXPECT_EQ(dsaib::IndexerBackwardOptions{}.start_stagger, StartStagger::automatic);
 }
 
 }  // namespace

@@ -1,7 +1,8 @@
 // GPU tests (label gpu): the cuda backend against the fp64 CPU reference on
-// the cases of shared/design/test-cases.md, determinism, graph capture and the
-// fp64 GPU reference kernel. Without a compute-capability-9.0 GPU every test
-// is SKIPPED (never passed).
+// shapes, tails, id patterns and output dtypes, the launch plan's choices
+// (L2-hinted kernel, start delays), determinism, graph capture and the fp64 GPU
+// reference kernel. Without a compute-capability-9.0 GPU every test is SKIPPED
+// (never passed).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -14,9 +15,8 @@
 #include <vector>
 
 #include "gpu/device_problem.hpp"
-#include "hopper/l2_hints.hpp"
+#include "hopper/launch_plan.hpp"
 #include "hopper/reference_kernel.hpp"
-#include "hopper/start_stagger.hpp"
 
 namespace dsaib::test {
 namespace {
@@ -36,6 +36,8 @@ struct Case {
   std::function<void(GeneratedProblem&)> mutate = nullptr;
   DType dq = DType::bf16, dw = DType::bf16, dk = DType::bf16;
   bool deterministic = false;  // options.deterministic: the fixed-point dK kernels
+  L2Hints l2_hints = L2Hints::automatic;
+  StartStagger start_stagger = StartStagger::automatic;
 };
 
 GenerateSpec spec_of(int64_t b, int64_t sq, int64_t skv, int64_t h, int64_t d, int64_t topk,
@@ -70,33 +72,29 @@ void check_against_cpu(const GeneratedProblem& p, DType dq, DType dw, DType dk, 
   EXPECT_TRUE(ek.ok(tolerance(dk))) << name << " d_index_k " << ek.str();
 }
 
-void run_case(const Case& c) {
+/// The launch plan of `opt` on this device for `p` with outputs of these dtypes
+/// (detail::plan_indexer_backward: what the cuda backend launches for that call).
+hopper::LaunchPlan plan_of(const GeneratedProblem& p, const IndexerBackwardOptions& opt, DType dq, DType dw, DType dk) {
+  const DeviceProblem dp(p);
+  const DeviceOutputs out(p, dq, dw, dk);
+  IndexerBackwardOptions o = opt;
+  o.backend = Backend::cuda;
+  return detail::plan_indexer_backward(dp.inputs(), out.views(), o);
+}
+
+/// Runs a case against the fp64 CPU reference; returns the launch plan its cuda
+/// call ran with (which kernel, grid, start delays, L2 share).
+hopper::LaunchPlan run_case(const Case& c) {
   GeneratedProblem p = make_problem(c.spec);
   if (c.mutate) c.mutate(p);
   IndexerBackwardOptions opt = p.options();
   opt.deterministic = c.deterministic;
+  opt.l2_hints = c.l2_hints;
+  opt.start_stagger = c.start_stagger;
+  const hopper::LaunchPlan plan = plan_of(p, opt, c.dq, c.dw, c.dk);
   check_against_cpu(p, c.dq, c.dw, c.dk, opt, c.name);
+  return plan;
 }
-
-/// Sets an environment variable (DSAIB_L2_HINTS, l2_hints.hpp; DSAIB_START_STAGGER,
-/// start_stagger.hpp) for its scope, then restores what was there.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* v = std::getenv(name)) previous_ = v, had_ = true;
-    setenv(name, value, 1);
-  }
-  ~ScopedEnv() {
-    if (had_) setenv(name_.c_str(), previous_.c_str(), 1);
-    else unsetenv(name_.c_str());
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  std::string name_, previous_;
-  bool had_ = false;
-};
 
 // ------------------------------------------------------------ shapes ---
 
@@ -123,42 +121,37 @@ TEST_F(Gpu, HeadDim64) {
   run_case({"d64 h8 perm", spec_of(1, 33, 500, 8, 64, 257, IdPattern::random_permutation)});
 }
 
-/// Automatic: key tables whose dK + K exceed half the L2 take the hinted kernel,
-/// and its results match the fp64 CPU reference. Which kernel ran is read from
-/// hopper::l2_hinted_launches() (the two kernels give the same results).
+/// Automatic (IndexerBackwardOptions::l2_hints): key tables whose dK + K exceed
+/// half the L2 take the hinted kernel, and its results match the fp64 CPU
+/// reference. Which kernel ran is read from the launch plan (the two kernels
+/// give the same results).
 TEST_F(Gpu, L2HintedKernelChosenForLargeKeyTables) {
-  const auto hinted_runs = [](const Case& c) {
-    const uint64_t before = hopper::l2_hinted_launches();
-    run_case(c);
-    return hopper::l2_hinted_launches() - before;
-  };
-  {
-    const ScopedEnv automatic("DSAIB_L2_HINTS", "auto");
-    for (const Case& c :
-         {Case{"auto d128 sq48 skv49152", spec_of(1, 48, 49152, 64, 128, 2048, IdPattern::random_permutation)},
-          Case{"auto d64 sq40 skv98304", spec_of(1, 40, 98304, 64, 64, 1000, IdPattern::random_permutation)},
-          Case{"auto d128 b2 sq24 skv49152 causal", spec_of(2, 24, 49152, 64, 128, 300)}}) {
-      EXPECT_GE(hinted_runs(c), 1u) << c.name << ": the unhinted kernel ran";
-    }
-    // A table that fits stays on the unhinted kernel.
-    EXPECT_EQ(hinted_runs({"auto d128 sq64 skv4096", spec_of(1, 64, 4096, 64, 128, 512)}), 0u);
-    // So does every split-A call (fp32 outputs), whatever the size.
-    Case f32{"auto d128 f32 sq16 skv49152", spec_of(1, 16, 49152, 64, 128, 256, IdPattern::random_permutation)};
-    f32.dq = f32.dw = f32.dk = DType::f32;
-    EXPECT_EQ(hinted_runs(f32), 0u);
+  for (const Case& c :
+       {Case{"auto d128 sq48 skv49152", spec_of(1, 48, 49152, 64, 128, 2048, IdPattern::random_permutation)},
+        Case{"auto d64 sq40 skv98304", spec_of(1, 40, 98304, 64, 64, 1000, IdPattern::random_permutation)},
+        Case{"auto d128 b2 sq24 skv49152 causal", spec_of(2, 24, 49152, 64, 128, 300)}}) {
+    EXPECT_TRUE(run_case(c).kernel.l2_keep_dk) << c.name << ": the unhinted kernel ran";
   }
-  {
-    const ScopedEnv off("DSAIB_L2_HINTS", "off");
-    EXPECT_EQ(hinted_runs({"off d128 sq48 skv49152", spec_of(1, 48, 49152, 64, 128, 2048)}), 0u);
-  }
-  {
-    const ScopedEnv on("DSAIB_L2_HINTS", "on");
-    EXPECT_GE(hinted_runs({"on d128 sq16 skv300", spec_of(1, 16, 300, 64, 128, 200)}), 1u);
-    // 300 key rows of dK (150 KiB) fit any set-aside but none: all reds evict_last.
-    size_t set_aside = 0;
-    ASSERT_EQ(cudaDeviceGetLimit(&set_aside, cudaLimitPersistingL2CacheSize), cudaSuccess);
-    if (set_aside >= 300 * 128 * sizeof(float)) EXPECT_EQ(hopper::l2_last_keep_fraction(), hopper::L2KeepFraction::f100);
-  }
+  // A table that fits stays on the unhinted kernel.
+  EXPECT_FALSE(run_case({"auto d128 sq64 skv4096", spec_of(1, 64, 4096, 64, 128, 512)}).kernel.l2_keep_dk);
+  // So does every split-A call (fp32 outputs), whatever the size.
+  Case f32{"auto d128 f32 sq16 skv49152", spec_of(1, 16, 49152, 64, 128, 256, IdPattern::random_permutation)};
+  f32.dq = f32.dw = f32.dk = DType::f32;
+  const hopper::LaunchPlan split = run_case(f32);
+  EXPECT_TRUE(split.kernel.split_a);
+  EXPECT_FALSE(split.kernel.l2_keep_dk);
+  Case off{"off d128 sq48 skv49152", spec_of(1, 48, 49152, 64, 128, 2048)};
+  off.l2_hints = L2Hints::off;
+  EXPECT_FALSE(run_case(off).kernel.l2_keep_dk);
+  Case on{"on d128 sq16 skv300", spec_of(1, 16, 300, 64, 128, 200)};
+  on.l2_hints = L2Hints::on;
+  const hopper::LaunchPlan forced = run_case(on);
+  EXPECT_TRUE(forced.kernel.l2_keep_dk);
+  // 300 key rows of dK (150 KiB) fit any set-aside but none: all reds evict_last.
+  size_t set_aside = 0;
+  ASSERT_EQ(cudaDeviceGetLimit(&set_aside, cudaLimitPersistingL2CacheSize), cudaSuccess);
+  EXPECT_EQ(forced.device.persisting_l2_bytes, static_cast<int64_t>(set_aside));
+  if (set_aside >= 300 * 128 * sizeof(float)) EXPECT_EQ(forced.l2_keep_fraction, hopper::L2KeepFraction::f100);
 }
 
 /// The hinted kernel's evict_last share follows the context's L2 set-aside for
@@ -175,52 +168,54 @@ TEST_F(Gpu, L2KeepFractionFollowsTheSetAside) {
     size_t bytes;
     ~Restore() { EXPECT_EQ(cudaDeviceSetLimit(cudaLimitPersistingL2CacheSize, bytes), cudaSuccess); }
   } restore{before};
-  const ScopedEnv automatic("DSAIB_L2_HINTS", "auto");
   const Case c{"set-aside d128 sq48 skv49152", spec_of(1, 48, 49152, 64, 128, 2048, IdPattern::random_permutation)};
   const int64_t dk_bytes = int64_t{49152} * 128 * 4;
   ASSERT_EQ(cudaDeviceSetLimit(cudaLimitPersistingL2CacheSize, static_cast<size_t>(max_set_aside)), cudaSuccess);
   size_t now = 0;
   ASSERT_EQ(cudaDeviceGetLimit(&now, cudaLimitPersistingL2CacheSize), cudaSuccess);
-  const uint64_t hinted = hopper::l2_hinted_launches();
-  run_case(c);
-  ASSERT_GT(hopper::l2_hinted_launches(), hinted) << "the case no longer takes the hinted kernel";
-  EXPECT_EQ(hopper::l2_last_keep_fraction(), hopper::l2_keep_fraction(static_cast<int64_t>(now), 49152, 128));
-  if (static_cast<int64_t>(now) >= dk_bytes) EXPECT_EQ(hopper::l2_last_keep_fraction(), hopper::L2KeepFraction::f100);
+  const hopper::LaunchPlan at_max = run_case(c);
+  EXPECT_EQ(at_max.device.persisting_l2_bytes, static_cast<int64_t>(now)) << "the plan reads the set-aside in force";
+  ASSERT_TRUE(at_max.kernel.l2_keep_dk) << "the case no longer takes the hinted kernel";
+  EXPECT_EQ(at_max.l2_keep_fraction, hopper::l2_keep_fraction(static_cast<int64_t>(now), 49152, 128));
+  if (static_cast<int64_t>(now) >= dk_bytes) EXPECT_EQ(at_max.l2_keep_fraction, hopper::L2KeepFraction::f100);
   // A table under the default gate (dK + K 18 MiB) takes the hinted kernel too
   // when the set-aside holds its dK and leaves less than twice dK + K to the
-  // other lines (l2_hints_pay, v55): at the H200's 37.5 MiB, with fraction 1.0.
+  // other lines (l2_hints_pay): at the H200's 37.5 MiB, with fraction 1.0.
   const Case small{"set-aside d128 sq48 skv24576", spec_of(1, 48, 24576, 64, 128, 2048, IdPattern::random_permutation)};
   int l2_bytes = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, 0), cudaSuccess);
   const bool expect_small_hinted =
-      hopper::l2_hints_pay(hopper::L2Hints::automatic, 24576, 128, l2_bytes, static_cast<int64_t>(now));
-  const uint64_t hinted_small = hopper::l2_hinted_launches();
-  run_case(small);
-  EXPECT_EQ(hopper::l2_hinted_launches() - hinted_small, expect_small_hinted ? 1u : 0u);
-  if (expect_small_hinted) EXPECT_EQ(hopper::l2_last_keep_fraction(), hopper::L2KeepFraction::f100);
+      hopper::l2_hints_pay(L2Hints::automatic, 24576, 128, l2_bytes, static_cast<int64_t>(now));
+  const hopper::LaunchPlan small_at_max = run_case(small);
+  EXPECT_EQ(small_at_max.kernel.l2_keep_dk, expect_small_hinted);
+  if (expect_small_hinted) EXPECT_EQ(small_at_max.l2_keep_fraction, hopper::L2KeepFraction::f100);
   ASSERT_EQ(cudaDeviceSetLimit(cudaLimitPersistingL2CacheSize, 0), cudaSuccess);
-  run_case(c);
-  EXPECT_EQ(hopper::l2_last_keep_fraction(), hopper::L2KeepFraction::f035);
+  const hopper::LaunchPlan at_zero = run_case(c);
+  EXPECT_EQ(at_zero.device.persisting_l2_bytes, 0);
+  EXPECT_TRUE(at_zero.kernel.l2_keep_dk);
+  EXPECT_EQ(at_zero.l2_keep_fraction, hopper::L2KeepFraction::f035);
   // With no set-aside the small table stays on the unhinted kernel.
-  const uint64_t hinted_none = hopper::l2_hinted_launches();
-  run_case(small);
-  EXPECT_EQ(hopper::l2_hinted_launches(), hinted_none);
+  EXPECT_FALSE(run_case(small).kernel.l2_keep_dk);
 }
 
 /// A shape on which the start stagger delays CTAs (at least 4 waves of the
 /// persistent grid and a remainder; start_stagger.hpp), with the delays planned
-/// (auto) and off: both match the fp64 CPU reference.
+/// (automatic) and off (IndexerBackwardOptions::start_stagger): both match the
+/// fp64 CPU reference, and the plans say which ran.
 TEST_F(Gpu, StartStaggerOnAndOff) {
   int sms = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
   const int64_t rows = 4 * int64_t{sms} + 5;  // one CTA per SM at D 128: 4 waves and a tail of 5
-  const hopper::StartStagger plan =
-      hopper::start_stagger_for_launch(rows, sms, 1, 512, {rows}, {2048}, 128);
-  ASSERT_GT(plan.max_ns, 0u) << "the case no longer exercises the delays";
-  for (const char* mode : {"auto", "off"}) {
-    const ScopedEnv env("DSAIB_START_STAGGER", mode);
-    run_case({std::string("stagger ") + mode + " sq" + std::to_string(rows) + " skv2048 topk512",
-              spec_of(1, rows, 2048, 64, 128, 512, IdPattern::random_permutation)});
+  const hopper::StartDelays expected = hopper::start_delays_for_launch(rows, sms, 1, 512, {rows}, {2048}, 128);
+  ASSERT_GT(expected.max_ns, 0u) << "the case no longer exercises the delays";
+  for (StartStagger mode : {StartStagger::automatic, StartStagger::off}) {
+    Case c{std::string("stagger ") + start_stagger_name(mode) + " sq" + std::to_string(rows) + " skv2048 topk512",
+           spec_of(1, rows, 2048, 64, 128, 512, IdPattern::random_permutation)};
+    c.start_stagger = mode;
+    const hopper::LaunchPlan plan = run_case(c);
+    EXPECT_EQ(plan.grid, sms) << c.name;
+    EXPECT_EQ(plan.start_delays.max_ns, mode == StartStagger::off ? 0u : expected.max_ns) << c.name;
+    EXPECT_EQ(plan.start_delays.first_delayed_cta, mode == StartStagger::off ? 0 : 5) << c.name;
   }
 }
 
@@ -482,18 +477,20 @@ TEST_F(Gpu, RejectsBadInputBeforeWriting) {
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
   }
-  // a bad value of either tuning switch (DSAIB_L2_HINTS, l2_hints.hpp; DSAIB_START_STAGGER,
-  // start_stagger.hpp); the fp32 d_index_k is the accumulator the backend zeroes first,
-  // so a late check would show here
-  for (const auto& [name, value] : {std::pair{"DSAIB_L2_HINTS", "yes"}, std::pair{"DSAIB_START_STAGGER", "bogus"}}) {
-    const ScopedEnv bad(name, value);
+  // an out-of-range value of either tuning option (the C ABI passes any int); the
+  // fp32 d_index_k is the accumulator the backend zeroes first, so a late check
+  // would show here
+  for (const char* name : {"l2_hints", "start_stagger"}) {
+    IndexerBackwardOptions bad = opt;
+    if (std::string(name) == "l2_hints") bad.l2_hints = static_cast<L2Hints>(3);
+    else bad.start_stagger = static_cast<StartStagger>(2);
     try {
-      indexer_backward(dp.inputs(), out.views(), opt);
-      ADD_FAILURE() << name << "=" << value << " accepted";
+      indexer_backward(dp.inputs(), out.views(), bad);
+      ADD_FAILURE() << name << " out of range accepted";
     } catch (const Error& e) {
       EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
       EXPECT_EQ(e.argument(), name);
-      EXPECT_NE(std::string(e.what()).find(value), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("got"), std::string::npos) << e.what();
     }
   }
   EXPECT_EQ(out.d_index_q.buffer.to_host(), before_q);
@@ -760,17 +757,18 @@ TEST_F(Gpu, CudaGraphReplayReadsGradLossFromDevice) {
   cudaStreamDestroy(stream);
 }
 
-/// The L2-hinted kernel (forced with DSAIB_L2_HINTS=on) captured into a CUDA graph:
-/// the capture makes the same decision as an eager call (one hinted launch, counted
-/// at capture), the graph replays twice, and each replay gives the eager call's
-/// d_index_q / d_weights bit for bit and its d_index_k up to the order of the fp32
-/// reds. The evict_last fraction is chosen when the launch is captured (from the
-/// set-aside in force then) and travels in the kernel's parameters, so a replay
-/// keeps it; this is what the graph holds, not re-decided per replay.
+/// The L2-hinted kernel (forced with options.l2_hints = on) captured into a CUDA
+/// graph: the capture plans as an eager call does (the hinted kernel, the same
+/// evict_last share), the graph replays twice, and each replay gives the eager
+/// call's d_index_q / d_weights bit for bit and its d_index_k up to the order of
+/// the fp32 reds. The evict_last fraction is chosen when the launch is captured
+/// (from the set-aside in force then) and travels in the kernel's parameters, so
+/// a replay keeps it; this is what the graph holds, not re-decided per replay.
 TEST_F(Gpu, CudaGraphCaptureOfTheL2HintedKernel) {
-  const ScopedEnv on("DSAIB_L2_HINTS", "on");
   const GenerateSpec spec = spec_of(1, 48, 1100, 64, 128, 512, IdPattern::random_permutation);
-  run_case({"graph hinted, eager against the fp64 reference", spec});  // the hinted kernel is right here
+  Case hinted{"graph hinted, eager against the fp64 reference", spec};
+  hinted.l2_hints = L2Hints::on;
+  ASSERT_TRUE(run_case(hinted).kernel.l2_keep_dk);  // the hinted kernel is right here
   GeneratedProblem p = make_problem(spec);
   DeviceProblem dp(p);
   DeviceOutputs eager(p, DType::bf16, DType::bf16, DType::f32);
@@ -780,26 +778,28 @@ TEST_F(Gpu, CudaGraphCaptureOfTheL2HintedKernel) {
   IndexerBackwardOptions opt = p.options();
   opt.backend = Backend::cuda;
   opt.stream = stream;
+  opt.l2_hints = L2Hints::on;
   // fp32 dK (exact comparisons of the replays) with one bf16 a term: automatic would take
   // the split-A kernels for an fp32 output, which never take the hint.
   opt.a_operand_precision = AOperandPrecision::bf16;
   DeviceBuffer ws(indexer_backward_workspace_size(dp.inputs(), eager.views(), opt));
 
   eager.poison();
-  uint64_t before = hopper::l2_hinted_launches();
+  const hopper::LaunchPlan eager_plan = detail::plan_indexer_backward(dp.inputs(), eager.views(), opt);
+  ASSERT_TRUE(eager_plan.kernel.l2_keep_dk) << "the eager call does not take the hinted kernel";
   indexer_backward(dp.inputs(), eager.views(), opt, ws.ptr, ws.bytes);
   check_cuda(cudaStreamSynchronize(stream), "sync");
-  ASSERT_EQ(hopper::l2_hinted_launches() - before, 1u) << "the eager call did not take the hinted kernel";
-  const hopper::L2KeepFraction eager_fraction = hopper::l2_last_keep_fraction();
   const HostTensor q0 = eager.d_index_q.to_host(), w0 = eager.d_weights.to_host(), k0 = eager.d_index_k.to_host();
 
   cudaGraph_t graph;
-  before = hopper::l2_hinted_launches();
   check_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
+  // The captured call's plan, made as the call makes it (device queries under capture).
+  const hopper::LaunchPlan captured_plan = detail::plan_indexer_backward(dp.inputs(), graphed.views(), opt);
   indexer_backward(dp.inputs(), graphed.views(), opt, ws.ptr, ws.bytes);
   check_cuda(cudaStreamEndCapture(stream, &graph), "end capture");
-  EXPECT_EQ(hopper::l2_hinted_launches() - before, 1u) << "the captured call did not take the hinted kernel";
-  EXPECT_EQ(hopper::l2_last_keep_fraction(), eager_fraction);
+  EXPECT_TRUE(captured_plan.kernel.l2_keep_dk) << "the captured call did not take the hinted kernel";
+  EXPECT_EQ(captured_plan.l2_keep_fraction, eager_plan.l2_keep_fraction);
+  EXPECT_EQ(captured_plan.grid, eager_plan.grid);
   cudaGraphExec_t exec;
   check_cuda(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
   for (int replay = 0; replay < 2; ++replay) {
@@ -832,10 +832,17 @@ TEST_F(Sanitized, RaceReportShapes) {
 
 /// The sanitizer's small cases, named "<tag> ...": chunk tails, H < 64 and H > 64,
 /// D 64, invalid slots, fp32 outputs (the split-A kernels), THD with local and global ids.
-void run_tail_cases(const std::string& tag, bool deterministic = false) {
-  const auto run_case = [deterministic](Case c) {
+void run_tail_cases(const std::string& tag, bool deterministic = false, L2Hints l2_hints = L2Hints::automatic) {
+  const auto run_case = [deterministic, l2_hints](Case c) {
     c.deterministic = deterministic;
-    dsaib::test::run_case(c);
+    c.l2_hints = l2_hints;
+    const hopper::LaunchPlan plan = dsaib::test::run_case(c);
+    EXPECT_EQ(plan.kernel.fixed_point_dk, deterministic) << c.name;
+    // Forced on, every one-term kernel is the hinted one (the split-A and
+    // deterministic kernels have none).
+    if (l2_hints == L2Hints::on) {
+      EXPECT_EQ(plan.kernel.l2_keep_dk, !plan.kernel.split_a && !deterministic) << c.name;
+    }
   };
   for (int64_t topk : {1, 100, 129, 1000}) {
     run_case({tag + " topk " + std::to_string(topk), spec_of(1, 8, 1100, 64, 128, topk, IdPattern::random_permutation)});
@@ -879,12 +886,9 @@ TEST_F(Sanitized, TailCases) { run_tail_cases("san"); }
 /// 128) and the finish kernel.
 TEST_F(Sanitized, DeterministicDk) { run_tail_cases("san det", true); }
 
-/// The same cases with DSAIB_L2_HINTS=on: the hinted kernels (TileConfig<..., kL2KeepDk = true>)
-/// where a one-term kernel runs; the split-A cases stay unhinted.
-TEST_F(Sanitized, L2HintedKernel) {
-  const ScopedEnv on("DSAIB_L2_HINTS", "on");
-  run_tail_cases("san hinted");
-}
+/// The same cases with options.l2_hints = on: the hinted kernels (TileConfig<...,
+/// kL2KeepDk = true>) where a one-term kernel runs; the split-A cases stay unhinted.
+TEST_F(Sanitized, L2HintedKernel) { run_tail_cases("san hinted", false, L2Hints::on); }
 
 /// B1, S_q = S_kv = 4096, H64, D128, topk 2048: run once, every output finite.
 TEST_F(Sanitized, DeepSeekShape) {
