@@ -25,6 +25,17 @@ def fatbin(path):
         return open(tmp.name, "rb").read()
 
 
+def mask_anonymous_namespace(name):
+    """nvcc names an anonymous namespace _GLOBAL__N__<hash>_<n>_<file name, n chars>_<8 hex>: the
+    first hash follows the source path, the last the translation unit's first external
+    definition. Both are masked; the file name stays."""
+    def mask(m):
+        n = int(m.group(1))
+        rest = m.group(2)
+        return f"_GLOBAL__N__#_{n}_{rest[:n]}_#" + rest[n + 1 + 8:]
+    return re.sub(r"_GLOBAL__N__[0-9a-f]+_(\d+)_(.*)", mask, name)
+
+
 def kernel_texts(blob):
     """[(kernel section name with the namespace hash masked, md5 of its bytes)], sorted."""
     out = []
@@ -42,7 +53,7 @@ def kernel_texts(blob):
             h = header(k)
             name = blob[names + h[0]:blob.index(b"\0", names + h[0])].decode()
             if name.startswith(".text."):
-                name = re.sub(r"_GLOBAL__N__[0-9a-f]+_", "_GLOBAL__N__#_", name)
+                name = mask_anonymous_namespace(name)
                 out.append((name, hashlib.md5(blob[elf + h[4]:elf + h[4] + h[5]]).hexdigest()))
     return sorted(out)
 
