@@ -130,6 +130,8 @@ def indexer_backward(
     stream=None,
     uint16_as_bf16: bool = False,
     a_operand_precision: str = "auto",
+    l2_hints: str = "auto",
+    start_stagger: str = "auto",
 ):
     """Gradients of the indexer KL loss w.r.t. index_q, weights and index_k.
 
@@ -192,13 +194,20 @@ def indexer_backward(
       a_operand_precision: cuda only: the precision of the tensor-core operand
         ``a = gs * w * sm_scale * [q.k > 0]`` in the dK and dQ GEMMs.
         ``"bf16x2"``: two bf16 terms (a = a_hi + a_lo, error ~2^-16; the GEMMs
-        run twice). ``"bf16"``: one bf16 term, faster (see docs/api.md for
-        the measured ratio), but it adds ~1.3-1.6e-3 relative RMS error to d_index_q and d_index_k
+        run twice). ``"bf16"``: one bf16 term, faster (bf16x2 takes ~1.15x
+        the time of bf16 at DeepSeek shapes), but it adds ~1.3-1.6e-3 relative RMS error to d_index_q and d_index_k
         (fine for bf16 outputs, whose budget is 3e-3; not for float32 outputs
         held to 1e-3). ``"auto"`` (default): ``"bf16x2"`` when d_index_q or
         d_index_k is float32, else ``"bf16"``. d_weights never depends on it;
         the cpu backend ignores it (float64 throughout). Anything else is a
         ValueError.
+      l2_hints: cuda only: ``"auto"`` (default: the launch decides from the
+        key table's size against the L2), ``"on"`` or ``"off"``: whether the
+        d_index_k reductions carry an L2 eviction policy. A tuning knob; the
+        results do not depend on it (docs/api.md).
+      start_stagger: cuda only: ``"auto"`` (default) or ``"off"``: whether the
+        persistent CTAs that run one task fewer start delayed. A tuning knob;
+        the results do not depend on it.
 
     Returns:
       ``(d_index_q, d_weights, d_index_k)``, shaped like index_q, weights and
@@ -244,6 +253,8 @@ def indexer_backward(
     normalization_count = _normalization_count(normalization_count)
     num_threads = _num_threads(num_threads)
     a_operand_precision = _a_operand(a_operand_precision)
+    l2_hints = _option_str("l2_hints", l2_hints, '"auto", "on" or "off"')
+    start_stagger = _option_str("start_stagger", start_stagger, '"auto" or "off"')
     if out is not None:
         out = _check_out(out)
         _check_arrays(**dict(zip(_OUT_NAMES, out)))
@@ -284,7 +295,8 @@ def indexer_backward(
     options = dict(layout=layout, id_mode=id_mode, backend=backend, sm_scale=sm_scale, loss_coeff=loss_coeff,
                    grad_loss=grad_loss_value, normalization_count=normalization_count,
                    strict_indices=strict_indices, deterministic=deterministic, stream=int(stream),
-                   num_threads=num_threads, a_operand_precision=a_operand_precision)
+                   num_threads=num_threads, a_operand_precision=a_operand_precision, l2_hints=l2_hints,
+                   start_stagger=start_stagger)
     bit_patterns = dict(uint16_as_bf16=uint16_as_bf16, out_uint16_as_bf16=out_uint16_as_bf16)
 
     workspace = None

@@ -322,6 +322,20 @@ dsaib::AOperandPrecision parse_a_operand(const std::string& s) {
                      "a_operand_precision: expected \"auto\", \"bf16x2\" or \"bf16\", got \"" + s + "\"");
 }
 
+dsaib::L2Hints parse_l2_hints_word(const std::string& s) {
+  dsaib::L2Hints v = dsaib::L2Hints::automatic;
+  if (dsaib::parse_l2_hints(s, &v)) return v;
+  throw dsaib::Error(dsaib::ErrorCode::invalid_argument, "l2_hints",
+                     "l2_hints: expected \"auto\", \"on\" or \"off\", got \"" + s + "\"");
+}
+
+dsaib::StartStagger parse_start_stagger_word(const std::string& s) {
+  dsaib::StartStagger v = dsaib::StartStagger::automatic;
+  if (dsaib::parse_start_stagger(s, &v)) return v;
+  throw dsaib::Error(dsaib::ErrorCode::invalid_argument, "start_stagger",
+                     "start_stagger: expected \"auto\" or \"off\", got \"" + s + "\"");
+}
+
 dsaib::IndexerBackwardInputs make_inputs(const Array& index_q, const Array& weights, const Array& index_k,
                                          const Array& topk_indices, const Array& attn_score,
                                          const std::optional<Array>& index_score,
@@ -401,6 +415,8 @@ dsaib::IndexerBackwardOptions make_options(const nb::kwargs& kw) {
   if (r.given("a_operand_precision")) {
     o.a_operand_precision = parse_a_operand(r.value<std::string>("a_operand_precision"));
   }
+  if (r.given("l2_hints")) o.l2_hints = parse_l2_hints_word(r.value<std::string>("l2_hints"));
+  if (r.given("start_stagger")) o.start_stagger = parse_start_stagger_word(r.value<std::string>("start_stagger"));
   r.check_all_known();
   return o;
 }

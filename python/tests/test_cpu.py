@@ -464,6 +464,26 @@ def test_bad_a_operand_precision_is_value_error_and_writes_nothing():
         run(p, a_operand_precision=2)
 
 
+def test_launch_options_give_identical_cpu_results_and_reject_bad_words():
+    # l2_hints and start_stagger tune the cuda launch only; the cpu backend
+    # accepts every word and ignores it. A bad word is the library's ValueError,
+    # raised before anything is written.
+    p = make_problem(9)
+    base = run(p)
+    for name, words in (("l2_hints", ("auto", "on", "off")), ("start_stagger", ("auto", "off"))):
+        for word in words:
+            for g, w in zip(run(p, **{name: word}), base):
+                np.testing.assert_array_equal(g, w)
+    out = tuple(np.full(x.shape, 7.0, dtype=np.float32) for x in (p["index_q"], p["weights"], p["index_k"]))
+    with pytest.raises(ValueError, match=r'^l2_hints: expected "auto", "on" or "off", got "yes"$'):
+        run(p, out=out, l2_hints="yes")
+    with pytest.raises(ValueError, match=r'^start_stagger: expected "auto" or "off", got "on"$'):
+        run(p, out=out, start_stagger="on")
+    assert all((o == 7.0).all() for o in out)
+    with pytest.raises(TypeError, match=r"^l2_hints: expected a str"):
+        run(p, l2_hints=1)
+
+
 def test_strict_indices_is_value_error_and_writes_nothing():
     p = make_problem(0)
     out = tuple(np.full(x.shape, 7.0, dtype=np.float32) for x in (p["index_q"], p["weights"], p["index_k"]))
