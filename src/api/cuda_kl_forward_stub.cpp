@@ -1,5 +1,5 @@
-// Used when the library is built without the cuda forward: it is unavailable
-// (without CUDA, check_options_and_backend reports it before these are reached).
+// Used when the library is built without CUDA: the cuda forward is unavailable
+// (check_options_and_backend reports it before these are reached).
 #include "api/cuda_kl_forward.hpp"
 
 namespace dsaib::detail {
@@ -7,7 +7,7 @@ namespace dsaib::detail {
 std::size_t cuda_kl_forward_workspace_size(const ProblemGeometry&, int) { return 0; }
 void run_cuda_kl_forward(const IndexerBackwardInputs&, const IndexerKLForwardOutputs&, const IndexerBackwardOptions&,
                          const ProblemGeometry&, void*, std::size_t) {
-  throw Error(ErrorCode::backend_unavailable, "backend", "backend: expected cpu (this build has no cuda forward), got cuda");
+  throw Error(ErrorCode::backend_unavailable, "backend", "backend: expected cpu (this build has no CUDA support), got cuda");
 }
 
 }  // namespace dsaib::detail
