@@ -1,4 +1,4 @@
-// The forward of the indexer KL loss (docs/math.md, "The loss forward"): the
+// The forward of the indexer KL loss (docs/kl-forward.md, docs/math.md §2): the
 // scalar loss whose gradient indexer_backward() computes, and the per-row
 // statistics from which a backward can rebuild P without storing it.
 //

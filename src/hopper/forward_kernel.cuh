@@ -1,4 +1,4 @@
-// The sm_90a loss forward (docs/math.md, "The loss forward"): tile choices,
+// The sm_90a loss forward (docs/kl-forward.md): tile choices,
 // shared memory, parameters and the kernel. Two roles, one warpgroup each:
 //
 //   warpgroup 0 : ProducerGather without stage 1 (producer_gather.cuh, shared

@@ -1,5 +1,4 @@
-// fp64 reference of the indexer KL loss forward (docs/math.md, "The loss
-// forward"), and the cpu backend of indexer_kl_forward() built on it.
+// fp64 reference of the indexer KL loss forward (docs/kl-forward.md), and the cpu backend of indexer_kl_forward() built on it.
 //
 // Per query row, over its valid slots: the logits z (reference_index_logits),
 // LSE = zmax + log sum exp(z - zmax), P = exp(z - LSE), the target mass
