@@ -2,16 +2,17 @@
 // kernel, bf16 cast) with CUDA events: warm-up, median and spread of many runs, input
 // sets rotated beyond L2, JSON output. A thin wrapper over the dsaib_bench core
 // (bench/core); `dsa-indexer-bwd bench` runs the same cases and adds the floor measured
-// in the same run. Kept, with its flags and JSON, for scripts/ab_compare.py and
-// scripts/device/gpu_check.sh (ab, ncu).
+// in the same run. This tool measures no floor, so it starts faster: its flags and JSON
+// are what scripts/ab_compare.py (paired A/B of two builds) and a profiler run use.
 //   dsa-indexer-bwd-bench [--json FILE] [--seq 4096,16384] [--topk 2048] [--heads 64] [--dim 128]
 //                         [--ids causal,random] [--iters 20] [--warmup 3] [--batch 1] [--input-sets 0] [--a-operand auto|bf16x2|bf16]
 //                         [--l2-set-aside-mib X] [--sustained-ms X]
 // Reports ns per query row, TFLOP/s (6*H*D per valid slot), dK-reduce GB/s
 // (D*4 bytes per valid slot) and "fixed_floor_ratio" (console: x278), the ratio to the
-// fixed 278 ns/row floor of shared/design/h200-facts.md (which assumes topk valid slots
-// per row); the same key as in `dsa-indexer-bwd bench --json`, whose "floor_ratio" is
-// the ratio to the floor it measures (this tool measures none).
+// fixed reference floor of 278 ns/row (bench/core/bench_core.hpp, kFixedFloorNsPerRow:
+// the DeepSeek shape's dK reduce at the H200's L2 scatter-add rate, topk valid slots per
+// row); the same key as in `dsa-indexer-bwd bench --json`, whose "floor_ratio" is the
+// ratio to the floor it measures in the same run.
 // --input-sets 1 turns the rotation off (the behaviour before it was added).
 // --l2-set-aside-mib X sets this process's L2 set-aside for persisting lines
 // (cudaLimitPersistingL2CacheSize, a context-wide limit that belongs to the
@@ -21,8 +22,8 @@
 // --sustained-ms X adds, per case, X ms of back-to-back launches after the timed ones
 // and reports the median ns/row over their second half ("ns_per_row_sustained"): each
 // timed launch follows a 3 ms GPU pre-roll (as the peers' timer does), which leaves the
-// GPU under its power limit where back-to-back launches reach it (docs/perf-log.md,
-// nineteenth session).
+// GPU under its power limit where back-to-back launches reach it (on the H200 at S 65536
+// they reach the 700 W limit and the SM clock drops).
 // Exit: 0 ok, 1 a CUDA error, 2 bad arguments, 77 no sm_90 GPU.
 #include <cuda_runtime.h>
 

@@ -4,7 +4,7 @@
 # compile when ptxas reports that it serialised wgmma: "(C75xx) Potential
 # Performance Loss: wgmma.mma_async instructions are serialized due to ..." (C7512
 # insufficient registers; C7514 / C7515 non-wgmma instructions reading / defining
-# accumulators of wgmma in flight; perf-log v22, v24, v25). ptxas prints these as
+# accumulators of wgmma in flight; each measured far slower). ptxas prints these as
 # info, not as warnings, so -Xptxas -Werror (which fails spills) does not catch
 # them; a kernel with serialised wgmma is correct and much slower. An injected
 # warpgroup.arrive (C7519) alone is not a failure. Tested by ctest

@@ -11,8 +11,14 @@ usage: ab_compare.py BIN_A BIN_B [--pairs 8] [--args "--seq 4096 --ids random"] 
 
 --metric ns_per_row_sustained compares the sustained runs' steady state (pass
 --sustained-ms in --args too): back to back the op runs at the H200's power
-limit, where a change pays by its energy as much as by its latency
-(docs/perf-log.md, nineteenth session).
+limit, where a change pays by its energy as much as by its latency.
+
+Example: a build of the baseline (build-a) against a build of the change (build-b):
+  python3 scripts/ab_compare.py build-a/bench/dsa-indexer-bwd-bench build-b/bench/dsa-indexer-bwd-bench \
+      --pairs 8 --args "--seq 16384 --ids random --iters 15" --out ab.json
+B is faster when the 95% interval of B - A lies below 0. A or B can be any executable
+that takes `--json FILE` and the --args, such as a two-line shell wrapper that runs one
+build's bench with an option (`exec .../dsa-indexer-bwd-bench --a-operand bf16x2 "$@"`).
 """
 import argparse
 import json
@@ -76,7 +82,7 @@ def run(binary, extra, metrics=("ns_per_row",)):
         if not isinstance(r, dict):
             fail(binary, f"expected each case to be an object, got {r!r}")
         try:
-            batch = r.get("batch", 1)  # named only when not 1, as the cases of the issue's table are
+            batch = r.get("batch", 1)  # named only when not 1, as in the README's speed table
             case = f'{r["ids"]}{"" if batch == 1 else f" B{batch}"} S{r["seq"]} H{r["heads"]} D{r["dim"]} k{r["topk"]}'
         except KeyError as e:
             fail(binary, f"a case without {e} in its JSON")

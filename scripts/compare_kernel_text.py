@@ -6,9 +6,9 @@
 Extracts each binary's .nv_fatbin section (objcopy), walks the ELF cubins in
 it and compares the bytes of every `.text.<kernel>` section by name, with the
 anonymous-namespace hash (which nvcc derives from the source path) masked.
-Used to show that binaries built in another folder (a candidate's worktree)
-run the same kernels as the build of a commit, where cuobjdump is not
-installed. Exit 0 when the sets of (kernel, text) are equal, 1 otherwise.
+Used to show that a change leaves the kernels' machine code as it was (a
+refactor, a build-system change): build both commits, compare their CLIs or
+test binaries. Needs only objcopy, not cuobjdump. Exit 0 when the sets of (kernel, text) are equal, 1 otherwise.
 Assumes uncompressed cubins in the fatbin (nvcc's default for sm_90a here).
 """
 import hashlib

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""Plot ns per query row against S for our op, the peers and the floor (issue 4).
+"""Plot ns per query row against S for our op, the peers and the floor.
 
 Inputs (any mix):
-  --merged FILE   scripts/device/peers_check.sh's peers.json: {"ours", "floor", "peers": [...]}
+  --merged FILE   one file holding a whole comparison: {"ours": {"results": [...]} or a list,
+                  "floor": dsa-floor-bench's JSON, "peers": [a peer's JSON, ...]}; repeatable
   --ours FILE     dsa-indexer-bwd-bench --json (a list of {"ids", "seq", "ns_per_row", ...}),
                   or `dsa-indexer-bwd bench --json` (an object with a "cases" list, whose
                   per-case floors, measured in the same run as its times, are drawn and label
@@ -15,8 +16,9 @@ Inputs (any mix):
   --sustained     also draw the sustained timings (launches back to back, --sustained-ms) where
                   the JSON has them ("ns_per_row_sustained", or a case's "sustained": {"ns_per_row"}),
                   as thin lines with hollow markers and no value labels
-Without a measured floor the line is h200-facts.md's 278 ns per row. Of two records of the
-same peer the one with the better status is drawn (ok, partial, error, ...); on a tie, a
+Without a measured floor the line is the fixed reference floor, 278 ns per row (the
+DeepSeek shape's dK reduce at the H200's L2 scatter-add rate, 3.77 TB/s; see
+kFixedFloorNsPerRow in bench/core/bench_core.hpp). Of two records of the same peer the one with the better status is drawn (ok, partial, error, ...); on a tie, a
 --peers record wins over one from a --merged file. Times that are not finite positive numbers
 (NaN, inf, 0, negative, true/false, strings) are never drawn.
 
@@ -25,7 +27,8 @@ x: S = S_q = S_kv on a log2 axis; y: ns per query row (median) on a log axis.
 Solid lines: causal ids; dashed: random ids. Peers that did not run are listed
 under the plot with their reason.
 
-  python3 scripts/plot_bench.py --merged out/peers.json --out out/bench_vs_s.png
+  python3 scripts/plot_bench.py --ours out/bench/bench.json --peers out/peers/cudnn_frontend.json \
+      --out bench_vs_s.png            (the files scripts/gpu_check.sh writes)
 """
 
 import argparse
@@ -33,7 +36,7 @@ import json
 import math
 import sys
 
-FIXED_FLOOR_NS = 278.0  # shared/design/h200-facts.md, L2-resident dK
+FIXED_FLOOR_NS = 278.0  # kFixedFloorNsPerRow of bench/core/bench_core.hpp: L2-resident dK
 
 STYLE = {  # label, colour, marker
     "dsaib": ("dsaib (ours)", "#d62728", "o"),
@@ -168,8 +171,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--merged", action="append", default=[],
-                    help="peers.json of scripts/device/peers_check.sh (repeatable: runs are combined; ours and "
-                         "the floor come from the first file that has them, unless --ours / --floor give them)")
+                    help="a combined file {\"ours\", \"floor\", \"peers\": [...]} (repeatable: runs are combined; "
+                         "ours and the floor come from the first file that has them, unless --ours / --floor "
+                         "give them)")
     ap.add_argument("--ours", help="our bench JSON")
     ap.add_argument("--peers", action="append", default=[], help="a peer JSON (repeatable)")
     ap.add_argument("--floor", help="dsa-floor-bench JSON")
@@ -281,7 +285,7 @@ def main(argv=None):
         all_ns.extend(ys)
     else:
         ax.axhline(FIXED_FLOOR_NS, color="black", linestyle=":", linewidth=2,
-                   label=f"floor {FIXED_FLOOR_NS:.0f} ns/row (h200-facts.md, not measured in this run)")
+                   label=f"fixed reference floor {FIXED_FLOOR_NS:.0f} ns/row (not measured in this run)")
         all_ns.append(FIXED_FLOOR_NS)
 
     if traffic_floor:  # drawn only with the bench subcommand's JSON, which measures it in the same run

@@ -2,12 +2,12 @@
 # Runs python/tests (CPU) under another torch version than the machine's, in a
 # venv that sees the system site-packages (numpy, pytest, the build tools):
 #   bash scripts/python_tests_with_torch.sh 2.11.0 [pytest args...]
-# Why: the H200 machine runs torch 2.11 while the development machine ran a
-# newer torch (2.15; CI installs none); the seventh session's H200 run failed two torch.compile
-# tests that passed here (a dynamo AssertionError of 2.11), reproduced with
-# this recipe. Needs PyPI (torch's wheel with its nvidia-* dependencies, ~3 GB,
-# cached in the venv at /tmp/dsaib-torch-VERSION). The package is installed
-# into the venv from this checkout (cpu backend), so the system install stays.
+# Why: torch versions differ in what torch.compile accepts (torch 2.11 failed two
+# torch.compile tests that 2.15 passed, a dynamo AssertionError), and CI installs
+# no torch; this reproduces a user's torch version on any machine. Needs PyPI
+# (torch's wheel with its nvidia-* dependencies, ~3 GB, cached in the venv at
+# /tmp/dsaib-torch-VERSION). The package is installed into the venv from this
+# checkout (cpu backend), so the system install stays.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 version=${1:?usage: python_tests_with_torch.sh TORCH_VERSION [pytest args...]}

@@ -5,8 +5,8 @@
 # runs both programs (cpu backend: results against fp64, one argument error
 # each). Also runs the installed CLI's --help. Fails on any step.
 #   usage: install_and_consume.sh CMAKE BUILD_DIR SOURCE_DIR [consumer configure options...]
-# DSAIB_CONSUMER_KEEP=DIR copies the two consumer programs there (for a run on the
-# H200: scripts/device/stage.sh puts them into .device/bin).
+# DSAIB_CONSUMER_KEEP=DIR copies the two consumer programs there (to run them on
+# another machine, e.g. one with a GPU).
 cmake=$1
 build=$2
 src=$3

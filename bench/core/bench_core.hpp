@@ -63,7 +63,7 @@ DeviceInfo probe_device();
 /// 1.0 with as many rows as the fp32 table, and adds it to the payload, so each
 /// 512-B add (D128) waits on a 256-B read of the same key, as the fused op's K
 /// gathers and dK reds touch the same keys. Its rate is the scatter rate that is
-/// left when the key reads share the L2 and crossbar (seventeenth session).
+/// left when the key reads share the L2 and crossbar (the traffic floor below).
 enum class ScatterWay { float4_atomic, scalar_atomic, bulk_reduce, float4_fragment, gather_float4 };
 inline const std::vector<ScatterWay> kAllScatterWays = {ScatterWay::float4_atomic, ScatterWay::scalar_atomic,
                                                         ScatterWay::bulk_reduce};
@@ -105,7 +105,13 @@ struct GemmResult {
 };
 GemmResult measure_gemm(int size = 8192, int iters = 25, int warmup = 3);
 
-/// The fixed floor of shared/design/h200-facts.md: H64 D128 topk 2048, dK in L2, 3.77 TB/s.
+/// A fixed reference floor, the same number on every machine and run, so that times of
+/// different runs compare: the dK reduce of one DeepSeek-shape row (H64 D128 topk 2048,
+/// all slots valid: 2048*128*4 B = 1 MiB) at 3.77 TB/s, the fp32 scatter-add rate into an
+/// L2-resident table that dsa-floor-bench measures on an H200 (float4 way), is 278 ns; the
+/// GEMMs (127 ns at ~794 TFLOP/s) hide under it. Reports call the ratio to it
+/// "fixed_floor_ratio" (x278); the floor measured in the run itself (floor_per_row, at the
+/// case's own dK size and shape) is `dsa-indexer-bwd bench`'s "floor_ratio" (xfloor).
 inline constexpr double kFixedFloorNsPerRow = 278.0;
 
 /// Floor of one query row with `slots` selected keys, from measured rates:
@@ -182,7 +188,7 @@ struct OpResult {
   // back, an event recorded between each two, no host wait and no pre-roll in between,
   // as a training step runs them. The GPU's power management has then had the whole
   // run to act: on the H200 the op reaches the 700 W limit at S 65536 and the SM clock
-  // drops (docs/perf-log.md, nineteenth session). ns_per_row_sustained is the median
+  // drops. ns_per_row_sustained is the median
   // over the second half of the launches (the steady state), _first_half over the first.
   // The per-launch times above, each after a 3 ms pre-roll (Timer::time), are what the
   // peers' timer measures; these are what a loop of back-to-back launches gets.

@@ -63,9 +63,9 @@ struct Timer {
   /// The stream first runs a kGpuPreRollUs spin (gpu_spin): the start event fires only
   /// after launch()'s host-side work has queued the op behind it, and the GPU is busy,
   /// not idle, when the timed work starts (the cudnn-frontend and TileLang peers' timer,
-  /// bench/peers/common.py gpu_time, does the same with a 3 ms sleep). Measured: ~2%
-  /// lower times for the op and the floor kernels alike (docs/perf-log.md, seventeenth
-  /// session, "The bench's timer"), so not from the host's calls alone.
+  /// bench/peers/common.py gpu_time, does the same with a 3 ms sleep). On the H200 the
+  /// spin gave ~2% lower times for the op and the floor kernels alike, so the gain is
+  /// not from hiding the host's calls alone.
   template <typename Launch>
   float time(Launch&& launch) {
     gpu_spin(stream, kGpuPreRollUs);

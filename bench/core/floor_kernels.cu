@@ -1,4 +1,4 @@
-// dsaib_bench: the floor micro-benchmarks (issue 4, "Floor ratio"), sm_90a only.
+// dsaib_bench: the floor micro-benchmarks, sm_90a only.
 //   a. fp32 scatter-add rate: rows of D floats (D = 64 or 128) added into rows of an
 //      fp32 (R, D) table chosen by a hash of the row-add index, three ways (float4
 //      atomicAdd, scalar atomicAdd, cp.reduce.async.bulk add.f32); payload values made in

@@ -44,7 +44,7 @@ TEST(BenchCore, SustainedLaunchesRejectBadTimes) {
 }
 
 TEST(BenchCore, FloorIsTheSlowerOfTheReduceAndTheGemms) {
-  // H64 D128 topk 2048 at the design notes' 3.77 TB/s: 2048*128*4 B / 3.77e3 B/ns = 278.1 ns.
+  // H64 D128 topk 2048 at 3.77 TB/s (kFixedFloorNsPerRow's rate): 2048*128*4 B / 3.77e3 B/ns = 278.1 ns.
   const Floor f = floor_per_row(2048, 64, 128, 3.77, 800.0);
   EXPECT_NEAR(f.scatter_ns, 2048.0 * 512.0 / 3770.0, 1e-9);
   EXPECT_NEAR(f.gemm_ns, 6.0 * 64 * 128 * 2048 / 800e3, 1e-9);  // 125.8 ns

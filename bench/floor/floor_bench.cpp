@@ -1,5 +1,5 @@
 // dsa-floor-bench: the repo's own measurement of the hardware floor of the
-// indexer backward (issue 4, "Floor ratio"). A thin wrapper over the dsaib_bench
+// indexer backward. A thin wrapper over the dsaib_bench
 // core (bench/core/floor_kernels.cu): on the GPU, with CUDA events, warm-up launches
 // and the median of many timed launches, it measures
 //   a. the fp32 scatter-add rate: 512-byte rows (128 floats) added into random

@@ -7,7 +7,7 @@ cudnn_frontend_dsa.py, tilelang_indexer_bwd.py).
   of all S_kv keys), ascending, or for causal-shuffled / random-shuffled in the
   top-k's score order (unrelated to the id); fp32 attn_score T and index_score P uniform, normalised
   over each row's valid slots and 0 at -1 slots.
-- The oracle: the closed form of shared/design/indexer-backward-math.md in
+- The oracle: the closed form of docs/math.md in
   float64 (reference_grads), on any torch device.
 - Timing: CUDA events around the timed call only; an untimed `prepare` (for
   example restoring an input the peer overwrites) runs before each call, then
@@ -42,15 +42,15 @@ from torch_eager import (  # noqa: E402,F401  (torch is None without torch)
     write_json)
 
 UNAVAILABLE = 77  # exit status of a peer that cannot run here (its JSON says why)
-DEFAULT_SITE = os.environ.get("DSAIB_PEERS_SITE", "/tmp/peers-site")
 
 
 # --------------------------------------------------------------------------- environment
 
 def add_site(path):
-    """Put an unpacked peer payload (scripts/device/pack_peers.sh) first on sys.path and
-    process its .pth files (nvidia-cutlass-dsl adds its dsl_packages folder that way).
-    Returns the folders added, [] when `path` does not exist."""
+    """Put a folder of peer packages (for instance wheels installed with
+    `pip install --target DIR`, for a machine without a package index) first on
+    sys.path and process its .pth files (nvidia-cutlass-dsl adds its dsl_packages
+    folder that way). Returns the folders added, [] when `path` is None or absent."""
     if not path or not os.path.isdir(path):
         return []
     before = list(sys.path)
@@ -114,8 +114,9 @@ def add_run_args(ap, sustained=False):
     `sustained`, --sustained-ms too (only peers that run gpu_time_sustained)."""
     ap.add_argument("--check", action="store_true", help="check the gradients first (small problem)")
     ap.add_argument("--check-only", action="store_true", help="run --check and stop")
-    ap.add_argument("--site", default=DEFAULT_SITE,
-                    help="unpacked peer payload to put on sys.path (default $DSAIB_PEERS_SITE or /tmp/peers-site)")
+    ap.add_argument("--site", default=None, metavar="DIR",
+                    help="a folder of peer packages to put first on sys.path (default: none, the installed "
+                         "packages are used)")
     ap.add_argument("--json", metavar="FILE", help="write the results as JSON (rewritten after every case)")
     if sustained:
         ap.add_argument("--sustained-ms", type=sustained_ms_arg, default=0.0, metavar="MS",

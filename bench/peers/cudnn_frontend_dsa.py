@@ -33,7 +33,7 @@ GPU; index_score is the float64 softmax of the true logits there, so the
 reference and the peer see the same P.
 
   python3 bench/peers/cudnn_frontend_dsa.py [--seq 4096,16384,65536] [--ids causal,random]
-         [--iters 10] [--warmup 2] [--check] [--json FILE] [--site /tmp/peers-site]
+         [--iters 10] [--warmup 2] [--check] [--json FILE] [--site DIR]
          [--dk-dtype bf16|fp32]
 Exit: 0 ok, 1 a failed --check or a case error, 2 bad arguments, 77 unavailable
 (cudnn-frontend or CUDA missing: the JSON says why).
@@ -65,7 +65,7 @@ NOTES = [
 def load_cudnn(site_dir):
     """Import the peer; returns (module, versions) or raises with the reason."""
     added = common.add_site(site_dir)
-    import cudnn  # loads the pybind module and libcudnn (nvidia-cudnn-cu13 on the H200)
+    import cudnn  # loads the pybind module and libcudnn (e.g. from the nvidia-cudnn-cu13 wheel)
     from cudnn.deepseek_sparse_attention.indexer_backward import api as ib_api
     versions = {"site_paths_added": added, "cudnn_module": cudnn.__file__}
     try:

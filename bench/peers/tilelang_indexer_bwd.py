@@ -2,8 +2,8 @@
 """Peer benchmark: TileLang's indexer backward example kernel.
 
 What runs: `indexer_bwd_interface` of tile-ai/tilelang's
-examples/dsa_sparse_finetune/indexer_bwd.py (not committed here: the default
---example-dir .peers/tilelang_example is filled by scripts/device/pack_peers.sh),
+examples/dsa_sparse_finetune/indexer_bwd.py (not committed here: copy it, with its
+index.py and utils.py, into the default --example-dir .peers/tilelang_example),
 JIT-compiled by tilelang 0.1.15 (TVM + nvcc) on first use. One kernel, one CTA
 per query row, 128 threads, blocks of 32 selected keys, no pipelining: it gathers
 the keys, recomputes relu(q.k) with sm_scale folded into q, forms dW, dQ and dK
@@ -34,7 +34,7 @@ math contract with c = 1 (bench/peers/common.py), computed on the GPU, with
 index_score the float64 softmax of the true logits there.
 
   python3 bench/peers/tilelang_indexer_bwd.py [--seq 4096,16384,65536] [--ids causal,random]
-         [--iters 10] [--warmup 2] [--check] [--json FILE] [--site /tmp/peers-site]
+         [--iters 10] [--warmup 2] [--check] [--json FILE] [--site DIR]
          [--example-dir .peers/tilelang_example] [--mask patched|original]
 Exit: 0 ok, 1 a failed --check or a case error, 2 bad arguments, 77 unavailable
 (tilelang, the example, nvcc or CUDA missing: the JSON says why).
@@ -80,8 +80,8 @@ def load_example(example_dir, mask):
     for f in ("indexer_bwd.py", "index.py", "utils.py"):
         if not os.path.isfile(os.path.join(example_dir, f)):
             raise FileNotFoundError(
-                f"{os.path.join(example_dir, f)} is missing: run scripts/device/pack_peers.sh (it says how to "
-                f"get tile-ai/tilelang's examples/dsa_sparse_finetune files) and carry .peers/tilelang_example")
+                f"{os.path.join(example_dir, f)} is missing: copy indexer_bwd.py, index.py and utils.py of "
+                f"github.com/tile-ai/tilelang's examples/dsa_sparse_finetune/ there (or pass --example-dir)")
     src = open(path, encoding="utf-8").read()
     patch = {"mask": mask, "occurrences": src.count(CAUSAL_TEST), "file": path}
     if mask == "patched":
@@ -109,8 +109,9 @@ def load_tilelang(site_dir, example_dir, mask):
         os.environ["CUDA_HOME"] = "/usr/local/cuda"
         os.environ["PATH"] = "/usr/local/cuda/bin" + os.pathsep + os.environ.get("PATH", "")
     if importlib.util.find_spec("tilelang") is None:
-        raise ImportError(f"tilelang is not importable (site {site_dir!r} "
-                          f"{'absent' if not os.path.isdir(site_dir) else 'has no tilelang'})")
+        where = (f"; --site {site_dir!r} " + ("is absent" if not os.path.isdir(site_dir) else "has no tilelang")
+                 if site_dir else "")
+        raise ImportError(f"tilelang is not installed{where}")
     import tilelang
     mod, patch = load_example(example_dir, mask)
     versions = {"tilelang": getattr(tilelang, "__version__", None), "site_paths_added": added,

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Peer benchmark: PyTorch eager autograd of the DSA lightning-indexer loss.
 
-The loss is the one of shared/design/indexer-backward-math.md:
+The loss is the one of docs/math.md:
 
     z[t,i] = sm_scale * sum_h w[t,h] * relu(q[t,h,:] . k[id_i,:])      (valid slots i)
     P      = softmax(z over the valid slots of row t)
@@ -20,7 +20,7 @@ device) on a tiny problem against a float64 CPU computation of the same loss:
 the closed-form gradient of the math contract (stage 1 + stage 2), and float64
 autograd of this very loss function as a second opinion.
 
-Needs only torch (2.11 on the H200 machine).
+Needs only torch (measured with torch 2.11).
 
   python3 bench/peers/torch_eager.py [--seq 4096,16384] [--ids causal,random] [--iters 10]
          [--warmup 3] [--heads 64] [--dim 128] [--topk 2048] [--batch 1] [--check]
@@ -59,7 +59,7 @@ def indexer_loss(q, w, k, ids, target, sm_scale, c):
     valid = (ids >= 0) & (ids < s_kv)
     # Invalid slots gather distinct rows (slot index mod S_kv), not all row 0: their
     # gradient is 0 either way, but the backward's index-add of thousands of padded
-    # slots onto one row serialises (515,635 ns/row at S 4096, causal, docs/perf-log.md).
+    # slots onto one row serialises (measured: 515,635 ns/row at S 4096, causal).
     spread = (torch.arange(ids.shape[-1], device=ids.device) % s_kv).to(ids.dtype).expand_as(ids)
     idx = torch.where(valid, ids, spread).long()
     bidx = torch.arange(B, device=q.device).view(B, 1, 1)

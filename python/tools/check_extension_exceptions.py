@@ -44,9 +44,10 @@ CHILD = r"""
 import array, sys
 module_dir, order = sys.argv[1], sys.argv[2]
 # torch (ORDER torch-first / torch-after) is imported before or after the module,
-# as users and the package's tests do: the H200's /opt/gcc build crashed on a
-# library error after a valid run with torch imported first; a -static-libstdc++
-# build here garbles messages with torch imported after (fifth session).
+# as users and the package's tests do: a build with a compiler that links libstdc++
+# statically (/opt/gcc of one H200 image) crashed on a library error after a valid
+# run with torch imported first; a -static-libstdc++ build garbles messages with
+# torch imported after.
 def load_torch():
     # A torch that raises on import is the environment's problem, not the module's:
     # the check goes on without it (a crash while importing is reported by the parent).
@@ -111,10 +112,10 @@ args = dict(index_q=buf("H", [B, S, H, D]), weights=buf("f", [B, S, H]), index_k
 NORMALIZATION = "normalization_count: expected >= 0 (0 = number of query tokens), got -1"
 expect_value_error("extension", 'dtype: expected "f32" or "bf16", got "f64"', lambda: _dsaib.empty((2,), "f64", "cpu"))
 expect_value_error("library", NORMALIZATION, lambda: _dsaib.indexer_backward(**args))
-# The /opt/gcc build on the H200 passed the two probes above and still crashed in
+# That /opt/gcc build passed the two probes above and still crashed in
 # python/tests on a shape error raised after valid runs on the cpu backend's
-# worker threads (2026-11-30, fifth session): so run the backend once, on all
-# cores, then raise a shape error and the first error again.
+# worker threads: so run the backend once, on all cores, then raise a shape
+# error and the first error again.
 valid = dict(args, normalization_count=0, num_threads=0)
 try:
     _dsaib.indexer_backward(**valid)

@@ -113,7 +113,7 @@ with tempfile.TemporaryDirectory() as d:
     check(r0["samples"] == 3 and r0["sustained_launches"] >= 20, f"samples / sustained {r0}")
     check("unsupported shape" in info["results"][1]["reason"], info["results"][1].get("reason"))
     check(info["results"][2]["reason"].endswith("non-finite gradient"), info["results"][2].get("reason"))
-    # first call 1 + warmup 1 + iters 3 + sustained n: restore() before each
+    # the first call, 1 warm-up, 3 timed and n sustained calls: restore() before each
     runs, restores = counts[4096]
     check(runs == restores == 5 + r0["sustained_launches"], f"runs {runs} restores {restores}")
     check(all(not any(alive) for alive in alive_at_make), f"a case alive while the next was built: {alive_at_make}")

@@ -1,7 +1,9 @@
 // Calibration kernels for the sanitizer harness: one mbarrier handoff per
-// mode, as in shared/design/sync-contract.md. The "lane0" modes are the race
-// of the original report and MUST be flagged by racecheck; the "all" modes
-// follow our rule (every writer/reader arrives) and must be clean.
+// mode, under the kernel's synchronisation rule (docs/sync-contract.md): every
+// thread that wrote (or read) the handed-off shared memory arrives on the
+// mbarrier itself. The "lane0" modes break the rule (lane 0 arrives for the
+// whole warp, a race racecheck can see) and MUST be flagged, so a clean report
+// of the kernel means something; the "all" modes follow it and must be clean.
 //   usage: sync_calibration raw_lane0 | raw_all | war_lane0 | war_all
 // Exit codes: 0 ran, 2 usage, 77 no GPU (skip).
 #include <cuda/ptx>
@@ -22,7 +24,7 @@ __global__ void handoff(int mode, float* out) {
   const bool all = mode == kRawAll || mode == kWarAll;
   if (threadIdx.x == 0) {
     // Contract: arrive count = 32 thread arrivals (every lane of warp 0) in the
-    // "all" modes; 1 (lane 0 alone, the reported race) in the "lane0" modes.
+    // "all" modes; 1 (lane 0 alone, the race) in the "lane0" modes.
     cuda::ptx::mbarrier_init(&bar, all ? 32u : 1u);
     buf[0] = 0.0f;
   }

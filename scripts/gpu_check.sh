@@ -1,0 +1,466 @@
+#!/usr/bin/env bash
+# The GPU check: everything in this repository that needs the GPU, in one command, on
+# any machine with an sm_90 GPU (H100, H200) and a CUDA build of this checkout.
+#
+#   usage: scripts/gpu_check.sh [options] OUTDIR
+#     -B, --build-dir DIR    the CUDA build to check (default: ./build)
+#     --build                run `cmake --build DIR` first
+#     --only PART[,PART...]  run only these parts (names below)
+#     --skip-PART            skip one part: --skip-tests, --skip-sanitizer, --skip-cli,
+#                            --skip-bench, --skip-peers, --skip-python
+#     --bench-args "ARGS"    more arguments for `dsa-indexer-bwd bench` (e.g. "--seq 16384 --ids random")
+#     --peers-site DIR       a folder of peer packages to put first on sys.path (passed as --site)
+#     --tilelang-example DIR TileLang's example files (default .peers/tilelang_example, see "peers")
+#     -h, --help             this text
+#
+# Before it, once (the README's build):
+#   export PATH=/usr/local/cuda/bin:$PATH
+#   bash scripts/install_deps.sh
+#   cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DDSAIB_ENABLE_CUDA=ON
+#   cmake --build build
+#
+# It first checks that the build has the cuda backend and its binaries, and that
+# nvidia-smi shows a GPU of compute capability 9.0; without one it stops with exit 2
+# (nothing is reported as passed). Then the parts, in this order, with these commands
+# (B = the build folder, O = OUTDIR; every command's output is in O/PART/):
+#
+#   tests      ctest --test-dir B -L gpu --no-tests=error --output-on-failure
+#              ctest --test-dir B -R '^install_and_consume$' --no-tests=error -V
+#              The GPU tests (kernel numerics, determinism, graphs, the bench tools on tiny
+#              shapes) must run, not skip: a test that skipped for want of a visible sm_90
+#              GPU fails the part (the one test that needs two GPUs may skip). The
+#              installed package's C++ consumer must pass on the cuda backend too.
+#   sanitizer  bash tests/sanitizer/run_sanitizer.sh B/tests/sanitizer_bin O/sanitizer
+#              compute-sanitizer racecheck, synccheck, memcheck and initcheck over the
+#              Sanitized.* GPU tests, zero reports required; and the negative controls: the
+#              lane-0-alone handoffs of sync_calibration must be flagged by racecheck, the
+#              all-lanes ones must be clean. A missing compute-sanitizer fails the part.
+#   cli        for each case i of CLI_CASES below (shapes, tails, layouts, id modes, dtypes,
+#              a-operand precisions, scalars, strict ids, the deterministic mode):
+#                B/cli/dsa-indexer-bwd backward --backend cuda --verify all --seed $((1000 + i)) CASE --json
+#              (a case that names --verify sample runs sampled rows instead), each against the
+#              fp64 reference; then a problem file through the CLI:
+#                B/cli/dsa-indexer-bwd generate --preset race-report-2 --seed 7 --out O/cli/race2.safetensors
+#                B/cli/dsa-indexer-bwd backward --in O/cli/race2.safetensors --backend cuda --verify all
+#                                      --out O/cli/race2_grads.safetensors
+#   bench      B/bench/dsa-floor-bench --json O/bench/floor.json
+#              B/cli/dsa-indexer-bwd bench --json O/bench/bench.json [--bench-args]
+#              The second is the speed measurement: per case (DeepSeek shape H64 D128 topk
+#              2048, S 4096 / 16384 / 65536, causal and random ids) it measures the floor at
+#              that case's dK size, then the op, in the same process, and reports ns per query
+#              row and the ratio to that floor (xfloor); `dsa-indexer-bwd bench --help` states
+#              the floor's formula. The first prints the floor's micro-benchmarks at fixed
+#              table sizes (2 MiB to 512 MiB) for reference.
+#   peers      the same problem in other implementations, each one skipped with its reason
+#              when its packages are not installed (exit 77 and a JSON saying why):
+#                python3 bench/peers/cudnn_frontend_dsa.py --check --seq 4096,16384,65536 --ids causal,random
+#                        --iters 10 --warmup 2 --sustained-ms 2000 --json O/peers/cudnn_frontend.json
+#                python3 bench/peers/tilelang_indexer_bwd.py --check --seq 4096,16384,65536 --ids causal,random
+#                        --iters 10 --warmup 2 --json O/peers/tilelang.json
+#                python3 bench/peers/torch_eager.py --check --seq 4096,16384,65536 --ids causal,random
+#                        --iters 5 --warmup 1 --json O/peers/torch_eager.json
+#                python3 scripts/plot_bench.py --ours O/bench/bench.json --peers O/peers/NAME.json ...
+#                        --out O/peers/bench_vs_s.png
+#              Measured with torch 2.11, nvidia-cudnn-frontend 1.32.0 with nvidia-cutlass-dsl
+#              4.8.1, tilelang 0.1.15 (pip install nvidia-cudnn-frontend==1.32.0
+#              nvidia-cutlass-dsl==4.8.1 tilelang==0.1.15). The TileLang peer runs TileLang's
+#              own example, which is not in this repository: copy indexer_bwd.py, index.py and
+#              utils.py of github.com/tile-ai/tilelang's examples/dsa_sparse_finetune/ into
+#              .peers/tilelang_example/ (ignored by git) or pass --tilelang-example DIR.
+#              A peer's own result (its gradient check failing, a case running out of memory)
+#              is reported, never a failure of this check; a peer script refusing its
+#              arguments (exit 2) is.
+#   python     bash scripts/python_check.sh --install --cuda --require-cuda O/python
+#              builds this checkout's Python package with the cuda backend into O/python/site,
+#              runs python/tests (the GPU tests must run) and the training example on cpu and
+#              cuda; see scripts/python_check.sh.
+#
+# Writes O/summary.txt (one line per part: PASS, FAIL or SKIPPED with the reason),
+# O/gpu.txt (GPU, driver, toolkit, commit) and O/gpu_check.log (the console).
+# Exit status: 0 every part that ran passed, 1 a part failed, 2 it cannot run here (bad
+# usage, no CUDA build, no sm_90 GPU).
+
+# shellcheck disable=SC2317  # the part_* functions are called by name
+set -uo pipefail
+
+# The CLI matrix: one case per line, flags of `dsa-indexer-bwd backward`.
+CLI_CASES=(
+  "--preset race-report-1"
+  "--preset race-report-2"
+  "--preset race-report-3"
+  "--preset thd"
+  "--preset thd --id-mode global"
+  "--layout thd --seqlens-q 0,5,300,1 --seqlens-k 7,0,300,2 --heads 64 --head-dim 128 --topk 128"
+  "--layout thd --seqlens-q 0,5,300,1 --seqlens-k 7,0,300,2 --heads 64 --head-dim 128 --topk 128 --id-mode global"
+  "--s-q 5 --s-kv 100 --topk 2048 --heads 64 --head-dim 128"
+  "--s-q 1 --s-kv 1 --topk 1 --heads 64 --head-dim 128"
+  "--batch 3 --s-q 64 --s-kv 2048 --topk 512 --ids permutation --id-mode global"
+  "--batch 3 --s-q 64 --s-kv 2048 --topk 512 --ids permutation"
+  "--s-q 256 --s-kv 2304 --topk 1"
+  "--s-q 256 --s-kv 2304 --topk 100"
+  "--s-q 256 --s-kv 2304 --topk 129"
+  "--s-q 256 --s-kv 2304 --topk 1000"
+  "--s-q 256 --s-kv 2304 --topk 2176"
+  "--s-q 256 --s-kv 2304 --topk 2176 --ids permutation"
+  "--s-q 128 --s-kv 1024 --topk 256 --heads 8"
+  "--s-q 128 --s-kv 1024 --topk 256 --heads 16"
+  "--s-q 128 --s-kv 1024 --topk 256 --heads 32"
+  "--s-q 128 --s-kv 1024 --topk 256 --heads 72"
+  "--s-q 128 --s-kv 1024 --topk 256 --heads 128"
+  "--s-q 128 --s-kv 1024 --topk 256 --heads 128 --head-dim 64"
+  "--s-q 256 --s-kv 2048 --topk 512 --head-dim 64 --ids permutation"
+  "--s-q 256 --s-kv 2048 --topk 512 --out-dtype f32"
+  "--s-q 256 --s-kv 2048 --topk 512 --out-dtype f32 --head-dim 64 --weights-f32"
+  "--s-q 256 --s-kv 2048 --topk 512 --a-operand bf16x2"
+  "--s-q 256 --s-kv 2048 --topk 512 --a-operand bf16 --weights-f32"
+  "--s-q 256 --s-kv 2048 --topk 512 --normalization-count 7 --loss-coeff -2.5 --grad-loss 0.75 --sm-scale 0.3"
+  "--s-q 256 --s-kv 2048 --topk 512 --strict-indices"
+  "--preset small"
+  "--batch 2 --s-q 8192 --topk 2048 --heads 64 --head-dim 128 --verify sample"
+  "--preset deepseek-v32 --verify sample --repeat 10"
+  "--preset thd --id-mode global --deterministic"
+  "--s-q 256 --s-kv 2048 --topk 512 --out-dtype f32 --deterministic"
+  "--s-q 256 --s-kv 2048 --topk 512 --head-dim 64 --ids permutation --deterministic"
+  "--preset deepseek-v32 --verify sample --deterministic"
+)
+# Cases of the launch options (L2 hints on the dK reductions, the start stagger): run when
+# the CLI has the flag, listed as not run otherwise.
+CLI_OPTION_CASES=(
+  "--s-q 256 --s-kv 2048 --topk 512 --l2-hints on"
+  "--s-q 256 --s-kv 2048 --topk 512 --l2-hints off"
+  "--preset deepseek-v32 --verify sample --l2-hints off"
+  "--preset deepseek-v32 --verify sample --start-stagger off"
+)
+PEER_SEQS=4096,16384,65536
+PEER_IDS=causal,random
+
+usage() { sed -n '2,/^$/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
+die() { echo "gpu_check: $*" >&2; exit 2; }
+
+ALL_PARTS=(tests sanitizer cli bench peers python)
+declare -A run_part=()
+for p in "${ALL_PARTS[@]}"; do run_part[$p]=1; done
+build_dir=./build
+do_build=0
+bench_args=""
+peers_site=""
+tilelang_example=""
+outdir=""
+while (($#)); do
+  case $1 in
+    -h | --help) usage; exit 0 ;;
+    -B | --build-dir) [[ $# -ge 2 ]] || die "$1: expected a folder"; build_dir=$2; shift ;;
+    --build-dir=*) build_dir=${1#*=} ;;
+    --build) do_build=1 ;;
+    --only)
+      [[ $# -ge 2 ]] || die "--only: expected a comma-separated list of parts (${ALL_PARTS[*]})"
+      for p in "${ALL_PARTS[@]}"; do run_part[$p]=0; done
+      IFS=, read -r -a only <<<"$2"
+      [[ ${#only[@]} -gt 0 ]] || die "--only: expected a comma-separated list of parts (${ALL_PARTS[*]}), got \"$2\""
+      for p in "${only[@]}"; do
+        [[ -n ${run_part[$p]+x} ]] || die "--only: unknown part \"$p\"; the parts are: ${ALL_PARTS[*]}"
+        run_part[$p]=1
+      done
+      shift ;;
+    --skip-*)
+      p=${1#--skip-}
+      [[ -n ${run_part[$p]+x} ]] || die "unknown option $1; the parts are: ${ALL_PARTS[*]}"
+      run_part[$p]=0 ;;
+    --bench-args) [[ $# -ge 2 ]] || die "--bench-args: expected a string of arguments"; bench_args=$2; shift ;;
+    --peers-site) [[ $# -ge 2 ]] || die "--peers-site: expected a folder"; peers_site=$2; shift ;;
+    --tilelang-example) [[ $# -ge 2 ]] || die "--tilelang-example: expected a folder"; tilelang_example=$2; shift ;;
+    -*) die "unknown option $1 (see --help)" ;;
+    *) [[ -z $outdir ]] || die "one OUTDIR expected, got \"$outdir\" and \"$1\""; outdir=$1 ;;
+  esac
+  shift
+done
+[[ -n $outdir ]] || die "missing OUTDIR (usage: scripts/gpu_check.sh [options] OUTDIR; see --help)"
+
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+[[ -d $build_dir ]] || die "build folder $build_dir not found: configure and build first (see --help), or pass -B DIR"
+build=$(cd "$build_dir" && pwd)
+mkdir -p "$outdir" || die "cannot create OUTDIR $outdir"
+out=$(cd "$outdir" && pwd)
+[[ -n $peers_site ]] && peers_site=$(realpath -m "$peers_site")
+[[ -n $tilelang_example ]] && tilelang_example=$(realpath -m "$tilelang_example")
+cd "$repo" || exit 2
+export PATH=/usr/local/cuda/bin:$PATH
+export PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+
+: >"$out/summary.txt"
+exec > >(tee "$out/gpu_check.log") 2>&1
+tee_pid=$!
+
+failed=0
+# record PART PASS|FAIL|SKIPPED DETAIL: one line of summary.txt
+record() {
+  printf '%-10s %-7s %s\n' "$1" "$2" "$3" | tee -a "$out/summary.txt"
+  [[ $2 == FAIL ]] && failed=1
+  return 0
+}
+banner() { printf '\n=== %s (%s)\n' "$*" "$(date -u +%H:%M:%S)"; }
+finish() {
+  echo
+  echo "=== summary ($out/summary.txt)"
+  cat "$out/summary.txt"
+  echo "gpu_check: $([[ $failed == 0 ]] && echo PASSED || echo FAILED); logs in $out"
+  exec 1>&- 2>&-
+  wait "$tee_pid" 2>/dev/null
+  exit "$1"
+}
+cannot_run() { echo "gpu_check: $*"; record setup FAIL "$*"; failed=1; finish 2; }
+
+# ---------------------------------------------------------------- preflight
+banner "preflight"
+[[ -f $build/CMakeCache.txt ]] || cannot_run "$build is not a CMake build folder (no CMakeCache.txt)"
+if ! grep -Eq '^DSAIB_ENABLE_CUDA:BOOL=(ON|TRUE|1)$' "$build/CMakeCache.txt" ||
+  ! grep -Eq '^CMAKE_CUDA_COMPILER:[A-Z]+=/' "$build/CMakeCache.txt"; then
+  cannot_run "$build has no cuda backend: configure it with -DDSAIB_ENABLE_CUDA=ON and nvcc on PATH"
+fi
+if ! command -v nvidia-smi >/dev/null 2>&1; then
+  cannot_run "no sm_90 GPU: nvidia-smi not found (no NVIDIA driver on this machine)"
+fi
+gpus=$(nvidia-smi --query-gpu=index,name,compute_cap --format=csv,noheader 2>&1) ||
+  cannot_run "no sm_90 GPU: nvidia-smi cannot list the GPUs ($(echo "$gpus" | head -2 | tr '\n' ' '))"
+if ! awk -F', *' '$3 == "9.0" {found = 1} END {exit !found}' <<<"$gpus"; then
+  cannot_run "no sm_90 GPU: the kernels need compute capability 9.0 (H100, H200); nvidia-smi lists: $(echo "${gpus:-none}" | tr '\n' ';')"
+fi
+if [[ $do_build == 1 ]]; then
+  echo "cmake --build $build"
+  cmake --build "$build" >"$out/build.log" 2>&1 || cannot_run "cmake --build $build failed (tail of $out/build.log: $(tail -3 "$out/build.log" | tr '\n' ' '))"
+fi
+need=(cli/dsa-indexer-bwd)
+[[ ${run_part[tests]} == 1 || ${run_part[sanitizer]} == 1 ]] && need+=(tests/gpu/test_gpu_hopper tests/gpu/test_gpu_bench)
+[[ ${run_part[sanitizer]} == 1 ]] && need+=(tests/sanitizer_bin/test_gpu_hopper tests/sanitizer_bin/sync_calibration)
+[[ ${run_part[bench]} == 1 ]] && need+=(bench/dsa-floor-bench)
+for f in "${need[@]}"; do
+  [[ -x $build/$f ]] || cannot_run "$build/$f is missing: build the whole project (cmake --build $build, or pass --build)"
+done
+cli=$build/cli/dsa-indexer-bwd
+if [[ ${run_part[cli]} == 1 || ${run_part[peers]} == 1 || ${run_part[python]} == 1 ]]; then
+  command -v "$py" >/dev/null 2>&1 || cannot_run "$py not found (the cli, peers and python parts need it; PYTHON=... names another)"
+fi
+
+{
+  echo "date      $(date -u +%FT%TZ)"
+  echo "commit    $(git -C "$repo" describe --always --dirty 2>/dev/null || echo unknown)"
+  echo "build     $build ($(sed -n 's/^CMAKE_BUILD_TYPE:[A-Z]*=//p' "$build/CMakeCache.txt"))"
+  echo "nvcc      $(nvcc --version 2>/dev/null | sed -n 's/^Cuda compilation tools, //p')"
+  [[ -n ${CUDA_VISIBLE_DEVICES:-} ]] && echo "CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES"
+  nvidia-smi --query-gpu=index,name,compute_cap,driver_version,memory.total,clocks.max.sm,power.limit --format=csv
+} >"$out/gpu.txt" 2>&1
+cat "$out/gpu.txt"
+selected=()
+for p in "${ALL_PARTS[@]}"; do [[ ${run_part[$p]} == 1 ]] && selected+=("$p"); done
+echo "parts: ${selected[*]:-none}"
+
+# ---------------------------------------------------------------- tests
+part_tests() {
+  local d=$out/tests rc crc
+  mkdir -p "$d"
+  banner "tests: ctest -L gpu"
+  ctest --test-dir "$build" -L gpu --no-tests=error --output-on-failure >"$d/ctest_gpu.txt" 2>&1
+  rc=$?
+  cp "$build/Testing/Temporary/LastTest.log" "$d/ctest_gpu_full.log" 2>/dev/null
+  tail -n 25 "$d/ctest_gpu.txt"
+  local line skipped=""
+  line=$(grep -E "tests passed, [0-9]+ tests failed out of" "$d/ctest_gpu.txt" | tail -1)
+  if grep -q "no compute-capability-9.0 GPU visible" "$d/ctest_gpu_full.log" 2>/dev/null; then
+    skipped=$(grep -c "(Skipped)" "$d/ctest_gpu.txt")
+    record tests FAIL "$skipped GPU tests skipped, saying no sm_90 GPU is visible, although nvidia-smi lists one (CUDA_VISIBLE_DEVICES? see $d/ctest_gpu_full.log)"
+    return
+  fi
+  if [[ $rc -ne 0 ]]; then
+    record tests FAIL "ctest -L gpu exit $rc: ${line:-no summary} (see $d/ctest_gpu.txt)"
+    return
+  fi
+  banner "tests: the installed package's consumer (ctest -R install_and_consume)"
+  ctest --test-dir "$build" -R '^install_and_consume$' --no-tests=error -V >"$d/install_and_consume.txt" 2>&1
+  crc=$?
+  grep -E "consumer_(cxx|c):|install_and_consume:" "$d/install_and_consume.txt" | sed 's/^[0-9]*: //' | tail -8
+  if [[ $crc -ne 0 ]]; then
+    record tests FAIL "GPU tests passed (${line}); install_and_consume exit $crc (see $d/install_and_consume.txt)"
+  elif ! grep -q "PASS (cpu and cuda backends)" "$d/install_and_consume.txt"; then
+    record tests FAIL "GPU tests passed (${line}); the installed package's consumer did not run the cuda backend (see $d/install_and_consume.txt)"
+  else
+    record tests PASS "${line}; installed-package consumer passed on the cpu and cuda backends"
+  fi
+}
+
+# ---------------------------------------------------------------- sanitizer
+part_sanitizer() {
+  local d=$out/sanitizer rc
+  mkdir -p "$d"
+  banner "sanitizer: tests/sanitizer/run_sanitizer.sh (racecheck, synccheck, memcheck, initcheck; negative controls)"
+  timeout -k 10 3600 bash tests/sanitizer/run_sanitizer.sh "$build/tests/sanitizer_bin" "$d" >"$d/run_sanitizer.txt" 2>&1
+  rc=$?
+  tail -n 12 "$d/run_sanitizer.txt"
+  case $rc in
+    0) record sanitizer PASS "zero reports under 4 tools; negative controls flagged, positive controls clean" ;;
+    77) record sanitizer FAIL "not run: $(grep SKIPPED "$d/run_sanitizer.txt" | head -1) (install compute-sanitizer, part of the CUDA toolkit)" ;;
+    124 | 137) record sanitizer FAIL "timed out after an hour (see $d)" ;;
+    *) record sanitizer FAIL "exit $rc: $(grep -E 'FAILED|NOT FLAGGED|FLAGGED \(' "$d/sanitizer_summary.txt" 2>/dev/null | tr '\n' ';') (see $d)" ;;
+  esac
+}
+
+# ---------------------------------------------------------------- cli
+# case_line JSON: "MODE RMS_Q / RMS_W / RMS_K RESULT" of one --json report
+case_line() {
+  "$py" - "$1" <<'EOF'
+import json, sys
+try:
+    j = json.loads(sys.argv[1])
+except ValueError:
+    print("no JSON report"); sys.exit()
+if "error" in j:
+    print("ERROR " + j["error"].get("message", "")); sys.exit()
+v = j.get("verify", {})
+rms = " / ".join("%.2e" % o["rel_rms"] if o.get("rel_rms") is not None else "nan" for o in v.get("outputs", []))
+print("%s %s  %s" % (v.get("mode"), rms, j.get("result")))
+EOF
+}
+part_cli() {
+  local d=$out/cli pass=0 fail=0 notrun=0 i c verify json rc line flag
+  mkdir -p "$d"
+  banner "cli: dsa-indexer-bwd backward --backend cuda against the fp64 reference, ${#CLI_CASES[@]} + ${#CLI_OPTION_CASES[@]} cases"
+  local help
+  help=$("$cli" backward --help 2>&1)
+  {
+    echo "dsa-indexer-bwd backward --backend cuda, per case: verify mode, relative RMS of d_index_q / d_weights / d_index_k, result"
+    local all=("${CLI_CASES[@]}" "${CLI_OPTION_CASES[@]}")
+    for i in "${!all[@]}"; do
+      c=${all[$i]}
+      flag=$(grep -oE -- '--(l2-hints|start-stagger)' <<<"$c" | head -1)
+      if [[ -n $flag && $help != *"$flag"* ]]; then
+        printf '%-110s %s\n' "$c" "not run: this CLI has no $flag"
+        notrun=$((notrun + 1))
+        continue
+      fi
+      verify=all
+      [[ $c == *"--verify"* ]] && verify=
+      # shellcheck disable=SC2086  # a case is a list of flags
+      json=$(timeout 300 "$cli" backward --backend cuda ${verify:+--verify $verify} --seed $((1000 + i)) $c --json 2>>"$d/stderr.txt")
+      rc=$?
+      line=$(case_line "$json")
+      if [[ $rc -eq 0 && $line == *"PASS"* ]]; then pass=$((pass + 1)); else fail=$((fail + 1)); line="$line (exit $rc)"; fi
+      printf '%-110s %s\n' "$c" "$line"
+    done
+    echo "--- a problem file: generate, then backward --in FILE --out FILE"
+    if "$cli" generate --preset race-report-2 --seed 7 --out "$d/race2.safetensors" >"$d/generate.txt" 2>&1 &&
+      timeout 300 "$cli" backward --in "$d/race2.safetensors" --backend cuda --verify all \
+        --out "$d/race2_grads.safetensors" >"$d/file_case.txt" 2>&1 && [[ -s $d/race2_grads.safetensors ]]; then
+      pass=$((pass + 1))
+      echo "file round trip: PASS ($d/file_case.txt)"
+    else
+      fail=$((fail + 1))
+      echo "file round trip: FAIL (see $d/generate.txt, $d/file_case.txt)"
+    fi
+    echo "cases: $pass passed, $fail not, $notrun not run"
+  } 2>&1 | tee "$d/cli_matrix.txt"
+  line=$(tail -1 "$d/cli_matrix.txt")
+  if [[ $line =~ ^cases:\ ([0-9]+)\ passed,\ 0\ not ]]; then
+    record cli PASS "${line#cases: }"
+  else
+    record cli FAIL "${line#cases: } (see $d/cli_matrix.txt)"
+  fi
+}
+
+# ---------------------------------------------------------------- bench
+part_bench() {
+  local d=$out/bench rc frc
+  mkdir -p "$d"
+  banner "bench: dsa-floor-bench (the floor's micro-benchmarks at fixed table sizes)"
+  timeout 600 "$build/bench/dsa-floor-bench" --json "$d/floor.json" >"$d/floor.txt" 2>"$d/floor_stderr.txt"
+  frc=$?
+  tail -n 12 "$d/floor.txt"
+  banner "bench: dsa-indexer-bwd bench (the floor per case, then the op, in one run) ${bench_args}"
+  # shellcheck disable=SC2086  # --bench-args is a list of flags
+  timeout 1800 "$cli" bench --json "$d/bench.json" $bench_args >"$d/bench.txt" 2>"$d/bench_stderr.txt"
+  rc=$?
+  cat "$d/bench.txt"
+  if [[ $rc -ne 0 || $frc -ne 0 ]]; then
+    # exit 1 of either: a floor micro-benchmark failed its correctness check
+    record bench FAIL "dsa-indexer-bwd bench exit $rc ($(tail -1 "$d/bench_stderr.txt")); dsa-floor-bench exit $frc ($(tail -1 "$d/floor_stderr.txt"))"
+  else
+    record bench PASS "ns/row and ratio to the floor measured in the same run: $d/bench.txt, $d/bench.json"
+  fi
+}
+
+# ---------------------------------------------------------------- peers
+part_peers() {
+  local d=$out/peers rc name script args reason plot_args=() ran=0 bad=0 notes=()
+  mkdir -p "$d"
+  local site_args=()
+  [[ -n $peers_site ]] && site_args=(--site "$peers_site")
+  for name in cudnn_frontend tilelang torch_eager; do
+    case $name in
+      cudnn_frontend) script=bench/peers/cudnn_frontend_dsa.py
+        args=(--iters 10 --warmup 2 --sustained-ms 2000 "${site_args[@]}") ;;
+      tilelang) script=bench/peers/tilelang_indexer_bwd.py
+        args=(--iters 10 --warmup 2 "${site_args[@]}")
+        [[ -n $tilelang_example ]] && args+=(--example-dir "$tilelang_example") ;;
+      torch_eager) script=bench/peers/torch_eager.py
+        args=(--iters 5 --warmup 1) ;;
+    esac
+    banner "peers: $name ($script)"
+    rm -f "$d/$name.json"
+    timeout -k 10 1200 "$py" "$script" --check --seq "$PEER_SEQS" --ids "$PEER_IDS" "${args[@]}" \
+      --json "$d/$name.json" >"$d/$name.txt" 2>&1
+    rc=$?
+    tail -n 12 "$d/$name.txt"
+    reason=$("$py" -c 'import json, sys; j = json.load(open(sys.argv[1])); print(j.get("reason") or "")' \
+      "$d/$name.json" 2>/dev/null)
+    case $rc in
+      0) notes+=("$name ran"); ran=$((ran + 1)); plot_args+=(--peers "$d/$name.json") ;;
+      77) notes+=("$name skipped: ${reason:-unavailable (see $d/$name.txt)}") ;;
+      2) notes+=("$name refused its arguments (see $d/$name.txt)"); bad=1 ;;
+      *) notes+=("$name ran with errors (exit $rc$( ((rc == 124 || rc == 137)) && echo ', timed out'): a failed --check or case; see $d/$name.txt)")
+        [[ -s $d/$name.json ]] && plot_args+=(--peers "$d/$name.json") && ran=$((ran + 1)) ;;
+    esac
+  done
+  if ((ran > 0)); then
+    [[ -s $out/bench/bench.json ]] && plot_args+=(--ours "$out/bench/bench.json")
+    banner "peers: plot (scripts/plot_bench.py)"
+    if ! "$py" -c 'import matplotlib' 2>/dev/null; then
+      notes+=("plot not drawn: matplotlib not installed")
+    elif timeout 120 "$py" scripts/plot_bench.py "${plot_args[@]}" --out "$d/bench_vs_s.png" >"$d/plot.txt" 2>&1; then
+      notes+=("plot $d/bench_vs_s.png")
+    else
+      notes+=("plot failed (see $d/plot.txt)")
+    fi
+  fi
+  local joined
+  joined=$(printf '%s; ' "${notes[@]}")
+  if ((bad)); then
+    record peers FAIL "${joined%; }"
+  elif ((ran == 0)); then
+    record peers SKIPPED "${joined%; }"
+  else
+    record peers PASS "${joined%; }"
+  fi
+}
+
+# ---------------------------------------------------------------- python
+part_python() {
+  local d=$out/python rc
+  banner "python: scripts/python_check.sh --install --cuda --require-cuda"
+  bash scripts/python_check.sh --install --cuda --require-cuda "$d"
+  rc=$?
+  local steps
+  steps=$(grep -v '^python_check:' "$d/summary.txt" 2>/dev/null | tr '\n' ';' | sed 's/;$//; s/;/; /g')
+  if [[ $rc -eq 0 ]]; then
+    record python PASS "$steps"
+  else
+    record python FAIL "exit $rc: $steps (see $d)"
+  fi
+}
+
+for p in "${ALL_PARTS[@]}"; do
+  if [[ ${run_part[$p]} == 1 ]]; then
+    "part_$p"
+  else
+    record "$p" SKIPPED "not selected (--only / --skip-$p)"
+  fi
+done
+finish "$failed"
