@@ -122,6 +122,26 @@ dsaib_status dsaib_indexer_backward_workspace_size(const dsaib_inputs* inputs, c
 dsaib_status dsaib_indexer_backward(const dsaib_inputs* inputs, const dsaib_outputs* outputs,
                                     const dsaib_options* options, void* workspace, size_t workspace_bytes);
 
+/* Outputs of dsaib_indexer_kl_forward, all f32 and contiguous: loss rank 0
+   (shape ()), row_lse and row_target_mass (B, S_q) / (T_q), index_score
+   (B, S_q, topk) / (T_q, topk) or absent (P not written). */
+typedef struct dsaib_kl_forward_outputs {
+  dsaib_tensor loss, row_lse, row_target_mass, index_score;
+} dsaib_kl_forward_outputs;
+
+/* *bytes = the scratch memory dsaib_indexer_kl_forward needs on the backend's
+   device (0 on cpu). Validates like dsaib_indexer_kl_forward; *bytes is written
+   only on DSAIB_OK. C++: dsaib::indexer_kl_forward_workspace_size. */
+dsaib_status dsaib_indexer_kl_forward_workspace_size(const dsaib_inputs* inputs, const dsaib_kl_forward_outputs* outputs,
+                                                     const dsaib_options* options, size_t* bytes);
+
+/* The forward of the indexer KL loss: the loss, per-row LSE and target mass,
+   optionally P (dsaib::indexer_kl_forward in include/dsaib/indexer_kl_forward.hpp).
+   inputs->index_score must be absent. Statuses and workspace as for
+   dsaib_indexer_backward; every check runs before any output is written. */
+dsaib_status dsaib_indexer_kl_forward(const dsaib_inputs* inputs, const dsaib_kl_forward_outputs* outputs,
+                                      const dsaib_options* options, void* workspace, size_t workspace_bytes);
+
 /* Message of the last failure of a dsaib_status function on this thread: "" after such a call
  * succeeded (each of them sets it) or before any. Valid until the next such call on this thread. */
 const char* dsaib_last_error(void);

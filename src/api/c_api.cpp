@@ -6,6 +6,7 @@
 
 #include "api/cuda_backend.hpp"
 #include "dsaib/indexer_backward.hpp"
+#include "dsaib/indexer_kl_forward.hpp"
 
 namespace {
 
@@ -121,6 +122,19 @@ void convert(const dsaib_inputs* in, const dsaib_outputs* out, const dsaib_optio
   o = {to_view(out->d_index_q), to_view(out->d_weights), to_view(out->d_index_k)};
 }
 
+/// convert() for the forward: its inputs and options, then its four outputs.
+void convert_forward(const dsaib_inputs* in, const dsaib_kl_forward_outputs* out, const dsaib_options* opt,
+                     dsaib::IndexerBackwardInputs& i, dsaib::IndexerKLForwardOutputs& o, dsaib::IndexerBackwardOptions& p) {
+  require(out, "outputs");
+  const dsaib_outputs no_gradients{};
+  dsaib::IndexerBackwardOutputs unused;
+  convert(in, &no_gradients, opt, i, unused, p);
+  const dsaib_tensor* ts[] = {&out->loss, &out->row_lse, &out->row_target_mass, &out->index_score};
+  const char* names[] = {"loss", "row_lse", "row_target_mass", "index_score"};
+  for (int k = 0; k < 4; ++k) check_enums(*ts[k], names[k]);
+  o = {to_view(out->loss), to_view(out->row_lse), to_view(out->row_target_mass), to_view(out->index_score)};
+}
+
 }  // namespace
 
 extern "C" {
@@ -192,6 +206,29 @@ dsaib_status dsaib_indexer_backward(const dsaib_inputs* inputs, const dsaib_outp
     dsaib::IndexerBackwardOptions p;
     convert(inputs, outputs, options, i, o, p);
     dsaib::indexer_backward(i, o, p, workspace, workspace_bytes);
+  });
+}
+
+dsaib_status dsaib_indexer_kl_forward_workspace_size(const dsaib_inputs* inputs, const dsaib_kl_forward_outputs* outputs,
+                                                     const dsaib_options* options, size_t* bytes) {
+  return guarded([&] {
+    require(bytes, "bytes");
+    dsaib::IndexerBackwardInputs i;
+    dsaib::IndexerKLForwardOutputs o;
+    dsaib::IndexerBackwardOptions p;
+    convert_forward(inputs, outputs, options, i, o, p);
+    *bytes = dsaib::indexer_kl_forward_workspace_size(i, o, p);
+  });
+}
+
+dsaib_status dsaib_indexer_kl_forward(const dsaib_inputs* inputs, const dsaib_kl_forward_outputs* outputs,
+                                      const dsaib_options* options, void* workspace, size_t workspace_bytes) {
+  return guarded([&] {
+    dsaib::IndexerBackwardInputs i;
+    dsaib::IndexerKLForwardOutputs o;
+    dsaib::IndexerBackwardOptions p;
+    convert_forward(inputs, outputs, options, i, o, p);
+    dsaib::indexer_kl_forward(i, o, p, workspace, workspace_bytes);
   });
 }
 

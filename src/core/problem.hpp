@@ -83,3 +83,15 @@ ProblemGeometry validate_problem(const IndexerBackwardInputs& in, const IndexerB
 double scale_from_host(const ProblemGeometry& g, const IndexerBackwardOptions& opt, double grad_loss);
 
 }  // namespace dsaib::detail
+
+#include "dsaib/indexer_kl_forward.hpp"
+
+namespace dsaib::detail {
+
+/// Validates the arguments of indexer_kl_forward(): the options, the inputs by
+/// validate_problem()'s rules with index_score absent, then the outputs (f32,
+/// shapes, contiguity, disjoint from each other and from every input). Never writes.
+ProblemGeometry validate_kl_forward_problem(const IndexerBackwardInputs& in, const IndexerKLForwardOutputs& out,
+                                            const IndexerBackwardOptions& opt, CopyToHost copy_to_host = nullptr);
+
+}  // namespace dsaib::detail

@@ -512,3 +512,71 @@ ProblemGeometry validate_problem(const IndexerBackwardInputs& in, const IndexerB
 }
 
 }  // namespace dsaib::detail
+
+namespace dsaib::detail {
+
+ProblemGeometry validate_kl_forward_problem(const IndexerBackwardInputs& in, const IndexerKLForwardOutputs& out,
+                                            const IndexerBackwardOptions& opt, CopyToHost copy_to_host) {
+  return allocation_failure_as_out_of_memory(
+      "out of memory: expected room in host memory to validate the arguments, got an allocation failure", [&] {
+        check_options(opt);
+        if (in.index_score.present()) {
+          fail("index_score", "absent in the inputs of the forward (it writes P to outputs.index_score)", "a tensor");
+        }
+        // The inputs' rules are the backward's; attn_score stands in for the
+        // absent index_score (same dtype and shape, already checked before it).
+        IndexerBackwardInputs with_target = in;
+        with_target.index_score = in.attn_score;
+        ProblemGeometry g = validate_problem_unguarded(with_target, {}, opt, copy_to_host, false);
+
+        const DeviceType device = opt.backend == Backend::cpu ? DeviceType::cpu : DeviceType::cuda;
+        const int device_index = in.index_q.device_index;
+        const bool thd = opt.layout == Layout::thd;
+        check_tensor(out.loss, {"loss", {DType::f32}, 0}, device, device_index);
+        check_tensor(out.row_lse, {"row_lse", {DType::f32}, thd ? 1 : 2}, device, device_index);
+        check_tensor(out.row_target_mass, {"row_target_mass", {DType::f32}, thd ? 1 : 2}, device, device_index);
+        if (out.index_score.present()) {
+          check_tensor(out.index_score, {"index_score", {DType::f32}, thd ? 2 : 3}, device, device_index);
+        }
+        if (thd) {
+          check_shape(out.row_lse, "row_lse", {g.num_q_rows}, "(T_q)");
+          check_shape(out.row_target_mass, "row_target_mass", {g.num_q_rows}, "(T_q)");
+          if (out.index_score.present()) {
+            check_shape(out.index_score, "index_score", {g.num_q_rows, g.topk}, "(T_q, topk) like topk_indices");
+          }
+        } else {
+          check_shape(out.row_lse, "row_lse", {g.batch, g.s_q}, "(B, S_q)");
+          check_shape(out.row_target_mass, "row_target_mass", {g.batch, g.s_q}, "(B, S_q)");
+          if (out.index_score.present()) {
+            check_shape(out.index_score, "index_score", {g.batch, g.s_q, g.topk}, "(B, S_q, topk) like topk_indices");
+          }
+        }
+        const TensorView* outs[] = {&out.loss, &out.row_lse, &out.row_target_mass, &out.index_score};
+        const char* out_names[] = {"loss", "row_lse", "row_target_mass", "index_score"};
+        const TensorView* ins[] = {&in.index_q,    &in.weights,      &in.index_k,     &in.topk_indices,
+                                   &in.attn_score, &in.cu_seqlens_q, &in.cu_seqlens_k};
+        const char* in_names[] = {"index_q",    "weights",      "index_k",     "topk_indices",
+                                  "attn_score", "cu_seqlens_q", "cu_seqlens_k"};
+        for (int i = 0; i < 4; ++i) {
+          if (outs[i]->present() && !outs[i]->is_contiguous()) {
+            fail(out_names[i], "a contiguous (row-major) tensor",
+                 "strides " + outs[i]->strides_string() + " for shape " + outs[i]->shape_string());
+          }
+        }
+        for (int i = 0; i < 4; ++i) {
+          for (int j = i + 1; j < 4; ++j) {
+            if (overlaps(*outs[i], *outs[j])) {
+              fail(out_names[i], std::string("memory disjoint from ") + out_names[j], "overlapping memory");
+            }
+          }
+          for (int j = 0; j < 7; ++j) {
+            if (overlaps(*outs[i], *ins[j])) {
+              fail(out_names[i], std::string("memory disjoint from input ") + in_names[j], "overlapping memory");
+            }
+          }
+        }
+        return g;
+      });
+}
+
+}  // namespace dsaib::detail

@@ -11,6 +11,9 @@ enum class NamedBarrierId : uint32_t {
   /// The producer warpgroup: stage-1 partial sums / counts and the compacted
   /// slot list are complete (or fully consumed) before the next step.
   kProducerSync = 1,
+  /// The loss forward's score warpgroup (forward_score.cuh): per-warp partial
+  /// logits of a key block, and the row statistics' partials, are complete.
+  kForwardScoreSync = 2,
 };
 
 template <class Config>

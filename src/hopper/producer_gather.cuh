@@ -37,7 +37,12 @@
 
 namespace dsaib::hopper {
 
-template <class Config>
+/// kScoreGradient: the backward's producer (stage 1 above; each gathered key
+/// carries its gs). Without it (the loss forward, forward_kernel.cuh) there is
+/// no stage 1: neither attn_score nor index_score is read, and each gathered key
+/// carries its slot in the row instead (Storage::key_slot, -1 on tail entries),
+/// compacted through Storage::slot_index.
+template <class Config, class Storage = SharedStorage<Config>, bool kScoreGradient = true>
 struct ProducerGather {
   using Element = typename Config::Element;
   static constexpr int kD = Config::kHeadDim;
@@ -50,7 +55,7 @@ struct ProducerGather {
   static_assert(kGatherRows % 4 == 0 && kGatherRows * kThreads == kBlock * kChunksPerRow, "whole rows, int4 loads");
 
   const IndexerBackwardParams& p;
-  SharedStorage<Config>& ss;
+  Storage& ss;
   MbarrierPipeline<Config::kStagesK> k_pipe;
   MbarrierPipeline<Config::kStagesQ> q_pipe;
 
@@ -80,8 +85,10 @@ struct ProducerGather {
       const int i = first_slot + j * kThreads;
       const int64_t kr = key_row_of(p, seq, id[j]);  // -1 also for slots past topk (id -1)
       s.key_row[j] = static_cast<int32_t>(kr);
-      s.attn_score[j] = kr >= 0 ? attn_score[i] : 0.0f;
-      s.index_score[j] = kr >= 0 ? index_score[i] : 0.0f;
+      if constexpr (kScoreGradient) {
+        s.attn_score[j] = kr >= 0 ? attn_score[i] : 0.0f;
+        s.index_score[j] = kr >= 0 ? index_score[i] : 0.0f;
+      }
     }
   }
 
@@ -190,7 +197,9 @@ struct ProducerGather {
         for (int j = 0; j < kPerThread; ++j) {
           if (s.key_row[j] >= 0) {
             ++count;
-            if (s.index_score[j] >= eps) g_part += -c * max_keeping_nan(s.attn_score[j], eps);
+            if constexpr (kScoreGradient) {
+              if (s.index_score[j] >= eps) g_part += -c * max_keeping_nan(s.attn_score[j], eps);
+            }
           }
         }
         int chunk_valid = 0;
@@ -198,7 +207,8 @@ struct ProducerGather {
         producer_sync<Config>();  // producer_scan is reused
         num_blocks += (chunk_valid + kBlock - 1) / kBlock;
       }
-      const float G = warpgroup_sum(g_part, 0);
+      float G = 0.0f;
+      if constexpr (kScoreGradient) G = warpgroup_sum(g_part, 0);
       if (tid == 0) ss.num_blocks[qs] = num_blocks;
 
       cute::cp_async_wait<0>();                              // this thread's Q copies landed
@@ -245,8 +255,12 @@ struct ProducerGather {
         CUTE_UNROLL
         for (int j = 0; j < kPerThread; ++j) {
           if (s.key_row[j] >= 0) {
-            const float g = s.index_score[j] >= eps ? -c * max_keeping_nan(s.attn_score[j], eps) : 0.0f;
-            ss.slot_gs[pos[j]] = g - s.index_score[j] * G;
+            if constexpr (kScoreGradient) {
+              const float g = s.index_score[j] >= eps ? -c * max_keeping_nan(s.attn_score[j], eps) : 0.0f;
+              ss.slot_gs[pos[j]] = g - s.index_score[j] * G;
+            } else {
+              ss.slot_index[pos[j]] = chunk0 + tid + j * kThreads;
+            }
             ss.slot_key_row[pos[j]] = s.key_row[j];
           }
         }
@@ -258,7 +272,8 @@ struct ProducerGather {
           const int first = blk * kBlock;
           if (tid < kBlock) {
             const bool in_list = first + tid < chunk_valid;
-            ss.gs[ks][tid] = in_list ? ss.slot_gs[first + tid] : 0.0f;
+            if constexpr (kScoreGradient) ss.gs[ks][tid] = in_list ? ss.slot_gs[first + tid] : 0.0f;
+            else ss.key_slot[ks][tid] = in_list ? ss.slot_index[first + tid] : -1;
             ss.key_row[ks][tid] = in_list ? ss.slot_key_row[first + tid] : -1;
           }
           // This thread's kGatherRows consecutive rows: one vector load of their key rows.

@@ -11,3 +11,14 @@ void run_cpu_backend(const IndexerBackwardInputs& in, const IndexerBackwardOutpu
                      const IndexerBackwardOptions& opt, const ProblemGeometry& g);
 
 }  // namespace dsaib::detail
+
+#include "dsaib/indexer_kl_forward.hpp"
+
+namespace dsaib::detail {
+
+/// The cpu backend of indexer_kl_forward(): the fp64 forward, cast to f32 outputs.
+/// `g` comes from validate_kl_forward_problem(); nothing is validated here.
+void run_cpu_kl_forward(const IndexerBackwardInputs& in, const IndexerKLForwardOutputs& out,
+                        const IndexerBackwardOptions& opt, const ProblemGeometry& g);
+
+}  // namespace dsaib::detail

@@ -1,0 +1,83 @@
+// The forward of the indexer KL loss (docs/kl-forward.md, docs/math.md §2): the
+// scalar loss whose gradient indexer_backward() computes, and the per-row
+// statistics from which a backward can rebuild P without storing it.
+//
+// Per query row, over its VALID selected slots i (id in range for the row's
+// sequence; invalid slots are ignored and never dereferenced):
+//
+//   z_i   = sm_scale * sum_h w_h relu(q_h . k_{id_i})
+//   LSE   = log sum_i exp(z_i)          (no valid slot: -infinity)
+//   P_i   = exp(z_i - LSE)              (0 at invalid slots and in rows without a valid slot)
+//   m_i   = [P_i >= eps],  T~_i = max(T_i, eps),  eps = exp(-100)
+//   Loss  = -(loss_coeff / N) * sum_rows sum_i T~_i log(max(P_i, eps))
+//
+// with N = options.normalization_count (0: the number of query rows). A row
+// without a valid slot contributes no loss term. The backward of a row needs
+// its LSE and its target mass sum_i T~_i m_i (g_i sums to -c times it).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "dsaib/indexer_backward.hpp"
+
+namespace dsaib {
+
+/// Outputs of indexer_kl_forward(), all f32, contiguous, on the backend's device,
+/// disjoint from each other and from every input.
+///
+/// | name            | BSHD shape       | THD shape     | contents                         |
+/// |-----------------|------------------|---------------|----------------------------------|
+/// | loss            | ()               | ()            | the scalar Loss                  |
+/// | row_lse         | (B, S_q)         | (T_q)         | LSE per query row (-inf: no valid slot) |
+/// | row_target_mass | (B, S_q)         | (T_q)         | sum_i T~_i m_i per query row     |
+/// | index_score     | (B, S_q, topk)   | (T_q, topk)   | P (optional: absent = not written) |
+///
+/// Every element is overwritten; incoming contents never matter.
+struct IndexerKLForwardOutputs {
+  TensorView loss;
+  TensorView row_lse;
+  TensorView row_target_mass;
+  TensorView index_score;
+};
+
+/// Bytes of scratch memory indexer_kl_forward() needs on the backend's device.
+/// cpu: 0. cuda: 8 bytes per query row (the per-row loss terms, summed in a
+/// fixed order afterwards) and 4 * topk bytes per resident CTA of the kernel
+/// (a row's logits), each part rounded up to 256 bytes.
+/// Validates like indexer_kl_forward() and raises the same errors.
+std::size_t indexer_kl_forward_workspace_size(const IndexerBackwardInputs& inputs,
+                                              const IndexerKLForwardOutputs& outputs,
+                                              const IndexerBackwardOptions& options);
+
+/// Computes the loss, the per-row statistics and optionally P.
+///
+/// `inputs` are the backward's, with index_score absent (the forward produces
+/// it: outputs.index_score). Used options: layout, id_mode, backend, sm_scale,
+/// loss_coeff, normalization_count, strict_indices, stream, num_threads; the
+/// others (grad_loss, grad_loss_device, deterministic, a_operand_precision)
+/// are ignored. The loss is bitwise reproducible on every backend.
+///
+/// All validation happens before any output is written; on any error nothing
+/// is written. Errors as indexer_backward(), with the outputs' rules above
+/// (dtype f32, shapes, contiguity, no overlap) naming the output. `workspace`
+/// as for indexer_backward(): null with workspace_bytes 0 lets the cuda backend
+/// allocate it (stream-ordered), else at least
+/// indexer_kl_forward_workspace_size() bytes, 256-byte aligned.
+void indexer_kl_forward(const IndexerBackwardInputs& inputs, const IndexerKLForwardOutputs& outputs,
+                        const IndexerBackwardOptions& options, void* workspace = nullptr,
+                        std::size_t workspace_bytes = 0);
+
+/// The forward in fp64 on the host (cpu tensors; index_score absent), row-major:
+/// row_lse and row_target_mass (num_q_rows), index_score (num_q_rows, topk).
+struct ReferenceKLForward {
+  int64_t num_q_rows = 0, topk = 0;
+  double loss = 0;
+  std::vector<double> row_lse, row_target_mass, index_score;
+};
+/// Raises the input and option errors of indexer_kl_forward(); options.backend is
+/// ignored (always cpu), options.num_threads is honoured (the result does not depend on it).
+ReferenceKLForward reference_kl_forward(const IndexerBackwardInputs& inputs, const IndexerBackwardOptions& options);
+
+}  // namespace dsaib

@@ -1,0 +1,53 @@
+// indexer_kl_forward(): validate, then dispatch to a backend.
+#include "dsaib/indexer_kl_forward.hpp"
+
+#include <cstdint>
+#include <string>
+
+#include "api/cuda_backend.hpp"
+#include "api/cuda_kl_forward.hpp"
+#include "core/problem.hpp"
+#include "reference/cpu_reference.hpp"
+
+namespace dsaib {
+namespace {
+
+detail::ProblemGeometry validate_forward_for_backend(const IndexerBackwardInputs& in, const IndexerKLForwardOutputs& out,
+                                                     const IndexerBackwardOptions& opt) {
+  detail::check_options_and_backend(opt);
+  return detail::validate_kl_forward_problem(in, out, opt,
+                                             opt.backend == Backend::cuda ? &detail::cuda_copy_to_host : nullptr);
+}
+
+}  // namespace
+
+std::size_t indexer_kl_forward_workspace_size(const IndexerBackwardInputs& inputs, const IndexerKLForwardOutputs& outputs,
+                                              const IndexerBackwardOptions& options) {
+  const detail::ProblemGeometry g = validate_forward_for_backend(inputs, outputs, options);
+  return options.backend == Backend::cuda ? detail::cuda_kl_forward_workspace_size(g, inputs.index_q.device_index) : 0;
+}
+
+void indexer_kl_forward(const IndexerBackwardInputs& inputs, const IndexerKLForwardOutputs& outputs,
+                        const IndexerBackwardOptions& options, void* workspace, std::size_t workspace_bytes) {
+  const detail::ProblemGeometry g = validate_forward_for_backend(inputs, outputs, options);
+  if (options.backend == Backend::cpu) {
+    detail::run_cpu_kl_forward(inputs, outputs, options, g);
+    return;
+  }
+  if (workspace != nullptr || workspace_bytes != 0) {
+    const std::size_t need = detail::cuda_kl_forward_workspace_size(g, inputs.index_q.device_index);
+    if (workspace_bytes < need) {
+      throw Error(ErrorCode::invalid_argument, "workspace_bytes",
+                  "workspace_bytes: expected >= " + std::to_string(need) + " (indexer_kl_forward_workspace_size), got " +
+                      std::to_string(workspace_bytes));
+    }
+    if (need > 0 && (workspace == nullptr || reinterpret_cast<std::uintptr_t>(workspace) % 256 != 0)) {
+      throw Error(ErrorCode::invalid_argument, "workspace",
+                  "workspace: expected a non-null 256-byte aligned device pointer, got " +
+                      std::string(workspace ? "a misaligned pointer" : "null"));
+    }
+  }
+  detail::run_cuda_kl_forward(inputs, outputs, options, g, workspace, workspace_bytes);
+}
+
+}  // namespace dsaib

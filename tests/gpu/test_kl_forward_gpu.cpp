@@ -1,0 +1,276 @@
+// The cuda loss forward (label gpu) against the fp64 reference
+// (dsaib::reference_kl_forward, itself checked against the definition by
+// tests/cpu/test_kl_forward.cpp): BSHD/THD, local/global ids, invalid and
+// out-of-range slots, rows without a valid slot, topk 1 to several slot
+// chunks, H 8-128, D 64/128; bitwise reproducibility; a CUDA-graph capture;
+// the time per row at H64 D128 topk 2048. Without a compute-capability-9.0
+// GPU every test is SKIPPED (never passed).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gpu/device_problem.hpp"
+#include "support/kl_forward_check.hpp"
+
+namespace dsaib::test {
+namespace {
+
+class KlForwardGpu : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!gpu_available()) GTEST_SKIP() << "no compute-capability-9.0 GPU visible";
+  }
+};
+
+// Tolerances against fp64 (docs/math.md's targets for the forward).
+constexpr double kLossRel = 1e-6, kLseAbs = 1e-5, kPRel = 1e-5, kMassRel = 1e-5;
+// P below this is compared absolutely (fp32 has no relative accuracy in its subnormals).
+constexpr double kPFloor = 1e-30, kPAbsBelowFloor = 1e-35;
+
+struct DeviceForwardOutputs {
+  DeviceTensor loss, row_lse, row_target_mass, index_score;
+  explicit DeviceForwardOutputs(const GeneratedProblem& p) : DeviceForwardOutputs(make_forward_buffers(p)) {}
+  explicit DeviceForwardOutputs(const ForwardBuffers& h)  // NaN-poisoned host buffers
+      : loss(h.loss), row_lse(h.row_lse), row_target_mass(h.row_target_mass), index_score(h.index_score) {}
+  IndexerKLForwardOutputs views(bool with_p = true) const {
+    return {loss.view, row_lse.view, row_target_mass.view, with_p ? index_score.view : TensorView{}};
+  }
+};
+
+IndexerBackwardInputs device_forward_inputs(const DeviceProblem& d) {
+  IndexerBackwardInputs in = d.inputs();
+  in.index_score = TensorView{};
+  return in;
+}
+
+struct GpuCase {
+  std::string name;
+  GenerateSpec spec;
+  void (*mutate)(GeneratedProblem&) = nullptr;
+};
+
+GenerateSpec spec_of(Layout layout, int64_t h, int64_t d, int64_t topk, int64_t s_q, int64_t s_kv, IdMode mode,
+                     IdPattern ids, uint64_t seed) {
+  GenerateSpec s;
+  s.layout = layout;
+  s.batch = 2;
+  s.s_q = s_q;
+  s.s_kv = s_kv;
+  s.seqlens_q = {s_q, 0, s_q / 2 + 3};
+  s.seqlens_k = {s_kv, 5, s_kv / 2 + 1};
+  s.heads = h;
+  s.head_dim = d;
+  s.topk = topk;
+  s.id_mode = mode;
+  s.ids = ids;
+  s.seed = seed;
+  s.num_threads = 0;
+  return s;
+}
+
+void invalid_slots(GeneratedProblem& p) {
+  invalidate_run(p, 0, Where::start, std::min<int64_t>(5, topk(p)));
+  invalidate_run(p, 1, Where::middle, std::min<int64_t>(70, topk(p)));
+  set_out_of_range(p, 2, 0, 0);
+  set_out_of_range(p, 2, topk(p) - 1, 9);
+  invalidate_row(p, 3);
+  duplicate_slot(p, 4, 0, topk(p) - 1);
+}
+
+std::vector<GpuCase> cases() {
+  const IdPattern perm = IdPattern::random_permutation, causal = IdPattern::causal_topk;
+  return {
+      {"bshd_h64_d128_causal", spec_of(Layout::bshd, 64, 128, 64, 96, 96, IdMode::local, causal, 1)},
+      {"bshd_h8_d64", spec_of(Layout::bshd, 8, 64, 40, 33, 80, IdMode::local, perm, 2)},
+      {"bshd_h128_d128_invalid", spec_of(Layout::bshd, 128, 128, 100, 20, 150, IdMode::local, perm, 3), invalid_slots},
+      {"bshd_h120_d64_global", spec_of(Layout::bshd, 120, 64, 72, 17, 90, IdMode::global, perm, 4), invalid_slots},
+      {"bshd_h72_d128_topk1", spec_of(Layout::bshd, 72, 128, 1, 40, 40, IdMode::local, perm, 5)},
+      {"bshd_h32_d128_topk2500", spec_of(Layout::bshd, 32, 128, 2500, 6, 3000, IdMode::local, perm, 6), invalid_slots},
+      {"bshd_h64_d64_topk_past_skv", spec_of(Layout::bshd, 64, 64, 300, 12, 200, IdMode::local, perm, 7)},
+      {"thd_h16_d128_local", spec_of(Layout::thd, 16, 128, 48, 40, 70, IdMode::local, perm, 8), invalid_slots},
+      {"thd_h128_d64_global", spec_of(Layout::thd, 128, 64, 1100, 9, 1500, IdMode::global, perm, 9), invalid_slots},
+      {"thd_h48_d128_causal", spec_of(Layout::thd, 48, 128, 32, 50, 50, IdMode::global, causal, 10)},
+  };
+}
+
+struct Errors {
+  double loss_rel, lse_abs, p_rel, p_abs_low, mass_rel;
+};
+
+Errors check_case(const GeneratedProblem& p, const IndexerBackwardOptions& opt_in, const std::string& name) {
+  IndexerBackwardOptions opt = opt_in;
+  opt.backend = Backend::cpu;
+  const ReferenceKLForward ref = reference_kl_forward(forward_inputs(p), opt);
+  DeviceProblem d(p);
+  DeviceForwardOutputs out(p);
+  opt.backend = Backend::cuda;
+  indexer_kl_forward(device_forward_inputs(d), out.views(), opt);
+  check_cuda(cudaDeviceSynchronize(), "forward");
+  const std::vector<double> lse = to_doubles(out.row_lse.to_host()), mass = to_doubles(out.row_target_mass.to_host()),
+                            pr = to_doubles(out.index_score.to_host());
+  const double loss = to_doubles(out.loss.to_host())[0];
+  Errors e{rel_error(loss, ref.loss), max_error(lse, ref.row_lse, false), max_error(pr, ref.index_score, true, kPFloor),
+           max_abs_error_below(pr, ref.index_score, kPFloor), max_error(mass, ref.row_target_mass, true, 1e-30)};
+  std::printf("[forward] %-28s loss %.6g (ref %.6g) rel %.2e | LSE abs %.2e | P rel %.2e (abs below 1e-30 %.1e) | mass rel %.2e\n",
+              name.c_str(), loss, ref.loss, e.loss_rel, e.lse_abs, e.p_rel, e.p_abs_low, e.mass_rel);
+  EXPECT_LE(e.loss_rel, kLossRel) << name;
+  EXPECT_LE(e.lse_abs, kLseAbs) << name;
+  EXPECT_LE(e.p_rel, kPRel) << name;
+  EXPECT_LE(e.p_abs_low, kPAbsBelowFloor) << name;
+  EXPECT_LE(e.mass_rel, kMassRel) << name;
+  return e;
+}
+
+TEST_F(KlForwardGpu, MatchesTheFp64Reference) {
+  for (const GpuCase& c : cases()) {
+    GeneratedProblem p = make_problem(c.spec);
+    if (c.mutate) c.mutate(p);
+    IndexerBackwardOptions opt = p.options();
+    opt.loss_coeff = 0.3f;
+    check_case(p, opt, c.name);
+  }
+}
+
+TEST_F(KlForwardGpu, WeightsF32AndStrictIds) {
+  GenerateSpec s = spec_of(Layout::bshd, 40, 128, 64, 30, 64, IdMode::local, IdPattern::random_permutation, 21);
+  s.weights_f32 = true;
+  GeneratedProblem p = make_problem(s);
+  IndexerBackwardOptions opt = p.options();
+  opt.strict_indices = true;
+  opt.normalization_count = 7;
+  check_case(p, opt, "bshd_h40_weights_f32_strict");
+  set_out_of_range(p, 3, 2, 1);
+  DeviceProblem d(p);
+  DeviceForwardOutputs out(p);
+  opt.backend = Backend::cuda;
+  EXPECT_THROW(indexer_kl_forward(device_forward_inputs(d), out.views(), opt), Error);
+  EXPECT_TRUE(std::isnan(to_doubles(out.loss.to_host())[0]));  // nothing written
+}
+
+TEST_F(KlForwardGpu, NanNeverPasses) {
+  GeneratedProblem p = make_problem(spec_of(Layout::bshd, 64, 128, 64, 16, 64, IdMode::local, IdPattern::random_permutation, 31));
+  p.attn_score.data<float>()[5 * topk(p) + 3] = std::numeric_limits<float>::quiet_NaN();
+  DeviceProblem d(p);
+  DeviceForwardOutputs out(p);
+  IndexerBackwardOptions opt = p.options();
+  opt.backend = Backend::cuda;
+  indexer_kl_forward(device_forward_inputs(d), out.views(), opt);
+  EXPECT_TRUE(std::isnan(to_doubles(out.loss.to_host())[0]));
+  EXPECT_TRUE(std::isnan(to_doubles(out.row_target_mass.to_host())[5]));
+}
+
+TEST_F(KlForwardGpu, BitwiseReproducibleAndIndexScoreOptional) {
+  GeneratedProblem p = make_problem(spec_of(Layout::bshd, 64, 128, 512, 200, 700, IdMode::local, IdPattern::random_permutation, 41));
+  DeviceProblem d(p);
+  IndexerBackwardOptions opt = p.options();
+  opt.backend = Backend::cuda;
+  DeviceForwardOutputs first(p);
+  indexer_kl_forward(device_forward_inputs(d), first.views(), opt);
+  const HostTensor loss0 = first.loss.to_host(), lse0 = first.row_lse.to_host(), mass0 = first.row_target_mass.to_host(),
+                   p0 = first.index_score.to_host();
+  for (int rep = 0; rep < 5; ++rep) {
+    DeviceForwardOutputs again(p);
+    indexer_kl_forward(device_forward_inputs(d), again.views(rep % 2 == 0), opt);
+    EXPECT_TRUE(bitwise_equal(loss0, again.loss.to_host())) << rep;
+    EXPECT_TRUE(bitwise_equal(lse0, again.row_lse.to_host())) << rep;
+    EXPECT_TRUE(bitwise_equal(mass0, again.row_target_mass.to_host())) << rep;
+    if (rep % 2 == 0) EXPECT_TRUE(bitwise_equal(p0, again.index_score.to_host())) << rep;
+    else EXPECT_TRUE(std::isnan(to_doubles(again.index_score.to_host())[0])) << "P written though absent";
+  }
+}
+
+TEST_F(KlForwardGpu, CapturedInACudaGraph) {
+  GeneratedProblem p = make_problem(spec_of(Layout::bshd, 64, 128, 128, 64, 256, IdMode::local, IdPattern::random_permutation, 51));
+  DeviceProblem d(p);
+  IndexerBackwardOptions opt = p.options();
+  opt.backend = Backend::cuda;
+  DeviceForwardOutputs direct(p), graphed(p), graphed_ws(p);
+  indexer_kl_forward(device_forward_inputs(d), direct.views(), opt);
+  const std::size_t bytes = indexer_kl_forward_workspace_size(device_forward_inputs(d), graphed_ws.views(), opt);
+  EXPECT_GT(bytes, 0u);
+  DeviceBuffer ws(bytes);
+  cudaStream_t stream;
+  check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  opt.stream = stream;
+  for (int with_ws = 0; with_ws < 2; ++with_ws) {
+    DeviceForwardOutputs& out = with_ws ? graphed_ws : graphed;
+    cudaGraph_t graph;
+    check_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
+    indexer_kl_forward(device_forward_inputs(d), out.views(), opt, with_ws ? ws.ptr : nullptr, with_ws ? bytes : 0);
+    check_cuda(cudaStreamEndCapture(stream, &graph), "end capture");
+    cudaGraphExec_t exec;
+    check_cuda(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+    for (int i = 0; i < 3; ++i) check_cuda(cudaGraphLaunch(exec, stream), "graph launch");
+    check_cuda(cudaStreamSynchronize(stream), "sync");
+    EXPECT_TRUE(bitwise_equal(direct.loss.to_host(), out.loss.to_host())) << with_ws;
+    EXPECT_TRUE(bitwise_equal(direct.row_lse.to_host(), out.row_lse.to_host())) << with_ws;
+    EXPECT_TRUE(bitwise_equal(direct.index_score.to_host(), out.index_score.to_host())) << with_ws;
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+  }
+  cudaStreamDestroy(stream);
+}
+
+/// Time per row at B1 S 4096 H64 D128 topk 2048, random distinct-free ids over
+/// the row's causal prefix (ascending), CUDA events, median of 15 after warm-up.
+TEST_F(KlForwardGpu, TimePerRowH64D128Topk2048) {
+  const int64_t S = 4096, H = 64, D = 128, K = 2048;
+  std::mt19937_64 rng(7);
+  std::normal_distribution<float> nd;
+  auto bf16 = [](float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    return static_cast<uint16_t>((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+  };
+  HostTensor q(DType::bf16, {1, S, H, D}), w(DType::bf16, {1, S, H}), k(DType::bf16, {1, S, D}),
+      ids(DType::i32, {1, S, K}), t(DType::f32, {1, S, K});
+  for (int64_t e = 0; e < q.numel(); ++e) q.data<uint16_t>()[e] = bf16(nd(rng));
+  for (int64_t e = 0; e < w.numel(); ++e) w.data<uint16_t>()[e] = bf16(nd(rng) / 8.0f);
+  for (int64_t e = 0; e < k.numel(); ++e) k.data<uint16_t>()[e] = bf16(nd(rng));
+  for (int64_t r = 0; r < S; ++r) {
+    for (int64_t i = 0; i < K; ++i) {
+      // causal: row r sees keys 0..r; slots past r are -1 (as a causal top-k)
+      ids.data<int32_t>()[r * K + i] = i <= r ? static_cast<int32_t>(r <= K ? i : (i * (r + 1)) / K) : -1;
+      t.data<float>()[r * K + i] = i <= r ? 1.0f / static_cast<float>(std::min<int64_t>(r + 1, K)) : 0.0f;
+    }
+  }
+  DeviceTensor dq(q), dw(w), dk(k), dids(ids), dt(t);
+  IndexerBackwardInputs in{dq.view, dw.view, dk.view, dids.view, dt.view, {}, {}, {}};
+  DeviceTensor loss(DType::f32, {}), lse(DType::f32, {1, S}), mass(DType::f32, {1, S});
+  IndexerKLForwardOutputs out{loss.view, lse.view, mass.view, {}};
+  IndexerBackwardOptions opt;
+  opt.backend = Backend::cuda;
+  opt.sm_scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const std::size_t bytes = indexer_kl_forward_workspace_size(in, out, opt);
+  DeviceBuffer ws(bytes);
+  cudaEvent_t a, b;
+  check_cuda(cudaEventCreate(&a), "event");
+  check_cuda(cudaEventCreate(&b), "event");
+  for (int i = 0; i < 3; ++i) indexer_kl_forward(in, out, opt, ws.ptr, bytes);
+  std::vector<float> ms;
+  for (int i = 0; i < 15; ++i) {
+    check_cuda(cudaEventRecord(a), "record");
+    indexer_kl_forward(in, out, opt, ws.ptr, bytes);
+    check_cuda(cudaEventRecord(b), "record");
+    check_cuda(cudaEventSynchronize(b), "sync");
+    float t_ms = 0;
+    check_cuda(cudaEventElapsedTime(&t_ms, a, b), "elapsed");
+    ms.push_back(t_ms);
+  }
+  std::sort(ms.begin(), ms.end());
+  std::printf("[forward time] B1 S %lld H%lld D%lld topk %lld causal: median %.1f ns/row (min %.1f, max %.1f; %zu runs)\n",
+              static_cast<long long>(S), static_cast<long long>(H), static_cast<long long>(D), static_cast<long long>(K),
+              ms[ms.size() / 2] * 1e6 / S, ms.front() * 1e6 / S, ms.back() * 1e6 / S, ms.size());
+  EXPECT_TRUE(std::isfinite(to_doubles(loss.to_host())[0]));
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+}
+
+}  // namespace
+}  // namespace dsaib::test
