@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """Do two host binaries carry the same GPU machine code?
 
-    python3 scripts/compare_kernel_text.py BINARY_A BINARY_B
+    python3 scripts/compare_kernel_text.py [--allow-new] BINARY_A BINARY_B
+
+With --allow-new, kernels only in B (new ones) are listed but pass: the check
+is then that every kernel of A is in B with the same bytes.
 
 Extracts each binary's .nv_fatbin section (objcopy), walks the ELF cubins in
 it and compares the bytes of every `.text.<kernel>` section by name, with the
@@ -59,15 +62,24 @@ def kernel_texts(blob):
 
 
 def main():
-    if len(sys.argv) != 3:
+    args = sys.argv[1:]
+    allow_new = "--allow-new" in args
+    args = [x for x in args if x != "--allow-new"]
+    if len(args) != 2:
         sys.exit(__doc__)
-    a, b = (kernel_texts(fatbin(p)) for p in sys.argv[1:])
+    a, b = (kernel_texts(fatbin(p)) for p in args)
     if not a:
-        sys.exit(f"no kernel text found in {sys.argv[1]}")
-    differ = sorted(set(a) ^ set(b))
-    print(f"{len(a)} / {len(b)} kernel text sections; {'identical' if not differ else 'DIFFER'}")
+        sys.exit(f"no kernel text found in {args[0]}")
+    changed = sorted(set(a) - set(b))  # in A, and not in B with the same text
+    added = sorted(set(b) - set(a))
+    differ = changed if allow_new else sorted(set(a) ^ set(b))
+    print(f"{len(a)} / {len(b)} kernel text sections; {'identical' if not differ else 'DIFFER'}"
+          + (f" ({len(a) - len(changed)} of A's in B unchanged, {len(added)} only in B)" if allow_new else ""))
     for name, digest in differ:
         print(f"  {name[:110]} {digest}")
+    if allow_new:
+        for name, digest in added:
+            print(f"  only in B: {name[:100]} {digest}")
     return 0 if not differ else 1
 
 
