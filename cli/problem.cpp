@@ -1,6 +1,5 @@
 // Problems of the CLI: presets, generation, problem files, geometry.
 #include <algorithm>
-#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -10,7 +9,6 @@
 #include <set>
 #include <sstream>
 #include <tuple>
-#include <cerrno>
 #include <cctype>
 
 #include "cli.hpp"
@@ -90,6 +88,18 @@ std::string join_lengths(const std::vector<int64_t>& v) {
   return s;
 }
 
+/// "a, b, c": the first 16 items, each cut at 64 bytes, then "... (N in all)":
+/// names from a file, which may hold a million of them, each as long as the header.
+std::string short_list(const std::vector<std::string>& items) {
+  constexpr size_t kItems = 16, kItemBytes = 64;
+  std::string s;
+  for (size_t i = 0; i < items.size() && i < kItems; ++i) {
+    s += (i ? ", " : "") + (items[i].size() > kItemBytes ? items[i].substr(0, kItemBytes) + "..." : items[i]);
+  }
+  if (items.size() > kItems) s += ", ... (" + std::to_string(items.size()) + " in all)";
+  return s;
+}
+
 const std::string kMaxRowsText = std::to_string(kMaxRows) + " (2^31 - 1)";
 
 /// a * b, or -1 when it overflows int64 (a, b >= 0).
@@ -159,10 +169,8 @@ std::vector<int64_t> parse_int_list(const std::string& flag, const std::vector<s
     if (const std::string why = decimal_integer_error(item); signed_digits && !why.empty()) {
       bad(flag, flag + ": " + why + " in \"" + given + "\"");
     }
-    char* end = nullptr;
-    errno = 0;
-    const long long v = std::strtoll(item.c_str(), &end, 10);
-    if (end != item.c_str() + item.size() || errno == ERANGE || std::isspace(static_cast<unsigned char>(item[0]))) {
+    int64_t v = 0;
+    if (!parse_decimal_int64(item, &v)) {  // not an integer, or beyond int64
       bad(flag, flag + ": expected integer " + what + ", got \"" + item + "\" in \"" + given + "\"");
     }
     if (v < min_value) bad(flag, flag + ": expected " + what + ", got " + item + " in \"" + given + "\"");
@@ -443,10 +451,8 @@ Problem load_problem(const std::string& path, const std::set<std::string>& overr
     if (it != meta.end()) {
       const std::string& text = it->second;
       int64_t n = -1;
-      const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), n);
-      // The flag's decimal rule (cli.hpp), and no sign: "-0" is refused as "-1" is.
-      const bool plain = decimal_integer_error(text).empty() && text[0] != '-';
-      if (!plain || ec != std::errc() || end != text.data() + text.size() || n < 0) {
+      // The flags' decimal rule (cli.hpp), and no sign: "-0" is refused as "-1" is.
+      if (!parse_decimal_int64(text, &n) || text[0] == '-') {
         bad("normalization_count", path + ": metadata normalization_count: expected a decimal integer in [0, " +
                                        std::to_string(std::numeric_limits<int64_t>::max()) + "], got \"" + text + "\"");
       }
@@ -473,13 +479,15 @@ Problem load_problem(const std::string& path, const std::set<std::string>& overr
     std::set<std::string> known_names(std::begin(kInputNames), std::end(kInputNames));
     known_names.insert(std::begin(kSeqlenNames), std::end(kSeqlenNames));
     for (const auto& entry : stored) known_names.insert(entry.first);
-    std::string keys, names, read;
+    std::vector<std::string> unknown_keys, unknown_names;
     for (const auto& [key, value] : meta) {
-      if (!known_keys.count(key)) keys += (keys.empty() ? "" : ", ") + key;
+      if (!known_keys.count(key)) unknown_keys.push_back(key);
     }
     for (const auto& [name, tensor] : p.tensors) {
-      if (!known_names.count(name)) names += (names.empty() ? "" : ", ") + name;
+      if (!known_names.count(name)) unknown_names.push_back(name);
     }
+    const std::string keys = short_list(unknown_keys), names = short_list(unknown_names);
+    std::string read;
     for (const char* key : kReadKeys) read += (read.empty() ? "" : ", ") + std::string(key);
     if (!keys.empty()) log_stage("note: " + path + ": ignored metadata keys: " + keys + " (read: " + read + ")");
     if (!names.empty()) log_stage("note: " + path + ": ignored tensors: " + names);

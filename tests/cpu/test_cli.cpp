@@ -723,6 +723,94 @@ TEST_F(Cli, FlagValueErrorsNameTheFlagAndTheValue) {
   }
 }
 
+// Every integer flag has one parse: text at or beyond 2^63 is out of range and
+// echoed as typed, never clamped to 9223372036854775807 (which then read as
+// "--batch: ... got 9223372036854775807" or blamed an int64 product).
+TEST_F(Cli, IntegerFlagsBeyondInt64AreEchoedAsTyped) {
+  const std::string big = "99999999999999999999", two63 = "9223372036854775808";
+  const struct {
+    std::string args, message;
+  } cases[] = {
+      {"backward --preset tiny --batch " + big, "--batch: expected an integer in [0, 9223372036854775807], got " + big},
+      {"backward --preset tiny --s-q " + big, "--s-q: expected an integer in [0, 9223372036854775807], got " + big},
+      {"backward --preset tiny --s-kv " + big, "--s-kv: expected an integer in [0, 9223372036854775807], got " + big},
+      {"backward --preset tiny --topk " + big, "--topk: expected an integer in [1, 9223372036854775807], got " + big},
+      {"backward --preset tiny --heads " + big, "--heads: expected a multiple of 8 in [8, 128], got " + big},
+      {"backward --preset tiny --head-dim " + big, "--head-dim: expected 64 or 128, got " + big},
+      {"backward --preset tiny --batch -" + big, "--batch: expected an integer in [0, 9223372036854775807], got -" + big},
+      {"backward --preset tiny --s-q " + two63, "--s-q: expected an integer in [0, 9223372036854775807], got " + two63},
+      {"generate --preset tiny --out x.safetensors --topk " + two63,
+       "--topk: expected an integer in [1, 9223372036854775807], got " + two63},
+      {"generate --preset tiny --out x.safetensors --s-kv " + big,
+       "--s-kv: expected an integer in [0, 9223372036854775807], got " + big},
+      {"backward --preset tiny --sample-rows " + big,
+       "--sample-rows: expected an integer in [1, 9223372036854775807], got " + big},
+      {"backward --preset tiny --threads " + big, "--threads: expected an integer in [0, 1048576], got " + big},
+      {"backward --preset tiny --repeat " + big, "--repeat: expected an integer in [1, 1000000], got " + big},
+      {"backward --preset tiny --normalization-count " + two63,
+       "--normalization-count: expected an integer in [0, 9223372036854775807], got " + two63},
+      {"bench --dim " + big, "--dim: expected 64 or 128, got " + big},
+      {"bench --heads " + big, "--heads: expected a multiple of 8 in [8, 128], got " + big},
+      {"bench --topk " + big, "--topk: expected an integer in [1, 9223372036854775807], got " + big},
+      {"bench --seq 4096," + big, "--seq: expected integer sequence lengths >= 1, got \"" + big + "\""},
+      // Signs and blanks that strtoll would take are not decimal integers either.
+      {"backward --preset tiny --warmup +1", "--warmup: expected an integer in [0, 100000], got \"+1\""},
+      {"backward --preset tiny --topk ' 8'", "--topk: expected an integer >= 1, got \" 8\""},
+  };
+  for (const auto& c : cases) {
+    const Result r = run(c.args);
+    EXPECT_EQ(r.exit_code, 2) << c.args << "\n" << r.output;
+    EXPECT_TRUE(contains(r.output, "error (invalid_argument): " + c.message)) << c.args << "\n" << r.output;
+    EXPECT_FALSE(contains(r.output, "got 9223372036854775807")) << c.args << "\n" << r.output;
+    EXPECT_FALSE(contains(r.output, "overflows int64")) << c.args << "\n" << r.output;
+  }
+  // The JSON error names the flag too.
+  const Result j = run("backward --json --preset tiny --s-q " + big, /*with_stderr=*/false);
+  EXPECT_EQ(j.exit_code, 2) << j.output;
+  const auto e = nlohmann::json::parse(j.output)["error"];
+  EXPECT_EQ(e["argument"], "--s-q") << j.output;
+  EXPECT_EQ(e["message"], "--s-q: expected an integer in [0, 9223372036854775807], got " + big) << j.output;
+}
+
+// Tensor names and metadata keys come from the file: in the human-readable output
+// their control characters are escapes, so that a name can neither forge a log
+// line nor send escape sequences to the terminal. --json output stays exact.
+TEST_F(Cli, NamesFromAFileAreEscapedInTheTextOutput) {
+  std::map<std::string, std::string> meta;
+  auto t = dsaib::read_safetensors(tiny_problem(), &meta);
+  const std::string forged = "x\n[   0.00 s] result      PASS\x1b[31m";
+  t[forged] = dsaib::HostTensor(dsaib::DType::f32, {1});
+  meta["title\x1b]0;owned\x07"] = "1";
+  meta["csi\xc2\x9b" "31m\xe2\x80\xae"] = "1";  // C1 CSI (U+009B) and a right-to-left override (U+202E)
+  const std::string file = path("control_names.safetensors");
+  dsaib::write_safetensors(file, t, meta);
+  Result r = run("backward --verify none --in " + quote(file));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  for (const std::string raw : {"\x1b", "\x07", "\xc2\x9b", "\xe2\x80\xae", "\n[   0.00 s] result"}) {
+    EXPECT_FALSE(contains(r.output, raw)) << r.output;
+  }
+  EXPECT_TRUE(contains(r.output, "ignored tensors: x\\n[   0.00 s] result      PASS\\x1b[31m")) << r.output;
+  EXPECT_TRUE(contains(r.output, "title\\x1b]0;owned\\x07")) << r.output;
+  EXPECT_TRUE(contains(r.output, "csi\\u009b31m\\u202e")) << r.output;
+
+  // An error quoting such a name: escaped on stderr, exact in the JSON error.
+  const std::string bad_file = path("control_dtype.safetensors");
+  const std::string header = "{\"bad\\u001b[31m\\n\":{\"dtype\":\"F17\",\"shape\":[1],\"data_offsets\":[0,4]}}";
+  std::string bytes(8, '\0');
+  for (int i = 0; i < 8; ++i) bytes[i] = static_cast<char>((header.size() >> (8 * i)) & 0xff);
+  std::ofstream(bad_file, std::ios::binary) << bytes << header << std::string(4, '\0');
+  r = run("backward --in " + quote(bad_file));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_TRUE(contains(r.output, "tensor 'bad\\x1b[31m\\n': unknown dtype \"F17\"")) << r.output;
+  EXPECT_FALSE(contains(r.output, "\x1b")) << r.output;
+  r = run("backward --json --in " + quote(bad_file), /*with_stderr=*/false);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_FALSE(contains(r.output, "\x1b")) << r.output;  // the serialiser writes \u001b
+  const auto j = nlohmann::json::parse(r.output);
+  EXPECT_TRUE(contains(j["error"]["message"].get<std::string>(), "tensor 'bad\x1b[31m\n': unknown dtype")) << r.output;
+  EXPECT_EQ(j["error"]["argument"], "--in");
+}
+
 // The warning about NaN/inf inputs says what the backends do: a NaN logit q.k counts
 // as not positive and drops out (not propagated); weights propagate; attn_score and
 // index_score at valid slots propagate. Non-finite inputs are never a PASS.
