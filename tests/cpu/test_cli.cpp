@@ -36,6 +36,13 @@ Result run(const std::string& args, bool with_stderr = true) {
 
 bool contains(const std::string& s, const std::string& frag) { return s.find(frag) != std::string::npos; }
 
+/// Writes a safetensors file of this header text and data buffer, as they are.
+void write_raw_safetensors(const std::string& path, const std::string& header, const std::string& data) {
+  std::string length(8, '\0');
+  for (int i = 0; i < 8; ++i) length[i] = static_cast<char>((header.size() >> (8 * i)) & 0xff);
+  std::ofstream(path, std::ios::binary) << length << header << data;
+}
+
 class Cli : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -795,10 +802,8 @@ TEST_F(Cli, NamesFromAFileAreEscapedInTheTextOutput) {
 
   // An error quoting such a name: escaped on stderr, exact in the JSON error.
   const std::string bad_file = path("control_dtype.safetensors");
-  const std::string header = "{\"bad\\u001b[31m\\n\":{\"dtype\":\"F17\",\"shape\":[1],\"data_offsets\":[0,4]}}";
-  std::string bytes(8, '\0');
-  for (int i = 0; i < 8; ++i) bytes[i] = static_cast<char>((header.size() >> (8 * i)) & 0xff);
-  std::ofstream(bad_file, std::ios::binary) << bytes << header << std::string(4, '\0');
+  write_raw_safetensors(bad_file, R"({"bad\u001b[31m\n":{"dtype":"F17","shape":[1],"data_offsets":[0,4]}})",
+                        std::string(4, '\0'));
   r = run("backward --in " + quote(bad_file));
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_TRUE(contains(r.output, "tensor 'bad\\x1b[31m\\n': unknown dtype \"F17\"")) << r.output;
@@ -809,6 +814,39 @@ TEST_F(Cli, NamesFromAFileAreEscapedInTheTextOutput) {
   const auto j = nlohmann::json::parse(r.output);
   EXPECT_TRUE(contains(j["error"]["message"].get<std::string>(), "tensor 'bad\x1b[31m\n': unknown dtype")) << r.output;
   EXPECT_EQ(j["error"]["argument"], "--in");
+}
+
+// Headers made to exhaust the reader are io_errors naming --in and the file,
+// found at once: 200000 empty entries (2.3 MB) took 7 minutes to refuse; a
+// 100 MB header of nested arrays took 3.9 GB of memory and, under a memory
+// limit, read as out_of_memory with advice about --batch and no argument in the JSON.
+TEST_F(Cli, AdversarialHeadersAreIoErrorsNamingTheFile) {
+  std::string entries = "{";
+  for (int i = 0; i < 200000; ++i) entries += (i ? ",\"" : "\"") + std::to_string(i) + "\":{}";
+  const std::string many = path("many.st");
+  write_raw_safetensors(many, entries + "}", "");
+  Result r = dsaib::test::run_command("timeout 20 " + quote(DSAIB_CLI_PATH) + " backward --verify none --in " +
+                                      quote(many) + " 2>&1");
+  EXPECT_EQ(r.exit_code, 2) << r.output;  // 124: timed out
+  EXPECT_TRUE(contains(r.output, "error (io_error): --in: " + many + ": tensor '0': missing \"dtype\"")) << r.output;
+  std::filesystem::remove(many);
+
+  if (dsaib::test::kSanitizedBuild) GTEST_SKIP() << "address-space limits and sanitizer shadow memory do not mix";
+  const size_t levels = 49999999;
+  std::string deep = std::string(levels, '[') + std::string(levels, ']');
+  deep.resize(100'000'000, ' ');
+  const std::string deep_file = path("deep.st");
+  write_raw_safetensors(deep_file, deep, "");
+  deep.clear();
+  deep.shrink_to_fit();
+  r = dsaib::test::run_command("ulimit -v 1000000 && " + quote(DSAIB_CLI_PATH) + " backward --json --in " +
+                               quote(deep_file) + " 2>/dev/null");
+  std::filesystem::remove(deep_file);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  const auto j = nlohmann::json::parse(r.output);
+  EXPECT_EQ(j["error"]["code"], "io_error") << r.output;
+  EXPECT_EQ(j["error"]["argument"], "--in") << r.output;
+  EXPECT_EQ(j["error"]["message"], "--in: " + deep_file + ": header: expected a JSON object, got an array") << r.output;
 }
 
 // The warning about NaN/inf inputs says what the backends do: a NaN logit q.k counts
