@@ -306,7 +306,7 @@ nlohmann::ordered_json method_json() {
       {"traffic_floor_formula", kBenchTrafficFloorFormula},
       {"traffic_floor_valid_slots", "traffic_floor.valid_slots_ns_per_row: the same formula with the valid slots "
                                     "per row actually present instead of topk"},
-      {"traffic_floor_ratio", "ns_per_row / traffic_floor.ns_per_row (not the issue's floor: a reference for how "
+      {"traffic_floor_ratio", "ns_per_row / traffic_floor.ns_per_row (not the floor: a reference for how "
                               "close the op is to the memory traffic any design that reads each selected key's row "
                               "once per query row and adds its dK row in fp32 must move)"},
       {"fixed_floor_ratio", "ns_per_row / 278 (a fixed reference floor for H64 D128 topk 2048: the dK reduce of "

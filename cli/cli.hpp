@@ -203,7 +203,7 @@ inline constexpr const char* kBenchFloorFormula =
     "rows of D fp32 values into random rows of an fp32 table of this case's dK size (B*S_kv*D*4 bytes), and "
     "the GEMM rate is cuBLAS bf16 (fp32 compute) at 8192^3, both measured in the same run";
 
-/// The per-case traffic floor (not the floor; a second reference), as the report states it.
+/// The per-case traffic floor (not the floor; a second reference), as the report states it.
 inline constexpr const char* kBenchTrafficFloorFormula =
     "traffic floor ns/row = topk*D*4 B / key-read scatter rate, where the key-read scatter rate is the rate of "
     "float4 fp32 row-adds into random rows of this case's dK table when each row-add first reads its row's D bf16 "

@@ -29,5 +29,6 @@ mkdir -p "$seeds" "$corpus" "$artifacts"
 # New inputs go to corpus/ (kept between runs), the seeds are read only.
 # -max_len: the seeds are a few KB; 64 KB leaves room for larger headers.
 # -timeout / -rss_limit_mb: an input that takes over 10 s or 2 GB is a finding.
+# -dict: the header's keys, dtypes, tensor names and metadata (fuzz/safetensors.dict).
 "$build/safetensors_fuzzer" -max_total_time="$seconds" -max_len=65536 -timeout=10 -rss_limit_mb=2048 \
-  -artifact_prefix="$artifacts/" -print_final_stats=1 "$@" "$corpus" "$seeds"
+  -dict=fuzz/safetensors.dict -artifact_prefix="$artifacts/" -print_final_stats=1 "$@" "$corpus" "$seeds"

@@ -223,8 +223,8 @@ TEST_F(Cli, GeneratedThdGlobalIdsF32OutputsJsonReport) {
   EXPECT_EQ(g.at("d_index_k").dtype, dsaib::DType::f32);
 }
 
-// --verify sample with 1 or 2 rows still compares a selected key row (before the fix only
-// never-selected rows were compared, whose reference is 0: no dK value could fail).
+// --verify sample with 1 or 2 rows still compares a selected key row (comparing only
+// never-selected rows, whose reference is 0, would let no dK value fail).
 TEST_F(Cli, SampleVerifyComparesASelectedKeyRowAtAnySampleSize) {
   for (const char* rows : {"1", "2", "3"}) {
     const Result r = run(std::string("backward --preset tiny --verify sample --json --sample-rows ") + rows,
@@ -886,8 +886,8 @@ TEST_F(Cli, NonFiniteInputWarningSaysWhatHappens) {
     EXPECT_EQ(ri.exit_code, 0) << ri.output;
     EXPECT_FALSE(contains(ri.output, "non-finite")) << ri.output;
   }
-  // NaN in index_q / weights counts only in query rows with a valid slot (break-it
-  // review, twenty-second session: a row with none used to fail the verdict).
+  // NaN in index_q / weights counts only in query rows with a valid slot (a row
+  // with none is never read; it must not fail the verdict).
   {
     auto u = dsaib::read_safetensors(tiny_problem(), &meta);
     const dsaib::HostTensor& q = u.at("index_q");
@@ -908,8 +908,8 @@ TEST_F(Cli, NonFiniteInputWarningSaysWhatHappens) {
     EXPECT_TRUE(contains(rr.output, "index_q: 1 (first at element " + std::to_string(row * per_row_q + 7) + ")")) << rr.output;
     EXPECT_TRUE(contains(rr.output, "weights: 1 (first at element " + std::to_string(row * heads + 1) + ")")) << rr.output;
   }
-  // NaN in index_k counts only in key rows that a valid slot selects (newcomer
-  // review, tenth session: an unread row used to fail the verdict).
+  // NaN in index_k counts only in key rows that a valid slot selects (an unread
+  // row must not fail the verdict).
   {
     auto u = dsaib::read_safetensors(tiny_problem(), &meta);
     u.at("index_k").data<uint16_t>()[3] = 0x7fc0;  // key row 0 (selected: causal, slot 0 of row 0)

@@ -599,8 +599,8 @@ TEST(Safetensors, WriterNeverFollowsALinkAtItsTemporaryNameAndKeepsTheMode) {
   EXPECT_EQ(fs::status(target).permissions() & fs::perms::mask, rw_r);
 }
 
-/// A new file gets 0666 less the umask, as any new file (it was 0666 whatever the
-/// umask from the twenty-third session until the twenty-fourth: fchmod undid it).
+/// A new file gets 0666 less the umask, as any new file (an fchmod after the
+/// open would undo the umask: not for a new file).
 TEST(Safetensors, NewFileModeFollowsTheUmask) {
   namespace fs = std::filesystem;
   const HostTensor t(DType::f32, {2});
