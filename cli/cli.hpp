@@ -4,6 +4,7 @@
 #include "core/problem.hpp"
 
 #include <cctype>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -11,6 +12,7 @@
 #include <map>
 #include <set>
 #include <string>
+#include <system_error>
 #include <vector>
 
 #include <nlohmann/json_fwd.hpp>
@@ -55,6 +57,23 @@ inline std::string decimal_integer_error(const std::string& v) {
   if (has_leading_zero(v)) return "expected a decimal integer without leading zeros, got \"" + v + "\"";
   return std::string();
 }
+
+/// The one integer parse of the CLI's flags, lists and metadata: `v` as a plain
+/// decimal integer (decimal_integer_error's rule) into *value. False when it is
+/// not one or lies beyond int64: such text is never clamped to the int64 limits,
+/// so that callers can report it as typed.
+inline bool parse_decimal_int64(const std::string& v, int64_t* value) {
+  if (!decimal_integer_error(v).empty()) return false;
+  const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), *value);
+  return ec == std::errc() && end == v.data() + v.size();
+}
+
+/// `text` as it may go to a terminal: control characters (C0, DEL and the C1
+/// range U+0080..U+009F) written as escapes ("\n", "\t", "\x1b", "\u009b") and bytes
+/// that are not UTF-8 as "\xff". Names and strings read from a file reach the
+/// human-readable output only through it: a tensor name holding "\n" or an escape
+/// sequence can neither forge a line of the log nor drive the terminal.
+std::string terminal_text(const std::string& text);
 
 /// Whether a finite `v` can be an fp32 scalar of the op: finite after rounding to
 /// fp32 (3.40282347e+38, the largest float as written, is; 3.5e38 is not) and, with
@@ -162,7 +181,7 @@ RunResult run_cuda(const Problem& p, const Geometry& g, DType out_dtype, int war
 
 // ---------------------------------------------------------------- bench
 
-/// Flags of `dsa-indexer-bwd bench` (defaults: the shapes of issue 4).
+/// Flags of `dsa-indexer-bwd bench` (defaults: the DeepSeek-V3.2 indexer shapes at three lengths).
 struct BenchArgs {
   std::vector<int64_t> seqs = {4096, 16384, 65536};  // S_q = S_kv
   std::vector<std::string> ids = {"causal", "random"};
@@ -184,7 +203,7 @@ inline constexpr const char* kBenchFloorFormula =
     "rows of D fp32 values into random rows of an fp32 table of this case's dK size (B*S_kv*D*4 bytes), and "
     "the GEMM rate is cuBLAS bf16 (fp32 compute) at 8192^3, both measured in the same run";
 
-/// The per-case traffic floor (not the issue's floor; a second reference), as the report states it.
+/// The per-case traffic floor (not the floor; a second reference), as the report states it.
 inline constexpr const char* kBenchTrafficFloorFormula =
     "traffic floor ns/row = topk*D*4 B / key-read scatter rate, where the key-read scatter rate is the rate of "
     "float4 fp32 row-adds into random rows of this case's dK table when each row-add first reads its row's D bf16 "
@@ -234,7 +253,7 @@ std::vector<Metric> verify_against_stored(const Problem& p, const RunResult& r, 
 double bf16_bits_to_double(uint16_t h);
 /// Element i of a bf16/f32/i32 host tensor as double.
 double element(const HostTensor& t, int64_t i);
-/// Stage messages on stderr: "[  1.23 s] message".
+/// Stage messages on stderr: "[  1.23 s] message", the message through terminal_text.
 void log_stage(const std::string& message);
 
 /// `j` as the CLI prints its JSON reports: indented by 2, with byte sequences that
@@ -243,6 +262,13 @@ void log_stage(const std::string& message);
 std::string report_json_text(const nlohmann::ordered_json& j);
 /// "1.234 s", "12.345 ms", "3.2 us".
 std::string human_seconds(double s);
+/// "12.3 KiB", "4.5 MiB", "1.25 GiB".
+std::string human_bytes(double bytes);
+/// "%.*f" and "%.*e" ("nan" for NaN) of `v`.
+std::string fixed(double v, int digits);
+std::string sci(double v, int digits = 2);
+/// "index_q bf16, weights bf16, index_k bf16".
+std::string tensor_dtypes(const Problem& p);
 double seconds_since(std::chrono::steady_clock::time_point t0);
 int32_t resolve_threads(int32_t threads);
 

@@ -1,6 +1,5 @@
 // Problems of the CLI: presets, generation, problem files, geometry.
 #include <algorithm>
-#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -10,7 +9,6 @@
 #include <set>
 #include <sstream>
 #include <tuple>
-#include <cerrno>
 #include <cctype>
 
 #include "cli.hpp"
@@ -90,6 +88,18 @@ std::string join_lengths(const std::vector<int64_t>& v) {
   return s;
 }
 
+/// "a, b, c": the first 16 items, each cut at 64 bytes, then "... (N in all)":
+/// names from a file, which may hold a million of them, each as long as the header.
+std::string short_list(const std::vector<std::string>& items) {
+  constexpr size_t kItems = 16, kItemBytes = 64;
+  std::string s;
+  for (size_t i = 0; i < items.size() && i < kItems; ++i) {
+    s += (i ? ", " : "") + (items[i].size() > kItemBytes ? items[i].substr(0, kItemBytes) + "..." : items[i]);
+  }
+  if (items.size() > kItems) s += ", ... (" + std::to_string(items.size()) + " in all)";
+  return s;
+}
+
 const std::string kMaxRowsText = std::to_string(kMaxRows) + " (2^31 - 1)";
 
 /// a * b, or -1 when it overflows int64 (a, b >= 0).
@@ -159,10 +169,8 @@ std::vector<int64_t> parse_int_list(const std::string& flag, const std::vector<s
     if (const std::string why = decimal_integer_error(item); signed_digits && !why.empty()) {
       bad(flag, flag + ": " + why + " in \"" + given + "\"");
     }
-    char* end = nullptr;
-    errno = 0;
-    const long long v = std::strtoll(item.c_str(), &end, 10);
-    if (end != item.c_str() + item.size() || errno == ERANGE || std::isspace(static_cast<unsigned char>(item[0]))) {
+    int64_t v = 0;
+    if (!parse_decimal_int64(item, &v)) {  // not an integer, or beyond int64
       bad(flag, flag + ": expected integer " + what + ", got \"" + item + "\" in \"" + given + "\"");
     }
     if (v < min_value) bad(flag, flag + ": expected " + what + ", got " + item + " in \"" + given + "\"");
@@ -204,15 +212,21 @@ IndexerBackwardInputs Problem::inputs() const {
   return in;
 }
 
-GenerateSpec make_spec(const GenFlags& f, int32_t threads) {
+namespace {
+
+const Preset& find_preset(const std::string& name) {
   const auto& all = presets();
-  const auto it = std::find_if(all.begin(), all.end(), [&](const Preset& p) { return f.preset == p.name; });
+  const auto it = std::find_if(all.begin(), all.end(), [&](const Preset& p) { return name == p.name; });
   if (it == all.end()) {
     std::string names;
     for (const Preset& p : all) names += (names.empty() ? "" : ", ") + std::string(p.name);
-    bad("--preset", "--preset: expected one of " + names + ", got \"" + f.preset + "\"");
+    bad("--preset", "--preset: expected one of " + names + ", got \"" + name + "\"");
   }
-  const Preset& p = *it;
+  return *it;
+}
+
+/// The preset's sizes and pattern, then the flags that override them (the layout excepted).
+GenerateSpec preset_with_overrides(const Preset& p, const GenFlags& f) {
   GenerateSpec s;
   s.layout = p.layout;
   s.batch = p.batch;
@@ -224,18 +238,6 @@ GenerateSpec make_spec(const GenFlags& f, int32_t threads) {
   s.ids = p.ids;
   s.seqlens_q = p.seqlens;
   s.seqlens_k = p.seqlens;
-  if (f.has_layout) {
-    if (f.layout == "bshd") s.layout = Layout::bshd;
-    else if (f.layout == "thd") s.layout = Layout::thd;
-    else bad("--layout", "--layout: expected bshd or thd, got \"" + f.layout + "\"");
-  } else if (f.has_seqlens_q || f.has_seqlens_k) {
-    s.layout = Layout::thd;  // giving sequence lengths means THD
-  }
-  if (s.layout == Layout::bshd && p.layout == Layout::thd && !f.has_s_q) {
-    // A THD preset has sequence lengths, not one S_q: no silent 0-length problem.
-    bad("--s-q", "--s-q: expected a query length for --layout bshd with preset " + f.preset +
-                     " (a THD preset has no fixed lengths), got none");
-  }
   if (f.has_batch) s.batch = f.batch;
   if (f.has_s_q) s.s_q = f.s_q;
   if (f.has_s_kv) s.s_kv = f.s_kv;
@@ -253,65 +255,96 @@ GenerateSpec make_spec(const GenFlags& f, int32_t threads) {
     else if (f.id_mode == "global") s.id_mode = IdMode::global;
     else bad("--id-mode", "--id-mode: expected local or global, got \"" + f.id_mode + "\"");
   }
-  if (s.layout == Layout::thd) {
-    if (f.has_seqlens_q) s.seqlens_q = f.seqlens_q;
-    if (f.has_seqlens_k) s.seqlens_k = f.seqlens_k;
-    else if (f.has_seqlens_q) s.seqlens_k = s.seqlens_q;
-    // Lengths from sizes: a BSHD preset (or none) turned THD without --seqlens-q.
-    const bool from_sizes = s.seqlens_q.empty() || (p.layout == Layout::bshd && !f.has_seqlens_q);
-    const std::string q_lengths_source =
-        f.has_seqlens_q ? std::string("--seqlens-q")
-                        : from_sizes ? (f.has_batch ? std::string("--batch") : "B of preset " + f.preset)
-                                     : "preset " + f.preset;
-    if (from_sizes && s.batch == 0) {
-      const std::string flag = f.has_batch ? "--batch" : "--preset";
-      bad(flag, flag + ": expected at least one sequence (B >= 1) for layout thd, got B = 0");
-    }
-    if (from_sizes) {
-      // A BSHD preset turned THD: B sequences of S_q (resp. S_kv) tokens.
-      check_bshd_sizes(s);
-      s.seqlens_q.assign(static_cast<size_t>(std::max<int64_t>(s.batch, 0)), s.s_q);
-      if (!f.has_seqlens_k) s.seqlens_k.assign(static_cast<size_t>(std::max<int64_t>(s.batch, 0)), s.s_kv);
-    }
-    if (s.seqlens_q.size() != s.seqlens_k.size()) {
-      bad("--seqlens-k", "--seqlens-k: expected " + std::to_string(s.seqlens_q.size()) +
-                             " lengths (one per query sequence, from " + q_lengths_source + "), got " +
-                             std::to_string(s.seqlens_k.size()));
-    }
-    // Lengths >= 0 and totals (checked, no int64 overflow) within the row limit, before anything is allocated.
-    for (const auto& [flag, lens, what] :
-         {std::tuple<const char*, const std::vector<int64_t>*, const char*>{"--seqlens-q", &s.seqlens_q, "query"},
-          {"--seqlens-k", &s.seqlens_k, "key"}}) {
-      // Lengths the user did not give come from the preset or from --seqlens-q / --s-q.
-      const std::string name = std::string(flag) == "--seqlens-k" && !f.has_seqlens_k
-                                   ? (f.has_seqlens_q ? "--seqlens-q" : "--s-kv")
-                                   : std::string(flag);
-      int64_t total = 0;
-      for (const int64_t len : *lens) {
-        if (len < 0) bad(name, name + ": expected lengths >= 0, got " + std::to_string(len) + " in " + join_lengths(*lens));
-        if (__builtin_add_overflow(total, len, &total) || total > kMaxRows) {
-          bad(name, name + ": expected lengths summing to at most " + kMaxRowsText + " " + what +
-                        " rows (cu_seqlens are int32), got " + join_lengths(*lens) +
-                        (total > kMaxRows ? " (at least " + std::to_string(total) + ")"
-                                          : std::string(" (the sum overflows int64)")));
-        }
+  return s;
+}
+
+/// THD lengths >= 0 and their totals (checked, no int64 overflow) within the row
+/// limit, before anything is allocated.
+void check_thd_totals(const GenerateSpec& s, const GenFlags& f) {
+  for (const auto& [flag, lens, what] :
+       {std::tuple<const char*, const std::vector<int64_t>*, const char*>{"--seqlens-q", &s.seqlens_q, "query"},
+        {"--seqlens-k", &s.seqlens_k, "key"}}) {
+    // Lengths the user did not give come from the preset or from --seqlens-q / --s-q.
+    const std::string name = std::string(flag) == "--seqlens-k" && !f.has_seqlens_k
+                                 ? (f.has_seqlens_q ? "--seqlens-q" : "--s-kv")
+                                 : std::string(flag);
+    int64_t total = 0;
+    for (const int64_t len : *lens) {
+      if (len < 0) bad(name, name + ": expected lengths >= 0, got " + std::to_string(len) + " in " + join_lengths(*lens));
+      if (__builtin_add_overflow(total, len, &total) || total > kMaxRows) {
+        bad(name, name + ": expected lengths summing to at most " + kMaxRowsText + " " + what +
+                      " rows (cu_seqlens are int32), got " + join_lengths(*lens) +
+                      (total > kMaxRows ? " (at least " + std::to_string(total) + ")"
+                                        : std::string(" (the sum overflows int64)")));
       }
     }
-    // Flags the THD lengths make meaningless are refused, not silently dropped.
-    if (f.has_batch && f.batch != static_cast<int64_t>(s.seqlens_q.size())) {
-      bad("--batch", "--batch: expected " + std::to_string(s.seqlens_q.size()) + " (the number of sequences in " +
-                         join_lengths(s.seqlens_q) + ") or no --batch, got " + std::to_string(f.batch));
-    }
-    if (!from_sizes && f.has_s_q) {
-      bad("--s-q", "--s-q: expected no --s-q with the query lengths of " + q_lengths_source + " (" +
-                       join_lengths(s.seqlens_q) + "), got " + std::to_string(f.s_q));
-    }
-    if ((!from_sizes || f.has_seqlens_k) && f.has_s_kv) {
-      const std::string k_source = f.has_seqlens_k ? std::string("--seqlens-k") : q_lengths_source;
-      bad("--s-kv", "--s-kv: expected no --s-kv with the key lengths of " + k_source + " (" +
-                        join_lengths(s.seqlens_k) + "), got " + std::to_string(f.s_kv));
-    }
-    s.batch = static_cast<int64_t>(s.seqlens_q.size());
+  }
+}
+
+/// The THD sequence lengths: from --seqlens-q/-k, the preset's, or B sequences of
+/// S_q / S_kv tokens (a BSHD preset turned THD); flags they make meaningless are refused.
+void set_thd_lengths(GenerateSpec& s, const Preset& p, const GenFlags& f) {
+  if (f.has_seqlens_q) s.seqlens_q = f.seqlens_q;
+  if (f.has_seqlens_k) s.seqlens_k = f.seqlens_k;
+  else if (f.has_seqlens_q) s.seqlens_k = s.seqlens_q;
+  // Lengths from sizes: a BSHD preset (or none) turned THD without --seqlens-q.
+  const bool from_sizes = s.seqlens_q.empty() || (p.layout == Layout::bshd && !f.has_seqlens_q);
+  const std::string q_lengths_source =
+      f.has_seqlens_q ? std::string("--seqlens-q")
+                      : from_sizes ? (f.has_batch ? std::string("--batch") : "B of preset " + f.preset)
+                                   : "preset " + f.preset;
+  if (from_sizes && s.batch == 0) {
+    const std::string flag = f.has_batch ? "--batch" : "--preset";
+    bad(flag, flag + ": expected at least one sequence (B >= 1) for layout thd, got B = 0");
+  }
+  if (from_sizes) {
+    // A BSHD preset turned THD: B sequences of S_q (resp. S_kv) tokens.
+    check_bshd_sizes(s);
+    s.seqlens_q.assign(static_cast<size_t>(std::max<int64_t>(s.batch, 0)), s.s_q);
+    if (!f.has_seqlens_k) s.seqlens_k.assign(static_cast<size_t>(std::max<int64_t>(s.batch, 0)), s.s_kv);
+  }
+  if (s.seqlens_q.size() != s.seqlens_k.size()) {
+    bad("--seqlens-k", "--seqlens-k: expected " + std::to_string(s.seqlens_q.size()) +
+                           " lengths (one per query sequence, from " + q_lengths_source + "), got " +
+                           std::to_string(s.seqlens_k.size()));
+  }
+  check_thd_totals(s, f);
+  // Flags the THD lengths make meaningless are refused, not silently dropped.
+  if (f.has_batch && f.batch != static_cast<int64_t>(s.seqlens_q.size())) {
+    bad("--batch", "--batch: expected " + std::to_string(s.seqlens_q.size()) + " (the number of sequences in " +
+                       join_lengths(s.seqlens_q) + ") or no --batch, got " + std::to_string(f.batch));
+  }
+  if (!from_sizes && f.has_s_q) {
+    bad("--s-q", "--s-q: expected no --s-q with the query lengths of " + q_lengths_source + " (" +
+                     join_lengths(s.seqlens_q) + "), got " + std::to_string(f.s_q));
+  }
+  if ((!from_sizes || f.has_seqlens_k) && f.has_s_kv) {
+    const std::string k_source = f.has_seqlens_k ? std::string("--seqlens-k") : q_lengths_source;
+    bad("--s-kv", "--s-kv: expected no --s-kv with the key lengths of " + k_source + " (" +
+                      join_lengths(s.seqlens_k) + "), got " + std::to_string(f.s_kv));
+  }
+  s.batch = static_cast<int64_t>(s.seqlens_q.size());
+}
+
+}  // namespace
+
+GenerateSpec make_spec(const GenFlags& f, int32_t threads) {
+  const Preset& p = find_preset(f.preset);
+  GenerateSpec s = preset_with_overrides(p, f);
+  if (f.has_layout) {
+    if (f.layout == "bshd") s.layout = Layout::bshd;
+    else if (f.layout == "thd") s.layout = Layout::thd;
+    else bad("--layout", "--layout: expected bshd or thd, got \"" + f.layout + "\"");
+  } else if (f.has_seqlens_q || f.has_seqlens_k) {
+    s.layout = Layout::thd;  // giving sequence lengths means THD
+  }
+  if (s.layout == Layout::bshd && p.layout == Layout::thd && !f.has_s_q) {
+    // A THD preset has sequence lengths, not one S_q: no silent 0-length problem.
+    bad("--s-q", "--s-q: expected a query length for --layout bshd with preset " + f.preset +
+                     " (a THD preset has no fixed lengths), got none");
+  }
+  if (s.layout == Layout::thd) {
+    set_thd_lengths(s, p, f);
   } else if (f.has_seqlens_q || f.has_seqlens_k) {
     bad("--seqlens-q", "--seqlens-q/--seqlens-k: only with --layout thd");
   } else {
@@ -397,20 +430,18 @@ void save_problem(const std::string& path, const Problem& p) {
   write_safetensors(path, p.tensors, meta);
 }
 
-Problem load_problem(const std::string& path, const std::set<std::string>& overridden) {
-  std::map<std::string, std::string> meta;
-  Problem p;
-  p.tensors = read_safetensors(path, &meta);
-  p.origin = "file " + path;
-  for (const char* name : kInputNames) {
-    if (!p.tensors.count(name)) {
-      throw Error(ErrorCode::invalid_argument, name,
-                  path + ": missing tensor '" + name +
-                      "' (a problem file holds index_q, weights, index_k, topk_indices, attn_score, index_score"
-                      " and, for THD, cu_seqlens_q and cu_seqlens_k)");
-    }
-  }
-  // Layout: from the metadata, else from the rank of index_q.
+namespace {
+
+/// Metadata keys of a problem file: the options load_problem reads, and what is kept for the report.
+constexpr const char* kReadKeys[] = {"layout", "id_mode", "sm_scale", "loss_coeff", "grad_loss", "normalization_count"};
+constexpr const char* kInfoKeys[] = {"generator", "preset", "ids", "seed"};
+/// Gradients stored by the file's producer (torch_d_*, scripts/dump_torch_step.py
+/// --with-grads), compared with ours after the run, and the input each is shaped like.
+constexpr std::pair<const char*, const char*> kStoredGradients[] = {
+    {"torch_d_index_q", "index_q"}, {"torch_d_weights", "weights"}, {"torch_d_index_k", "index_k"}};
+
+/// Layout (from the metadata, else from the rank of index_q) and id mode.
+void read_layout_and_id_mode(const std::map<std::string, std::string>& meta, const std::string& path, Problem& p) {
   const auto lay = meta.find("layout");
   if (lay != meta.end()) {
     if (lay->second == "bshd") p.options.layout = Layout::bshd;
@@ -425,9 +456,13 @@ Problem load_problem(const std::string& path, const std::set<std::string>& overr
     else if (idm->second == "global") p.options.id_mode = IdMode::global;
     else bad("id_mode", path + ": metadata id_mode: expected local or global, got \"" + idm->second + "\"");
   }
+}
+
+/// The scalars; those a flag overrides are not read (a bad value there can be corrected by the flag).
+void read_scalars(const std::map<std::string, std::string>& meta, const std::string& path,
+                  const std::set<std::string>& overridden, Problem& p) {
   const HostTensor& q = p.tensors.at("index_q");
   const int64_t d = q.shape.empty() ? 0 : q.shape.back();
-  // Scalars a flag overrides are not read (a bad value there can be corrected by the flag).
   const auto read = [&](const char* key) { return !overridden.count(key); };
   if (read("sm_scale")) {
     bool found = false;
@@ -436,55 +471,47 @@ Problem load_problem(const std::string& path, const std::set<std::string>& overr
   }
   if (read("loss_coeff")) p.options.loss_coeff = parse_fp32(meta, "loss_coeff", 1.0, path, false);
   if (read("grad_loss")) p.options.grad_loss = parse_fp32(meta, "grad_loss", 1.0, path, false);
-  if (read("normalization_count")) {
+  const auto it = meta.find("normalization_count");
+  if (read("normalization_count") && it != meta.end()) {
     // A decimal integer, read exactly (the --normalization-count flag's range;
     // what generate writes), not through a double.
-    const auto it = meta.find("normalization_count");
-    if (it != meta.end()) {
-      const std::string& text = it->second;
-      int64_t n = -1;
-      const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), n);
-      // The flag's decimal rule (cli.hpp), and no sign: "-0" is refused as "-1" is.
-      const bool plain = decimal_integer_error(text).empty() && text[0] != '-';
-      if (!plain || ec != std::errc() || end != text.data() + text.size() || n < 0) {
-        bad("normalization_count", path + ": metadata normalization_count: expected a decimal integer in [0, " +
-                                       std::to_string(std::numeric_limits<int64_t>::max()) + "], got \"" + text + "\"");
-      }
-      p.options.normalization_count = n;
+    const std::string& text = it->second;
+    int64_t n = -1;
+    // The flags' decimal rule (cli.hpp), and no sign: "-0" is refused as "-1" is.
+    if (!parse_decimal_int64(text, &n) || text[0] == '-') {
+      bad("normalization_count", path + ": metadata normalization_count: expected a decimal integer in [0, " +
+                                     std::to_string(std::numeric_limits<int64_t>::max()) + "], got \"" + text + "\"");
     }
+    p.options.normalization_count = n;
   }
-  // Metadata keys: the options read above, then what is kept for the report.
-  static const char* const kReadKeys[] = {"layout",    "id_mode",   "sm_scale",
-                                          "loss_coeff", "grad_loss", "normalization_count"};
-  static const char* const kInfoKeys[] = {"generator", "preset", "ids", "seed"};
-  for (const char* key : kInfoKeys) {
-    if (meta.count(key)) p.info[key] = meta.at(key);
+}
+
+/// A misspelt key or tensor name is otherwise silently ignored: name what is.
+void note_ignored(const std::map<std::string, std::string>& meta, const std::string& path, const Problem& p) {
+  std::set<std::string> known_keys(std::begin(kReadKeys), std::end(kReadKeys));
+  known_keys.insert(std::begin(kInfoKeys), std::end(kInfoKeys));
+  known_keys.insert("format");  // written by some safetensors writers
+  std::set<std::string> known_names(std::begin(kInputNames), std::end(kInputNames));
+  known_names.insert(std::begin(kSeqlenNames), std::end(kSeqlenNames));
+  for (const auto& entry : kStoredGradients) known_names.insert(entry.first);
+  std::vector<std::string> unknown_keys, unknown_names;
+  for (const auto& [key, value] : meta) {
+    if (!known_keys.count(key)) unknown_keys.push_back(key);
   }
-  // Gradients stored by the file's producer (torch_d_*, scripts/dump_torch_step.py
-  // --with-grads) are compared with ours after the run: a stored tensor that
-  // cannot be compared is an error here, not skipped later.
-  const std::pair<const char*, const char*> stored[] = {
-      {"torch_d_index_q", "index_q"}, {"torch_d_weights", "weights"}, {"torch_d_index_k", "index_k"}};
-  // A misspelt key or tensor name is otherwise silently ignored: name what is.
-  {
-    std::set<std::string> known_keys(std::begin(kReadKeys), std::end(kReadKeys));
-    known_keys.insert(std::begin(kInfoKeys), std::end(kInfoKeys));
-    known_keys.insert("format");  // written by some safetensors writers
-    std::set<std::string> known_names(std::begin(kInputNames), std::end(kInputNames));
-    known_names.insert(std::begin(kSeqlenNames), std::end(kSeqlenNames));
-    for (const auto& entry : stored) known_names.insert(entry.first);
-    std::string keys, names, read;
-    for (const auto& [key, value] : meta) {
-      if (!known_keys.count(key)) keys += (keys.empty() ? "" : ", ") + key;
-    }
-    for (const auto& [name, tensor] : p.tensors) {
-      if (!known_names.count(name)) names += (names.empty() ? "" : ", ") + name;
-    }
-    for (const char* key : kReadKeys) read += (read.empty() ? "" : ", ") + std::string(key);
-    if (!keys.empty()) log_stage("note: " + path + ": ignored metadata keys: " + keys + " (read: " + read + ")");
-    if (!names.empty()) log_stage("note: " + path + ": ignored tensors: " + names);
+  for (const auto& [name, tensor] : p.tensors) {
+    if (!known_names.count(name)) unknown_names.push_back(name);
   }
-  for (const auto& [name, like] : stored) {
+  std::string read;
+  for (const char* key : kReadKeys) read += (read.empty() ? "" : ", ") + std::string(key);
+  if (!unknown_keys.empty()) {
+    log_stage("note: " + path + ": ignored metadata keys: " + short_list(unknown_keys) + " (read: " + read + ")");
+  }
+  if (!unknown_names.empty()) log_stage("note: " + path + ": ignored tensors: " + short_list(unknown_names));
+}
+
+/// A stored gradient that cannot be compared is an error here, not skipped after the run.
+void check_stored_gradients(const std::string& path, const Problem& p) {
+  for (const auto& [name, like] : kStoredGradients) {
     const auto it = p.tensors.find(name);
     if (it == p.tensors.end()) continue;
     const HostTensor& t = it->second;
@@ -497,6 +524,30 @@ Problem load_problem(const std::string& path, const std::set<std::string>& overr
       bad(name, path + ": " + name + ": expected dtype f32 or bf16 (a stored gradient), got dtype " + dtype_name(t.dtype));
     }
   }
+}
+
+}  // namespace
+
+Problem load_problem(const std::string& path, const std::set<std::string>& overridden) {
+  std::map<std::string, std::string> meta;
+  Problem p;
+  p.tensors = read_safetensors(path, &meta);
+  p.origin = "file " + path;
+  for (const char* name : kInputNames) {
+    if (!p.tensors.count(name)) {
+      throw Error(ErrorCode::invalid_argument, name,
+                  path + ": missing tensor '" + name +
+                      "' (a problem file holds index_q, weights, index_k, topk_indices, attn_score, index_score"
+                      " and, for THD, cu_seqlens_q and cu_seqlens_k)");
+    }
+  }
+  read_layout_and_id_mode(meta, path, p);
+  read_scalars(meta, path, overridden, p);
+  for (const char* key : kInfoKeys) {
+    if (meta.count(key)) p.info[key] = meta.at(key);
+  }
+  note_ignored(meta, path, p);
+  check_stored_gradients(path, p);
   return p;
 }
 

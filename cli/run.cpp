@@ -23,8 +23,9 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 void log_stage(const std::string& message) {
   char stamp[32];
   std::snprintf(stamp, sizeof stamp, "[%7.2f s] ", seconds_since(kStart));
+  const std::string text = terminal_text(message);  // it may quote names read from a file
   std::lock_guard<std::mutex> lock(log_mutex);
-  std::cerr << stamp << message << std::endl;
+  std::cerr << stamp << text << std::endl;
 }
 
 std::string report_json_text(const nlohmann::ordered_json& j) {

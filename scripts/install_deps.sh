@@ -3,6 +3,7 @@
 # second run installs nothing and touches no network.
 #
 #   Debian: cmake ninja-build g++ libgtest-dev libcli11-dev nlohmann-json3-dev python3-pip
+#           clang libclang-rt-dev (the fuzz build: fuzz/run.sh; libFuzzer and the sanitizer runtimes)
 #   PyPI:   nvidia-cutlass==4.2.0.0 (pinned; the CUTLASS/CuTe headers of the cuda backend)
 #   CUDA:   nvcc is expected at /usr/local/cuda/bin (not installed here)
 #
@@ -10,7 +11,8 @@
 set -euo pipefail
 
 readonly CUTLASS_VERSION="4.2.0.0"
-readonly APT_PACKAGES=(cmake ninja-build g++ libgtest-dev libcli11-dev nlohmann-json3-dev python3-pip)
+readonly APT_PACKAGES=(cmake ninja-build g++ libgtest-dev libcli11-dev nlohmann-json3-dev python3-pip
+                       clang libclang-rt-dev)
 
 log() { printf '[install_deps] %s\n' "$*"; }
 die() { printf '[install_deps] ERROR: %s\n' "$*" >&2; exit 1; }

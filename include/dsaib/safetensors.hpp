@@ -29,13 +29,24 @@ const char* safetensors_dtype_name(DType dtype);
 /// unreadable or malformed file: missing file, not a regular file (directory,
 /// FIFO, device, socket: refused before opening), truncated file, header length
 /// beyond the file, invalid JSON (a NUL byte or a leading byte-order mark in the
-/// header included), a duplicate key in any object of the header,
-/// a header that is not the expected object,
-/// an unknown or unsupported dtype (named), negative, non-integer or
-/// overflowing shapes, data_offsets out of the buffer, overlapping each other
-/// or not matching numel * dtype size, non-string metadata values. A tensor whose
-/// bytes cannot be allocated raises dsaib::Error(ErrorCode::out_of_memory), same
-/// argument and message start.
+/// header included), a duplicate key (in the header object, in __metadata__, or
+/// among a tensor's dtype, shape and data_offsets), a header that is not the
+/// expected object, an unknown or unsupported dtype (named), negative,
+/// non-integer or overflowing shapes, data_offsets out of the buffer,
+/// overlapping each other or not matching numel * dtype size, non-string
+/// metadata values. Members of a tensor's object other than dtype, shape and
+/// data_offsets are ignored.
+///
+/// The header is read in time and memory linear in its size, within bounds on
+/// everything a file controls; crossing one is an io_error too:
+///   - the header: at most 100,000,000 bytes (as the format's reference reader);
+///   - nesting: at most 3 levels (the header object, a tensor's object, its
+///     shape or data_offsets array: all a valid header has);
+///   - at most 2^20 (1,048,576) tensors and metadata keys together;
+///   - a shape: at most 64 dimensions.
+/// A header with several problems reports the first in its text.
+/// A tensor (or a header) whose bytes cannot be allocated raises
+/// dsaib::Error(ErrorCode::out_of_memory), same argument and message start.
 std::map<std::string, HostTensor> read_safetensors(const std::string& path,
                                                    std::map<std::string, std::string>* metadata = nullptr);
 

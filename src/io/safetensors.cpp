@@ -18,7 +18,9 @@
 #include <fstream>
 #include <limits>
 #include <optional>
-#include <set>
+#include <map>
+#include <new>
+#include <unordered_set>
 #include <string>
 #include <system_error>
 #include <utility>
@@ -39,8 +41,16 @@ static_assert(std::endian::native == std::endian::little, "safetensors I/O assum
 
 using json = nlohmann::json;
 
-/// The same cap as the reference implementation (safetensors' MAX_HEADER_SIZE).
+/// Bounds on what a header may make the reader hold or do (HeaderReader):
+/// the same byte cap as the reference implementation (safetensors' MAX_HEADER_SIZE);
+/// the nesting of a valid header (the header object, a tensor's object, its
+/// shape or data_offsets array); tensors and metadata keys together, far above
+/// any real file (2^20, a million; a model's shards hold thousands); dimensions
+/// of a shape (numpy's limit, NPY_MAXDIMS).
 constexpr uint64_t kMaxHeaderBytes = 100'000'000;
+constexpr size_t kMaxDepth = 3;
+constexpr uint64_t kMaxEntries = uint64_t{1} << 20;
+constexpr uint64_t kMaxRank = 64;
 constexpr const char* kMetadataKey = "__metadata__";
 
 [[noreturn]] void io_fail(const std::string& path, const std::string& message) {
@@ -75,11 +85,8 @@ bool parse_dtype(const std::string& s, DType* out) {
   return true;
 }
 
-/// A short description of a JSON value for error messages. Never serialises a
-/// whole array or object (a deeply nested one would exhaust the stack).
+/// A short description of a JSON scalar for error messages.
 std::string describe(const json& j) {
-  if (j.is_array()) return "an array of " + std::to_string(j.size()) + " element(s)";
-  if (j.is_object()) return "an object of " + std::to_string(j.size()) + " member(s)";
   std::string s = j.dump();
   if (s.size() > 60) s = s.substr(0, 57) + "...";
   return s;
@@ -96,6 +103,27 @@ uint64_t get_unsigned(const json& j, const std::string& path, const std::string&
   io_fail(path, what + ": expected a non-negative integer, got " + describe(j));
 }
 
+/// One member of a tensor's object (dtype, shape or data_offsets) as the checks
+/// need it: a scalar kept whole; an array's length and its first
+/// kMaxRank + 1 elements (scalars: the nesting bound leaves no room for more);
+/// an object's member count. Nothing else is kept, whatever the header holds.
+struct Member {
+  enum class Kind { absent, scalar, array, object } kind = Kind::absent;
+  json scalar;
+  uint64_t size = 0;        // array elements or object members
+  std::vector<json> items;  // the first kMaxRank + 1 array elements
+
+  std::string describe() const {
+    if (kind == Kind::array) return "an array of " + std::to_string(size) + " element(s)";
+    if (kind == Kind::object) return "an object of " + std::to_string(size) + " member(s)";
+    return dsaib::describe(scalar);
+  }
+};
+
+struct TensorFields {
+  Member dtype, shape, data_offsets;
+};
+
 struct Entry {
   std::string name;
   DType dtype;
@@ -103,38 +131,45 @@ struct Entry {
   uint64_t begin = 0, end = 0;
 };
 
-Entry parse_entry(const std::string& path, const std::string& name, const json& j, uint64_t buffer_bytes) {
+/// The checks of one tensor's object, in the order its members are described.
+Entry parse_entry(const std::string& path, const std::string& name, const TensorFields& f, uint64_t buffer_bytes) {
   const std::string where = "tensor '" + name + "'";
-  if (!j.is_object()) io_fail(path, where + ": expected an object {dtype, shape, data_offsets}, got " + describe(j));
-  for (const char* key : {"dtype", "shape", "data_offsets"}) {
-    if (!j.contains(key)) io_fail(path, where + ": missing \"" + key + "\"");
+  for (const auto& [key, member] : {std::pair<const char*, const Member*>{"dtype", &f.dtype},
+                                    {"shape", &f.shape},
+                                    {"data_offsets", &f.data_offsets}}) {
+    if (member->kind == Member::Kind::absent) io_fail(path, where + ": missing \"" + key + "\"");
   }
   Entry e;
   e.name = name;
-  const json& jd = j["dtype"];
-  if (!jd.is_string()) io_fail(path, where + ": dtype: expected a string, got " + describe(jd));
-  const std::string ds = jd.get<std::string>();
+  if (f.dtype.kind != Member::Kind::scalar || !f.dtype.scalar.is_string()) {
+    io_fail(path, where + ": dtype: expected a string, got " + f.dtype.describe());
+  }
+  const std::string ds = f.dtype.scalar.get<std::string>();
   if (!parse_dtype(ds, &e.dtype)) {
     if (is_known_unsupported_dtype(ds)) {
       io_fail(path, where + ": unsupported dtype " + ds + " (supported: BF16, F32, I32)");
     }
     io_fail(path, where + ": unknown dtype \"" + ds + "\" (supported: BF16, F32, I32)");
   }
-  const json& js = j["shape"];
-  if (!js.is_array()) io_fail(path, where + ": shape: expected an array of sizes, got " + describe(js));
-  for (size_t i = 0; i < js.size(); ++i) {
-    const uint64_t d = get_unsigned(js[i], path, where + ": shape[" + std::to_string(i) + "]");
+  if (f.shape.kind != Member::Kind::array) {
+    io_fail(path, where + ": shape: expected an array of sizes, got " + f.shape.describe());
+  }
+  if (f.shape.size > kMaxRank) {
+    io_fail(path, where + ": shape: expected at most " + std::to_string(kMaxRank) + " dimensions, got " +
+                      std::to_string(f.shape.size));
+  }
+  for (size_t i = 0; i < f.shape.items.size(); ++i) {
+    const uint64_t d = get_unsigned(f.shape.items[i], path, where + ": shape[" + std::to_string(i) + "]");
     if (d > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
       io_fail(path, where + ": shape[" + std::to_string(i) + "] = " + std::to_string(d) + " is too large");
     }
     e.shape.push_back(static_cast<int64_t>(d));
   }
-  const json& jo = j["data_offsets"];
-  if (!jo.is_array() || jo.size() != 2) {
-    io_fail(path, where + ": data_offsets: expected [begin, end], got " + describe(jo));
+  if (f.data_offsets.kind != Member::Kind::array || f.data_offsets.size != 2) {
+    io_fail(path, where + ": data_offsets: expected [begin, end], got " + f.data_offsets.describe());
   }
-  e.begin = get_unsigned(jo[0], path, where + ": data_offsets[0]");
-  e.end = get_unsigned(jo[1], path, where + ": data_offsets[1]");
+  e.begin = get_unsigned(f.data_offsets.items[0], path, where + ": data_offsets[0]");
+  e.end = get_unsigned(f.data_offsets.items[1], path, where + ": data_offsets[1]");
   if (e.begin > e.end) {
     io_fail(path, where + ": data_offsets [" + std::to_string(e.begin) + ", " + std::to_string(e.end) +
                       "]: begin is after end");
@@ -153,6 +188,184 @@ Entry parse_entry(const std::string& path, const std::string& name, const json& 
   }
   return e;
 }
+
+/// The header's JSON, read as a stream of events (nlohmann's SAX interface) into
+/// the tensor entries and the metadata: no document tree is built, so time and
+/// memory stay linear in the header's size. Every problem raises io_error at the
+/// event that shows it, so a header reports the first of its problems in text
+/// order. The bounds:
+///   - nesting depth kMaxDepth (3): the header object, a tensor's object, its
+///     shape or data_offsets array; anything deeper is refused where it starts;
+///   - kMaxEntries tensors and metadata keys together;
+///   - a tensor's shape at most kMaxRank dimensions;
+///   - members of a tensor's object other than dtype, shape and data_offsets
+///     are skipped (the format defines none) and keep nothing.
+/// Duplicate keys (in the header object, in __metadata__, among a tensor's
+/// dtype, shape and data_offsets) are refused: keeping the last one would hide
+/// a tensor.
+class HeaderReader final : public nlohmann::json_sax<json> {
+ public:
+  HeaderReader(const std::string& path, uint64_t buffer_bytes) : path_(path), buffer_bytes_(buffer_bytes) {}
+
+  std::vector<Entry>& entries() { return entries_; }
+  std::map<std::string, std::string>& metadata() { return metadata_; }
+
+  bool null() override { return scalar(json(nullptr)); }
+  bool boolean(bool v) override { return scalar(json(v)); }
+  bool number_integer(number_integer_t v) override { return scalar(json(v)); }
+  bool number_unsigned(number_unsigned_t v) override { return scalar(json(v)); }
+  bool number_float(number_float_t v, const string_t&) override { return scalar(json(v)); }
+  bool binary(binary_t&) override { return scalar(json(nullptr)); }  // not produced by the JSON parser
+  bool string(string_t& v) override {
+    if (!frames_.empty() && frames_.back() == Frame::metadata) {
+      metadata_.emplace(key_, std::move(v));
+      return true;
+    }
+    return scalar(json(std::move(v)));
+  }
+
+  bool start_object(std::size_t) override { return start(Frame::member_object, "an object"); }
+  bool start_array(std::size_t) override { return start(Frame::member_array, "an array"); }
+  bool end_object() override { return end(); }
+  bool end_array() override { return end(); }
+
+  bool key(string_t& k) override {
+    switch (frames_.back()) {
+      case Frame::header:
+        if (!names_.insert(k).second) duplicate(k);
+        count_entry();
+        key_ = std::move(k);
+        break;
+      case Frame::metadata:
+        if (metadata_.count(k)) duplicate(k);
+        count_entry();
+        key_ = std::move(k);
+        break;
+      case Frame::tensor:
+        member_ = k == "dtype" ? &fields_.dtype : k == "shape" ? &fields_.shape : k == "data_offsets" ? &fields_.data_offsets
+                                                                                                    : nullptr;
+        if (member_ && member_->kind != Member::Kind::absent) duplicate(k);
+        break;
+      case Frame::member_object:
+        if (capturing()) ++member_->size;
+        break;
+      case Frame::member_array:
+        break;
+    }
+    return true;
+  }
+
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& e) override {
+    std::string msg = e.what();
+    // "[json.exception.parse_error.101] parse error at line 1, column 5: ..." -> keep the part after the tag.
+    const auto tag_end = msg.find("] ");
+    if (msg.rfind("[json.exception", 0) == 0 && tag_end != std::string::npos) msg = msg.substr(tag_end + 2);
+    io_fail(path_, "header is not valid JSON (" + msg + ")");
+  }
+
+ private:
+  /// Where the parser is: the open objects and arrays, innermost last.
+  enum class Frame { header, metadata, tensor, member_object, member_array };
+
+  /// A tensor member (dtype, shape or data_offsets) is being read into member_.
+  bool capturing() const { return member_ != nullptr; }
+  std::string tensor_where() const { return "tensor '" + key_ + "'"; }
+
+  [[noreturn]] void duplicate(const std::string& k) { io_fail(path_, "header: duplicate key \"" + k + "\""); }
+
+  void count_entry() {
+    if (++entry_count_ > kMaxEntries) {
+      io_fail(path_, "header: more than " + std::to_string(kMaxEntries) +
+                         " tensors and metadata keys (the limit of this reader)");
+    }
+  }
+
+  /// A value where the header says what it must be: only an object or a string
+  /// may appear at the first two levels; below a tensor member everything goes
+  /// to the member (checked when the tensor's object ends).
+  bool scalar(json v) {
+    if (frames_.empty()) io_fail(path_, "header: expected a JSON object, got " + describe(v));
+    switch (frames_.back()) {
+      case Frame::header:
+        if (key_ == kMetadataKey) io_fail(path_, "__metadata__: expected an object of strings, got " + describe(v));
+        io_fail(path_, tensor_where() + ": expected an object {dtype, shape, data_offsets}, got " + describe(v));
+      case Frame::metadata:
+        io_fail(path_, "__metadata__[\"" + key_ + "\"]: expected a string, got " + describe(v));
+      case Frame::tensor:
+        if (capturing()) {
+          member_->kind = Member::Kind::scalar;
+          member_->scalar = std::move(v);
+        }
+        break;
+      case Frame::member_array:
+        if (capturing()) {
+          if (member_->items.size() <= kMaxRank) member_->items.push_back(std::move(v));
+          ++member_->size;
+        }
+        break;
+      case Frame::member_object:
+        break;
+    }
+    return true;
+  }
+
+  /// An object or array opens: `nested` is its frame below a tensor member,
+  /// `what` its description ("an object", "an array").
+  bool start(Frame nested, const char* what) {
+    const bool object = nested == Frame::member_object;
+    if (frames_.empty()) {
+      if (!object) io_fail(path_, std::string("header: expected a JSON object, got ") + what);
+      frames_.push_back(Frame::header);
+      return true;
+    }
+    if (frames_.size() >= kMaxDepth) {
+      io_fail(path_, "header: nested deeper than " + std::to_string(kMaxDepth) +
+                         " levels (the header object, a tensor's object, its shape or data_offsets array)");
+    }
+    switch (frames_.back()) {
+      case Frame::header:
+        if (key_ == kMetadataKey) {
+          if (!object) io_fail(path_, std::string("__metadata__: expected an object of strings, got ") + what);
+          frames_.push_back(Frame::metadata);
+        } else {
+          if (!object) {
+            io_fail(path_, tensor_where() + ": expected an object {dtype, shape, data_offsets}, got " + what);
+          }
+          fields_ = TensorFields();
+          member_ = nullptr;
+          frames_.push_back(Frame::tensor);
+        }
+        return true;
+      case Frame::metadata:
+        io_fail(path_, "__metadata__[\"" + key_ + "\"]: expected a string, got " + what);
+      case Frame::tensor:
+        if (capturing()) member_->kind = object ? Member::Kind::object : Member::Kind::array;
+        frames_.push_back(nested);
+        return true;
+      default:  // below kMaxDepth, only the frames above hold objects or arrays
+        frames_.push_back(nested);
+        return true;
+    }
+  }
+
+  bool end() {
+    const Frame closed = frames_.back();
+    frames_.pop_back();
+    if (closed == Frame::tensor) entries_.push_back(parse_entry(path_, key_, fields_, buffer_bytes_));
+    return true;
+  }
+
+  const std::string& path_;
+  const uint64_t buffer_bytes_;
+  std::vector<Frame> frames_;
+  std::string key_;                       // the current key of the header or __metadata__ object
+  std::unordered_set<std::string> names_;  // keys of the header object
+  uint64_t entry_count_ = 0;
+  TensorFields fields_;                   // of the tensor being read
+  Member* member_ = nullptr;              // the member of fields_ being read, if a known one
+  std::vector<Entry> entries_;
+  std::map<std::string, std::string> metadata_;
+};
 
 }  // namespace
 
@@ -197,7 +410,14 @@ std::map<std::string, HostTensor> read_safetensors(const std::string& path,
                       std::to_string(kMaxHeaderBytes) + " bytes");
   }
   if (header_bytes < 2) io_fail(path, "header length " + std::to_string(header_bytes) + " is too small for a JSON object");
-  std::string header(header_bytes, '\0');
+  std::string header;
+  try {
+    header.resize(header_bytes);
+  } catch (const std::bad_alloc&) {
+    throw Error(ErrorCode::out_of_memory, path,
+                path + ": header: expected room in host memory for its " + std::to_string(header_bytes) +
+                    " bytes, got an allocation failure");
+  }
   f.read(header.data(), static_cast<std::streamsize>(header_bytes));
   if (!f) io_fail(path, "cannot read the " + std::to_string(header_bytes) + "-byte header");
   const uint64_t buffer_bytes = file_bytes - 8 - header_bytes;
@@ -208,49 +428,16 @@ std::map<std::string, HostTensor> read_safetensors(const std::string& path,
     io_fail(path, "header: a NUL byte at offset " + std::to_string(nul) + " (expected JSON text, padded with spaces)");
   }
   if (header.rfind("\xEF\xBB\xBF", 0) == 0) io_fail(path, "header: starts with a UTF-8 byte-order mark (expected JSON text)");
-  json root;
-  // Duplicate keys in an object are an error (the format's reference reader
-  // rejects them; nlohmann would keep the last one silently).
-  std::vector<std::set<std::string>> open_objects;
-  std::string duplicate_key;
-  const json::parser_callback_t no_duplicates = [&](int, json::parse_event_t event, json& parsed) {
-    if (event == json::parse_event_t::object_start) {
-      open_objects.emplace_back();
-    } else if (event == json::parse_event_t::object_end) {
-      if (!open_objects.empty()) open_objects.pop_back();
-    } else if (event == json::parse_event_t::key && !open_objects.empty()) {
-      const std::string key = parsed.get<std::string>();
-      if (!open_objects.back().insert(key).second && duplicate_key.empty()) duplicate_key = key;
-    }
-    return true;
-  };
-  try {
-    root = json::parse(header, no_duplicates);
-  } catch (const json::exception& e) {
-    std::string msg = e.what();
-    // "[json.exception.parse_error.101] parse error at line 1, column 5: ..." -> keep the part after the tag.
-    const auto tag_end = msg.find("] ");
-    if (msg.rfind("[json.exception", 0) == 0 && tag_end != std::string::npos) msg = msg.substr(tag_end + 2);
-    io_fail(path, "header is not valid JSON (" + msg + ")");
-  }
-  if (!duplicate_key.empty()) io_fail(path, "header: duplicate key \"" + duplicate_key + "\"");
-  if (!root.is_object()) io_fail(path, "header: expected a JSON object, got " + describe(root));
-
   std::vector<Entry> entries;
-  for (auto it = root.begin(); it != root.end(); ++it) {
-    if (it.key() == kMetadataKey) {
-      if (!it.value().is_object()) {
-        io_fail(path, "__metadata__: expected an object of strings, got " + describe(it.value()));
-      }
-      for (auto m = it.value().begin(); m != it.value().end(); ++m) {
-        if (!m.value().is_string()) {
-          io_fail(path, "__metadata__[\"" + m.key() + "\"]: expected a string, got " + describe(m.value()));
-        }
-        if (metadata) (*metadata)[m.key()] = m.value().get<std::string>();
-      }
-      continue;
-    }
-    entries.push_back(parse_entry(path, it.key(), it.value(), buffer_bytes));
+  try {
+    HeaderReader reader(path, buffer_bytes);
+    if (!json::sax_parse(header, &reader)) io_fail(path, "header is not valid JSON");
+    entries = std::move(reader.entries());
+    if (metadata) *metadata = std::move(reader.metadata());
+  } catch (const std::bad_alloc&) {
+    throw Error(ErrorCode::out_of_memory, path,
+                path + ": header: expected room in host memory for what its " + std::to_string(header_bytes) +
+                    " bytes describe, got an allocation failure");
   }
 
   // No two tensors may share bytes.

@@ -36,6 +36,13 @@ Result run(const std::string& args, bool with_stderr = true) {
 
 bool contains(const std::string& s, const std::string& frag) { return s.find(frag) != std::string::npos; }
 
+/// Writes a safetensors file of this header text and data buffer, as they are.
+void write_raw_safetensors(const std::string& path, const std::string& header, const std::string& data) {
+  std::string length(8, '\0');
+  for (int i = 0; i < 8; ++i) length[i] = static_cast<char>((header.size() >> (8 * i)) & 0xff);
+  std::ofstream(path, std::ios::binary) << length << header << data;
+}
+
 class Cli : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -216,8 +223,8 @@ TEST_F(Cli, GeneratedThdGlobalIdsF32OutputsJsonReport) {
   EXPECT_EQ(g.at("d_index_k").dtype, dsaib::DType::f32);
 }
 
-// --verify sample with 1 or 2 rows still compares a selected key row (before the fix only
-// never-selected rows were compared, whose reference is 0: no dK value could fail).
+// --verify sample with 1 or 2 rows still compares a selected key row (comparing only
+// never-selected rows, whose reference is 0, would let no dK value fail).
 TEST_F(Cli, SampleVerifyComparesASelectedKeyRowAtAnySampleSize) {
   for (const char* rows : {"1", "2", "3"}) {
     const Result r = run(std::string("backward --preset tiny --verify sample --json --sample-rows ") + rows,
@@ -723,6 +730,125 @@ TEST_F(Cli, FlagValueErrorsNameTheFlagAndTheValue) {
   }
 }
 
+// Every integer flag has one parse: text at or beyond 2^63 is out of range and
+// echoed as typed, never clamped to 9223372036854775807 (which then read as
+// "--batch: ... got 9223372036854775807" or blamed an int64 product).
+TEST_F(Cli, IntegerFlagsBeyondInt64AreEchoedAsTyped) {
+  const std::string big = "99999999999999999999", two63 = "9223372036854775808";
+  const struct {
+    std::string args, message;
+  } cases[] = {
+      {"backward --preset tiny --batch " + big, "--batch: expected an integer in [0, 9223372036854775807], got " + big},
+      {"backward --preset tiny --s-q " + big, "--s-q: expected an integer in [0, 9223372036854775807], got " + big},
+      {"backward --preset tiny --s-kv " + big, "--s-kv: expected an integer in [0, 9223372036854775807], got " + big},
+      {"backward --preset tiny --topk " + big, "--topk: expected an integer in [1, 9223372036854775807], got " + big},
+      {"backward --preset tiny --heads " + big, "--heads: expected a multiple of 8 in [8, 128], got " + big},
+      {"backward --preset tiny --head-dim " + big, "--head-dim: expected 64 or 128, got " + big},
+      {"backward --preset tiny --batch -" + big, "--batch: expected an integer in [0, 9223372036854775807], got -" + big},
+      {"backward --preset tiny --s-q " + two63, "--s-q: expected an integer in [0, 9223372036854775807], got " + two63},
+      {"generate --preset tiny --out x.safetensors --topk " + two63,
+       "--topk: expected an integer in [1, 9223372036854775807], got " + two63},
+      {"generate --preset tiny --out x.safetensors --s-kv " + big,
+       "--s-kv: expected an integer in [0, 9223372036854775807], got " + big},
+      {"backward --preset tiny --sample-rows " + big,
+       "--sample-rows: expected an integer in [1, 9223372036854775807], got " + big},
+      {"backward --preset tiny --threads " + big, "--threads: expected an integer in [0, 1048576], got " + big},
+      {"backward --preset tiny --repeat " + big, "--repeat: expected an integer in [1, 1000000], got " + big},
+      {"backward --preset tiny --normalization-count " + two63,
+       "--normalization-count: expected an integer in [0, 9223372036854775807], got " + two63},
+      {"bench --dim " + big, "--dim: expected 64 or 128, got " + big},
+      {"bench --heads " + big, "--heads: expected a multiple of 8 in [8, 128], got " + big},
+      {"bench --topk " + big, "--topk: expected an integer in [1, 9223372036854775807], got " + big},
+      {"bench --seq 4096," + big, "--seq: expected integer sequence lengths >= 1, got \"" + big + "\""},
+      // Signs and blanks that strtoll would take are not decimal integers either.
+      {"backward --preset tiny --warmup +1", "--warmup: expected an integer in [0, 100000], got \"+1\""},
+      {"backward --preset tiny --topk ' 8'", "--topk: expected an integer >= 1, got \" 8\""},
+  };
+  for (const auto& c : cases) {
+    const Result r = run(c.args);
+    EXPECT_EQ(r.exit_code, 2) << c.args << "\n" << r.output;
+    EXPECT_TRUE(contains(r.output, "error (invalid_argument): " + c.message)) << c.args << "\n" << r.output;
+    EXPECT_FALSE(contains(r.output, "got 9223372036854775807")) << c.args << "\n" << r.output;
+    EXPECT_FALSE(contains(r.output, "overflows int64")) << c.args << "\n" << r.output;
+  }
+  // The JSON error names the flag too.
+  const Result j = run("backward --json --preset tiny --s-q " + big, /*with_stderr=*/false);
+  EXPECT_EQ(j.exit_code, 2) << j.output;
+  const auto e = nlohmann::json::parse(j.output)["error"];
+  EXPECT_EQ(e["argument"], "--s-q") << j.output;
+  EXPECT_EQ(e["message"], "--s-q: expected an integer in [0, 9223372036854775807], got " + big) << j.output;
+}
+
+// Tensor names and metadata keys come from the file: in the human-readable output
+// their control characters are escapes, so that a name can neither forge a log
+// line nor send escape sequences to the terminal. --json output stays exact.
+TEST_F(Cli, NamesFromAFileAreEscapedInTheTextOutput) {
+  std::map<std::string, std::string> meta;
+  auto t = dsaib::read_safetensors(tiny_problem(), &meta);
+  const std::string forged = "x\n[   0.00 s] result      PASS\x1b[31m";
+  t[forged] = dsaib::HostTensor(dsaib::DType::f32, {1});
+  meta["title\x1b]0;owned\x07"] = "1";
+  meta["csi\xc2\x9b" "31m\xe2\x80\xae"] = "1";  // C1 CSI (U+009B) and a right-to-left override (U+202E)
+  const std::string file = path("control_names.safetensors");
+  dsaib::write_safetensors(file, t, meta);
+  Result r = run("backward --verify none --in " + quote(file));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  for (const std::string raw : {"\x1b", "\x07", "\xc2\x9b", "\xe2\x80\xae", "\n[   0.00 s] result"}) {
+    EXPECT_FALSE(contains(r.output, raw)) << r.output;
+  }
+  EXPECT_TRUE(contains(r.output, "ignored tensors: x\\n[   0.00 s] result      PASS\\x1b[31m")) << r.output;
+  EXPECT_TRUE(contains(r.output, "title\\x1b]0;owned\\x07")) << r.output;
+  EXPECT_TRUE(contains(r.output, "csi\\u009b31m\\u202e")) << r.output;
+
+  // An error quoting such a name: escaped on stderr, exact in the JSON error.
+  const std::string bad_file = path("control_dtype.safetensors");
+  write_raw_safetensors(bad_file, R"({"bad\u001b[31m\n":{"dtype":"F17","shape":[1],"data_offsets":[0,4]}})",
+                        std::string(4, '\0'));
+  r = run("backward --in " + quote(bad_file));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_TRUE(contains(r.output, "tensor 'bad\\x1b[31m\\n': unknown dtype \"F17\"")) << r.output;
+  EXPECT_FALSE(contains(r.output, "\x1b")) << r.output;
+  r = run("backward --json --in " + quote(bad_file), /*with_stderr=*/false);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_FALSE(contains(r.output, "\x1b")) << r.output;  // the serialiser writes \u001b
+  const auto j = nlohmann::json::parse(r.output);
+  EXPECT_TRUE(contains(j["error"]["message"].get<std::string>(), "tensor 'bad\x1b[31m\n': unknown dtype")) << r.output;
+  EXPECT_EQ(j["error"]["argument"], "--in");
+}
+
+// Headers made to exhaust the reader are io_errors naming --in and the file,
+// found at once: 200000 empty entries (2.3 MB) took 7 minutes to refuse; a
+// 100 MB header of nested arrays took 3.9 GB of memory and, under a memory
+// limit, read as out_of_memory with advice about --batch and no argument in the JSON.
+TEST_F(Cli, AdversarialHeadersAreIoErrorsNamingTheFile) {
+  std::string entries = "{";
+  for (int i = 0; i < 200000; ++i) entries += (i ? ",\"" : "\"") + std::to_string(i) + "\":{}";
+  const std::string many = path("many.st");
+  write_raw_safetensors(many, entries + "}", "");
+  Result r = dsaib::test::run_command("timeout 20 " + quote(DSAIB_CLI_PATH) + " backward --verify none --in " +
+                                      quote(many) + " 2>&1");
+  EXPECT_EQ(r.exit_code, 2) << r.output;  // 124: timed out
+  EXPECT_TRUE(contains(r.output, "error (io_error): --in: " + many + ": tensor '0': missing \"dtype\"")) << r.output;
+  std::filesystem::remove(many);
+
+  if (dsaib::test::kSanitizedBuild) GTEST_SKIP() << "address-space limits and sanitizer shadow memory do not mix";
+  const size_t levels = 49999999;
+  std::string deep = std::string(levels, '[') + std::string(levels, ']');
+  deep.resize(100'000'000, ' ');
+  const std::string deep_file = path("deep.st");
+  write_raw_safetensors(deep_file, deep, "");
+  deep.clear();
+  deep.shrink_to_fit();
+  r = dsaib::test::run_command("ulimit -v 1000000 && " + quote(DSAIB_CLI_PATH) + " backward --json --in " +
+                               quote(deep_file) + " 2>/dev/null");
+  std::filesystem::remove(deep_file);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  const auto j = nlohmann::json::parse(r.output);
+  EXPECT_EQ(j["error"]["code"], "io_error") << r.output;
+  EXPECT_EQ(j["error"]["argument"], "--in") << r.output;
+  EXPECT_EQ(j["error"]["message"], "--in: " + deep_file + ": header: expected a JSON object, got an array") << r.output;
+}
+
 // The warning about NaN/inf inputs says what the backends do: a NaN logit q.k counts
 // as not positive and drops out (not propagated); weights propagate; attn_score and
 // index_score at valid slots propagate. Non-finite inputs are never a PASS.
@@ -760,8 +886,8 @@ TEST_F(Cli, NonFiniteInputWarningSaysWhatHappens) {
     EXPECT_EQ(ri.exit_code, 0) << ri.output;
     EXPECT_FALSE(contains(ri.output, "non-finite")) << ri.output;
   }
-  // NaN in index_q / weights counts only in query rows with a valid slot (break-it
-  // review, twenty-second session: a row with none used to fail the verdict).
+  // NaN in index_q / weights counts only in query rows with a valid slot (a row
+  // with none is never read; it must not fail the verdict).
   {
     auto u = dsaib::read_safetensors(tiny_problem(), &meta);
     const dsaib::HostTensor& q = u.at("index_q");
@@ -782,8 +908,8 @@ TEST_F(Cli, NonFiniteInputWarningSaysWhatHappens) {
     EXPECT_TRUE(contains(rr.output, "index_q: 1 (first at element " + std::to_string(row * per_row_q + 7) + ")")) << rr.output;
     EXPECT_TRUE(contains(rr.output, "weights: 1 (first at element " + std::to_string(row * heads + 1) + ")")) << rr.output;
   }
-  // NaN in index_k counts only in key rows that a valid slot selects (newcomer
-  // review, tenth session: an unread row used to fail the verdict).
+  // NaN in index_k counts only in key rows that a valid slot selects (an unread
+  // row must not fail the verdict).
   {
     auto u = dsaib::read_safetensors(tiny_problem(), &meta);
     u.at("index_k").data<uint16_t>()[3] = 0x7fc0;  // key row 0 (selected: causal, slot 0 of row 0)

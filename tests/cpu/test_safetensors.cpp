@@ -3,8 +3,10 @@
 
 #include <cstdint>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <random>
 #include <string>
@@ -257,6 +259,120 @@ TEST(Safetensors, DeeplyNestedHeaderIsAnErrorNotACrash) {
                     {"__metadata__", "expected a string"});
 }
 
+/// CPU seconds this process has used (not wall time: the machine may be busy).
+double cpu_seconds() { return static_cast<double>(std::clock()) / CLOCKS_PER_SEC; }
+
+/// A header of `n` comma-separated items made by `item(i)`, in braces.
+std::string object_of(size_t n, const std::function<std::string(size_t)>& item) {
+  std::string h = "{";
+  for (size_t i = 0; i < n; ++i) h += (i ? "," : "") + item(i);
+  return h + "}";
+}
+
+// The header is read in time linear in its size. The duplicate-key check used to
+// go through nlohmann-json's DOM callback parser, whose end_object is linear in
+// the object's size: 200000 empty entries (2.3 MB) took 7 minutes.
+TEST(Safetensors, HeaderParseIsLinearInItsSize) {
+  const std::string empty_entries =
+      object_of(200000, [](size_t i) { return "\"" + std::to_string(i) + "\":{}"; });
+  const std::string many = temp_path("many_entries.safetensors");
+  write_bytes(many, make_file(empty_entries, ""));
+  double t0 = cpu_seconds();
+  expect_io_error(many, {"tensor '0': missing \"dtype\""});
+  EXPECT_LT(cpu_seconds() - t0, 1.0) << "200000 empty entries";
+
+  // 200000 valid empty tensors (11.7 MB of header) are read, in well under a second of work.
+  const std::string valid_entries = object_of(200000, [](size_t i) {
+    return "\"t" + std::to_string(i) + R"(":{"dtype":"F32","shape":[0],"data_offsets":[0,0]})";
+  });
+  const std::string valid = temp_path("many_valid.safetensors");
+  write_bytes(valid, make_file(valid_entries, ""));
+  t0 = cpu_seconds();
+  const auto tensors = dsaib::read_safetensors(valid);
+  EXPECT_LT(cpu_seconds() - t0, 3.0) << "200000 valid empty tensors";
+  EXPECT_EQ(tensors.size(), 200000u);
+  EXPECT_EQ(tensors.at("t199999").shape, (std::vector<int64_t>{0}));
+  std::filesystem::remove(many);
+  std::filesystem::remove(valid);
+}
+
+// Bounds on what a header can make the reader hold: tensors and metadata keys
+// (2^20 together), nesting (3 levels), dimensions of a shape (64). Each is an
+// io_error naming the file, found where the header crosses it.
+TEST(Safetensors, HeaderBoundsAreIoErrors) {
+  const std::string d(4, '\0');
+  const std::string keys = object_of((size_t{1} << 20) + 1, [](size_t i) { return "\"" + std::to_string(i) + "\":\"\""; });
+  const std::string meta = temp_path("bound_entries.safetensors");
+  write_bytes(meta, make_file(R"({"__metadata__":)" + keys + "}", ""));
+  const double t0 = cpu_seconds();
+  expect_io_error(meta, {"header: more than 1048576 tensors and metadata keys"});
+  EXPECT_LT(cpu_seconds() - t0, 3.0);
+  std::filesystem::remove(meta);
+
+  expect_bad_header("bound_depth1.safetensors", R"({"x": {"dtype": "F32", "shape": [[1]], "data_offsets": [0, 4]}})", d,
+                    {"header: nested deeper than 3 levels"});
+  expect_bad_header("bound_depth2.safetensors",
+                    R"({"x": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4], "extra": {"a": [1]}}})", d,
+                    {"header: nested deeper than 3 levels"});
+  const auto ones = [](int rank) {
+    std::string s = "[";
+    for (int i = 0; i < rank; ++i) s += i ? ",1" : "1";
+    return s + "]";
+  };
+  expect_bad_header("bound_rank.safetensors",
+                    R"({"x": {"dtype": "F32", "shape": )" + ones(65) + R"(, "data_offsets": [0, 4]}})", d,
+                    {"tensor 'x': shape: expected at most 64 dimensions, got 65"});
+  // 64 dimensions are read; members the format does not define are skipped (a
+  // repeated key inside one of them included: nothing of them is kept).
+  const std::string rank64 = ones(64);
+  const std::string ok = temp_path("rank64.safetensors");
+  write_bytes(ok, make_file(R"({"x": {"dtype": "F32", "shape": )" + rank64 +
+                                R"(, "data_offsets": [0, 4], "note": {"a": 1, "a": "2"}, "more": [2, 3]}})",
+                            d));
+  EXPECT_EQ(dsaib::read_safetensors(ok).at("x").shape, std::vector<int64_t>(64, 1));
+}
+
+/// In a child process: reads `path` under an address-space limit of what is
+/// mapped plus 512 MiB (the 100 MB header read into memory, then little more);
+/// exits 0 when the reader raised io_error naming the path with `fragment` in
+/// its message, else a code that says which check failed.
+[[noreturn]] void read_deep_header_under_memory_limit(const std::string& path, const std::string& fragment) {
+  if (!limit_address_space(size_t{512} << 20)) exit_removing(path, 11);
+  try {
+    dsaib::read_safetensors(path);
+  } catch (const Error& e) {
+    if (e.code() != ErrorCode::io_error) exit_removing(path, 12);  // out_of_memory: the header grew a tree
+    const std::string msg = e.what();
+    if (e.argument() != path || msg.rfind(path + ": ", 0) != 0 || msg.find(fragment) == std::string::npos) {
+      exit_removing(path, 13);
+    }
+    exit_removing(path, 0);
+  } catch (...) {
+    exit_removing(path, 14);
+  }
+  exit_removing(path, 15);
+}
+
+// A 100 MB header of nested arrays (the format's cap) is an io_error found where
+// the nesting passes 3 levels, in memory about the header's size: it used to be
+// parsed into a document tree of 3.9 GB, and fail as out_of_memory.
+TEST(Safetensors, DeeplyNestedHundredMegabyteHeaderIsAnIoErrorInBoundedMemory) {
+  if (kSanitizedBuild) GTEST_SKIP() << "address-space limits and sanitizer shadow memory do not mix";
+  constexpr size_t kHeaderBytes = 100'000'000;
+  const std::string path = temp_path("deep100.safetensors");
+  const std::string open = R"({"x":{"shape":)", close = "}}";
+  const size_t levels = (kHeaderBytes - open.size() - close.size()) / 2;
+  std::string header = open + std::string(levels, '[') + std::string(levels, ']') + close;
+  header.resize(kHeaderBytes, ' ');
+  write_bytes(path, make_file(header, ""));
+  header.clear();
+  header.shrink_to_fit();
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(read_deep_header_under_memory_limit(path, "header: nested deeper than 3 levels"),
+              ::testing::ExitedWithCode(0), "");
+  std::filesystem::remove(path);
+}
+
 TEST(Safetensors, WrongDtypeStrings) {
   const std::string d(4, '\0');
   expect_bad_header("dtype1.safetensors", R"({"x": {"dtype": "F17", "shape": [1], "data_offsets": [0, 4]}})", d,
@@ -483,8 +599,8 @@ TEST(Safetensors, WriterNeverFollowsALinkAtItsTemporaryNameAndKeepsTheMode) {
   EXPECT_EQ(fs::status(target).permissions() & fs::perms::mask, rw_r);
 }
 
-/// A new file gets 0666 less the umask, as any new file (it was 0666 whatever the
-/// umask from the twenty-third session until the twenty-fourth: fchmod undid it).
+/// A new file gets 0666 less the umask, as any new file (an fchmod after the
+/// open would undo the umask: not for a new file).
 TEST(Safetensors, NewFileModeFollowsTheUmask) {
   namespace fs = std::filesystem;
   const HostTensor t(DType::f32, {2});

@@ -1,0 +1,104 @@
+// The subcommands of dsa-indexer-bwd. Each adds itself and its flags to the
+// CLI11 app when constructed (so it must stay where it was built: the flags
+// write into its members) and runs when the command line selected it.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "cli.hpp"
+#include "flags.hpp"
+
+namespace dsaib::cli {
+
+/// Exit status: 0 success (and PASS), 1 verification FAIL, 2 error.
+inline constexpr int kExitFail = 1;
+inline constexpr int kExitError = 2;
+
+/// `generate`: writes a problem (inputs and metadata) to a safetensors file.
+class GenerateCommand {
+ public:
+  explicit GenerateCommand(CLI::App& app);
+  GenerateCommand(const GenerateCommand&) = delete;
+  GenerateCommand& operator=(const GenerateCommand&) = delete;
+  bool selected() const { return cmd_->parsed(); }
+  int run();
+
+ private:
+  CLI::App* cmd_ = nullptr;
+  GenOptions gen_;
+  ScalarOverrides scalars_;
+  std::string out_;
+  int32_t threads_ = 0;
+};
+
+/// Flags of `backward` besides the generation flags and the scalar overrides.
+struct BackwardArgs {
+  std::string in, out, backend = "auto", out_dtype = "bf16", verify = "auto";
+  int64_t sample_rows = 64;
+  int32_t threads = 0;
+  int warmup = -1, repeat = 1;
+  bool json = false, strict = false, deterministic = false;
+  std::string a_operand = "auto";
+};
+
+/// `backward`: runs, times and verifies the backward of a problem read from a
+/// file or generated; reports as text or JSON, writes the gradients on request.
+class BackwardCommand {
+ public:
+  explicit BackwardCommand(CLI::App& app);
+  BackwardCommand(const BackwardCommand&) = delete;
+  BackwardCommand& operator=(const BackwardCommand&) = delete;
+  bool selected() const { return cmd_->parsed(); }
+  /// Whether the report (an error's too) is JSON on stdout.
+  bool json() const { return args_.json; }
+  /// Whether the words after `backward` ask for JSON (for a command line that did not parse).
+  static bool json_requested(const std::vector<std::string>& words);
+  int run();
+
+ private:
+  CLI::App* cmd_ = nullptr;
+  GenOptions gen_;
+  ScalarOverrides scalars_;
+  BackwardArgs args_;
+};
+
+/// `bench`: the floor micro-benchmarks and the op on the GPU (run_bench).
+class BenchCommand {
+ public:
+  explicit BenchCommand(CLI::App& app);
+  BenchCommand(const BenchCommand&) = delete;
+  BenchCommand& operator=(const BenchCommand&) = delete;
+  bool selected() const { return cmd_->parsed(); }
+  /// Whether the JSON report (an error's too) goes to stdout (--json -).
+  bool json_to_stdout() const { return args_.json == "-"; }
+  /// Whether the words after `bench` ask for JSON on stdout (for a command line that did not parse).
+  static bool json_requested(const std::vector<std::string>& words);
+  /// `command_line`: the whole command line, for the JSON report.
+  int run(const std::string& command_line);
+
+ private:
+  CLI::App* cmd_ = nullptr;
+  BenchArgs args_;
+  // --seq and --ids are taken as text and split in run() (split_list_items), so
+  // that an empty item ("4096,,16384") is an error, not dropped.
+  std::vector<std::string> seq_text_, ids_text_;
+  CLI::Option* seq_opt_ = nullptr;
+  CLI::Option* ids_opt_ = nullptr;
+};
+
+/// `presets`: lists the presets of the generation flags.
+class PresetsCommand {
+ public:
+  explicit PresetsCommand(CLI::App& app);
+  bool selected() const { return cmd_->parsed(); }
+  int run();
+
+ private:
+  CLI::App* cmd_ = nullptr;
+};
+
+}  // namespace dsaib::cli
