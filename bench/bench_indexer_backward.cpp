@@ -6,6 +6,7 @@
 // are what scripts/ab_compare.py (paired A/B of two builds) and a profiler run use.
 //   dsa-indexer-bwd-bench [--json FILE] [--seq 4096,16384] [--topk 2048] [--heads 64] [--dim 128]
 //                         [--ids causal,random] [--iters 20] [--warmup 3] [--batch 1] [--input-sets 0] [--a-operand auto|bf16x2|bf16]
+//                         [--l2-hints auto|on|off] [--start-stagger auto|off]
 //                         [--l2-set-aside-mib X] [--sustained-ms X]
 // Reports ns per query row, TFLOP/s (6*H*D per valid slot), dK-reduce GB/s
 // (D*4 bytes per valid slot) and "fixed_floor_ratio" (console: x278), the ratio to the
@@ -68,6 +69,7 @@ int main(int argc, char** argv) {
           "    (ids ascending within a row; causal-shuffled, random-shuffled: in a random order)\n"
           "  --topk 2048  --heads 64  --dim 128  --batch 1  --iters 20  --warmup 3\n"
           "  --input-sets 0 (automatic rotation; 1: off)  --a-operand auto|bf16x2|bf16  --json FILE\n"
+          "  --l2-hints auto|on|off  --start-stagger auto|off\n"
           "  --l2-set-aside-mib X   set the context's L2 set-aside for persisting lines first\n"
           "  --sustained-ms X  after the timed launches, X ms of launches back to back (no pre-roll, no\n"
           "                    host wait): the steady-state ns/row under the GPU's power management\n"
@@ -109,6 +111,18 @@ int main(int argc, char** argv) {
       else if (a == "--a-operand") {
         if (!parse_a_operand_precision(v, &base.a_operand)) {
           std::fprintf(stderr, "--a-operand: expected auto, bf16x2 or bf16, got %s\n", v.c_str());
+          return 2;
+        }
+      }
+      else if (a == "--l2-hints") {
+        if (!parse_l2_hints(v, &base.l2_hints)) {
+          std::fprintf(stderr, "--l2-hints: expected auto, on or off, got %s\n", v.c_str());
+          return 2;
+        }
+      }
+      else if (a == "--start-stagger") {
+        if (!parse_start_stagger(v, &base.start_stagger)) {
+          std::fprintf(stderr, "--start-stagger: expected auto or off, got %s\n", v.c_str());
           return 2;
         }
       }

@@ -50,6 +50,12 @@ BackwardCommand::BackwardCommand(CLI::App& app) {
                    "bf16x2 or bf16 (docs/api.md)")
       ->check(one_of({"auto", "bf16x2", "bf16"}))
       ->default_str("auto");
+  cmd_->add_option("--l2-hints", a.l2_hints, "cuda: L2 eviction-policy hints on the d_index_k reductions: auto (the launch decides from the key table against the L2), on or off (docs/api.md)")
+      ->check(one_of({"auto", "on", "off"}))
+      ->default_str("auto");
+  cmd_->add_option("--start-stagger", a.start_stagger, "cuda: delayed start of the persistent CTAs that run one task fewer: auto or off (docs/api.md)")
+      ->check(one_of({"auto", "off"}))
+      ->default_str("auto");
   cmd_->add_flag("--json", a.json,
                  "print the report as JSON on stdout (an error too: {\"error\": {code, argument, message}, \"result\": "
                  "\"ERROR\"})");
@@ -208,6 +214,8 @@ int BackwardCommand::run() {
   o.p.options.strict_indices = a.strict;
   o.p.options.deterministic = a.deterministic;
   (void)parse_a_operand_precision(a.a_operand, &o.p.options.a_operand_precision);  // checked by CLI11
+  (void)parse_l2_hints(a.l2_hints, &o.p.options.l2_hints);                          // likewise
+  (void)parse_start_stagger(a.start_stagger, &o.p.options.start_stagger);           // likewise
   o.g = checked_geometry(o.p, a.in);
 
   o.backend = choose_backend(a.backend);

@@ -85,6 +85,13 @@ std::vector<bench::OpCase> bench_cases(const BenchArgs& a) {
       if (!parse_a_operand_precision(a.a_operand, &c.a_operand)) {
         throw Error(ErrorCode::invalid_argument, "a_operand", "--a-operand: expected auto, bf16x2 or bf16, got " + a.a_operand);
       }
+      if (!parse_l2_hints(a.l2_hints, &c.l2_hints)) {
+        throw Error(ErrorCode::invalid_argument, "l2_hints", "--l2-hints: expected auto, on or off, got " + a.l2_hints);
+      }
+      if (!parse_start_stagger(a.start_stagger, &c.start_stagger)) {
+        throw Error(ErrorCode::invalid_argument, "start_stagger",
+                    "--start-stagger: expected auto or off, got " + a.start_stagger);
+      }
       c.deterministic = a.deterministic;
       bench::check_case(c);
       cases.push_back(c);
@@ -267,6 +274,8 @@ nlohmann::ordered_json run_case(std::ostream& out, const bench::OpCase& c, const
           {"dim", c.dim},
           {"topk", c.topk},
           {"a_operand_precision", a_operand_precision_name(c.a_operand)},
+          {"l2_hints", l2_hints_name(c.l2_hints)},
+          {"start_stagger", start_stagger_name(c.start_stagger)},
           {"deterministic", c.deterministic},
           {"valid_slots_per_row", r.valid_slots_per_row},
           {"input_sets", r.input_sets},

@@ -192,6 +192,8 @@ struct BenchArgs {
   std::string json;                             // "" none, "-" stdout
   bool no_floor = false;
   std::string a_operand = "auto";               // IndexerBackwardOptions::a_operand_precision
+  std::string l2_hints = "auto";                // IndexerBackwardOptions::l2_hints
+  std::string start_stagger = "auto";           // IndexerBackwardOptions::start_stagger
   bool deterministic = false;                   // IndexerBackwardOptions::deterministic
   std::string command_line;                     // for the JSON report
 };

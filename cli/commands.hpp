@@ -43,6 +43,7 @@ struct BackwardArgs {
   int warmup = -1, repeat = 1;
   bool json = false, strict = false, deterministic = false;
   std::string a_operand = "auto";
+  std::string l2_hints = "auto", start_stagger = "auto";
 };
 
 /// `backward`: runs, times and verifies the backward of a problem read from a

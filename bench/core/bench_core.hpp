@@ -142,6 +142,8 @@ struct OpCase {
   int64_t batch = 1, seq = 4096, heads = 64, dim = 128, topk = 2048;
   AOperandPrecision a_operand = AOperandPrecision::automatic;  // automatic = one bf16 term (bf16 outputs)
   bool deterministic = false;  // IndexerBackwardOptions::deterministic (the fixed-point dK)
+  L2Hints l2_hints = L2Hints::automatic;                // IndexerBackwardOptions::l2_hints
+  StartStagger start_stagger = StartStagger::automatic;  // IndexerBackwardOptions::start_stagger
   uint64_t dk_table_bytes() const { return static_cast<uint64_t>(batch * seq * dim) * 4; }
 };
 

@@ -160,6 +160,8 @@ IndexerBackwardOptions options_of(const OpCase& c) {
   opt.sm_scale = 1.0f / std::sqrt(static_cast<float>(c.dim));
   opt.a_operand_precision = c.a_operand;
   opt.deterministic = c.deterministic;
+  opt.l2_hints = c.l2_hints;
+  opt.start_stagger = c.start_stagger;
   return opt;
 }
 

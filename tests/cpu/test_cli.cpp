@@ -635,6 +635,22 @@ TEST_F(Cli, ReportStatesTheAOperandPrecision) {
   EXPECT_EQ(nlohmann::json::parse(r.output)["a_operand"]["requested"], "auto");
 }
 
+// The launch options reach the library as option fields; the cpu backend ignores them,
+// and a word outside their choices is an error naming the flag.
+TEST_F(Cli, LaunchOptionFlagsAreAcceptedAndCheckedOnBothSubcommands) {
+  const std::string in = tiny_problem();
+  Result r = run("backward --backend cpu --verify all --l2-hints on --start-stagger off --in " + quote(in));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (const std::string cmd : {"backward --backend cpu --in " + quote(in), std::string("bench")}) {
+    r = run(cmd + " --l2-hints maybe");
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_TRUE(contains(r.output, "--l2-hints: expected one of auto, on, off, got \"maybe\"")) << r.output;
+    r = run(cmd + " --start-stagger on");
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_TRUE(contains(r.output, "--start-stagger: expected one of auto, off, got \"on\"")) << r.output;
+  }
+}
+
 // Flag values out of range or not among the choices: "--flag: expected ..., got VALUE" (no double-formatted
 // CLI11 bounds); backward --warmup is bounded like bench's.
 TEST_F(Cli, FlagValueErrorsNameTheFlagAndTheValue) {
