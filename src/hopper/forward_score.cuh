@@ -164,7 +164,7 @@ struct ForwardScore {
     const int lane = tid % 32, warp = tid / 32;
     const RowSequence seq = row_sequence(p, row);
     const int32_t* ids = p.topk_indices + batched_offset(row, p.q_rows_per_batch, p.ids_batch_stride, p.ids_row_stride);
-    const float* attn = p.attn_score + batched_offset(row, p.q_rows_per_batch, p.attn_batch_stride, p.attn_row_stride);
+    const float* attn = p.attn_score + batched_offset(row, p.q_rows_per_batch, p.attn_score_batch_stride, p.attn_score_row_stride);
 
     // Pass 1: this thread's slots in slot order (online max and sum), then a
     // fixed tree over the warp and the warps in order.
