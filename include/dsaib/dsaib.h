@@ -55,8 +55,12 @@ typedef struct dsaib_tensor {
   int32_t device_index;
 } dsaib_tensor;
 
+/* P comes either as index_score or, in the P-free form, as row_lse and
+   row_target_mass (f32, (B, S_q) / (T_q)) with index_score absent
+   (dsaib::IndexerBackwardInputs). */
 typedef struct dsaib_inputs {
   dsaib_tensor index_q, weights, index_k, topk_indices, attn_score, index_score, cu_seqlens_q, cu_seqlens_k;
+  dsaib_tensor row_lse, row_target_mass;
 } dsaib_inputs;
 
 typedef struct dsaib_outputs {
@@ -141,6 +145,25 @@ dsaib_status dsaib_indexer_kl_forward_workspace_size(const dsaib_inputs* inputs,
    dsaib_indexer_backward; every check runs before any output is written. */
 dsaib_status dsaib_indexer_kl_forward(const dsaib_inputs* inputs, const dsaib_kl_forward_outputs* outputs,
                                       const dsaib_options* options, void* workspace, size_t workspace_bytes);
+
+/* Outputs of dsaib_indexer_kl_loss_and_grad: loss (f32, rank 0) and the three
+   gradients as in dsaib_outputs. */
+typedef struct dsaib_kl_loss_and_grad_outputs {
+  dsaib_tensor loss, d_index_q, d_weights, d_index_k;
+} dsaib_kl_loss_and_grad_outputs;
+
+/* *bytes = the scratch memory dsaib_indexer_kl_loss_and_grad needs on the
+   backend's device (0 on cpu). C++: dsaib::indexer_kl_loss_and_grad_workspace_size. */
+dsaib_status dsaib_indexer_kl_loss_and_grad_workspace_size(const dsaib_inputs* inputs,
+                                                           const dsaib_kl_loss_and_grad_outputs* outputs,
+                                                           const dsaib_options* options, size_t* bytes);
+
+/* The loss and its gradients in one call (the loss forward, then the P-free
+   backward; dsaib::indexer_kl_loss_and_grad in include/dsaib/indexer_kl_loss_and_grad.hpp).
+   inputs->index_score, row_lse and row_target_mass must be absent. Statuses
+   and workspace as for dsaib_indexer_backward. */
+dsaib_status dsaib_indexer_kl_loss_and_grad(const dsaib_inputs* inputs, const dsaib_kl_loss_and_grad_outputs* outputs,
+                                            const dsaib_options* options, void* workspace, size_t workspace_bytes);
 
 /* Message of the last failure of a dsaib_status function on this thread: "" after such a call
  * succeeded (each of them sets it) or before any. Valid until the next such call on this thread. */

@@ -140,10 +140,22 @@ bool parse_start_stagger(const std::string& word, StartStagger* out);
 /// | index_score   | (B, S_q, topk)    | (T_q, topk)   | f32 (predict P) |
 /// | cu_seqlens_q  | absent            | (B + 1)       | i32          |
 /// | cu_seqlens_k  | absent            | (B + 1)       | i32          |
+/// | row_lse       | (B, S_q)          | (T_q)         | f32 (LSE of the row's logits) |
+/// | row_target_mass | (B, S_q)        | (T_q)         | f32 (sum_i T~_i m_i) |
 ///
 /// H must be a multiple of 8 in [8, 128]; D must be 64 or 128; topk >= 1.
 /// Any slot whose id is invalid (-1, or out of range for its sequence) is
 /// ignored: its T and P count as 0 and no memory is touched for it.
+///
+/// P comes in one of two forms, exactly one of which is given:
+/// - index_score: P itself (row_lse and row_target_mass absent);
+/// - the P-free form: row_lse and row_target_mass (index_score absent), as
+///   indexer_kl_forward() writes them. The backward then rebuilds
+///   P_i = exp(z_i - row_lse) from its own logits
+///   z_i = sm_scale * sum_h w_h relu(q_h . k_{id_i}), masks with that P
+///   (m_i = [P_i >= eps]) and takes G = sum_i g_i = -c * row_target_mass,
+///   so no (S_q, topk) tensor of P exists anywhere. A row without a valid
+///   slot reads neither value.
 struct IndexerBackwardInputs {
   TensorView index_q;
   TensorView weights;
@@ -153,6 +165,8 @@ struct IndexerBackwardInputs {
   TensorView index_score;
   TensorView cu_seqlens_q;
   TensorView cu_seqlens_k;
+  TensorView row_lse;
+  TensorView row_target_mass;
 };
 
 /// Output tensors, each bf16 or f32, shaped like index_q, weights and index_k,
@@ -212,7 +226,10 @@ struct IndexerBackwardOptions {
 /// backend's device. cpu: 0. cuda with deterministic: B*S_kv*D*8 (resp.
 /// T_k*D*8) rounded up to a multiple of 256, plus 16 (the int64 fixed-point dK
 /// and its bound). cuda otherwise: B*S_kv*D*4 (resp. T_k*D*4) when d_index_k
-/// is bf16 (the fp32 dK accumulator), 0 when it is f32.
+/// is bf16 (the fp32 dK accumulator), 0 when it is f32. The P-free form adds,
+/// before it, 8 bytes per query row rounded up to 256 (the statistics packed
+/// for the kernel), or with H > 64 or deterministic the loss forward's P,
+/// statistics, loss and scratch (docs/api.md).
 /// Validates like indexer_backward() and raises the same errors.
 std::size_t indexer_backward_workspace_size(const IndexerBackwardInputs& inputs,
                                             const IndexerBackwardOutputs& outputs,

@@ -7,6 +7,7 @@
 #include "api/cuda_backend.hpp"
 #include "dsaib/indexer_backward.hpp"
 #include "dsaib/indexer_kl_forward.hpp"
+#include "dsaib/indexer_kl_loss_and_grad.hpp"
 
 namespace {
 
@@ -95,9 +96,10 @@ void convert(const dsaib_inputs* in, const dsaib_outputs* out, const dsaib_optio
   require(opt, "options");
   const dsaib_tensor* ts[] = {&in->index_q, &in->weights, &in->index_k, &in->topk_indices, &in->attn_score,
                               &in->index_score, &in->cu_seqlens_q, &in->cu_seqlens_k, &out->d_index_q,
-                              &out->d_weights, &out->d_index_k};
+                              &out->d_weights, &out->d_index_k, &in->row_lse, &in->row_target_mass};
   const char* names[] = {"index_q", "weights", "index_k", "topk_indices", "attn_score", "index_score",
-                         "cu_seqlens_q", "cu_seqlens_k", "d_index_q", "d_weights", "d_index_k"};
+                         "cu_seqlens_q", "cu_seqlens_k", "d_index_q", "d_weights", "d_index_k", "row_lse",
+                         "row_target_mass"};
   p.layout = static_cast<dsaib::Layout>(opt->layout);
   p.id_mode = static_cast<dsaib::IdMode>(opt->id_mode);
   p.backend = static_cast<dsaib::Backend>(opt->backend);
@@ -116,9 +118,11 @@ void convert(const dsaib_inputs* in, const dsaib_outputs* out, const dsaib_optio
   // The C++ order (errors.md): options and the backend first, then the tensors,
   // whose enum fields C can set to anything (checked before any view is used).
   dsaib::detail::check_options_and_backend(p);
-  for (int k = 0; k < 11; ++k) check_enums(*ts[k], names[k]);
-  i = {to_view(in->index_q), to_view(in->weights), to_view(in->index_k), to_view(in->topk_indices),
-       to_view(in->attn_score), to_view(in->index_score), to_view(in->cu_seqlens_q), to_view(in->cu_seqlens_k)};
+  for (int k = 0; k < 13; ++k) check_enums(*ts[k], names[k]);
+  i = {to_view(in->index_q),      to_view(in->weights),      to_view(in->index_k),
+       to_view(in->topk_indices), to_view(in->attn_score),   to_view(in->index_score),
+       to_view(in->cu_seqlens_q), to_view(in->cu_seqlens_k), to_view(in->row_lse),
+       to_view(in->row_target_mass)};
   o = {to_view(out->d_index_q), to_view(out->d_weights), to_view(out->d_index_k)};
 }
 
@@ -133,6 +137,18 @@ void convert_forward(const dsaib_inputs* in, const dsaib_kl_forward_outputs* out
   const char* names[] = {"loss", "row_lse", "row_target_mass", "index_score"};
   for (int k = 0; k < 4; ++k) check_enums(*ts[k], names[k]);
   o = {to_view(out->loss), to_view(out->row_lse), to_view(out->row_target_mass), to_view(out->index_score)};
+}
+
+/// convert() for the one-call loss and gradients: its inputs, options and gradients, then loss.
+void convert_loss_and_grad(const dsaib_inputs* in, const dsaib_kl_loss_and_grad_outputs* out, const dsaib_options* opt,
+                           dsaib::IndexerBackwardInputs& i, dsaib::IndexerKLLossAndGradOutputs& o,
+                           dsaib::IndexerBackwardOptions& p) {
+  require(out, "outputs");
+  const dsaib_outputs gradients{out->d_index_q, out->d_weights, out->d_index_k};
+  dsaib::IndexerBackwardOutputs g;
+  convert(in, &gradients, opt, i, g, p);
+  check_enums(out->loss, "loss");
+  o = {to_view(out->loss), g.d_index_q, g.d_weights, g.d_index_k};
 }
 
 }  // namespace
@@ -229,6 +245,30 @@ dsaib_status dsaib_indexer_kl_forward(const dsaib_inputs* inputs, const dsaib_kl
     dsaib::IndexerBackwardOptions p;
     convert_forward(inputs, outputs, options, i, o, p);
     dsaib::indexer_kl_forward(i, o, p, workspace, workspace_bytes);
+  });
+}
+
+dsaib_status dsaib_indexer_kl_loss_and_grad_workspace_size(const dsaib_inputs* inputs,
+                                                           const dsaib_kl_loss_and_grad_outputs* outputs,
+                                                           const dsaib_options* options, size_t* bytes) {
+  return guarded([&] {
+    require(bytes, "bytes");
+    dsaib::IndexerBackwardInputs i;
+    dsaib::IndexerKLLossAndGradOutputs o;
+    dsaib::IndexerBackwardOptions p;
+    convert_loss_and_grad(inputs, outputs, options, i, o, p);
+    *bytes = dsaib::indexer_kl_loss_and_grad_workspace_size(i, o, p);
+  });
+}
+
+dsaib_status dsaib_indexer_kl_loss_and_grad(const dsaib_inputs* inputs, const dsaib_kl_loss_and_grad_outputs* outputs,
+                                            const dsaib_options* options, void* workspace, size_t workspace_bytes) {
+  return guarded([&] {
+    dsaib::IndexerBackwardInputs i;
+    dsaib::IndexerKLLossAndGradOutputs o;
+    dsaib::IndexerBackwardOptions p;
+    convert_loss_and_grad(inputs, outputs, options, i, o, p);
+    dsaib::indexer_kl_loss_and_grad(i, o, p, workspace, workspace_bytes);
   });
 }
 

@@ -25,6 +25,24 @@ void check_options_and_backend(const IndexerBackwardOptions& opt);
 void cuda_copy_to_host(void* dst, const void* src, std::size_t row_bytes, std::size_t src_pitch,
                        std::size_t rows, void* stream);
 
+/// Whether `stream` (a cudaStream_t) is capturing a CUDA graph (cudaStreamIsCapturing).
+bool cuda_stream_capturing(void* stream);
+
+/// The P-free backward (index_score absent) runs the loss forward's kernel first
+/// to write P into the workspace when the P-free kernels do not apply: H above
+/// one task's 64 heads (z sums over every head of the row), or deterministic.
+inline bool p_free_needs_prepass(const IndexerBackwardInputs& in, const ProblemGeometry& g,
+                                 const IndexerBackwardOptions& opt) {
+  return !in.index_score.present() && (g.heads > 64 || opt.deterministic);
+}
+
+/// Scratch bytes of a cuda backward: the fused kernel's (hopper::workspace_bytes)
+/// rounded up to 256, plus, when p_free_needs_prepass, P (num_q_rows * topk f32),
+/// the forward's row statistics and loss, and the forward's own scratch, each
+/// rounded up to 256.
+std::size_t cuda_backward_workspace_bytes(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
+                                          const IndexerBackwardOptions& opt, const ProblemGeometry& g);
+
 /// The launch plan of a call on the device of index_q (hopper::plan_launch with
 /// that device's properties, queried as run_cuda_backend queries them). `g` is
 /// validated. Launches, allocates and writes nothing.
@@ -36,5 +54,14 @@ hopper::LaunchPlan cuda_launch_plan(const IndexerBackwardInputs& in, const Index
 void run_cuda_backend(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
                       const IndexerBackwardOptions& opt, const ProblemGeometry& g, void* workspace,
                       std::size_t workspace_bytes);
+
+/// The one-call loss and gradients on the cuda backend (backend.cu): its
+/// workspace size and the run (the forward, then the backward; no host
+/// synchronisation). `g` is validated.
+std::size_t cuda_kl_loss_and_grad_workspace_bytes(const IndexerBackwardInputs& in, const IndexerKLLossAndGradOutputs& out,
+                                                  const IndexerBackwardOptions& opt, const ProblemGeometry& g);
+void run_cuda_kl_loss_and_grad(const IndexerBackwardInputs& in, const IndexerKLLossAndGradOutputs& out,
+                               const IndexerBackwardOptions& opt, const ProblemGeometry& g, void* workspace,
+                               std::size_t workspace_bytes);
 
 }  // namespace dsaib::detail

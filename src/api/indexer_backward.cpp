@@ -28,7 +28,10 @@ namespace {
 ProblemGeometry validate_for_backend(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
                                      const IndexerBackwardOptions& opt) {
   check_options_and_backend(opt);
-  return validate_problem(in, out, opt, opt.backend == Backend::cuda ? &cuda_copy_to_host : nullptr);
+  const bool cuda = opt.backend == Backend::cuda;
+  // THD inside a CUDA-graph capture: cu_seqlens are checked on the device (backend.cu).
+  const bool capturing = cuda && opt.layout == Layout::thd && cuda_stream_capturing(opt.stream);
+  return validate_problem(in, out, opt, cuda ? &cuda_copy_to_host : nullptr, true, capturing);
 }
 
 }  // namespace
@@ -52,7 +55,7 @@ bool cuda_backend_available() { return detail::cuda_backend_compiled() && detail
 std::size_t indexer_backward_workspace_size(const IndexerBackwardInputs& inputs, const IndexerBackwardOutputs& outputs,
                                             const IndexerBackwardOptions& options) {
   const detail::ProblemGeometry g = validate_for_backend(inputs, outputs, options);
-  return options.backend == Backend::cuda ? hopper::workspace_bytes(g, outputs.d_index_k.dtype, options.deterministic) : 0;
+  return options.backend == Backend::cuda ? detail::cuda_backward_workspace_bytes(inputs, outputs, options, g) : 0;
 }
 
 void indexer_backward(const IndexerBackwardInputs& inputs, const IndexerBackwardOutputs& outputs,
@@ -62,7 +65,7 @@ void indexer_backward(const IndexerBackwardInputs& inputs, const IndexerBackward
     detail::run_cpu_backend(inputs, outputs, options, g);
     return;
   }
-  const std::size_t need = hopper::workspace_bytes(g, outputs.d_index_k.dtype, options.deterministic);
+  const std::size_t need = detail::cuda_backward_workspace_bytes(inputs, outputs, options, g);
   if (workspace != nullptr || workspace_bytes != 0) {
     if (workspace_bytes < need) {
       throw Error(ErrorCode::invalid_argument, "workspace_bytes",

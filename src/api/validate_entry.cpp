@@ -8,8 +8,11 @@ namespace dsaib {
 
 void validate_indexer_kl_loss_inputs(const IndexerBackwardInputs& inputs, const IndexerBackwardOptions& options) {
   IndexerBackwardInputs in = inputs;
-  // An absent P is checked as the caller's future P: same dtype and shape as T.
-  if (!in.index_score.present()) in.index_score = in.attn_score;
+  // An absent P (and no P-free row statistics) is checked as the caller's
+  // future P: same dtype and shape as T.
+  if (!in.index_score.present() && !in.row_lse.present() && !in.row_target_mass.present()) {
+    in.index_score = in.attn_score;
+  }
   detail::check_options_and_backend(options);
   (void)detail::validate_problem(in, IndexerBackwardOutputs{}, options,
                                  options.backend == Backend::cuda ? &detail::cuda_copy_to_host : nullptr,

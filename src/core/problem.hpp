@@ -32,6 +32,11 @@ struct ProblemGeometry {
   std::vector<int64_t> k_start, k_len;  // per sequence, in flat key rows
   std::vector<int32_t> seq_of_q_row;    // (num_q_rows) sequence of each flat query row
   int64_t normalization_count = 0;      // N
+  /// THD on a cuda stream that is capturing a CUDA graph: cu_seqlens were not
+  /// read on the host (a copy would invalidate the capture). The per-sequence
+  /// tables then describe one sequence of all rows (they only tune the launch)
+  /// and the cuda backend checks cu_seqlens on the device (backend.cu).
+  bool cu_seqlens_on_device_only = false;
 
   /// Flat key row for slot id of a query in sequence b, or -1 if the slot is invalid.
   int64_t key_row(int64_t b, int64_t id) const {
@@ -75,9 +80,12 @@ void check_options(const IndexerBackwardOptions& opt);
 /// tensors are host memory and are read directly).
 using CopyToHost = void (*)(void* dst, const void* src, std::size_t row_bytes, std::size_t src_pitch,
                             std::size_t rows, void* stream);
+/// `stream_capturing`: the cuda backend's options.stream is capturing a CUDA
+/// graph; THD cu_seqlens are then not read (ProblemGeometry::cu_seqlens_on_device_only)
+/// and strict_indices is refused.
 ProblemGeometry validate_problem(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
                                  const IndexerBackwardOptions& opt, CopyToHost copy_to_host = nullptr,
-                                 bool check_outputs = true);
+                                 bool check_outputs = true, bool stream_capturing = false);
 
 /// c = grad_loss * loss_coeff / N with grad_loss taken from the host value.
 double scale_from_host(const ProblemGeometry& g, const IndexerBackwardOptions& opt, double grad_loss);
@@ -93,5 +101,18 @@ namespace dsaib::detail {
 /// shapes, contiguity, disjoint from each other and from every input). Never writes.
 ProblemGeometry validate_kl_forward_problem(const IndexerBackwardInputs& in, const IndexerKLForwardOutputs& out,
                                             const IndexerBackwardOptions& opt, CopyToHost copy_to_host = nullptr);
+
+}  // namespace dsaib::detail
+
+#include "dsaib/indexer_kl_loss_and_grad.hpp"
+
+namespace dsaib::detail {
+
+/// Validates the arguments of indexer_kl_loss_and_grad(): index_score, row_lse
+/// and row_target_mass absent, the inputs and the gradients by validate_problem()'s
+/// rules, then loss (f32, rank 0, disjoint from the gradients and every input).
+ProblemGeometry validate_kl_loss_and_grad_problem(const IndexerBackwardInputs& in, const IndexerKLLossAndGradOutputs& out,
+                                                  const IndexerBackwardOptions& opt, CopyToHost copy_to_host,
+                                                  bool stream_capturing);
 
 }  // namespace dsaib::detail

@@ -211,7 +211,7 @@ void check_options(const IndexerBackwardOptions& opt) {
 namespace {
 ProblemGeometry validate_problem_unguarded(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
                                            const IndexerBackwardOptions& opt, CopyToHost copy_to_host,
-                                           bool check_outputs) {
+                                           bool check_outputs, bool stream_capturing = false) {
   ProblemGeometry g;
   g.layout = opt.layout;
   g.id_mode = opt.id_mode;
@@ -227,7 +227,23 @@ ProblemGeometry validate_problem_unguarded(const IndexerBackwardInputs& in, cons
   check_tensor(in.index_k, {"index_k", {DType::bf16}, 3 - r}, device, device_index);
   check_tensor(in.topk_indices, {"topk_indices", {DType::i32}, 3 - r}, device, device_index);
   check_tensor(in.attn_score, {"attn_score", {DType::f32}, 3 - r}, device, device_index);
-  check_tensor(in.index_score, {"index_score", {DType::f32}, 3 - r}, device, device_index);
+  // P in one of two forms: index_score, or the P-free row statistics.
+  const bool p_free = !in.index_score.present();
+  if (!p_free) {
+    for (const auto* v : {&in.row_lse, &in.row_target_mass}) {
+      if (v->present()) {
+        fail(v == &in.row_lse ? "row_lse" : "row_target_mass",
+             "absent when index_score is given (P comes either as index_score or as row_lse and row_target_mass)",
+             "a tensor");
+      }
+    }
+    check_tensor(in.index_score, {"index_score", {DType::f32}, 3 - r}, device, device_index);
+  } else if (!in.row_lse.present() && !in.row_target_mass.present()) {
+    fail("index_score", "a tensor, or row_lse and row_target_mass instead (the P-free form)", "nothing (absent)");
+  } else {
+    check_tensor(in.row_lse, {"row_lse", {DType::f32}, 2 - r}, device, device_index);
+    check_tensor(in.row_target_mass, {"row_target_mass", {DType::f32}, 2 - r}, device, device_index);
+  }
   if (check_outputs) {
     check_tensor(out.d_index_q, {"d_index_q", {DType::bf16, DType::f32}, 4 - r}, device, device_index);
     check_tensor(out.d_weights, {"d_weights", {DType::bf16, DType::f32}, 3 - r}, device, device_index);
@@ -277,7 +293,11 @@ ProblemGeometry validate_problem_unguarded(const IndexerBackwardInputs& in, cons
     check_shape(in.index_k, "index_k", {Tk, D}, "(T_k, D)");
     check_shape(in.topk_indices, "topk_indices", {T, K}, "(T_q, topk)");
     check_shape(in.attn_score, "attn_score", {T, K}, "(T_q, topk), topk from topk_indices");
-    check_shape(in.index_score, "index_score", {T, K}, "(T_q, topk), topk from topk_indices");
+    if (!p_free) check_shape(in.index_score, "index_score", {T, K}, "(T_q, topk), topk from topk_indices");
+    if (p_free) {
+      check_shape(in.row_lse, "row_lse", {T}, "(T_q)");
+      check_shape(in.row_target_mass, "row_target_mass", {T}, "(T_q)");
+    }
     if (check_outputs) {
       check_shape(out.d_index_q, "d_index_q", {T, H, D}, "(T_q, H, D) like index_q");
       check_shape(out.d_weights, "d_weights", {T, H}, "(T_q, H) like weights");
@@ -289,7 +309,11 @@ ProblemGeometry validate_problem_unguarded(const IndexerBackwardInputs& in, cons
     check_shape(in.index_k, "index_k", {B, g.s_kv, D}, "(B, S_kv, D) with B and D of index_q");
     check_shape(in.topk_indices, "topk_indices", {B, S, K}, "(B, S_q, topk)");
     check_shape(in.attn_score, "attn_score", {B, S, K}, "(B, S_q, topk), topk from topk_indices");
-    check_shape(in.index_score, "index_score", {B, S, K}, "(B, S_q, topk), topk from topk_indices");
+    if (!p_free) check_shape(in.index_score, "index_score", {B, S, K}, "(B, S_q, topk), topk from topk_indices");
+    if (p_free) {
+      check_shape(in.row_lse, "row_lse", {B, S}, "(B, S_q)");
+      check_shape(in.row_target_mass, "row_target_mass", {B, S}, "(B, S_q)");
+    }
     if (check_outputs) {
       check_shape(out.d_index_q, "d_index_q", {B, S, H, D}, "(B, S_q, H, D) like index_q");
       check_shape(out.d_weights, "d_weights", {B, S, H}, "(B, S_q, H) like weights");
@@ -310,15 +334,17 @@ ProblemGeometry validate_problem_unguarded(const IndexerBackwardInputs& in, cons
   // outputs are written); absent (null) it overlaps nothing.
   const TensorView grad_loss_view =
       opt.grad_loss_device ? contiguous_view(const_cast<float*>(opt.grad_loss_device), DType::f32, {1}) : TensorView{};
-  const TensorView* ins[] = {&in.index_q,     &in.weights,     &in.index_k,      &in.topk_indices, &in.attn_score,
-                             &in.index_score, &in.cu_seqlens_q, &in.cu_seqlens_k, &grad_loss_view};
-  const char* in_names[] = {"index_q",     "weights",      "index_k",      "topk_indices",    "attn_score",
-                            "index_score", "cu_seqlens_q", "cu_seqlens_k", "grad_loss_device"};
+  const TensorView* ins[] = {&in.index_q,     &in.weights,      &in.index_k,      &in.topk_indices,
+                             &in.attn_score,  &in.index_score,  &in.cu_seqlens_q, &in.cu_seqlens_k,
+                             &grad_loss_view, &in.row_lse,      &in.row_target_mass};
+  const char* in_names[] = {"index_q",          "weights",     "index_k",      "topk_indices",
+                            "attn_score",       "index_score", "cu_seqlens_q", "cu_seqlens_k",
+                            "grad_loss_device", "row_lse",     "row_target_mass"};
   for (int i = 0; i < (check_outputs ? 3 : 0); ++i) {
     for (int j = i + 1; j < 3; ++j) {
       if (overlaps(*outs[i], *outs[j])) fail(out_names[i], std::string("memory disjoint from ") + out_names[j], "overlapping memory");
     }
-    for (int j = 0; j < 9; ++j) {
+    for (int j = 0; j < 11; ++j) {
       if (overlaps(*outs[i], *ins[j])) fail(out_names[i], std::string("memory disjoint from input ") + in_names[j], "overlapping memory");
     }
   }
@@ -328,6 +354,7 @@ ProblemGeometry validate_problem_unguarded(const IndexerBackwardInputs& in, cons
   if (device == DeviceType::cuda) {
     for (int j = 0; j < 6; ++j) {
       const TensorView& v = *ins[j];
+      if (!v.present()) continue;  // index_score in the P-free form
       if (v.strides[v.rank - 1] != 1 && v.shape[v.rank - 1] > 1) {
         fail(in_names[j], "innermost stride 1 on the cuda backend", "strides " + v.strides_string());
       }
@@ -379,6 +406,22 @@ ProblemGeometry validate_problem_unguarded(const IndexerBackwardInputs& in, cons
     if (in.cu_seqlens_k.shape[0] != in.cu_seqlens_q.shape[0]) {
       fail("cu_seqlens_k", "length B + 1 = " + std::to_string(in.cu_seqlens_q.shape[0]) + " (that of cu_seqlens_q)",
            "length " + std::to_string(in.cu_seqlens_k.shape[0]));
+    }
+    if (stream_capturing && copy_to_host) {
+      // No host copy inside a capture: the backend checks them on the device.
+      if (opt.strict_indices) {
+        fail("strict_indices", "false while options.stream captures a CUDA graph (strict mode reads topk_indices on the host)",
+             "true");
+      }
+      g.cu_seqlens_on_device_only = true;
+      g.batch = in.cu_seqlens_q.shape[0] - 1;
+      g.q_start = {0};
+      g.q_len = {g.num_q_rows};
+      g.k_start = {0};
+      g.k_len = {g.num_k_rows};
+      g.seq_of_q_row.assign(static_cast<size_t>(g.num_q_rows), 0);
+      g.normalization_count = opt.normalization_count > 0 ? opt.normalization_count : std::max<int64_t>(g.num_q_rows, 1);
+      return g;
     }
     const auto cq = read_cu_seqlens(in.cu_seqlens_q, "cu_seqlens_q", copy_to_host, opt.stream);
     const auto ck = read_cu_seqlens(in.cu_seqlens_k, "cu_seqlens_k", copy_to_host, opt.stream);
@@ -504,11 +547,44 @@ ProblemGeometry validate_problem_unguarded(const IndexerBackwardInputs& in, cons
 
 ProblemGeometry validate_problem(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
                                  const IndexerBackwardOptions& opt, CopyToHost copy_to_host,
-                                 bool check_outputs) {
+                                 bool check_outputs, bool stream_capturing) {
   // e.g. the per-sequence tables of a huge cu_seqlens
   return allocation_failure_as_out_of_memory(
       "out of memory: expected room in host memory to validate the arguments, got an allocation failure",
-      [&] { return validate_problem_unguarded(in, out, opt, copy_to_host, check_outputs); });
+      [&] { return validate_problem_unguarded(in, out, opt, copy_to_host, check_outputs, stream_capturing); });
+}
+
+ProblemGeometry validate_kl_loss_and_grad_problem(const IndexerBackwardInputs& in, const IndexerKLLossAndGradOutputs& out,
+                                                  const IndexerBackwardOptions& opt, CopyToHost copy_to_host,
+                                                  bool stream_capturing) {
+  return allocation_failure_as_out_of_memory(
+      "out of memory: expected room in host memory to validate the arguments, got an allocation failure", [&] {
+        check_options(opt);
+        const char* why = "absent in the inputs of indexer_kl_loss_and_grad (its forward computes P)";
+        if (in.index_score.present()) fail("index_score", why, "a tensor");
+        if (in.row_lse.present()) fail("row_lse", why, "a tensor");
+        if (in.row_target_mass.present()) fail("row_target_mass", why, "a tensor");
+        IndexerBackwardInputs with_target = in;
+        with_target.index_score = in.attn_score;  // stands in for P: same rules
+        const IndexerBackwardOutputs gradients{out.d_index_q, out.d_weights, out.d_index_k};
+        ProblemGeometry g = validate_problem_unguarded(with_target, gradients, opt, copy_to_host, true, stream_capturing);
+        const DeviceType device = opt.backend == Backend::cpu ? DeviceType::cpu : DeviceType::cuda;
+        check_tensor(out.loss, {"loss", {DType::f32}, 0}, device, in.index_q.device_index);
+        const TensorView* others[] = {&out.d_index_q,  &out.d_weights,    &out.d_index_k,    &in.index_q,
+                                      &in.weights,     &in.index_k,       &in.topk_indices,  &in.attn_score,
+                                      &in.cu_seqlens_q, &in.cu_seqlens_k};
+        const char* names[] = {"d_index_q", "d_weights",    "d_index_k",    "index_q",      "weights",
+                               "index_k",   "topk_indices", "attn_score",   "cu_seqlens_q", "cu_seqlens_k"};
+        for (int j = 0; j < 10; ++j) {
+          if (overlaps(out.loss, *others[j])) {
+            fail("loss", std::string("memory disjoint from ") + (j < 3 ? "" : "input ") + names[j], "overlapping memory");
+          }
+        }
+        if (opt.grad_loss_device && overlaps(out.loss, contiguous_view(const_cast<float*>(opt.grad_loss_device), DType::f32, {1}))) {
+          fail("loss", "memory disjoint from input grad_loss_device", "overlapping memory");
+        }
+        return g;
+      });
 }
 
 }  // namespace dsaib::detail
@@ -522,6 +598,10 @@ ProblemGeometry validate_kl_forward_problem(const IndexerBackwardInputs& in, con
         check_options(opt);
         if (in.index_score.present()) {
           fail("index_score", "absent in the inputs of the forward (it writes P to outputs.index_score)", "a tensor");
+        }
+        if (in.row_lse.present()) fail("row_lse", "absent in the inputs of the forward (it writes outputs.row_lse)", "a tensor");
+        if (in.row_target_mass.present()) {
+          fail("row_target_mass", "absent in the inputs of the forward (it writes outputs.row_target_mass)", "a tensor");
         }
         // The inputs' rules are the backward's; attn_score stands in for the
         // absent index_score (same dtype and shape, already checked before it).

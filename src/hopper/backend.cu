@@ -9,6 +9,7 @@
 #include <string>
 
 #include "api/cuda_backend.hpp"
+#include "api/cuda_kl_forward.hpp"
 #include "hopper/cuda_check.hpp"
 #include "hopper/fixed_point_dk.hpp"
 #include "hopper/l2_policy.cuh"
@@ -36,6 +37,55 @@ __global__ void cast_dk_to_bf16(const float* __restrict__ src, __nv_bfloat16* __
 __global__ void reset_l2_priority_to_normal(const char* first_line, int64_t lines) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < lines) l2_priority_to_normal(first_line + i * 128);
+}
+
+/// THD cu_seqlens checked on the device (a call captured in a CUDA graph, where a
+/// host copy is not allowed): the rules of validation (starting at 0,
+/// non-decreasing, ending at T_q / T_k) over both arrays of n = B + 1 values.
+/// Writes copies that the kernels read instead: the arrays themselves when
+/// they are valid; else [0, ..., 0, T] (every row in the last sequence, every
+/// key row in range), so that no kernel reads out of bounds, and *bad = 1.
+__global__ void check_cu_seqlens_on_device(const int32_t* cu_q, const int32_t* cu_k, int64_t n, int64_t t_q,
+                                           int64_t t_k, int32_t* copy_q, int32_t* copy_k, int32_t* bad) {
+  __shared__ int any_bad;
+  if (threadIdx.x == 0) any_bad = 0;
+  __syncthreads();
+  int mine = 0;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const int64_t q = cu_q[i], k = cu_k[i];
+    if (i == 0 && (q != 0 || k != 0)) mine = 1;
+    if (i > 0 && (q < cu_q[i - 1] || k < cu_k[i - 1])) mine = 1;
+    if (i == n - 1 && (q != t_q || k != t_k)) mine = 1;
+  }
+  if (mine) atomicOr(&any_bad, 1);
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    copy_q[i] = any_bad ? (i == n - 1 ? static_cast<int32_t>(t_q) : 0) : cu_q[i];
+    copy_k[i] = any_bad ? (i == n - 1 ? static_cast<int32_t>(t_k) : 0) : cu_k[i];
+  }
+  if (threadIdx.x == 0) *bad = any_bad;
+}
+
+/// NaN into every element of an output when *bad is set (check_cu_seqlens_on_device).
+__global__ void poison_output_if_bad(const int32_t* bad, void* data, int64_t n, bool bf16) {
+  if (*bad == 0) return;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    if (bf16) static_cast<uint16_t*>(data)[i] = 0x7fc0;
+    else static_cast<float*>(data)[i] = __int_as_float(0x7fc00000);
+  }
+}
+
+/// The P-free kernels' row statistics: (row_lse, row_target_mass) of flat row i
+/// as out[i] (kernel_params.hpp), read through the tensors' strides.
+__global__ void pack_row_statistics(const float* lse, int64_t lse_batch_stride, int64_t lse_row_stride,
+                                    const float* mass, int64_t mass_batch_stride, int64_t mass_row_stride,
+                                    int64_t rows_per_batch, int64_t n, float2* out) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t b = i / rows_per_batch, t = i % rows_per_batch;
+    out[i] = make_float2(lse[b * lse_batch_stride + t * lse_row_stride], mass[b * mass_batch_stride + t * mass_row_stride]);
+  }
 }
 
 /// Restores the caller's current device on scope exit.
@@ -117,6 +167,12 @@ namespace dsaib::detail {
 using hopper::cuda_check;
 
 bool cuda_backend_compiled() { return true; }
+
+bool cuda_stream_capturing(void* stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  cuda_check(cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &status), "cudaStreamIsCapturing");
+  return status != cudaStreamCaptureStatusNone;
+}
 
 bool cuda_device_present() {
   int count = 0;
@@ -203,7 +259,17 @@ struct KernelChoice {
 /// Launches the fused kernel `k` names (l2_keep_dk is never set with split_a or
 /// fixed_point_dk: plan_launch).
 static void launch_fused_kernel(const hopper::FusedKernel& k, const hopper::IndexerBackwardParams& params,
-                                int64_t grid, cudaStream_t stream) {
+                                int64_t grid, cudaStream_t stream, bool p_free = false) {
+  if (p_free) {  // the P-free kernels (no L2 hint, no fixed-point dK: plan_p_free)
+    if (k.head_dim == 64) {
+      k.split_a ? hopper::launch_indexer_backward_recompute_p<64, true>(params, grid, stream)
+                : hopper::launch_indexer_backward_recompute_p<64, false>(params, grid, stream);
+    } else {
+      k.split_a ? hopper::launch_indexer_backward_recompute_p<128, true>(params, grid, stream)
+                : hopper::launch_indexer_backward_recompute_p<128, false>(params, grid, stream);
+    }
+    return;
+  }
   const auto launch = [&](auto choice) {
     using K = decltype(choice);
     hopper::launch_indexer_backward<K::kHeadDim, K::kSplitA, K::kL2KeepDk, K::kFixedPointDk>(params, grid, stream);
@@ -225,8 +291,13 @@ static void launch_fused_kernel(const hopper::FusedKernel& k, const hopper::Inde
 /// and L2 share.
 static hopper::IndexerBackwardParams planned_params(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
                                                     const IndexerBackwardOptions& opt, const ProblemGeometry& g,
-                                                    const hopper::LaunchPlan& plan, float* dk_accum) {
+                                                    const hopper::LaunchPlan& plan, float* dk_accum,
+                                                    const float* packed_stats = nullptr) {
   hopper::IndexerBackwardParams params = hopper::make_kernel_params(in, out, opt, g, dk_accum);
+  if (!in.index_score.present()) {  // the P-free form: packed statistics (pack_row_statistics)
+    params.index_score = packed_stats;
+    params.index_score_batch_stride = params.index_score_row_stride = 0;
+  }
   params.start_stagger_max_ns = plan.start_delays.max_ns;
   params.start_stagger_first_delayed_cta = plan.start_delays.first_delayed_cta;
   params.l2_keep_fraction = static_cast<int32_t>(plan.l2_keep_fraction);
@@ -262,14 +333,49 @@ static void run_fixed_point_dk(const IndexerBackwardInputs& in, const IndexerBac
   if (owns_workspace) cuda_check(cudaFreeAsync(base, stream), "cudaFreeAsync (deterministic dK accumulator)");
 }
 
-void run_cuda_backend(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
-                      const IndexerBackwardOptions& opt, const ProblemGeometry& g, void* workspace,
-                      std::size_t workspace_bytes) {
-  hopper::DeviceGuard guard(in.index_q.device_index);
+/// The fused backward of the P form, or of the P-free form when its kernels apply
+/// (!p_free_needs_prepass): the plan, the dK accumulator, the kernel, the cast.
+static std::size_t packed_stats_bytes(const ProblemGeometry& g) {
+  return (static_cast<std::size_t>(g.num_q_rows) * 8 + 255) / 256 * 256;
+}
+
+static void run_fused_backward(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
+                               const IndexerBackwardOptions& options, const ProblemGeometry& g, void* workspace_in,
+                               std::size_t workspace_bytes) {
+  IndexerBackwardOptions opt = options;
+  const bool p_free = !in.index_score.present();
+  if (p_free) opt.l2_hints = L2Hints::off;  // the P-free kernels have no hinted variant
   // Everything that decides the launch (device queries included, and the cuda-only
   // limits, which raise invalid_argument) comes before anything is allocated or written.
   const hopper::LaunchPlan plan = plan_for_current_device(out, opt, g);
   cudaStream_t stream = static_cast<cudaStream_t>(opt.stream);
+  void* workspace = workspace_in;
+  float* packed_stats = nullptr;
+  bool owns_packed = false;
+  if (p_free) {  // the workspace's first packed_stats_bytes, else memory of its own
+    const std::size_t pb = packed_stats_bytes(g);
+    if (workspace != nullptr && workspace_bytes >= pb) {
+      packed_stats = static_cast<float*>(workspace);
+      workspace = static_cast<char*>(workspace) + pb;
+      workspace_bytes -= pb;
+    } else {
+      void* m = nullptr;
+      cuda_check(cudaMallocAsync(&m, pb, stream), "cudaMallocAsync (row statistics)");
+      packed_stats = static_cast<float*>(m);
+      owns_packed = true;
+    }
+    const bool thd = g.layout == Layout::thd;
+    const TensorView& l = in.row_lse;
+    const TensorView& m = in.row_target_mass;
+    const int64_t n = g.num_q_rows, rpb = std::max<int64_t>(thd ? n : g.s_q, 1);
+    if (n > 0) {
+      hopper::pack_row_statistics<<<static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 1024)), 256, 0, stream>>>(
+          static_cast<const float*>(l.data), thd ? 0 : l.strides[0], thd ? l.strides[0] : l.strides[1],
+          static_cast<const float*>(m.data), thd ? 0 : m.strides[0], thd ? m.strides[0] : m.strides[1], rpb, n,
+          reinterpret_cast<float2*>(packed_stats));
+      hopper::cuda_check_launch("pack_row_statistics");
+    }
+  }
   if (plan.kernel.fixed_point_dk) {
     run_fixed_point_dk(in, out, opt, g, plan, workspace, workspace_bytes, stream);
     return;
@@ -288,9 +394,9 @@ void run_cuda_backend(const IndexerBackwardInputs& in, const IndexerBackwardOutp
       owns_workspace = true;
     }
   }
-  const hopper::IndexerBackwardParams params = planned_params(in, out, opt, g, plan, dk_accum);
+  const hopper::IndexerBackwardParams params = planned_params(in, out, opt, g, plan, dk_accum, packed_stats);
   if (dk_bytes > 0) cuda_check(cudaMemsetAsync(dk_accum, 0, dk_bytes, stream), "cudaMemsetAsync (dK accumulator)");
-  launch_fused_kernel(plan.kernel, params, plan.grid, stream);
+  launch_fused_kernel(plan.kernel, params, plan.grid, stream, p_free);
   if (plan.kernel.l2_keep_dk && dk_bytes > 0) {
     // No evict_last line of the accumulator outlives the call (l2_policy.cuh). Every
     // 128-byte line that holds a byte of it (an fp32 d_index_k need not be 128-byte aligned).
@@ -309,6 +415,186 @@ void run_cuda_backend(const IndexerBackwardInputs& in, const IndexerBackwardOutp
     hopper::cuda_check_launch("cast_dk_to_bf16");
   }
   if (owns_workspace) cuda_check(cudaFreeAsync(dk_accum, stream), "cudaFreeAsync (dK accumulator)");
+  if (owns_packed) cuda_check(cudaFreeAsync(packed_stats, stream), "cudaFreeAsync (row statistics)");
+}
+
+namespace {
+
+constexpr std::size_t round256(std::size_t b) { return (b + 255) / 256 * 256; }
+
+/// The pre-pass of the P-free backward (p_free_needs_prepass): where its pieces lie.
+struct PrepassLayout {
+  std::size_t p, lse, mass, loss, forward, total;
+  PrepassLayout(const ProblemGeometry& g, int device) {
+    p = round256(static_cast<std::size_t>(g.num_q_rows * g.topk) * 4);
+    lse = mass = round256(static_cast<std::size_t>(g.num_q_rows) * 4);
+    loss = 256;
+    forward = round256(cuda_kl_forward_workspace_size(g, device));
+    total = p + lse + mass + loss + forward;
+  }
+};
+
+TensorView rows_view(void* data, const ProblemGeometry& g, int device, std::initializer_list<int64_t> extra = {}) {
+  std::vector<int64_t> shape;
+  if (g.layout == Layout::thd) shape = {g.num_q_rows};
+  else shape = {g.batch, g.s_q};
+  shape.insert(shape.end(), extra.begin(), extra.end());
+  return contiguous_view(data, DType::f32, shape.data(), static_cast<int32_t>(shape.size()), DeviceType::cuda, device);
+}
+
+/// THD while capturing (ProblemGeometry::cu_seqlens_on_device_only): cu_seqlens
+/// are checked on the device into stream-ordered copies, which the kernels read
+/// instead; `*buffer` holds them and the flag (freed by finish_device_cu_seqlens).
+IndexerBackwardInputs check_device_cu_seqlens(const IndexerBackwardInputs& in, const ProblemGeometry& g,
+                                              cudaStream_t stream, int32_t** buffer) {
+  const int64_t n = in.cu_seqlens_q.shape[0];
+  void* p = nullptr;
+  cuda_check(cudaMallocAsync(&p, static_cast<std::size_t>(2 * n + 1) * sizeof(int32_t), stream),
+             "cudaMallocAsync (cu_seqlens check)");
+  *buffer = static_cast<int32_t*>(p);
+  hopper::check_cu_seqlens_on_device<<<1, 256, 0, stream>>>(
+      static_cast<const int32_t*>(in.cu_seqlens_q.data), static_cast<const int32_t*>(in.cu_seqlens_k.data), n,
+      g.num_q_rows, g.num_k_rows, *buffer, *buffer + n, *buffer + 2 * n);
+  hopper::cuda_check_launch("check_cu_seqlens_on_device");
+  IndexerBackwardInputs checked = in;
+  checked.cu_seqlens_q.data = *buffer;
+  checked.cu_seqlens_k.data = *buffer + n;
+  return checked;
+}
+
+/// NaN into the outputs when the device check found bad cu_seqlens, then frees its buffer.
+void finish_device_cu_seqlens(int32_t* buffer, int64_t n, std::initializer_list<const TensorView*> outputs,
+                              cudaStream_t stream) {
+  for (const TensorView* v : outputs) {
+    if (!v->present() || v->numel() == 0) continue;
+    hopper::poison_output_if_bad<<<132, 256, 0, stream>>>(buffer + 2 * n, v->data, v->numel(), v->dtype == DType::bf16);
+    hopper::cuda_check_launch("poison_output_if_bad");
+  }
+  cuda_check(cudaFreeAsync(buffer, stream), "cudaFreeAsync (cu_seqlens check)");
+}
+
+}  // namespace
+
+std::size_t cuda_backward_workspace_bytes(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
+                                          const IndexerBackwardOptions& opt, const ProblemGeometry& g) {
+  const std::size_t base = hopper::workspace_bytes(g, out.d_index_k.dtype, opt.deterministic);
+  if (!in.index_score.present() && !p_free_needs_prepass(in, g, opt)) return packed_stats_bytes(g) + base;
+  if (!p_free_needs_prepass(in, g, opt)) return base;
+  hopper::DeviceGuard guard(in.index_q.device_index);
+  return round256(base) + PrepassLayout(g, in.index_q.device_index).total;
+}
+
+void run_cuda_backend(const IndexerBackwardInputs& inputs, const IndexerBackwardOutputs& out,
+                      const IndexerBackwardOptions& opt, const ProblemGeometry& g, void* workspace,
+                      std::size_t workspace_bytes) {
+  hopper::DeviceGuard guard(inputs.index_q.device_index);
+  cudaStream_t stream = static_cast<cudaStream_t>(opt.stream);
+  const int device = inputs.index_q.device_index;
+  if (!p_free_needs_prepass(inputs, g, opt)) {
+    if (!g.cu_seqlens_on_device_only) {
+      run_fused_backward(inputs, out, opt, g, workspace, workspace_bytes);
+      return;
+    }
+    (void)plan_for_current_device(out, opt, g);  // its errors before anything is allocated
+    int32_t* buffer = nullptr;
+    const IndexerBackwardInputs in = check_device_cu_seqlens(inputs, g, stream, &buffer);
+    run_fused_backward(in, out, opt, g, workspace, workspace_bytes);
+    finish_device_cu_seqlens(buffer, inputs.cu_seqlens_q.shape[0], {&out.d_index_q, &out.d_weights, &out.d_index_k},
+                             stream);
+    return;
+  }
+  // P-free with H > 64 or deterministic: the loss forward's kernel writes P (and
+  // its own row statistics, unused) into the workspace, then the P form runs.
+  (void)plan_for_current_device(out, opt, g);
+  const std::size_t base = round256(hopper::workspace_bytes(g, out.d_index_k.dtype, opt.deterministic));
+  const PrepassLayout lay(g, device);
+  char* ws = static_cast<char*>(workspace);
+  const bool owns = !(workspace != nullptr && workspace_bytes >= base + lay.total);
+  if (owns) {
+    void* p = nullptr;
+    cuda_check(cudaMallocAsync(&p, base + lay.total, stream), "cudaMallocAsync (P-free pre-pass)");
+    ws = static_cast<char*>(p);
+  }
+  int32_t* buffer = nullptr;
+  IndexerBackwardInputs in = g.cu_seqlens_on_device_only ? check_device_cu_seqlens(inputs, g, stream, &buffer) : inputs;
+  char* pre = ws + base;
+  IndexerKLForwardOutputs fwd;
+  fwd.index_score = rows_view(pre, g, device, {g.topk});
+  fwd.row_lse = rows_view(pre + lay.p, g, device);
+  fwd.row_target_mass = rows_view(pre + lay.p + lay.lse, g, device);
+  fwd.loss = contiguous_view(pre + lay.p + lay.lse + lay.mass, DType::f32, {}, DeviceType::cuda, device);
+  IndexerBackwardInputs fwd_in = in;
+  fwd_in.row_lse = {};
+  fwd_in.row_target_mass = {};
+  run_cuda_kl_forward(fwd_in, fwd, opt, g, pre + lay.p + lay.lse + lay.mass + lay.loss, lay.forward);
+  IndexerBackwardInputs with_p = fwd_in;
+  with_p.index_score = fwd.index_score;
+  run_fused_backward(with_p, out, opt, g, base > 0 ? ws : nullptr, base);
+  if (buffer) {
+    finish_device_cu_seqlens(buffer, inputs.cu_seqlens_q.shape[0], {&out.d_index_q, &out.d_weights, &out.d_index_k},
+                             stream);
+  }
+  if (owns) cuda_check(cudaFreeAsync(ws, stream), "cudaFreeAsync (P-free pre-pass)");
+}
+
+/// The one-call loss and gradients (indexer_kl_loss_and_grad.hpp): the row
+/// statistics (and, when the P-free kernels do not apply, P), then the scratch
+/// shared by the forward and the backward, which run one after the other.
+std::size_t cuda_kl_loss_and_grad_workspace_bytes(const IndexerBackwardInputs& in, const IndexerKLLossAndGradOutputs& out,
+                                                  const IndexerBackwardOptions& opt, const ProblemGeometry& g) {
+  hopper::DeviceGuard guard(in.index_q.device_index);
+  const std::size_t rows = round256(static_cast<std::size_t>(g.num_q_rows) * 4);
+  const bool with_p = g.heads > 64 || opt.deterministic;
+  const std::size_t p = with_p ? round256(static_cast<std::size_t>(g.num_q_rows * g.topk) * 4) : 0;
+  const std::size_t fwd = round256(cuda_kl_forward_workspace_size(g, in.index_q.device_index));
+  const std::size_t bwd = round256(hopper::workspace_bytes(g, out.d_index_k.dtype, opt.deterministic)) +
+                          (with_p ? 0 : packed_stats_bytes(g));
+  return 2 * rows + p + std::max(fwd, bwd);
+}
+
+void run_cuda_kl_loss_and_grad(const IndexerBackwardInputs& inputs, const IndexerKLLossAndGradOutputs& out,
+                               const IndexerBackwardOptions& opt, const ProblemGeometry& g, void* workspace,
+                               std::size_t workspace_bytes) {
+  hopper::DeviceGuard guard(inputs.index_q.device_index);
+  cudaStream_t stream = static_cast<cudaStream_t>(opt.stream);
+  const int device = inputs.index_q.device_index;
+  const IndexerBackwardOutputs grads{out.d_index_q, out.d_weights, out.d_index_k};
+  (void)plan_for_current_device(grads, opt, g);  // its errors before anything is allocated
+  const std::size_t total = cuda_kl_loss_and_grad_workspace_bytes(inputs, out, opt, g);
+  const std::size_t rows = round256(static_cast<std::size_t>(g.num_q_rows) * 4);
+  const bool with_p = g.heads > 64 || opt.deterministic;
+  const std::size_t p = with_p ? round256(static_cast<std::size_t>(g.num_q_rows * g.topk) * 4) : 0;
+  char* ws = static_cast<char*>(workspace);
+  const bool owns = !(workspace != nullptr && workspace_bytes >= total);
+  if (owns) {
+    void* m = nullptr;
+    cuda_check(cudaMallocAsync(&m, total, stream), "cudaMallocAsync (loss and gradients workspace)");
+    ws = static_cast<char*>(m);
+  }
+  int32_t* buffer = nullptr;
+  const IndexerBackwardInputs in =
+      g.cu_seqlens_on_device_only ? check_device_cu_seqlens(inputs, g, stream, &buffer) : inputs;
+  IndexerKLForwardOutputs fwd;
+  fwd.loss = out.loss;
+  fwd.row_lse = rows_view(ws, g, device);
+  fwd.row_target_mass = rows_view(ws + rows, g, device);
+  if (with_p) fwd.index_score = rows_view(ws + 2 * rows, g, device, {g.topk});
+  char* scratch = ws + 2 * rows + p;
+  const std::size_t scratch_bytes = total - 2 * rows - p;
+  run_cuda_kl_forward(in, fwd, opt, g, scratch, scratch_bytes);
+  IndexerBackwardInputs bwd_in = in;
+  if (with_p) {
+    bwd_in.index_score = fwd.index_score;
+  } else {
+    bwd_in.row_lse = fwd.row_lse;
+    bwd_in.row_target_mass = fwd.row_target_mass;
+  }
+  run_fused_backward(bwd_in, grads, opt, g, scratch, scratch_bytes);
+  if (buffer) {
+    finish_device_cu_seqlens(buffer, inputs.cu_seqlens_q.shape[0],
+                             {&out.loss, &out.d_index_q, &out.d_weights, &out.d_index_k}, stream);
+  }
+  if (owns) cuda_check(cudaFreeAsync(ws, stream), "cudaFreeAsync (loss and gradients workspace)");
 }
 
 }  // namespace dsaib::detail

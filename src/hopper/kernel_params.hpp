@@ -31,7 +31,10 @@ struct IndexerBackwardParams {
   int64_t ids_batch_stride, ids_row_stride;
   const float* attn_score;  // T
   int64_t attn_score_batch_stride, attn_score_row_stride;
-  const float* index_score;  // P
+  // P. The P-free kernels (RecomputePConfig) read here instead the row
+  // statistics packed by the host, (LSE, row_target_mass) of flat row r as the
+  // float2 at index r (backend.cu); its strides are then unused.
+  const float* index_score;
   int64_t index_score_batch_stride, index_score_row_stride;
   const int32_t* cu_seqlens_q;  // THD only (B + 1), device
   const int32_t* cu_seqlens_k;

@@ -28,6 +28,14 @@ int indexer_backward_ctas_per_sm();
 template <int kHeadDim, bool kSplitA, bool kL2KeepDk = false, bool kFixedPointDk = false>
 void launch_indexer_backward(const IndexerBackwardParams& params, int64_t grid, cudaStream_t stream);
 
+/// The P-free kernels (RecomputePConfig over TileConfig<kHeadDim, kSplitA>:
+/// params' row_lse and row_target_mass instead of index_score; H <= 64, no L2
+/// hint, no fixed-point dK): launch and resident CTAs per SM, as above.
+template <int kHeadDim, bool kSplitA>
+void launch_indexer_backward_recompute_p(const IndexerBackwardParams& params, int64_t grid, cudaStream_t stream);
+template <int kHeadDim, bool kSplitA>
+int indexer_backward_recompute_p_ctas_per_sm();
+
 /// Dynamic shared memory the fused kernel needs, in bytes.
 template <int kHeadDim, bool kSplitA>
 int indexer_backward_smem_bytes();

@@ -44,7 +44,46 @@ void launch_indexer_backward(const IndexerBackwardParams& params, int64_t grid, 
   cuda_check_launch("indexer_backward_kernel");
 }
 
+template <int kHeadDim, bool kSplitA>
+int indexer_backward_recompute_p_ctas_per_sm() {
+  using Config = RecomputePConfig<TileConfig<kHeadDim, kSplitA>>;
+  const int smem = shared_storage_bytes<Config>();
+  auto kernel = indexer_backward_kernel<Config>;
+  cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+             "cudaFuncSetAttribute(indexer_backward_kernel)");
+  int blocks_per_sm = 0;
+  cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, Config::kThreads, smem),
+             "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  if (blocks_per_sm < 1) {
+    throw Error(ErrorCode::cuda_error, "indexer_backward_kernel",
+                "indexer_backward_kernel: expected at least one resident CTA per SM, got 0 (shared memory " +
+                    std::to_string(smem) + " bytes)");
+  }
+  return blocks_per_sm;
+}
+
+template <int kHeadDim, bool kSplitA>
+void launch_indexer_backward_recompute_p(const IndexerBackwardParams& params, int64_t grid, cudaStream_t stream) {
+  using Config = RecomputePConfig<TileConfig<kHeadDim, kSplitA>>;
+  if (grid <= 0) return;  // no tasks
+  const int smem = shared_storage_bytes<Config>();
+  auto kernel = indexer_backward_kernel<Config>;
+  cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+             "cudaFuncSetAttribute(indexer_backward_kernel)");
+  kernel<<<static_cast<unsigned>(grid), Config::kThreads, smem, stream>>>(params);
+  cuda_check_launch("indexer_backward_kernel");
+}
+
 }  // namespace dsaib::hopper
+
+/// The P-free kernels of one head dim (instantiate_recompute_p.cu): one and two a terms.
+#define DSAIB_INSTANTIATE_INDEXER_BACKWARD_RECOMPUTE_P(D)                                                             \
+  namespace dsaib::hopper {                                                                                          \
+  template void launch_indexer_backward_recompute_p<D, true>(const IndexerBackwardParams&, int64_t, cudaStream_t);  \
+  template void launch_indexer_backward_recompute_p<D, false>(const IndexerBackwardParams&, int64_t, cudaStream_t); \
+  template int indexer_backward_recompute_p_ctas_per_sm<D, true>();                                                 \
+  template int indexer_backward_recompute_p_ctas_per_sm<D, false>();                                                \
+  }
 
 /// The explicit instantiations of one head dim (instantiate_d64.cu, instantiate_d128.cu:
 /// one translation unit per D, compiled in parallel): the launch of the two-term,

@@ -14,6 +14,9 @@ enum class NamedBarrierId : uint32_t {
   /// The loss forward's score warpgroup (forward_score.cuh): per-warp partial
   /// logits of a key block, and the row statistics' partials, are complete.
   kForwardScoreSync = 2,
+  /// The P-free backward's score warpgroup (score_mma.cuh, RecomputePConfig):
+  /// the per-warp partial logits of a key block, then the block's gs, are complete.
+  kRecomputePScoreSync = 3,
 };
 
 template <class Config>

@@ -42,6 +42,10 @@ namespace dsaib::hopper {
 /// no stage 1: neither attn_score nor index_score is read, and each gathered key
 /// carries its slot in the row instead (Storage::key_slot, -1 on tail entries),
 /// compacted through Storage::slot_index.
+/// With a RecomputePConfig (the P-free backward) index_score is not read either:
+/// each gathered key carries g~_i = -c * max(T_i, eps) in gs, and the Q stage the
+/// row's LSE and G = -c * row_target_mass; the score role forms gs from them and
+/// the P it rebuilds (score_mma.cuh).
 template <class Config, class Storage = SharedStorage<Config>, bool kScoreGradient = true>
 struct ProducerGather {
   using Element = typename Config::Element;
@@ -53,6 +57,8 @@ struct ProducerGather {
   static constexpr int kWarps = kThreads / 32;
   static constexpr int kGatherRows = kBlock * kChunksPerRow / kThreads;  // rows per thread per block: 8 (D128), 4 (D64)
   static_assert(kGatherRows % 4 == 0 && kGatherRows * kThreads == kBlock * kChunksPerRow, "whole rows, int4 loads");
+  static constexpr bool kRecomputeP = kRecomputesP<Config>;
+  static_assert(!kRecomputeP || kScoreGradient, "the P-free producer is the backward's");
 
   const IndexerBackwardParams& p;
   Storage& ss;
@@ -87,7 +93,7 @@ struct ProducerGather {
       s.key_row[j] = static_cast<int32_t>(kr);
       if constexpr (kScoreGradient) {
         s.attn_score[j] = kr >= 0 ? attn_score[i] : 0.0f;
-        s.index_score[j] = kr >= 0 ? index_score[i] : 0.0f;
+        if constexpr (!kRecomputeP) s.index_score[j] = kr >= 0 ? index_score[i] : 0.0f;
       }
     }
   }
@@ -164,7 +170,10 @@ struct ProducerGather {
       const uint16_t* k_seq_col = key_row_ptr(p, seq.k_start) + gather_col;
       const int32_t* ids = p.topk_indices + batched_offset(row, p.q_rows_per_batch, p.ids_batch_stride, p.ids_row_stride);
       const float* attn_score = p.attn_score + batched_offset(row, p.q_rows_per_batch, p.attn_score_batch_stride, p.attn_score_row_stride);
-      const float* index_score = p.index_score + batched_offset(row, p.q_rows_per_batch, p.index_score_batch_stride, p.index_score_row_stride);
+      const float* index_score = nullptr;
+      if constexpr (!kRecomputeP) {
+        index_score = p.index_score + batched_offset(row, p.q_rows_per_batch, p.index_score_batch_stride, p.index_score_row_stride);
+      }
 
       // ---- Q tile and weights of this task
       q_pipe.producer_acquire(q_state);
@@ -197,7 +206,7 @@ struct ProducerGather {
         for (int j = 0; j < kPerThread; ++j) {
           if (s.key_row[j] >= 0) {
             ++count;
-            if constexpr (kScoreGradient) {
+            if constexpr (kScoreGradient && !kRecomputeP) {
               if (s.index_score[j] >= eps) g_part += -c * max_keeping_nan(s.attn_score[j], eps);
             }
           }
@@ -208,7 +217,18 @@ struct ProducerGather {
         num_blocks += (chunk_valid + kBlock - 1) / kBlock;
       }
       float G = 0.0f;
-      if constexpr (kScoreGradient) G = warpgroup_sum(g_part, 0);
+      if constexpr (kRecomputeP) {
+        // G = sum_i g_i = -c * sum_i T~_i m_i: the row's target mass, given.
+        if (tid == 0) {
+          // (LSE, mass) of the row, packed by the host (kernel_params.hpp)
+          const float2 stats = reinterpret_cast<const float2*>(p.index_score)[row];
+          ss.recompute_p.row_lse[qs] = stats.x;
+          ss.recompute_p.row_g[qs] = -c * stats.y;
+        }
+        (void)G;
+      } else if constexpr (kScoreGradient) {
+        G = warpgroup_sum(g_part, 0);
+      }
       if (tid == 0) ss.num_blocks[qs] = num_blocks;
 
       cute::cp_async_wait<0>();                              // this thread's Q copies landed
@@ -255,7 +275,9 @@ struct ProducerGather {
         CUTE_UNROLL
         for (int j = 0; j < kPerThread; ++j) {
           if (s.key_row[j] >= 0) {
-            if constexpr (kScoreGradient) {
+            if constexpr (kRecomputeP) {
+              ss.slot_gs[pos[j]] = -c * max_keeping_nan(s.attn_score[j], eps);  // g~_i: masked by the score role
+            } else if constexpr (kScoreGradient) {
               const float g = s.index_score[j] >= eps ? -c * max_keeping_nan(s.attn_score[j], eps) : 0.0f;
               ss.slot_gs[pos[j]] = g - s.index_score[j] * G;
             } else {

@@ -5,6 +5,11 @@
 // and at the end of the task it writes dQ and dW. The dK role (dk_mma.cuh)
 // takes A from sA[b] for GEMM2 (dK = A^T Q); the two roles hand sA over through
 // a_full / a_empty (shared_storage.cuh).
+//
+// The P-free kernels (RecomputePConfig) first form the block's gs here, from
+// GEMM1 (recompute_gs): z_i = sum_h w_h sm_scale relu(x_hi) over the task's
+// heads (all of the row's: H <= kHeadTile), P_i = exp(z_i - LSE),
+// gs_i = [P_i >= eps] g~_i - P_i G, written over the producer's g~_i in gs[ks].
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -28,6 +33,56 @@ struct ScoreMma {
   MbarrierPipeline<Config::kStagesK> k_pipe;   // this role consumes K stages
   MbarrierPipeline<Config::kStagesQ> q_pipe;   // and Q stages (with the dK role)
   MbarrierPipeline<Config::kABuffers> a_pipe;  // and fills sA for the dK role
+
+  __device__ static void score_sync() {
+    cutlass::arch::NamedBarrier::sync(Config::kScoreThreads, static_cast<uint32_t>(NamedBarrierId::kRecomputePScoreSync));
+  }
+
+  /// The P-free kernels: gs of the block in K stage ks from its logits. The head
+  /// sums of each key column are the loss forward's (forward_score.cuh): per
+  /// thread over its two accumulator rows, a butterfly over the 8 lanes of a
+  /// column (xor 16, 8, 4), the 4 warps' partials added in warp order, so z and P
+  /// are those of the forward's kernel bit for bit at H <= 64. Two barriers of
+  /// the score warpgroup: partials complete; gs complete (and z_part read, before
+  /// the next block rewrites it).
+  template <class Accumulator>
+  __device__ void recompute_gs(const Accumulator& tSrS, const float (&w_row)[2], float lse, float G, int ks, int tid) {
+    const int lane = tid % 32, warp = tid / 32;
+    float col[16];
+    CUTE_UNROLL
+    for (int j = 0; j < 16; ++j) col[j] = 0.0f;
+    CUTE_UNROLL
+    for (int v = 0; v < kBlock / 2; ++v) col[(v / 4) * 2 + v % 2] += w_row[(v >> 1) & 1] * fmaxf(tSrS(v), 0.0f);
+    float c8[8], c4[4], c2[2];
+    const bool b4 = (lane & 16) != 0, b3 = (lane & 8) != 0, b2 = (lane & 4) != 0;
+    CUTE_UNROLL
+    for (int k = 0; k < 8; ++k) {
+      const float send = b4 ? col[k] : col[k + 8];
+      c8[k] = (b4 ? col[k + 8] : col[k]) + __shfl_xor_sync(0xffffffffu, send, 16);
+    }
+    CUTE_UNROLL
+    for (int k = 0; k < 4; ++k) {
+      const float send = b3 ? c8[k] : c8[k + 4];
+      c4[k] = (b3 ? c8[k + 4] : c8[k]) + __shfl_xor_sync(0xffffffffu, send, 8);
+    }
+    CUTE_UNROLL
+    for (int k = 0; k < 2; ++k) {
+      const float send = b2 ? c4[k] : c4[k + 2];
+      c2[k] = (b2 ? c4[k + 2] : c4[k]) + __shfl_xor_sync(0xffffffffu, send, 4);
+    }
+    // lane holds the sums over its warp's 16 heads of keys 2 * lane and 2 * lane + 1
+    *reinterpret_cast<float2*>(&ss.recompute_p.z_part[warp][2 * lane]) = make_float2(c2[0], c2[1]);
+    score_sync();  // z_part complete
+    if (tid < kBlock) {
+      float z = 0.0f;
+      CUTE_UNROLL
+      for (int wi = 0; wi < Config::kScoreThreads / 32; ++wi) z += ss.recompute_p.z_part[wi][tid];
+      const float g = ss.gs[ks][tid];  // g~_i = -c * max(T_i, eps); 0 on tail entries
+      const float prob = ss.key_row[ks][tid] >= 0 ? expf(z - lse) : 0.0f;
+      ss.gs[ks][tid] = (prob >= eps_exp_minus_100() ? g : 0.0f) - prob * G;
+    }
+    score_sync();  // gs[ks] complete; z_part read
+  }
 
   __device__ void run() {
     using namespace cute;
@@ -95,6 +150,11 @@ struct ScoreMma {
       // waited for (in its block), so no wgmma still reads these registers.
       copy(smem_copy_q, tQsQ(_, _, _, qs), tQrQ);
       const float w_row[2] = {ss.w_scaled[qs][r0], ss.w_scaled[qs][r0 + 8]};
+      float row_lse = 0.0f, row_g = 0.0f;
+      if constexpr (kRecomputesP<Config>) {
+        row_lse = ss.recompute_p.row_lse[qs];
+        row_g = ss.recompute_p.row_g[qs];
+      }
       float dw[2] = {0.0f, 0.0f};
       clear(tDQrDQ);
 
@@ -112,6 +172,7 @@ struct ScoreMma {
         warpgroup_gemm_rs<true>(mma_s, tSrQ, tSrK(_, _, _, ks), tSrS);  // GEMM1: S = Q K^T (Q from registers)
         warpgroup_wait<0>();  // GEMM1 of this block and GEMM3 of the previous one complete
         if (blk > 0) k_pipe.consumer_release(k_prev);  // GEMM1/GEMM3 reads of the previous stage are done
+        if constexpr (kRecomputesP<Config>) recompute_gs(tSrS, w_row, row_lse, row_g, ks, tid);
 
         // dW and the masked A (docs/math.md stage 2)
         CUTE_UNROLL

@@ -10,6 +10,21 @@
 
 namespace dsaib::hopper {
 
+/// Shared memory of the P-free kernels only (RecomputePConfig), at the end of
+/// SharedStorage: the score role's per-warp partial logits of one key block
+/// (ordered by NamedBarrierId::kRecomputePScoreSync), and per Q stage the row's
+/// LSE and G = -c * row_target_mass (written by the producer, published with the
+/// stage by q_full like w_scaled, read by the score role).
+template <class Config>
+struct RecomputePStorage {
+  float z_part[Config::kScoreThreads / 32][Config::kBlockKeys];
+  float row_lse[Config::kStagesQ];
+  float row_g[Config::kStagesQ];
+};
+/// The other kernels: nothing (one byte after the last member, inside the
+/// padding that rounds SharedStorage up to its 1024-byte alignment).
+struct NoRecomputePStorage {};
+
 template <class Config>
 struct SharedStorage {
   using Element = typename Config::Element;
@@ -142,6 +157,8 @@ struct SharedStorage {
   // A is rewritten or dQ is read. GEMM1 (wgmma RS) takes Q from registers that
   // ldmatrix loads from q[qs] once per task, after the q_full wait; every GEMM1
   // of the previous task was waited for before they are rewritten.
+
+  std::conditional_t<kRecomputesP<Config>, RecomputePStorage<Config>, NoRecomputePStorage> recompute_p;
 };
 
 template <class Config>

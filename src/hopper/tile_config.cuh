@@ -13,6 +13,8 @@
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
 
+#include <type_traits>
+
 namespace dsaib::hopper {
 
 template <int kHeadDim_, bool kSplitA_, bool kL2KeepDk_ = false, bool kFixedPointDk_ = false>
@@ -164,5 +166,23 @@ struct TileConfig {
                                  cute::Shape<cute::Int<kHeadTile>, cute::Int<kHeadDim>, cute::Int<kBlockKeys>>,
                                  cute::GMMA::Major::K, cute::GMMA::Major::MN>()));
 };
+
+/// The P-free backward (IndexerBackwardInputs::row_lse / row_target_mass instead of
+/// index_score): a TileConfig whose score role rebuilds P_i = exp(z_i - LSE) from
+/// its own GEMM1 (z sums over the task's heads, so only for H <= kHeadTile) and
+/// forms gs there; the producer hands it -c * max(T, eps) per gathered key and
+/// the row's LSE and G = -c * mass per task (RecomputePStorage, shared_storage.cuh).
+/// A distinct type, so the kernels of the P form keep their names and code.
+template <class Base>
+struct RecomputePConfig : Base {
+  static constexpr bool kRecomputeP = true;
+};
+
+/// Whether a tile config is a RecomputePConfig (false for every config without
+/// the member, the loss forward's included).
+template <class Config, class = void>
+inline constexpr bool kRecomputesP = false;
+template <class Config>
+inline constexpr bool kRecomputesP<Config, std::void_t<decltype(Config::kRecomputeP)>> = Config::kRecomputeP;
 
 }  // namespace dsaib::hopper

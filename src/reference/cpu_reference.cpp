@@ -2,6 +2,7 @@
 //
 // Per query row r (sequence b), over its valid slots i:
 //   stage 1: g_i = -c*max(T_i,eps)*[P_i>=eps], G = sum g_i, gs_i = g_i - P_i*G
+//            (P-free form: P_i = exp(z_i - row_lse) from the logits, G = -c*row_target_mass)
 //   stage 2: x_hi = q_h.k_{id_i}; dW_h = sm_scale*sum gs_i relu(x_hi);
 //            a_hi = gs_i*w_h*sm_scale*[x_hi>0]; dQ_h = sum a_hi k; dK_{id_i} += sum_h a_hi q_h
 // Threads split query rows statically; each owns an fp64 dK accumulator, and
@@ -35,7 +36,17 @@ void store(const TensorView& v, int64_t offset, double value) { store_element(v.
 struct ProblemReader {
   const IndexerBackwardInputs& in;
   const ProblemGeometry& g;
+  /// The P-free form's row statistics in fp64 (the one-call function's forward),
+  /// read instead of the row_lse / row_target_mass tensors when set.
+  const RowStatistics* stats = nullptr;
   bool thd() const { return g.layout == Layout::thd; }
+  bool p_free() const { return stats != nullptr || in.row_lse.present(); }
+  double row_lse(int64_t r) const {
+    return stats ? stats->lse[r] : load(in.row_lse, row_offset(in.row_lse, g.layout, r, g.s_q));
+  }
+  double row_target_mass(int64_t r) const {
+    return stats ? stats->target_mass[r] : load(in.row_target_mass, row_offset(in.row_target_mass, g.layout, r, g.s_q));
+  }
 
   void q_row(int64_t r, std::vector<double>& q) const {  // (H*D)
     const TensorView& v = in.index_q;
@@ -60,11 +71,37 @@ struct ProblemReader {
   }
 };
 
-/// Stage 1 of one row: key rows (-1 = invalid) and gs_i.
-void score_gradient(const ProblemReader& rd, int64_t r, double c, std::vector<int64_t>& krow,
+/// Stage 1 of one row: key rows (-1 = invalid) and gs_i. The P-free form
+/// rebuilds P_i = exp(z_i - LSE) from the row's q and w (already in q, w) and
+/// the keys, and takes G = -c * row_target_mass.
+void score_gradient(const ProblemReader& rd, int64_t r, double c, double sm_scale, const std::vector<double>& q,
+                    const std::vector<double>& w, std::vector<double>& k, std::vector<int64_t>& krow,
                     std::vector<double>& gs) {
   int64_t b, t;
   rd.g.q_row_coords(r, &b, &t);
+  if (rd.p_free()) {
+    const int64_t H = rd.g.heads, D = rd.g.head_dim;
+    const double lse = rd.row_lse(r);
+    const double G = -c * rd.row_target_mass(r);
+    for (int64_t i = 0; i < rd.g.topk; ++i) {
+      krow[i] = rd.g.key_row(b, static_cast<int64_t>(rd.slot(rd.in.topk_indices, r, i)));
+      if (krow[i] < 0) {
+        gs[i] = 0;
+        continue;
+      }
+      rd.k_row(krow[i], k.data());
+      double z = 0;
+      for (int64_t h = 0; h < H; ++h) {
+        double x = 0;
+        for (int64_t d = 0; d < D; ++d) x += q[h * D + d] * k[d];
+        z += w[h] * (x > 0 ? x : 0.0);  // relu, NaN counting as not positive
+      }
+      const double P = std::exp(sm_scale * z - lse);
+      const double T = rd.slot(rd.in.attn_score, r, i);
+      gs[i] = (P >= kEps ? -c * std::max(T, kEps) : 0.0) - P * G;
+    }
+    return;
+  }
   double G = 0;
   for (int64_t i = 0; i < rd.g.topk; ++i) {
     krow[i] = rd.g.key_row(b, static_cast<int64_t>(rd.slot(rd.in.topk_indices, r, i)));
@@ -97,9 +134,9 @@ struct RowScratch {
 /// Stage 2 of one row. dk (num_k_rows*D) may be null (no dK wanted).
 void row_backward(const ProblemReader& rd, int64_t r, double c, double sm_scale, RowScratch& s, double* dk) {
   const int64_t H = rd.g.heads, D = rd.g.head_dim;
-  score_gradient(rd, r, c, s.krow, s.gs);
   rd.q_row(r, s.q);
   rd.w_row(r, s.w);
+  score_gradient(rd, r, c, sm_scale, s.q, s.w, s.k, s.krow, s.gs);
   std::fill(s.dq.begin(), s.dq.end(), 0.0);
   std::fill(s.dw.begin(), s.dw.end(), 0.0);
   for (int64_t i = 0; i < rd.g.topk; ++i) {
@@ -158,7 +195,7 @@ void parallel_rows(int parts, int64_t rows, Fn fn) {
 }
 
 ReferenceGradients compute_full(const IndexerBackwardInputs& in, const IndexerBackwardOptions& opt,
-                                const ProblemGeometry& g) {
+                                const ProblemGeometry& g, const RowStatistics* stats = nullptr) {
   ReferenceGradients res;
   res.num_q_rows = g.num_q_rows;
   res.num_k_rows = g.num_k_rows;
@@ -183,7 +220,7 @@ ReferenceGradients compute_full(const IndexerBackwardInputs& in, const IndexerBa
   } catch (const std::bad_alloc&) {
     throw_working_set_out_of_memory(g, threads);
   }
-  const ProblemReader rd{in, g};
+  const ProblemReader rd{in, g, stats};
   const double c = scale_from_host(g, opt, read_grad_loss(opt));
   parallel_rows(threads, g.num_q_rows, [&](int t, int64_t lo, int64_t hi) {
     RowScratch& s = scratch[t];
@@ -205,9 +242,9 @@ ReferenceGradients compute_full(const IndexerBackwardInputs& in, const IndexerBa
 }  // namespace
 
 void run_cpu_backend(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
-                     const IndexerBackwardOptions& opt, const ProblemGeometry& g) {
+                     const IndexerBackwardOptions& opt, const ProblemGeometry& g, const RowStatistics* stats) {
   const IeeeSubnormalsScope ieee;  // the caller's FTZ/DAZ would read subnormals as 0 (float_mode.hpp)
-  const ReferenceGradients ref = compute_full(in, opt, g);
+  const ReferenceGradients ref = compute_full(in, opt, g, stats);
   // Outputs are contiguous (validated), so flat element e is offset e.
   for (size_t e = 0; e < ref.d_index_q.size(); ++e) store(out.d_index_q, static_cast<int64_t>(e), ref.d_index_q[e]);
   for (size_t e = 0; e < ref.d_weights.size(); ++e) store(out.d_weights, static_cast<int64_t>(e), ref.d_weights[e]);
@@ -283,9 +320,9 @@ SampledReferenceGradients reference_backward_sampled(const IndexerBackwardInputs
       hit = kr >= 0 && slot_of_key[kr] >= 0;
     }
     if (!hit) continue;
-    score_gradient(rd, r, c, s.krow, s.gs);
     rd.q_row(r, s.q);
     rd.w_row(r, s.w);
+    score_gradient(rd, r, c, opt.sm_scale, s.q, s.w, s.k, s.krow, s.gs);
     for (int64_t i = 0; i < g.topk; ++i) {
       if (s.krow[i] < 0 || slot_of_key[s.krow[i]] < 0) continue;
       double* dkj = &res.d_index_k[slot_of_key[s.krow[i]] * D];
@@ -348,8 +385,10 @@ double indexer_kl_loss(const IndexerBackwardInputs& inputs, const IndexerBackwar
   const ProblemGeometry g = validate_problem(inputs, {}, opt, nullptr, false);
   const ProblemReader rd{inputs, g};
   const double c = scale_from_host(g, opt, read_grad_loss(opt));
+  // The P-free form without recompute_p: P_i = exp(z_i - row_lse), as its backward.
+  const bool from_row_lse = !recompute_p && !inputs.index_score.present();
   std::vector<double> z;
-  if (recompute_p) z = reference_index_logits(inputs, opt);
+  if (recompute_p || from_row_lse) z = reference_index_logits(inputs, opt);
   double loss = 0;
   std::vector<double> p(g.topk);
   for (int64_t r = 0; r < g.num_q_rows; ++r) {
@@ -375,7 +414,9 @@ double indexer_kl_loss(const IndexerBackwardInputs& inputs, const IndexerBackwar
     for (int64_t i = 0; i < g.topk; ++i) {
       const int64_t kr = g.key_row(b, static_cast<int64_t>(rd.slot(inputs.topk_indices, r, i)));
       if (kr < 0) continue;
-      const double P = recompute_p ? p[i] : rd.slot(inputs.index_score, r, i);
+      const double P = recompute_p    ? p[i]
+                       : from_row_lse ? std::exp(z[r * g.topk + i] - rd.row_lse(r))
+                                      : rd.slot(inputs.index_score, r, i);
       const double T = rd.slot(inputs.attn_score, r, i);
       loss += std::max(T, kEps) * std::log(std::max(P, kEps));
     }

@@ -1,0 +1,64 @@
+// indexer_kl_loss_and_grad(): validate, then the forward and the P-free backward
+// on one backend.
+#include "dsaib/indexer_kl_loss_and_grad.hpp"
+
+#include <cstdint>
+#include <string>
+
+#include "api/cuda_backend.hpp"
+#include "core/float_mode.hpp"
+#include "core/problem.hpp"
+#include "dsaib/indexer_kl_forward.hpp"
+#include "reference/cpu_reference.hpp"
+
+namespace dsaib {
+namespace {
+
+detail::ProblemGeometry validate_loss_and_grad(const IndexerBackwardInputs& in, const IndexerKLLossAndGradOutputs& out,
+                                               const IndexerBackwardOptions& opt) {
+  detail::check_options_and_backend(opt);
+  const bool cuda = opt.backend == Backend::cuda;
+  const bool capturing = cuda && opt.layout == Layout::thd && detail::cuda_stream_capturing(opt.stream);
+  return detail::validate_kl_loss_and_grad_problem(in, out, opt, cuda ? &detail::cuda_copy_to_host : nullptr, capturing);
+}
+
+}  // namespace
+
+std::size_t indexer_kl_loss_and_grad_workspace_size(const IndexerBackwardInputs& inputs,
+                                                    const IndexerKLLossAndGradOutputs& outputs,
+                                                    const IndexerBackwardOptions& options) {
+  const detail::ProblemGeometry g = validate_loss_and_grad(inputs, outputs, options);
+  return options.backend == Backend::cuda ? detail::cuda_kl_loss_and_grad_workspace_bytes(inputs, outputs, options, g) : 0;
+}
+
+void indexer_kl_loss_and_grad(const IndexerBackwardInputs& inputs, const IndexerKLLossAndGradOutputs& outputs,
+                              const IndexerBackwardOptions& options, void* workspace, std::size_t workspace_bytes) {
+  const detail::ProblemGeometry g = validate_loss_and_grad(inputs, outputs, options);
+  if (options.backend == Backend::cpu) {
+    // The fp64 forward's statistics go to the fp64 P-free backward unrounded.
+    const detail::IeeeSubnormalsScope ieee;
+    const ReferenceKLForward fwd = reference_kl_forward(inputs, options);
+    detail::RowStatistics stats{fwd.row_lse, fwd.row_target_mass};
+    IndexerBackwardInputs in = inputs;
+    in.index_score = {};
+    detail::run_cpu_backend(in, {outputs.d_index_q, outputs.d_weights, outputs.d_index_k}, options, g, &stats);
+    *static_cast<float*>(outputs.loss.data) = static_cast<float>(fwd.loss);
+    return;
+  }
+  const std::size_t need = detail::cuda_kl_loss_and_grad_workspace_bytes(inputs, outputs, options, g);
+  if (workspace != nullptr || workspace_bytes != 0) {
+    if (workspace_bytes < need) {
+      throw Error(ErrorCode::invalid_argument, "workspace_bytes",
+                  "workspace_bytes: expected >= " + std::to_string(need) +
+                      " (indexer_kl_loss_and_grad_workspace_size), got " + std::to_string(workspace_bytes));
+    }
+    if (workspace == nullptr || reinterpret_cast<std::uintptr_t>(workspace) % 256 != 0) {
+      throw Error(ErrorCode::invalid_argument, "workspace",
+                  "workspace: expected a non-null 256-byte aligned device pointer, got " +
+                      std::string(workspace ? "a misaligned pointer" : "null"));
+    }
+  }
+  detail::run_cuda_kl_loss_and_grad(inputs, outputs, options, g, workspace, workspace_bytes);
+}
+
+}  // namespace dsaib

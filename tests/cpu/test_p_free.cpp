@@ -1,0 +1,230 @@
+// The P-free form of the backward (row_lse and row_target_mass instead of
+// index_score) and the one-call loss and gradients, on the cpu backend: against
+// the P form fed the forward's P, BSHD/THD, local/global ids, invalid slots, H up
+// to 128; the validation of the two forms; the C ABI.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <string>
+
+#include "dsaib/dsaib.h"
+#include "dsaib/indexer_kl_loss_and_grad.hpp"
+#include "support/kl_forward_check.hpp"
+
+namespace dsaib::test {
+namespace {
+
+GenerateSpec spec_of(Layout layout, int64_t h, int64_t d, int64_t topk, IdMode mode, uint64_t seed) {
+  GenerateSpec s = small_spec(seed);
+  s.layout = layout;
+  s.batch = 2;
+  s.s_q = 9;
+  s.s_kv = 40;
+  s.seqlens_q = {7, 0, 11};
+  s.seqlens_k = {40, 3, 26};
+  s.heads = h;
+  s.head_dim = d;
+  s.topk = topk;
+  s.id_mode = mode;
+  return s;
+}
+
+void invalid_slots(GeneratedProblem& p) {
+  invalidate_run(p, 0, Where::start, 2);
+  set_out_of_range(p, 1, 0, 0);
+  invalidate_row(p, 2);
+  duplicate_slot(p, 3, 0, 1);
+}
+
+struct Case {
+  std::string name;
+  GenerateSpec spec;
+};
+
+std::vector<Case> cases() {
+  return {{"bshd_h8_d64_local", spec_of(Layout::bshd, 8, 64, 16, IdMode::local, 21)},
+          {"bshd_h64_d128_global", spec_of(Layout::bshd, 64, 128, 24, IdMode::global, 22)},
+          {"thd_h40_d64_local", spec_of(Layout::thd, 40, 64, 20, IdMode::local, 23)},
+          {"thd_h128_d128_global", spec_of(Layout::thd, 128, 128, 12, IdMode::global, 24)}};
+}
+
+/// The P-free inputs of a problem: its inputs without index_score, with the
+/// forward's row statistics.
+IndexerBackwardInputs p_free_inputs(const GeneratedProblem& p, const ForwardBuffers& f) {
+  IndexerBackwardInputs in = forward_inputs(p);
+  in.row_lse = f.row_lse.view();
+  in.row_target_mass = f.row_target_mass.view();
+  return in;
+}
+
+TEST(PFree, MatchesThePFormFedTheForwardsP) {
+  for (const Case& c : cases()) {
+    GeneratedProblem p = make_problem(c.spec);
+    invalid_slots(p);
+    IndexerBackwardOptions opt = p.options();
+    opt.loss_coeff = 0.7f;
+    opt.grad_loss = 1.3f;
+    ForwardBuffers f = make_forward_buffers(p);
+    indexer_kl_forward(forward_inputs(p), f.views(), opt);
+    // The P form with the forward's P (the f32 P it wrote) ...
+    IndexerBackwardInputs p_form = forward_inputs(p);
+    p_form.index_score = f.index_score.view();
+    const ReferenceGradients want = reference_backward(p_form, opt);
+    // ... and the P-free form with the forward's f32 LSE and mass: the same
+    // gradients up to the f32 rounding of P, LSE and the mass.
+    OutputBuffers got = make_outputs(p);
+    indexer_backward(p_free_inputs(p, f), got.views(), opt);
+    for (auto [name, out, ref] : {std::tuple{"d_index_q", &got.d_index_q, &want.d_index_q},
+                                  std::tuple{"d_weights", &got.d_weights, &want.d_weights},
+                                  std::tuple{"d_index_k", &got.d_index_k, &want.d_index_k}}) {
+      const ErrorStats e = compare(*out, *ref);
+      EXPECT_TRUE(e.ok(2e-6)) << c.name << " " << name << " " << e.str();
+    }
+  }
+}
+
+TEST(PFree, OneCallEqualsForwardThenPFreeBackward) {
+  for (const Case& c : cases()) {
+    GeneratedProblem p = make_problem(c.spec);
+    invalid_slots(p);
+    IndexerBackwardOptions opt = p.options();
+    opt.loss_coeff = 0.9f;
+    float grad_loss = 0.6f;
+    opt.grad_loss_device = &grad_loss;
+    HostTensor loss(DType::f32, {});
+    poison(loss);
+    OutputBuffers one = make_outputs(p);
+    EXPECT_EQ(indexer_kl_loss_and_grad_workspace_size(forward_inputs(p), {loss.view(), one.d_index_q.view(),
+                                                      one.d_weights.view(), one.d_index_k.view()}, opt), 0u);
+    indexer_kl_loss_and_grad(forward_inputs(p),
+                             {loss.view(), one.d_index_q.view(), one.d_weights.view(), one.d_index_k.view()}, opt);
+    const ReferenceKLForward fwd = reference_kl_forward(forward_inputs(p), opt);
+    EXPECT_EQ(to_doubles(loss)[0], static_cast<double>(static_cast<float>(fwd.loss))) << c.name;
+    // The fp64 path of the one call (statistics unrounded) against the P-free
+    // backward given the f32 statistics.
+    ForwardBuffers f = make_forward_buffers(p);
+    indexer_kl_forward(forward_inputs(p), f.views(), opt);
+    OutputBuffers two = make_outputs(p);
+    indexer_backward(p_free_inputs(p, f), two.views(), opt);
+    EXPECT_TRUE(compare(one.d_index_q, to_doubles(two.d_index_q)).ok(2e-6)) << c.name;
+    EXPECT_TRUE(compare(one.d_weights, to_doubles(two.d_weights)).ok(2e-6)) << c.name;
+    EXPECT_TRUE(compare(one.d_index_k, to_doubles(two.d_index_k)).ok(2e-6)) << c.name;
+    // grad_loss scales the gradients, not the loss.
+    grad_loss = 1.2f;
+    OutputBuffers doubled = make_outputs(p);
+    indexer_kl_loss_and_grad(forward_inputs(p),
+                             {loss.view(), doubled.d_index_q.view(), doubled.d_weights.view(), doubled.d_index_k.view()},
+                             opt);
+    std::vector<double> twice = to_doubles(one.d_index_q);
+    for (double& v : twice) v *= 2;
+    EXPECT_TRUE(compare(doubled.d_index_q, twice).ok(1e-6)) << c.name;
+  }
+}
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(PFree, ValidationNamesTheForms) {
+  GeneratedProblem p = make_problem(cases()[0].spec);
+  IndexerBackwardOptions opt = p.options();
+  ForwardBuffers f = make_forward_buffers(p);
+  indexer_kl_forward(forward_inputs(p), f.views(), opt);
+  OutputBuffers out = make_outputs(p);
+  poison(out);
+  const OutputBuffers before = out;
+
+  IndexerBackwardInputs neither = forward_inputs(p);
+  EXPECT_NE(error_of([&] { indexer_backward(neither, out.views(), opt); })
+                .find("index_score: expected a tensor, or row_lse and row_target_mass instead (the P-free form), got nothing"),
+            std::string::npos);
+  IndexerBackwardInputs both = p.inputs();
+  both.row_lse = f.row_lse.view();
+  both.row_target_mass = f.row_target_mass.view();
+  EXPECT_NE(error_of([&] { indexer_backward(both, out.views(), opt); }).find("row_lse: expected absent when index_score is given"),
+            std::string::npos);
+  IndexerBackwardInputs half = p_free_inputs(p, f);
+  half.row_target_mass = {};
+  EXPECT_NE(error_of([&] { indexer_backward(half, out.views(), opt); }).find("row_target_mass: expected a tensor"),
+            std::string::npos);
+  HostTensor wrong(DType::f32, {p.spec.batch, p.spec.s_q + 1});
+  IndexerBackwardInputs shaped = p_free_inputs(p, f);
+  shaped.row_lse = wrong.view();
+  EXPECT_NE(error_of([&] { indexer_backward(shaped, out.views(), opt); }).find("row_lse: expected shape"), std::string::npos);
+  HostTensor ints(DType::i32, {p.spec.batch, p.spec.s_q});
+  IndexerBackwardInputs typed = p_free_inputs(p, f);
+  typed.row_target_mass = ints.view();
+  EXPECT_NE(error_of([&] { indexer_backward(typed, out.views(), opt); }).find("row_target_mass: expected dtype f32"),
+            std::string::npos);
+  HostTensor loss(DType::f32, {});
+  EXPECT_NE(error_of([&] {
+              indexer_kl_loss_and_grad(p.inputs(), {loss.view(), out.d_index_q.view(), out.d_weights.view(),
+                                                    out.d_index_k.view()}, opt);
+            }).find("index_score: expected absent in the inputs of indexer_kl_loss_and_grad"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              indexer_kl_loss_and_grad(forward_inputs(p), {out.d_weights.view(), out.d_index_q.view(),
+                                                           out.d_weights.view(), out.d_index_k.view()}, opt);
+            }).find("loss:"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { indexer_kl_forward(p_free_inputs(p, f), f.views(), opt); }).find("row_lse: expected absent"),
+            std::string::npos);
+  // Nothing was written by any of the failed calls.
+  EXPECT_TRUE(bitwise_equal(out.d_index_q, before.d_index_q));
+  EXPECT_TRUE(bitwise_equal(out.d_index_k, before.d_index_k));
+}
+
+TEST(PFree, CAbi) {
+  GeneratedProblem p = make_problem(cases()[2].spec);
+  IndexerBackwardOptions opt = p.options();
+  ForwardBuffers f = make_forward_buffers(p);
+  indexer_kl_forward(forward_inputs(p), f.views(), opt);
+  auto to_c = [](const TensorView& v) {
+    dsaib_tensor t{};
+    t.data = v.data;
+    t.dtype = static_cast<int32_t>(v.dtype);
+    t.rank = v.rank;
+    for (int i = 0; i < 4; ++i) t.shape[i] = v.shape[i], t.strides[i] = v.strides[i];
+    t.device = static_cast<int32_t>(v.device);
+    t.device_index = v.device_index;
+    return t;
+  };
+  const IndexerBackwardInputs in = p_free_inputs(p, f);
+  dsaib_inputs ci{};
+  ci.index_q = to_c(in.index_q), ci.weights = to_c(in.weights), ci.index_k = to_c(in.index_k);
+  ci.topk_indices = to_c(in.topk_indices), ci.attn_score = to_c(in.attn_score);
+  ci.cu_seqlens_q = to_c(in.cu_seqlens_q), ci.cu_seqlens_k = to_c(in.cu_seqlens_k);
+  ci.row_lse = to_c(in.row_lse), ci.row_target_mass = to_c(in.row_target_mass);
+  dsaib_options co;
+  dsaib_default_options(&co);
+  co.layout = DSAIB_THD;
+  co.sm_scale = opt.sm_scale;
+  OutputBuffers c_out = make_outputs(p), cpp_out = make_outputs(p);
+  const dsaib_outputs cgo{to_c(c_out.d_index_q.view()), to_c(c_out.d_weights.view()), to_c(c_out.d_index_k.view())};
+  ASSERT_EQ(dsaib_indexer_backward(&ci, &cgo, &co, nullptr, 0), DSAIB_OK) << dsaib_last_error();
+  indexer_backward(in, cpp_out.views(), opt);
+  EXPECT_TRUE(bitwise_equal(c_out.d_index_q, cpp_out.d_index_q));
+  EXPECT_TRUE(bitwise_equal(c_out.d_index_k, cpp_out.d_index_k));
+
+  HostTensor loss(DType::f32, {});
+  dsaib_inputs no_stats = ci;
+  no_stats.row_lse = dsaib_tensor{};
+  no_stats.row_target_mass = dsaib_tensor{};
+  const dsaib_kl_loss_and_grad_outputs clo{to_c(loss.view()), cgo.d_index_q, cgo.d_weights, cgo.d_index_k};
+  size_t bytes = 7;
+  ASSERT_EQ(dsaib_indexer_kl_loss_and_grad_workspace_size(&no_stats, &clo, &co, &bytes), DSAIB_OK) << dsaib_last_error();
+  EXPECT_EQ(bytes, 0u);
+  ASSERT_EQ(dsaib_indexer_kl_loss_and_grad(&no_stats, &clo, &co, nullptr, 0), DSAIB_OK) << dsaib_last_error();
+  EXPECT_EQ(to_doubles(loss)[0], static_cast<double>(to_doubles(f.loss)[0]));
+  EXPECT_EQ(dsaib_indexer_kl_loss_and_grad(&ci, &clo, &co, nullptr, 0), DSAIB_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(dsaib_last_error()).find("row_lse"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace dsaib::test

@@ -1,0 +1,353 @@
+// The P-free backward (row_lse and row_target_mass instead of index_score), the
+// one-call loss and gradients, and THD calls captured in CUDA graphs, on the
+// cuda backend: against the fp64 cpu reference of the same form (outputs
+// poisoned first, NaN never passes), H 8..128, D 64/128, BSHD/THD, invalid
+// slots; graph replays with a changed device grad_loss; bad cu_seqlens under
+// capture. SanitizedPFree.* run under compute-sanitizer (tests/sanitizer).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "dsaib/indexer_kl_forward.hpp"
+#include "dsaib/indexer_kl_loss_and_grad.hpp"
+#include "gpu/device_problem.hpp"
+#include "support/kl_forward_check.hpp"
+
+namespace dsaib::test {
+namespace {
+
+#define SKIP_WITHOUT_GPU() \
+  if (!gpu_available()) GTEST_SKIP() << "no compute-capability-9.0 GPU"
+
+GenerateSpec spec_of(Layout layout, int64_t h, int64_t d, int64_t topk, uint64_t seed) {
+  GenerateSpec s = small_spec(seed);
+  s.layout = layout;
+  s.batch = 2;
+  s.s_q = 40;
+  s.s_kv = 300;
+  s.seqlens_q = {37, 0, 45};
+  s.seqlens_k = {300, 5, 260};
+  s.heads = h;
+  s.head_dim = d;
+  s.topk = topk;
+  s.ids = IdPattern::random_permutation;
+  return s;
+}
+
+void invalid_slots(GeneratedProblem& p) {
+  invalidate_run(p, 0, Where::start, 3);
+  set_out_of_range(p, 1, 0, 0);
+  invalidate_row(p, 2);
+  duplicate_slot(p, 3, 0, 1);
+}
+
+struct Stats {
+  HostTensor row_lse, row_target_mass, loss;
+};
+
+/// The forward's f32 row statistics from the cpu backend.
+Stats forward_stats(const GeneratedProblem& p, const IndexerBackwardOptions& opt) {
+  ForwardBuffers f = make_forward_buffers(p);
+  indexer_kl_forward(forward_inputs(p), f.views(false), opt);
+  return {f.row_lse, f.row_target_mass, f.loss};
+}
+
+struct Result {
+  ErrorStats dq, dw, dk;
+};
+
+/// The cuda P-free backward against the fp64 reference of the same inputs.
+Result p_free_against_reference(const GeneratedProblem& p, IndexerBackwardOptions opt, DType dq, DType dw, DType dk) {
+  const Stats s = forward_stats(p, opt);
+  IndexerBackwardInputs host_in = forward_inputs(p);
+  host_in.row_lse = s.row_lse.view();
+  host_in.row_target_mass = s.row_target_mass.view();
+  const ReferenceGradients ref = reference_backward(host_in, opt);
+  DeviceProblem d(p);
+  DeviceTensor lse(s.row_lse), mass(s.row_target_mass);
+  IndexerBackwardInputs in = d.inputs();
+  in.index_score = {};
+  in.row_lse = lse.view;
+  in.row_target_mass = mass.view;
+  DeviceOutputs out(p, dq, dw, dk);
+  out.poison();
+  opt.backend = Backend::cuda;
+  indexer_backward(in, out.views(), opt);
+  check_cuda(cudaDeviceSynchronize(), "sync");
+  return {compare(out.d_index_q.to_host(), ref.d_index_q), compare(out.d_weights.to_host(), ref.d_weights),
+          compare(out.d_index_k.to_host(), ref.d_index_k)};
+}
+
+double tol(DType t) { return t == DType::bf16 ? 3e-3 : 1e-3; }
+
+void expect_within(const Result& r, DType dq, DType dw, DType dk, const std::string& name) {
+  EXPECT_TRUE(r.dq.ok(tol(dq))) << name << " d_index_q " << r.dq.str();
+  EXPECT_TRUE(r.dw.ok(tol(dw))) << name << " d_weights " << r.dw.str();
+  EXPECT_TRUE(r.dk.ok(tol(dk))) << name << " d_index_k " << r.dk.str();
+  std::printf("[p-free] %-28s rel RMS dQ %.3g dW %.3g dK %.3g\n", name.c_str(), r.dq.rel_rms, r.dw.rel_rms, r.dk.rel_rms);
+}
+
+TEST(PFreeGpu, MatchesFp64Reference) {
+  SKIP_WITHOUT_GPU();
+  struct C {
+    std::string name;
+    Layout layout;
+    int64_t h, d, topk;
+    DType out;
+  };
+  const C cases[] = {{"bshd_h8_d64_f32", Layout::bshd, 8, 64, 100, DType::f32},
+                     {"bshd_h64_d128_bf16", Layout::bshd, 64, 128, 129, DType::bf16},
+                     {"bshd_h64_d128_f32", Layout::bshd, 64, 128, 256, DType::f32},
+                     {"thd_h32_d128_bf16", Layout::thd, 32, 128, 200, DType::bf16},
+                     {"thd_h64_d64_f32", Layout::thd, 64, 64, 70, DType::f32},
+                     {"bshd_h72_d64_bf16", Layout::bshd, 72, 64, 64, DType::bf16},
+                     {"thd_h128_d128_f32", Layout::thd, 128, 128, 160, DType::f32},
+                     {"bshd_h128_d128_bf16", Layout::bshd, 128, 128, 300, DType::bf16}};
+  uint64_t seed = 101;
+  for (const C& c : cases) {
+    GeneratedProblem p = make_problem(spec_of(c.layout, c.h, c.d, c.topk, seed++));
+    invalid_slots(p);
+    IndexerBackwardOptions opt = p.options();
+    opt.loss_coeff = 0.8f;
+    opt.grad_loss = 1.7f;
+    expect_within(p_free_against_reference(p, opt, c.out, c.out, c.out), c.out, c.out, c.out, c.name);
+  }
+}
+
+TEST(PFreeGpu, DeterministicTakesThePrepass) {
+  SKIP_WITHOUT_GPU();
+  GeneratedProblem p = make_problem(spec_of(Layout::bshd, 64, 128, 200, 7));
+  IndexerBackwardOptions opt = p.options();
+  opt.deterministic = true;
+  expect_within(p_free_against_reference(p, opt, DType::f32, DType::f32, DType::f32), DType::f32, DType::f32, DType::f32,
+                "deterministic_h64_d128");
+}
+
+/// The one-call function on the device: loss, and the gradients against the
+/// fp64 reference of forward + P-free backward.
+IndexerBackwardOptions on_cuda(IndexerBackwardOptions o, const void* grad_loss) {
+  o.backend = Backend::cuda;
+  o.grad_loss_device = static_cast<const float*>(grad_loss);
+  return o;
+}
+
+struct OneCall {
+  DeviceProblem d;
+  DeviceTensor loss;
+  DeviceOutputs out;
+  DeviceBuffer grad_loss;
+  IndexerBackwardOptions opt;
+  DeviceBuffer ws;
+  OneCall(const GeneratedProblem& p, IndexerBackwardOptions o, DType t)
+      : d(p), loss(DType::f32, {}), out(p, t, t, t), grad_loss(4), opt(on_cuda(o, grad_loss.ptr)),
+        ws(std::max<std::size_t>(indexer_kl_loss_and_grad_workspace_size(inputs(), outputs(), opt), 256)) {}
+  IndexerBackwardInputs inputs() const {
+    IndexerBackwardInputs in = d.inputs();
+    in.index_score = {};
+    return in;
+  }
+  IndexerKLLossAndGradOutputs outputs() const {
+    return {loss.view, out.d_index_q.view, out.d_weights.view, out.d_index_k.view};
+  }
+  void set_grad_loss(float g, cudaStream_t s) {
+    check_cuda(cudaMemcpyAsync(grad_loss.ptr, &g, 4, cudaMemcpyHostToDevice, s), "grad_loss");
+  }
+  void run() { indexer_kl_loss_and_grad(inputs(), outputs(), opt, ws.ptr, ws.bytes); }
+};
+
+TEST(PFreeGpu, OneCallMatchesReferenceAndReplaysInAGraph) {
+  SKIP_WITHOUT_GPU();
+  for (const auto& [layout, h] : {std::pair{Layout::bshd, int64_t{64}}, std::pair{Layout::thd, int64_t{128}}}) {
+    GeneratedProblem p = make_problem(spec_of(layout, h, 128, 150, 31 + h));
+    invalid_slots(p);
+    IndexerBackwardOptions opt = p.options();
+    opt.loss_coeff = 1.1f;
+    OneCall one(p, opt, DType::f32);
+    cudaStream_t stream;
+    check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+    one.opt.stream = stream;
+    one.set_grad_loss(1.0f, stream);
+    check_cuda(cudaStreamSynchronize(stream), "sync");
+    cudaGraph_t graph;
+    check_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
+    one.run();
+    check_cuda(cudaStreamEndCapture(stream, &graph), "end capture");
+    cudaGraphExec_t exec;
+    check_cuda(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+    for (float g : {1.0f, 2.5f}) {
+      one.out.poison();
+      one.loss.fill_bytes(0xff);
+      one.set_grad_loss(g, stream);
+      check_cuda(cudaGraphLaunch(exec, stream), "launch");
+      check_cuda(cudaStreamSynchronize(stream), "sync");
+      IndexerBackwardOptions ref_opt = opt;
+      ref_opt.grad_loss = g;
+      const ReferenceKLForward fwd = reference_kl_forward(forward_inputs(p), ref_opt);
+      const double loss = to_doubles(one.loss.to_host())[0];
+      EXPECT_LE(std::fabs(loss - fwd.loss), 1e-6 * std::fabs(fwd.loss)) << loss << " vs " << fwd.loss;
+      const Stats s = forward_stats(p, ref_opt);
+      IndexerBackwardInputs host_in = forward_inputs(p);
+      host_in.row_lse = s.row_lse.view();
+      host_in.row_target_mass = s.row_target_mass.view();
+      const ReferenceGradients ref = reference_backward(host_in, ref_opt);
+      const Result r{compare(one.out.d_index_q.to_host(), ref.d_index_q), compare(one.out.d_weights.to_host(), ref.d_weights),
+                     compare(one.out.d_index_k.to_host(), ref.d_index_k)};
+      expect_within(r, DType::f32, DType::f32, DType::f32,
+                    std::string(layout == Layout::thd ? "one_call_graph_thd_h" : "one_call_graph_bshd_h") +
+                        std::to_string(h) + "_g" + std::to_string(g));
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(stream);
+  }
+}
+
+TEST(PFreeGpu, ThdBackwardCapturesAndBadCuSeqlensGiveNaN) {
+  SKIP_WITHOUT_GPU();
+  GeneratedProblem p = make_problem(spec_of(Layout::thd, 64, 128, 120, 55));
+  IndexerBackwardOptions opt = p.options();
+  opt.backend = Backend::cuda;
+  const OutputBuffers eager = run_cuda(p, opt, DType::f32, DType::f32, DType::f32);
+  DeviceProblem d(p);
+  DeviceOutputs out(p, DType::f32, DType::f32, DType::f32);
+  cudaStream_t stream;
+  check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  opt.stream = stream;
+  cudaGraph_t graph;
+  check_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
+  indexer_backward(d.inputs(), out.views(), opt);
+  check_cuda(cudaStreamEndCapture(stream, &graph), "end capture");
+  cudaGraphExec_t exec;
+  check_cuda(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  out.poison();
+  check_cuda(cudaGraphLaunch(exec, stream), "launch");
+  check_cuda(cudaStreamSynchronize(stream), "sync");
+  EXPECT_TRUE(compare(out.d_index_q.to_host(), to_doubles(eager.d_index_q)).ok(1e-6));
+  EXPECT_TRUE(compare(out.d_weights.to_host(), to_doubles(eager.d_weights)).ok(1e-6));
+  EXPECT_TRUE(compare(out.d_index_k.to_host(), to_doubles(eager.d_index_k)).ok(1e-5));
+  // Bad cu_seqlens written into the captured buffer: the replay writes NaN outputs.
+  const int32_t bad[2] = {5, 1};
+  check_cuda(cudaMemcpy(static_cast<int32_t*>(d.cu_seqlens_q.buffer.ptr) + 1, bad, 8, cudaMemcpyHostToDevice), "bad");
+  check_cuda(cudaGraphLaunch(exec, stream), "launch");
+  check_cuda(cudaStreamSynchronize(stream), "sync");
+  for (double v : to_doubles(out.d_index_q.to_host())) ASSERT_TRUE(std::isnan(v));
+  for (double v : to_doubles(out.d_index_k.to_host())) ASSERT_TRUE(std::isnan(v));
+  // Strict mode reads ids on the host: refused while capturing, nothing captured.
+  opt.strict_indices = true;
+  check_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
+  try {
+    indexer_backward(d.inputs(), out.views(), opt);
+    ADD_FAILURE() << "strict_indices accepted while capturing";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("strict_indices"), std::string::npos) << e.what();
+  }
+  cudaGraph_t empty;
+  check_cuda(cudaStreamEndCapture(stream, &empty), "end capture");
+  cudaGraphDestroy(empty);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+// The sanitizer's cases of the P-free kernels: one and two a terms, D 64 and
+// 128, BSHD and THD, invalid slots, a tail block.
+TEST(SanitizedPFree, Kernels) {
+  SKIP_WITHOUT_GPU();
+  GeneratedProblem a = make_problem(spec_of(Layout::bshd, 64, 128, 129, 201));
+  invalid_slots(a);
+  expect_within(p_free_against_reference(a, a.options(), DType::bf16, DType::bf16, DType::bf16), DType::bf16,
+                DType::bf16, DType::bf16, "sanitized_bshd_d128_one_term");
+  GeneratedProblem b = make_problem(spec_of(Layout::thd, 16, 64, 70, 202));
+  invalid_slots(b);
+  expect_within(p_free_against_reference(b, b.options(), DType::f32, DType::f32, DType::f32), DType::f32, DType::f32,
+                DType::f32, "sanitized_thd_d64_split");
+  GeneratedProblem c = make_problem(spec_of(Layout::bshd, 32, 64, 65, 203));
+  expect_within(p_free_against_reference(c, c.options(), DType::bf16, DType::bf16, DType::bf16), DType::bf16,
+                DType::bf16, DType::bf16, "sanitized_bshd_d64_one_term");
+  GeneratedProblem e = make_problem(spec_of(Layout::bshd, 64, 128, 100, 204));
+  expect_within(p_free_against_reference(e, e.options(), DType::f32, DType::f32, DType::f32), DType::f32, DType::f32,
+                DType::f32, "sanitized_bshd_d128_split");
+}
+
+/// Paired timing of the P-free backward against the P form at B1 H64 D128
+/// topk 2048, S 4096 and 16384, causal and random ids (CUDA events, median of
+/// alternating runs). Run explicitly: --gtest_also_run_disabled_tests
+/// --gtest_filter='*PFreeTiming*'.
+TEST(PFreeGpu, DISABLED_PFreeTiming) {
+  SKIP_WITHOUT_GPU();
+  const int64_t H = 64, D = 128, K = 2048;
+  for (int64_t S : {int64_t{4096}, int64_t{16384}}) {
+    for (bool causal : {true, false}) {
+      uint64_t state = 12345 + S + causal;
+      auto next = [&] { state = state * 6364136223846793005ull + 1442695040888963407ull; return state >> 33; };
+      auto bf16 = [&](double scale) {
+        const float f = static_cast<float>((static_cast<double>(next() % 2000001) / 1e6 - 1.0) * scale);
+        uint32_t u;
+        std::memcpy(&u, &f, 4);
+        return static_cast<uint16_t>(u >> 16);
+      };
+      HostTensor q(DType::bf16, {1, S, H, D}), w(DType::bf16, {1, S, H}), k(DType::bf16, {1, S, D});
+      HostTensor ids(DType::i32, {1, S, K}), t(DType::f32, {1, S, K});
+      auto* qd = static_cast<uint16_t*>(q.view().data);
+      for (int64_t i = 0; i < S * H * D; ++i) qd[i] = bf16(1.0);
+      auto* kd = static_cast<uint16_t*>(k.view().data);
+      for (int64_t i = 0; i < S * D; ++i) kd[i] = bf16(1.0);
+      auto* wd = static_cast<uint16_t*>(w.view().data);
+      for (int64_t i = 0; i < S * H; ++i) wd[i] = bf16(0.125);
+      auto* id = static_cast<int32_t*>(ids.view().data);
+      auto* td = static_cast<float*>(t.view().data);
+      for (int64_t r = 0; r < S; ++r) {
+        for (int64_t i = 0; i < K; ++i) {
+          id[r * K + i] = causal ? (i <= r ? static_cast<int32_t>(r - i) : -1) : static_cast<int32_t>(next() % S);
+          td[r * K + i] = 1.0f / static_cast<float>(std::min<int64_t>(K, causal ? r + 1 : K));
+        }
+      }
+      DeviceTensor dq_in(q), dw_in(w), dk_in(k), d_ids(ids), d_t(t);
+      DeviceTensor lse(DType::f32, {1, S}), mass(DType::f32, {1, S}), prob(DType::f32, {1, S, K}), loss(DType::f32, {});
+      DeviceTensor gq(DType::bf16, {1, S, H, D}), gw(DType::bf16, {1, S, H}), gk(DType::bf16, {1, S, D});
+      IndexerBackwardOptions opt;
+      opt.backend = Backend::cuda;
+      opt.sm_scale = 0.088f;
+      IndexerBackwardInputs in{dq_in.view, dw_in.view, dk_in.view, d_ids.view, d_t.view, {}, {}, {}, {}, {}};
+      indexer_kl_forward(in, {loss.view, lse.view, mass.view, prob.view}, opt);
+      IndexerBackwardInputs p_form = in, p_free = in;
+      p_form.index_score = prob.view;
+      p_free.row_lse = lse.view;
+      p_free.row_target_mass = mass.view;
+      const IndexerBackwardOutputs outs{gq.view, gw.view, gk.view};
+      DeviceBuffer ws(std::max<std::size_t>(indexer_backward_workspace_size(p_free, outs, opt), 256));
+      cudaEvent_t e0, e1;
+      cudaEventCreate(&e0);
+      cudaEventCreate(&e1);
+      auto time_ns = [&](const IndexerBackwardInputs& x) {
+        cudaEventRecord(e0);
+        indexer_backward(x, outs, opt, ws.ptr, ws.bytes);
+        cudaEventRecord(e1);
+        cudaEventSynchronize(e1);
+        float ms = 0;
+        cudaEventElapsedTime(&ms, e0, e1);
+        return ms * 1e6 / static_cast<double>(S);
+      };
+      for (int i = 0; i < 3; ++i) time_ns(p_form), time_ns(p_free);
+      std::vector<double> a, b, ratio;
+      for (int i = 0; i < 15; ++i) {
+        const double x = time_ns(p_form), y = time_ns(p_free);
+        a.push_back(x), b.push_back(y), ratio.push_back(y / x);
+      }
+      auto median = [](std::vector<double> v) { std::sort(v.begin(), v.end()); return v[v.size() / 2]; };
+      std::printf("[p-free timing] S %lld %s: P form %.1f ns/row, P-free %.1f ns/row, ratio median %.4f (min %.4f max %.4f)\n",
+                  static_cast<long long>(S), causal ? "causal" : "random", median(a), median(b), median(ratio),
+                  *std::min_element(ratio.begin(), ratio.end()), *std::max_element(ratio.begin(), ratio.end()));
+      EXPECT_LT(median(ratio), 1.10);
+      cudaEventDestroy(e0);
+      cudaEventDestroy(e1);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace dsaib::test
