@@ -35,8 +35,6 @@ struct ForwardTileConfig {
   // (D 128, 128 heads: 64 KiB of Q stages + 128 KiB of K stages).
   static constexpr int kStagesK = 8;
   static constexpr int kStagesQ = 2;
-  // Blocks of K copies the producer keeps in flight (producer_gather.cuh; the backward's: 2).
-  static constexpr int kGatherBlocksInFlight = 4;
   static constexpr int kThreadsPerWarpgroup = 128;
   static constexpr int kProducerThreads = kThreadsPerWarpgroup;
   static constexpr int kScoreThreads = kThreadsPerWarpgroup;

@@ -31,24 +31,12 @@
 #include <cute/arch/copy_sm80.hpp>
 #include <cute/tensor.hpp>
 #include <cuda/ptx>
-#include <type_traits>
 
 #include "hopper/problem_device.cuh"
 #include "hopper/shared_storage.cuh"
 #include "hopper/start_stagger.hpp"
 
 namespace dsaib::hopper {
-
-/// Blocks of K copies a producer thread keeps in flight: Config::kGatherBlocksInFlight
-/// where the tile config names it (the loss forward's), else 2 (the backward's).
-template <class C, class = void>
-struct GatherBlocksInFlight {
-  static constexpr int value = 2;
-};
-template <class C>
-struct GatherBlocksInFlight<C, std::void_t<decltype(C::kGatherBlocksInFlight)>> {
-  static constexpr int value = C::kGatherBlocksInFlight;
-};
 
 /// kScoreGradient: the backward's producer (stage 1 above; each gathered key
 /// carries its gs). Without it (the loss forward, forward_kernel.cuh) there is
@@ -66,10 +54,6 @@ struct ProducerGather {
   static constexpr int kWarps = kThreads / 32;
   static constexpr int kGatherRows = kBlock * kChunksPerRow / kThreads;  // rows per thread per block: 8 (D128), 4 (D64)
   static_assert(kGatherRows % 4 == 0 && kGatherRows * kThreads == kBlock * kChunksPerRow, "whole rows, int4 loads");
-  // Block j is committed once block j + kInFlight - 1 is issued; a stage is
-  // acquired while kInFlight - 1 uncommitted ones are held.
-  static constexpr int kInFlight = GatherBlocksInFlight<Config>::value;
-  static_assert(kInFlight >= 2 && Config::kStagesK >= kInFlight + 1, "K stages for the blocks in flight");
 
   const IndexerBackwardParams& p;
   Storage& ss;
@@ -237,7 +221,6 @@ struct ProducerGather {
       //      once block j+1 has been issued (two blocks of copies in flight)
       bool pending = false;
       PipelineState<Config::kStagesK> pending_state{};
-      int uncommitted = 0;  // kInFlight > 2: blocks issued, not yet committed, from pending_state on
       // Odd waves of tasks (task / gridDim.x) walk the chunks last to first (v37):
       // with ascending ids every CTA then turns at the same end of the key range,
       // the half of dK and K touched last in one wave is touched first in the next.
@@ -308,41 +291,21 @@ struct ProducerGather {
             copy16(src, &sK(gather_row0 + i, gather_col, ks), valid);
           }
           cute::cp_async_fence();
-          if constexpr (kInFlight == 2) {
-            if (pending) {
-              cute::cp_async_wait<1>();  // all but the block just issued have landed
-              cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
-              k_pipe.producer_commit(pending_state);
-            }
-            pending = true;
-            pending_state = k_state;
-          } else {
-            if (uncommitted == 0) pending_state = k_state;
-            if (++uncommitted == kInFlight) {
-              cute::cp_async_wait<kInFlight - 1>();  // the oldest uncommitted block has landed
-              cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
-              k_pipe.producer_commit(pending_state);
-              pending_state.advance();
-              --uncommitted;
-            }
+          if (pending) {
+            cute::cp_async_wait<1>();  // all but the block just issued have landed
+            cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
+            k_pipe.producer_commit(pending_state);
           }
+          pending = true;
+          pending_state = k_state;
           k_state.advance();
         }
         producer_sync<Config>();  // every thread is done reading the list
       }
-      if constexpr (kInFlight == 2) {
-        if (pending) {
-          cute::cp_async_wait<0>();
-          cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
-          k_pipe.producer_commit(pending_state);
-        }
-      } else if (uncommitted > 0) {
+      if (pending) {
         cute::cp_async_wait<0>();
         cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
-        for (; uncommitted > 0; --uncommitted) {
-          k_pipe.producer_commit(pending_state);
-          pending_state.advance();
-        }
+        k_pipe.producer_commit(pending_state);
       }
     }
   }
