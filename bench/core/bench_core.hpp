@@ -1,12 +1,13 @@
 // dsaib_bench: the benchmark core shared by `dsa-indexer-bwd bench` (cli/bench.cpp),
-// dsa-indexer-bwd-bench (bench/bench_indexer_backward.cpp) and dsa-floor-bench
-// (bench/floor/floor_bench.cpp). Built only with the cuda backend; its device
-// code is sm_90a only. Every function here runs on device 0, on a stream of
+// dsa-indexer-bwd-bench (bench/bench_indexer_backward.cpp), dsa-kl-forward-bench
+// (bench/bench_kl_forward.cpp) and dsa-floor-bench (bench/floor/floor_bench.cpp).
+// Built only with the cuda backend; its device code is sm_90a only. Every function here runs on device 0, on a stream of
 // its own, and raises dsaib::Error (cuda_error) when a CUDA or cuBLAS call
 // fails. Nothing here exposes CUDA types, so callers need no CUDA headers.
 //
 //   op_bench.cpp       the op: case setup (ids patterns, input-set rotation), CUDA-event timing
-//   floor_kernels.cu   floor micro-benchmarks: fp32 scatter-add rate (three ways), cuBLAS bf16 GEMM rate
+//   floor_kernels.cu   floor micro-benchmarks: fp32 scatter-add rate (three ways), cuBLAS bf16 GEMM rate,
+//                      the loss forward's key gather
 //   bench_core.cpp     statistics, device probe, the floor formula
 #pragma once
 
@@ -111,7 +112,11 @@ GemmResult measure_gemm(int size = 8192, int iters = 25, int warmup = 3);
 /// shared-memory ring of 64-row blocks, as the forward's producer gathers them; one
 /// CTA of 128 threads per SM, 2, 4 and 6 blocks in flight per CTA. Ids: random
 /// (topk hashed keys of [0, S) per row) or causal (row t: min(t+1, topk) keys of
-/// [0, t], the rest -1).
+/// [0, t], the rest -1). Each thread reads its slots' ids from global memory just
+/// before it issues their copies (the forward's producer reads 1024 slots' ids in
+/// one batch ahead of its copies): when the id table (S*topk*4 bytes) does not
+/// fit in the L2, these reads' latency sets the rate, and 2, 4 and 6 blocks in
+/// flight run alike. So at such sizes it is an upper bound of the gather's floor.
 struct KeyGatherConfig {
   int64_t seq = 4096, topk = 2048;
   int dim = 128;
