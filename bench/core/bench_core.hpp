@@ -1,9 +1,10 @@
 // dsaib_bench: the benchmark core shared by `dsa-indexer-bwd bench` (cli/bench.cpp),
 // dsa-indexer-bwd-bench (bench/bench_indexer_backward.cpp), dsa-kl-forward-bench
 // (bench/bench_kl_forward.cpp) and dsa-floor-bench (bench/floor/floor_bench.cpp).
-// Built only with the cuda backend; its device code is sm_90a only. Every function here runs on device 0, on a stream of
-// its own, and raises dsaib::Error (cuda_error) when a CUDA or cuBLAS call
-// fails. Nothing here exposes CUDA types, so callers need no CUDA headers.
+// Built only with the cuda backend; its device code is sm_90a only. Every
+// function here runs on device 0, on a stream of its own, and raises
+// dsaib::Error (cuda_error) when a CUDA or cuBLAS call fails. Nothing here
+// exposes CUDA types, so callers need no CUDA headers.
 //
 //   op_bench.cpp       the op: case setup (ids patterns, input-set rotation), CUDA-event timing
 //   floor_kernels.cu   floor micro-benchmarks: fp32 scatter-add rate (three ways), cuBLAS bf16 GEMM rate,
