@@ -232,7 +232,7 @@ if [[ $do_build == 1 ]]; then
 fi
 need=(cli/dsa-indexer-bwd)
 [[ ${run_part[tests]} == 1 || ${run_part[sanitizer]} == 1 ]] && need+=(tests/gpu/test_gpu_hopper tests/gpu/test_gpu_bench)
-[[ ${run_part[sanitizer]} == 1 ]] && need+=(tests/sanitizer_bin/test_gpu_hopper tests/sanitizer_bin/sync_calibration)
+[[ ${run_part[sanitizer]} == 1 ]] && need+=(tests/sanitizer_bin/test_gpu_hopper tests/sanitizer_bin/test_gpu_kl_forward tests/sanitizer_bin/sync_calibration)
 [[ ${run_part[bench]} == 1 ]] && need+=(bench/dsa-floor-bench)
 for f in "${need[@]}"; do
   [[ -x $build/$f ]] || cannot_run "$build/$f is missing: build the whole project (cmake --build $build, or pass --build)"

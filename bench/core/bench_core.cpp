@@ -116,6 +116,16 @@ Floor floor_per_row(double slots, int64_t heads, int64_t dim, double scatter_tbp
   return f;
 }
 
+ForwardFloor forward_floor_per_row(double gather_ns, double slots, int64_t heads, int64_t dim, double gemm_tflops) {
+  ForwardFloor f;
+  const double flops = 2.0 * static_cast<double>(heads) * static_cast<double>(dim) * slots;
+  f.gather_ns = gather_ns;
+  f.gemm_ns = gemm_tflops > 0 ? flops / (gemm_tflops * 1e3) : 0.0;  // 1 TFLOP/s = 1e3 FLOP/ns
+  f.ns = std::max(f.gather_ns, f.gemm_ns);
+  f.bound = f.gather_ns >= f.gemm_ns ? "gather" : "gemm";
+  return f;
+}
+
 int sustained_launches(double sustained_ms, double launch_ms) {
   if (!std::isfinite(sustained_ms) || sustained_ms < 0) {
     throw Error(ErrorCode::invalid_argument, "sustained_ms",

@@ -1,12 +1,14 @@
 // dsaib_bench: the benchmark core shared by `dsa-indexer-bwd bench` (cli/bench.cpp),
-// dsa-indexer-bwd-bench (bench/bench_indexer_backward.cpp) and dsa-floor-bench
-// (bench/floor/floor_bench.cpp). Built only with the cuda backend; its device
-// code is sm_90a only. Every function here runs on device 0, on a stream of
-// its own, and raises dsaib::Error (cuda_error) when a CUDA or cuBLAS call
-// fails. Nothing here exposes CUDA types, so callers need no CUDA headers.
+// dsa-indexer-bwd-bench (bench/bench_indexer_backward.cpp), dsa-kl-forward-bench
+// (bench/bench_kl_forward.cpp) and dsa-floor-bench (bench/floor/floor_bench.cpp).
+// Built only with the cuda backend; its device code is sm_90a only. Every
+// function here runs on device 0, on a stream of its own, and raises
+// dsaib::Error (cuda_error) when a CUDA or cuBLAS call fails. Nothing here
+// exposes CUDA types, so callers need no CUDA headers.
 //
 //   op_bench.cpp       the op: case setup (ids patterns, input-set rotation), CUDA-event timing
-//   floor_kernels.cu   floor micro-benchmarks: fp32 scatter-add rate (three ways), cuBLAS bf16 GEMM rate
+//   floor_kernels.cu   floor micro-benchmarks: fp32 scatter-add rate (three ways), cuBLAS bf16 GEMM rate,
+//                      the loss forward's key gather
 //   bench_core.cpp     statistics, device probe, the floor formula
 #pragma once
 
@@ -105,6 +107,48 @@ struct GemmResult {
 };
 GemmResult measure_gemm(int size = 8192, int iters = 25, int warmup = 3);
 
+/// The key-gather micro-benchmark (the loss forward's floor): per query row of a
+/// (S, topk) id table, its valid slots' bf16 key rows (D*2 bytes each, from an (S, D)
+/// table: 16 MiB at S 65536 D128, resident in the L2) copied with cp.async into a
+/// shared-memory ring of 64-row blocks, as the forward's producer gathers them; one
+/// CTA of 128 threads per SM, 2, 4 and 6 blocks in flight per CTA. Ids: random
+/// (topk hashed keys of [0, S) per row) or causal (row t: min(t+1, topk) keys of
+/// [0, t], the rest -1). Each thread reads its slots' ids from global memory just
+/// before it issues their copies (the forward's producer reads 1024 slots' ids in
+/// one batch ahead of its copies): when the id table (S*topk*4 bytes) does not
+/// fit in the L2, these reads' latency sets the rate, and 2, 4 and 6 blocks in
+/// flight run alike. So at such sizes it is an upper bound of the gather's floor.
+struct KeyGatherConfig {
+  int64_t seq = 4096, topk = 2048;
+  int dim = 128;
+  bool causal = false;
+  int iters = 25, warmup = 3;
+  uint32_t seed = 4321;
+};
+struct KeyGatherResult {
+  int64_t seq = 0, topk = 0;
+  int dim = 0, in_flight = 0, grid = 0;
+  bool causal = false;
+  double valid_slots_per_row = 0;
+  Stats t;
+  double ns_per_row = 0;  // median launch time / S
+  double tbps = 0;        // key bytes copied / median time, 1e12 B/s
+};
+/// One result per in-flight depth (2, 4, 6).
+std::vector<KeyGatherResult> measure_key_gather(const KeyGatherConfig& c);
+/// The depth with the lowest time (the forward's floor uses the best).
+const KeyGatherResult& fastest(const std::vector<KeyGatherResult>& results);
+
+/// Floor of the loss forward for one query row with `slots` valid keys:
+///   gather_ns = the key-gather micro-benchmark's time per row (same ids pattern, S, D, topk)
+///   gemm_ns   = 2*H*D*slots FLOP / GEMM rate        (GEMM1, the logits)
+///   ns        = max(gather_ns, gemm_ns)             (they overlap in a fused kernel)
+struct ForwardFloor {
+  double gather_ns = 0, gemm_ns = 0, ns = 0;
+  const char* bound = "";  // "gather" or "gemm"
+};
+ForwardFloor forward_floor_per_row(double gather_ns, double slots, int64_t heads, int64_t dim, double gemm_tflops);
+
 /// A fixed reference floor, the same number on every machine and run, so that times of
 /// different runs compare: the dK reduce of one DeepSeek-shape row (H64 D128 topk 2048,
 /// all slots valid: 2048*128*4 B = 1 MiB) at 3.77 TB/s, the fp32 scatter-add rate into an
@@ -136,8 +180,15 @@ double traffic_floor_ns_per_row(double slots, int64_t dim, double key_read_scatt
 // IdPattern, kIdPatterns, id_pattern_name / _list, is_causal, is_shuffled,
 // parse_id_pattern: bench_names.hpp (no CUDA).
 
+/// The op a case times: the backward (indexer_backward: dK zeroing, fused kernel, bf16
+/// cast) or the loss forward (indexer_kl_forward: the fused forward kernel and the
+/// fixed-order sum of the loss terms; P written only with OpCase::write_index_score).
+enum class BenchOp { backward, kl_forward };
+
 /// One benchmark case: bf16 inputs, bshd, local ids, S_q = S_kv = seq, bf16 outputs.
 struct OpCase {
+  BenchOp op = BenchOp::backward;
+  bool write_index_score = false;  // kl_forward: also write P (the (B, S, topk) f32 index_score)
   IdPattern ids = IdPattern::random;
   int64_t batch = 1, seq = 4096, heads = 64, dim = 128, topk = 2048;
   AOperandPrecision a_operand = AOperandPrecision::automatic;  // automatic = one bf16 term (bf16 outputs)
@@ -184,7 +235,7 @@ struct OpResult {
   std::vector<float> ms;            // every timed launch, in order
   Stats t;
   double ns_per_row = 0, ns_per_row_min = 0, ns_per_row_max = 0;  // median / min / max time over B*S rows
-  double tflops = 0;                // 6*H*D FLOP per valid slot / median time
+  double tflops = 0;                // 6*H*D FLOP (kl_forward: 2*H*D) per valid slot / median time
   double dk_gbps = 0;               // D*4 B of dK reduce per valid slot / median time
   // Sustained run (OpConfig::sustained_ms > 0): `sustained_launches` launches back to
   // back, an event recorded between each two, no host wait and no pre-roll in between,

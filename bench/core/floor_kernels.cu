@@ -5,6 +5,9 @@
 //      registers; rate = bytes added / time. Each way is checked once: exact column sums.
 //   b. cuBLAS bf16 GEMM rate (cublasGemmEx, bf16 in/out, fp32 compute), a few entries
 //      checked against a host dot product of the same bf16 data.
+//   c. key gather (the loss forward's floor): per query row, its selected bf16 key rows
+//      (D*2 bytes each) copied with cp.async into a shared-memory ring of 64-row blocks,
+//      as the forward's producer does, ids read from a (S, topk) table.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -356,6 +359,94 @@ std::vector<ScatterResult> measure_scatter_rows(const ScatterConfig& c, const st
   return out;
 }
 
+// ---- c. key gather
+constexpr int kKeyGatherThreads = 128;   // one warpgroup, as the forward's producer
+constexpr int kKeyGatherBlockRows = 64;  // keys per block (the forward's)
+constexpr int kKeyGatherStages = 8;      // shared-memory ring (the forward's K stages)
+
+template <int D>
+constexpr int key_gather_smem_bytes() {  // 128 KiB at D128
+  return kKeyGatherStages * kKeyGatherBlockRows * D * 2;
+}
+
+// ids of row t: its first n = min(t + 1, topk) (causal) or topk (random) slots hold
+// hashed keys of [0, t] or [0, S); the rest -1. Distinctness does not matter to the rate.
+__global__ void key_gather_ids_kernel(int32_t* ids, uint32_t seq, uint32_t topk, bool causal, uint32_t seed) {
+  const uint64_t n = static_cast<uint64_t>(seq) * topk;
+  for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
+    const uint32_t t = static_cast<uint32_t>(i / topk), slot = static_cast<uint32_t>(i % topk);
+    const uint32_t avail = causal ? t + 1 : seq;
+    ids[i] = slot < avail ? static_cast<int32_t>(row_of(static_cast<uint32_t>(i), seed, avail)) : -1;
+  }
+}
+
+// Persistent CTAs take rows b, b + gridDim.x, ...; every block of 64 slots is one
+// cp.async group, and a thread waits until at most InFlight - 1 of its groups are
+// pending before it issues the next (so InFlight blocks are in flight per CTA).
+// Thread t copies 16-byte column t % (D/8) of D/16 consecutive rows of a block.
+template <int D, int InFlight>
+__global__ void __launch_bounds__(kKeyGatherThreads, 1)
+    key_gather_kernel(const __nv_bfloat16* __restrict__ keys, const int32_t* __restrict__ ids, uint32_t seq,
+                      uint32_t topk, bool causal) {
+  static_assert(InFlight >= 1 && InFlight <= kKeyGatherStages, "in-flight blocks fit in the ring");
+  constexpr int kChunks = D / 8, kRows = kKeyGatherBlockRows * kChunks / kKeyGatherThreads;
+  extern __shared__ __align__(128) uint8_t key_gather_smem[];
+  const int col = (threadIdx.x % kChunks) * 8, row0 = (threadIdx.x / kChunks) * kRows;
+  uint32_t stage = 0;
+  for (uint32_t t = blockIdx.x; t < seq; t += gridDim.x) {
+    const uint32_t n = causal ? min(t + 1, topk) : topk;
+    const int32_t* row_ids = ids + static_cast<size_t>(t) * topk;
+    for (uint32_t first = 0; first < n; first += kKeyGatherBlockRows) {
+      uint8_t* dst = key_gather_smem + static_cast<size_t>(stage) * kKeyGatherBlockRows * D * 2;
+#pragma unroll
+      for (int i = 0; i < kRows; ++i) {
+        const uint32_t slot = first + row0 + i;
+        const bool valid = slot < n;
+        const int32_t id = valid ? row_ids[slot] : 0;
+        const __nv_bfloat16* src = keys + static_cast<size_t>(id) * D + col;
+        const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst + ((row0 + i) * D + col) * 2));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 16 : 0)
+                     : "memory");
+      }
+      asm volatile("cp.async.commit_group;\n" ::: "memory");
+      asm volatile("cp.async.wait_group %0;\n" ::"n"(InFlight - 1) : "memory");
+      stage = (stage + 1) % kKeyGatherStages;
+    }
+  }
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+
+template <int D, int InFlight>
+void launch_key_gather(int grid, const void* keys, const int32_t* ids, uint32_t seq, uint32_t topk, bool causal,
+                       cudaStream_t s) {
+  key_gather_kernel<D, InFlight><<<grid, kKeyGatherThreads, key_gather_smem_bytes<D>(), s>>>(
+      static_cast<const __nv_bfloat16*>(keys), ids, seq, topk, causal);
+  check_cuda(cudaGetLastError(), "key gather kernel launch");
+}
+
+template <int D>
+void set_key_gather_smem() {
+  auto set = [](auto kernel) {
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, key_gather_smem_bytes<D>()),
+               "cudaFuncSetAttribute (key gather)");
+  };
+  set(key_gather_kernel<D, 2>);
+  set(key_gather_kernel<D, 4>);
+  set(key_gather_kernel<D, 6>);
+}
+
+template <int D>
+void launch_key_gather_depth(int in_flight, int grid, const void* keys, const int32_t* ids, uint32_t seq,
+                             uint32_t topk, bool causal, cudaStream_t s) {
+  switch (in_flight) {
+    case 2: return launch_key_gather<D, 2>(grid, keys, ids, seq, topk, causal, s);
+    case 4: return launch_key_gather<D, 4>(grid, keys, ids, seq, topk, causal, s);
+    case 6: return launch_key_gather<D, 6>(grid, keys, ids, seq, topk, causal, s);
+  }
+  throw Error(ErrorCode::invalid_argument, "in_flight", "key gather: 2, 4 or 6 blocks in flight");
+}
+
 // Random non-zero bf16: magnitude in [0.25, 1), random sign; reproducible on the host.
 __host__ __device__ inline float gemm_value(uint64_t i, uint32_t salt) {
   const uint32_t u = mix32(static_cast<uint32_t>(i) ^ mix32(static_cast<uint32_t>(i >> 32) + salt));
@@ -423,6 +514,61 @@ std::vector<ScatterResult> measure_scatter(const ScatterConfig& c, const std::ve
   }
   throw Error(ErrorCode::invalid_argument, "row_floats",
               "scatter rows of 64 or 128 floats (D), got " + std::to_string(c.row_floats));
+}
+
+std::vector<KeyGatherResult> measure_key_gather(const KeyGatherConfig& c) {
+  if (c.iters < 1 || c.warmup < 0) throw Error(ErrorCode::invalid_argument, "iters", "iters >= 1, warmup >= 0");
+  if (c.dim != 64 && c.dim != 128) {
+    throw Error(ErrorCode::invalid_argument, "dim", "key gather: D 64 or 128, got " + std::to_string(c.dim));
+  }
+  if (c.seq < 1 || c.topk < 1 || c.seq > (1ll << 31) - 1 || c.seq * c.topk > (1ll << 40)) {
+    throw Error(ErrorCode::invalid_argument, "seq", "key gather: 1 <= seq < 2^31, 1 <= topk, seq*topk <= 2^40");
+  }
+  int dev = 0, sms = 0;
+  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
+  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
+  const uint32_t seq = static_cast<uint32_t>(c.seq), topk = static_cast<uint32_t>(c.topk);
+  DeviceBuffer keys(static_cast<size_t>(c.seq) * c.dim * 2), ids(static_cast<size_t>(c.seq) * c.topk * 4);
+  Timer timer;
+  fill_ones_bf16_kernel<<<1024, 256, 0, timer.stream>>>(keys.as<__nv_bfloat16>(), keys.bytes / 2);
+  check_cuda(cudaGetLastError(), "fill kernel launch");
+  key_gather_ids_kernel<<<1024, 256, 0, timer.stream>>>(ids.as<int32_t>(), seq, topk, c.causal, c.seed);
+  check_cuda(cudaGetLastError(), "ids kernel launch");
+  if (c.dim == 64) set_key_gather_smem<64>();
+  else set_key_gather_smem<128>();
+  const int grid = static_cast<int>(std::min<int64_t>(sms, c.seq));
+  double slots = 0;  // valid slots over all rows
+  for (int64_t t = 0; t < c.seq; ++t) slots += static_cast<double>(c.causal ? std::min(t + 1, c.topk) : c.topk);
+  std::vector<KeyGatherResult> out;
+  for (int in_flight : {2, 4, 6}) {
+    auto launch = [&] {
+      if (c.dim == 64) launch_key_gather_depth<64>(in_flight, grid, keys.ptr, ids.as<int32_t>(), seq, topk, c.causal, timer.stream);
+      else launch_key_gather_depth<128>(in_flight, grid, keys.ptr, ids.as<int32_t>(), seq, topk, c.causal, timer.stream);
+    };
+    for (int i = 0; i < c.warmup; ++i) launch();
+    check_cuda(cudaStreamSynchronize(timer.stream), "key gather warm-up");
+    std::vector<float> ms;
+    for (int i = 0; i < c.iters; ++i) ms.push_back(timer.time(launch));
+    KeyGatherResult r;
+    r.seq = c.seq;
+    r.dim = c.dim;
+    r.topk = c.topk;
+    r.causal = c.causal;
+    r.in_flight = in_flight;
+    r.grid = grid;
+    r.valid_slots_per_row = slots / static_cast<double>(c.seq);
+    r.t = stats_of(ms);
+    r.ns_per_row = r.t.median_ms * 1e6 / static_cast<double>(c.seq);
+    r.tbps = slots * c.dim * 2.0 / (r.t.median_ms * 1e-3) / 1e12;
+    out.push_back(r);
+  }
+  return out;
+}
+
+const KeyGatherResult& fastest(const std::vector<KeyGatherResult>& results) {
+  if (results.empty()) throw Error(ErrorCode::invalid_argument, "results", "no key gather result");
+  return *std::min_element(results.begin(), results.end(),
+                           [](const KeyGatherResult& a, const KeyGatherResult& b) { return a.ns_per_row < b.ns_per_row; });
 }
 
 GemmResult measure_gemm(int size, int iters, int warmup) {

@@ -13,6 +13,7 @@
 #include "cuda_check.hpp"
 #include "core/threads.hpp"
 #include "dsaib/indexer_backward.hpp"
+#include "dsaib/indexer_kl_forward.hpp"
 
 namespace dsaib::bench {
 namespace {
@@ -135,6 +136,7 @@ Layout layout_of(const OpCase& c) {
 struct SetViews {
   IndexerBackwardInputs in;
   IndexerBackwardOutputs out;
+  IndexerKLForwardOutputs fwd;  // the loss forward's outputs (BenchOp::kl_forward)
 };
 
 /// Views over nine buffers laid out as layout_of(c), with device `dev` (cpu for check_case).
@@ -151,6 +153,15 @@ SetViews views_of(const OpCase& c, void* const ptr[9], DeviceType dev, int devic
                                {}};
   s.out = IndexerBackwardOutputs{v(6, DType::bf16, {B, S, H, D}), v(7, DType::bf16, {B, S, H}),
                                  v(8, DType::bf16, {B, S, D})};
+  if (c.op == BenchOp::kl_forward) {
+    // The forward reads no index_score; it writes P into that buffer (same shape,
+    // f32) and its small outputs into the backward's output buffers, each larger
+    // than needed: loss (4 B) in the dw buffer, row_lse (B*S*4 B) in the dK one
+    // (B*S*D*2 B), row_target_mass in the dQ one.
+    s.in.index_score = {};
+    s.fwd = IndexerKLForwardOutputs{v(7, DType::f32, {}), v(8, DType::f32, {B, S}), v(6, DType::f32, {B, S}),
+                                    c.write_index_score ? v(5, DType::f32, {B, S, K}) : TensorView{}};
+  }
   return s;
 }
 
@@ -184,7 +195,8 @@ void check_case(const OpCase& c) {
   const SetViews s = views_of(c, ptr, DeviceType::cpu, 0);
   IndexerBackwardOptions opt = options_of(c);
   opt.backend = Backend::cpu;
-  indexer_backward_workspace_size(s.in, s.out, opt);
+  if (c.op == BenchOp::kl_forward) indexer_kl_forward_workspace_size(s.in, s.fwd, opt);
+  else indexer_backward_workspace_size(s.in, s.out, opt);
 }
 
 OpResult run_op_case(const OpCase& c, const OpConfig& cfg) {
@@ -232,12 +244,15 @@ OpResult run_op_case(const OpCase& c, const OpConfig& cfg) {
   Timer timer;
   IndexerBackwardOptions opt = options_of(c);
   opt.stream = timer.stream;
-  r.workspace_bytes = indexer_backward_workspace_size(views[0].in, views[0].out, opt);
+  const bool forward = c.op == BenchOp::kl_forward;
+  r.workspace_bytes = forward ? indexer_kl_forward_workspace_size(views[0].in, views[0].fwd, opt)
+                              : indexer_backward_workspace_size(views[0].in, views[0].out, opt);
   DeviceBuffer ws(r.workspace_bytes);
   int launch = 0;
   auto run = [&] {
     const SetViews& s = views[launch++ % r.input_sets];
-    indexer_backward(s.in, s.out, opt, ws.ptr, ws.bytes);
+    if (forward) indexer_kl_forward(s.in, s.fwd, opt, ws.ptr, ws.bytes);
+    else indexer_backward(s.in, s.out, opt, ws.ptr, ws.bytes);
   };
   for (int i = 0; i < cfg.warmup; ++i) run();
   check_cuda(cudaStreamSynchronize(timer.stream), "warm-up launches");
@@ -250,7 +265,7 @@ OpResult run_op_case(const OpCase& c, const OpConfig& cfg) {
   r.ns_per_row = r.t.median_ms * ns_per_ms_row;
   r.ns_per_row_min = r.t.min_ms * ns_per_ms_row;
   r.ns_per_row_max = r.t.max_ms * ns_per_ms_row;
-  r.tflops = 6.0 * c.heads * c.dim * static_cast<double>(h.valid_slots) / sec / 1e12;
+  r.tflops = (forward ? 2.0 : 6.0) * c.heads * c.dim * static_cast<double>(h.valid_slots) / sec / 1e12;
   r.dk_gbps = static_cast<double>(h.valid_slots) * c.dim * 4.0 / sec / 1e9;
 
   if (cfg.sustained_ms > 0) {

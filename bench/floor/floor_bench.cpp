@@ -15,11 +15,17 @@
 //   c. the derived floor per query row of the backward for a fixed list of shapes:
 //        max(topk*D*4 B / scatter rate (best way, table size matching S_kv*D*4 B),
 //            6*H*D*topk FLOP / GEMM rate).
+//   d. the key-gather rate of the loss forward (KeyGatherConfig): per query row, its
+//      selected 256-B bf16 key rows copied with cp.async into shared memory, random
+//      and causal ids, D128 topk 2048, at each --gather-seq S, and the forward's floor
+//      max(gather time per row, 2*H*D*slots FLOP / GEMM rate) at H64.
 // `dsa-indexer-bwd bench` measures the same rates at each benchmarked case's own dK
-// size and reports the floor next to the op.
+// size and reports the floor next to the op; `dsa-kl-forward-bench` does the same
+// for the loss forward.
 //
 //   dsa-floor-bench [--json FILE] [--iters N] [--warmup N] [--tables 2,8,32,512]
 //                   [--payload-mib 1024] [--gemm-size 8192] [--seed N]
+//                   [--gather-seq 4096,16384,65536]
 // Exit codes: 0 ok, 1 a CUDA/cuBLAS error or a failed check, 2 bad arguments,
 // 77 no sm_90 GPU.
 #include <algorithm>
@@ -64,6 +70,7 @@ struct Options {
   double payload_mib = 1024;
   int gemm_size = 8192;
   uint32_t seed = 12345;
+  std::vector<double> gather_seq = {4096, 16384, 65536};
 };
 
 double mib_of(const ScatterResult& r) { return static_cast<double>(r.table_bytes) / kMiB; }
@@ -130,6 +137,7 @@ void usage(FILE* f) {
                "  --payload-mib M   bytes added per launch (default 1024)\n"
                "  --gemm-size N     GEMM is N x N x N (default 8192)\n"
                "  --seed N          row-hash seed (default 12345)\n"
+               "  --gather-seq LIST S of the key-gather cases (default 4096,16384,65536)\n"
                "Exit: 0 ok, 1 CUDA/cuBLAS error or failed check, 2 bad arguments, 77 no sm_90 GPU.\n");
 }
 
@@ -149,7 +157,8 @@ void write_scatter_array(FILE* f, const char* key, const std::vector<ScatterResu
 }
 
 void write_json(const std::string& path, const DeviceInfo& dev, const Options& o, const std::vector<ScatterResult>& sc,
-                const std::vector<ScatterResult>& frag, const std::vector<ScatterResult>& gath, const GemmResult& g,
+                const std::vector<ScatterResult>& frag, const std::vector<ScatterResult>& gath,
+                const std::vector<std::vector<KeyGatherResult>>& kg, const GemmResult& g,
                 const std::vector<FloorResult>& fl) {
   FILE* f = std::fopen(path.c_str(), "w");
   if (!f) {
@@ -167,6 +176,21 @@ void write_json(const std::string& path, const DeviceInfo& dev, const Options& o
                "\"max_rel_err\": %.3g},\n",
                g.m, g.n, g.k, g.t.median_ms, g.t.min_ms, g.t.max_ms, g.tflops, g.check_ok ? "true" : "false",
                g.max_rel_err);
+  std::fprintf(f, "  \"key_gather\": [\n");
+  for (size_t i = 0; i < kg.size(); ++i) {
+    const KeyGatherResult& b = fastest(kg[i]);
+    const ForwardFloor ff = forward_floor_per_row(b.ns_per_row, b.valid_slots_per_row, 64, b.dim, g.tflops);
+    std::fprintf(f, "    {\"ids\": \"%s\", \"seq\": %lld, \"dim\": %d, \"topk\": %lld, \"valid_slots_per_row\": %.2f, ",
+                 b.causal ? "causal" : "random", (long long)b.seq, b.dim, (long long)b.topk, b.valid_slots_per_row);
+    for (const KeyGatherResult& r : kg[i])
+      std::fprintf(f, "\"ns_per_row_%d_in_flight\": %.2f, ", r.in_flight, r.ns_per_row);
+    std::fprintf(f,
+                 "\"best_in_flight\": %d, \"gather_ns_per_row\": %.2f, \"gather_tbps\": %.4f, "
+                 "\"forward_floor_h64\": {\"gather_ns\": %.2f, \"gemm_ns\": %.2f, \"ns_per_row\": %.2f, \"bound\": \"%s\"}}%s\n",
+                 b.in_flight, b.ns_per_row, b.tbps, ff.gather_ns, ff.gemm_ns, ff.ns, ff.bound,
+                 i + 1 < kg.size() ? "," : "");
+  }
+  std::fprintf(f, "  ],\n");
   std::fprintf(f, "  \"floor\": [\n");
   for (size_t i = 0; i < fl.size(); ++i) {
     const auto& r = fl[i];
@@ -207,6 +231,7 @@ int main(int argc, char** argv) {
       else if (a == "--payload-mib") o.payload_mib = std::stod(v);
       else if (a == "--gemm-size") o.gemm_size = std::stoi(v);
       else if (a == "--seed") o.seed = static_cast<uint32_t>(std::stoul(v));
+      else if (a == "--gather-seq") o.gather_seq = parse_doubles(v);
       else {
         std::fprintf(stderr, "unknown argument %s\n", a.c_str());
         usage(stderr);
@@ -223,6 +248,11 @@ int main(int argc, char** argv) {
     usage(stderr);
     return 2;
   }
+  for (double S : o.gather_seq)
+    if (!(S >= 1 && S <= 1048576 && S == std::floor(S))) {
+      std::fprintf(stderr, "--gather-seq: expected whole numbers from 1 to 1048576, got %g\n", S);
+      return 2;
+    }
   for (double t : o.tables_mib)
     if (!(t > 0) || t * kMiB / kRowBytes > 4294967295.0) {
       std::fprintf(stderr, "bad table size %g MiB\n", t);
@@ -239,6 +269,7 @@ int main(int argc, char** argv) {
   std::fflush(stdout);
 
   std::vector<ScatterResult> sc, frag, gath;
+  std::vector<std::vector<KeyGatherResult>> kg;  // per (ids, S): one result per in-flight depth
   GemmResult g;
   try {
     for (double mib : o.tables_mib) {
@@ -260,6 +291,20 @@ int main(int argc, char** argv) {
       measure_into(kAllScatterWays, 6, sc);
       measure_into({ScatterWay::float4_fragment}, 8, frag);
       measure_into({ScatterWay::gather_float4}, 8, gath);
+    }
+    for (bool causal : {false, true}) {
+      for (double S : o.gather_seq) {
+        KeyGatherConfig c;
+        c.seq = static_cast<int64_t>(S);
+        c.causal = causal;
+        c.iters = o.iters;
+        c.warmup = o.warmup;
+        kg.push_back(measure_key_gather(c));
+        for (const KeyGatherResult& r : kg.back())
+          std::fprintf(stderr, "  key gather %-6s S %6lld  %d in flight  %8.3f ms  %7.1f ns/row  %6.3f TB/s\n",
+                       causal ? "causal" : "random", (long long)r.seq, r.in_flight, r.t.median_ms, r.ns_per_row,
+                       r.tbps);
+      }
     }
     g = measure_gemm(o.gemm_size, o.iters, o.warmup);
     std::fprintf(stderr, "  gemm %d^3 %8.3f ms  %7.1f TFLOP/s  check %s (max rel err %.2g)\n", g.m, g.t.median_ms,
@@ -297,7 +342,19 @@ int main(int argc, char** argv) {
                 r.rate_table_mib, r.way.c_str(), r.f.scatter_ns, r.f.gemm_ns, r.f.ns, r.approx ? "  (approx)" : "");
   std::printf("(approx: rate measured with 512-B rows into a table of another size than this dK)\n");
 
-  if (!o.json.empty()) write_json(o.json, dev, o, sc, frag, gath, g, fl);
+  std::printf("\nloss forward: key gather (cp.async of 256-B bf16 key rows into shared memory, D128 topk 2048) and\n"
+              "its floor per query row = max(gather ns, 2*H*D*slots / GEMM rate) at H64\n");
+  std::printf("%-7s %6s %8s %9s %9s %9s %7s %9s %9s %9s\n", "ids", "S", "valid/r", "2 blocks", "4 blocks", "6 blocks",
+              "TB/s", "gather ns", "gemm ns", "floor ns");
+  for (const auto& v : kg) {
+    const KeyGatherResult& b = fastest(v);
+    const ForwardFloor ff = forward_floor_per_row(b.ns_per_row, b.valid_slots_per_row, 64, b.dim, g.tflops);
+    std::printf("%-7s %6lld %8.1f %9.1f %9.1f %9.1f %7.3f %9.1f %9.1f %9.1f\n", b.causal ? "causal" : "random",
+                (long long)b.seq, b.valid_slots_per_row, v[0].ns_per_row, v[1].ns_per_row, v[2].ns_per_row, b.tbps,
+                ff.gather_ns, ff.gemm_ns, ff.ns);
+  }
+
+  if (!o.json.empty()) write_json(o.json, dev, o, sc, frag, gath, kg, g, fl);
   bool ok = g.check_ok;
   for (const auto* results : {&sc, &frag, &gath}) {
     for (const auto& r : *results) ok = ok && r.check_ok;

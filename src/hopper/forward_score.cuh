@@ -48,6 +48,8 @@ struct ForwardScore {
   static constexpr int kThreads = Config::kScoreThreads;
   static constexpr int kWarps = kThreads / 32;
   static constexpr int kMmaM = Config::kHeadTile / 64;  // m64 tiles per block
+  // Slots per thread per batch of the row passes: 2048 slots in one batch.
+  static constexpr int kEpilogueBatch = 16;
 
   const IndexerKLForwardParams& fp;
   ForwardSharedStorage<Config>& ss;
@@ -157,6 +159,25 @@ struct ForwardScore {
     }
   }
 
+  /// Slots base + j * kThreads (j < kEpilogueBatch) of a row: valid[j] (in the row
+  /// and its id in range) and, at valid slots, the logit from z_row. All id loads
+  /// are issued before the first is used, then all z loads.
+  __device__ void load_valid_z(int base, const RowSequence& seq, const int32_t* ids, const float* z_row,
+                               bool (&valid)[kEpilogueBatch], float (&zb)[kEpilogueBatch]) const {
+    const IndexerBackwardParams& p = fp.in;
+    int32_t id[kEpilogueBatch];
+    CUTE_UNROLL
+    for (int j = 0; j < kEpilogueBatch; ++j) {
+      const int i = base + j * kThreads;
+      id[j] = i < p.topk ? ids[i] : -1;
+    }
+    CUTE_UNROLL
+    for (int j = 0; j < kEpilogueBatch; ++j) {
+      valid[j] = key_row_of(p, seq, id[j]) >= 0;
+      zb[j] = valid[j] ? z_row[base + j * kThreads] : 0.0f;
+    }
+  }
+
   /// LSE, P, the target mass and the loss term of one row from its logits in z_row.
   __device__ void epilogue(int64_t row, const float* z_row, float eps) {
     const IndexerBackwardParams& p = fp.in;
@@ -167,16 +188,25 @@ struct ForwardScore {
     const float* attn = p.attn_score + batched_offset(row, p.q_rows_per_batch, p.attn_score_batch_stride, p.attn_score_row_stride);
 
     // Pass 1: this thread's slots in slot order (online max and sum), then a
-    // fixed tree over the warp and the warps in order.
+    // fixed tree over the warp and the warps in order. The slots go in batches of
+    // kEpilogueBatch per thread whose loads are all issued before any is used, so
+    // a batch costs two memory latencies (ids, then the valid slots' z: z_row
+    // holds nothing at invalid slots), not two per slot.
     float m = -INFINITY, s = 0.0f;
-    for (int i = tid; i < p.topk; i += kThreads) {
-      if (key_row_of(p, seq, ids[i]) < 0) continue;
-      const float z = z_row[i];
-      if (z > m) {
-        s *= expf(m - z);
-        m = z;
+    for (int base = tid; base < p.topk; base += kThreads * kEpilogueBatch) {
+      bool valid[kEpilogueBatch];
+      float zb[kEpilogueBatch];
+      load_valid_z(base, seq, ids, z_row, valid, zb);
+      CUTE_UNROLL
+      for (int j = 0; j < kEpilogueBatch; ++j) {
+        if (!valid[j]) continue;
+        const float z = zb[j];
+        if (z > m) {
+          s *= expf(m - z);
+          m = z;
+        }
+        s += expf(z - m);  // a NaN logit makes the sum NaN
       }
-      s += expf(z - m);  // a NaN logit makes the sum NaN
     }
     CUTE_UNROLL
     for (int off = 16; off > 0; off >>= 1) {
@@ -197,16 +227,33 @@ struct ForwardScore {
     // Pass 2. log(max(P, eps)) is z - LSE where P >= eps, else log(eps) = -100.
     float* p_out = fp.index_score ? fp.index_score + row * p.topk : nullptr;
     double term = 0.0, mass = 0.0;
-    for (int i = tid; i < p.topk; i += kThreads) {
-      float prob = 0.0f;
-      if (key_row_of(p, seq, ids[i]) >= 0) {
-        const float d = z_row[i] - lse;
-        prob = expf(d);
-        const float t = max_keeping_nan(attn[i], eps);
-        if (prob >= eps) mass += t;
-        term += static_cast<double>(t) * static_cast<double>(d < -100.0f ? -100.0f : d);
+    for (int base = tid; base < p.topk; base += kThreads * kEpilogueBatch) {
+      bool valid[kEpilogueBatch];
+      float zb[kEpilogueBatch], tb[kEpilogueBatch], prob[kEpilogueBatch];
+      CUTE_UNROLL
+      for (int j = 0; j < kEpilogueBatch; ++j) {
+        const int i = base + j * kThreads;
+        tb[j] = i < p.topk ? attn[i] : 0.0f;  // issued with the ids' loads below; used at valid slots
       }
-      if (p_out) p_out[i] = prob;
+      load_valid_z(base, seq, ids, z_row, valid, zb);
+      CUTE_UNROLL
+      for (int j = 0; j < kEpilogueBatch; ++j) {
+        prob[j] = 0.0f;
+        if (valid[j]) {
+          const float d = zb[j] - lse;
+          prob[j] = expf(d);
+          const float t = max_keeping_nan(tb[j], eps);
+          if (prob[j] >= eps) mass += t;
+          term += static_cast<double>(t) * static_cast<double>(d < -100.0f ? -100.0f : d);
+        }
+      }
+      if (p_out) {
+        CUTE_UNROLL
+        for (int j = 0; j < kEpilogueBatch; ++j) {
+          const int i = base + j * kThreads;
+          if (i < p.topk) p_out[i] = prob[j];
+        }
+      }
     }
     CUTE_UNROLL
     for (int off = 16; off > 0; off >>= 1) {

@@ -137,6 +137,27 @@ TEST_F(KlForwardGpu, MatchesTheFp64Reference) {
   }
 }
 
+// The sanitizer's case (tests/sanitizer/run_sanitizer.sh runs Sanitized.* of this
+// binary under racecheck, synccheck, memcheck and initcheck, requiring no report):
+// every layout, id mode and tail case above, with and without P, each checked
+// against the fp64 reference as above.
+TEST(Sanitized, KlForwardEveryCase) {
+  if (!gpu_available()) GTEST_SKIP() << "no compute-capability-9.0 GPU visible";
+  for (const GpuCase& c : cases()) {
+    GeneratedProblem p = make_problem(c.spec);
+    if (c.mutate) c.mutate(p);
+    const IndexerBackwardOptions opt = p.options();
+    check_case(p, opt, c.name);
+    DeviceProblem d(p);
+    DeviceForwardOutputs out(p);
+    IndexerBackwardOptions cuda_opt = opt;
+    cuda_opt.backend = Backend::cuda;
+    indexer_kl_forward(device_forward_inputs(d), out.views(false), cuda_opt);
+    check_cuda(cudaDeviceSynchronize(), "forward without P");
+    EXPECT_FALSE(std::isnan(to_doubles(out.loss.to_host())[0])) << c.name;
+  }
+}
+
 TEST_F(KlForwardGpu, WeightsF32AndStrictIds) {
   GenerateSpec s = spec_of(Layout::bshd, 40, 128, 64, 30, 64, IdMode::local, IdPattern::random_permutation, 21);
   s.weights_f32 = true;

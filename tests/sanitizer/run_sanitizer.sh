@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sanitizer harness (label sanitizer). Runs the GPU tests of the Sanitized.*
-# suite (race-report shapes, DeepSeek shape, every tail case) under
+# suite (race-report shapes, DeepSeek shape, every tail case) of the backward
+# (test_gpu_hopper) and of the loss forward (test_gpu_kl_forward) under
 # compute-sanitizer racecheck, synccheck, memcheck and initcheck, requiring zero
 # reports, and runs the negative controls of sync_calibration: the lane-0-alone
 # handoffs must be flagged, the all-lanes ones must be clean.
@@ -32,18 +33,20 @@ for mode in raw_lane0 war_lane0 raw_all war_all; do
   fi
   summary+=("control $mode: $hazards hazards, $verdict")
 done
-# ---- the kernel under every tool
-for tool in "${tools[@]}"; do
-  log="$logs/$tool.log"
-  extra=()
-  [[ $tool == racecheck ]] && extra=(--racecheck-report hazard)
-  "$cs" --tool "$tool" "${extra[@]}" --print-limit 0 --error-exitcode 99 "$bin/test_gpu_hopper" --gtest_filter='Sanitized.*:SanitizedPFree.*' >"$log" 2>&1
-  rc=$?
-  errors=$(grep -oE "ERROR SUMMARY: [0-9]+ error" "$log" | grep -oE "[0-9]+" | tail -1)
-  hazards=$(grep -oE "RACECHECK SUMMARY: [0-9]+ hazard" "$log" | grep -oE "[0-9]+" | tail -1)
-  passed=$(grep -cE "^\[       OK \]" "$log")
-  if [[ $rc -ne 0 ]]; then fail=1; verdict="FAILED (rc $rc)"; else verdict="clean"; fi
-  summary+=("$tool: rc=$rc errors=${errors:-?} hazards=${hazards:-n/a} tests_ok=$passed -> $verdict")
+# ---- the kernels under every tool (a binary missing from BIN_DIR fails the check)
+for test_bin in test_gpu_hopper test_gpu_kl_forward; do
+  for tool in "${tools[@]}"; do
+    log="$logs/${test_bin}_$tool.log"
+    extra=()
+    [[ $tool == racecheck ]] && extra=(--racecheck-report hazard)
+    "$cs" --tool "$tool" "${extra[@]}" --print-limit 0 --error-exitcode 99 "$bin/$test_bin" --gtest_filter='Sanitized.*:SanitizedPFree.*' >"$log" 2>&1
+    rc=$?
+    errors=$(grep -oE "ERROR SUMMARY: [0-9]+ error" "$log" | grep -oE "[0-9]+" | tail -1)
+    hazards=$(grep -oE "RACECHECK SUMMARY: [0-9]+ hazard" "$log" | grep -oE "[0-9]+" | tail -1)
+    passed=$(grep -cE "^\[       OK \]" "$log")
+    if [[ $rc -ne 0 ]] || (( passed == 0 )); then fail=1; verdict="FAILED (rc $rc, $passed tests ok)"; else verdict="clean"; fi
+    summary+=("$test_bin $tool: rc=$rc errors=${errors:-?} hazards=${hazards:-n/a} tests_ok=$passed -> $verdict")
+  done
 done
 printf '%s\n' "${summary[@]}" | tee "$logs/sanitizer_summary.txt"
 exit $fail
