@@ -18,6 +18,7 @@
 #include <cuda/ptx>
 
 #include "hopper/forward_kernel.cuh"
+#include "hopper/head_sum.cuh"
 #include "hopper/problem_device.cuh"
 #include "hopper/producer_gather.cuh"
 #include "hopper/warpgroup_gemm.cuh"
@@ -122,28 +123,8 @@ struct ForwardScore {
             col[(v / 4) * 2 + v % 2] += w[m][(v >> 1) & 1] * fmaxf(tSrS(v, m, 0), 0.0f);
           }
         }
-        // Butterfly over lanes with the same lane % 4 (xor 16, 8, 4): each step
-        // keeps half the columns and adds the partner's half; lane ends with the
-        // sums over the warp's 16 heads of keys 2 * lane and 2 * lane + 1.
-        float c8[8], c4[4], c2[2];
-        const bool b4 = (lane & 16) != 0, b3 = (lane & 8) != 0, b2 = (lane & 4) != 0;
-        CUTE_UNROLL
-        for (int k = 0; k < 8; ++k) {
-          const float send = b4 ? col[k] : col[k + 8];
-          c8[k] = (b4 ? col[k + 8] : col[k]) + __shfl_xor_sync(0xffffffffu, send, 16);
-        }
-        CUTE_UNROLL
-        for (int k = 0; k < 4; ++k) {
-          const float send = b3 ? c8[k] : c8[k + 4];
-          c4[k] = (b3 ? c8[k + 4] : c8[k]) + __shfl_xor_sync(0xffffffffu, send, 8);
-        }
-        CUTE_UNROLL
-        for (int k = 0; k < 2; ++k) {
-          const float send = b2 ? c4[k] : c4[k + 2];
-          c2[k] = (b2 ? c4[k + 2] : c4[k]) + __shfl_xor_sync(0xffffffffu, send, 4);
-        }
         const int buf = block_count & 1;
-        *reinterpret_cast<float2*>(&ss.z_part[buf][warp][2 * lane]) = make_float2(c2[0], c2[1]);
+        *reinterpret_cast<float2*>(&ss.z_part[buf][warp][2 * lane]) = warp_head_sums(col, lane);
         // z_part[buf] complete. Its next writer (two blocks on) passes the next
         // block's barrier, after this block's reads below.
         forward_score_sync<Config>();

@@ -16,6 +16,7 @@
 #include <cuda/ptx>
 #include <cutlass/arch/barrier.h>
 
+#include "hopper/head_sum.cuh"
 #include "hopper/problem_device.cuh"
 #include "hopper/shared_storage.cuh"
 #include "hopper/warpgroup_gemm.cuh"
@@ -53,25 +54,8 @@ struct ScoreMma {
     for (int j = 0; j < 16; ++j) col[j] = 0.0f;
     CUTE_UNROLL
     for (int v = 0; v < kBlock / 2; ++v) col[(v / 4) * 2 + v % 2] += w_row[(v >> 1) & 1] * fmaxf(tSrS(v), 0.0f);
-    float c8[8], c4[4], c2[2];
-    const bool b4 = (lane & 16) != 0, b3 = (lane & 8) != 0, b2 = (lane & 4) != 0;
-    CUTE_UNROLL
-    for (int k = 0; k < 8; ++k) {
-      const float send = b4 ? col[k] : col[k + 8];
-      c8[k] = (b4 ? col[k + 8] : col[k]) + __shfl_xor_sync(0xffffffffu, send, 16);
-    }
-    CUTE_UNROLL
-    for (int k = 0; k < 4; ++k) {
-      const float send = b3 ? c8[k] : c8[k + 4];
-      c4[k] = (b3 ? c8[k + 4] : c8[k]) + __shfl_xor_sync(0xffffffffu, send, 8);
-    }
-    CUTE_UNROLL
-    for (int k = 0; k < 2; ++k) {
-      const float send = b2 ? c4[k] : c4[k + 2];
-      c2[k] = (b2 ? c4[k + 2] : c4[k]) + __shfl_xor_sync(0xffffffffu, send, 4);
-    }
     // lane holds the sums over its warp's 16 heads of keys 2 * lane and 2 * lane + 1
-    *reinterpret_cast<float2*>(&ss.recompute_p.z_part[warp][2 * lane]) = make_float2(c2[0], c2[1]);
+    *reinterpret_cast<float2*>(&ss.recompute_p.z_part[warp][2 * lane]) = warp_head_sums(col, lane);
     score_sync();  // z_part complete
     if (tid < kBlock) {
       float z = 0.0f;
