@@ -3,9 +3,8 @@
 # DSAIB_BUILD_TESTS=OFF, as pip's wheel build does (pyproject.toml), with the
 # cuda backend as in this build. A test-only CMake command outside the
 # DSAIB_BUILD_TESTS guard fails here (bench/'s gtest_discover_tests, which
-# needs include(GoogleTest), broke `pip install . -C
-# cmake.define.DSAIB_ENABLE_CUDA=ON` from the nineteenth session until the
-# twenty-third).
+# needs include(GoogleTest), once broke `pip install . -C
+# cmake.define.DSAIB_ENABLE_CUDA=ON` unnoticed, as CI builds the CPU wheel).
 # python/ (configured only under pip's SKBUILD, with nanobind) is not covered.
 #   usage: cmake_configure_without_tests.sh CMAKE SOURCE_DIR [cmake options...]
 #   (CMAKE: the cmake that configured this build, ctest passes ${CMAKE_COMMAND})
