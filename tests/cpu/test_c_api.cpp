@@ -14,21 +14,6 @@
 namespace dsaib::test {
 namespace {
 
-dsaib_tensor to_c(const TensorView& v) {
-  dsaib_tensor t;
-  std::memset(&t, 0, sizeof t);
-  t.data = v.data;
-  t.dtype = static_cast<int32_t>(v.dtype);
-  t.rank = v.rank;
-  for (int i = 0; i < 4; ++i) {
-    t.shape[i] = v.shape[i];
-    t.strides[i] = v.strides[i];
-  }
-  t.device = static_cast<int32_t>(v.device);
-  t.device_index = v.device_index;
-  return t;
-}
-
 struct CProblem {
   GeneratedProblem p;
   OutputBuffers o;

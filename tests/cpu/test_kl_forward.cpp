@@ -218,21 +218,6 @@ TEST(KlForward, ValidationNamesTheArgumentBeforeAnyWrite) {
   EXPECT_THROW(reference_kl_forward(p.inputs(), p.options()), Error);  // index_score present
 }
 
-dsaib_tensor to_c(const TensorView& v) {
-  dsaib_tensor t;
-  std::memset(&t, 0, sizeof t);
-  t.data = v.data;
-  t.dtype = static_cast<int32_t>(v.dtype);
-  t.rank = v.rank;
-  for (int i = 0; i < 4; ++i) {
-    t.shape[i] = v.shape[i];
-    t.strides[i] = v.strides[i];
-  }
-  t.device = static_cast<int32_t>(v.device);
-  t.device_index = v.device_index;
-  return t;
-}
-
 TEST(KlForward, CAbiMatchesTheCppApi) {
   GeneratedProblem p = make_problem(spec_of(Layout::thd, 16, 64, 12, IdMode::global, IdPattern::random_permutation, 61));
   const IndexerBackwardInputs i = forward_inputs(p);

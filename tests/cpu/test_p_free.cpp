@@ -185,16 +185,6 @@ TEST(PFree, CAbi) {
   IndexerBackwardOptions opt = p.options();
   ForwardBuffers f = make_forward_buffers(p);
   indexer_kl_forward(forward_inputs(p), f.views(), opt);
-  auto to_c = [](const TensorView& v) {
-    dsaib_tensor t{};
-    t.data = v.data;
-    t.dtype = static_cast<int32_t>(v.dtype);
-    t.rank = v.rank;
-    for (int i = 0; i < 4; ++i) t.shape[i] = v.shape[i], t.strides[i] = v.strides[i];
-    t.device = static_cast<int32_t>(v.device);
-    t.device_index = v.device_index;
-    return t;
-  };
   const IndexerBackwardInputs in = p_free_inputs(p, f);
   dsaib_inputs ci{};
   ci.index_q = to_c(in.index_q), ci.weights = to_c(in.weights), ci.index_k = to_c(in.index_k);

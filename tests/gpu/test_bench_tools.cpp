@@ -3,7 +3,7 @@
 // dsa-floor-bench (the JSON that scripts/ab_compare.py and the perf log read).
 // Without a compute-capability-9.0 GPU every test is SKIPPED (never passed).
 // The binaries are the build tree's; DSAIB_BIN_DIR=dir takes them from dir instead
-// (e.g. .device/bin after scripts/device/stage.sh).
+// (binaries copied to another machine, without the build tree).
 #include <gtest/gtest.h>
 
 #include <unistd.h>

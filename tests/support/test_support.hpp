@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "dsaib/dsaib.h"
 #include "dsaib/generate.hpp"
 #include "dsaib/host_tensor.hpp"
 #include "dsaib/indexer_backward.hpp"
@@ -189,5 +190,8 @@ constexpr bool kSanitizedBuild = true;
 #else
 constexpr bool kSanitizedBuild = false;
 #endif
+
+/// The C ABI's view of a tensor (dsaib.h) with the same data, dtype, shape, strides and device.
+dsaib_tensor to_c(const TensorView& v);
 
 }  // namespace dsaib::test
