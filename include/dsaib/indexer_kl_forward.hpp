@@ -55,9 +55,11 @@ std::size_t indexer_kl_forward_workspace_size(const IndexerBackwardInputs& input
 ///
 /// `inputs` are the backward's, with index_score absent (the forward produces
 /// it: outputs.index_score). Used options: layout, id_mode, backend, sm_scale,
-/// loss_coeff, normalization_count, strict_indices, stream, num_threads; the
-/// others (grad_loss, grad_loss_device, deterministic, a_operand_precision)
-/// are ignored. The loss is bitwise reproducible on every backend.
+/// loss_coeff, normalization_count, strict_indices, stream, num_threads. The
+/// others (grad_loss, grad_loss_device, deterministic, a_operand_precision,
+/// l2_hints, start_stagger) do not change the result but are checked as for
+/// indexer_backward(), so one options struct serves both calls and a bad value
+/// is refused here too. The loss is bitwise reproducible on every backend.
 ///
 /// All validation happens before any output is written; on any error nothing
 /// is written. Errors as indexer_backward(), with the outputs' rules above

@@ -20,7 +20,7 @@
 #include <optional>
 #include <map>
 #include <new>
-#include <unordered_set>
+#include <set>
 #include <string>
 #include <system_error>
 #include <utility>
@@ -85,10 +85,37 @@ bool parse_dtype(const std::string& s, DType* out) {
   return true;
 }
 
+/// A string from the file (a tensor name, a key, a dtype) as error messages show
+/// it: at most 64 bytes (cut before a UTF-8 continuation byte, then "..."), with
+/// NUL as \0 so that what() does not end there. Other control characters are
+/// left to the caller's output (the CLI escapes them for the terminal).
+std::string untrusted(const std::string& s) {
+  constexpr std::size_t kMax = 64;
+  std::size_t n = s.size();
+  bool cut = false;
+  if (n > kMax) {
+    n = kMax - 3;
+    while (n > 0 && (static_cast<unsigned char>(s[n]) & 0xC0) == 0x80) --n;
+    cut = true;
+  }
+  std::string out;
+  out.reserve(n + 8);
+  for (std::size_t i = 0; i < n; ++i) {
+    if (s[i] == '\0') out += "\\0";
+    else out += s[i];
+  }
+  if (cut) out += "...";
+  return out;
+}
+
 /// A short description of a JSON scalar for error messages.
 std::string describe(const json& j) {
   std::string s = j.dump();
-  if (s.size() > 60) s = s.substr(0, 57) + "...";
+  if (s.size() > 60) {
+    std::size_t n = 57;
+    while (n > 0 && (static_cast<unsigned char>(s[n]) & 0xC0) == 0x80) --n;  // not inside a UTF-8 character
+    s = s.substr(0, n) + "...";
+  }
   return s;
 }
 
@@ -133,7 +160,7 @@ struct Entry {
 
 /// The checks of one tensor's object, in the order its members are described.
 Entry parse_entry(const std::string& path, const std::string& name, const TensorFields& f, uint64_t buffer_bytes) {
-  const std::string where = "tensor '" + name + "'";
+  const std::string where = "tensor '" + untrusted(name) + "'";
   for (const auto& [key, member] : {std::pair<const char*, const Member*>{"dtype", &f.dtype},
                                     {"shape", &f.shape},
                                     {"data_offsets", &f.data_offsets}}) {
@@ -147,9 +174,9 @@ Entry parse_entry(const std::string& path, const std::string& name, const Tensor
   const std::string ds = f.dtype.scalar.get<std::string>();
   if (!parse_dtype(ds, &e.dtype)) {
     if (is_known_unsupported_dtype(ds)) {
-      io_fail(path, where + ": unsupported dtype " + ds + " (supported: BF16, F32, I32)");
+      io_fail(path, where + ": unsupported dtype " + untrusted(ds) + " (supported: BF16, F32, I32)");
     }
-    io_fail(path, where + ": unknown dtype \"" + ds + "\" (supported: BF16, F32, I32)");
+    io_fail(path, where + ": unknown dtype \"" + untrusted(ds) + "\" (supported: BF16, F32, I32)");
   }
   if (f.shape.kind != Member::Kind::array) {
     io_fail(path, where + ": shape: expected an array of sizes, got " + f.shape.describe());
@@ -233,7 +260,7 @@ class HeaderReader final : public nlohmann::json_sax<json> {
     switch (frames_.back()) {
       case Frame::header:
         if (!names_.insert(k).second) duplicate(k);
-        count_entry();
+        if (k != kMetadataKey) count_entry();  // the limit counts tensors and metadata keys
         key_ = std::move(k);
         break;
       case Frame::metadata:
@@ -269,9 +296,9 @@ class HeaderReader final : public nlohmann::json_sax<json> {
 
   /// A tensor member (dtype, shape or data_offsets) is being read into member_.
   bool capturing() const { return member_ != nullptr; }
-  std::string tensor_where() const { return "tensor '" + key_ + "'"; }
+  std::string tensor_where() const { return "tensor '" + untrusted(key_) + "'"; }
 
-  [[noreturn]] void duplicate(const std::string& k) { io_fail(path_, "header: duplicate key \"" + k + "\""); }
+  [[noreturn]] void duplicate(const std::string& k) { io_fail(path_, "header: duplicate key \"" + untrusted(k) + "\""); }
 
   void count_entry() {
     if (++entry_count_ > kMaxEntries) {
@@ -290,7 +317,7 @@ class HeaderReader final : public nlohmann::json_sax<json> {
         if (key_ == kMetadataKey) io_fail(path_, "__metadata__: expected an object of strings, got " + describe(v));
         io_fail(path_, tensor_where() + ": expected an object {dtype, shape, data_offsets}, got " + describe(v));
       case Frame::metadata:
-        io_fail(path_, "__metadata__[\"" + key_ + "\"]: expected a string, got " + describe(v));
+        io_fail(path_, "__metadata__[\"" + untrusted(key_) + "\"]: expected a string, got " + describe(v));
       case Frame::tensor:
         if (capturing()) {
           member_->kind = Member::Kind::scalar;
@@ -337,7 +364,7 @@ class HeaderReader final : public nlohmann::json_sax<json> {
         }
         return true;
       case Frame::metadata:
-        io_fail(path_, "__metadata__[\"" + key_ + "\"]: expected a string, got " + what);
+        io_fail(path_, "__metadata__[\"" + untrusted(key_) + "\"]: expected a string, got " + what);
       case Frame::tensor:
         if (capturing()) member_->kind = object ? Member::Kind::object : Member::Kind::array;
         frames_.push_back(nested);
@@ -359,7 +386,10 @@ class HeaderReader final : public nlohmann::json_sax<json> {
   const uint64_t buffer_bytes_;
   std::vector<Frame> frames_;
   std::string key_;                       // the current key of the header or __metadata__ object
-  std::unordered_set<std::string> names_;  // keys of the header object
+  // Keys of the header object. Ordered: a hash set's buckets can be flooded by
+  // names chosen to collide under std::hash (a fixed, public seed), which made
+  // the duplicate check quadratic; compares cost O(log n) whatever the names.
+  std::set<std::string> names_;
   uint64_t entry_count_ = 0;
   TensorFields fields_;                   // of the tensor being read
   Member* member_ = nullptr;              // the member of fields_ being read, if a known one
@@ -450,8 +480,8 @@ std::map<std::string, HostTensor> read_safetensors(const std::string& path,
     const Entry& a = *by_offset[i - 1];
     const Entry& b = *by_offset[i];
     if (b.begin < a.end) {
-      io_fail(path, "tensors '" + a.name + "' [" + std::to_string(a.begin) + ", " + std::to_string(a.end) + ") and '" +
-                        b.name + "' [" + std::to_string(b.begin) + ", " + std::to_string(b.end) + ") overlap");
+      io_fail(path, "tensors '" + untrusted(a.name) + "' [" + std::to_string(a.begin) + ", " + std::to_string(a.end) + ") and '" +
+                        untrusted(b.name) + "' [" + std::to_string(b.begin) + ", " + std::to_string(b.end) + ") overlap");
     }
   }
 
@@ -460,7 +490,7 @@ std::map<std::string, HostTensor> read_safetensors(const std::string& path,
   uint64_t covered = 0;
   for (const Entry* e : by_offset) {
     if (e->begin != covered) {
-      io_fail(path, "tensor '" + e->name + "' starts at byte " + std::to_string(e->begin) + " of the data buffer, expected " +
+      io_fail(path, "tensor '" + untrusted(e->name) + "' starts at byte " + std::to_string(e->begin) + " of the data buffer, expected " +
                         std::to_string(covered) + " (the tensors must cover the buffer without holes)");
     }
     covered = e->end;
@@ -480,13 +510,13 @@ std::map<std::string, HostTensor> read_safetensors(const std::string& path,
       t.bytes.resize(e->end - e->begin);
     } catch (const std::bad_alloc&) {
       throw Error(ErrorCode::out_of_memory, path,
-                  path + ": tensor '" + e->name + "': expected room in host memory for its " +
+                  path + ": tensor '" + untrusted(e->name) + "': expected room in host memory for its " +
                       std::to_string(e->end - e->begin) + " bytes, got an allocation failure");
     }
     if (!t.bytes.empty()) {
       f.seekg(static_cast<std::streamoff>(data_start + e->begin), std::ios::beg);
       f.read(reinterpret_cast<char*>(t.bytes.data()), static_cast<std::streamsize>(t.bytes.size()));
-      if (!f) io_fail(path, "tensor '" + e->name + "': cannot read its " + std::to_string(t.bytes.size()) + " bytes");
+      if (!f) io_fail(path, "tensor '" + untrusted(e->name) + "': cannot read its " + std::to_string(t.bytes.size()) + " bytes");
     }
     out.emplace(e->name, std::move(t));
   }

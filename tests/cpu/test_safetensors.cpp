@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <ctime>
 #include <filesystem>
@@ -294,6 +295,85 @@ TEST(Safetensors, HeaderParseIsLinearInItsSize) {
   EXPECT_EQ(tensors.at("t199999").shape, (std::vector<int64_t>{0}));
   std::filesystem::remove(many);
   std::filesystem::remove(valid);
+}
+
+/// `n` distinct 16-byte ASCII names that libstdc++'s std::hash<std::string> maps
+/// to one value (its _Hash_bytes has a fixed, public seed, so its second 8-byte
+/// block can be solved for a chosen state): a hash set of them degrades to a
+/// list. Returned as JSON string bodies (control characters, '"' and '\\' as
+/// \u00XX, which the parser decodes to those bytes).
+std::vector<std::string> colliding_names(size_t n) {
+  const uint64_t mul = (uint64_t{0xc6a4a793u} << 32) + 0x5bd1e995u, seed = 0xc70f6907u;
+  auto shift_mix = [](uint64_t v) { return v ^ (v >> 47); };
+  uint64_t mul_inv = mul;  // Newton's iteration for the inverse mod 2^64
+  for (int i = 0; i < 6; ++i) mul_inv *= 2 - mul * mul_inv;
+  auto ascii = [](uint64_t v) { return (v & 0x8080808080808080ULL) == 0; };
+  const uint64_t h0 = seed ^ (16 * mul), target = 0x123456789abcdefULL;
+  std::mt19937_64 rng(1);
+  std::vector<std::string> names;
+  while (names.size() < n) {
+    uint64_t a1 = 0;
+    for (int i = 0; i < 8; ++i) a1 |= uint64_t(0x21 + rng() % 90) << (8 * i);
+    const uint64_t h1 = (h0 ^ (shift_mix(a1 * mul) * mul)) * mul;
+    const uint64_t a2 = shift_mix((h1 ^ target) * mul_inv) * mul_inv;
+    if (!ascii(a2)) continue;
+    std::string s(16, '\0');
+    std::memcpy(s.data(), &a1, 8);
+    std::memcpy(s.data() + 8, &a2, 8);
+    names.push_back(s);
+  }
+  return names;
+}
+
+// Names chosen to collide in a hash table (hash flooding) cost no more than
+// other names: the duplicate-key check does not hash the names.
+TEST(Safetensors, HeaderParseIsLinearForCollidingNames) {
+  const std::vector<std::string> names = colliding_names(50000);
+  ASSERT_EQ(std::hash<std::string>{}(names[0]), std::hash<std::string>{}(names[1]))
+      << "the names no longer collide under this standard library's std::hash";
+  auto json_body = [](const std::string& name) {
+    std::string out;
+    for (const char c : name) {
+      if (static_cast<unsigned char>(c) < 0x20 || c == '"' || c == '\\') {
+        char esc[8];
+        std::snprintf(esc, sizeof esc, "\\u%04x", static_cast<unsigned>(static_cast<unsigned char>(c)));
+        out += esc;
+      } else {
+        out += c;
+      }
+    }
+    return out;
+  };
+  const std::string entries = object_of(names.size(), [&](size_t i) {
+    return "\"" + json_body(names[i]) + R"(":{"dtype":"F32","shape":[0],"data_offsets":[0,0]})";
+  });
+  const std::string path = temp_path("colliding_names.safetensors");
+  write_bytes(path, make_file(entries, ""));
+  const double t0 = cpu_seconds();
+  const auto tensors = dsaib::read_safetensors(path);
+  EXPECT_LT(cpu_seconds() - t0, 1.5) << "50000 names of one hash value";
+  EXPECT_EQ(tensors.size(), names.size());
+  std::filesystem::remove(path);
+}
+
+// Strings from the file reach error messages bounded (64 bytes) and whole: a NUL
+// shows as \0 instead of ending what() there.
+TEST(Safetensors, FileStringsInErrorsAreBoundedAndKeepTheirEnd) {
+  const std::string d(4, '\0');
+  const std::string long_dtype(1 << 20, 'X');
+  const std::string path = temp_path("long_dtype.safetensors");
+  write_bytes(path, make_file(R"({"x":{"dtype":")" + long_dtype + R"(","shape":[1],"data_offsets":[0,4]}})", d));
+  try {
+    dsaib::read_safetensors(path);
+    ADD_FAILURE() << "no error";
+  } catch (const dsaib::Error& e) {
+    EXPECT_EQ(e.code(), dsaib::ErrorCode::io_error);
+    EXPECT_LT(std::string(e.what()).size(), 400u) << e.what();
+    EXPECT_NE(std::string(e.what()).find("...\" (supported: BF16, F32, I32)"), std::string::npos) << e.what();
+  }
+  write_bytes(path, make_file(R"({"x":{"dtype":"F32\u0000","shape":[1],"data_offsets":[0,4]}})", d));
+  expect_io_error(path, {"unknown dtype \"F32\\0\" (supported: BF16, F32, I32)"});
+  std::filesystem::remove(path);
 }
 
 // Bounds on what a header can make the reader hold: tensors and metadata keys
