@@ -216,6 +216,7 @@ struct BenchArgs {
   std::string l2_hints = "auto";                // IndexerBackwardOptions::l2_hints
   std::string start_stagger = "auto";           // IndexerBackwardOptions::start_stagger
   bool deterministic = false;                   // IndexerBackwardOptions::deterministic
+  std::string op = "backward";                  // backward, forward, step or one-call (bench::BenchOp)
   std::string command_line;                     // for the JSON report
 };
 

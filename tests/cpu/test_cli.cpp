@@ -469,12 +469,16 @@ TEST_F(Cli, FileWrittenWithTheLargestFloatLoadsBack) {
 TEST_F(Cli, BenchWithoutAGpuSaysItNeedsTheCudaBackendAndAGpu) {
   if (dsaib::cuda_backend_available()) GTEST_SKIP() << "a compute-capability-9.0 GPU is present: bench would run";
   for (const std::string& args :
-       {std::string("bench"), "bench --seq 256 --ids random --iters 1 --json " + quote(path("b.json"))}) {
+       {std::string("bench"), "bench --seq 256 --ids random --iters 1 --json " + quote(path("b.json")),
+        std::string("bench --op forward"), std::string("bench --op step"), std::string("bench --op one-call")}) {
     const Result r = run(args);
     EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.output;
     EXPECT_TRUE(contains(r.output, "error (backend_unavailable): bench needs the CUDA backend and a GPU")) << r.output;
   }
   EXPECT_FALSE(std::filesystem::exists(path("b.json")));
+  const Result bad_op = run("bench --op loss");
+  EXPECT_EQ(bad_op.exit_code, 2) << bad_op.output;
+  EXPECT_TRUE(contains(bad_op.output, "--op")) << bad_op.output;
   // With --json - the JSON goes to stdout, and so does the error, as a JSON object (as backward --json),
   // a command-line error included.
   for (const auto& [args, code] : {std::pair<std::string, std::string>{"bench --seq 256 --json -", "backend_unavailable"},
