@@ -158,10 +158,10 @@ SetViews views_of(const OpCase& c, void* const ptr[9], DeviceType dev, int devic
   s.in = IndexerBackwardInputs{v(0, DType::bf16, {B, S, H, D}), v(1, DType::bf16, {B, S, H}),
                                v(2, DType::bf16, {B, S, D}),    v(3, DType::i32, {B, S, K}),
                                v(4, DType::f32, {B, S, K}),     v(5, DType::f32, {B, S, K}),
-                               {},
-                               {},
-                               {},
-                               {}};
+                               {},   // cu_seqlens_q
+                               {},   // cu_seqlens_k
+                               {},   // row_lse (the P form reads index_score)
+                               {}};  // row_target_mass
   s.out = IndexerBackwardOutputs{v(6, DType::bf16, {B, S, H, D}), v(7, DType::bf16, {B, S, H}),
                                  v(8, DType::bf16, {B, S, D})};
   if (c.op == BenchOp::kl_forward) {
