@@ -20,6 +20,7 @@ struct BackendChoice {
 
 /// Everything a backward run produced and how it was judged: what the reports print.
 struct BackwardOutcome {
+  LossOp op = LossOp::backward;
   Problem p;
   Geometry g;
   BackendChoice backend;

@@ -1,5 +1,7 @@
-// `dsa-indexer-bwd backward`: reads or generates a problem, runs the backward on
-// a backend, verifies it against the fp64 reference, writes the gradients, reports.
+// `dsa-indexer-bwd backward`, `forward` and `step`: reads or generates a problem,
+// runs one library call on a backend (the backward given P, the loss forward, or
+// the loss and gradients in one call), verifies it against the fp64 reference,
+// writes the outputs, reports.
 #include <algorithm>
 #include <cmath>
 #include <map>
@@ -13,35 +15,78 @@
 
 namespace dsaib::cli {
 
-BackwardCommand::BackwardCommand(CLI::App& app) {
-  cmd_ = app.add_subcommand("backward", "run, time and verify the backward of a problem");
+namespace {
+
+const char* command_description(LossOp op) {
+  switch (op) {
+    case LossOp::forward:
+      return "run, time and verify the loss forward of a problem (indexer_kl_forward: the loss, each row's LSE and "
+             "target mass, P)";
+    case LossOp::step:
+      return "run, time and verify the loss and its gradients in one call (indexer_kl_loss_and_grad: the forward "
+             "and the P-free backward, no P)";
+    case LossOp::backward: break;
+  }
+  return "run, time and verify the backward of a problem";
+}
+
+const char* out_flag_help(LossOp op) {
+  switch (op) {
+    case LossOp::forward: return "write loss, row_lse, row_target_mass, index_score to this .safetensors file";
+    case LossOp::step: return "write loss, d_index_q, d_weights, d_index_k to this .safetensors file";
+    case LossOp::backward: break;
+  }
+  return "write d_index_q, d_weights, d_index_k to this .safetensors file";
+}
+
+}  // namespace
+
+BackwardCommand::BackwardCommand(CLI::App& app, LossOp op) : op_(op) {
+  cmd_ = app.add_subcommand(loss_op_name(op), command_description(op));
   BackwardArgs& a = args_;
+  const bool gradients = op != LossOp::forward;
   cmd_->add_option("--in,-i", a.in, "input problem file (else one is generated from the generation flags)")
       ->check(nonempty_path());
-  cmd_->add_option("--out,-o", a.out, "write d_index_q, d_weights, d_index_k to this .safetensors file")
-      ->check(nonempty_path());
+  cmd_->add_option("--out,-o", a.out, out_flag_help(op))->check(nonempty_path());
   gen_.add(cmd_);
   scalars_.add(cmd_, true);
   cmd_->add_option("--backend", a.backend, "auto (cuda if available, else cpu), cpu or cuda")
       ->check(one_of({"auto", "cpu", "cuda"}))
       ->default_str("auto");
-  cmd_->add_option("--out-dtype", a.out_dtype, "dtype of the gradients")
-      ->check(one_of({"bf16", "f32"}))
-      ->default_str("bf16");
-  cmd_->add_option("--verify", a.verify,
-                   "compare with the fp64 reference: all rows, sampled rows, none, or auto (all for problems up to "
-                   "about twice the small preset, else sample)")
-      ->check(one_of({"auto", "none", "all", "sample"}))
-      ->default_str("auto");
-  cmd_->add_option("--sample-rows", a.sample_rows, "query rows and key rows checked by --verify sample")
-      ->check(int_range(1))
-      ->default_str("64");
+  if (gradients) {
+    cmd_->add_option("--out-dtype", a.out_dtype, "dtype of the gradients")
+        ->check(one_of({"bf16", "f32"}))
+        ->default_str("bf16");
+  }
+  if (gradients) {
+    cmd_->add_option("--verify", a.verify,
+                     "compare with the fp64 reference: all rows, sampled rows, none, or auto (all for problems up to "
+                     "about twice the small preset, else sample)" +
+                         std::string(op == LossOp::step ? "; the loss always against the whole fp64 forward" : ""))
+        ->check(one_of({"auto", "none", "all", "sample"}))
+        ->default_str("auto");
+    cmd_->add_option("--sample-rows", a.sample_rows, "query rows and key rows checked by --verify sample")
+        ->check(int_range(1))
+        ->default_str("64");
+  } else {
+    cmd_->add_option("--verify", a.verify,
+                     "compare the loss, row_lse, row_target_mass and P with the fp64 reference forward: all (auto) "
+                     "or none")
+        ->check(one_of({"auto", "none", "all"}))
+        ->default_str("auto");
+  }
   cmd_->add_option("--threads", a.threads, "worker threads of the cpu backend, reference and generator (0: all cores)")
       ->check(int_range(0, 1 << 20));
   cmd_->add_option("--warmup", a.warmup, "untimed runs before the timed ones (default: 1 on cuda, 0 on cpu)")
       ->check(int_range(0, 100000));
   cmd_->add_option("--repeat", a.repeat, "timed runs (>= 1)")->check(int_range(1, 1000000))->default_str("1");
   cmd_->add_flag("--strict-indices", a.strict, "raise an error on the first invalid (out of range) id");
+  if (!gradients) {
+    cmd_->add_flag("--json", a.json,
+                   "print the report as JSON on stdout (an error too: {\"error\": {code, argument, message}, "
+                   "\"result\": \"ERROR\"})");
+    return;
+  }
   cmd_->add_flag("--deterministic", a.deterministic,
                  "bitwise reproducible d_index_k on cuda (64-bit fixed-point accumulation, docs/api.md "
                  "\"Determinism\"); the cpu backend always is");
@@ -117,6 +162,10 @@ BackendChoice choose_backend(const std::string& requested) {
 /// The a-operand precision of the dK/dQ GEMMs (IndexerBackwardOptions::a_operand_precision):
 /// auto is bf16x2 when an output is f32, else bf16; the cpu backend ignores it (fp64 throughout).
 void describe_a_operand(BackwardOutcome& o) {
+  if (o.op == LossOp::forward) {
+    o.a_operand_used = o.a_operand_line = "ignored (the forward has no dK/dQ GEMMs)";
+    return;
+  }
   if (o.backend.backend != Backend::cuda) {
     o.a_operand_used = o.a_operand_line = "ignored (cpu backend)";
     return;
@@ -160,14 +209,79 @@ std::string verdict(const BackwardOutcome& o) {
   if (o.v.mode != "none") {
     // No query rows: d_index_q / d_weights are empty and d_index_k is all zero, so a PASS
     // compares nothing but that; say so rather than print a bare PASS.
+    if (o.op == LossOp::forward) return o.g.num_q_rows == 0 ? "PASS (no query rows: the loss is 0)" : "PASS";
     return o.r.d_index_q.numel() == 0 ? "PASS (no query rows: empty d_index_q / d_weights, d_index_k all zero)"
                                       : "PASS";
   }
   return o.stored.empty() ? "OK (not verified)" : "PASS (stored gradients only)";
 }
 
+/// NaN/inf among the outputs, which were poisoned with NaN; -inf in row_lse is
+/// a row without a valid slot, not a missed element.
+int64_t count_nonfinite_outputs(const BackwardOutcome& o) {
+  int64_t n = 0;
+  for (const HostTensor* t : {&o.r.d_index_q, &o.r.d_weights, &o.r.d_index_k, &o.r.loss, &o.r.row_target_mass,
+                              &o.r.index_score}) {
+    if (!t->bytes.empty()) n += count_nonfinite(*t);
+  }
+  for (int64_t i = 0; i < (o.r.row_lse.bytes.empty() ? 0 : o.r.row_lse.numel()); ++i) {
+    const double x = element(o.r.row_lse, i);
+    n += (std::isnan(x) || (x > 0 && std::isinf(x))) ? 1 : 0;
+  }
+  return n;
+}
+
+/// The outputs of the op as named tensors: those --out writes.
+std::map<std::string, HostTensor> op_outputs(const BackwardOutcome& o) {
+  switch (o.op) {
+    case LossOp::forward:
+      return {{"loss", o.r.loss}, {"row_lse", o.r.row_lse}, {"row_target_mass", o.r.row_target_mass},
+              {"index_score", o.r.index_score}};
+    case LossOp::step:
+      return {{"loss", o.r.loss}, {"d_index_q", o.r.d_index_q}, {"d_weights", o.r.d_weights},
+              {"d_index_k", o.r.d_index_k}};
+    case LossOp::backward: break;
+  }
+  return {{"d_index_q", o.r.d_index_q}, {"d_weights", o.r.d_weights}, {"d_index_k", o.r.d_index_k}};
+}
+
+/// Useful FLOP of the op: 2*H*D per valid slot for GEMM1 (the forward), 6*H*D
+/// for the backward's three GEMMs, 8*H*D for both.
+double useful_flops(const BackwardOutcome& o) {
+  const double per_slot = o.op == LossOp::forward ? 2.0 : (o.op == LossOp::step ? 8.0 : 6.0);
+  return per_slot * double(o.g.heads) * double(o.g.head_dim) * double(o.g.valid_slots);
+}
+
+/// Verifies the op against the fp64 reference in `mode`: the forward's outputs
+/// (verify_forward); the gradients (verify_all / verify_sampled); for step
+/// first the loss, then the gradients against the reference backward given the
+/// reference forward's P, which is the P the one call rebuilds.
+Verification verify_op(const BackwardOutcome& o, const std::string& mode, int64_t sample_rows, uint64_t seed,
+                       int32_t threads) {
+  Verification v;
+  v.mode = mode;
+  if (mode == "none") return v;
+  if (o.op == LossOp::backward) {
+    return mode == "all" ? verify_all(o.p, o.g, o.r, threads)
+                         : verify_sampled(o.p, o.g, o.r, sample_rows, seed, threads);
+  }
+  ReferenceKLForward ref;
+  const Verification fwd = verify_forward(o.p, o.r, threads, &ref);
+  if (o.op == LossOp::forward) return fwd;
+  Problem with_p = o.p;
+  HostTensor P(DType::f32, o.p.tensors.at("topk_indices").shape);
+  for (size_t i = 0; i < ref.index_score.size(); ++i) P.data<float>()[i] = static_cast<float>(ref.index_score[i]);
+  with_p.tensors["index_score"] = std::move(P);
+  v = mode == "all" ? verify_all(with_p, o.g, o.r, threads)
+                    : verify_sampled(with_p, o.g, o.r, sample_rows, seed, threads);
+  v.metrics.insert(v.metrics.begin(), fwd.metrics.begin(), fwd.metrics.end());
+  v.seconds += fwd.seconds;
+  return v;
+}
+
 void write_gradients(const std::string& out, const BackwardOutcome& o) {
   const std::map<std::string, std::string> meta = {
+      {"op", loss_op_name(o.op)},
       {"backend", backend_name(o.backend.backend)},
       {"out_dtype", dtype_name(o.out_dtype)},
       {"layout", layout_name(o.p.options.layout)},
@@ -178,10 +292,9 @@ void write_gradients(const std::string& out, const BackwardOutcome& o) {
       // N as the library uses it (max(rows, 1) when 0)
       {"normalization_count", std::to_string(o.g.normalization_count)},
       {"input", utf8_text(o.p.origin)},
-      {"backward_seconds", format_float(o.mean_seconds)},
+      {std::string(loss_op_name(o.op)) + "_seconds", format_float(o.mean_seconds)},
   };
-  write_safetensors(out, {{"d_index_q", o.r.d_index_q}, {"d_weights", o.r.d_weights}, {"d_index_k", o.r.d_index_k}},
-                    meta);
+  write_safetensors(out, op_outputs(o), meta);
   log_stage("wrote " + out);
 }
 
@@ -204,6 +317,7 @@ int BackwardCommand::run() {
   if (!a.out.empty()) check_out_path(a.out, a.in);
 
   BackwardOutcome o;
+  o.op = op_;
   if (!a.in.empty()) {
     o.p = read_input(a.in, scalars_);
   } else {
@@ -220,27 +334,28 @@ int BackwardCommand::run() {
 
   o.backend = choose_backend(a.backend);
   log_stage("backend: " + o.backend.line());
-  o.out_dtype = a.out_dtype == "f32" ? DType::f32 : DType::bf16;
+  o.out_dtype = a.out_dtype == "f32" || o.op == LossOp::forward ? DType::f32 : DType::bf16;
   o.warmup = a.warmup >= 0 ? a.warmup : (o.backend.backend == Backend::cuda ? 1 : 0);
   describe_a_operand(o);
   log_stage("problem: " + o.g.summary());
   find_nonfinite_inputs(o);
 
-  o.r = o.backend.backend == Backend::cuda ? run_cuda(o.p, o.g, o.out_dtype, o.warmup, a.repeat)
-                                           : run_cpu(o.p, o.g, o.out_dtype, threads, o.warmup, a.repeat);
+  o.r = o.backend.backend == Backend::cuda ? run_cuda(o.p, o.g, o.out_dtype, o.warmup, a.repeat, o.op)
+                                           : run_cpu(o.p, o.g, o.out_dtype, threads, o.warmup, a.repeat, o.op);
   o.mean_seconds = std::accumulate(o.r.seconds.begin(), o.r.seconds.end(), 0.0) / o.r.seconds.size();
   o.best_seconds = *std::min_element(o.r.seconds.begin(), o.r.seconds.end());
-  o.flops = 6.0 * double(o.g.heads) * double(o.g.head_dim) * double(o.g.valid_slots);
+  o.flops = useful_flops(o);
 
-  const std::string mode = verify_mode(a.verify, o.g);
-  if (mode == "all") o.v = verify_all(o.p, o.g, o.r, threads);
-  else if (mode == "sample") o.v = verify_sampled(o.p, o.g, o.r, a.sample_rows, gen_.f.seed, threads);
-  else o.v.mode = "none";
+  // The forward has no sampled reference: auto verifies all its rows.
+  const std::string mode = o.op == LossOp::forward && a.verify == "auto" ? "all" : verify_mode(a.verify, o.g);
+  o.v = verify_op(o, mode, a.sample_rows, gen_.f.seed, threads);
   // Gradients stored in the input file by its producer (scripts/dump_torch_step.py --with-grads):
   // compared too, unless scalar overrides changed the problem.
-  if (!a.in.empty() && !scalars_.any_given()) o.stored = verify_against_stored(o.p, o.r, "torch_");
+  if (!a.in.empty() && !scalars_.any_given() && o.op != LossOp::forward) {
+    o.stored = verify_against_stored(o.p, o.r, "torch_");
+  }
   // Outputs were poisoned with NaN: every element must come back finite (checked even without --verify).
-  o.nonfinite_outputs = count_nonfinite(o.r.d_index_q) + count_nonfinite(o.r.d_weights) + count_nonfinite(o.r.d_index_k);
+  o.nonfinite_outputs = count_nonfinite_outputs(o);
   // Non-finite inputs make the gradients meaningless even where they match the
   // reference (a NaN logit drops out silently): never a PASS.
   o.pass = o.v.pass() && o.nonfinite_outputs == 0 && o.input_nonfinite.empty() &&

@@ -179,6 +179,7 @@ nlohmann::ordered_json verify_json(const BackwardOutcome& o) {
 void print_backward_json(const BackwardOutcome& o, const BackwardArgs& a) {
   const IndexerBackwardOptions& opt = o.p.options;
   nlohmann::ordered_json j;
+  j["op"] = loss_op_name(o.op);
   j["problem"] = problem_json(o);
   j["input"] = o.p.origin;
   j["scalars"] = {{"sm_scale", opt.sm_scale},
@@ -189,6 +190,7 @@ void print_backward_json(const BackwardOutcome& o, const BackwardArgs& a) {
   j["out_dtype"] = dtype_name(o.out_dtype);
   j["a_operand"] = {{"requested", a_operand_precision_name(opt.a_operand_precision)}, {"used", o.a_operand_used}};
   j["deterministic"] = opt.deterministic;
+  if (o.op != LossOp::backward) j["loss"] = element(o.r.loss, 0);
   j["timing"] = timing_json(o);
   j["verify"] = verify_json(o);
   nlohmann::ordered_json nfi = nlohmann::ordered_json::object();
@@ -207,7 +209,7 @@ void print_backward_text(const BackwardOutcome& o, const BackwardArgs& a, bool s
   const double mean = o.mean_seconds;
   const int64_t slots = g.num_q_rows * g.topk;
   std::ostringstream s;
-  s << "dsa-indexer-bwd backward\n"
+  s << "dsa-indexer-bwd " << loss_op_name(o.op) << "\n"
     << "  problem     " << g.summary() << "\n"
     << "  input       " << terminal_text(o.p.origin) << "\n"
     << "  dtypes      " << tensor_dtypes(o.p) << " -> outputs " << dtype_name(o.out_dtype) << "\n"
@@ -223,7 +225,10 @@ void print_backward_text(const BackwardOutcome& o, const BackwardArgs& a, bool s
                                              : "requested (--deterministic; the cpu backend always is)")
       << "\n";
   }
-  s << "  backward    " << human_seconds(mean);
+  if (o.op != LossOp::backward) s << "  loss        " << format_float(element(o.r.loss, 0)) << "\n";
+  char label[16];
+  std::snprintf(label, sizeof label, "  %-12s", loss_op_name(o.op));
+  s << label << human_seconds(mean);
   if (o.r.seconds.size() > 1) s << " mean, " << human_seconds(o.best_seconds) << " min of " << o.r.seconds.size() << " runs";
   s << " (" << human_seconds(g.num_q_rows > 0 ? mean / double(g.num_q_rows) : 0.0) << " per query row, "
     << fixed(mean > 0 ? o.flops * 1e-9 / mean : 0.0, 2) << " GFLOP/s useful; " << o.r.timer << ")\n";

@@ -68,6 +68,15 @@ struct Floors {
   bool checks_ok = true;                                      // every micro-benchmark's correctness check
 };
 
+/// The op of --op (its words: bench::bench_op_name).
+bench::BenchOp bench_op(const std::string& word) {
+  for (bench::BenchOp op : {bench::BenchOp::backward, bench::BenchOp::kl_forward, bench::BenchOp::step,
+                            bench::BenchOp::one_call}) {
+    if (word == bench::bench_op_name(op)) return op;
+  }
+  throw Error(ErrorCode::invalid_argument, "op", "--op: expected backward, forward, step or one-call, got " + word);
+}
+
 /// The cases (--ids x --seq), checked against the library's rules before anything runs.
 std::vector<bench::OpCase> bench_cases(const BenchArgs& a) {
   std::vector<bench::OpCase> cases;
@@ -93,6 +102,7 @@ std::vector<bench::OpCase> bench_cases(const BenchArgs& a) {
                     "--start-stagger: expected auto or off, got " + a.start_stagger);
       }
       c.deterministic = a.deterministic;
+      c.op = bench_op(a.op);
       bench::check_case(c);
       cases.push_back(c);
     }
@@ -110,6 +120,7 @@ std::string device_line(const bench::DeviceInfo& dev) {
 
 void print_header(std::ostream& out, const BenchArgs& a, const bench::DeviceInfo& dev) {
   out << "dsa-indexer-bwd bench\n"
+      << "  op          " << a.op << "\n"
       << "  device      " << device_line(dev) << "\n"
       << "  method      CUDA events around each launch; median (min-max) of " << a.iters << " launches after "
       << a.warmup << " warm-ups; input sets rotated beyond L2\n"
@@ -266,7 +277,8 @@ nlohmann::ordered_json run_case(std::ostream& out, const bench::OpCase& c, const
                 r.tflops, r.dk_gbps, cf.floor_ns.c_str(), cf.floor_x.c_str(), cf.traffic_x.c_str(), fixed_ratio);
   out << line << std::flush;
   const nlohmann::ordered_json sustained = report_sustained(out, r, cf);
-  return {{"ids", bench::id_pattern_name(c.ids)},
+  return {{"op", bench::bench_op_name(c.op)},
+          {"ids", bench::id_pattern_name(c.ids)},
           {"batch", c.batch},
           {"seq", c.seq},
           {"seq_kv", c.seq},
@@ -298,14 +310,17 @@ nlohmann::ordered_json run_case(std::ostream& out, const bench::OpCase& c, const
 
 nlohmann::ordered_json method_json() {
   return {
-      {"op", "the whole op on the cuda backend: dK workspace zeroing, fused kernel, bf16 cast of dK"},
+      {"op", "the whole op on the cuda backend, per case (cases[].op): backward = indexer_backward given P (dK "
+             "workspace zeroing, fused kernel, bf16 cast of dK); forward = indexer_kl_forward; step = "
+             "indexer_kl_forward then the P-free indexer_backward; one-call = indexer_kl_loss_and_grad"},
       {"timing", "CUDA events recorded around each launch on a non-blocking stream, synchronised after each; "
                  "warm-up launches untimed"},
       {"statistics", "median, min and max over the timed launches; ns_per_row = time / (B*S_q)"},
       {"sustained", "after the timed launches, settings.sustained_ms of launches back to back (an event between "
                     "each two, no spin, no host wait); sustained.ns_per_row = the median over the second half "
                     "of them (the steady state under the GPU's power limit), ratios as above; null when 0"},
-      {"tflops", "6*H*D FLOP per valid slot / median time"},
+      {"tflops", "useful FLOP per valid slot / median time: 6*H*D (backward), 2*H*D (forward), 8*H*D (step, "
+                 "one-call)"},
       {"dk_reduce_gbps", "D*4 bytes of fp32 dK reduce per valid slot / median time"},
       {"input_rotation", bench::rotation_method()},
       {"floor_formula", kBenchFloorFormula},
@@ -357,7 +372,7 @@ nlohmann::ordered_json bench_json(const BenchArgs& a, const bench::DeviceInfo& d
                  {"memory_bytes", dev.total_bytes},
                  {"driver", version_string(dev.driver_version)},
                  {"runtime", version_string(dev.runtime_version)}};
-  j["settings"] = {{"iters", a.iters},      {"warmup", a.warmup},     {"input_sets", a.input_sets},
+  j["settings"] = {{"op", a.op},            {"iters", a.iters},      {"warmup", a.warmup},     {"input_sets", a.input_sets},
                    {"sustained_ms", a.sustained_ms + 0.0},
                    {"seed", a.seed},        {"floor", !a.no_floor},   {"dtypes", "bf16 inputs and outputs"},
                    {"layout", "bshd"},      {"id_mode", "local"}};

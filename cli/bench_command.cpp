@@ -54,6 +54,12 @@ BenchCommand::BenchCommand(CLI::App& app) {
   cmd_->add_option("--heads", a.heads, "H: index heads (multiple of 8, 8..128)")->check(heads_value())->default_str("64");
   cmd_->add_option("--dim", a.dim, "D: head dimension")->check(head_dim_value())->default_str("128");
   cmd_->add_option("--topk", a.topk, "selected keys per query row")->check(int_range(1))->default_str("2048");
+  cmd_->add_option("--op", a.op,
+                   "what each case times: backward (indexer_backward given P), forward (indexer_kl_forward), step "
+                   "(indexer_kl_forward, then the P-free indexer_backward: an autograd loss's training step) or "
+                   "one-call (indexer_kl_loss_and_grad); the floors and ratios are the backward's")
+      ->check(one_of({"backward", "forward", "step", "one-call"}))
+      ->default_str("backward");
   cmd_->add_option("--a-operand", a.a_operand,
                    "precision of the a operand of the dK/dQ GEMMs: auto (bf16 for these bf16 outputs), bf16x2 or bf16")
       ->check(one_of({"auto", "bf16x2", "bf16"}))

@@ -20,6 +20,7 @@
 #include "dsaib/generate.hpp"
 #include "dsaib/host_tensor.hpp"
 #include "dsaib/indexer_backward.hpp"
+#include "dsaib/indexer_kl_forward.hpp"
 
 namespace dsaib::cli {
 
@@ -162,22 +163,42 @@ std::string format_float(double v);
 
 // ---------------------------------------------------------------- running
 
+/// The library call a run makes: the backward given P (indexer_backward), the
+/// loss forward (indexer_kl_forward, P written too), or the loss and gradients
+/// in one call (indexer_kl_loss_and_grad). The problem's index_score is passed
+/// to the backward only.
+enum class LossOp { backward, forward, step };
+/// "backward", "forward" or "step": the subcommand's name.
+const char* loss_op_name(LossOp op);
+
 struct RunResult {
   HostTensor d_index_q, d_weights, d_index_k;
+  HostTensor loss, row_lse, row_target_mass, index_score;  // the forward's (step: loss only)
   std::vector<double> seconds;  // per timed run
   std::string timer;            // "std::chrono (host)" / "cudaEvent"
   std::string device;           // e.g. "NVIDIA H200 (sm_90)"
 };
 
-/// Runs indexer_backward on the host (cpu backend), outputs poisoned with NaN first.
-RunResult run_cpu(const Problem& p, const Geometry& g, DType out_dtype, int32_t threads, int warmup, int repeat);
+/// The outputs of `op` allocated in `r` (gradients in out_dtype, the forward's
+/// f32), in the order run_op takes their views.
+std::vector<HostTensor*> allocate_outputs(const Problem& p, LossOp op, DType out_dtype, RunResult& r);
+/// The library's workspace size for `op`, and the call itself, with the outputs
+/// as views (on the backend's device) in allocate_outputs' order.
+std::size_t op_workspace_size(LossOp op, const IndexerBackwardInputs& in, const std::vector<TensorView>& outs,
+                              const IndexerBackwardOptions& opt);
+void run_op(LossOp op, const IndexerBackwardInputs& in, const std::vector<TensorView>& outs,
+            const IndexerBackwardOptions& opt, void* workspace, std::size_t workspace_bytes);
+/// Runs `op` on the host (cpu backend), outputs poisoned with NaN first.
+RunResult run_cpu(const Problem& p, const Geometry& g, DType out_dtype, int32_t threads, int warmup, int repeat,
+                  LossOp op = LossOp::backward);
 
 /// Whether this binary was built with the CUDA runtime, and why cuda is unavailable (empty if available).
 bool cli_built_with_cuda();
 std::string cuda_unavailable_reason();
 /// Copies the problem to the device, runs indexer_backward on the cuda backend
 /// (timed with cudaEvents), copies the outputs back. Raises dsaib::Error.
-RunResult run_cuda(const Problem& p, const Geometry& g, DType out_dtype, int warmup, int repeat);
+RunResult run_cuda(const Problem& p, const Geometry& g, DType out_dtype, int warmup, int repeat,
+                   LossOp op = LossOp::backward);
 
 // ---------------------------------------------------------------- bench
 
@@ -195,6 +216,7 @@ struct BenchArgs {
   std::string l2_hints = "auto";                // IndexerBackwardOptions::l2_hints
   std::string start_stagger = "auto";           // IndexerBackwardOptions::start_stagger
   bool deterministic = false;                   // IndexerBackwardOptions::deterministic
+  std::string op = "backward";                  // backward, forward, step or one-call (bench::BenchOp)
   std::string command_line;                     // for the JSON report
 };
 
@@ -245,6 +267,14 @@ Verification verify_all(const Problem& p, const Geometry& g, const RunResult& r,
 Verification verify_sampled(const Problem& p, const Geometry& g, const RunResult& r, int64_t sample_rows,
                             uint64_t seed, int32_t threads);
 
+/// Compares the forward's outputs (loss, row_lse, row_target_mass, index_score)
+/// with reference_kl_forward: the loss by its relative error (tolerance 1e-6),
+/// row_lse by its largest absolute error over rows with a valid slot (1e-5; the
+/// others must be -inf), row_target_mass by its relative RMS error (1e-5), P by
+/// its largest relative error where the reference is >= 1e-30 (1e-5; elsewhere
+/// within 1e-30). Metric.tol is that tolerance. `r` without row_lse (step):
+/// the loss only.
+Verification verify_forward(const Problem& p, const RunResult& r, int32_t threads, ReferenceKLForward* reference);
 /// Compares the outputs with gradients stored in the problem file under `prefix` + output name
 /// (scripts/dump_torch_step.py --with-grads writes torch_d_index_q, torch_d_weights, torch_d_index_k,
 /// fp64 autograd cast to f32). Returns no metric for a name that is absent or shaped differently.

@@ -46,11 +46,13 @@ struct BackwardArgs {
   std::string l2_hints = "auto", start_stagger = "auto";
 };
 
-/// `backward`: runs, times and verifies the backward of a problem read from a
-/// file or generated; reports as text or JSON, writes the gradients on request.
+/// `backward`, `forward` and `step`: runs, times and verifies one library call
+/// (LossOp: the backward given P, the loss forward, or the loss and gradients in
+/// one call) on a problem read from a file or generated; reports as text or
+/// JSON, writes the outputs on request.
 class BackwardCommand {
  public:
-  explicit BackwardCommand(CLI::App& app);
+  explicit BackwardCommand(CLI::App& app, LossOp op = LossOp::backward);
   BackwardCommand(const BackwardCommand&) = delete;
   BackwardCommand& operator=(const BackwardCommand&) = delete;
   bool selected() const { return cmd_->parsed(); }
@@ -62,6 +64,7 @@ class BackwardCommand {
 
  private:
   CLI::App* cmd_ = nullptr;
+  LossOp op_ = LossOp::backward;
   GenOptions gen_;
   ScalarOverrides scalars_;
   BackwardArgs args_;

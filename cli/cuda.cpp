@@ -1,4 +1,4 @@
-// Running the backward on the cuda backend: host <-> device copies and cudaEvent timing.
+// Running the library calls on the cuda backend: host <-> device copies and cudaEvent timing.
 // Compiled only when the project is built with CUDA (DSAIB_CLI_WITH_CUDA).
 #include <cuda_runtime_api.h>
 
@@ -58,7 +58,7 @@ std::string cuda_unavailable_reason() {
   return "the cuda backend is not available on this machine";
 }
 
-RunResult run_cuda(const Problem& p, const Geometry&, DType out_dtype, int warmup, int repeat) {
+RunResult run_cuda(const Problem& p, const Geometry&, DType out_dtype, int warmup, int repeat, LossOp op) {
   if (!cuda_backend_available()) {
     throw Error(ErrorCode::backend_unavailable, "backend", "backend cuda: " + cuda_unavailable_reason());
   }
@@ -93,48 +93,46 @@ RunResult run_cuda(const Problem& p, const Geometry&, DType out_dtype, int warmu
   in.index_k = upload("index_k");
   in.topk_indices = upload("topk_indices");
   in.attn_score = upload("attn_score");
-  in.index_score = upload("index_score");
+  if (op == LossOp::backward) in.index_score = upload("index_score");
   in.cu_seqlens_q = upload("cu_seqlens_q");
   in.cu_seqlens_k = upload("cu_seqlens_k");
 
   // Outputs on the device.
-  r.d_index_q = HostTensor(out_dtype, p.tensors.at("index_q").shape);
-  r.d_weights = HostTensor(out_dtype, p.tensors.at("weights").shape);
-  r.d_index_k = HostTensor(out_dtype, p.tensors.at("index_k").shape);
-  HostTensor* host_out[3] = {&r.d_index_q, &r.d_weights, &r.d_index_k};
-  DeviceBuffer dq(r.d_index_q.bytes.size()), dw(r.d_weights.bytes.size()), dk(r.d_index_k.bytes.size());
-  DeviceBuffer* dev_out[3] = {&dq, &dw, &dk};
-  IndexerBackwardOutputs out;
-  TensorView* out_views[3] = {&out.d_index_q, &out.d_weights, &out.d_index_k};
-  for (int i = 0; i < 3; ++i) {
-    *out_views[i] = host_out[i]->view();
-    out_views[i]->data = dev_out[i]->ptr;
-    out_views[i]->device = DeviceType::cuda;
-    out_views[i]->device_index = dev;
+  const std::vector<HostTensor*> host_out = allocate_outputs(p, op, out_dtype, r);
+  std::vector<std::unique_ptr<DeviceBuffer>> dev_out;
+  std::vector<TensorView> out_views;
+  for (HostTensor* t : host_out) {
+    dev_out.push_back(std::make_unique<DeviceBuffer>(t->bytes.size()));
+    TensorView v = t->view();
+    v.data = dev_out.back()->ptr;
+    v.device = DeviceType::cuda;
+    v.device_index = dev;
+    out_views.push_back(v);
   }
 
   IndexerBackwardOptions opt = p.options;
   opt.backend = Backend::cuda;
   opt.stream = nullptr;
-  const size_t ws_bytes = indexer_backward_workspace_size(in, out, opt);
+  const size_t ws_bytes = op_workspace_size(op, in, out_views, opt);
   DeviceBuffer ws(ws_bytes);  // cudaMalloc is 256-byte aligned
 
   Event start, stop;
+  const std::string sync_what = std::string("cudaEventSynchronize (the ") + loss_op_name(op) + " kernels)";
   for (int i = 0; i < warmup + repeat; ++i) {
     // Poison the outputs (all-ones bytes are NaN in bf16 and f32): every element must be written.
-    for (DeviceBuffer* b : dev_out) {
+    for (const auto& b : dev_out) {
       if (b->bytes) check(cudaMemsetAsync(b->ptr, 0xff, b->bytes, nullptr), "cudaMemsetAsync");
     }
     check(cudaEventRecord(start.e, nullptr), "cudaEventRecord");
-    indexer_backward(in, out, opt, ws.ptr, ws.bytes);
+    run_op(op, in, out_views, opt, ws.ptr, ws.bytes);
     check(cudaEventRecord(stop.e, nullptr), "cudaEventRecord");
-    check(cudaEventSynchronize(stop.e), "cudaEventSynchronize (the backward kernel)");
+    check(cudaEventSynchronize(stop.e), sync_what.c_str());
     float ms = 0;
     check(cudaEventElapsedTime(&ms, start.e, stop.e), "cudaEventElapsedTime");
     if (i >= warmup) r.seconds.push_back(ms * 1e-3);
   }
   check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-  for (int i = 0; i < 3; ++i) {
+  for (size_t i = 0; i < host_out.size(); ++i) {
     if (!host_out[i]->bytes.empty()) {
       check(cudaMemcpy(host_out[i]->bytes.data(), dev_out[i]->ptr, host_out[i]->bytes.size(), cudaMemcpyDeviceToHost),
             "cudaMemcpy D2H");

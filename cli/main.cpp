@@ -4,6 +4,8 @@
 //   dsa-indexer-bwd generate --out p.safetensors [--preset small | --batch .. --s-q .. ...]
 //   dsa-indexer-bwd backward [--in p.safetensors | generation flags] [--out grads.safetensors]
 //                            [--backend auto|cpu|cuda] [--out-dtype bf16|f32] [--verify auto|none|all|sample]
+//   dsa-indexer-bwd forward [--in p.safetensors | generation flags] [--out loss.safetensors] [--verify auto|none|all]
+//   dsa-indexer-bwd step [--in p.safetensors | generation flags] [--out step.safetensors] (flags of backward)
 //   dsa-indexer-bwd bench [--seq 4096,16384,65536] [--ids causal,random] [--heads 64] [--dim 128] [--topk 2048]
 //                         [--batch 1] [--iters 20] [--warmup 3] [--sustained-ms 2000] [--json FILE] [--no-floor]
 //                         (cuda builds, a GPU)
@@ -63,7 +65,9 @@ int report_parse_error(const CLI::App& app, const CLI::ParseError& e, const std:
   // (the flag is known from the words even though the parse failed).
   if (!words.empty()) {
     const std::vector<std::string> rest(words.begin() + 1, words.end());
-    if (words[0] == "backward") g_json_errors = BackwardCommand::json_requested(rest);
+    if (words[0] == "backward" || words[0] == "forward" || words[0] == "step") {
+      g_json_errors = BackwardCommand::json_requested(rest);
+    }
     if (words[0] == "bench") g_json_errors = BenchCommand::json_requested(rest);
   }
   // The argument is the flag the message starts with ("--sm-scale: expected ..."), if any.
@@ -84,6 +88,8 @@ int run_main(int argc, char** argv) {
   app.set_help_all_flag("--help-all", "help of every subcommand");
   GenerateCommand generate(app);
   BackwardCommand backward(app);
+  BackwardCommand forward(app, LossOp::forward);
+  BackwardCommand step(app, LossOp::step);
   BenchCommand bench(app);
   PresetsCommand presets(app);
 
@@ -100,6 +106,12 @@ int run_main(int argc, char** argv) {
     std::string command_line;
     for (int i = 0; i < argc; ++i) command_line += (i ? " " : "") + std::string(argv[i]);
     return bench.run(command_line);
+  }
+  for (BackwardCommand* c : {&forward, &step}) {
+    if (c->selected()) {
+      g_json_errors = c->json();
+      return c->run();
+    }
   }
   g_json_errors = backward.json();
   return backward.run();

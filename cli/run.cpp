@@ -1,4 +1,4 @@
-// Running the backward on the host, and small helpers of the CLI.
+// Running the library calls (backward, loss forward, one-call step) on the host, and small helpers of the CLI.
 #include <cstring>
 #include <iostream>
 #include <mutex>
@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli.hpp"
+#include "dsaib/indexer_kl_loss_and_grad.hpp"
 
 namespace dsaib::cli {
 namespace {
@@ -62,29 +63,95 @@ double element(const HostTensor& t, int64_t i) {
   return 0;
 }
 
-RunResult run_cpu(const Problem& p, const Geometry&, DType out_dtype, int32_t threads, int warmup, int repeat) {
+const char* loss_op_name(LossOp op) {
+  switch (op) {
+    case LossOp::forward: return "forward";
+    case LossOp::step: return "step";
+    case LossOp::backward: break;
+  }
+  return "backward";
+}
+
+std::vector<HostTensor*> allocate_outputs(const Problem& p, LossOp op, DType out_dtype, RunResult& r) {
+  std::vector<HostTensor*> outs;
+  const std::vector<int64_t>& ids = p.tensors.at("topk_indices").shape;
+  if (op != LossOp::backward) {
+    r.loss = HostTensor(DType::f32, {});
+    outs.push_back(&r.loss);
+  }
+  if (op == LossOp::forward) {
+    const std::vector<int64_t> rows(ids.begin(), ids.end() - 1);
+    r.row_lse = HostTensor(DType::f32, rows);
+    r.row_target_mass = HostTensor(DType::f32, rows);
+    r.index_score = HostTensor(DType::f32, ids);
+    for (HostTensor* t : {&r.row_lse, &r.row_target_mass, &r.index_score}) outs.push_back(t);
+    return outs;
+  }
+  r.d_index_q = HostTensor(out_dtype, p.tensors.at("index_q").shape);
+  r.d_weights = HostTensor(out_dtype, p.tensors.at("weights").shape);
+  r.d_index_k = HostTensor(out_dtype, p.tensors.at("index_k").shape);
+  for (HostTensor* t : {&r.d_index_q, &r.d_weights, &r.d_index_k}) outs.push_back(t);
+  return outs;
+}
+
+namespace {
+
+/// The inputs of `op`: the forward and the one call take no index_score.
+IndexerBackwardInputs op_inputs(LossOp op, IndexerBackwardInputs in) {
+  if (op != LossOp::backward) in.index_score = TensorView{};
+  return in;
+}
+
+}  // namespace
+
+std::size_t op_workspace_size(LossOp op, const IndexerBackwardInputs& in, const std::vector<TensorView>& o,
+                              const IndexerBackwardOptions& opt) {
+  switch (op) {
+    case LossOp::forward: return indexer_kl_forward_workspace_size(op_inputs(op, in), {o[0], o[1], o[2], o[3]}, opt);
+    case LossOp::step: return indexer_kl_loss_and_grad_workspace_size(op_inputs(op, in), {o[0], o[1], o[2], o[3]}, opt);
+    case LossOp::backward: break;
+  }
+  return indexer_backward_workspace_size(in, {o[0], o[1], o[2]}, opt);
+}
+
+void run_op(LossOp op, const IndexerBackwardInputs& in, const std::vector<TensorView>& o,
+            const IndexerBackwardOptions& opt, void* workspace, std::size_t workspace_bytes) {
+  switch (op) {
+    case LossOp::forward:
+      indexer_kl_forward(op_inputs(op, in), {o[0], o[1], o[2], o[3]}, opt, workspace, workspace_bytes);
+      return;
+    case LossOp::step:
+      indexer_kl_loss_and_grad(op_inputs(op, in), {o[0], o[1], o[2], o[3]}, opt, workspace, workspace_bytes);
+      return;
+    case LossOp::backward: break;
+  }
+  indexer_backward(in, {o[0], o[1], o[2]}, opt, workspace, workspace_bytes);
+}
+
+RunResult run_cpu(const Problem& p, const Geometry&, DType out_dtype, int32_t threads, int warmup, int repeat,
+                  LossOp op) {
   RunResult r;
   r.timer = "std::chrono::steady_clock (host)";
   r.device = "host, " + std::to_string(resolve_threads(threads)) + " threads";
   const IndexerBackwardInputs in = p.inputs();
-  r.d_index_q = HostTensor(out_dtype, p.tensors.at("index_q").shape);
-  r.d_weights = HostTensor(out_dtype, p.tensors.at("weights").shape);
-  r.d_index_k = HostTensor(out_dtype, p.tensors.at("index_k").shape);
-  IndexerBackwardOutputs out{r.d_index_q.view(), r.d_weights.view(), r.d_index_k.view()};
+  const std::vector<HostTensor*> outs = allocate_outputs(p, op, out_dtype, r);
+  std::vector<TensorView> views;
+  for (HostTensor* t : outs) views.push_back(t->view());
   IndexerBackwardOptions opt = p.options;
   opt.backend = Backend::cpu;
   opt.num_threads = threads;
+  const std::string name = loss_op_name(op);
   for (int i = 0; i < warmup + repeat; ++i) {
     // Poison the outputs (all-ones bytes are NaN in bf16 and f32): every element must be written.
-    for (HostTensor* t : {&r.d_index_q, &r.d_weights, &r.d_index_k}) std::memset(t->bytes.data(), 0xff, t->bytes.size());
+    for (HostTensor* t : outs) std::memset(t->bytes.data(), 0xff, t->bytes.size());
     const bool timed = i >= warmup;
-    log_stage(std::string("backward: cpu ") + (timed ? "run " + std::to_string(i - warmup + 1) + "/" + std::to_string(repeat)
-                                                      : "warm-up " + std::to_string(i + 1) + "/" + std::to_string(warmup)) +
+    log_stage(name + ": cpu " + (timed ? "run " + std::to_string(i - warmup + 1) + "/" + std::to_string(repeat)
+                                       : "warm-up " + std::to_string(i + 1) + "/" + std::to_string(warmup)) +
               " ...");
     const auto t0 = std::chrono::steady_clock::now();
-    indexer_backward(in, out, opt);
+    run_op(op, in, views, opt, nullptr, 0);
     const double s = seconds_since(t0);
-    log_stage("backward: done in " + human_seconds(s));
+    log_stage(name + ": done in " + human_seconds(s));
     if (timed) r.seconds.push_back(s);
   }
   return r;
@@ -93,13 +160,14 @@ RunResult run_cpu(const Problem& p, const Geometry&, DType out_dtype, int32_t th
 #ifndef DSAIB_CLI_WITH_CUDA
 bool cli_built_with_cuda() { return false; }
 std::string cuda_unavailable_reason() { return "this build has no CUDA support"; }
-RunResult run_cuda(const Problem& p, const Geometry&, DType out_dtype, int, int) {
+RunResult run_cuda(const Problem& p, const Geometry&, DType out_dtype, int, int, LossOp op) {
   // Let the library give its own error for the request (backend_unavailable).
-  HostTensor dq(out_dtype, p.tensors.at("index_q").shape), dw(out_dtype, p.tensors.at("weights").shape),
-      dk(out_dtype, p.tensors.at("index_k").shape);
+  RunResult r;
+  std::vector<TensorView> views;
+  for (HostTensor* t : allocate_outputs(p, op, out_dtype, r)) views.push_back(t->view());
   IndexerBackwardOptions opt = p.options;
   opt.backend = Backend::cuda;
-  indexer_backward(p.inputs(), {dq.view(), dw.view(), dk.view()}, opt);
+  run_op(op, p.inputs(), views, opt, nullptr, 0);
   throw Error(ErrorCode::backend_unavailable, "backend", "backend: this build has no CUDA support");
 }
 int run_bench(const BenchArgs&) {

@@ -207,6 +207,76 @@ Verification verify_sampled(const Problem& p, const Geometry& g, const RunResult
   return v;
 }
 
+Verification verify_forward(const Problem& p, const RunResult& r, int32_t threads, ReferenceKLForward* reference) {
+  Verification v;
+  v.mode = "all";
+  const auto t0 = std::chrono::steady_clock::now();
+  log_stage("verify: fp64 reference forward (" + std::to_string(resolve_threads(threads)) + " threads) ...");
+  IndexerBackwardInputs in = p.inputs();
+  in.index_score = TensorView{};
+  *reference = reference_kl_forward(in, reference_options(p, threads));
+  const ReferenceKLForward& ref = *reference;
+  log_stage("verify: reference done in " + human_seconds(seconds_since(t0)));
+
+  // The loss: its relative error.
+  Accumulator loss("loss", r.loss);
+  loss.add(element(r.loss, 0), ref.loss);
+  Metric ml = loss.finish();
+  ml.tol = 1e-6;
+  ml.rel_rms = ml.max_abs / std::max(std::abs(ref.loss), 1e-300);
+  ml.pass = ml.nonfinite == 0 && ml.ref_nonfinite == 0 && ml.rel_rms <= ml.tol;
+  v.metrics.push_back(ml);
+  if (r.row_lse.empty()) {
+    v.seconds = seconds_since(t0);
+    return v;
+  }
+
+  // row_lse: the largest absolute error over rows with a valid slot; the others -inf.
+  Accumulator lse("row_lse", r.row_lse);
+  int64_t wrong_empty_rows = 0;
+  for (int64_t row = 0; row < r.row_lse.numel(); ++row) {
+    const double got = element(r.row_lse, row), want = ref.row_lse[static_cast<size_t>(row)];
+    if (std::isinf(want) && want < 0) {
+      wrong_empty_rows += got == want ? 0 : 1;
+      continue;
+    }
+    lse.add(got, want);
+  }
+  Metric mlse = lse.finish();
+  mlse.tol = 1e-5;
+  mlse.nonfinite += wrong_empty_rows;
+  mlse.pass = mlse.nonfinite == 0 && mlse.ref_nonfinite == 0 && mlse.max_abs <= mlse.tol;
+  v.metrics.push_back(mlse);
+
+  // row_target_mass: relative RMS.
+  Accumulator mass("row_target_mass", r.row_target_mass);
+  for (int64_t row = 0; row < r.row_target_mass.numel(); ++row) {
+    mass.add(element(r.row_target_mass, row), ref.row_target_mass[static_cast<size_t>(row)]);
+  }
+  Metric mm = mass.finish();
+  mm.tol = 1e-5;
+  mm.pass = mm.nonfinite == 0 && mm.ref_nonfinite == 0 && mm.rel_rms <= mm.tol;
+  v.metrics.push_back(mm);
+
+  // P: the largest relative error where the reference is >= 1e-30, absolute 1e-30 below.
+  Accumulator score("index_score", r.index_score);
+  double max_rel = 0;
+  bool small_ok = true;
+  for (int64_t e = 0; e < r.index_score.numel(); ++e) {
+    const double got = element(r.index_score, e), want = ref.index_score[static_cast<size_t>(e)];
+    score.add(got, want);
+    if (!std::isfinite(got)) continue;
+    if (want >= 1e-30) max_rel = std::max(max_rel, std::abs(got - want) / want);
+    else small_ok = small_ok && std::abs(got - want) <= 1e-30;
+  }
+  Metric mp = score.finish();
+  mp.tol = 1e-5;
+  mp.pass = mp.nonfinite == 0 && mp.ref_nonfinite == 0 && max_rel <= mp.tol && small_ok;
+  v.metrics.push_back(mp);
+  v.seconds = seconds_since(t0);
+  return v;
+}
+
 std::vector<Metric> verify_against_stored(const Problem& p, const RunResult& r, const std::string& prefix) {
   std::vector<Metric> out;
   const std::pair<const char*, const HostTensor*> outs[3] = {

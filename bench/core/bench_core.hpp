@@ -180,10 +180,15 @@ double traffic_floor_ns_per_row(double slots, int64_t dim, double key_read_scatt
 // IdPattern, kIdPatterns, id_pattern_name / _list, is_causal, is_shuffled,
 // parse_id_pattern: bench_names.hpp (no CUDA).
 
-/// The op a case times: the backward (indexer_backward: dK zeroing, fused kernel, bf16
-/// cast) or the loss forward (indexer_kl_forward: the fused forward kernel and the
-/// fixed-order sum of the loss terms; P written only with OpCase::write_index_score).
-enum class BenchOp { backward, kl_forward };
+/// The op a case times: the backward (indexer_backward given P: dK zeroing, fused
+/// kernel, bf16 cast), the loss forward (indexer_kl_forward: the fused forward kernel
+/// and the fixed-order sum of the loss terms; P written only with
+/// OpCase::write_index_score), the training step of an autograd loss (the forward,
+/// then the P-free indexer_backward from its row statistics: two library calls), or
+/// the loss and gradients in one call (indexer_kl_loss_and_grad).
+enum class BenchOp { backward, kl_forward, step, one_call };
+/// "backward", "forward", "step", "one-call" (the CLI's --op words).
+const char* bench_op_name(BenchOp op);
 
 /// One benchmark case: bf16 inputs, bshd, local ids, S_q = S_kv = seq, bf16 outputs.
 struct OpCase {
@@ -235,7 +240,7 @@ struct OpResult {
   std::vector<float> ms;            // every timed launch, in order
   Stats t;
   double ns_per_row = 0, ns_per_row_min = 0, ns_per_row_max = 0;  // median / min / max time over B*S rows
-  double tflops = 0;                // 6*H*D FLOP (kl_forward: 2*H*D) per valid slot / median time
+  double tflops = 0;                // 6*H*D FLOP (kl_forward: 2*H*D; step, one_call: 8*H*D) per valid slot / median time
   double dk_gbps = 0;               // D*4 B of dK reduce per valid slot / median time
   // Sustained run (OpConfig::sustained_ms > 0): `sustained_launches` launches back to
   // back, an event recorded between each two, no host wait and no pre-roll in between,

@@ -13,6 +13,7 @@
 #include "cuda_check.hpp"
 #include "core/threads.hpp"
 #include "dsaib/indexer_backward.hpp"
+#include "dsaib/indexer_kl_loss_and_grad.hpp"
 #include "dsaib/indexer_kl_forward.hpp"
 
 namespace dsaib::bench {
@@ -126,17 +127,25 @@ struct Layout {
   }
 };
 
+/// step and one-call keep the loss and the row statistics in the P buffer, which
+/// they do not read: loss at 0, row_lse and row_target_mass each 256-byte aligned.
+uint64_t row_stats_offset(uint64_t rows) { return (rows * 4 + 255) / 256 * 256; }
+
 Layout layout_of(const OpCase& c) {
   const uint64_t B = c.batch, S = c.seq, H = c.heads, D = c.dim, K = c.topk;
-  return {{B * S * H * D * 2, B * S * H * 2, B * S * D * 2, B * S * K * 4, B * S * K * 4, B * S * K * 4,
+  uint64_t p_bytes = B * S * K * 4;
+  if (c.op == BenchOp::step || c.op == BenchOp::one_call) p_bytes = std::max(p_bytes, 256 + 2 * row_stats_offset(B * S));
+  return {{B * S * H * D * 2, B * S * H * 2, B * S * D * 2, B * S * K * 4, B * S * K * 4, p_bytes,
            B * S * H * D * 2, B * S * H * 2, B * S * D * 2}};
 }
 
 /// Views of one set: inputs and outputs as the op takes them.
 struct SetViews {
-  IndexerBackwardInputs in;
+  IndexerBackwardInputs in;      // the backward's (step: the P-free form)
   IndexerBackwardOutputs out;
-  IndexerKLForwardOutputs fwd;  // the loss forward's outputs (BenchOp::kl_forward)
+  IndexerBackwardInputs fwd_in;  // the loss forward's and the one call's (no P)
+  IndexerKLForwardOutputs fwd;   // the loss forward's outputs (kl_forward, step)
+  IndexerKLLossAndGradOutputs one;  // the one call's outputs
 };
 
 /// Views over nine buffers laid out as layout_of(c), with device `dev` (cpu for check_case).
@@ -163,8 +172,49 @@ SetViews views_of(const OpCase& c, void* const ptr[9], DeviceType dev, int devic
     s.in.index_score = {};
     s.fwd = IndexerKLForwardOutputs{v(7, DType::f32, {}), v(8, DType::f32, {B, S}), v(6, DType::f32, {B, S}),
                                     c.write_index_score ? v(5, DType::f32, {B, S, K}) : TensorView{}};
+    s.fwd_in = s.in;
+  } else if (c.op == BenchOp::step || c.op == BenchOp::one_call) {
+    char* stats = static_cast<char*>(ptr[5]);
+    const uint64_t off = row_stats_offset(static_cast<uint64_t>(B * S));
+    const TensorView loss = contiguous_view(stats, DType::f32, {}, dev, device_index);
+    const TensorView lse = contiguous_view(stats + 256, DType::f32, {B, S}, dev, device_index);
+    const TensorView mass = contiguous_view(stats + 256 + off, DType::f32, {B, S}, dev, device_index);
+    s.fwd_in = s.in;
+    s.fwd_in.index_score = {};
+    s.fwd = IndexerKLForwardOutputs{loss, lse, mass, TensorView{}};
+    s.in = s.fwd_in;
+    s.in.row_lse = lse;
+    s.in.row_target_mass = mass;
+    s.one = IndexerKLLossAndGradOutputs{loss, s.out.d_index_q, s.out.d_weights, s.out.d_index_k};
   }
   return s;
+}
+
+/// The library's workspace for the case: step runs its two calls one after the other,
+/// so the larger of the two.
+std::size_t workspace_bytes_of(const OpCase& c, const SetViews& s, const IndexerBackwardOptions& opt) {
+  switch (c.op) {
+    case BenchOp::kl_forward: return indexer_kl_forward_workspace_size(s.fwd_in, s.fwd, opt);
+    case BenchOp::step:
+      return std::max(indexer_kl_forward_workspace_size(s.fwd_in, s.fwd, opt),
+                      indexer_backward_workspace_size(s.in, s.out, opt));
+    case BenchOp::one_call: return indexer_kl_loss_and_grad_workspace_size(s.fwd_in, s.one, opt);
+    case BenchOp::backward: break;
+  }
+  return indexer_backward_workspace_size(s.in, s.out, opt);
+}
+
+void launch(const OpCase& c, const SetViews& s, const IndexerBackwardOptions& opt, void* ws, std::size_t bytes) {
+  switch (c.op) {
+    case BenchOp::kl_forward: indexer_kl_forward(s.fwd_in, s.fwd, opt, ws, bytes); return;
+    case BenchOp::step:
+      indexer_kl_forward(s.fwd_in, s.fwd, opt, ws, bytes);
+      indexer_backward(s.in, s.out, opt, ws, bytes);
+      return;
+    case BenchOp::one_call: indexer_kl_loss_and_grad(s.fwd_in, s.one, opt, ws, bytes); return;
+    case BenchOp::backward: break;
+  }
+  indexer_backward(s.in, s.out, opt, ws, bytes);
 }
 
 IndexerBackwardOptions options_of(const OpCase& c) {
@@ -197,8 +247,17 @@ void check_case(const OpCase& c) {
   const SetViews s = views_of(c, ptr, DeviceType::cpu, 0);
   IndexerBackwardOptions opt = options_of(c);
   opt.backend = Backend::cpu;
-  if (c.op == BenchOp::kl_forward) indexer_kl_forward_workspace_size(s.in, s.fwd, opt);
-  else indexer_backward_workspace_size(s.in, s.out, opt);
+  (void)workspace_bytes_of(c, s, opt);
+}
+
+const char* bench_op_name(BenchOp op) {
+  switch (op) {
+    case BenchOp::kl_forward: return "forward";
+    case BenchOp::step: return "step";
+    case BenchOp::one_call: return "one-call";
+    case BenchOp::backward: break;
+  }
+  return "backward";
 }
 
 OpResult run_op_case(const OpCase& c, const OpConfig& cfg) {
@@ -246,16 +305,10 @@ OpResult run_op_case(const OpCase& c, const OpConfig& cfg) {
   Timer timer;
   IndexerBackwardOptions opt = options_of(c);
   opt.stream = timer.stream;
-  const bool forward = c.op == BenchOp::kl_forward;
-  r.workspace_bytes = forward ? indexer_kl_forward_workspace_size(views[0].in, views[0].fwd, opt)
-                              : indexer_backward_workspace_size(views[0].in, views[0].out, opt);
+  r.workspace_bytes = workspace_bytes_of(c, views[0], opt);
   DeviceBuffer ws(r.workspace_bytes);
-  int launch = 0;
-  auto run = [&] {
-    const SetViews& s = views[launch++ % r.input_sets];
-    if (forward) indexer_kl_forward(s.in, s.fwd, opt, ws.ptr, ws.bytes);
-    else indexer_backward(s.in, s.out, opt, ws.ptr, ws.bytes);
-  };
+  int launches = 0;
+  auto run = [&] { launch(c, views[launches++ % r.input_sets], opt, ws.ptr, ws.bytes); };
   for (int i = 0; i < cfg.warmup; ++i) run();
   check_cuda(cudaStreamSynchronize(timer.stream), "warm-up launches");
   for (int i = 0; i < cfg.iters; ++i) r.ms.push_back(timer.time(run));
@@ -267,7 +320,9 @@ OpResult run_op_case(const OpCase& c, const OpConfig& cfg) {
   r.ns_per_row = r.t.median_ms * ns_per_ms_row;
   r.ns_per_row_min = r.t.min_ms * ns_per_ms_row;
   r.ns_per_row_max = r.t.max_ms * ns_per_ms_row;
-  r.tflops = (forward ? 2.0 : 6.0) * c.heads * c.dim * static_cast<double>(h.valid_slots) / sec / 1e12;
+  // useful FLOP per valid slot: GEMM1 (2*H*D) for the forward, 6*H*D for the backward's three GEMMs
+  const double flop_per_slot = c.op == BenchOp::kl_forward ? 2.0 : (c.op == BenchOp::backward ? 6.0 : 8.0);
+  r.tflops = flop_per_slot * c.heads * c.dim * static_cast<double>(h.valid_slots) / sec / 1e12;
   r.dk_gbps = static_cast<double>(h.valid_slots) * c.dim * 4.0 / sec / 1e9;
 
   if (cfg.sustained_ms > 0) {

@@ -50,6 +50,8 @@ from ._frameworks import (_alloc, _check_arrays, _default_stream, _device, _expo
 
 __all__ = [
     "indexer_backward",
+    "indexer_kl_forward",
+    "indexer_kl_loss_and_grad",
     "indexer_kl_loss",
     "cuda_backend_available",
     "cuda_compiled",
@@ -105,6 +107,116 @@ def bf16_to_f32(bits) -> _np.ndarray:
     return (b.astype(_np.uint32) << 16).view(_np.float32).reshape(a.shape)
 
 
+# ---- shared by the library calls ------------------------------------------
+
+
+def _check_out_dtype(out_dtype):
+    if out_dtype not in ("f32", "bf16"):
+        raise ValueError(f'out_dtype: expected "f32" or "bf16", got {out_dtype!r}')
+
+
+def _library_options(*, layout, id_mode, backend, strict_indices, deterministic, uint16_as_bf16, sm_scale,
+                     loss_coeff, grad_loss, normalization_count, num_threads, a_operand_precision, l2_hints,
+                     start_stagger) -> dict:
+    """The library's options (dsaib::IndexerBackwardOptions) as the extension's
+    keyword arguments, coerced with messages naming the argument; one set for a
+    call and its workspace size (a new option is one more entry here). Also
+    carries uint16_as_bf16 and grad_loss_tensor (a one-element tensor or None),
+    which the caller takes out."""
+    layout = _option_str("layout", layout, '"bshd" or "thd"')
+    id_mode = _option_str("id_mode", id_mode, '"local" or "global"')
+    if backend is not None:
+        backend = _option_str("backend", backend, '"cpu", "cuda" or None')
+    strict_indices = _bool_value("strict_indices", strict_indices)
+    deterministic = _bool_value("deterministic", deterministic)
+    uint16_as_bf16 = _bool_value("uint16_as_bf16", uint16_as_bf16)
+    sm_scale = _f32_value("sm_scale", sm_scale)
+    loss_coeff = _f32_value("loss_coeff", loss_coeff)
+    grad_loss_value, grad_loss_tensor = _grad_loss(grad_loss)
+    normalization_count = _normalization_count(normalization_count)
+    num_threads = _num_threads(num_threads)
+    a_operand_precision = _a_operand(a_operand_precision)
+    l2_hints = _option_str("l2_hints", l2_hints, '"auto", "on" or "off"')
+    start_stagger = _option_str("start_stagger", start_stagger, '"auto" or "off"')
+    return dict(layout=layout, id_mode=id_mode, backend=backend, sm_scale=sm_scale, loss_coeff=loss_coeff,
+                grad_loss=grad_loss_value, normalization_count=normalization_count, strict_indices=strict_indices,
+                deterministic=deterministic, num_threads=num_threads, a_operand_precision=a_operand_precision,
+                l2_hints=l2_hints, start_stagger=start_stagger, uint16_as_bf16=uint16_as_bf16,
+                grad_loss_tensor=grad_loss_tensor)
+
+
+class _Placement:
+    """Where a library call runs (framework, device, backend, stream), its
+    outputs allocated there, and the call itself with its workspace."""
+
+    def __init__(self, index_q, options: dict, stream):
+        if options["grad_loss_tensor"] is not None:
+            _check_arrays(grad_loss=options["grad_loss_tensor"])
+        self.fw = _framework(index_q)
+        self.index_q = index_q
+        kind, index = _device(index_q)
+        self.device = f"cuda:{index}" if kind == "cuda" else kind
+        if options["backend"] is None:
+            options["backend"] = "cuda" if kind == "cuda" else "cpu"
+        self.backend = options["backend"]
+        self.explicit_stream = stream is not None
+        if self.explicit_stream:
+            stream = _stream_value(stream)
+        if self.explicit_stream and self.backend == "cpu" and stream != 0:
+            raise ValueError(f"stream: expected None or 0 on the cpu backend (it runs on host threads), "
+                             f"got {stream!r}")
+        if stream is None:
+            stream = _default_stream(self.fw, index_q, self.device) if self.backend == "cuda" else 0
+        self.stream = int(stream)
+        options["stream"] = self.stream
+
+    def alloc(self, shape, dtype="f32"):
+        return _alloc(self.fw, self.index_q, shape, dtype, self.device)
+
+    def gradients(self, index_q, weights, index_k, out_dtype):
+        return (self.alloc(_shape(index_q), out_dtype), self.alloc(_shape(weights), out_dtype),
+                self.alloc(_shape(index_k), out_dtype))
+
+    def call(self, entry, workspace_size, tensors: dict, options: dict, out: tuple, allocated: bool,
+             with_out_bit_patterns=True):
+        """entry(**tensors, **options) with the workspace; returns out (jax arrays for jax inputs)."""
+        uint16_as_bf16 = options.pop("uint16_as_bf16")
+        bit_patterns = dict(uint16_as_bf16=uint16_as_bf16)
+        if with_out_bit_patterns:
+            # numpy/cupy bf16 outputs allocated here are uint16 bit patterns; this
+            # does not change how uint16 *inputs* are read.
+            bit_patterns["out_uint16_as_bf16"] = True if allocated else uint16_as_bf16
+        workspace = None
+        if (self.fw == "torch" and self.backend == "cuda" and _framework(out[-1]) == "torch"
+                and not any(_is_capsule(x) for x in tensors.values())):  # a raw capsule can be read once
+            import torch
+
+            # The library's scratch memory, from torch's caching allocator so it is
+            # stream-ordered and CUDA-graph safe (else the library allocates it).
+            nbytes = workspace_size(**_exported(tensors), **bit_patterns, **options)
+            if nbytes:
+                workspace = torch.empty(nbytes, dtype=torch.uint8, device=self.index_q.device)
+
+        if self.fw == "torch" and self.backend == "cuda" and self.explicit_stream:
+            import torch
+
+            dev = self.index_q.device
+            if self.stream != int(torch.cuda.current_stream(dev).cuda_stream):
+                ext = torch.cuda.ExternalStream(self.stream, device=dev)
+                for t in (*(out if allocated else ()), workspace):
+                    if t is not None:
+                        t.record_stream(ext)
+
+        entry(**_exported(tensors), **bit_patterns, workspace=_export(workspace), **options)
+        if self.fw == "jax" and allocated:
+            import jax.dlpack
+
+            if self.backend == "cuda":
+                _dsaib.stream_synchronize(self.stream)
+            out = tuple(jax.dlpack.from_dlpack(o) for o in out)
+        return out
+
+
 def indexer_backward(
     index_q,
     weights,
@@ -132,6 +244,8 @@ def indexer_backward(
     a_operand_precision: str = "auto",
     l2_hints: str = "auto",
     start_stagger: str = "auto",
+    row_lse=None,
+    row_target_mass=None,
 ):
     """Gradients of the indexer KL loss w.r.t. index_q, weights and index_k.
 
@@ -148,6 +262,11 @@ def indexer_backward(
     attn_score    (B, S_q, topk)   float32 (target distribution T)
     index_score   (B, S_q, topk)   float32 (indexer softmax P)
     ============  ===============  ==================================
+
+    P-free form: ``index_score=None`` with ``row_lse`` and ``row_target_mass``
+    (float32, (B, S_q) or (T_q,)), as :func:`indexer_kl_forward` returns them;
+    the backward then rebuilds P from its own logits and no (S_q, topk) tensor
+    of P is needed.
 
     H must be a multiple of 8 in [8, 128], D 64 or 128, topk >= 1.
     bf16 is ``torch.bfloat16`` / ``jax.numpy.bfloat16`` (any DLPack bfloat16),
@@ -235,98 +354,146 @@ def indexer_backward(
       RuntimeError: backend unavailable, unsupported option, CUDA failure.
       MemoryError: host or device memory could not be allocated.
     """
+    # P is index_score, or (the P-free form) row_lse and row_target_mass; the
+    # library says which combination is wrong.
+    p_arrays = {n: x for n, x in (("index_score", index_score), ("row_lse", row_lse),
+                                  ("row_target_mass", row_target_mass)) if x is not None}
+    if not p_arrays:
+        p_arrays["index_score"] = None  # "index_score: expected an array ..."
     _check_arrays(index_q=index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
-                  attn_score=attn_score, index_score=index_score, cu_seqlens_q=cu_seqlens_q,
-                  cu_seqlens_k=cu_seqlens_k)
-    if out_dtype not in ("f32", "bf16"):
-        raise ValueError(f'out_dtype: expected "f32" or "bf16", got {out_dtype!r}')
-    layout = _option_str("layout", layout, '"bshd" or "thd"')
-    id_mode = _option_str("id_mode", id_mode, '"local" or "global"')
-    if backend is not None:
-        backend = _option_str("backend", backend, '"cpu", "cuda" or None')
-    strict_indices = _bool_value("strict_indices", strict_indices)
-    deterministic = _bool_value("deterministic", deterministic)
-    uint16_as_bf16 = _bool_value("uint16_as_bf16", uint16_as_bf16)
-    sm_scale = _f32_value("sm_scale", sm_scale)
-    loss_coeff = _f32_value("loss_coeff", loss_coeff)
-    grad_loss_value, grad_loss_tensor = _grad_loss(grad_loss)
-    normalization_count = _normalization_count(normalization_count)
-    num_threads = _num_threads(num_threads)
-    a_operand_precision = _a_operand(a_operand_precision)
-    l2_hints = _option_str("l2_hints", l2_hints, '"auto", "on" or "off"')
-    start_stagger = _option_str("start_stagger", start_stagger, '"auto" or "off"')
+                  attn_score=attn_score, **p_arrays, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    _check_out_dtype(out_dtype)
+    options = _library_options(
+        layout=layout, id_mode=id_mode, backend=backend, strict_indices=strict_indices, deterministic=deterministic,
+        uint16_as_bf16=uint16_as_bf16, sm_scale=sm_scale, loss_coeff=loss_coeff, grad_loss=grad_loss,
+        normalization_count=normalization_count, num_threads=num_threads, a_operand_precision=a_operand_precision,
+        l2_hints=l2_hints, start_stagger=start_stagger)
     if out is not None:
         out = _check_out(out)
         _check_arrays(**dict(zip(_OUT_NAMES, out)))
-    if grad_loss_tensor is not None:
-        _check_arrays(grad_loss=grad_loss_tensor)
-    fw = _framework(index_q)
-    kind, index = _device(index_q)
-    device = f"cuda:{index}" if kind == "cuda" else kind
-    if backend is None:
-        backend = "cuda" if kind == "cuda" else "cpu"
-    explicit_stream = stream is not None
-    if explicit_stream:
-        stream = _stream_value(stream)
-    if explicit_stream and backend == "cpu" and stream != 0:
-        raise ValueError(f"stream: expected None or 0 on the cpu backend (it runs on host threads), got {stream!r}")
-    if stream is None:
-        stream = _default_stream(fw, index_q, device) if backend == "cuda" else 0
-
-    out_uint16_as_bf16 = bool(uint16_as_bf16)
+    run = _Placement(index_q, options, stream)
     allocated = out is None
-    if out is None:
-        out = (
-            _alloc(fw, index_q, _shape(index_q), out_dtype, device),
-            _alloc(fw, index_q, _shape(weights), out_dtype, device),
-            _alloc(fw, index_q, _shape(index_k), out_dtype, device),
-        )
-        # numpy/cupy bf16 outputs allocated here are uint16 bit patterns; this
-        # does not change how uint16 *inputs* are read.
-        out_uint16_as_bf16 = True
-
+    if allocated:
+        out = run.gradients(index_q, weights, index_k, out_dtype)
     tensors = dict(index_q=index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
                    attn_score=attn_score, index_score=index_score, cu_seqlens_q=cu_seqlens_q,
                    cu_seqlens_k=cu_seqlens_k, d_index_q=out[0], d_weights=out[1], d_index_k=out[2],
-                   grad_loss_device=grad_loss_tensor)
-    # The library's options (dsaib::IndexerBackwardOptions) as the extension's
-    # keyword arguments, one set for indexer_backward_workspace_size and
-    # indexer_backward; a new option is one more entry here.
-    options = dict(layout=layout, id_mode=id_mode, backend=backend, sm_scale=sm_scale, loss_coeff=loss_coeff,
-                   grad_loss=grad_loss_value, normalization_count=normalization_count,
-                   strict_indices=strict_indices, deterministic=deterministic, stream=int(stream),
-                   num_threads=num_threads, a_operand_precision=a_operand_precision, l2_hints=l2_hints,
-                   start_stagger=start_stagger)
-    bit_patterns = dict(uint16_as_bf16=uint16_as_bf16, out_uint16_as_bf16=out_uint16_as_bf16)
+                   grad_loss_device=options.pop("grad_loss_tensor"), row_lse=row_lse,
+                   row_target_mass=row_target_mass)
+    return run.call(_dsaib.indexer_backward, _dsaib.indexer_backward_workspace_size, tensors, options, out,
+                    allocated)
 
-    workspace = None
-    if (fw == "torch" and backend == "cuda" and _framework(out[2]) == "torch"
-            and not any(_is_capsule(x) for x in tensors.values())):  # a raw capsule can be read once
-        import torch
 
-        # The library's scratch memory, from torch's caching allocator so it is
-        # stream-ordered and CUDA-graph safe (else the library allocates it).
-        nbytes = _dsaib.indexer_backward_workspace_size(**_exported(tensors), **bit_patterns, **options)
-        if nbytes:
-            workspace = torch.empty(nbytes, dtype=torch.uint8, device=index_q.device)
+def indexer_kl_forward(
+    index_q,
+    weights,
+    index_k,
+    topk_indices,
+    attn_score,
+    *,
+    sm_scale: float,
+    loss_coeff: float = 1.0,
+    layout: str = "bshd",
+    id_mode: str = "local",
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    return_index_score: bool = False,
+    backend=None,
+    normalization_count: int = 0,
+    strict_indices: bool = False,
+    num_threads: int = 0,
+    stream=None,
+    uint16_as_bf16: bool = False,
+):
+    """The indexer KL loss and its per-row statistics (dsaib::indexer_kl_forward).
 
-    if fw == "torch" and backend == "cuda" and explicit_stream:
-        import torch
+    Same inputs as :func:`indexer_backward` without ``index_score``. Returns
+    ``(loss, row_lse, row_target_mass)``, float32, in index_q's framework (as
+    :func:`indexer_backward` allocates): the loss (shape ``()``), each query
+    row's log-sum-exp of its logits (``-inf`` for a row without a valid slot)
+    and its target mass ``sum_i max(T_i, eps) * [P_i >= eps]``, shaped
+    ``(B, S_q)`` (BSHD) or ``(T_q,)`` (THD). With ``return_index_score=True``
+    also P (float32, shaped like topk_indices) as a fourth item. row_lse and
+    row_target_mass are what :func:`indexer_backward` takes in place of
+    index_score (the P-free form). The loss is bitwise reproducible.
+    Options and errors as :func:`indexer_backward`.
+    """
+    _check_arrays(index_q=index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
+                  attn_score=attn_score, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    return_index_score = _bool_value("return_index_score", return_index_score)
+    options = _library_options(
+        layout=layout, id_mode=id_mode, backend=backend, strict_indices=strict_indices, deterministic=False,
+        uint16_as_bf16=uint16_as_bf16, sm_scale=sm_scale, loss_coeff=loss_coeff, grad_loss=1.0,
+        normalization_count=normalization_count, num_threads=num_threads, a_operand_precision="auto",
+        l2_hints="auto", start_stagger="auto")
+    run = _Placement(index_q, options, stream)
+    options.pop("grad_loss_tensor")
+    ids_shape = _shape(topk_indices)
+    out = (run.alloc(()), run.alloc(ids_shape[:-1]), run.alloc(ids_shape[:-1]))
+    if return_index_score:
+        out += (run.alloc(ids_shape),)
+    tensors = dict(index_q=index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
+                   attn_score=attn_score, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, loss=out[0],
+                   row_lse=out[1], row_target_mass=out[2], index_score=out[3] if return_index_score else None)
+    return run.call(_dsaib.indexer_kl_forward, _dsaib.indexer_kl_forward_workspace_size, tensors, options, out,
+                    True, with_out_bit_patterns=False)
 
-        if int(stream) != int(torch.cuda.current_stream(index_q.device).cuda_stream):
-            ext = torch.cuda.ExternalStream(int(stream), device=index_q.device)
-            for t in (*(out if allocated else ()), workspace):
-                if t is not None:
-                    t.record_stream(ext)
 
-    _dsaib.indexer_backward(**_exported(tensors), **bit_patterns, workspace=_export(workspace), **options)
-    if fw == "jax" and allocated:
-        import jax.dlpack
+def indexer_kl_loss_and_grad(
+    index_q,
+    weights,
+    index_k,
+    topk_indices,
+    attn_score,
+    *,
+    sm_scale: float,
+    loss_coeff: float = 1.0,
+    grad_loss=1.0,
+    layout: str = "bshd",
+    id_mode: str = "local",
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    out_dtype: str = "f32",
+    backend=None,
+    normalization_count: int = 0,
+    strict_indices: bool = False,
+    deterministic: bool = False,
+    num_threads: int = 0,
+    stream=None,
+    uint16_as_bf16: bool = False,
+    a_operand_precision: str = "auto",
+    l2_hints: str = "auto",
+    start_stagger: str = "auto",
+):
+    """The loss and its three gradients in one library call (dsaib::indexer_kl_loss_and_grad),
+    for an indexer trained only by this loss.
 
-        if backend == "cuda":
-            _dsaib.stream_synchronize(int(stream))
-        out = tuple(jax.dlpack.from_dlpack(o) for o in out)
-    return out
+    Same inputs as :func:`indexer_backward` without ``index_score``: no P is
+    passed or made (the forward's per-row statistics stay in the library's
+    workspace). Returns ``(loss, d_index_q, d_weights, d_index_k)``: the loss
+    float32 of shape ``()`` (not scaled by grad_loss), the gradients as
+    :func:`indexer_backward` returns them (``out_dtype``). ``grad_loss`` may be
+    a one-element float32 tensor on the backend's device, read when the work
+    runs; on the cuda backend the call does not synchronise the host (BSHD and
+    THD), so it can be captured in a CUDA graph. Options and errors as
+    :func:`indexer_backward`.
+    """
+    _check_arrays(index_q=index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
+                  attn_score=attn_score, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    _check_out_dtype(out_dtype)
+    options = _library_options(
+        layout=layout, id_mode=id_mode, backend=backend, strict_indices=strict_indices, deterministic=deterministic,
+        uint16_as_bf16=uint16_as_bf16, sm_scale=sm_scale, loss_coeff=loss_coeff, grad_loss=grad_loss,
+        normalization_count=normalization_count, num_threads=num_threads, a_operand_precision=a_operand_precision,
+        l2_hints=l2_hints, start_stagger=start_stagger)
+    run = _Placement(index_q, options, stream)
+    out = (run.alloc(()),) + run.gradients(index_q, weights, index_k, out_dtype)
+    tensors = dict(index_q=index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
+                   attn_score=attn_score, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, loss=out[0],
+                   d_index_q=out[1], d_weights=out[2], d_index_k=out[3],
+                   grad_loss_device=options.pop("grad_loss_tensor"))
+    return run.call(_dsaib.indexer_kl_loss_and_grad, _dsaib.indexer_kl_loss_and_grad_workspace_size, tensors,
+                    options, out, True)
 
 
 def indexer_kl_loss(

@@ -5,11 +5,16 @@
   graphs capture it. CUDA tensors run the sm_90a kernel on the *current* torch
   stream; CPU tensors run the fp64 CPU backend. :func:`indexer_backward` is
   its Python front end.
-* :func:`indexer_kl_loss`: the indexer KL (cross-entropy) loss computed in
-  torch, differentiable w.r.t. ``index_q``, ``weights`` and ``index_k``. Its
-  backward is the custom op, fed with the index scores ``P`` saved by the
-  forward and with the upstream gradient from autograd as a device scalar.
-* :class:`IndexerKLLoss`: the same as an ``nn.Module``.
+* :func:`indexer_kl_loss`: the indexer KL (cross-entropy) loss,
+  differentiable w.r.t. ``index_q``, ``weights`` and ``index_k``. Its forward
+  is the library's (``torch.ops.dsaib.indexer_kl_forward``: the loss and each
+  query row's log-sum-exp and target mass, no ``P``); its backward is
+  ``torch.ops.dsaib.indexer_backward`` in the P-free form, fed with those row
+  statistics and with the upstream gradient from autograd as a device scalar.
+* :func:`indexer_kl_loss_and_grad`: the loss and the three gradients in one
+  library call (``torch.ops.dsaib.indexer_kl_loss_and_grad``), for an indexer
+  trained only by this loss; CUDA-graph capturable.
+* :class:`IndexerKLLoss`: the loss as an ``nn.Module``.
 
 Determinism: under ``torch.use_deterministic_algorithms(True)`` the op runs
 the cuda backend's deterministic mode (``deterministic=True``: ``d_index_k``
@@ -27,11 +32,12 @@ The loss (``docs/math.md``), per query row over its valid slots ``i``::
 
 Precision: the library takes bf16 ``index_q``/``index_k`` and bf16 or float32
 ``weights``. :func:`indexer_kl_loss` rounds float ``index_q``/``index_k`` to
-bf16 (the forward computes the logits from the same rounded values, in float32),
+bf16 (the library's forward computes the logits from the same rounded values),
 and returns each gradient in the dtype of its input (the rounding is treated
 as the identity, like ``.to(torch.bfloat16)`` under autograd). Float64 inputs
-make the forward run in float64 on the unrounded values (for finite-difference
-checks); the backward still sees them rounded to bf16 (q, k) and float32 (w).
+make the forward run in torch in float64 on the unrounded values (for
+finite-difference checks; it hands the backward the same row statistics); the
+backward still sees them rounded to bf16 (q, k) and float32 (w).
 """
 import math
 from typing import Optional, Tuple
@@ -39,10 +45,10 @@ from typing import Optional, Tuple
 import torch
 
 from . import _dsaib
-from ._args import _a_operand, _float_or_inf, _normalization_count
+from ._args import _a_operand, _f32_value, _float_or_inf, _normalization_count
 from ._frameworks import _export, _exported
 
-__all__ = ["indexer_backward", "indexer_kl_loss", "IndexerKLLoss", "index_scores", "EPS"]
+__all__ = ["indexer_backward", "indexer_kl_loss", "indexer_kl_loss_and_grad", "IndexerKLLoss", "index_scores", "EPS"]
 
 #: The clip of ``T`` and ``P`` in the loss: exp(-100).
 EPS = math.exp(-100.0)
@@ -75,7 +81,7 @@ def _indexer_backward_op(
     index_k: torch.Tensor,
     topk_indices: torch.Tensor,
     attn_score: torch.Tensor,
-    index_score: torch.Tensor,
+    index_score: Optional[torch.Tensor],
     grad_loss: torch.Tensor,
     cu_seqlens_q: Optional[torch.Tensor],
     cu_seqlens_k: Optional[torch.Tensor],
@@ -88,33 +94,51 @@ def _indexer_backward_op(
     dw_dtype: str,
     dk_dtype: str,
     a_operand_precision: str = "auto",
+    row_lse: Optional[torch.Tensor] = None,
+    row_target_mass: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dev = index_q.device
-    dq = torch.empty(index_q.shape, dtype=_out_dtype("dq_dtype", dq_dtype), device=dev)
-    dw = torch.empty(weights.shape, dtype=_out_dtype("dw_dtype", dw_dtype), device=dev)
-    dk = torch.empty(index_k.shape, dtype=_out_dtype("dk_dtype", dk_dtype), device=dev)
-    cuda = dev.type == "cuda"
+    dq, dw, dk = _gradients_like(index_q, weights, index_k, dq_dtype, dw_dtype, dk_dtype)
     tensors = dict(index_q=index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
                    attn_score=attn_score, index_score=index_score, cu_seqlens_q=cu_seqlens_q,
-                   cu_seqlens_k=cu_seqlens_k, d_index_q=dq, d_weights=dw, d_index_k=dk, grad_loss_device=grad_loss)
-    # The library's options (dsaib::IndexerBackwardOptions) as the extension's
-    # keyword arguments; a new option is one more entry here and an argument
-    # of the op. cuda: the current stream, and torch.use_deterministic_algorithms
-    # selects the fixed-point d_index_k (read when the op runs).
-    options = dict(layout=layout, id_mode=id_mode, backend="cuda" if cuda else "cpu", sm_scale=float(sm_scale),
-                   loss_coeff=float(loss_coeff), grad_loss=1.0, normalization_count=int(normalization_count),
-                   strict_indices=False, deterministic=cuda and torch.are_deterministic_algorithms_enabled(),
-                   stream=int(torch.cuda.current_stream(dev).cuda_stream) if cuda else 0, num_threads=0,
-                   a_operand_precision=a_operand_precision)
-    workspace = None
-    if cuda:
-        nbytes = _dsaib.indexer_backward_workspace_size(**_exported(tensors), **options)
-        if nbytes:
-            # The library's scratch memory from torch's allocator: stream-ordered,
-            # and from the graph pool under capture.
-            workspace = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-    _dsaib.indexer_backward(**_exported(tensors), **options, workspace=_export(workspace))
+                   cu_seqlens_k=cu_seqlens_k, d_index_q=dq, d_weights=dw, d_index_k=dk, grad_loss_device=grad_loss,
+                   row_lse=row_lse, row_target_mass=row_target_mass)
+    options = _op_options(dev, sm_scale, loss_coeff, normalization_count, layout, id_mode, a_operand_precision)
+    _run_library(_dsaib.indexer_backward, _dsaib.indexer_backward_workspace_size, dev, tensors, options)
     return dq, dw, dk
+
+
+def _gradients_like(index_q, weights, index_k, dq_dtype, dw_dtype, dk_dtype):
+    """New contiguous d_index_q, d_weights, d_index_k on index_q's device, of the codes' dtypes."""
+    return (index_q.new_empty(index_q.shape, dtype=_out_dtype("dq_dtype", dq_dtype)),
+            index_q.new_empty(weights.shape, dtype=_out_dtype("dw_dtype", dw_dtype)),
+            index_q.new_empty(index_k.shape, dtype=_out_dtype("dk_dtype", dk_dtype)))
+
+
+def _op_options(dev, sm_scale, loss_coeff, normalization_count, layout, id_mode, a_operand_precision="auto"):
+    """The library's options (dsaib::IndexerBackwardOptions) as the extension's
+    keyword arguments, for every op; a new option is one more entry here and an
+    argument of the ops. cuda: the current stream, and
+    torch.use_deterministic_algorithms selects the fixed-point d_index_k (read
+    when the op runs); grad_loss always comes as a device tensor."""
+    cuda = dev.type == "cuda"
+    return dict(layout=layout, id_mode=id_mode, backend="cuda" if cuda else "cpu", sm_scale=float(sm_scale),
+                loss_coeff=float(loss_coeff), grad_loss=1.0, normalization_count=int(normalization_count),
+                strict_indices=False, deterministic=cuda and torch.are_deterministic_algorithms_enabled(),
+                stream=int(torch.cuda.current_stream(dev).cuda_stream) if cuda else 0, num_threads=0,
+                a_operand_precision=a_operand_precision)
+
+
+def _run_library(entry, workspace_size, dev, tensors, options):
+    """entry(**tensors, **options); on CUDA with the workspace the library asks
+    for (workspace_size with the same arguments) from torch's allocator:
+    stream-ordered, and from the graph pool under capture."""
+    workspace = None
+    if dev.type == "cuda":
+        nbytes = workspace_size(**_exported(tensors), **options)
+        if nbytes:
+            workspace = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    entry(**_exported(tensors), **options, workspace=_export(workspace))
 
 
 def _check_same_device(index_q, **tensors):
@@ -128,19 +152,104 @@ def _check_same_device(index_q, **tensors):
 @_indexer_backward_op.register_fake
 def _indexer_backward_fake(index_q, weights, index_k, topk_indices, attn_score, index_score, grad_loss,
                            cu_seqlens_q, cu_seqlens_k, sm_scale, loss_coeff, normalization_count, layout,
-                           id_mode, dq_dtype, dw_dtype, dk_dtype, a_operand_precision="auto"):
+                           id_mode, dq_dtype, dw_dtype, dk_dtype, a_operand_precision="auto", row_lse=None,
+                           row_target_mass=None):
     # Contiguous outputs on index_q's device, like the real kernel's. This is
     # also the Meta kernel: a call that mixes meta tensors with real ones lands
     # here and must fail like the real kernels would, not return empty tensors.
     _check_a_operand(a_operand_precision)
     _check_same_device(index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
                        attn_score=attn_score, index_score=index_score, grad_loss=grad_loss,
-                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
-    return (
-        index_q.new_empty(index_q.shape, dtype=_out_dtype("dq_dtype", dq_dtype)),
-        index_q.new_empty(weights.shape, dtype=_out_dtype("dw_dtype", dw_dtype)),
-        index_q.new_empty(index_k.shape, dtype=_out_dtype("dk_dtype", dk_dtype)),
-    )
+                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, row_lse=row_lse,
+                       row_target_mass=row_target_mass)
+    return _gradients_like(index_q, weights, index_k, dq_dtype, dw_dtype, dk_dtype)
+
+
+@torch.library.custom_op("dsaib::indexer_kl_forward", mutates_args=())
+def _indexer_kl_forward_op(
+    index_q: torch.Tensor,
+    weights: torch.Tensor,
+    index_k: torch.Tensor,
+    topk_indices: torch.Tensor,
+    attn_score: torch.Tensor,
+    cu_seqlens_q: Optional[torch.Tensor],
+    cu_seqlens_k: Optional[torch.Tensor],
+    sm_scale: float,
+    loss_coeff: float,
+    normalization_count: int,
+    layout: str,
+    id_mode: str,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, row_lse, row_target_mass), float32, through dsaib::indexer_kl_forward
+    (no P: the backward rebuilds it from the row statistics)."""
+    dev = index_q.device
+    loss, row_lse, row_target_mass = _forward_outputs(index_q, topk_indices)
+    tensors = dict(index_q=index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
+                   attn_score=attn_score, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, loss=loss,
+                   row_lse=row_lse, row_target_mass=row_target_mass)
+    options = _op_options(dev, sm_scale, loss_coeff, normalization_count, layout, id_mode)
+    _run_library(_dsaib.indexer_kl_forward, _dsaib.indexer_kl_forward_workspace_size, dev, tensors, options)
+    return loss, row_lse, row_target_mass
+
+
+def _forward_outputs(index_q, topk_indices):
+    """loss (), row_lse and row_target_mass (topk_indices' shape without topk), float32."""
+    rows = topk_indices.shape[:-1]
+    return (index_q.new_empty((), dtype=torch.float32), index_q.new_empty(rows, dtype=torch.float32),
+            index_q.new_empty(rows, dtype=torch.float32))
+
+
+@_indexer_kl_forward_op.register_fake
+def _indexer_kl_forward_fake(index_q, weights, index_k, topk_indices, attn_score, cu_seqlens_q, cu_seqlens_k,
+                             sm_scale, loss_coeff, normalization_count, layout, id_mode):
+    _check_same_device(index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
+                       attn_score=attn_score, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    return _forward_outputs(index_q, topk_indices)
+
+
+@torch.library.custom_op("dsaib::indexer_kl_loss_and_grad", mutates_args=())
+def _indexer_kl_loss_and_grad_op(
+    index_q: torch.Tensor,
+    weights: torch.Tensor,
+    index_k: torch.Tensor,
+    topk_indices: torch.Tensor,
+    attn_score: torch.Tensor,
+    grad_loss: torch.Tensor,
+    cu_seqlens_q: Optional[torch.Tensor],
+    cu_seqlens_k: Optional[torch.Tensor],
+    sm_scale: float,
+    loss_coeff: float,
+    normalization_count: int,
+    layout: str,
+    id_mode: str,
+    dq_dtype: str,
+    dw_dtype: str,
+    dk_dtype: str,
+    a_operand_precision: str = "auto",
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, d_index_q, d_weights, d_index_k) through dsaib::indexer_kl_loss_and_grad."""
+    dev = index_q.device
+    loss = index_q.new_empty((), dtype=torch.float32)
+    dq, dw, dk = _gradients_like(index_q, weights, index_k, dq_dtype, dw_dtype, dk_dtype)
+    tensors = dict(index_q=index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
+                   attn_score=attn_score, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, loss=loss,
+                   d_index_q=dq, d_weights=dw, d_index_k=dk, grad_loss_device=grad_loss)
+    options = _op_options(dev, sm_scale, loss_coeff, normalization_count, layout, id_mode, a_operand_precision)
+    _run_library(_dsaib.indexer_kl_loss_and_grad, _dsaib.indexer_kl_loss_and_grad_workspace_size, dev, tensors,
+                 options)
+    return loss, dq, dw, dk
+
+
+@_indexer_kl_loss_and_grad_op.register_fake
+def _indexer_kl_loss_and_grad_fake(index_q, weights, index_k, topk_indices, attn_score, grad_loss, cu_seqlens_q,
+                                   cu_seqlens_k, sm_scale, loss_coeff, normalization_count, layout, id_mode,
+                                   dq_dtype, dw_dtype, dk_dtype, a_operand_precision="auto"):
+    _check_a_operand(a_operand_precision)
+    _check_same_device(index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
+                       attn_score=attn_score, grad_loss=grad_loss, cu_seqlens_q=cu_seqlens_q,
+                       cu_seqlens_k=cu_seqlens_k)
+    return (index_q.new_empty((), dtype=torch.float32),
+            *_gradients_like(index_q, weights, index_k, dq_dtype, dw_dtype, dk_dtype))
 
 
 def indexer_backward(
@@ -149,7 +258,7 @@ def indexer_backward(
     index_k: torch.Tensor,
     topk_indices: torch.Tensor,
     attn_score: torch.Tensor,
-    index_score: torch.Tensor,
+    index_score: Optional[torch.Tensor],
     *,
     sm_scale: float,
     grad_loss=1.0,
@@ -161,6 +270,8 @@ def indexer_backward(
     cu_seqlens_k: Optional[torch.Tensor] = None,
     out_dtype="f32",
     a_operand_precision: str = "auto",
+    row_lse: Optional[torch.Tensor] = None,
+    row_target_mass: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(d_index_q, d_weights, d_index_k)`` through ``torch.ops.dsaib.indexer_backward``.
 
@@ -168,6 +279,11 @@ def indexer_backward(
     and index_k ``torch.bfloat16``; weights bf16 or float32; topk_indices
     int32; attn_score and index_score float32), all on one device: CUDA tensors
     run the cuda backend on the current stream, CPU tensors the CPU backend.
+
+    P-free form: ``index_score=None`` with ``row_lse`` and ``row_target_mass``
+    (float32, ``(B, S_q)`` / ``(T_q,)``, as :func:`dsaib.indexer_kl_forward`
+    or ``torch.ops.dsaib.indexer_kl_forward`` return them); the backward
+    rebuilds P from its own logits.
 
     Args:
       grad_loss: a number, or a one-element float32 tensor on the tensors'
@@ -196,7 +312,7 @@ def indexer_backward(
     return torch.ops.dsaib.indexer_backward(
         index_q, weights, index_k, topk_indices, attn_score, index_score, grad_loss, cu_seqlens_q, cu_seqlens_k,
         float(sm_scale), float(loss_coeff), int(normalization_count), layout, id_mode, dq_dtype, dw_dtype, dk_dtype,
-        _a_operand(a_operand_precision),
+        _a_operand(a_operand_precision), row_lse, row_target_mass,
     )
 
 
@@ -406,29 +522,60 @@ def index_scores(
         return _softmax_valid(z).reshape(topk_indices.shape)
 
 
+def _finite_grad_loss(x) -> float:
+    """grad_loss given as a number: finite as float32, with the library's message
+    (on CUDA the library does not read a device grad_loss before it runs)."""
+    value = _f32_value("grad_loss", x)
+    f32 = float(torch.tensor(value, dtype=torch.float32))
+    if not math.isfinite(f32):
+        raise ValueError(f"grad_loss: expected a finite value, got {f32}")
+    return f32
+
+
+def _library_inputs(index_q, weights, index_k, topk_indices, attn_score):
+    """The tensors as the library takes them: bf16 index_q/index_k, float32 (or
+    bf16) weights, int32 topk_indices, float32 attn_score, all contiguous. A
+    tensor already so is passed as it is (no copy)."""
+    w = weights if weights.dtype in (torch.bfloat16, torch.float32) else weights.to(torch.float32)
+    return (index_q.to(torch.bfloat16).contiguous(), w.contiguous(), index_k.to(torch.bfloat16).contiguous(),
+            topk_indices.to(torch.int32).contiguous(), attn_score.to(torch.float32).contiguous())
+
+
+def _float64_forward(index_q, weights, index_k, topk_indices, attn_score, sm_scale, loss_coeff,
+                     normalization_count, layout, id_mode, cu_seqlens_q, cu_seqlens_k):
+    """(loss, row_lse, row_target_mass) in float64 in torch, from the unrounded
+    values: the forward of float64 inputs, for finite-difference checks."""
+    rows, valid = _key_rows(index_k, topk_indices, layout, id_mode, cu_seqlens_q, cu_seqlens_k)
+    z = _logits(index_q, weights, index_k, rows, valid, sm_scale, torch.float64)
+    P = _softmax_valid(z)
+    T = attn_score.reshape(P.shape).to(torch.float64).clamp_min(EPS)
+    zero = torch.zeros_like(P)
+    terms = torch.where(valid, T * torch.log(P.clamp_min(EPS)), zero)
+    n = int(normalization_count) if normalization_count else P.shape[0]
+    loss = -(float(loss_coeff) / max(n, 1)) * terms.sum()
+    row_shape = topk_indices.shape[:-1]
+    row_lse = torch.logsumexp(z, dim=-1).reshape(row_shape)  # -inf for a row without a valid slot
+    row_target_mass = torch.where(valid & (P >= EPS), T, zero).sum(-1).reshape(row_shape)
+    return loss, row_lse, row_target_mass
+
+
 class _IndexerKLLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, index_q, weights, index_k, topk_indices, attn_score, sm_scale, loss_coeff,
                 normalization_count, layout, id_mode, cu_seqlens_q, cu_seqlens_k, a_operand_precision):
-        f64 = any(t.dtype == torch.float64 for t in (index_q, weights, index_k))
-        cdt = torch.float64 if f64 else torch.float32
-        q16 = index_q.to(torch.bfloat16).contiguous()
-        k16 = index_k.to(torch.bfloat16).contiguous()
-        w_op = (weights if weights.dtype in (torch.bfloat16, torch.float32) else weights.to(torch.float32)).contiguous()
-        rows, valid = _key_rows(index_k, topk_indices, layout, id_mode, cu_seqlens_q, cu_seqlens_k)
-        # The logits from the values the backward sees (bf16 q/k), except in
-        # float64 mode, where the forward is exact in the given values.
-        z = _logits(index_q if f64 else q16, weights, index_k if f64 else k16, rows, valid, sm_scale, cdt)
-        P = _softmax_valid(z)
-        T = attn_score.reshape(P.shape).to(cdt)
-        terms = T.clamp_min(EPS) * torch.log(P.clamp_min(EPS))
-        n = int(normalization_count) if normalization_count else P.shape[0]
-        loss = -(float(loss_coeff) / max(n, 1)) * torch.where(valid, terms, torch.zeros_like(terms)).sum()
-
-        ids32 = topk_indices.to(torch.int32).contiguous()
-        ctx.save_for_backward(q16, w_op, k16, ids32, attn_score.to(torch.float32).contiguous(),
-                              P.to(torch.float32).reshape(topk_indices.shape).contiguous(),
-                              cu_seqlens_q, cu_seqlens_k)
+        q16, w_op, k16, ids32, T32 = _library_inputs(index_q, weights, index_k, topk_indices, attn_score)
+        if any(t.dtype == torch.float64 for t in (index_q, weights, index_k)):
+            loss, row_lse, row_target_mass = _float64_forward(
+                index_q, weights, index_k, topk_indices, attn_score, sm_scale, loss_coeff, normalization_count,
+                layout, id_mode, cu_seqlens_q, cu_seqlens_k)
+        else:
+            # The library's forward: the loss and each row's LSE and target
+            # mass; no P (S_q x topk) is made, saved or passed on.
+            loss, row_lse, row_target_mass = torch.ops.dsaib.indexer_kl_forward(
+                q16, w_op, k16, ids32, T32, cu_seqlens_q, cu_seqlens_k, float(sm_scale), float(loss_coeff),
+                int(normalization_count), layout, id_mode)
+        ctx.save_for_backward(q16, w_op, k16, ids32, T32, row_lse.to(torch.float32),
+                              row_target_mass.to(torch.float32), cu_seqlens_q, cu_seqlens_k)
         ctx.in_dtypes = (index_q.dtype, weights.dtype, index_k.dtype)
         ctx.options = (float(sm_scale), float(loss_coeff), int(normalization_count), layout, id_mode,
                        a_operand_precision)
@@ -436,15 +583,16 @@ class _IndexerKLLossFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        q16, w_op, k16, ids32, T32, P32, cu_q, cu_k = ctx.saved_tensors
+        q16, w_op, k16, ids32, T32, row_lse, row_target_mass, cu_q, cu_k = ctx.saved_tensors
         sm_scale, loss_coeff, normalization_count, layout, id_mode, a_operand_precision = ctx.options
         q_dt, w_dt, k_dt = ctx.in_dtypes
         # Outputs straight in the input dtype when the library can write it.
         codes = tuple(_CODES.get(dt, "f32") for dt in (q_dt, w_dt, k_dt))
         g = grad_loss.detach().reshape(()).to(torch.float32)
+        # The P-free backward: P rebuilt from the row statistics.
         dq, dw, dk = torch.ops.dsaib.indexer_backward(
-            q16, w_op, k16, ids32, T32, P32, g, cu_q, cu_k, sm_scale, loss_coeff, normalization_count,
-            layout, id_mode, *codes, a_operand_precision,
+            q16, w_op, k16, ids32, T32, None, g, cu_q, cu_k, sm_scale, loss_coeff, normalization_count,
+            layout, id_mode, *codes, a_operand_precision, row_lse, row_target_mass,
         )
         need = ctx.needs_input_grad
         return (
@@ -484,11 +632,17 @@ def indexer_kl_loss(
     attn_score    (B, S_q, topk)          float; the target distribution T
     ============  ======================  ===========================================
 
-    H a multiple of 8 in [8, 128], D 64 or 128. The forward computes the logits
-    and ``P`` (float32; float64 for float64 inputs) and saves ``P`` for the
-    backward, which gets ``grad_loss`` from autograd as a device tensor (CUDA
-    graphs can replay it with new values). Gradients come back in the dtypes of
-    index_q, weights and index_k.
+    H a multiple of 8 in [8, 128], D 64 or 128. The forward is the library's
+    ``indexer_kl_forward`` (the fused kernel on CUDA tensors, the fp64 CPU
+    backend on CPU tensors; float64 inputs: torch in float64): it returns the
+    loss (float32; float64 for float64 inputs) and saves, besides the converted
+    inputs, each query row's log-sum-exp and target mass (float32), not ``P``.
+    The backward is the P-free ``indexer_backward``, which rebuilds ``P`` from
+    them, with ``grad_loss`` from autograd as a device tensor (CUDA graphs can
+    replay it with new values). Of size S_q x topk only ``topk_indices`` and
+    ``attn_score`` are kept (themselves when already int32 / float32 and
+    contiguous, else their converted copies). Gradients come back in the
+    dtypes of index_q, weights and index_k.
 
     Raises, before computing anything: TypeError for a non-tensor argument,
     non-integer ``topk_indices`` or non-float ``attn_score``, and ValueError
@@ -520,6 +674,57 @@ def indexer_kl_loss(
         index_q, weights, index_k, topk_indices, attn_score, float(sm_scale), float(loss_coeff),
         int(normalization_count), layout, id_mode, cu_seqlens_q, cu_seqlens_k, a_operand_precision,
     )
+
+
+def indexer_kl_loss_and_grad(
+    index_q: torch.Tensor,
+    weights: torch.Tensor,
+    index_k: torch.Tensor,
+    topk_indices: torch.Tensor,
+    attn_score: torch.Tensor,
+    *,
+    sm_scale: float,
+    loss_coeff: float = 1.0,
+    grad_loss=1.0,
+    normalization_count: int = 0,
+    layout: str = "bshd",
+    id_mode: str = "local",
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+    a_operand_precision: str = "auto",
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss, d_index_q, d_weights, d_index_k)`` in one library call, for an
+    indexer trained only by this loss (detached from the model's graph).
+
+    Through ``torch.ops.dsaib.indexer_kl_loss_and_grad``
+    (dsaib::indexer_kl_loss_and_grad): the loss forward and the P-free backward
+    in one host call; no P exists anywhere. Arguments, their conversions and the
+    loss as :func:`indexer_kl_loss`; the gradients equal what
+    ``indexer_kl_loss(...).backward(grad_loss)`` gives, in the dtypes of
+    index_q, weights and index_k, and the loss is not scaled by ``grad_loss``.
+
+    ``grad_loss``: a number, or a one-element float32 tensor on the tensors'
+    device read when the work runs. On CUDA the call does not synchronise the
+    host (BSHD and THD: the library checks device cu_seqlens on the device
+    while a capture is under way), so ``torch.cuda.graph`` captures it and each
+    replay reads the ``grad_loss`` tensor anew. Not differentiable: the outputs
+    are plain tensors.
+
+    Errors: the torch layer's rules as :func:`indexer_kl_loss` (TypeError,
+    ValueError), then the library's validation of the converted tensors, with
+    its messages, before anything is written.
+    """
+    a_operand_precision = _a_operand(a_operand_precision)
+    _check_torch_arguments(index_q, weights, index_k, topk_indices, attn_score, cu_seqlens_q, cu_seqlens_k)
+    if not isinstance(grad_loss, torch.Tensor):
+        grad_loss = torch.full((), _finite_grad_loss(grad_loss), dtype=torch.float32, device=index_q.device)
+    codes = tuple(_CODES.get(t.dtype, "f32") for t in (index_q, weights, index_k))
+    with torch.no_grad():
+        q16, w_op, k16, ids32, T32 = _library_inputs(index_q, weights, index_k, topk_indices, attn_score)
+        loss, dq, dw, dk = torch.ops.dsaib.indexer_kl_loss_and_grad(
+            q16, w_op, k16, ids32, T32, grad_loss.detach(), cu_seqlens_q, cu_seqlens_k, float(sm_scale),
+            float(loss_coeff), int(normalization_count), layout, id_mode, *codes, a_operand_precision)
+    return loss, dq.to(index_q.dtype), dw.to(weights.dtype), dk.to(index_k.dtype)
 
 
 class IndexerKLLoss(torch.nn.Module):

@@ -2,9 +2,11 @@
 //
 // It converts DLPack tensors (numpy, torch, cupy, jax, or any object with
 // __dlpack__/__dlpack_device__, or a DLPack capsule, through nanobind::ndarray)
-// into dsaib::TensorView records and calls the library: indexer_backward, its
-// workspace size (indexer_backward_workspace_size), the validation alone
-// (validate_indexer_kl_loss_inputs) and the fp64 loss. The Python layer
+// into dsaib::TensorView records and calls the library: indexer_backward (P
+// given as index_score, or the P-free form with row_lse and row_target_mass),
+// the loss forward (indexer_kl_forward), the loss and gradients in one call
+// (indexer_kl_loss_and_grad), each with its workspace size, the validation
+// alone (validate_indexer_kl_loss_inputs) and the fp64 loss. The Python layer
 // (python/dsaib/) allocates outputs with the inputs' framework; for other
 // producers it uses `empty`, which returns a Buffer: host or device memory
 // owned by this module, exported through DLPack. Sizes and argument rules are
@@ -34,11 +36,13 @@
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <optional>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if DSAIB_PY_WITH_CUDA
@@ -47,6 +51,8 @@
 
 #include "dsaib/error.hpp"
 #include "dsaib/indexer_backward.hpp"
+#include "dsaib/indexer_kl_forward.hpp"
+#include "dsaib/indexer_kl_loss_and_grad.hpp"
 #include "dsaib/tensor.hpp"
 
 namespace nb = nanobind;
@@ -82,7 +88,9 @@ std::string dtype_string(nb::dlpack::dtype dt) {
 const char* expected_dtypes(const std::string& name) {
   if (name == "index_q" || name == "index_k") return "bf16";
   if (name == "weights" || name == "d_index_q" || name == "d_weights" || name == "d_index_k") return "bf16 or f32";
-  if (name == "attn_score" || name == "index_score" || name == "grad_loss") return "f32";
+  if (name == "attn_score" || name == "index_score" || name == "grad_loss" || name == "row_lse" ||
+      name == "row_target_mass" || name == "loss")
+    return "f32";
   if (name == "topk_indices" || name == "cu_seqlens_q" || name == "cu_seqlens_k") return "i32";
   return "bf16, f32 or i32";
 }
@@ -340,7 +348,9 @@ dsaib::IndexerBackwardInputs make_inputs(const Array& index_q, const Array& weig
                                          const Array& topk_indices, const Array& attn_score,
                                          const std::optional<Array>& index_score,
                                          const std::optional<Array>& cu_seqlens_q,
-                                         const std::optional<Array>& cu_seqlens_k, bool u16) {
+                                         const std::optional<Array>& cu_seqlens_k, bool u16,
+                                         const std::optional<Array>& row_lse = std::nullopt,
+                                         const std::optional<Array>& row_target_mass = std::nullopt) {
   dsaib::IndexerBackwardInputs in;
   in.index_q = to_view("index_q", index_q, u16);
   in.weights = to_view("weights", weights, u16);
@@ -350,6 +360,8 @@ dsaib::IndexerBackwardInputs make_inputs(const Array& index_q, const Array& weig
   in.index_score = opt_view("index_score", index_score, u16);
   in.cu_seqlens_q = opt_view("cu_seqlens_q", cu_seqlens_q, u16);
   in.cu_seqlens_k = opt_view("cu_seqlens_k", cu_seqlens_k, u16);
+  in.row_lse = opt_view("row_lse", row_lse, u16);
+  in.row_target_mass = opt_view("row_target_mass", row_target_mass, u16);
   return in;
 }
 
@@ -430,6 +442,41 @@ dsaib::IndexerBackwardOutputs make_outputs(const OutArray& d_index_q, const OutA
   return out;
 }
 
+/// Outputs of the loss forward; index_score (P) is optional.
+dsaib::IndexerKLForwardOutputs make_forward_outputs(const OutArray& loss, const OutArray& row_lse,
+                                                    const OutArray& row_target_mass,
+                                                    const std::optional<OutArray>& index_score) {
+  dsaib::IndexerKLForwardOutputs out;
+  out.loss = to_view("loss", loss, false);
+  out.row_lse = to_view("row_lse", row_lse, false);
+  out.row_target_mass = to_view("row_target_mass", row_target_mass, false);
+  if (index_score) out.index_score = to_view("index_score", *index_score, false);
+  return out;
+}
+
+dsaib::IndexerKLLossAndGradOutputs make_loss_and_grad_outputs(const OutArray& loss, const OutArray& d_index_q,
+                                                              const OutArray& d_weights, const OutArray& d_index_k,
+                                                              bool out_uint16_as_bf16) {
+  dsaib::IndexerKLLossAndGradOutputs out;
+  out.loss = to_view("loss", loss, false);
+  out.d_index_q = to_view("d_index_q", d_index_q, out_uint16_as_bf16);
+  out.d_weights = to_view("d_weights", d_weights, out_uint16_as_bf16);
+  out.d_index_k = to_view("d_index_k", d_index_k, out_uint16_as_bf16);
+  return out;
+}
+
+/// The workspace argument of a library call: (pointer, bytes), after checking
+/// that it lives on the backend's device; (nullptr, 0) when none is given.
+std::pair<void*, std::size_t> workspace_of(const std::optional<OutArray>& workspace, const std::string& device) {
+  if (!workspace) return {nullptr, 0};
+  const std::string got = device_string(workspace->device_type(), workspace->device_id());
+  if (got != device) {
+    throw dsaib::Error(dsaib::ErrorCode::invalid_argument, "workspace",
+                       "workspace: expected a tensor on " + device + " (the backend's device), got one on " + got);
+  }
+  return {workspace->data(), workspace->nbytes()};
+}
+
 }  // namespace
 
 NB_MODULE(_dsaib, m) {
@@ -475,51 +522,44 @@ NB_MODULE(_dsaib, m) {
   m.def(
       "indexer_backward",
       [](const Array& index_q, const Array& weights, const Array& index_k, const Array& topk_indices,
-         const Array& attn_score, const Array& index_score, const std::optional<Array>& cu_seqlens_q,
+         const Array& attn_score, const std::optional<Array>& index_score, const std::optional<Array>& cu_seqlens_q,
          const std::optional<Array>& cu_seqlens_k, const OutArray& d_index_q, const OutArray& d_weights,
          const OutArray& d_index_k, const std::optional<Array>& grad_loss_device,
-         const std::optional<OutArray>& workspace, bool uint16_as_bf16, bool out_uint16_as_bf16,
+         const std::optional<OutArray>& workspace, const std::optional<Array>& row_lse,
+         const std::optional<Array>& row_target_mass, bool uint16_as_bf16, bool out_uint16_as_bf16,
          const nb::kwargs& options) {
         const auto in = make_inputs(index_q, weights, index_k, topk_indices, attn_score, index_score,
-                                    cu_seqlens_q, cu_seqlens_k, uint16_as_bf16);
+                                    cu_seqlens_q, cu_seqlens_k, uint16_as_bf16, row_lse, row_target_mass);
         const auto out = make_outputs(d_index_q, d_weights, d_index_k, out_uint16_as_bf16);
         auto opt = make_options(options);
         const std::string device = backend_device(opt.backend, index_q);
         if (grad_loss_device) opt.grad_loss_device = grad_loss_pointer(*grad_loss_device, device);
-        void* ws = nullptr;
-        std::size_t ws_bytes = 0;
-        if (workspace) {
-          const std::string got = device_string(workspace->device_type(), workspace->device_id());
-          if (got != device) {
-            throw dsaib::Error(dsaib::ErrorCode::invalid_argument, "workspace",
-                               "workspace: expected a tensor on " + device + " (the backend's device), got one on " +
-                                   got);
-          }
-          ws = workspace->data();
-          ws_bytes = workspace->nbytes();
-        }
+        const auto [ws, ws_bytes] = workspace_of(workspace, device);
         nb::gil_scoped_release release;
         dsaib::indexer_backward(in, out, opt, ws, ws_bytes);
       },
       nb::arg("index_q"), nb::arg("weights"), nb::arg("index_k"), nb::arg("topk_indices"), nb::arg("attn_score"),
-      nb::arg("index_score"), nb::arg("cu_seqlens_q").none(), nb::arg("cu_seqlens_k").none(), nb::arg("d_index_q"),
-      nb::arg("d_weights"), nb::arg("d_index_k"),
+      nb::arg("index_score").none(), nb::arg("cu_seqlens_q").none(), nb::arg("cu_seqlens_k").none(),
+      nb::arg("d_index_q"), nb::arg("d_weights"), nb::arg("d_index_k"),
       nb::arg("grad_loss_device").none() = nb::none(), nb::arg("workspace").none() = nb::none(),
+      nb::arg("row_lse").none() = nb::none(), nb::arg("row_target_mass").none() = nb::none(),
       nb::arg("uint16_as_bf16") = false, nb::arg("out_uint16_as_bf16") = false, nb::arg("options"),
       "Calls dsaib::indexer_backward on caller-provided outputs, with the library's options as keyword\n"
-      "arguments. grad_loss_device (optional) is a one-element float32 tensor on the backend's device, read\n"
-      "when the work runs; workspace (optional) is scratch memory on that device (see\n"
+      "arguments. P is index_score, or (index_score None) the P-free form: row_lse and row_target_mass as\n"
+      "indexer_kl_forward writes them. grad_loss_device (optional) is a one-element float32 tensor on the\n"
+      "backend's device, read when the work runs; workspace (optional) is scratch memory on that device (see\n"
       "indexer_backward_workspace_size). Raises ValueError/TypeError/RuntimeError.");
 
   m.def(
       "indexer_backward_workspace_size",
       [](const Array& index_q, const Array& weights, const Array& index_k, const Array& topk_indices,
-         const Array& attn_score, const Array& index_score, const std::optional<Array>& cu_seqlens_q,
+         const Array& attn_score, const std::optional<Array>& index_score, const std::optional<Array>& cu_seqlens_q,
          const std::optional<Array>& cu_seqlens_k, const OutArray& d_index_q, const OutArray& d_weights,
-         const OutArray& d_index_k, const std::optional<Array>& grad_loss_device, bool uint16_as_bf16,
+         const OutArray& d_index_k, const std::optional<Array>& grad_loss_device,
+         const std::optional<Array>& row_lse, const std::optional<Array>& row_target_mass, bool uint16_as_bf16,
          bool out_uint16_as_bf16, const nb::kwargs& options) {
         const auto in = make_inputs(index_q, weights, index_k, topk_indices, attn_score, index_score,
-                                    cu_seqlens_q, cu_seqlens_k, uint16_as_bf16);
+                                    cu_seqlens_q, cu_seqlens_k, uint16_as_bf16, row_lse, row_target_mass);
         const auto out = make_outputs(d_index_q, d_weights, d_index_k, out_uint16_as_bf16);
         auto opt = make_options(options);
         if (grad_loss_device) opt.grad_loss_device = grad_loss_pointer(*grad_loss_device, backend_device(opt.backend, index_q));
@@ -527,12 +567,103 @@ NB_MODULE(_dsaib, m) {
         return dsaib::indexer_backward_workspace_size(in, out, opt);
       },
       nb::arg("index_q"), nb::arg("weights"), nb::arg("index_k"), nb::arg("topk_indices"), nb::arg("attn_score"),
-      nb::arg("index_score"), nb::arg("cu_seqlens_q").none(), nb::arg("cu_seqlens_k").none(), nb::arg("d_index_q"),
-      nb::arg("d_weights"), nb::arg("d_index_k"),
-      nb::arg("grad_loss_device").none() = nb::none(), nb::arg("uint16_as_bf16") = false,
+      nb::arg("index_score").none(), nb::arg("cu_seqlens_q").none(), nb::arg("cu_seqlens_k").none(),
+      nb::arg("d_index_q"), nb::arg("d_weights"), nb::arg("d_index_k"),
+      nb::arg("grad_loss_device").none() = nb::none(), nb::arg("row_lse").none() = nb::none(),
+      nb::arg("row_target_mass").none() = nb::none(), nb::arg("uint16_as_bf16") = false,
       nb::arg("out_uint16_as_bf16") = false, nb::arg("options"),
       "dsaib::indexer_backward_workspace_size: the bytes of scratch memory indexer_backward needs with the same\n"
       "arguments (0 on the cpu backend). Validates them as indexer_backward does and raises the same errors.");
+
+  m.def(
+      "indexer_kl_forward",
+      [](const Array& index_q, const Array& weights, const Array& index_k, const Array& topk_indices,
+         const Array& attn_score, const std::optional<Array>& cu_seqlens_q, const std::optional<Array>& cu_seqlens_k,
+         const OutArray& loss, const OutArray& row_lse, const OutArray& row_target_mass,
+         const std::optional<OutArray>& index_score, const std::optional<OutArray>& workspace, bool uint16_as_bf16,
+         const nb::kwargs& options) {
+        const auto in = make_inputs(index_q, weights, index_k, topk_indices, attn_score, std::nullopt, cu_seqlens_q,
+                                    cu_seqlens_k, uint16_as_bf16);
+        const auto out = make_forward_outputs(loss, row_lse, row_target_mass, index_score);
+        const auto opt = make_options(options);
+        const auto [ws, ws_bytes] = workspace_of(workspace, backend_device(opt.backend, index_q));
+        nb::gil_scoped_release release;
+        dsaib::indexer_kl_forward(in, out, opt, ws, ws_bytes);
+      },
+      nb::arg("index_q"), nb::arg("weights"), nb::arg("index_k"), nb::arg("topk_indices"), nb::arg("attn_score"),
+      nb::arg("cu_seqlens_q").none(), nb::arg("cu_seqlens_k").none(), nb::arg("loss"), nb::arg("row_lse"),
+      nb::arg("row_target_mass"), nb::arg("index_score").none() = nb::none(),
+      nb::arg("workspace").none() = nb::none(), nb::arg("uint16_as_bf16") = false, nb::arg("options"),
+      "Calls dsaib::indexer_kl_forward: writes the loss (float32, shape ()), row_lse and row_target_mass\n"
+      "(float32, one per query row) and, if given, index_score (P, float32, shaped like topk_indices).\n"
+      "workspace (optional) is scratch memory on the backend's device (see indexer_kl_forward_workspace_size).");
+
+  m.def(
+      "indexer_kl_forward_workspace_size",
+      [](const Array& index_q, const Array& weights, const Array& index_k, const Array& topk_indices,
+         const Array& attn_score, const std::optional<Array>& cu_seqlens_q, const std::optional<Array>& cu_seqlens_k,
+         const OutArray& loss, const OutArray& row_lse, const OutArray& row_target_mass,
+         const std::optional<OutArray>& index_score, bool uint16_as_bf16, const nb::kwargs& options) {
+        const auto in = make_inputs(index_q, weights, index_k, topk_indices, attn_score, std::nullopt, cu_seqlens_q,
+                                    cu_seqlens_k, uint16_as_bf16);
+        const auto out = make_forward_outputs(loss, row_lse, row_target_mass, index_score);
+        const auto opt = make_options(options);
+        nb::gil_scoped_release release;
+        return dsaib::indexer_kl_forward_workspace_size(in, out, opt);
+      },
+      nb::arg("index_q"), nb::arg("weights"), nb::arg("index_k"), nb::arg("topk_indices"), nb::arg("attn_score"),
+      nb::arg("cu_seqlens_q").none(), nb::arg("cu_seqlens_k").none(), nb::arg("loss"), nb::arg("row_lse"),
+      nb::arg("row_target_mass"), nb::arg("index_score").none() = nb::none(), nb::arg("uint16_as_bf16") = false,
+      nb::arg("options"),
+      "dsaib::indexer_kl_forward_workspace_size: the bytes of scratch memory indexer_kl_forward needs with the\n"
+      "same arguments (0 on the cpu backend). Validates them as indexer_kl_forward does.");
+
+  m.def(
+      "indexer_kl_loss_and_grad",
+      [](const Array& index_q, const Array& weights, const Array& index_k, const Array& topk_indices,
+         const Array& attn_score, const std::optional<Array>& cu_seqlens_q, const std::optional<Array>& cu_seqlens_k,
+         const OutArray& loss, const OutArray& d_index_q, const OutArray& d_weights, const OutArray& d_index_k,
+         const std::optional<Array>& grad_loss_device, const std::optional<OutArray>& workspace,
+         bool uint16_as_bf16, bool out_uint16_as_bf16, const nb::kwargs& options) {
+        const auto in = make_inputs(index_q, weights, index_k, topk_indices, attn_score, std::nullopt, cu_seqlens_q,
+                                    cu_seqlens_k, uint16_as_bf16);
+        const auto out = make_loss_and_grad_outputs(loss, d_index_q, d_weights, d_index_k, out_uint16_as_bf16);
+        auto opt = make_options(options);
+        const std::string device = backend_device(opt.backend, index_q);
+        if (grad_loss_device) opt.grad_loss_device = grad_loss_pointer(*grad_loss_device, device);
+        const auto [ws, ws_bytes] = workspace_of(workspace, device);
+        nb::gil_scoped_release release;
+        dsaib::indexer_kl_loss_and_grad(in, out, opt, ws, ws_bytes);
+      },
+      nb::arg("index_q"), nb::arg("weights"), nb::arg("index_k"), nb::arg("topk_indices"), nb::arg("attn_score"),
+      nb::arg("cu_seqlens_q").none(), nb::arg("cu_seqlens_k").none(), nb::arg("loss"), nb::arg("d_index_q"),
+      nb::arg("d_weights"), nb::arg("d_index_k"), nb::arg("grad_loss_device").none() = nb::none(),
+      nb::arg("workspace").none() = nb::none(), nb::arg("uint16_as_bf16") = false,
+      nb::arg("out_uint16_as_bf16") = false, nb::arg("options"),
+      "Calls dsaib::indexer_kl_loss_and_grad: the loss (float32, shape ()) and d_index_q, d_weights, d_index_k\n"
+      "in one call, without P. grad_loss_device and workspace as for indexer_backward.");
+
+  m.def(
+      "indexer_kl_loss_and_grad_workspace_size",
+      [](const Array& index_q, const Array& weights, const Array& index_k, const Array& topk_indices,
+         const Array& attn_score, const std::optional<Array>& cu_seqlens_q, const std::optional<Array>& cu_seqlens_k,
+         const OutArray& loss, const OutArray& d_index_q, const OutArray& d_weights, const OutArray& d_index_k,
+         const std::optional<Array>& grad_loss_device, bool uint16_as_bf16, bool out_uint16_as_bf16,
+         const nb::kwargs& options) {
+        const auto in = make_inputs(index_q, weights, index_k, topk_indices, attn_score, std::nullopt, cu_seqlens_q,
+                                    cu_seqlens_k, uint16_as_bf16);
+        const auto out = make_loss_and_grad_outputs(loss, d_index_q, d_weights, d_index_k, out_uint16_as_bf16);
+        auto opt = make_options(options);
+        if (grad_loss_device) opt.grad_loss_device = grad_loss_pointer(*grad_loss_device, backend_device(opt.backend, index_q));
+        nb::gil_scoped_release release;
+        return dsaib::indexer_kl_loss_and_grad_workspace_size(in, out, opt);
+      },
+      nb::arg("index_q"), nb::arg("weights"), nb::arg("index_k"), nb::arg("topk_indices"), nb::arg("attn_score"),
+      nb::arg("cu_seqlens_q").none(), nb::arg("cu_seqlens_k").none(), nb::arg("loss"), nb::arg("d_index_q"),
+      nb::arg("d_weights"), nb::arg("d_index_k"), nb::arg("grad_loss_device").none() = nb::none(),
+      nb::arg("uint16_as_bf16") = false, nb::arg("out_uint16_as_bf16") = false, nb::arg("options"),
+      "dsaib::indexer_kl_loss_and_grad_workspace_size: the bytes of scratch memory indexer_kl_loss_and_grad\n"
+      "needs with the same arguments (0 on the cpu backend). Validates them as that call does.");
 
   m.def(
       "validate_indexer_kl_loss_inputs",

@@ -606,3 +606,49 @@ def test_the_capsule_check_leaves_ctypes_pythonapi_alone():
     p = make_problem(0)
     run({**p, "attn_score": p["attn_score"].__dlpack__()})
     assert ctypes.pythonapi.PyCapsule_GetName.restype is ctypes.c_void_p
+
+
+def _forward_inputs(p):
+    return {n: p[n] for n in ("index_q", "weights", "index_k", "topk_indices", "attn_score")}
+
+
+def test_loss_forward_matches_the_float64_loss_and_softmax():
+    p = make_problem(3)
+    loss, row_lse, row_target_mass, P = dsaib.indexer_kl_forward(
+        **_forward_inputs(p), sm_scale=SM_SCALE, loss_coeff=0.7, uint16_as_bf16=True, return_index_score=True)
+    assert [a.dtype for a in (loss, row_lse, row_target_mass, P)] == [np.float32] * 4
+    assert loss.shape == () and row_lse.shape == row_target_mass.shape == (2, 5) and P.shape == (2, 5, 4)
+    want = dsaib.indexer_kl_loss(**_forward_inputs(p), index_score=p["index_score"], sm_scale=SM_SCALE,
+                                 loss_coeff=0.7, uint16_as_bf16=True)
+    assert abs(float(loss) - want) <= 1e-6 * abs(want)
+    # P = exp(z - LSE): 0 at invalid slots, rows summing to 1 (the row without a valid slot: 0, LSE -inf)
+    assert P[0, 0, 0] == 0 and P[0, 1, 1] == 0 and np.all(P[1, 2] == 0) and row_lse[1, 2] == -np.inf
+    sums = P.sum(-1)
+    np.testing.assert_allclose(np.delete(sums.reshape(-1), 7), 1.0, rtol=1e-6)
+    assert row_target_mass[1, 2] == 0
+    valid = P > 0
+    np.testing.assert_allclose(row_target_mass, np.where(valid, p["attn_score"], 0).sum(-1), rtol=1e-6)
+
+
+def test_p_free_backward_and_one_call_match_the_backward_given_p():
+    p = make_problem(4)
+    fwd = _forward_inputs(p)
+    _, row_lse, row_target_mass, P = dsaib.indexer_kl_forward(**fwd, sm_scale=SM_SCALE, uint16_as_bf16=True,
+                                                               return_index_score=True)
+    with_p = run(dict(fwd, index_score=P), grad_loss=1.5)
+    p_free = run(dict(fwd, index_score=None), grad_loss=1.5, row_lse=row_lse, row_target_mass=row_target_mass)
+    assert_close(p_free, [np.asarray(g, dtype=np.float64) for g in with_p], rtol=1e-5, atol=5e-8)  # P rounded to float32 on one side
+    loss, *grads = dsaib.indexer_kl_loss_and_grad(**fwd, sm_scale=SM_SCALE, grad_loss=1.5, uint16_as_bf16=True)
+    assert loss.dtype == np.float32 and loss.shape == ()
+    assert_close(grads, [np.asarray(g, dtype=np.float64) for g in with_p], rtol=1e-5, atol=5e-8)  # P rounded to float32 on one side
+    assert float(loss) == float(dsaib.indexer_kl_forward(**fwd, sm_scale=SM_SCALE, uint16_as_bf16=True)[0])
+    # errors are the library's: P given twice, or not at all
+    with pytest.raises(ValueError, match=r"^row_lse: expected absent when index_score is given"):
+        run(dict(fwd, index_score=P), row_lse=row_lse, row_target_mass=row_target_mass)
+    with pytest.raises(TypeError, match=r"^index_score: expected an array"):
+        run(dict(fwd, index_score=None))
+    with pytest.raises(ValueError, match=r"^row_target_mass: expected shape"):
+        run(dict(fwd, index_score=None), row_lse=row_lse, row_target_mass=row_target_mass[:1])
+    with pytest.raises(ValueError, match=r"^weights: expected shape"):
+        dsaib.indexer_kl_loss_and_grad(**dict(fwd, weights=p["weights"][:, :2]), sm_scale=SM_SCALE,
+                                       uint16_as_bf16=True)

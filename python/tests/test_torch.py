@@ -85,10 +85,13 @@ def test_cpu_op_runs_under_use_deterministic_algorithms():
 
 
 def test_custom_op_a_operand_precision_argument():
-    # The schema's last argument, with a default: callers without it keep working.
+    # Arguments with defaults after the required ones: callers without them keep working.
     schema = torch.ops.dsaib.indexer_backward.default._schema
-    last = schema.arguments[-1]
-    assert last.name == "a_operand_precision" and str(last.type) == "str" and last.default_value == "auto", str(schema)
+    names = [a.name for a in schema.arguments]
+    assert names[-3:] == ["a_operand_precision", "row_lse", "row_target_mass"], str(schema)
+    a_op, lse, mass = schema.arguments[-3:]
+    assert str(a_op.type) == "str" and a_op.default_value == "auto", str(schema)
+    assert str(lse.type) == str(mass.type) == "Optional[Tensor]" and lse.default_value is None, str(schema)
     q, w, k, ids, T = make_torch_problem(seed=1)
     P = dt.index_scores(q, w, k, ids, sm_scale=SM)
     g = torch.tensor(1.5)
@@ -218,11 +221,18 @@ def test_autograd_loss_f32_leaves_get_f32_gradients_equal_to_the_op():
     q, w, k, ids, T = make_torch_problem(seed=7)
     qq, ww, kk = (x.detach().float().requires_grad_() for x in (q, w, k))
     dt.indexer_kl_loss(qq, ww, kk, ids, T, sm_scale=SM).backward(torch.tensor(2.0))
-    P = dt.index_scores(q, w, k, ids, sm_scale=SM)
-    want = dt.indexer_backward(q, w, k, ids, T, P, sm_scale=SM, grad_loss=2.0)
+    # the backward is the library's P-free form, fed with the forward's row statistics
+    _, row_lse, row_target_mass = dsaib.indexer_kl_forward(q, w, k, ids, T, sm_scale=SM)
+    want = dt.indexer_backward(q, w, k, ids, T, None, sm_scale=SM, grad_loss=2.0, row_lse=row_lse,
+                               row_target_mass=row_target_mass)
     for g, x in zip((qq.grad, ww.grad, kk.grad), want):
         assert g.dtype == torch.float32
         assert torch.equal(g, x)
+    # and equals the backward given P, up to P's float32 rounding
+    P = dt.index_scores(q, w, k, ids, sm_scale=SM)
+    with_p = dt.indexer_backward(q, w, k, ids, T, P, sm_scale=SM, grad_loss=2.0)
+    for name, g, x in zip(("d_index_q", "d_weights", "d_index_k"), (qq.grad, ww.grad, kk.grad), with_p):
+        assert_close_rms(name, g, x, 1e-6, 1e-6)
 
 
 def test_autograd_loss_module_and_thd_match_bshd():

@@ -464,3 +464,94 @@ def test_loss_forward_checks_gpu_cu_seqlens_like_the_op():
         dt.indexer_kl_loss(leaf, wt, kt, gids, Tt, sm_scale=0.1, **thd)
     assert str(ours.value) == str(lib.value)
     assert leaf.grad is None
+
+
+def to_thd(q, w, k, ids, T):
+    """The BSHD problem packed as THD with global ids (-1 stays -1; a local id out
+    of range becomes a row outside its sequence, still invalid)."""
+    B, S = ids.shape[:2]
+    S_kv = k.shape[1]
+    flat = lambda x: x.reshape((-1,) + tuple(x.shape[2:]))  # noqa: E731
+    base = S_kv * torch.arange(B, device=DEV).view(B, 1, 1)
+    gids = torch.where(ids >= 0, ids.long() + base, torch.full_like(ids.long(), -1)).to(torch.int32)
+    cu_q = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=DEV)
+    cu_k = torch.arange(0, (B + 1) * S_kv, S_kv, dtype=torch.int32, device=DEV)
+    return (flat(q), flat(w), flat(k), flat(gids), flat(T),
+            dict(layout="thd", id_mode="global", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k))
+
+
+# H 64 runs the P-free backward's own P rebuild; H 128 its forward pre-pass.
+LOSS_CASES = [(layout, H) for layout in ("bshd", "thd") for H in (64, 128)]
+
+
+@pytest.mark.parametrize("layout,H", LOSS_CASES)
+def test_loss_on_cuda_runs_the_fused_forward_and_the_p_free_backward(layout, H):
+    q, w, k, ids, T = problem(B=2, S=64, S_kv=96, H=H, D=128, topk=80, seed=30)
+    sm = 128 ** -0.5
+    want_loss, *want = reference_grads(q, w, k, ids, T, sm_scale=sm, loss_coeff=0.9)
+    args = (q, w, k, ids, T) if layout == "bshd" else to_thd(q, w, k, ids, T)
+    opts = {} if layout == "bshd" else args[5]
+    q2, w2, k2, ids2, T2 = args[:5]
+    leaves = [x.detach().float().requires_grad_() for x in (q2, w2, k2)]
+    loss = dt.indexer_kl_loss(*leaves, ids2, T2, sm_scale=sm, loss_coeff=0.9, **opts)
+    assert loss.device.type == "cuda" and loss.dtype == torch.float32
+    assert abs(loss.item() - want_loss.item()) <= 1e-6 * abs(want_loss.item()), (loss.item(), want_loss.item())
+    # the forward saved the row statistics and, of size S_q x topk, only the caller's ids and T
+    saved = [t for t in loss.grad_fn.saved_tensors if t is not None]
+    topk_sized = [t for t in saved if tuple(t.shape) == tuple(ids2.shape)]
+    assert sorted(t.data_ptr() for t in topk_sized) == sorted([ids2.data_ptr(), T2.data_ptr()])
+    assert len([t for t in saved if tuple(t.shape) == tuple(ids2.shape[:-1])]) == 2
+    loss.backward()
+    for name, x, r in zip(NAMES, leaves, want):
+        assert_close_rms(name, x.grad.reshape(r.shape), r, *TOL[torch.float32])
+
+
+@pytest.mark.parametrize("layout,H", LOSS_CASES)
+def test_one_call_on_cuda_equals_loss_and_autograd_gradients(layout, H):
+    q, w, k, ids, T = problem(B=2, S=64, S_kv=96, H=H, D=128, topk=80, seed=31)
+    args = (q, w, k, ids, T) if layout == "bshd" else to_thd(q, w, k, ids, T)
+    opts = {} if layout == "bshd" else args[5]
+    q2, w2, k2, ids2, T2 = args[:5]
+    g = torch.tensor(1.75, device=DEV)
+    with deterministic_algorithms():  # the fixed-point d_index_k on both sides
+        leaves = [x.detach().clone().requires_grad_() for x in (q2, w2, k2)]  # bf16, f32, bf16
+        loss = dt.indexer_kl_loss(*leaves, ids2, T2, sm_scale=0.1, **opts)
+        loss.backward(g)
+        poison_allocator((q2.shape, torch.bfloat16), (k2.shape, torch.bfloat16), (w2.shape, torch.float32))
+        got = dt.indexer_kl_loss_and_grad(q2, w2, k2, ids2, T2, sm_scale=0.1, grad_loss=g, **opts)
+    torch.cuda.synchronize()
+    assert torch.isfinite(got[0]) and rel_rms(got[0], loss.detach()) <= 1e-6
+    for name, d, x in zip(NAMES, got[1:], leaves):
+        assert d.dtype == x.grad.dtype and d.shape == x.shape
+        assert_close_rms(name, d.float(), x.grad.float(), 1e-3 if d.dtype == torch.float32 else 4e-3, 8e-3)
+    want_loss, *want = reference_grads(q, w, k, ids, T, sm_scale=0.1)
+    for name, d, r in zip(NAMES, got[1:], want):
+        assert_close_rms(name, d.reshape(r.shape), 1.75 * r, *TOL[d.dtype])
+
+
+@pytest.mark.parametrize("layout", ["bshd", "thd"])
+def test_cuda_graph_capture_of_one_call_replays_with_new_grad_loss(layout):
+    # THD too: the library checks device cu_seqlens on the device while capturing.
+    q, w, k, ids, T = problem(B=2, S=64, S_kv=128, H=64, D=128, topk=128, seed=32)
+    args = (q, w, k, ids, T) if layout == "bshd" else to_thd(q, w, k, ids, T)
+    opts = {} if layout == "bshd" else args[5]
+    g = torch.ones((), device=DEV)
+
+    def step():
+        return dt.indexer_kl_loss_and_grad(*args[:5], sm_scale=0.1, grad_loss=g, **opts)
+
+    eager = step()
+    warm_up_on_side_stream(step)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    for value in (1.0, 2.5, -0.5):
+        for s in static:
+            s.fill_(float("nan"))
+        g.fill_(value)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static[0], eager[0])  # the loss: bitwise reproducible, not scaled by grad_loss
+        for s, e in zip(static[1:], eager[1:]):
+            assert torch.isfinite(s).all()
+            assert rel_rms(s.float(), value * e.float()) < (LINEARITY_RTOL if s.dtype == torch.float32 else 5e-3)

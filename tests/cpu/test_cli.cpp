@@ -469,12 +469,16 @@ TEST_F(Cli, FileWrittenWithTheLargestFloatLoadsBack) {
 TEST_F(Cli, BenchWithoutAGpuSaysItNeedsTheCudaBackendAndAGpu) {
   if (dsaib::cuda_backend_available()) GTEST_SKIP() << "a compute-capability-9.0 GPU is present: bench would run";
   for (const std::string& args :
-       {std::string("bench"), "bench --seq 256 --ids random --iters 1 --json " + quote(path("b.json"))}) {
+       {std::string("bench"), "bench --seq 256 --ids random --iters 1 --json " + quote(path("b.json")),
+        std::string("bench --op forward"), std::string("bench --op step"), std::string("bench --op one-call")}) {
     const Result r = run(args);
     EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.output;
     EXPECT_TRUE(contains(r.output, "error (backend_unavailable): bench needs the CUDA backend and a GPU")) << r.output;
   }
   EXPECT_FALSE(std::filesystem::exists(path("b.json")));
+  const Result bad_op = run("bench --op loss");
+  EXPECT_EQ(bad_op.exit_code, 2) << bad_op.output;
+  EXPECT_TRUE(contains(bad_op.output, "--op")) << bad_op.output;
   // With --json - the JSON goes to stdout, and so does the error, as a JSON object (as backward --json),
   // a command-line error included.
   for (const auto& [args, code] : {std::pair<std::string, std::string>{"bench --seq 256 --json -", "backend_unavailable"},
@@ -979,10 +983,10 @@ TEST_F(Cli, BadUsageExitsWithTwo) {
   }
   const Result unknown = run("frobnicate --preset tiny");
   EXPECT_EQ(unknown.exit_code, 2) << unknown.output;
-  EXPECT_TRUE(contains(unknown.output, "unknown subcommand 'frobnicate': expected one of generate, backward, bench, presets"))
+  EXPECT_TRUE(contains(unknown.output, "unknown subcommand 'frobnicate': expected one of generate, backward, forward, step, bench, presets"))
       << unknown.output;
   const Result none = run("");
-  EXPECT_TRUE(contains(none.output, "a subcommand is required: one of generate, backward, bench, presets")) << none.output;
+  EXPECT_TRUE(contains(none.output, "a subcommand is required: one of generate, backward, forward, step, bench, presets")) << none.output;
   const Result help = run("backward --help");
   EXPECT_EQ(help.exit_code, 0);
   EXPECT_TRUE(contains(help.output, "--preset")) << help.output;
@@ -990,3 +994,106 @@ TEST_F(Cli, BadUsageExitsWithTwo) {
 }
 
 }  // namespace
+
+namespace {
+
+double f32_at(const dsaib::HostTensor& t, int64_t i) { return t.data<float>()[i]; }
+
+}  // namespace
+
+TEST_F(Cli, ForwardVerifiesLossLseMassAndPAndWritesThem) {
+  const std::string in = tiny_problem();
+  const std::string out = path("forward.safetensors");
+  const Result r = run("forward --in " + quote(in) + " --out " + quote(out) + " --threads 2 --json",
+                       /*with_stderr=*/false);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto j = nlohmann::json::parse(r.output);
+  EXPECT_EQ(j["op"], "forward");
+  EXPECT_EQ(j["verify"]["mode"], "all");
+  std::vector<std::string> names;
+  for (const auto& o : j["verify"]["outputs"]) {
+    names.push_back(o["name"]);
+    EXPECT_TRUE(o["pass"].get<bool>()) << o.dump();
+  }
+  EXPECT_EQ(names, (std::vector<std::string>{"loss", "row_lse", "row_target_mass", "index_score"}));
+  EXPECT_EQ(j["result"], "PASS");
+  std::map<std::string, std::string> meta;
+  const auto f = dsaib::read_safetensors(out, &meta);
+  ASSERT_EQ(f.size(), 4u);
+  EXPECT_EQ(meta.at("op"), "forward");
+  EXPECT_EQ(f.at("loss").shape, std::vector<int64_t>{});
+  EXPECT_EQ(f.at("row_lse").shape, (std::vector<int64_t>{2, 64}));
+  EXPECT_EQ(f.at("row_target_mass").shape, (std::vector<int64_t>{2, 64}));
+  EXPECT_EQ(f.at("index_score").shape, (std::vector<int64_t>{2, 64, 16}));
+  EXPECT_EQ(f32_at(f.at("loss"), 0), j["loss"].get<double>());
+  // P against the generator's (the fp64 softmax of the same logits, rounded to f32), and
+  // P = exp(z - LSE) sums to 1 per row
+  const auto p = dsaib::read_safetensors(in);
+  const dsaib::HostTensor& want = p.at("index_score");
+  const dsaib::HostTensor& got = f.at("index_score");
+  for (int64_t row = 0; row < 128; ++row) {
+    double sum = 0;
+    for (int64_t s = 0; s < 16; ++s) {
+      const double g = f32_at(got, row * 16 + s), w = f32_at(want, row * 16 + s);
+      sum += g;
+      EXPECT_LE(std::abs(g - w), 1e-5 * w + 1e-30) << row << " " << s;
+    }
+    if (f32_at(f.at("row_lse"), row) > -INFINITY) EXPECT_NEAR(sum, 1.0, 1e-5) << row;
+  }
+}
+
+TEST_F(Cli, StepEqualsForwardLossAndBackwardGradients) {
+  const std::string in = tiny_problem();
+  const std::string step = path("step.safetensors"), bwd = path("bwd.safetensors"), fwd = path("fwd.safetensors");
+  const Result r = run("step --in " + quote(in) + " --out " + quote(step) + " --out-dtype f32 --verify all --json",
+                       /*with_stderr=*/false);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto j = nlohmann::json::parse(r.output);
+  EXPECT_EQ(j["op"], "step");
+  std::vector<std::string> names;
+  for (const auto& o : j["verify"]["outputs"]) {
+    names.push_back(o["name"]);
+    EXPECT_TRUE(o["pass"].get<bool>()) << o.dump();
+  }
+  EXPECT_EQ(names, (std::vector<std::string>{"loss", "d_index_q", "d_weights", "d_index_k"}));
+  ASSERT_EQ(run("backward --in " + quote(in) + " --out " + quote(bwd) + " --out-dtype f32 --verify none").exit_code, 0);
+  ASSERT_EQ(run("forward --in " + quote(in) + " --out " + quote(fwd) + " --verify none").exit_code, 0);
+  const auto s = dsaib::read_safetensors(step), b = dsaib::read_safetensors(bwd), f = dsaib::read_safetensors(fwd);
+  EXPECT_EQ(f32_at(s.at("loss"), 0), f32_at(f.at("loss"), 0));  // the same fp64 forward
+  // the backward given the generator's P (the fp64 softmax in f32) and the one call's P-free backward
+  for (const char* name : {"d_index_q", "d_weights", "d_index_k"}) {
+    const auto& a = s.at(name);
+    const auto& c = b.at(name);
+    ASSERT_EQ(a.shape, c.shape) << name;
+    double err2 = 0, ref2 = 0;
+    for (int64_t i = 0; i < a.numel(); ++i) {
+      err2 += std::pow(f32_at(a, i) - f32_at(c, i), 2);
+      ref2 += std::pow(f32_at(c, i), 2);
+    }
+    EXPECT_GT(ref2, 0.0) << name;
+    EXPECT_LE(std::sqrt(err2 / ref2), 1e-5) << name;
+  }
+}
+
+TEST_F(Cli, StepOnGeneratedThdGlobalIdsSampledAndForwardFlags) {
+  const Result r = run("step --layout thd --seqlens-q 1,37,50 --heads 16 --head-dim 64 --topk 24 --id-mode global"
+                       " --verify sample --sample-rows 8 --grad-loss 2.5 --json",
+                       /*with_stderr=*/false);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto j = nlohmann::json::parse(r.output);
+  EXPECT_EQ(j["problem"]["layout"], "thd");
+  EXPECT_EQ(j["verify"]["mode"], "sample");
+  ASSERT_EQ(j["verify"]["outputs"].size(), 4u);
+  EXPECT_EQ(j["result"], "PASS");
+  // the forward has no gradients: no --out-dtype, no sampled verification
+  EXPECT_EQ(run("forward --preset tiny --out-dtype f32").exit_code, 2);
+  const Result bad = run("forward --preset tiny --verify sample");
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_TRUE(contains(bad.output, "--verify")) << bad.output;
+  const Result text = run("forward --preset tiny");
+  EXPECT_EQ(text.exit_code, 0) << text.output;
+  for (const char* frag : {"dsa-indexer-bwd forward", "  loss        ", "  forward     ", "row_lse", "index_score",
+                           "result      PASS"}) {
+    EXPECT_TRUE(contains(text.output, frag)) << "'" << frag << "' not in:\n" << text.output;
+  }
+}
