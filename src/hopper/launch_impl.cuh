@@ -13,10 +13,11 @@ int indexer_backward_smem_bytes() {
   return shared_storage_bytes<TileConfig<kHeadDim, kSplitA>>();
 }
 
-template <int kHeadDim, bool kSplitA>
-int indexer_backward_ctas_per_sm() {
-  using Config = TileConfig<kHeadDim, kSplitA>;
-  const int smem = indexer_backward_smem_bytes<kHeadDim, kSplitA>();
+/// Resident CTAs per SM of indexer_backward_kernel<Config> (which also gets its
+/// dynamic shared memory attribute set); at least one, else cuda_error.
+template <class Config>
+int ctas_per_sm_of() {
+  const int smem = shared_storage_bytes<Config>();
   auto kernel = indexer_backward_kernel<Config>;
   cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
              "cudaFuncSetAttribute(indexer_backward_kernel)");
@@ -29,49 +30,41 @@ int indexer_backward_ctas_per_sm() {
                     std::to_string(smem) + " bytes)");
   }
   return blocks_per_sm;
+}
+
+/// indexer_backward_kernel<Config> over `grid` persistent CTAs (none for grid 0),
+/// with the dynamic shared memory of SmemConfig's storage.
+template <class Config, class SmemConfig = Config>
+void launch_kernel_of(const IndexerBackwardParams& params, int64_t grid, cudaStream_t stream) {
+  if (grid <= 0) return;  // no tasks
+  const int smem = shared_storage_bytes<SmemConfig>();
+  auto kernel = indexer_backward_kernel<Config>;
+  cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+             "cudaFuncSetAttribute(indexer_backward_kernel)");
+  kernel<<<static_cast<unsigned>(grid), Config::kThreads, smem, stream>>>(params);
+  cuda_check_launch("indexer_backward_kernel");
+}
+
+template <int kHeadDim, bool kSplitA>
+int indexer_backward_ctas_per_sm() {  // the shared memory of indexer_backward_smem_bytes<kHeadDim, kSplitA>()
+  return ctas_per_sm_of<TileConfig<kHeadDim, kSplitA>>();
 }
 
 template <int kHeadDim, bool kSplitA, bool kL2KeepDk, bool kFixedPointDk>
 void launch_indexer_backward(const IndexerBackwardParams& params, int64_t grid, cudaStream_t stream) {
   static_assert(!(kSplitA && kL2KeepDk), "the L2-hinted kernels are the one-term ones (launch.hpp)");
-  using Config = TileConfig<kHeadDim, kSplitA, kL2KeepDk, kFixedPointDk>;
-  if (grid <= 0) return;  // no tasks
-  const int smem = indexer_backward_smem_bytes<kHeadDim, kSplitA>();
-  auto kernel = indexer_backward_kernel<Config>;
-  cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-             "cudaFuncSetAttribute(indexer_backward_kernel)");
-  kernel<<<static_cast<unsigned>(grid), Config::kThreads, smem, stream>>>(params);
-  cuda_check_launch("indexer_backward_kernel");
+  launch_kernel_of<TileConfig<kHeadDim, kSplitA, kL2KeepDk, kFixedPointDk>, TileConfig<kHeadDim, kSplitA>>(
+      params, grid, stream);
 }
 
 template <int kHeadDim, bool kSplitA>
 int indexer_backward_recompute_p_ctas_per_sm() {
-  using Config = RecomputePConfig<TileConfig<kHeadDim, kSplitA>>;
-  const int smem = shared_storage_bytes<Config>();
-  auto kernel = indexer_backward_kernel<Config>;
-  cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-             "cudaFuncSetAttribute(indexer_backward_kernel)");
-  int blocks_per_sm = 0;
-  cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, Config::kThreads, smem),
-             "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-  if (blocks_per_sm < 1) {
-    throw Error(ErrorCode::cuda_error, "indexer_backward_kernel",
-                "indexer_backward_kernel: expected at least one resident CTA per SM, got 0 (shared memory " +
-                    std::to_string(smem) + " bytes)");
-  }
-  return blocks_per_sm;
+  return ctas_per_sm_of<RecomputePConfig<TileConfig<kHeadDim, kSplitA>>>();
 }
 
 template <int kHeadDim, bool kSplitA>
 void launch_indexer_backward_recompute_p(const IndexerBackwardParams& params, int64_t grid, cudaStream_t stream) {
-  using Config = RecomputePConfig<TileConfig<kHeadDim, kSplitA>>;
-  if (grid <= 0) return;  // no tasks
-  const int smem = shared_storage_bytes<Config>();
-  auto kernel = indexer_backward_kernel<Config>;
-  cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-             "cudaFuncSetAttribute(indexer_backward_kernel)");
-  kernel<<<static_cast<unsigned>(grid), Config::kThreads, smem, stream>>>(params);
-  cuda_check_launch("indexer_backward_kernel");
+  launch_kernel_of<RecomputePConfig<TileConfig<kHeadDim, kSplitA>>>(params, grid, stream);
 }
 
 }  // namespace dsaib::hopper
