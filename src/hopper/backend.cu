@@ -88,19 +88,6 @@ __global__ void pack_row_statistics(const float* lse, int64_t lse_batch_stride, 
   }
 }
 
-/// Restores the caller's current device on scope exit.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    cuda_check(cudaGetDevice(&previous_), "cudaGetDevice");
-    if (device != previous_) cuda_check(cudaSetDevice(device), "cudaSetDevice");
-  }
-  ~DeviceGuard() { cudaSetDevice(previous_); }
-
- private:
-  int previous_ = 0;
-};
-
 }  // namespace
 
 static_assert(TileConfig<64, false>::kHeadTile == kHeadsPerTask && TileConfig<128, true>::kHeadTile == kHeadsPerTask,

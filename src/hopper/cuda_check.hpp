@@ -22,4 +22,17 @@ inline void cuda_check(cudaError_t status, const char* what) {
 /// After a launch: the launch's own error (configuration, resources).
 inline void cuda_check_launch(const char* kernel) { cuda_check(cudaGetLastError(), kernel); }
 
+/// Restores the caller's current device on scope exit.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    cuda_check(cudaGetDevice(&previous_), "cudaGetDevice");
+    if (device != previous_) cuda_check(cudaSetDevice(device), "cudaSetDevice");
+  }
+  ~DeviceGuard() { cudaSetDevice(previous_); }
+
+ private:
+  int previous_ = 0;
+};
+
 }  // namespace dsaib::hopper

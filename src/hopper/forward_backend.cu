@@ -92,19 +92,6 @@ ForwardWorkspace workspace_layout(const detail::ProblemGeometry& g, int64_t grid
   return w;
 }
 
-/// Restores the caller's current device on scope exit.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    cuda_check(cudaGetDevice(&previous_), "cudaGetDevice");
-    if (device != previous_) cuda_check(cudaSetDevice(device), "cudaSetDevice");
-  }
-  ~DeviceGuard() { cudaSetDevice(previous_); }
-
- private:
-  int previous_ = 0;
-};
-
 }  // namespace
 }  // namespace dsaib::hopper
 
