@@ -95,12 +95,7 @@ BackwardCommand::BackwardCommand(CLI::App& app, LossOp op) : op_(op) {
                    "bf16x2 or bf16 (docs/api.md)")
       ->check(one_of({"auto", "bf16x2", "bf16"}))
       ->default_str("auto");
-  cmd_->add_option("--l2-hints", a.l2_hints, "cuda: L2 eviction-policy hints on the d_index_k reductions: auto (the launch decides from the key table against the L2), on or off (docs/api.md)")
-      ->check(one_of({"auto", "on", "off"}))
-      ->default_str("auto");
-  cmd_->add_option("--start-stagger", a.start_stagger, "cuda: delayed start of the persistent CTAs that run one task fewer: auto or off (docs/api.md)")
-      ->check(one_of({"auto", "off"}))
-      ->default_str("auto");
+  add_launch_option_flags(cmd_, &a.l2_hints, &a.start_stagger);
   cmd_->add_flag("--json", a.json,
                  "print the report as JSON on stdout (an error too: {\"error\": {code, argument, message}, \"result\": "
                  "\"ERROR\"})");

@@ -107,6 +107,18 @@ CLI::Validator finite_float(bool nonzero) {
       nonzero ? "FLOAT (finite, nonzero)" : "FLOAT (finite)");
 }
 
+void add_launch_option_flags(CLI::App* cmd, std::string* l2_hints, std::string* start_stagger) {
+  cmd->add_option("--l2-hints", *l2_hints,
+                  "cuda: L2 eviction-policy hints on the d_index_k reductions: auto (the launch decides from the "
+                  "key table against the L2), on or off (docs/api.md)")
+      ->check(one_of({"auto", "on", "off"}))
+      ->default_str("auto");
+  cmd->add_option("--start-stagger", *start_stagger,
+                  "cuda: delayed start of the persistent CTAs that run one task fewer: auto or off (docs/api.md)")
+      ->check(one_of({"auto", "off"}))
+      ->default_str("auto");
+}
+
 CLI::Validator uint64_text() {
   return CLI::Validator(
       [](std::string& v) -> std::string {

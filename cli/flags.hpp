@@ -41,6 +41,10 @@ CLI::Validator finite_float(bool nonzero = false);
 /// An unsigned 64-bit integer written in decimal digits only.
 CLI::Validator uint64_text();
 
+/// --l2-hints auto|on|off and --start-stagger auto|off (IndexerBackwardOptions::l2_hints,
+/// ::start_stagger) on `cmd`, into the two words.
+void add_launch_option_flags(CLI::App* cmd, std::string* l2_hints, std::string* start_stagger);
+
 // ---------------------------------------------------------------- flag groups
 
 /// The generation flags of a subcommand, and the CLI11 options that set them.
