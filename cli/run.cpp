@@ -1,4 +1,4 @@
-// Running the library calls (backward, loss forward, one-call step) on the host, and small helpers of the CLI.
+// Running the library calls (backward, loss forward, one-call step) on the host, and small utilities of the CLI.
 #include <cstring>
 #include <iostream>
 #include <mutex>

@@ -5,7 +5,7 @@
 //                 with the backward): Q/w loads, compaction of the valid slots,
 //                 K gather into kStagesK stages; each gathered key carries its slot.
 //   warpgroup 1 : ForwardScore (forward_score.cuh): GEMM1 S = Q K^T with wgmma
-//                 (the backward's operand layouts and GEMM helper), the weighted
+//                 (the backward's operand layouts and warpgroup_gemm_rs), the weighted
 //                 relu head sum z, and per row LSE, P, the target mass and the loss term.
 //
 // One task = one query row with ALL its heads (kHeadTile 64 for H <= 64, 128
