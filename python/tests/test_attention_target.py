@@ -126,8 +126,14 @@ def _torch():
 
 
 def _devices():
-    torch = pytest.importorskip("torch")
-    cuda = torch.cuda.is_available() and dsaib.cuda_backend_available()
+    """cpu, and cuda where a CUDA device with the cuda backend is present (at
+    collection: without torch, the tests skip when they run)."""
+    try:
+        import torch
+    except ImportError:
+        cuda = False
+    else:
+        cuda = torch.cuda.is_available() and dsaib.cuda_backend_available()
     return ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not cuda, reason="no CUDA device with the "
                                                                               "cuda backend"))]
 
