@@ -755,3 +755,5 @@ class IndexerKLLoss(torch.nn.Module):
         return (f"sm_scale={self.sm_scale}, loss_coeff={self.loss_coeff}, "
                 f"normalization_count={self.normalization_count}, layout={self.layout}, id_mode={self.id_mode}, "
                 f"a_operand_precision={self.a_operand_precision}")
+
+from .distributed import context_parallel_indexer_backward, context_parallel_indexer_kl_loss  # noqa: E402,F401
