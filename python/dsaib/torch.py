@@ -48,7 +48,8 @@ from . import _dsaib
 from ._args import _a_operand, _f32_value, _float_or_inf, _normalization_count
 from ._frameworks import _export, _exported
 
-__all__ = ["indexer_backward", "indexer_kl_loss", "indexer_kl_loss_and_grad", "IndexerKLLoss", "index_scores", "EPS"]
+__all__ = ["indexer_backward", "indexer_kl_loss", "indexer_kl_loss_and_grad", "IndexerKLLoss", "index_scores", "EPS",
+           "context_parallel_indexer_kl_loss", "context_parallel_indexer_backward"]
 
 #: The clip of ``T`` and ``P`` in the loss: exp(-100).
 EPS = math.exp(-100.0)
@@ -756,4 +757,6 @@ class IndexerKLLoss(torch.nn.Module):
                 f"normalization_count={self.normalization_count}, layout={self.layout}, id_mode={self.id_mode}, "
                 f"a_operand_precision={self.a_operand_precision}")
 
+
+# The context-parallel loss and backward (torch.distributed), defined in dsaib.distributed.
 from .distributed import context_parallel_indexer_backward, context_parallel_indexer_kl_loss  # noqa: E402,F401
