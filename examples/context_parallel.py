@@ -111,8 +111,8 @@ def main():
     else:  # BSHD with one batch row
         q, w, k, ids, T = (t.unsqueeze(0) for t in (q, w, k, ids, T))
 
-    # This rank's slice: the rows key_positions names (the same split for queries and keys).
-    rows = dcp.key_positions(lengths, cp, args.cp_layout)[rank].to(device)
+    # This rank's slice: the rows rank_rows names (the same split for queries and keys).
+    rows = dcp.rank_rows(lengths, cp, args.cp_layout)[rank].to(device)
     dim = 1 if args.layout == "bshd" else 0
     mine = [t.index_select(dim, rows) for t in (q, w, k, ids, T)]
 

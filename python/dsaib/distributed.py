@@ -61,7 +61,8 @@ import torch.distributed as dist
 
 from ._args import _a_operand
 
-__all__ = ["context_parallel_indexer_kl_loss", "context_parallel_indexer_backward", "CP_LAYOUTS"]
+__all__ = ["context_parallel_indexer_kl_loss", "context_parallel_indexer_backward", "rank_rows", "rank_chunks",
+           "CP_LAYOUTS"]
 
 #: The CP layouts: Megatron-Core's contiguous chunks and its load-balanced zig-zag split.
 CP_LAYOUTS = ("contiguous", "zigzag")
@@ -114,15 +115,25 @@ def _positions_cached(lengths: Tuple[int, ...], cp: int, cp_layout: str) -> torc
     return torch.stack(rows) if rows else torch.empty(0, n_local, dtype=torch.int64)
 
 
-def key_positions(lengths, cp: int, cp_layout: str) -> torch.Tensor:
+def rank_rows(lengths, cp: int, cp_layout: str) -> torch.Tensor:
     """``(cp, n_local)`` int64 (CPU): for each rank and each of its local rows,
-    the row of the whole sequence it holds.
+    the row of the whole sequence (or packed batch) it holds; rank ``r``'s
+    slice of a whole tensor ``x`` is ``x.index_select(dim, rank_rows(...)[r])``.
 
     ``lengths`` are the lengths of the sequences one after another (BSHD: the
     one sequence dimension, ``[S]``; THD: every packed sequence), each a
-    multiple of the layout's chunk count. A rank's local rows are, sequence
-    after sequence, its chunks of that sequence (see :func:`rank_chunks`)."""
-    return _positions_cached(tuple(int(x) for x in lengths), int(cp), cp_layout)
+    multiple of the layout's chunk count (ValueError otherwise). A rank's
+    local rows are, sequence after sequence, its chunks of that sequence (see
+    :func:`rank_chunks`)."""
+    if not isinstance(cp, int) or cp < 1:
+        raise ValueError(f"cp: expected a positive int, got {cp!r}")
+    n_chunks, _ = rank_chunks(cp, cp_layout, 0)
+    lengths = tuple(int(x) for x in lengths)
+    for b, n in enumerate(lengths):
+        if n < 0 or n % n_chunks:
+            raise ValueError(f"lengths: expected every length a multiple of {n_chunks} ({cp_layout} over {cp} "
+                             f"ranks), got {n} for sequence {b}")
+    return _positions_cached(lengths, cp, cp_layout).clone()
 
 
 class _Plan:
@@ -151,9 +162,10 @@ class _Plan:
             self.global_rows = index_q.shape[0] * index_q.shape[1] * cp
             self.cu_q_local = self.cu_k = None
         else:
-            if cu_seqlens_q is None or cu_seqlens_k is None:
-                raise ValueError("cu_seqlens_q: expected the whole batch's cu_seqlens_q and cu_seqlens_k for "
-                                 "layout thd, got " + ("None" if cu_seqlens_q is None else "cu_seqlens_k None"))
+            for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+                if cu is None:
+                    raise ValueError(f"{name}: expected the whole batch's offsets for layout thd (the same on "
+                                     f"every rank), got None")
             if index_k.dim() != 2:
                 raise ValueError(f"index_k: expected rank 2 (T_k/cp, D), got rank {index_k.dim()}")
             lengths_q = self._lengths("cu_seqlens_q", cu_seqlens_q, n_chunks, how)
@@ -172,9 +184,11 @@ class _Plan:
         self.identity = cp_layout == "contiguous" and layout == "bshd"
         self.positions = self.inverse = None
         if not self.identity:
-            positions = key_positions(self.lengths, cp, cp_layout).reshape(-1)
+            positions = _positions_cached(self.lengths, cp, cp_layout).reshape(-1)
+            inverse = torch.empty_like(positions)
+            inverse[positions] = torch.arange(positions.numel())
             self.positions = positions.to(dev)                  # rank-major row -> whole-sequence row
-            self.inverse = torch.argsort(positions).to(dev)     # whole-sequence row -> rank-major row
+            self.inverse = inverse.to(dev)                      # whole-sequence row -> rank-major row
 
     @staticmethod
     def _lengths(name, cu, n_chunks, how):

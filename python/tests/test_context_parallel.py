@@ -296,17 +296,26 @@ def test_wrong_chunk_order_is_detected(world_results):
 
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])
 @pytest.mark.parametrize("cp_layout", ["contiguous", "zigzag"])
-def test_key_positions_are_the_test_split(cp, cp_layout):
+def test_rank_rows_are_the_test_split(cp, cp_layout):
     lengths = [4 * cp, 0, 2 * cp, 6 * cp]
     index = torch.arange(sum(lengths))
     want = torch.stack([split_packed(index, lengths, cp, cp_layout, r) for r in range(cp)])
-    assert torch.equal(dcp.key_positions(lengths, cp, cp_layout), want)
+    assert torch.equal(dcp.rank_rows(lengths, cp, cp_layout), want)
 
 
-def test_key_positions_known_answer():
-    assert dcp.key_positions([8], 2, "zigzag").tolist() == [[0, 1, 6, 7], [2, 3, 4, 5]]
-    assert dcp.key_positions([8], 2, "contiguous").tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert dcp.key_positions([4, 8], 2, "zigzag").tolist() == [[0, 3, 4, 5, 10, 11], [1, 2, 6, 7, 8, 9]]
+def test_rank_rows_rejects_lengths_the_layout_does_not_divide():
+    with pytest.raises(ValueError, match=r"lengths: expected every length a multiple of 4 \(zigzag over 2 ranks\), "
+                                         r"got 6 for sequence 1"):
+        dcp.rank_rows([8, 6], 2, "zigzag")
+    rows = dcp.rank_rows([8], 2, "zigzag")
+    rows.zero_()                                   # a copy: the cached rows are not changed
+    assert dcp.rank_rows([8], 2, "zigzag").tolist() == [[0, 1, 6, 7], [2, 3, 4, 5]]
+
+
+def test_rank_rows_known_answer():
+    assert dcp.rank_rows([8], 2, "zigzag").tolist() == [[0, 1, 6, 7], [2, 3, 4, 5]]
+    assert dcp.rank_rows([8], 2, "contiguous").tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert dcp.rank_rows([4, 8], 2, "zigzag").tolist() == [[0, 3, 4, 5, 10, 11], [1, 2, 6, 7, 8, 9]]
 
 
 def _plan(cp, cp_layout, layout, q, k, cu=None):
@@ -378,8 +387,13 @@ def test_errors_name_the_argument(one_rank_group):
     short = torch.tensor([0, 8, 32, 40], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"index_q: expected 40 rows \(cu_seqlens_q\[-1\] = 40 over 1 ranks\), got 48"):
         loss(*args, group=None, **dict(opts, cu_seqlens_q=short))
-    with pytest.raises(ValueError, match="cu_seqlens_q: expected the whole batch's"):
-        loss(*args, group=None, **dict(opts, cu_seqlens_q=None))
+    with pytest.raises(ValueError, match="cu_seqlens_k: expected the whole batch's offsets for layout thd"):
+        loss(*args, group=None, **dict(opts, cu_seqlens_k=None))
+    bshd = make_problem("bshd", "local", torch.float32, seed=8)
+    odd = bshd["k"][:, :15]
+    with pytest.raises(ValueError, match=r"index_k: expected a local sequence length that is a multiple of 2 "
+                                         r"\(zigzag over 1 ranks\), got 15"):
+        loss(bshd["q"], bshd["w"], odd, bshd["ids"], bshd["T"], group=None, cp_layout="zigzag", sm_scale=SM)
     # the library's own validation, given the whole index_k's shape
     with pytest.raises(ValueError, match="sm_scale"):
         loss(*args, group=None, **dict(opts, sm_scale=float("inf")))
