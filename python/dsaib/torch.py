@@ -53,7 +53,8 @@ from ._args import _a_operand, _f32_value, _float_or_inf, _normalization_count
 from ._frameworks import _export, _exported
 
 __all__ = ["indexer_backward", "indexer_kl_loss", "indexer_kl_loss_and_grad", "IndexerKLLoss", "index_scores",
-           "attention_target", "indexer_kl_loss_and_grad_from_attention", "EPS"]
+           "attention_target", "indexer_kl_loss_and_grad_from_attention", "EPS",
+           "context_parallel_indexer_kl_loss", "context_parallel_indexer_backward"]
 
 #: The clip of ``T`` and ``P`` in the loss: exp(-100).
 EPS = math.exp(-100.0)
@@ -897,3 +898,6 @@ def indexer_kl_loss_and_grad_from_attention(
                                     normalization_count=normalization_count, layout=layout, id_mode=id_mode,
                                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                     a_operand_precision=a_operand_precision)
+
+# The context-parallel loss and backward (torch.distributed), defined in dsaib.distributed.
+from .distributed import context_parallel_indexer_backward, context_parallel_indexer_kl_loss  # noqa: E402,F401

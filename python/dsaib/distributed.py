@@ -1,0 +1,454 @@
+"""Context parallelism (CP) for the indexer loss over ``torch.distributed``.
+
+A long sequence is split across the ranks of a process group (the CP group):
+each rank holds a slice of the query rows and the same slice of the key rows.
+The indexer loss of a query row needs every key its ids select, so:
+
+* the forward all-gathers ``index_k`` over the group
+  (``torch.distributed.all_gather_into_tensor``), puts the gathered slices in
+  sequence order and runs the library's op on the rank's own query rows
+  against the whole key sequence;
+* the backward runs the library's backward on the same rows, which gives
+  ``d_index_q`` and ``d_weights`` of the rank's rows and this rank's share of
+  ``d_index_k`` for *every* key row, and reduce-scatters those shares
+  (``torch.distributed.reduce_scatter_tensor``, a sum in float32) so that each
+  rank gets the whole gradient of the key rows it holds.
+
+The split follows Megatron-Core's two CP layouts (``cp_layout``), for a group
+of ``cp`` ranks, rank ``r`` being ``torch.distributed.get_rank(group)``:
+
+* ``"contiguous"``: the sequence in ``cp`` equal chunks; rank ``r`` holds
+  chunk ``r``;
+* ``"zigzag"`` (load-balanced for causal attention): the sequence in ``2*cp``
+  equal chunks; rank ``r`` holds chunk ``r`` followed by chunk ``2*cp-1-r``.
+
+BSHD (``layout="bshd"``): the split is along the sequence dimension of every
+batch row; ``index_q`` is ``(B, S_q/cp, H, D)`` and ``index_k``
+``(B, S_kv/cp, D)`` on each rank. THD (``layout="thd"``): every packed
+sequence is split the same way (its length a multiple of ``cp``, or of
+``2*cp`` for zig-zag, as Megatron pads them), and a rank's packed tensors hold,
+sequence after sequence, its chunk(s) of that sequence. ``cu_seqlens_q`` and
+``cu_seqlens_k`` are those of the *whole* packed batch, the same on every rank
+(as Megatron's ``PackedSeqParams`` carries them); the rank's own offsets are
+those divided by ``cp``.
+
+``topk_indices`` number the keys of the whole, unsplit sequence exactly as the
+single-GPU op numbers them: ``id_mode="local"``, the position in the query's
+own sequence; ``id_mode="global"``, the flat row of the whole ``index_k``
+(``b*S_kv + position`` or the packed row). ``-1`` and other invalid ids are
+invalid slots as on one GPU. The queries are never moved: a rank passes the
+ids and ``attn_score`` of its own query rows.
+
+The loss is normalised over the global number of query rows (``B*S_q`` or
+``T_q`` of the whole batch; ``normalization_count`` when given is that global
+count). Every rank returns the global loss (its share, all-reduced over the
+group, as Megatron reports its loss under CP); the gradient that ``backward()``
+on a rank propagates is that of the rank's own share, so summing parameter
+gradients over the CP group gives the gradient of the global loss.
+
+Overlap: the all-gather is started asynchronously before the arguments are
+checked and converted and waited for just before the library's op; in the
+backward, the reduce-scatter is started asynchronously and the conversion of
+``d_index_q`` and ``d_weights`` runs while it is in flight. With NCCL, the
+waits order the current CUDA stream after the collective without blocking
+the host.
+"""
+import functools
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ._args import _a_operand
+
+__all__ = ["context_parallel_indexer_kl_loss", "context_parallel_indexer_backward", "rank_rows", "rank_chunks",
+           "CP_LAYOUTS"]
+
+#: The CP layouts: Megatron-Core's contiguous chunks and its load-balanced zig-zag split.
+CP_LAYOUTS = ("contiguous", "zigzag")
+
+
+def _group_size_rank(group):
+    """(cp, rank) of the group (None: the default group), or a RuntimeError when
+    torch.distributed is not initialised."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("group: expected a process group of an initialised torch.distributed "
+                           "(torch.distributed.init_process_group), got torch.distributed not initialised")
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _check_words(cp_layout, layout):
+    if not isinstance(cp_layout, str) or cp_layout not in CP_LAYOUTS:
+        raise ValueError(f'cp_layout: expected "contiguous" or "zigzag", got {cp_layout!r}')
+    if not isinstance(layout, str) or layout not in ("bshd", "thd"):
+        raise ValueError(f'layout: expected "bshd" or "thd", got {layout!r}')
+
+
+def rank_chunks(cp: int, cp_layout: str, rank: int) -> Tuple[int, Tuple[int, ...]]:
+    """``(n_chunks, chunks)``: a sequence is cut in ``n_chunks`` equal chunks and
+    ``rank`` holds ``chunks`` (in this order): ``(cp, (rank,))`` for contiguous,
+    ``(2*cp, (rank, 2*cp-1-rank))`` for zig-zag."""
+    if cp_layout == "contiguous":
+        return cp, (rank,)
+    if cp_layout == "zigzag":
+        return 2 * cp, (rank, 2 * cp - 1 - rank)
+    raise ValueError(f'cp_layout: expected "contiguous" or "zigzag", got {cp_layout!r}')
+
+
+@functools.lru_cache(maxsize=16)
+def _positions_cached(lengths: Tuple[int, ...], cp: int, cp_layout: str) -> torch.Tensor:
+    n_chunks, _ = rank_chunks(cp, cp_layout, 0)
+    length = torch.tensor(lengths, dtype=torch.int64)
+    start = torch.cumsum(length, 0) - length                  # each sequence's first row
+    chunk_len = length // n_chunks
+    local_len = length // cp                                  # a rank's rows of each sequence
+    local_start = torch.cumsum(local_len, 0) - local_len
+    n_local = int(local_len.sum())
+    seq = torch.repeat_interleave(torch.arange(len(lengths)), local_len)          # (n_local,)
+    j = torch.arange(n_local) - local_start[seq]              # row within the rank's part of its sequence
+    cl = chunk_len[seq].clamp_min(1)
+    k, offset = j // cl, j % cl                               # which of the rank's chunks, row in it
+    rows = []
+    for r in range(cp):
+        chunks = torch.tensor(rank_chunks(cp, cp_layout, r)[1], dtype=torch.int64)
+        rows.append(start[seq] + chunks[k] * chunk_len[seq] + offset)
+    return torch.stack(rows) if rows else torch.empty(0, n_local, dtype=torch.int64)
+
+
+def rank_rows(lengths, cp: int, cp_layout: str) -> torch.Tensor:
+    """``(cp, n_local)`` int64 (CPU): for each rank and each of its local rows,
+    the row of the whole sequence (or packed batch) it holds; rank ``r``'s
+    slice of a whole tensor ``x`` is ``x.index_select(dim, rank_rows(...)[r])``.
+
+    ``lengths`` are the lengths of the sequences one after another (BSHD: the
+    one sequence dimension, ``[S]``; THD: every packed sequence), each a
+    multiple of the layout's chunk count (ValueError otherwise). A rank's
+    local rows are, sequence after sequence, its chunks of that sequence (see
+    :func:`rank_chunks`)."""
+    if not isinstance(cp, int) or cp < 1:
+        raise ValueError(f"cp: expected a positive int, got {cp!r}")
+    n_chunks, _ = rank_chunks(cp, cp_layout, 0)
+    lengths = tuple(int(x) for x in lengths)
+    for b, n in enumerate(lengths):
+        if n < 0 or n % n_chunks:
+            raise ValueError(f"lengths: expected every length a multiple of {n_chunks} ({cp_layout} over {cp} "
+                             f"ranks), got {n} for sequence {b}")
+    return _positions_cached(lengths, cp, cp_layout).clone()
+
+
+class _Plan:
+    """What a call needs to know about the split: the group, its size and this
+    rank, the layouts, where the gathered key rows go (positions, on the
+    tensors' device), the key tensor's shapes (local, whole), the THD offsets
+    the library gets (local for the queries, whole for the keys) and the global
+    number of query rows."""
+
+    def __init__(self, group, cp, rank, cp_layout, layout, index_q, index_k, cu_seqlens_q, cu_seqlens_k):
+        self.group, self.cp, self.rank, self.cp_layout, self.layout = group, cp, rank, cp_layout, layout
+        n_chunks, _ = rank_chunks(cp, cp_layout, rank)
+        how = f"{cp_layout} over {cp} ranks"
+        dev = index_q.device
+        if layout == "bshd":
+            if index_k.dim() != 3:
+                raise ValueError(f"index_k: expected rank 3 (B, S_kv/cp, D), got rank {index_k.dim()}")
+            if index_q.dim() != 4:
+                raise ValueError(f"index_q: expected rank 4 (B, S_q/cp, H, D), got rank {index_q.dim()}")
+            B, s_local, D = index_k.shape
+            if s_local * cp % n_chunks:
+                raise ValueError(f"index_k: expected a local sequence length that is a multiple of "
+                                 f"{n_chunks // cp} ({how}), got {s_local}")
+            self.k_full_shape = (B, s_local * cp, D)
+            self.lengths = (s_local * cp,)
+            self.global_rows = index_q.shape[0] * index_q.shape[1] * cp
+            self.cu_q_local = self.cu_k = None
+        else:
+            for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+                if cu is None:
+                    raise ValueError(f"{name}: expected the whole batch's offsets for layout thd (the same on "
+                                     f"every rank), got None")
+            if index_k.dim() != 2:
+                raise ValueError(f"index_k: expected rank 2 (T_k/cp, D), got rank {index_k.dim()}")
+            lengths_q = self._lengths("cu_seqlens_q", cu_seqlens_q, n_chunks, how)
+            lengths_k = self._lengths("cu_seqlens_k", cu_seqlens_k, n_chunks, how)
+            for name, t, lengths, cu in (("index_q", index_q, lengths_q, "cu_seqlens_q"),
+                                         ("index_k", index_k, lengths_k, "cu_seqlens_k")):
+                if t.dim() >= 1 and t.shape[0] * cp != sum(lengths):
+                    raise ValueError(f"{name}: expected {sum(lengths) // cp} rows ({cu}[-1] = {sum(lengths)} "
+                                     f"over {cp} ranks), got {t.shape[0]}")
+            self.k_full_shape = (sum(lengths_k),) + tuple(index_k.shape[1:])
+            self.lengths = tuple(lengths_k)
+            self.global_rows = sum(lengths_q)
+            self.cu_q_local = torch.div(cu_seqlens_q, cp, rounding_mode="floor").to(cu_seqlens_q.dtype)
+            self.cu_k = cu_seqlens_k
+        # BSHD contiguous: the rank-major rows are already in sequence order.
+        self.identity = cp_layout == "contiguous" and layout == "bshd"
+        self.positions = self.inverse = None
+        if not self.identity:
+            positions = _positions_cached(self.lengths, cp, cp_layout).reshape(-1)
+            inverse = torch.empty_like(positions)
+            inverse[positions] = torch.arange(positions.numel())
+            self.positions = positions.to(dev)                  # rank-major row -> whole-sequence row
+            self.inverse = inverse.to(dev)                      # whole-sequence row -> rank-major row
+
+    @staticmethod
+    def _lengths(name, cu, n_chunks, how):
+        if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 1 or cu.is_floating_point():
+            raise ValueError(f"{name}: expected a 1-d integer tensor of the whole batch's offsets, got "
+                             f"{tuple(cu.shape) if isinstance(cu, torch.Tensor) else type(cu).__name__}")
+        offsets = cu.tolist()
+        lengths = [b - a for a, b in zip(offsets[:-1], offsets[1:])]
+        if offsets[0] != 0 or any(n < 0 for n in lengths):
+            raise ValueError(f"{name}: expected non-decreasing offsets from 0, got {offsets}")
+        for b, n in enumerate(lengths):
+            if n % n_chunks:
+                raise ValueError(f"{name}: expected every sequence length a multiple of {n_chunks} ({how}), "
+                                 f"got length {n} for sequence {b}")
+        return lengths
+
+    # -- moving key rows between the rank-major gathered order and sequence order --
+
+    def gathered_buffer(self, local):
+        """The all-gather's output for the local tensor: cp copies of its shape, rank-major."""
+        return local.new_empty((self.cp * local.shape[0],) + tuple(local.shape[1:]))
+
+    def to_sequence_order(self, gathered):
+        """The all-gathered key rows (rank-major) as the whole index_k, rows in sequence order."""
+        if self.layout == "thd":
+            return gathered.index_select(0, self.inverse)
+        B = self.k_full_shape[0]
+        rank_major = gathered.view((self.cp, B) + tuple(gathered.shape[1:])).transpose(0, 1)
+        whole = rank_major.reshape(self.k_full_shape)          # a view when B == 1
+        return whole if self.identity else whole.index_select(1, self.inverse)
+
+    def to_rank_order(self, whole):
+        """The inverse of to_sequence_order: a contiguous (cp * local rows, ...) tensor, rank r's rows r-th."""
+        if self.layout == "thd":
+            return whole.index_select(0, self.positions)
+        B, S, D = whole.shape
+        if not self.identity:
+            whole = whole.index_select(1, self.positions)
+        rank_major = whole.view(B, self.cp, S // self.cp, D).transpose(0, 1)
+        return rank_major.reshape(self.cp * B, S // self.cp, D).contiguous()
+
+
+def _start_gather(plan, index_k):
+    """(output buffer, async work) of the all-gather of index_k (contiguous) over the group."""
+    local = index_k.contiguous()
+    out = plan.gathered_buffer(local)
+    return out, dist.all_gather_into_tensor(out, local, group=plan.group, async_op=True)
+
+
+def _finish(work):
+    """Waits for the collective (with NCCL: orders the current stream after it)."""
+    work.wait()
+
+
+def _normalization(plan, normalization_count):
+    return int(normalization_count) if normalization_count else plan.global_rows
+
+
+def _resolved_a_operand(a_operand_precision, q_code, k_code):
+    """'auto' as the single-GPU op resolves it for these leaves (the CP backward
+    always writes d_index_k in float32 for the reduction, which would otherwise
+    turn 'auto' into two terms for bf16 leaves)."""
+    if a_operand_precision != "auto":
+        return a_operand_precision
+    return "bf16x2" if "f32" in (q_code, k_code) else "bf16"
+
+
+class _ContextParallelKLLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, index_q, weights, index_k, topk_indices, attn_score, plan, sm_scale, loss_coeff,
+                normalization_count, id_mode, a_operand_precision):
+        fp64 = any(t.dtype == torch.float64 for t in (index_q, weights, index_k))
+        k_send = index_k if fp64 else index_k.to(torch.bfloat16)
+        gathered, work = _start_gather(plan, k_send)
+        try:
+            # While the keys travel: the library's checks of what the backward will
+            # get (the whole index_k by its shape alone) and the local conversions.
+            k_standin = torch.empty(plan.k_full_shape[-1:], dtype=torch.bfloat16,
+                                    device=index_k.device).expand(plan.k_full_shape)
+            n = _normalization(plan, normalization_count)
+            _dt._validate_forward(index_q, weights, k_standin, topk_indices, attn_score, sm_scale=sm_scale,
+                                  layout=plan.layout, id_mode=id_mode, cu_seqlens_q=plan.cu_q_local,
+                                  cu_seqlens_k=plan.cu_k, loss_coeff=loss_coeff, normalization_count=n,
+                                  a_operand_precision=a_operand_precision)
+            # (index_k itself is converted whole after the gather; an empty slice stands in here)
+            q16, w_op, _, ids32, T32 = _dt._library_inputs(index_q, weights, index_k[:0], topk_indices,
+                                                           attn_score)
+        finally:
+            _finish(work)
+        k_whole = plan.to_sequence_order(gathered)
+        k16 = k_whole.to(torch.bfloat16).contiguous()
+        if fp64:
+            loss, row_lse, row_target_mass = _dt._float64_forward(
+                index_q, weights, k_whole, topk_indices, attn_score, sm_scale, loss_coeff, n, plan.layout,
+                id_mode, plan.cu_q_local, plan.cu_k)
+        else:
+            loss, row_lse, row_target_mass = torch.ops.dsaib.indexer_kl_forward(
+                q16, w_op, k16, ids32, T32, plan.cu_q_local, plan.cu_k, float(sm_scale), float(loss_coeff), n,
+                plan.layout, id_mode)
+        # Every rank returns the global loss; backward() on a rank carries its own share.
+        dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=plan.group)
+        ctx.save_for_backward(q16, w_op, k16, ids32, T32, row_lse.to(torch.float32),
+                              row_target_mass.to(torch.float32))
+        ctx.plan = plan
+        ctx.in_dtypes = (index_q.dtype, weights.dtype, index_k.dtype)
+        ctx.options = (float(sm_scale), float(loss_coeff), n, id_mode, a_operand_precision)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        q16, w_op, k16, ids32, T32, row_lse, row_target_mass = ctx.saved_tensors
+        plan = ctx.plan
+        sm_scale, loss_coeff, n, id_mode, a_operand_precision = ctx.options
+        q_dt, w_dt, k_dt = ctx.in_dtypes
+        q_code, w_code, k_code = (_dt._CODES.get(dt, "f32") for dt in (q_dt, w_dt, k_dt))
+        g = grad_loss.detach().reshape(()).to(torch.float32)
+        dq, dw, dk_whole = torch.ops.dsaib.indexer_backward(
+            q16, w_op, k16, ids32, T32, None, g, plan.cu_q_local, plan.cu_k, sm_scale, loss_coeff, n,
+            plan.layout, id_mode, q_code, w_code, "f32", _resolved_a_operand(a_operand_precision, q_code, k_code),
+            row_lse, row_target_mass)
+        dk, work = _start_reduce_scatter(plan, dk_whole)
+        need = ctx.needs_input_grad
+        dq = dq.to(q_dt) if need[0] else None
+        dw = dw.to(w_dt) if need[1] else None
+        _finish(work)
+        return dq, dw, dk.to(k_dt) if need[2] else None, None, None, None, None, None, None, None, None
+
+
+def _start_reduce_scatter(plan, dk_whole):
+    """(local d_index_k, async work): the sum over the group of every rank's
+    share of the whole d_index_k (float32), scattered back to the key rows each
+    rank holds."""
+    send = plan.to_rank_order(dk_whole.to(torch.float32))
+    out = send.new_empty((send.shape[0] // plan.cp,) + tuple(send.shape[1:]))
+    return out, dist.reduce_scatter_tensor(out, send, op=dist.ReduceOp.SUM, group=plan.group, async_op=True)
+
+
+def _plan(group, cp_layout, layout, index_q, index_k, cu_seqlens_q, cu_seqlens_k):
+    cp, rank = _group_size_rank(group)
+    _check_words(cp_layout, layout)
+    return _Plan(group, cp, rank, cp_layout, layout, index_q, index_k, cu_seqlens_q, cu_seqlens_k)
+
+
+def context_parallel_indexer_kl_loss(
+    index_q: torch.Tensor,
+    weights: torch.Tensor,
+    index_k: torch.Tensor,
+    topk_indices: torch.Tensor,
+    attn_score: torch.Tensor,
+    *,
+    group,
+    sm_scale: float,
+    cp_layout: str = "contiguous",
+    loss_coeff: float = 1.0,
+    normalization_count: int = 0,
+    layout: str = "bshd",
+    id_mode: str = "local",
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+    a_operand_precision: str = "auto",
+) -> torch.Tensor:
+    """The indexer KL loss of a sequence split over the CP group ``group``
+    (a ``torch.distributed`` process group; ``None`` is the default group).
+
+    Called on every rank of the group with the rank's own slices (see the
+    module's docstring for the split): ``index_q`` ``(B, S_q/cp, H, D)``
+    (THD ``(T_q/cp, H, D)``), ``weights``, ``topk_indices`` and
+    ``attn_score`` of the same rows, ``index_k`` ``(B, S_kv/cp, D)``
+    (THD ``(T_k/cp, D)``), ids numbering the keys of the whole sequence as
+    :func:`dsaib.torch.indexer_kl_loss` does. THD: ``cu_seqlens_q`` and
+    ``cu_seqlens_k`` of the whole packed batch, the same on every rank.
+
+    Returns the global loss (every rank the same value), normalised over the
+    global number of query rows (or ``normalization_count``). Differentiable
+    w.r.t. ``index_q``, ``weights`` and ``index_k`` as
+    :func:`dsaib.torch.indexer_kl_loss`: ``backward()`` on a rank gives the
+    gradients of the rank's own share of the loss for its query rows and, after
+    the reduce-scatter, the whole gradient of the key rows it holds.
+
+    Dtypes, options and errors as :func:`dsaib.torch.indexer_kl_loss` (the
+    library's validation, given the whole ``index_k``'s shape), plus:
+    ``cp_layout`` (``"contiguous"`` or ``"zigzag"``), the split's sizes and THD
+    offsets (ValueError naming the argument). A rank that raises leaves the
+    other ranks waiting in their next collective, as any collective code does.
+
+    Memory: the gathered ``index_k`` (bf16, the whole sequence) is kept for the
+    backward, which also makes a float32 ``d_index_k`` of the whole sequence
+    for the reduce-scatter. THD reads cu_seqlens to the host (one
+    synchronisation on a GPU).
+    """
+    a_operand_precision = _a_operand(a_operand_precision)
+    _dt._check_torch_arguments(index_q, weights, index_k, topk_indices, attn_score, cu_seqlens_q, cu_seqlens_k)
+    plan = _plan(group, cp_layout, layout, index_q, index_k, cu_seqlens_q, cu_seqlens_k)
+    return _ContextParallelKLLoss.apply(index_q, weights, index_k, topk_indices, attn_score, plan, float(sm_scale),
+                                        float(loss_coeff), int(normalization_count), id_mode, a_operand_precision)
+
+
+def context_parallel_indexer_backward(
+    index_q: torch.Tensor,
+    weights: torch.Tensor,
+    index_k: torch.Tensor,
+    topk_indices: torch.Tensor,
+    attn_score: torch.Tensor,
+    index_score: Optional[torch.Tensor],
+    *,
+    group,
+    sm_scale: float,
+    cp_layout: str = "contiguous",
+    grad_loss=1.0,
+    loss_coeff: float = 1.0,
+    normalization_count: int = 0,
+    layout: str = "bshd",
+    id_mode: str = "local",
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+    out_dtype="f32",
+    a_operand_precision: str = "auto",
+    row_lse: Optional[torch.Tensor] = None,
+    row_target_mass: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(d_index_q, d_weights, d_index_k)`` of a sequence split over the CP
+    group ``group``: :func:`dsaib.torch.indexer_backward` on the rank's own
+    query rows against the all-gathered ``index_k``.
+
+    Every rank passes its slices (the split, ids and THD offsets as
+    :func:`context_parallel_indexer_kl_loss`), with ``index_score`` (or
+    ``row_lse``/``row_target_mass``) of its own rows. ``d_index_q`` and
+    ``d_weights`` are those of the rank's rows; ``d_index_k`` is the rank's
+    slice of the whole gradient (every rank's share summed in float32 by
+    ``reduce_scatter_tensor``, then given ``out_dtype``). The loss is
+    normalised over the global number of query rows unless
+    ``normalization_count`` is given. Tensors, dtypes and the other options as
+    :func:`dsaib.torch.indexer_backward`; the library checks them when it runs
+    (after the all-gather).
+    """
+    _dt._check_torch_arguments(index_q, weights, index_k, topk_indices, attn_score, cu_seqlens_q, cu_seqlens_k)
+    plan = _plan(group, cp_layout, layout, index_q, index_k, cu_seqlens_q, cu_seqlens_k)
+    if isinstance(out_dtype, str):
+        out_dtype = (out_dtype,) * 3
+    dq_dtype, dw_dtype, dk_dtype = out_dtype
+    k_dt = _dt._out_dtype("dk_dtype", dk_dtype)
+    gathered, work = _start_gather(plan, index_k)
+    try:
+        precision = _resolved_a_operand(_a_operand(a_operand_precision), dq_dtype, dk_dtype)
+        if not isinstance(grad_loss, torch.Tensor):
+            grad_loss = torch.full((), _dt._finite_grad_loss(grad_loss), dtype=torch.float32,
+                                   device=index_q.device)
+    finally:
+        _finish(work)
+    dq, dw, dk_whole = _dt.indexer_backward(
+        index_q, weights, plan.to_sequence_order(gathered).contiguous(), topk_indices, attn_score, index_score,
+        sm_scale=sm_scale, grad_loss=grad_loss, loss_coeff=loss_coeff,
+        normalization_count=_normalization(plan, normalization_count), layout=layout, id_mode=id_mode,
+        cu_seqlens_q=plan.cu_q_local, cu_seqlens_k=plan.cu_k, out_dtype=(dq_dtype, dw_dtype, "f32"),
+        a_operand_precision=precision, row_lse=row_lse, row_target_mass=row_target_mass)
+    dk, work = _start_reduce_scatter(plan, dk_whole)
+    _finish(work)
+    return dq, dw, dk.to(k_dt)
+
+
+# At the end: dsaib.torch re-exports this module's functions, so whichever of
+# the two is imported first, the other finds it complete (used at call time).
+from . import torch as _dt  # noqa: E402

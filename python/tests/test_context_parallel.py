@@ -1,0 +1,411 @@
+"""Context parallelism over torch.distributed (dsaib.distributed) on the gloo
+backend with the CPU backend: 2 and 4 processes, each holding its slice of the
+sequence, against one process on the whole sequence (dsaib.torch on CPU).
+
+The processes are this file run as a script (``--worker``), started with
+subprocess and joined through a ``file://`` rendezvous; the test splits the
+problem with its own code (torch.chunk), so that a wrong chunk order in the
+library's reordering shows as a mismatch. Skipped when torch (or its gloo
+backend) is not installed.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+
+if not (dist.is_available() and dist.is_gloo_available()):
+    pytest.skip("torch.distributed with the gloo backend is not available", allow_module_level=True)
+
+import dsaib.distributed as dcp  # noqa: E402
+import dsaib.torch as dt  # noqa: E402
+
+SM = 0.125
+H, D, TOPK = 8, 64, 6
+NAMES = ("d_index_q", "d_weights", "d_index_k")
+WORKER_TIMEOUT_S = 300
+
+
+# ---- the problem and the test's own split ------------------------------------
+
+
+def rank_chunk_list(cp, cp_layout, rank):
+    """Megatron's layouts: (number of chunks, the chunks rank holds, in order)."""
+    if cp_layout == "contiguous":
+        return cp, [rank]
+    return 2 * cp, [rank, 2 * cp - 1 - rank]
+
+
+def split_sequence(x, dim, cp, cp_layout, rank):
+    """Rank's part of x along dim (one sequence)."""
+    n, chunks = rank_chunk_list(cp, cp_layout, rank)
+    parts = torch.chunk(x, n, dim=dim)
+    assert all(p.shape[dim] == x.shape[dim] // n for p in parts)
+    return torch.cat([parts[c] for c in chunks], dim=dim)
+
+
+def split_packed(x, lengths, cp, cp_layout, rank):
+    """Rank's part of a packed (THD) tensor: its chunks of every sequence, sequence after sequence."""
+    return torch.cat([split_sequence(s, 0, cp, cp_layout, rank) for s in torch.split(x, lengths)])
+
+
+def make_problem(layout, id_mode, dtype, seed):
+    """A whole-sequence problem: q, w, k of `dtype` (values on the bf16 grid), int32
+    ids with invalid slots (-1, out of range, a row with none), T (float64)."""
+    g = torch.Generator().manual_seed(seed)
+    if layout == "bshd":
+        B, S = 2, 16
+        lengths = [S] * B
+        q = torch.randn(B, S, H, D, generator=g)
+        w = torch.randn(B, S, H, generator=g)
+        k = torch.randn(B, S, D, generator=g)
+        ids = torch.randint(0, S, (B, S, TOPK), generator=g)
+        base = (S * torch.arange(B)).view(B, 1, 1)
+    else:
+        lengths = [8, 24, 16]
+        T = sum(lengths)
+        q = torch.randn(T, H, D, generator=g)
+        w = torch.randn(T, H, generator=g)
+        k = torch.randn(T, D, generator=g)
+        seq_len = torch.repeat_interleave(torch.tensor(lengths), torch.tensor(lengths))
+        ids = (torch.rand(T, TOPK, generator=g) * seq_len.view(T, 1)).long()
+        starts = torch.cumsum(torch.tensor(lengths), 0) - torch.tensor(lengths)
+        base = torch.repeat_interleave(starts, torch.tensor(lengths)).view(T, 1)
+    flat = ids.view(-1, TOPK)
+    flat[0, 0] = -1                  # the conventional empty slot
+    flat[3, :] = -1                  # a row with no valid slot
+    flat[5, 1] = 10_000              # out of range: invalid
+    flat[7, 2] = -7                  # any negative id: invalid
+    if id_mode == "global":
+        ids = torch.where(ids >= 0, ids + base, ids)
+    T_ = torch.rand(ids.shape, generator=g, dtype=torch.float64)
+    T_ /= T_.sum(-1, keepdim=True)
+    q, w, k = (t.to(torch.bfloat16).to(dtype) for t in (q, w, k))
+    return dict(q=q, w=w, k=k, ids=ids.to(torch.int32), T=T_, lengths=lengths)
+
+
+def rank_inputs(p, layout, cp, cp_layout, rank):
+    """The rank's slices of q, w, k, ids, T (ids keep the whole sequence's numbering)."""
+    if layout == "bshd":
+        return [split_sequence(p[n], 1, cp, cp_layout, rank) for n in ("q", "w", "k", "ids", "T")]
+    return [split_packed(p[n], p["lengths"], cp, cp_layout, rank) for n in ("q", "w", "k", "ids", "T")]
+
+
+def cu_seqlens(lengths):
+    return torch.tensor([0] + list(torch.cumsum(torch.tensor(lengths), 0)), dtype=torch.int32)
+
+
+# Cases: (name, layout, cp_layout, id_mode, input dtype, op); op "loss" is the autograd
+# loss, "backward" the backward-only op; "wrong_order" passes zig-zag slices as contiguous.
+CASES = [
+    ("bshd-contiguous", "bshd", "contiguous", "local", torch.float64, "loss"),
+    ("bshd-zigzag", "bshd", "zigzag", "local", torch.float64, "loss"),
+    ("bshd-zigzag-global-ids", "bshd", "zigzag", "global", torch.float64, "loss"),
+    ("thd-contiguous", "thd", "contiguous", "local", torch.float64, "loss"),
+    ("thd-zigzag", "thd", "zigzag", "local", torch.float64, "loss"),
+    ("thd-zigzag-global-ids", "thd", "zigzag", "global", torch.float64, "loss"),
+    ("bshd-zigzag-float32", "bshd", "zigzag", "local", torch.float32, "loss"),
+    ("thd-zigzag-float32", "thd", "zigzag", "local", torch.float32, "loss"),
+    ("bshd-zigzag-backward-op", "bshd", "zigzag", "local", torch.bfloat16, "backward"),
+    ("thd-contiguous-backward-op", "thd", "contiguous", "local", torch.bfloat16, "backward"),
+    ("wrong_order", "bshd", "zigzag", "local", torch.float64, "loss"),
+]
+
+
+def options(p, layout, id_mode):
+    o = dict(sm_scale=SM, loss_coeff=0.7, layout=layout, id_mode=id_mode)
+    if layout == "thd":
+        cu = cu_seqlens(p["lengths"])
+        o.update(cu_seqlens_q=cu, cu_seqlens_k=cu)
+    return o
+
+
+def backward_op_inputs(q, w, k, ids, T):
+    """What the backward op takes: bf16 q/k, float32 w and T."""
+    q16, k16 = q.to(torch.bfloat16), k.to(torch.bfloat16)
+    return q16, w.float(), k16, ids, T.float()
+
+
+# ---- the worker (one rank) ----------------------------------------------------
+
+
+def run_worker(rank, world, init_file, problem_file, out_file):
+    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=world)
+    problems = torch.load(problem_file)
+    results = {}
+    try:
+        for name, layout, cp_layout, id_mode, dtype, op in CASES:
+            p = problems[name]
+            q, w, k, ids, T = rank_inputs(p, layout, world, cp_layout, rank)
+            opts = options(p, layout, id_mode)
+            passed_layout = "contiguous" if name == "wrong_order" else cp_layout
+            if op == "loss":
+                leaves = [x.detach().clone().requires_grad_() for x in (q, w, k)]
+                loss = dcp.context_parallel_indexer_kl_loss(*leaves, ids, T, group=None, cp_layout=passed_layout,
+                                                            **opts)
+                loss.backward(torch.tensor(1.5, dtype=loss.dtype))
+                results[name] = dict(loss=loss.detach(), grads=[x.grad for x in leaves])
+            else:
+                P = p["P_parts"][rank]
+                grads = dcp.context_parallel_indexer_backward(
+                    *backward_op_inputs(q, w, k, ids, T), P, group=None, cp_layout=passed_layout,
+                    grad_loss=1.5, **opts)
+                results[name] = dict(loss=None, grads=list(grads))
+        torch.save(results, out_file)
+    finally:
+        dist.destroy_process_group()
+
+
+# ---- the parent: run the workers, compare ---------------------------------------
+
+
+def reference(p, layout, id_mode, op):
+    """loss and gradients of one process on the whole sequence (dsaib.torch, CPU backend)."""
+    opts = options(p, layout, id_mode)
+    if op == "loss":
+        leaves = [x.detach().clone().requires_grad_() for x in (p["q"], p["w"], p["k"])]
+        loss = dt.indexer_kl_loss(*leaves, p["ids"], p["T"], **opts)
+        loss.backward(torch.tensor(1.5, dtype=loss.dtype))
+        return loss.detach(), [x.grad for x in leaves]
+    q16, w32, k16, ids, T32 = backward_op_inputs(p["q"], p["w"], p["k"], p["ids"], p["T"])
+    return None, list(dt.indexer_backward(q16, w32, k16, ids, T32, p["P"], grad_loss=1.5, **opts))
+
+
+def whole_from_parts(parts, p, layout, cp, cp_layout, like):
+    """The ranks' slices of a q-, w- or k-shaped tensor put back in sequence order."""
+    if layout == "bshd":
+        S = like.shape[1]
+        index = torch.arange(S)
+        out = torch.empty_like(like)
+        for rank, part in enumerate(parts):
+            out.index_copy_(1, split_sequence(index, 0, cp, cp_layout, rank), part)
+        return out
+    index = torch.arange(like.shape[0])
+    out = torch.empty_like(like)
+    for rank, part in enumerate(parts):
+        out.index_copy_(0, split_packed(index, p["lengths"], cp, cp_layout, rank), part)
+    return out
+
+
+def max_rel(got, want):
+    """max |got - want| / max |want| over the tensor, in float64."""
+    got, want = got.double(), want.double()
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-300)).item()
+
+
+@pytest.fixture(scope="module")
+def problems():
+    out = {}
+    for i, (name, layout, cp_layout, id_mode, dtype, op) in enumerate(CASES):
+        p = make_problem(layout, id_mode, dtype, seed=100 + i)
+        out[name] = p
+    return out
+
+
+def add_index_scores(p, layout, id_mode, cp, cp_layout):
+    """P of the whole problem (from the bf16 values) and each rank's rows of it, for the backward op."""
+    opts = options(p, layout, id_mode)
+    P = dt.index_scores(p["q"].to(torch.bfloat16), p["w"].float(), p["k"].to(torch.bfloat16), p["ids"],
+                        **{k: v for k, v in opts.items() if k != "loss_coeff"})
+    p = dict(p, P=P)
+    if layout == "bshd":
+        p["P_parts"] = [split_sequence(P, 1, cp, cp_layout, r) for r in range(cp)]
+    else:
+        p["P_parts"] = [split_packed(P, p["lengths"], cp, cp_layout, r) for r in range(cp)]
+    return p
+
+
+def run_world(world, problems, tmp_path):
+    """Start `world` workers on the gloo backend; returns each rank's results."""
+    probs = {}
+    for name, layout, cp_layout, id_mode, dtype, op in CASES:
+        p = problems[name]
+        probs[name] = add_index_scores(p, layout, id_mode, world, cp_layout) if op == "backward" else p
+    problem_file = str(tmp_path / "problem.pt")
+    torch.save(probs, problem_file)
+    init_file = str(tmp_path / "rendezvous")
+    outs = [str(tmp_path / f"out{r}.pt") for r in range(world)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(r), str(world), init_file, problem_file,
+                               outs[r]], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(world)]
+    logs = []
+    try:
+        for proc in procs:
+            logs.append(proc.communicate(timeout=WORKER_TIMEOUT_S)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    for r, (proc, log) in enumerate(zip(procs, logs)):
+        assert proc.returncode == 0, f"rank {r} of {world} failed (exit {proc.returncode}):\n{log}"
+    return probs, [torch.load(o) for o in outs]
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["cp2", "cp4"])
+def world_results(request, problems, tmp_path_factory):
+    world = request.param
+    probs, results = run_world(world, problems, tmp_path_factory.mktemp(f"cp{world}"))
+    return world, probs, results
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] != "wrong_order"], ids=lambda c: c[0])
+def test_split_sequence_matches_one_process(world_results, case):
+    world, probs, results = world_results
+    name, layout, cp_layout, id_mode, dtype, op = case
+    p = probs[name]
+    want_loss, want = reference(p, layout, id_mode, op)
+    if op == "loss":
+        # float64 inputs: the forward runs in float64 (loss to rounding); float32: the
+        # library's float32 loss of each rank's rows, summed over the ranks
+        loss_tol = 1e-12 if dtype == torch.float64 else 1e-6
+        for r, res in enumerate(results):
+            got = res[name]["loss"]
+            assert got.dtype == want_loss.dtype
+            assert abs(got.item() - want_loss.item()) <= loss_tol * abs(want_loss.item()), (r, got, want_loss)
+    for i, (gname, like) in enumerate(zip(NAMES, want)):
+        got = whole_from_parts([res[name]["grads"][i] for res in results], p, layout, world, cp_layout, like)
+        assert got.dtype == like.dtype, gname
+        err = max_rel(got, like)
+        # d_index_q, d_weights: the same rows, keys and arithmetic as one process:
+        # equal to 1e-12 (in practice bitwise). d_index_k: the library writes each
+        # rank's share in float32 and the reduce-scatter sums the shares in float32,
+        # where one process rounds the whole (float64) sum once: a few float32
+        # roundings, world * 2^-24 twice over.
+        tol = 1e-12 if gname != "d_index_k" else 2 * world * 2.0 ** -24
+        assert err <= tol, (gname, err)
+
+
+def test_wrong_chunk_order_is_detected(world_results):
+    """Zig-zag slices passed as contiguous: the keys land in the wrong order and the
+    comparison fails (the comparison is able to fail)."""
+    world, probs, results = world_results
+    p = probs["wrong_order"]
+    _, want = reference(p, "bshd", "local", "loss")
+    errors = [max_rel(whole_from_parts([res["wrong_order"]["grads"][i] for res in results], p, "bshd", world,
+                                       "zigzag", like), like)
+              for i, like in enumerate(want)]
+    assert min(errors) > 1e-3, errors
+
+
+# ---- in-process unit tests: the reordering and the argument checks ----------------
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+@pytest.mark.parametrize("cp_layout", ["contiguous", "zigzag"])
+def test_rank_rows_are_the_test_split(cp, cp_layout):
+    lengths = [4 * cp, 0, 2 * cp, 6 * cp]
+    index = torch.arange(sum(lengths))
+    want = torch.stack([split_packed(index, lengths, cp, cp_layout, r) for r in range(cp)])
+    assert torch.equal(dcp.rank_rows(lengths, cp, cp_layout), want)
+
+
+def test_rank_rows_rejects_lengths_the_layout_does_not_divide():
+    with pytest.raises(ValueError, match=r"lengths: expected every length a multiple of 4 \(zigzag over 2 ranks\), "
+                                         r"got 6 for sequence 1"):
+        dcp.rank_rows([8, 6], 2, "zigzag")
+    rows = dcp.rank_rows([8], 2, "zigzag")
+    rows.zero_()                                   # a copy: the cached rows are not changed
+    assert dcp.rank_rows([8], 2, "zigzag").tolist() == [[0, 1, 6, 7], [2, 3, 4, 5]]
+
+
+def test_rank_rows_known_answer():
+    assert dcp.rank_rows([8], 2, "zigzag").tolist() == [[0, 1, 6, 7], [2, 3, 4, 5]]
+    assert dcp.rank_rows([8], 2, "contiguous").tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert dcp.rank_rows([4, 8], 2, "zigzag").tolist() == [[0, 3, 4, 5, 10, 11], [1, 2, 6, 7, 8, 9]]
+
+
+def _plan(cp, cp_layout, layout, q, k, cu=None):
+    return dcp._Plan(None, cp, 0, cp_layout, layout, q, k, cu, cu)
+
+
+@pytest.mark.parametrize("layout", ["bshd", "thd"])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_gathered_keys_reordered_into_sequence_order_and_back(layout, cp):
+    """The all-gather's rank-major buffer, built by the test's own split, is put in
+    sequence order (forward) and back (backward, before the reduce-scatter); a
+    plan of the other layout gets the order wrong."""
+    g = torch.Generator().manual_seed(cp)
+    if layout == "bshd":
+        whole = torch.randn(3, 8 * cp, 4, generator=g)
+        parts = [split_sequence(whole, 1, cp, "zigzag", r) for r in range(cp)]
+        q = torch.empty(3, 8, 8, 4)
+        cu = None
+    else:
+        lengths = [2 * cp, 6 * cp, 4 * cp]
+        whole = torch.randn(sum(lengths), 4, generator=g)
+        parts = [split_packed(whole, lengths, cp, "zigzag", r) for r in range(cp)]
+        q = torch.empty(sum(lengths) // cp, 8, 4)
+        cu = cu_seqlens(lengths)
+    gathered = torch.cat(parts)                     # all_gather_into_tensor's output
+    plan = _plan(cp, "zigzag", layout, q, parts[0], cu)
+    assert torch.equal(plan.to_sequence_order(gathered), whole)
+    assert torch.equal(plan.to_rank_order(whole), gathered)
+    wrong = _plan(cp, "contiguous", layout, q, parts[0], cu)
+    assert not torch.equal(wrong.to_sequence_order(gathered), whole)
+    assert not torch.equal(wrong.to_rank_order(whole), gathered)
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A gloo group of this one process (a CP group of size 1)."""
+    dist.init_process_group("gloo", init_method="file://" + str(tmp_path / "rendezvous"), rank=0, world_size=1)
+    yield None
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("layout", ["bshd", "thd"])
+def test_a_group_of_one_equals_the_single_process_loss(one_rank_group, layout):
+    p = make_problem(layout, "local", torch.float32, seed=7)
+    opts = options(p, layout, "local")
+    want_loss, want = reference(p, layout, "local", "loss")
+    leaves = [x.detach().clone().requires_grad_() for x in (p["q"], p["w"], p["k"])]
+    loss = dcp.context_parallel_indexer_kl_loss(*leaves, p["ids"], p["T"], group=one_rank_group,
+                                                cp_layout="zigzag", **opts)
+    loss.backward(torch.tensor(1.5))
+    assert torch.equal(loss.detach(), want_loss)
+    for gname, x, r in zip(NAMES, leaves, want):
+        assert torch.equal(x.grad, r), gname
+
+
+def test_errors_name_the_argument(one_rank_group):
+    p = make_problem("thd", "local", torch.float32, seed=8)
+    opts = options(p, "thd", "local")
+    args = (p["q"], p["w"], p["k"], p["ids"], p["T"])
+    loss = dcp.context_parallel_indexer_kl_loss
+    with pytest.raises(ValueError, match='cp_layout: expected "contiguous" or "zigzag", got \'ring\''):
+        loss(*args, group=None, cp_layout="ring", **opts)
+    with pytest.raises(ValueError, match="layout: expected \"bshd\" or \"thd\", got 'sbhd'"):
+        loss(*args, group=None, **dict(opts, layout="sbhd"))
+    bad = torch.tensor([0, 8, 31, 48], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seqlens_k: expected every sequence length a multiple of 2 .*"
+                                         "got length 23 for sequence 1"):
+        loss(*args, group=None, cp_layout="zigzag", **dict(opts, cu_seqlens_k=bad))
+    short = torch.tensor([0, 8, 32, 40], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"index_q: expected 40 rows \(cu_seqlens_q\[-1\] = 40 over 1 ranks\), got 48"):
+        loss(*args, group=None, **dict(opts, cu_seqlens_q=short))
+    with pytest.raises(ValueError, match="cu_seqlens_k: expected the whole batch's offsets for layout thd"):
+        loss(*args, group=None, **dict(opts, cu_seqlens_k=None))
+    bshd = make_problem("bshd", "local", torch.float32, seed=8)
+    odd = bshd["k"][:, :15]
+    with pytest.raises(ValueError, match=r"index_k: expected a local sequence length that is a multiple of 2 "
+                                         r"\(zigzag over 1 ranks\), got 15"):
+        loss(bshd["q"], bshd["w"], odd, bshd["ids"], bshd["T"], group=None, cp_layout="zigzag", sm_scale=SM)
+    # the library's own validation, given the whole index_k's shape
+    with pytest.raises(ValueError, match="sm_scale"):
+        loss(*args, group=None, **dict(opts, sm_scale=float("inf")))
+
+
+def test_without_an_initialised_process_group_raises():
+    assert not dist.is_initialized()
+    p = make_problem("bshd", "local", torch.float32, seed=9)
+    with pytest.raises(RuntimeError, match="group: expected a process group"):
+        dcp.context_parallel_indexer_kl_loss(p["q"], p["w"], p["k"], p["ids"], p["T"], group=None, sm_scale=SM)
+
+
+if __name__ == "__main__" and len(sys.argv) == 7 and sys.argv[1] == "--worker":
+    torch.set_num_threads(1)
+    run_worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6])
