@@ -368,6 +368,8 @@ def main(argv=None):
             "timing": "CUDA events around the peer's call after a 3 ms GPU sleep; median of iters after warmup",
             "peers": {}, "results": []}
     if torch is None:
+        for n in names:
+            info["peers"][n] = {"status": "unavailable", "reason": "torch is not installed"}
         info.update(status="unavailable", reason="torch is not installed")
         common.write_json(a.json, info)
         print("torch is not installed: no peer can run", flush=True)
