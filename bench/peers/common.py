@@ -339,17 +339,23 @@ def reference_kl_divergence(target, z, valid):
     return terms.sum(dim=-1), p - tn
 
 
-def target_logits_chunk(q, kv, ids, softmax_scale):
-    """softmax_scale * q[t,h,:] . kv[id_i,:] in fp32 for a block of rows: q (R, Hq, Dqk), kv
-    (S_kv, Dqk), ids (R, topk) -> (valid (R, topk), s (R, Hq, topk)); invalid slots gather a
-    distinct row (slot mod S_kv) and their logits are not used."""
+def target_logits_chunk(q, kv, ids, softmax_scale, exact=False):
+    """softmax_scale * q[t,h,:] . kv[id_i,:] for a block of rows: q (R, Hq, Dqk), kv (S_kv, Dqk),
+    ids (R, topk) -> (valid (R, topk), s (R, Hq, topk)); invalid slots gather a distinct row
+    (slot mod S_kv) and their logits are not used. bf16 inputs: a bf16 bmm (fp32 accumulation,
+    bf16 result) made fp32, as a user writes it; with exact, the bmm of the inputs made fp32
+    (fp32 result). float64 inputs: float64."""
     s_kv = kv.shape[0]
     valid = (ids >= 0) & (ids < s_kv)
     spread = (torch.arange(ids.shape[-1], device=ids.device) % s_kv).to(ids.dtype).expand_as(ids)
     idx = torch.where(valid, ids, spread).long()
     kv_sel = kv[idx]  # (R, topk, Dqk)
-    s = torch.bmm(q, kv_sel.transpose(1, 2)).float() if q.dtype != torch.float64 else torch.bmm(
-        q, kv_sel.transpose(1, 2))
+    if q.dtype == torch.float64:
+        s = torch.bmm(q, kv_sel.transpose(1, 2))
+    elif exact:
+        s = torch.bmm(q.float(), kv_sel.float().transpose(1, 2))
+    else:
+        s = torch.bmm(q, kv_sel.transpose(1, 2)).float()
     return valid, s * softmax_scale
 
 
@@ -364,19 +370,21 @@ def make_target_problem(B, S, Hq, Dqk, K, kind, device, seed, softmax_scale):
     """The attention target's inputs: bf16 main query q (B, S, Hq, Dqk) and latent kv
     (B, S, Dqk) ~ N(0, 1), ids as make_inputs (make_ids, S_kv = S), and lse (B, S, Hq) fp32 the
     natural-log LSE of the sparse attention over each row's valid selected keys (what a sparse
-    MLA forward over these ids saves), computed in fp32 from the bf16 inputs. Rows without a
-    valid slot get lse 0 (their T is 0 whatever it is)."""
+    MLA forward over these ids saves), computed in fp32 from the bf16 inputs made fp32 (no bf16
+    rounding of the logits: sum_i exp(s_i - lse) is 1 per head to fp32 accuracy, which a peer
+    that recomputes each head's softmax instead of reading lse relies on to compute the same T).
+    Rows without a valid slot get lse 0 (their T is 0 whatever it is)."""
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     q = torch.randn((B, S, Hq, Dqk), generator=gen, device=device).to(torch.bfloat16)
     kv = torch.randn((B, S, Dqk), generator=gen, device=device).to(torch.bfloat16)
     ids = make_ids(B, S, S, K, kind, gen, device)
     lse = torch.zeros((B, S, Hq), dtype=torch.float32, device=device)
-    rows = rows_per_chunk(Hq, K, Dqk)
+    rows = rows_per_chunk(Hq, K, Dqk * 3)  # the fp32 copies of q and the gathered rows too
     for b in range(B):
         for r0 in range(0, S, rows):
             r1 = min(S, r0 + rows)
-            valid, s = target_logits_chunk(q[b, r0:r1], kv[b], ids[b, r0:r1], softmax_scale)
+            valid, s = target_logits_chunk(q[b, r0:r1], kv[b], ids[b, r0:r1], softmax_scale, exact=True)
             s = s.masked_fill(~valid.unsqueeze(1), -math.inf)
             l = torch.logsumexp(s, dim=-1)
             lse[b, r0:r1] = torch.where(torch.isfinite(l), l, torch.zeros_like(l))

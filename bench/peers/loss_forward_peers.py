@@ -148,7 +148,6 @@ def check_against_reference(inp, loss, lse, p=None):
 
 def make_eager(a, device):
     def check():
-        inp = Inputs(1, a.check_seq, a.heads[0], a.dim, a.topk[0], "causal", device, a.seed)
         out = {"shape": {"batch": 1, "seq": a.check_seq, "heads": a.heads[0], "dim": a.dim, "topk": a.topk[0]},
                "cases": [], "ok": True, "tolerance": {"loss_rel_err": 1e-3, "lse_max_abs_err": 5e-2}}
         for kind in ("causal", "random"):
