@@ -90,7 +90,9 @@
 #              github.com/NVIDIA/Megatron-LM's megatron/core/transformer/experimental_attention_variant/ops/
 #              into .peers/megatron_tilelang/ (ignored by git) or pass --megatron-dir DIR.
 #   target-peers   the attention target T, ours and its peers side by side, in one run:
-#                (ours: the attention target's bench when the build has it, see ours_target_peers)
+#                B/bench/dsa-target-bench --seq 4096,16384,65536 --ids causal,random
+#                        --shapes 128x576,64x192 --topk 2048 --iters 10 --warmup 2
+#                        --json O/target-peers/ours.json      (when the build has it)
 #                python3 bench/peers/attention_target_peers.py --check --seq 4096,16384,65536
 #                        --ids causal,random --shapes 128x576,64x192 --iters 10 --warmup 2
 #                        --json O/target-peers/peers.json
@@ -492,14 +494,17 @@ ours_forward_peers() {
   timeout 900 "$build/bench/dsa-kl-forward-bench" --seq "$PEER_SEQS" --ids "$PEER_IDS" --iters 10 --warmup 2 \
     --json "$1/ours.json" >"$1/ours.txt" 2>&1
 }
-# HOOK: the attention target's bench. Until the build has one this part runs the peers alone
-# and says so. When it exists, run it here at the peers' cases (S $PEER_SEQS, ids $PEER_IDS,
-# Hq x Dqk $TARGET_SHAPES, topk 2048), its floor measured in the same run, writing a JSON list
-# of cases with ids, seq, heads (Hq), dim (Dqk), topk, ns_per_row and floor.ns_per_row (what
-# bench/peers/side_by_side.py reads) to $1/ours.json.
+# The attention target's bench, dsa-target-bench, at the peers' cases, its floor measured in
+# the same run; its JSON (a list of cases with ids, seq, heads = Hq, dim = Dqk, topk, ns_per_row
+# and floor.ns_per_row) is what bench/peers/side_by_side.py reads. A build without it: the
+# peers alone, said in the summary.
 ours_target_peers() {
-  echo "no attention-target bench in $build" >"$1/ours.txt"
-  return 3
+  if [[ ! -x $build/bench/dsa-target-bench ]]; then
+    echo "no attention-target bench in $build (bench/dsa-target-bench)" >"$1/ours.txt"
+    return 3
+  fi
+  timeout 900 "$build/bench/dsa-target-bench" --seq "$PEER_SEQS" --ids "$PEER_IDS" --shapes "$TARGET_SHAPES" \
+    --topk 2048 --iters 10 --warmup 2 --json "$1/ours.json" >"$1/ours.txt" 2>&1
 }
 # problem_peers PART SCRIPT [ARGS...]: ours, then the peers script, then the table of both
 problem_peers() {

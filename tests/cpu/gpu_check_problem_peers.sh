@@ -4,7 +4,8 @@
 # dsa-kl-forward-bench (a JSON of two cases) in a fake CUDA build folder; the peer scripts then
 # find no CUDA device and say so (exit 77). Checks: ours ran and its rows are in the table, the
 # peers' reasons are in the summary, the target part says that no target bench is built, a
-# failing bench of ours fails its part, and a bad --peers-seq is refused.
+# failing bench of ours fails its part, a stand-in dsa-target-bench is run at the peers' shapes
+# and its row is in the target's table, and a bad --peers-seq is refused.
 #   usage: gpu_check_problem_peers.sh REPO PYTHON
 set -uo pipefail
 repo=$1
@@ -60,6 +61,27 @@ FAKE_FAIL=1 bash "$repo/scripts/gpu_check.sh" -B "$t/build" --only forward-peers
 rc=$?
 [[ $rc == 1 ]] || bad "a failing bench of ours: exit $rc, expected 1"
 grep -q "^forward-peers FAIL.*ours FAILED" "$t/out2/summary.txt" || bad "ours' failure not reported: $(cat "$t/out2/summary.txt")"
+
+# with a target bench in the build: ours runs at the peers' shapes
+cat >"$t/build/bench/dsa-target-bench" <<'EOF'
+#!/bin/sh
+while [ $# -gt 0 ]; do
+  case $1 in --json) out=$2 ;; --shapes) shapes=$2 ;; esac
+  shift
+done
+[ "$shapes" = "128x576,64x192" ] || { echo "unexpected --shapes $shapes" >&2; exit 2; }
+cat >"$out" <<'J'
+[{"op": "attention_target", "ids": "causal", "seq": 4096, "heads": 128, "dim": 576, "topk": 2048,
+  "valid_slots_per_row": 1536.0, "ns_per_row": 400.0, "floor": {"ns_per_row": 320.0}, "floor_ratio": 1.25}]
+J
+EOF
+chmod +x "$t/build/bench/dsa-target-bench"
+bash "$repo/scripts/gpu_check.sh" -B "$t/build" --only target-peers --peers-seq 4096 "$t/out4" >"$t/log4" 2>&1
+rc=$?
+[[ $rc == 0 ]] || bad "target-peers with a target bench: exit $rc"
+grep -q "^target-peers PASS.*ours ran" "$t/out4/summary.txt" || bad "target bench not run: $(cat "$t/out4/summary.txt")"
+grep -q "| causal | 4096 | 128 | 576 | 2048 | 1,536.0 | 400.0 | 320.0 | 1.25 |" "$t/out4/target-peers/side_by_side.md" ||
+  bad "the target bench's row missing: $(cat "$t/out4/target-peers/side_by_side.md" 2>&1)"
 
 bash "$repo/scripts/gpu_check.sh" -B "$t/build" --only forward-peers --peers-seq 4096,x "$t/out3" >"$t/log3" 2>&1
 rc=$?
