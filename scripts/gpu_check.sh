@@ -7,10 +7,14 @@
 #     --build                run `cmake --build DIR` first
 #     --only PART[,PART...]  run only these parts (names below)
 #     --skip-PART            skip one part: --skip-tests, --skip-sanitizer, --skip-cli,
-#                            --skip-bench, --skip-peers, --skip-python
+#                            --skip-bench, --skip-peers, --skip-forward-peers,
+#                            --skip-target-peers, --skip-python
 #     --bench-args "ARGS"    more arguments for `dsa-indexer-bwd bench` (e.g. "--seq 16384 --ids random")
 #     --peers-site DIR       a folder of peer packages to put first on sys.path (passed as --site)
 #     --tilelang-example DIR TileLang's example files (default .peers/tilelang_example, see "peers")
+#     --megatron-dir DIR     Megatron-Core's TileLang loss kernels (default .peers/megatron_tilelang,
+#                            see "forward-peers")
+#     --peers-seq LIST       S of the peers, forward-peers and target-peers parts (default 4096,16384,65536)
 #     -h, --help             this text
 #
 # Before it, once (the README's build):
@@ -70,6 +74,34 @@
 #              A peer's own result (its gradient check failing, a case running out of memory)
 #              is reported, never a failure of this check; a peer script refusing its
 #              arguments (exit 2) is.
+#   forward-peers  the loss forward, ours and its peers side by side, in one run:
+#                B/bench/dsa-kl-forward-bench --seq 4096,16384,65536 --ids causal,random --iters 10
+#                        --warmup 2 --json O/forward-peers/ours.json
+#                python3 bench/peers/loss_forward_peers.py --check --seq 4096,16384,65536 --ids causal,random
+#                        --iters 10 --warmup 2 --json O/forward-peers/peers.json
+#                python3 bench/peers/side_by_side.py --ours O/forward-peers/ours.json
+#                        --peers O/forward-peers/peers.json --out O/forward-peers/side_by_side.md
+#              Ours is the fused forward with its floor (key gather, GEMM1) measured in the same
+#              process; the peers (torch eager, cudnn-frontend's SM90 sparse indexer score
+#              recompute, Megatron-Core's TileLang sparse KL kernel) are each checked against the
+#              float64 closed form first; one that cannot run says why in peers.json. The TileLang
+#              kernels are Megatron-Core's, not in this repository nor in a megatron-core release
+#              on PyPI: copy tilelang_indexer_loss.py and tilelang_utils.py of
+#              github.com/NVIDIA/Megatron-LM's megatron/core/transformer/experimental_attention_variant/ops/
+#              into .peers/megatron_tilelang/ (ignored by git) or pass --megatron-dir DIR.
+#   target-peers   the attention target T, ours and its peers side by side, in one run:
+#                B/bench/dsa-target-bench --seq 4096,16384,65536 --ids causal,random
+#                        --shapes 128x576,64x192 --topk 2048 --iters 10 --warmup 2
+#                        --json O/target-peers/ours.json      (when the build has it)
+#                python3 bench/peers/attention_target_peers.py --check --seq 4096,16384,65536
+#                        --ids causal,random --shapes 128x576,64x192 --iters 10 --warmup 2
+#                        --json O/target-peers/peers.json
+#                python3 bench/peers/side_by_side.py [--ours O/target-peers/ours.json]
+#                        --peers O/target-peers/peers.json --out O/target-peers/side_by_side.md
+#              Peers: torch eager, cudnn-frontend's SM90 sparse attention score recompute,
+#              Megatron-Core's TileLang sparse_indexer_target (same files as forward-peers).
+#              For both parts, as for "peers": a peer's own result is reported, never a failure of
+#              this check; a peer script refusing its arguments (exit 2) and our bench failing are.
 #   python     bash scripts/python_check.sh --install --cuda --require-cuda O/python
 #              builds this checkout's Python package with the cuda backend into O/python/site,
 #              runs python/tests (the GPU tests must run) and the training example on cpu and
@@ -133,11 +165,12 @@ CLI_OPTION_CASES=(
 )
 PEER_SEQS=4096,16384,65536
 PEER_IDS=causal,random
+TARGET_SHAPES=128x576,64x192
 
 usage() { sed -n '2,/^$/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 die() { echo "gpu_check: $*" >&2; exit 2; }
 
-ALL_PARTS=(tests sanitizer cli bench peers python)
+ALL_PARTS=(tests sanitizer cli bench peers forward-peers target-peers python)
 declare -A run_part=()
 for p in "${ALL_PARTS[@]}"; do run_part[$p]=1; done
 build_dir=./build
@@ -145,6 +178,7 @@ do_build=0
 bench_args=""
 peers_site=""
 tilelang_example=""
+megatron_dir=""
 outdir=""
 while (($#)); do
   case $1 in
@@ -169,6 +203,11 @@ while (($#)); do
     --bench-args) [[ $# -ge 2 ]] || die "--bench-args: expected a string of arguments"; bench_args=$2; shift ;;
     --peers-site) [[ $# -ge 2 ]] || die "--peers-site: expected a folder"; peers_site=$2; shift ;;
     --tilelang-example) [[ $# -ge 2 ]] || die "--tilelang-example: expected a folder"; tilelang_example=$2; shift ;;
+    --megatron-dir) [[ $# -ge 2 ]] || die "--megatron-dir: expected a folder"; megatron_dir=$2; shift ;;
+    --peers-seq)
+      [[ $# -ge 2 && $2 =~ ^[1-9][0-9]*(,[1-9][0-9]*)*$ ]] ||
+        die "--peers-seq: expected a comma-separated list of positive sequence lengths, got \"${2:-}\""
+      PEER_SEQS=$2; shift ;;
     -*) die "unknown option $1 (see --help)" ;;
     *) [[ -z $outdir ]] || die "one OUTDIR expected, got \"$outdir\" and \"$1\""; outdir=$1 ;;
   esac
@@ -183,6 +222,7 @@ mkdir -p "$outdir" || die "cannot create OUTDIR $outdir"
 out=$(cd "$outdir" && pwd)
 [[ -n $peers_site ]] && peers_site=$(realpath -m "$peers_site")
 [[ -n $tilelang_example ]] && tilelang_example=$(realpath -m "$tilelang_example")
+[[ -n $megatron_dir ]] && megatron_dir=$(realpath -m "$megatron_dir")
 cd "$repo" || exit 2
 export PATH=/usr/local/cuda/bin:$PATH
 export PYTHONUNBUFFERED=1
@@ -230,16 +270,22 @@ if [[ $do_build == 1 ]]; then
   echo "cmake --build $build"
   cmake --build "$build" >"$out/build.log" 2>&1 || cannot_run "cmake --build $build failed (tail of $out/build.log: $(tail -3 "$out/build.log" | tr '\n' ' '))"
 fi
-need=(cli/dsa-indexer-bwd)
+need=()
+# the CLI: every part but forward-peers and target-peers runs or needs it
+for p in tests sanitizer cli bench peers python; do
+  [[ ${run_part[$p]} == 1 ]] && need=(cli/dsa-indexer-bwd) && break
+done
 [[ ${run_part[tests]} == 1 || ${run_part[sanitizer]} == 1 ]] && need+=(tests/gpu/test_gpu_hopper tests/gpu/test_gpu_bench)
 [[ ${run_part[sanitizer]} == 1 ]] && need+=(tests/sanitizer_bin/test_gpu_hopper tests/sanitizer_bin/test_gpu_kl_forward tests/sanitizer_bin/sync_calibration)
 [[ ${run_part[bench]} == 1 ]] && need+=(bench/dsa-floor-bench)
+[[ ${run_part[forward-peers]} == 1 ]] && need+=(bench/dsa-kl-forward-bench)
 for f in "${need[@]}"; do
   [[ -x $build/$f ]] || cannot_run "$build/$f is missing: build the whole project (cmake --build $build, or pass --build)"
 done
 cli=$build/cli/dsa-indexer-bwd
-if [[ ${run_part[cli]} == 1 || ${run_part[peers]} == 1 || ${run_part[python]} == 1 ]]; then
-  command -v "$py" >/dev/null 2>&1 || cannot_run "$py not found (the cli, peers and python parts need it; PYTHON=... names another)"
+if [[ ${run_part[cli]} == 1 || ${run_part[peers]} == 1 || ${run_part[python]} == 1 ||
+  ${run_part[forward-peers]} == 1 || ${run_part[target-peers]} == 1 ]]; then
+  command -v "$py" >/dev/null 2>&1 || cannot_run "$py not found (the cli, peers, forward-peers, target-peers and python parts need it; PYTHON=... names another)"
 fi
 
 {
@@ -441,6 +487,73 @@ part_peers() {
   fi
 }
 
+# ---------------------------------------------------------------- forward-peers, target-peers
+# Ours for one problem: ours_PART DIR writes DIR/ours.json and DIR/ours.txt; returns 0 when it
+# ran, 3 when this build has no bench for it, another status when it failed.
+ours_forward_peers() {
+  timeout 900 "$build/bench/dsa-kl-forward-bench" --seq "$PEER_SEQS" --ids "$PEER_IDS" --iters 10 --warmup 2 \
+    --json "$1/ours.json" >"$1/ours.txt" 2>&1
+}
+# The attention target's bench, dsa-target-bench, at the peers' cases, its floor measured in
+# the same run; its JSON (a list of cases with ids, seq, heads = Hq, dim = Dqk, topk, ns_per_row
+# and floor.ns_per_row) is what bench/peers/side_by_side.py reads. A build without it: the
+# peers alone, said in the summary.
+ours_target_peers() {
+  if [[ ! -x $build/bench/dsa-target-bench ]]; then
+    echo "no attention-target bench in $build (bench/dsa-target-bench)" >"$1/ours.txt"
+    return 3
+  fi
+  timeout 900 "$build/bench/dsa-target-bench" --seq "$PEER_SEQS" --ids "$PEER_IDS" --shapes "$TARGET_SHAPES" \
+    --topk 2048 --iters 10 --warmup 2 --json "$1/ours.json" >"$1/ours.txt" 2>&1
+}
+# problem_peers PART SCRIPT [ARGS...]: ours, then the peers script, then the table of both
+problem_peers() {
+  local part=$1 script=$2 d=$out/$1 rc orc reason ours_note side_args=()
+  shift 2
+  mkdir -p "$d"
+  local peer_args=()
+  [[ -n $peers_site ]] && peer_args+=(--site "$peers_site")
+  [[ -n $megatron_dir ]] && peer_args+=(--megatron-dir "$megatron_dir")
+  banner "$part: ours"
+  rm -f "$d/ours.json" "$d/peers.json"
+  "ours_${part//-/_}" "$d"
+  orc=$?
+  tail -n 20 "$d/ours.txt"
+  case $orc in
+    0) ours_note="ours ran"; side_args+=(--ours "$d/ours.json") ;;
+    3) ours_note="ours not run: $(head -1 "$d/ours.txt")" ;;
+    *) ours_note="ours FAILED (exit $orc, see $d/ours.txt)" ;;
+  esac
+  banner "$part: peers ($script)"
+  timeout -k 10 1500 "$py" "$script" --check --seq "$PEER_SEQS" --ids "$PEER_IDS" "$@" "${peer_args[@]}" \
+    --json "$d/peers.json" >"$d/peers.txt" 2>&1
+  rc=$?
+  tail -n 40 "$d/peers.txt"
+  reason=$("$py" bench/peers/side_by_side.py --peers "$d/peers.json" --status-line 2>/dev/null)
+  if [[ -s $d/peers.json ]]; then
+    banner "$part: side by side (bench/peers/side_by_side.py)"
+    "$py" bench/peers/side_by_side.py --peers "$d/peers.json" "${side_args[@]}" --out "$d/side_by_side.md"
+  fi
+  local peers_note
+  case $rc in
+    0) peers_note="peers: ${reason}" ;;
+    77) peers_note="no peer could run: ${reason:-see $d/peers.txt}" ;;
+    2) record "$part" FAIL "$ours_note; the peers script refused its arguments (see $d/peers.txt)"; return ;;
+    *) peers_note="peers ran with errors (exit $rc$( ((rc == 124 || rc == 137)) && echo ', timed out'): ${reason:-see $d/peers.txt})" ;;
+  esac
+  if [[ $orc != 0 && $orc != 3 ]]; then
+    record "$part" FAIL "$ours_note; $peers_note"
+  else
+    record "$part" PASS "$ours_note; $peers_note; table $d/side_by_side.md"
+  fi
+}
+part_forward_peers() {
+  problem_peers forward-peers bench/peers/loss_forward_peers.py --iters 10 --warmup 2
+}
+part_target_peers() {
+  problem_peers target-peers bench/peers/attention_target_peers.py --shapes "$TARGET_SHAPES" --iters 10 --warmup 2
+}
+
 # ---------------------------------------------------------------- python
 part_python() {
   local d=$out/python rc
@@ -458,7 +571,7 @@ part_python() {
 
 for p in "${ALL_PARTS[@]}"; do
   if [[ ${run_part[$p]} == 1 ]]; then
-    "part_$p"
+    "part_${p//-/_}"
   else
     record "$p" SKIPPED "not selected (--only / --skip-$p)"
   fi

@@ -1,5 +1,6 @@
 """Shared pieces of the peer benchmarks in bench/peers/ (torch_eager.py,
-cudnn_frontend_dsa.py, tilelang_indexer_bwd.py).
+cudnn_frontend_dsa.py, tilelang_indexer_bwd.py for the backward; loss_forward_peers.py
+and attention_target_peers.py for the loss forward and the attention target).
 
 - Inputs: the problem of bench/bench_indexer_backward.cpp: bf16 q, k ~ N(0, 1),
   w ~ N(0, 1)/sqrt(H); ids distinct per row, causal (row t selects
@@ -38,8 +39,8 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # The inputs and the float64 oracle live there too (one copy of each).
 from torch_eager import (  # noqa: E402,F401  (torch is None without torch)
-    EPS, ID_KINDS, add_problem_args, is_oom, make_inputs, parse_list, reference_grads, reference_softmax, rel_err, torch,
-    write_json)
+    EPS, ID_KINDS, _reference_logits, add_problem_args, is_oom, make_ids, make_inputs, parse_list, reference_grads,
+    reference_softmax, rel_err, torch, write_json)
 
 UNAVAILABLE = 77  # exit status of a peer that cannot run here (its JSON says why)
 
@@ -306,3 +307,372 @@ def time_cases(a, info, kinds, seqs, make_case, sustained_ms=0.0):
         info["reason"] = info["results"][0].get("reason")
     write_json(a.json, info)
     return rc
+
+
+# --------------------------------------------------------------------------- the loss forward and the attention target
+
+def reference_kl_forward(q, w, k, ids, target, sm_scale, loss_coeff=1.0):
+    """The loss forward of docs/kl-forward.md in float64 (inputs already float64, any device):
+    (loss, LSE per row (B, S), P (B, S, topk)). loss = -(loss_coeff / (B*S_q)) * sum over rows
+    and valid slots of max(T, eps) * log(max(P, eps)); a row without a valid slot has LSE -inf."""
+    valid, _, _, _, _, z = _reference_logits(q, w, k, ids, sm_scale)
+    zm = z.masked_fill(~valid, -math.inf)
+    lse = torch.logsumexp(zm, dim=-1)
+    p = torch.where(valid, torch.exp(zm - lse.unsqueeze(-1)), torch.zeros_like(zm))
+    logp = torch.where(valid, (zm - lse.unsqueeze(-1)).clamp_min(-100.0), torch.zeros_like(zm))
+    tt = torch.where(valid, target.clamp_min(EPS), torch.zeros_like(target))
+    B, S = ids.shape[0], ids.shape[1]
+    loss = -(loss_coeff / (B * S)) * (tt * logp).sum()
+    return loss, lse, p
+
+
+def reference_kl_divergence(target, z, valid):
+    """KL(T_n || P) per row in float64, T_n = T / sum(T) over the valid slots (TileLang's
+    sparse_indexer_kl): (kl per row (rows,), P - T_n (rows, topk)); z (rows, topk) logits."""
+    zm = z.masked_fill(~valid, -math.inf)
+    lse = torch.logsumexp(zm, dim=-1, keepdim=True)
+    p = torch.where(valid, torch.exp(zm - lse), torch.zeros_like(zm))
+    t = torch.where(valid, target, torch.zeros_like(target))
+    tn = t / t.sum(dim=-1, keepdim=True).clamp_min(1e-300)
+    pos = valid & (tn > 0)
+    terms = torch.where(pos, tn * (torch.log(tn.clamp_min(1e-300)) - (zm - lse)), torch.zeros_like(tn))
+    return terms.sum(dim=-1), p - tn
+
+
+def target_logits_chunk(q, kv, ids, softmax_scale, exact=False):
+    """softmax_scale * q[t,h,:] . kv[id_i,:] for a block of rows: q (R, Hq, Dqk), kv (S_kv, Dqk),
+    ids (R, topk) -> (valid (R, topk), s (R, Hq, topk)); invalid slots gather a distinct row
+    (slot mod S_kv) and their logits are not used. bf16 inputs: a bf16 bmm (fp32 accumulation,
+    bf16 result) made fp32, as a user writes it; with exact, the bmm of the inputs made fp32
+    (fp32 result). float64 inputs: float64."""
+    s_kv = kv.shape[0]
+    valid = (ids >= 0) & (ids < s_kv)
+    spread = (torch.arange(ids.shape[-1], device=ids.device) % s_kv).to(ids.dtype).expand_as(ids)
+    idx = torch.where(valid, ids, spread).long()
+    kv_sel = kv[idx]  # (R, topk, Dqk)
+    if q.dtype == torch.float64:
+        s = torch.bmm(q, kv_sel.transpose(1, 2))
+    elif exact:
+        s = torch.bmm(q.float(), kv_sel.float().transpose(1, 2))
+    else:
+        s = torch.bmm(q, kv_sel.transpose(1, 2)).float()
+    return valid, s * softmax_scale
+
+
+def rows_per_chunk(heads, topk, dim, budget_bytes=2 << 30):
+    """Rows per block of the chunked torch computations: the (rows, heads, topk) fp32 logits and
+    the (rows, topk, dim) bf16 gather within about budget_bytes."""
+    per_row = heads * topk * 4 * 2 + topk * dim * 2
+    return max(1, budget_bytes // per_row)
+
+
+def make_target_problem(B, S, Hq, Dqk, K, kind, device, seed, softmax_scale):
+    """The attention target's inputs: bf16 main query q (B, S, Hq, Dqk) and latent kv
+    (B, S, Dqk) ~ N(0, 1), ids as make_inputs (make_ids, S_kv = S), and lse (B, S, Hq) fp32 the
+    natural-log LSE of the sparse attention over each row's valid selected keys (what a sparse
+    MLA forward over these ids saves), computed in fp32 from the bf16 inputs made fp32 (no bf16
+    rounding of the logits: sum_i exp(s_i - lse) is 1 per head to fp32 accuracy, which a peer
+    that recomputes each head's softmax instead of reading lse relies on to compute the same T).
+    Rows without a valid slot get lse 0 (their T is 0 whatever it is)."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    q = torch.randn((B, S, Hq, Dqk), generator=gen, device=device).to(torch.bfloat16)
+    kv = torch.randn((B, S, Dqk), generator=gen, device=device).to(torch.bfloat16)
+    ids = make_ids(B, S, S, K, kind, gen, device)
+    lse = torch.zeros((B, S, Hq), dtype=torch.float32, device=device)
+    rows = rows_per_chunk(Hq, K, Dqk * 3)  # the fp32 copies of q and the gathered rows too
+    for b in range(B):
+        for r0 in range(0, S, rows):
+            r1 = min(S, r0 + rows)
+            valid, s = target_logits_chunk(q[b, r0:r1], kv[b], ids[b, r0:r1], softmax_scale, exact=True)
+            s = s.masked_fill(~valid.unsqueeze(1), -math.inf)
+            l = torch.logsumexp(s, dim=-1)
+            lse[b, r0:r1] = torch.where(torch.isfinite(l), l, torch.zeros_like(l))
+            del s, valid, l
+    return q, kv, ids, lse
+
+
+def reference_target(q, kv, ids, lse, softmax_scale):
+    """The attention target in float64 (inputs float64, any device): (T unnormalised, T) with
+    T_i = sum_h exp(softmax_scale * q_h . kv_{id_i} - lse_h) at valid slots, 0 elsewhere, and T
+    its L1 normalisation over the row (0 for a row without a valid slot)."""
+    B, S = ids.shape[0], ids.shape[1]
+    tu = torch.zeros(ids.shape, dtype=q.dtype, device=q.device)
+    rows = rows_per_chunk(q.shape[2], ids.shape[2], q.shape[3] * 4)  # float64: twice the bytes
+    for b in range(B):
+        for r0 in range(0, S, rows):
+            r1 = min(S, r0 + rows)
+            valid, s = target_logits_chunk(q[b, r0:r1], kv[b], ids[b, r0:r1], softmax_scale)
+            e = torch.exp(s - lse[b, r0:r1].unsqueeze(-1)).sum(dim=1)
+            tu[b, r0:r1] = torch.where(valid, e, torch.zeros_like(e))
+    return tu, tu / tu.sum(dim=-1, keepdim=True).clamp_min(1e-300)
+
+
+def rel_rms(got, want):
+    """rel_err under the name the target's accuracy bound uses (relative RMS)."""
+    return rel_err(got, want)
+
+
+def summarize_op(times_ms, rows):
+    """median / min / max ms and ns per query row of one op's timed calls."""
+    med = statistics.median(times_ms)
+    return {"median_ms": med, "min_ms": min(times_ms), "max_ms": max(times_ms),
+            "ns_per_row": med * 1e6 / rows, "samples": len(times_ms)}
+
+
+def load_module_from(folder, files, package):
+    """Import files[0] of `folder` as a module of a package named `package` whose other
+    modules are the other files (for peer code that uses relative imports, copied out of its
+    repository). Raises FileNotFoundError naming the missing file."""
+    import importlib.util
+    import types
+    for f in files:
+        if not os.path.isfile(os.path.join(folder, f)):
+            raise FileNotFoundError(f"{os.path.join(folder, f)} is missing")
+    if package not in sys.modules:
+        pkg = types.ModuleType(package)
+        pkg.__path__ = [folder]
+        sys.modules[package] = pkg
+    name = f"{package}.{os.path.splitext(files[0])[0]}"
+    spec = importlib.util.spec_from_file_location(name, os.path.join(folder, files[0]))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def file_sha256(path):
+    import hashlib
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def package_versions(names):
+    """{name: installed version or None}."""
+    from importlib import metadata
+    out = {}
+    for name in names:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+# --------------------------------------------------------------------------- the peers' packages
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEFAULT_MEGATRON_DIR = os.path.join(REPO_ROOT, ".peers", "megatron_tilelang")
+MEGATRON_FILES = ("tilelang_indexer_loss.py", "tilelang_utils.py")
+
+
+def load_megatron_tilelang(site_dir, folder):
+    """Megatron-Core's TileLang sparse indexer-loss kernels: the module tilelang_indexer_loss.py
+    (sparse_indexer_target_interface, sparse_indexer_kl_interface) with its tilelang_utils.py,
+    copied from github.com/NVIDIA/Megatron-LM's
+    megatron/core/transformer/experimental_attention_variant/ops/ into `folder` (they are not in
+    any megatron-core release on PyPI, whose newest is 0.16.1). tilelang_utils imports
+    megatron.core.utils for one helper (round_up_to_nearest_multiple); without megatron-core
+    installed that module is given as a stub with that helper alone, which the two kernels
+    used here never call. Returns (module, versions); raises with the reason."""
+    import importlib.util
+    import shutil
+    import types
+    added = add_site(site_dir)
+    if shutil.which("nvcc") is None and not os.environ.get("CUDA_HOME") and os.path.isdir("/usr/local/cuda"):
+        os.environ["CUDA_HOME"] = "/usr/local/cuda"
+        os.environ["PATH"] = "/usr/local/cuda/bin" + os.pathsep + os.environ.get("PATH", "")
+    if importlib.util.find_spec("tilelang") is None:
+        where = (f"; --site {site_dir!r} " + ("is absent" if not os.path.isdir(site_dir) else "has no tilelang")
+                 if site_dir else "")
+        raise ImportError(f"tilelang is not installed{where}")
+    for f in MEGATRON_FILES:
+        if not os.path.isfile(os.path.join(folder, f)):
+            raise FileNotFoundError(
+                f"{os.path.join(folder, f)} is missing: copy {' and '.join(MEGATRON_FILES)} of github.com/NVIDIA/"
+                f"Megatron-LM's megatron/core/transformer/experimental_attention_variant/ops/ there (or pass "
+                f"--megatron-dir)")
+    stub = False
+    try:
+        import megatron.core.utils  # noqa: F401
+    except Exception:  # noqa: BLE001 (absent, or a dependency of megatron-core missing)
+        stub = True
+        for name in ("megatron", "megatron.core"):
+            m = types.ModuleType(name)
+            m.__path__ = []
+            sys.modules[name] = m
+        utils = types.ModuleType("megatron.core.utils")
+        utils.round_up_to_nearest_multiple = lambda x, m: (x + m - 1) // m * m
+        sys.modules["megatron.core.utils"] = utils
+    import tilelang
+    mod = load_module_from(folder, MEGATRON_FILES, "megatron_tilelang_ops")
+    if not getattr(mod, "HAVE_TILELANG", True):
+        raise ImportError("megatron's tilelang_utils could not import tilelang")
+    versions = {"site_paths_added": added, "tilelang_module": tilelang.__file__,
+                "megatron_dir": folder, "megatron_core_utils_stub": stub,
+                **{f"{f}_sha256": file_sha256(os.path.join(folder, f)) for f in MEGATRON_FILES},
+                **package_versions(("tilelang", "apache-tvm-ffi", "z3-solver", "torch-c-dlpack-ext", "megatron-core"))}
+    return mod, versions
+
+
+def load_cudnn_score_recompute(site_dir):
+    """cudnn-frontend's DSA score recompute (cudnn.deepseek_sparse_attention.score_recompute):
+    returns (its SM90 interface module, versions); raises with the reason when it cannot load or
+    the device is not compute capability 9.0 (the SM90 kernels are the ones timed)."""
+    added = add_site(site_dir)
+    import cudnn  # noqa: F401  (loads the pybind module and libcudnn)
+    from cudnn.deepseek_sparse_attention.score_recompute import _interface_sm90 as iface
+    if torch.cuda.get_device_capability(0) != (9, 0):
+        raise RuntimeError(f"the SM90 score-recompute kernel needs compute capability 9.0, device is "
+                           f"{torch.cuda.get_device_capability(0)}")
+    versions = {"site_paths_added": added, "cudnn_module": cudnn.__file__,
+                **package_versions(("nvidia-cudnn-frontend", "nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-base",
+                                    "nvidia-cutlass-dsl-libs-cu13", "apache-tvm-ffi", "cuda-bindings"))}
+    return iface, versions
+
+
+# --------------------------------------------------------------------------- several peers, one problem
+
+def wall_time(op, iters, warmup, prepare=None):
+    """gpu_time's list for a CPU run (perf_counter around op(); smoke runs only)."""
+    times = []
+    for it in range(warmup + iters):
+        if prepare is not None:
+            prepare()
+        t0 = time.perf_counter()
+        op()
+        t1 = time.perf_counter()
+        if it >= warmup:
+            times.append((t1 - t0) * 1e3)
+    return times
+
+
+class Peer:
+    """One implementation of a problem: `name`, `status` ("ok" or "unavailable" with
+    `reason`), `versions`, `notes` (what it computes and what its timed call covers), `iters` /
+    `warmup` (None: the run's), make_op(inputs) -> an object with run(), restore() or None,
+    outputs() (tensors that must come out finite) and `extra` ({name: callable} timed like run,
+    reported as NAME_ns_per_row), and check() -> {"ok": bool, ...} on a small problem."""
+
+    def __init__(self, name, notes, make_op=None, check=None, iters=None, warmup=None):
+        self.name, self.notes, self.make_op, self.check = name, list(notes), make_op, check
+        self.iters, self.warmup = iters, warmup
+        self.status, self.reason, self.versions = "ok", None, {}
+
+    def unavailable(self, reason, **extra):
+        self.status, self.reason = "unavailable", reason
+        self.versions.update(extra)
+        return self
+
+    def record(self):
+        rec = {"status": self.status, "notes": self.notes, "versions": self.versions}
+        if self.reason:
+            rec["reason"] = self.reason
+        return rec
+
+
+def time_peer_cases(a, info, peers, cases, make_inputs_for, device="cuda"):
+    """For each case (a dict of the row's keys, with "batch" and "seq"), make_inputs_for(case)
+    builds the inputs once (an object with valid_per_row); then each available peer's op: the
+    first call's wall time, `iters` timed calls after `warmup` (restore() before each, untimed;
+    CUDA events, or perf_counter on the cpu), each of op.extra timed the same way, the finiteness
+    of op.outputs() and the peak memory. One row per (case, peer) goes into info["results"]
+    (status "ok", "oom" or "error" with the reason: the loop goes on), the JSON is rewritten
+    after each. Returns 0 when every row ran, else 1."""
+    rc = 0
+    cuda = device != "cpu"
+    timer = gpu_time if cuda else wall_time
+    live = [p for p in peers if p.status == "ok"]
+    for case in cases:
+        rows = case["batch"] * case["seq"]
+        inputs = None
+        try:
+            inputs = make_inputs_for(case)
+        except Exception as e:  # noqa: BLE001 (OOM while building: every peer of the case says so)
+            for p in live:
+                info["results"].append({"peer": p.name, **case, "status": "oom" if is_oom(e) else "error",
+                                        "reason": "inputs: " + short_error(e)})
+            print(f"{case}: inputs {short_error(e)}", flush=True)
+            rc = 1
+            inputs = None
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+            write_json(a.json, info)
+            continue
+        for p in live:
+            row = {"peer": p.name, **case, "valid_slots_per_row": round(inputs.valid_per_row, 2)}
+            op = restore = None
+            try:
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
+                op = p.make_op(inputs)
+                restore = getattr(op, "restore", None)
+                iters = p.iters or a.iters
+                warmup = a.warmup if p.warmup is None else p.warmup
+                row["first_call_s"] = first_call(op.run, restore) if cuda else None
+                row.update(summarize_op(timer(op.run, iters, warmup, prepare=restore), rows))
+                for name, fn in getattr(op, "extra", {}).items():
+                    row[f"{name}_ns_per_row"] = summarize_op(timer(fn, iters, warmup, prepare=restore),
+                                                             rows)["ns_per_row"]
+                if not all(bool(torch.isfinite(x.float()).all().item()) for x in op.outputs()):
+                    raise RuntimeError("non-finite output")
+                if cuda:
+                    row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+                row["status"] = "ok"
+                extra = "  ".join(f"{k[:-11]} {v:.1f}" for k, v in row.items() if k.endswith("_ns_per_row"))
+                print(f"  {p.name:15s} {case_label(case):38s} {row['ns_per_row']:10.1f} ns/row  "
+                      f"(median {row['median_ms']:.3f} ms, min {row['min_ms']:.3f}, max {row['max_ms']:.3f})"
+                      + (f"  {extra}" if extra else ""), flush=True)
+            except Exception as e:  # noqa: BLE001 (OOM, unsupported shape, compile error: report and go on)
+                row["status"] = "oom" if is_oom(e) else "error"
+                row["reason"] = short_error(e)
+                row["traceback"] = traceback.format_exc(limit=8)
+                print(f"  {p.name:15s} {case_label(case):38s} {row['status'].upper()}: {row['reason']}", flush=True)
+                rc = 1
+            del op, restore
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+            info["results"].append(row)
+            write_json(a.json, info)
+        del inputs
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    return rc
+
+
+def case_label(case):
+    keys = [k for k in ("ids", "seq", "heads", "dim", "topk") if k in case]
+    names = {"ids": "", "seq": "S", "heads": "H", "dim": "D", "topk": "topk"}
+    return " ".join(f"{names[k]}{case[k]}" for k in keys)
+
+
+def run_peer_checks(info, peers, json_path):
+    """Each available peer's check() into info["peers"][name]["check"] (an exception is its
+    check's error); returns 0 when all passed, else 1."""
+    rc = 0
+    for p in peers:
+        if p.status != "ok" or p.check is None:
+            continue
+        rec = info["peers"][p.name]
+        if run_check_into(rec, p.check, None) != 0:
+            rc = 1
+        write_json(json_path, info)
+    return rc
+
+
+def finish_peer_run(info, peers, json_path):
+    """info["status"]: "unavailable" when no peer could run (exit 77), "error" when no timed row
+    ran, else "ok"."""
+    for p in peers:
+        info["peers"][p.name] = {**p.record(), **({"check": info["peers"][p.name]["check"]}
+                                                  if "check" in info["peers"].get(p.name, {}) else {})}
+    if all(p.status != "ok" for p in peers):
+        info["status"] = "unavailable"
+        info["reason"] = "; ".join(f"{p.name}: {p.reason}" for p in peers)
+    elif info["results"] and all(r["status"] != "ok" for r in info["results"]):
+        info["status"] = "error"
+    write_json(json_path, info)
+    return UNAVAILABLE if info["status"] == "unavailable" else 0
