@@ -123,7 +123,7 @@ inline std::vector<double> target_mass_for_lse(const std::vector<double>& ref_ma
 /// for every slot. Every value is a small integer times a power of two and
 /// every partial sum stays below 2^24 units of the smallest, so z is the same in
 /// f32 as in fp64 whatever the summation order: a backend's error against fp64
-/// is its own rounding after the logits. index_score is refreshed to the new
+/// is its own rounding after the logits. index_score is refreshed to these
 /// logits (the P form's input).
 inline void give_logits_a_common_part(GeneratedProblem& p, int q_common, int sm_scale_log2, uint64_t seed) {
   const int64_t H = p.spec.heads, D = p.spec.head_dim, R = num_q_rows(p), Rk = num_k_rows(p);
