@@ -24,8 +24,8 @@
 //
 // i.e. the target mass, with the backward's mask, divided by the sum of
 // exp(z_i - LSE) as rounded; its score gradient then equals the exact one to
-// rounding however large |LSE| is. c is 1 up to that rounding (exactly 1 to
-// ~1e-16 in the fp64 reference_kl_forward). P (index_score) is
+// rounding however large |LSE| is. c is 1 up to that rounding (1 to its fp64
+// rounding, |LSE| 1e-16, in the fp64 reference_kl_forward). P (index_score) is
 // exp((z_i - max z) - log sum exp(z - max z)): it carries no LSE rounding.
 #pragma once
 
