@@ -270,7 +270,8 @@ Verification verify_sampled(const Problem& p, const Geometry& g, const RunResult
 /// Compares the forward's outputs (loss, row_lse, row_target_mass, index_score)
 /// with reference_kl_forward: the loss by its relative error (tolerance 1e-6),
 /// row_lse by its largest absolute error over rows with a valid slot (1e-5; the
-/// others must be -inf), row_target_mass by its relative RMS error (1e-5), P by
+/// others must be -inf), row_target_mass by its relative RMS error (1e-5;
+/// defined with the LSE as written: the fp64 mass times exp(row_lse - LSE)), P by
 /// its largest relative error where the reference is >= 1e-30 (1e-5; elsewhere
 /// within 1e-30). Metric.tol is that tolerance. `r` without row_lse (step):
 /// the loss only.

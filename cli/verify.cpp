@@ -248,10 +248,16 @@ Verification verify_forward(const Problem& p, const RunResult& r, int32_t thread
   mlse.pass = mlse.nonfinite == 0 && mlse.ref_nonfinite == 0 && mlse.max_abs <= mlse.tol;
   v.metrics.push_back(mlse);
 
-  // row_target_mass: relative RMS.
+  // row_target_mass: relative RMS, against its definition for the LSE as
+  // written (the f32 row_lse): the mass divided by sum_i exp(z_i - row_lse) =
+  // exp(LSE - row_lse), i.e. the fp64 mass times exp(row_lse - LSE).
   Accumulator mass("row_target_mass", r.row_target_mass);
   for (int64_t row = 0; row < r.row_target_mass.numel(); ++row) {
-    mass.add(element(r.row_target_mass, row), ref.row_target_mass[static_cast<size_t>(row)]);
+    const auto i = static_cast<size_t>(row);
+    const double lse_got = element(r.row_lse, row);
+    double want = ref.row_target_mass[i];
+    if (std::isfinite(lse_got) && std::isfinite(ref.row_lse[i])) want *= std::exp(lse_got - ref.row_lse[i]);
+    mass.add(element(r.row_target_mass, row), want);
   }
   Metric mm = mass.finish();
   mm.tol = 1e-5;

@@ -141,7 +141,7 @@ bool parse_start_stagger(const std::string& word, StartStagger* out);
 /// | cu_seqlens_q  | absent            | (B + 1)       | i32          |
 /// | cu_seqlens_k  | absent            | (B + 1)       | i32          |
 /// | row_lse       | (B, S_q)          | (T_q)         | f32 (LSE of the row's logits) |
-/// | row_target_mass | (B, S_q)        | (T_q)         | f32 (sum_i T~_i m_i) |
+/// | row_target_mass | (B, S_q)        | (T_q)         | f32 (sum_i T~_i m_i / sum_i P_i, below) |
 ///
 /// H must be a multiple of 8 in [8, 128]; D must be 64 or 128; topk >= 1.
 /// Any slot whose id is invalid (-1, or out of range for its sequence) is
@@ -153,9 +153,14 @@ bool parse_start_stagger(const std::string& word, StartStagger* out);
 ///   indexer_kl_forward() writes them. The backward then rebuilds
 ///   P_i = exp(z_i - row_lse) from its own logits
 ///   z_i = sm_scale * sum_h w_h relu(q_h . k_{id_i}), masks with that P
-///   (m_i = [P_i >= eps]) and takes G = sum_i g_i = -c * row_target_mass,
-///   so no (S_q, topk) tensor of P exists anywhere. A row without a valid
-///   slot reads neither value.
+///   (m_i = [P_i >= eps]) and takes G = -c * row_target_mass, so no
+///   (S_q, topk) tensor of P exists anywhere. A row without a valid slot
+///   reads neither value. The rebuilt P carries the rounding of the f32
+///   row_lse, the same factor sum_i P_i for every slot of the row, so
+///   row_target_mass is sum_i T~_i m_i divided by sum_i P_i (both with this
+///   rebuilt P): G / sum_i P_i times P_i is then exact to rounding.
+///   indexer_kl_forward() writes it so (docs/kl-forward.md); statistics with
+///   an exact LSE (sum_i P_i = 1) are the plain target mass.
 struct IndexerBackwardInputs {
   TensorView index_q;
   TensorView weights;

@@ -8,12 +8,25 @@
 //   z_i   = sm_scale * sum_h w_h relu(q_h . k_{id_i})
 //   LSE   = log sum_i exp(z_i)          (no valid slot: -infinity)
 //   P_i   = exp(z_i - LSE)              (0 at invalid slots and in rows without a valid slot)
-//   m_i   = [P_i >= eps],  T~_i = max(T_i, eps),  eps = exp(-100)
+//   T~_i  = max(T_i, eps),  eps = exp(-100)
 //   Loss  = -(loss_coeff / N) * sum_rows sum_i T~_i log(max(P_i, eps))
 //
 // with N = options.normalization_count (0: the number of query rows). A row
-// without a valid slot contributes no loss term. The backward of a row needs
-// its LSE and its target mass sum_i T~_i m_i (g_i sums to -c times it).
+// without a valid slot contributes no loss term.
+//
+// The row statistics are what the P-free backward (indexer_backward with
+// row_lse and row_target_mass) needs. row_lse is the LSE rounded to f32 (up to
+// |LSE| 2^-24, the same error for every slot of the row). That backward
+// rebuilds Pb_i = exp(z_i - row_lse) = c P_i with c = sum_i Pb_i, so the
+// forward writes
+//
+//   row_target_mass = sum_i T~_i [Pb_i >= eps] / sum_i Pb_i    (over the valid slots)
+//
+// i.e. the target mass, with the backward's mask, divided by the sum of
+// exp(z_i - LSE) as rounded; its score gradient then equals the exact one to
+// rounding however large |LSE| is. c is 1 up to that rounding (1 to its fp64
+// rounding, |LSE| 1e-16, in the fp64 reference_kl_forward). P (index_score) is
+// exp((z_i - max z) - log sum exp(z - max z)): it carries no LSE rounding.
 #pragma once
 
 #include <cstddef>
@@ -31,7 +44,7 @@ namespace dsaib {
 /// |-----------------|------------------|---------------|----------------------------------|
 /// | loss            | ()               | ()            | the scalar Loss                  |
 /// | row_lse         | (B, S_q)         | (T_q)         | LSE per query row (-inf: no valid slot) |
-/// | row_target_mass | (B, S_q)         | (T_q)         | sum_i T~_i m_i per query row     |
+/// | row_target_mass | (B, S_q)         | (T_q)         | sum_i T~_i [Pb_i >= eps] / sum_i Pb_i per query row (above) |
 /// | index_score     | (B, S_q, topk)   | (T_q, topk)   | P (optional: absent = not written) |
 ///
 /// Every element is overwritten; incoming contents never matter.
@@ -73,6 +86,8 @@ void indexer_kl_forward(const IndexerBackwardInputs& inputs, const IndexerKLForw
 
 /// The forward in fp64 on the host (cpu tensors; index_score absent), row-major:
 /// row_lse and row_target_mass (num_q_rows), index_score (num_q_rows, topk).
+/// row_lse is not rounded, so its row_target_mass is the target mass divided by
+/// sum_i exp(z_i - LSE) = 1 to rounding.
 struct ReferenceKLForward {
   int64_t num_q_rows = 0, topk = 0;
   double loss = 0;

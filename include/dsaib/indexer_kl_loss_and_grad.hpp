@@ -2,7 +2,9 @@
 // by this loss (detached from the main model's graph): the loss forward
 // (indexer_kl_forward) writes each row's LSE and target mass into the
 // workspace, then the P-free backward (indexer_backward with row_lse and
-// row_target_mass) rebuilds P from them. No (S_q, topk) tensor of P exists
+// row_target_mass) rebuilds P from them; the mass is divided by the sum of that
+// rebuilt P, so the f32 LSE's rounding cancels (indexer_kl_forward.hpp) and the
+// gradients do not degrade with |LSE|. No (S_q, topk) tensor of P exists
 // anywhere; grad_loss may be read from device memory at run time, so one CUDA
 // graph captured around the call serves every step.
 #pragma once

@@ -413,9 +413,12 @@ def indexer_kl_forward(
     Same inputs as :func:`indexer_backward` without ``index_score``. Returns
     ``(loss, row_lse, row_target_mass)``, float32, in index_q's framework (as
     :func:`indexer_backward` allocates): the loss (shape ``()``), each query
-    row's log-sum-exp of its logits (``-inf`` for a row without a valid slot)
-    and its target mass ``sum_i max(T_i, eps) * [P_i >= eps]``, shaped
-    ``(B, S_q)`` (BSHD) or ``(T_q,)`` (THD). With ``return_index_score=True``
+    row's log-sum-exp of its logits in float32 (``-inf`` for a row without a
+    valid slot) and its target mass ``sum_i max(T_i, eps) * [Pb_i >= eps]``
+    divided by ``sum_i Pb_i``, with ``Pb_i = exp(z_i - row_lse)`` the P that
+    the P-free backward rebuilds from the float32 LSE (the division cancels
+    that LSE's rounding; docs/kl-forward.md), shaped ``(B, S_q)`` (BSHD) or
+    ``(T_q,)`` (THD). With ``return_index_score=True``
     also P (float32, shaped like topk_indices) as a fourth item. row_lse and
     row_target_mass are what :func:`indexer_backward` takes in place of
     index_score (the P-free form). The loss is bitwise reproducible.

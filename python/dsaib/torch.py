@@ -49,7 +49,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import _dsaib
-from ._args import _a_operand, _f32_value, _float_or_inf, _normalization_count
+from ._args import _a_operand, _f32_value, _float_or_inf, _normalization_count, _option_str
 from ._frameworks import _export, _exported
 
 __all__ = ["indexer_backward", "indexer_kl_loss", "indexer_kl_loss_and_grad", "IndexerKLLoss", "index_scores",
@@ -77,6 +77,13 @@ def _check_a_operand(word: str) -> str:
     return word
 
 
+def _check_launch_words(l2_hints: str, start_stagger: str) -> None:
+    """The library's checks of the launch options' words (its ValueError), for
+    the fake kernel, so that tracing rejects what running would."""
+    _dsaib.check_l2_hints(l2_hints)
+    _dsaib.check_start_stagger(start_stagger)
+
+
 # ---- the custom op ----------------------------------------------------------
 
 
@@ -102,6 +109,8 @@ def _indexer_backward_op(
     a_operand_precision: str = "auto",
     row_lse: Optional[torch.Tensor] = None,
     row_target_mass: Optional[torch.Tensor] = None,
+    l2_hints: str = "auto",
+    start_stagger: str = "auto",
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dev = index_q.device
     dq, dw, dk = _gradients_like(index_q, weights, index_k, dq_dtype, dw_dtype, dk_dtype)
@@ -109,7 +118,8 @@ def _indexer_backward_op(
                    attn_score=attn_score, index_score=index_score, cu_seqlens_q=cu_seqlens_q,
                    cu_seqlens_k=cu_seqlens_k, d_index_q=dq, d_weights=dw, d_index_k=dk, grad_loss_device=grad_loss,
                    row_lse=row_lse, row_target_mass=row_target_mass)
-    options = _op_options(dev, sm_scale, loss_coeff, normalization_count, layout, id_mode, a_operand_precision)
+    options = _op_options(dev, sm_scale, loss_coeff, normalization_count, layout, id_mode, a_operand_precision,
+                          l2_hints, start_stagger)
     _run_library(_dsaib.indexer_backward, _dsaib.indexer_backward_workspace_size, dev, tensors, options)
     return dq, dw, dk
 
@@ -121,18 +131,21 @@ def _gradients_like(index_q, weights, index_k, dq_dtype, dw_dtype, dk_dtype):
             index_q.new_empty(index_k.shape, dtype=_out_dtype("dk_dtype", dk_dtype)))
 
 
-def _op_options(dev, sm_scale, loss_coeff, normalization_count, layout, id_mode, a_operand_precision="auto"):
+def _op_options(dev, sm_scale, loss_coeff, normalization_count, layout, id_mode, a_operand_precision="auto",
+                l2_hints="auto", start_stagger="auto"):
     """The library's options (dsaib::IndexerBackwardOptions) as the extension's
     keyword arguments, for every op; a new option is one more entry here and an
     argument of the ops. cuda: the current stream, and
     torch.use_deterministic_algorithms selects the fixed-point d_index_k (read
-    when the op runs); grad_loss always comes as a device tensor."""
+    when the op runs); grad_loss always comes as a device tensor. The option
+    words (a_operand_precision, l2_hints, start_stagger) go to the library as
+    given: it parses them and names a bad one."""
     cuda = dev.type == "cuda"
     return dict(layout=layout, id_mode=id_mode, backend="cuda" if cuda else "cpu", sm_scale=float(sm_scale),
                 loss_coeff=float(loss_coeff), grad_loss=1.0, normalization_count=int(normalization_count),
                 strict_indices=False, deterministic=cuda and torch.are_deterministic_algorithms_enabled(),
                 stream=int(torch.cuda.current_stream(dev).cuda_stream) if cuda else 0, num_threads=0,
-                a_operand_precision=a_operand_precision)
+                a_operand_precision=a_operand_precision, l2_hints=l2_hints, start_stagger=start_stagger)
 
 
 def _run_library(entry, workspace_size, dev, tensors, options):
@@ -159,11 +172,12 @@ def _check_same_device(index_q, **tensors):
 def _indexer_backward_fake(index_q, weights, index_k, topk_indices, attn_score, index_score, grad_loss,
                            cu_seqlens_q, cu_seqlens_k, sm_scale, loss_coeff, normalization_count, layout,
                            id_mode, dq_dtype, dw_dtype, dk_dtype, a_operand_precision="auto", row_lse=None,
-                           row_target_mass=None):
+                           row_target_mass=None, l2_hints="auto", start_stagger="auto"):
     # Contiguous outputs on index_q's device, like the real kernel's. This is
     # also the Meta kernel: a call that mixes meta tensors with real ones lands
     # here and must fail like the real kernels would, not return empty tensors.
     _check_a_operand(a_operand_precision)
+    _check_launch_words(l2_hints, start_stagger)
     _check_same_device(index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
                        attn_score=attn_score, index_score=index_score, grad_loss=grad_loss,
                        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, row_lse=row_lse,
@@ -278,6 +292,8 @@ def indexer_backward(
     a_operand_precision: str = "auto",
     row_lse: Optional[torch.Tensor] = None,
     row_target_mass: Optional[torch.Tensor] = None,
+    l2_hints: str = "auto",
+    start_stagger: str = "auto",
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(d_index_q, d_weights, d_index_k)`` through ``torch.ops.dsaib.indexer_backward``.
 
@@ -305,6 +321,11 @@ def indexer_backward(
         within 1e-3. ``"auto"`` takes two terms when d_index_q or d_index_k
         is float32. The CPU backend ignores it. See
         :func:`dsaib.indexer_backward`.
+      l2_hints: CUDA only: ``"auto"`` (default), ``"on"`` or ``"off"``, and
+      start_stagger: CUDA only: ``"auto"`` (default) or ``"off"``: launch
+        choices that never change the result, as for
+        :func:`dsaib.indexer_backward` (which documents them). The CPU backend
+        ignores them; a bad word raises ValueError on any device.
 
     The outputs are new contiguous tensors on index_q's device. No host
     synchronisation (BSHD); THD reads cu_seqlens to the host for validation.
@@ -319,6 +340,8 @@ def indexer_backward(
         index_q, weights, index_k, topk_indices, attn_score, index_score, grad_loss, cu_seqlens_q, cu_seqlens_k,
         float(sm_scale), float(loss_coeff), int(normalization_count), layout, id_mode, dq_dtype, dw_dtype, dk_dtype,
         _a_operand(a_operand_precision), row_lse, row_target_mass,
+        _option_str("l2_hints", l2_hints, '"auto", "on" or "off"'),
+        _option_str("start_stagger", start_stagger, '"auto" or "off"'),
     )
 
 

@@ -764,6 +764,12 @@ NB_MODULE(_dsaib, m) {
       "check_a_operand_precision",
       [](const std::string& word) { (void)parse_a_operand(word); }, nb::arg("word"),
       "Raises ValueError (the message indexer_backward gives) unless word is \"auto\", \"bf16x2\" or \"bf16\".");
+  m.def(
+      "check_l2_hints", [](const std::string& word) { (void)parse_l2_hints_word(word); }, nb::arg("word"),
+      "Raises ValueError (the message indexer_backward gives) unless word is \"auto\", \"on\" or \"off\".");
+  m.def(
+      "check_start_stagger", [](const std::string& word) { (void)parse_start_stagger_word(word); }, nb::arg("word"),
+      "Raises ValueError (the message indexer_backward gives) unless word is \"auto\" or \"off\".");
 
   m.def(
       "indexer_kl_loss",

@@ -128,6 +128,19 @@ def test_a_operand_precision_check_is_the_librarys():
     assert want == (ValueError, 'a_operand_precision: expected "auto", "bf16x2" or "bf16", got "half"')
 
 
+def test_launch_option_word_checks_are_the_librarys():
+    # The torch op's fake kernel checks l2_hints and start_stagger with these.
+    for word in ("auto", "on", "off"):
+        _dsaib.check_l2_hints(word)
+    for word in ("auto", "off"):
+        _dsaib.check_start_stagger(word)
+    for name, check, bad in (("l2_hints", _dsaib.check_l2_hints, "yes"),
+                             ("start_stagger", _dsaib.check_start_stagger, "on")):
+        want = raised(_dsaib.indexer_backward, **backward_args(make_problem(0), **{name: bad}), workspace=None)
+        assert raised(check, word=bad) == want
+        assert want[0] is ValueError and want[1].startswith(f'{name}: expected "auto"'), want
+
+
 def test_options_are_keyword_arguments_checked_by_name():
     # The library's options reach every binding as **options: a misspelt one is an
     # error, not silently the default; one left out is the library's default.

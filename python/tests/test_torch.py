@@ -88,8 +88,8 @@ def test_custom_op_a_operand_precision_argument():
     # Arguments with defaults after the required ones: callers without them keep working.
     schema = torch.ops.dsaib.indexer_backward.default._schema
     names = [a.name for a in schema.arguments]
-    assert names[-3:] == ["a_operand_precision", "row_lse", "row_target_mass"], str(schema)
-    a_op, lse, mass = schema.arguments[-3:]
+    assert names[-5:-2] == ["a_operand_precision", "row_lse", "row_target_mass"], str(schema)
+    a_op, lse, mass = schema.arguments[-5:-2]
     assert str(a_op.type) == "str" and a_op.default_value == "auto", str(schema)
     assert str(lse.type) == str(mass.type) == "Optional[Tensor]" and lse.default_value is None, str(schema)
     q, w, k, ids, T = make_torch_problem(seed=1)
@@ -116,6 +116,48 @@ def test_custom_op_a_operand_precision_argument():
         with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
             fake = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in base]
             torch.ops.dsaib.indexer_backward(*fake, "fp8")
+
+
+def test_custom_op_takes_the_launch_options_as_words():
+    # l2_hints and start_stagger, as dsaib.indexer_backward takes them: the last
+    # two arguments of the op, with defaults; the library parses the words.
+    schema = torch.ops.dsaib.indexer_backward.default._schema
+    l2, stagger = schema.arguments[-2:]
+    assert (l2.name, stagger.name) == ("l2_hints", "start_stagger"), str(schema)
+    assert str(l2.type) == str(stagger.type) == "str", str(schema)
+    assert l2.default_value == stagger.default_value == "auto", str(schema)
+    q, w, k, ids, T = make_torch_problem(seed=2)
+    P = dt.index_scores(q, w, k, ids, sm_scale=SM)
+    g = torch.tensor(0.5)
+    base = (q, w, k, ids, T, P, g, None, None, SM, 1.1, 0, "bshd", "local", "f32", "bf16", "f32", "auto", None, None)
+    want = torch.ops.dsaib.indexer_backward(*base)
+    for l2_hints in ("auto", "on", "off"):
+        for start_stagger in ("auto", "off"):
+            args = base + (l2_hints, start_stagger)
+            result = torch.library.opcheck(torch.ops.dsaib.indexer_backward.default, args)
+            assert all(v == "SUCCESS" for v in result.values()), (l2_hints, start_stagger, result)
+            # launch choices only: the CPU backend's result is the same
+            for a, b in zip(torch.ops.dsaib.indexer_backward(*args), want):
+                assert torch.equal(a, b), (l2_hints, start_stagger)
+            got = dt.indexer_backward(q, w, k, ids, T, P, sm_scale=SM, grad_loss=g, loss_coeff=1.1,
+                                      out_dtype=("f32", "bf16", "f32"), l2_hints=l2_hints, start_stagger=start_stagger)
+            for a, b in zip(got, want):
+                assert torch.equal(a, b), (l2_hints, start_stagger)
+    bad = ((("yes", "auto"), r'^l2_hints: expected "auto", "on" or "off", got "yes"$'),
+           (("auto", "on"), r'^start_stagger: expected "auto" or "off", got "on"$'))
+    for (l2_hints, start_stagger), msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            torch.ops.dsaib.indexer_backward(*base, l2_hints, start_stagger)
+        with pytest.raises(ValueError, match=msg):
+            dt.indexer_backward(q, w, k, ids, T, P, sm_scale=SM, l2_hints=l2_hints, start_stagger=start_stagger)
+        with pytest.raises(ValueError, match=msg):  # the fake kernel checks them too (torch.compile)
+            with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+                fake = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in base]
+                torch.ops.dsaib.indexer_backward(*fake, l2_hints, start_stagger)
+    with pytest.raises(TypeError, match=r"^l2_hints: expected a str"):
+        dt.indexer_backward(q, w, k, ids, T, P, sm_scale=SM, l2_hints=1)
+    with pytest.raises(TypeError, match=r"^start_stagger: expected a str"):
+        dt.indexer_backward(q, w, k, ids, T, P, sm_scale=SM, start_stagger=None)
 
 
 def test_autograd_loss_passes_a_operand_precision_to_the_backward():

@@ -90,6 +90,8 @@ def test_forward_saves_row_statistics_and_no_topk_sized_tensor_beyond_ids_and_T(
     P = reference_index_scores(q, w, k, ids, sm_scale=SM)
     valid = torch.isfinite(z)
     want_mass = torch.where(valid & (P >= EPS), T.double().clamp_min(EPS), torch.zeros_like(P)).sum(-1)
+    # divided by sum_i exp(z_i - row_lse) = exp(LSE - row_lse): the P the backward rebuilds from the f32 LSE
+    want_mass[finite] *= torch.exp(row_lse[finite].double() - want_lse[finite])
     torch.testing.assert_close(row_target_mass.double(), want_mass, rtol=1e-6, atol=0)
 
 

@@ -65,6 +65,11 @@ inline int64_t row_offset(const TensorView& v, Layout layout, int64_t row, int64
 /// backend are values of their enums. Raises invalid_argument naming the option.
 void check_options(const IndexerBackwardOptions& opt);
 
+/// The cuda backend's limit: key rows (and topk) below 2^31, since its kernels
+/// address key rows with int32. Raises invalid_argument naming index_k.
+/// validate_problem() applies it on the cuda backend.
+void check_cuda_key_rows(const ProblemGeometry& g);
+
 /// Validates every argument (see indexer_backward() for the rules) and returns
 /// the geometry. Reads cu_seqlens and, in strict mode, topk_indices: on the host
 /// in place through their strides (only their elements); from the device in one

@@ -195,6 +195,12 @@ double scale_from_host(const ProblemGeometry& g, const IndexerBackwardOptions& o
   return grad_loss * static_cast<double>(opt.loss_coeff) / static_cast<double>(g.normalization_count);
 }
 
+void check_cuda_key_rows(const ProblemGeometry& g) {
+  if (g.num_k_rows > std::numeric_limits<int32_t>::max() || g.topk > std::numeric_limits<int32_t>::max()) {
+    fail("index_k", "fewer than 2^31 key rows on the cuda backend", std::to_string(g.num_k_rows));
+  }
+}
+
 void check_options(const IndexerBackwardOptions& opt) {
   if (opt.layout != Layout::bshd && opt.layout != Layout::thd) {
     fail("layout", "bshd or thd", std::to_string(static_cast<int>(opt.layout)));
@@ -517,6 +523,9 @@ ProblemGeometry validate_problem_unguarded(const IndexerBackwardInputs& in, cons
         }
       }
     }
+    // Here, not when the launch is planned, so that the workspace queries,
+    // which plan nothing, raise it as the calls do.
+    check_cuda_key_rows(g);
   }
 
   check_finite(opt.sm_scale, "sm_scale");

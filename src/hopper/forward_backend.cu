@@ -4,7 +4,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <limits>
 #include <string>
 
 #include "api/cuda_kl_forward.hpp"
@@ -106,10 +105,7 @@ std::size_t cuda_kl_forward_workspace_size(const ProblemGeometry& g, int device_
 void run_cuda_kl_forward(const IndexerBackwardInputs& in, const IndexerKLForwardOutputs& out,
                          const IndexerBackwardOptions& opt, const ProblemGeometry& g, void* workspace,
                          std::size_t workspace_bytes) {
-  if (g.num_k_rows > std::numeric_limits<int32_t>::max() || g.topk > std::numeric_limits<int32_t>::max()) {
-    throw Error(ErrorCode::invalid_argument, "index_k",
-                "index_k: expected fewer than 2^31 key rows on the cuda backend, got " + std::to_string(g.num_k_rows));
-  }
+  check_cuda_key_rows(g);  // validation raised it already
   const int device = in.index_q.device_index;
   hopper::DeviceGuard guard(device);
   const int64_t grid = hopper::grid_for(g, device);

@@ -80,7 +80,7 @@ struct ForwardSharedStorage {
   // ---- score-role-private (NamedBarrierId::kForwardScoreSync)
   alignas(16) float z_part[2][kWarps][Config::kBlockKeys];  // per-warp head sums of a block, by block parity
   float max_sum_part[kWarps][2];                            // per-warp (max, sum of exp) of a row
-  double row_part[kWarps][2];                               // per-warp (loss term, target mass) of a row
+  double row_part[kWarps][3];  // per-warp (loss term, target mass, sum of the rebuilt P) of a row
 
   // k_full[s] / k_empty[s]: as the backward's (shared_storage.cuh), with
   // key_slot[s] in place of gs[s]: the producer's 128 threads arrive on full
@@ -110,7 +110,7 @@ constexpr int forward_shared_storage_bytes() {
 struct IndexerKLForwardParams {
   IndexerBackwardParams in;
   float* row_lse;          // (num_q_rows)
-  float* row_target_mass;  // (num_q_rows)
+  float* row_target_mass;  // (num_q_rows): sum T~ [Pb >= eps] / sum Pb, Pb = exp(z - row_lse) (forward_score.cuh)
   float* index_score;      // (num_q_rows, topk) contiguous, or null
   double* loss_terms;      // (num_q_rows) workspace: sum_i T~_i log(max(P_i, eps)) per row
   float* z_scratch;        // (gridDim.x, z_stride) workspace: a row's logits by slot

@@ -7,9 +7,12 @@
 // the 4 warps' partials meet in shared memory, summed in warp order; z goes to
 // the CTA's scratch row at the key's slot. After the row's blocks, two passes
 // over its slots (in slot order, so the results do not depend on the gather
-// order): (1) max and sum of exp -> LSE; (2) P = exp(z - LSE), the target
-// mass sum T~ [P >= eps] and the loss term sum T~ log(max(P, eps)), in fp64.
-// Every reduction has a fixed order: the outputs are bitwise reproducible.
+// order): (1) max m and sum s of exp(z - m) -> LSE = m + log s, rounded to f32;
+// (2) P = exp((z - m) - log s) (no LSE rounding in it), the loss term
+// sum T~ log(max(P, eps)), and the statistics of the P-free backward: with
+// Pb = exp(z - LSE) as that backward rebuilds it from the f32 LSE, the target
+// mass sum T~ [Pb >= eps] divided by c = sum Pb (fp64 sums). Every reduction
+// has a fixed order: the outputs are bitwise reproducible.
 #pragma once
 
 #include <cutlass/arch/barrier.h>
@@ -203,11 +206,27 @@ struct ForwardScore {
     s = ss.max_sum_part[0][1];
     CUTE_UNROLL
     for (int wi = 1; wi < kWarps; ++wi) combine_max_sum(m, s, ss.max_sum_part[wi][0], ss.max_sum_part[wi][1]);
-    const float lse = m + logf(s);  // no valid slot: -inf + log(0) = -inf
+    const float log_s = logf(s);
+    const float lse = m + log_s;  // no valid slot: -inf + log(0) = -inf
 
-    // Pass 2. log(max(P, eps)) is z - LSE where P >= eps, else log(eps) = -100.
+    // Pass 2. P and the loss take log P = (z - m) - log s: exact z - m near the
+    // top, and none of the f32 LSE's rounding (up to |LSE| 2^-24, the same for
+    // every slot of the row). log(max(P, eps)) is log P where log P >= -100,
+    // else log(eps) = -100.
+    //
+    // The P-free backward (score_mma.cuh, recompute_gs) rebuilds Pb_i =
+    // exp(z_i - LSE) from the f32 LSE written here, so Pb_i = c P_i with
+    // c = sum_i Pb_i != 1 by that rounding, and its score gradient
+    // [Pb_i >= eps] g~_i - Pb_i G picks up (c - 1) P_i G at every slot, which
+    // the common part of the logits carries into d_weights and d_index_q. This
+    // pass forms Pb_i exactly as that backward does and writes G / c (the mass
+    // below divided by c) so that Pb_i G / c = P_i G to rounding; its mask
+    // [Pb_i >= eps] is the backward's. That needs the backward's z_i to be
+    // these z_i bit for bit: both come from the same GEMM1 (warpgroup_gemm_rs,
+    // the same operand layouts) and the same head sum (head_sum.cuh) at
+    // H <= 64, the only case that backward takes (above 64 heads it is fed P).
     float* p_out = fp.index_score ? fp.index_score + row * p.topk : nullptr;
-    double term = 0.0, mass = 0.0;
+    double term = 0.0, mass = 0.0, rebuilt_sum = 0.0;
     for (int base = tid; base < p.topk; base += kThreads * kEpilogueBatch) {
       bool valid[kEpilogueBatch];
       float zb[kEpilogueBatch], tb[kEpilogueBatch], prob[kEpilogueBatch];
@@ -221,11 +240,13 @@ struct ForwardScore {
       for (int j = 0; j < kEpilogueBatch; ++j) {
         prob[j] = 0.0f;
         if (valid[j]) {
-          const float d = zb[j] - lse;
-          prob[j] = expf(d);
+          const float log_p = (zb[j] - m) - log_s;
+          prob[j] = expf(log_p);
+          const float rebuilt = expf(zb[j] - lse);  // as recompute_gs forms it
+          rebuilt_sum += rebuilt;
           const float t = max_keeping_nan(tb[j], eps);
-          if (prob[j] >= eps) mass += t;
-          term += static_cast<double>(t) * static_cast<double>(d < -100.0f ? -100.0f : d);
+          if (rebuilt >= eps) mass += t;
+          term += static_cast<double>(t) * static_cast<double>(log_p < -100.0f ? -100.0f : log_p);
         }
       }
       if (p_out) {
@@ -240,22 +261,28 @@ struct ForwardScore {
     for (int off = 16; off > 0; off >>= 1) {
       term += __shfl_xor_sync(0xffffffffu, term, off);
       mass += __shfl_xor_sync(0xffffffffu, mass, off);
+      rebuilt_sum += __shfl_xor_sync(0xffffffffu, rebuilt_sum, off);
     }
     if (lane == 0) {
       ss.row_part[warp][0] = term;
       ss.row_part[warp][1] = mass;
+      ss.row_part[warp][2] = rebuilt_sum;
     }
     // row_part complete; it is rewritten only after the next row's pass-1 barrier.
     forward_score_sync<Config>();
     if (tid == 0) {
-      double t = 0.0, ms = 0.0;
+      double t = 0.0, ms = 0.0, c = 0.0;
       CUTE_UNROLL
       for (int wi = 0; wi < kWarps; ++wi) {
         t += ss.row_part[wi][0];
         ms += ss.row_part[wi][1];
+        c += ss.row_part[wi][2];
       }
       fp.row_lse[row] = lse;
-      fp.row_target_mass[row] = static_cast<float>(ms);
+      // c >= 1/topk where a slot is valid (Pb = exp(-log s) at the maximum); a
+      // row without a valid slot keeps mass 0, a NaN c leaves the mass as is
+      // (the row's LSE is NaN then).
+      fp.row_target_mass[row] = static_cast<float>(c > 0.0 ? ms / c : ms);
       fp.loss_terms[row] = t;
     }
   }

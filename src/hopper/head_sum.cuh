@@ -2,7 +2,10 @@
 // fixed order. The loss forward (forward_score.cuh) and the P-free backward
 // (score_mma.cuh, recompute_gs) both form the logits z_i with it, so the
 // backward's P_i = exp(z_i - LSE) and its mask [P_i >= eps] equal the
-// forward's bit for bit: one copy of the arithmetic keeps them so.
+// exp(z_i - LSE) from which the forward forms its row statistics, bit for bit:
+// the forward divides the target mass by their sum, which cancels the f32
+// LSE's rounding only if the backward rebuilds the same values. One copy of
+// the arithmetic keeps them so.
 #pragma once
 
 #include <cute/config.hpp>

@@ -3,7 +3,6 @@
 #include "hopper/launch_plan.hpp"
 
 #include <algorithm>
-#include <limits>
 #include <string>
 
 #include "hopper/kernel_params.hpp"
@@ -35,10 +34,7 @@ std::size_t workspace_bytes(const detail::ProblemGeometry& g, DType d_index_k, b
 
 LaunchPlan plan_launch(const detail::ProblemGeometry& g, DType d_index_q, DType d_index_k,
                        const IndexerBackwardOptions& options, const DeviceProperties& device) {
-  if (g.num_k_rows > std::numeric_limits<int32_t>::max() || g.topk > std::numeric_limits<int32_t>::max()) {
-    throw Error(ErrorCode::invalid_argument, "index_k",
-                "index_k: expected fewer than 2^31 key rows on the cuda backend, got " + std::to_string(g.num_k_rows));
-  }
+  detail::check_cuda_key_rows(g);  // validation raised it already; a plan of a geometry made by hand too
   LaunchPlan plan;
   plan.device = device;
   plan.kernel.head_dim = static_cast<int32_t>(g.head_dim);

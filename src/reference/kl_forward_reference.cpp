@@ -1,10 +1,14 @@
 // fp64 reference of the indexer KL loss forward (docs/kl-forward.md), and the cpu backend of indexer_kl_forward() built on it.
 //
 // Per query row, over its valid slots: the logits z (reference_index_logits),
-// LSE = zmax + log sum exp(z - zmax), P = exp(z - LSE), the target mass
-// sum T~ [P >= eps] and the loss term sum T~ log(max(P, eps)). Rows are
-// independent (split over threads); the loss sums the row terms in row order,
-// so every result is the same for any thread count.
+// LSE = zmax + log sum exp(z - zmax), P = exp(z - LSE) and the loss term
+// sum T~ log(max(P, eps)). The statistics of the P-free backward use the LSE
+// as written (rounded to f32 by the cpu backend, exact in the fp64 reference):
+// with Pb = exp(z - LSE_written), as that backward rebuilds P, the target mass
+// is sum T~ [Pb >= eps] / sum Pb, so the backward's Pb G equals P G to
+// rounding (docs/kl-forward.md). Rows are independent (split over threads);
+// the loss sums the row terms in row order, so every result is the same for
+// any thread count.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -25,8 +29,10 @@ double slot_value(const TensorView& v, const ProblemGeometry& g, int64_t r, int6
   return load_element(v.dtype, v.data, row_offset(v, g.layout, r, g.s_q) + i * v.strides[g.layout == Layout::thd ? 1 : 2]);
 }
 
+/// `f32_lse`: the LSE is written in f32 (the cpu backend), so row_lse holds its
+/// f32 rounding and the target mass is divided by the sum of exp(z - that LSE).
 ReferenceKLForward compute_forward(const IndexerBackwardInputs& in, const IndexerBackwardOptions& opt,
-                                   const ProblemGeometry& g) {
+                                   const ProblemGeometry& g, bool f32_lse) {
   // reference_index_logits takes the backward's inputs: attn_score stands in
   // for the index_score it does not read.
   IndexerBackwardInputs with_target = in;
@@ -65,17 +71,22 @@ ReferenceKLForward compute_forward(const IndexerBackwardInputs& in, const Indexe
         if (krow[i] >= 0) sum += std::exp(zr[i] - zmax);
       }
       const double lse = zmax + std::log(sum);
-      double mass = 0, term = 0;
+      const double lse_written = f32_lse ? static_cast<double>(static_cast<float>(lse)) : lse;
+      double mass = 0, term = 0, rebuilt_sum = 0;
       for (int64_t i = 0; i < K; ++i) {
         if (krow[i] < 0) continue;
         const double P = std::exp(zr[i] - lse);
+        const double Pb = std::exp(zr[i] - lse_written);  // as the P-free backward rebuilds P
         const double T = std::max(slot_value(in.attn_score, g, r, i), kEps);  // a NaN T stays NaN
         res.index_score[r * K + i] = P;
-        if (P >= kEps) mass += T;
+        rebuilt_sum += Pb;
+        if (Pb >= kEps) mass += T;
         term += T * std::log(std::max(P, kEps));
       }
-      res.row_lse[r] = lse;
-      res.row_target_mass[r] = mass;
+      res.row_lse[r] = lse_written;
+      // rebuilt_sum >= exp(zmax - lse_written) > 0 for finite logits; a NaN
+      // sum (NaN logits: the LSE is NaN) leaves the mass as is.
+      res.row_target_mass[r] = rebuilt_sum > 0 ? mass / rebuilt_sum : mass;
       terms[r] = term;
     }
   });
@@ -91,7 +102,7 @@ ReferenceKLForward compute_forward(const IndexerBackwardInputs& in, const Indexe
 void run_cpu_kl_forward(const IndexerBackwardInputs& in, const IndexerKLForwardOutputs& out,
                         const IndexerBackwardOptions& opt, const ProblemGeometry& g) {
   const IeeeSubnormalsScope ieee;  // the caller's FTZ/DAZ would read subnormals as 0 (float_mode.hpp)
-  const ReferenceKLForward ref = compute_forward(in, opt, g);
+  const ReferenceKLForward ref = compute_forward(in, opt, g, /*f32_lse=*/true);
   // Outputs are contiguous (validated), so flat element e is offset e.
   store_element(DType::f32, out.loss.data, 0, ref.loss);
   for (int64_t r = 0; r < g.num_q_rows; ++r) {
@@ -122,7 +133,7 @@ ReferenceKLForward reference_kl_forward(const IndexerBackwardInputs& inputs, con
   IndexerBackwardInputs with_target = inputs;
   with_target.index_score = inputs.attn_score;
   const detail::ProblemGeometry g = detail::validate_problem(with_target, {}, opt, nullptr, /*check_outputs=*/false);
-  return detail::compute_forward(inputs, opt, g);
+  return detail::compute_forward(inputs, opt, g, /*f32_lse=*/false);
 }
 
 }  // namespace dsaib

@@ -89,9 +89,52 @@ TEST(KlForward, CpuBackendWritesTheReferenceInF32) {
                               pr = to_doubles(b.index_score);
     EXPECT_LE(rel_error(loss, want.loss), 1e-7) << c.name;
     EXPECT_LE(max_error(lse, want.lse, false), 1e-6) << c.name;
-    EXPECT_LE(max_error(mass, want.mass, true, 1e-30), 1e-7) << c.name;
+    // The mass divided by the sum of exp(z - LSE) with the LSE as written (f32).
+    EXPECT_LE(max_error(mass, target_mass_for_lse(want, lse), true, 1e-30), 1e-7) << c.name;
     EXPECT_LE(max_error(pr, want.p, true, 1e-30), 1e-7) << c.name;
     EXPECT_LE(max_abs_error_below(pr, want.p, 1e-30), 1e-37) << c.name;
+  }
+}
+
+/// Logits with a large common part (give_logits_a_common_part): z ~ 4700, so
+/// the f32 row_lse is off by up to 2.4e-4 (half its ulp), the same for every
+/// slot of the row.
+GeneratedProblem large_lse_problem(Layout layout, uint64_t seed) {
+  GeneratedProblem p = make_problem(spec_of(layout, 64, 128, 24, IdMode::local, IdPattern::random_permutation, seed));
+  give_logits_a_common_part(p, /*q_common=*/16, /*sm_scale_log2=*/-4, seed);
+  return p;
+}
+
+TEST(KlForward, TargetMassIsDividedByTheSumOfPRebuiltFromTheF32Lse) {
+  for (Layout layout : {Layout::bshd, Layout::thd}) {
+    GeneratedProblem p = large_lse_problem(layout, 71);
+    invalid_slots(p);
+    const IndexerBackwardOptions opt = p.options();
+    const Fp64Forward want = fp64_forward(p, opt);
+    ForwardBuffers b = make_forward_buffers(p);
+    indexer_kl_forward(forward_inputs(p), b.views(), opt);
+    const std::vector<double> lse = to_doubles(b.row_lse), mass = to_doubles(b.row_target_mass),
+                              pr = to_doubles(b.index_score);
+    double lse_min = std::numeric_limits<double>::infinity(), rounding = 0;
+    for (size_t r = 0; r < lse.size(); ++r) {
+      if (!std::isfinite(want.lse[r])) continue;
+      lse_min = std::min(lse_min, want.lse[r]);
+      EXPECT_EQ(lse[r], static_cast<double>(static_cast<float>(want.lse[r]))) << r;  // the f32 rounding of the LSE
+      rounding = std::max(rounding, std::abs(lse[r] - want.lse[r]));
+    }
+    ASSERT_GT(lse_min, 4000.0);
+    ASSERT_GT(rounding, 2e-5);  // the case at hand: the written LSE is off by far more than 1e-7 of a P's worth
+    // row_target_mass by its definition (to its f32 rounding); the plain mass
+    // sum T~ m differs from it by exp(row_lse - LSE) - 1, up to ~2.4e-4.
+    EXPECT_LE(max_error(mass, target_mass_for_lse(want, lse), true, 1e-30), 1e-7);
+    EXPECT_GT(max_error(mass, want.mass, true, 1e-30), 1e-5);
+    // P and the loss carry no LSE rounding: f32 rounding alone.
+    EXPECT_LE(max_error(pr, want.p, true, 1e-30), 1e-7);
+    EXPECT_LE(rel_error(to_doubles(b.loss)[0], want.loss), 1e-7);
+    // The fp64 reference: the LSE unrounded, the sum of exp(z - LSE) 1 to its fp64 rounding.
+    const ReferenceKLForward ref = reference_kl_forward(forward_inputs(p), opt);
+    EXPECT_LE(max_error(ref.row_target_mass, want.mass, true, 1e-30), 1e-12);  // |LSE| 2^-53 ~ 5e-13
+    EXPECT_LE(max_error(ref.row_lse, want.lse, false), 1e-9);
   }
 }
 

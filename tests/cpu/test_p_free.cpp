@@ -1,13 +1,21 @@
 // The P-free form of the backward (row_lse and row_target_mass instead of
 // index_score) and the one-call loss and gradients, on the cpu backend: against
 // the P form fed the forward's P, BSHD/THD, local/global ids, invalid slots, H up
-// to 128; the validation of the two forms; the C ABI.
+// to 128; logits with a large common part (|LSE| ~ 4700) against the exact
+// gradients; the validation of the two forms and the cuda backend's key-row
+// limit; the C ABI.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <functional>
 #include <string>
+#include <tuple>
 
+#include "core/problem.hpp"
 #include "dsaib/dsaib.h"
 #include "dsaib/indexer_kl_loss_and_grad.hpp"
 #include "support/kl_forward_check.hpp"
@@ -129,6 +137,83 @@ std::string error_of(const std::function<void()>& fn) {
     return e.what();
   }
   return "";
+}
+
+/// The f32 row statistics of the forward with logits of a large common part
+/// (give_logits_a_common_part: z ~ 4700 at H 64, D 128; the f32 LSE is off by
+/// up to 2.4e-4, the same for every slot of a row, and the keys' and queries'
+/// common part turns that into an error of d_weights and d_index_q relative to
+/// their size ~(q.k) / (its spread over the keys) ~ 190 times larger). The
+/// P-free backward given those statistics against the exact gradients (the
+/// one-call function's fp64 path: the fp64 statistics, nothing rounded).
+TEST(PFree, LargeCommonLogitPartKeepsTheGradientsExact) {
+  for (Layout layout : {Layout::bshd, Layout::thd}) {
+    GeneratedProblem p = make_problem(spec_of(layout, 64, 128, 24, IdMode::local, 81));
+    give_logits_a_common_part(p, /*q_common=*/16, /*sm_scale_log2=*/-4, 81);
+    invalid_slots(p);
+    IndexerBackwardOptions opt = p.options();
+    opt.loss_coeff = 0.7f;
+    HostTensor loss(DType::f32, {});
+    OutputBuffers exact = make_outputs(p);
+    indexer_kl_loss_and_grad(forward_inputs(p),
+                             {loss.view(), exact.d_index_q.view(), exact.d_weights.view(), exact.d_index_k.view()}, opt);
+    ForwardBuffers f = make_forward_buffers(p);
+    indexer_kl_forward(forward_inputs(p), f.views(false), opt);
+    const std::vector<double> lse = to_doubles(f.row_lse);
+    ASSERT_GT(*std::max_element(lse.begin(), lse.end()), 4000.0);
+    OutputBuffers got = make_outputs(p);
+    indexer_backward(p_free_inputs(p, f), got.views(), opt);
+    for (auto [name, out, ref] : {std::tuple{"d_index_q", &got.d_index_q, &exact.d_index_q},
+                                  std::tuple{"d_weights", &got.d_weights, &exact.d_weights},
+                                  std::tuple{"d_index_k", &got.d_index_k, &exact.d_index_k}}) {
+      const ErrorStats e = compare(*out, to_doubles(*ref));
+      std::printf("[large LSE] %s %s %s\n", layout == Layout::thd ? "thd" : "bshd", name, e.str().c_str());
+      EXPECT_TRUE(e.ok(1e-5)) << name << " " << e.str();
+      EXPECT_LE(e.max_abs, 1e-4 * e.max_abs_ref) << name << " " << e.str();
+    }
+  }
+}
+
+/// The cuda backend's limit of 2^31 key rows is a validation rule: the
+/// validation behind every call and workspace query raises it (checked here on
+/// views of device memory that is never touched, so no GPU is needed).
+TEST(PFree, CudaKeyRowLimitIsAValidationRule) {
+  const int64_t rows = int64_t{1} << 31;
+  auto at = [](int64_t gib) { return reinterpret_cast<void*>(static_cast<uintptr_t>(gib) << 30); };
+  auto dev = [&](int64_t gib, DType t, std::initializer_list<int64_t> shape) {
+    return contiguous_view(at(gib), t, shape, DeviceType::cuda, 0);
+  };
+  IndexerBackwardInputs in{};
+  in.index_q = dev(1, DType::bf16, {1, 1, 8, 64});
+  in.weights = dev(2, DType::bf16, {1, 1, 8});
+  in.index_k = dev(1024, DType::bf16, {1, rows, 64});  // 256 GiB of addresses
+  in.topk_indices = dev(3, DType::i32, {1, 1, 1});
+  in.attn_score = dev(4, DType::f32, {1, 1, 1});
+  const IndexerBackwardOutputs grads{dev(5, DType::f32, {1, 1, 8, 64}), dev(6, DType::f32, {1, 1, 8}),
+                                     dev(2048, DType::f32, {1, rows, 64})};
+  IndexerBackwardOptions opt;
+  opt.backend = Backend::cuda;
+  const std::string want = "index_k: expected fewer than 2^31 key rows on the cuda backend, got 2147483648";
+  IndexerBackwardInputs p_form = in, p_free = in;
+  p_form.index_score = dev(7, DType::f32, {1, 1, 1});
+  p_free.row_lse = dev(8, DType::f32, {1, 1});
+  p_free.row_target_mass = dev(9, DType::f32, {1, 1});
+  EXPECT_EQ(error_of([&] { (void)detail::validate_problem(p_form, grads, opt); }), want);
+  EXPECT_EQ(error_of([&] { (void)detail::validate_problem(p_free, grads, opt); }), want);
+  const IndexerKLForwardOutputs fwd{dev(10, DType::f32, {}), dev(11, DType::f32, {1, 1}), dev(12, DType::f32, {1, 1}), {}};
+  EXPECT_EQ(error_of([&] { (void)detail::validate_kl_forward_problem(in, fwd, opt); }), want);
+  const IndexerKLLossAndGradOutputs one{dev(13, DType::f32, {}), grads.d_index_q, grads.d_weights, grads.d_index_k};
+  EXPECT_EQ(error_of([&] { (void)detail::validate_kl_loss_and_grad_problem(in, one, opt, nullptr, false); }), want);
+  // One key row fewer passes these rules.
+  in.index_k.shape[1] = rows - 1;
+  IndexerKLForwardOutputs fwd_ok = fwd;
+  EXPECT_EQ(error_of([&] { (void)detail::validate_kl_forward_problem(in, fwd_ok, opt); }), "");
+  // The cpu backend has no such limit (cpu views of the same sizes).
+  for (TensorView* v : {&in.index_q, &in.weights, &in.index_k, &in.topk_indices, &in.attn_score}) v->device = DeviceType::cpu;
+  for (TensorView* v : {&fwd_ok.loss, &fwd_ok.row_lse, &fwd_ok.row_target_mass}) v->device = DeviceType::cpu;
+  in.index_k.shape[1] = rows;
+  opt.backend = Backend::cpu;
+  EXPECT_EQ(error_of([&] { (void)detail::validate_kl_forward_problem(in, fwd_ok, opt); }), "");
 }
 
 TEST(PFree, ValidationNamesTheForms) {

@@ -2,14 +2,19 @@
 // one-call loss and gradients, and THD calls captured in CUDA graphs, on the
 // cuda backend: against the fp64 cpu reference of the same form (outputs
 // poisoned first, NaN never passes), H 8..128, D 64/128, BSHD/THD, invalid
-// slots; graph replays with a changed device grad_loss; bad cu_seqlens under
-// capture. SanitizedPFree.* run under compute-sanitizer (tests/sanitizer).
+// slots; logits with a large common part (|LSE| ~ 4700) against the exact
+// gradients; graph replays with a changed device grad_loss; bad cu_seqlens
+// under capture; the workspace queries' key-row limit. SanitizedPFree.* run
+// under compute-sanitizer (tests/sanitizer).
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <cstdint>
+#include <cstdio>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "dsaib/indexer_kl_forward.hpp"
@@ -251,6 +256,147 @@ TEST(PFreeGpu, ThdBackwardCapturesAndBadCuSeqlensGiveNaN) {
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
+}
+
+/// Logits with a large common part (give_logits_a_common_part: every z_i ~ 4700,
+/// or ~ 37, with a spread of a few units; z exact in f32): the cuda forward's
+/// row statistics into the cuda P-free backward, and the one-call function,
+/// against the exact gradients (the cpu one-call function: fp64 statistics,
+/// nothing rounded; f32 outputs). The f32 row_lse is off by up to 2.4e-4 at
+/// 4700, the same for every slot of a row; before the forward divided the
+/// target mass by the sum of exp(z - row_lse), that rounding put ~2-4e-2
+/// relative RMS error into d_weights here (3.6e-2 measured on the cpu backend;
+/// the kernels' own f32 sums are predicted to leave ~1e-5 to 6e-5). Bounds:
+/// relative RMS 3e-3 (bf16 outputs) / 1e-3 (f32), and the largest error 8e-3 /
+/// 4e-3 of the largest reference value; NaN fails. bf16 outputs are run with
+/// the two-term a operand: one bf16 term rounds each a_hi by up to 2^-9
+/// independently, and the keys' common part (half of every key row) adds up
+/// those errors in d_index_q — a limit of that operand (AOperandPrecision),
+/// not of the row statistics. H 128 and deterministic take the forward's P
+/// (the P pre-pass), which now carries no LSE rounding either.
+TEST(PFreeGpu, LargeCommonLogitPartAgainstExactGradients) {
+  SKIP_WITHOUT_GPU();
+  struct C {
+    std::string name;
+    Layout layout;
+    int64_t h, d, topk, s_q, s_kv;
+    int q_common, sm_scale_log2;
+    DType out;
+    bool deterministic;
+  };
+  const C cases[] = {{"bshd_h64_d128_z4700_f32", Layout::bshd, 64, 128, 256, 40, 300, 16, -4, DType::f32, false},
+                     {"bshd_h64_d128_z4700_bf16", Layout::bshd, 64, 128, 256, 40, 300, 16, -4, DType::bf16, false},
+                     {"thd_h64_d64_z4700_bf16", Layout::thd, 64, 64, 130, 40, 300, 32, -4, DType::bf16, false},
+                     {"bshd_h64_d128_topk2048_z4700_bf16", Layout::bshd, 64, 128, 2048, 8, 2100, 16, -4, DType::bf16,
+                      false},
+                     {"bshd_h64_d128_z37_f32", Layout::bshd, 64, 128, 256, 40, 300, 2, -8, DType::f32, false},
+                     {"thd_h128_d128_z4700_f32", Layout::thd, 128, 128, 160, 40, 300, 16, -5, DType::f32, false},
+                     {"bshd_h64_d128_z4700_deterministic_f32", Layout::bshd, 64, 128, 200, 40, 300, 16, -4, DType::f32,
+                      true}};
+  uint64_t seed = 301;
+  for (const C& c : cases) {
+    GenerateSpec spec = spec_of(c.layout, c.h, c.d, c.topk, seed);
+    spec.s_q = c.s_q;
+    spec.s_kv = c.s_kv;
+    GeneratedProblem p = make_problem(spec);
+    give_logits_a_common_part(p, c.q_common, c.sm_scale_log2, seed++);
+    invalid_slots(p);
+    IndexerBackwardOptions opt = p.options();
+    opt.loss_coeff = 0.8f;
+    opt.deterministic = c.deterministic;
+    opt.a_operand_precision = AOperandPrecision::bf16x2;
+    const double bound_rms = tol(c.out), bound_max = c.out == DType::bf16 ? 8e-3 : 4e-3;
+    // The exact gradients and loss.
+    HostTensor exact_loss(DType::f32, {});
+    OutputBuffers exact = make_outputs(p);
+    indexer_kl_loss_and_grad(forward_inputs(p), {exact_loss.view(), exact.d_index_q.view(), exact.d_weights.view(),
+                                                 exact.d_index_k.view()}, opt);
+    const double want_loss = reference_kl_forward(forward_inputs(p), opt).loss;
+    auto check = [&](const DeviceOutputs& got, const std::string& how) {
+      for (auto [name, out, ref] : {std::tuple{"d_index_q", &got.d_index_q, &exact.d_index_q},
+                                    std::tuple{"d_weights", &got.d_weights, &exact.d_weights},
+                                    std::tuple{"d_index_k", &got.d_index_k, &exact.d_index_k}}) {
+        const ErrorStats e = compare(out->to_host(), to_doubles(*ref));
+        std::printf("[p-free large LSE] %-38s %-8s %-9s rel RMS %.3g, max err / max ref %.3g\n", c.name.c_str(),
+                    how.c_str(), name, e.rel_rms, e.max_abs / e.max_abs_ref);
+        EXPECT_TRUE(e.ok(bound_rms)) << c.name << " " << how << " " << name << " " << e.str();
+        EXPECT_LE(e.max_abs, bound_max * e.max_abs_ref) << c.name << " " << how << " " << name << " " << e.str();
+      }
+    };
+    DeviceProblem d(p);
+    IndexerBackwardInputs in = d.inputs();
+    in.index_score = {};
+    IndexerBackwardOptions cuda_opt = opt;
+    cuda_opt.backend = Backend::cuda;
+    // The forward's statistics (poisoned first) into the P-free backward.
+    const std::vector<int64_t> rows = c.layout == Layout::thd ? std::vector<int64_t>{num_q_rows(p)}
+                                                              : std::vector<int64_t>{spec.batch, spec.s_q};
+    DeviceTensor loss(DType::f32, {}), lse(DType::f32, rows), mass(DType::f32, rows);
+    for (DeviceTensor* t : {&loss, &lse, &mass}) t->fill_bytes(0xff);
+    indexer_kl_forward(in, {loss.view, lse.view, mass.view, {}}, cuda_opt);
+    IndexerBackwardInputs p_free = in;
+    p_free.row_lse = lse.view;
+    p_free.row_target_mass = mass.view;
+    DeviceOutputs two(p, c.out, c.out, c.out);
+    two.poison();
+    indexer_backward(p_free, two.views(), cuda_opt);
+    check_cuda(cudaDeviceSynchronize(), "forward, then P-free backward");
+    const std::vector<double> got_lse = to_doubles(lse.to_host());
+    EXPECT_GT(*std::max_element(got_lse.begin(), got_lse.end()), c.q_common >= 16 ? 4000.0 : 30.0) << c.name;
+    check(two, "two-call");
+    // The one-call function (outputs and loss poisoned first).
+    OneCall one(p, opt, c.out);
+    one.set_grad_loss(1.0f, nullptr);
+    one.out.poison();
+    one.loss.fill_bytes(0xff);
+    one.run();
+    check_cuda(cudaDeviceSynchronize(), "one call");
+    const double got_loss = to_doubles(one.loss.to_host())[0];
+    EXPECT_LE(std::fabs(got_loss - want_loss), 1e-6 * std::fabs(want_loss)) << c.name << " " << got_loss << " vs " << want_loss;
+    check(one.out, "one-call");
+  }
+}
+
+/// The workspace queries raise the cuda backend's limit of 2^31 key rows, as
+/// indexer_backward() does (views of device memory that is never touched).
+TEST(PFreeGpu, WorkspaceQueriesRaiseTheKeyRowLimit) {
+  SKIP_WITHOUT_GPU();
+  const int64_t rows = int64_t{1} << 31;
+  auto dev = [](int64_t gib, DType t, std::initializer_list<int64_t> shape) {
+    return contiguous_view(reinterpret_cast<void*>(static_cast<uintptr_t>(gib) << 30), t, shape, DeviceType::cuda, 0);
+  };
+  IndexerBackwardInputs in{};
+  in.index_q = dev(1, DType::bf16, {1, 1, 8, 64});
+  in.weights = dev(2, DType::bf16, {1, 1, 8});
+  in.index_k = dev(1024, DType::bf16, {1, rows, 64});
+  in.topk_indices = dev(3, DType::i32, {1, 1, 1});
+  in.attn_score = dev(4, DType::f32, {1, 1, 1});
+  const IndexerBackwardOutputs grads{dev(5, DType::f32, {1, 1, 8, 64}), dev(6, DType::f32, {1, 1, 8}),
+                                     dev(2048, DType::f32, {1, rows, 64})};
+  IndexerBackwardOptions opt;
+  opt.backend = Backend::cuda;
+  const std::string want = "index_k: expected fewer than 2^31 key rows on the cuda backend, got 2147483648";
+  auto error_of = [](auto&& fn) -> std::string {
+    try {
+      fn();
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+      EXPECT_EQ(e.argument(), "index_k");
+      return e.what();
+    }
+    return "";
+  };
+  IndexerBackwardInputs p_form = in, p_free = in;
+  p_form.index_score = dev(7, DType::f32, {1, 1, 1});
+  p_free.row_lse = dev(8, DType::f32, {1, 1});
+  p_free.row_target_mass = dev(9, DType::f32, {1, 1});
+  EXPECT_EQ(error_of([&] { indexer_backward(p_form, grads, opt); }), want);
+  EXPECT_EQ(error_of([&] { (void)indexer_backward_workspace_size(p_form, grads, opt); }), want);
+  EXPECT_EQ(error_of([&] { (void)indexer_backward_workspace_size(p_free, grads, opt); }), want);
+  const IndexerKLForwardOutputs fwd{dev(10, DType::f32, {}), dev(11, DType::f32, {1, 1}), dev(12, DType::f32, {1, 1}), {}};
+  EXPECT_EQ(error_of([&] { (void)indexer_kl_forward_workspace_size(in, fwd, opt); }), want);
+  const IndexerKLLossAndGradOutputs one{dev(13, DType::f32, {}), grads.d_index_q, grads.d_weights, grads.d_index_k};
+  EXPECT_EQ(error_of([&] { (void)indexer_kl_loss_and_grad_workspace_size(in, one, opt); }), want);
 }
 
 // The sanitizer's cases of the P-free kernels: one and two a terms, D 64 and

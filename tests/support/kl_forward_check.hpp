@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
@@ -18,6 +20,7 @@ namespace dsaib::test {
 struct Fp64Forward {
   double loss = 0;
   std::vector<double> lse, mass, p;  // (rows), (rows), (rows, topk)
+  std::vector<double> z, t;          // (rows, topk): logits and T~ at valid slots, NaN at invalid ones
 };
 
 /// The forward in fp64 from the definition: a row's key rows come from
@@ -31,6 +34,8 @@ inline Fp64Forward fp64_forward(const GeneratedProblem& pr, const IndexerBackwar
   f.lse.assign(R, -inf);
   f.mass.assign(R, 0.0);
   f.p.assign(R * K, 0.0);
+  f.z.assign(R * K, std::numeric_limits<double>::quiet_NaN());
+  f.t.assign(R * K, std::numeric_limits<double>::quiet_NaN());
   double total = 0;
   std::vector<double> z(K);
   std::vector<int64_t> kr(K);
@@ -51,6 +56,8 @@ inline Fp64Forward fp64_forward(const GeneratedProblem& pr, const IndexerBackwar
         zi += w[r * H + h] * (x > 0 ? x : 0.0);
       }
       z[i] = static_cast<double>(opt.sm_scale) * zi;
+      f.z[r * K + i] = z[i];
+      f.t[r * K + i] = std::max(t[r * K + i], eps);
       zmax = any ? std::max(zmax, z[i]) : z[i];
       any = true;
     }
@@ -72,6 +79,77 @@ inline Fp64Forward fp64_forward(const GeneratedProblem& pr, const IndexerBackwar
   const int64_t n = opt.normalization_count > 0 ? opt.normalization_count : std::max<int64_t>(R, 1);
   f.loss = -(static_cast<double>(opt.loss_coeff) / static_cast<double>(n)) * total;
   return f;
+}
+
+/// row_target_mass by its definition for the LSE as written (`lse`, e.g. the
+/// f32 row_lse of a backend): with Pb_i = exp(z_i - lse) over the valid slots,
+/// sum_i T~_i [Pb_i >= eps] / sum_i Pb_i (0 in a row without a valid slot).
+inline std::vector<double> target_mass_for_lse(const Fp64Forward& f, const std::vector<double>& lse) {
+  const double eps = std::exp(-100.0);
+  const size_t R = f.lse.size(), K = R ? f.z.size() / R : 0;
+  std::vector<double> mass(R, 0.0);
+  for (size_t r = 0; r < R; ++r) {
+    double m = 0, c = 0;
+    for (size_t i = 0; i < K; ++i) {
+      if (std::isnan(f.t[r * K + i])) continue;  // invalid slot
+      const double pb = std::exp(f.z[r * K + i] - lse[r]);
+      c += pb;
+      if (pb >= eps) m += f.t[r * K + i];
+    }
+    mass[r] = c > 0 ? m / c : m;
+  }
+  return mass;
+}
+
+/// The same from a reference's exact LSE and target mass: sum_i exp(z_i - lse)
+/// = exp(LSE - lse) (the exact P sums to 1), so the mass times exp(lse - LSE).
+/// (The mask [Pb_i >= eps] can differ from the exact one only for a slot
+/// within |LSE - lse| of the clip, which the generated problems do not have.)
+inline std::vector<double> target_mass_for_lse(const std::vector<double>& ref_mass, const std::vector<double>& ref_lse,
+                                               const std::vector<double>& lse) {
+  std::vector<double> mass = ref_mass;
+  for (size_t r = 0; r < mass.size(); ++r) {
+    if (std::isfinite(ref_lse[r]) && std::isfinite(lse[r])) mass[r] *= std::exp(lse[r] - ref_lse[r]);
+  }
+  return mass;
+}
+
+/// Gives every logit of `p` a large common part with a small spread, the case
+/// in which the f32 LSE's rounding (|LSE| 2^-24, common to a row) matters.
+/// Keys: 1 on the first D/2 dims, -1/0/1 on the others. Each head's query:
+/// `q_common` (>= 2) on the first D/2 dims, -1/0/1 on the others. Weights 1/2,
+/// 1, 2 by head; sm_scale = 2^sm_scale_log2. So q.k = (D/2) q_common + O(sqrt D)
+/// > 0 (relu passes every head) and z_i ~ sm_scale (D/2) q_common sum_h w_h
+/// for every slot. Every value is a small integer times a power of two and
+/// every partial sum stays below 2^24 units of the smallest, so z is the same in
+/// f32 as in fp64 whatever the summation order: a backend's error against fp64
+/// is its own rounding after the logits. index_score is refreshed to these
+/// logits (the P form's input).
+inline void give_logits_a_common_part(GeneratedProblem& p, int q_common, int sm_scale_log2, uint64_t seed) {
+  const int64_t H = p.spec.heads, D = p.spec.head_dim, R = num_q_rows(p), Rk = num_k_rows(p);
+  uint64_t state = seed * 0x9E3779B97F4A7C15ull + 1;
+  auto ternary = [&] {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    return static_cast<float>(static_cast<int>((state >> 33) % 3) - 1);
+  };
+  auto bf16_bits = [](float f) {  // exact: these values have at most 8 significant bits
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    return static_cast<uint16_t>(u >> 16);
+  };
+  auto* q = p.index_q.data<uint16_t>();  // generated tensors are contiguous
+  for (int64_t e = 0; e < R * H * D; ++e) q[e] = bf16_bits(e % D < D / 2 ? static_cast<float>(q_common) : ternary());
+  auto* k = p.index_k.data<uint16_t>();
+  for (int64_t e = 0; e < Rk * D; ++e) k[e] = bf16_bits(e % D < D / 2 ? 1.0f : ternary());
+  const float w_of_head[3] = {0.5f, 1.0f, 2.0f};
+  for (int64_t e = 0; e < R * H; ++e) {
+    const float w = w_of_head[(e % H) % 3];
+    if (p.weights.dtype == DType::f32) p.weights.data<float>()[e] = w;
+    else p.weights.data<uint16_t>()[e] = bf16_bits(w);
+  }
+  p.sm_scale = std::ldexp(1.0f, sm_scale_log2);
+  p.spec.sm_scale = p.sm_scale;
+  refresh_index_score(p);
 }
 
 /// Host f32 outputs of the forward, shaped for a problem.
