@@ -1,6 +1,7 @@
 // The cuda attention target behind src/api/cuda_attention_target.hpp: one
 // persistent launch of attention_target_kernel (attention_target_consumer.cuh)
-// over the query rows, with the kernel for Hq rounded up to 64 or 128 heads.
+// over the query rows, with the kernel for Hq rounded up to 64 or 128 heads and
+// Dqk up to 192 or 576.
 // No host synchronisation; THD while capturing checks cu_seqlens on the device.
 #include <cuda_runtime.h>
 
@@ -16,11 +17,17 @@
 namespace dsaib::hopper {
 namespace {
 
-/// Calls f(AttentionTargetConfig<N>{}) with N = Hq rounded up to 64 or 128.
+/// Calls f(AttentionTargetConfig<N, slices>{}) with N = Hq rounded up to 64 or 128
+/// and slices = Dqk / 64 rounded up to 3 or 9.
 template <class F>
-void with_target_config(int64_t heads, F&& f) {
-  if (heads <= 64) f(AttentionTargetConfig<64>{});
-  else f(AttentionTargetConfig<128>{});
+void with_target_config(int64_t heads, int64_t head_dim, F&& f) {
+  if (head_dim <= 192) {
+    if (heads <= 64) f(AttentionTargetConfig<64, 3>{});
+    else f(AttentionTargetConfig<128, 3>{});
+  } else {
+    if (heads <= 64) f(AttentionTargetConfig<64, 9>{});
+    else f(AttentionTargetConfig<128, 9>{});
+  }
 }
 
 /// The persistent grid: min(rows, SMs x resident CTAs per SM).
@@ -113,7 +120,7 @@ void run_cuda_attention_target(const AttentionTargetInputs& in, const AttentionT
   hopper::DeviceGuard guard(device);
   cudaStream_t stream = static_cast<cudaStream_t>(opt.stream);
   int64_t grid = 0;
-  hopper::with_target_config(g.heads, [&](auto c) { grid = hopper::target_grid<decltype(c)>(g.num_q_rows, device); });
+  hopper::with_target_config(g.heads, g.head_dim, [&](auto c) { grid = hopper::target_grid<decltype(c)>(g.num_q_rows, device); });
   if (grid == 0) return;  // no query row: an empty output
   hopper::AttentionTargetParams params = hopper::make_target_params(in, out, opt, g);
   int32_t* buffer = nullptr;
@@ -125,7 +132,7 @@ void run_cuda_attention_target(const AttentionTargetInputs& in, const AttentionT
     params.in.cu_seqlens_q = static_cast<const int32_t*>(checked.cu_seqlens_q.data);
     params.in.cu_seqlens_k = static_cast<const int32_t*>(checked.cu_seqlens_k.data);
   }
-  hopper::with_target_config(g.heads, [&](auto c) {
+  hopper::with_target_config(g.heads, g.head_dim, [&](auto c) {
     using Config = decltype(c);
     hopper::attention_target_kernel<Config><<<static_cast<unsigned>(grid), Config::kThreads,
                                               hopper::attention_target_smem_bytes<Config>(), stream>>>(params);

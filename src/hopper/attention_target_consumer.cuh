@@ -32,6 +32,13 @@ __device__ inline void target_consumer_sync() {
   cutlass::arch::NamedBarrier::sync(Config::kConsumerThreads, static_cast<uint32_t>(NamedBarrierId::kTargetConsumerSync));
 }
 
+/// `st` moved on by n stages (the stages of the other consumer's blocks).
+template <int kStages>
+__device__ __forceinline__ PipelineState<kStages> advanced(PipelineState<kStages> st, uint32_t n) {
+  const uint32_t t = st.index + n;
+  return {t % kStages, st.phase ^ ((t / kStages) & 1u)};
+}
+
 template <class Config>
 struct AttentionTargetConsumer {
   using Storage = AttentionTargetStorage<Config>;
@@ -66,11 +73,12 @@ struct AttentionTargetConsumer {
     const int r0 = warp * 16 + lane / 4;
     const int c0 = 2 * (lane % 4);
 
-    uint32_t item_base = 0;  // (block, slice) stages of the earlier rows
-    uint32_t n = 0;
+    auto row_state = make_consumer_start_state<Config::kStagesK>();  // the row's first (block, slice) stage
+    auto q_state = make_consumer_start_state<Config::kStagesQ>();
+    uint32_t n = 0;  // rows so far
     for (int64_t row = blockIdx.x; row < p.num_tasks; row += gridDim.x, ++n) {
-      const int qs = static_cast<int>(n % Config::kStagesQ);
-      mbarrier_wait(&ss.q_full[qs], (n / Config::kStagesQ) & 1u, 2u);
+      const int qs = static_cast<int>(q_state.index);
+      mbarrier_wait(&ss.q_full[qs], q_state.phase, 2u);
       cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);  // Q copies (generic proxy) before wgmma reads
       const int num_blocks = ss.num_blocks[qs];
       float lse2[kN / 4];  // head c0 + 8 * (k / 2) + k % 2
@@ -79,12 +87,12 @@ struct AttentionTargetConsumer {
 
       float row_sum = 0.0f;
       for (int blk = consumer; blk < num_blocks; blk += Config::kConsumers) {
-        const uint32_t first_item = item_base + static_cast<uint32_t>(blk * ns);
+        auto st = advanced(row_state, static_cast<uint32_t>(blk * ns));
         int32_t slot0 = -1, slot1 = -1;
+        int prev = 0;  // the previous slice's stage
         for (int s = 0; s < ns; ++s) {
-          const uint32_t it = first_item + s;
-          const int ks = static_cast<int>(it % Config::kStagesK);
-          mbarrier_wait(&ss.k_full[ks], (it / Config::kStagesK) & 1u, 1u);
+          const int ks = static_cast<int>(st.index);
+          mbarrier_wait(&ss.k_full[ks], st.phase, 1u);
           cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);  // kv copies before wgmma reads
           if (s == 0) {
             slot0 = ss.key_slot[ks][r0];
@@ -101,11 +109,13 @@ struct AttentionTargetConsumer {
           warpgroup_commit_batch();
           warpgroup_fence_operand(acc);
           warpgroup_wait<1>();  // the previous slice's group has read its stage
-          if (s > 0) (void)cuda::ptx::mbarrier_arrive(&ss.k_empty[(it - 1) % Config::kStagesK]);
+          if (s > 0) (void)cuda::ptx::mbarrier_arrive(&ss.k_empty[prev]);
+          prev = ks;
+          st.advance();
         }
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc);
-        (void)cuda::ptx::mbarrier_arrive(&ss.k_empty[(first_item + ns - 1) % Config::kStagesK]);
+        (void)cuda::ptx::mbarrier_arrive(&ss.k_empty[prev]);
 
         // U of the thread's two keys: its columns (two partial sums each, fixed
         // order), then the quad (lanes with the same lane / 4 hold the same keys).
@@ -134,7 +144,8 @@ struct AttentionTargetConsumer {
         }
       }
       (void)cuda::ptx::mbarrier_arrive(&ss.q_empty[qs]);  // last wgmma on q[qs] waited for; lse2 / num_blocks read
-      item_base += static_cast<uint32_t>(num_blocks * ns);
+      row_state = advanced(row_state, static_cast<uint32_t>(num_blocks * ns));
+      q_state.advance();
       if (tp.normalize) final_pass(row, row_sum, n, consumer, ctid, lane, warp);
     }
   }

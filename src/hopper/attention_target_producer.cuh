@@ -94,18 +94,18 @@ struct AttentionTargetProducer {
     const int gather_key0 = (tid / 8) * kKeysPerThread;
     const int q_chunks_per_head = 8 * ns;
 
-    uint32_t item = 0;  // (block, slice) stages issued so far
-    uint32_t n = 0;     // rows so far
+    auto k_state = make_producer_start_state<Config::kStagesK>();
+    auto q_state = make_producer_start_state<Config::kStagesQ>();
     prefetch_q(blockIdx.x);
-    for (int64_t row = blockIdx.x; row < p.num_tasks; row += gridDim.x, ++n) {
+    for (int64_t row = blockIdx.x; row < p.num_tasks; row += gridDim.x) {
       prefetch_q(row + gridDim.x);
       const RowSequence seq = row_sequence(p, row);
       const int32_t* ids = p.topk_indices + batched_offset(row, p.q_rows_per_batch, p.ids_batch_stride, p.ids_row_stride);
       float* out = tp.attn_score + row * static_cast<int64_t>(p.topk);
 
       // ---- Q, lse2
-      const int qs = static_cast<int>(n % Config::kStagesQ);
-      mbarrier_wait(&ss.q_empty[qs], ((n / Config::kStagesQ) & 1u) ^ 1u, 2u);
+      const int qs = static_cast<int>(q_state.index);
+      mbarrier_wait(&ss.q_empty[qs], q_state.phase, 2u);
       const uint16_t* q_row = p.index_q + batched_offset(row, p.q_rows_per_batch, p.q_batch_stride, p.q_row_stride);
       for (int chunk = tid; chunk < kN * q_chunks_per_head; chunk += kThreads) {
         const int h = chunk / q_chunks_per_head, c = chunk % q_chunks_per_head;
@@ -145,6 +145,7 @@ struct AttentionTargetProducer {
       }
       if (tid == 0) ss.num_blocks[qs] = num_blocks;
       (void)cuda::ptx::mbarrier_arrive(&ss.q_full[qs]);  // lse2, num_blocks and the zeros above
+      q_state.advance();
 
       // ---- pass 2 per chunk: the list, then its blocks, one stage per slice
       for (int chunk0 = 0; chunk0 < p.topk; chunk0 += Config::kSlotChunk) {
@@ -175,9 +176,9 @@ struct AttentionTargetProducer {
             src[i] = valid[i] ? key_row_ptr(p, krs[i]) + gather_col : p.index_k;
           }
           const int32_t slot = tid < kBlock && first + tid < chunk_valid ? ss.slot_index[first + tid] : -1;
-          for (int s = 0; s < ns; ++s, ++item) {
-            const int ks = static_cast<int>(item % Config::kStagesK);
-            mbarrier_wait(&ss.k_empty[ks], ((item / Config::kStagesK) & 1u) ^ 1u, 1u);
+          for (int s = 0; s < ns; ++s) {
+            const int ks = static_cast<int>(k_state.index);
+            mbarrier_wait(&ss.k_empty[ks], k_state.phase, 1u);
             if (s == 0 && tid < kBlock) ss.key_slot[ks][tid] = slot;
 #pragma unroll
             for (int i = 0; i < kKeysPerThread; ++i) {
@@ -185,6 +186,7 @@ struct AttentionTargetProducer {
             }
             cp_async_arrive_noinc(&ss.k_full[ks]);
             (void)cuda::ptx::mbarrier_arrive(&ss.k_full[ks]);  // key_slot (slice 0)
+            k_state.advance();
           }
         }
         producer_sync<Config>();  // every thread is done reading the list

@@ -19,7 +19,7 @@
 
 namespace dsaib::hopper {
 
-template <int kHeadsPadded_>
+template <int kHeadsPadded_, int kMaxSlices_>
 struct AttentionTargetConfig {
   // wgmma N: Hq rounded up to 64 or 128. Padded heads have zero query rows and
   // lse2 = +inf, so they add exp2(-inf) = 0.
@@ -27,16 +27,24 @@ struct AttentionTargetConfig {
   static_assert(kHeadsPadded == 64 || kHeadsPadded == 128, "one n64 or n128 wgmma tile of heads");
   static constexpr int kBlockKeys = 64;  // wgmma M: keys per gathered block
   static constexpr int kSliceDims = 64;  // dims per stage: one 128-byte swizzle row per key
-  static constexpr int kMaxSlices = 9;   // Dqk up to 576
+  // Dqk up to kMaxSlices * 64: 3 (192, the small shape) or 9 (576, DeepSeek-V3.2's).
+  static constexpr int kMaxSlices = kMaxSlices_;
+  static_assert(kMaxSlices == 3 || kMaxSlices == 9, "Dqk up to 192 or 576");
   // Q of a row is the B operand of every block of the row, in shared memory for
-  // the whole row: 128 heads x 576 dims are 144 KiB, so one Q stage at 128
-  // heads, two at 64 (the next row's Q lands while this row's blocks run).
-  static constexpr int kStagesQ = kHeadsPadded <= 64 ? 2 : 1;
-  // (block, slice) stages of 8 KiB. The producer's copies complete on the
-  // stage's mbarrier (cp.async.mbarrier.arrive), so every free stage can have
-  // its copies in flight: 8 stages = 64 KiB, about 1.3 us of gather at the
-  // rate the GEMM needs at 128 x 576.
-  static constexpr int kStagesK = 8;
+  // the whole row; two Q stages (the next row's Q lands while this row's blocks
+  // run) where a stage is at most 96 KiB, else one (128 heads x 576 dims: 144 KiB).
+  static constexpr int kQStageBytes = kHeadsPadded * kSliceDims * kMaxSlices * 2;
+  static constexpr int kStagesQ = kQStageBytes <= 96 * 1024 ? 2 : 1;
+  // (block, slice) stages of 8 KiB in the rest of the 227 KiB (less ~16 KiB for the
+  // slot lists, per-stage slots and barriers), at most 16. The producer's copies
+  // complete on the stage's mbarrier (cp.async.mbarrier.arrive), so every free
+  // stage can have its copies in flight: at 128 x 576, 8 stages = 64 KiB, about
+  // 1.3 us of the gather rate the GEMM needs.
+  static constexpr int kStageBytes = kBlockKeys * kSliceDims * 2;
+  static constexpr int kStagesK = (216 * 1024 - kStagesQ * kQStageBytes) / (kStageBytes + 256) < 16
+                                      ? (216 * 1024 - kStagesQ * kQStageBytes) / (kStageBytes + 256)
+                                      : 16;
+  static_assert(kStagesK >= 4, "a pipeline of K stages");
 
   // Three roles of one warpgroup each: the producer (compaction, Q and kv
   // copies) and two consumers, which take the row's blocks alternately
