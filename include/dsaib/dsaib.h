@@ -165,6 +165,59 @@ dsaib_status dsaib_indexer_kl_loss_and_grad_workspace_size(const dsaib_inputs* i
 dsaib_status dsaib_indexer_kl_loss_and_grad(const dsaib_inputs* inputs, const dsaib_kl_loss_and_grad_outputs* outputs,
                                             const dsaib_options* options, void* workspace, size_t workspace_bytes);
 
+/* The attention target T (attn_score) from the main attention's tensors
+   (dsaib::attention_target in include/dsaib/attention_target.hpp and
+   docs/attention-target.md). Absent tensors: rank 0 and data NULL (cu_seqlens
+   for BSHD). */
+typedef enum dsaib_lse_base {
+  DSAIB_LSE_NATURAL = 0, /* lse = log sum exp(sm_scale * s) */
+  DSAIB_LSE_BASE2 = 1    /* lse = log2 sum exp2(sm_scale * log2(e) * s) (FlashMLA) */
+} dsaib_lse_base;
+
+/* query bf16 (B, S_q, Hq, Dqk) / (T_q, Hq, Dqk); kv bf16 (B, S_kv, Dqk) / (T_k, Dqk);
+   lse f32 (B, S_q, Hq) / (T_q, Hq), any strides; topk_indices i32 (B, S_q, topk) /
+   (T_q, topk); cu_seqlens_q/k i32 (B + 1) for THD. */
+typedef struct dsaib_attention_target_inputs {
+  dsaib_tensor query, kv, lse, topk_indices, cu_seqlens_q, cu_seqlens_k;
+} dsaib_attention_target_inputs;
+
+/* attn_score f32 (B, S_q, topk) / (T_q, topk), contiguous, disjoint from every input. */
+typedef struct dsaib_attention_target_outputs {
+  dsaib_tensor attn_score;
+} dsaib_attention_target_outputs;
+
+typedef struct dsaib_attention_target_options {
+  int32_t layout;   /* dsaib_layout */
+  int32_t id_mode;  /* dsaib_id_mode */
+  int32_t backend;  /* dsaib_backend */
+  float sm_scale;   /* the main attention's softmax scale */
+  int32_t lse_base; /* dsaib_lse_base */
+  int32_t normalize; /* 1: T = U / sum U per row; 0: U (tensor-parallel partial sums) */
+  int32_t strict_indices;
+  void* stream; /* cudaStream_t */
+  int32_t num_threads;
+} dsaib_attention_target_options;
+
+/* Fills *options with the C++ defaults (bshd, local ids, cpu, sm_scale 1,
+   natural lse, normalize 1). Always start from it (fields may be added at its end). */
+void dsaib_default_attention_target_options(dsaib_attention_target_options* options);
+
+/* *bytes = the scratch memory dsaib_attention_target needs on the backend's
+   device (0 on cpu). Validates like dsaib_attention_target; *bytes is written
+   only on DSAIB_OK. C++: dsaib::attention_target_workspace_size. */
+dsaib_status dsaib_attention_target_workspace_size(const dsaib_attention_target_inputs* inputs,
+                                                   const dsaib_attention_target_outputs* outputs,
+                                                   const dsaib_attention_target_options* options, size_t* bytes);
+
+/* Computes attn_score. Every check runs before it is written; inputs are never
+   modified. Statuses as for dsaib_indexer_backward (the cuda backend needs Hq
+   a multiple of 16 up to 128 and Dqk a multiple of 64 up to 576); workspace as
+   for dsaib_indexer_backward. cuda runs asynchronously on options->stream. */
+dsaib_status dsaib_attention_target(const dsaib_attention_target_inputs* inputs,
+                                    const dsaib_attention_target_outputs* outputs,
+                                    const dsaib_attention_target_options* options, void* workspace,
+                                    size_t workspace_bytes);
+
 /* Message of the last failure of a dsaib_status function on this thread: "" after such a call
  * succeeded (each of them sets it) or before any. Valid until the next such call on this thread. */
 const char* dsaib_last_error(void);

@@ -10,6 +10,8 @@ Two layers:
   the ``torch.ops.dsaib.indexer_backward`` custom op (torch.compile, CUDA
   graphs, current stream), :func:`dsaib.torch.indexer_kl_loss`, an autograd
   loss whose backward is that op, and the module :class:`dsaib.torch.IndexerKLLoss`.
+* :func:`attention_target`: the target ``T`` (attn_score) from the main
+  attention's own tensors (query, latent kv, lse; docs/attention-target.md).
 
 bf16 inputs
 -----------
@@ -53,6 +55,7 @@ __all__ = [
     "indexer_kl_forward",
     "indexer_kl_loss_and_grad",
     "indexer_kl_loss",
+    "attention_target",
     "cuda_backend_available",
     "cuda_compiled",
     "Buffer",
@@ -542,3 +545,87 @@ def indexer_kl_loss(
         normalization_count=normalization_count,
     )
 
+
+
+def attention_target(
+    query,
+    kv,
+    lse,
+    topk_indices,
+    *,
+    sm_scale: float,
+    lse_base: str = "natural",
+    normalize: bool = True,
+    layout: str = "bshd",
+    id_mode: str = "local",
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    out=None,
+    backend=None,
+    strict_indices: bool = False,
+    num_threads: int = 0,
+    stream=None,
+    uint16_as_bf16: bool = False,
+):
+    """The attention target ``T`` (attn_score) of the indexer loss from the main
+    attention's tensors (dsaib::attention_target, docs/attention-target.md).
+
+    For query row t and valid slot i with key row j::
+
+        U_i = sum_h exp(sm_scale * query[t, h] . kv[j] - lse[t, h])     (lse_base="natural")
+        U_i = sum_h exp2(sm_scale * log2(e) * query[t, h] . kv[j] - lse[t, h])   ("base2")
+        T_i = U_i / sum_i' U_i'    (normalize=True; a row whose sum is 0 gives 0)
+
+    and 0 at invalid slots (-1 or outside the row's sequence).
+
+    ============  ====================  ====================
+    argument      BSHD shape            THD shape
+    ============  ====================  ====================
+    query         (B, S_q, Hq, Dqk)     (T_q, Hq, Dqk)        bf16, contiguous
+    kv            (B, S_kv, Dqk)        (T_k, Dqk)            bf16, contiguous (one latent row per token)
+    lse           (B, S_q, Hq)          (T_q, Hq)             float32, any strides
+    topk_indices  (B, S_q, topk)        (T_q, topk)           int32, contiguous
+    ============  ====================  ====================
+
+    Args:
+      sm_scale: the main attention's softmax scale (multiplies query . kv).
+      lse_base: ``"natural"`` or ``"base2"`` (FlashMLA's lse): the base of lse.
+      normalize: False returns the unnormalised sums U, for a tensor-parallel
+        all-reduce over the head shards before dividing by each row's sum.
+      out: optional float32 array shaped like topk_indices to write into (returned).
+      backend, stream, num_threads, strict_indices, uint16_as_bf16, layout,
+      id_mode, cu_seqlens_q, cu_seqlens_k: as for :func:`indexer_backward`.
+        The cuda backend takes Hq a multiple of 16 up to 128 and Dqk a
+        multiple of 64 up to 576; the cpu backend (fp64) any sizes.
+
+    Returns:
+      attn_score, float32, shaped like topk_indices, in query's framework
+      (as :func:`indexer_backward` allocates).
+
+    Raises: as :func:`indexer_backward`, with the C++ library's messages.
+    """
+    _check_arrays(query=query, kv=kv, lse=lse, topk_indices=topk_indices, cu_seqlens_q=cu_seqlens_q,
+                  cu_seqlens_k=cu_seqlens_k)
+    options = dict(
+        layout=_option_str("layout", layout, '"bshd" or "thd"'),
+        id_mode=_option_str("id_mode", id_mode, '"local" or "global"'),
+        backend=None if backend is None else _option_str("backend", backend, '"cpu", "cuda" or None'),
+        sm_scale=_f32_value("sm_scale", sm_scale),
+        lse_base=_option_str("lse_base", lse_base, '"natural" or "base2"'),
+        normalize=_bool_value("normalize", normalize),
+        strict_indices=_bool_value("strict_indices", strict_indices),
+        num_threads=_num_threads(num_threads),
+        uint16_as_bf16=_bool_value("uint16_as_bf16", uint16_as_bf16),
+        grad_loss_tensor=None,
+    )
+    if out is not None:
+        _check_arrays(attn_score=out)
+    run = _Placement(query, options, stream)
+    options.pop("grad_loss_tensor")
+    allocated = out is None
+    if allocated:
+        out = run.alloc(_shape(topk_indices))
+    tensors = dict(query=query, kv=kv, lse=lse, topk_indices=topk_indices, cu_seqlens_q=cu_seqlens_q,
+                   cu_seqlens_k=cu_seqlens_k, attn_score=out)
+    return run.call(_dsaib.attention_target, _dsaib.attention_target_workspace_size, tensors, options, (out,),
+                    allocated, with_out_bit_patterns=False)[0]

@@ -15,6 +15,10 @@
   library call (``torch.ops.dsaib.indexer_kl_loss_and_grad``), for an indexer
   trained only by this loss; CUDA-graph capturable.
 * :class:`IndexerKLLoss`: the loss as an ``nn.Module``.
+* :func:`attention_target`: the target ``T`` from the main attention's own
+  tensors (``torch.ops.dsaib.attention_target``), and
+  :func:`indexer_kl_loss_and_grad_from_attention`: that target, then
+  :func:`indexer_kl_loss_and_grad`, from the tensors a DSA layer has.
 
 Determinism: under ``torch.use_deterministic_algorithms(True)`` the op runs
 the cuda backend's deterministic mode (``deterministic=True``: ``d_index_k``
@@ -48,7 +52,8 @@ from . import _dsaib
 from ._args import _a_operand, _f32_value, _float_or_inf, _normalization_count
 from ._frameworks import _export, _exported
 
-__all__ = ["indexer_backward", "indexer_kl_loss", "indexer_kl_loss_and_grad", "IndexerKLLoss", "index_scores", "EPS"]
+__all__ = ["indexer_backward", "indexer_kl_loss", "indexer_kl_loss_and_grad", "IndexerKLLoss", "index_scores",
+           "attention_target", "indexer_kl_loss_and_grad_from_attention", "EPS"]
 
 #: The clip of ``T`` and ``P`` in the loss: exp(-100).
 EPS = math.exp(-100.0)
@@ -755,3 +760,140 @@ class IndexerKLLoss(torch.nn.Module):
         return (f"sm_scale={self.sm_scale}, loss_coeff={self.loss_coeff}, "
                 f"normalization_count={self.normalization_count}, layout={self.layout}, id_mode={self.id_mode}, "
                 f"a_operand_precision={self.a_operand_precision}")
+
+
+# ---- the attention target ----------------------------------------------------
+
+
+@torch.library.custom_op("dsaib::attention_target", mutates_args=())
+def _attention_target_op(
+    query: torch.Tensor,
+    kv: torch.Tensor,
+    lse: torch.Tensor,
+    topk_indices: torch.Tensor,
+    cu_seqlens_q: Optional[torch.Tensor],
+    cu_seqlens_k: Optional[torch.Tensor],
+    sm_scale: float,
+    lse_base: str,
+    normalize: bool,
+    layout: str,
+    id_mode: str,
+) -> torch.Tensor:
+    """attn_score (float32, shaped like topk_indices) through dsaib::attention_target."""
+    dev = query.device
+    attn_score = query.new_empty(topk_indices.shape, dtype=torch.float32)
+    tensors = dict(query=query, kv=kv, lse=lse, topk_indices=topk_indices, cu_seqlens_q=cu_seqlens_q,
+                   cu_seqlens_k=cu_seqlens_k, attn_score=attn_score)
+    cuda = dev.type == "cuda"
+    options = dict(layout=layout, id_mode=id_mode, backend="cuda" if cuda else "cpu", sm_scale=float(sm_scale),
+                   lse_base=lse_base, normalize=bool(normalize), strict_indices=False,
+                   stream=int(torch.cuda.current_stream(dev).cuda_stream) if cuda else 0, num_threads=0)
+    _run_library(_dsaib.attention_target, _dsaib.attention_target_workspace_size, dev, tensors, options)
+    return attn_score
+
+
+@_attention_target_op.register_fake
+def _attention_target_fake(query, kv, lse, topk_indices, cu_seqlens_q, cu_seqlens_k, sm_scale, lse_base, normalize,
+                           layout, id_mode):
+    if lse_base not in ("natural", "base2"):
+        raise ValueError(f'lse_base: expected "natural" or "base2", got "{lse_base}"')
+    _check_same_device(query, kv=kv, lse=lse, topk_indices=topk_indices, cu_seqlens_q=cu_seqlens_q,
+                       cu_seqlens_k=cu_seqlens_k)
+    return query.new_empty(topk_indices.shape, dtype=torch.float32)
+
+
+def attention_target(
+    query: torch.Tensor,
+    kv: torch.Tensor,
+    lse: torch.Tensor,
+    topk_indices: torch.Tensor,
+    *,
+    sm_scale: float,
+    lse_base: str = "natural",
+    normalize: bool = True,
+    layout: str = "bshd",
+    id_mode: str = "local",
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """The indexer loss's target ``T`` (attn_score) from the main attention's
+    tensors, through ``torch.ops.dsaib.attention_target`` (dsaib::attention_target).
+
+    MLA in its absorbed form: ``query`` (B, S_q, Hq, Dqk) / (T_q, Hq, Dqk), one
+    latent key row per token ``kv`` (B, S_kv, Dqk) / (T_k, Dqk), and the main
+    attention's saved log-sum-exp ``lse`` (B, S_q, Hq) / (T_q, Hq), in natural
+    log or base 2 (``lse_base="base2"``: FlashMLA's). Per query row and valid
+    slot ``i`` with key row ``j``::
+
+        U_i = sum_h exp(sm_scale * query[t, h] . kv[j] - lse[t, h])
+        T_i = U_i / sum_i' U_i'        (normalize=True; 0 where the row's sum is 0)
+
+    0 at invalid slots. ``normalize=False`` returns U, for tensor parallelism
+    (heads split over ranks): all-reduce U over the ranks, then divide each row
+    by its sum. ``sm_scale`` is the main attention's softmax scale.
+
+    query and kv are taken as bf16 (other float dtypes are rounded to bf16),
+    lse as float32 (any strides), topk_indices as int32. CUDA tensors run the
+    sm_90a kernel on the current stream (Hq a multiple of 16 up to 128, Dqk a
+    multiple of 64 up to 576; no host synchronisation, CUDA-graph capturable),
+    CPU tensors the fp64 CPU backend. Returns a new float32 tensor shaped like
+    topk_indices; not differentiable (a target). Errors: TypeError/ValueError/
+    RuntimeError with the C++ library's messages.
+    """
+    for name, t in dict(query=query, kv=kv, lse=lse, topk_indices=topk_indices).items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if topk_indices.is_floating_point() or topk_indices.is_complex() or topk_indices.dtype == torch.bool:
+        raise TypeError(f"topk_indices: expected an integer dtype, got {topk_indices.dtype}")
+    with torch.no_grad():
+        q16 = query.to(torch.bfloat16).contiguous() if query.is_floating_point() else query
+        kv16 = kv.to(torch.bfloat16).contiguous() if kv.is_floating_point() else kv
+        lse32 = lse.to(torch.float32) if lse.is_floating_point() else lse  # strides kept when already float32
+        return torch.ops.dsaib.attention_target(
+            q16, kv16, lse32, topk_indices.to(torch.int32).contiguous(), cu_seqlens_q, cu_seqlens_k,
+            _f32_value("sm_scale", sm_scale), lse_base, bool(normalize), layout, id_mode)
+
+
+def indexer_kl_loss_and_grad_from_attention(
+    index_q: torch.Tensor,
+    weights: torch.Tensor,
+    index_k: torch.Tensor,
+    query: torch.Tensor,
+    kv: torch.Tensor,
+    lse: torch.Tensor,
+    topk_indices: torch.Tensor,
+    *,
+    sm_scale: float,
+    softmax_scale: float,
+    lse_base: str = "natural",
+    loss_coeff: float = 1.0,
+    grad_loss=1.0,
+    normalization_count: int = 0,
+    layout: str = "bshd",
+    id_mode: str = "local",
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+    a_operand_precision: str = "auto",
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss, d_index_q, d_weights, d_index_k)`` of the indexer KL loss from
+    the tensors a DSA layer has: the indexer's ``index_q``, ``weights``,
+    ``index_k``, the main attention's ``query``, latent ``kv`` and ``lse``, and
+    the selected ``topk_indices``.
+
+    :func:`attention_target` (normalised, with the main attention's
+    ``softmax_scale`` and ``lse_base``), then :func:`indexer_kl_loss_and_grad`
+    with the indexer's ``sm_scale`` on that target. Both run on the tensors'
+    device without a host synchronisation (CUDA: on the current stream), and
+    no (S_q, topk) tensor but the target exists. Arguments as those two
+    functions take them. With tensor parallelism over the main attention's
+    heads, call :func:`attention_target` with ``normalize=False`` per rank,
+    all-reduce, normalise, and pass the result to :func:`indexer_kl_loss_and_grad`.
+    """
+    attn_score = attention_target(query, kv, lse, topk_indices, sm_scale=softmax_scale, lse_base=lse_base,
+                                  normalize=True, layout=layout, id_mode=id_mode, cu_seqlens_q=cu_seqlens_q,
+                                  cu_seqlens_k=cu_seqlens_k)
+    return indexer_kl_loss_and_grad(index_q, weights, index_k, topk_indices, attn_score, sm_scale=sm_scale,
+                                    loss_coeff=loss_coeff, grad_loss=grad_loss,
+                                    normalization_count=normalization_count, layout=layout, id_mode=id_mode,
+                                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                    a_operand_precision=a_operand_precision)

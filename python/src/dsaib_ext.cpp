@@ -6,7 +6,8 @@
 // given as index_score, or the P-free form with row_lse and row_target_mass),
 // the loss forward (indexer_kl_forward), the loss and gradients in one call
 // (indexer_kl_loss_and_grad), each with its workspace size, the validation
-// alone (validate_indexer_kl_loss_inputs) and the fp64 loss. The Python layer
+// alone (validate_indexer_kl_loss_inputs), the fp64 loss, and the attention
+// target T from the main attention's tensors (attention_target). The Python layer
 // (python/dsaib/) allocates outputs with the inputs' framework; for other
 // producers it uses `empty`, which returns a Buffer: host or device memory
 // owned by this module, exported through DLPack. Sizes and argument rules are
@@ -49,6 +50,7 @@
 #include <cuda_runtime.h>
 #endif
 
+#include "dsaib/attention_target.hpp"
 #include "dsaib/error.hpp"
 #include "dsaib/indexer_backward.hpp"
 #include "dsaib/indexer_kl_forward.hpp"
@@ -86,10 +88,10 @@ std::string dtype_string(nb::dlpack::dtype dt) {
 /// The dtypes argument `name` takes, as the library's validation lists them
 /// (src/core/validate.cpp): "bf16", "bf16 or f32", "f32" or "i32".
 const char* expected_dtypes(const std::string& name) {
-  if (name == "index_q" || name == "index_k") return "bf16";
+  if (name == "index_q" || name == "index_k" || name == "query" || name == "kv") return "bf16";
   if (name == "weights" || name == "d_index_q" || name == "d_weights" || name == "d_index_k") return "bf16 or f32";
   if (name == "attn_score" || name == "index_score" || name == "grad_loss" || name == "row_lse" ||
-      name == "row_target_mass" || name == "loss")
+      name == "row_target_mass" || name == "loss" || name == "lse")
     return "f32";
   if (name == "topk_indices" || name == "cu_seqlens_q" || name == "cu_seqlens_k") return "i32";
   return "bf16, f32 or i32";
@@ -465,6 +467,43 @@ dsaib::IndexerKLLossAndGradOutputs make_loss_and_grad_outputs(const OutArray& lo
   return out;
 }
 
+dsaib::LseBase parse_lse_base_word(const std::string& s) {
+  dsaib::LseBase v = dsaib::LseBase::natural;
+  if (dsaib::parse_lse_base(s, &v)) return v;
+  throw dsaib::Error(dsaib::ErrorCode::invalid_argument, "lse_base",
+                     "lse_base: expected \"natural\" or \"base2\", got \"" + s + "\"");
+}
+
+/// attention_target()'s options from keyword arguments, as make_options does for the indexer's.
+dsaib::AttentionTargetOptions make_target_options(const nb::kwargs& kw) {
+  OptionReader r(kw);
+  dsaib::AttentionTargetOptions o;
+  if (r.given("layout")) o.layout = parse_layout(r.value<std::string>("layout"));
+  if (r.given("id_mode")) o.id_mode = parse_id_mode(r.value<std::string>("id_mode"));
+  if (r.given("backend")) o.backend = parse_backend(r.value<std::string>("backend"));
+  if (r.given("sm_scale")) o.sm_scale = r.value<float>("sm_scale");
+  if (r.given("lse_base")) o.lse_base = parse_lse_base_word(r.value<std::string>("lse_base"));
+  if (r.given("normalize")) o.normalize = r.value<bool>("normalize");
+  if (r.given("strict_indices")) o.strict_indices = r.value<bool>("strict_indices");
+  if (r.given("stream")) o.stream = reinterpret_cast<void*>(r.value<uintptr_t>("stream"));
+  if (r.given("num_threads")) o.num_threads = r.value<int32_t>("num_threads");
+  r.check_all_known();
+  return o;
+}
+
+dsaib::AttentionTargetInputs make_target_inputs(const Array& query, const Array& kv, const Array& lse,
+                                                const Array& topk_indices, const std::optional<Array>& cu_seqlens_q,
+                                                const std::optional<Array>& cu_seqlens_k, bool u16) {
+  dsaib::AttentionTargetInputs in;
+  in.query = to_view("query", query, u16);
+  in.kv = to_view("kv", kv, u16);
+  in.lse = to_view("lse", lse, u16);
+  in.topk_indices = to_view("topk_indices", topk_indices, u16);
+  in.cu_seqlens_q = opt_view("cu_seqlens_q", cu_seqlens_q, u16);
+  in.cu_seqlens_k = opt_view("cu_seqlens_k", cu_seqlens_k, u16);
+  return in;
+}
+
 /// The workspace argument of a library call: (pointer, bytes), after checking
 /// that it lives on the backend's device; (nullptr, 0) when none is given.
 std::pair<void*, std::size_t> workspace_of(const std::optional<OutArray>& workspace, const std::string& device) {
@@ -664,6 +703,43 @@ NB_MODULE(_dsaib, m) {
       nb::arg("uint16_as_bf16") = false, nb::arg("out_uint16_as_bf16") = false, nb::arg("options"),
       "dsaib::indexer_kl_loss_and_grad_workspace_size: the bytes of scratch memory indexer_kl_loss_and_grad\n"
       "needs with the same arguments (0 on the cpu backend). Validates them as that call does.");
+
+  m.def(
+      "attention_target",
+      [](const Array& query, const Array& kv, const Array& lse, const Array& topk_indices,
+         const std::optional<Array>& cu_seqlens_q, const std::optional<Array>& cu_seqlens_k,
+         const OutArray& attn_score, const std::optional<OutArray>& workspace, bool uint16_as_bf16,
+         const nb::kwargs& options) {
+        const auto in = make_target_inputs(query, kv, lse, topk_indices, cu_seqlens_q, cu_seqlens_k, uint16_as_bf16);
+        const dsaib::AttentionTargetOutputs out{to_view("attn_score", attn_score, false)};
+        const auto opt = make_target_options(options);
+        const auto [ws, ws_bytes] = workspace_of(workspace, backend_device(opt.backend, query));
+        nb::gil_scoped_release release;
+        dsaib::attention_target(in, out, opt, ws, ws_bytes);
+      },
+      nb::arg("query"), nb::arg("kv"), nb::arg("lse"), nb::arg("topk_indices"), nb::arg("cu_seqlens_q").none(),
+      nb::arg("cu_seqlens_k").none(), nb::arg("attn_score"), nb::arg("workspace").none() = nb::none(),
+      nb::arg("uint16_as_bf16") = false, nb::arg("options"),
+      "Calls dsaib::attention_target: writes attn_score (float32, shaped like topk_indices), the main\n"
+      "attention's probability of each selected key summed over its heads (normalised per row unless\n"
+      "normalize=False). Options: layout, id_mode, backend, sm_scale, lse_base (\"natural\" or \"base2\"),\n"
+      "normalize, strict_indices, stream, num_threads.");
+
+  m.def(
+      "attention_target_workspace_size",
+      [](const Array& query, const Array& kv, const Array& lse, const Array& topk_indices,
+         const std::optional<Array>& cu_seqlens_q, const std::optional<Array>& cu_seqlens_k,
+         const OutArray& attn_score, bool uint16_as_bf16, const nb::kwargs& options) {
+        const auto in = make_target_inputs(query, kv, lse, topk_indices, cu_seqlens_q, cu_seqlens_k, uint16_as_bf16);
+        const dsaib::AttentionTargetOutputs out{to_view("attn_score", attn_score, false)};
+        const auto opt = make_target_options(options);
+        nb::gil_scoped_release release;
+        return dsaib::attention_target_workspace_size(in, out, opt);
+      },
+      nb::arg("query"), nb::arg("kv"), nb::arg("lse"), nb::arg("topk_indices"), nb::arg("cu_seqlens_q").none(),
+      nb::arg("cu_seqlens_k").none(), nb::arg("attn_score"), nb::arg("uint16_as_bf16") = false, nb::arg("options"),
+      "dsaib::attention_target_workspace_size: the bytes of scratch memory attention_target needs with the\n"
+      "same arguments (0 on the cpu backend). Validates them as attention_target does.");
 
   m.def(
       "validate_indexer_kl_loss_inputs",

@@ -4,7 +4,9 @@
 #include <new>
 #include <string>
 
+#include "api/attention_target_problem.hpp"
 #include "api/cuda_backend.hpp"
+#include "dsaib/attention_target.hpp"
 #include "dsaib/indexer_backward.hpp"
 #include "dsaib/indexer_kl_forward.hpp"
 #include "dsaib/indexer_kl_loss_and_grad.hpp"
@@ -32,6 +34,9 @@ static_assert(DSAIB_A_OPERAND_AUTOMATIC == static_cast<int>(dsaib::AOperandPreci
                   DSAIB_START_STAGGER_AUTOMATIC == static_cast<int>(dsaib::StartStagger::automatic) &&
                   DSAIB_START_STAGGER_OFF == static_cast<int>(dsaib::StartStagger::off),
               "the option enums of dsaib.h and indexer_backward.hpp must have the same values");
+static_assert(DSAIB_LSE_NATURAL == static_cast<int>(dsaib::LseBase::natural) &&
+                  DSAIB_LSE_BASE2 == static_cast<int>(dsaib::LseBase::base2),
+              "dsaib_lse_base (dsaib.h) and dsaib::LseBase (attention_target.hpp) must have the same values");
 
 thread_local std::string g_last_error;
 
@@ -149,6 +154,33 @@ void convert_loss_and_grad(const dsaib_inputs* in, const dsaib_kl_loss_and_grad_
   convert(in, &gradients, opt, i, g, p);
   check_enums(out->loss, "loss");
   o = {to_view(out->loss), g.d_index_q, g.d_weights, g.d_index_k};
+}
+
+/// convert() for the attention target: options (then the backend's
+/// availability), then the tensors' enum fields, as the other entries.
+void convert_target(const dsaib_attention_target_inputs* in, const dsaib_attention_target_outputs* out,
+                    const dsaib_attention_target_options* opt, dsaib::AttentionTargetInputs& i,
+                    dsaib::AttentionTargetOutputs& o, dsaib::AttentionTargetOptions& p) {
+  require(in, "inputs");
+  require(out, "outputs");
+  require(opt, "options");
+  p.layout = static_cast<dsaib::Layout>(opt->layout);
+  p.id_mode = static_cast<dsaib::IdMode>(opt->id_mode);
+  p.backend = static_cast<dsaib::Backend>(opt->backend);
+  p.sm_scale = opt->sm_scale;
+  p.lse_base = static_cast<dsaib::LseBase>(opt->lse_base);
+  p.normalize = opt->normalize != 0;
+  p.strict_indices = opt->strict_indices != 0;
+  p.stream = opt->stream;
+  p.num_threads = opt->num_threads;
+  dsaib::detail::check_attention_target_options_and_backend(p);
+  const dsaib_tensor* ts[] = {&in->query, &in->kv, &in->lse, &in->topk_indices, &out->attn_score,
+                              &in->cu_seqlens_q, &in->cu_seqlens_k};
+  const char* names[] = {"query", "kv", "lse", "topk_indices", "attn_score", "cu_seqlens_q", "cu_seqlens_k"};
+  for (int k = 0; k < 7; ++k) check_enums(*ts[k], names[k]);
+  i = {to_view(in->query),        to_view(in->kv),           to_view(in->lse),
+       to_view(in->topk_indices), to_view(in->cu_seqlens_q), to_view(in->cu_seqlens_k)};
+  o = {to_view(out->attn_score)};
 }
 
 }  // namespace
@@ -269,6 +301,46 @@ dsaib_status dsaib_indexer_kl_loss_and_grad(const dsaib_inputs* inputs, const ds
     dsaib::IndexerBackwardOptions p;
     convert_loss_and_grad(inputs, outputs, options, i, o, p);
     dsaib::indexer_kl_loss_and_grad(i, o, p, workspace, workspace_bytes);
+  });
+}
+
+void dsaib_default_attention_target_options(dsaib_attention_target_options* options) {
+  if (!options) return;
+  const dsaib::AttentionTargetOptions d;
+  options->layout = static_cast<int32_t>(d.layout);
+  options->id_mode = static_cast<int32_t>(d.id_mode);
+  options->backend = static_cast<int32_t>(d.backend);
+  options->sm_scale = d.sm_scale;
+  options->lse_base = static_cast<int32_t>(d.lse_base);
+  options->normalize = d.normalize ? 1 : 0;
+  options->strict_indices = d.strict_indices ? 1 : 0;
+  options->stream = d.stream;
+  options->num_threads = d.num_threads;
+}
+
+dsaib_status dsaib_attention_target_workspace_size(const dsaib_attention_target_inputs* inputs,
+                                                   const dsaib_attention_target_outputs* outputs,
+                                                   const dsaib_attention_target_options* options, size_t* bytes) {
+  return guarded([&] {
+    require(bytes, "bytes");
+    dsaib::AttentionTargetInputs i;
+    dsaib::AttentionTargetOutputs o;
+    dsaib::AttentionTargetOptions p;
+    convert_target(inputs, outputs, options, i, o, p);
+    *bytes = dsaib::attention_target_workspace_size(i, o, p);
+  });
+}
+
+dsaib_status dsaib_attention_target(const dsaib_attention_target_inputs* inputs,
+                                    const dsaib_attention_target_outputs* outputs,
+                                    const dsaib_attention_target_options* options, void* workspace,
+                                    size_t workspace_bytes) {
+  return guarded([&] {
+    dsaib::AttentionTargetInputs i;
+    dsaib::AttentionTargetOutputs o;
+    dsaib::AttentionTargetOptions p;
+    convert_target(inputs, outputs, options, i, o, p);
+    dsaib::attention_target(i, o, p, workspace, workspace_bytes);
   });
 }
 

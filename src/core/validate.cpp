@@ -11,28 +11,23 @@
 
 #include "core/allocation.hpp"
 #include "core/problem.hpp"
+#include "core/validate_rules.hpp"
 
 namespace dsaib::detail {
-namespace {
 
 [[noreturn]] void fail(const std::string& arg, const std::string& expected, const std::string& got) {
   throw Error(ErrorCode::invalid_argument, arg, arg + ": expected " + expected + ", got " + got);
 }
 
+namespace {
 std::string dtype_list(std::initializer_list<DType> dts) {
   std::string s;
   for (DType d : dts) s += (s.empty() ? "" : " or ") + std::string(dtype_name(d));
   return s;
 }
 
-struct TensorRule {
-  const char* name;
-  std::initializer_list<DType> dtypes;
-  int rank;
-};
+}  // namespace
 
-/// Checks presence, dtype, rank, non-negative sizes and strides, null and
-/// misaligned pointers, and the device.
 void check_tensor(const TensorView& v, const TensorRule& rule, DeviceType device, int device_index) {
   const std::string name = rule.name;
   if (!v.present()) fail(name, "a tensor", "nothing (absent)");
@@ -106,6 +101,7 @@ void check_shape(const TensorView& v, const char* name, std::initializer_list<in
   }
 }
 
+namespace {
 /// Byte range [lo, hi) covered by a view (empty views cover nothing).
 struct ByteRange {
   std::uintptr_t lo = 0, hi = 0;
@@ -117,6 +113,8 @@ ByteRange byte_range(const TensorView& v) {
   const auto lo = reinterpret_cast<std::uintptr_t>(v.data);
   return {lo, lo + static_cast<std::uintptr_t>((last + 1) * dtype_size(v.dtype))};
 }
+}  // namespace
+
 bool overlaps(const TensorView& a, const TensorView& b) {
   const ByteRange ra = byte_range(a), rb = byte_range(b);
   if (ra.lo == ra.hi || rb.lo == rb.hi) return false;
@@ -131,6 +129,7 @@ void check_finite(float v, const char* name) {
   }
 }
 
+namespace {
 /// Host memory for `n` values of T; a failed allocation is an out_of_memory
 /// error that names `name` and says how many `what` it wanted (never a
 /// std::bad_alloc).
@@ -205,6 +204,146 @@ void check_options(const IndexerBackwardOptions& opt) {
   }
   if (opt.backend != Backend::cpu && opt.backend != Backend::cuda) {
     fail("backend", "cpu or cuda", std::to_string(static_cast<int>(opt.backend)));
+  }
+}
+
+void resolve_sequences(ProblemGeometry& g, const TensorView& cu_q, const TensorView& cu_k, bool strict_indices,
+                       CopyToHost copy, void* stream, bool stream_capturing, const char* q_total_name,
+                       const char* k_total_name) {
+  if (g.layout == Layout::thd) {
+    if (cu_q.shape[0] < 1) fail("cu_seqlens_q", "length B + 1 >= 1", "length 0");
+    if (cu_k.shape[0] != cu_q.shape[0]) {
+      fail("cu_seqlens_k", "length B + 1 = " + std::to_string(cu_q.shape[0]) + " (that of cu_seqlens_q)",
+           "length " + std::to_string(cu_k.shape[0]));
+    }
+    if (stream_capturing && copy) {
+      // No host copy inside a capture: the backend checks them on the device.
+      if (strict_indices) {
+        fail("strict_indices", "false while options.stream captures a CUDA graph (strict mode reads topk_indices on the host)",
+             "true");
+      }
+      g.cu_seqlens_on_device_only = true;
+      g.batch = cu_q.shape[0] - 1;
+      g.q_start = {0};
+      g.q_len = {g.num_q_rows};
+      g.k_start = {0};
+      g.k_len = {g.num_k_rows};
+      g.seq_of_q_row.assign(static_cast<size_t>(g.num_q_rows), 0);
+      return;
+    }
+    const auto cq = read_cu_seqlens(cu_q, "cu_seqlens_q", copy, stream);
+    const auto ck = read_cu_seqlens(cu_k, "cu_seqlens_k", copy, stream);
+    check_cu_seqlens(cq, "cu_seqlens_q", g.num_q_rows, q_total_name);
+    check_cu_seqlens(ck, "cu_seqlens_k", g.num_k_rows, k_total_name);
+    g.batch = static_cast<int64_t>(cq.size()) - 1;
+    for (int64_t b = 0; b < g.batch; ++b) {
+      g.q_start.push_back(cq[b]);
+      g.q_len.push_back(cq[b + 1] - cq[b]);
+      g.k_start.push_back(ck[b]);
+      g.k_len.push_back(ck[b + 1] - ck[b]);
+    }
+  } else {
+    for (int64_t b = 0; b < g.batch; ++b) {
+      g.q_start.push_back(b * g.s_q);
+      g.q_len.push_back(g.s_q);
+      g.k_start.push_back(b * g.s_kv);
+      g.k_len.push_back(g.s_kv);
+    }
+  }
+  g.seq_of_q_row.resize(static_cast<size_t>(g.num_q_rows));
+  for (int64_t b = 0; b < g.batch; ++b) {
+    for (int64_t t = 0; t < g.q_len[b]; ++t) g.seq_of_q_row[g.q_start[b] + t] = static_cast<int32_t>(b);
+  }
+}
+
+void check_strict_ids(const TensorView& ids, const ProblemGeometry& g, CopyToHost copy, void* stream) {
+  const int64_t K = g.topk;
+  const int64_t slot_stride = ids.strides[g.layout == Layout::thd ? 1 : 2];
+  // Host memory is read in place through the strides. Device memory is copied
+  // in one piece when its byte span is at most twice its ids' bytes plus 1 MiB
+  // (packed, padded or broadcast rows; the span lies within the view's bounding
+  // box), else as groups of evenly spaced rows, one pitched copy per group:
+  // THD's rows; BSHD's rows when the batches are evenly spaced too, else each
+  // batch's. Then only the rows are read, never the memory between them.
+  const int32_t* host = static_cast<const int32_t*>(ids.data);
+  std::vector<int32_t> copied;
+  // Where row (b, t)'s ids are in `host`: (multi ? b : 0) * group_elems +
+  // (multi ? t : row) * row_pitch + i * slot_stride; in place: row_offset.
+  bool grouped = false, multi = false;
+  int64_t group_elems = 0, row_pitch = 0;
+  if (copy && g.num_q_rows > 0) {
+    const int64_t span = static_cast<int64_t>(byte_range(ids).hi - byte_range(ids).lo);
+    const int64_t id_bytes = g.num_q_rows * g.topk * static_cast<int64_t>(sizeof(int32_t));
+    if (span <= 2 * id_bytes + (int64_t{1} << 20)) {
+      copied = host_int32(span / 4, "topk_indices");
+      copy(copied.data(), ids.data, static_cast<size_t>(span), static_cast<size_t>(span), 1, stream);
+    } else {
+      grouped = true;
+      int64_t rows = g.num_q_rows, pitch = 0, groups = 1, group_stride = 0;
+      if (g.layout == Layout::thd) {
+        pitch = ids.strides[0];
+      } else if (g.s_q == 1) {
+        pitch = ids.strides[0];
+      } else if (g.batch == 1 || ids.strides[0] == g.s_q * ids.strides[1]) {
+        pitch = ids.strides[1];
+      } else {
+        multi = true;
+        rows = g.s_q, pitch = ids.strides[1], groups = g.batch, group_stride = ids.strides[0];
+      }
+      const int64_t row_span = (K - 1) * slot_stride + 1;  // one row's elements, gaps between slots included
+      // Rows that do not overlap are copied pitched (row_span each); overlapping
+      // ones (pitch < row_span, e.g. stride 0) as the group's span, which is then
+      // no larger than its rows.
+      // (A pitch beyond cudaMemcpy2D's 2^31 - 1 bytes: one copy per row.)
+      const bool apart = pitch >= row_span;
+      const bool pitched = apart && pitch * 4 <= std::numeric_limits<int32_t>::max();
+      group_elems = apart ? rows * row_span : (rows - 1) * pitch + row_span;
+      row_pitch = apart ? row_span : pitch;
+      int64_t total = 0;  // overflows only with a slot stride above 1, which cuda refuses
+      if (__builtin_mul_overflow(groups, group_elems, &total)) total = std::numeric_limits<int64_t>::max();
+      copied = host_int32(total, "topk_indices");
+      const size_t row_bytes = static_cast<size_t>(row_span) * 4;
+      // Groups that are themselves evenly spaced, apart and within the pitch limit,
+      // each with its rows back to back or overlapping (its elements in
+      // group_elems): one pitched copy of all groups.
+      const bool groups_pitched = groups > 1 && (!apart || pitch == row_span) && group_stride >= group_elems &&
+                                  group_stride * 4 <= std::numeric_limits<int32_t>::max();
+      if (groups_pitched) {
+        copy(copied.data(), ids.data, static_cast<size_t>(group_elems) * 4,
+             static_cast<size_t>(group_stride) * 4, static_cast<size_t>(groups), stream);
+      }
+      for (int64_t gi = 0; gi < (groups_pitched ? 0 : groups); ++gi) {
+        const int32_t* src = static_cast<const int32_t*>(ids.data) + gi * group_stride;
+        int32_t* dst = copied.data() + gi * group_elems;
+        if (pitched) {
+          copy(dst, src, row_bytes, static_cast<size_t>(pitch) * 4, static_cast<size_t>(rows), stream);
+        } else if (apart) {
+          for (int64_t r = 0; r < rows; ++r) copy(dst + r * row_span, src + r * pitch, row_bytes, row_bytes, 1, stream);
+        } else {
+          const size_t bytes = static_cast<size_t>(group_elems) * 4;
+          copy(dst, src, bytes, bytes, 1, stream);
+        }
+      }
+    }
+    host = copied.data();
+  }
+  for (int64_t row = 0; row < g.num_q_rows; ++row) {
+    int64_t b, t;
+    g.q_row_coords(row, &b, &t);
+    const int64_t base = grouped ? (multi ? b * group_elems + t * row_pitch : row * row_pitch)
+                                 : row_offset(ids, g.layout, row, g.s_q);
+    for (int64_t i = 0; i < K; ++i) {
+      const int64_t id = host[base + i * slot_stride];
+      if (id != -1 && g.key_row(b, id) < 0) {
+        std::ostringstream s;
+        s << "topk_indices: strict mode found an out-of-range id at (b=" << b << ", t=" << t << ", slot=" << i
+          << "): expected -1 or an id in [";
+        if (g.id_mode == IdMode::local) s << "0, " << g.k_len[b];
+        else s << g.k_start[b] << ", " << g.k_start[b] + g.k_len[b];
+        s << ") (" << id_mode_name(g.id_mode) << " ids), got id " << id;
+        throw Error(ErrorCode::index_out_of_range, "topk_indices", s.str());
+      }
+    }
   }
 }
 
@@ -401,146 +540,14 @@ ProblemGeometry validate_problem_unguarded(const IndexerBackwardInputs& in, cons
   }
 
   // Sequences (the views were checked above).
-  if (thd) {
-    if (in.cu_seqlens_q.shape[0] < 1) fail("cu_seqlens_q", "length B + 1 >= 1", "length 0");
-    if (in.cu_seqlens_k.shape[0] != in.cu_seqlens_q.shape[0]) {
-      fail("cu_seqlens_k", "length B + 1 = " + std::to_string(in.cu_seqlens_q.shape[0]) + " (that of cu_seqlens_q)",
-           "length " + std::to_string(in.cu_seqlens_k.shape[0]));
-    }
-    if (stream_capturing && copy_to_host) {
-      // No host copy inside a capture: the backend checks them on the device.
-      if (opt.strict_indices) {
-        fail("strict_indices", "false while options.stream captures a CUDA graph (strict mode reads topk_indices on the host)",
-             "true");
-      }
-      g.cu_seqlens_on_device_only = true;
-      g.batch = in.cu_seqlens_q.shape[0] - 1;
-      g.q_start = {0};
-      g.q_len = {g.num_q_rows};
-      g.k_start = {0};
-      g.k_len = {g.num_k_rows};
-      g.seq_of_q_row.assign(static_cast<size_t>(g.num_q_rows), 0);
-      g.normalization_count = opt.normalization_count > 0 ? opt.normalization_count : std::max<int64_t>(g.num_q_rows, 1);
-      return g;
-    }
-    const auto cq = read_cu_seqlens(in.cu_seqlens_q, "cu_seqlens_q", copy_to_host, opt.stream);
-    const auto ck = read_cu_seqlens(in.cu_seqlens_k, "cu_seqlens_k", copy_to_host, opt.stream);
-    check_cu_seqlens(cq, "cu_seqlens_q", g.num_q_rows, "T_q (index_q dim 0)");
-    check_cu_seqlens(ck, "cu_seqlens_k", g.num_k_rows, "T_k (index_k dim 0)");
-    g.batch = static_cast<int64_t>(cq.size()) - 1;
-    for (int64_t b = 0; b < g.batch; ++b) {
-      g.q_start.push_back(cq[b]);
-      g.q_len.push_back(cq[b + 1] - cq[b]);
-      g.k_start.push_back(ck[b]);
-      g.k_len.push_back(ck[b + 1] - ck[b]);
-    }
-  } else {
-    for (int64_t b = 0; b < g.batch; ++b) {
-      g.q_start.push_back(b * g.s_q);
-      g.q_len.push_back(g.s_q);
-      g.k_start.push_back(b * g.s_kv);
-      g.k_len.push_back(g.s_kv);
-    }
-  }
-  g.seq_of_q_row.resize(static_cast<size_t>(g.num_q_rows));
-  for (int64_t b = 0; b < g.batch; ++b) {
-    for (int64_t t = 0; t < g.q_len[b]; ++t) g.seq_of_q_row[g.q_start[b] + t] = static_cast<int32_t>(b);
-  }
+  resolve_sequences(g, in.cu_seqlens_q, in.cu_seqlens_k, opt.strict_indices, copy_to_host, opt.stream, stream_capturing,
+                    "T_q (index_q dim 0)", "T_k (index_k dim 0)");
   g.normalization_count = opt.normalization_count > 0 ? opt.normalization_count : std::max<int64_t>(g.num_q_rows, 1);
-
+  if (g.cu_seqlens_on_device_only) return g;
 
   // Strict ids: -1 marks an empty slot and is allowed; any other id outside
   // the row's sequence is reported.
-  if (opt.strict_indices) {
-    const TensorView& ids = in.topk_indices;
-    const int64_t slot_stride = ids.strides[thd ? 1 : 2];
-    // Host memory is read in place through the strides. Device memory is copied
-    // in one piece when its byte span is at most twice its ids' bytes plus 1 MiB
-    // (packed, padded or broadcast rows; the span lies within the view's bounding
-    // box), else as groups of evenly spaced rows, one pitched copy per group:
-    // THD's rows; BSHD's rows when the batches are evenly spaced too, else each
-    // batch's. Then only the rows are read, never the memory between them.
-    const int32_t* host = static_cast<const int32_t*>(ids.data);
-    std::vector<int32_t> copied;
-    // Where row (b, t)'s ids are in `host`: (multi ? b : 0) * group_elems +
-    // (multi ? t : row) * row_pitch + i * slot_stride; in place: row_offset.
-    bool grouped = false, multi = false;
-    int64_t group_elems = 0, row_pitch = 0;
-    if (copy_to_host && g.num_q_rows > 0) {
-      const int64_t span = static_cast<int64_t>(byte_range(ids).hi - byte_range(ids).lo);
-      const int64_t id_bytes = g.num_q_rows * K * static_cast<int64_t>(sizeof(int32_t));
-      if (span <= 2 * id_bytes + (int64_t{1} << 20)) {
-        copied = host_int32(span / 4, "topk_indices");
-        copy_to_host(copied.data(), ids.data, static_cast<size_t>(span), static_cast<size_t>(span), 1, opt.stream);
-      } else {
-        grouped = true;
-        int64_t rows = g.num_q_rows, pitch = 0, groups = 1, group_stride = 0;
-        if (thd) {
-          pitch = ids.strides[0];
-        } else if (g.s_q == 1) {
-          pitch = ids.strides[0];
-        } else if (g.batch == 1 || ids.strides[0] == g.s_q * ids.strides[1]) {
-          pitch = ids.strides[1];
-        } else {
-          multi = true;
-          rows = g.s_q, pitch = ids.strides[1], groups = g.batch, group_stride = ids.strides[0];
-        }
-        const int64_t row_span = (K - 1) * slot_stride + 1;  // one row's elements, gaps between slots included
-        // Rows that do not overlap are copied pitched (row_span each); overlapping
-        // ones (pitch < row_span, e.g. stride 0) as the group's span, which is then
-        // no larger than its rows.
-        // (A pitch beyond cudaMemcpy2D's 2^31 - 1 bytes: one copy per row.)
-        const bool apart = pitch >= row_span;
-        const bool pitched = apart && pitch * 4 <= std::numeric_limits<int32_t>::max();
-        group_elems = apart ? rows * row_span : (rows - 1) * pitch + row_span;
-        row_pitch = apart ? row_span : pitch;
-        int64_t total = 0;  // overflows only with a slot stride above 1, which cuda refuses
-        if (__builtin_mul_overflow(groups, group_elems, &total)) total = std::numeric_limits<int64_t>::max();
-        copied = host_int32(total, "topk_indices");
-        const size_t row_bytes = static_cast<size_t>(row_span) * 4;
-        // Groups that are themselves evenly spaced, apart and within the pitch limit,
-        // each with its rows back to back or overlapping (its elements in
-        // group_elems): one pitched copy of all groups.
-        const bool groups_pitched = groups > 1 && (!apart || pitch == row_span) && group_stride >= group_elems &&
-                                    group_stride * 4 <= std::numeric_limits<int32_t>::max();
-        if (groups_pitched) {
-          copy_to_host(copied.data(), ids.data, static_cast<size_t>(group_elems) * 4,
-                       static_cast<size_t>(group_stride) * 4, static_cast<size_t>(groups), opt.stream);
-        }
-        for (int64_t gi = 0; gi < (groups_pitched ? 0 : groups); ++gi) {
-          const int32_t* src = static_cast<const int32_t*>(ids.data) + gi * group_stride;
-          int32_t* dst = copied.data() + gi * group_elems;
-          if (pitched) {
-            copy_to_host(dst, src, row_bytes, static_cast<size_t>(pitch) * 4, static_cast<size_t>(rows), opt.stream);
-          } else if (apart) {
-            for (int64_t r = 0; r < rows; ++r) copy_to_host(dst + r * row_span, src + r * pitch, row_bytes, row_bytes, 1, opt.stream);
-          } else {
-            const size_t bytes = static_cast<size_t>(group_elems) * 4;
-            copy_to_host(dst, src, bytes, bytes, 1, opt.stream);
-          }
-        }
-      }
-      host = copied.data();
-    }
-    for (int64_t row = 0; row < g.num_q_rows; ++row) {
-      int64_t b, t;
-      g.q_row_coords(row, &b, &t);
-      const int64_t base = grouped ? (multi ? b * group_elems + t * row_pitch : row * row_pitch)
-                                   : row_offset(ids, g.layout, row, g.s_q);
-      for (int64_t i = 0; i < K; ++i) {
-        const int64_t id = host[base + i * slot_stride];
-        if (id != -1 && g.key_row(b, id) < 0) {
-          std::ostringstream s;
-          s << "topk_indices: strict mode found an out-of-range id at (b=" << b << ", t=" << t << ", slot=" << i
-            << "): expected -1 or an id in "
-            << (g.id_mode == IdMode::local ? "[0, " + std::to_string(g.k_len[b]) + ")"
-                                           : "[" + std::to_string(g.k_start[b]) + ", " + std::to_string(g.k_start[b] + g.k_len[b]) + ")")
-            << " (" << id_mode_name(g.id_mode) << " ids), got id " << id;
-          throw Error(ErrorCode::index_out_of_range, "topk_indices", s.str());
-        }
-      }
-    }
-  }
+  if (opt.strict_indices) check_strict_ids(in.topk_indices, g, copy_to_host, opt.stream);
   return g;
 }
 }  // namespace

@@ -8,7 +8,9 @@
 #include <string>
 #include <thread>
 
+#include "dsaib/attention_target.hpp"
 #include "dsaib/dsaib.h"
+#include "support/attention_target_check.hpp"
 #include "support/test_support.hpp"
 
 namespace dsaib::test {
@@ -219,6 +221,138 @@ TEST(CApi, LastErrorIsPerThread) {
   std::thread([&] { other = dsaib_last_error(); }).join();
   EXPECT_EQ(other, "");
   EXPECT_EQ(std::string(dsaib_last_error()), mine);
+}
+
+// ---------------------------------------------------------- attention target ---
+
+struct CTarget {
+  TargetProblem p;
+  HostTensor out;
+  dsaib_attention_target_inputs in;
+  dsaib_attention_target_outputs c_out;
+  dsaib_attention_target_options opt;
+  explicit CTarget(Layout layout) {
+    TargetSpec s;
+    s.layout = layout;
+    s.heads = 16;
+    s.head_dim = 192;
+    s.topk = 8;
+    s.lse_base = LseBase::base2;
+    s.q_lens = {3, 5};
+    s.k_lens = {4, 9};
+    s.seed = 72;
+    p = make_target_problem(s);
+    out = p.make_output();
+    poison(out);
+    const AttentionTargetInputs i = p.inputs();
+    in = {to_c(i.query), to_c(i.kv), to_c(i.lse), to_c(i.topk_indices), to_c(i.cu_seqlens_q), to_c(i.cu_seqlens_k)};
+    c_out = {to_c(out.view())};
+    dsaib_default_attention_target_options(&opt);
+    opt.layout = static_cast<int32_t>(layout);
+    opt.sm_scale = p.sm_scale;
+    opt.lse_base = DSAIB_LSE_BASE2;
+  }
+};
+
+TEST(CApi, AttentionTargetDefaultOptionsMatchCpp) {
+  dsaib_attention_target_options o;
+  std::memset(&o, 0x7f, sizeof o);
+  dsaib_default_attention_target_options(&o);
+  const AttentionTargetOptions d;
+  EXPECT_EQ(o.layout, DSAIB_BSHD);
+  EXPECT_EQ(o.id_mode, DSAIB_IDS_LOCAL);
+  EXPECT_EQ(o.backend, DSAIB_BACKEND_CPU);
+  EXPECT_EQ(o.sm_scale, d.sm_scale);
+  EXPECT_EQ(o.lse_base, DSAIB_LSE_NATURAL);
+  EXPECT_EQ(o.normalize, 1);
+  EXPECT_EQ(o.strict_indices, 0);
+  EXPECT_EQ(o.stream, nullptr);
+  EXPECT_EQ(o.num_threads, 0);
+  EXPECT_EQ(DSAIB_LSE_BASE2, static_cast<int>(LseBase::base2));
+  dsaib_default_attention_target_options(nullptr);  // tolerated
+}
+
+TEST(CApi, AttentionTargetMatchesCpp) {
+  for (Layout layout : {Layout::bshd, Layout::thd}) {
+    for (int normalize : {1, 0}) {
+      CTarget c(layout);
+      c.opt.normalize = normalize;
+      ASSERT_EQ(dsaib_attention_target(nullptr, &c.c_out, &c.opt, nullptr, 0), DSAIB_INVALID_ARGUMENT);
+      ASSERT_STRNE(dsaib_last_error(), "");
+      size_t bytes = 123;
+      ASSERT_EQ(dsaib_attention_target_workspace_size(&c.in, &c.c_out, &c.opt, &bytes), DSAIB_OK) << dsaib_last_error();
+      EXPECT_EQ(bytes, 0u);
+      ASSERT_EQ(dsaib_attention_target(&c.in, &c.c_out, &c.opt, nullptr, 0), DSAIB_OK) << dsaib_last_error();
+      EXPECT_STREQ(dsaib_last_error(), "");
+      HostTensor want = c.p.make_output();
+      attention_target(c.p.inputs(), {want.view()}, c.p.options(normalize != 0));
+      EXPECT_TRUE(bitwise_equal(want, c.out));
+      const std::vector<double> naive = naive_attention_target(c.p, normalize != 0);
+      EXPECT_TRUE(compare(c.out, naive).ok(1e-6)) << compare(c.out, naive).str();
+    }
+  }
+}
+
+TEST(CApi, AttentionTargetFailures) {
+  struct TargetFailure {
+    const char* name;
+    dsaib_status status;
+    const char* message_start;
+    void (*mutate)(CTarget&);
+  };
+  const TargetFailure failures[] = {
+      {"query dtype", DSAIB_INVALID_ARGUMENT, "query: expected dtype bf16, got dtype f32",
+       [](CTarget& c) { c.in.query.dtype = DSAIB_F32; }},
+      {"dtype enum", DSAIB_INVALID_ARGUMENT, "lse: expected dtype 0 (bf16), 1 (f32) or 2 (i32), got 9",
+       [](CTarget& c) { c.in.lse.dtype = 9; }},
+      {"rank enum", DSAIB_INVALID_ARGUMENT, "attn_score: expected rank 0..4, got 7",
+       [](CTarget& c) { c.c_out.attn_score.rank = 7; }},
+      {"device enum", DSAIB_INVALID_ARGUMENT, "kv: expected device 0 (cpu) or 1 (cuda), got 3",
+       [](CTarget& c) { c.in.kv.device = 3; }},
+      {"lse_base enum", DSAIB_INVALID_ARGUMENT, "lse_base: expected 0 (natural) or 1 (base2), got 2",
+       [](CTarget& c) { c.opt.lse_base = 2; }},
+      {"lse_base before a rank enum", DSAIB_INVALID_ARGUMENT, "lse_base: expected 0 (natural) or 1 (base2), got -1",
+       [](CTarget& c) {
+         c.opt.lse_base = -1;
+         c.in.query.rank = 9;
+       }},
+      {"lse shape", DSAIB_INVALID_ARGUMENT, "lse: expected shape", [](CTarget& c) { c.in.lse.shape[2] = 3; }},
+      {"sm_scale", DSAIB_INVALID_ARGUMENT, "sm_scale: expected a finite value, got",
+       [](CTarget& c) { c.opt.sm_scale = std::numeric_limits<float>::quiet_NaN(); }},
+      {"strict", DSAIB_INDEX_OUT_OF_RANGE, "topk_indices: strict mode found an out-of-range id",
+       [](CTarget& c) {
+         c.opt.strict_indices = 1;
+         c.p.ids()[5] = 1000;
+       }},
+      {"cuda before a dtype enum", DSAIB_BACKEND_UNAVAILABLE, "backend: expected cpu",
+       [](CTarget& c) {
+         c.opt.backend = DSAIB_BACKEND_CUDA;
+         c.in.kv.dtype = 9;
+       }},
+  };
+  for (const TargetFailure& f : failures) {
+    SCOPED_TRACE(f.name);
+    if (f.status == DSAIB_BACKEND_UNAVAILABLE && dsaib_cuda_backend_available()) continue;
+    CTarget c(Layout::bshd);
+    f.mutate(c);
+    const Snapshot out(c.out), q(c.p.query), kv(c.p.kv), lse(c.p.lse), ids(c.p.topk_indices);
+    EXPECT_EQ(dsaib_attention_target(&c.in, &c.c_out, &c.opt, nullptr, 0), f.status);
+    const std::string msg = dsaib_last_error();
+    EXPECT_EQ(msg.rfind(f.message_start, 0), 0u) << msg;
+    EXPECT_NE(msg.find("got"), std::string::npos) << msg;
+    size_t bytes = 7;
+    EXPECT_EQ(dsaib_attention_target_workspace_size(&c.in, &c.c_out, &c.opt, &bytes), f.status);
+    EXPECT_EQ(std::string(dsaib_last_error()), msg);
+    EXPECT_EQ(bytes, 7u);
+    EXPECT_TRUE(out.unchanged() && q.unchanged() && kv.unchanged() && lse.unchanged() && ids.unchanged());
+  }
+  CTarget c(Layout::thd);
+  EXPECT_EQ(dsaib_attention_target(&c.in, nullptr, &c.opt, nullptr, 0), DSAIB_INVALID_ARGUMENT);
+  EXPECT_STREQ(dsaib_last_error(), "outputs: expected a non-null pointer, got NULL");
+  EXPECT_EQ(dsaib_attention_target(&c.in, &c.c_out, nullptr, nullptr, 0), DSAIB_INVALID_ARGUMENT);
+  EXPECT_STREQ(dsaib_last_error(), "options: expected a non-null pointer, got NULL");
+  EXPECT_EQ(dsaib_attention_target_workspace_size(&c.in, &c.c_out, &c.opt, nullptr), DSAIB_INVALID_ARGUMENT);
+  EXPECT_STREQ(dsaib_last_error(), "bytes: expected a non-null pointer, got NULL");
 }
 
 TEST(CApi, CudaAvailabilityAgreesWithCpp) {
