@@ -134,6 +134,7 @@ void run_cuda_attention_target(const AttentionTargetInputs& in, const AttentionT
   }
   hopper::with_target_config(g.heads, g.head_dim, [&](auto c) {
     using Config = decltype(c);
+    params.u_in_smem = opt.normalize && g.topk <= Config::kSmemTopk;
     hopper::attention_target_kernel<Config><<<static_cast<unsigned>(grid), Config::kThreads,
                                               hopper::attention_target_smem_bytes<Config>(), stream>>>(params);
   });

@@ -131,7 +131,7 @@ struct AttentionTargetConsumer {
         u0 += __shfl_xor_sync(0xffffffffu, u0, 2);
         u1 += __shfl_xor_sync(0xffffffffu, u1, 2);
         if (lane % 4 == 0) {
-          float* out = tp.attn_score + row * static_cast<int64_t>(p.topk);
+          float* out = tp.u_in_smem ? ss.u_row[n & 1u] : tp.attn_score + row * static_cast<int64_t>(p.topk);
           // tail entries (slot -1) are zero-filled keys: their exp2 terms are not U
           if (slot0 >= 0) {
             out[slot0] = u0;
@@ -143,15 +143,24 @@ struct AttentionTargetConsumer {
           }
         }
       }
-      (void)cuda::ptx::mbarrier_arrive(&ss.q_empty[qs]);  // last wgmma on q[qs] waited for; lse2 / num_blocks read
       row_state = advanced(row_state, static_cast<uint32_t>(num_blocks * ns));
+      if (tp.u_in_smem) {
+        final_pass(row, row_sum, n, consumer, ctid, lane, warp, ss.u_row[n & 1u]);
+        (void)cuda::ptx::mbarrier_arrive(&ss.q_empty[qs]);  // and the final pass read u_row[n & 1]
+      } else {
+        (void)cuda::ptx::mbarrier_arrive(&ss.q_empty[qs]);  // last wgmma on q[qs] waited for; lse2 / num_blocks read
+        if (tp.normalize) {
+          final_pass(row, row_sum, n, consumer, ctid, lane, warp, tp.attn_score + row * static_cast<int64_t>(p.topk));
+        }
+      }
       q_state.advance();
-      if (tp.normalize) final_pass(row, row_sum, n, consumer, ctid, lane, warp);
     }
   }
 
-  /// T = U / sum U over the row (both consumers), +0 at the slots marked -0.
-  __device__ void final_pass(int64_t row, float row_sum, uint32_t n, int consumer, int ctid, int lane, int warp) {
+  /// T = U / sum U over the row (both consumers), +0 at the slots marked -0; U
+  /// read from `u` (the row in attn_score, or u_row in shared memory).
+  __device__ void final_pass(int64_t row, float row_sum, uint32_t n, int consumer, int ctid, int lane, int warp,
+                             const float* u) {
     const IndexerBackwardParams& p = tp.in;
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) row_sum += __shfl_xor_sync(0xffffffffu, row_sum, off);
@@ -172,7 +181,7 @@ struct AttentionTargetConsumer {
 #pragma unroll
       for (int j = 0; j < kFinalBatch; ++j) {
         const int i = base + j * Config::kConsumerThreads;
-        v[j] = i < p.topk ? out[i] : 0.0f;
+        v[j] = i < p.topk ? u[i] : 0.0f;
       }
 #pragma unroll
       for (int j = 0; j < kFinalBatch; ++j) {

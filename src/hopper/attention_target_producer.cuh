@@ -96,8 +96,9 @@ struct AttentionTargetProducer {
 
     auto k_state = make_producer_start_state<Config::kStagesK>();
     auto q_state = make_producer_start_state<Config::kStagesQ>();
+    uint32_t n = 0;  // rows so far (u_row's parity)
     prefetch_q(blockIdx.x);
-    for (int64_t row = blockIdx.x; row < p.num_tasks; row += gridDim.x) {
+    for (int64_t row = blockIdx.x; row < p.num_tasks; row += gridDim.x, ++n) {
       prefetch_q(row + gridDim.x);
       const RowSequence seq = row_sequence(p, row);
       const int32_t* ids = p.topk_indices + batched_offset(row, p.q_rows_per_batch, p.ids_batch_stride, p.ids_row_stride);
@@ -126,8 +127,11 @@ struct AttentionTargetProducer {
       }
 
       // ---- pass 1: the row's blocks (each chunk pads its last block); zeros at
-      //      invalid slots (-0.0 when the final pass normalises: its mark of them)
+      //      invalid slots (-0.0 when the final pass normalises: its mark of them),
+      //      in u_row when U stays in shared memory (after q_empty above: the
+      //      consumers' final pass of the row two back has read it)
       const float zero = tp.normalize ? -0.0f : 0.0f;
+      float* u_row = ss.u_row[n & 1u];
       int num_blocks = 0;
       for (int chunk0 = 0; chunk0 < p.topk; chunk0 += Config::kSlotChunk) {
         int32_t kr[kPerThread];
@@ -135,7 +139,10 @@ struct AttentionTargetProducer {
 #pragma unroll
         for (int j = 0; j < kPerThread; ++j) {
           const int i = chunk0 + tid + j * kThreads;
-          if (i < p.topk && kr[j] < 0) out[i] = zero;
+          if (i < p.topk && kr[j] < 0) {
+            if (tp.u_in_smem) u_row[i] = zero;
+            else out[i] = zero;
+          }
         }
         int pos[kPerThread];
         const int chunk_valid = slot_list_positions<kThreads, kPerThread>(kr, pos, ss.producer_scan_rows, tid,

@@ -35,15 +35,20 @@ struct AttentionTargetConfig {
   // run) where a stage is at most 96 KiB, else one (128 heads x 576 dims: 144 KiB).
   static constexpr int kQStageBytes = kHeadsPadded * kSliceDims * kMaxSlices * 2;
   static constexpr int kStagesQ = kQStageBytes <= 96 * 1024 ? 2 : 1;
+  // With normalize, a row's U waits for its sum. Where the Q stages leave room
+  // (at most 64 KiB of them), U stays in shared memory, two rows of up to
+  // kSmemTopk slots (the producer marks a row's invalid slots there while the
+  // consumers normalise the row before); else it goes to attn_score and the
+  // row's final pass reads it back from global memory.
+  static constexpr int kSmemTopk = kStagesQ * kQStageBytes <= 64 * 1024 ? 2048 : 0;
   // (block, slice) stages of 8 KiB in the rest of the 227 KiB (less ~16 KiB for the
   // slot lists, per-stage slots and barriers), at most 16. The producer's copies
   // complete on the stage's mbarrier (cp.async.mbarrier.arrive), so every free
   // stage can have its copies in flight: at 128 x 576, 8 stages = 64 KiB, about
   // 1.3 us of the gather rate the GEMM needs.
   static constexpr int kStageBytes = kBlockKeys * kSliceDims * 2;
-  static constexpr int kStagesK = (216 * 1024 - kStagesQ * kQStageBytes) / (kStageBytes + 256) < 16
-                                      ? (216 * 1024 - kStagesQ * kQStageBytes) / (kStageBytes + 256)
-                                      : 16;
+  static constexpr int kStageBudget = 216 * 1024 - kStagesQ * kQStageBytes - 2 * kSmemTopk * 4;
+  static constexpr int kStagesK = kStageBudget / (kStageBytes + 256) < 16 ? kStageBudget / (kStageBytes + 256) : 16;
   static_assert(kStagesK >= 4, "a pipeline of K stages");
 
   // Three roles of one warpgroup each: the producer (compaction, Q and kv
@@ -87,6 +92,7 @@ struct AttentionTargetParams {
   float scale2;              // sm_scale * log2(e)
   float lse_to_log2;         // log2(e) for a natural lse, 1 for base 2
   bool normalize;
+  bool u_in_smem;            // normalize and topk <= Config::kSmemTopk
   int32_t num_slices;        // Dqk / 64
   float* attn_score;         // (num_q_rows, topk) contiguous
 };
@@ -114,6 +120,12 @@ struct AttentionTargetStorage {
   //      row sums of U, by row parity (a row's are read after its barrier, the
   //      next row's are written after the next barrier's... so two rows' worth)
   float row_part[2][Config::kConsumers][Config::kThreadsPerWarpgroup / 32];
+  // ---- U of two rows by row parity (Config::kSmemTopk > 0, normalize, topk <= kSmemTopk):
+  //      the producer's -0 at invalid slots (published by q_full), the consumers' U at
+  //      valid slots (ordered for the final pass by kTargetConsumerSync); row n's buffer
+  //      is rewritten by the producer for row n + 2 after q_empty of row n, which the
+  //      consumers then arrive on after their final pass of row n
+  float u_row[2][Config::kSmemTopk > 0 ? Config::kSmemTopk : 1];
 
   // ---------------------------------------------------------------------------
   // k_full[s]   "stage s holds slice s' of a gathered block"
@@ -138,15 +150,17 @@ struct AttentionTargetStorage {
   //   arrive count : 2 * kProducerThreads (256): per producer thread one
   //                  cp.async.mbarrier.arrive.noinc (its Q copies landed) and one
   //                  mbarrier.arrive after its lse2 / num_blocks stores and its
-  //                  stores of the row's zeros at invalid slots of attn_score
+  //                  stores of the row's zeros at invalid slots (attn_score, or
+  //                  u_row when U stays in shared memory)
   //   waiters      : all 256 consumer threads, then fence.proxy.async.shared::cta
   //   publishes    : q[s] (every slice), lse2[s][*], num_blocks[s], and the row's
-  //                  attn_score zeros (global; the consumers' final pass reads them)
-  // q_empty[s]  "Q stage s may be overwritten"
+  //                  zeros (the consumers' final pass reads them)
+  // q_empty[s]  "Q stage s (and, U in shared memory, u_row of the row's parity) may be overwritten"
   //   arrive count : kConsumerThreads (256)
   //   who arrives  : every consumer thread after the warpgroup_wait<0> of its last
   //                  block of the row (or at once without a block) and its reads
-  //                  of lse2[s] / num_blocks[s] (at the row's start)
+  //                  of lse2[s] / num_blocks[s] (at the row's start); with U in
+  //                  shared memory, after its reads of u_row in the row's final pass
   //   waiters      : the 128 producer threads (producer phase, starts at 1)
   uint64_t q_full[kStagesQ];
   uint64_t q_empty[kStagesQ];
