@@ -183,6 +183,14 @@ struct AttentionTargetProducer {
             src[i] = valid[i] ? key_row_ptr(p, krs[i]) + gather_col : p.index_k;
           }
           const int32_t slot = tid < kBlock && first + tid < chunk_valid ? ss.slot_index[first + tid] : -1;
+          if constexpr (Config::kPrefetchBlocksAhead > 0) {
+            // The kv rows of the block kPrefetchBlocksAhead on (within the chunk's
+            // list) into the L2, one bulk prefetch per key row.
+            const int ahead = first + Config::kPrefetchBlocksAhead * kBlock + tid;
+            if (tid < kBlock && ahead < chunk_valid) {
+              prefetch_l2_bulk(key_row_ptr(p, ss.slot_key_row[ahead]), static_cast<uint32_t>(p.head_dim) * 2);
+            }
+          }
           for (int s = 0; s < ns; ++s) {
             const int ks = static_cast<int>(k_state.index);
             mbarrier_wait(&ss.k_empty[ks], k_state.phase, 1u);

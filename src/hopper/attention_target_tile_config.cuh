@@ -50,6 +50,9 @@ struct AttentionTargetConfig {
   static constexpr int kStageBudget = 216 * 1024 - kStagesQ * kQStageBytes - 2 * kSmemTopk * 4;
   static constexpr int kStagesK = kStageBudget / (kStageBytes + 256) < 16 ? kStageBudget / (kStageBytes + 256) : 16;
   static_assert(kStagesK >= 4, "a pipeline of K stages");
+  // The producer prefetches the kv rows of the block this many blocks ahead of
+  // the one it copies into the L2 (0: none).
+  static constexpr int kPrefetchBlocksAhead = 0;
 
   // Three roles of one warpgroup each: the producer (compaction, Q and kv
   // copies) and two consumers, which take the row's blocks alternately
