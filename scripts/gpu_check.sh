@@ -7,9 +7,10 @@
 #     --build                run `cmake --build DIR` first
 #     --only PART[,PART...]  run only these parts (names below)
 #     --skip-PART            skip one part: --skip-tests, --skip-sanitizer, --skip-cli,
-#                            --skip-bench, --skip-peers, --skip-forward-peers,
+#                            --skip-bench, --skip-target, --skip-peers, --skip-forward-peers,
 #                            --skip-target-peers, --skip-python
 #     --bench-args "ARGS"    more arguments for `dsa-indexer-bwd bench` (e.g. "--seq 16384 --ids random")
+#     --target-bench-args "ARGS"  more arguments for dsa-target-bench (e.g. "--seq 4096 --shapes 128x576")
 #     --peers-site DIR       a folder of peer packages to put first on sys.path (passed as --site)
 #     --tilelang-example DIR TileLang's example files (default .peers/tilelang_example, see "peers")
 #     --megatron-dir DIR     Megatron-Core's TileLang loss kernels (default .peers/megatron_tilelang,
@@ -55,6 +56,13 @@
 #              row and the ratio to that floor (xfloor); `dsa-indexer-bwd bench --help` states
 #              the floor's formula. The first prints the floor's micro-benchmarks at fixed
 #              table sizes (2 MiB to 512 MiB) for reference.
+#   target     B/tests/gpu/test_gpu_attention_target
+#              B/bench/dsa-target-bench --json O/target/bench.json [--target-bench-args]
+#              The attention target: its GPU tests against the fp64 reference (also in the
+#              tests part; here on their own, a skipped test failing the part), then its speed:
+#              per case (Hq x Dqk 128 x 576 and 64 x 192, topk 2048, S 4096 / 16384 / 65536,
+#              causal and random ids) ns per query row and the ratio to its floor, max(latent-key
+#              gather, GEMM at the target's shape), measured in the same run.
 #   peers      the same problem in other implementations, each one skipped with its reason
 #              when its packages are not installed (exit 77 and a JSON saying why):
 #                python3 bench/peers/cudnn_frontend_dsa.py --check --seq 4096,16384,65536 --ids causal,random
@@ -170,12 +178,13 @@ TARGET_SHAPES=128x576,64x192
 usage() { sed -n '2,/^$/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 die() { echo "gpu_check: $*" >&2; exit 2; }
 
-ALL_PARTS=(tests sanitizer cli bench peers forward-peers target-peers python)
+ALL_PARTS=(tests sanitizer cli bench target peers forward-peers target-peers python)
 declare -A run_part=()
 for p in "${ALL_PARTS[@]}"; do run_part[$p]=1; done
 build_dir=./build
 do_build=0
 bench_args=""
+target_bench_args=""
 peers_site=""
 tilelang_example=""
 megatron_dir=""
@@ -201,6 +210,7 @@ while (($#)); do
       [[ -n ${run_part[$p]+x} ]] || die "unknown option $1; the parts are: ${ALL_PARTS[*]}"
       run_part[$p]=0 ;;
     --bench-args) [[ $# -ge 2 ]] || die "--bench-args: expected a string of arguments"; bench_args=$2; shift ;;
+    --target-bench-args) [[ $# -ge 2 ]] || die "--target-bench-args: expected a string of arguments"; target_bench_args=$2; shift ;;
     --peers-site) [[ $# -ge 2 ]] || die "--peers-site: expected a folder"; peers_site=$2; shift ;;
     --tilelang-example) [[ $# -ge 2 ]] || die "--tilelang-example: expected a folder"; tilelang_example=$2; shift ;;
     --megatron-dir) [[ $# -ge 2 ]] || die "--megatron-dir: expected a folder"; megatron_dir=$2; shift ;;
@@ -276,9 +286,10 @@ for p in tests sanitizer cli bench peers python; do
   [[ ${run_part[$p]} == 1 ]] && need=(cli/dsa-indexer-bwd) && break
 done
 [[ ${run_part[tests]} == 1 || ${run_part[sanitizer]} == 1 ]] && need+=(tests/gpu/test_gpu_hopper tests/gpu/test_gpu_bench)
-[[ ${run_part[sanitizer]} == 1 ]] && need+=(tests/sanitizer_bin/test_gpu_hopper tests/sanitizer_bin/test_gpu_kl_forward tests/sanitizer_bin/sync_calibration)
+[[ ${run_part[sanitizer]} == 1 ]] && need+=(tests/sanitizer_bin/test_gpu_hopper tests/sanitizer_bin/test_gpu_kl_forward tests/sanitizer_bin/test_gpu_attention_target tests/sanitizer_bin/sync_calibration)
 [[ ${run_part[bench]} == 1 ]] && need+=(bench/dsa-floor-bench)
 [[ ${run_part[forward-peers]} == 1 ]] && need+=(bench/dsa-kl-forward-bench)
+[[ ${run_part[target]} == 1 ]] && need+=(tests/gpu/test_gpu_attention_target bench/dsa-target-bench)
 for f in "${need[@]}"; do
   [[ -x $build/$f ]] || cannot_run "$build/$f is missing: build the whole project (cmake --build $build, or pass --build)"
 done
@@ -430,6 +441,31 @@ part_bench() {
     record bench FAIL "dsa-indexer-bwd bench exit $rc ($(tail -1 "$d/bench_stderr.txt")); dsa-floor-bench exit $frc ($(tail -1 "$d/floor_stderr.txt"))"
   else
     record bench PASS "ns/row and ratio to the floor measured in the same run: $d/bench.txt, $d/bench.json"
+  fi
+}
+
+# ---------------------------------------------------------------- target
+part_target() {
+  local d=$out/target rc brc line
+  mkdir -p "$d"
+  banner "target: test_gpu_attention_target (the attention target against the fp64 reference)"
+  timeout 1200 "$build/tests/gpu/test_gpu_attention_target" >"$d/tests.txt" 2>&1
+  rc=$?
+  grep -E "^\[  (FAILED|SKIPPED) |^\[  PASSED|tests ran" "$d/tests.txt" | tail -n 20
+  line=$(grep -E "^\[==========\] [0-9]+ tests? from .* ran" "$d/tests.txt" | tail -1)
+  banner "target: dsa-target-bench (the attention target and its floor in one run) ${target_bench_args}"
+  # shellcheck disable=SC2086  # --target-bench-args is a list of flags
+  timeout 1800 "$build/bench/dsa-target-bench" --json "$d/bench.json" $target_bench_args >"$d/bench.txt" 2>"$d/bench_stderr.txt"
+  brc=$?
+  cat "$d/bench.txt"
+  if [[ $rc -ne 0 ]]; then
+    record target FAIL "test_gpu_attention_target exit $rc: $(grep -c '^\[  FAILED  \]' "$d/tests.txt") failed lines (see $d/tests.txt); dsa-target-bench exit $brc"
+  elif grep -q "^\[  SKIPPED \]" "$d/tests.txt"; then
+    record target FAIL "test_gpu_attention_target skipped tests (no visible sm_90 GPU? see $d/tests.txt)"
+  elif [[ $brc -ne 0 ]]; then
+    record target FAIL "GPU tests passed (${line}); dsa-target-bench exit $brc ($(tail -1 "$d/bench_stderr.txt"))"
+  else
+    record target PASS "GPU tests passed (${line}); ns/row and ratio to the floor: $d/bench.txt, $d/bench.json"
   fi
 }
 

@@ -100,18 +100,36 @@ const ScatterResult& fastest(const std::vector<ScatterResult>& results);
 /// data; a few entries checked against a host dot product.
 struct GemmResult {
   int m = 0, n = 0, k = 0;
+  int batch = 1;
   Stats t;
   double tflops = 0;
   bool check_ok = false;
   double max_rel_err = 0;
 };
 GemmResult measure_gemm(int size = 8192, int iters = 25, int warmup = 3);
+/// cuBLAS bf16 GEMM at a given shape, `batch` entries in one strided-batched call:
+/// entry b multiplies its own m x k operand (query rows of one token: Hq x Dqk) by one
+/// n x k operand shared by every entry (n keys), giving m x n (fp32 compute, bf16 out).
+/// The attention target's GEMM per query row is m = Hq, n = topk, k = Dqk: this is
+/// the tensor-core rate at that shape with no gather. A few entries are checked.
+GemmResult measure_gemm_batched(int m, int n, int k, int batch, int iters = 20, int warmup = 3);
 
-/// The key-gather micro-benchmark (the loss forward's floor): per query row of a
-/// (S, topk) id table, its valid slots' bf16 key rows (D*2 bytes each, from an (S, D)
-/// table: 16 MiB at S 65536 D128, resident in the L2) copied with cp.async into a
-/// shared-memory ring of 64-row blocks, as the forward's producer gathers them; one
-/// CTA of 128 threads per SM, 2, 4 and 6 blocks in flight per CTA. Ids: random
+/// Device data for the benchmarks, written on `stream` (a cudaStream_t):
+/// n bf16 values of magnitude [0.25, 1) with hashed signs (index and salt);
+void fill_device_bf16(void* data, uint64_t n, uint32_t salt, void* stream);
+/// n copies of `value`;
+void fill_device_f32(float* data, uint64_t n, float value, void* stream);
+/// the key-gather micro-benchmark's (seq, topk) ids (KeyGatherConfig: random or causal).
+void fill_device_gather_ids(int32_t* ids, int64_t seq, int64_t topk, bool causal, uint32_t seed, void* stream);
+
+/// The key-gather micro-benchmark (the loss forward's and the attention target's
+/// floor): per query row of a (S, topk) id table, its valid slots' bf16 key rows (D*2
+/// bytes each, from an (S, D) table: 16 MiB at S 65536 D128, resident in the L2)
+/// copied with cp.async into a shared-memory ring, as the producers gather them; one
+/// CTA of 128 threads per SM. D 64 and 128: 64-row blocks of whole rows, 2, 4 and 6
+/// blocks in flight per CTA; any other multiple of 64 up to 576 (the attention
+/// target's latent keys, e.g. 576 dims = 1152 B, 192 = 384 B): 8 KiB stages of 64
+/// keys x 64 dims, 4, 8 and 12 stages in flight. Ids: random
 /// (topk hashed keys of [0, S) per row) or causal (row t: min(t+1, topk) keys of
 /// [0, t], the rest -1). Each thread reads its slots' ids from global memory just
 /// before it issues their copies (the forward's producer reads 1024 slots' ids in
@@ -134,7 +152,7 @@ struct KeyGatherResult {
   double ns_per_row = 0;  // median launch time / S
   double tbps = 0;        // key bytes copied / median time, 1e12 B/s
 };
-/// One result per in-flight depth (2, 4, 6).
+/// One result per in-flight depth.
 std::vector<KeyGatherResult> measure_key_gather(const KeyGatherConfig& c);
 /// The depth with the lowest time (the forward's floor uses the best).
 const KeyGatherResult& fastest(const std::vector<KeyGatherResult>& results);

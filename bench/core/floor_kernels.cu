@@ -5,9 +5,13 @@
 //      registers; rate = bytes added / time. Each way is checked once: exact column sums.
 //   b. cuBLAS bf16 GEMM rate (cublasGemmEx, bf16 in/out, fp32 compute), a few entries
 //      checked against a host dot product of the same bf16 data.
-//   c. key gather (the loss forward's floor): per query row, its selected bf16 key rows
-//      (D*2 bytes each) copied with cp.async into a shared-memory ring of 64-row blocks,
-//      as the forward's producer does, ids read from a (S, topk) table.
+//   c. key gather (the loss forward's and the attention target's floor): per query row,
+//      its selected bf16 key rows (D*2 bytes each) copied with cp.async into a
+//      shared-memory ring, ids read from a (S, topk) table: 64-row blocks of whole rows
+//      at D 64 / 128 (the forward's producer), 64-row blocks of 64-dim slices for wider
+//      rows (the attention target's producer; D any multiple of 64 up to 576).
+//   d. cuBLAS bf16 GEMM rate at a given shape, batched (the attention target's per-row
+//      GEMM, Hq x topk x Dqk).
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -447,6 +451,77 @@ void launch_key_gather_depth(int in_flight, int grid, const void* keys, const in
   throw Error(ErrorCode::invalid_argument, "in_flight", "key gather: 2, 4 or 6 blocks in flight");
 }
 
+// Rows wider than 128 dims (the attention target's latent keys: 192 to 576 dims):
+// per block of 64 slots and per 64-dim slice one 8 KiB stage of a 16-stage ring;
+// thread t copies the 16-byte chunk t % 8 of keys 4 * (t / 8) .. + 3 of the slice
+// (a warp instruction covers 4 whole 128-byte key slices); every stage is one
+// cp.async group, and a thread waits until at most InFlight - 1 of its groups are
+// pending before it issues the next.
+constexpr int kWideGatherStages = 16;
+constexpr int kWideGatherStageBytes = kKeyGatherBlockRows * 64 * 2;  // 8 KiB
+constexpr int kWideGatherSmemBytes = kWideGatherStages * kWideGatherStageBytes;  // 128 KiB
+
+template <int InFlight>
+__global__ void __launch_bounds__(kKeyGatherThreads, 1)
+    key_gather_wide_kernel(const __nv_bfloat16* __restrict__ keys, const int32_t* __restrict__ ids, uint32_t seq,
+                           uint32_t topk, bool causal, uint32_t dim) {
+  static_assert(InFlight >= 1 && InFlight <= kWideGatherStages, "in-flight stages fit in the ring");
+  extern __shared__ __align__(128) uint8_t key_gather_smem[];
+  const int col = (threadIdx.x % 8) * 8, key0 = (threadIdx.x / 8) * 4;
+  const uint32_t slices = dim / 64;
+  uint32_t stage = 0;
+  for (uint32_t t = blockIdx.x; t < seq; t += gridDim.x) {
+    const uint32_t n = causal ? min(t + 1, topk) : topk;
+    const int32_t* row_ids = ids + static_cast<size_t>(t) * topk;
+    for (uint32_t first = 0; first < n; first += kKeyGatherBlockRows) {
+      const __nv_bfloat16* src[4];
+      bool valid[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint32_t slot = first + key0 + i;
+        valid[i] = slot < n;
+        src[i] = keys + static_cast<size_t>(valid[i] ? row_ids[slot] : 0) * dim + col;
+      }
+      for (uint32_t sl = 0; sl < slices; ++sl) {
+        uint8_t* dst = key_gather_smem + static_cast<size_t>(stage) * kWideGatherStageBytes;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst + ((key0 + i) * 64 + col) * 2));
+          asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src[i] + sl * 64),
+                       "r"(valid[i] ? 16 : 0)
+                       : "memory");
+        }
+        asm volatile("cp.async.commit_group;\n" ::: "memory");
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(InFlight - 1) : "memory");
+        stage = (stage + 1) % kWideGatherStages;
+      }
+    }
+  }
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+
+void set_wide_gather_smem() {
+  auto set = [](auto kernel) {
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kWideGatherSmemBytes),
+               "cudaFuncSetAttribute (wide key gather)");
+  };
+  set(key_gather_wide_kernel<4>);
+  set(key_gather_wide_kernel<8>);
+  set(key_gather_wide_kernel<12>);
+}
+
+void launch_wide_gather_depth(int in_flight, int grid, const void* keys, const int32_t* ids, uint32_t seq,
+                              uint32_t topk, bool causal, uint32_t dim, cudaStream_t s) {
+  auto k = static_cast<const __nv_bfloat16*>(keys);
+  switch (in_flight) {
+    case 4: key_gather_wide_kernel<4><<<grid, kKeyGatherThreads, kWideGatherSmemBytes, s>>>(k, ids, seq, topk, causal, dim); break;
+    case 8: key_gather_wide_kernel<8><<<grid, kKeyGatherThreads, kWideGatherSmemBytes, s>>>(k, ids, seq, topk, causal, dim); break;
+    case 12: key_gather_wide_kernel<12><<<grid, kKeyGatherThreads, kWideGatherSmemBytes, s>>>(k, ids, seq, topk, causal, dim); break;
+    default: throw Error(ErrorCode::invalid_argument, "in_flight", "wide key gather: 4, 8 or 12 stages in flight");
+  }
+  check_cuda(cudaGetLastError(), "wide key gather kernel launch");
+}
+
 // Random non-zero bf16: magnitude in [0.25, 1), random sign; reproducible on the host.
 __host__ __device__ inline float gemm_value(uint64_t i, uint32_t salt) {
   const uint32_t u = mix32(static_cast<uint32_t>(i) ^ mix32(static_cast<uint32_t>(i >> 32) + salt));
@@ -493,6 +568,12 @@ struct Cublas {
   }
 };
 
+__global__ void fill_f32_kernel(float* p, size_t n, float value) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x)
+    p[i] = value;
+}
+
 __global__ void spin_kernel(uint64_t ns) {
   const uint64_t t0 = cuda::ptx::get_sreg_globaltimer();
   while (cuda::ptx::get_sreg_globaltimer() - t0 < ns) __nanosleep(1000);
@@ -518,9 +599,11 @@ std::vector<ScatterResult> measure_scatter(const ScatterConfig& c, const std::ve
 
 std::vector<KeyGatherResult> measure_key_gather(const KeyGatherConfig& c) {
   if (c.iters < 1 || c.warmup < 0) throw Error(ErrorCode::invalid_argument, "iters", "iters >= 1, warmup >= 0");
-  if (c.dim != 64 && c.dim != 128) {
-    throw Error(ErrorCode::invalid_argument, "dim", "key gather: D 64 or 128, got " + std::to_string(c.dim));
+  if (c.dim < 64 || c.dim > 576 || c.dim % 64 != 0) {
+    throw Error(ErrorCode::invalid_argument, "dim",
+                "key gather: D a multiple of 64 from 64 to 576, got " + std::to_string(c.dim));
   }
+  const bool wide = c.dim != 64 && c.dim != 128;
   if (c.seq < 1 || c.topk < 1 || c.seq > (1ll << 31) - 1 || c.seq * c.topk > (1ll << 40)) {
     throw Error(ErrorCode::invalid_argument, "seq", "key gather: 1 <= seq < 2^31, 1 <= topk, seq*topk <= 2^40");
   }
@@ -534,15 +617,19 @@ std::vector<KeyGatherResult> measure_key_gather(const KeyGatherConfig& c) {
   check_cuda(cudaGetLastError(), "fill kernel launch");
   key_gather_ids_kernel<<<1024, 256, 0, timer.stream>>>(ids.as<int32_t>(), seq, topk, c.causal, c.seed);
   check_cuda(cudaGetLastError(), "ids kernel launch");
-  if (c.dim == 64) set_key_gather_smem<64>();
+  if (wide) set_wide_gather_smem();
+  else if (c.dim == 64) set_key_gather_smem<64>();
   else set_key_gather_smem<128>();
   const int grid = static_cast<int>(std::min<int64_t>(sms, c.seq));
   double slots = 0;  // valid slots over all rows
   for (int64_t t = 0; t < c.seq; ++t) slots += static_cast<double>(c.causal ? std::min(t + 1, c.topk) : c.topk);
   std::vector<KeyGatherResult> out;
-  for (int in_flight : {2, 4, 6}) {
+  const std::vector<int> depths = wide ? std::vector<int>{4, 8, 12} : std::vector<int>{2, 4, 6};
+  for (int in_flight : depths) {
     auto launch = [&] {
-      if (c.dim == 64) launch_key_gather_depth<64>(in_flight, grid, keys.ptr, ids.as<int32_t>(), seq, topk, c.causal, timer.stream);
+      if (wide) launch_wide_gather_depth(in_flight, grid, keys.ptr, ids.as<int32_t>(), seq, topk, c.causal,
+                                         static_cast<uint32_t>(c.dim), timer.stream);
+      else if (c.dim == 64) launch_key_gather_depth<64>(in_flight, grid, keys.ptr, ids.as<int32_t>(), seq, topk, c.causal, timer.stream);
       else launch_key_gather_depth<128>(in_flight, grid, keys.ptr, ids.as<int32_t>(), seq, topk, c.causal, timer.stream);
     };
     for (int i = 0; i < c.warmup; ++i) launch();
@@ -624,6 +711,79 @@ GemmResult measure_gemm(int size, int iters, int warmup) {
   g.t = stats_of(ms);
   g.tflops = 2.0 * n * static_cast<double>(n) * n / (g.t.median_ms * 1e-3) / 1e12;
   return g;
+}
+
+GemmResult measure_gemm_batched(int m, int n, int k, int batch, int iters, int warmup) {
+  if (m < 1 || n < 1 || k < 1 || batch < 1 || iters < 1 || warmup < 0) {
+    throw Error(ErrorCode::invalid_argument, "gemm", "batched GEMM: m, n, k, batch >= 1, iters >= 1, warmup >= 0");
+  }
+  GemmResult g;
+  g.m = m, g.n = n, g.k = k, g.batch = batch;
+  // Per entry b: C_b (n x m, column-major: m columns of n) = B^T A_b with B (n keys x k)
+  // shared by every entry and A_b (m heads x k) its own: "TN" with the keys as cuBLAS's M.
+  const size_t a_elems = static_cast<size_t>(m) * k * batch, b_elems = static_cast<size_t>(n) * k;
+  const size_t c_elems = static_cast<size_t>(m) * n * batch;
+  DeviceBuffer A(a_elems * 2), B(b_elems * 2), C(c_elems * 2);
+  Timer timer;
+  const uint32_t salt_a = 0xA11CEu, salt_b = 0xB0Bu;
+  fill_bf16_kernel<<<1024, 256, 0, timer.stream>>>(A.as<__nv_bfloat16>(), a_elems, salt_a);
+  check_cuda(cudaGetLastError(), "fill kernel launch");
+  fill_bf16_kernel<<<1024, 256, 0, timer.stream>>>(B.as<__nv_bfloat16>(), b_elems, salt_b);
+  check_cuda(cudaGetLastError(), "fill kernel launch");
+  Cublas blas(timer.stream);
+  const float alpha = 1.0f, beta = 0.0f;
+  auto gemm = [&]() {
+    check_cublas(cublasGemmStridedBatchedEx(blas.h, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &alpha, B.ptr, CUDA_R_16BF, k, 0,
+                                            A.ptr, CUDA_R_16BF, k, static_cast<long long>(m) * k, &beta, C.ptr,
+                                            CUDA_R_16BF, n, static_cast<long long>(m) * n, batch, CUBLAS_COMPUTE_32F,
+                                            CUBLAS_GEMM_DEFAULT),
+                 "cublasGemmStridedBatchedEx");
+  };
+  gemm();
+  check_cuda(cudaStreamSynchronize(timer.stream), "batched GEMM check launch");
+  g.check_ok = true;
+  for (int p = 0; p < 8; ++p) {
+    const int key = static_cast<int>(mix32(17u * p + 1u) % static_cast<uint32_t>(n));
+    const int head = static_cast<int>(mix32(31u * p + 7u) % static_cast<uint32_t>(m));
+    const int b = p % 2 == 0 ? 0 : batch - 1;
+    double ref = 0, scale = 0;
+    for (int kk = 0; kk < k; ++kk) {
+      const double x = host_bf16_round(gemm_value((static_cast<uint64_t>(b) * m + head) * k + kk, salt_a));
+      const double y = host_bf16_round(gemm_value(static_cast<uint64_t>(key) * k + kk, salt_b));
+      ref += x * y;
+      scale += (x * y) * (x * y);
+    }
+    uint16_t got_bits = 0;
+    const size_t at = (static_cast<size_t>(b) * m + head) * n + key;
+    check_cuda(cudaMemcpy(&got_bits, C.as<__nv_bfloat16>() + at, 2, cudaMemcpyDeviceToHost), "cudaMemcpy D2H");
+    const double got = host_bf16_to_float(got_bits);
+    const double rel = std::fabs(got - ref) / std::max(std::fabs(ref), std::sqrt(scale));
+    g.max_rel_err = std::max(g.max_rel_err, rel);
+    if (!(rel <= 1e-2)) g.check_ok = false;
+  }
+  for (int i = 0; i < warmup; ++i) gemm();
+  check_cuda(cudaStreamSynchronize(timer.stream), "batched GEMM warm-up");
+  std::vector<float> ms;
+  for (int i = 0; i < iters; ++i) ms.push_back(timer.time(gemm));
+  g.t = stats_of(ms);
+  g.tflops = 2.0 * m * static_cast<double>(n) * k * batch / (g.t.median_ms * 1e-3) / 1e12;
+  return g;
+}
+
+void fill_device_bf16(void* p, uint64_t n, uint32_t salt, void* stream) {
+  fill_bf16_kernel<<<1024, 256, 0, static_cast<cudaStream_t>(stream)>>>(static_cast<__nv_bfloat16*>(p), n, salt);
+  check_cuda(cudaGetLastError(), "fill kernel launch");
+}
+
+void fill_device_f32(float* p, uint64_t n, float value, void* stream) {
+  fill_f32_kernel<<<1024, 256, 0, static_cast<cudaStream_t>(stream)>>>(p, n, value);
+  check_cuda(cudaGetLastError(), "fill kernel launch");
+}
+
+void fill_device_gather_ids(int32_t* ids, int64_t seq, int64_t topk, bool causal, uint32_t seed, void* stream) {
+  key_gather_ids_kernel<<<1024, 256, 0, static_cast<cudaStream_t>(stream)>>>(
+      ids, static_cast<uint32_t>(seq), static_cast<uint32_t>(topk), causal, seed);
+  check_cuda(cudaGetLastError(), "ids kernel launch");
 }
 
 }  // namespace dsaib::bench

@@ -11,6 +11,7 @@
 #include "api/cuda_backend.hpp"
 #include "api/cuda_kl_forward.hpp"
 #include "hopper/cuda_check.hpp"
+#include "hopper/device_cu_seqlens.hpp"
 #include "hopper/fixed_point_dk.hpp"
 #include "hopper/l2_policy.cuh"
 #include "hopper/launch.hpp"
@@ -429,9 +430,8 @@ TensorView rows_view(void* data, const ProblemGeometry& g, int device, std::init
   return contiguous_view(data, DType::f32, shape.data(), static_cast<int32_t>(shape.size()), DeviceType::cuda, device);
 }
 
-/// THD while capturing (ProblemGeometry::cu_seqlens_on_device_only): cu_seqlens
-/// are checked on the device into stream-ordered copies, which the kernels read
-/// instead; `*buffer` holds them and the flag (freed by finish_device_cu_seqlens).
+}  // namespace
+
 IndexerBackwardInputs check_device_cu_seqlens(const IndexerBackwardInputs& in, const ProblemGeometry& g,
                                               cudaStream_t stream, int32_t** buffer) {
   const int64_t n = in.cu_seqlens_q.shape[0];
@@ -449,7 +449,6 @@ IndexerBackwardInputs check_device_cu_seqlens(const IndexerBackwardInputs& in, c
   return checked;
 }
 
-/// NaN into the outputs when the device check found bad cu_seqlens, then frees its buffer.
 void finish_device_cu_seqlens(int32_t* buffer, int64_t n, std::initializer_list<const TensorView*> outputs,
                               cudaStream_t stream) {
   for (const TensorView* v : outputs) {
@@ -459,8 +458,6 @@ void finish_device_cu_seqlens(int32_t* buffer, int64_t n, std::initializer_list<
   }
   cuda_check(cudaFreeAsync(buffer, stream), "cudaFreeAsync (cu_seqlens check)");
 }
-
-}  // namespace
 
 std::size_t cuda_backward_workspace_bytes(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
                                           const IndexerBackwardOptions& opt, const ProblemGeometry& g) {

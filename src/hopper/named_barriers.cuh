@@ -17,6 +17,10 @@ enum class NamedBarrierId : uint32_t {
   /// The P-free backward's score warpgroup (score_mma.cuh, RecomputePConfig):
   /// the per-warp partial logits of a key block, then the block's gs, are complete.
   kRecomputePScoreSync = 3,
+  /// The attention target's two consumer warpgroups (attention_target_consumer.cuh):
+  /// a row's per-warp partial sums of U, and its unnormalised T in global memory,
+  /// are complete before the row's final pass reads them.
+  kTargetConsumerSync = 4,
 };
 
 template <class Config>

@@ -33,6 +33,7 @@
 
 #include "hopper/problem_device.cuh"
 #include "hopper/shared_storage.cuh"
+#include "hopper/slot_compaction.cuh"
 #include "hopper/start_stagger.hpp"
 
 namespace dsaib::hopper {
@@ -252,26 +253,10 @@ struct ProducerGather {
         // The list in slot order. Slot chunk0 + tid + j * kThreads goes to position
         //   (valid slots of rows j' < j) + (valid slots of threads < tid in row j),
         // row j being the kThreads slots chunk0 + j * kThreads + [0, kThreads).
-        const int lane = tid % 32, warp = tid / 32;
         int pos[kPerThread];
-        CUTE_UNROLL
-        for (int j = 0; j < kPerThread; ++j) {
-          const unsigned valid = __ballot_sync(0xffffffffu, s.key_row[j] >= 0);
-          pos[j] = __popc(valid & ((1u << lane) - 1u));
-          if (lane == 0) ss.producer_scan_rows[j][warp] = __popc(valid);
-        }
         // the previous chunk's list has been fully read (the barrier after its blocks)
-        producer_sync<Config>();
-        int chunk_valid = 0;
-        CUTE_UNROLL
-        for (int j = 0; j < kPerThread; ++j) {
-          CUTE_UNROLL
-          for (int w = 0; w < kWarps; ++w) {
-            const int n = ss.producer_scan_rows[j][w];
-            if (w == warp) pos[j] += chunk_valid;
-            chunk_valid += n;
-          }
-        }
+        const int chunk_valid = slot_list_positions<kThreads, kPerThread>(s.key_row, pos, ss.producer_scan_rows, tid,
+                                                                           [] { producer_sync<Config>(); });
         CUTE_UNROLL
         for (int j = 0; j < kPerThread; ++j) {
           if (s.key_row[j] >= 0) {

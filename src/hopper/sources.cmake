@@ -8,7 +8,8 @@ target_sources(dsaib PRIVATE
   ${CMAKE_CURRENT_SOURCE_DIR}/hopper/instantiate_recompute_p_d128.cu
   ${CMAKE_CURRENT_SOURCE_DIR}/hopper/fixed_point_dk.cu
   ${CMAKE_CURRENT_SOURCE_DIR}/hopper/reference_kernel.cu
-  ${CMAKE_CURRENT_SOURCE_DIR}/hopper/forward_backend.cu)
+  ${CMAKE_CURRENT_SOURCE_DIR}/hopper/forward_backend.cu
+  ${CMAKE_CURRENT_SOURCE_DIR}/hopper/attention_target_backend.cu)
 target_include_directories(dsaib PRIVATE ${DSAIB_CUTLASS_INCLUDE_DIR})
 target_compile_options(dsaib PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:${DSAIB_CUDA_FLAGS}>)
 target_link_libraries(dsaib PUBLIC CUDA::cudart)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sanitizer harness (label sanitizer). Runs the GPU tests of the Sanitized.*
 # suite (race-report shapes, DeepSeek shape, every tail case) of the backward
-# (test_gpu_hopper) and of the loss forward (test_gpu_kl_forward) under
+# (test_gpu_hopper), of the loss forward (test_gpu_kl_forward) and of the
+# attention target (test_gpu_attention_target) under
 # compute-sanitizer racecheck, synccheck, memcheck and initcheck, requiring zero
 # reports, and runs the negative controls of sync_calibration: the lane-0-alone
 # handoffs must be flagged, the all-lanes ones must be clean.
@@ -34,7 +35,7 @@ for mode in raw_lane0 war_lane0 raw_all war_all; do
   summary+=("control $mode: $hazards hazards, $verdict")
 done
 # ---- the kernels under every tool (a binary missing from BIN_DIR fails the check)
-for test_bin in test_gpu_hopper test_gpu_kl_forward; do
+for test_bin in test_gpu_hopper test_gpu_kl_forward test_gpu_attention_target; do
   for tool in "${tools[@]}"; do
     log="$logs/${test_bin}_$tool.log"
     extra=()
