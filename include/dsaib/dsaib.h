@@ -24,7 +24,8 @@ typedef enum dsaib_status {
   DSAIB_OUT_OF_MEMORY = 8
 } dsaib_status;
 
-typedef enum dsaib_dtype { DSAIB_BF16 = 0, DSAIB_F32 = 1, DSAIB_I32 = 2 } dsaib_dtype;
+/* DSAIB_F64: the cpu backend only (its outputs, and the float inputs docs/api.md lists). */
+typedef enum dsaib_dtype { DSAIB_BF16 = 0, DSAIB_F32 = 1, DSAIB_I32 = 2, DSAIB_F64 = 3 } dsaib_dtype;
 typedef enum dsaib_device { DSAIB_CPU = 0, DSAIB_CUDA = 1 } dsaib_device;
 typedef enum dsaib_layout { DSAIB_BSHD = 0, DSAIB_THD = 1 } dsaib_layout;
 typedef enum dsaib_id_mode { DSAIB_IDS_LOCAL = 0, DSAIB_IDS_GLOBAL = 1 } dsaib_id_mode;
