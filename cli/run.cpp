@@ -59,6 +59,7 @@ double element(const HostTensor& t, int64_t i) {
     case DType::bf16: return bf16_bits_to_double(t.data<uint16_t>()[i]);
     case DType::f32: return t.data<float>()[i];
     case DType::i32: return t.data<int32_t>()[i];
+    case DType::f64: return t.data<double>()[i];
   }
   return 0;
 }

@@ -40,7 +40,7 @@ bool parse_lse_base(const std::string& word, LseBase* out);  // false, *out unch
 /// |--------------|-------|----------------------|------------------|
 /// | query        | bf16  | (B, S_q, Hq, Dqk)    | (T_q, Hq, Dqk)   |
 /// | kv           | bf16  | (B, S_kv, Dqk)       | (T_k, Dqk)       |
-/// | lse          | f32   | (B, S_q, Hq)         | (T_q, Hq)        |
+/// | lse          | f32 (cpu: or f64) | (B, S_q, Hq) | (T_q, Hq)        |
 /// | topk_indices | int32 | (B, S_q, topk)       | (T_q, topk)      |
 /// | cu_seqlens_q/k | int32 | absent             | (B + 1)          |
 ///
@@ -55,7 +55,7 @@ struct AttentionTargetInputs {
   TensorView cu_seqlens_k;
 };
 
-/// attn_score: f32, (B, S_q, topk) / (T_q, topk), contiguous, disjoint from
+/// attn_score: f32 (cpu: or f64, unrounded), (B, S_q, topk) / (T_q, topk), contiguous, disjoint from
 /// every input. Every element is overwritten.
 struct AttentionTargetOutputs {
   TensorView attn_score;

@@ -24,7 +24,8 @@ typedef enum dsaib_status {
   DSAIB_OUT_OF_MEMORY = 8
 } dsaib_status;
 
-typedef enum dsaib_dtype { DSAIB_BF16 = 0, DSAIB_F32 = 1, DSAIB_I32 = 2 } dsaib_dtype;
+/* DSAIB_F64: the cpu backend only (its outputs, and the float inputs docs/api.md lists). */
+typedef enum dsaib_dtype { DSAIB_BF16 = 0, DSAIB_F32 = 1, DSAIB_I32 = 2, DSAIB_F64 = 3 } dsaib_dtype;
 typedef enum dsaib_device { DSAIB_CPU = 0, DSAIB_CUDA = 1 } dsaib_device;
 typedef enum dsaib_layout { DSAIB_BSHD = 0, DSAIB_THD = 1 } dsaib_layout;
 typedef enum dsaib_id_mode { DSAIB_IDS_LOCAL = 0, DSAIB_IDS_GLOBAL = 1 } dsaib_id_mode;
@@ -126,7 +127,7 @@ dsaib_status dsaib_indexer_backward_workspace_size(const dsaib_inputs* inputs, c
 dsaib_status dsaib_indexer_backward(const dsaib_inputs* inputs, const dsaib_outputs* outputs,
                                     const dsaib_options* options, void* workspace, size_t workspace_bytes);
 
-/* Outputs of dsaib_indexer_kl_forward, all f32 and contiguous: loss rank 0
+/* Outputs of dsaib_indexer_kl_forward, all f32 (cpu: or f64) and contiguous: loss rank 0
    (shape ()), row_lse and row_target_mass (B, S_q) / (T_q), index_score
    (B, S_q, topk) / (T_q, topk) or absent (P not written). */
 typedef struct dsaib_kl_forward_outputs {
@@ -146,7 +147,7 @@ dsaib_status dsaib_indexer_kl_forward_workspace_size(const dsaib_inputs* inputs,
 dsaib_status dsaib_indexer_kl_forward(const dsaib_inputs* inputs, const dsaib_kl_forward_outputs* outputs,
                                       const dsaib_options* options, void* workspace, size_t workspace_bytes);
 
-/* Outputs of dsaib_indexer_kl_loss_and_grad: loss (f32, rank 0) and the three
+/* Outputs of dsaib_indexer_kl_loss_and_grad: loss (f32, cpu: or f64; rank 0) and the three
    gradients as in dsaib_outputs. */
 typedef struct dsaib_kl_loss_and_grad_outputs {
   dsaib_tensor loss, d_index_q, d_weights, d_index_k;
@@ -181,7 +182,7 @@ typedef struct dsaib_attention_target_inputs {
   dsaib_tensor query, kv, lse, topk_indices, cu_seqlens_q, cu_seqlens_k;
 } dsaib_attention_target_inputs;
 
-/* attn_score f32 (B, S_q, topk) / (T_q, topk), contiguous, disjoint from every input. */
+/* attn_score f32 (cpu: or f64) (B, S_q, topk) / (T_q, topk), contiguous, disjoint from every input. */
 typedef struct dsaib_attention_target_outputs {
   dsaib_tensor attn_score;
 } dsaib_attention_target_outputs;

@@ -128,20 +128,21 @@ const char* start_stagger_name(StartStagger);
 /// Parses start_stagger_name's words; false (and *out unchanged) for anything else.
 bool parse_start_stagger(const std::string& word, StartStagger* out);
 
-/// Input tensors (never modified).
+/// Input tensors (never modified). "(cpu: or f64)": the cpu backend also takes
+/// f64 and reads it as it is; the cuda backend refuses f64, naming the tensor.
 ///
 /// | name          | BSHD shape        | THD shape     | dtype        |
 /// |---------------|-------------------|---------------|--------------|
 /// | index_q       | (B, S_q, H, D)    | (T_q, H, D)   | bf16         |
-/// | weights       | (B, S_q, H)       | (T_q, H)      | bf16 or f32  |
+/// | weights       | (B, S_q, H)       | (T_q, H)      | bf16 or f32 (cpu: or f64) |
 /// | index_k       | (B, S_kv, D)      | (T_k, D)      | bf16         |
 /// | topk_indices  | (B, S_q, topk)    | (T_q, topk)   | i32          |
-/// | attn_score    | (B, S_q, topk)    | (T_q, topk)   | f32 (target T)  |
-/// | index_score   | (B, S_q, topk)    | (T_q, topk)   | f32 (predict P) |
+/// | attn_score    | (B, S_q, topk)    | (T_q, topk)   | f32 (cpu: or f64) (target T)  |
+/// | index_score   | (B, S_q, topk)    | (T_q, topk)   | f32 (cpu: or f64) (predict P) |
 /// | cu_seqlens_q  | absent            | (B + 1)       | i32          |
 /// | cu_seqlens_k  | absent            | (B + 1)       | i32          |
-/// | row_lse       | (B, S_q)          | (T_q)         | f32 (LSE of the row's logits) |
-/// | row_target_mass | (B, S_q)        | (T_q)         | f32 (sum_i T~_i m_i / sum_i P_i, below) |
+/// | row_lse       | (B, S_q)          | (T_q)         | f32 (cpu: or f64) (LSE of the row's logits) |
+/// | row_target_mass | (B, S_q)        | (T_q)         | f32 (cpu: or f64) (sum_i T~_i m_i / sum_i P_i, below) |
 ///
 /// H must be a multiple of 8 in [8, 128]; D must be 64 or 128; topk >= 1.
 /// Any slot whose id is invalid (-1, or out of range for its sequence) is
@@ -174,7 +175,8 @@ struct IndexerBackwardInputs {
   TensorView row_target_mass;
 };
 
-/// Output tensors, each bf16 or f32, shaped like index_q, weights and index_k,
+/// Output tensors, each bf16 or f32 (cpu: or f64, the fp64 results unrounded),
+/// shaped like index_q, weights and index_k,
 /// and contiguous. Every element is overwritten (rows whose slots are all
 /// invalid get 0; key rows never selected get 0); incoming contents never matter.
 /// Outputs must not overlap each other or any input (the 4 bytes at grad_loss_device included).

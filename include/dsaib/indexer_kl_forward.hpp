@@ -37,7 +37,8 @@
 
 namespace dsaib {
 
-/// Outputs of indexer_kl_forward(), all f32, contiguous, on the backend's device,
+/// Outputs of indexer_kl_forward(), all f32 (cpu: each f32 or f64; f64 holds the
+/// fp64 result unrounded, row_lse included), contiguous, on the backend's device,
 /// disjoint from each other and from every input.
 ///
 /// | name            | BSHD shape       | THD shape     | contents                         |

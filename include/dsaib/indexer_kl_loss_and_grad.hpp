@@ -17,9 +17,9 @@ namespace dsaib {
 
 /// Outputs of indexer_kl_loss_and_grad(), on the backend's device, disjoint
 /// from each other and from every input:
-///   loss (f32, shape ()) as indexer_kl_forward() writes it (grad_loss does not
+///   loss (f32, cpu: or f64; shape ()) as indexer_kl_forward() writes it (grad_loss does not
 ///   scale it), and d_index_q, d_weights, d_index_k as indexer_backward() writes
-///   them (bf16 or f32 each, contiguous).
+///   them (bf16 or f32 each, cpu: or f64; contiguous).
 struct IndexerKLLossAndGradOutputs {
   TensorView loss;
   TensorView d_index_q;

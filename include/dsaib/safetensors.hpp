@@ -24,7 +24,7 @@ const char* safetensors_dtype_name(DType dtype);
 /// Reads every tensor of a safetensors file. If `metadata` is non-null it
 /// receives the "__metadata__" map (empty when the file has none).
 ///
-/// Supported dtypes: BF16, F32, I32. Raises dsaib::Error(ErrorCode::io_error)
+/// Supported dtypes: BF16, F32, I32, F64. Raises dsaib::Error(ErrorCode::io_error)
 /// with argument() == path and a message starting with the path for every
 /// unreadable or malformed file: missing file, not a regular file (directory,
 /// FIFO, device, socket: refused before opening), truncated file, header length

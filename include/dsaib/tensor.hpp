@@ -14,6 +14,7 @@ enum class DType : int32_t {
   bf16 = 0,  ///< bfloat16, 2 bytes
   f32 = 1,   ///< IEEE float32, 4 bytes
   i32 = 2,   ///< int32, 4 bytes
+  f64 = 3,   ///< IEEE float64, 8 bytes: the cpu backend's outputs (and some inputs) only
 };
 
 /// Where a tensor's memory lives.
@@ -26,7 +27,7 @@ inline constexpr int kMaxRank = 4;
 
 /// Size of one element in bytes.
 std::size_t dtype_size(DType dtype);
-/// "bf16", "f32", "i32".
+/// "bf16", "f32", "i32", "f64".
 const char* dtype_name(DType dtype);
 const char* device_name(DeviceType device);
 

@@ -114,8 +114,9 @@ def bf16_to_f32(bits) -> _np.ndarray:
 
 
 def _check_out_dtype(out_dtype):
-    if out_dtype not in ("f32", "bf16"):
-        raise ValueError(f'out_dtype: expected "f32" or "bf16", got {out_dtype!r}')
+    # "f64": the cpu backend's fp64 results unrounded (the cuda backend refuses it, naming the output).
+    if out_dtype not in ("f32", "bf16", "f64"):
+        raise ValueError(f'out_dtype: expected "f32", "bf16" or "f64", got {out_dtype!r}')
 
 
 def _library_options(*, layout, id_mode, backend, strict_indices, deterministic, uint16_as_bf16, sm_scale,
@@ -259,15 +260,16 @@ def indexer_backward(
     argument      shape            dtype
     ============  ===============  ==================================
     index_q       (B, S_q, H, D)   bf16
-    weights       (B, S_q, H)      bf16 or float32
+    weights       (B, S_q, H)      bf16 or float32 (cpu: or float64)
     index_k       (B, S_kv, D)     bf16
     topk_indices  (B, S_q, topk)   int32 (-1 or out of range: ignored)
-    attn_score    (B, S_q, topk)   float32 (target distribution T)
-    index_score   (B, S_q, topk)   float32 (indexer softmax P)
+    attn_score    (B, S_q, topk)   float32 (cpu: or float64; target T)
+    index_score   (B, S_q, topk)   float32 (cpu: or float64; softmax P)
     ============  ===============  ==================================
 
     P-free form: ``index_score=None`` with ``row_lse`` and ``row_target_mass``
-    (float32, (B, S_q) or (T_q,)), as :func:`indexer_kl_forward` returns them;
+    (float32, or float64 on the cpu backend; (B, S_q) or (T_q,)), as
+    :func:`indexer_kl_forward` returns them;
     the backward then rebuilds P from its own logits and no (S_q, topk) tensor
     of P is needed.
 
@@ -288,11 +290,12 @@ def indexer_backward(
       layout: ``"bshd"`` or ``"thd"``.
       id_mode: ``"local"`` (ids are rows of the query's own sequence) or
         ``"global"`` (flat rows of index_k).
-      out_dtype: ``"f32"`` or ``"bf16"`` for outputs allocated here
-        (numpy and cupy bf16 outputs are uint16 bit patterns).
+      out_dtype: ``"f32"``, ``"bf16"`` or ``"f64"`` for outputs allocated
+        here (numpy and cupy bf16 outputs are uint16 bit patterns; ``"f64"``:
+        the cpu backend only, its fp64 results unrounded).
       out: optional ``(d_index_q, d_weights, d_index_k)`` to write into:
-        contiguous, shaped like index_q, weights, index_k, float32 or bf16,
-        on the inputs' device. They are returned.
+        contiguous, shaped like index_q, weights, index_k, float32 or bf16
+        (or float64 on the cpu backend), on the inputs' device. They are returned.
       backend: ``"cpu"`` (fp64 reference on host tensors), ``"cuda"`` (the
         sm_90a kernel), or None: ``"cuda"`` when index_q is a CUDA tensor, else ``"cpu"``.
       normalization_count: N; 0 means the number of query tokens.
@@ -477,8 +480,9 @@ def indexer_kl_loss_and_grad(
     Same inputs as :func:`indexer_backward` without ``index_score``: no P is
     passed or made (the forward's per-row statistics stay in the library's
     workspace). Returns ``(loss, d_index_q, d_weights, d_index_k)``: the loss
-    float32 of shape ``()`` (not scaled by grad_loss), the gradients as
-    :func:`indexer_backward` returns them (``out_dtype``). ``grad_loss`` may be
+    float32 of shape ``()`` (float64 with ``out_dtype="f64"``; not scaled by
+    grad_loss), the gradients as :func:`indexer_backward` returns them
+    (``out_dtype``). ``grad_loss`` may be
     a one-element float32 tensor on the backend's device, read when the work
     runs; on the cuda backend the call does not synchronise the host (BSHD and
     THD), so it can be captured in a CUDA graph. Options and errors as
@@ -493,7 +497,8 @@ def indexer_kl_loss_and_grad(
         normalization_count=normalization_count, num_threads=num_threads, a_operand_precision=a_operand_precision,
         l2_hints=l2_hints, start_stagger=start_stagger)
     run = _Placement(index_q, options, stream)
-    out = (run.alloc(()),) + run.gradients(index_q, weights, index_k, out_dtype)
+    out = (run.alloc((), "f64" if out_dtype == "f64" else "f32"),) + run.gradients(index_q, weights, index_k,
+                                                                                 out_dtype)
     tensors = dict(index_q=index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
                    attn_score=attn_score, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, loss=out[0],
                    d_index_q=out[1], d_weights=out[2], d_index_k=out[3],

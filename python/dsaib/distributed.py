@@ -11,8 +11,15 @@ The indexer loss of a query row needs every key its ids select, so:
 * the backward runs the library's backward on the same rows, which gives
   ``d_index_q`` and ``d_weights`` of the rank's rows and this rank's share of
   ``d_index_k`` for *every* key row, and reduce-scatters those shares
-  (``torch.distributed.reduce_scatter_tensor``, a sum in float32) so that each
-  rank gets the whole gradient of the key rows it holds.
+  (``torch.distributed.reduce_scatter_tensor``, a sum in float32, or in
+  float64 for float64 inputs on CPU) so that each rank gets the whole
+  gradient of the key rows it holds.
+
+Float64 inputs on CPU tensors run in float64 end to end: the keys are gathered
+in float64, the forward is the float64 one of :func:`dsaib.torch.indexer_kl_loss`,
+the library's fp64 CPU backend reads the float64 row statistics, weights and
+``attn_score`` and writes each rank's float64 gradients unrounded, and the
+shares of ``d_index_k`` are summed in float64.
 
 The split follows Megatron-Core's two CP layouts (``cp_layout``), for a group
 of ``cp`` ranks, rank ``r`` being ``torch.distributed.get_rank(group)``:
@@ -249,11 +256,11 @@ def _normalization(plan, normalization_count):
 
 def _resolved_a_operand(a_operand_precision, q_code, k_code):
     """'auto' as the single-GPU op resolves it for these leaves (the CP backward
-    always writes d_index_k in float32 for the reduction, which would otherwise
-    turn 'auto' into two terms for bf16 leaves)."""
+    always writes d_index_k in float32 (or float64) for the reduction, which
+    would otherwise turn 'auto' into two terms for bf16 leaves)."""
     if a_operand_precision != "auto":
         return a_operand_precision
-    return "bf16x2" if "f32" in (q_code, k_code) else "bf16"
+    return "bf16x2" if ("f32" in (q_code, k_code) or "f64" in (q_code, k_code)) else "bf16"
 
 
 class _ContextParallelKLLoss(torch.autograd.Function):
@@ -261,6 +268,8 @@ class _ContextParallelKLLoss(torch.autograd.Function):
     def forward(ctx, index_q, weights, index_k, topk_indices, attn_score, plan, sm_scale, loss_coeff,
                 normalization_count, id_mode, a_operand_precision):
         fp64 = any(t.dtype == torch.float64 for t in (index_q, weights, index_k))
+        # CPU float64: through the library in float64 too (its fp64 CPU backend).
+        library_fp64 = _dt._fp64(index_q.device, index_q, weights, index_k)
         k_send = index_k if fp64 else index_k.to(torch.bfloat16)
         gathered, work = _start_gather(plan, k_send)
         try:
@@ -275,7 +284,7 @@ class _ContextParallelKLLoss(torch.autograd.Function):
                                   a_operand_precision=a_operand_precision)
             # (index_k itself is converted whole after the gather; an empty slice stands in here)
             q16, w_op, _, ids32, T32 = _dt._library_inputs(index_q, weights, index_k[:0], topk_indices,
-                                                           attn_score)
+                                                           attn_score, library_fp64)
         finally:
             _finish(work)
         k_whole = plan.to_sequence_order(gathered)
@@ -290,10 +299,11 @@ class _ContextParallelKLLoss(torch.autograd.Function):
                 plan.layout, id_mode)
         # Every rank returns the global loss; backward() on a rank carries its own share.
         dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=plan.group)
-        ctx.save_for_backward(q16, w_op, k16, ids32, T32, row_lse.to(torch.float32),
-                              row_target_mass.to(torch.float32))
+        stats = torch.float64 if library_fp64 else torch.float32
+        ctx.save_for_backward(q16, w_op, k16, ids32, T32, row_lse.to(stats), row_target_mass.to(stats))
         ctx.plan = plan
         ctx.in_dtypes = (index_q.dtype, weights.dtype, index_k.dtype)
+        ctx.fp64 = library_fp64
         ctx.options = (float(sm_scale), float(loss_coeff), n, id_mode, a_operand_precision)
         return loss
 
@@ -303,11 +313,13 @@ class _ContextParallelKLLoss(torch.autograd.Function):
         plan = ctx.plan
         sm_scale, loss_coeff, n, id_mode, a_operand_precision = ctx.options
         q_dt, w_dt, k_dt = ctx.in_dtypes
-        q_code, w_code, k_code = (_dt._CODES.get(dt, "f32") for dt in (q_dt, w_dt, k_dt))
+        q_code, w_code, k_code = (_dt._grad_code(dt, ctx.fp64) for dt in (q_dt, w_dt, k_dt))
         g = grad_loss.detach().reshape(()).to(torch.float32)
+        # d_index_k's shares: float32 (float64 in the fp64 mode) for the sum over the ranks.
+        dk_code = "f64" if ctx.fp64 else "f32"
         dq, dw, dk_whole = torch.ops.dsaib.indexer_backward(
             q16, w_op, k16, ids32, T32, None, g, plan.cu_q_local, plan.cu_k, sm_scale, loss_coeff, n,
-            plan.layout, id_mode, q_code, w_code, "f32", _resolved_a_operand(a_operand_precision, q_code, k_code),
+            plan.layout, id_mode, q_code, w_code, dk_code, _resolved_a_operand(a_operand_precision, q_code, k_code),
             row_lse, row_target_mass)
         dk, work = _start_reduce_scatter(plan, dk_whole)
         need = ctx.needs_input_grad
@@ -319,9 +331,10 @@ class _ContextParallelKLLoss(torch.autograd.Function):
 
 def _start_reduce_scatter(plan, dk_whole):
     """(local d_index_k, async work): the sum over the group of every rank's
-    share of the whole d_index_k (float32), scattered back to the key rows each
-    rank holds."""
-    send = plan.to_rank_order(dk_whole.to(torch.float32))
+    share of the whole d_index_k (float32; float64 shares are summed in
+    float64), scattered back to the key rows each rank holds."""
+    wide = torch.float64 if dk_whole.dtype == torch.float64 else torch.float32
+    send = plan.to_rank_order(dk_whole.to(wide))
     out = send.new_empty((send.shape[0] // plan.cp,) + tuple(send.shape[1:]))
     return out, dist.reduce_scatter_tensor(out, send, op=dist.ReduceOp.SUM, group=plan.group, async_op=True)
 
@@ -376,7 +389,7 @@ def context_parallel_indexer_kl_loss(
 
     Memory: the gathered ``index_k`` (bf16, the whole sequence) is kept for the
     backward, which also makes a float32 ``d_index_k`` of the whole sequence
-    for the reduce-scatter. THD reads cu_seqlens to the host (one
+    for the reduce-scatter (float64 for float64 inputs on CPU). THD reads cu_seqlens to the host (one
     synchronisation on a GPU).
     """
     a_operand_precision = _a_operand(a_operand_precision)
@@ -418,7 +431,8 @@ def context_parallel_indexer_backward(
     ``row_lse``/``row_target_mass``) of its own rows. ``d_index_q`` and
     ``d_weights`` are those of the rank's rows; ``d_index_k`` is the rank's
     slice of the whole gradient (every rank's share summed in float32 by
-    ``reduce_scatter_tensor``, then given ``out_dtype``). The loss is
+    ``reduce_scatter_tensor``, then given ``out_dtype``; ``"f64"`` on CPU
+    tensors: float64 shares summed in float64). The loss is
     normalised over the global number of query rows unless
     ``normalization_count`` is given. Tensors, dtypes and the other options as
     :func:`dsaib.torch.indexer_backward`; the library checks them when it runs
@@ -442,7 +456,8 @@ def context_parallel_indexer_backward(
         index_q, weights, plan.to_sequence_order(gathered).contiguous(), topk_indices, attn_score, index_score,
         sm_scale=sm_scale, grad_loss=grad_loss, loss_coeff=loss_coeff,
         normalization_count=_normalization(plan, normalization_count), layout=layout, id_mode=id_mode,
-        cu_seqlens_q=plan.cu_q_local, cu_seqlens_k=plan.cu_k, out_dtype=(dq_dtype, dw_dtype, "f32"),
+        cu_seqlens_q=plan.cu_q_local, cu_seqlens_k=plan.cu_k,
+        out_dtype=(dq_dtype, dw_dtype, "f64" if dk_dtype == "f64" else "f32"),
         a_operand_precision=precision, row_lse=row_lse, row_target_mass=row_target_mass)
     dk, work = _start_reduce_scatter(plan, dk_whole)
     _finish(work)

@@ -41,7 +41,13 @@ and returns each gradient in the dtype of its input (the rounding is treated
 as the identity, like ``.to(torch.bfloat16)`` under autograd). Float64 inputs
 make the forward run in torch in float64 on the unrounded values (for
 finite-difference checks; it hands the backward the same row statistics); the
-backward still sees them rounded to bf16 (q, k) and float32 (w).
+backward still sees ``index_q``/``index_k`` rounded to bf16. On CPU tensors
+float64 goes through the library unrounded (its fp64 CPU backend takes f64
+``weights``, ``attn_score``, row statistics and gradients): the backward reads
+the float64 row statistics, weights and ``attn_score`` and writes float64
+gradients, and :func:`indexer_kl_loss_and_grad` returns a float64 loss and
+gradients. On CUDA tensors (whose backend takes no f64) they go through
+float32.
 """
 import math
 from typing import Optional, Tuple
@@ -59,7 +65,7 @@ __all__ = ["indexer_backward", "indexer_kl_loss", "indexer_kl_loss_and_grad", "I
 #: The clip of ``T`` and ``P`` in the loss: exp(-100).
 EPS = math.exp(-100.0)
 
-_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
+_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f64": torch.float64}
 _CODES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
@@ -67,7 +73,22 @@ def _out_dtype(name: str, code: str) -> torch.dtype:
     try:
         return _DTYPES[code]
     except KeyError:
-        raise ValueError(f'{name}: expected "f32" or "bf16", got {code!r}') from None
+        raise ValueError(f'{name}: expected "f32", "bf16" or "f64", got {code!r}') from None
+
+
+def _fp64(device: torch.device, *tensors) -> bool:
+    """Whether the library runs in float64 end to end for these tensors: on the
+    CPU backend (the only one that takes f64) when any of them is float64."""
+    return device.type == "cpu" and any(t.dtype == torch.float64 for t in tensors)
+
+
+def _grad_code(dtype: torch.dtype, fp64: bool) -> str:
+    """The library's output code for a gradient of a leaf of `dtype`: the leaf's
+    own dtype where the library writes it (float64 only in the fp64 mode,
+    unrounded), else float32."""
+    if fp64 and dtype == torch.float64:
+        return "f64"
+    return _CODES.get(dtype, "f32")
 
 
 def _check_a_operand(word: str) -> str:
@@ -246,10 +267,11 @@ def _indexer_kl_loss_and_grad_op(
     dw_dtype: str,
     dk_dtype: str,
     a_operand_precision: str = "auto",
+    loss_dtype: str = "f32",
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, d_index_q, d_weights, d_index_k) through dsaib::indexer_kl_loss_and_grad."""
     dev = index_q.device
-    loss = index_q.new_empty((), dtype=torch.float32)
+    loss = index_q.new_empty((), dtype=_out_dtype("loss_dtype", loss_dtype))
     dq, dw, dk = _gradients_like(index_q, weights, index_k, dq_dtype, dw_dtype, dk_dtype)
     tensors = dict(index_q=index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
                    attn_score=attn_score, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, loss=loss,
@@ -263,12 +285,12 @@ def _indexer_kl_loss_and_grad_op(
 @_indexer_kl_loss_and_grad_op.register_fake
 def _indexer_kl_loss_and_grad_fake(index_q, weights, index_k, topk_indices, attn_score, grad_loss, cu_seqlens_q,
                                    cu_seqlens_k, sm_scale, loss_coeff, normalization_count, layout, id_mode,
-                                   dq_dtype, dw_dtype, dk_dtype, a_operand_precision="auto"):
+                                   dq_dtype, dw_dtype, dk_dtype, a_operand_precision="auto", loss_dtype="f32"):
     _check_a_operand(a_operand_precision)
     _check_same_device(index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
                        attn_score=attn_score, grad_loss=grad_loss, cu_seqlens_q=cu_seqlens_q,
                        cu_seqlens_k=cu_seqlens_k)
-    return (index_q.new_empty((), dtype=torch.float32),
+    return (index_q.new_empty((), dtype=_out_dtype("loss_dtype", loss_dtype)),
             *_gradients_like(index_q, weights, index_k, dq_dtype, dw_dtype, dk_dtype))
 
 
@@ -390,8 +412,9 @@ def _validate_forward(index_q, weights, index_k, topk_indices, attn_score, *, sm
     backward would, instead of failing inside torch or at backward().
 
     The tensors are shown as the forward converts them (_library_view): bf16
-    index_q/index_k, float32 (or bf16) weights, int32 topk_indices, float32
-    attn_score (absent: shaped like topk_indices); index_score is the P the
+    index_q/index_k, float32 (or bf16; CPU float64: float64) weights, int32
+    topk_indices, float32 (CPU float64: float64) attn_score (absent: shaped
+    like topk_indices); index_score is the P the
     forward computes. any_integer_cu_seqlens (index_scores, which has no
     backward): cu_seqlens of any integer dtype on any device are shown as
     int32 on index_q's device. Only metadata is read, and for THD cu_seqlens
@@ -402,7 +425,8 @@ def _validate_forward(index_q, weights, index_k, topk_indices, attn_score, *, sm
     if torch.compiler.is_compiling() or index_q.device.type not in ("cpu", "cuda"):
         return
     cuda = index_q.device.type == "cuda"
-    w_dtype = weights.dtype if weights.dtype in (torch.bfloat16, torch.float32) else torch.float32
+    fp64 = _fp64(index_q.device, index_q, weights, index_k)
+    w_dtype, T_dtype = _library_float_dtypes(weights, fp64)
     if any_integer_cu_seqlens:
         cu_seqlens_q, cu_seqlens_k = (
             cu if cu is None or cu.is_floating_point() or cu.is_complex() or cu.dtype == torch.bool
@@ -413,7 +437,7 @@ def _validate_forward(index_q, weights, index_k, topk_indices, attn_score, *, sm
     tensors = dict(index_q=_library_view(index_q, torch.bfloat16), weights=_library_view(weights, w_dtype),
                    index_k=_library_view(index_k, torch.bfloat16),
                    topk_indices=_library_view(topk_indices, torch.int32),
-                   attn_score=_library_view(attn_score, torch.float32), cu_seqlens_q=cu_seqlens_q,
+                   attn_score=_library_view(attn_score, T_dtype), cu_seqlens_q=cu_seqlens_q,
                    cu_seqlens_k=cu_seqlens_k)
     _dsaib.validate_indexer_kl_loss_inputs(
         **_exported(tensors), layout=layout, id_mode=id_mode, backend="cuda" if cuda else "cpu",
@@ -561,13 +585,23 @@ def _finite_grad_loss(x) -> float:
     return f32
 
 
-def _library_inputs(index_q, weights, index_k, topk_indices, attn_score):
+def _library_float_dtypes(weights, fp64):
+    """(weights, attn_score) dtypes the library is given: weights bf16 or float32
+    as they are, others as float32; attn_score float32. In the fp64 mode
+    (_fp64: the CPU backend) float64 weights and attn_score stay float64."""
+    kept = (torch.bfloat16, torch.float32, torch.float64) if fp64 else (torch.bfloat16, torch.float32)
+    return (weights.dtype if weights.dtype in kept else torch.float32), (torch.float64 if fp64 else torch.float32)
+
+
+def _library_inputs(index_q, weights, index_k, topk_indices, attn_score, fp64=False):
     """The tensors as the library takes them: bf16 index_q/index_k, float32 (or
-    bf16) weights, int32 topk_indices, float32 attn_score, all contiguous. A
+    bf16) weights, int32 topk_indices, float32 attn_score, all contiguous; in
+    the fp64 mode float64 weights and a float64 attn_score (unrounded). A
     tensor already so is passed as it is (no copy)."""
-    w = weights if weights.dtype in (torch.bfloat16, torch.float32) else weights.to(torch.float32)
-    return (index_q.to(torch.bfloat16).contiguous(), w.contiguous(), index_k.to(torch.bfloat16).contiguous(),
-            topk_indices.to(torch.int32).contiguous(), attn_score.to(torch.float32).contiguous())
+    w_dtype, T_dtype = _library_float_dtypes(weights, fp64)
+    return (index_q.to(torch.bfloat16).contiguous(), weights.to(w_dtype).contiguous(),
+            index_k.to(torch.bfloat16).contiguous(), topk_indices.to(torch.int32).contiguous(),
+            attn_score.to(T_dtype).contiguous())
 
 
 def _float64_forward(index_q, weights, index_k, topk_indices, attn_score, sm_scale, loss_coeff,
@@ -592,7 +626,10 @@ class _IndexerKLLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, index_q, weights, index_k, topk_indices, attn_score, sm_scale, loss_coeff,
                 normalization_count, layout, id_mode, cu_seqlens_q, cu_seqlens_k, a_operand_precision):
-        q16, w_op, k16, ids32, T32 = _library_inputs(index_q, weights, index_k, topk_indices, attn_score)
+        # CPU float64: the backward reads the forward's float64 row statistics, float64
+        # weights and attn_score, and writes float64 gradients, all unrounded.
+        fp64 = _fp64(index_q.device, index_q, weights, index_k)
+        q16, w_op, k16, ids32, T32 = _library_inputs(index_q, weights, index_k, topk_indices, attn_score, fp64)
         if any(t.dtype == torch.float64 for t in (index_q, weights, index_k)):
             loss, row_lse, row_target_mass = _float64_forward(
                 index_q, weights, index_k, topk_indices, attn_score, sm_scale, loss_coeff, normalization_count,
@@ -603,9 +640,11 @@ class _IndexerKLLossFunction(torch.autograd.Function):
             loss, row_lse, row_target_mass = torch.ops.dsaib.indexer_kl_forward(
                 q16, w_op, k16, ids32, T32, cu_seqlens_q, cu_seqlens_k, float(sm_scale), float(loss_coeff),
                 int(normalization_count), layout, id_mode)
-        ctx.save_for_backward(q16, w_op, k16, ids32, T32, row_lse.to(torch.float32),
-                              row_target_mass.to(torch.float32), cu_seqlens_q, cu_seqlens_k)
+        stats = torch.float64 if fp64 else torch.float32
+        ctx.save_for_backward(q16, w_op, k16, ids32, T32, row_lse.to(stats), row_target_mass.to(stats),
+                              cu_seqlens_q, cu_seqlens_k)
         ctx.in_dtypes = (index_q.dtype, weights.dtype, index_k.dtype)
+        ctx.fp64 = fp64
         ctx.options = (float(sm_scale), float(loss_coeff), int(normalization_count), layout, id_mode,
                        a_operand_precision)
         return loss
@@ -616,7 +655,7 @@ class _IndexerKLLossFunction(torch.autograd.Function):
         sm_scale, loss_coeff, normalization_count, layout, id_mode, a_operand_precision = ctx.options
         q_dt, w_dt, k_dt = ctx.in_dtypes
         # Outputs straight in the input dtype when the library can write it.
-        codes = tuple(_CODES.get(dt, "f32") for dt in (q_dt, w_dt, k_dt))
+        codes = tuple(_grad_code(dt, ctx.fp64) for dt in (q_dt, w_dt, k_dt))
         g = grad_loss.detach().reshape(()).to(torch.float32)
         # The P-free backward: P rebuilt from the row statistics.
         dq, dw, dk = torch.ops.dsaib.indexer_backward(
@@ -655,7 +694,7 @@ def indexer_kl_loss(
     ============  ======================  ===========================================
     index_q       (B, S_q, H, D)          bf16 (float32/float64 are rounded to bf16)
                   ((T_q, H, D))
-    weights       (B, S_q, H) ((T_q, H))  bf16 or float32 (float64 -> float32)
+    weights       (B, S_q, H) ((T_q, H))  bf16 or float32 (float64: see below)
     index_k       (B, S_kv, D) ((T_k, D)) bf16 (float32/float64 are rounded to bf16)
     topk_indices  (B, S_q, topk)          integer; -1 or out of range: invalid slot
     attn_score    (B, S_q, topk)          float; the target distribution T
@@ -666,6 +705,9 @@ def indexer_kl_loss(
     backend on CPU tensors; float64 inputs: torch in float64): it returns the
     loss (float32; float64 for float64 inputs) and saves, besides the converted
     inputs, each query row's log-sum-exp and target mass (float32), not ``P``.
+    Float64 inputs on CPU keep float64 through the library: float64
+    ``weights`` and ``attn_score``, row statistics and gradients, unrounded
+    (on CUDA they are converted to float32 for the library).
     The backward is the P-free ``indexer_backward``, which rebuilds ``P`` from
     them, with ``grad_loss`` from autograd as a device tensor (CUDA graphs can
     replay it with new values). Of size S_q x topk only ``topk_indices`` and
@@ -731,6 +773,10 @@ def indexer_kl_loss_and_grad(
     loss as :func:`indexer_kl_loss`; the gradients equal what
     ``indexer_kl_loss(...).backward(grad_loss)`` gives, in the dtypes of
     index_q, weights and index_k, and the loss is not scaled by ``grad_loss``.
+    Float64 CPU tensors: the library's fp64 forward (on index_q/index_k rounded
+    to bf16, where :func:`indexer_kl_loss` computes its float64 forward in
+    torch on the unrounded values), a float64 loss and float64 gradients, all
+    unrounded.
 
     ``grad_loss``: a number, or a one-element float32 tensor on the tensors'
     device read when the work runs. On CUDA the call does not synchronise the
@@ -747,12 +793,14 @@ def indexer_kl_loss_and_grad(
     _check_torch_arguments(index_q, weights, index_k, topk_indices, attn_score, cu_seqlens_q, cu_seqlens_k)
     if not isinstance(grad_loss, torch.Tensor):
         grad_loss = torch.full((), _finite_grad_loss(grad_loss), dtype=torch.float32, device=index_q.device)
-    codes = tuple(_CODES.get(t.dtype, "f32") for t in (index_q, weights, index_k))
+    fp64 = _fp64(index_q.device, index_q, weights, index_k)
+    codes = tuple(_grad_code(t.dtype, fp64) for t in (index_q, weights, index_k))
     with torch.no_grad():
-        q16, w_op, k16, ids32, T32 = _library_inputs(index_q, weights, index_k, topk_indices, attn_score)
+        q16, w_op, k16, ids32, T32 = _library_inputs(index_q, weights, index_k, topk_indices, attn_score, fp64)
         loss, dq, dw, dk = torch.ops.dsaib.indexer_kl_loss_and_grad(
             q16, w_op, k16, ids32, T32, grad_loss.detach(), cu_seqlens_q, cu_seqlens_k, float(sm_scale),
-            float(loss_coeff), int(normalization_count), layout, id_mode, *codes, a_operand_precision)
+            float(loss_coeff), int(normalization_count), layout, id_mode, *codes, a_operand_precision,
+            "f64" if fp64 else "f32")
     return loss, dq.to(index_q.dtype), dw.to(weights.dtype), dk.to(index_k.dtype)
 
 

@@ -18,6 +18,8 @@
 //   uint16 / int16, only if uint16_as_bf16=True -> bf16 (the raw bf16 bit pattern;
 //                                                  numpy has no bfloat16)
 //   float32                                     -> f32
+//   float64                                     -> f64 (the library takes it on the
+//                                                  cpu backend where docs/api.md says)
 //   int32                                       -> i32
 //   anything else                               -> TypeError "NAME: expected dtype X, got Y",
 //                                                  X the dtypes NAME takes (src/core/validate.cpp)
@@ -86,13 +88,17 @@ std::string dtype_string(nb::dlpack::dtype dt) {
 }
 
 /// The dtypes argument `name` takes, as the library's validation lists them
-/// (src/core/validate.cpp): "bf16", "bf16 or f32", "f32" or "i32".
+/// (src/core/validate.cpp), for a DLPack dtype that is no dsaib::DType at all
+/// (a float64 reaches the library, which names the backend that refuses it).
 const char* expected_dtypes(const std::string& name) {
   if (name == "index_q" || name == "index_k" || name == "query" || name == "kv") return "bf16";
-  if (name == "weights" || name == "d_index_q" || name == "d_weights" || name == "d_index_k") return "bf16 or f32";
-  if (name == "attn_score" || name == "index_score" || name == "grad_loss" || name == "row_lse" ||
-      name == "row_target_mass" || name == "loss" || name == "lse")
-    return "f32";
+  if (name == "weights" || name == "d_index_q" || name == "d_weights" || name == "d_index_k") {
+    return "bf16 or f32 (or f64 on the cpu backend)";
+  }
+  if (name == "grad_loss") return "f32";
+  if (name == "attn_score" || name == "index_score" || name == "row_lse" || name == "row_target_mass" ||
+      name == "loss" || name == "lse")
+    return "f32 (or f64 on the cpu backend)";
   if (name == "topk_indices" || name == "cu_seqlens_q" || name == "cu_seqlens_k") return "i32";
   return "bf16, f32 or i32";
 }
@@ -102,6 +108,7 @@ dsaib::DType to_dtype(const char* name, nb::dlpack::dtype dt, bool uint16_as_bf1
   if (dt.lanes == 1) {
     if (code == nb::dlpack::dtype_code::Bfloat && dt.bits == 16) return dsaib::DType::bf16;
     if (code == nb::dlpack::dtype_code::Float && dt.bits == 32) return dsaib::DType::f32;
+    if (code == nb::dlpack::dtype_code::Float && dt.bits == 64) return dsaib::DType::f64;
     if (code == nb::dlpack::dtype_code::Int && dt.bits == 32) return dsaib::DType::i32;
   }
   const std::string expected = expected_dtypes(name);
@@ -241,9 +248,12 @@ Buffer make_buffer(const std::vector<int64_t>& shape, const std::string& dtype, 
   } else if (dtype == "bf16") {
     dt = nb::dlpack::dtype{static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat), 16, 1};
     elem = 2;
+  } else if (dtype == "f64") {
+    dt = nb::dtype<double>();
+    elem = 8;
   } else {
     throw dsaib::Error(dsaib::ErrorCode::invalid_argument, "dtype",
-                       "dtype: expected \"f32\" or \"bf16\", got \"" + dtype + "\"");
+                       "dtype: expected \"f32\", \"bf16\" or \"f64\", got \"" + dtype + "\"");
   }
   if (shape.size() > static_cast<size_t>(dsaib::kMaxRank)) {
     throw dsaib::Error(dsaib::ErrorCode::invalid_argument, "shape",

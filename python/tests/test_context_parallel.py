@@ -111,6 +111,7 @@ CASES = [
     ("thd-zigzag-float32", "thd", "zigzag", "local", torch.float32, "loss"),
     ("bshd-zigzag-backward-op", "bshd", "zigzag", "local", torch.bfloat16, "backward"),
     ("thd-contiguous-backward-op", "thd", "contiguous", "local", torch.bfloat16, "backward"),
+    ("thd-zigzag-backward-op-float64", "thd", "zigzag", "global", torch.float64, "backward"),
     ("wrong_order", "bshd", "zigzag", "local", torch.float64, "loss"),
 ]
 
@@ -123,10 +124,16 @@ def options(p, layout, id_mode):
     return o
 
 
-def backward_op_inputs(q, w, k, ids, T):
-    """What the backward op takes: bf16 q/k, float32 w and T."""
+def backward_op_inputs(q, w, k, ids, T, dtype):
+    """What the backward op takes: bf16 q/k, float32 w and T (float64 for float64)."""
     q16, k16 = q.to(torch.bfloat16), k.to(torch.bfloat16)
-    return q16, w.float(), k16, ids, T.float()
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    return q16, w.to(wide), k16, ids, T.to(wide)
+
+
+def backward_out_dtype(dtype):
+    """The backward op's out_dtype: float64 gradients (the CPU backend's, unrounded) for float64."""
+    return "f64" if dtype == torch.float64 else "f32"
 
 
 # ---- the worker (one rank) ----------------------------------------------------
@@ -151,8 +158,8 @@ def run_worker(rank, world, init_file, problem_file, out_file):
             else:
                 P = p["P_parts"][rank]
                 grads = dcp.context_parallel_indexer_backward(
-                    *backward_op_inputs(q, w, k, ids, T), P, group=None, cp_layout=passed_layout,
-                    grad_loss=1.5, **opts)
+                    *backward_op_inputs(q, w, k, ids, T, dtype), P, group=None, cp_layout=passed_layout,
+                    grad_loss=1.5, out_dtype=backward_out_dtype(dtype), **opts)
                 results[name] = dict(loss=None, grads=list(grads))
         torch.save(results, out_file)
     finally:
@@ -162,7 +169,7 @@ def run_worker(rank, world, init_file, problem_file, out_file):
 # ---- the parent: run the workers, compare ---------------------------------------
 
 
-def reference(p, layout, id_mode, op):
+def reference(p, layout, id_mode, op, dtype=None):
     """loss and gradients of one process on the whole sequence (dsaib.torch, CPU backend)."""
     opts = options(p, layout, id_mode)
     if op == "loss":
@@ -170,8 +177,9 @@ def reference(p, layout, id_mode, op):
         loss = dt.indexer_kl_loss(*leaves, p["ids"], p["T"], **opts)
         loss.backward(torch.tensor(1.5, dtype=loss.dtype))
         return loss.detach(), [x.grad for x in leaves]
-    q16, w32, k16, ids, T32 = backward_op_inputs(p["q"], p["w"], p["k"], p["ids"], p["T"])
-    return None, list(dt.indexer_backward(q16, w32, k16, ids, T32, p["P"], grad_loss=1.5, **opts))
+    q16, w_op, k16, ids, T_op = backward_op_inputs(p["q"], p["w"], p["k"], p["ids"], p["T"], dtype)
+    return None, list(dt.indexer_backward(q16, w_op, k16, ids, T_op, p["P"], grad_loss=1.5,
+                                          out_dtype=backward_out_dtype(dtype), **opts))
 
 
 def whole_from_parts(parts, p, layout, cp, cp_layout, like):
@@ -205,11 +213,13 @@ def problems():
     return out
 
 
-def add_index_scores(p, layout, id_mode, cp, cp_layout):
-    """P of the whole problem (from the bf16 values) and each rank's rows of it, for the backward op."""
+def add_index_scores(p, layout, id_mode, cp, cp_layout, dtype):
+    """P of the whole problem (from the bf16 values) and each rank's rows of it, for the backward op
+    (float64 for float64 inputs)."""
     opts = options(p, layout, id_mode)
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
     P = dt.index_scores(p["q"].to(torch.bfloat16), p["w"].float(), p["k"].to(torch.bfloat16), p["ids"],
-                        **{k: v for k, v in opts.items() if k != "loss_coeff"})
+                        dtype=wide, **{k: v for k, v in opts.items() if k != "loss_coeff"})
     p = dict(p, P=P)
     if layout == "bshd":
         p["P_parts"] = [split_sequence(P, 1, cp, cp_layout, r) for r in range(cp)]
@@ -223,7 +233,7 @@ def run_world(world, problems, tmp_path):
     probs = {}
     for name, layout, cp_layout, id_mode, dtype, op in CASES:
         p = problems[name]
-        probs[name] = add_index_scores(p, layout, id_mode, world, cp_layout) if op == "backward" else p
+        probs[name] = add_index_scores(p, layout, id_mode, world, cp_layout, dtype) if op == "backward" else p
     problem_file = str(tmp_path / "problem.pt")
     torch.save(probs, problem_file)
     init_file = str(tmp_path / "rendezvous")
@@ -257,7 +267,7 @@ def test_split_sequence_matches_one_process(world_results, case):
     world, probs, results = world_results
     name, layout, cp_layout, id_mode, dtype, op = case
     p = probs[name]
-    want_loss, want = reference(p, layout, id_mode, op)
+    want_loss, want = reference(p, layout, id_mode, op, dtype)
     if op == "loss":
         # float64 inputs: the forward runs in float64 (loss to rounding); float32: the
         # library's float32 loss of each rank's rows, summed over the ranks
@@ -271,11 +281,13 @@ def test_split_sequence_matches_one_process(world_results, case):
         assert got.dtype == like.dtype, gname
         err = max_rel(got, like)
         # d_index_q, d_weights: the same rows, keys and arithmetic as one process:
-        # equal to 1e-12 (in practice bitwise). d_index_k: the library writes each
-        # rank's share in float32 and the reduce-scatter sums the shares in float32,
-        # where one process rounds the whole (float64) sum once: a few float32
-        # roundings, world * 2^-24 twice over.
-        tol = 1e-12 if gname != "d_index_k" else 2 * world * 2.0 ** -24
+        # equal to 1e-12 (in practice bitwise). d_index_k: float64 (the fp64 CPU
+        # backend's shares written unrounded, summed in float64 by the
+        # reduce-scatter) to 1e-12 too; float32/bf16 leaves: each rank's share is
+        # written in float32 and the shares summed in float32, where one process
+        # rounds the whole (float64) sum once: a few float32 roundings, world *
+        # 2^-24 twice over.
+        tol = 1e-12 if gname != "d_index_k" or dtype == torch.float64 else 2 * world * 2.0 ** -24
         assert err <= tol, (gname, err)
 
 

@@ -1,4 +1,6 @@
 """CPU tests of the dsaib Python package (numpy inputs; no torch needed)."""
+import re
+
 import numpy as np
 import pytest
 
@@ -141,7 +143,7 @@ def test_unsupported_heads_is_value_error():
 def test_wrong_dtype_is_type_error_with_cpp_message():
     p = make_problem(0)
     p["index_score"] = p["index_score"].astype(np.int32)
-    with pytest.raises(TypeError, match=r"^index_score: expected dtype f32, got dtype i32$"):
+    with pytest.raises(TypeError, match=r"^index_score: expected dtype f32 or f64, got dtype i32$"):
         run(p)
 
 
@@ -172,25 +174,48 @@ def test_caller_uint16_outputs_without_the_flag_are_type_error():
         dsaib.indexer_backward(**p, sm_scale=SM_SCALE, out=out)
 
 
-def test_float64_is_type_error():
+def test_float64_inputs_are_read_as_they_are_on_cpu():
+    # weights, attn_score, index_score in float64 holding the same values: the same
+    # gradients; index_q stays bf16 (the library's message, naming f64).
     p = make_problem(0)
-    p["weights"] = p["weights"].astype(np.float64)
-    with pytest.raises(TypeError, match=r"^weights: expected dtype bf16 or f32, got float64$"):
-        run(p)
+    want = run(p, out_dtype="f64")
+    wide = dict(p, **{n: p[n].astype(np.float64) for n in ("weights", "attn_score", "index_score")})
+    for g, w in zip(run(wide, out_dtype="f64"), want):
+        np.testing.assert_array_equal(g, w)
+    wide["index_q"] = dsaib.bf16_to_f32(p["index_q"]).astype(np.float64)
+    with pytest.raises(TypeError, match=r"^index_q: expected dtype bf16, got dtype f64$"):
+        run(wide)
+
+
+def test_f64_outputs_hold_the_unrounded_fp64_results():
+    p = make_problem(1)
+    f64 = run(p, loss_coeff=0.75, grad_loss=1.5, out_dtype="f64")  # scalars exact in float32
+    f32 = run(p, loss_coeff=0.75, grad_loss=1.5)
+    assert all(g.dtype == np.float64 for g in f64)
+    for g64, g32 in zip(f64, f32):
+        np.testing.assert_array_equal(g64.astype(np.float32), g32)  # one rounding of the same fp64 value
+        assert (g64 != g64.astype(np.float32)).any()                # beyond float32: not rounded
+    assert_close(f64, numpy_reference(p, SM_SCALE, loss_coeff=0.75, grad_loss=1.5), rtol=1e-10, atol=1e-15)
+    loss, *grads = dsaib.indexer_kl_loss_and_grad(
+        **{k: v for k, v in p.items() if k != "index_score"}, sm_scale=SM_SCALE, uint16_as_bf16=True,
+        out_dtype="f64")
+    assert loss.dtype == np.float64 and all(g.dtype == np.float64 for g in grads)
+    with pytest.raises(ValueError, match=r'^out_dtype: expected "f32", "bf16" or "f64", got \'f16\'$'):
+        run(p, out_dtype="f16")
 
 
 @pytest.mark.parametrize("name,dtype,want", [
     ("topk_indices", np.int64, "i32"),
-    ("attn_score", np.float64, "f32"),
-    ("index_score", np.float16, "f32"),
-    ("index_q", np.float64, "bf16"),
-    ("weights", np.int64, "bf16 or f32"),
+    ("attn_score", np.float16, "f32 (or f64 on the cpu backend)"),
+    ("index_score", np.float16, "f32 (or f64 on the cpu backend)"),
+    ("index_q", np.float16, "bf16"),
+    ("weights", np.int64, "bf16 or f32 (or f64 on the cpu backend)"),
 ])
 def test_binding_dtype_error_lists_what_the_argument_takes(name, dtype, want):
     p = make_problem(0)
     p[name] = p[name].astype(dtype)
     got = np.dtype(dtype).name
-    with pytest.raises(TypeError, match=r"^%s: expected dtype %s, got %s$" % (name, want, got)):
+    with pytest.raises(TypeError, match=r"^%s: expected dtype %s, got %s$" % (name, re.escape(want), got)):
         run(p)
 
 
@@ -201,9 +226,10 @@ def test_binding_dtype_error_for_cu_seqlens_and_outputs():
     cu_k = np.array([0, 7, 14], np.int32)
     with pytest.raises(TypeError, match=r"^cu_seqlens_q: expected dtype i32, got int64$"):
         run(thd, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
-    out = [np.empty(p["index_q"].shape, np.float32), np.empty(p["weights"].shape, np.float64),
+    out = [np.empty(p["index_q"].shape, np.float32), np.empty(p["weights"].shape, np.float16),
            np.empty(p["index_k"].shape, np.float32)]
-    with pytest.raises(TypeError, match=r"^d_weights: expected dtype bf16 or f32, got float64$"):
+    with pytest.raises(TypeError, match=r"^d_weights: expected dtype bf16 or f32 \(or f64 on the cpu backend\), "
+                                        r"got float16$"):
         run(p, out=out)
     # uint16 where bf16 is not taken: no uint16_as_bf16 hint
     for name in ("index_q", "index_k"):

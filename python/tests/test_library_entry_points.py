@@ -116,7 +116,7 @@ def test_an_absent_index_score_is_held_to_attn_scores_rules():
     with pytest.raises(ValueError, match=r"^attn_score: expected shape \(2, 5, 4\) \(B, S_q, topk\), topk from "
                                          r"topk_indices, got shape \(2, 5, 3\)$"):
         _dsaib.validate_indexer_kl_loss_inputs(**dict(kw, attn_score=p["attn_score"][:, :, :3]))
-    with pytest.raises(TypeError, match=r"^attn_score: expected dtype f32, got dtype i32$"):
+    with pytest.raises(TypeError, match=r"^attn_score: expected dtype f32 or f64, got dtype i32$"):
         _dsaib.validate_indexer_kl_loss_inputs(**dict(kw, attn_score=p["attn_score"].astype(np.int32)))
 
 

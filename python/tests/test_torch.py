@@ -35,7 +35,7 @@ def test_torch_bf16_outputs_and_bf16_weights():
 
 def test_torch_wrong_dtype_is_type_error():
     p = to_torch(make_problem(0))
-    p["attn_score"] = p["attn_score"].double()
+    p["attn_score"] = p["attn_score"].half()
     with pytest.raises(TypeError, match="^attn_score: "):
         dsaib.indexer_backward(**p, sm_scale=0.125)
 
@@ -224,10 +224,10 @@ def test_op_errors_keep_the_cpp_message():
     P = dt.index_scores(q, w, k, ids, sm_scale=SM)
     with pytest.raises(ValueError, match=r"^weights: expected shape \(2, 5, 8\) \(B, S_q, H\), got shape \(2, 5, 7\)$"):
         dt.indexer_backward(q, w[..., :7], k, ids, T, P, sm_scale=SM)
-    with pytest.raises(TypeError, match=r"^index_score: expected dtype f32, got dtype "):
+    with pytest.raises(TypeError, match=r"^index_score: expected dtype f32 or f64, got dtype "):
         dt.indexer_backward(q, w, k, ids, T, P.to(torch.bfloat16), sm_scale=SM)
-    with pytest.raises(TypeError, match=r"^index_score: expected dtype f32, got float64$"):
-        dt.indexer_backward(q, w, k, ids, T, P.double(), sm_scale=SM)
+    with pytest.raises(TypeError, match=r"^index_score: expected dtype f32 \(or f64 on the cpu backend\), got float16$"):
+        dt.indexer_backward(q, w, k, ids, T, P.half(), sm_scale=SM)
     with pytest.raises(ValueError, match=r"^grad_loss: expected a tensor with one element, got 2 elements$"):
         dt.indexer_backward(q, w, k, ids, T, P, sm_scale=SM, grad_loss=torch.ones(2))
     with pytest.raises(TypeError, match=r"^grad_loss: expected dtype float32"):

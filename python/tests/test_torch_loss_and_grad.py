@@ -109,19 +109,31 @@ def test_forward_is_the_library_not_torch_logits(monkeypatch):
 
 def test_float64_leaves_save_row_statistics_too():
     # float64: the forward runs in torch on the unrounded values (finite-difference
-    # checks), and still hands the backward row statistics, not P
+    # checks), and still hands the backward row statistics, not P. On CPU the
+    # library runs in float64 too: float64 row statistics and attn_score in, float64
+    # gradients out, unrounded, so they are the float64 reference's to rounding.
     q, w, k, ids, T = make_torch_problem(seed=24)
     leaves = [x.detach().double().requires_grad_() for x in (q, w.to(torch.bfloat16), k)]
     loss = dt.indexer_kl_loss(*leaves, ids, T, sm_scale=SM)
     assert loss.dtype == torch.float64
     saved = [t for t in loss.grad_fn.saved_tensors if t is not None]
-    assert sorted(t.data_ptr() for t in saved if tuple(t.shape) == tuple(ids.shape)) == sorted(
-        [ids.data_ptr(), T.data_ptr()])
+    by_ids_shape = [t for t in saved if tuple(t.shape) == tuple(ids.shape)]
+    assert len(by_ids_shape) == 2 and by_ids_shape[0].data_ptr() == ids.data_ptr()
+    assert by_ids_shape[1].dtype == torch.float64 and torch.equal(by_ids_shape[1], T.double())
+    row_stats = [t for t in saved if tuple(t.shape) == tuple(ids.shape[:-1])]
+    assert len(row_stats) == 2 and all(t.dtype == torch.float64 for t in row_stats)
     want_loss, *want = reference_grads(q, w.to(torch.bfloat16), k, ids, T, sm_scale=SM)
     assert abs(loss.item() - want_loss.item()) <= 1e-12 * abs(want_loss.item())
     loss.backward()
     for name, x, r in zip(NAMES, leaves, want):
-        assert_close_rms(name, x.grad, r, 1e-6, 1e-5)
+        assert x.grad.dtype == torch.float64
+        assert_close_rms(name, x.grad, r, 1e-12, 1e-12)
+    # the one call: a float64 loss and gradients from the library's fp64 forward
+    got = dt.indexer_kl_loss_and_grad(*(x.detach() for x in leaves), ids, T, sm_scale=SM)
+    assert all(t.dtype == torch.float64 for t in got)
+    assert abs(got[0].item() - want_loss.item()) <= 1e-12 * abs(want_loss.item())
+    for name, d, r in zip(NAMES, got[1:], want):
+        assert_close_rms(name, d, r, 1e-12, 1e-12)
 
 
 @pytest.mark.parametrize("layout", ["bshd", "thd"])

@@ -6,7 +6,7 @@ DSAIB_PY_SELF_CHECK), in a child process so that a crash is seen, not suffered.
 The child imports torch first when this Python has it (as users and the
 package's tests do), then the freshly built module from its build directory,
 and checks that these calls raise ValueError with exactly the expected message:
-  1. ``_dsaib.empty((2,), "f64", "cpu")``: a dsaib::Error thrown in the
+  1. ``_dsaib.empty((2,), "f16", "cpu")``: a dsaib::Error thrown in the
      extension's own code;
   2. ``_dsaib.indexer_backward(...)`` on tiny valid cpu arrays (standard-library
      ``array`` buffers, no numpy) with ``normalization_count=-1``: a dsaib::Error
@@ -110,7 +110,8 @@ args = dict(index_q=buf("H", [B, S, H, D]), weights=buf("f", [B, S, H]), index_k
             grad_loss_device=None, normalization_count=-1, strict_indices=False, deterministic=False, stream=0,
             num_threads=1, workspace=None, uint16_as_bf16=True, out_uint16_as_bf16=True)
 NORMALIZATION = "normalization_count: expected >= 0 (0 = number of query tokens), got -1"
-expect_value_error("extension", 'dtype: expected "f32" or "bf16", got "f64"', lambda: _dsaib.empty((2,), "f64", "cpu"))
+expect_value_error("extension", 'dtype: expected "f32", "bf16" or "f64", got "f16"',
+                   lambda: _dsaib.empty((2,), "f16", "cpu"))
 expect_value_error("library", NORMALIZATION, lambda: _dsaib.indexer_backward(**args))
 # That /opt/gcc build passed the two probes above and still crashed in
 # python/tests on a shape error raised after valid runs on the cpu backend's

@@ -77,9 +77,9 @@ ProblemGeometry validate_unguarded(const AttentionTargetInputs& in, const Attent
   // Each tensor.
   check_tensor(in.query, {"query", {DType::bf16}, 4 - r}, device, device_index);
   check_tensor(in.kv, {"kv", {DType::bf16}, 3 - r}, device, device_index);
-  check_tensor(in.lse, {"lse", {DType::f32}, 3 - r}, device, device_index);
+  check_tensor(in.lse, {"lse", {DType::f32}, 3 - r, true}, device, device_index);
   check_tensor(in.topk_indices, {"topk_indices", {DType::i32}, 3 - r}, device, device_index);
-  if (out) check_tensor(out->attn_score, {"attn_score", {DType::f32}, 3 - r}, device, device_index);
+  if (out) check_tensor(out->attn_score, {"attn_score", {DType::f32}, 3 - r, true}, device, device_index);
   if (thd) {
     check_tensor(in.cu_seqlens_q, {"cu_seqlens_q", {DType::i32}, 1}, device, device_index);
     check_tensor(in.cu_seqlens_k, {"cu_seqlens_k", {DType::i32}, 1}, device, device_index);

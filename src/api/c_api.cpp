@@ -59,9 +59,9 @@ void check_enums(const dsaib_tensor& t, const char* name) {
     throw dsaib::Error(dsaib::ErrorCode::invalid_argument, name,
                        std::string(name) + ": expected rank 0..4, got " + std::to_string(t.rank));
   }
-  if (t.dtype < 0 || t.dtype > 2) {
+  if (t.dtype < 0 || t.dtype > 3) {
     throw dsaib::Error(dsaib::ErrorCode::invalid_argument, name,
-                       std::string(name) + ": expected dtype 0 (bf16), 1 (f32) or 2 (i32), got " + std::to_string(t.dtype));
+                       std::string(name) + ": expected dtype 0 (bf16), 1 (f32), 2 (i32) or 3 (f64), got " + std::to_string(t.dtype));
   }
   if (t.device < 0 || t.device > 1) {
     throw dsaib::Error(dsaib::ErrorCode::invalid_argument, name,
@@ -212,9 +212,9 @@ dsaib_status dsaib_contiguous_tensor(dsaib_tensor* view, void* data, dsaib_dtype
   return guarded([&] {
     require(view, "view");
     if (rank > 0 && rank <= 4) require(shape, "shape");  // a bad rank is named first (contiguous_view)
-    if (static_cast<int32_t>(dtype) < 0 || static_cast<int32_t>(dtype) > 2) {
+    if (static_cast<int32_t>(dtype) < 0 || static_cast<int32_t>(dtype) > 3) {
       throw dsaib::Error(dsaib::ErrorCode::invalid_argument, "dtype",
-                         "dtype: expected 0 (bf16), 1 (f32) or 2 (i32), got " + std::to_string(static_cast<int32_t>(dtype)));
+                         "dtype: expected 0 (bf16), 1 (f32), 2 (i32) or 3 (f64), got " + std::to_string(static_cast<int32_t>(dtype)));
     }
     if (static_cast<int32_t>(device) < 0 || static_cast<int32_t>(device) > 1) {
       throw dsaib::Error(dsaib::ErrorCode::invalid_argument, "device",

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "api/cuda_backend.hpp"
+#include "core/element_access.hpp"
 #include "core/float_mode.hpp"
 #include "core/problem.hpp"
 #include "dsaib/indexer_kl_forward.hpp"
@@ -42,7 +43,7 @@ void indexer_kl_loss_and_grad(const IndexerBackwardInputs& inputs, const Indexer
     IndexerBackwardInputs in = inputs;
     in.index_score = {};
     detail::run_cpu_backend(in, {outputs.d_index_q, outputs.d_weights, outputs.d_index_k}, options, g, &stats);
-    *static_cast<float*>(outputs.loss.data) = static_cast<float>(fwd.loss);
+    detail::store_element(outputs.loss.dtype, outputs.loss.data, 0, fwd.loss);  // f32, or f64 unrounded
     return;
   }
   const std::size_t need = detail::cuda_kl_loss_and_grad_workspace_bytes(inputs, outputs, options, g);

@@ -28,11 +28,17 @@ inline double load_element(DType dtype, const void* base, int64_t offset) {
       std::memcpy(&i, p + offset * 4, 4);
       return i;
     }
+    case DType::f64: {
+      double d;
+      std::memcpy(&d, p + offset * 8, 8);
+      return d;
+    }
   }
   return 0;
 }
 
-/// bf16 and f32 round from double to nearest even, once; i32 truncates toward zero.
+/// bf16 and f32 round from double to nearest even, once; f64 stores the value
+/// unrounded; i32 truncates toward zero.
 inline void store_element(DType dtype, void* base, int64_t offset, double value) {
   char* p = static_cast<char*>(base);
   switch (dtype) {
@@ -49,6 +55,10 @@ inline void store_element(DType dtype, void* base, int64_t offset, double value)
     case DType::i32: {
       const int32_t i = static_cast<int32_t>(value);
       std::memcpy(p + offset * 4, &i, 4);
+      return;
+    }
+    case DType::f64: {
+      std::memcpy(p + offset * 8, &value, 8);
       return;
     }
   }

@@ -13,6 +13,7 @@ std::size_t dtype_size(DType dtype) {
     case DType::bf16: return 2;
     case DType::f32: return 4;
     case DType::i32: return 4;
+    case DType::f64: return 8;
   }
   return 0;
 }
@@ -22,6 +23,7 @@ const char* dtype_name(DType dtype) {
     case DType::bf16: return "bf16";
     case DType::f32: return "f32";
     case DType::i32: return "i32";
+    case DType::f64: return "f64";
   }
   return "unknown-dtype";
 }

@@ -31,9 +31,15 @@ std::string dtype_list(std::initializer_list<DType> dts) {
 void check_tensor(const TensorView& v, const TensorRule& rule, DeviceType device, int device_index) {
   const std::string name = rule.name;
   if (!v.present()) fail(name, "a tensor", "nothing (absent)");
-  if (std::find(rule.dtypes.begin(), rule.dtypes.end(), v.dtype) == rule.dtypes.end()) {
+  const bool f64_taken = rule.f64_on_cpu && device == DeviceType::cpu;
+  if (std::find(rule.dtypes.begin(), rule.dtypes.end(), v.dtype) == rule.dtypes.end() &&
+      !(f64_taken && v.dtype == DType::f64)) {
     const bool known = dtype_size(v.dtype) != 0;  // 0 for a value outside the enum
-    fail(name, "dtype " + dtype_list(rule.dtypes),
+    if (rule.f64_on_cpu && v.dtype == DType::f64) {
+      fail(name, "dtype " + dtype_list(rule.dtypes) + " on the cuda backend (f64 on the cpu backend only)",
+           "dtype f64");
+    }
+    fail(name, "dtype " + dtype_list(rule.dtypes) + (f64_taken ? " or f64" : ""),
          known ? std::string("dtype ") + dtype_name(v.dtype)
                : "an unknown DType value " + std::to_string(static_cast<int>(v.dtype)));
   }
@@ -368,10 +374,10 @@ ProblemGeometry validate_problem_unguarded(const IndexerBackwardInputs& in, cons
   const int r = thd ? 1 : 0;  // rank offset: THD tensors have one dim fewer
 
   check_tensor(in.index_q, {"index_q", {DType::bf16}, 4 - r}, device, device_index);
-  check_tensor(in.weights, {"weights", {DType::bf16, DType::f32}, 3 - r}, device, device_index);
+  check_tensor(in.weights, {"weights", {DType::bf16, DType::f32}, 3 - r, true}, device, device_index);
   check_tensor(in.index_k, {"index_k", {DType::bf16}, 3 - r}, device, device_index);
   check_tensor(in.topk_indices, {"topk_indices", {DType::i32}, 3 - r}, device, device_index);
-  check_tensor(in.attn_score, {"attn_score", {DType::f32}, 3 - r}, device, device_index);
+  check_tensor(in.attn_score, {"attn_score", {DType::f32}, 3 - r, true}, device, device_index);
   // P in one of two forms: index_score, or the P-free row statistics.
   const bool p_free = !in.index_score.present();
   if (!p_free) {
@@ -382,17 +388,17 @@ ProblemGeometry validate_problem_unguarded(const IndexerBackwardInputs& in, cons
              "a tensor");
       }
     }
-    check_tensor(in.index_score, {"index_score", {DType::f32}, 3 - r}, device, device_index);
+    check_tensor(in.index_score, {"index_score", {DType::f32}, 3 - r, true}, device, device_index);
   } else if (!in.row_lse.present() && !in.row_target_mass.present()) {
     fail("index_score", "a tensor, or row_lse and row_target_mass instead (the P-free form)", "nothing (absent)");
   } else {
-    check_tensor(in.row_lse, {"row_lse", {DType::f32}, 2 - r}, device, device_index);
-    check_tensor(in.row_target_mass, {"row_target_mass", {DType::f32}, 2 - r}, device, device_index);
+    check_tensor(in.row_lse, {"row_lse", {DType::f32}, 2 - r, true}, device, device_index);
+    check_tensor(in.row_target_mass, {"row_target_mass", {DType::f32}, 2 - r, true}, device, device_index);
   }
   if (check_outputs) {
-    check_tensor(out.d_index_q, {"d_index_q", {DType::bf16, DType::f32}, 4 - r}, device, device_index);
-    check_tensor(out.d_weights, {"d_weights", {DType::bf16, DType::f32}, 3 - r}, device, device_index);
-    check_tensor(out.d_index_k, {"d_index_k", {DType::bf16, DType::f32}, 3 - r}, device, device_index);
+    check_tensor(out.d_index_q, {"d_index_q", {DType::bf16, DType::f32}, 4 - r, true}, device, device_index);
+    check_tensor(out.d_weights, {"d_weights", {DType::bf16, DType::f32}, 3 - r, true}, device, device_index);
+    check_tensor(out.d_index_k, {"d_index_k", {DType::bf16, DType::f32}, 3 - r, true}, device, device_index);
   }
 
   // cu_seqlens views are checked here, before anything (the overlap test below)
@@ -585,7 +591,7 @@ ProblemGeometry validate_kl_loss_and_grad_problem(const IndexerBackwardInputs& i
         const IndexerBackwardOutputs gradients{out.d_index_q, out.d_weights, out.d_index_k};
         ProblemGeometry g = validate_problem_unguarded(with_target, gradients, opt, copy_to_host, true, stream_capturing);
         const DeviceType device = opt.backend == Backend::cpu ? DeviceType::cpu : DeviceType::cuda;
-        check_tensor(out.loss, {"loss", {DType::f32}, 0}, device, in.index_q.device_index);
+        check_tensor(out.loss, {"loss", {DType::f32}, 0, true}, device, in.index_q.device_index);
         const TensorView* others[] = {&out.d_index_q,  &out.d_weights,    &out.d_index_k,    &in.index_q,
                                       &in.weights,     &in.index_k,       &in.topk_indices,  &in.attn_score,
                                       &in.cu_seqlens_q, &in.cu_seqlens_k};
@@ -628,11 +634,11 @@ ProblemGeometry validate_kl_forward_problem(const IndexerBackwardInputs& in, con
         const DeviceType device = opt.backend == Backend::cpu ? DeviceType::cpu : DeviceType::cuda;
         const int device_index = in.index_q.device_index;
         const bool thd = opt.layout == Layout::thd;
-        check_tensor(out.loss, {"loss", {DType::f32}, 0}, device, device_index);
-        check_tensor(out.row_lse, {"row_lse", {DType::f32}, thd ? 1 : 2}, device, device_index);
-        check_tensor(out.row_target_mass, {"row_target_mass", {DType::f32}, thd ? 1 : 2}, device, device_index);
+        check_tensor(out.loss, {"loss", {DType::f32}, 0, true}, device, device_index);
+        check_tensor(out.row_lse, {"row_lse", {DType::f32}, thd ? 1 : 2, true}, device, device_index);
+        check_tensor(out.row_target_mass, {"row_target_mass", {DType::f32}, thd ? 1 : 2, true}, device, device_index);
         if (out.index_score.present()) {
-          check_tensor(out.index_score, {"index_score", {DType::f32}, thd ? 2 : 3}, device, device_index);
+          check_tensor(out.index_score, {"index_score", {DType::f32}, thd ? 2 : 3, true}, device, device_index);
         }
         if (thd) {
           check_shape(out.row_lse, "row_lse", {g.num_q_rows}, "(T_q)");

@@ -17,11 +17,15 @@ namespace dsaib::detail {
 
 struct TensorRule {
   const char* name;
-  std::initializer_list<DType> dtypes;
+  std::initializer_list<DType> dtypes;  ///< on every backend
   int rank;
+  /// f64 is taken too on the cpu backend (its fp64 results written unrounded,
+  /// or fp64 values read as they are); the cuda backend refuses it by name.
+  bool f64_on_cpu = false;
 };
 
-/// Checks presence, dtype, rank, non-negative sizes and strides, an addressable
+/// Checks presence, dtype (`rule.dtypes`, and f64 on the cpu backend when
+/// `rule.f64_on_cpu`), rank, non-negative sizes and strides, an addressable
 /// extent, null and misaligned pointers, and the device (cuda: `device_index`).
 void check_tensor(const TensorView& v, const TensorRule& rule, DeviceType device, int device_index);
 

@@ -74,7 +74,7 @@ void target_row(const AttentionTargetInputs& in, const AttentionTargetOptions& o
       const double* qh = &s.q[h * D];
       double dot = 0.0;
       for (int64_t d = 0; d < D; ++d) dot += qh[d] * s.kv[d];
-      const double l = load_element(DType::f32, lse.data, lse_row + h * lse_hs);
+      const double l = load_element(lse.dtype, lse.data, lse_row + h * lse_hs);
       u += base2 ? std::exp2(scale * dot - l) : std::exp(scale * dot - l);
     }
     t[i] = u;
@@ -113,7 +113,7 @@ void run_cpu_attention_target(const AttentionTargetInputs& in, const AttentionTa
   parallel_for(threads, g.num_q_rows, 16, [&](int64_t r, int tid) {
     double* t = rows[tid].data();
     target_row(in, opt, g, r, scratch[tid], t);
-    for (int64_t i = 0; i < K; ++i) store_element(DType::f32, out.attn_score.data, r * K + i, t[i]);
+    for (int64_t i = 0; i < K; ++i) store_element(out.attn_score.dtype, out.attn_score.data, r * K + i, t[i]);
   });
 }
 

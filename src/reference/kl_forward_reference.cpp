@@ -3,7 +3,8 @@
 // Per query row, over its valid slots: the logits z (reference_index_logits),
 // LSE = zmax + log sum exp(z - zmax), P = exp(z - LSE) and the loss term
 // sum T~ log(max(P, eps)). The statistics of the P-free backward use the LSE
-// as written (rounded to f32 by the cpu backend, exact in the fp64 reference):
+// as written (rounded to f32 by the cpu backend into an f32 row_lse, exact in
+// an f64 row_lse and in the fp64 reference):
 // with Pb = exp(z - LSE_written), as that backward rebuilds P, the target mass
 // is sum T~ [Pb >= eps] / sum Pb, so the backward's Pb G equals P G to
 // rounding (docs/kl-forward.md). Rows are independent (split over threads);
@@ -29,8 +30,9 @@ double slot_value(const TensorView& v, const ProblemGeometry& g, int64_t r, int6
   return load_element(v.dtype, v.data, row_offset(v, g.layout, r, g.s_q) + i * v.strides[g.layout == Layout::thd ? 1 : 2]);
 }
 
-/// `f32_lse`: the LSE is written in f32 (the cpu backend), so row_lse holds its
-/// f32 rounding and the target mass is divided by the sum of exp(z - that LSE).
+/// `f32_lse`: the LSE is written in f32 (the cpu backend's f32 row_lse), so
+/// row_lse holds its f32 rounding and the target mass is divided by the sum of
+/// exp(z - that LSE).
 ReferenceKLForward compute_forward(const IndexerBackwardInputs& in, const IndexerBackwardOptions& opt,
                                    const ProblemGeometry& g, bool f32_lse) {
   // reference_index_logits takes the backward's inputs: attn_score stands in
@@ -102,16 +104,18 @@ ReferenceKLForward compute_forward(const IndexerBackwardInputs& in, const Indexe
 void run_cpu_kl_forward(const IndexerBackwardInputs& in, const IndexerKLForwardOutputs& out,
                         const IndexerBackwardOptions& opt, const ProblemGeometry& g) {
   const IeeeSubnormalsScope ieee;  // the caller's FTZ/DAZ would read subnormals as 0 (float_mode.hpp)
-  const ReferenceKLForward ref = compute_forward(in, opt, g, /*f32_lse=*/true);
-  // Outputs are contiguous (validated), so flat element e is offset e.
-  store_element(DType::f32, out.loss.data, 0, ref.loss);
+  // An f64 row_lse holds the LSE unrounded: the target mass is then the fp64 reference's.
+  const ReferenceKLForward ref = compute_forward(in, opt, g, /*f32_lse=*/out.row_lse.dtype != DType::f64);
+  // Outputs are contiguous (validated), so flat element e is offset e; each is
+  // written in its own dtype (f32, or f64 unrounded).
+  store_element(out.loss.dtype, out.loss.data, 0, ref.loss);
   for (int64_t r = 0; r < g.num_q_rows; ++r) {
-    store_element(DType::f32, out.row_lse.data, r, ref.row_lse[r]);
-    store_element(DType::f32, out.row_target_mass.data, r, ref.row_target_mass[r]);
+    store_element(out.row_lse.dtype, out.row_lse.data, r, ref.row_lse[r]);
+    store_element(out.row_target_mass.dtype, out.row_target_mass.data, r, ref.row_target_mass[r]);
   }
   if (out.index_score.present()) {
     for (size_t e = 0; e < ref.index_score.size(); ++e) {
-      store_element(DType::f32, out.index_score.data, static_cast<int64_t>(e), ref.index_score[e]);
+      store_element(out.index_score.dtype, out.index_score.data, static_cast<int64_t>(e), ref.index_score[e]);
     }
   }
 }

@@ -288,7 +288,7 @@ std::vector<ErrorCase> error_cases() {
       {"query_rank_thd", T, [](Call& c) { c.in.query.rank = 2; }, "query", "expected rank 3"},
       {"kv_dtype", S, [](Call& c) { c.in.kv.dtype = DType::f32; }, "kv", "dtype bf16"},
       {"kv_absent", T, [](Call& c) { c.in.kv = {}; }, "kv", "expected a tensor"},
-      {"lse_dtype", S, [](Call& c) { c.in.lse.dtype = DType::bf16; }, "lse", "expected dtype f32, got dtype bf16"},
+      {"lse_dtype", S, [](Call& c) { c.in.lse.dtype = DType::bf16; }, "lse", "expected dtype f32 or f64, got dtype bf16"},
       {"lse_rank", T, [](Call& c) { c.in.lse.rank = 3; }, "lse", "expected rank 2"},
       {"ids_dtype", S, [](Call& c) { c.in.topk_indices.dtype = DType::f32; }, "topk_indices", "dtype i32"},
       {"attn_score_absent", S, [](Call& c) { c.out.attn_score = {}; }, "attn_score", "expected a tensor"},

@@ -10,6 +10,7 @@
 
 #include "dsaib/attention_target.hpp"
 #include "dsaib/dsaib.h"
+#include "dsaib/reference.hpp"
 #include "support/attention_target_check.hpp"
 #include "support/test_support.hpp"
 
@@ -101,7 +102,7 @@ TEST(CApi, ContiguousTensor) {
   dsaib_tensor before;
   std::memcpy(&before, &t, sizeof t);
   EXPECT_EQ(dsaib_contiguous_tensor(&t, buf, static_cast<dsaib_dtype>(42), shape, 3, DSAIB_CPU, 0), DSAIB_INVALID_ARGUMENT);
-  EXPECT_STREQ(dsaib_last_error(), "dtype: expected 0 (bf16), 1 (f32) or 2 (i32), got 42");
+  EXPECT_STREQ(dsaib_last_error(), "dtype: expected 0 (bf16), 1 (f32), 2 (i32) or 3 (f64), got 42");
   EXPECT_EQ(dsaib_contiguous_tensor(&t, buf, DSAIB_F32, shape, 3, static_cast<dsaib_device>(-1), 0), DSAIB_INVALID_ARGUMENT);
   EXPECT_STREQ(dsaib_last_error(), "device: expected 0 (cpu) or 1 (cuda), got -1");
   const int64_t negative[3] = {2, -3, 4};
@@ -143,6 +144,39 @@ TEST(CApi, SuccessMatchesCppAndClearsLastError) {
   }
 }
 
+// DSAIB_F64: the cpu backend writes its fp64 results unrounded (the reference's
+// values bitwise); the dtype values of dsaib.h are those of dsaib::DType.
+TEST(CApi, F64OutputsHoldTheFp64Reference) {
+  EXPECT_EQ(DSAIB_BF16, static_cast<int>(DType::bf16));
+  EXPECT_EQ(DSAIB_F32, static_cast<int>(DType::f32));
+  EXPECT_EQ(DSAIB_I32, static_cast<int>(DType::i32));
+  EXPECT_EQ(DSAIB_F64, static_cast<int>(DType::f64));
+  for (Layout layout : {Layout::bshd, Layout::thd}) {
+    CProblem c(layout);
+    OutputBuffers o = make_outputs(c.p, DType::f64, DType::f64, DType::f64);
+    poison(o);
+    HostTensor* outs[] = {&o.d_index_q, &o.d_weights, &o.d_index_k};
+    dsaib_tensor* views[] = {&c.out.d_index_q, &c.out.d_weights, &c.out.d_index_k};
+    for (int i = 0; i < 3; ++i) {
+      ASSERT_EQ(dsaib_contiguous_tensor(views[i], outs[i]->bytes.data(), DSAIB_F64, outs[i]->shape.data(),
+                                        static_cast<int32_t>(outs[i]->shape.size()), DSAIB_CPU, 0),
+                DSAIB_OK)
+          << dsaib_last_error();
+    }
+    ASSERT_EQ(dsaib_indexer_backward(&c.in, &c.out, &c.opt, nullptr, 0), DSAIB_OK) << dsaib_last_error();
+    const ReferenceGradients ref = reference_backward(c.p.inputs(), c.p.options());
+    const std::vector<double>* want[] = {&ref.d_index_q, &ref.d_weights, &ref.d_index_k};
+    for (int i = 0; i < 3; ++i) {
+      ASSERT_EQ(static_cast<size_t>(outs[i]->numel()), want[i]->size());
+      EXPECT_EQ(std::memcmp(outs[i]->bytes.data(), want[i]->data(), want[i]->size() * 8), 0) << i;
+    }
+    // A dtype the cpu backend does not take: its message lists f64 among those it does.
+    c.out.d_index_q.dtype = DSAIB_I32;
+    EXPECT_EQ(dsaib_indexer_backward(&c.in, &c.out, &c.opt, nullptr, 0), DSAIB_INVALID_ARGUMENT);
+    EXPECT_STREQ(dsaib_last_error(), "d_index_q: expected dtype bf16 or f32 or f64, got dtype i32");
+  }
+}
+
 struct CFailure {
   const char* name;
   dsaib_status status;
@@ -154,7 +188,7 @@ TEST(CApi, FailuresReportStatusAndMessageAndTouchNothing) {
   const CFailure failures[] = {
       {"wrong dtype", DSAIB_INVALID_ARGUMENT, "index_q: expected dtype bf16",
        [](CProblem& c) { c.in.index_q.dtype = DSAIB_F32; }},
-      {"dtype enum", DSAIB_INVALID_ARGUMENT, "weights: expected dtype 0 (bf16), 1 (f32) or 2 (i32), got 9",
+      {"dtype enum", DSAIB_INVALID_ARGUMENT, "weights: expected dtype 0 (bf16), 1 (f32), 2 (i32) or 3 (f64), got 9",
        [](CProblem& c) { c.in.weights.dtype = 9; }},
       {"rank enum", DSAIB_INVALID_ARGUMENT, "index_k: expected rank 0..4, got 7", [](CProblem& c) { c.in.index_k.rank = 7; }},
       {"device enum", DSAIB_INVALID_ARGUMENT, "d_index_k: expected device 0 (cpu) or 1 (cuda), got 3",
@@ -303,7 +337,7 @@ TEST(CApi, AttentionTargetFailures) {
   const TargetFailure failures[] = {
       {"query dtype", DSAIB_INVALID_ARGUMENT, "query: expected dtype bf16, got dtype f32",
        [](CTarget& c) { c.in.query.dtype = DSAIB_F32; }},
-      {"dtype enum", DSAIB_INVALID_ARGUMENT, "lse: expected dtype 0 (bf16), 1 (f32) or 2 (i32), got 9",
+      {"dtype enum", DSAIB_INVALID_ARGUMENT, "lse: expected dtype 0 (bf16), 1 (f32), 2 (i32) or 3 (f64), got 9",
        [](CTarget& c) { c.in.lse.dtype = 9; }},
       {"rank enum", DSAIB_INVALID_ARGUMENT, "attn_score: expected rank 0..4, got 7",
        [](CTarget& c) { c.c_out.attn_score.rank = 7; }},

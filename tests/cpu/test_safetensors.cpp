@@ -146,6 +146,7 @@ TEST(Safetensors, RoundTripEveryDtypeAndMetadata) {
   tensors["e_empty"] = HostTensor(DType::bf16, {0, 5});
   tensors["f_odd"] = random_tensor(DType::bf16, {3}, 5);  // 6 bytes: later tensors are unaligned
   tensors["g_after_odd"] = random_tensor(DType::i32, {1, 2, 3}, 6);
+  tensors["h_f64"] = random_tensor(DType::f64, {2, 3}, 7);  // after the odd tensor: unaligned in the file
   const std::map<std::string, std::string> meta = {{"sm_scale", "0.088388"}, {"layout", "bshd"}, {"empty", ""}};
   const std::string path = temp_path("roundtrip.safetensors");
   dsaib::write_safetensors(path, tensors, meta);
@@ -192,6 +193,7 @@ TEST(Safetensors, ReadsForeignLayoutAndDtypeNames) {
   EXPECT_STREQ(dsaib::safetensors_dtype_name(DType::bf16), "BF16");
   EXPECT_STREQ(dsaib::safetensors_dtype_name(DType::f32), "F32");
   EXPECT_STREQ(dsaib::safetensors_dtype_name(DType::i32), "I32");
+  EXPECT_STREQ(dsaib::safetensors_dtype_name(DType::f64), "F64");
 }
 
 TEST(Safetensors, MissingFileAndDirectory) {
@@ -369,10 +371,10 @@ TEST(Safetensors, FileStringsInErrorsAreBoundedAndKeepTheirEnd) {
   } catch (const dsaib::Error& e) {
     EXPECT_EQ(e.code(), dsaib::ErrorCode::io_error);
     EXPECT_LT(std::string(e.what()).size(), 400u) << e.what();
-    EXPECT_NE(std::string(e.what()).find("...\" (supported: BF16, F32, I32)"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("...\" (supported: BF16, F32, I32, F64)"), std::string::npos) << e.what();
   }
   write_bytes(path, make_file(R"({"x":{"dtype":"F32\u0000","shape":[1],"data_offsets":[0,4]}})", d));
-  expect_io_error(path, {"unknown dtype \"F32\\0\" (supported: BF16, F32, I32)"});
+  expect_io_error(path, {"unknown dtype \"F32\\0\" (supported: BF16, F32, I32, F64)"});
   std::filesystem::remove(path);
 }
 
@@ -456,7 +458,7 @@ TEST(Safetensors, DeeplyNestedHundredMegabyteHeaderIsAnIoErrorInBoundedMemory) {
 TEST(Safetensors, WrongDtypeStrings) {
   const std::string d(4, '\0');
   expect_bad_header("dtype1.safetensors", R"({"x": {"dtype": "F17", "shape": [1], "data_offsets": [0, 4]}})", d,
-                    {"tensor 'x'", "unknown dtype \"F17\"", "BF16, F32, I32"});
+                    {"tensor 'x'", "unknown dtype \"F17\"", "BF16, F32, I32, F64"});
   expect_bad_header("dtype2.safetensors", R"({"x": {"dtype": "F16", "shape": [2], "data_offsets": [0, 4]}})", d,
                     {"tensor 'x'", "unsupported dtype F16"});
   expect_bad_header("dtype3.safetensors", R"({"x": {"dtype": "I64", "shape": [], "data_offsets": [0, 8]}})",
