@@ -472,8 +472,8 @@ def load_megatron_tilelang(site_dir, folder):
     copied from github.com/NVIDIA/Megatron-LM's
     megatron/core/transformer/experimental_attention_variant/ops/ into `folder` (they are not in
     any megatron-core release on PyPI, whose newest is 0.16.1). tilelang_utils imports
-    megatron.core.utils for one helper (round_up_to_nearest_multiple); without megatron-core
-    installed that module is given as a stub with that helper alone, which the two kernels
+    megatron.core.utils for one function (round_up_to_nearest_multiple); without megatron-core
+    installed that module is given as a stub with that function alone, which the two kernels
     used here never call. Returns (module, versions); raises with the reason."""
     import importlib.util
     import shutil
