@@ -44,6 +44,9 @@ struct AttentionTargetProducer {
   static constexpr int kBlock = Config::kBlockKeys;
   static constexpr int kN = Config::kHeadsPadded;
   static constexpr int kKeysPerThread = Config::kGatherKeysPerThread;  // 4
+  // Chunks whose ids a thread keeps in registers from before the Q stage's wait
+  // to pass 2 (topk up to 2048 loads its ids once per row; more chunks load again).
+  static constexpr int kRegChunks = 2;
   static_assert(kKeysPerThread == 4, "one int4 of key rows per thread and block");
 
   const AttentionTargetParams& tp;
@@ -55,23 +58,33 @@ struct AttentionTargetProducer {
                                                        *reinterpret_cast<Chunk*>(dst), pred);
   }
 
-  /// Key rows of this thread's slots of the chunk at chunk0 (-1: invalid or past topk).
-  __device__ void load_key_rows(int chunk0, const RowSequence& seq, const int32_t* ids, int32_t (&kr)[kPerThread]) const {
-    const IndexerBackwardParams& p = tp.in;
-    int32_t id[kPerThread];
+  /// Ids of this thread's slots of the chunk at chunk0 (-1 past topk): loads only.
+  __device__ void load_ids(int chunk0, const int32_t* ids, int32_t (&id)[kPerThread]) const {
 #pragma unroll
     for (int j = 0; j < kPerThread; ++j) {
       const int i = chunk0 + threadIdx.x + j * kThreads;
-      id[j] = i < p.topk ? ids[i] : -1;
+      id[j] = i < tp.in.topk ? ids[i] : -1;
     }
+  }
+  /// Ids to key rows in place (-1: invalid or past topk).
+  __device__ void to_key_rows(const RowSequence& seq, int32_t (&kr)[kPerThread]) const {
 #pragma unroll
-    for (int j = 0; j < kPerThread; ++j) kr[j] = static_cast<int32_t>(key_row_of(p, seq, id[j]));
+    for (int j = 0; j < kPerThread; ++j) kr[j] = static_cast<int32_t>(key_row_of(tp.in, seq, kr[j]));
+  }
+  /// Key rows of this thread's slots of the chunk at chunk0.
+  __device__ void load_key_rows(int chunk0, const RowSequence& seq, const int32_t* ids, int32_t (&kr)[kPerThread]) const {
+    load_ids(chunk0, ids, kr);
+    to_key_rows(seq, kr);
   }
 
-  /// Q rows of `row` into the L2 (the copies into shared memory then hit it).
-  __device__ void prefetch_q(int64_t row) const {
+  /// Q rows and ids of `row` into the L2 (the copies and loads then hit it).
+  __device__ void prefetch_row(int64_t row) const {
     const IndexerBackwardParams& p = tp.in;
     if (row >= p.num_tasks) return;
+    const int32_t* ids = p.topk_indices + batched_offset(row, p.q_rows_per_batch, p.ids_batch_stride, p.ids_row_stride);
+    for (int off = static_cast<int>(threadIdx.x) * 32; off < p.topk; off += kThreads * 32) {
+      asm volatile("prefetch.global.L2 [%0];\n" ::"l"(ids + off) : "memory");
+    }
     const char* q = reinterpret_cast<const char*>(
         p.index_q + batched_offset(row, p.q_rows_per_batch, p.q_batch_stride, p.q_row_stride));
     const uint32_t head_bytes = static_cast<uint32_t>(p.head_dim) * 2;  // a multiple of 128
@@ -97,12 +110,21 @@ struct AttentionTargetProducer {
     auto k_state = make_producer_start_state<Config::kStagesK>();
     auto q_state = make_producer_start_state<Config::kStagesQ>();
     uint32_t n = 0;  // rows so far (u_row's parity)
-    prefetch_q(blockIdx.x);
+    prefetch_row(blockIdx.x);
     for (int64_t row = blockIdx.x; row < p.num_tasks; row += gridDim.x, ++n) {
-      prefetch_q(row + gridDim.x);
+      prefetch_row(row + gridDim.x);
       const RowSequence seq = row_sequence(p, row);
       const int32_t* ids = p.topk_indices + batched_offset(row, p.q_rows_per_batch, p.ids_batch_stride, p.ids_row_stride);
       float* out = tp.attn_score + row * static_cast<int64_t>(p.topk);
+
+      // The ids of the row's first kRegChunks chunks, loaded before the Q stage's
+      // wait (their latency hides behind it) and kept for both passes.
+      int32_t kr_first[kRegChunks][kPerThread];
+#pragma unroll
+      for (int c = 0; c < kRegChunks; ++c) load_ids(c * Config::kSlotChunk, ids, kr_first[c]);
+#pragma unroll
+      for (int c = 0; c < kRegChunks; ++c) to_key_rows(seq, kr_first[c]);
+      const int num_chunks = (p.topk + Config::kSlotChunk - 1) / Config::kSlotChunk;
 
       // ---- Q, lse2
       const int qs = static_cast<int>(q_state.index);
@@ -133,9 +155,7 @@ struct AttentionTargetProducer {
       const float zero = tp.normalize ? -0.0f : 0.0f;
       float* u_row = ss.u_row[n & 1u];
       int num_blocks = 0;
-      for (int chunk0 = 0; chunk0 < p.topk; chunk0 += Config::kSlotChunk) {
-        int32_t kr[kPerThread];
-        load_key_rows(chunk0, seq, ids, kr);
+      auto pass1_chunk = [&](int chunk0, const int32_t (&kr)[kPerThread]) {
 #pragma unroll
         for (int j = 0; j < kPerThread; ++j) {
           const int i = chunk0 + tid + j * kThreads;
@@ -149,15 +169,22 @@ struct AttentionTargetProducer {
                                                                            [] { producer_sync<Config>(); });
         producer_sync<Config>();  // producer_scan_rows read by every thread before its next writes
         num_blocks += (chunk_valid + kBlock - 1) / kBlock;
+      };
+#pragma unroll
+      for (int c = 0; c < kRegChunks; ++c) {
+        if (c < num_chunks) pass1_chunk(c * Config::kSlotChunk, kr_first[c]);
+      }
+      for (int ci = kRegChunks; ci < num_chunks; ++ci) {
+        int32_t kr[kPerThread];
+        load_key_rows(ci * Config::kSlotChunk, seq, ids, kr);
+        pass1_chunk(ci * Config::kSlotChunk, kr);
       }
       if (tid == 0) ss.num_blocks[qs] = num_blocks;
       (void)cuda::ptx::mbarrier_arrive(&ss.q_full[qs]);  // lse2, num_blocks and the zeros above
       q_state.advance();
 
       // ---- pass 2 per chunk: the list, then its blocks, one stage per slice
-      for (int chunk0 = 0; chunk0 < p.topk; chunk0 += Config::kSlotChunk) {
-        int32_t kr[kPerThread];
-        load_key_rows(chunk0, seq, ids, kr);
+      auto pass2_chunk = [&](int chunk0, const int32_t (&kr)[kPerThread]) {
         int pos[kPerThread];
         // the previous chunk's list was fully read (the barrier after its blocks)
         const int chunk_valid = slot_list_positions<kThreads, kPerThread>(kr, pos, ss.producer_scan_rows, tid,
@@ -205,6 +232,15 @@ struct AttentionTargetProducer {
           }
         }
         producer_sync<Config>();  // every thread is done reading the list
+      };
+#pragma unroll
+      for (int c = 0; c < kRegChunks; ++c) {
+        if (c < num_chunks) pass2_chunk(c * Config::kSlotChunk, kr_first[c]);
+      }
+      for (int ci = kRegChunks; ci < num_chunks; ++ci) {
+        int32_t kr[kPerThread];
+        load_key_rows(ci * Config::kSlotChunk, seq, ids, kr);
+        pass2_chunk(ci * Config::kSlotChunk, kr);
       }
     }
   }
