@@ -73,15 +73,9 @@ struct AttentionTargetConsumer {
     uint32_t n = 0;  // rows so far
     for (int64_t row = blockIdx.x; row < p.num_tasks; row += gridDim.x, ++n) {
       const int qs = static_cast<int>(q_state.index);
-      target_wait(&ss.row_full[qs], q_state.phase, 2u);
+      target_wait(&ss.q_full[qs], q_state.phase, 2u);
+      cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);  // Q copies (generic proxy) before wgmma reads
       const int num_blocks = ss.num_blocks[qs];
-      // This consumer's last block of the row (-1: none): it frees the row's Q
-      // slices as its wgmma on each completes (with U in global memory).
-      const int last_blk = num_blocks > consumer
-                               ? consumer + ((num_blocks - 1 - consumer) / Config::kConsumers) * Config::kConsumers
-                               : -1;
-      const bool free_q_early = !tp.u_in_smem;
-      int q_waited = 0;  // Q slices of the row whose q_full this thread has waited for
       float lse2[kN / 4];  // head c0 + 8 * (k / 2) + k % 2
 #pragma unroll
       for (int k = 0; k < kN / 4; ++k) lse2[k] = ss.lse2[qs][c0 + 8 * (k / 2) + k % 2];
@@ -92,12 +86,8 @@ struct AttentionTargetConsumer {
         int prev = 0;  // the previous slice's stage
         for (int s = 0; s < ns; ++s) {
           const int ks = ring_base + static_cast<int>(st.index);
-          if (s >= q_waited) {  // the row's first block: Q slice s
-            target_wait(&ss.q_full[qs][s], q_state.phase, 2u);
-            q_waited = s + 1;
-          }
           target_wait(&ss.k_full[ks], st.phase, 1u);
-          cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);  // Q and kv copies before wgmma reads
+          cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);  // kv copies before wgmma reads
           if (s == 0) {
             slot0 = ss.key_slot[ks][r0];
             slot1 = ss.key_slot[ks][r0 + 8];
@@ -113,17 +103,13 @@ struct AttentionTargetConsumer {
           warpgroup_commit_batch();
           warpgroup_fence_operand(acc);
           warpgroup_wait<1>();  // the previous slice's group has read its stage
-          if (s > 0) {
-            (void)cuda::ptx::mbarrier_arrive(&ss.k_empty[prev]);
-            if (free_q_early && blk == last_blk) (void)cuda::ptx::mbarrier_arrive(&ss.q_empty[qs][s - 1]);
-          }
+          if (s > 0) (void)cuda::ptx::mbarrier_arrive(&ss.k_empty[prev]);
           prev = ks;
           st.advance();
         }
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc);
         (void)cuda::ptx::mbarrier_arrive(&ss.k_empty[prev]);
-        if (free_q_early && blk == last_blk) (void)cuda::ptx::mbarrier_arrive(&ss.q_empty[qs][ns - 1]);
 
         // U of the thread's two keys: its columns (two partial sums each, fixed
         // order), then the quad (lanes with the same lane / 4 hold the same keys).
@@ -151,20 +137,11 @@ struct AttentionTargetConsumer {
           }
         }
       }
-      // Every Q slice's q_full is waited for once per row (a consumer without a
-      // block waits here), so that no wait runs a phase ahead of its barrier.
-      for (int j = q_waited; j < ns; ++j) target_wait(&ss.q_full[qs][j], q_state.phase, 2u);
-      // The row's Q slices not yet freed: all of them without a block of this
-      // consumer; with U in shared memory, all of them after the final pass, which
-      // reads u_row of the row's parity (freed with slice 0).
-      auto free_q = [&] {
-        for (int j = 0; j < ns; ++j) (void)cuda::ptx::mbarrier_arrive(&ss.q_empty[qs][j]);
-      };
       if (tp.u_in_smem) {
         final_pass(row, row_sum, n, consumer, ctid, lane, warp, ss.u_row[n & 1u]);
-        free_q();
+        (void)cuda::ptx::mbarrier_arrive(&ss.q_empty[qs]);  // and the final pass read u_row[n & 1]
       } else {
-        if (last_blk < 0) free_q();
+        (void)cuda::ptx::mbarrier_arrive(&ss.q_empty[qs]);  // last wgmma on q[qs] waited for; lse2 / num_blocks read
         if (tp.normalize) {
           final_pass(row, row_sum, n, consumer, ctid, lane, warp, tp.attn_score + row * static_cast<int64_t>(p.topk));
         }
@@ -223,11 +200,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       cuda::ptx::mbarrier_init(&ss.k_empty[s], Config::kThreadsPerWarpgroup);
     }
     for (int s = 0; s < Config::kStagesQ; ++s) {
-      cuda::ptx::mbarrier_init(&ss.row_full[s], Config::kProducerThreads);
-      for (int j = 0; j < Config::kMaxSlices; ++j) {
-        cuda::ptx::mbarrier_init(&ss.q_full[s][j], Config::kProducerThreads);
-        cuda::ptx::mbarrier_init(&ss.q_empty[s][j], Config::kConsumerThreads);
-      }
+      cuda::ptx::mbarrier_init(&ss.q_full[s], 2 * Config::kProducerThreads);
+      cuda::ptx::mbarrier_init(&ss.q_empty[s], Config::kConsumerThreads);
     }
   }
   init_barriers_fence_and_sync();

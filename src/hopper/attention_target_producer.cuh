@@ -1,13 +1,13 @@
 // The attention target's producer (warpgroup 0, 128 threads). Per row:
-//   1. lse2 (lse in base 2, +inf for padded heads) into the row's Q stage;
+//   1. Q of the row (every head, zero rows for padded heads) into its Q stage
+//      with cp.async, and lse2 (lse in base 2, +inf for padded heads);
 //   2. pass 1 over the row's slots in chunks of kSlotChunk: the valid slots of
 //      each chunk (id in the row's sequence), hence the row's blocks, and the
 //      output's zeros at invalid slots;
 //   3. pass 2 per chunk: the compacted list of valid slots (slot order), then
 //      per block of 64 keys and per 64-dim slice one K stage: the keys' kv rows
 //      copied with cp.async (tail entries zero-filled), and on the block's first
-//      slice the keys' slots; before the row's first K stage of slice j, slice j
-//      of the row's Q (every head, zero rows for padded heads).
+//      slice the keys' slots.
 // Copies complete on the stage's mbarrier (cp.async.mbarrier.arrive.noinc):
 // the producer never waits for its own copies, only for free stages.
 #pragma once
@@ -105,6 +105,7 @@ struct AttentionTargetProducer {
     // 128-byte key slices.
     const int gather_col = (tid % 8) * 8;
     const int gather_key0 = (tid / 8) * kKeysPerThread;
+    const int q_chunks_per_head = 8 * ns;
 
     // one ring per consumer: the row's block g goes to ring g % 2
     auto ring0 = make_producer_start_state<Config::kStagesPerConsumer>();
@@ -127,23 +128,18 @@ struct AttentionTargetProducer {
       for (int c = 0; c < kRegChunks; ++c) to_key_rows(seq, kr_first[c]);
       const int num_chunks = (p.topk + Config::kSlotChunk - 1) / Config::kSlotChunk;
 
-      // ---- the row's data in Q stage qs (slice 0's q_empty frees it), lse2
+      // ---- Q, lse2
       const int qs = static_cast<int>(q_state.index);
-      target_wait(&ss.q_empty[qs][0], q_state.phase, 4u);
+      target_wait(&ss.q_empty[qs], q_state.phase, 4u);
       const uint16_t* q_row = p.index_q + batched_offset(row, p.q_rows_per_batch, p.q_batch_stride, p.q_row_stride);
-      // Q slice j (dims 64 j .. 64 j + 63 of every head; padded heads zero-filled,
-      // nothing read), copied just before the row's first K stage of slice j
-      int q_issued = 0;
-      auto issue_q_slice = [&](int j) {
-        if (j > 0) target_wait(&ss.q_empty[qs][j], q_state.phase, 4u);
-        for (int chunk = tid; chunk < kN * 8; chunk += kThreads) {
-          const int h = chunk / 8, col = (chunk % 8) * 8;
-          const bool in_range = h < p.heads;
-          const uint16_t* src = in_range ? q_row + h * p.q_head_stride + j * 64 + col : p.index_q;
-          copy16(src, &sQ(h, col, qs * Config::kMaxSlices + j), in_range);
-        }
-        cp_async_arrive_noinc(&ss.q_full[qs][j]);
-      };
+      for (int chunk = tid; chunk < kN * q_chunks_per_head; chunk += kThreads) {
+        const int h = chunk / q_chunks_per_head, c = chunk % q_chunks_per_head;
+        const int s = c / 8, col = (c % 8) * 8;
+        const bool in_range = h < p.heads;  // padded heads: zero-filled, nothing read
+        const uint16_t* src = in_range ? q_row + h * p.q_head_stride + s * 64 + col : p.index_q;
+        copy16(src, &sQ(h, col, qs * Config::kMaxSlices + s), in_range);
+      }
+      cp_async_arrive_noinc(&ss.q_full[qs]);
       if (tid < kN) {
         float l2 = INFINITY;
         if (tid < p.heads) {
@@ -186,7 +182,8 @@ struct AttentionTargetProducer {
         pass1_chunk(ci * Config::kSlotChunk, kr);
       }
       if (tid == 0) ss.num_blocks[qs] = num_blocks;
-      (void)cuda::ptx::mbarrier_arrive(&ss.row_full[qs]);  // lse2, num_blocks and the zeros above
+      (void)cuda::ptx::mbarrier_arrive(&ss.q_full[qs]);  // lse2, num_blocks and the zeros above
+      q_state.advance();
 
       // ---- pass 2 per chunk: the list, then its blocks, one stage per slice; the
       //      row's block g goes to consumer g % 2's ring, and two consecutive blocks
@@ -247,7 +244,6 @@ struct AttentionTargetProducer {
             st.advance();
           };
           for (int s = 0; s < ns; ++s) {
-            while (q_issued <= s) issue_q_slice(q_issued++);
 #pragma unroll
             for (int b = 0; b < 2; ++b) {
               if (b < pair) {
@@ -269,8 +265,6 @@ struct AttentionTargetProducer {
         load_key_rows(ci * Config::kSlotChunk, seq, ids, kr);
         pass2_chunk(ci * Config::kSlotChunk, kr);
       }
-      while (q_issued < ns) issue_q_slice(q_issued++);  // a row with fewer blocks' slices (or none)
-      q_state.advance();
     }
   }
 };

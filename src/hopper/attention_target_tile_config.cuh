@@ -134,9 +134,9 @@ struct AttentionTargetStorage {
   //      next row's are written after the next barrier's... so two rows' worth)
   float row_part[2][Config::kConsumers][Config::kThreadsPerWarpgroup / 32];
   // ---- U of two rows by row parity (Config::kSmemTopk > 0, normalize, topk <= kSmemTopk):
-  //      the producer's -0 at invalid slots (published by row_full), the consumers' U at
+  //      the producer's -0 at invalid slots (published by q_full), the consumers' U at
   //      valid slots (ordered for the final pass by kTargetConsumerSync); row n's buffer
-  //      is rewritten by the producer for row n + 2 after q_empty[.][0] of row n, which the
+  //      is rewritten by the producer for row n + 2 after q_empty of row n, which the
   //      consumers then arrive on after their final pass of row n
   float u_row[2][Config::kSmemTopk > 0 ? Config::kSmemTopk : 1];
 
@@ -159,37 +159,24 @@ struct AttentionTargetStorage {
   //   waiters      : the 128 producer threads (producer phase, starts at 1)
   uint64_t k_full[kStagesK];
   uint64_t k_empty[kStagesK];
-  // row_full[s]  "Q stage s's row: lse2, num_blocks and the zeros are written"
-  //   arrive count : kProducerThreads (128): each producer thread after its lse2 /
-  //                  num_blocks stores and its stores of the row's zeros at invalid
-  //                  slots (attn_score, or u_row when U stays in shared memory)
-  //   waiters      : all 256 consumer threads, once per row
-  //   publishes    : lse2[s][*], num_blocks[s], the row's zeros
-  //   reuse        : rewritten for the row kStagesQ on after q_empty[s][0] (every
-  //                  consumer read them at its row's start, before any q_empty arrival)
-  // q_full[s][j]  "slice j of Q stage s holds the row's query (dims 64 j .. 64 j + 63)"
-  //   arrive count : kProducerThreads (128): per producer thread one
-  //                  cp.async.mbarrier.arrive.noinc, arriving when its copies of the
-  //                  slice (zero-fill included) have landed
-  //   waiters      : every consumer thread, exactly once per row and slice j < Dqk / 64
-  //                  (before its first wgmma on the slice, or before its q_empty
-  //                  arrival when it has no block), then fence.proxy.async.shared::cta
-  //   publishes    : q[s] slice j
-  // q_empty[s][j] "slice j of Q stage s may be overwritten"
+  // q_full[s]   "Q stage s holds the row's query, lse2 and num_blocks"
+  //   arrive count : 2 * kProducerThreads (256): per producer thread one
+  //                  cp.async.mbarrier.arrive.noinc (its Q copies landed) and one
+  //                  mbarrier.arrive after its lse2 / num_blocks stores and its
+  //                  stores of the row's zeros at invalid slots (attn_score, or
+  //                  u_row when U stays in shared memory)
+  //   waiters      : all 256 consumer threads, then fence.proxy.async.shared::cta
+  //   publishes    : q[s] (every slice), lse2[s][*], num_blocks[s], and the row's
+  //                  zeros (the consumers' final pass reads them)
+  // q_empty[s]  "Q stage s (and, U in shared memory, u_row of the row's parity) may be overwritten"
   //   arrive count : kConsumerThreads (256)
-  //   who arrives  : every consumer thread once per row: in its last block of the row
-  //                  after the warpgroup_wait that completes its wgmma on slice j; a
-  //                  consumer without a block at the row's end; with U in shared
-  //                  memory, after its reads of u_row in the row's final pass
-  //   waiters      : the 128 producer threads (producer phase, starts at 1), once per
-  //                  row and slice; slice 0's wait also frees the stage's row data
-  //                  (lse2, num_blocks, u_row of the row's parity)
-  // The producer copies slice j of a row's Q just before the row's first K stage of
-  // slice j: the next row's Q streams in behind the last blocks of the row before,
-  // slice by slice, also with one Q stage.
-  uint64_t row_full[kStagesQ];
-  uint64_t q_full[kStagesQ][Config::kMaxSlices];
-  uint64_t q_empty[kStagesQ][Config::kMaxSlices];
+  //   who arrives  : every consumer thread after the warpgroup_wait<0> of its last
+  //                  block of the row (or at once without a block) and its reads
+  //                  of lse2[s] / num_blocks[s] (at the row's start); with U in
+  //                  shared memory, after its reads of u_row in the row's final pass
+  //   waiters      : the 128 producer threads (producer phase, starts at 1)
+  uint64_t q_full[kStagesQ];
+  uint64_t q_empty[kStagesQ];
 };
 
 /// The kernel's mbarrier waits give up after this much wall time (%globaltimer,
