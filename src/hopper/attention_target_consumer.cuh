@@ -102,15 +102,9 @@ struct AttentionTargetConsumer {
           }
           warpgroup_commit_batch();
           warpgroup_fence_operand(acc);
-          if constexpr (Config::kConsumerLookahead == 1) {
-            warpgroup_wait<1>();  // the previous slice's group has read its stage
-            if (s > 0) (void)cuda::ptx::mbarrier_arrive(&ss.k_empty[prev]);
-            prev = ks;
-          } else {
-            warpgroup_wait<0>();  // this slice's group has read its stage
-            if (s + 1 < ns) (void)cuda::ptx::mbarrier_arrive(&ss.k_empty[ks]);
-            prev = ks;
-          }
+          warpgroup_wait<1>();  // the previous slice's group has read its stage
+          if (s > 0) (void)cuda::ptx::mbarrier_arrive(&ss.k_empty[prev]);
+          prev = ks;
           st.advance();
         }
         warpgroup_wait<0>();
@@ -202,7 +196,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   Storage& ss = *reinterpret_cast<Storage*>(base);
   if (threadIdx.x == 0) {
     for (int s = 0; s < Config::kStagesK; ++s) {
-      cuda::ptx::mbarrier_init(&ss.k_full[s], Config::kProducerThreads);
+      cuda::ptx::mbarrier_init(&ss.k_full[s], 2 * Config::kProducerThreads);
       cuda::ptx::mbarrier_init(&ss.k_empty[s], Config::kThreadsPerWarpgroup);
     }
     for (int s = 0; s < Config::kStagesQ; ++s) {

@@ -8,9 +8,8 @@
 //      per block of 64 keys and per 64-dim slice one K stage: the keys' kv rows
 //      copied with cp.async (tail entries zero-filled), and on the block's first
 //      slice the keys' slots.
-// Each stage's copies are one cp.async group, published kCommitLag groups later
-// (cp.async.wait_group, proxy fence, arrival on the stage's full barrier), so
-// kCommitLag + 1 stages per thread are in flight.
+// Copies complete on the stage's mbarrier (cp.async.mbarrier.arrive.noinc):
+// the producer never waits for its own copies, only for free stages.
 #pragma once
 
 #include <cute/arch/copy_sm80.hpp>
@@ -24,6 +23,13 @@
 #include "hopper/slot_compaction.cuh"
 
 namespace dsaib::hopper {
+
+/// An arrival on `bar` when all of this thread's earlier cp.async copies have
+/// landed (counted in the barrier's expected arrivals: .noinc).
+__device__ __forceinline__ void cp_async_arrive_noinc(uint64_t* bar) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(bar));
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(addr) : "memory");
+}
 
 /// Prefetch of `bytes` (a multiple of 16) from 16-byte aligned global memory into the L2.
 __device__ __forceinline__ void prefetch_l2_bulk(const void* src, uint32_t bytes) {
@@ -45,40 +51,6 @@ struct AttentionTargetProducer {
 
   const AttentionTargetParams& tp;
   Storage& ss;
-
-  // The groups of cp.async copies in flight (one per K stage or Q stage), oldest
-  // first: a K stage's index, or -2 - s for Q stage s; -1 = none. A group is
-  // published once kCommitLag newer groups are issued (cp.async.wait_group, then
-  // the proxy fence and an arrival on its full barrier), so kCommitLag + 1 groups
-  // of each thread are in flight.
-  static constexpr int kLag = Config::kCommitLag;
-  int32_t pending[kLag];
-
-  __device__ void arrive_full(int32_t g) {
-    if (g >= 0) (void)cuda::ptx::mbarrier_arrive(&ss.k_full[g]);
-    else (void)cuda::ptx::mbarrier_arrive(&ss.q_full[-2 - g]);
-  }
-  /// After committing a group: publish the oldest one if kCommitLag are newer.
-  __device__ void push_group(int32_t g) {
-    if (pending[0] != -1) {
-      cute::cp_async_wait<kLag>();
-      cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);  // the copies, for wgmma's reads
-      arrive_full(pending[0]);
-    }
-#pragma unroll
-    for (int j = 0; j + 1 < kLag; ++j) pending[j] = pending[j + 1];
-    pending[kLag - 1] = g;
-  }
-  /// Publishes every group in flight.
-  __device__ void flush_groups() {
-    cute::cp_async_wait<0>();
-    cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
-#pragma unroll
-    for (int j = 0; j < kLag; ++j) {
-      if (pending[j] != -1) arrive_full(pending[j]);
-      pending[j] = -1;
-    }
-  }
 
   __device__ static void copy16(const void* src, void* dst, bool pred) {
     using Chunk = cute::uint128_t;
@@ -140,9 +112,6 @@ struct AttentionTargetProducer {
     auto ring1 = make_producer_start_state<Config::kStagesPerConsumer>();
     auto q_state = make_producer_start_state<Config::kStagesQ>();
     uint32_t n = 0;  // rows so far (u_row's parity)
-#pragma unroll
-    for (int j = 0; j < kLag; ++j) pending[j] = -1;
-    int row_groups = kLag;  // groups issued in the row so far (at start: nothing pending)
     prefetch_row(blockIdx.x);
     for (int64_t row = blockIdx.x; row < p.num_tasks; row += gridDim.x, ++n) {
       prefetch_row(row + gridDim.x);
@@ -159,10 +128,7 @@ struct AttentionTargetProducer {
       for (int c = 0; c < kRegChunks; ++c) to_key_rows(seq, kr_first[c]);
       const int num_chunks = (p.topk + Config::kSlotChunk - 1) / Config::kSlotChunk;
 
-      // ---- Q, lse2. The wait for the Q stage depends on the consumers finishing the
-      //      row kStagesQ back, so every group of that row is published first.
-      if (Config::kStagesQ == 1 || row_groups < kLag) flush_groups();
-      row_groups = 0;
+      // ---- Q, lse2
       const int qs = static_cast<int>(q_state.index);
       target_wait(&ss.q_empty[qs], q_state.phase, 4u);
       const uint16_t* q_row = p.index_q + batched_offset(row, p.q_rows_per_batch, p.q_batch_stride, p.q_row_stride);
@@ -173,9 +139,7 @@ struct AttentionTargetProducer {
         const uint16_t* src = in_range ? q_row + h * p.q_head_stride + s * 64 + col : p.index_q;
         copy16(src, &sQ(h, col, qs * Config::kMaxSlices + s), in_range);
       }
-      cute::cp_async_fence();
-      push_group(-2 - qs);
-      ++row_groups;
+      cp_async_arrive_noinc(&ss.q_full[qs]);
       if (tid < kN) {
         float l2 = INFINITY;
         if (tid < p.heads) {
@@ -275,9 +239,8 @@ struct AttentionTargetProducer {
             for (int i = 0; i < kKeysPerThread; ++i) {
               copy16(valid[b][i] ? src[b][i] + s * 64 : src[b][i], &sK(gather_key0 + i, gather_col, ks), valid[b][i]);
             }
-            cute::cp_async_fence();
-            push_group(ks);  // published kCommitLag groups later (key_slot with it)
-            ++row_groups;
+            cp_async_arrive_noinc(&ss.k_full[ks]);
+            (void)cuda::ptx::mbarrier_arrive(&ss.k_full[ks]);  // key_slot (slice 0)
             st.advance();
           };
           for (int s = 0; s < ns; ++s) {
@@ -303,7 +266,6 @@ struct AttentionTargetProducer {
         pass2_chunk(ci * Config::kSlotChunk, kr);
       }
     }
-    flush_groups();
   }
 };
 

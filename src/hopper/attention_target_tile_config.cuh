@@ -60,17 +60,6 @@ struct AttentionTargetConfig {
   static constexpr int kStagesPerConsumer = kStagesFit / 2;
   static constexpr int kStagesK = 2 * kStagesPerConsumer;
   static_assert(kStagesPerConsumer >= 3, "a pipeline of K stages per consumer");
-  // wgmma groups a consumer keeps in flight while it waits for its next stage: 1
-  // (it frees a stage after issuing the next one's group) or 0 (it frees each
-  // stage as soon as its group completes).
-  static constexpr int kConsumerLookahead = 1;
-  // The producer publishes a stage kCommitLag stages after issuing it (its copies
-  // are waited for with cp.async.wait_group). A consumer frees stage j of its ring
-  // only once stage j + kConsumerLookahead is published, and the producer's kCommitLag
-  // unpublished stages may all be in one ring (a chunk with one block), so a ring of
-  // kStagesPerConsumer stages allows kStagesPerConsumer - 1 - kConsumerLookahead.
-  static constexpr int kCommitLag = kStagesPerConsumer - 1 - kConsumerLookahead;
-  static_assert(kCommitLag >= 1, "stages in flight");
   // The producer prefetches the kv rows of the block this many blocks ahead of
   // the one it copies into the L2 (0: none).
   static constexpr int kPrefetchBlocksAhead = 0;
@@ -153,10 +142,11 @@ struct AttentionTargetStorage {
 
   // ---------------------------------------------------------------------------
   // k_full[s]   "stage s holds slice s' of a gathered block"
-  //   arrive count : kProducerThreads (128): each producer thread, after its
-  //                  key_slot[s] stores (slice 0 of a block), cp.async.wait_group
-  //                  proving its copies into k[s] (zero-fill included) landed, and
-  //                  fence.proxy.async.shared::cta (kCommitLag stages after issuing them)
+  //   arrive count : 2 * kProducerThreads (256): per producer thread one
+  //                  cp.async.mbarrier.arrive.noinc, which arrives when all of the
+  //                  thread's earlier cp.async copies (zero-fill included) have
+  //                  landed, and one mbarrier.arrive (release) after its key_slot[s]
+  //                  stores (slice 0 of a block; none otherwise)
   //   tx bytes     : none
   //   waiters      : the consumer whose ring holds stage s (128 threads), then
   //                  fence.proxy.async.shared::cta before its wgmma reads k[s]
@@ -170,11 +160,11 @@ struct AttentionTargetStorage {
   uint64_t k_full[kStagesK];
   uint64_t k_empty[kStagesK];
   // q_full[s]   "Q stage s holds the row's query, lse2 and num_blocks"
-  //   arrive count : 2 * kProducerThreads (256): per producer thread one arrival
-  //                  when its Q copies are published (cp.async.wait_group, proxy
-  //                  fence; kCommitLag groups later) and one after its lse2 /
-  //                  num_blocks stores and its stores of the row's zeros at invalid
-  //                  slots (attn_score, or u_row when U stays in shared memory)
+  //   arrive count : 2 * kProducerThreads (256): per producer thread one
+  //                  cp.async.mbarrier.arrive.noinc (its Q copies landed) and one
+  //                  mbarrier.arrive after its lse2 / num_blocks stores and its
+  //                  stores of the row's zeros at invalid slots (attn_score, or
+  //                  u_row when U stays in shared memory)
   //   waiters      : all 256 consumer threads, then fence.proxy.async.shared::cta
   //   publishes    : q[s] (every slice), lse2[s][*], num_blocks[s], and the row's
   //                  zeros (the consumers' final pass reads them)
