@@ -1,7 +1,7 @@
 // The attention target's consumers (warpgroups 1 and 2) and the kernel.
 //
-// Consumer c takes blocks c, c + 2, ... of each row. Per block, per 64-dim
-// slice (one K stage): wait for the stage, one wgmma group (4 x m64nNk16)
+// Consumer c takes blocks c, c + 2, ... of each row, from its own ring of K
+// stages. Per block, per 64-dim slice (one K stage): wait for the stage, one wgmma group (4 x m64nNk16)
 // S^T += K_slice . Q_slice^T, then wait for the previous slice's group and free
 // its stage (one group in flight while the next stage is awaited). After the
 // block's last slice, per key (accumulator row)
@@ -30,13 +30,6 @@ namespace dsaib::hopper {
 template <class Config>
 __device__ inline void target_consumer_sync() {
   cutlass::arch::NamedBarrier::sync(Config::kConsumerThreads, static_cast<uint32_t>(NamedBarrierId::kTargetConsumerSync));
-}
-
-/// `st` moved on by n stages (the stages of the other consumer's blocks).
-template <int kStages>
-__device__ __forceinline__ PipelineState<kStages> advanced(PipelineState<kStages> st, uint32_t n) {
-  const uint32_t t = st.index + n;
-  return {t % kStages, st.phase ^ ((t / kStages) & 1u)};
 }
 
 template <class Config>
@@ -73,12 +66,14 @@ struct AttentionTargetConsumer {
     const int r0 = warp * 16 + lane / 4;
     const int c0 = 2 * (lane % 4);
 
-    auto row_state = make_consumer_start_state<Config::kStagesK>();  // the row's first (block, slice) stage
+    // this consumer's ring of K stages: [ring_base, ring_base + kStagesPerConsumer)
+    auto st = make_consumer_start_state<Config::kStagesPerConsumer>();
+    const int ring_base = consumer * Config::kStagesPerConsumer;
     auto q_state = make_consumer_start_state<Config::kStagesQ>();
     uint32_t n = 0;  // rows so far
     for (int64_t row = blockIdx.x; row < p.num_tasks; row += gridDim.x, ++n) {
       const int qs = static_cast<int>(q_state.index);
-      mbarrier_wait(&ss.q_full[qs], q_state.phase, 2u);
+      target_wait(&ss.q_full[qs], q_state.phase, 2u);
       cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);  // Q copies (generic proxy) before wgmma reads
       const int num_blocks = ss.num_blocks[qs];
       float lse2[kN / 4];  // head c0 + 8 * (k / 2) + k % 2
@@ -87,12 +82,11 @@ struct AttentionTargetConsumer {
 
       float row_sum = 0.0f;
       for (int blk = consumer; blk < num_blocks; blk += Config::kConsumers) {
-        auto st = advanced(row_state, static_cast<uint32_t>(blk * ns));
         int32_t slot0 = -1, slot1 = -1;
         int prev = 0;  // the previous slice's stage
         for (int s = 0; s < ns; ++s) {
-          const int ks = static_cast<int>(st.index);
-          mbarrier_wait(&ss.k_full[ks], st.phase, 1u);
+          const int ks = ring_base + static_cast<int>(st.index);
+          target_wait(&ss.k_full[ks], st.phase, 1u);
           cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);  // kv copies before wgmma reads
           if (s == 0) {
             slot0 = ss.key_slot[ks][r0];
@@ -143,7 +137,6 @@ struct AttentionTargetConsumer {
           }
         }
       }
-      row_state = advanced(row_state, static_cast<uint32_t>(num_blocks * ns));
       if (tp.u_in_smem) {
         final_pass(row, row_sum, n, consumer, ctid, lane, warp, ss.u_row[n & 1u]);
         (void)cuda::ptx::mbarrier_arrive(&ss.q_empty[qs]);  // and the final pass read u_row[n & 1]

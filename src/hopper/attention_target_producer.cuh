@@ -44,6 +44,9 @@ struct AttentionTargetProducer {
   static constexpr int kBlock = Config::kBlockKeys;
   static constexpr int kN = Config::kHeadsPadded;
   static constexpr int kKeysPerThread = Config::kGatherKeysPerThread;  // 4
+  // Chunks whose ids a thread keeps in registers from before the Q stage's wait
+  // to pass 2 (topk up to 2048 loads its ids once per row; more chunks load again).
+  static constexpr int kRegChunks = 2;
   static_assert(kKeysPerThread == 4, "one int4 of key rows per thread and block");
 
   const AttentionTargetParams& tp;
@@ -55,23 +58,33 @@ struct AttentionTargetProducer {
                                                        *reinterpret_cast<Chunk*>(dst), pred);
   }
 
-  /// Key rows of this thread's slots of the chunk at chunk0 (-1: invalid or past topk).
-  __device__ void load_key_rows(int chunk0, const RowSequence& seq, const int32_t* ids, int32_t (&kr)[kPerThread]) const {
-    const IndexerBackwardParams& p = tp.in;
-    int32_t id[kPerThread];
+  /// Ids of this thread's slots of the chunk at chunk0 (-1 past topk): loads only.
+  __device__ void load_ids(int chunk0, const int32_t* ids, int32_t (&id)[kPerThread]) const {
 #pragma unroll
     for (int j = 0; j < kPerThread; ++j) {
       const int i = chunk0 + threadIdx.x + j * kThreads;
-      id[j] = i < p.topk ? ids[i] : -1;
+      id[j] = i < tp.in.topk ? ids[i] : -1;
     }
+  }
+  /// Ids to key rows in place (-1: invalid or past topk).
+  __device__ void to_key_rows(const RowSequence& seq, int32_t (&kr)[kPerThread]) const {
 #pragma unroll
-    for (int j = 0; j < kPerThread; ++j) kr[j] = static_cast<int32_t>(key_row_of(p, seq, id[j]));
+    for (int j = 0; j < kPerThread; ++j) kr[j] = static_cast<int32_t>(key_row_of(tp.in, seq, kr[j]));
+  }
+  /// Key rows of this thread's slots of the chunk at chunk0.
+  __device__ void load_key_rows(int chunk0, const RowSequence& seq, const int32_t* ids, int32_t (&kr)[kPerThread]) const {
+    load_ids(chunk0, ids, kr);
+    to_key_rows(seq, kr);
   }
 
-  /// Q rows of `row` into the L2 (the copies into shared memory then hit it).
-  __device__ void prefetch_q(int64_t row) const {
+  /// Q rows and ids of `row` into the L2 (the copies and loads then hit it).
+  __device__ void prefetch_row(int64_t row) const {
     const IndexerBackwardParams& p = tp.in;
     if (row >= p.num_tasks) return;
+    const int32_t* ids = p.topk_indices + batched_offset(row, p.q_rows_per_batch, p.ids_batch_stride, p.ids_row_stride);
+    for (int off = static_cast<int>(threadIdx.x) * 32; off < p.topk; off += kThreads * 32) {
+      asm volatile("prefetch.global.L2 [%0];\n" ::"l"(ids + off) : "memory");
+    }
     const char* q = reinterpret_cast<const char*>(
         p.index_q + batched_offset(row, p.q_rows_per_batch, p.q_batch_stride, p.q_row_stride));
     const uint32_t head_bytes = static_cast<uint32_t>(p.head_dim) * 2;  // a multiple of 128
@@ -94,19 +107,30 @@ struct AttentionTargetProducer {
     const int gather_key0 = (tid / 8) * kKeysPerThread;
     const int q_chunks_per_head = 8 * ns;
 
-    auto k_state = make_producer_start_state<Config::kStagesK>();
+    // one ring per consumer: the row's block g goes to ring g % 2
+    auto ring0 = make_producer_start_state<Config::kStagesPerConsumer>();
+    auto ring1 = make_producer_start_state<Config::kStagesPerConsumer>();
     auto q_state = make_producer_start_state<Config::kStagesQ>();
     uint32_t n = 0;  // rows so far (u_row's parity)
-    prefetch_q(blockIdx.x);
+    prefetch_row(blockIdx.x);
     for (int64_t row = blockIdx.x; row < p.num_tasks; row += gridDim.x, ++n) {
-      prefetch_q(row + gridDim.x);
+      prefetch_row(row + gridDim.x);
       const RowSequence seq = row_sequence(p, row);
       const int32_t* ids = p.topk_indices + batched_offset(row, p.q_rows_per_batch, p.ids_batch_stride, p.ids_row_stride);
       float* out = tp.attn_score + row * static_cast<int64_t>(p.topk);
 
+      // The ids of the row's first kRegChunks chunks, loaded before the Q stage's
+      // wait (their latency hides behind it) and kept for both passes.
+      int32_t kr_first[kRegChunks][kPerThread];
+#pragma unroll
+      for (int c = 0; c < kRegChunks; ++c) load_ids(c * Config::kSlotChunk, ids, kr_first[c]);
+#pragma unroll
+      for (int c = 0; c < kRegChunks; ++c) to_key_rows(seq, kr_first[c]);
+      const int num_chunks = (p.topk + Config::kSlotChunk - 1) / Config::kSlotChunk;
+
       // ---- Q, lse2
       const int qs = static_cast<int>(q_state.index);
-      mbarrier_wait(&ss.q_empty[qs], q_state.phase, 2u);
+      target_wait(&ss.q_empty[qs], q_state.phase, 4u);
       const uint16_t* q_row = p.index_q + batched_offset(row, p.q_rows_per_batch, p.q_batch_stride, p.q_row_stride);
       for (int chunk = tid; chunk < kN * q_chunks_per_head; chunk += kThreads) {
         const int h = chunk / q_chunks_per_head, c = chunk % q_chunks_per_head;
@@ -133,9 +157,7 @@ struct AttentionTargetProducer {
       const float zero = tp.normalize ? -0.0f : 0.0f;
       float* u_row = ss.u_row[n & 1u];
       int num_blocks = 0;
-      for (int chunk0 = 0; chunk0 < p.topk; chunk0 += Config::kSlotChunk) {
-        int32_t kr[kPerThread];
-        load_key_rows(chunk0, seq, ids, kr);
+      auto pass1_chunk = [&](int chunk0, const int32_t (&kr)[kPerThread]) {
 #pragma unroll
         for (int j = 0; j < kPerThread; ++j) {
           const int i = chunk0 + tid + j * kThreads;
@@ -149,15 +171,25 @@ struct AttentionTargetProducer {
                                                                            [] { producer_sync<Config>(); });
         producer_sync<Config>();  // producer_scan_rows read by every thread before its next writes
         num_blocks += (chunk_valid + kBlock - 1) / kBlock;
+      };
+#pragma unroll
+      for (int c = 0; c < kRegChunks; ++c) {
+        if (c < num_chunks) pass1_chunk(c * Config::kSlotChunk, kr_first[c]);
+      }
+      for (int ci = kRegChunks; ci < num_chunks; ++ci) {
+        int32_t kr[kPerThread];
+        load_key_rows(ci * Config::kSlotChunk, seq, ids, kr);
+        pass1_chunk(ci * Config::kSlotChunk, kr);
       }
       if (tid == 0) ss.num_blocks[qs] = num_blocks;
       (void)cuda::ptx::mbarrier_arrive(&ss.q_full[qs]);  // lse2, num_blocks and the zeros above
       q_state.advance();
 
-      // ---- pass 2 per chunk: the list, then its blocks, one stage per slice
-      for (int chunk0 = 0; chunk0 < p.topk; chunk0 += Config::kSlotChunk) {
-        int32_t kr[kPerThread];
-        load_key_rows(chunk0, seq, ids, kr);
+      // ---- pass 2 per chunk: the list, then its blocks, one stage per slice; the
+      //      row's block g goes to consumer g % 2's ring, and two consecutive blocks
+      //      are copied slice by slice in turn, so that both consumers are fed
+      int row_blocks = 0;  // blocks of the earlier chunks of the row
+      auto pass2_chunk = [&](int chunk0, const int32_t (&kr)[kPerThread]) {
         int pos[kPerThread];
         // the previous chunk's list was fully read (the barrier after its blocks)
         const int chunk_valid = slot_list_positions<kThreads, kPerThread>(kr, pos, ss.producer_scan_rows, tid,
@@ -171,40 +203,67 @@ struct AttentionTargetProducer {
         }
         producer_sync<Config>();  // list complete; producer_scan_rows read by every thread
         const int chunk_blocks = (chunk_valid + kBlock - 1) / kBlock;
-        for (int blk = 0; blk < chunk_blocks; ++blk) {
-          const int first = blk * kBlock;
-          const int4 rows4 = *reinterpret_cast<const int4*>(&ss.slot_key_row[first + gather_key0]);
-          const int32_t krs[kKeysPerThread] = {rows4.x, rows4.y, rows4.z, rows4.w};
-          const uint16_t* src[kKeysPerThread];
-          bool valid[kKeysPerThread];
+        for (int blk = 0; blk < chunk_blocks; blk += 2) {
+          const int pair = min(2, chunk_blocks - blk);  // blocks copied in turn
+          const uint16_t* src[2][kKeysPerThread];
+          bool valid[2][kKeysPerThread];
+          int32_t slot[2];
 #pragma unroll
-          for (int i = 0; i < kKeysPerThread; ++i) {
-            valid[i] = first + gather_key0 + i < chunk_valid;  // entries past the list are stale
-            src[i] = valid[i] ? key_row_ptr(p, krs[i]) + gather_col : p.index_k;
+          for (int b = 0; b < 2; ++b) {
+            const int first = (blk + b) * kBlock;
+            const int4 rows4 = *reinterpret_cast<const int4*>(&ss.slot_key_row[first + gather_key0]);
+            const int32_t krs[kKeysPerThread] = {rows4.x, rows4.y, rows4.z, rows4.w};
+#pragma unroll
+            for (int i = 0; i < kKeysPerThread; ++i) {
+              // entries past the list (and a missing second block) are stale: zero-filled
+              valid[b][i] = b < pair && first + gather_key0 + i < chunk_valid;
+              src[b][i] = valid[b][i] ? key_row_ptr(p, krs[i]) + gather_col : p.index_k;
+            }
+            slot[b] = b < pair && tid < kBlock && first + tid < chunk_valid ? ss.slot_index[first + tid] : -1;
           }
-          const int32_t slot = tid < kBlock && first + tid < chunk_valid ? ss.slot_index[first + tid] : -1;
           if constexpr (Config::kPrefetchBlocksAhead > 0) {
-            // The kv rows of the block kPrefetchBlocksAhead on (within the chunk's
+            // The kv rows of the blocks kPrefetchBlocksAhead on (within the chunk's
             // list) into the L2, one bulk prefetch per key row.
-            const int ahead = first + Config::kPrefetchBlocksAhead * kBlock + tid;
-            if (tid < kBlock && ahead < chunk_valid) {
+            const int ahead = (blk + Config::kPrefetchBlocksAhead) * kBlock + tid;
+            if (ahead < chunk_valid) {
               prefetch_l2_bulk(key_row_ptr(p, ss.slot_key_row[ahead]), static_cast<uint32_t>(p.head_dim) * 2);
             }
           }
-          for (int s = 0; s < ns; ++s) {
-            const int ks = static_cast<int>(k_state.index);
-            mbarrier_wait(&ss.k_empty[ks], k_state.phase, 1u);
-            if (s == 0 && tid < kBlock) ss.key_slot[ks][tid] = slot;
+          const bool ring_of_first = ((row_blocks + blk) & 1) != 0;  // ring of block blk; blk + 1 takes the other
+          // slice s of block b into the next stage of a ring
+          auto issue = [&](PipelineState<Config::kStagesPerConsumer>& st, int ring_base, int b, int s) {
+            const int ks = ring_base + static_cast<int>(st.index);
+            target_wait(&ss.k_empty[ks], st.phase, 3u);
+            if (s == 0 && tid < kBlock) ss.key_slot[ks][tid] = slot[b];
 #pragma unroll
             for (int i = 0; i < kKeysPerThread; ++i) {
-              copy16(valid[i] ? src[i] + s * 64 : src[i], &sK(gather_key0 + i, gather_col, ks), valid[i]);
+              copy16(valid[b][i] ? src[b][i] + s * 64 : src[b][i], &sK(gather_key0 + i, gather_col, ks), valid[b][i]);
             }
             cp_async_arrive_noinc(&ss.k_full[ks]);
             (void)cuda::ptx::mbarrier_arrive(&ss.k_full[ks]);  // key_slot (slice 0)
-            k_state.advance();
+            st.advance();
+          };
+          for (int s = 0; s < ns; ++s) {
+#pragma unroll
+            for (int b = 0; b < 2; ++b) {
+              if (b < pair) {
+                if (ring_of_first != (b == 1)) issue(ring1, Config::kStagesPerConsumer, b, s);
+                else issue(ring0, 0, b, s);
+              }
+            }
           }
         }
+        row_blocks += chunk_blocks;
         producer_sync<Config>();  // every thread is done reading the list
+      };
+#pragma unroll
+      for (int c = 0; c < kRegChunks; ++c) {
+        if (c < num_chunks) pass2_chunk(c * Config::kSlotChunk, kr_first[c]);
+      }
+      for (int ci = kRegChunks; ci < num_chunks; ++ci) {
+        int32_t kr[kPerThread];
+        load_key_rows(ci * Config::kSlotChunk, seq, ids, kr);
+        pass2_chunk(ci * Config::kSlotChunk, kr);
       }
     }
   }

@@ -15,7 +15,10 @@
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
 
+#include <cuda/ptx>
+
 #include "hopper/kernel_params.hpp"
+#include "hopper/pipeline.cuh"
 
 namespace dsaib::hopper {
 
@@ -48,8 +51,15 @@ struct AttentionTargetConfig {
   // 1.3 us of the gather rate the GEMM needs.
   static constexpr int kStageBytes = kBlockKeys * kSliceDims * 2;
   static constexpr int kStageBudget = 216 * 1024 - kStagesQ * kQStageBytes - 2 * kSmemTopk * 4;
-  static constexpr int kStagesK = kStageBudget / (kStageBytes + 256) < 16 ? kStageBudget / (kStageBytes + 256) : 16;
-  static_assert(kStagesK >= 4, "a pipeline of K stages");
+  static constexpr int kStagesFit = kStageBudget / (kStageBytes + 256) < 16 ? kStageBudget / (kStageBytes + 256) : 16;
+  // Two rings, one per consumer (stages [c * kStagesPerConsumer, (c + 1) * kStagesPerConsumer)):
+  // consumer c takes blocks c, c + 2, ... of a row and walks its own ring in order. In one
+  // shared ring a consumer would skip the other's stages, and an mbarrier parity wait
+  // more than one phase ahead of a barrier passes at once (it cannot tell phase k + 2
+  // from phase k).
+  static constexpr int kStagesPerConsumer = kStagesFit / 2;
+  static constexpr int kStagesK = 2 * kStagesPerConsumer;
+  static_assert(kStagesPerConsumer >= 3, "a pipeline of K stages per consumer");
   // The producer prefetches the kv rows of the block this many blocks ahead of
   // the one it copies into the L2 (0: none).
   static constexpr int kPrefetchBlocksAhead = 0;
@@ -138,12 +148,12 @@ struct AttentionTargetStorage {
   //                  landed, and one mbarrier.arrive (release) after its key_slot[s]
   //                  stores (slice 0 of a block; none otherwise)
   //   tx bytes     : none
-  //   waiters      : the consumer that owns the block (128 threads), then
+  //   waiters      : the consumer whose ring holds stage s (128 threads), then
   //                  fence.proxy.async.shared::cta before its wgmma reads k[s]
   //   publishes    : k[s], key_slot[s][*]
   //   reuse        : the producer rewrites stage s only after k_empty[s]
   // k_empty[s]  "stage s may be overwritten"
-  //   arrive count : kThreadsPerWarpgroup (128): the owning consumer's threads
+  //   arrive count : kThreadsPerWarpgroup (128): the threads of the consumer whose ring holds s
   //   who arrives  : each of them after the warpgroup_wait that completes the
   //                  wgmma reading k[s], and (slice 0) after its key_slot[s] reads
   //   waiters      : the 128 producer threads (producer phase, starts at 1)
@@ -168,6 +178,34 @@ struct AttentionTargetStorage {
   uint64_t q_full[kStagesQ];
   uint64_t q_empty[kStagesQ];
 };
+
+/// The kernel's mbarrier waits give up after this much wall time (%globaltimer,
+/// read every 1024 polls): a wait of this kernel lasts at most about a row's
+/// work, microseconds, so a wait this long is a lost arrival, and the kernel
+/// traps (the launch fails) instead of hanging.
+inline constexpr uint64_t kTargetWaitTimeoutNs = 4000000000ull;
+
+/// The cold path of a timed-out wait (out of line, as mbarrier_wait_timed_out):
+/// records which wait (g_dsaib_wait_timeout_code 17 = K stage full, 18 = Q stage
+/// full, 19 = K stage empty, 20 = Q stage empty), then traps.
+static __device__ __noinline__ void target_wait_timed_out(uint32_t code) {
+  g_dsaib_wait_timeout_code = 16u + code;
+  __trap();
+}
+
+/// Waits for the phase with parity `phase` of the mbarrier to complete, at most
+/// kTargetWaitTimeoutNs.
+__device__ __forceinline__ void target_wait(uint64_t* bar, uint32_t phase, uint32_t code) {
+  uint32_t polls = 0;
+  uint64_t start = 0;
+  while (!cuda::ptx::mbarrier_try_wait_parity(bar, phase)) {
+    if ((++polls & 1023u) == 0) {
+      const uint64_t now = cuda::ptx::get_sreg_globaltimer();
+      if (start == 0) start = now;
+      else if (now - start > kTargetWaitTimeoutNs) target_wait_timed_out(code);
+    }
+  }
+}
 
 template <class Config>
 constexpr int attention_target_smem_bytes() {
