@@ -181,9 +181,11 @@ struct AttentionTargetStorage {
 
 /// The kernel's mbarrier waits give up after this much wall time (%globaltimer,
 /// read every 1024 polls): a wait of this kernel lasts at most about a row's
-/// work, microseconds, so a wait this long is a lost arrival, and the kernel
-/// traps (the launch fails) instead of hanging.
-inline constexpr uint64_t kTargetWaitTimeoutNs = 4000000000ull;
+/// work, microseconds (milliseconds under compute-sanitizer's instrumentation),
+/// so a wait this long is a lost arrival, and the kernel traps (the launch
+/// fails) instead of hanging. 30 s leaves the sanitizer's slowdown a margin of
+/// thousands.
+inline constexpr uint64_t kTargetWaitTimeoutNs = 30000000000ull;
 
 /// The cold path of a timed-out wait (out of line, as mbarrier_wait_timed_out):
 /// records which wait (g_dsaib_wait_timeout_code 17 = K stage full, 18 = Q stage
