@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections.abc
 import math
 import operator
+import struct
 
 import numpy as _np
 
@@ -56,6 +57,26 @@ def _f32_value(name, x) -> float:
         return _float_or_inf(x)
     except (TypeError, ValueError):
         raise TypeError(f"{name}: expected a real number, got {_type_name(x)}") from None
+
+
+def _f32_round(x: float) -> float:
+    """x rounded to float32: the value the library applies for a float option
+    (sm_scale, loss_coeff), which a float64 computation beside it must use too;
+    +-inf beyond float32's range, nan as nan."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
+
+
+def _finite_f32(name, x) -> float:
+    """A real number as float32 (rounded), finite there: the library's check and
+    message for a scale ("NAME: expected a finite value, got inf"), for a value
+    the torch layer uses before (or instead of) the library."""
+    value = _f32_round(_f32_value(name, x))
+    if not math.isfinite(value):
+        raise ValueError(f"{name}: expected a finite value, got {value}")
+    return value
 
 
 def _int_value(name, x, lo, hi, what) -> int:

@@ -55,7 +55,8 @@ from typing import Optional, Tuple
 import torch
 
 from . import _dsaib
-from ._args import _a_operand, _f32_value, _float_or_inf, _normalization_count, _option_str
+from ._args import (_INT32_MAX, _INT32_MIN, _a_operand, _bool_value, _f32_round, _f32_value, _finite_f32,
+                    _float_or_inf, _normalization_count, _option_str)
 from ._frameworks import _export, _exported
 
 __all__ = ["indexer_backward", "indexer_kl_loss", "indexer_kl_loss_and_grad", "IndexerKLLoss", "index_scores",
@@ -578,11 +579,38 @@ def index_scores(
 def _finite_grad_loss(x) -> float:
     """grad_loss given as a number: finite as float32, with the library's message
     (on CUDA the library does not read a device grad_loss before it runs)."""
-    value = _f32_value("grad_loss", x)
-    f32 = float(torch.tensor(value, dtype=torch.float32))
-    if not math.isfinite(f32):
-        raise ValueError(f"grad_loss: expected a finite value, got {f32}")
-    return f32
+    return _finite_f32("grad_loss", x)
+
+
+def _ids_int32(topk_indices: torch.Tensor, strict: bool = False) -> torch.Tensor:
+    """topk_indices as the library takes them: int32, contiguous (itself when
+    already so). An id that int32 cannot hold (int64, uint32 or uint64 ids) is
+    out of range for every sequence, so an invalid slot: it becomes -1, where a
+    plain cast would wrap it onto a valid id (2**32 + 1 would read as 1). Done
+    on the device with torch.where: no host synchronisation, so CUDA graphs
+    capture it and torch.compile traces it. strict (the library's
+    strict_indices): ValueError naming the first such id instead, which reads
+    the ids to the host."""
+    ids = topk_indices
+    if ids.dtype == torch.int32:
+        return ids.contiguous()
+    if ids.dtype in (torch.int8, torch.int16, torch.uint8, torch.uint16):
+        return ids.to(torch.int32).contiguous()
+    unsigned = ids.dtype in (torch.uint32, torch.uint64)
+    # torch compares unsigned types wider than 8 bits on no device: compare in
+    # int64, where a uint64 id of 2**63 or more turns negative (marked below).
+    wide = ids.to(torch.int64)
+    outside = (wide < _INT32_MIN) | (wide > _INT32_MAX)
+    if unsigned:
+        outside = outside | (wide < 0)
+    if strict and bool(outside.any()):
+        at = tuple(int(i) for i in outside.nonzero()[0])
+        value = int(wide[at])
+        value = value + 2**64 if value < 0 and unsigned else value
+        raise ValueError(f"topk_indices: strict mode found an out-of-range id at {at}: expected -1 or an id in "
+                         f"[-2^31, 2^31-1] (int32), got id {value}")
+    return torch.where(outside, torch.full((), -1, dtype=torch.int32, device=ids.device),
+                       wide.to(torch.int32)).contiguous()
 
 
 def _library_float_dtypes(weights, fp64):
@@ -600,14 +628,18 @@ def _library_inputs(index_q, weights, index_k, topk_indices, attn_score, fp64=Fa
     tensor already so is passed as it is (no copy)."""
     w_dtype, T_dtype = _library_float_dtypes(weights, fp64)
     return (index_q.to(torch.bfloat16).contiguous(), weights.to(w_dtype).contiguous(),
-            index_k.to(torch.bfloat16).contiguous(), topk_indices.to(torch.int32).contiguous(),
+            index_k.to(torch.bfloat16).contiguous(), _ids_int32(topk_indices),
             attn_score.to(T_dtype).contiguous())
 
 
 def _float64_forward(index_q, weights, index_k, topk_indices, attn_score, sm_scale, loss_coeff,
                      normalization_count, layout, id_mode, cu_seqlens_q, cu_seqlens_k):
     """(loss, row_lse, row_target_mass) in float64 in torch, from the unrounded
-    values: the forward of float64 inputs, for finite-difference checks."""
+    values: the forward of float64 inputs, for finite-difference checks.
+    sm_scale and loss_coeff as the library applies them, rounded to float32:
+    its backward rebuilds P with that sm_scale from row_lse, so the gradient
+    is that of the loss returned here."""
+    sm_scale, loss_coeff = _f32_round(float(sm_scale)), _f32_round(float(loss_coeff))
     rows, valid = _key_rows(index_k, topk_indices, layout, id_mode, cu_seqlens_q, cu_seqlens_k)
     z = _logits(index_q, weights, index_k, rows, valid, sm_scale, torch.float64)
     P = _softmax_valid(z)
@@ -917,13 +949,20 @@ def attention_target(
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if topk_indices.is_floating_point() or topk_indices.is_complex() or topk_indices.dtype == torch.bool:
         raise TypeError(f"topk_indices: expected an integer dtype, got {topk_indices.dtype}")
+    # The op's schema would refuse a non-str word with torch's own message, and
+    # bool() would take the str "false" as true.
+    sm_scale = _f32_value("sm_scale", sm_scale)
+    lse_base = _option_str("lse_base", lse_base, '"natural" or "base2"')
+    normalize = _bool_value("normalize", normalize)
+    layout = _option_str("layout", layout, '"bshd" or "thd"')
+    id_mode = _option_str("id_mode", id_mode, '"local" or "global"')
     with torch.no_grad():
         q16 = query.to(torch.bfloat16).contiguous() if query.is_floating_point() else query
         kv16 = kv.to(torch.bfloat16).contiguous() if kv.is_floating_point() else kv
         lse32 = lse.to(torch.float32) if lse.is_floating_point() else lse  # strides kept when already float32
         return torch.ops.dsaib.attention_target(
-            q16, kv16, lse32, topk_indices.to(torch.int32).contiguous(), cu_seqlens_q, cu_seqlens_k,
-            _f32_value("sm_scale", sm_scale), lse_base, bool(normalize), layout, id_mode)
+            q16, kv16, lse32, _ids_int32(topk_indices), cu_seqlens_q, cu_seqlens_k, sm_scale, lse_base,
+            normalize, layout, id_mode)
 
 
 def indexer_kl_loss_and_grad_from_attention(
@@ -961,6 +1000,8 @@ def indexer_kl_loss_and_grad_from_attention(
     heads, call :func:`attention_target` with ``normalize=False`` per rank,
     all-reduce, normalise, and pass the result to :func:`indexer_kl_loss_and_grad`.
     """
+    # Checked here so that an error names softmax_scale, not attention_target's sm_scale.
+    softmax_scale = _finite_f32("softmax_scale", softmax_scale)
     attn_score = attention_target(query, kv, lse, topk_indices, sm_scale=softmax_scale, lse_base=lse_base,
                                   normalize=True, layout=layout, id_mode=id_mode, cu_seqlens_q=cu_seqlens_q,
                                   cu_seqlens_k=cu_seqlens_k)
