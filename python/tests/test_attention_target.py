@@ -302,3 +302,77 @@ def test_against_megatron_core(device, lse_base):
     want = loss.double() + loss_coeff / n * (entropy - clamp)
     assert abs(want.item() - loss_mc.item()) <= 1e-5 * abs(loss_mc.item()), (want.item(), loss_mc.item())
 
+
+
+def _torch_target_problem(torch, seed=8, B=2, S=5, S_kv=7, Hq=16, Dqk=64, K=4):
+    g = torch.Generator().manual_seed(seed)
+    query = torch.randn(B, S, Hq, Dqk, generator=g).bfloat16()
+    kv = torch.randn(B, S_kv, Dqk, generator=g).bfloat16()
+    lse = torch.rand(B, S, Hq, generator=g) * 3 + 2
+    ids = torch.randint(0, S_kv, (B, S, K), generator=g, dtype=torch.int32)
+    return query, kv, lse, ids
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(normalize="false"), "normalize: expected a bool, got str 'false'"),
+    (dict(normalize=0), "normalize: expected a bool, got int 0"),
+    (dict(layout=None), 'layout: expected a str ("bshd" or "thd"), got NoneType None'),
+    (dict(id_mode=3), 'id_mode: expected a str ("local" or "global"), got int 3'),
+    (dict(lse_base=None), 'lse_base: expected a str ("natural" or "base2"), got NoneType None'),
+    (dict(sm_scale="0.1"), "sm_scale: expected a real number, got str '0.1'"),
+])
+def test_torch_attention_target_argument_types(kw, message):
+    torch = _torch()
+    import dsaib.torch as dt
+
+    query, kv, lse, ids = _torch_target_problem(torch)
+    kw = dict(dict(sm_scale=SOFTMAX_SCALE), **kw)
+    with pytest.raises(TypeError) as e:
+        dt.attention_target(query, kv, lse, ids, **kw)
+    assert str(e.value) == message
+    # as the numpy entry point says it
+    with pytest.raises(TypeError) as e_np:
+        dsaib.attention_target(query.float().numpy(), kv.float().numpy(), lse.numpy(), ids.numpy(), **kw)
+    assert str(e_np.value) == message
+    # the words still reach the library's own check
+    with pytest.raises(ValueError, match=r'^layout: expected "bshd" or "thd", got "BSHD"'):
+        dt.attention_target(query, kv, lse, ids, sm_scale=SOFTMAX_SCALE, layout="BSHD")
+
+
+def test_torch_attention_target_ids_outside_int32_are_invalid_slots():
+    torch = _torch()
+    import dsaib.torch as dt
+
+    query, kv, lse, ids = _torch_target_problem(torch, seed=9)
+    far, invalid = ids.long(), ids.long()
+    far[0, 0, :3] = torch.tensor([2**32, 2**32 + 1, -(2**32) + 2])  # wrapped: 0, 1, 2
+    invalid[0, 0, :3] = -1
+    got = dt.attention_target(query, kv, lse, far, sm_scale=SOFTMAX_SCALE)
+    assert torch.equal(got, dt.attention_target(query, kv, lse, invalid, sm_scale=SOFTMAX_SCALE))
+    assert torch.all(got[0, 0, :3] == 0)
+    assert not torch.equal(got, dt.attention_target(query, kv, lse, far.to(torch.int32), sm_scale=SOFTMAX_SCALE))
+
+
+@pytest.mark.parametrize("softmax_scale, error, message", [
+    (float("nan"), ValueError, "softmax_scale: expected a finite value, got nan"),
+    (1e39, ValueError, "softmax_scale: expected a finite value, got inf"),
+    ("0.1", TypeError, "softmax_scale: expected a real number, got str '0.1'"),
+    (True, TypeError, "softmax_scale: expected a real number, got bool True"),
+])
+def test_torch_loss_from_attention_names_softmax_scale(softmax_scale, error, message):
+    torch = _torch()
+    import dsaib.torch as dt
+
+    query, kv, lse, ids = _torch_target_problem(torch, seed=10)
+    g = torch.Generator().manual_seed(10)
+    index_q = torch.randn(2, 5, 8, 64, generator=g).bfloat16()
+    weights = torch.randn(2, 5, 8, generator=g)
+    index_k = torch.randn(2, 7, 64, generator=g).bfloat16()
+    with pytest.raises(error) as e:
+        dt.indexer_kl_loss_and_grad_from_attention(index_q, weights, index_k, query, kv, lse, ids, sm_scale=0.125,
+                                                   softmax_scale=softmax_scale)
+    assert str(e.value) == message
+    # the indexer's own scale keeps its name
+    with pytest.raises(ValueError, match=r"^sm_scale: expected a finite value, got nan"):
+        dt.indexer_kl_loss_and_grad_from_attention(index_q, weights, index_k, query, kv, lse, ids,
+                                                   sm_scale=float("nan"), softmax_scale=SOFTMAX_SCALE)

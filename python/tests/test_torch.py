@@ -649,3 +649,104 @@ def test_logits_stay_in_their_dtype_under_autocast():
     assert scores.dtype == torch.float32
     torch.testing.assert_close(scores, plain, rtol=0, atol=0)
     torch.testing.assert_close(loss, plain_loss, rtol=0, atol=0)
+
+
+def test_float64_loss_gradient_is_that_of_the_returned_loss_with_an_inexact_sm_scale():
+    # The library applies sm_scale (and loss_coeff) as float32 and its backward
+    # rebuilds P with that scale from row_lse; 128**-0.5 and 0.3 are not exact in
+    # float32, so a float64 forward with the unrounded values would return a loss
+    # whose gradient is not the one the backward gives (off by up to ~1e-5).
+    sm_scale, loss_coeff = 128 ** -0.5, 0.3
+    sm32, lc32 = float(np.float32(sm_scale)), float(np.float32(loss_coeff))
+    assert sm32 != sm_scale and lc32 != loss_coeff
+    q, w, k, ids, T = make_torch_problem(seed=21, scale=4.0)
+    leaves = [x.detach().double().requires_grad_() for x in (q, w.to(torch.bfloat16), k)]  # on the bf16 grid
+    T64 = T.double()
+    loss = dt.indexer_kl_loss(*leaves, ids, T64, sm_scale=sm_scale, loss_coeff=loss_coeff)
+    assert loss.dtype == torch.float64
+    loss.backward()
+    want_loss, *want = reference_grads(*leaves, ids, T64, sm_scale=sm32, loss_coeff=lc32)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-12, atol=0)
+    for name, g, r in zip(("d_index_q", "d_weights", "d_index_k"), (x.grad for x in leaves), want):
+        assert g.dtype == torch.float64
+        torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12 * r.abs().max().item(), msg=name)
+    # the one call agrees with it
+    one = dt.indexer_kl_loss_and_grad(*(x.detach() for x in leaves), ids, T64, sm_scale=sm_scale,
+                                      loss_coeff=loss_coeff)
+    for a, b in zip(one, (want_loss, *want)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12 * b.abs().max().item())
+
+
+def _ids_beyond_int32(ids):
+    """(int64 ids with some slots set to ids outside int32, the same ids with those slots -1)."""
+    far = ids.long().clone()
+    far[0, 0, :4] = torch.tensor([2**32, 2**32 + 1, -(2**32) + 3, 2**31])
+    far[1, 2, 1] = -(2**31) - 1
+    invalid = far.clone()
+    invalid[0, 0, :4] = -1
+    invalid[1, 2, 1] = -1
+    return far, invalid
+
+
+def test_ids_outside_int32_are_invalid_slots_not_wrapped():
+    q, w, k, ids, T = make_torch_problem(seed=22, invalid=False)
+    far, invalid = _ids_beyond_int32(ids)
+    # wrapped, 2**32 and 2**32 + 1 would read as the valid ids 0 and 1
+    assert not torch.equal(far.to(torch.int32), invalid.to(torch.int32))
+    leaves = lambda: [x.detach().float().requires_grad_() for x in (q, w, k)]  # noqa: E731
+    a, b = leaves(), leaves()
+    la = dt.indexer_kl_loss(*a, far, T, sm_scale=SM)
+    lb = dt.indexer_kl_loss(*b, invalid, T, sm_scale=SM)
+    assert torch.equal(la, lb)
+    la.backward()
+    lb.backward()
+    for x, y in zip(a, b):
+        assert torch.equal(x.grad, y.grad)
+    # the float64 forward (torch) and the fp64 library agree on them too
+    for f in (dt.indexer_kl_loss, dt.indexer_kl_loss_and_grad):
+        got = f(q.double(), w.double(), k.double(), far, T.double(), sm_scale=SM)
+        want = f(q.double(), w.double(), k.double(), invalid, T.double(), sm_scale=SM)
+        for x, y in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+            assert torch.equal(x, y)
+    for x, y in zip(dt.indexer_kl_loss_and_grad(q, w, k, far, T, sm_scale=SM),
+                    dt.indexer_kl_loss_and_grad(q, w, k, invalid, T, sm_scale=SM)):
+        assert torch.equal(x, y)
+    assert torch.equal(dt.index_scores(q, w, k, far, sm_scale=SM), dt.index_scores(q, w, k, invalid, sm_scale=SM))
+
+
+def test_ids_conversion_of_every_integer_dtype():
+    got = dt._ids_int32(torch.tensor([2**32, 2**32 + 1, -(2**31) - 1, -(2**31), 2**31 - 1, 2**31, 5, -1]))
+    assert got.dtype == torch.int32 and got.is_contiguous()
+    assert got.tolist() == [-1, -1, -1, -(2**31), 2**31 - 1, -1, 5, -1]
+    assert dt._ids_int32(torch.tensor([2**32 - 1, 7], dtype=torch.uint32)).tolist() == [-1, 7]
+    assert dt._ids_int32(torch.tensor([2**63 + 5, 2**64 - 1, 7, 2**32], dtype=torch.uint64)).tolist() == [-1, -1, 7, -1]
+    for dtype in (torch.int8, torch.int16, torch.uint8):
+        assert dt._ids_int32(torch.tensor([-1, 3, 100], dtype=torch.int16).to(dtype)).tolist() == (
+            torch.tensor([-1, 3, 100], dtype=torch.int16).to(dtype).tolist())
+    ids32 = torch.tensor([[1, -1], [3, 4]], dtype=torch.int32)
+    assert dt._ids_int32(ids32) is ids32
+    strided = torch.arange(12, dtype=torch.int64).view(3, 4).t()
+    assert torch.equal(dt._ids_int32(strided), strided.to(torch.int32)) and dt._ids_int32(strided).is_contiguous()
+
+
+def test_ids_conversion_strict_names_the_first_id_outside_int32():
+    ids = torch.tensor([[1, -1], [2**40, -(2**33)]])
+    with pytest.raises(ValueError, match=r"^topk_indices: strict mode found an out-of-range id at \(1, 0\): "
+                                         r"expected -1 or an id in \[-2\^31, 2\^31-1\] \(int32\), got id 1099511627776$"):
+        dt._ids_int32(ids, strict=True)
+    with pytest.raises(ValueError, match=r"got id 9223372036854775813$"):
+        dt._ids_int32(torch.tensor([2**63 + 5], dtype=torch.uint64), strict=True)
+    assert dt._ids_int32(torch.tensor([[1, -1], [-(2**31), 2**31 - 1]]), strict=True).tolist() == [
+        [1, -1], [-(2**31), 2**31 - 1]]
+
+
+def test_ids_outside_int32_compile_in_one_graph():
+    # the conversion runs on the device (torch.where): no graph break, no host read
+    q, w, k, ids, T = make_torch_problem(seed=23, invalid=False)
+    far, invalid = _ids_beyond_int32(ids)
+
+    def loss_fn(q, w, k, ids, T):
+        return dt.indexer_kl_loss(q, w, k, ids, T, sm_scale=SM)
+
+    got = torch.compile(loss_fn, fullgraph=True, backend="eager")(q.float(), w, k.float(), far, T)
+    assert torch.equal(got, loss_fn(q.float(), w, k.float(), invalid, T))
