@@ -40,8 +40,10 @@ bf16 (the library's forward computes the logits from the same rounded values),
 and returns each gradient in the dtype of its input (the rounding is treated
 as the identity, like ``.to(torch.bfloat16)`` under autograd). Float64 inputs
 make the forward run in torch in float64 on the unrounded values (for
-finite-difference checks; it hands the backward the same row statistics); the
-backward still sees ``index_q``/``index_k`` rounded to bf16. On CPU tensors
+finite-difference checks; it hands the backward the same row statistics), with
+``sm_scale`` and ``loss_coeff`` rounded to float32 as the library applies
+them, so that the gradient is that of the returned loss; the backward still
+sees ``index_q``/``index_k`` rounded to bf16. On CPU tensors
 float64 goes through the library unrounded (its fp64 CPU backend takes f64
 ``weights``, ``attn_score``, row statistics and gradients): the backward reads
 the float64 row statistics, weights and ``attn_score`` and writes float64
@@ -732,7 +734,8 @@ def indexer_kl_loss(
     attn_score    (B, S_q, topk)          float; the target distribution T
     ============  ======================  ===========================================
 
-    H a multiple of 8 in [8, 128], D 64 or 128. The forward is the library's
+    H a multiple of 8 in [8, 128], D 64 or 128. Ids that int32 cannot hold
+    are invalid slots (-1 for the library), never wrapped. The forward is the library's
     ``indexer_kl_forward`` (the fused kernel on CUDA tensors, the fp64 CPU
     backend on CPU tensors; float64 inputs: torch in float64): it returns the
     loss (float32; float64 for float64 inputs) and saves, besides the converted
@@ -937,12 +940,15 @@ def attention_target(
     by its sum. ``sm_scale`` is the main attention's softmax scale.
 
     query and kv are taken as bf16 (other float dtypes are rounded to bf16),
-    lse as float32 (any strides), topk_indices as int32. CUDA tensors run the
+    lse as float32 (any strides), topk_indices as int32 (ids outside int32:
+    invalid slots), sm_scale as float32. CUDA tensors run the
     sm_90a kernel on the current stream (Hq a multiple of 16 up to 128, Dqk a
     multiple of 64 up to 576; no host synchronisation, CUDA-graph capturable),
     CPU tensors the fp64 CPU backend. Returns a new float32 tensor shaped like
-    topk_indices; not differentiable (a target). Errors: TypeError/ValueError/
-    RuntimeError with the C++ library's messages.
+    topk_indices; not differentiable (a target). Errors: TypeError naming
+    ``normalize`` (not a bool), ``layout``, ``id_mode`` or ``lse_base`` (not a
+    str) or ``sm_scale`` (not a real number), as the numpy entry point;
+    then TypeError/ValueError/RuntimeError with the C++ library's messages.
     """
     for name, t in dict(query=query, kv=kv, lse=lse, topk_indices=topk_indices).items():
         if not isinstance(t, torch.Tensor):
@@ -999,6 +1005,8 @@ def indexer_kl_loss_and_grad_from_attention(
     functions take them. With tensor parallelism over the main attention's
     heads, call :func:`attention_target` with ``normalize=False`` per rank,
     all-reduce, normalise, and pass the result to :func:`indexer_kl_loss_and_grad`.
+    Errors as those two functions raise them, except that a bad main-attention
+    scale is named ``softmax_scale``.
     """
     # Checked here so that an error names softmax_scale, not attention_target's sm_scale.
     softmax_scale = _finite_f32("softmax_scale", softmax_scale)
