@@ -85,8 +85,8 @@ def _group_size_rank(group):
                            "(torch.distributed.init_process_group), got torch.distributed not initialised")
     rank = dist.get_rank(group)
     if rank < 0:
-        raise ValueError(f"group: expected a process group that this process is a member of, got a group of "
-                         f"{dist.get_world_size(group)} ranks without this process (global rank {dist.get_rank()})")
+        raise ValueError(f"group: expected a process group that this process is a member of, got a group "
+                         f"without this process (global rank {dist.get_rank()})")
     return dist.get_world_size(group), rank
 
 
@@ -216,9 +216,9 @@ def _check_same_across_group(group, cp, device, fields, layout):
     if cp == 1:
         return
     local = torch.tensor([v for _, _, ints in fields for v in ints], dtype=torch.int64, device=device)
-    gathered = local.new_empty((cp, local.numel()))
+    gathered = local.new_empty((cp * local.numel(),))
     dist.all_gather_into_tensor(gathered, local, group=group)
-    rows = gathered.tolist()
+    rows = gathered.view(cp, -1).tolist()
     start = 0
     for name, kind, ints in fields:
         stop = start + len(ints)
