@@ -53,6 +53,15 @@ group, as Megatron reports its loss under CP); the gradient that ``backward()``
 on a rank propagates is that of the rank's own share, so summing parameter
 gradients over the CP group gives the gradient of the global loss.
 
+Agreement: before the all-gather of ``index_k``, every rank all-gathers one
+small fixed-size int64 descriptor of its arguments (the function, layouts,
+every tensor's dtype and shape, a hash of ``cu_seqlens_q``/``cu_seqlens_k``,
+``id_mode``, ``sm_scale``, ``loss_coeff``, ``normalization_count``,
+``out_dtype``, ``a_operand_precision``) and compares them: an argument that
+differs raises the same ValueError on every rank, naming it and what each
+rank passed. It costs one extra small collective per call (with NCCL, one
+host synchronisation); a group of one process skips it.
+
 Overlap: the all-gather is started asynchronously before the arguments are
 checked and converted and waited for just before the library's op; in the
 backward, the reduce-scatter is started asynchronously and the conversion of
@@ -532,8 +541,12 @@ def context_parallel_indexer_kl_loss(
     Dtypes, options and errors as :func:`dsaib.torch.indexer_kl_loss` (the
     library's validation, given the whole ``index_k``'s shape), plus:
     ``cp_layout`` (``"contiguous"`` or ``"zigzag"``), the split's sizes and THD
-    offsets (ValueError naming the argument). A rank that raises leaves the
-    other ranks waiting in their next collective, as any collective code does.
+    offsets (ValueError naming the argument). Every rank must pass the same
+    arguments apart from its slices' values: sizes, dtypes, layouts, THD
+    offsets and options that differ across the group raise a ValueError on
+    every rank, naming the first that differs (one small all-gather before
+    the keys'). A rank that alone raises before that comparison leaves the
+    other ranks waiting in it, as any collective code does.
 
     Memory: the gathered ``index_k`` (bf16, the whole sequence) is kept for the
     backward, which also makes a float32 ``d_index_k`` of the whole sequence
@@ -590,12 +603,12 @@ def context_parallel_indexer_backward(
     (after the all-gather).
     """
     _dt._check_torch_arguments(index_q, weights, index_k, topk_indices, attn_score, cu_seqlens_q, cu_seqlens_k)
+    if isinstance(out_dtype, str):
+        out_dtype = (out_dtype,) * 3
     fields = _describe("context_parallel_indexer_backward", index_q, weights, index_k, topk_indices, attn_score,
                        index_score, sm_scale, cp_layout, loss_coeff, normalization_count, layout, id_mode,
                        cu_seqlens_q, cu_seqlens_k, out_dtype, a_operand_precision)
     plan = _plan(group, cp_layout, layout, index_q, index_k, cu_seqlens_q, cu_seqlens_k, fields)
-    if isinstance(out_dtype, str):
-        out_dtype = (out_dtype,) * 3
     dq_dtype, dw_dtype, dk_dtype = out_dtype
     k_dt = _dt._out_dtype("dk_dtype", dk_dtype)
     gathered, work = _start_gather(plan, index_k)
