@@ -53,6 +53,15 @@ group, as Megatron reports its loss under CP); the gradient that ``backward()``
 on a rank propagates is that of the rank's own share, so summing parameter
 gradients over the CP group gives the gradient of the global loss.
 
+Agreement: before the all-gather of ``index_k``, every rank all-gathers one
+small fixed-size int64 descriptor of its arguments (the function, layouts,
+every tensor's dtype and shape, a hash of ``cu_seqlens_q``/``cu_seqlens_k``,
+``id_mode``, ``sm_scale``, ``loss_coeff``, ``normalization_count``,
+``out_dtype``, ``a_operand_precision``) and compares them: an argument that
+differs raises the same ValueError on every rank, naming it and what each
+rank passed. It costs one extra small collective per call (with NCCL, one
+host synchronisation); a group of one process skips it.
+
 Overlap: the all-gather is started asynchronously before the arguments are
 checked and converted and waited for just before the library's op; in the
 backward, the reduce-scatter is started asynchronously and the conversion of
@@ -61,6 +70,7 @@ waits order the current CUDA stream after the collective without blocking
 the host.
 """
 import functools
+import struct
 from typing import Optional, Tuple
 
 import torch
@@ -76,12 +86,155 @@ CP_LAYOUTS = ("contiguous", "zigzag")
 
 
 def _group_size_rank(group):
-    """(cp, rank) of the group (None: the default group), or a RuntimeError when
-    torch.distributed is not initialised."""
+    """(cp, rank) of the group (None: the default group), a RuntimeError when
+    torch.distributed is not initialised, a ValueError when this process is not
+    a member of the group."""
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("group: expected a process group of an initialised torch.distributed "
                            "(torch.distributed.init_process_group), got torch.distributed not initialised")
-    return dist.get_world_size(group), dist.get_rank(group)
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(f"group: expected a process group that this process is a member of, got a group "
+                         f"without this process (global rank {dist.get_rank()})")
+    return dist.get_world_size(group), rank
+
+
+# ---- the arguments every rank must agree on -----------------------------------
+#
+# Before the first collective whose sizes depend on the arguments, every rank
+# all-gathers one fixed-size int64 descriptor of its arguments and compares the
+# group's descriptors; a difference raises the same ValueError on every rank
+# (naming the first argument that differs and what each rank passed) instead of
+# a collective of mismatched sizes, which gloo aborts the process on and NCCL
+# may hang or corrupt on, or a loss normalised with another rank's sizes.
+
+_HASH_MOD = (1 << 61) - 1                        # a Mersenne prime: the hash fits an int64
+_STR_BYTES = 24                                  # the bytes of a value's repr kept in the descriptor
+_MAX_DIMS = 5                                    # the dimensions of a tensor's shape kept in the descriptor
+
+
+def _hash(values):
+    h = 0
+    for v in values:
+        h = (h * 1_000_003 + int(v)) % _HASH_MOD
+    return h
+
+
+def _encode_repr(value):
+    """4 int64: the first 24 bytes of repr(value) and a hash of all of it."""
+    text = repr(value).encode("utf-8", "replace")
+    head = text[:_STR_BYTES].ljust(_STR_BYTES, b"\0")
+    return list(struct.unpack("<3q", head)) + [_hash(text)]
+
+
+def _decode_repr(ints):
+    text = struct.pack("<3q", *ints[:3]).rstrip(b"\0").decode("utf-8", "replace")
+    return text if len(text) < _STR_BYTES else text + "..."
+
+
+def _encode_float(value):
+    return list(struct.unpack("<q", struct.pack("<d", float(value))))
+
+
+def _encode_shape(t):
+    """1 + 5 + 1 int64: the rank (-1: None), the first 5 sizes, a hash of the shape."""
+    if t is None:
+        return [-1] + [0] * _MAX_DIMS + [0]
+    shape = list(t.shape)
+    return [len(shape)] + (shape[:_MAX_DIMS] + [0] * _MAX_DIMS)[:_MAX_DIMS] + [_hash(shape)]
+
+
+def _shape_of(ints):
+    n = ints[0]
+    return None if n < 0 else tuple(ints[1:1 + min(n, _MAX_DIMS)]) + (("...",) if n > _MAX_DIMS else ())
+
+
+def _encode_offsets(cu):
+    """3 int64: the number of sequences, the last offset and a hash of all of them
+    (-1 when None, -2 when not a 1-d integer tensor: the plan rejects those)."""
+    if cu is None:
+        return [-1, 0, 0]
+    if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 1 or cu.is_floating_point():
+        return [-2, 0, 0]
+    offsets = cu.tolist()
+    return [len(offsets) - 1, offsets[-1], _hash(offsets)]
+
+
+def _describe(function, index_q, weights, index_k, topk_indices, attn_score, index_score, sm_scale, cp_layout,
+              loss_coeff, normalization_count, layout, id_mode, cu_seqlens_q, cu_seqlens_k, out_dtype,
+              a_operand_precision):
+    """[(argument, kind, int64 values)] in the order the comparison names them:
+    the function and the split's words first, then the tensors, then the options."""
+    fields = [("function", "repr", _encode_repr(function)),
+              ("layout", "repr", _encode_repr(layout)),
+              ("cp_layout", "repr", _encode_repr(cp_layout))]
+    for name, t in (("index_q", index_q), ("weights", weights), ("index_k", index_k),
+                    ("topk_indices", topk_indices), ("attn_score", attn_score), ("index_score", index_score)):
+        fields.append((name, "dtype", _encode_repr(None if t is None else t.dtype)))
+        fields.append((name, "shape", _encode_shape(t)))
+    fields += [("cu_seqlens_q", "offsets", _encode_offsets(cu_seqlens_q)),
+               ("cu_seqlens_k", "offsets", _encode_offsets(cu_seqlens_k)),
+               ("id_mode", "repr", _encode_repr(id_mode)),
+               ("sm_scale", "float", _encode_float(sm_scale)),
+               ("loss_coeff", "float", _encode_float(loss_coeff)),
+               ("normalization_count", "int", [int(normalization_count or 0)]),
+               ("out_dtype", "repr", _encode_repr(out_dtype)),
+               ("a_operand_precision", "repr", _encode_repr(a_operand_precision))]
+    return fields
+
+
+def _per_rank(values, unit=""):
+    """'rank 0 has 6 key rows, rank 1 has 10' (the first 8 ranks)."""
+    shown = [f"rank {r} has {v}" + (f" {unit}" if unit and r == 0 else "") for r, v in enumerate(values[:8])]
+    return ", ".join(shown) + (f", ... ({len(values)} ranks)" if len(values) > 8 else "")
+
+
+def _difference(name, kind, rows, layout):
+    """The ValueError's message for an argument whose descriptor differs across the ranks."""
+    doc = "(docs/context-parallel.md)"
+    if kind == "shape":
+        shapes = [_shape_of(r) for r in rows]
+        dim = 1 if layout == "bshd" else 0
+        ranks = {len(s) if s is not None else -1 for s in shapes}
+        if len(ranks) == 1 and None not in shapes and len(shapes[0]) > dim and \
+                all(s[:dim] + s[dim + 1:] == shapes[0][:dim] + shapes[0][dim + 1:] for s in shapes):
+            unit = "key rows" if name == "index_k" else "query rows"
+            return (f"{name}: the slices differ across the group: "
+                    f"{_per_rank([s[dim] for s in shapes], unit)}; expected equal slices {doc}")
+        return (f"{name}: the shapes differ across the group: {_per_rank(shapes)}; "
+                f"expected the same shape on every rank {doc}")
+    if kind == "offsets":
+        def offsets(r):
+            return {-1: "None", -2: "not a 1-d integer tensor"}.get(
+                r[0], f"{r[0]} sequences ending at {r[1]} (hash {r[2]:#x})")
+        return (f"{name}: the offsets differ across the group: {_per_rank([offsets(r) for r in rows])}; "
+                f"expected the whole batch's offsets, the same on every rank {doc}")
+    if kind == "float":
+        values = [struct.unpack("<d", struct.pack("<q", r[0]))[0] for r in rows]
+    elif kind == "int":
+        values = [r[0] for r in rows]
+    else:
+        values = [_decode_repr(r) for r in rows]
+    what = "dtypes" if kind == "dtype" else "values"
+    return f"{name}: the {what} differ across the group: {_per_rank(values)}; expected the same on every rank {doc}"
+
+
+def _check_same_across_group(group, cp, device, fields, layout):
+    """All-gathers the descriptor (one small collective) and raises the same
+    ValueError on every rank when an argument differs across the group."""
+    if cp == 1:
+        return
+    local = torch.tensor([v for _, _, ints in fields for v in ints], dtype=torch.int64, device=device)
+    gathered = local.new_empty((cp * local.numel(),))
+    dist.all_gather_into_tensor(gathered, local, group=group)
+    rows = gathered.view(cp, -1).tolist()
+    start = 0
+    for name, kind, ints in fields:
+        stop = start + len(ints)
+        mine = [r[start:stop] for r in rows]
+        if any(m != mine[0] for m in mine):
+            raise ValueError(_difference(name, kind, mine, layout))
+        start = stop
 
 
 def _check_words(cp_layout, layout):
@@ -339,8 +492,12 @@ def _start_reduce_scatter(plan, dk_whole):
     return out, dist.reduce_scatter_tensor(out, send, op=dist.ReduceOp.SUM, group=plan.group, async_op=True)
 
 
-def _plan(group, cp_layout, layout, index_q, index_k, cu_seqlens_q, cu_seqlens_k):
+def _plan(group, cp_layout, layout, index_q, index_k, cu_seqlens_q, cu_seqlens_k, fields):
+    """The split's plan, after the group has compared every rank's arguments
+    (``fields``, :func:`_describe`): the checks that follow then see the same
+    sizes and words on every rank, and raise on every rank alike."""
     cp, rank = _group_size_rank(group)
+    _check_same_across_group(group, cp, index_k.device, fields, layout)
     _check_words(cp_layout, layout)
     return _Plan(group, cp, rank, cp_layout, layout, index_q, index_k, cu_seqlens_q, cu_seqlens_k)
 
@@ -384,8 +541,12 @@ def context_parallel_indexer_kl_loss(
     Dtypes, options and errors as :func:`dsaib.torch.indexer_kl_loss` (the
     library's validation, given the whole ``index_k``'s shape), plus:
     ``cp_layout`` (``"contiguous"`` or ``"zigzag"``), the split's sizes and THD
-    offsets (ValueError naming the argument). A rank that raises leaves the
-    other ranks waiting in their next collective, as any collective code does.
+    offsets (ValueError naming the argument). Every rank must pass the same
+    arguments apart from its slices' values: sizes, dtypes, layouts, THD
+    offsets and options that differ across the group raise a ValueError on
+    every rank, naming the first that differs (one small all-gather before
+    the keys'). A rank that alone raises before that comparison leaves the
+    other ranks waiting in it, as any collective code does.
 
     Memory: the gathered ``index_k`` (bf16, the whole sequence) is kept for the
     backward, which also makes a float32 ``d_index_k`` of the whole sequence
@@ -394,7 +555,10 @@ def context_parallel_indexer_kl_loss(
     """
     a_operand_precision = _a_operand(a_operand_precision)
     _dt._check_torch_arguments(index_q, weights, index_k, topk_indices, attn_score, cu_seqlens_q, cu_seqlens_k)
-    plan = _plan(group, cp_layout, layout, index_q, index_k, cu_seqlens_q, cu_seqlens_k)
+    fields = _describe("context_parallel_indexer_kl_loss", index_q, weights, index_k, topk_indices, attn_score, None,
+                       sm_scale, cp_layout, loss_coeff, normalization_count, layout, id_mode, cu_seqlens_q,
+                       cu_seqlens_k, None, a_operand_precision)
+    plan = _plan(group, cp_layout, layout, index_q, index_k, cu_seqlens_q, cu_seqlens_k, fields)
     return _ContextParallelKLLoss.apply(index_q, weights, index_k, topk_indices, attn_score, plan, float(sm_scale),
                                         float(loss_coeff), int(normalization_count), id_mode, a_operand_precision)
 
@@ -439,9 +603,12 @@ def context_parallel_indexer_backward(
     (after the all-gather).
     """
     _dt._check_torch_arguments(index_q, weights, index_k, topk_indices, attn_score, cu_seqlens_q, cu_seqlens_k)
-    plan = _plan(group, cp_layout, layout, index_q, index_k, cu_seqlens_q, cu_seqlens_k)
     if isinstance(out_dtype, str):
         out_dtype = (out_dtype,) * 3
+    fields = _describe("context_parallel_indexer_backward", index_q, weights, index_k, topk_indices, attn_score,
+                       index_score, sm_scale, cp_layout, loss_coeff, normalization_count, layout, id_mode,
+                       cu_seqlens_q, cu_seqlens_k, out_dtype, a_operand_precision)
+    plan = _plan(group, cp_layout, layout, index_q, index_k, cu_seqlens_q, cu_seqlens_k, fields)
     dq_dtype, dw_dtype, dk_dtype = out_dtype
     k_dt = _dt._out_dtype("dk_dtype", dk_dtype)
     gathered, work = _start_gather(plan, index_k)

@@ -8,7 +8,9 @@ problem with its own code (torch.chunk), so that a wrong chunk order in the
 library's reordering shows as a mismatch. Skipped when torch (or its gloo
 backend) is not installed.
 """
+import datetime
 import os
+import re
 import subprocess
 import sys
 
@@ -421,3 +423,118 @@ def test_without_an_initialised_process_group_raises():
 if __name__ == "__main__" and len(sys.argv) == 7 and sys.argv[1] == "--worker":
     torch.set_num_threads(1)
     run_worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6])
+
+
+# ---- arguments that differ across the ranks: ValueError on every rank ------------
+#
+# Each case runs in 2 worker processes (gloo, a 60 s timeout: a rank that raised
+# alone would leave the other waiting, and the test would fail on the timeout).
+# A collective of mismatched sizes aborts a gloo process (SIGABRT); the other
+# cases would otherwise give a wrong loss without an error.
+
+
+def mismatch_inputs(case, rank):
+    """(function, positional tensors, options) of rank for a mismatch case (2 ranks)."""
+    g = torch.Generator().manual_seed(11)
+    layout = "thd" if case == "different-cu-seqlens" else "bshd"
+    B, S, T = 2, 16, 24
+    shape = (B, S) if layout == "bshd" else (T,)
+    q = torch.randn(*shape, H, D, generator=g).to(torch.bfloat16).double()
+    w = torch.randn(*shape, H, generator=g).double()
+    k = torch.randn(*shape, D, generator=g).to(torch.bfloat16).double()
+    ids = torch.randint(0, 4, shape + (TOPK,), generator=g, dtype=torch.int32)
+    T_ = torch.rand(shape + (TOPK,), generator=g, dtype=torch.float64)
+    opts = dict(sm_scale=SM, group=None, cp_layout="contiguous", layout=layout)
+    half = slice(0, 8) if rank == 0 else slice(8, 16)
+    q_rows, k_rows = half, half
+    if case.startswith("unequal-key-slices"):
+        k_rows = slice(0, 6) if rank == 0 else slice(6, 16)
+    elif case == "unequal-query-slices":
+        q_rows = slice(0, 4) if rank == 0 else slice(4, 16)
+    elif case == "different-cp-layout":
+        opts["cp_layout"] = "zigzag" if rank == 0 else "contiguous"
+    if layout == "bshd":
+        args = [q[:, q_rows], w[:, q_rows], k[:, k_rows], ids[:, q_rows], T_[:, q_rows]]
+    else:
+        cu = torch.tensor([0, 4, 12, 24] if rank == 0 else [0, 8, 12, 24], dtype=torch.int32)
+        opts.update(cp_layout="zigzag", cu_seqlens_q=cu, cu_seqlens_k=cu)
+        args = [q[:12], w[:12], k[:12], ids[:12], T_[:12]]
+    if case == "different-dtypes" and rank == 1:
+        args[:3] = [x.float() for x in args[:3]]
+    if case == "not-a-member":
+        opts["group"] = dist.new_group([0])          # every rank takes part in new_group
+        if rank == 0:
+            args, opts = [x[:, :] for x in (q, w, k, ids, T_)], dict(opts, cp_layout="zigzag")
+    if case.endswith("backward-op"):
+        args = [args[0].to(torch.bfloat16), args[1].float(), args[2].to(torch.bfloat16), args[3],
+                args[4].float(), None]
+        return dcp.context_parallel_indexer_backward, args, dict(opts, row_lse=torch.zeros(args[3].shape[:-1]),
+                                                               row_target_mass=torch.ones(args[3].shape[:-1]))
+    return dcp.context_parallel_indexer_kl_loss, args, opts
+
+
+def run_mismatch_worker(case, rank, world, init_file, out_file):
+    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        fn, args, opts = mismatch_inputs(case, rank)
+        try:
+            fn(*args, **opts)
+            error = None
+        except ValueError as e:
+            error = str(e)
+        torch.save(dict(error=error), out_file)
+    finally:
+        dist.destroy_process_group()
+
+
+MISMATCHES = {
+    "unequal-key-slices": [r"index_k: the slices differ across the group: rank 0 has 6 key rows, rank 1 has 10; "
+                           r"expected equal slices \(docs/context-parallel.md\)"] * 2,
+    "unequal-key-slices-backward-op": [r"index_k: the slices differ across the group: rank 0 has 6 key rows, "
+                                       r"rank 1 has 10"] * 2,
+    "different-dtypes": [r"index_q: the dtypes differ across the group: rank 0 has torch.float64, "
+                         r"rank 1 has torch.float32"] * 2,
+    "unequal-query-slices": [r"index_q: the slices differ across the group: rank 0 has 4 query rows, "
+                             r"rank 1 has 12"] * 2,
+    "different-cu-seqlens": [r"cu_seqlens_q: the offsets differ across the group: rank 0 has 3 sequences ending "
+                             r"at 24 \(hash 0x[0-9a-f]+\), rank 1 has 3 sequences ending at 24 \(hash "
+                             r"0x[0-9a-f]+\); expected the whole batch's offsets, the same on every rank"] * 2,
+    "different-cp-layout": [r"cp_layout: the values differ across the group: rank 0 has 'zigzag', "
+                            r"rank 1 has 'contiguous'"] * 2,
+    "not-a-member": [None, r"group: expected a process group that this process is a member of, got a group "
+                           r"without this process \(global rank 1\)"],
+}
+
+
+@pytest.mark.parametrize("case", list(MISMATCHES))
+def test_arguments_that_differ_across_ranks_raise_on_every_rank(case, tmp_path):
+    world = 2
+    init_file = str(tmp_path / "rendezvous")
+    outs = [str(tmp_path / f"out{r}.pt") for r in range(world)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, __file__, "--mismatch", case, str(r), str(world), init_file, outs[r]],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(world)]
+    logs = []
+    try:
+        for proc in procs:
+            logs.append(proc.communicate(timeout=WORKER_TIMEOUT_S)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    for r, (proc, log) in enumerate(zip(procs, logs)):
+        assert proc.returncode == 0, f"rank {r} failed (exit {proc.returncode}):\n{log}"
+    for r, (out, want) in enumerate(zip(outs, MISMATCHES[case])):
+        error = torch.load(out)["error"]
+        if want is None:
+            assert error is None, (r, error)
+        else:
+            assert error is not None, f"rank {r}: no error"
+            assert re.search(want, error), (r, error)
+
+
+if __name__ == "__main__" and len(sys.argv) == 7 and sys.argv[1] == "--mismatch":
+    torch.set_num_threads(1)
+    run_mismatch_worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6])
