@@ -80,31 +80,11 @@ ProblemGeometry validate_unguarded(const AttentionTargetInputs& in, const Attent
   check_tensor(in.lse, {"lse", {DType::f32}, 3 - r, true}, device, device_index);
   check_tensor(in.topk_indices, {"topk_indices", {DType::i32}, 3 - r}, device, device_index);
   if (out) check_tensor(out->attn_score, {"attn_score", {DType::f32}, 3 - r, true}, device, device_index);
-  if (thd) {
-    check_tensor(in.cu_seqlens_q, {"cu_seqlens_q", {DType::i32}, 1}, device, device_index);
-    check_tensor(in.cu_seqlens_k, {"cu_seqlens_k", {DType::i32}, 1}, device, device_index);
-  } else {
-    if (in.cu_seqlens_q.present()) fail("cu_seqlens_q", "absent for layout bshd", "a tensor");
-    if (in.cu_seqlens_k.present()) fail("cu_seqlens_k", "absent for layout bshd", "a tensor");
-  }
+  check_cu_seqlens_views(in.cu_seqlens_q, in.cu_seqlens_k, thd, device, device_index);
 
   // Sizes and shapes.
   const TensorView& q = in.query;
-  if (thd) {
-    g.num_q_rows = q.shape[0];
-    g.heads = q.shape[1];
-    g.head_dim = q.shape[2];
-    g.num_k_rows = in.kv.shape[0];
-  } else {
-    g.batch = q.shape[0];
-    g.s_q = q.shape[1];
-    g.heads = q.shape[2];
-    g.head_dim = q.shape[3];
-    g.s_kv = in.kv.shape[1];
-    g.num_q_rows = g.batch * g.s_q;
-    g.num_k_rows = g.batch * g.s_kv;
-  }
-  g.topk = in.topk_indices.shape[thd ? 1 : 2];
+  read_problem_sizes(g, q, in.kv, in.topk_indices, thd);
   const std::string heads_dim = "Hq (heads, dim " + std::to_string(2 - r) + ")";
   const std::string got_heads = "Hq = " + std::to_string(g.heads) + " (shape " + q.shape_string() + ")";
   const std::string got_dim = "Dqk = " + std::to_string(g.head_dim) + " (shape " + q.shape_string() + ")";

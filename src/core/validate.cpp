@@ -219,6 +219,35 @@ void check_options(const IndexerBackwardOptions& opt) {
   }
 }
 
+void check_cu_seqlens_views(const TensorView& cu_q, const TensorView& cu_k, bool thd, DeviceType device,
+                            int device_index) {
+  if (thd) {
+    check_tensor(cu_q, {"cu_seqlens_q", {DType::i32}, 1}, device, device_index);
+    check_tensor(cu_k, {"cu_seqlens_k", {DType::i32}, 1}, device, device_index);
+  } else {
+    if (cu_q.present()) fail("cu_seqlens_q", "absent for layout bshd", "a tensor");
+    if (cu_k.present()) fail("cu_seqlens_k", "absent for layout bshd", "a tensor");
+  }
+}
+
+void read_problem_sizes(ProblemGeometry& g, const TensorView& q, const TensorView& k, const TensorView& ids, bool thd) {
+  if (thd) {
+    g.num_q_rows = q.shape[0];
+    g.heads = q.shape[1];
+    g.head_dim = q.shape[2];
+    g.num_k_rows = k.shape[0];
+  } else {
+    g.batch = q.shape[0];
+    g.s_q = q.shape[1];
+    g.heads = q.shape[2];
+    g.head_dim = q.shape[3];
+    g.s_kv = k.shape[1];
+    g.num_q_rows = g.batch * g.s_q;
+    g.num_k_rows = g.batch * g.s_kv;
+  }
+  g.topk = ids.shape[thd ? 1 : 2];
+}
+
 void resolve_sequences(ProblemGeometry& g, const TensorView& cu_q, const TensorView& cu_k, bool strict_indices,
                        CopyToHost copy, void* stream, bool stream_capturing, const char* q_total_name,
                        const char* k_total_name) {
@@ -403,30 +432,10 @@ ProblemGeometry validate_problem_unguarded(const IndexerBackwardInputs& in, cons
 
   // cu_seqlens views are checked here, before anything (the overlap test below)
   // walks their shape.
-  if (thd) {
-    check_tensor(in.cu_seqlens_q, {"cu_seqlens_q", {DType::i32}, 1}, device, device_index);
-    check_tensor(in.cu_seqlens_k, {"cu_seqlens_k", {DType::i32}, 1}, device, device_index);
-  } else {
-    if (in.cu_seqlens_q.present()) fail("cu_seqlens_q", "absent for layout bshd", "a tensor");
-    if (in.cu_seqlens_k.present()) fail("cu_seqlens_k", "absent for layout bshd", "a tensor");
-  }
+  check_cu_seqlens_views(in.cu_seqlens_q, in.cu_seqlens_k, thd, device, device_index);
 
   const TensorView& q = in.index_q;
-  if (thd) {
-    g.num_q_rows = q.shape[0];
-    g.heads = q.shape[1];
-    g.head_dim = q.shape[2];
-    g.num_k_rows = in.index_k.shape[0];
-  } else {
-    g.batch = q.shape[0];
-    g.s_q = q.shape[1];
-    g.heads = q.shape[2];
-    g.head_dim = q.shape[3];
-    g.s_kv = in.index_k.shape[1];
-    g.num_q_rows = g.batch * g.s_q;
-    g.num_k_rows = g.batch * g.s_kv;
-  }
-  g.topk = in.topk_indices.shape[thd ? 1 : 2];
+  read_problem_sizes(g, q, in.index_k, in.topk_indices, thd);
 
   if (g.heads < 8 || g.heads > 128 || g.heads % 8 != 0) {
     fail("index_q", "H (heads, dim " + std::to_string(2 - r) + ") a multiple of 8 in [8, 128]",

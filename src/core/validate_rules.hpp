@@ -39,6 +39,15 @@ bool overlaps(const TensorView& a, const TensorView& b);
 /// `v` is finite; else "<name>: expected a finite value, got <v>".
 void check_finite(float v, const char* name);
 
+/// THD: cu_seqlens_q / cu_seqlens_k must be 1-d int32 tensors on `device`;
+/// BSHD: both must be absent.
+void check_cu_seqlens_views(const TensorView& cu_q, const TensorView& cu_k, bool thd, DeviceType device,
+                            int device_index);
+
+/// g's sizes from a (B, S_q, H, D) / (T_q, H, D) query, the (B, S_kv, .) /
+/// (T_k, .) keys and the ids' topk (their last dim); their ranks checked before.
+void read_problem_sizes(ProblemGeometry& g, const TensorView& q, const TensorView& k, const TensorView& ids, bool thd);
+
 /// The per-sequence tables of `g`, whose layout, id_mode, row counts (and BSHD's
 /// batch, s_q, s_kv) are set and whose cu_seqlens views were checked by
 /// check_tensor. THD: the lengths of cu_seqlens_q/k (B + 1 >= 1, equal), then
