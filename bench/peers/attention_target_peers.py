@@ -257,21 +257,10 @@ def main(argv=None):
             "lse": "natural log, the sparse attention's over each row's valid selected keys (fp32)",
             "timing": "CUDA events around the peer's call after a 3 ms GPU sleep; median of iters after warmup",
             "peers": {}, "results": []}
-    if torch is None:
-        for n in names:
-            info["peers"][n] = {"status": "unavailable", "reason": "torch is not installed"}
-        info.update(status="unavailable", reason="torch is not installed")
-        common.write_json(a.json, info)
-        print("torch is not installed: no peer can run", flush=True)
-        return common.UNAVAILABLE
     device = a.device
-    if device == "cuda" and common.cuda_reason():
-        for n in names:
-            info["peers"][n] = {"status": "unavailable", "reason": common.cuda_reason()}
-        info.update(status="unavailable", reason=common.cuda_reason())
-        common.write_json(a.json, info)
-        print(f"{PROBLEM}: {common.cuda_reason()}: no peer can run", flush=True)
-        return common.UNAVAILABLE
+    rc = common.peers_unavailable(info, names, device, a.json, PROBLEM)
+    if rc is not None:
+        return rc
     info.update(common.device_info() if device == "cuda" else {"device": "cpu"})
     peers = [make_peer(n, a, device) for n in names]
     for p in peers:

@@ -663,6 +663,25 @@ def run_peer_checks(info, peers, json_path):
     return rc
 
 
+def peers_unavailable(info, names, device, json_path, problem):
+    """When no peer can run here (torch missing, or device "cuda" without a usable GPU): records
+    the reason for each peer of `names` and for the run, writes the JSON, says so and returns
+    UNAVAILABLE; else None."""
+    if torch is None:
+        reason = "torch is not installed"
+        line = f"{reason}: no peer can run"
+    elif device == "cuda" and (reason := cuda_reason()):
+        line = f"{problem}: {reason}: no peer can run"
+    else:
+        return None
+    for n in names:
+        info["peers"][n] = {"status": "unavailable", "reason": reason}
+    info.update(status="unavailable", reason=reason)
+    write_json(json_path, info)
+    print(line, flush=True)
+    return UNAVAILABLE
+
+
 def finish_peer_run(info, peers, json_path):
     """info["status"]: "unavailable" when no peer could run (exit 77), "error" when no timed row
     ran, else "ok"."""

@@ -366,21 +366,10 @@ def main(argv=None):
             "sm_scale": "dim**-0.5",
             "timing": "CUDA events around the peer's call after a 3 ms GPU sleep; median of iters after warmup",
             "peers": {}, "results": []}
-    if torch is None:
-        for n in names:
-            info["peers"][n] = {"status": "unavailable", "reason": "torch is not installed"}
-        info.update(status="unavailable", reason="torch is not installed")
-        common.write_json(a.json, info)
-        print("torch is not installed: no peer can run", flush=True)
-        return common.UNAVAILABLE
     device = a.device
-    if device == "cuda" and common.cuda_reason():
-        for n in names:
-            info["peers"][n] = {"status": "unavailable", "reason": common.cuda_reason()}
-        info.update(status="unavailable", reason=common.cuda_reason())
-        common.write_json(a.json, info)
-        print(f"{PROBLEM}: {common.cuda_reason()}: no peer can run", flush=True)
-        return common.UNAVAILABLE
+    rc = common.peers_unavailable(info, names, device, a.json, PROBLEM)
+    if rc is not None:
+        return rc
     info.update(common.device_info() if device == "cuda" else {"device": "cpu"})
     makers = {"torch_eager": make_eager, "cudnn_frontend": make_cudnn, "tilelang": make_tilelang}
     peers = [makers[n](a, device) for n in names]
