@@ -4,14 +4,17 @@
 //   warpgroup 0 : ProducerGather without stage 1 (producer_gather.cuh, shared
 //                 with the backward): Q/w loads, compaction of the valid slots,
 //                 K gather into kStagesK stages; each gathered key carries its slot.
-//   warpgroup 1 : ForwardScore (forward_score.cuh): GEMM1 S = Q K^T with wgmma
-//                 (the backward's operand layouts and warpgroup_gemm_rs), the weighted
-//                 relu head sum z, and per row LSE, P, the target mass and the loss term.
+//   warpgroup 1 : ForwardScore (forward_score.cuh): GEMM1 with wgmma, keys as M
+//                 and heads as N (S^T = K Q^T, both operands in shared memory), so
+//                 the weighted relu head sum z of a key stays within a thread and
+//                 its quad; the row's running max / sum of exp and the sums of
+//                 T~ z and T~ as the blocks arrive; per row LSE, the target mass
+//                 and the loss term, and P or a clipped row by a pass over its slots.
 //
 // One task = one query row with ALL its heads (kHeadTile 64 for H <= 64, 128
 // above), since z sums over every head. Persistent: CTA b takes rows b,
-// b + gridDim.x, ... A row's logits go to the CTA's z scratch row (global
-// memory, indexed by slot) until its LSE is known; per-row loss terms go to a
+// b + gridDim.x, ... A row's logits also go to the CTA's z scratch row (global
+// memory, indexed by slot) for that pass; per-row loss terms go to a
 // workspace that a second kernel sums in a fixed order.
 #pragma once
 
@@ -51,12 +54,22 @@ struct ForwardTileConfig {
       SmemAtom{}, cute::Shape<cute::Int<kHeadTile>, cute::Int<kHeadDim>, cute::Int<kStagesQ>>{}));
   using SmemLayoutK = decltype(cute::tile_to_shape(
       SmemAtom{}, cute::Shape<cute::Int<kBlockKeys>, cute::Int<kHeadDim>, cute::Int<kStagesK>>{}));
-  // GEMM1 as the backward's: Q from registers (wgmma RS), K-major K; with 128
-  // heads one warpgroup issues two m64 tiles.
+  // GEMM1 transposed against the backward's: S^T (keys, heads) = K Q^T with the
+  // same shared-memory operands (K-major, 128-byte swizzle), K as A and Q as B.
+  // Keys as M put a key's heads in one thread and its quad, so the head sum
+  // needs two shuffles and no exchange between warps.
   using TiledMmaS = decltype(cute::make_tiled_mma(
-      cute::GMMA::rs_op_selector<Element, Element, float,
-                                 cute::Shape<cute::Int<kHeadTile>, cute::Int<kBlockKeys>, cute::Int<kHeadDim>>,
+      cute::GMMA::ss_op_selector<Element, Element, float,
+                                 cute::Shape<cute::Int<kBlockKeys>, cute::Int<kHeadTile>, cute::Int<kHeadDim>>,
                                  cute::GMMA::Major::K, cute::GMMA::Major::K>()));
+};
+
+/// One part of a row's statistics over its valid slots, in the order the
+/// blocks arrive: the running max m of the logits z and sum s of exp(z - m),
+/// the smallest z, and the fp64 sums of T~ z and of T~.
+struct RowStatistics {
+  float m, s, z_min;
+  double target_logit, target;
 };
 
 template <class Config>
@@ -65,34 +78,36 @@ struct ForwardSharedStorage {
   static constexpr int kWarps = Config::kScoreThreads / 32;
   alignas(1024) Element q[cute::cosize_v<typename Config::SmemLayoutQ>];  // (heads, D) x kStagesQ
   alignas(1024) Element k[cute::cosize_v<typename Config::SmemLayoutK>];  // (64 keys, D) x kStagesK
-  // ---- per K stage: the slot of each gathered key in its row (-1 on tail entries) and its key row
+  // ---- per K stage: each gathered key's slot in its row (-1 on tail entries),
+  //      its T~ = max(T, eps) (0 on tail entries) and its key row
   int32_t key_slot[Config::kStagesK][Config::kBlockKeys];
+  float key_target[Config::kStagesK][Config::kBlockKeys];
   int32_t key_row[Config::kStagesK][Config::kBlockKeys];
   // ---- per Q stage
   float w_scaled[Config::kStagesQ][Config::kHeadTile];  // w_h * sm_scale, 0 for padded heads
   int32_t num_blocks[Config::kStagesQ];
   // ---- producer-private (NamedBarrierId::kProducerSync): the compacted slot list of one chunk
   alignas(16) int32_t slot_index[Config::kSlotChunk];
+  alignas(16) float slot_target[Config::kSlotChunk];
   alignas(16) int32_t slot_key_row[Config::kSlotChunk];
   float producer_partial[Config::kProducerThreads / 32][2];
   int32_t producer_scan[Config::kProducerThreads / 32];
   int32_t producer_scan_rows[Config::kSlotsPerThread][Config::kProducerThreads / 32];
   // ---- score-role-private (NamedBarrierId::kForwardScoreSync)
-  alignas(16) float z_part[2][kWarps][Config::kBlockKeys];  // per-warp head sums of a block, by block parity
-  float max_sum_part[kWarps][2];                            // per-warp (max, sum of exp) of a row
-  double row_part[kWarps][3];  // per-warp (loss term, target mass, sum of the rebuilt P) of a row
+  RowStatistics row_stats[2][kWarps];  // per-warp statistics of a row, by row parity
+  double row_part[kWarps][3];          // per-warp (loss term, target mass, sum of the rebuilt P) of a slot pass
 
   // k_full[s] / k_empty[s]: as the backward's (shared_storage.cuh), with
   // key_slot[s] in place of gs[s]: the producer's 128 threads arrive on full
-  // after their key_slot/key_row stores, cp.async wait and proxy fence; the
-  // score role's 128 threads arrive on empty after the warpgroup_wait<0> of the
-  // block's GEMM1 and their read of key_slot[s].
+  // after their key_slot/key_target/key_row stores, cp.async wait and proxy
+  // fence; the score role's 128 threads arrive on empty after the warpgroup_wait
+  // that retires the block's GEMM1 and their reads of key_slot[s] / key_target[s].
   uint64_t k_full[Config::kStagesK];
   uint64_t k_empty[Config::kStagesK];
   // q_full[s]: the producer's 128 threads, after w_scaled/num_blocks stores,
   // Q cp.async wait and proxy fence. q_empty[s]: the score role's 128 threads,
-  // after their ldmatrix loads of q[s] and reads of w_scaled[s] / num_blocks[s]
-  // (GEMM1 takes Q from registers, so no wgmma reads q[s]).
+  // after the warpgroup_wait<0> that retires the row's last GEMM1 (every wgmma
+  // of the row reads q[s]) and their reads of w_scaled[s] / num_blocks[s].
   uint64_t q_full[Config::kStagesQ];
   uint64_t q_empty[Config::kStagesQ];
 };

@@ -1,18 +1,28 @@
 // The loss forward's score role (warpgroup 1) and the kernel (forward_kernel.cuh).
 //
-// Per row: load Q (all heads) into registers once; per gathered block of 64
-// keys, GEMM1 S = Q K^T (wgmma RS, as the backward's score role), then
-// z_key = sum_h w_h sm_scale relu(S_hk): each thread sums its accumulator rows,
-// a butterfly over the 8 lanes of a column group leaves 2 columns per lane, and
-// the 4 warps' partials meet in shared memory, summed in warp order; z goes to
-// the CTA's scratch row at the key's slot. After the row's blocks, two passes
-// over its slots (in slot order, so the results do not depend on the gather
-// order): (1) max m and sum s of exp(z - m) -> LSE = m + log s, rounded to f32;
-// (2) P = exp((z - m) - log s) (no LSE rounding in it), the loss term
-// sum T~ log(max(P, eps)), and the statistics of the P-free backward: with
-// Pb = exp(z - LSE) as that backward rebuilds it from the f32 LSE, the target
-// mass sum T~ [Pb >= eps] divided by c = sum Pb (fp64 sums). Every reduction
-// has a fixed order: the outputs are bitwise reproducible.
+// Per gathered block of 64 keys, GEMM1 S^T = K Q^T (wgmma, both operands in
+// shared memory, keys as M and heads as N); the next block's GEMM1 is issued
+// before this block's accumulator is read, so the tensor cores run under the
+// head sum. A key's logit z = sum_h w_h sm_scale relu(S_hk) is summed over the
+// thread's heads (two partial sums, fixed order), then over its quad (two
+// shuffles). Quad lanes 0 and 1 each take one of the quad's two keys: the z
+// goes to the CTA's scratch row at the key's slot, and into the thread's row
+// statistics (RowStatistics: running max m and sum s of exp(z - m), min z, and
+// the fp64 sums of T~ z and T~), in the order the keys arrive: slot order,
+// whatever the grid. After the row's blocks the statistics meet in a fixed
+// tree (the warp's lanes, then the warps in order): LSE = m + log s, rounded to
+// f32, and, where every slot has log P >= -99 (so no term is clipped and every
+// mask [P >= eps] is 1):
+//   loss term = sum T~ z - (sum T~) (m + log s)        (fp64)
+//   mass      = sum T~ / c,  c = sum exp(z - LSE) = s exp(m - LSE)
+// c is the sum of the P that the P-free backward rebuilds from the f32 LSE
+// (kl-forward.md: dividing by it cancels the LSE's rounding in that backward's
+// score gradient). A row with a slot below that bound or a non-finite
+// statistic takes one pass over its slots instead, in slot order: the clipped
+// loss term, the mask and c element by element (fp64 sums). P, where wanted,
+// is written by such a pass, P = exp((z - m) - log s); the statistics do not
+// depend on whether it is. Every reduction has a fixed order: the outputs are
+// bitwise reproducible.
 #pragma once
 
 #include <cutlass/arch/barrier.h>
@@ -21,7 +31,6 @@
 #include <cuda/ptx>
 
 #include "hopper/forward_kernel.cuh"
-#include "hopper/head_sum.cuh"
 #include "hopper/problem_device.cuh"
 #include "hopper/producer_gather.cuh"
 #include "hopper/warpgroup_gemm.cuh"
@@ -49,11 +58,16 @@ template <class Config>
 struct ForwardScore {
   using Element = typename Config::Element;
   static constexpr int kBlock = Config::kBlockKeys;
+  static constexpr int kN = Config::kHeadTile;  // heads, as wgmma N
   static constexpr int kThreads = Config::kScoreThreads;
   static constexpr int kWarps = kThreads / 32;
-  static constexpr int kMmaM = Config::kHeadTile / 64;  // m64 tiles per block
-  // Slots per thread per batch of the row passes: 2048 slots in one batch.
+  // Slots per thread per batch of the slot pass: 2048 slots in one batch.
   static constexpr int kEpilogueBatch = 16;
+  // A row whose every slot has z - LSE >= this takes no slot pass: exp(-99) is
+  // far above eps = exp(-100) as an fp32 subnormal, so no mask is 0 and no loss
+  // term is clipped, and the backward's logits (equal to these to f32 rounding)
+  // give the same masks.
+  static constexpr double kNoClipBound = -99.0;
 
   const IndexerKLForwardParams& fp;
   ForwardSharedStorage<Config>& ss;
@@ -72,75 +86,159 @@ struct ForwardScore {
     Tensor sK = make_tensor(make_smem_ptr(ss.k), typename Config::SmemLayoutK{});  // (64 keys, D, stage)
     typename Config::TiledMmaS mma_s;
     auto thr_s = mma_s.get_thread_slice(tid);
-    Tensor tSrQ = thr_s.partition_fragment_A(sQ(_, _, 0));  // (MMA, MMA_M, MMA_K) bf16 registers
-    auto smem_copy_q = make_tiled_copy_A(Copy_Atom<SM75_U32x4_LDSM_N, Element>{}, mma_s);
-    auto thr_copy_q = smem_copy_q.get_thread_slice(tid);
-    Tensor tQsQ = thr_copy_q.partition_S(sQ);
-    Tensor tQrQ = thr_copy_q.retile_D(tSrQ);
-    Tensor tSrK = thr_s.partition_fragment_B(sK);  // (MMA, MMA_N, MMA_K, stage)
-    Tensor tSrS = partition_fragment_C(mma_s, Shape<Int<Config::kHeadTile>, Int<kBlock>>{});  // (MMA, MMA_M, MMA_N)
-    // wgmma m64nNk16 accumulator (PTX ISA, "Register fragment D"): value v of
-    // m64 tile m sits at head m * 64 + r0 + 8 * ((v / 2) % 2), key c0 + (v % 2) + 8 * (v / 4).
-    static_assert(decltype(size<0>(tSrS))::value == kBlock / 2, "one n64 tile: 32 values per m64 tile");
-    static_assert(decltype(size<1>(tSrS))::value == kMmaM && decltype(size<2>(tSrS))::value == 1, "tile shape");
+    Tensor tSsK = thr_s.partition_fragment_A(sK);  // (MMA, M, K, stage) descriptors
+    Tensor tSsQ = thr_s.partition_fragment_B(sQ);  // (MMA, N, K, stage) descriptors
+    Tensor acc0 = partition_fragment_C(mma_s, Shape<Int<kBlock>, Int<kN>>{});
+    Tensor acc1 = partition_fragment_C(mma_s, Shape<Int<kBlock>, Int<kN>>{});
+    // wgmma m64nNk16 accumulator (PTX ISA, "Register fragment D"): value v is
+    // key r0 + 8 * ((v / 2) % 2), head c0 + (v % 2) + 8 * (v / 4).
+    static_assert(decltype(size(acc0))::value == kN / 2, "one m64 tile: N/2 values per thread");
     const int r0 = warp * 16 + lane / 4;
+    const int c0 = 2 * (lane % 4);
+    const int quad = lane % 4;
+    const int my_key = r0 + 8 * (quad & 1);  // quad lanes 0 and 1; lanes 2 and 3 take none
 
     float* z_row = fp.z_scratch + static_cast<int64_t>(blockIdx.x) * fp.z_stride;
     auto k_state = make_consumer_start_state<Config::kStagesK>();
     auto q_state = make_consumer_start_state<Config::kStagesQ>();
-    uint32_t block_count = 0;
+    uint32_t n = 0;  // rows so far
 
-    for (int64_t row = blockIdx.x; row < p.num_tasks; row += gridDim.x) {
+    for (int64_t row = blockIdx.x; row < p.num_tasks; row += gridDim.x, ++n) {
       q_pipe.consumer_wait(q_state);
       const int qs = q_state.index;
-      const int num_blocks = ss.num_blocks[qs];
-      // Every GEMM1 of the previous row was waited for: no wgmma reads these registers.
-      copy(smem_copy_q, tQsQ(_, _, _, qs), tQrQ);
-      float w[kMmaM][2];
+      // warp-uniform as ptxas sees it, so the wgmma issues below are not on a divergent path
+      const int num_blocks = __shfl_sync(0xffffffffu, ss.num_blocks[qs], 0);
+      float w[kN / 4];  // head c0 + 8 * (k / 2) + k % 2
       CUTE_UNROLL
-      for (int m = 0; m < kMmaM; ++m) {
-        w[m][0] = ss.w_scaled[qs][m * 64 + r0];
-        w[m][1] = ss.w_scaled[qs][m * 64 + r0 + 8];
-      }
-      q_pipe.consumer_release(q_state);  // the ldmatrix loads and the reads above are done
-      q_state.advance();
+      for (int k = 0; k < kN / 4; ++k) w[k] = ss.w_scaled[qs][c0 + 8 * (k / 2) + k % 2];
 
-      for (int blk = 0; blk < num_blocks; ++blk, ++block_count) {
+      RowStatistics st{-INFINITY, 0.0f, INFINITY, 0.0, 0.0};
+      // GEMM1 of the block after the one at k_state, into `acc`.
+      auto issue_next = [&](auto& acc) {
+        auto next = k_state;
+        next.advance();
+        k_pipe.consumer_wait(next);
+        warpgroup_gemm<true>(mma_s, tSsK(_, _, _, next.index), tSsQ(_, _, _, qs), acc);
+      };
+      // The block at k_state, whose GEMM1 in `acc` has been waited for: free its
+      // stage, sum its heads, add its keys to the statistics.
+      auto consume = [&](auto& acc) {
+        warpgroup_fence_operand(acc);
         const int ks = k_state.index;
-        k_pipe.consumer_wait(k_state);
-        warpgroup_gemm_rs<true>(mma_s, tSrQ, tSrK(_, _, _, ks), tSrS);  // GEMM1: S = Q K^T
-        warpgroup_wait<0>();
-        const int slot = tid < kBlock ? ss.key_slot[ks][tid] : -1;
-        k_pipe.consumer_release(k_state);  // GEMM1's reads of k[ks] and this thread's of key_slot[ks] are done
+        const int slot = quad < 2 ? ss.key_slot[ks][my_key] : -1;
+        const float target = quad < 2 ? ss.key_target[ks][my_key] : 0.0f;
+        k_pipe.consumer_release(k_state);  // GEMM1's reads of k[ks] and this thread's of key_slot / key_target
         k_state.advance();
 
-        // This thread's head sums of its 16 key columns: column j = (v / 4) * 2 + v % 2.
-        float col[16];
+        // relu with NaN as not positive (the reference's x > 0 ? x : 0)
+        float zp[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
         CUTE_UNROLL
-        for (int j = 0; j < 16; ++j) col[j] = 0.0f;
-        CUTE_UNROLL
-        for (int m = 0; m < kMmaM; ++m) {
-          CUTE_UNROLL
-          for (int v = 0; v < kBlock / 2; ++v) {
-            // relu with NaN as not positive (the reference's x > 0 ? x : 0)
-            col[(v / 4) * 2 + v % 2] += w[m][(v >> 1) & 1] * fmaxf(tSrS(v, m, 0), 0.0f);
-          }
-        }
-        const int buf = block_count & 1;
-        *reinterpret_cast<float2*>(&ss.z_part[buf][warp][2 * lane]) = warp_head_sums(col, lane);
-        // z_part[buf] complete. Its next writer (two blocks on) passes the next
-        // block's barrier, after this block's reads below.
-        forward_score_sync<Config>();
-        if (slot >= 0) {
-          float z = 0.0f;
-          CUTE_UNROLL
-          for (int wi = 0; wi < kWarps; ++wi) z += ss.z_part[buf][wi][tid];
+        for (int v = 0; v < kN / 2; ++v) zp[(v / 2) % 2][(v / 4) % 2] += w[(v / 4) * 2 + v % 2] * fmaxf(acc(v), 0.0f);
+        float z0 = zp[0][0] + zp[0][1], z1 = zp[1][0] + zp[1][1];
+        z0 += __shfl_xor_sync(0xffffffffu, z0, 1);
+        z1 += __shfl_xor_sync(0xffffffffu, z1, 1);
+        z0 += __shfl_xor_sync(0xffffffffu, z0, 2);
+        z1 += __shfl_xor_sync(0xffffffffu, z1, 2);
+        if (slot >= 0) {  // tail entries (slot -1) are zero-filled keys, not slots
+          const float z = (quad & 1) ? z1 : z0;
           z_row[slot] = z;
+          st.z_min = fminf(st.z_min, z);
+          if (z > st.m) {
+            st.s *= expf(st.m - z);
+            st.m = z;
+          }
+          st.s += expf(z - st.m);  // a NaN logit makes the sum NaN
+          st.target_logit += static_cast<double>(target) * static_cast<double>(z);
+          st.target += static_cast<double>(target);
+        }
+      };
+      // Two accumulators: while the head sum reads one block's, the next
+      // block's GEMM1 runs into the other. Steady state in pairs without
+      // branches around the wgmma issues (ptxas would serialise them), then
+      // the last one or two blocks.
+      if (num_blocks > 0) {
+        k_pipe.consumer_wait(k_state);
+        warpgroup_gemm<true>(mma_s, tSsK(_, _, _, k_state.index), tSsQ(_, _, _, qs), acc0);
+        int blk = 0;
+        for (; blk + 2 < num_blocks; blk += 2) {
+          issue_next(acc1);
+          warpgroup_wait<1>();
+          consume(acc0);
+          issue_next(acc0);
+          warpgroup_wait<1>();
+          consume(acc1);
+        }
+        if (blk + 1 < num_blocks) {
+          issue_next(acc1);
+          warpgroup_wait<1>();
+          consume(acc0);
+          warpgroup_wait<0>();
+          consume(acc1);
+        } else {
+          warpgroup_wait<0>();
+          consume(acc0);
         }
       }
-      forward_score_sync<Config>();  // the row's logits are in z_row (bar.sync orders the global stores)
-      epilogue(row, z_row, eps);
+      q_pipe.consumer_release(q_state);  // every GEMM1 of the row retired; w_scaled / num_blocks read
+      q_state.advance();
+      finish_row(row, st, n, z_row, eps);
     }
+  }
+
+  /// Combines two parts of a row's statistics.
+  __device__ static void combine(RowStatistics& a, const RowStatistics& b) {
+    combine_max_sum(a.m, a.s, b.m, b.s);
+    a.z_min = fminf(a.z_min, b.z_min);
+    a.target_logit += b.target_logit;
+    a.target += b.target;
+  }
+
+  /// The row's LSE, target mass and loss term from the threads' statistics.
+  __device__ void finish_row(int64_t row, RowStatistics st, uint32_t n, const float* z_row, float eps) {
+    const int tid = threadIdx.x - Config::kScoreWarpgroup * Config::kThreadsPerWarpgroup;
+    const int lane = tid % 32, warp = tid / 32;
+    CUTE_UNROLL
+    for (int off = 16; off > 0; off >>= 1) {
+      RowStatistics o;
+      o.m = __shfl_xor_sync(0xffffffffu, st.m, off);
+      o.s = __shfl_xor_sync(0xffffffffu, st.s, off);
+      o.z_min = __shfl_xor_sync(0xffffffffu, st.z_min, off);
+      o.target_logit = __shfl_xor_sync(0xffffffffu, st.target_logit, off);
+      o.target = __shfl_xor_sync(0xffffffffu, st.target, off);
+      combine(st, o);
+    }
+    if (lane == 0) ss.row_stats[n & 1u][warp] = st;
+    // row_stats[n & 1] complete; with the z_row stores of the row (bar.sync orders
+    // the global stores too). It is rewritten two rows on, after the next row's
+    // barrier, which every thread passes after its reads here.
+    forward_score_sync<Config>();
+    st = ss.row_stats[n & 1u][0];
+    CUTE_UNROLL
+    for (int wi = 1; wi < kWarps; ++wi) combine(st, ss.row_stats[n & 1u][wi]);
+    const float log_s = logf(st.s);
+    const float lse = st.m + log_s;  // no valid slot: -inf + log(0) = -inf
+    const double lse_exact = static_cast<double>(st.m) + log(static_cast<double>(st.s));
+    const bool any_slot = st.s != 0.0f;  // s >= 1 (or NaN) once a slot is valid
+    const bool plain = !any_slot || (isfinite(st.target) && isfinite(st.target_logit) &&
+                                     static_cast<double>(st.z_min) - lse_exact >= kNoClipBound);
+    if (plain) {
+      // The same statistics whether or not P is written.
+      if (tid == 0) {
+        double term = 0.0, mass = 0.0;
+        if (any_slot) {
+          term = st.target_logit - st.target * lse_exact;
+          // c >= 1/topk: the rebuilt P of the row's largest logit is exp(-log s)
+          const double c = static_cast<double>(st.s) * exp(static_cast<double>(st.m) - static_cast<double>(lse));
+          mass = st.target / c;
+        }
+        fp.row_lse[row] = lse;
+        fp.row_target_mass[row] = static_cast<float>(mass);
+        fp.loss_terms[row] = term;
+      }
+      if (fp.index_score != nullptr) slot_pass<false>(row, z_row, st.m, log_s, lse, eps);
+      return;
+    }
+    slot_pass<true>(row, z_row, st.m, log_s, lse, eps);
   }
 
   /// Slots base + j * kThreads (j < kEpilogueBatch) of a row: valid[j] (in the row
@@ -162,8 +260,11 @@ struct ForwardScore {
     }
   }
 
-  /// LSE, P, the target mass and the loss term of one row from its logits in z_row.
-  __device__ void epilogue(int64_t row, const float* z_row, float eps) {
+  /// P (where index_score is wanted) and, with kStatistics, the target mass and
+  /// the loss term of one row from its logits in z_row, slot by slot, given the
+  /// row's m, log s and (f32) LSE.
+  template <bool kStatistics>
+  __device__ void slot_pass(int64_t row, const float* z_row, float m, float log_s, float lse, float eps) {
     const IndexerBackwardParams& p = fp.in;
     const int tid = threadIdx.x - Config::kScoreWarpgroup * Config::kThreadsPerWarpgroup;
     const int lane = tid % 32, warp = tid / 32;
@@ -171,45 +272,7 @@ struct ForwardScore {
     const int32_t* ids = p.topk_indices + batched_offset(row, p.q_rows_per_batch, p.ids_batch_stride, p.ids_row_stride);
     const float* attn = p.attn_score + batched_offset(row, p.q_rows_per_batch, p.attn_score_batch_stride, p.attn_score_row_stride);
 
-    // Pass 1: this thread's slots in slot order (online max and sum), then a
-    // fixed tree over the warp and the warps in order. The slots go in batches of
-    // kEpilogueBatch per thread whose loads are all issued before any is used, so
-    // a batch costs two memory latencies (ids, then the valid slots' z: z_row
-    // holds nothing at invalid slots), not two per slot.
-    float m = -INFINITY, s = 0.0f;
-    for (int base = tid; base < p.topk; base += kThreads * kEpilogueBatch) {
-      bool valid[kEpilogueBatch];
-      float zb[kEpilogueBatch];
-      load_valid_z(base, seq, ids, z_row, valid, zb);
-      CUTE_UNROLL
-      for (int j = 0; j < kEpilogueBatch; ++j) {
-        if (!valid[j]) continue;
-        const float z = zb[j];
-        if (z > m) {
-          s *= expf(m - z);
-          m = z;
-        }
-        s += expf(z - m);  // a NaN logit makes the sum NaN
-      }
-    }
-    CUTE_UNROLL
-    for (int off = 16; off > 0; off >>= 1) {
-      const float m2 = __shfl_xor_sync(0xffffffffu, m, off), s2 = __shfl_xor_sync(0xffffffffu, s, off);
-      combine_max_sum(m, s, m2, s2);
-    }
-    if (lane == 0) {
-      ss.max_sum_part[warp][0] = m;
-      ss.max_sum_part[warp][1] = s;
-    }
-    forward_score_sync<Config>();
-    m = ss.max_sum_part[0][0];
-    s = ss.max_sum_part[0][1];
-    CUTE_UNROLL
-    for (int wi = 1; wi < kWarps; ++wi) combine_max_sum(m, s, ss.max_sum_part[wi][0], ss.max_sum_part[wi][1]);
-    const float log_s = logf(s);
-    const float lse = m + log_s;  // no valid slot: -inf + log(0) = -inf
-
-    // Pass 2. P and the loss take log P = (z - m) - log s: exact z - m near the
+    // P and the loss take log P = (z - m) - log s: exact z - m near the
     // top, and none of the f32 LSE's rounding (up to |LSE| 2^-24, the same for
     // every slot of the row). log(max(P, eps)) is log P where log P >= -100,
     // else log(eps) = -100.
@@ -219,12 +282,12 @@ struct ForwardScore {
     // c = sum_i Pb_i != 1 by that rounding, and its score gradient
     // [Pb_i >= eps] g~_i - Pb_i G picks up (c - 1) P_i G at every slot, which
     // the common part of the logits carries into d_weights and d_index_q. This
-    // pass forms Pb_i exactly as that backward does and writes G / c (the mass
-    // below divided by c) so that Pb_i G / c = P_i G to rounding; its mask
-    // [Pb_i >= eps] is the backward's. That needs the backward's z_i to be
-    // these z_i bit for bit: both come from the same GEMM1 (warpgroup_gemm_rs,
-    // the same operand layouts) and the same head sum (head_sum.cuh) at
-    // H <= 64, the only case that backward takes (above 64 heads it is fed P).
+    // pass forms Pb_i as that backward does and writes G / c (the mass below
+    // divided by c) so that Pb_i G / c = P_i G to rounding; its mask
+    // [Pb_i >= eps] is the backward's. The backward's z_i come from its own
+    // GEMM1 and head sum, equal to these to f32 rounding (another summation
+    // order): the LSE's rounding, common to every slot, cancels; what is left
+    // is each logit's own rounding, as in P itself.
     float* p_out = fp.index_score ? fp.index_score + row * p.topk : nullptr;
     double term = 0.0, mass = 0.0, rebuilt_sum = 0.0;
     for (int base = tid; base < p.topk; base += kThreads * kEpilogueBatch) {
@@ -233,7 +296,7 @@ struct ForwardScore {
       CUTE_UNROLL
       for (int j = 0; j < kEpilogueBatch; ++j) {
         const int i = base + j * kThreads;
-        tb[j] = i < p.topk ? attn[i] : 0.0f;  // issued with the ids' loads below; used at valid slots
+        tb[j] = kStatistics && i < p.topk ? attn[i] : 0.0f;  // issued with the ids' loads below; used at valid slots
       }
       load_valid_z(base, seq, ids, z_row, valid, zb);
       CUTE_UNROLL
@@ -242,11 +305,13 @@ struct ForwardScore {
         if (valid[j]) {
           const float log_p = (zb[j] - m) - log_s;
           prob[j] = expf(log_p);
-          const float rebuilt = expf(zb[j] - lse);  // as recompute_gs forms it
-          rebuilt_sum += rebuilt;
-          const float t = max_keeping_nan(tb[j], eps);
-          if (rebuilt >= eps) mass += t;
-          term += static_cast<double>(t) * static_cast<double>(log_p < -100.0f ? -100.0f : log_p);
+          if constexpr (kStatistics) {
+            const float rebuilt = expf(zb[j] - lse);  // as recompute_gs forms it
+            rebuilt_sum += rebuilt;
+            const float t = max_keeping_nan(tb[j], eps);
+            if (rebuilt >= eps) mass += t;
+            term += static_cast<double>(t) * static_cast<double>(log_p < -100.0f ? -100.0f : log_p);
+          }
         }
       }
       if (p_out) {
@@ -256,6 +321,10 @@ struct ForwardScore {
           if (i < p.topk) p_out[i] = prob[j];
         }
       }
+    }
+    if constexpr (!kStatistics) {
+      forward_score_sync<Config>();  // every thread's z_row reads done before the next row's logits overwrite it
+      return;
     }
     CUTE_UNROLL
     for (int off = 16; off > 0; off >>= 1) {
@@ -268,7 +337,7 @@ struct ForwardScore {
       ss.row_part[warp][1] = mass;
       ss.row_part[warp][2] = rebuilt_sum;
     }
-    // row_part complete; it is rewritten only after the next row's pass-1 barrier.
+    // row_part complete; it is rewritten only after the next row's statistics barrier.
     forward_score_sync<Config>();
     if (tid == 0) {
       double t = 0.0, ms = 0.0, c = 0.0;

@@ -1,11 +1,6 @@
 // The sum over a warp's 16 heads of each key column of a GEMM1 tile, in one
-// fixed order. The loss forward (forward_score.cuh) and the P-free backward
-// (score_mma.cuh, recompute_gs) both form the logits z_i with it, so the
-// backward's P_i = exp(z_i - LSE) and its mask [P_i >= eps] equal the
-// exp(z_i - LSE) from which the forward forms its row statistics, bit for bit:
-// the forward divides the target mass by their sum, which cancels the f32
-// LSE's rounding only if the backward rebuilds the same values. One copy of
-// the arithmetic keeps them so.
+// fixed order: the P-free backward's score role (score_mma.cuh, recompute_gs)
+// forms its logits z_i with it, heads being the wgmma M there.
 #pragma once
 
 #include <cute/config.hpp>

@@ -40,9 +40,10 @@ namespace dsaib::hopper {
 
 /// kScoreGradient: the backward's producer (stage 1 above; each gathered key
 /// carries its gs). Without it (the loss forward, forward_kernel.cuh) there is
-/// no stage 1: neither attn_score nor index_score is read, and each gathered key
-/// carries its slot in the row instead (Storage::key_slot, -1 on tail entries),
-/// compacted through Storage::slot_index.
+/// no stage 1: index_score is not read, and each gathered key carries its slot
+/// in the row (Storage::key_slot, -1 on tail entries) and its clipped target
+/// T~ = max(T, eps) (Storage::key_target, 0 on tail entries), compacted through
+/// Storage::slot_index / slot_target.
 /// With a RecomputePConfig (the P-free backward) index_score is not read either:
 /// each gathered key carries g~_i = -c * max(T_i, eps) in gs, and the Q stage the
 /// row's LSE and G = -c * row_target_mass; the score role forms gs from them and
@@ -79,6 +80,9 @@ struct ProducerGather {
     float index_score[kPerThread];
   };
 
+  /// kScores: also T (and P where the backward is given it); the forward's
+  /// counting pass needs the key rows alone.
+  template <bool kScores>
   __device__ void load_batch(int first_slot, const RowSequence& seq, const int32_t* ids, const float* attn_score,
                              const float* index_score, SlotBatch& s) const {
     int32_t id[kPerThread];
@@ -92,9 +96,9 @@ struct ProducerGather {
       const int i = first_slot + j * kThreads;
       const int64_t kr = key_row_of(p, seq, id[j]);  // -1 also for slots past topk (id -1)
       s.key_row[j] = static_cast<int32_t>(kr);
-      if constexpr (kScoreGradient) {
+      if constexpr (kScores) {
         s.attn_score[j] = kr >= 0 ? attn_score[i] : 0.0f;
-        if constexpr (!kRecomputeP) s.index_score[j] = kr >= 0 ? index_score[i] : 0.0f;
+        if constexpr (kScoreGradient && !kRecomputeP) s.index_score[j] = kr >= 0 ? index_score[i] : 0.0f;
       }
     }
   }
@@ -149,6 +153,15 @@ struct ProducerGather {
     // copy i, a warp's 32 lanes cover whole key rows (coalesced).
     const int gather_col = (tid % kChunksPerRow) * 8;
     const int gather_row0 = (tid / kChunksPerRow) * kGatherRows;
+    // Their destinations in stage 0, computed once: a stage is a whole number of
+    // swizzle periods (8 rows of 128 bytes), so stage ks is stage 0 plus
+    // ks * kStageElems and the swizzle need not be redone per copy.
+    static_assert(decltype(cute::cosize(cute::take<0, 2>(typename Config::SmemLayoutK{})))::value % 1024 == 0,
+                  "a K stage spans whole 128-byte-swizzle periods");
+    constexpr int kStageElems = kBlock * kD;
+    Element* k_dst[kGatherRows];
+    CUTE_UNROLL
+    for (int i = 0; i < kGatherRows; ++i) k_dst[i] = &sK(gather_row0 + i, gather_col, 0);
 
     auto k_state = make_producer_start_state<Config::kStagesK>();
     auto q_state = make_producer_start_state<Config::kStagesQ>();
@@ -167,8 +180,10 @@ struct ProducerGather {
       const RowSequence seq = row_sequence(p, row);
       // This thread's column of the sequence's first key row: one division per
       // task; its chunk of a selected key row kr of this sequence is then at
-      // k_seq_col + (kr - seq.k_start) * k_row_stride (no per-copy division).
+      // k_seq_col + (kr - seq.k_start) * k_row_stride (no per-copy division;
+      // key rows are below 2^31, so the difference is 32-bit).
       const uint16_t* k_seq_col = key_row_ptr(p, seq.k_start) + gather_col;
+      const int32_t k_start = static_cast<int32_t>(seq.k_start);
       const int32_t* ids = p.topk_indices + batched_offset(row, p.q_rows_per_batch, p.ids_batch_stride, p.ids_row_stride);
       const float* attn_score = p.attn_score + batched_offset(row, p.q_rows_per_batch, p.attn_score_batch_stride, p.attn_score_row_stride);
       const float* index_score = nullptr;
@@ -201,7 +216,7 @@ struct ProducerGather {
       int num_blocks = 0;
       for (int chunk0 = 0; chunk0 < p.topk; chunk0 += Config::kSlotChunk) {
         SlotBatch s;
-        load_batch(chunk0 + tid, seq, ids, attn_score, index_score, s);
+        load_batch<kScoreGradient>(chunk0 + tid, seq, ids, attn_score, index_score, s);
         int count = 0;
         CUTE_UNROLL
         for (int j = 0; j < kPerThread; ++j) {
@@ -244,12 +259,14 @@ struct ProducerGather {
       // Odd waves of tasks (task / gridDim.x) walk the chunks last to first:
       // with ascending ids every CTA then turns at the same end of the key range,
       // the half of dK and K touched last in one wave is touched first in the next.
+      // The forward walks them in slot order: its row statistics accumulate in
+      // the order the keys arrive, which must not depend on the grid.
       const int num_chunks = (p.topk + Config::kSlotChunk - 1) / Config::kSlotChunk;
-      const bool reverse_chunks = ((task / gridDim.x) & 1) != 0;
+      const bool reverse_chunks = kScoreGradient && ((task / gridDim.x) & 1) != 0;
       for (int ci = 0; ci < num_chunks; ++ci) {
         const int chunk0 = (reverse_chunks ? num_chunks - 1 - ci : ci) * Config::kSlotChunk;
         SlotBatch s;
-        load_batch(chunk0 + tid, seq, ids, attn_score, index_score, s);
+        load_batch<true>(chunk0 + tid, seq, ids, attn_score, index_score, s);
         // The list in slot order. Slot chunk0 + tid + j * kThreads goes to position
         //   (valid slots of rows j' < j) + (valid slots of threads < tid in row j),
         // row j being the kThreads slots chunk0 + j * kThreads + [0, kThreads).
@@ -267,6 +284,7 @@ struct ProducerGather {
               ss.slot_gs[pos[j]] = g - s.index_score[j] * G;
             } else {
               ss.slot_index[pos[j]] = chunk0 + tid + j * kThreads;
+              ss.slot_target[pos[j]] = max_keeping_nan(s.attn_score[j], eps);
             }
             ss.slot_key_row[pos[j]] = s.key_row[j];
           }
@@ -279,8 +297,12 @@ struct ProducerGather {
           const int first = blk * kBlock;
           if (tid < kBlock) {
             const bool in_list = first + tid < chunk_valid;
-            if constexpr (kScoreGradient) ss.gs[ks][tid] = in_list ? ss.slot_gs[first + tid] : 0.0f;
-            else ss.key_slot[ks][tid] = in_list ? ss.slot_index[first + tid] : -1;
+            if constexpr (kScoreGradient) {
+              ss.gs[ks][tid] = in_list ? ss.slot_gs[first + tid] : 0.0f;
+            } else {
+              ss.key_slot[ks][tid] = in_list ? ss.slot_index[first + tid] : -1;
+              ss.key_target[ks][tid] = in_list ? ss.slot_target[first + tid] : 0.0f;
+            }
             ss.key_row[ks][tid] = in_list ? ss.slot_key_row[first + tid] : -1;
           }
           // This thread's kGatherRows consecutive rows: one vector load of their key rows.
@@ -293,8 +315,8 @@ struct ProducerGather {
           CUTE_UNROLL
           for (int i = 0; i < kGatherRows; ++i) {
             const bool valid = first + gather_row0 + i < chunk_valid;  // entries past the list are stale
-            const uint16_t* src = valid ? k_seq_col + (static_cast<int64_t>(kr[i]) - seq.k_start) * p.k_row_stride : p.index_k;
-            copy16(src, &sK(gather_row0 + i, gather_col, ks), valid);
+            const int32_t local = valid ? kr[i] - k_start : 0;         // zero-filled copies read nothing
+            copy16(k_seq_col + static_cast<int64_t>(local) * p.k_row_stride, k_dst[i] + ks * kStageElems, valid);
           }
           cute::cp_async_fence();
           if (pending) {
