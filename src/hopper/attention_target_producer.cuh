@@ -105,6 +105,15 @@ struct AttentionTargetProducer {
     // 128-byte key slices.
     const int gather_col = (tid % 8) * 8;
     const int gather_key0 = (tid / 8) * kKeysPerThread;
+    // Their destinations in stage 0, computed once: a stage is a whole number of
+    // swizzle periods, so stage ks is stage 0 plus ks * kStageElems.
+    static_assert(decltype(cute::cosize(cute::take<0, 2>(typename Config::SmemLayoutK{})))::value % 1024 == 0,
+                  "a K stage spans whole 128-byte-swizzle periods");
+    constexpr int kStageElems = kBlock * 64;
+    using Element = typename Config::Element;
+    Element* k_dst[kKeysPerThread];
+#pragma unroll
+    for (int i = 0; i < kKeysPerThread; ++i) k_dst[i] = &sK(gather_key0 + i, gather_col, 0);
     const int q_chunks_per_head = 8 * ns;
 
     // one ring per consumer: the row's block g goes to ring g % 2
@@ -237,7 +246,8 @@ struct AttentionTargetProducer {
             if (s == 0 && tid < kBlock) ss.key_slot[ks][tid] = slot[b];
 #pragma unroll
             for (int i = 0; i < kKeysPerThread; ++i) {
-              copy16(valid[b][i] ? src[b][i] + s * 64 : src[b][i], &sK(gather_key0 + i, gather_col, ks), valid[b][i]);
+              // a zero-filled copy reads nothing; its source stays within index_k's first row
+              copy16(src[b][i] + s * 64, k_dst[i] + ks * kStageElems, valid[b][i]);
             }
             cp_async_arrive_noinc(&ss.k_full[ks]);
             (void)cuda::ptx::mbarrier_arrive(&ss.k_full[ks]);  // key_slot (slice 0)
