@@ -115,10 +115,11 @@ std::string utf8_text(const std::string& text) {
 }
 
 /// The problem file of --in, its errors named by the flag (the message names the file).
-Problem read_input(const std::string& in, const ScalarOverrides& scalars) {
+/// Only the backward reads index_score from it.
+Problem read_input(const std::string& in, const ScalarOverrides& scalars, LossOp op) {
   log_stage("reading " + in + " ...");
   try {
-    return load_problem(in, scalars.overridden_keys());
+    return load_problem(in, scalars.overridden_keys(), op == LossOp::backward);
   } catch (const Error& e) {
     const std::string msg = e.what();
     if (msg.rfind("--in", 0) == 0) throw;
@@ -314,7 +315,7 @@ int BackwardCommand::run() {
   BackwardOutcome o;
   o.op = op_;
   if (!a.in.empty()) {
-    o.p = read_input(a.in, scalars_);
+    o.p = read_input(a.in, scalars_, op_);
   } else {
     scalars_.apply_to_flags(gen_.f);
     o.p = generate(gen_.f, threads);

@@ -154,7 +154,10 @@ GenerateSpec make_spec(const GenFlags& flags, int32_t threads);
 Problem generate(const GenFlags& flags, int32_t threads);
 /// Reads a problem file. Raises dsaib::Error(io_error / invalid_argument / out_of_memory).
 /// `overridden`: metadata keys that flags replace (ScalarFlags); those are not read.
-Problem load_problem(const std::string& path, const std::set<std::string>& overridden = {});
+/// `index_score_required`: false for the ops that compute P (forward, step),
+/// whose files need not hold it.
+Problem load_problem(const std::string& path, const std::set<std::string>& overridden = {},
+                     bool index_score_required = true);
 /// Writes a problem file (inputs and their metadata).
 void save_problem(const std::string& path, const Problem& p);
 

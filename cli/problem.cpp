@@ -528,17 +528,18 @@ void check_stored_gradients(const std::string& path, const Problem& p) {
 
 }  // namespace
 
-Problem load_problem(const std::string& path, const std::set<std::string>& overridden) {
+Problem load_problem(const std::string& path, const std::set<std::string>& overridden, bool index_score_required) {
   std::map<std::string, std::string> meta;
   Problem p;
   p.tensors = read_safetensors(path, &meta);
   p.origin = "file " + path;
   for (const char* name : kInputNames) {
+    if (!index_score_required && std::string(name) == "index_score") continue;
     if (!p.tensors.count(name)) {
       throw Error(ErrorCode::invalid_argument, name,
                   path + ": missing tensor '" + name +
                       "' (a problem file holds index_q, weights, index_k, topk_indices, attn_score, index_score"
-                      " and, for THD, cu_seqlens_q and cu_seqlens_k)");
+                      " (for backward; forward and step compute it) and, for THD, cu_seqlens_q and cu_seqlens_k)");
     }
   }
   read_layout_and_id_mode(meta, path, p);
@@ -574,6 +575,7 @@ Geometry analyze_problem(const Problem& p) {
       {"topk_indices", thd ? 2u : 3u}, {"attn_score", thd ? 2u : 3u}, {"index_score", thd ? 2u : 3u}};
   for (const auto& [name, rank] : ranks) {
     const auto it = p.tensors.find(name);
+    if (it == p.tensors.end() && name == "index_score") continue;  // a file for forward / step (load_problem)
     if (it == p.tensors.end()) bad(name, name + ": expected a tensor, got nothing (absent)");
     if (it->second.shape.size() != rank) {
       // Only a file can get here (generated problems have the layout's ranks): its layout
@@ -594,7 +596,11 @@ Geometry analyze_problem(const Problem& p) {
   opt.backend = Backend::cpu;
   opt.deterministic = false;
   Geometry g;
-  static_cast<detail::ProblemGeometry&>(g) = detail::validate_problem(p.inputs(), {}, opt, nullptr, /*check_outputs=*/false);
+  IndexerBackwardInputs in = p.inputs();
+  // Without index_score (forward, step), attn_score stands in for it: the same
+  // dtype and shape rules, as the library's forward validates.
+  if (!in.index_score.present()) in.index_score = in.attn_score;
+  static_cast<detail::ProblemGeometry&>(g) = detail::validate_problem(in, {}, opt, nullptr, /*check_outputs=*/false);
   g.key_selected.assign(static_cast<size_t>(g.num_k_rows), 0);
   g.q_row_used.assign(static_cast<size_t>(g.num_q_rows), 0);
   const int32_t* ids = p.tensors.at("topk_indices").data<int32_t>();

@@ -1061,6 +1061,24 @@ TEST_F(Cli, ForwardVerifiesLossLseMassAndPAndWritesThem) {
   }
 }
 
+/// forward and step compute P: a problem file without index_score is theirs to
+/// read; backward needs it and says so, naming the tensor.
+TEST_F(Cli, ForwardAndStepReadFilesWithoutIndexScore) {
+  std::map<std::string, std::string> meta;
+  auto tensors = dsaib::read_safetensors(tiny_problem(), &meta);
+  ASSERT_EQ(tensors.erase("index_score"), 1u);
+  const std::string in = path("tiny_without_p.safetensors");
+  dsaib::write_safetensors(in, tensors, meta);
+  for (const char* op : {"forward", "step"}) {
+    const Result r = run(std::string(op) + " --in " + quote(in) + " --threads 2 --json", /*with_stderr=*/false);
+    ASSERT_EQ(r.exit_code, 0) << op << ": " << r.output;
+    EXPECT_EQ(nlohmann::json::parse(r.output)["result"], "PASS") << op << ": " << r.output;
+  }
+  const Result bwd = run("backward --in " + quote(in) + " --threads 2");
+  EXPECT_EQ(bwd.exit_code, 2) << bwd.output;
+  EXPECT_TRUE(contains(bwd.output, "missing tensor 'index_score'")) << bwd.output;
+}
+
 TEST_F(Cli, StepEqualsForwardLossAndBackwardGradients) {
   const std::string in = tiny_problem();
   const std::string step = path("step.safetensors"), bwd = path("bwd.safetensors"), fwd = path("fwd.safetensors");
