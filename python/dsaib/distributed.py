@@ -70,6 +70,7 @@ waits order the current CUDA stream after the collective without blocking
 the host.
 """
 import functools
+import numbers
 import struct
 from typing import Optional, Tuple
 
@@ -288,7 +289,17 @@ def rank_rows(lengths, cp: int, cp_layout: str) -> torch.Tensor:
     if not isinstance(cp, int) or cp < 1:
         raise ValueError(f"cp: expected a positive int, got {cp!r}")
     n_chunks, _ = rank_chunks(cp, cp_layout, 0)
-    lengths = tuple(int(x) for x in lengths)
+    if isinstance(lengths, torch.Tensor):
+        if lengths.is_floating_point() or lengths.is_complex() or lengths.dim() != 1:
+            raise ValueError(f"lengths: expected a 1-d integer tensor or a sequence of ints, got a {lengths.dim()}-d "
+                             f"{lengths.dtype} tensor")
+        lengths = lengths.tolist()
+    checked = []
+    for b, n in enumerate(lengths):
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+            raise ValueError(f"lengths: expected integer lengths, got {n!r} for sequence {b}")
+        checked.append(int(n))
+    lengths = tuple(checked)
     for b, n in enumerate(lengths):
         if n < 0 or n % n_chunks:
             raise ValueError(f"lengths: expected every length a multiple of {n_chunks} ({cp_layout} over {cp} "

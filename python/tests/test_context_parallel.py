@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 
+import numpy
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -324,6 +325,14 @@ def test_rank_rows_rejects_lengths_the_layout_does_not_divide():
     rows = dcp.rank_rows([8], 2, "zigzag")
     rows.zero_()                                   # a copy: the cached rows are not changed
     assert dcp.rank_rows([8], 2, "zigzag").tolist() == [[0, 1, 6, 7], [2, 3, 4, 5]]
+
+
+def test_rank_rows_rejects_lengths_that_are_not_integers():
+    for bad in ([8.5], [8.0], ["8"], [True], torch.tensor([8.0]), torch.tensor([[8]])):
+        with pytest.raises(ValueError, match="lengths: expected"):
+            dcp.rank_rows(bad, 2, "zigzag")
+    assert dcp.rank_rows(torch.tensor([8]), 2, "zigzag").tolist() == [[0, 1, 6, 7], [2, 3, 4, 5]]
+    assert dcp.rank_rows((numpy.int64(8),), 2, "contiguous").tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
 def test_rank_rows_known_answer():
