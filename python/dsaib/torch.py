@@ -940,7 +940,8 @@ def attention_target(
     by its sum. ``sm_scale`` is the main attention's softmax scale.
 
     query and kv are taken as bf16 (other float dtypes are rounded to bf16),
-    lse as float32 (any strides), topk_indices as int32 (ids outside int32:
+    lse as float32 (any strides; a float64 lse on CPU as it is, unrounded),
+    topk_indices as int32 (ids outside int32:
     invalid slots), sm_scale as float32. CUDA tensors run the
     sm_90a kernel on the current stream (Hq a multiple of 16 up to 128, Dqk a
     multiple of 64 up to 576; no host synchronisation, CUDA-graph capturable),
@@ -965,7 +966,10 @@ def attention_target(
     with torch.no_grad():
         q16 = query.to(torch.bfloat16).contiguous() if query.is_floating_point() else query
         kv16 = kv.to(torch.bfloat16).contiguous() if kv.is_floating_point() else kv
-        lse32 = lse.to(torch.float32) if lse.is_floating_point() else lse  # strides kept when already float32
+        # float32, strides kept when already so; a float64 lse on CPU stays float64 (the
+        # cpu backend takes it unrounded: at |lse| ~ 1000 float32 would move T by ~6e-5)
+        keep = lse.dtype == torch.float64 and lse.device.type == "cpu"
+        lse32 = lse if keep or not lse.is_floating_point() else lse.to(torch.float32)
         return torch.ops.dsaib.attention_target(
             q16, kv16, lse32, _ids_int32(topk_indices), cu_seqlens_q, cu_seqlens_k, sm_scale, lse_base,
             normalize, layout, id_mode)

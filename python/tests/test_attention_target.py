@@ -353,6 +353,29 @@ def test_torch_attention_target_ids_outside_int32_are_invalid_slots():
     assert not torch.equal(got, dt.attention_target(query, kv, lse, far.to(torch.int32), sm_scale=SOFTMAX_SCALE))
 
 
+def test_torch_float64_lse_on_cpu_is_not_rounded():
+    """lse ~ 1000 (scores ~ 1000): float32 would move each head's share by up to
+    |lse| 2^-24 ~ 6e-5; a float64 lse on CPU reaches the library unrounded."""
+    torch = _torch()
+    import dsaib.torch as dt
+
+    g = torch.Generator().manual_seed(12)
+    B, S, Hq, D, K, scale = 1, 6, 16, 64, 5, 16.0
+    query = (1 + 0.05 * torch.randn(B, S, Hq, D, generator=g)).bfloat16()
+    kv = (1 + 0.05 * torch.randn(B, S, D, generator=g)).bfloat16()
+    ids = torch.stack([torch.randperm(S, generator=g)[:K] for _ in range(S)]).reshape(B, S, K).int()
+    s = scale * torch.einsum("bthd,bkd->bthk", query.double(), kv.double())      # (B, S, Hq, S_kv)
+    lse = torch.logsumexp(s, -1) + 0.3 * torch.rand(B, S, Hq, generator=g, dtype=torch.float64)
+    assert lse.min() > 900
+    picked = torch.gather(s, 3, ids.long()[:, :, None, :].expand(B, S, Hq, K))  # (B, S, Hq, K)
+    u = torch.exp(picked - lse[..., None]).sum(2)
+    want = u / u.sum(-1, keepdim=True)
+    got = dt.attention_target(query, kv, lse, ids, sm_scale=scale).double()
+    assert ((got - want).abs() / want).max() < 1e-6
+    rounded = dt.attention_target(query, kv, lse.float(), ids, sm_scale=scale).double()
+    assert ((rounded - want).abs() / want).max() > 1e-5  # what the float64 lse avoids
+
+
 @pytest.mark.parametrize("softmax_scale, error, message", [
     (float("nan"), ValueError, "softmax_scale: expected a finite value, got nan"),
     (1e39, ValueError, "softmax_scale: expected a finite value, got inf"),
