@@ -135,6 +135,7 @@ def _indexer_backward_op(
     row_target_mass: Optional[torch.Tensor] = None,
     l2_hints: str = "auto",
     start_stagger: str = "auto",
+    strict_indices: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dev = index_q.device
     dq, dw, dk = _gradients_like(index_q, weights, index_k, dq_dtype, dw_dtype, dk_dtype)
@@ -143,7 +144,7 @@ def _indexer_backward_op(
                    cu_seqlens_k=cu_seqlens_k, d_index_q=dq, d_weights=dw, d_index_k=dk, grad_loss_device=grad_loss,
                    row_lse=row_lse, row_target_mass=row_target_mass)
     options = _op_options(dev, sm_scale, loss_coeff, normalization_count, layout, id_mode, a_operand_precision,
-                          l2_hints, start_stagger)
+                          l2_hints, start_stagger, strict_indices)
     _run_library(_dsaib.indexer_backward, _dsaib.indexer_backward_workspace_size, dev, tensors, options)
     return dq, dw, dk
 
@@ -156,7 +157,7 @@ def _gradients_like(index_q, weights, index_k, dq_dtype, dw_dtype, dk_dtype):
 
 
 def _op_options(dev, sm_scale, loss_coeff, normalization_count, layout, id_mode, a_operand_precision="auto",
-                l2_hints="auto", start_stagger="auto"):
+                l2_hints="auto", start_stagger="auto", strict_indices=False):
     """The library's options (dsaib::IndexerBackwardOptions) as the extension's
     keyword arguments, for every op; a new option is one more entry here and an
     argument of the ops. cuda: the current stream, and
@@ -167,7 +168,7 @@ def _op_options(dev, sm_scale, loss_coeff, normalization_count, layout, id_mode,
     cuda = dev.type == "cuda"
     return dict(layout=layout, id_mode=id_mode, backend="cuda" if cuda else "cpu", sm_scale=float(sm_scale),
                 loss_coeff=float(loss_coeff), grad_loss=1.0, normalization_count=int(normalization_count),
-                strict_indices=False, deterministic=cuda and torch.are_deterministic_algorithms_enabled(),
+                strict_indices=bool(strict_indices), deterministic=cuda and torch.are_deterministic_algorithms_enabled(),
                 stream=int(torch.cuda.current_stream(dev).cuda_stream) if cuda else 0, num_threads=0,
                 a_operand_precision=a_operand_precision, l2_hints=l2_hints, start_stagger=start_stagger)
 
@@ -196,7 +197,7 @@ def _check_same_device(index_q, **tensors):
 def _indexer_backward_fake(index_q, weights, index_k, topk_indices, attn_score, index_score, grad_loss,
                            cu_seqlens_q, cu_seqlens_k, sm_scale, loss_coeff, normalization_count, layout,
                            id_mode, dq_dtype, dw_dtype, dk_dtype, a_operand_precision="auto", row_lse=None,
-                           row_target_mass=None, l2_hints="auto", start_stagger="auto"):
+                           row_target_mass=None, l2_hints="auto", start_stagger="auto", strict_indices=False):
     # Contiguous outputs on index_q's device, like the real kernel's. This is
     # also the Meta kernel: a call that mixes meta tensors with real ones lands
     # here and must fail like the real kernels would, not return empty tensors.
@@ -223,6 +224,7 @@ def _indexer_kl_forward_op(
     normalization_count: int,
     layout: str,
     id_mode: str,
+    strict_indices: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, row_lse, row_target_mass), float32, through dsaib::indexer_kl_forward
     (no P: the backward rebuilds it from the row statistics)."""
@@ -231,7 +233,8 @@ def _indexer_kl_forward_op(
     tensors = dict(index_q=index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
                    attn_score=attn_score, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, loss=loss,
                    row_lse=row_lse, row_target_mass=row_target_mass)
-    options = _op_options(dev, sm_scale, loss_coeff, normalization_count, layout, id_mode)
+    options = _op_options(dev, sm_scale, loss_coeff, normalization_count, layout, id_mode,
+                          strict_indices=strict_indices)
     _run_library(_dsaib.indexer_kl_forward, _dsaib.indexer_kl_forward_workspace_size, dev, tensors, options)
     return loss, row_lse, row_target_mass
 
@@ -245,7 +248,7 @@ def _forward_outputs(index_q, topk_indices):
 
 @_indexer_kl_forward_op.register_fake
 def _indexer_kl_forward_fake(index_q, weights, index_k, topk_indices, attn_score, cu_seqlens_q, cu_seqlens_k,
-                             sm_scale, loss_coeff, normalization_count, layout, id_mode):
+                             sm_scale, loss_coeff, normalization_count, layout, id_mode, strict_indices=False):
     _check_same_device(index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
                        attn_score=attn_score, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     return _forward_outputs(index_q, topk_indices)
@@ -271,6 +274,7 @@ def _indexer_kl_loss_and_grad_op(
     dk_dtype: str,
     a_operand_precision: str = "auto",
     loss_dtype: str = "f32",
+    strict_indices: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, d_index_q, d_weights, d_index_k) through dsaib::indexer_kl_loss_and_grad."""
     dev = index_q.device
@@ -279,7 +283,8 @@ def _indexer_kl_loss_and_grad_op(
     tensors = dict(index_q=index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
                    attn_score=attn_score, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, loss=loss,
                    d_index_q=dq, d_weights=dw, d_index_k=dk, grad_loss_device=grad_loss)
-    options = _op_options(dev, sm_scale, loss_coeff, normalization_count, layout, id_mode, a_operand_precision)
+    options = _op_options(dev, sm_scale, loss_coeff, normalization_count, layout, id_mode, a_operand_precision,
+                          strict_indices=strict_indices)
     _run_library(_dsaib.indexer_kl_loss_and_grad, _dsaib.indexer_kl_loss_and_grad_workspace_size, dev, tensors,
                  options)
     return loss, dq, dw, dk
@@ -288,7 +293,8 @@ def _indexer_kl_loss_and_grad_op(
 @_indexer_kl_loss_and_grad_op.register_fake
 def _indexer_kl_loss_and_grad_fake(index_q, weights, index_k, topk_indices, attn_score, grad_loss, cu_seqlens_q,
                                    cu_seqlens_k, sm_scale, loss_coeff, normalization_count, layout, id_mode,
-                                   dq_dtype, dw_dtype, dk_dtype, a_operand_precision="auto", loss_dtype="f32"):
+                                   dq_dtype, dw_dtype, dk_dtype, a_operand_precision="auto", loss_dtype="f32",
+                                   strict_indices=False):
     _check_a_operand(a_operand_precision)
     _check_same_device(index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
                        attn_score=attn_score, grad_loss=grad_loss, cu_seqlens_q=cu_seqlens_q,
@@ -319,6 +325,7 @@ def indexer_backward(
     row_target_mass: Optional[torch.Tensor] = None,
     l2_hints: str = "auto",
     start_stagger: str = "auto",
+    strict_indices: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(d_index_q, d_weights, d_index_k)`` through ``torch.ops.dsaib.indexer_backward``.
 
@@ -351,6 +358,10 @@ def indexer_backward(
         choices that never change the result, as for
         :func:`dsaib.indexer_backward` (which documents them). The CPU backend
         ignores them; a bad word raises ValueError on any device.
+      strict_indices: ``True`` raises ValueError naming the first invalid id
+        (outside its sequence, or beyond int32) instead of ignoring its slot;
+        it reads the ids to the host (on a GPU: a synchronisation, and not
+        allowed while a CUDA graph is being captured).
 
     The outputs are new contiguous tensors on index_q's device. No host
     synchronisation (BSHD); THD reads cu_seqlens to the host for validation.
@@ -367,6 +378,7 @@ def indexer_backward(
         _a_operand(a_operand_precision), row_lse, row_target_mass,
         _option_str("l2_hints", l2_hints, '"auto", "on" or "off"'),
         _option_str("start_stagger", start_stagger, '"auto" or "off"'),
+        _bool_value("strict_indices", strict_indices),
     )
 
 
@@ -408,7 +420,7 @@ def _library_view(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _validate_forward(index_q, weights, index_k, topk_indices, attn_score, *, sm_scale, layout, id_mode,
                       cu_seqlens_q, cu_seqlens_k, loss_coeff=1.0, normalization_count=0,
-                      a_operand_precision="auto", any_integer_cu_seqlens=False):
+                      a_operand_precision="auto", any_integer_cu_seqlens=False, strict_indices=False):
     """The library's validation (dsaib::validate_indexer_kl_loss_inputs) of what
     the backward will get, before the forward computes anything, so that a bad
     argument raises its TypeError/ValueError naming the argument, as the
@@ -421,7 +433,9 @@ def _validate_forward(index_q, weights, index_k, topk_indices, attn_score, *, sm
     forward computes. any_integer_cu_seqlens (index_scores, which has no
     backward): cu_seqlens of any integer dtype on any device are shown as
     int32 on index_q's device. Only metadata is read, and for THD cu_seqlens
-    (on a GPU: a copy to the host on the current stream, waited for). Not run
+    (on a GPU: a copy to the host on the current stream, waited for);
+    strict_indices: the ids themselves too (as int32, an id beyond it raising
+    here). Not run
     while torch.compile traces (the library is not traceable; the backward op
     checks the same when it runs) nor for meta tensors (no memory to check).
     """
@@ -439,7 +453,8 @@ def _validate_forward(index_q, weights, index_k, topk_indices, attn_score, *, sm
             topk_indices.shape)
     tensors = dict(index_q=_library_view(index_q, torch.bfloat16), weights=_library_view(weights, w_dtype),
                    index_k=_library_view(index_k, torch.bfloat16),
-                   topk_indices=_library_view(topk_indices, torch.int32),
+                   topk_indices=(_ids_int32(topk_indices, strict=True) if strict_indices
+                                 else _library_view(topk_indices, torch.int32)),
                    attn_score=_library_view(attn_score, T_dtype), cu_seqlens_q=cu_seqlens_q,
                    cu_seqlens_k=cu_seqlens_k)
     _dsaib.validate_indexer_kl_loss_inputs(
@@ -447,7 +462,7 @@ def _validate_forward(index_q, weights, index_k, topk_indices, attn_score, *, sm
         sm_scale=_float_or_inf(sm_scale), loss_coeff=_float_or_inf(loss_coeff),
         normalization_count=_normalization_count(int(normalization_count)),
         stream=int(torch.cuda.current_stream(index_q.device).cuda_stream) if cuda else 0,
-        a_operand_precision=a_operand_precision)
+        a_operand_precision=a_operand_precision, strict_indices=bool(strict_indices))
 
 
 def _key_rows(index_k, topk_indices, layout, id_mode, cu_seqlens_q, cu_seqlens_k):
@@ -623,14 +638,14 @@ def _library_float_dtypes(weights, fp64):
     return (weights.dtype if weights.dtype in kept else torch.float32), (torch.float64 if fp64 else torch.float32)
 
 
-def _library_inputs(index_q, weights, index_k, topk_indices, attn_score, fp64=False):
+def _library_inputs(index_q, weights, index_k, topk_indices, attn_score, fp64=False, strict=False):
     """The tensors as the library takes them: bf16 index_q/index_k, float32 (or
     bf16) weights, int32 topk_indices, float32 attn_score, all contiguous; in
     the fp64 mode float64 weights and a float64 attn_score (unrounded). A
     tensor already so is passed as it is (no copy)."""
     w_dtype, T_dtype = _library_float_dtypes(weights, fp64)
     return (index_q.to(torch.bfloat16).contiguous(), weights.to(w_dtype).contiguous(),
-            index_k.to(torch.bfloat16).contiguous(), _ids_int32(topk_indices),
+            index_k.to(torch.bfloat16).contiguous(), _ids_int32(topk_indices, strict),
             attn_score.to(T_dtype).contiguous())
 
 
@@ -659,11 +674,13 @@ def _float64_forward(index_q, weights, index_k, topk_indices, attn_score, sm_sca
 class _IndexerKLLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, index_q, weights, index_k, topk_indices, attn_score, sm_scale, loss_coeff,
-                normalization_count, layout, id_mode, cu_seqlens_q, cu_seqlens_k, a_operand_precision):
+                normalization_count, layout, id_mode, cu_seqlens_q, cu_seqlens_k, a_operand_precision,
+                strict_indices=False):
         # CPU float64: the backward reads the forward's float64 row statistics, float64
         # weights and attn_score, and writes float64 gradients, all unrounded.
         fp64 = _fp64(index_q.device, index_q, weights, index_k)
-        q16, w_op, k16, ids32, T32 = _library_inputs(index_q, weights, index_k, topk_indices, attn_score, fp64)
+        q16, w_op, k16, ids32, T32 = _library_inputs(index_q, weights, index_k, topk_indices, attn_score, fp64,
+                                                     strict_indices)
         if any(t.dtype == torch.float64 for t in (index_q, weights, index_k)):
             loss, row_lse, row_target_mass = _float64_forward(
                 index_q, weights, index_k, topk_indices, attn_score, sm_scale, loss_coeff, normalization_count,
@@ -673,7 +690,7 @@ class _IndexerKLLossFunction(torch.autograd.Function):
             # mass; no P (S_q x topk) is made, saved or passed on.
             loss, row_lse, row_target_mass = torch.ops.dsaib.indexer_kl_forward(
                 q16, w_op, k16, ids32, T32, cu_seqlens_q, cu_seqlens_k, float(sm_scale), float(loss_coeff),
-                int(normalization_count), layout, id_mode)
+                int(normalization_count), layout, id_mode, strict_indices)
         stats = torch.float64 if fp64 else torch.float32
         ctx.save_for_backward(q16, w_op, k16, ids32, T32, row_lse.to(stats), row_target_mass.to(stats),
                               cu_seqlens_q, cu_seqlens_k)
@@ -701,7 +718,7 @@ class _IndexerKLLossFunction(torch.autograd.Function):
             dq.to(q_dt) if need[0] else None,
             dw.to(w_dt) if need[1] else None,
             dk.to(k_dt) if need[2] else None,
-            None, None, None, None, None, None, None, None, None, None,
+            None, None, None, None, None, None, None, None, None, None, None,
         )
 
 
@@ -720,6 +737,7 @@ def indexer_kl_loss(
     cu_seqlens_q: Optional[torch.Tensor] = None,
     cu_seqlens_k: Optional[torch.Tensor] = None,
     a_operand_precision: str = "auto",
+    strict_indices: bool = False,
 ) -> torch.Tensor:
     """The indexer KL loss, a 0-dim tensor; its backward runs ``torch.ops.dsaib.indexer_backward``.
 
@@ -770,15 +788,23 @@ def indexer_kl_loss(
     and one for bf16 leaves; ``"bf16"`` is faster (two terms take ~1.15x its time) and adds
     ~1.3-1.6e-3 relative RMS error to those gradients. A bad value is a
     ValueError here.
+
+    ``strict_indices=True``: an invalid id (outside its sequence, or beyond
+    int32) raises ValueError naming it, before anything is computed, instead
+    of being an ignored slot; the ids are read to the host (on a GPU: a
+    synchronisation; not allowed during a CUDA graph capture).
     """
     a_operand_precision = _a_operand(a_operand_precision)
+    strict_indices = _bool_value("strict_indices", strict_indices)
     _check_torch_arguments(index_q, weights, index_k, topk_indices, attn_score, cu_seqlens_q, cu_seqlens_k)
     _validate_forward(index_q, weights, index_k, topk_indices, attn_score, sm_scale=sm_scale, layout=layout,
                       id_mode=id_mode, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, loss_coeff=loss_coeff,
-                      normalization_count=normalization_count, a_operand_precision=a_operand_precision)
+                      normalization_count=normalization_count, a_operand_precision=a_operand_precision,
+                      strict_indices=strict_indices)
     return _IndexerKLLossFunction.apply(
         index_q, weights, index_k, topk_indices, attn_score, float(sm_scale), float(loss_coeff),
         int(normalization_count), layout, id_mode, cu_seqlens_q, cu_seqlens_k, a_operand_precision,
+        strict_indices,
     )
 
 
@@ -798,6 +824,7 @@ def indexer_kl_loss_and_grad(
     cu_seqlens_q: Optional[torch.Tensor] = None,
     cu_seqlens_k: Optional[torch.Tensor] = None,
     a_operand_precision: str = "auto",
+    strict_indices: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(loss, d_index_q, d_weights, d_index_k)`` in one library call, for an
     indexer trained only by this loss (detached from the model's graph).
@@ -822,20 +849,24 @@ def indexer_kl_loss_and_grad(
 
     Errors: the torch layer's rules as :func:`indexer_kl_loss` (TypeError,
     ValueError), then the library's validation of the converted tensors, with
-    its messages, before anything is written.
+    its messages, before anything is written. ``strict_indices`` as
+    :func:`indexer_kl_loss` (it reads the ids to the host, so a capture
+    refuses it).
     """
     a_operand_precision = _a_operand(a_operand_precision)
+    strict_indices = _bool_value("strict_indices", strict_indices)
     _check_torch_arguments(index_q, weights, index_k, topk_indices, attn_score, cu_seqlens_q, cu_seqlens_k)
     if not isinstance(grad_loss, torch.Tensor):
         grad_loss = torch.full((), _finite_grad_loss(grad_loss), dtype=torch.float32, device=index_q.device)
     fp64 = _fp64(index_q.device, index_q, weights, index_k)
     codes = tuple(_grad_code(t.dtype, fp64) for t in (index_q, weights, index_k))
     with torch.no_grad():
-        q16, w_op, k16, ids32, T32 = _library_inputs(index_q, weights, index_k, topk_indices, attn_score, fp64)
+        q16, w_op, k16, ids32, T32 = _library_inputs(index_q, weights, index_k, topk_indices, attn_score, fp64,
+                                                     strict_indices)
         loss, dq, dw, dk = torch.ops.dsaib.indexer_kl_loss_and_grad(
             q16, w_op, k16, ids32, T32, grad_loss.detach(), cu_seqlens_q, cu_seqlens_k, float(sm_scale),
             float(loss_coeff), int(normalization_count), layout, id_mode, *codes, a_operand_precision,
-            "f64" if fp64 else "f32")
+            "f64" if fp64 else "f32", strict_indices)
     return loss, dq.to(index_q.dtype), dw.to(weights.dtype), dk.to(index_k.dtype)
 
 
@@ -846,8 +877,10 @@ class IndexerKLLoss(torch.nn.Module):
     """
 
     def __init__(self, sm_scale: float, loss_coeff: float = 1.0, normalization_count: int = 0,
-                 layout: str = "bshd", id_mode: str = "local", a_operand_precision: str = "auto"):
+                 layout: str = "bshd", id_mode: str = "local", a_operand_precision: str = "auto",
+                 strict_indices: bool = False):
         super().__init__()
+        self.strict_indices = _bool_value("strict_indices", strict_indices)
         self.a_operand_precision = _check_a_operand(_a_operand(a_operand_precision))
         self.sm_scale = float(sm_scale)
         self.loss_coeff = float(loss_coeff)
@@ -860,13 +893,13 @@ class IndexerKLLoss(torch.nn.Module):
             index_q, weights, index_k, topk_indices, attn_score, sm_scale=self.sm_scale,
             loss_coeff=self.loss_coeff, normalization_count=self.normalization_count, layout=self.layout,
             id_mode=self.id_mode, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-            a_operand_precision=self.a_operand_precision,
+            a_operand_precision=self.a_operand_precision, strict_indices=self.strict_indices,
         )
 
     def extra_repr(self) -> str:
         return (f"sm_scale={self.sm_scale}, loss_coeff={self.loss_coeff}, "
                 f"normalization_count={self.normalization_count}, layout={self.layout}, id_mode={self.id_mode}, "
-                f"a_operand_precision={self.a_operand_precision}")
+                f"a_operand_precision={self.a_operand_precision}, strict_indices={self.strict_indices}")
 
 
 # ---- the attention target ----------------------------------------------------
@@ -885,6 +918,7 @@ def _attention_target_op(
     normalize: bool,
     layout: str,
     id_mode: str,
+    strict_indices: bool = False,
 ) -> torch.Tensor:
     """attn_score (float32, shaped like topk_indices) through dsaib::attention_target."""
     dev = query.device
@@ -893,7 +927,7 @@ def _attention_target_op(
                    cu_seqlens_k=cu_seqlens_k, attn_score=attn_score)
     cuda = dev.type == "cuda"
     options = dict(layout=layout, id_mode=id_mode, backend="cuda" if cuda else "cpu", sm_scale=float(sm_scale),
-                   lse_base=lse_base, normalize=bool(normalize), strict_indices=False,
+                   lse_base=lse_base, normalize=bool(normalize), strict_indices=bool(strict_indices),
                    stream=int(torch.cuda.current_stream(dev).cuda_stream) if cuda else 0, num_threads=0)
     _run_library(_dsaib.attention_target, _dsaib.attention_target_workspace_size, dev, tensors, options)
     return attn_score
@@ -901,7 +935,7 @@ def _attention_target_op(
 
 @_attention_target_op.register_fake
 def _attention_target_fake(query, kv, lse, topk_indices, cu_seqlens_q, cu_seqlens_k, sm_scale, lse_base, normalize,
-                           layout, id_mode):
+                           layout, id_mode, strict_indices=False):
     if lse_base not in ("natural", "base2"):
         raise ValueError(f'lse_base: expected "natural" or "base2", got "{lse_base}"')
     _check_same_device(query, kv=kv, lse=lse, topk_indices=topk_indices, cu_seqlens_q=cu_seqlens_q,
@@ -922,6 +956,7 @@ def attention_target(
     id_mode: str = "local",
     cu_seqlens_q: Optional[torch.Tensor] = None,
     cu_seqlens_k: Optional[torch.Tensor] = None,
+    strict_indices: bool = False,
 ) -> torch.Tensor:
     """The indexer loss's target ``T`` (attn_score) from the main attention's
     tensors, through ``torch.ops.dsaib.attention_target`` (dsaib::attention_target).
@@ -950,6 +985,9 @@ def attention_target(
     ``normalize`` (not a bool), ``layout``, ``id_mode`` or ``lse_base`` (not a
     str) or ``sm_scale`` (not a real number), as the numpy entry point;
     then TypeError/ValueError/RuntimeError with the C++ library's messages.
+    ``strict_indices=True``: an invalid id (outside its sequence, or beyond
+    int32) raises ValueError naming it instead of being a 0 slot; the ids are
+    read to the host (on a GPU: a synchronisation; refused during a capture).
     """
     for name, t in dict(query=query, kv=kv, lse=lse, topk_indices=topk_indices).items():
         if not isinstance(t, torch.Tensor):
@@ -963,6 +1001,7 @@ def attention_target(
     normalize = _bool_value("normalize", normalize)
     layout = _option_str("layout", layout, '"bshd" or "thd"')
     id_mode = _option_str("id_mode", id_mode, '"local" or "global"')
+    strict_indices = _bool_value("strict_indices", strict_indices)
     with torch.no_grad():
         q16 = query.to(torch.bfloat16).contiguous() if query.is_floating_point() else query
         kv16 = kv.to(torch.bfloat16).contiguous() if kv.is_floating_point() else kv
@@ -971,8 +1010,8 @@ def attention_target(
         keep = lse.dtype == torch.float64 and lse.device.type == "cpu"
         lse32 = lse if keep or not lse.is_floating_point() else lse.to(torch.float32)
         return torch.ops.dsaib.attention_target(
-            q16, kv16, lse32, _ids_int32(topk_indices), cu_seqlens_q, cu_seqlens_k, sm_scale, lse_base,
-            normalize, layout, id_mode)
+            q16, kv16, lse32, _ids_int32(topk_indices, strict_indices), cu_seqlens_q, cu_seqlens_k, sm_scale,
+            lse_base, normalize, layout, id_mode, strict_indices)
 
 
 def indexer_kl_loss_and_grad_from_attention(
@@ -995,6 +1034,7 @@ def indexer_kl_loss_and_grad_from_attention(
     cu_seqlens_q: Optional[torch.Tensor] = None,
     cu_seqlens_k: Optional[torch.Tensor] = None,
     a_operand_precision: str = "auto",
+    strict_indices: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(loss, d_index_q, d_weights, d_index_k)`` of the indexer KL loss from
     the tensors a DSA layer has: the indexer's ``index_q``, ``weights``,
@@ -1010,13 +1050,14 @@ def indexer_kl_loss_and_grad_from_attention(
     heads, call :func:`attention_target` with ``normalize=False`` per rank,
     all-reduce, normalise, and pass the result to :func:`indexer_kl_loss_and_grad`.
     Errors as those two functions raise them, except that a bad main-attention
-    scale is named ``softmax_scale``.
+    scale is named ``softmax_scale``. ``strict_indices=True`` checks the ids
+    once, in :func:`attention_target` (a host read of the ids).
     """
     # Checked here so that an error names softmax_scale, not attention_target's sm_scale.
     softmax_scale = _finite_f32("softmax_scale", softmax_scale)
     attn_score = attention_target(query, kv, lse, topk_indices, sm_scale=softmax_scale, lse_base=lse_base,
                                   normalize=True, layout=layout, id_mode=id_mode, cu_seqlens_q=cu_seqlens_q,
-                                  cu_seqlens_k=cu_seqlens_k)
+                                  cu_seqlens_k=cu_seqlens_k, strict_indices=strict_indices)
     return indexer_kl_loss_and_grad(index_q, weights, index_k, topk_indices, attn_score, sm_scale=sm_scale,
                                     loss_coeff=loss_coeff, grad_loss=grad_loss,
                                     normalization_count=normalization_count, layout=layout, id_mode=id_mode,

@@ -399,3 +399,21 @@ def test_torch_loss_from_attention_names_softmax_scale(softmax_scale, error, mes
     with pytest.raises(ValueError, match=r"^sm_scale: expected a finite value, got nan"):
         dt.indexer_kl_loss_and_grad_from_attention(index_q, weights, index_k, query, kv, lse, ids,
                                                    sm_scale=float("nan"), softmax_scale=SOFTMAX_SCALE)
+
+
+def test_torch_attention_target_strict_indices():
+    torch = _torch()
+    import dsaib.torch as dt
+
+    query, kv, lse, ids = _torch_target_problem(torch, seed=10)
+    bad = ids.clone()
+    bad[1, 2, 0] = kv.shape[1] + 1  # outside the sequence
+    as_minus_one = ids.clone()
+    as_minus_one[1, 2, 0] = -1
+    with pytest.raises(ValueError, match=r"^topk_indices: strict mode found an out-of-range id"):
+        dt.attention_target(query, kv, lse, bad, sm_scale=SOFTMAX_SCALE, strict_indices=True)
+    with pytest.raises(ValueError, match=r"^topk_indices: strict mode found an out-of-range id"):
+        dt.attention_target(query, kv, lse, bad.long() + 2**40, sm_scale=SOFTMAX_SCALE, strict_indices=True)
+    assert torch.equal(dt.attention_target(query, kv, lse, bad, sm_scale=SOFTMAX_SCALE),
+                       dt.attention_target(query, kv, lse, as_minus_one, sm_scale=SOFTMAX_SCALE))
+    dt.attention_target(query, kv, lse, ids, sm_scale=SOFTMAX_SCALE, strict_indices=True)

@@ -88,8 +88,10 @@ def test_custom_op_a_operand_precision_argument():
     # Arguments with defaults after the required ones: callers without them keep working.
     schema = torch.ops.dsaib.indexer_backward.default._schema
     names = [a.name for a in schema.arguments]
-    assert names[-5:-2] == ["a_operand_precision", "row_lse", "row_target_mass"], str(schema)
-    a_op, lse, mass = schema.arguments[-5:-2]
+    assert names[-6:] == ["a_operand_precision", "row_lse", "row_target_mass", "l2_hints", "start_stagger",
+                          "strict_indices"], str(schema)
+    assert str(schema.arguments[-1].type) == "bool" and schema.arguments[-1].default_value is False, str(schema)
+    a_op, lse, mass = schema.arguments[-6:-3]
     assert str(a_op.type) == "str" and a_op.default_value == "auto", str(schema)
     assert str(lse.type) == str(mass.type) == "Optional[Tensor]" and lse.default_value is None, str(schema)
     q, w, k, ids, T = make_torch_problem(seed=1)
@@ -119,10 +121,10 @@ def test_custom_op_a_operand_precision_argument():
 
 
 def test_custom_op_takes_the_launch_options_as_words():
-    # l2_hints and start_stagger, as dsaib.indexer_backward takes them: the last
-    # two arguments of the op, with defaults; the library parses the words.
+    # l2_hints and start_stagger, as dsaib.indexer_backward takes them: arguments
+    # of the op with defaults (then strict_indices); the library parses the words.
     schema = torch.ops.dsaib.indexer_backward.default._schema
-    l2, stagger = schema.arguments[-2:]
+    l2, stagger = schema.arguments[-3:-1]
     assert (l2.name, stagger.name) == ("l2_hints", "start_stagger"), str(schema)
     assert str(l2.type) == str(stagger.type) == "str", str(schema)
     assert l2.default_value == stagger.default_value == "auto", str(schema)

@@ -219,3 +219,38 @@ def test_one_call_compiles_in_one_graph():
     compiled = torch.compile(step, fullgraph=True)
     for a, b in zip(compiled(q, w, k, ids, T, g), step(q, w, k, ids, T, g)):
         assert torch.equal(a, b)
+
+
+def test_strict_indices_raises_on_an_invalid_id_every_entry_point():
+    """strict_indices=True: an id outside its sequence (or beyond int32) raises
+    ValueError naming topk_indices before any output exists; without it the slot
+    is ignored (the same result as -1 there)."""
+    q, w, k, ids, T = make_torch_problem(seed=31)
+    S_kv = k.shape[1]
+    clean = torch.where(ids >= S_kv, torch.full_like(ids, -1), ids)
+    bad = clean.clone()
+    bad[0, 2, 1] = S_kv + 3
+    far = clean.long()
+    far[0, 2, 1] = 2**40
+    as_minus_one = clean.clone()
+    as_minus_one[0, 2, 1] = -1
+    leaves = [x.detach().float().requires_grad_() for x in (q, w, k)]
+    calls = {
+        "indexer_kl_loss": lambda i, **kw: dt.indexer_kl_loss(*leaves, i, T, sm_scale=SM, **kw),
+        "indexer_kl_loss_and_grad": lambda i, **kw: dt.indexer_kl_loss_and_grad(q, w, k, i, T, sm_scale=SM, **kw),
+        "indexer_backward": lambda i, **kw: dt.indexer_backward(q, w.float(), k, i.int(), T,
+                                                                torch.full(T.shape, 0.25), sm_scale=SM, **kw),
+        "IndexerKLLoss": lambda i, **kw: dt.IndexerKLLoss(sm_scale=SM, **kw)(*leaves, i, T),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=r"^topk_indices: strict mode found an out-of-range id"):
+            call(bad, strict_indices=True)
+        if name != "indexer_backward":  # takes int32 ids only
+            with pytest.raises(ValueError, match=r"^topk_indices: strict mode found an out-of-range id"):
+                call(far, strict_indices=True)
+        got, want = call(bad), call(as_minus_one)
+        for a, b in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+            assert torch.equal(a, b), name
+        call(clean, strict_indices=True)  # valid ids pass
+    with pytest.raises(TypeError, match=r"^strict_indices: expected a bool"):
+        dt.indexer_kl_loss(*leaves, clean, T, sm_scale=SM, strict_indices="yes")
