@@ -107,10 +107,11 @@ struct AttentionTargetProducer {
     const int gather_key0 = (tid / 8) * kKeysPerThread;
     // Their destinations in stage 0, computed once: a stage is a whole number of
     // swizzle periods, so stage ks is stage 0 plus ks * kStageElems.
-    static_assert(decltype(cute::cosize(cute::take<0, 2>(typename Config::SmemLayoutK{})))::value % 1024 == 0,
-                  "a K stage spans whole 128-byte-swizzle periods");
-    constexpr int kStageElems = kBlock * 64;
     using Element = typename Config::Element;
+    constexpr int kStageElems = kBlock * Config::kSliceDims;
+    static_assert(decltype(cute::cosize(cute::take<0, 2>(typename Config::SmemLayoutK{})))::value == kStageElems &&
+                      (kStageElems * sizeof(Element)) % 1024 == 0,
+                  "a K stage is kStageElems contiguous elements spanning whole 128-byte-swizzle periods");
     Element* k_dst[kKeysPerThread];
 #pragma unroll
     for (int i = 0; i < kKeysPerThread; ++i) k_dst[i] = &sK(gather_key0 + i, gather_col, 0);

@@ -3,7 +3,8 @@
 //
 //   warpgroup 0 : ProducerGather without stage 1 (producer_gather.cuh, shared
 //                 with the backward): Q/w loads, compaction of the valid slots,
-//                 K gather into kStagesK stages; each gathered key carries its slot.
+//                 K gather into kStagesK stages; each gathered key carries its
+//                 slot and its T~ = max(T, eps).
 //   warpgroup 1 : ForwardScore (forward_score.cuh): GEMM1 with wgmma, keys as M
 //                 and heads as N (S^T = K Q^T, both operands in shared memory), so
 //                 the weighted relu head sum z of a key stays within a thread and
@@ -65,11 +66,13 @@ struct ForwardTileConfig {
 };
 
 /// One part of a row's statistics over its valid slots, in the order the
-/// blocks arrive: the running max m of the logits z and sum s of exp(z - m),
-/// the smallest z, and the fp64 sums of T~ z and of T~.
+/// blocks arrive: the running max m of the logits z and sum s of exp(z - m)
+/// (a -inf logit adds nothing), the smallest z, the fp64 sums of T~ z and of
+/// T~, and the number of valid slots.
 struct RowStatistics {
   float m, s, z_min;
   double target_logit, target;
+  int32_t count;  // valid slots
 };
 
 template <class Config>

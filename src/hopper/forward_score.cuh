@@ -12,7 +12,7 @@
 // whatever the grid. After the row's blocks the statistics meet in a fixed
 // tree (the warp's lanes, then the warps in order): LSE = m + log s, rounded to
 // f32, and, where every slot has log P >= -99 (so no term is clipped and every
-// mask [P >= eps] is 1):
+// mask [P >= eps] is 1) and |LSE| < 2^20:
 //   loss term = sum T~ z - (sum T~) (m + log s)        (fp64)
 //   mass      = sum T~ / c,  c = sum exp(z - LSE) = s exp(m - LSE)
 // c is the sum of the P that the P-free backward rebuilds from the f32 LSE
@@ -68,6 +68,11 @@ struct ForwardScore {
   // term is clipped, and the backward's logits (equal to these to f32 rounding)
   // give the same masks.
   static constexpr double kNoClipBound = -99.0;
+  // ... and whose |LSE| is below 2^20: the plain loss term sum T~ z - (sum T~) LSE
+  // cancels |LSE| 2^-53 per slot in fp64, and the f32 LSE the backward gets is
+  // within 2^-4 of it, well inside the clip bound's margin. Beyond, the pass over
+  // the slots (log P = (z - m) - log s) keeps its accuracy at any |LSE|.
+  static constexpr double kPlainLseBound = 1048576.0;
 
   const IndexerKLForwardParams& fp;
   ForwardSharedStorage<Config>& ss;
@@ -112,7 +117,7 @@ struct ForwardScore {
       CUTE_UNROLL
       for (int k = 0; k < kN / 4; ++k) w[k] = ss.w_scaled[qs][c0 + 8 * (k / 2) + k % 2];
 
-      RowStatistics st{-INFINITY, 0.0f, INFINITY, 0.0, 0.0};
+      RowStatistics st{-INFINITY, 0.0f, INFINITY, 0.0, 0.0, 0};
       // GEMM1 of the block after the one at k_state, into `acc`.
       auto issue_next = [&](auto& acc) {
         auto next = k_state;
@@ -147,9 +152,12 @@ struct ForwardScore {
             st.s *= expf(st.m - z);
             st.m = z;
           }
-          st.s += expf(z - st.m);  // a NaN logit makes the sum NaN
+          // a NaN logit makes the sum NaN; a -inf one adds exp(-inf) = 0 (z - m
+          // would be NaN while m is still -inf)
+          if (z != -INFINITY) st.s += expf(z - st.m);
           st.target_logit += static_cast<double>(target) * static_cast<double>(z);
           st.target += static_cast<double>(target);
+          ++st.count;
         }
       };
       // Two accumulators: while the head sum reads one block's, the next
@@ -191,6 +199,7 @@ struct ForwardScore {
     a.z_min = fminf(a.z_min, b.z_min);
     a.target_logit += b.target_logit;
     a.target += b.target;
+    a.count += b.count;
   }
 
   /// The row's LSE, target mass and loss term from the threads' statistics.
@@ -205,6 +214,7 @@ struct ForwardScore {
       o.z_min = __shfl_xor_sync(0xffffffffu, st.z_min, off);
       o.target_logit = __shfl_xor_sync(0xffffffffu, st.target_logit, off);
       o.target = __shfl_xor_sync(0xffffffffu, st.target, off);
+      o.count = __shfl_xor_sync(0xffffffffu, st.count, off);
       combine(st, o);
     }
     if (lane == 0) ss.row_stats[n & 1u][warp] = st;
@@ -215,11 +225,15 @@ struct ForwardScore {
     st = ss.row_stats[n & 1u][0];
     CUTE_UNROLL
     for (int wi = 1; wi < kWarps; ++wi) combine(st, ss.row_stats[n & 1u][wi]);
+    const bool any_slot = st.count > 0;
+    // every valid logit -inf: no max to measure from, the softmax undefined (the
+    // reference's exp(z - max z) is exp(NaN))
+    if (any_slot && st.s == 0.0f) st.s = NAN;
     const float log_s = logf(st.s);
     const float lse = st.m + log_s;  // no valid slot: -inf + log(0) = -inf
     const double lse_exact = static_cast<double>(st.m) + log(static_cast<double>(st.s));
-    const bool any_slot = st.s != 0.0f;  // s >= 1 (or NaN) once a slot is valid
     const bool plain = !any_slot || (isfinite(st.target) && isfinite(st.target_logit) &&
+                                     fabs(lse_exact) < kPlainLseBound &&
                                      static_cast<double>(st.z_min) - lse_exact >= kNoClipBound);
     if (plain) {
       // The same statistics whether or not P is written.
@@ -267,7 +281,6 @@ struct ForwardScore {
   __device__ void slot_pass(int64_t row, const float* z_row, float m, float log_s, float lse, float eps) {
     const IndexerBackwardParams& p = fp.in;
     const int tid = threadIdx.x - Config::kScoreWarpgroup * Config::kThreadsPerWarpgroup;
-    const int lane = tid % 32, warp = tid / 32;
     const RowSequence seq = row_sequence(p, row);
     const int32_t* ids = p.topk_indices + batched_offset(row, p.q_rows_per_batch, p.ids_batch_stride, p.ids_row_stride);
     const float* attn = p.attn_score + batched_offset(row, p.q_rows_per_batch, p.attn_score_batch_stride, p.attn_score_row_stride);
@@ -324,8 +337,15 @@ struct ForwardScore {
     }
     if constexpr (!kStatistics) {
       forward_score_sync<Config>();  // every thread's z_row reads done before the next row's logits overwrite it
-      return;
+    } else {
+      finish_slot_pass(row, lse, term, mass, rebuilt_sum);
     }
+  }
+
+  /// The slot pass's per-thread sums to the row's outputs (fixed tree).
+  __device__ void finish_slot_pass(int64_t row, float lse, double term, double mass, double rebuilt_sum) {
+    const int tid = threadIdx.x - Config::kScoreWarpgroup * Config::kThreadsPerWarpgroup;
+    const int lane = tid % 32, warp = tid / 32;
     CUTE_UNROLL
     for (int off = 16; off > 0; off >>= 1) {
       term += __shfl_xor_sync(0xffffffffu, term, off);

@@ -11,8 +11,9 @@ enum class NamedBarrierId : uint32_t {
   /// The producer warpgroup: stage-1 partial sums / counts and the compacted
   /// slot list are complete (or fully consumed) before the next step.
   kProducerSync = 1,
-  /// The loss forward's score warpgroup (forward_score.cuh): per-warp partial
-  /// logits of a key block, and the row statistics' partials, are complete.
+  /// The loss forward's score warpgroup (forward_score.cuh): the per-warp row
+  /// statistics of a row (and its logits in the z scratch row) are complete, and
+  /// a pass over its slots has read them and written its per-warp sums.
   kForwardScoreSync = 2,
   /// The P-free backward's score warpgroup (score_mma.cuh, RecomputePConfig):
   /// the per-warp partial logits of a key block, then the block's gs, are complete.

@@ -18,8 +18,9 @@
 // -1 / gs 0 / zero-filled K rows. Invalid slots never reach the consumers and
 // are never dereferenced.
 //
-// Order of the blocks: the list is in slot order, and odd waves of tasks
-// (task / gridDim.x) take the chunks last to first. Against thread-order lists
+// Order of the blocks: the list is in slot order, and in the backward odd waves
+// of tasks (task / gridDim.x) take the chunks last to first (the forward keeps
+// slot order, below). Against thread-order lists
 // and forward chunks, paired A/B with ascending ids, 4 pairs: random ids S 4096
 // -2.6%, S 16384 -0.5%, S 65536 -0.5%; causal S 4096 -1.5%, S 16384 -1.0%,
 // S 65536 0. Ids in a random order within the row run as fast as ascending
@@ -156,9 +157,10 @@ struct ProducerGather {
     // Their destinations in stage 0, computed once: a stage is a whole number of
     // swizzle periods (8 rows of 128 bytes), so stage ks is stage 0 plus
     // ks * kStageElems and the swizzle need not be redone per copy.
-    static_assert(decltype(cute::cosize(cute::take<0, 2>(typename Config::SmemLayoutK{})))::value % 1024 == 0,
-                  "a K stage spans whole 128-byte-swizzle periods");
     constexpr int kStageElems = kBlock * kD;
+    static_assert(decltype(cute::cosize(cute::take<0, 2>(typename Config::SmemLayoutK{})))::value == kStageElems &&
+                      (kStageElems * sizeof(Element)) % 1024 == 0,
+                  "a K stage is kStageElems contiguous elements spanning whole 128-byte-swizzle periods");
     Element* k_dst[kGatherRows];
     CUTE_UNROLL
     for (int i = 0; i < kGatherRows; ++i) k_dst[i] = &sK(gather_row0 + i, gather_col, 0);

@@ -40,12 +40,12 @@ struct ScoreMma {
   }
 
   /// The P-free kernels: gs of the block in K stage ks from its logits. The head
-  /// sums of each key column are the loss forward's (forward_score.cuh): per
-  /// thread over its two accumulator rows, a butterfly over the 8 lanes of a
-  /// column (xor 16, 8, 4), the 4 warps' partials added in warp order, so z and
-  /// exp(z - LSE) are those of the forward's kernel bit for bit at H <= 64. The
-  /// forward divided G by the sum of these exp(z - LSE) over the row, so the
-  /// f32 LSE's rounding, common to the row, cancels in P_i G. Two barriers of
+  /// sums of each key column: per thread over its two accumulator rows, a
+  /// butterfly over the 8 lanes of a column (xor 16, 8, 4), the 4 warps'
+  /// partials added in warp order (head_sum.cuh); z equals the loss forward's
+  /// logits to f32 rounding (the forward sums the heads in another order). The
+  /// forward divided G by the sum of its exp(z - LSE) over the row, so the f32
+  /// LSE's rounding, common to the row, cancels in P_i G. Two barriers of
   /// the score warpgroup: partials complete; gs complete (and z_part read, before
   /// the next block rewrites it).
   template <class Accumulator>

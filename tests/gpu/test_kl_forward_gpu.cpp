@@ -101,6 +101,33 @@ std::vector<GpuCase> cases() {
   };
 }
 
+/// Logits of -inf at valid slots: f32 weights with one head's weight -3e38, so
+/// w sm_scale relu(q.k) overflows f32 to -inf wherever that head's q.k > 0
+/// (about half the keys, slot 0 of about half the rows: the first key of a
+/// score thread), while the fp64 reference's logit stays finite (~-1e39, P
+/// exactly 0). Every row keeps finite logits (keys with q.k <= 0 there).
+GeneratedProblem minus_inf_logits_problem() {
+  GenerateSpec s = spec_of(Layout::bshd, 64, 128, 200, 24, 400, IdMode::local, IdPattern::random_permutation, 71);
+  s.weights_f32 = true;
+  GeneratedProblem p = make_problem(s);
+  const int64_t H = p.spec.heads, R = num_q_rows(p);
+  for (int64_t r = 0; r < R; ++r) p.weights.data<float>()[r * H + 3] = -3e38f;
+  return p;
+}
+
+/// A wide spread of logits (give_logits_a_common_part with sm_scale 3/4, as
+/// LargeCommonLogitPart's wide cases): rows with log P < -99 take the pass over
+/// their slots for the loss term and mass.
+GeneratedProblem wide_spread_problem() {
+  GeneratedProblem p = make_problem(spec_of(Layout::thd, 64, 128, 300, 24, 600, IdMode::global,
+                                            IdPattern::random_permutation, 72));
+  give_logits_a_common_part(p, 2, 0, 72);
+  p.sm_scale = p.spec.sm_scale = 0.75f;
+  refresh_index_score(p);
+  invalid_slots(p);
+  return p;
+}
+
 struct Errors {
   double loss_rel, lse_abs, p_rel, p_abs_low, mass_rel;
 };
@@ -245,8 +272,9 @@ TEST_F(KlForwardGpu, LargeCommonLogitPart) {
 
 // The sanitizer's case (tests/sanitizer/run_sanitizer.sh runs Sanitized.* of this
 // binary under racecheck, synccheck, memcheck and initcheck, requiring no report):
-// every layout, id mode and tail case above, with and without P, each checked
-// against the fp64 reference as above.
+// every layout, id mode and tail case above, then rows that walk their slots
+// (a wide spread, -inf logits), with and without P, each checked against the
+// fp64 reference as above.
 TEST(Sanitized, KlForwardEveryCase) {
   if (!gpu_available()) GTEST_SKIP() << "no compute-capability-9.0 GPU visible";
   for (const GpuCase& c : cases()) {
@@ -261,6 +289,22 @@ TEST(Sanitized, KlForwardEveryCase) {
     indexer_kl_forward(device_forward_inputs(d), out.views(false), cuda_opt);
     check_cuda(cudaDeviceSynchronize(), "forward without P");
     EXPECT_FALSE(std::isnan(to_doubles(out.loss.to_host())[0])) << c.name;
+  }
+  // Rows that walk their slots (clipped slots, -inf logits), with and without P:
+  // the loss against the reference (the mass of a wide-spread row near the clip
+  // is LargeCommonLogitPart's to check), and the statistics bitwise the same.
+  for (GeneratedProblem p : {wide_spread_problem(), minus_inf_logits_problem()}) {
+    IndexerBackwardOptions opt = p.options();
+    const ReferenceKLForward ref = reference_kl_forward(forward_inputs(p), opt);
+    opt.backend = Backend::cuda;
+    DeviceProblem d(p);
+    DeviceForwardOutputs with_p(p), without_p(p);
+    indexer_kl_forward(device_forward_inputs(d), with_p.views(), opt);
+    indexer_kl_forward(device_forward_inputs(d), without_p.views(false), opt);
+    check_cuda(cudaDeviceSynchronize(), "forward");
+    EXPECT_LE(rel_error(to_doubles(with_p.loss.to_host())[0], ref.loss), kLossRel);
+    EXPECT_TRUE(bitwise_equal(with_p.loss.to_host(), without_p.loss.to_host()));
+    EXPECT_TRUE(bitwise_equal(with_p.row_target_mass.to_host(), without_p.row_target_mass.to_host()));
   }
 }
 
@@ -290,6 +334,21 @@ TEST_F(KlForwardGpu, NanNeverPasses) {
   indexer_kl_forward(device_forward_inputs(d), out.views(), opt);
   EXPECT_TRUE(std::isnan(to_doubles(out.loss.to_host())[0]));
   EXPECT_TRUE(std::isnan(to_doubles(out.row_target_mass.to_host())[5]));
+}
+
+/// A -inf logit is a slot of P 0 (clipped loss term -100 T~, mask 0), wherever
+/// it falls in the gather order, also as the first key a score thread sees.
+TEST_F(KlForwardGpu, MinusInfinityLogitsAreSlotsOfZeroProbability) {
+  GeneratedProblem p = minus_inf_logits_problem();
+  IndexerBackwardOptions opt = p.options();
+  const ReferenceKLForward ref = reference_kl_forward(forward_inputs(p), opt);
+  int64_t zero_p = 0;  // valid slots whose reference P underflows to 0 (the -inf ones here)
+  for (int64_t r = 0; r < num_q_rows(p); ++r) {
+    for (int64_t i = 0; i < topk(p); ++i) zero_p += ref.index_score[r * topk(p) + i] == 0.0 && ref.row_lse[r] > -1e30;
+  }
+  EXPECT_GT(zero_p, num_q_rows(p) * topk(p) / 8) << "the case is the one intended";
+  const Errors e = check_case(p, opt, "bshd_h64_minus_inf_logits");
+  EXPECT_FALSE(std::isnan(e.loss_rel));
 }
 
 TEST_F(KlForwardGpu, BitwiseReproducibleAndIndexScoreOptional) {
