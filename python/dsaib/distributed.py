@@ -220,15 +220,65 @@ def _difference(name, kind, rows, layout):
     return f"{name}: the {what} differ across the group: {_per_rank(values)}; expected the same on every rank {doc}"
 
 
-def _check_same_across_group(group, cp, device, fields, layout):
+_ERROR_BYTES = 120                               # the bytes of a rank's own error kept in the descriptor
+
+
+@functools.lru_cache(maxsize=1)
+def _descriptor_words():
+    """The descriptor's length: _describe's words, the same for any arguments."""
+    fields = _describe("", None, None, None, None, None, None, 0.0, "", 0.0, 0, "", "", None, None, None, "")
+    return sum(len(ints) for _, _, ints in fields)
+
+
+def _encode_error(error):
+    text = f"{type(error).__name__}: {error}".encode("utf-8", "replace")[:_ERROR_BYTES]
+    return list(struct.unpack(f"<{_ERROR_BYTES // 8}q", text.ljust(_ERROR_BYTES, b"\0")))
+
+
+def _decode_error(ints):
+    text = struct.pack(f"<{_ERROR_BYTES // 8}q", *ints[:_ERROR_BYTES // 8]).rstrip(b"\0")
+    return text.decode("utf-8", "replace") + ("..." if len(text) == _ERROR_BYTES else "")
+
+
+def _exchange_device(group, index_k):
+    """Where the descriptor goes: index_k's device, or for a rank whose index_k
+    is no tensor, the current CUDA device under NCCL and the CPU otherwise."""
+    if isinstance(index_k, torch.Tensor):
+        return index_k.device
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _check_same_across_group(group, cp, device, fields, layout, local_error=None):
     """All-gathers the descriptor (one small collective) and raises the same
-    ValueError on every rank when an argument differs across the group."""
+    ValueError on every rank when an argument differs across the group. A rank
+    whose own checks failed (local_error) takes part with its error instead of
+    a descriptor: it raises that error, every other rank a ValueError naming it
+    (instead of waiting in the all-gather for a rank that never comes)."""
     if cp == 1:
+        if local_error is not None:
+            raise local_error
         return
-    local = torch.tensor([v for _, _, ints in fields for v in ints], dtype=torch.int64, device=device)
+    n = _descriptor_words()
+    if local_error is None:
+        words = [0] + [v for _, _, ints in fields for v in ints]
+    else:
+        words = [1] + _encode_error(local_error)
+        words += [0] * (n + 1 - len(words))
+    local = torch.tensor(words, dtype=torch.int64, device=device)
     gathered = local.new_empty((cp * local.numel(),))
     dist.all_gather_into_tensor(gathered, local, group=group)
     rows = gathered.view(cp, -1).tolist()
+    failed = [r for r, row in enumerate(rows) if row[0] != 0]
+    if local_error is not None:
+        raise local_error
+    if failed:
+        shown = "; ".join(f"rank {r}: {_decode_error(rows[r][1:])}" for r in failed[:4])
+        raise ValueError(f"the group's arguments: {len(failed)} rank(s) rejected their own arguments before the "
+                         f"exchange ({shown}{'; ...' if len(failed) > 4 else ''}); expected every rank's to pass "
+                         f"(docs/context-parallel.md)")
+    rows = [row[1:] for row in rows]
     start = 0
     for name, kind, ints in fields:
         stop = start + len(ints)
@@ -503,12 +553,13 @@ def _start_reduce_scatter(plan, dk_whole):
     return out, dist.reduce_scatter_tensor(out, send, op=dist.ReduceOp.SUM, group=plan.group, async_op=True)
 
 
-def _plan(group, cp_layout, layout, index_q, index_k, cu_seqlens_q, cu_seqlens_k, fields):
+def _plan(group, cp_layout, layout, index_q, index_k, cu_seqlens_q, cu_seqlens_k, fields, local_error=None):
     """The split's plan, after the group has compared every rank's arguments
-    (``fields``, :func:`_describe`): the checks that follow then see the same
-    sizes and words on every rank, and raise on every rank alike."""
+    (``fields``, :func:`_describe`; or this rank's own error, ``local_error``):
+    the checks that follow then see the same sizes and words on every rank, and
+    raise on every rank alike."""
     cp, rank = _group_size_rank(group)
-    _check_same_across_group(group, cp, index_k.device, fields, layout)
+    _check_same_across_group(group, cp, _exchange_device(group, index_k), fields, layout, local_error)
     _check_words(cp_layout, layout)
     return _Plan(group, cp, rank, cp_layout, layout, index_q, index_k, cu_seqlens_q, cu_seqlens_k)
 
@@ -556,20 +607,25 @@ def context_parallel_indexer_kl_loss(
     arguments apart from its slices' values: sizes, dtypes, layouts, THD
     offsets and options that differ across the group raise a ValueError on
     every rank, naming the first that differs (one small all-gather before
-    the keys'). A rank that alone raises before that comparison leaves the
-    other ranks waiting in it, as any collective code does.
+    the keys'). A rank whose own checks fail (a non-tensor argument, a bad
+    word or number) still takes part in that all-gather: it raises its own
+    error, and every other rank a ValueError naming that rank and its error.
 
     Memory: the gathered ``index_k`` (bf16, the whole sequence) is kept for the
     backward, which also makes a float32 ``d_index_k`` of the whole sequence
     for the reduce-scatter (float64 for float64 inputs on CPU). THD reads cu_seqlens to the host (one
     synchronisation on a GPU).
     """
-    a_operand_precision = _a_operand(a_operand_precision)
-    _dt._check_torch_arguments(index_q, weights, index_k, topk_indices, attn_score, cu_seqlens_q, cu_seqlens_k)
-    fields = _describe("context_parallel_indexer_kl_loss", index_q, weights, index_k, topk_indices, attn_score, None,
-                       sm_scale, cp_layout, loss_coeff, normalization_count, layout, id_mode, cu_seqlens_q,
-                       cu_seqlens_k, None, a_operand_precision)
-    plan = _plan(group, cp_layout, layout, index_q, index_k, cu_seqlens_q, cu_seqlens_k, fields)
+    fields, error = None, None
+    try:
+        a_operand_precision = _a_operand(a_operand_precision)
+        _dt._check_torch_arguments(index_q, weights, index_k, topk_indices, attn_score, cu_seqlens_q, cu_seqlens_k)
+        fields = _describe("context_parallel_indexer_kl_loss", index_q, weights, index_k, topk_indices, attn_score,
+                           None, sm_scale, cp_layout, loss_coeff, normalization_count, layout, id_mode, cu_seqlens_q,
+                           cu_seqlens_k, None, a_operand_precision)
+    except (TypeError, ValueError) as e:  # raised on every rank by the exchange in _plan
+        error = e
+    plan = _plan(group, cp_layout, layout, index_q, index_k, cu_seqlens_q, cu_seqlens_k, fields, error)
     return _ContextParallelKLLoss.apply(index_q, weights, index_k, topk_indices, attn_score, plan, float(sm_scale),
                                         float(loss_coeff), int(normalization_count), id_mode, a_operand_precision)
 
@@ -613,13 +669,17 @@ def context_parallel_indexer_backward(
     :func:`dsaib.torch.indexer_backward`; the library checks them when it runs
     (after the all-gather).
     """
-    _dt._check_torch_arguments(index_q, weights, index_k, topk_indices, attn_score, cu_seqlens_q, cu_seqlens_k)
-    if isinstance(out_dtype, str):
-        out_dtype = (out_dtype,) * 3
-    fields = _describe("context_parallel_indexer_backward", index_q, weights, index_k, topk_indices, attn_score,
-                       index_score, sm_scale, cp_layout, loss_coeff, normalization_count, layout, id_mode,
-                       cu_seqlens_q, cu_seqlens_k, out_dtype, a_operand_precision)
-    plan = _plan(group, cp_layout, layout, index_q, index_k, cu_seqlens_q, cu_seqlens_k, fields)
+    fields, error = None, None
+    try:
+        _dt._check_torch_arguments(index_q, weights, index_k, topk_indices, attn_score, cu_seqlens_q, cu_seqlens_k)
+        if isinstance(out_dtype, str):
+            out_dtype = (out_dtype,) * 3
+        fields = _describe("context_parallel_indexer_backward", index_q, weights, index_k, topk_indices, attn_score,
+                           index_score, sm_scale, cp_layout, loss_coeff, normalization_count, layout, id_mode,
+                           cu_seqlens_q, cu_seqlens_k, out_dtype, a_operand_precision)
+    except (TypeError, ValueError) as e:  # raised on every rank by the exchange in _plan
+        error = e
+    plan = _plan(group, cp_layout, layout, index_q, index_k, cu_seqlens_q, cu_seqlens_k, fields, error)
     dq_dtype, dw_dtype, dk_dtype = out_dtype
     k_dt = _dt._out_dtype("dk_dtype", dk_dtype)
     gathered, work = _start_gather(plan, index_k)

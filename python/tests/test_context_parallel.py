@@ -477,6 +477,9 @@ def mismatch_inputs(case, rank):
     if case.endswith("backward-op"):
         args = [args[0].to(torch.bfloat16), args[1].float(), args[2].to(torch.bfloat16), args[3],
                 args[4].float(), None]
+    if case.startswith("one-rank-rejects") and rank == 1:
+        args[2] = args[2].tolist()                   # index_k: not a tensor, on rank 1 only
+    if case.endswith("backward-op"):
         return dcp.context_parallel_indexer_backward, args, dict(opts, row_lse=torch.zeros(args[3].shape[:-1]),
                                                                row_target_mass=torch.ones(args[3].shape[:-1]))
     return dcp.context_parallel_indexer_kl_loss, args, opts
@@ -490,8 +493,8 @@ def run_mismatch_worker(case, rank, world, init_file, out_file):
         try:
             fn(*args, **opts)
             error = None
-        except ValueError as e:
-            error = str(e)
+        except (TypeError, ValueError) as e:
+            error = f"{type(e).__name__}: {e}"
         torch.save(dict(error=error), out_file)
     finally:
         dist.destroy_process_group()
@@ -513,6 +516,14 @@ MISMATCHES = {
                             r"rank 1 has 'contiguous'"] * 2,
     "not-a-member": [None, r"group: expected a process group that this process is a member of, got a group "
                            r"without this process \(global rank 1\)"],
+    # a rank's own check fails before the exchange: it raises its error, the other
+    # rank a ValueError naming it (before, the other rank waited out the timeout)
+    "one-rank-rejects": [r"^ValueError: the group's arguments: 1 rank\(s\) rejected their own arguments before "
+                         r"the exchange \(rank 1: TypeError: index_k: expected a torch.Tensor, got list\)",
+                         r"^TypeError: index_k: expected a torch.Tensor, got list$"],
+    "one-rank-rejects-backward-op": [r"^ValueError: the group's arguments: 1 rank\(s\) rejected their own "
+                                     r"arguments before the exchange \(rank 1: TypeError: index_k",
+                                     r"^TypeError: index_k: expected a torch.Tensor, got list$"],
 }
 
 
