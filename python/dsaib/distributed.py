@@ -163,7 +163,7 @@ def _encode_offsets(cu):
 
 def _describe(function, index_q, weights, index_k, topk_indices, attn_score, index_score, sm_scale, cp_layout,
               loss_coeff, normalization_count, layout, id_mode, cu_seqlens_q, cu_seqlens_k, out_dtype,
-              a_operand_precision):
+              a_operand_precision, grad_loss=None):
     """[(argument, kind, int64 values)] in the order the comparison names them:
     the function and the split's words first, then the tensors, then the options."""
     fields = [("function", "repr", _encode_repr(function)),
@@ -180,7 +180,10 @@ def _describe(function, index_q, weights, index_k, topk_indices, attn_score, ind
                ("loss_coeff", "float", _encode_float(loss_coeff)),
                ("normalization_count", "int", [int(normalization_count or 0)]),
                ("out_dtype", "repr", _encode_repr(out_dtype)),
-               ("a_operand_precision", "repr", _encode_repr(a_operand_precision))]
+               ("a_operand_precision", "repr", _encode_repr(a_operand_precision)),
+               # a number is compared; a tensor's value would need a synchronisation
+               ("grad_loss", "repr", _encode_repr("a tensor" if isinstance(grad_loss, torch.Tensor)
+                                                  else grad_loss))]
     return fields
 
 
@@ -676,7 +679,7 @@ def context_parallel_indexer_backward(
             out_dtype = (out_dtype,) * 3
         fields = _describe("context_parallel_indexer_backward", index_q, weights, index_k, topk_indices, attn_score,
                            index_score, sm_scale, cp_layout, loss_coeff, normalization_count, layout, id_mode,
-                           cu_seqlens_q, cu_seqlens_k, out_dtype, a_operand_precision)
+                           cu_seqlens_q, cu_seqlens_k, out_dtype, a_operand_precision, grad_loss)
     except (TypeError, ValueError) as e:  # raised on every rank by the exchange in _plan
         error = e
     plan = _plan(group, cp_layout, layout, index_q, index_k, cu_seqlens_q, cu_seqlens_k, fields, error)

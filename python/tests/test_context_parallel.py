@@ -480,6 +480,8 @@ def mismatch_inputs(case, rank):
     if case.startswith("one-rank-rejects") and rank == 1:
         args[2] = args[2].tolist()                   # index_k: not a tensor, on rank 1 only
     if case.endswith("backward-op"):
+        if case == "different-grad-loss-backward-op":
+            opts["grad_loss"] = 1.0 if rank == 0 else 2.0
         return dcp.context_parallel_indexer_backward, args, dict(opts, row_lse=torch.zeros(args[3].shape[:-1]),
                                                                row_target_mass=torch.ones(args[3].shape[:-1]))
     return dcp.context_parallel_indexer_kl_loss, args, opts
@@ -516,6 +518,8 @@ MISMATCHES = {
                             r"rank 1 has 'contiguous'"] * 2,
     "not-a-member": [None, r"group: expected a process group that this process is a member of, got a group "
                            r"without this process \(global rank 1\)"],
+    "different-grad-loss-backward-op": [r"grad_loss: the values differ across the group: rank 0 has 1.0, "
+                                        r"rank 1 has 2.0"] * 2,
     # a rank's own check fails before the exchange: it raises its error, the other
     # rank a ValueError naming it (before, the other rank waited out the timeout)
     "one-rank-rejects": [r"^ValueError: the group's arguments: 1 rank\(s\) rejected their own arguments before "
