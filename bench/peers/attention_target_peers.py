@@ -184,9 +184,7 @@ def make_peer(name, a, device):
     if name == "torch_eager":
         peer.iters, peer.warmup = a.eager_iters, a.eager_warmup
     else:
-        if device == "cpu":
-            return peer.unavailable("needs a CUDA device (--device cpu)")
-        reason = common.cuda_reason()
+        reason = common.gpu_peer_reason(device)
         if reason:
             return peer.unavailable(reason)
         try:
@@ -257,29 +255,13 @@ def main(argv=None):
             "lse": "natural log, the sparse attention's over each row's valid selected keys (fp32)",
             "timing": "CUDA events around the peer's call after a 3 ms GPU sleep; median of iters after warmup",
             "peers": {}, "results": []}
-    device = a.device
-    rc = common.peers_unavailable(info, names, device, a.json, PROBLEM)
-    if rc is not None:
-        return rc
-    info.update(common.device_info() if device == "cuda" else {"device": "cpu"})
-    peers = [make_peer(n, a, device) for n in names]
-    for p in peers:
-        info["peers"][p.name] = p.record()
-        print(f"{p.name}: {p.status}" + (f" ({p.reason})" if p.reason else ""), flush=True)
-    common.write_json(a.json, info)
-    rc = 0
-    if a.check or a.check_only:
-        rc = common.run_peer_checks(info, peers, a.json)
-    if not a.check_only:
-        cases = [{"ids": kind, "seq": S, "batch": a.batch, "heads": hq, "dim": dqk, "topk": a.topk}
-                 for hq, dqk in a.shapes for kind in kinds for S in seqs]
+    cases = [{"ids": kind, "seq": S, "batch": a.batch, "heads": hq, "dim": dqk, "topk": a.topk}
+             for hq, dqk in a.shapes for kind in kinds for S in seqs]
 
-        def make_inputs_for(c):
-            return Inputs(c["batch"], c["seq"], c["heads"], c["dim"], c["topk"], c["ids"], device,
-                          a.seed + c["seq"], a.softmax_scale)
-        rc = max(rc, common.time_peer_cases(a, info, peers, cases, make_inputs_for, device=device))
-    urc = common.finish_peer_run(info, peers, a.json)
-    return urc if urc else rc
+    def make_inputs_for(c):
+        return Inputs(c["batch"], c["seq"], c["heads"], c["dim"], c["topk"], c["ids"], a.device,
+                      a.seed + c["seq"], a.softmax_scale)
+    return common.run_peers(a, info, names, lambda n: make_peer(n, a, a.device), cases, make_inputs_for, PROBLEM)
 
 
 if __name__ == "__main__":

@@ -70,6 +70,11 @@ def cuda_reason():
     return None
 
 
+def gpu_peer_reason(device):
+    """None when a GPU peer can run on `device`, else why not (CPU runs, or no CUDA device)."""
+    return "needs a CUDA device (--device cpu)" if device == "cpu" else cuda_reason()
+
+
 def device_info():
     if torch is None or not torch.cuda.is_available():
         return {"device": None}
@@ -680,6 +685,30 @@ def peers_unavailable(info, names, device, json_path, problem):
     write_json(json_path, info)
     print(line, flush=True)
     return UNAVAILABLE
+
+
+def run_peers(a, info, names, make_peer, cases, make_inputs_for, problem):
+    """A peers script's run after its arguments: the peers of `names` (make_peer(name)) recorded,
+    checked (--check, --check-only) and timed on `cases` (make_inputs_for(case) builds a case's
+    inputs), the JSON written at each step. Returns the exit status (UNAVAILABLE when no peer
+    can run)."""
+    device = a.device
+    rc = peers_unavailable(info, names, device, a.json, problem)
+    if rc is not None:
+        return rc
+    info.update(device_info() if device == "cuda" else {"device": "cpu"})
+    peers = [make_peer(n) for n in names]
+    for p in peers:
+        info["peers"][p.name] = p.record()
+        print(f"{p.name}: {p.status}" + (f" ({p.reason})" if p.reason else ""), flush=True)
+    write_json(a.json, info)
+    rc = 0
+    if a.check or a.check_only:
+        rc = run_peer_checks(info, peers, a.json)
+    if not a.check_only:
+        rc = max(rc, time_peer_cases(a, info, peers, cases, make_inputs_for, device=device))
+    urc = finish_peer_run(info, peers, a.json)
+    return urc if urc else rc
 
 
 def finish_peer_run(info, peers, json_path):

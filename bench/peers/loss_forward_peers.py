@@ -205,9 +205,7 @@ def make_cudnn(a, device):
              "with_loss_ns_per_row: also the loss from that P in torch (log, product with T, sum)",
              "first call JIT-compiles the CuTe-DSL kernel (keyed by H, D, topk, not S): see first_call_s"]
     peer = common.Peer("cudnn_frontend", notes)
-    if device == "cpu":
-        return peer.unavailable("needs a CUDA device (--device cpu)")
-    reason = common.cuda_reason()
+    reason = common.gpu_peer_reason(device)
     if reason:
         return peer.unavailable(reason)
     try:
@@ -267,9 +265,7 @@ def make_tilelang(a, device):
              "timed: sparse_indexer_kl_interface (the kernel and the sum of the per-row KL)",
              "first call JIT-compiles (keyed by topk, not S): see first_call_s"]
     peer = common.Peer("tilelang", notes)
-    if device == "cpu":
-        return peer.unavailable("needs a CUDA device (--device cpu)")
-    reason = common.cuda_reason()
+    reason = common.gpu_peer_reason(device)
     if reason:
         return peer.unavailable(reason)
     try:
@@ -366,29 +362,13 @@ def main(argv=None):
             "sm_scale": "dim**-0.5",
             "timing": "CUDA events around the peer's call after a 3 ms GPU sleep; median of iters after warmup",
             "peers": {}, "results": []}
-    device = a.device
-    rc = common.peers_unavailable(info, names, device, a.json, PROBLEM)
-    if rc is not None:
-        return rc
-    info.update(common.device_info() if device == "cuda" else {"device": "cpu"})
     makers = {"torch_eager": make_eager, "cudnn_frontend": make_cudnn, "tilelang": make_tilelang}
-    peers = [makers[n](a, device) for n in names]
-    for p in peers:
-        info["peers"][p.name] = p.record()
-        print(f"{p.name}: {p.status}" + (f" ({p.reason})" if p.reason else ""), flush=True)
-    common.write_json(a.json, info)
-    rc = 0
-    if a.check or a.check_only:
-        rc = common.run_peer_checks(info, peers, a.json)
-    if not a.check_only:
-        cases = [{"ids": kind, "seq": S, "batch": a.batch, "heads": H, "dim": a.dim, "topk": K}
-                 for kind in kinds for S in seqs for H in a.heads for K in a.topk]
+    cases = [{"ids": kind, "seq": S, "batch": a.batch, "heads": H, "dim": a.dim, "topk": K}
+             for kind in kinds for S in seqs for H in a.heads for K in a.topk]
 
-        def make_inputs_for(c):
-            return Inputs(c["batch"], c["seq"], c["heads"], c["dim"], c["topk"], c["ids"], device, a.seed + c["seq"])
-        rc = max(rc, common.time_peer_cases(a, info, peers, cases, make_inputs_for, device=device))
-    urc = common.finish_peer_run(info, peers, a.json)
-    return urc if urc else rc
+    def make_inputs_for(c):
+        return Inputs(c["batch"], c["seq"], c["heads"], c["dim"], c["topk"], c["ids"], a.device, a.seed + c["seq"])
+    return common.run_peers(a, info, names, lambda n: makers[n](a, a.device), cases, make_inputs_for, PROBLEM)
 
 
 if __name__ == "__main__":
