@@ -95,7 +95,7 @@ BackwardCommand::BackwardCommand(CLI::App& app, LossOp op) : op_(op) {
                    "bf16x2 or bf16 (docs/api.md)")
       ->check(one_of({"auto", "bf16x2", "bf16"}))
       ->default_str("auto");
-  add_launch_option_flags(cmd_, &a.l2_hints, &a.start_stagger);
+  add_launch_option_flags(cmd_, &a.l2_hints, &a.start_stagger, &a.forward_fusion);
   cmd_->add_flag("--json", a.json,
                  "print the report as JSON on stdout (an error too: {\"error\": {code, argument, message}, \"result\": "
                  "\"ERROR\"})");
@@ -326,6 +326,7 @@ int BackwardCommand::run() {
   (void)parse_a_operand_precision(a.a_operand, &o.p.options.a_operand_precision);  // checked by CLI11
   (void)parse_l2_hints(a.l2_hints, &o.p.options.l2_hints);                          // likewise
   (void)parse_start_stagger(a.start_stagger, &o.p.options.start_stagger);           // likewise
+  (void)parse_forward_fusion(a.forward_fusion, &o.p.options.forward_fusion);        // likewise
   o.g = checked_geometry(o.p, a.in);
 
   o.backend = choose_backend(a.backend);

@@ -101,6 +101,10 @@ std::vector<bench::OpCase> bench_cases(const BenchArgs& a) {
         throw Error(ErrorCode::invalid_argument, "start_stagger",
                     "--start-stagger: expected auto or off, got " + a.start_stagger);
       }
+      if (!parse_forward_fusion(a.forward_fusion, &c.forward_fusion)) {
+        throw Error(ErrorCode::invalid_argument, "forward_fusion",
+                    "--forward-fusion: expected auto or off, got " + a.forward_fusion);
+      }
       c.deterministic = a.deterministic;
       c.op = bench_op(a.op);
       bench::check_case(c);
@@ -288,6 +292,7 @@ nlohmann::ordered_json run_case(std::ostream& out, const bench::OpCase& c, const
           {"a_operand_precision", a_operand_precision_name(c.a_operand)},
           {"l2_hints", l2_hints_name(c.l2_hints)},
           {"start_stagger", start_stagger_name(c.start_stagger)},
+          {"forward_fusion", forward_fusion_name(c.forward_fusion)},
           {"deterministic", c.deterministic},
           {"valid_slots_per_row", r.valid_slots_per_row},
           {"input_sets", r.input_sets},

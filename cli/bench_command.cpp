@@ -64,7 +64,7 @@ BenchCommand::BenchCommand(CLI::App& app) {
                    "precision of the a operand of the dK/dQ GEMMs: auto (bf16 for these bf16 outputs), bf16x2 or bf16")
       ->check(one_of({"auto", "bf16x2", "bf16"}))
       ->default_str("auto");
-  add_launch_option_flags(cmd_, &a.l2_hints, &a.start_stagger);
+  add_launch_option_flags(cmd_, &a.l2_hints, &a.start_stagger, &a.forward_fusion);
   cmd_->add_flag("--deterministic", a.deterministic,
                  "time the deterministic mode (fixed-point d_index_k, docs/api.md \"Determinism\")");
   cmd_->add_option("--batch,-b", a.batch, "B: batch size")->check(int_range(1))->default_str("1");

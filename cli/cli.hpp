@@ -218,6 +218,7 @@ struct BenchArgs {
   std::string a_operand = "auto";               // IndexerBackwardOptions::a_operand_precision
   std::string l2_hints = "auto";                // IndexerBackwardOptions::l2_hints
   std::string start_stagger = "auto";           // IndexerBackwardOptions::start_stagger
+  std::string forward_fusion = "auto";          // IndexerBackwardOptions::forward_fusion
   bool deterministic = false;                   // IndexerBackwardOptions::deterministic
   std::string op = "backward";                  // backward, forward, step or one-call (bench::BenchOp)
   std::string command_line;                     // for the JSON report

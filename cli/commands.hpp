@@ -43,7 +43,7 @@ struct BackwardArgs {
   int warmup = -1, repeat = 1;
   bool json = false, strict = false, deterministic = false;
   std::string a_operand = "auto";
-  std::string l2_hints = "auto", start_stagger = "auto";
+  std::string l2_hints = "auto", start_stagger = "auto", forward_fusion = "auto";
 };
 
 /// `backward`, `forward` and `step`: runs, times and verifies one library call

@@ -107,7 +107,8 @@ CLI::Validator finite_float(bool nonzero) {
       nonzero ? "FLOAT (finite, nonzero)" : "FLOAT (finite)");
 }
 
-void add_launch_option_flags(CLI::App* cmd, std::string* l2_hints, std::string* start_stagger) {
+void add_launch_option_flags(CLI::App* cmd, std::string* l2_hints, std::string* start_stagger,
+                             std::string* forward_fusion) {
   cmd->add_option("--l2-hints", *l2_hints,
                   "cuda: L2 eviction-policy hints on the d_index_k reductions: auto (the launch decides from the "
                   "key table against the L2), on or off (docs/api.md)")
@@ -115,6 +116,11 @@ void add_launch_option_flags(CLI::App* cmd, std::string* l2_hints, std::string* 
       ->default_str("auto");
   cmd->add_option("--start-stagger", *start_stagger,
                   "cuda: delayed start of the persistent CTAs that run one task fewer: auto or off (docs/api.md)")
+      ->check(one_of({"auto", "off"}))
+      ->default_str("auto");
+  cmd->add_option("--forward-fusion", *forward_fusion,
+                  "cuda, loss and gradients in one call: auto (the loss forward runs inside the backward kernel "
+                  "where that kernel applies) or off (two kernels) (docs/api.md)")
       ->check(one_of({"auto", "off"}))
       ->default_str("auto");
 }

@@ -41,9 +41,11 @@ CLI::Validator finite_float(bool nonzero = false);
 /// An unsigned 64-bit integer written in decimal digits only.
 CLI::Validator uint64_text();
 
-/// --l2-hints auto|on|off and --start-stagger auto|off (IndexerBackwardOptions::l2_hints,
-/// ::start_stagger) on `cmd`, into the two words.
-void add_launch_option_flags(CLI::App* cmd, std::string* l2_hints, std::string* start_stagger);
+/// --l2-hints auto|on|off, --start-stagger auto|off and --forward-fusion auto|off
+/// (IndexerBackwardOptions::l2_hints, ::start_stagger, ::forward_fusion) on `cmd`,
+/// into the three words.
+void add_launch_option_flags(CLI::App* cmd, std::string* l2_hints, std::string* start_stagger,
+                             std::string* forward_fusion);
 
 // ---------------------------------------------------------------- flag groups
 

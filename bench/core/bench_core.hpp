@@ -218,6 +218,7 @@ struct OpCase {
   bool deterministic = false;  // IndexerBackwardOptions::deterministic (the fixed-point dK)
   L2Hints l2_hints = L2Hints::automatic;                // IndexerBackwardOptions::l2_hints
   StartStagger start_stagger = StartStagger::automatic;  // IndexerBackwardOptions::start_stagger
+  ForwardFusion forward_fusion = ForwardFusion::automatic;  // IndexerBackwardOptions::forward_fusion (one-call)
   uint64_t dk_table_bytes() const { return static_cast<uint64_t>(batch * seq * dim) * 4; }
 };
 

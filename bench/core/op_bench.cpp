@@ -225,6 +225,7 @@ IndexerBackwardOptions options_of(const OpCase& c) {
   opt.deterministic = c.deterministic;
   opt.l2_hints = c.l2_hints;
   opt.start_stagger = c.start_stagger;
+  opt.forward_fusion = c.forward_fusion;
   return opt;
 }
 

@@ -44,6 +44,10 @@ typedef enum dsaib_start_stagger {
   DSAIB_START_STAGGER_AUTOMATIC = 0, /* delay the CTAs with a task fewer */
   DSAIB_START_STAGGER_OFF = 1
 } dsaib_start_stagger;
+typedef enum dsaib_forward_fusion {
+  DSAIB_FORWARD_FUSION_AUTOMATIC = 0, /* loss and gradients in one kernel where it applies */
+  DSAIB_FORWARD_FUSION_OFF = 1
+} dsaib_forward_fusion;
 
 /* A strided tensor view; strides in elements. rank 0 and data NULL = absent. */
 typedef struct dsaib_tensor {
@@ -84,6 +88,7 @@ typedef struct dsaib_options {
   int32_t a_operand_precision; /* dsaib_a_operand_precision (cuda; see dsaib::AOperandPrecision) */
   int32_t l2_hints;            /* dsaib_l2_hints (cuda; see dsaib::L2Hints) */
   int32_t start_stagger;       /* dsaib_start_stagger (cuda; see dsaib::StartStagger) */
+  int32_t forward_fusion;      /* dsaib_forward_fusion (cuda loss and gradients; see dsaib::ForwardFusion) */
 } dsaib_options;
 
 /* Fills *options with the C++ defaults (bshd, local ids, cpu, sm_scale 1, ...).

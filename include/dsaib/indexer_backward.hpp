@@ -119,6 +119,20 @@ enum class StartStagger : int32_t {
   off = 1,
 };
 
+/// cuda, indexer_kl_loss_and_grad(): whether the loss forward's pass over a
+/// row runs inside the backward kernel (src/hopper/loss_and_grad_kernel.cuh:
+/// one launch, the forward's gathers and GEMM under the backward's dK
+/// reductions) or as a kernel of its own before it. Results are the same
+/// either way (the loss, d_index_q and d_weights bitwise for the same grid;
+/// d_index_k up to the order of its fp32 additions). The other entry points
+/// and the cpu backend ignore it.
+enum class ForwardFusion : int32_t {
+  /// fused where the kernel applies: H <= 64, one A term, not deterministic
+  automatic = 0,
+  /// two kernels: the loss forward, then the P-free backward
+  off = 1,
+};
+
 /// "auto", "on" or "off".
 const char* l2_hints_name(L2Hints);
 /// Parses l2_hints_name's words; false (and *out unchanged) for anything else.
@@ -127,6 +141,10 @@ bool parse_l2_hints(const std::string& word, L2Hints* out);
 const char* start_stagger_name(StartStagger);
 /// Parses start_stagger_name's words; false (and *out unchanged) for anything else.
 bool parse_start_stagger(const std::string& word, StartStagger* out);
+/// "auto" or "off".
+const char* forward_fusion_name(ForwardFusion);
+/// Parses forward_fusion_name's words; false (and *out unchanged) for anything else.
+bool parse_forward_fusion(const std::string& word, ForwardFusion* out);
 
 /// Input tensors (never modified). "(cpu: or f64)": the cpu backend also takes
 /// f64 and reads it as it is; the cuda backend refuses f64, naming the tensor.
@@ -227,6 +245,8 @@ struct IndexerBackwardOptions {
   L2Hints l2_hints = L2Hints::automatic;
   /// cuda: delayed start of the CTAs with a task fewer (see StartStagger).
   StartStagger start_stagger = StartStagger::automatic;
+  /// cuda, indexer_kl_loss_and_grad(): one kernel or two (see ForwardFusion).
+  ForwardFusion forward_fusion = ForwardFusion::automatic;
 };
 
 /// Bytes of scratch memory the backend needs for this problem, on the

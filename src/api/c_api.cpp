@@ -32,7 +32,9 @@ static_assert(DSAIB_A_OPERAND_AUTOMATIC == static_cast<int>(dsaib::AOperandPreci
                   DSAIB_L2_HINTS_ON == static_cast<int>(dsaib::L2Hints::on) &&
                   DSAIB_L2_HINTS_OFF == static_cast<int>(dsaib::L2Hints::off) &&
                   DSAIB_START_STAGGER_AUTOMATIC == static_cast<int>(dsaib::StartStagger::automatic) &&
-                  DSAIB_START_STAGGER_OFF == static_cast<int>(dsaib::StartStagger::off),
+                  DSAIB_START_STAGGER_OFF == static_cast<int>(dsaib::StartStagger::off) &&
+                  DSAIB_FORWARD_FUSION_AUTOMATIC == static_cast<int>(dsaib::ForwardFusion::automatic) &&
+                  DSAIB_FORWARD_FUSION_OFF == static_cast<int>(dsaib::ForwardFusion::off),
               "the option enums of dsaib.h and indexer_backward.hpp must have the same values");
 static_assert(DSAIB_LSE_NATURAL == static_cast<int>(dsaib::LseBase::natural) &&
                   DSAIB_LSE_BASE2 == static_cast<int>(dsaib::LseBase::base2),
@@ -120,6 +122,7 @@ void convert(const dsaib_inputs* in, const dsaib_outputs* out, const dsaib_optio
   p.a_operand_precision = static_cast<dsaib::AOperandPrecision>(opt->a_operand_precision);
   p.l2_hints = static_cast<dsaib::L2Hints>(opt->l2_hints);
   p.start_stagger = static_cast<dsaib::StartStagger>(opt->start_stagger);
+  p.forward_fusion = static_cast<dsaib::ForwardFusion>(opt->forward_fusion);
   // The C++ order (errors.md): options and the backend first, then the tensors,
   // whose enum fields C can set to anything (checked before any view is used).
   dsaib::detail::check_options_and_backend(p);
@@ -205,6 +208,7 @@ void dsaib_default_options(dsaib_options* options) {
   options->a_operand_precision = static_cast<int32_t>(d.a_operand_precision);
   options->l2_hints = static_cast<int32_t>(d.l2_hints);
   options->start_stagger = static_cast<int32_t>(d.start_stagger);
+  options->forward_fusion = static_cast<int32_t>(d.forward_fusion);
 }
 
 dsaib_status dsaib_contiguous_tensor(dsaib_tensor* view, void* data, dsaib_dtype dtype, const int64_t* shape,

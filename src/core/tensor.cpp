@@ -96,6 +96,24 @@ bool parse_start_stagger(const std::string& word, StartStagger* out) {
   return false;
 }
 
+const char* forward_fusion_name(ForwardFusion f) {
+  switch (f) {
+    case ForwardFusion::automatic: return "auto";
+    case ForwardFusion::off: return "off";
+  }
+  return "invalid";
+}
+
+bool parse_forward_fusion(const std::string& word, ForwardFusion* out) {
+  for (auto f : {ForwardFusion::automatic, ForwardFusion::off}) {
+    if (word == forward_fusion_name(f)) {
+      *out = f;
+      return true;
+    }
+  }
+  return false;
+}
+
 int64_t TensorView::numel() const {
   for (int i = 0; i < rank; ++i) {
     if (shape[i] == 0) return 0;  // before any product: other sizes may be huge

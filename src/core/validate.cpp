@@ -562,6 +562,10 @@ ProblemGeometry validate_problem_unguarded(const IndexerBackwardInputs& in, cons
     const auto s = static_cast<int32_t>(opt.start_stagger);
     if (s < 0 || s > 1) fail("start_stagger", "0 (automatic) or 1 (off)", std::to_string(s));
   }
+  {
+    const auto f = static_cast<int32_t>(opt.forward_fusion);
+    if (f < 0 || f > 1) fail("forward_fusion", "0 (automatic) or 1 (off)", std::to_string(f));
+  }
 
   // Sequences (the views were checked above).
   resolve_sequences(g, in.cu_seqlens_q, in.cu_seqlens_k, opt.strict_indices, copy_to_host, opt.stream, stream_capturing,

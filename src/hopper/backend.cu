@@ -16,6 +16,7 @@
 #include "hopper/l2_policy.cuh"
 #include "hopper/launch.hpp"
 #include "hopper/launch_plan.hpp"
+#include "hopper/loss_and_grad_kernel.cuh"
 #include "hopper/tile_config.cuh"
 
 namespace dsaib::hopper {
@@ -90,6 +91,9 @@ __global__ void pack_row_statistics(const float* lse, int64_t lse_batch_stride, 
 }
 
 }  // namespace
+
+/// The loss forward's fixed-order sum of the row terms (forward_backend.cu).
+void launch_sum_loss_terms(const double* terms, int64_t rows, double coeff_over_n, float* loss, cudaStream_t stream);
 
 static_assert(TileConfig<64, false>::kHeadTile == kHeadsPerTask && TileConfig<128, true>::kHeadTile == kHeadsPerTask,
               "the launch plan's tasks are the kernels' head tiles");
@@ -524,9 +528,46 @@ void run_cuda_backend(const IndexerBackwardInputs& inputs, const IndexerBackward
 /// The one-call loss and gradients (indexer_kl_loss_and_grad.hpp): the row
 /// statistics (and, when the P-free kernels do not apply, P), then the scratch
 /// shared by the forward and the backward, which run one after the other.
+namespace {
+
+/// The loss-and-gradient kernel (loss_and_grad_kernel.cuh) applies: P-free
+/// (H <= 64), one A term, the fp32 dK of atomics, and not turned off.
+bool fused_loss_and_grad(const IndexerBackwardOutputs& grads, const IndexerBackwardOptions& opt,
+                         const ProblemGeometry& g) {
+  return opt.forward_fusion == ForwardFusion::automatic && g.heads <= 64 && !opt.deterministic &&
+         !hopper::a_operand_split(opt.a_operand_precision, grads.d_index_q.dtype, grads.d_index_k.dtype);
+}
+
+/// Its workspace: the row statistics (LSE, target mass), the row loss terms, the
+/// z scratch rows of its grid and the fp32 dK accumulator (bf16 d_index_k).
+struct FusedLayout {
+  std::size_t rows, terms, z, dk, total;
+  int64_t z_stride;
+  FusedLayout(const ProblemGeometry& g, int64_t grid, DType dk_dtype) {
+    rows = round256(static_cast<std::size_t>(g.num_q_rows) * 4);
+    terms = round256(static_cast<std::size_t>(g.num_q_rows) * 8);
+    z_stride = (g.topk + 63) / 64 * 64;
+    z = round256(static_cast<std::size_t>(grid * z_stride) * 4);
+    dk = dk_dtype == DType::bf16 ? round256(static_cast<std::size_t>(g.num_k_rows * g.head_dim) * 4) : 0;
+    total = 2 * rows + terms + z + dk;
+  }
+};
+
+/// The plan of the P-free backward, whose grid and start delays the fused kernel takes.
+hopper::LaunchPlan fused_plan(const IndexerBackwardOutputs& grads, const IndexerBackwardOptions& options,
+                              const ProblemGeometry& g) {
+  IndexerBackwardOptions opt = options;
+  opt.l2_hints = L2Hints::off;  // as the P-free kernels (run_fused_backward)
+  return plan_for_current_device(grads, opt, g);
+}
+
+}  // namespace
+
 std::size_t cuda_kl_loss_and_grad_workspace_bytes(const IndexerBackwardInputs& in, const IndexerKLLossAndGradOutputs& out,
                                                   const IndexerBackwardOptions& opt, const ProblemGeometry& g) {
   hopper::DeviceGuard guard(in.index_q.device_index);
+  const IndexerBackwardOutputs grads{out.d_index_q, out.d_weights, out.d_index_k};
+  if (fused_loss_and_grad(grads, opt, g)) return FusedLayout(g, fused_plan(grads, opt, g).grid, out.d_index_k.dtype).total;
   const std::size_t rows = round256(static_cast<std::size_t>(g.num_q_rows) * 4);
   const bool with_p = g.heads > 64 || opt.deterministic;
   const std::size_t p = with_p ? round256(static_cast<std::size_t>(g.num_q_rows * g.topk) * 4) : 0;
@@ -534,6 +575,42 @@ std::size_t cuda_kl_loss_and_grad_workspace_bytes(const IndexerBackwardInputs& i
   const std::size_t bwd = round256(hopper::workspace_bytes(g, out.d_index_k.dtype, opt.deterministic)) +
                           (with_p ? 0 : packed_stats_bytes(g));
   return 2 * rows + p + std::max(fwd, bwd);
+}
+
+/// The loss and gradients in the loss-and-gradient kernel: dK zeroed, the
+/// kernel, the loss terms' sum, the bf16 cast of dK. `ws` holds FusedLayout.
+static void run_fused_loss_and_grad(const IndexerBackwardInputs& in, const IndexerKLLossAndGradOutputs& out,
+                                    const IndexerBackwardOptions& opt, const ProblemGeometry& g,
+                                    const hopper::LaunchPlan& plan, char* ws, cudaStream_t stream) {
+  const IndexerBackwardOutputs grads{out.d_index_q, out.d_weights, out.d_index_k};
+  const FusedLayout lay(g, plan.grid, out.d_index_k.dtype);
+  const bool dk_bf16 = out.d_index_k.dtype == DType::bf16;
+  float* dk_accum = dk_bf16 ? reinterpret_cast<float*>(ws + 2 * lay.rows + lay.terms + lay.z)
+                            : static_cast<float*>(out.d_index_k.data);
+  const std::size_t dk_bytes = static_cast<std::size_t>(g.num_k_rows * g.head_dim) * sizeof(float);
+  hopper::IndexerKLForwardParams params{};
+  IndexerBackwardInputs p_free = in;
+  p_free.index_score = {};
+  params.in = planned_params(p_free, grads, opt, g, plan, dk_accum, nullptr);
+  params.row_lse = reinterpret_cast<float*>(ws);
+  params.row_target_mass = reinterpret_cast<float*>(ws + lay.rows);
+  params.index_score = nullptr;
+  params.loss_terms = reinterpret_cast<double*>(ws + 2 * lay.rows);
+  params.z_scratch = reinterpret_cast<float*>(ws + 2 * lay.rows + lay.terms);
+  params.z_stride = lay.z_stride;
+  if (dk_bytes > 0) cuda_check(cudaMemsetAsync(dk_accum, 0, dk_bytes, stream), "cudaMemsetAsync (dK accumulator)");
+  if (g.head_dim == 64) hopper::launch_indexer_kl_loss_and_grad<64>(params, plan.grid, stream);
+  else hopper::launch_indexer_kl_loss_and_grad<128>(params, plan.grid, stream);
+  const double coeff_over_n = static_cast<double>(opt.loss_coeff) / static_cast<double>(g.normalization_count);
+  hopper::launch_sum_loss_terms(params.loss_terms, g.num_q_rows, coeff_over_n, static_cast<float*>(out.loss.data),
+                                stream);
+  if (dk_bf16 && dk_bytes > 0) {
+    const int64_t n = g.num_k_rows * g.head_dim;
+    const int64_t threads = 256, per_block = threads * 4;
+    hopper::cast_dk_to_bf16<<<static_cast<unsigned>((n + per_block - 1) / per_block), threads, 0, stream>>>(
+        dk_accum, static_cast<__nv_bfloat16*>(out.d_index_k.data), n);
+    hopper::cuda_check_launch("cast_dk_to_bf16");
+  }
 }
 
 void run_cuda_kl_loss_and_grad(const IndexerBackwardInputs& inputs, const IndexerKLLossAndGradOutputs& out,
@@ -544,6 +621,27 @@ void run_cuda_kl_loss_and_grad(const IndexerBackwardInputs& inputs, const Indexe
   const int device = inputs.index_q.device_index;
   const IndexerBackwardOutputs grads{out.d_index_q, out.d_weights, out.d_index_k};
   (void)plan_for_current_device(grads, opt, g);  // its errors before anything is allocated
+  if (fused_loss_and_grad(grads, opt, g)) {
+    const hopper::LaunchPlan plan = fused_plan(grads, opt, g);
+    const std::size_t total = FusedLayout(g, plan.grid, out.d_index_k.dtype).total;
+    char* ws = static_cast<char*>(workspace);
+    const bool owns = !(workspace != nullptr && workspace_bytes >= total);
+    if (owns) {
+      void* m = nullptr;
+      cuda_check(cudaMallocAsync(&m, total, stream), "cudaMallocAsync (loss and gradients workspace)");
+      ws = static_cast<char*>(m);
+    }
+    int32_t* buffer = nullptr;
+    const IndexerBackwardInputs in =
+        g.cu_seqlens_on_device_only ? check_device_cu_seqlens(inputs, g, stream, &buffer) : inputs;
+    run_fused_loss_and_grad(in, out, opt, g, plan, ws, stream);
+    if (buffer) {
+      finish_device_cu_seqlens(buffer, inputs.cu_seqlens_q.shape[0],
+                               {&out.loss, &out.d_index_q, &out.d_weights, &out.d_index_k}, stream);
+    }
+    if (owns) cuda_check(cudaFreeAsync(ws, stream), "cudaFreeAsync (loss and gradients workspace)");
+    return;
+  }
   const std::size_t total = cuda_kl_loss_and_grad_workspace_bytes(inputs, out, opt, g);
   const std::size_t rows = round256(static_cast<std::size_t>(g.num_q_rows) * 4);
   const bool with_p = g.heads > 64 || opt.deterministic;

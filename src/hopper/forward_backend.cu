@@ -37,6 +37,15 @@ __global__ void __launch_bounds__(kSumThreads) sum_loss_terms(const double* __re
   if (threadIdx.x == 0) *loss = static_cast<float>(0.0 - coeff_over_n * part[0]);  // +0 without terms
 }
 
+}  // namespace
+
+void launch_sum_loss_terms(const double* terms, int64_t rows, double coeff_over_n, float* loss, cudaStream_t stream) {
+  sum_loss_terms<<<1, kSumThreads, 0, stream>>>(terms, rows, coeff_over_n, loss);
+  cuda_check_launch("sum_loss_terms");
+}
+
+namespace {
+
 /// Calls f(ForwardTileConfig<D, head tile>{}) for the problem's head dim and heads.
 template <class F>
 void with_forward_config(int64_t head_dim, int64_t heads, F&& f) {
@@ -137,9 +146,8 @@ void run_cuda_kl_forward(const IndexerBackwardInputs& in, const IndexerKLForward
     hopper::cuda_check_launch("indexer_kl_forward_kernel");
   }
   const double coeff_over_n = static_cast<double>(opt.loss_coeff) / static_cast<double>(g.normalization_count);
-  hopper::sum_loss_terms<<<1, hopper::kSumThreads, 0, stream>>>(params.loss_terms, g.num_q_rows, coeff_over_n,
-                                                                 static_cast<float*>(out.loss.data));
-  hopper::cuda_check_launch("sum_loss_terms");
+  hopper::launch_sum_loss_terms(params.loss_terms, g.num_q_rows, coeff_over_n, static_cast<float*>(out.loss.data),
+                                stream);
   if (owns_workspace) cuda_check(cudaFreeAsync(base, stream), "cudaFreeAsync (forward workspace)");
 }
 

@@ -54,15 +54,22 @@ __device__ __forceinline__ void combine_max_sum(float& m, float& s, float m2, fl
   m = mm;
 }
 
-template <class Config>
+/// Storage: the shared memory with the role's row_stats / row_part
+/// (ForwardSharedStorage; the loss-and-gradient kernels use finish_row and
+/// add_block with their LossAndGradStorage, in their dK role: dk_mma.cuh).
+/// kWarpgroup: the warpgroup that runs the role (its 128 threads meet at
+/// NamedBarrierId::kForwardScoreSync). kBatch: slots per thread per batch of
+/// the slot pass (fewer where the role has fewer registers).
+template <class Config, class Storage = ForwardSharedStorage<Config>, int kWarpgroup = Config::kScoreWarpgroup,
+          int kBatch = 16>
 struct ForwardScore {
   using Element = typename Config::Element;
   static constexpr int kBlock = Config::kBlockKeys;
   static constexpr int kN = Config::kHeadTile;  // heads, as wgmma N
   static constexpr int kThreads = Config::kScoreThreads;
   static constexpr int kWarps = kThreads / 32;
-  // Slots per thread per batch of the slot pass: 2048 slots in one batch.
-  static constexpr int kEpilogueBatch = 16;
+  // Slots per thread per batch of the slot pass: 2048 slots in one batch at 16.
+  static constexpr int kEpilogueBatch = kBatch;
   // A row whose every slot has z - LSE >= this takes no slot pass: exp(-99) is
   // far above eps = exp(-100) as an fp32 subnormal, so no mask is 0 and no loss
   // term is clipped, and the backward's logits (equal to these to f32 rounding)
@@ -75,14 +82,14 @@ struct ForwardScore {
   static constexpr double kPlainLseBound = 1048576.0;
 
   const IndexerKLForwardParams& fp;
-  ForwardSharedStorage<Config>& ss;
+  Storage& ss;
   MbarrierPipeline<Config::kStagesK> k_pipe;
   MbarrierPipeline<Config::kStagesQ> q_pipe;
 
   __device__ void run() {
     using namespace cute;
     const IndexerBackwardParams& p = fp.in;
-    const int tid = threadIdx.x - Config::kScoreWarpgroup * Config::kThreadsPerWarpgroup;  // 0..127
+    const int tid = threadIdx.x - kWarpgroup * Config::kThreadsPerWarpgroup;  // 0..127
     const int lane = tid % 32;
     const int warp = tid / 32;
     const float eps = eps_exp_minus_100();
@@ -135,30 +142,7 @@ struct ForwardScore {
         k_pipe.consumer_release(k_state);  // GEMM1's reads of k[ks] and this thread's of key_slot / key_target
         k_state.advance();
 
-        // relu with NaN as not positive (the reference's x > 0 ? x : 0)
-        float zp[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
-        CUTE_UNROLL
-        for (int v = 0; v < kN / 2; ++v) zp[(v / 2) % 2][(v / 4) % 2] += w[(v / 4) * 2 + v % 2] * fmaxf(acc(v), 0.0f);
-        float z0 = zp[0][0] + zp[0][1], z1 = zp[1][0] + zp[1][1];
-        z0 += __shfl_xor_sync(0xffffffffu, z0, 1);
-        z1 += __shfl_xor_sync(0xffffffffu, z1, 1);
-        z0 += __shfl_xor_sync(0xffffffffu, z0, 2);
-        z1 += __shfl_xor_sync(0xffffffffu, z1, 2);
-        if (slot >= 0) {  // tail entries (slot -1) are zero-filled keys, not slots
-          const float z = (quad & 1) ? z1 : z0;
-          z_row[slot] = z;
-          st.z_min = fminf(st.z_min, z);
-          if (z > st.m) {
-            st.s *= expf(st.m - z);
-            st.m = z;
-          }
-          // a NaN logit makes the sum NaN; a -inf one adds exp(-inf) = 0 (z - m
-          // would be NaN while m is still -inf)
-          if (z != -INFINITY) st.s += expf(z - st.m);
-          st.target_logit += static_cast<double>(target) * static_cast<double>(z);
-          st.target += static_cast<double>(target);
-          ++st.count;
-        }
+        add_block(acc, [&](int k) { return w[k]; }, quad, slot, target, st, z_row);
       };
       // Two accumulators: while the head sum reads one block's, the next
       // block's GEMM1 runs into the other. Steady state in pairs without
@@ -193,6 +177,41 @@ struct ForwardScore {
     }
   }
 
+  /// One gathered block's keys from its GEMM1 accumulator `acc` (keys as M):
+  /// each key's weighted relu head sum z over this thread's heads, then its
+  /// quad's; quad lanes 0 and 1 each add their key (slot >= 0; tail entries
+  /// have slot -1) to the statistics `st` and write z to z_row[slot].
+  /// w(k): w sm_scale of head c0 + 8 (k / 2) + k % 2 (from registers, or
+  /// from shared memory where registers are short).
+  template <class Accumulator, class Weight>
+  __device__ static void add_block(const Accumulator& acc, Weight&& w, int quad, int slot, float target,
+                                   RowStatistics& st, float* z_row) {
+    // relu with NaN as not positive (the reference's x > 0 ? x : 0)
+    float zp[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
+    CUTE_UNROLL
+    for (int v = 0; v < kN / 2; ++v) zp[(v / 2) % 2][(v / 4) % 2] += w((v / 4) * 2 + v % 2) * fmaxf(acc(v), 0.0f);
+    float z0 = zp[0][0] + zp[0][1], z1 = zp[1][0] + zp[1][1];
+    z0 += __shfl_xor_sync(0xffffffffu, z0, 1);
+    z1 += __shfl_xor_sync(0xffffffffu, z1, 1);
+    z0 += __shfl_xor_sync(0xffffffffu, z0, 2);
+    z1 += __shfl_xor_sync(0xffffffffu, z1, 2);
+    if (slot >= 0) {  // tail entries (slot -1) are zero-filled keys, not slots
+      const float z = (quad & 1) ? z1 : z0;
+      z_row[slot] = z;
+      st.z_min = fminf(st.z_min, z);
+      if (z > st.m) {
+        st.s *= expf(st.m - z);
+        st.m = z;
+      }
+      // a NaN logit makes the sum NaN; a -inf one adds exp(-inf) = 0 (z - m
+      // would be NaN while m is still -inf)
+      if (z != -INFINITY) st.s += expf(z - st.m);
+      st.target_logit += static_cast<double>(target) * static_cast<double>(z);
+      st.target += static_cast<double>(target);
+      ++st.count;
+    }
+  }
+
   /// Combines two parts of a row's statistics.
   __device__ static void combine(RowStatistics& a, const RowStatistics& b) {
     combine_max_sum(a.m, a.s, b.m, b.s);
@@ -204,7 +223,7 @@ struct ForwardScore {
 
   /// The row's LSE, target mass and loss term from the threads' statistics.
   __device__ void finish_row(int64_t row, RowStatistics st, uint32_t n, const float* z_row, float eps) {
-    const int tid = threadIdx.x - Config::kScoreWarpgroup * Config::kThreadsPerWarpgroup;
+    const int tid = threadIdx.x - kWarpgroup * Config::kThreadsPerWarpgroup;
     const int lane = tid % 32, warp = tid / 32;
     CUTE_UNROLL
     for (int off = 16; off > 0; off >>= 1) {
@@ -280,7 +299,7 @@ struct ForwardScore {
   template <bool kStatistics>
   __device__ void slot_pass(int64_t row, const float* z_row, float m, float log_s, float lse, float eps) {
     const IndexerBackwardParams& p = fp.in;
-    const int tid = threadIdx.x - Config::kScoreWarpgroup * Config::kThreadsPerWarpgroup;
+    const int tid = threadIdx.x - kWarpgroup * Config::kThreadsPerWarpgroup;
     const RowSequence seq = row_sequence(p, row);
     const int32_t* ids = p.topk_indices + batched_offset(row, p.q_rows_per_batch, p.ids_batch_stride, p.ids_row_stride);
     const float* attn = p.attn_score + batched_offset(row, p.q_rows_per_batch, p.attn_score_batch_stride, p.attn_score_row_stride);
@@ -344,7 +363,7 @@ struct ForwardScore {
 
   /// The slot pass's per-thread sums to the row's outputs (fixed tree).
   __device__ void finish_slot_pass(int64_t row, float lse, double term, double mass, double rebuilt_sum) {
-    const int tid = threadIdx.x - Config::kScoreWarpgroup * Config::kThreadsPerWarpgroup;
+    const int tid = threadIdx.x - kWarpgroup * Config::kThreadsPerWarpgroup;
     const int lane = tid % 32, warp = tid / 32;
     CUTE_UNROLL
     for (int off = 16; off > 0; off >>= 1) {

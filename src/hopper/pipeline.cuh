@@ -48,7 +48,9 @@ __device__ PipelineState<kStages> make_producer_start_state() {
 
 /// Why a kernel trapped: written before __trap() by a timed-out wait
 /// (the MbarrierPipeline id: 1 = k pipeline, 2 = q pipeline, 3 = dK ring of the
-/// scatter role, 4 = sA hand-off from the score role to the dK role), readable
+/// scatter role, 4 = sA hand-off from the score role to the dK role, 5 = the
+/// loss-and-gradient kernels' row statistics, stats_full, 6 = their forward
+/// blocks' K stages), readable
 /// by a debugger or a later launch.
 static __device__ uint32_t g_dsaib_wait_timeout_code = 0;
 

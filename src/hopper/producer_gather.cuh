@@ -141,29 +141,77 @@ struct ProducerGather {
     return before + inclusive - count;
   }
 
+  // Gather mapping: thread t copies the 16-byte column chunk t % kChunksPerRow
+  // of kGatherRows consecutive rows of a block, starting at gather_row0. For
+  // copy i, a warp's 32 lanes cover whole key rows (coalesced).
+  __device__ static int gather_col(int tid) { return (tid % kChunksPerRow) * 8; }
+  __device__ static int gather_row0(int tid) { return (tid / kChunksPerRow) * kGatherRows; }
+  static constexpr int kStageElems = kBlock * kD;
+
+  /// This thread's copy destinations in K stage 0, computed once: a stage is a
+  /// whole number of swizzle periods (8 rows of 128 bytes), so stage ks is
+  /// stage 0 plus ks * kStageElems and the swizzle need not be redone per copy.
+  __device__ void gather_destinations(Element* (&k_dst)[kGatherRows], int tid) const {
+    static_assert(decltype(cute::cosize(cute::take<0, 2>(typename Config::SmemLayoutK{})))::value == kStageElems &&
+                      (kStageElems * sizeof(Element)) % 1024 == 0,
+                  "a K stage is kStageElems contiguous elements spanning whole 128-byte-swizzle periods");
+    cute::Tensor sK = cute::make_tensor(cute::make_smem_ptr(ss.k), typename Config::SmemLayoutK{});
+    CUTE_UNROLL
+    for (int i = 0; i < kGatherRows; ++i) k_dst[i] = &sK(gather_row0(tid) + i, gather_col(tid), 0);
+  }
+
+  /// The Q tile (cp.async, then one commit group) and w_scaled of a task into Q stage qs.
+  __device__ void load_q(int64_t row, int h0, int nh, int qs, int tid) {
+    cute::Tensor sQ = cute::make_tensor(cute::make_smem_ptr(ss.q), typename Config::SmemLayoutQ{});
+    const uint16_t* q_row = p.index_q + batched_offset(row, p.q_rows_per_batch, p.q_batch_stride, p.q_row_stride);
+    for (int chunk = tid; chunk < Config::kHeadTile * kChunksPerRow; chunk += kThreads) {
+      const int hh = chunk / kChunksPerRow, col = (chunk % kChunksPerRow) * 8;
+      const bool in_range = hh < nh;  // padded heads: zero-filled, nothing read
+      const uint16_t* src = in_range ? q_row + (h0 + hh) * p.q_head_stride + col : p.index_q;
+      copy16(src, &sQ(hh, col, qs), in_range);
+    }
+    cute::cp_async_fence();
+    if (tid < Config::kHeadTile) {
+      float w = 0.0f;
+      if (tid < nh) {
+        const int64_t w_off = batched_offset(row, p.q_rows_per_batch, p.w_batch_stride, p.w_row_stride) + h0 + tid;
+        w = weight_at(p, w_off);
+      }
+      ss.w_scaled[qs][tid] = w * p.sm_scale;
+    }
+  }
+
+  /// The cp.async copies (one commit group) of block `first / kBlock` of a
+  /// chunk's list into K stage ks: the keys at list_key_row[first ...], the
+  /// entries at or past chunk_valid zero-filled. k_seq_col: this thread's column
+  /// of the row's sequence's first key row (key_row_ptr + gather_col).
+  __device__ void gather_block(int ks, int first, int chunk_valid, const int32_t* list_key_row,
+                               Element* const (&k_dst)[kGatherRows], const uint16_t* k_seq_col, int32_t k_start,
+                               int tid) const {
+    const int row0 = gather_row0(tid);
+    // This thread's kGatherRows consecutive rows: one vector load of their key rows.
+    int32_t kr[kGatherRows];
+    CUTE_UNROLL
+    for (int q = 0; q < kGatherRows / 4; ++q) {
+      const int4 v = *reinterpret_cast<const int4*>(&list_key_row[first + row0 + 4 * q]);
+      kr[4 * q] = v.x, kr[4 * q + 1] = v.y, kr[4 * q + 2] = v.z, kr[4 * q + 3] = v.w;
+    }
+    CUTE_UNROLL
+    for (int i = 0; i < kGatherRows; ++i) {
+      const bool valid = first + row0 + i < chunk_valid;  // entries past the list are stale
+      const int32_t local = valid ? kr[i] - k_start : 0;  // zero-filled copies read nothing
+      copy16(k_seq_col + static_cast<int64_t>(local) * p.k_row_stride, k_dst[i] + ks * kStageElems, valid);
+    }
+    cute::cp_async_fence();
+  }
+
   __device__ void run() {
     const int tid = threadIdx.x;  // 0..127 in warpgroup 0
     const float c = loss_scale(p);
     const float eps = eps_exp_minus_100();
 
-    cute::Tensor sQ = cute::make_tensor(cute::make_smem_ptr(ss.q), typename Config::SmemLayoutQ{});
-    cute::Tensor sK = cute::make_tensor(cute::make_smem_ptr(ss.k), typename Config::SmemLayoutK{});
-
-    // Gather mapping: thread t copies the 16-byte column chunk t % kChunksPerRow
-    // of kGatherRows consecutive rows of a block, starting at gather_row0. For
-    // copy i, a warp's 32 lanes cover whole key rows (coalesced).
-    const int gather_col = (tid % kChunksPerRow) * 8;
-    const int gather_row0 = (tid / kChunksPerRow) * kGatherRows;
-    // Their destinations in stage 0, computed once: a stage is a whole number of
-    // swizzle periods (8 rows of 128 bytes), so stage ks is stage 0 plus
-    // ks * kStageElems and the swizzle need not be redone per copy.
-    constexpr int kStageElems = kBlock * kD;
-    static_assert(decltype(cute::cosize(cute::take<0, 2>(typename Config::SmemLayoutK{})))::value == kStageElems &&
-                      (kStageElems * sizeof(Element)) % 1024 == 0,
-                  "a K stage is kStageElems contiguous elements spanning whole 128-byte-swizzle periods");
     Element* k_dst[kGatherRows];
-    CUTE_UNROLL
-    for (int i = 0; i < kGatherRows; ++i) k_dst[i] = &sK(gather_row0 + i, gather_col, 0);
+    gather_destinations(k_dst, tid);
 
     auto k_state = make_producer_start_state<Config::kStagesK>();
     auto q_state = make_producer_start_state<Config::kStagesQ>();
@@ -184,7 +232,7 @@ struct ProducerGather {
       // task; its chunk of a selected key row kr of this sequence is then at
       // k_seq_col + (kr - seq.k_start) * k_row_stride (no per-copy division;
       // key rows are below 2^31, so the difference is 32-bit).
-      const uint16_t* k_seq_col = key_row_ptr(p, seq.k_start) + gather_col;
+      const uint16_t* k_seq_col = key_row_ptr(p, seq.k_start) + gather_col(tid);
       const int32_t k_start = static_cast<int32_t>(seq.k_start);
       const int32_t* ids = p.topk_indices + batched_offset(row, p.q_rows_per_batch, p.ids_batch_stride, p.ids_row_stride);
       const float* attn_score = p.attn_score + batched_offset(row, p.q_rows_per_batch, p.attn_score_batch_stride, p.attn_score_row_stride);
@@ -196,22 +244,7 @@ struct ProducerGather {
       // ---- Q tile and weights of this task
       q_pipe.producer_acquire(q_state);
       const int qs = q_state.index;
-      const uint16_t* q_row = p.index_q + batched_offset(row, p.q_rows_per_batch, p.q_batch_stride, p.q_row_stride);
-      for (int chunk = tid; chunk < Config::kHeadTile * kChunksPerRow; chunk += kThreads) {
-        const int hh = chunk / kChunksPerRow, col = (chunk % kChunksPerRow) * 8;
-        const bool in_range = hh < nh;  // padded heads: zero-filled, nothing read
-        const uint16_t* src = in_range ? q_row + (h0 + hh) * p.q_head_stride + col : p.index_q;
-        copy16(src, &sQ(hh, col, qs), in_range);
-      }
-      cute::cp_async_fence();
-      if (tid < Config::kHeadTile) {
-        float w = 0.0f;
-        if (tid < nh) {
-          const int64_t w_off = batched_offset(row, p.q_rows_per_batch, p.w_batch_stride, p.w_row_stride) + h0 + tid;
-          w = weight_at(p, w_off);
-        }
-        ss.w_scaled[qs][tid] = w * p.sm_scale;
-      }
+      load_q(row, h0, nh, qs, tid);
 
       // ---- stage 1, pass 1: G and the number of blocks (chunks pad their last block)
       float g_part = 0.0f;
@@ -307,20 +340,7 @@ struct ProducerGather {
             }
             ss.key_row[ks][tid] = in_list ? ss.slot_key_row[first + tid] : -1;
           }
-          // This thread's kGatherRows consecutive rows: one vector load of their key rows.
-          int32_t kr[kGatherRows];
-          CUTE_UNROLL
-          for (int q = 0; q < kGatherRows / 4; ++q) {
-            const int4 v = *reinterpret_cast<const int4*>(&ss.slot_key_row[first + gather_row0 + 4 * q]);
-            kr[4 * q] = v.x, kr[4 * q + 1] = v.y, kr[4 * q + 2] = v.z, kr[4 * q + 3] = v.w;
-          }
-          CUTE_UNROLL
-          for (int i = 0; i < kGatherRows; ++i) {
-            const bool valid = first + gather_row0 + i < chunk_valid;  // entries past the list are stale
-            const int32_t local = valid ? kr[i] - k_start : 0;         // zero-filled copies read nothing
-            copy16(k_seq_col + static_cast<int64_t>(local) * p.k_row_stride, k_dst[i] + ks * kStageElems, valid);
-          }
-          cute::cp_async_fence();
+          gather_block(ks, first, chunk_valid, ss.slot_key_row, k_dst, k_seq_col, k_start, tid);
           if (pending) {
             cute::cp_async_wait<1>();  // all but the block just issued have landed
             cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);

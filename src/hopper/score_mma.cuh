@@ -124,78 +124,82 @@ struct ScoreMma {
     auto q_state = make_consumer_start_state<Config::kStagesQ>();
     auto a_state = make_producer_start_state<Config::kABuffers>();
 
-    for (int64_t task = blockIdx.x; task < p.num_tasks; task += gridDim.x) {
-      const int64_t row = task / p.head_groups;
-      const int h0 = static_cast<int>(task % p.head_groups) * Config::kHeadTile;
-      const int nh = min(Config::kHeadTile, p.heads - h0);
-
-      q_pipe.consumer_wait(q_state);
-      const int qs = q_state.index;
-      const int num_blocks = ss.num_blocks[qs];
+    // ---- one task of the backward: its Q, weights and row statistics, then its blocks
+    PipelineState<Config::kStagesQ> task_q{};  // the task's Q stage
+    float w_row[2] = {0.0f, 0.0f};
+    float row_lse = 0.0f, row_g = 0.0f;  // the P-free kernels: the row's LSE and G = -c * mass
+    float dw[2] = {0.0f, 0.0f};
+    auto k_prev = k_state;  // the previous backward block's stage, held until GEMM3 of that block completed
+    bool holds_prev = false;
+    auto begin_task = [&](const PipelineState<Config::kStagesQ>& qst) {
+      task_q = qst;
+      const int qs = qst.index;
       // This task's Q, read once. Every GEMM1 of the previous task was
       // waited for (in its block), so no wgmma still reads these registers.
       copy(smem_copy_q, tQsQ(_, _, _, qs), tQrQ);
-      const float w_row[2] = {ss.w_scaled[qs][r0], ss.w_scaled[qs][r0 + 8]};
-      float row_lse = 0.0f, row_g = 0.0f;
-      if constexpr (kRecomputesP<Config>) {
-        row_lse = ss.recompute_p.row_lse[qs];
-        row_g = ss.recompute_p.row_g[qs];
-      }
-      float dw[2] = {0.0f, 0.0f};
+      w_row[0] = ss.w_scaled[qs][r0];
+      w_row[1] = ss.w_scaled[qs][r0 + 8];
+      dw[0] = dw[1] = 0.0f;
       clear(tDQrDQ);
+      holds_prev = false;
+    };
+    // One block: GEMM1 (one wgmma group), then GEMM3 (kATerms groups). The
+    // wait after GEMM1 (<0>) also completes the previous block's GEMM3, so
+    // GEMM3 runs on the tensor pipe while this warpgroup waits for the next
+    // K stage and issues the next GEMM1; the previous K stage is released
+    // only then. Every wait has the same count on every path (waits that
+    // depend on a runtime branch make ptxas serialise every wgmma,
+    // C7514/C7515).
+    auto backward_block = [&] {
+      const auto kb = k_state;
+      k_state.advance();
+      const int ks = kb.index;
+      k_pipe.consumer_wait(kb);  // K block, its gs and key_row
+      warpgroup_gemm_rs<true>(mma_s, tSrQ, tSrK(_, _, _, ks), tSrS);  // GEMM1: S = Q K^T (Q from registers)
+      warpgroup_wait<0>();  // GEMM1 of this block and GEMM3 of the previous one complete
+      if (holds_prev) k_pipe.consumer_release(k_prev);  // GEMM1/GEMM3 reads of the previous stage are done
+      if constexpr (kRecomputesP<Config>) recompute_gs(tSrS, w_row, row_lse, row_g, ks, tid);
 
-      // Per block: GEMM1 (one wgmma group), then GEMM3 (kATerms groups). The
-      // wait after GEMM1 (<0>) also completes the previous block's GEMM3, so
-      // GEMM3 runs on the tensor pipe while this warpgroup waits for the next
-      // K stage and issues the next GEMM1; the previous K stage is released
-      // only then. Every wait has the same count on every path (waits that
-      // depend on a runtime branch make ptxas serialise every wgmma,
-      // C7514/C7515).
-      auto k_prev = k_state;
-      for (int blk = 0; blk < num_blocks; ++blk) {
-        const int ks = k_state.index;
-        k_pipe.consumer_wait(k_state);  // K block blk, its gs and key_row
-        warpgroup_gemm_rs<true>(mma_s, tSrQ, tSrK(_, _, _, ks), tSrS);  // GEMM1: S = Q K^T (Q from registers)
-        warpgroup_wait<0>();  // GEMM1 of this block and GEMM3 of the previous one complete
-        if (blk > 0) k_pipe.consumer_release(k_prev);  // GEMM1/GEMM3 reads of the previous stage are done
-        if constexpr (kRecomputesP<Config>) recompute_gs(tSrS, w_row, row_lse, row_g, ks, tid);
-
-        // dW and the masked A (docs/math.md stage 2)
-        CUTE_UNROLL
-        for (int i = 0; i < size(tSrS); ++i) {
-          const int key = c0 + (i % 2) + 8 * (i / 4);
-          const float x = tSrS(i);
-          const float gs = ss.gs[ks][key];
-          const int half = (i >> 1) & 1;  // value i sits in row r0 + 8 * half
-          dw[half] += gs * fmaxf(x, 0.0f);
-          const float a = x > 0.0f ? gs * w_row[half] : 0.0f;
-          tSrA(i) = Element(a);
-          if constexpr (Config::kSplitA) tSrAlo(i) = Element(a - static_cast<float>(tSrA(i)));
-        }
-        // WAR on sA[b]: the dK role's GEMM2 of two blocks ago read it (a_empty).
-        // This role never reads sA (its GEMM3 takes A from registers).
-        a_pipe.producer_acquire(a_state);
-        const int b = a_state.index;
-        // The stmatrix reads A's registers before GEMM3 is issued: PTX leaves any
-        // access to a wgmma's A registers undefined until wgmma.wait_group.
-        copy(smem_copy_a, tArA, tAsAt(_, _, _, 0, b));
-        if constexpr (Config::kSplitA) copy(smem_copy_a, tArAlo, tAsAt(_, _, _, 1, b));
-        if (lane < 16) ss.a_key_row[b][16 * warp + lane] = ss.key_row[ks][16 * warp + lane];
-        cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);  // sA is read by the dK role's wgmma next
-        // GEMM3: dQ += A K with A from registers. The next block's
-        // warpgroup_wait<0> (or the one after the loop) completes it before A's
-        // registers are written or dQ is read.
-        warpgroup_gemm_rs<false>(mma_dq, tDQrA, tDQrKt(_, _, _, ks), tDQrDQ);
-        if constexpr (Config::kSplitA) warpgroup_gemm_rs<false>(mma_dq, tDQrAlo, tDQrKt(_, _, _, ks), tDQrDQ);
-        a_pipe.producer_commit(a_state);  // every thread, after its stores and fence
-        a_state.advance();
-        k_prev = k_state;
-        k_state.advance();
+      // dW and the masked A (docs/math.md stage 2)
+      CUTE_UNROLL
+      for (int i = 0; i < size(tSrS); ++i) {
+        const int key = c0 + (i % 2) + 8 * (i / 4);
+        const float x = tSrS(i);
+        const float gs = ss.gs[ks][key];
+        const int half = (i >> 1) & 1;  // value i sits in row r0 + 8 * half
+        dw[half] += gs * fmaxf(x, 0.0f);
+        const float a = x > 0.0f ? gs * w_row[half] : 0.0f;
+        tSrA(i) = Element(a);
+        if constexpr (Config::kSplitA) tSrAlo(i) = Element(a - static_cast<float>(tSrA(i)));
       }
+      // WAR on sA[b]: the dK role's GEMM2 of two blocks ago read it (a_empty).
+      // This role never reads sA (its GEMM3 takes A from registers).
+      a_pipe.producer_acquire(a_state);
+      const int b = a_state.index;
+      // The stmatrix reads A's registers before GEMM3 is issued: PTX leaves any
+      // access to a wgmma's A registers undefined until wgmma.wait_group.
+      copy(smem_copy_a, tArA, tAsAt(_, _, _, 0, b));
+      if constexpr (Config::kSplitA) copy(smem_copy_a, tArAlo, tAsAt(_, _, _, 1, b));
+      if (lane < 16) ss.a_key_row[b][16 * warp + lane] = ss.key_row[ks][16 * warp + lane];
+      cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);  // sA is read by the dK role's wgmma next
+      // GEMM3: dQ += A K with A from registers. The next block's
+      // warpgroup_wait<0> (or the one after the loop) completes it before A's
+      // registers are written or dQ is read.
+      warpgroup_gemm_rs<false>(mma_dq, tDQrA, tDQrKt(_, _, _, ks), tDQrDQ);
+      if constexpr (Config::kSplitA) warpgroup_gemm_rs<false>(mma_dq, tDQrAlo, tDQrKt(_, _, _, ks), tDQrDQ);
+      a_pipe.producer_commit(a_state);  // every thread, after its stores and fence
+      a_state.advance();
+      k_prev = kb;
+      holds_prev = true;
+    };
+    // After the task's last block: dQ and dW out.
+    auto end_task = [&](int64_t task) {
+      const int64_t row = task / p.head_groups;
+      const int h0 = static_cast<int>(task % p.head_groups) * Config::kHeadTile;
+      const int nh = min(Config::kHeadTile, p.heads - h0);
       warpgroup_wait<0>();  // the last GEMM3 of the task: dQ is read next
-      if (num_blocks > 0) k_pipe.consumer_release(k_prev);
-      q_pipe.consumer_release(q_state);  // this role's ldmatrix reads of q[qs] are done
-      q_state.advance();
+      if (holds_prev) k_pipe.consumer_release(k_prev);
+      q_pipe.consumer_release(task_q);  // this role's ldmatrix reads of q[qs] are done
 
       // ---- epilogue: dW (quad reduction over the 4 lanes sharing a row), dQ
       CUTE_UNROLL
@@ -224,6 +228,25 @@ struct ScoreMma {
           }
         }
       }
+    };
+
+    for (int64_t task = blockIdx.x; task < p.num_tasks; task += gridDim.x) {
+      q_pipe.consumer_wait(q_state);
+      const int num_blocks = ss.num_blocks[q_state.index];
+      if constexpr (kFusesForward<Config>) {
+        // The loss-and-gradient kernels: the dK role's forward of this row
+        // (dk_mma.cuh) hands its LSE and G over through stats_full, on the
+        // phase of this q_full wait (shared_storage.cuh).
+        mbarrier_wait(&ss.fused.stats_full[q_state.index], q_state.phase, 5u);
+      }
+      begin_task(q_state);
+      if constexpr (kRecomputesP<Config>) {
+        row_lse = ss.recompute_p.row_lse[q_state.index];
+        row_g = ss.recompute_p.row_g[q_state.index];
+      }
+      q_state.advance();
+      for (int blk = 0; blk < num_blocks; ++blk) backward_block();
+      end_task(task);
     }
   }
 };

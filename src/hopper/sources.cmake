@@ -6,6 +6,7 @@ target_sources(dsaib PRIVATE
   ${CMAKE_CURRENT_SOURCE_DIR}/hopper/instantiate_fixed_point_dk.cu
   ${CMAKE_CURRENT_SOURCE_DIR}/hopper/instantiate_recompute_p_d64.cu
   ${CMAKE_CURRENT_SOURCE_DIR}/hopper/instantiate_recompute_p_d128.cu
+  ${CMAKE_CURRENT_SOURCE_DIR}/hopper/instantiate_loss_and_grad.cu
   ${CMAKE_CURRENT_SOURCE_DIR}/hopper/fixed_point_dk.cu
   ${CMAKE_CURRENT_SOURCE_DIR}/hopper/reference_kernel.cu
   ${CMAKE_CURRENT_SOURCE_DIR}/hopper/forward_backend.cu

@@ -185,4 +185,61 @@ inline constexpr bool kRecomputesP = false;
 template <class Config>
 inline constexpr bool kRecomputesP<Config, std::void_t<decltype(Config::kRecomputeP)>> = Config::kRecomputeP;
 
+/// The loss and its gradients in one kernel (loss_and_grad_kernel.cuh): the
+/// P-free backward of Base whose CTA also runs the loss forward's pass over its
+/// next row. Its producer gathers the blocks of two rows in turn, the backward
+/// blocks of row r and the forward blocks of the CTA's next row r', into two
+/// rings of K stages; the score role runs the backward blocks as
+/// RecomputePConfig's, and the dK role, after each GEMM2, one forward block: GEMM1 with keys as M and heads as N
+/// (TiledMmaForwardS, the loss forward's, forward_kernel.cuh), the head sum
+/// and the row statistics. r''s LSE and target mass come out of its forward
+/// pass before its backward pass starts, one step of rows later. One A term
+/// only (the one-term kernels' shared memory has room for the second slot list).
+template <class Base>
+struct LossAndGradConfig : RecomputePConfig<Base> {
+  static_assert(!Base::kSplitA && !Base::kL2KeepDk && !Base::kFixedPointDk,
+                "the loss-and-gradient kernel is the one-term P-free kernel");
+  static constexpr bool kFusesForward = true;
+  // Two rings of K stages: kStagesK for the backward blocks (the score role's,
+  // as in the other kernels) and kForwardStages for the forward blocks (the dK
+  // role's), stages kStagesK.. of the same buffer. Five in all, not six: the
+  // forward row's compacted slot list (12 KiB at kSlotChunk 1024) takes the
+  // sixth stage's place in the 227 KiB.
+  static constexpr int kStagesK = 3;
+  static constexpr int kForwardStages = 2;
+  using Element = typename Base::Element;
+  using SmemLayoutK = decltype(cute::tile_to_shape(
+      typename Base::SmemAtom{},
+      cute::Shape<cute::Int<Base::kBlockKeys>, cute::Int<Base::kHeadDim>, cute::Int<kStagesK + kForwardStages>>{}));
+  using SmemLayoutKt = decltype(cute::composition(
+      SmemLayoutK{}, cute::make_layout(cute::Shape<cute::Int<Base::kHeadDim>, cute::Int<Base::kBlockKeys>, cute::Int<kStagesK + kForwardStages>>{},
+                                       cute::Stride<cute::Int<Base::kBlockKeys>, cute::_1, cute::Int<Base::kBlockKeys * Base::kHeadDim>>{})));
+  // The score role waits for its row's statistics (stats_full) besides the
+  // P-free kernel's work: at 184 registers it spilled (D 128); the scatter role
+  // takes the split kernels' budget.
+  static constexpr int kScoreRegisters = 192;
+  static constexpr int kScatterRegisters = 104;
+  static_assert(Base::kProducerRegisters + kScoreRegisters + Base::kDkRegisters + kScatterRegisters ==
+                    4 * Base::kEntryRegisters,
+                "setmaxnreg.inc can only take the registers the other warpgroups released");
+  // The forward pass's GEMM1: S^T (keys, heads) = K Q^T, both from shared memory.
+  using TiledMmaForwardS = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float,
+                                 cute::Shape<cute::Int<Base::kBlockKeys>, cute::Int<Base::kHeadTile>, cute::Int<Base::kHeadDim>>,
+                                 cute::GMMA::Major::K, cute::GMMA::Major::K>()));
+};
+
+/// The forward blocks' K stages of a LossAndGradConfig (1 for the other configs,
+/// which have none: the size of an unused pipeline).
+template <class Config, class = void>
+inline constexpr int kForwardStagesOf = 1;
+template <class Config>
+inline constexpr int kForwardStagesOf<Config, std::void_t<decltype(Config::kForwardStages)>> = Config::kForwardStages;
+
+/// Whether a tile config is a LossAndGradConfig.
+template <class Config, class = void>
+inline constexpr bool kFusesForward = false;
+template <class Config>
+inline constexpr bool kFusesForward<Config, std::void_t<decltype(Config::kFusesForward)>> = Config::kFusesForward;
+
 }  // namespace dsaib::hopper

@@ -211,6 +211,82 @@ TEST(PFreeGpu, OneCallMatchesReferenceAndReplaysInAGraph) {
   }
 }
 
+/// The loss-and-gradient kernel (forward_fusion automatic: one A term, H <= 64)
+/// against two kernels (forward_fusion off) on the same inputs and plan: the
+/// same loss, d_index_q and d_weights bit for bit (each row's arithmetic and
+/// block order are those of the two kernels), d_index_k up to the order of its
+/// fp32 additions; and the loss and gradients against the fp64 reference.
+/// Several rows per CTA (the kernel's row pairs), two slot chunks (topk > 1024),
+/// invalid slots, THD, D 64 / 128, rows whose slots reach the clip (wide spread:
+/// the forward's pass over the slots), f32 outputs with one A term.
+TEST(PFreeGpu, FusedOneCallMatchesTwoKernelsAndTheReference) {
+  SKIP_WITHOUT_GPU();
+  struct C {
+    std::string name;
+    Layout layout;
+    int64_t h, d, topk, s_q, s_kv;
+    DType out;
+    bool wide;
+  };
+  const C cases[] = {{"bshd_h64_d128_topk1100_rows600", Layout::bshd, 64, 128, 1100, 300, 1400, DType::bf16, false},
+                     {"bshd_h64_d64_topk2048_rows400_f32", Layout::bshd, 64, 64, 2048, 200, 2100, DType::f32, false},
+                     {"thd_h32_d128_topk200", Layout::thd, 32, 128, 200, 40, 300, DType::bf16, false},
+                     {"bshd_h8_d128_topk64", Layout::bshd, 8, 128, 64, 150, 300, DType::bf16, false},
+                     // f32 outputs: the one bf16 A term alone against the reference (with bf16
+                     // outputs as well, dQ reaches ~3.2e-3 here in both forms)
+                     {"bshd_h64_d128_wide_spread_f32", Layout::bshd, 64, 128, 256, 150, 600, DType::f32, true}};
+  uint64_t seed = 501;
+  for (const C& c : cases) {
+    GenerateSpec spec = spec_of(c.layout, c.h, c.d, c.topk, seed);
+    if (c.layout == Layout::bshd) {
+      spec.s_q = c.s_q;
+      spec.s_kv = c.s_kv;
+    }
+    GeneratedProblem p = make_problem(spec);
+    if (c.wide) {
+      give_logits_a_common_part(p, 2, 0, seed);
+      p.sm_scale = p.spec.sm_scale = 0.75f;  // w sm_scale and its partial sums stay exact in f32
+      refresh_index_score(p);
+    }
+    ++seed;
+    invalid_slots(p);
+    IndexerBackwardOptions opt = p.options();
+    opt.loss_coeff = 0.7f;
+    if (c.out == DType::f32) opt.a_operand_precision = AOperandPrecision::bf16;  // one A term: the fused kernel
+    OneCall fused(p, opt, c.out), two(p, opt, c.out);
+    two.opt.forward_fusion = ForwardFusion::off;
+    for (OneCall* one : {&fused, &two}) {
+      one->set_grad_loss(1.3f, nullptr);
+      one->out.poison();
+      one->loss.fill_bytes(0xff);
+      one->run();
+    }
+    check_cuda(cudaDeviceSynchronize(), "one call");
+    EXPECT_TRUE(bitwise_equal(fused.loss.to_host(), two.loss.to_host())) << c.name << " loss";
+    EXPECT_TRUE(bitwise_equal(fused.out.d_index_q.to_host(), two.out.d_index_q.to_host())) << c.name << " d_index_q";
+    EXPECT_TRUE(bitwise_equal(fused.out.d_weights.to_host(), two.out.d_weights.to_host())) << c.name << " d_weights";
+    const std::vector<double> dk_two = to_doubles(two.out.d_index_k.to_host());
+    const ErrorStats dk_diff = compare(fused.out.d_index_k.to_host(), dk_two);
+    EXPECT_TRUE(dk_diff.ok(c.out == DType::f32 ? 1e-6 : 1e-3)) << c.name << " d_index_k against two kernels " << dk_diff.str();
+
+    IndexerBackwardOptions ref_opt = opt;
+    ref_opt.grad_loss = 1.3f;
+    const ReferenceKLForward fwd = reference_kl_forward(forward_inputs(p), ref_opt);
+    const double loss = to_doubles(fused.loss.to_host())[0];
+    EXPECT_LE(std::fabs(loss - fwd.loss), 1e-6 * std::fabs(fwd.loss)) << c.name << " loss " << loss << " vs " << fwd.loss;
+    const Stats st = forward_stats(p, ref_opt);
+    IndexerBackwardInputs host_in = forward_inputs(p);
+    host_in.row_lse = st.row_lse.view();
+    host_in.row_target_mass = st.row_target_mass.view();
+    const ReferenceGradients ref = reference_backward(host_in, ref_opt);
+    const Result r{compare(fused.out.d_index_q.to_host(), ref.d_index_q),
+                   compare(fused.out.d_weights.to_host(), ref.d_weights),
+                   compare(fused.out.d_index_k.to_host(), ref.d_index_k)};
+    // one bf16 A term: the bf16 tolerance for every output
+    expect_within(r, DType::bf16, DType::bf16, DType::bf16, "fused_" + c.name);
+  }
+}
+
 TEST(PFreeGpu, ThdBackwardCapturesAndBadCuSeqlensGiveNaN) {
   SKIP_WITHOUT_GPU();
   GeneratedProblem p = make_problem(spec_of(Layout::thd, 64, 128, 120, 55));
@@ -417,6 +493,45 @@ TEST(SanitizedPFree, Kernels) {
   GeneratedProblem e = make_problem(spec_of(Layout::bshd, 64, 128, 100, 204));
   expect_within(p_free_against_reference(e, e.options(), DType::f32, DType::f32, DType::f32), DType::f32, DType::f32,
                 DType::f32, "sanitized_bshd_d128_split");
+}
+
+/// The loss-and-gradient kernel under compute-sanitizer: several rows per CTA
+/// (300 rows) at D 128, and THD at D 64 with rows that walk their slots (wide
+/// spread); checked against the two kernels' loss and the fp64 gradients.
+TEST(SanitizedPFree, LossAndGradKernel) {
+  SKIP_WITHOUT_GPU();
+  for (const bool wide : {false, true}) {
+    GenerateSpec spec = wide ? spec_of(Layout::thd, 16, 64, 70, 206) : spec_of(Layout::bshd, 64, 128, 129, 205);
+    if (!wide) spec.s_q = 150;
+    GeneratedProblem p = make_problem(spec);
+    if (wide) {
+      give_logits_a_common_part(p, 2, 0, 206);
+      p.sm_scale = p.spec.sm_scale = 0.75f;
+      refresh_index_score(p);
+    }
+    invalid_slots(p);
+    IndexerBackwardOptions opt = p.options();
+    // wide: f32 outputs with one A term (the fused kernel's), as in FusedOneCallMatchesTwoKernelsAndTheReference
+    if (wide) opt.a_operand_precision = AOperandPrecision::bf16;
+    OneCall fused(p, opt, wide ? DType::f32 : DType::bf16);
+    fused.set_grad_loss(1.0f, nullptr);
+    fused.out.poison();
+    fused.loss.fill_bytes(0xff);
+    fused.run();
+    check_cuda(cudaDeviceSynchronize(), "one call");
+    const ReferenceKLForward fwd = reference_kl_forward(forward_inputs(p), opt);
+    const double loss = to_doubles(fused.loss.to_host())[0];
+    EXPECT_LE(std::fabs(loss - fwd.loss), 1e-6 * std::fabs(fwd.loss)) << loss << " vs " << fwd.loss;
+    const Stats st = forward_stats(p, opt);
+    IndexerBackwardInputs host_in = forward_inputs(p);
+    host_in.row_lse = st.row_lse.view();
+    host_in.row_target_mass = st.row_target_mass.view();
+    const ReferenceGradients ref = reference_backward(host_in, opt);
+    const Result r{compare(fused.out.d_index_q.to_host(), ref.d_index_q),
+                   compare(fused.out.d_weights.to_host(), ref.d_weights),
+                   compare(fused.out.d_index_k.to_host(), ref.d_index_k)};
+    expect_within(r, DType::bf16, DType::bf16, DType::bf16, wide ? "sanitized_fused_thd_d64_wide" : "sanitized_fused_bshd_d128");
+  }
 }
 
 /// Paired timing of the P-free backward against the P form at B1 H64 D128
