@@ -75,6 +75,8 @@ TEST(CApi, DefaultOptionsMatchCpp) {
   EXPECT_EQ(o.l2_hints, static_cast<int32_t>(d.l2_hints));
   EXPECT_EQ(o.start_stagger, DSAIB_START_STAGGER_AUTOMATIC);
   EXPECT_EQ(o.start_stagger, static_cast<int32_t>(d.start_stagger));
+  EXPECT_EQ(o.forward_fusion, DSAIB_FORWARD_FUSION_AUTOMATIC);
+  EXPECT_EQ(o.forward_fusion, static_cast<int32_t>(d.forward_fusion));
   dsaib_default_options(nullptr);  // tolerated
 }
 
@@ -201,6 +203,8 @@ TEST(CApi, FailuresReportStatusAndMessageAndTouchNothing) {
        [](CProblem& c) { c.opt.l2_hints = 3; }},
       {"start_stagger enum", DSAIB_INVALID_ARGUMENT, "start_stagger: expected 0 (automatic) or 1 (off), got -1",
        [](CProblem& c) { c.opt.start_stagger = -1; }},
+      {"forward_fusion enum", DSAIB_INVALID_ARGUMENT, "forward_fusion: expected 0 (automatic) or 1 (off), got 2",
+       [](CProblem& c) { c.opt.forward_fusion = 2; }},
       // errors.md's order, as in C++: the options before the tensors' enum fields...
       {"layout before a rank enum", DSAIB_INVALID_ARGUMENT, "layout: expected bshd or thd, got 4",
        [](CProblem& c) {

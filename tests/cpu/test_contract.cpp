@@ -325,6 +325,8 @@ void register_cases() {
   add("l2_hints_negative", Layout::bshd, "l2_hints", [](Env& e) { e.opt.l2_hints = static_cast<L2Hints>(-1); });
   add("start_stagger_enum", Layout::bshd, "start_stagger",
       [](Env& e) { e.opt.start_stagger = static_cast<StartStagger>(2); });
+  add("forward_fusion_enum", Layout::bshd, "forward_fusion",
+      [](Env& e) { e.opt.forward_fusion = static_cast<ForwardFusion>(-1); });
   add("layout_thd_given_bshd_tensors", Layout::bshd, "index_q", [](Env& e) { e.opt.layout = Layout::thd; });
   add("layout_bshd_given_thd_tensors", Layout::thd, "index_q", [](Env& e) { e.opt.layout = Layout::bshd; });
 

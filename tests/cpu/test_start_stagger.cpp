@@ -1,5 +1,5 @@
 // The start-delay plan of the persistent CTAs (src/hopper/start_stagger.hpp) and
-// the option's words (IndexerBackwardOptions::start_stagger).
+// the option's words (IndexerBackwardOptions::start_stagger, and ::forward_fusion).
 #include <gtest/gtest.h>
 
 #include <set>
@@ -115,6 +115,23 @@ TEST(StartStagger, NamesAndParsesTheOptionWords) {
   }
   EXPECT_STREQ(dsaib::start_stagger_name(static_cast<StartStagger>(5)), "invalid");
   EXPECT_EQ(dsaib::IndexerBackwardOptions{}.start_stagger, StartStagger::automatic);
+}
+
+TEST(ForwardFusion, NamesAndParsesTheOptionWords) {
+  using dsaib::ForwardFusion;
+  for (const auto& [word, mode] : {std::pair{"auto", ForwardFusion::automatic}, std::pair{"off", ForwardFusion::off}}) {
+    EXPECT_STREQ(dsaib::forward_fusion_name(mode), word);
+    ForwardFusion got = mode == ForwardFusion::off ? ForwardFusion::automatic : ForwardFusion::off;
+    ASSERT_TRUE(dsaib::parse_forward_fusion(word, &got)) << word;
+    EXPECT_EQ(got, mode) << word;
+  }
+  for (const char* bad : {"", "on", "OFF", "automatic", "fused"}) {
+    ForwardFusion got = ForwardFusion::off;
+    EXPECT_FALSE(dsaib::parse_forward_fusion(bad, &got)) << '"' << bad << '"';
+    EXPECT_EQ(got, ForwardFusion::off) << "unchanged on failure";
+  }
+  EXPECT_STREQ(dsaib::forward_fusion_name(static_cast<ForwardFusion>(5)), "invalid");
+  EXPECT_EQ(dsaib::IndexerBackwardOptions{}.forward_fusion, ForwardFusion::automatic);
 }
 
 }  // namespace
