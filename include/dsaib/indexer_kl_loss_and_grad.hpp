@@ -6,7 +6,10 @@
 // rebuilt P, so the f32 LSE's rounding cancels (indexer_kl_forward.hpp) and the
 // gradients do not degrade with |LSE|. No (S_q, topk) tensor of P exists
 // anywhere; grad_loss may be read from device memory at run time, so one CUDA
-// graph captured around the call serves every step.
+// graph captured around the call serves every step. On cuda, where it applies
+// (H <= 64, one A term, not deterministic, options.forward_fusion automatic),
+// one kernel runs both: the backward's CTA runs the forward's pass over its
+// next row (docs/hopper-kernel.md, "The loss-and-gradient kernel").
 #pragma once
 
 #include <cstddef>
@@ -28,8 +31,11 @@ struct IndexerKLLossAndGradOutputs {
 };
 
 /// Bytes of scratch memory indexer_kl_loss_and_grad() needs on the backend's
-/// device. cpu: 0. cuda: the row statistics (2 * 4 bytes per query row, each
-/// part rounded up to 256 bytes), then indexer_kl_forward_workspace_size's and
+/// device. cpu: 0. cuda, one kernel: the row statistics (2 * 4 bytes per query
+/// row), the row loss terms (8 bytes per row), the logits (4 * topk rounded up
+/// to 64, per CTA of the grid) and, for a bf16 d_index_k, the fp32 dK
+/// accumulator, each part rounded up to 256 bytes. cuda, two kernels: the row
+/// statistics, then indexer_kl_forward_workspace_size's and
 /// indexer_backward_workspace_size's scratch (the larger of the two: they are
 /// used one after the other); with H > 64 or deterministic also P (4 * topk
 /// bytes per query row, rounded up to 256), which the forward then writes for
@@ -44,8 +50,9 @@ std::size_t indexer_kl_loss_and_grad_workspace_size(const IndexerBackwardInputs&
 /// row_target_mass absent. Options as for indexer_backward() (grad_loss or
 /// grad_loss_device scales the gradients; loss_coeff, normalization_count and
 /// sm_scale enter both). All validation (the forward's and the backward's rules)
-/// happens before anything is written. cuda: two launches on options.stream (the
-/// forward, then the backward), no host synchronisation, nothing allocated when
+/// happens before anything is written. cuda: on options.stream, the one kernel
+/// (then the loss terms' sum and, for a bf16 d_index_k, its cast), or two
+/// launches (the forward, then the backward), no host synchronisation, nothing allocated when
 /// a workspace is given, so the call can be captured in a CUDA graph (THD
 /// included: see docs/api.md on cu_seqlens while capturing). The loss is bitwise
 /// reproducible; the gradients as indexer_backward()'s. cpu: the fp64 forward

@@ -623,6 +623,9 @@ void run_cuda_kl_loss_and_grad(const IndexerBackwardInputs& inputs, const Indexe
   (void)plan_for_current_device(grads, opt, g);  // its errors before anything is allocated
   if (fused_loss_and_grad(grads, opt, g)) {
     const hopper::LaunchPlan plan = fused_plan(grads, opt, g);
+    // The kernel's attribute and occupancy before anything is allocated or written.
+    if (g.head_dim == 64) hopper::prepare_indexer_kl_loss_and_grad<64>();
+    else hopper::prepare_indexer_kl_loss_and_grad<128>();
     const std::size_t total = FusedLayout(g, plan.grid, out.d_index_k.dtype).total;
     char* ws = static_cast<char*>(workspace);
     const bool owns = !(workspace != nullptr && workspace_bytes >= total);

@@ -164,6 +164,11 @@ struct DkMma {
       if (!forward_row && !backward_row) break;
       int f_blocks = 0;
       const auto f_q = q_state;
+      const int nb = backward_row ? b_blocks : 0;
+      // The producer's order (loss_and_grad_producer.cuh): the backward's first
+      // block comes before the forward row's Q stage.
+      const int early = min(nb, 1);
+      for (int i = 0; i < early; ++i) dk_block(b_q.index);
       if (forward_row) {
         q_pipe.consumer_wait(q_state);
         f_qs = q_state.index;
@@ -172,15 +177,15 @@ struct DkMma {
         q_state.advance();
       }
       st = RowStatistics{-INFINITY, 0.0f, INFINITY, 0.0, 0.0, 0};
-      const int nb = backward_row ? b_blocks : 0;
       const int both = min(nb, f_blocks);
       for (int i = 0; i < both; ++i) {
-        dk_block(b_q.index);
+        if (i >= early) dk_block(b_q.index);
         forward_block();
       }
-      for (int i = both; i < nb; ++i) dk_block(b_q.index);
+      for (int i = max(both, early); i < nb; ++i) dk_block(b_q.index);
+      // every GEMM2 of the row was waited for: the producer may reload its Q stage
+      if (backward_row) q_pipe.consumer_release(b_q);
       for (int i = both; i < f_blocks; ++i) forward_block();
-      if (backward_row) q_pipe.consumer_release(b_q);  // every GEMM2 of the row was waited for
       if (forward_row) {
         fwd.finish_row(f_task, st, n, z_row, eps);
         if (tid == 0) {

@@ -1,8 +1,7 @@
 // The sm_90a loss-and-gradient kernel (LossAndGradConfig, tile_config.cuh):
-// the P-free backward's four roles, whose producer and score role also run the
+// the P-free backward's four roles, whose producer and dK role also run the
 // loss forward's pass over the CTA's next row, so that the forward's gathers
-// and GEMM1 run under the backward's dK reductions instead of in a launch of
-// their own.
+// and GEMM1 run beside the backward's instead of in a launch of their own.
 //
 //   warpgroup 0 : LossAndGradProducer (loss_and_grad_producer.cuh): per step,
 //                 the backward blocks of row r_{n-1} and the forward blocks of
@@ -78,5 +77,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
 /// memory allows), its dynamic shared-memory attribute set first.
 template <int kHeadDim>
 void launch_indexer_kl_loss_and_grad(const IndexerKLForwardParams& params, int64_t grid, cudaStream_t stream);
+/// Sets the kernel's dynamic shared-memory attribute and checks that a CTA fits
+/// on an SM (Error(cuda_error) otherwise): called before anything is written.
+template <int kHeadDim>
+void prepare_indexer_kl_loss_and_grad();
 
 }  // namespace dsaib::hopper

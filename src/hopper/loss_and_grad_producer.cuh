@@ -6,15 +6,17 @@
 //                               carries g~ = -c max(T, eps) in gs and its key
 //                               row; odd waves take the chunks last to first)
 //   forward pass of r_n        (as the loss forward's: slot order whatever the
-//                               grid, each key carrying T~ = max(T, eps) in gs
-//                               and its slot in key_row)
+//                               grid, each key carrying T~ = max(T, eps) and
+//                               its slot, LossAndGradStorage::key_target /
+//                               key_slot)
 //
-// backward block 0, forward block 0, backward block 1, ..., then the longer
-// pass's remaining blocks, into two rings of K stages (LossAndGradConfig):
-// the backward's (k_full / k_empty, the score role's, score_mma.cuh) and the
-// forward's (forward_full / forward_empty, the dK role's, dk_mma.cuh). r_n's Q tile, weights and block count are loaded when its
-// forward pass starts; its Q stage stays until its backward pass ends, one step
-// later (two Q stages: the two rows of a step). Each pass compacts its chunks
+// r_n's block count, backward block 0, then r_n's Q tile and weights into its
+// Q stage, forward block 0, backward block 1, forward block 1, ..., then the
+// longer pass's remaining blocks, into two rings of K stages
+// (LossAndGradConfig): the backward's (k_full / k_empty, the score role's,
+// score_mma.cuh) and the forward's (forward_full / forward_empty, the dK
+// role's, dk_mma.cuh). r_n's Q stage stays until its backward pass ends, one
+// step later (two Q stages: the two rows of a step). Each pass compacts its chunks
 // into its own slot list (slot_gs / slot_key_row, and LossAndGradStorage's for
 // the forward), so the two passes' chunks interleave freely.
 #pragma once
@@ -187,27 +189,35 @@ struct LossAndGradProducer : ProducerGather<Config> {
       RowPass f{}, b{};
       int f_blocks = 0;
       if (forward_row) {
+        f = begin_pass(f_task, false, tid);
+        f_blocks = count_blocks(f, tid);
+      }
+      // Odd waves of rows take the backward's chunks last to first (producer_gather.cuh).
+      if (backward_row) b = begin_pass(b_task, ((b_task / gridDim.x) & 1) != 0, tid);
+      const int nb = backward_row ? b_blocks : 0;
+      // The backward row's Q is resident: its first block goes out before the
+      // forward row's Q stage is acquired, which waits until both MMA roles
+      // are done with the row two steps back, so the backward ring does not
+      // run dry at each row.
+      const int early = min(nb, 1);
+      for (int i = 0; i < early; ++i) gather_next<false>(b, this->k_pipe, k_state, k_dst, c, eps, tid);
+      if (forward_row) {
         flush();  // the Q stage may wait for the consumers of the last block
         this->q_pipe.producer_acquire(q_state);
         const int qs = q_state.index;
         this->load_q(f_task, 0, nh, qs, tid);
-        f = begin_pass(f_task, false, tid);
-        f_blocks = count_blocks(f, tid);
         if (tid == 0) this->ss.num_blocks[qs] = f_blocks;
         cute::cp_async_wait<0>();                               // this thread's Q copies landed
         cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);  // ...and are visible to wgmma
         this->q_pipe.producer_commit(q_state);                  // every producer thread arrives
         q_state.advance();
       }
-      // Odd waves of rows take the backward's chunks last to first (producer_gather.cuh).
-      if (backward_row) b = begin_pass(b_task, ((b_task / gridDim.x) & 1) != 0, tid);
-      const int nb = backward_row ? b_blocks : 0;
       const int both = min(nb, f_blocks);
       for (int i = 0; i < both; ++i) {
-        gather_next<false>(b, this->k_pipe, k_state, k_dst, c, eps, tid);
+        if (i >= early) gather_next<false>(b, this->k_pipe, k_state, k_dst, c, eps, tid);
         gather_next<true>(f, f_pipe, f_state, k_dst, c, eps, tid);
       }
-      for (int i = both; i < nb; ++i) gather_next<false>(b, this->k_pipe, k_state, k_dst, c, eps, tid);
+      for (int i = max(both, early); i < nb; ++i) gather_next<false>(b, this->k_pipe, k_state, k_dst, c, eps, tid);
       for (int i = both; i < f_blocks; ++i) gather_next<true>(f, f_pipe, f_state, k_dst, c, eps, tid);
       backward_row = forward_row;
       b_task = f_task;

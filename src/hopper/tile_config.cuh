@@ -215,11 +215,13 @@ struct LossAndGradConfig : RecomputePConfig<Base> {
       SmemLayoutK{}, cute::make_layout(cute::Shape<cute::Int<Base::kHeadDim>, cute::Int<Base::kBlockKeys>, cute::Int<kStagesK + kForwardStages>>{},
                                        cute::Stride<cute::Int<Base::kBlockKeys>, cute::_1, cute::Int<Base::kBlockKeys * Base::kHeadDim>>{})));
   // The score role waits for its row's statistics (stats_full) besides the
-  // P-free kernel's work: at 184 registers it spilled (D 128); the scatter role
-  // takes the split kernels' budget.
-  static constexpr int kScoreRegisters = 192;
+  // P-free kernel's work: at 184 registers it spilled at D 128. The producer
+  // holds both rows' passes: at 112 it spilled at D 64, where the score role
+  // (dQ 32 fp32) has room. The scatter role takes the split kernels' budget.
+  static constexpr int kProducerRegisters = Base::kHeadDim == 64 ? 120 : 112;
+  static constexpr int kScoreRegisters = Base::kHeadDim == 64 ? 184 : 192;
   static constexpr int kScatterRegisters = 104;
-  static_assert(Base::kProducerRegisters + kScoreRegisters + Base::kDkRegisters + kScatterRegisters ==
+  static_assert(kProducerRegisters + kScoreRegisters + Base::kDkRegisters + kScatterRegisters ==
                     4 * Base::kEntryRegisters,
                 "setmaxnreg.inc can only take the registers the other warpgroups released");
   // The forward pass's GEMM1: S^T (keys, heads) = K Q^T, both from shared memory.

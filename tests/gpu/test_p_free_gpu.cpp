@@ -253,8 +253,9 @@ TEST(PFreeGpu, FusedOneCallMatchesTwoKernelsAndTheReference) {
     IndexerBackwardOptions opt = p.options();
     opt.loss_coeff = 0.7f;
     if (c.out == DType::f32) opt.a_operand_precision = AOperandPrecision::bf16;  // one A term: the fused kernel
-    OneCall fused(p, opt, c.out), two(p, opt, c.out);
-    two.opt.forward_fusion = ForwardFusion::off;
+    IndexerBackwardOptions opt_two = opt;
+    opt_two.forward_fusion = ForwardFusion::off;  // before its workspace is sized
+    OneCall fused(p, opt, c.out), two(p, opt_two, c.out);
     for (OneCall* one : {&fused, &two}) {
       one->set_grad_loss(1.3f, nullptr);
       one->out.poison();
