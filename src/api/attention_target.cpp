@@ -12,6 +12,7 @@
 #include "api/cuda_attention_target.hpp"
 #include "api/cuda_backend.hpp"
 #include "core/allocation.hpp"
+#include "core/option_words.hpp"
 #include "core/validate_rules.hpp"
 #include "reference/attention_target_reference.hpp"
 
@@ -28,13 +29,7 @@ const char* lse_base_name(LseBase base) {
 }
 
 bool parse_lse_base(const std::string& word, LseBase* out) {
-  for (LseBase b : {LseBase::natural, LseBase::base2}) {
-    if (word == lse_base_name(b)) {
-      *out = b;
-      return true;
-    }
-  }
-  return false;
+  return detail::parse_option_word(word, {LseBase::natural, LseBase::base2}, lse_base_name, out);
 }
 
 namespace detail {

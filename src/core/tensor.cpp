@@ -1,6 +1,7 @@
 #include <limits>
 #include <sstream>
 
+#include "core/option_words.hpp"
 #include "dsaib/error.hpp"
 #include "dsaib/host_tensor.hpp"
 #include "dsaib/indexer_backward.hpp"
@@ -50,13 +51,7 @@ const char* a_operand_precision_name(AOperandPrecision a) {
 }
 
 bool parse_a_operand_precision(const std::string& word, AOperandPrecision* out) {
-  for (auto a : {AOperandPrecision::automatic, AOperandPrecision::bf16x2, AOperandPrecision::bf16}) {
-    if (word == a_operand_precision_name(a)) {
-      *out = a;
-      return true;
-    }
-  }
-  return false;
+  return detail::parse_option_word(word, {AOperandPrecision::automatic, AOperandPrecision::bf16x2, AOperandPrecision::bf16}, a_operand_precision_name, out);
 }
 
 const char* l2_hints_name(L2Hints h) {
@@ -69,13 +64,7 @@ const char* l2_hints_name(L2Hints h) {
 }
 
 bool parse_l2_hints(const std::string& word, L2Hints* out) {
-  for (auto h : {L2Hints::automatic, L2Hints::on, L2Hints::off}) {
-    if (word == l2_hints_name(h)) {
-      *out = h;
-      return true;
-    }
-  }
-  return false;
+  return detail::parse_option_word(word, {L2Hints::automatic, L2Hints::on, L2Hints::off}, l2_hints_name, out);
 }
 
 const char* start_stagger_name(StartStagger s) {
@@ -87,13 +76,7 @@ const char* start_stagger_name(StartStagger s) {
 }
 
 bool parse_start_stagger(const std::string& word, StartStagger* out) {
-  for (auto s : {StartStagger::automatic, StartStagger::off}) {
-    if (word == start_stagger_name(s)) {
-      *out = s;
-      return true;
-    }
-  }
-  return false;
+  return detail::parse_option_word(word, {StartStagger::automatic, StartStagger::off}, start_stagger_name, out);
 }
 
 const char* forward_fusion_name(ForwardFusion f) {
@@ -105,13 +88,7 @@ const char* forward_fusion_name(ForwardFusion f) {
 }
 
 bool parse_forward_fusion(const std::string& word, ForwardFusion* out) {
-  for (auto f : {ForwardFusion::automatic, ForwardFusion::off}) {
-    if (word == forward_fusion_name(f)) {
-      *out = f;
-      return true;
-    }
-  }
-  return false;
+  return detail::parse_option_word(word, {ForwardFusion::automatic, ForwardFusion::off}, forward_fusion_name, out);
 }
 
 int64_t TensorView::numel() const {

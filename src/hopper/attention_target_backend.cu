@@ -34,19 +34,10 @@ void with_target_config(int64_t heads, int64_t head_dim, F&& f) {
 template <class Config>
 int64_t target_grid(int64_t rows, int device) {
   if (rows <= 0) return 0;
-  const int smem = attention_target_smem_bytes<Config>();
-  auto kernel = attention_target_kernel<Config>;
-  cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-             "cudaFuncSetAttribute(attention_target_kernel)");
-  int sms = 0, blocks_per_sm = 0;
+  const int blocks_per_sm = resident_ctas_per_sm(attention_target_kernel<Config>, Config::kThreads,
+                                                 attention_target_smem_bytes<Config>(), "attention_target_kernel");
+  int sms = 0;
   cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
-  cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, Config::kThreads, smem),
-             "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-  if (blocks_per_sm < 1) {
-    throw Error(ErrorCode::cuda_error, "attention_target_kernel",
-                "attention_target_kernel: expected at least one resident CTA per SM, got 0 (shared memory " +
-                    std::to_string(smem) + " bytes)");
-  }
   return std::min<int64_t>(rows, static_cast<int64_t>(sms) * blocks_per_sm);
 }
 

@@ -190,10 +190,8 @@ template <class Config>
 __global__ void __launch_bounds__(Config::kThreads, 1)
     attention_target_kernel(const __grid_constant__ AttentionTargetParams p) {
   extern __shared__ uint8_t smem_raw[];
-  const uint32_t smem_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
-  uint8_t* base = smem_raw + ((1024u - (smem_addr & 1023u)) & 1023u);
   using Storage = AttentionTargetStorage<Config>;
-  Storage& ss = *reinterpret_cast<Storage*>(base);
+  Storage& ss = shared_storage_at_1024<Storage>(smem_raw);
   if (threadIdx.x == 0) {
     for (int s = 0; s < Config::kStagesK; ++s) {
       cuda::ptx::mbarrier_init(&ss.k_full[s], 2 * Config::kProducerThreads);

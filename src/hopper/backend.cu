@@ -561,6 +561,19 @@ hopper::LaunchPlan fused_plan(const IndexerBackwardOutputs& grads, const Indexer
   return plan_for_current_device(grads, opt, g);
 }
 
+/// The two kernels' workspace: the row statistics (2 parts of `rows` bytes),
+/// with H > 64 or deterministic P (`p` bytes), then the scratch the forward
+/// and the backward use one after the other.
+struct TwoKernelLayout {
+  bool with_p;
+  std::size_t rows, p;
+  TwoKernelLayout(const ProblemGeometry& g, const IndexerBackwardOptions& opt)
+      : with_p(g.heads > 64 || opt.deterministic),
+        rows(round256(static_cast<std::size_t>(g.num_q_rows) * 4)),
+        p(with_p ? round256(static_cast<std::size_t>(g.num_q_rows * g.topk) * 4) : 0) {}
+  std::size_t scratch_offset() const { return 2 * rows + p; }
+};
+
 }  // namespace
 
 std::size_t cuda_kl_loss_and_grad_workspace_bytes(const IndexerBackwardInputs& in, const IndexerKLLossAndGradOutputs& out,
@@ -568,13 +581,11 @@ std::size_t cuda_kl_loss_and_grad_workspace_bytes(const IndexerBackwardInputs& i
   hopper::DeviceGuard guard(in.index_q.device_index);
   const IndexerBackwardOutputs grads{out.d_index_q, out.d_weights, out.d_index_k};
   if (fused_loss_and_grad(grads, opt, g)) return FusedLayout(g, fused_plan(grads, opt, g).grid, out.d_index_k.dtype).total;
-  const std::size_t rows = round256(static_cast<std::size_t>(g.num_q_rows) * 4);
-  const bool with_p = g.heads > 64 || opt.deterministic;
-  const std::size_t p = with_p ? round256(static_cast<std::size_t>(g.num_q_rows * g.topk) * 4) : 0;
+  const TwoKernelLayout lay(g, opt);
   const std::size_t fwd = round256(cuda_kl_forward_workspace_size(g, in.index_q.device_index));
   const std::size_t bwd = round256(hopper::workspace_bytes(g, out.d_index_k.dtype, opt.deterministic)) +
-                          (with_p ? 0 : packed_stats_bytes(g));
-  return 2 * rows + p + std::max(fwd, bwd);
+                          (lay.with_p ? 0 : packed_stats_bytes(g));
+  return lay.scratch_offset() + std::max(fwd, bwd);
 }
 
 /// The loss and gradients in the loss-and-gradient kernel: dK zeroed, the
@@ -613,42 +624,48 @@ static void run_fused_loss_and_grad(const IndexerBackwardInputs& in, const Index
   }
 }
 
+/// The loss forward into `ws` (the row statistics, with H > 64 or
+/// deterministic P too, then its scratch), then the backward from them.
+static void run_two_kernel_loss_and_grad(const IndexerBackwardInputs& in, const IndexerKLLossAndGradOutputs& out,
+                                         const IndexerBackwardOptions& opt, const ProblemGeometry& g, char* ws,
+                                         std::size_t total) {
+  const int device = in.index_q.device_index;
+  const TwoKernelLayout lay(g, opt);
+  IndexerKLForwardOutputs fwd;
+  fwd.loss = out.loss;
+  fwd.row_lse = rows_view(ws, g, device);
+  fwd.row_target_mass = rows_view(ws + lay.rows, g, device);
+  if (lay.with_p) fwd.index_score = rows_view(ws + 2 * lay.rows, g, device, {g.topk});
+  char* scratch = ws + lay.scratch_offset();
+  const std::size_t scratch_bytes = total - lay.scratch_offset();
+  run_cuda_kl_forward(in, fwd, opt, g, scratch, scratch_bytes);
+  IndexerBackwardInputs bwd_in = in;
+  if (lay.with_p) {
+    bwd_in.index_score = fwd.index_score;
+  } else {
+    bwd_in.row_lse = fwd.row_lse;
+    bwd_in.row_target_mass = fwd.row_target_mass;
+  }
+  run_fused_backward(bwd_in, {out.d_index_q, out.d_weights, out.d_index_k}, opt, g, scratch, scratch_bytes);
+}
+
 void run_cuda_kl_loss_and_grad(const IndexerBackwardInputs& inputs, const IndexerKLLossAndGradOutputs& out,
                                const IndexerBackwardOptions& opt, const ProblemGeometry& g, void* workspace,
                                std::size_t workspace_bytes) {
   hopper::DeviceGuard guard(inputs.index_q.device_index);
   cudaStream_t stream = static_cast<cudaStream_t>(opt.stream);
-  const int device = inputs.index_q.device_index;
   const IndexerBackwardOutputs grads{out.d_index_q, out.d_weights, out.d_index_k};
   (void)plan_for_current_device(grads, opt, g);  // its errors before anything is allocated
-  if (fused_loss_and_grad(grads, opt, g)) {
-    const hopper::LaunchPlan plan = fused_plan(grads, opt, g);
+  const bool fused = fused_loss_and_grad(grads, opt, g);
+  hopper::LaunchPlan plan{};
+  if (fused) {
+    plan = fused_plan(grads, opt, g);
     // The kernel's attribute and occupancy before anything is allocated or written.
     if (g.head_dim == 64) hopper::prepare_indexer_kl_loss_and_grad<64>();
     else hopper::prepare_indexer_kl_loss_and_grad<128>();
-    const std::size_t total = FusedLayout(g, plan.grid, out.d_index_k.dtype).total;
-    char* ws = static_cast<char*>(workspace);
-    const bool owns = !(workspace != nullptr && workspace_bytes >= total);
-    if (owns) {
-      void* m = nullptr;
-      cuda_check(cudaMallocAsync(&m, total, stream), "cudaMallocAsync (loss and gradients workspace)");
-      ws = static_cast<char*>(m);
-    }
-    int32_t* buffer = nullptr;
-    const IndexerBackwardInputs in =
-        g.cu_seqlens_on_device_only ? check_device_cu_seqlens(inputs, g, stream, &buffer) : inputs;
-    run_fused_loss_and_grad(in, out, opt, g, plan, ws, stream);
-    if (buffer) {
-      finish_device_cu_seqlens(buffer, inputs.cu_seqlens_q.shape[0],
-                               {&out.loss, &out.d_index_q, &out.d_weights, &out.d_index_k}, stream);
-    }
-    if (owns) cuda_check(cudaFreeAsync(ws, stream), "cudaFreeAsync (loss and gradients workspace)");
-    return;
   }
-  const std::size_t total = cuda_kl_loss_and_grad_workspace_bytes(inputs, out, opt, g);
-  const std::size_t rows = round256(static_cast<std::size_t>(g.num_q_rows) * 4);
-  const bool with_p = g.heads > 64 || opt.deterministic;
-  const std::size_t p = with_p ? round256(static_cast<std::size_t>(g.num_q_rows * g.topk) * 4) : 0;
+  const std::size_t total = fused ? FusedLayout(g, plan.grid, out.d_index_k.dtype).total
+                                  : cuda_kl_loss_and_grad_workspace_bytes(inputs, out, opt, g);
   char* ws = static_cast<char*>(workspace);
   const bool owns = !(workspace != nullptr && workspace_bytes >= total);
   if (owns) {
@@ -659,22 +676,8 @@ void run_cuda_kl_loss_and_grad(const IndexerBackwardInputs& inputs, const Indexe
   int32_t* buffer = nullptr;
   const IndexerBackwardInputs in =
       g.cu_seqlens_on_device_only ? check_device_cu_seqlens(inputs, g, stream, &buffer) : inputs;
-  IndexerKLForwardOutputs fwd;
-  fwd.loss = out.loss;
-  fwd.row_lse = rows_view(ws, g, device);
-  fwd.row_target_mass = rows_view(ws + rows, g, device);
-  if (with_p) fwd.index_score = rows_view(ws + 2 * rows, g, device, {g.topk});
-  char* scratch = ws + 2 * rows + p;
-  const std::size_t scratch_bytes = total - 2 * rows - p;
-  run_cuda_kl_forward(in, fwd, opt, g, scratch, scratch_bytes);
-  IndexerBackwardInputs bwd_in = in;
-  if (with_p) {
-    bwd_in.index_score = fwd.index_score;
-  } else {
-    bwd_in.row_lse = fwd.row_lse;
-    bwd_in.row_target_mass = fwd.row_target_mass;
-  }
-  run_fused_backward(bwd_in, grads, opt, g, scratch, scratch_bytes);
+  if (fused) run_fused_loss_and_grad(in, out, opt, g, plan, ws, stream);
+  else run_two_kernel_loss_and_grad(in, out, opt, g, ws, total);
   if (buffer) {
     finish_device_cu_seqlens(buffer, inputs.cu_seqlens_q.shape[0],
                              {&out.loss, &out.d_index_q, &out.d_weights, &out.d_index_k}, stream);

@@ -62,19 +62,10 @@ void with_forward_config(int64_t head_dim, int64_t heads, F&& f) {
 template <class Config>
 int64_t forward_grid(int64_t rows, int device) {
   if (rows <= 0) return 0;
-  const int smem = forward_shared_storage_bytes<Config>();
-  auto kernel = indexer_kl_forward_kernel<Config>;
-  cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-             "cudaFuncSetAttribute(indexer_kl_forward_kernel)");
-  int sms = 0, blocks_per_sm = 0;
+  const int blocks_per_sm = resident_ctas_per_sm(indexer_kl_forward_kernel<Config>, Config::kThreads,
+                                                 forward_shared_storage_bytes<Config>(), "indexer_kl_forward_kernel");
+  int sms = 0;
   cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
-  cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, Config::kThreads, smem),
-             "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-  if (blocks_per_sm < 1) {
-    throw Error(ErrorCode::cuda_error, "indexer_kl_forward_kernel",
-                "indexer_kl_forward_kernel: expected at least one resident CTA per SM, got 0 (shared memory " +
-                    std::to_string(smem) + " bytes)");
-  }
   return std::min<int64_t>(rows, static_cast<int64_t>(sms) * blocks_per_sm);
 }
 

@@ -400,10 +400,8 @@ template <class Config>
 __global__ void __launch_bounds__(Config::kThreads, 1)
     indexer_kl_forward_kernel(const __grid_constant__ IndexerKLForwardParams p) {
   extern __shared__ uint8_t smem_raw[];
-  const uint32_t smem_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
-  uint8_t* base = smem_raw + ((1024u - (smem_addr & 1023u)) & 1023u);
   using Storage = ForwardSharedStorage<Config>;
-  Storage& ss = *reinterpret_cast<Storage*>(base);
+  Storage& ss = shared_storage_at_1024<Storage>(smem_raw);
   const MbarrierPipeline<Config::kStagesK> k_pipe{ss.k_full, ss.k_empty, 1u};
   const MbarrierPipeline<Config::kStagesQ> q_pipe{ss.q_full, ss.q_empty, 2u};
   if (threadIdx.x == 0) {

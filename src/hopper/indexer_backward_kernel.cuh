@@ -29,26 +29,14 @@ __device__ __forceinline__ void set_role_registers() {
 template <class Config>
 __global__ void __launch_bounds__(Config::kThreads, 1) indexer_backward_kernel(const __grid_constant__ IndexerBackwardParams p) {
   extern __shared__ uint8_t smem_raw[];
-  // Align to 1024 B (128-byte swizzle atoms) by an offset from smem_raw, so the
-  // compiler still knows the pointer is shared memory (STS/LDS, not generic ST/LD).
-  const uint32_t smem_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
-  uint8_t* base = smem_raw + ((1024u - (smem_addr & 1023u)) & 1023u);
-  SharedStorage<Config>& ss = *reinterpret_cast<SharedStorage<Config>*>(base);
-
-  using Counts = KernelBarrierCounts<Config>;
-  const MbarrierPipeline<Config::kStagesK> k_pipe{ss.k_full, ss.k_empty, 1u};
-  const MbarrierPipeline<Config::kStagesQ> q_pipe{ss.q_full, ss.q_empty, 2u};
-  // The dK role fills dk_stage, the scatter role empties it.
-  const MbarrierPipeline<Config::kDkBuffers> dk_pipe{ss.dk_full, ss.dk_empty, 3u};
-  // The score role fills sA, the dK role empties it.
-  const MbarrierPipeline<Config::kABuffers> a_pipe{ss.a_full, ss.a_empty, 4u};
-  if (threadIdx.x == 0) {
-    k_pipe.init({Counts::kKFullArrivals, Counts::kKEmptyArrivals});
-    q_pipe.init({Counts::kQFullArrivals, Counts::kQEmptyArrivals});
-    dk_pipe.init({Counts::kDkFullArrivals, Counts::kDkEmptyArrivals});
-    a_pipe.init({Counts::kAFullArrivals, Counts::kAEmptyArrivals});
-  }
+  SharedStorage<Config>& ss = shared_storage_at_1024<SharedStorage<Config>>(smem_raw);
+  const BackwardPipelines<Config> pipes(ss);
+  if (threadIdx.x == 0) pipes.init();
   init_barriers_fence_and_sync();
+  const auto& k_pipe = pipes.k;
+  const auto& q_pipe = pipes.q;
+  const auto& dk_pipe = pipes.dk;
+  const auto& a_pipe = pipes.a;
 
   constexpr int kEntry = Config::kEntryRegisters;
   const int warpgroup = threadIdx.x / Config::kThreadsPerWarpgroup;

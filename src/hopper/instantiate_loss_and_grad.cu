@@ -22,18 +22,8 @@ void launch_indexer_kl_loss_and_grad(const IndexerKLForwardParams& params, int64
 template <int kHeadDim>
 void prepare_indexer_kl_loss_and_grad() {
   using Config = LossAndGradTileConfig<kHeadDim>;
-  const int smem = shared_storage_bytes<Config>();
-  auto kernel = indexer_kl_loss_and_grad_kernel<Config>;
-  cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-             "cudaFuncSetAttribute(indexer_kl_loss_and_grad_kernel)");
-  int blocks_per_sm = 0;
-  cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, Config::kThreads, smem),
-             "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-  if (blocks_per_sm < 1) {
-    throw Error(ErrorCode::cuda_error, "indexer_kl_loss_and_grad_kernel",
-                "indexer_kl_loss_and_grad_kernel: expected at least one resident CTA per SM, got 0 (shared memory " +
-                    std::to_string(smem) + " bytes)");
-  }
+  (void)resident_ctas_per_sm(indexer_kl_loss_and_grad_kernel<Config>, Config::kThreads, shared_storage_bytes<Config>(),
+                             "indexer_kl_loss_and_grad_kernel");
 }
 
 template void prepare_indexer_kl_loss_and_grad<64>();

@@ -17,19 +17,8 @@ int indexer_backward_smem_bytes() {
 /// dynamic shared memory attribute set); at least one, else cuda_error.
 template <class Config>
 int ctas_per_sm_of() {
-  const int smem = shared_storage_bytes<Config>();
-  auto kernel = indexer_backward_kernel<Config>;
-  cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-             "cudaFuncSetAttribute(indexer_backward_kernel)");
-  int blocks_per_sm = 0;
-  cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, Config::kThreads, smem),
-             "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-  if (blocks_per_sm < 1) {
-    throw Error(ErrorCode::cuda_error, "indexer_backward_kernel",
-                "indexer_backward_kernel: expected at least one resident CTA per SM, got 0 (shared memory " +
-                    std::to_string(smem) + " bytes)");
-  }
-  return blocks_per_sm;
+  return resident_ctas_per_sm(indexer_backward_kernel<Config>, Config::kThreads, shared_storage_bytes<Config>(),
+                              "indexer_backward_kernel");
 }
 
 /// indexer_backward_kernel<Config> over `grid` persistent CTAs (none for grid 0),

@@ -34,32 +34,26 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   static_assert(kFusesForward<Config>, "a LossAndGradConfig");
   const IndexerBackwardParams& p = fp.in;
   extern __shared__ uint8_t smem_raw[];
-  const uint32_t smem_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
-  uint8_t* base = smem_raw + ((1024u - (smem_addr & 1023u)) & 1023u);
-  SharedStorage<Config>& ss = *reinterpret_cast<SharedStorage<Config>*>(base);
-
-  using Counts = KernelBarrierCounts<Config>;
-  const MbarrierPipeline<Config::kStagesK> k_pipe{ss.k_full, ss.k_empty, 1u};
-  const MbarrierPipeline<Config::kStagesQ> q_pipe{ss.q_full, ss.q_empty, 2u};
-  const MbarrierPipeline<Config::kDkBuffers> dk_pipe{ss.dk_full, ss.dk_empty, 3u};
-  const MbarrierPipeline<Config::kABuffers> a_pipe{ss.a_full, ss.a_empty, 4u};
+  SharedStorage<Config>& ss = shared_storage_at_1024<SharedStorage<Config>>(smem_raw);
+  const BackwardPipelines<Config> pipes(ss);
   // The forward blocks' stages: the producer fills, the dK role empties.
   const MbarrierPipeline<Config::kForwardStages> f_pipe{ss.fused.forward_full, ss.fused.forward_empty, 6u};
   if (threadIdx.x == 0) {
+    pipes.init();
     f_pipe.init({Config::kProducerThreads, Config::kDkThreads});
-    k_pipe.init({Counts::kKFullArrivals, Counts::kKEmptyArrivals});
-    q_pipe.init({Counts::kQFullArrivals, Counts::kQEmptyArrivals});
-    dk_pipe.init({Counts::kDkFullArrivals, Counts::kDkEmptyArrivals});
-    a_pipe.init({Counts::kAFullArrivals, Counts::kAEmptyArrivals});
     for (int s = 0; s < Config::kStagesQ; ++s) cuda::ptx::mbarrier_init(&ss.fused.stats_full[s], 1);
   }
   init_barriers_fence_and_sync();
+  const auto& k_pipe = pipes.k;
+  const auto& q_pipe = pipes.q;
+  const auto& dk_pipe = pipes.dk;
+  const auto& a_pipe = pipes.a;
 
   constexpr int kEntry = Config::kEntryRegisters;
   const int warpgroup = threadIdx.x / Config::kThreadsPerWarpgroup;
   if (warpgroup == Config::kProducerWarpgroup) {
     set_role_registers<Config::kProducerRegisters, kEntry>();
-    LossAndGradProducer<Config>{{p, ss, k_pipe, q_pipe}}.run();
+    LossAndGradProducer<Config>{{p, ss, k_pipe, q_pipe}, f_pipe}.run();
   } else if (warpgroup == Config::kScoreWarpgroup) {
     set_role_registers<Config::kScoreRegisters, kEntry>();
     ScoreMma<Config>{p, ss, k_pipe, q_pipe, a_pipe}.run();

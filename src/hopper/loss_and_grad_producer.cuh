@@ -35,6 +35,8 @@ struct LossAndGradProducer : ProducerGather<Config> {
   static constexpr int kGatherRows = Base::kGatherRows;
   static_assert(kFusesForward<Config>, "the producer of the loss-and-gradient kernels");
 
+  MbarrierPipeline<Config::kForwardStages> f_pipe;  // the forward blocks' ring (this role fills it)
+
   /// One row's pass over its chunks, and where it stands.
   struct RowPass {
     RowSequence seq;
@@ -173,7 +175,6 @@ struct LossAndGradProducer : ProducerGather<Config> {
     auto k_state = make_producer_start_state<Config::kStagesK>();
     auto f_state = make_producer_start_state<Config::kForwardStages>();
     auto q_state = make_producer_start_state<Config::kStagesQ>();
-    const MbarrierPipeline<Config::kForwardStages> f_pipe{this->ss.fused.forward_full, this->ss.fused.forward_empty, 6u};
     if (const uint64_t delay = start_delay_ns(p.start_stagger_max_ns, p.start_stagger_first_delayed_cta, blockIdx.x)) {
       const uint64_t start = cuda::ptx::get_sreg_globaltimer();
       while (cuda::ptx::get_sreg_globaltimer() - start < delay) __nanosleep(500);

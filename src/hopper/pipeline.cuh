@@ -103,6 +103,16 @@ struct MbarrierPipeline {
   __device__ void consumer_release(const PipelineState<kStages>& st) const { (void)cuda::ptx::mbarrier_arrive(&empty[st.index]); }
 };
 
+/// The kernel's shared-memory storage at the first 1024-byte boundary of the
+/// dynamic shared memory (128-byte swizzle atoms), reached by an offset from
+/// smem_raw so that the compiler still knows the pointer is shared memory
+/// (STS/LDS, not generic ST/LD). The storage sizes add 1024 bytes of slack.
+template <class Storage>
+__device__ __forceinline__ Storage& shared_storage_at_1024(uint8_t* smem_raw) {
+  const uint32_t smem_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  return *reinterpret_cast<Storage*>(smem_raw + ((1024u - (smem_addr & 1023u)) & 1023u));
+}
+
 /// After one thread initialised all mbarriers: make the inits visible to the
 /// async proxy and to every thread of the CTA.
 __device__ inline void init_barriers_fence_and_sync() {

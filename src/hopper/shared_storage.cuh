@@ -230,6 +230,28 @@ struct KernelBarrierCounts {
                 "one warpgroup per role, every thread of a role arrives");
 };
 
+/// The four pipelines of the backward's roles over SharedStorage's barriers
+/// (the contract blocks above), with the timeout codes of pipeline.cuh.
+template <class Config>
+struct BackwardPipelines {
+  MbarrierPipeline<Config::kStagesK> k;     // the producer fills K stages, the score role empties them
+  MbarrierPipeline<Config::kStagesQ> q;     // the producer fills Q stages, both MMA roles empty them
+  MbarrierPipeline<Config::kDkBuffers> dk;  // the dK role fills dk_stage, the scatter role empties it
+  MbarrierPipeline<Config::kABuffers> a;    // the score role fills sA, the dK role empties it
+
+  __device__ explicit BackwardPipelines(SharedStorage<Config>& ss)
+      : k{ss.k_full, ss.k_empty, 1u}, q{ss.q_full, ss.q_empty, 2u}, dk{ss.dk_full, ss.dk_empty, 3u}, a{ss.a_full, ss.a_empty, 4u} {}
+
+  /// By one thread, before init_barriers_fence_and_sync().
+  __device__ void init() const {
+    using Counts = KernelBarrierCounts<Config>;
+    k.init({Counts::kKFullArrivals, Counts::kKEmptyArrivals});
+    q.init({Counts::kQFullArrivals, Counts::kQEmptyArrivals});
+    dk.init({Counts::kDkFullArrivals, Counts::kDkEmptyArrivals});
+    a.init({Counts::kAFullArrivals, Counts::kAEmptyArrivals});
+  }
+};
+
 template <class Config>
 constexpr int shared_storage_bytes() {
   constexpr int bytes = static_cast<int>(sizeof(SharedStorage<Config>)) + 1024;  // + alignment slack

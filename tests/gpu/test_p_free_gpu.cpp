@@ -164,6 +164,24 @@ struct OneCall {
   void run() { indexer_kl_loss_and_grad(inputs(), outputs(), opt, ws.ptr, ws.bytes); }
 };
 
+/// A finished one call's outputs against the fp64 reference of `ref_opt`
+/// (cpu): the loss within 1e-6 relative (checked here, `name` in the
+/// message), and the gradients' errors against the fp64 P-free backward from
+/// the forward's f32 row statistics (returned).
+Result one_call_against_reference(const GeneratedProblem& p, const IndexerBackwardOptions& ref_opt, const OneCall& one,
+                                  const std::string& name) {
+  const ReferenceKLForward fwd = reference_kl_forward(forward_inputs(p), ref_opt);
+  const double loss = to_doubles(one.loss.to_host())[0];
+  EXPECT_LE(std::fabs(loss - fwd.loss), 1e-6 * std::fabs(fwd.loss)) << name << " loss " << loss << " vs " << fwd.loss;
+  const Stats s = forward_stats(p, ref_opt);
+  IndexerBackwardInputs host_in = forward_inputs(p);
+  host_in.row_lse = s.row_lse.view();
+  host_in.row_target_mass = s.row_target_mass.view();
+  const ReferenceGradients ref = reference_backward(host_in, ref_opt);
+  return {compare(one.out.d_index_q.to_host(), ref.d_index_q), compare(one.out.d_weights.to_host(), ref.d_weights),
+          compare(one.out.d_index_k.to_host(), ref.d_index_k)};
+}
+
 TEST(PFreeGpu, OneCallMatchesReferenceAndReplaysInAGraph) {
   SKIP_WITHOUT_GPU();
   for (const auto& [layout, h] : {std::pair{Layout::bshd, int64_t{64}}, std::pair{Layout::thd, int64_t{128}}}) {
@@ -191,19 +209,9 @@ TEST(PFreeGpu, OneCallMatchesReferenceAndReplaysInAGraph) {
       check_cuda(cudaStreamSynchronize(stream), "sync");
       IndexerBackwardOptions ref_opt = opt;
       ref_opt.grad_loss = g;
-      const ReferenceKLForward fwd = reference_kl_forward(forward_inputs(p), ref_opt);
-      const double loss = to_doubles(one.loss.to_host())[0];
-      EXPECT_LE(std::fabs(loss - fwd.loss), 1e-6 * std::fabs(fwd.loss)) << loss << " vs " << fwd.loss;
-      const Stats s = forward_stats(p, ref_opt);
-      IndexerBackwardInputs host_in = forward_inputs(p);
-      host_in.row_lse = s.row_lse.view();
-      host_in.row_target_mass = s.row_target_mass.view();
-      const ReferenceGradients ref = reference_backward(host_in, ref_opt);
-      const Result r{compare(one.out.d_index_q.to_host(), ref.d_index_q), compare(one.out.d_weights.to_host(), ref.d_weights),
-                     compare(one.out.d_index_k.to_host(), ref.d_index_k)};
-      expect_within(r, DType::f32, DType::f32, DType::f32,
-                    std::string(layout == Layout::thd ? "one_call_graph_thd_h" : "one_call_graph_bshd_h") +
-                        std::to_string(h) + "_g" + std::to_string(g));
+      const std::string name = std::string(layout == Layout::thd ? "one_call_graph_thd_h" : "one_call_graph_bshd_h") +
+                               std::to_string(h) + "_g" + std::to_string(g);
+      expect_within(one_call_against_reference(p, ref_opt, one, name), DType::f32, DType::f32, DType::f32, name);
     }
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);
@@ -272,19 +280,9 @@ TEST(PFreeGpu, FusedOneCallMatchesTwoKernelsAndTheReference) {
 
     IndexerBackwardOptions ref_opt = opt;
     ref_opt.grad_loss = 1.3f;
-    const ReferenceKLForward fwd = reference_kl_forward(forward_inputs(p), ref_opt);
-    const double loss = to_doubles(fused.loss.to_host())[0];
-    EXPECT_LE(std::fabs(loss - fwd.loss), 1e-6 * std::fabs(fwd.loss)) << c.name << " loss " << loss << " vs " << fwd.loss;
-    const Stats st = forward_stats(p, ref_opt);
-    IndexerBackwardInputs host_in = forward_inputs(p);
-    host_in.row_lse = st.row_lse.view();
-    host_in.row_target_mass = st.row_target_mass.view();
-    const ReferenceGradients ref = reference_backward(host_in, ref_opt);
-    const Result r{compare(fused.out.d_index_q.to_host(), ref.d_index_q),
-                   compare(fused.out.d_weights.to_host(), ref.d_weights),
-                   compare(fused.out.d_index_k.to_host(), ref.d_index_k)};
     // one bf16 A term: the bf16 tolerance for every output
-    expect_within(r, DType::bf16, DType::bf16, DType::bf16, "fused_" + c.name);
+    expect_within(one_call_against_reference(p, ref_opt, fused, c.name), DType::bf16, DType::bf16, DType::bf16,
+                  "fused_" + c.name);
   }
 }
 
@@ -520,18 +518,8 @@ TEST(SanitizedPFree, LossAndGradKernel) {
     fused.loss.fill_bytes(0xff);
     fused.run();
     check_cuda(cudaDeviceSynchronize(), "one call");
-    const ReferenceKLForward fwd = reference_kl_forward(forward_inputs(p), opt);
-    const double loss = to_doubles(fused.loss.to_host())[0];
-    EXPECT_LE(std::fabs(loss - fwd.loss), 1e-6 * std::fabs(fwd.loss)) << loss << " vs " << fwd.loss;
-    const Stats st = forward_stats(p, opt);
-    IndexerBackwardInputs host_in = forward_inputs(p);
-    host_in.row_lse = st.row_lse.view();
-    host_in.row_target_mass = st.row_target_mass.view();
-    const ReferenceGradients ref = reference_backward(host_in, opt);
-    const Result r{compare(fused.out.d_index_q.to_host(), ref.d_index_q),
-                   compare(fused.out.d_weights.to_host(), ref.d_weights),
-                   compare(fused.out.d_index_k.to_host(), ref.d_index_k)};
-    expect_within(r, DType::bf16, DType::bf16, DType::bf16, wide ? "sanitized_fused_thd_d64_wide" : "sanitized_fused_bshd_d128");
+    const std::string name = wide ? "sanitized_fused_thd_d64_wide" : "sanitized_fused_bshd_d128";
+    expect_within(one_call_against_reference(p, opt, fused, name), DType::bf16, DType::bf16, DType::bf16, name);
   }
 }
 
