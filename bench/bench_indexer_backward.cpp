@@ -1,7 +1,7 @@
 // dsa-indexer-bwd-bench: benchmark of the cuda backend (whole op: dK zeroing, fused
 // kernel, bf16 cast) with CUDA events: warm-up, median and spread of many runs, input
 // sets rotated beyond L2, JSON output. A thin wrapper over the dsaib_bench core
-// (bench/core); `dsa-indexer-bwd bench` runs the same cases and adds the floor measured
+// (bench/core); `dsaib bench` runs the same cases and adds the floor measured
 // in the same run. This tool measures no floor, so it starts faster: its flags and JSON
 // are what scripts/ab_compare.py (paired A/B of two builds) and a profiler run use.
 //   dsa-indexer-bwd-bench [--json FILE] [--seq 4096,16384] [--topk 2048] [--heads 64] [--dim 128]
@@ -12,13 +12,13 @@
 // (D*4 bytes per valid slot) and "fixed_floor_ratio" (console: x278), the ratio to the
 // fixed reference floor of 278 ns/row (bench/core/bench_core.hpp, kFixedFloorNsPerRow:
 // the DeepSeek shape's dK reduce at the H200's L2 scatter-add rate, topk valid slots per
-// row); the same key as in `dsa-indexer-bwd bench --json`, whose "floor_ratio" is the
+// row); the same key as in `dsaib bench --json`, whose "floor_ratio" is the
 // ratio to the floor it measures in the same run.
 // --input-sets 1 turns the rotation off (the behaviour before it was added).
 // --l2-set-aside-mib X sets this process's L2 set-aside for persisting lines
 // (cudaLimitPersistingL2CacheSize, a context-wide limit that belongs to the
 // application, never to the library) before the runs: the L2-hinted kernel's
-// evict_last dK lines live there (src/hopper/l2_policy.cuh). The driver rounds
+// evict_last dK lines live there (src/hopper/indexer_backward/l2_policy.cuh). The driver rounds
 // and caps the value; the one in force is printed to stderr.
 // --sustained-ms X adds, per case, X ms of back-to-back launches after the timed ones
 // and reports the median ns/row over their second half ("ns_per_row_sustained"): each
@@ -74,7 +74,7 @@ int main(int argc, char** argv) {
           "  --sustained-ms X  after the timed launches, X ms of launches back to back (no pre-roll, no\n"
           "                    host wait): the steady-state ns/row under the GPU's power management\n"
           "                    (median of the run's second half; 0, the default: not run)\n"
-          "`dsa-indexer-bwd bench` runs the same cases with the floor measured in the same run.\n"
+          "`dsaib bench` runs the same cases with the floor measured in the same run.\n"
           "Exit: 0 ok, 1 a CUDA error, 2 bad arguments, 77 no sm_90 GPU.\n");
       return 0;
     }

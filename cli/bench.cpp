@@ -1,4 +1,4 @@
-// `dsa-indexer-bwd bench`: the floor micro-benchmarks and the op, in one run, over the
+// `dsaib bench`: the floor micro-benchmarks and the op, in one run, over the
 // dsaib_bench core (bench/core). Compiled only when the project is built with CUDA
 // (DSAIB_CLI_WITH_CUDA); run.cpp has the stub of other builds.
 #include <nlohmann/json.hpp>
@@ -123,7 +123,7 @@ std::string device_line(const bench::DeviceInfo& dev) {
 }
 
 void print_header(std::ostream& out, const BenchArgs& a, const bench::DeviceInfo& dev) {
-  out << "dsa-indexer-bwd bench\n"
+  out << "dsaib bench\n"
       << "  op          " << a.op << "\n"
       << "  device      " << device_line(dev) << "\n"
       << "  method      CUDA events around each launch; median (min-max) of " << a.iters << " launches after "
@@ -367,7 +367,7 @@ nlohmann::ordered_json floor_measurements_json(const Floors& f) {
 nlohmann::ordered_json bench_json(const BenchArgs& a, const bench::DeviceInfo& dev, const Floors& f,
                                   const nlohmann::ordered_json& cases) {
   nlohmann::ordered_json j;
-  j["tool"] = "dsa-indexer-bwd bench";
+  j["tool"] = "dsaib bench";
   j["command"] = a.command_line;
   j["device"] = {{"name", dev.name},
                  {"compute_capability", std::to_string(dev.cc_major) + "." + std::to_string(dev.cc_minor)},

@@ -1,4 +1,4 @@
-// `dsa-indexer-bwd bench`: its flags and their checks; the run is run_bench (bench.cpp,
+// `dsaib bench`: its flags and their checks; the run is run_bench (bench.cpp,
 // cuda builds; builds without CUDA report that bench needs it).
 #include "bench_names.hpp"
 #include "commands.hpp"

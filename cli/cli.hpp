@@ -1,4 +1,4 @@
-// Internals of the dsa-indexer-bwd command line tool (not part of the library API).
+// Internals of the dsaib command line tool (not part of the library API).
 #pragma once
 
 #include "core/problem.hpp"
@@ -94,11 +94,11 @@ inline const char* const kOutputNames[] = {"d_index_q", "d_weights", "d_index_k"
 /// A problem held on the host: its tensors by name and the options that come with it.
 struct Problem {
   std::map<std::string, HostTensor> tensors;
-  IndexerBackwardOptions options;             // layout, id_mode, sm_scale, loss_coeff, grad_loss, normalization_count
+  IndexerOptions options;             // layout, id_mode, sm_scale, loss_coeff, grad_loss, normalization_count
   std::string origin;                         // "generated (preset small, seed 0)" or "file x.safetensors"
   std::map<std::string, std::string> info;    // extra metadata written with it (ids, seed, preset)
 
-  IndexerBackwardInputs inputs() const;       // host views (cu_seqlens absent if not held)
+  IndexerInputs inputs() const;       // host views (cu_seqlens absent if not held)
 };
 
 /// Sizes and sequence structure of a validated problem: the library's own
@@ -187,10 +187,10 @@ struct RunResult {
 std::vector<HostTensor*> allocate_outputs(const Problem& p, LossOp op, DType out_dtype, RunResult& r);
 /// The library's workspace size for `op`, and the call itself, with the outputs
 /// as views (on the backend's device) in allocate_outputs' order.
-std::size_t op_workspace_size(LossOp op, const IndexerBackwardInputs& in, const std::vector<TensorView>& outs,
-                              const IndexerBackwardOptions& opt);
-void run_op(LossOp op, const IndexerBackwardInputs& in, const std::vector<TensorView>& outs,
-            const IndexerBackwardOptions& opt, void* workspace, std::size_t workspace_bytes);
+std::size_t op_workspace_size(LossOp op, const IndexerInputs& in, const std::vector<TensorView>& outs,
+                              const IndexerOptions& opt);
+void run_op(LossOp op, const IndexerInputs& in, const std::vector<TensorView>& outs,
+            const IndexerOptions& opt, void* workspace, std::size_t workspace_bytes);
 /// Runs `op` on the host (cpu backend), outputs poisoned with NaN first.
 RunResult run_cpu(const Problem& p, const Geometry& g, DType out_dtype, int32_t threads, int warmup, int repeat,
                   LossOp op = LossOp::backward);
@@ -205,7 +205,7 @@ RunResult run_cuda(const Problem& p, const Geometry& g, DType out_dtype, int war
 
 // ---------------------------------------------------------------- bench
 
-/// Flags of `dsa-indexer-bwd bench` (defaults: the DeepSeek-V3.2 indexer shapes at three lengths).
+/// Flags of `dsaib bench` (defaults: the DeepSeek-V3.2 indexer shapes at three lengths).
 struct BenchArgs {
   std::vector<int64_t> seqs = {4096, 16384, 65536};  // S_q = S_kv
   std::vector<std::string> ids = {"causal", "random"};
@@ -215,11 +215,11 @@ struct BenchArgs {
   uint64_t seed = 1234;
   std::string json;                             // "" none, "-" stdout
   bool no_floor = false;
-  std::string a_operand = "auto";               // IndexerBackwardOptions::a_operand_precision
-  std::string l2_hints = "auto";                // IndexerBackwardOptions::l2_hints
-  std::string start_stagger = "auto";           // IndexerBackwardOptions::start_stagger
-  std::string forward_fusion = "auto";          // IndexerBackwardOptions::forward_fusion
-  bool deterministic = false;                   // IndexerBackwardOptions::deterministic
+  std::string a_operand = "auto";               // IndexerOptions::a_operand_precision
+  std::string l2_hints = "auto";                // IndexerOptions::l2_hints
+  std::string start_stagger = "auto";           // IndexerOptions::start_stagger
+  std::string forward_fusion = "auto";          // IndexerOptions::forward_fusion
+  bool deterministic = false;                   // IndexerOptions::deterministic
   std::string op = "backward";                  // backward, forward, step or one-call (bench::BenchOp)
   std::string command_line;                     // for the JSON report
 };

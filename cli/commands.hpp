@@ -1,4 +1,4 @@
-// The subcommands of dsa-indexer-bwd. Each adds itself and its flags to the
+// The subcommands of dsaib. Each adds itself and its flags to the
 // CLI11 app when constructed (so it must stay where it was built: the flags
 // write into its members) and runs when the command line selected it.
 #pragma once
@@ -36,7 +36,7 @@ class GenerateCommand {
 };
 
 /// Flags of `backward` besides the generation flags and the scalar overrides.
-struct BackwardArgs {
+struct OperationArgs {
   std::string in, out, backend = "auto", out_dtype = "bf16", verify = "auto";
   int64_t sample_rows = 64;
   int32_t threads = 0;
@@ -50,11 +50,11 @@ struct BackwardArgs {
 /// (LossOp: the backward given P, the loss forward, or the loss and gradients in
 /// one call) on a problem read from a file or generated; reports as text or
 /// JSON, writes the outputs on request.
-class BackwardCommand {
+class OperationCommand {
  public:
-  explicit BackwardCommand(CLI::App& app, LossOp op = LossOp::backward);
-  BackwardCommand(const BackwardCommand&) = delete;
-  BackwardCommand& operator=(const BackwardCommand&) = delete;
+  explicit OperationCommand(CLI::App& app, LossOp op = LossOp::backward);
+  OperationCommand(const OperationCommand&) = delete;
+  OperationCommand& operator=(const OperationCommand&) = delete;
   bool selected() const { return cmd_->parsed(); }
   /// Whether the report (an error's too) is JSON on stdout.
   bool json() const { return args_.json; }
@@ -67,7 +67,7 @@ class BackwardCommand {
   LossOp op_ = LossOp::backward;
   GenOptions gen_;
   ScalarOverrides scalars_;
-  BackwardArgs args_;
+  OperationArgs args_;
 };
 
 /// `bench`: the floor micro-benchmarks and the op on the GPU (run_bench).

@@ -87,7 +87,7 @@ RunResult run_cuda(const Problem& p, const Geometry&, DType out_dtype, int warmu
     v.device_index = dev;
     return v;
   };
-  IndexerBackwardInputs in;
+  IndexerInputs in;
   in.index_q = upload("index_q");
   in.weights = upload("weights");
   in.index_k = upload("index_k");
@@ -110,7 +110,7 @@ RunResult run_cuda(const Problem& p, const Geometry&, DType out_dtype, int warmu
     out_views.push_back(v);
   }
 
-  IndexerBackwardOptions opt = p.options;
+  IndexerOptions opt = p.options;
   opt.backend = Backend::cuda;
   opt.stream = nullptr;
   const size_t ws_bytes = op_workspace_size(op, in, out_views, opt);

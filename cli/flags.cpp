@@ -251,7 +251,7 @@ std::set<std::string> ScalarOverrides::overridden_keys() const {
   return k;
 }
 
-void ScalarOverrides::apply_to_options(IndexerBackwardOptions& o) const {
+void ScalarOverrides::apply_to_options(IndexerOptions& o) const {
   if (o_sm_->count()) o.sm_scale = sm_scale_;
   if (o_lc_->count()) o.loss_coeff = loss_coeff_;
   if (o_gl_->count()) o.grad_loss = grad_loss_;

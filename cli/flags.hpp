@@ -1,4 +1,4 @@
-// Flags shared by the subcommands of dsa-indexer-bwd: CLI11 validators whose
+// Flags shared by the subcommands of dsaib: CLI11 validators whose
 // messages read "--flag: expected ..., got VALUE", the generation flags, the
 // scalar overrides, and the up-front check of an output path.
 #pragma once
@@ -42,7 +42,7 @@ CLI::Validator finite_float(bool nonzero = false);
 CLI::Validator uint64_text();
 
 /// --l2-hints auto|on|off, --start-stagger auto|off and --forward-fusion auto|off
-/// (IndexerBackwardOptions::l2_hints, ::start_stagger, ::forward_fusion) on `cmd`,
+/// (IndexerOptions::l2_hints, ::start_stagger, ::forward_fusion) on `cmd`,
 /// into the three words.
 void add_launch_option_flags(CLI::App* cmd, std::string* l2_hints, std::string* start_stagger,
                              std::string* forward_fusion);
@@ -76,7 +76,7 @@ class ScalarOverrides {
   void apply_to_flags(GenFlags& f) const;
   /// The problem-file metadata keys these flags override (not read from the file).
   std::set<std::string> overridden_keys() const;
-  void apply_to_options(IndexerBackwardOptions& o) const;
+  void apply_to_options(IndexerOptions& o) const;
 
  private:
   float sm_scale_ = 0, loss_coeff_ = 1, grad_loss_ = 1;

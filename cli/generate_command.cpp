@@ -1,4 +1,4 @@
-// `dsa-indexer-bwd generate`: writes a realistic problem (inputs and metadata) to a safetensors file.
+// `dsaib generate`: writes a realistic problem (inputs and metadata) to a safetensors file.
 #include <chrono>
 #include <filesystem>
 #include <iostream>

@@ -1,18 +1,18 @@
-// dsa-indexer-bwd: generate DSA lightning-indexer problems, run the backward on
+// dsaib: generate DSA lightning-indexer problems, run the backward on
 // a backend, verify it against the fp64 reference, report.
 //
-//   dsa-indexer-bwd generate --out p.safetensors [--preset small | --batch .. --s-q .. ...]
-//   dsa-indexer-bwd backward [--in p.safetensors | generation flags] [--out grads.safetensors]
+//   dsaib generate --out p.safetensors [--preset small | --batch .. --s-q .. ...]
+//   dsaib backward [--in p.safetensors | generation flags] [--out grads.safetensors]
 //                            [--backend auto|cpu|cuda] [--out-dtype bf16|f32] [--verify auto|none|all|sample]
-//   dsa-indexer-bwd forward [--in p.safetensors | generation flags] [--out loss.safetensors] [--verify auto|none|all]
-//   dsa-indexer-bwd step [--in p.safetensors | generation flags] [--out step.safetensors] (flags of backward)
-//   dsa-indexer-bwd bench [--seq 4096,16384,65536] [--ids causal,random] [--heads 64] [--dim 128] [--topk 2048]
+//   dsaib forward [--in p.safetensors | generation flags] [--out loss.safetensors] [--verify auto|none|all]
+//   dsaib step [--in p.safetensors | generation flags] [--out step.safetensors] (flags of backward)
+//   dsaib bench [--seq 4096,16384,65536] [--ids causal,random] [--heads 64] [--dim 128] [--topk 2048]
 //                         [--batch 1] [--iters 20] [--warmup 3] [--sustained-ms 2000] [--json FILE] [--no-floor]
 //                         (cuda builds, a GPU)
-//   dsa-indexer-bwd presets
+//   dsaib presets
 //
 // Exit status: 0 success (and PASS), 1 verification FAIL, 2 error (bad usage, bad file, bad input).
-// One file per subcommand (generate_command.cpp, backward_command.cpp, bench_command.cpp,
+// One file per subcommand (generate_command.cpp, operation_command.cpp, bench_command.cpp,
 // presets_command.cpp); this one builds the command line, dispatches and reports errors.
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -38,7 +38,7 @@ bool g_json_errors = false;
 /// The stderr line shows the message through terminal_text (it may quote names read
 /// from a file); the JSON keeps it as it is (the serialiser escapes it).
 void report_error(const std::string& code, const std::string& argument, const std::string& message) {
-  std::cerr << "dsa-indexer-bwd: error" << (code.empty() ? "" : " (" + code + ")") << ": " << terminal_text(message)
+  std::cerr << "dsaib: error" << (code.empty() ? "" : " (" + code + ")") << ": " << terminal_text(message)
             << std::endl;
   if (!g_json_errors) return;
   nlohmann::ordered_json j;
@@ -66,7 +66,7 @@ int report_parse_error(const CLI::App& app, const CLI::ParseError& e, const std:
   if (!words.empty()) {
     const std::vector<std::string> rest(words.begin() + 1, words.end());
     if (words[0] == "backward" || words[0] == "forward" || words[0] == "step") {
-      g_json_errors = BackwardCommand::json_requested(rest);
+      g_json_errors = OperationCommand::json_requested(rest);
     }
     if (words[0] == "bench") g_json_errors = BenchCommand::json_requested(rest);
   }
@@ -80,16 +80,16 @@ int report_parse_error(const CLI::App& app, const CLI::ParseError& e, const std:
 
 int run_main(int argc, char** argv) {
   CLI::App app{
-      "dsa-indexer-bwd: backward of the DeepSeek Sparse Attention lightning indexer.\n"
+      "dsaib: backward of the DeepSeek Sparse Attention lightning indexer.\n"
       "Generates problems, runs the backward on the cpu or cuda backend and verifies it\n"
       "against the fp64 reference, benchmarks it against the hardware floor.\n"
       "Exit status: 0 ok/PASS, 1 FAIL, 2 error."};
   app.require_subcommand(1);
   app.set_help_all_flag("--help-all", "help of every subcommand");
   GenerateCommand generate(app);
-  BackwardCommand backward(app);
-  BackwardCommand forward(app, LossOp::forward);
-  BackwardCommand step(app, LossOp::step);
+  OperationCommand backward(app);
+  OperationCommand forward(app, LossOp::forward);
+  OperationCommand step(app, LossOp::step);
   BenchCommand bench(app);
   PresetsCommand presets(app);
 
@@ -107,7 +107,7 @@ int run_main(int argc, char** argv) {
     for (int i = 0; i < argc; ++i) command_line += (i ? " " : "") + std::string(argv[i]);
     return bench.run(command_line);
   }
-  for (BackwardCommand* c : {&forward, &step}) {
+  for (OperationCommand* c : {&forward, &step}) {
     if (c->selected()) {
       g_json_errors = c->json();
       return c->run();

@@ -1,4 +1,4 @@
-// `dsa-indexer-bwd presets`: the presets of the generation flags, one a line.
+// `dsaib presets`: the presets of the generation flags, one a line.
 #include <iostream>
 
 #include "commands.hpp"

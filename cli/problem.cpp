@@ -37,11 +37,11 @@ const std::vector<Preset>& presets() {
        Layout::bshd, 1, 1024, 1024, 64, 128, 256, IdPattern::causal_topk, {}},
       {"deepseek-v32", "DeepSeek-V3.2 indexer: B1 S_q=S_kv=4096 H64 D128 topk2048, causal top-k", Layout::bshd, 1, 4096,
        4096, 64, 128, 2048, IdPattern::causal_topk, {}},
-      {"race-report-1", "B1 S_q1 S_kv512 H64 D128 topk128, random permutation ids", Layout::bshd, 1, 1, 512, 64, 128, 128,
+      {"b1-q1-k512-random", "B1 S_q1 S_kv512 H64 D128 topk128, random permutation ids", Layout::bshd, 1, 1, 512, 64, 128, 128,
        IdPattern::random_permutation, {}},
-      {"race-report-2", "B3 S_q64 S_kv2048 H64 D128 topk512, random permutation ids", Layout::bshd, 3, 64, 2048, 64, 128,
+      {"b3-q64-k2048-random", "B3 S_q64 S_kv2048 H64 D128 topk512, random permutation ids", Layout::bshd, 3, 64, 2048, 64, 128,
        512, IdPattern::random_permutation, {}},
-      {"race-report-3", "B1 S_q=S_kv=512 H64 D128 topk128, causal top-k", Layout::bshd, 1, 512, 512, 64, 128, 128,
+      {"b1-s512-causal", "B1 S_q=S_kv=512 H64 D128 topk128, causal top-k", Layout::bshd, 1, 512, 512, 64, 128, 128,
        IdPattern::causal_topk, {}},
       {"thd", "THD, sequences of 1, 37 and 300 tokens, H64 D128 topk128, causal top-k", Layout::thd, 3, 0, 0, 64, 128,
        128, IdPattern::causal_topk, {1, 37, 300}},
@@ -195,12 +195,12 @@ std::vector<std::pair<std::string, std::string>> preset_list() {
   return out;
 }
 
-IndexerBackwardInputs Problem::inputs() const {
+IndexerInputs Problem::inputs() const {
   auto view = [&](const char* name) {
     const auto it = tensors.find(name);
     return it == tensors.end() ? TensorView{} : it->second.view();
   };
-  IndexerBackwardInputs in;
+  IndexerInputs in;
   in.index_q = view("index_q");
   in.weights = view("weights");
   in.index_k = view("index_k");
@@ -412,7 +412,7 @@ Problem generate(const GenFlags& f, int32_t threads) {
     p.tensors["cu_seqlens_k"] = std::move(gp.cu_seqlens_k);
   }
   p.origin = "generated (preset " + f.preset + ", seed " + std::to_string(f.seed) + ")";
-  p.info["generator"] = "dsa-indexer-bwd generate";
+  p.info["generator"] = "dsaib generate";
   p.info["preset"] = f.preset;
   p.info["ids"] = spec.ids == IdPattern::causal_topk ? "causal" : "permutation";
   p.info["seed"] = std::to_string(f.seed);
@@ -592,11 +592,11 @@ Geometry analyze_problem(const Problem& p) {
   }
   // The library's own validation of the inputs (cpu backend, host views), which
   // also derives the geometry.
-  IndexerBackwardOptions opt = p.options;
+  IndexerOptions opt = p.options;
   opt.backend = Backend::cpu;
   opt.deterministic = false;
   Geometry g;
-  IndexerBackwardInputs in = p.inputs();
+  IndexerInputs in = p.inputs();
   // Without index_score (forward, step), attn_score stands in for it: the same
   // dtype and shape rules, as the library's forward validates.
   if (!in.index_score.present()) in.index_score = in.attn_score;

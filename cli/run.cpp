@@ -98,15 +98,15 @@ std::vector<HostTensor*> allocate_outputs(const Problem& p, LossOp op, DType out
 namespace {
 
 /// The inputs of `op`: the forward and the one call take no index_score.
-IndexerBackwardInputs op_inputs(LossOp op, IndexerBackwardInputs in) {
+IndexerInputs op_inputs(LossOp op, IndexerInputs in) {
   if (op != LossOp::backward) in.index_score = TensorView{};
   return in;
 }
 
 }  // namespace
 
-std::size_t op_workspace_size(LossOp op, const IndexerBackwardInputs& in, const std::vector<TensorView>& o,
-                              const IndexerBackwardOptions& opt) {
+std::size_t op_workspace_size(LossOp op, const IndexerInputs& in, const std::vector<TensorView>& o,
+                              const IndexerOptions& opt) {
   switch (op) {
     case LossOp::forward: return indexer_kl_forward_workspace_size(op_inputs(op, in), {o[0], o[1], o[2], o[3]}, opt);
     case LossOp::step: return indexer_kl_loss_and_grad_workspace_size(op_inputs(op, in), {o[0], o[1], o[2], o[3]}, opt);
@@ -115,8 +115,8 @@ std::size_t op_workspace_size(LossOp op, const IndexerBackwardInputs& in, const 
   return indexer_backward_workspace_size(in, {o[0], o[1], o[2]}, opt);
 }
 
-void run_op(LossOp op, const IndexerBackwardInputs& in, const std::vector<TensorView>& o,
-            const IndexerBackwardOptions& opt, void* workspace, std::size_t workspace_bytes) {
+void run_op(LossOp op, const IndexerInputs& in, const std::vector<TensorView>& o,
+            const IndexerOptions& opt, void* workspace, std::size_t workspace_bytes) {
   switch (op) {
     case LossOp::forward:
       indexer_kl_forward(op_inputs(op, in), {o[0], o[1], o[2], o[3]}, opt, workspace, workspace_bytes);
@@ -134,11 +134,11 @@ RunResult run_cpu(const Problem& p, const Geometry&, DType out_dtype, int32_t th
   RunResult r;
   r.timer = "std::chrono::steady_clock (host)";
   r.device = "host, " + std::to_string(resolve_threads(threads)) + " threads";
-  const IndexerBackwardInputs in = p.inputs();
+  const IndexerInputs in = p.inputs();
   const std::vector<HostTensor*> outs = allocate_outputs(p, op, out_dtype, r);
   std::vector<TensorView> views;
   for (HostTensor* t : outs) views.push_back(t->view());
-  IndexerBackwardOptions opt = p.options;
+  IndexerOptions opt = p.options;
   opt.backend = Backend::cpu;
   opt.num_threads = threads;
   const std::string name = loss_op_name(op);
@@ -166,7 +166,7 @@ RunResult run_cuda(const Problem& p, const Geometry&, DType out_dtype, int, int,
   RunResult r;
   std::vector<TensorView> views;
   for (HostTensor* t : allocate_outputs(p, op, out_dtype, r)) views.push_back(t->view());
-  IndexerBackwardOptions opt = p.options;
+  IndexerOptions opt = p.options;
   opt.backend = Backend::cuda;
   run_op(op, p.inputs(), views, opt, nullptr, 0);
   throw Error(ErrorCode::backend_unavailable, "backend", "backend: this build has no CUDA support");

@@ -67,8 +67,8 @@ struct Accumulator {
   }
 };
 
-IndexerBackwardOptions reference_options(const Problem& p, int32_t threads) {
-  IndexerBackwardOptions opt = p.options;
+IndexerOptions reference_options(const Problem& p, int32_t threads) {
+  IndexerOptions opt = p.options;
   opt.backend = Backend::cpu;
   opt.num_threads = threads;
   return opt;
@@ -141,8 +141,8 @@ Verification verify_sampled(const Problem& p, const Geometry& g, const RunResult
   std::sort(v.k_rows.begin(), v.k_rows.end());
 
   const int64_t H = g.heads, D = g.head_dim;
-  const IndexerBackwardInputs in = p.inputs();
-  const IndexerBackwardOptions opt = reference_options(p, 1);
+  const IndexerInputs in = p.inputs();
+  const IndexerOptions opt = reference_options(p, 1);
   log_stage("verify: fp64 reference of " + std::to_string(v.q_rows.size()) + " sampled query rows and " +
             std::to_string(v.k_rows.size()) + " sampled key rows ...");
 
@@ -212,7 +212,7 @@ Verification verify_forward(const Problem& p, const RunResult& r, int32_t thread
   v.mode = "all";
   const auto t0 = std::chrono::steady_clock::now();
   log_stage("verify: fp64 reference forward (" + std::to_string(resolve_threads(threads)) + " threads) ...");
-  IndexerBackwardInputs in = p.inputs();
+  IndexerInputs in = p.inputs();
   in.index_score = TensorView{};
   *reference = reference_kl_forward(in, reference_options(p, threads));
   const ReferenceKLForward& ref = *reference;

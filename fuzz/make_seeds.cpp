@@ -1,5 +1,5 @@
 // Writes the seed corpus of safetensors_fuzzer into a folder: small problems of
-// every generator preset (as `dsa-indexer-bwd generate` writes them, with a few
+// every generator preset (as `dsaib generate` writes them, with a few
 // of its flags' variants), and malformed files like those the tests use.
 //
 //   safetensors_fuzz_seeds DIR

@@ -1,5 +1,5 @@
 // libFuzzer target: a file's bytes through dsaib::read_safetensors, then through
-// what `dsa-indexer-bwd backward --in` does with a problem file before and while
+// what `dsaib backward --in` does with a problem file before and while
 // it runs: its metadata (load_problem), the library's validation and the problem's
 // geometry (analyze_problem), and, for small problems, the cpu backend and the
 // fp64 reference on it.

@@ -1,10 +1,13 @@
 #!/usr/bin/env python3
 """Do two host binaries carry the same GPU machine code?
 
-    python3 scripts/compare_kernel_text.py [--allow-new] BINARY_A BINARY_B
+    python3 scripts/compare_kernel_text.py [--allow-new] [--ignore-names] BINARY_A BINARY_B
 
 With --allow-new, kernels only in B (new ones) are listed but pass: the check
 is then that every kernel of A is in B with the same bytes.
+With --ignore-names, sections are compared by their bytes alone, as multisets:
+a renamed type, namespace or source file changes a kernel's mangled name but
+not its machine code, so a rename passes and any change of code fails.
 
 Extracts each binary's .nv_fatbin section (objcopy), walks the ELF cubins in
 it and compares the bytes of every `.text.<kernel>` section by name, with the
@@ -61,15 +64,37 @@ def kernel_texts(blob):
     return sorted(out)
 
 
+def compare_by_text(a, b, allow_new):
+    """The multisets of section bytes (digests) of A and B; names only in the report."""
+    from collections import Counter
+    ca, cb = Counter(d for _, d in a), Counter(d for _, d in b)
+    missing = ca - cb  # in A, not in B with the same bytes
+    added = cb - ca
+    differ = bool(missing) or (bool(added) and not allow_new)
+    print(f"{len(a)} / {len(b)} kernel text sections, compared by bytes alone; "
+          f"{'identical' if not missing and not added else 'DIFFER' if differ else 'A in B unchanged'}"
+          f" ({sum(missing.values())} of A's not in B, {sum(added.values())} only in B)")
+    for name, digest in a:
+        if digest in missing:
+            print(f"  only in A: {name[:100]} {digest}")
+    for name, digest in b:
+        if digest in added:
+            print(f"  only in B: {name[:100]} {digest}")
+    return 1 if differ else 0
+
+
 def main():
     args = sys.argv[1:]
     allow_new = "--allow-new" in args
-    args = [x for x in args if x != "--allow-new"]
+    ignore_names = "--ignore-names" in args
+    args = [x for x in args if x not in ("--allow-new", "--ignore-names")]
     if len(args) != 2:
         sys.exit(__doc__)
     a, b = (kernel_texts(fatbin(p)) for p in args)
     if not a:
         sys.exit(f"no kernel text found in {args[0]}")
+    if ignore_names:
+        return compare_by_text(a, b, allow_new)
     changed = sorted(set(a) - set(b))  # in A, and not in B with the same text
     added = sorted(set(b) - set(a))
     differ = changed if allow_new else sorted(set(a) ^ set(b))

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Dump one PyTorch training step of a DSA lightning indexer as a dsa-indexer-bwd problem file.
+"""Dump one PyTorch training step of a DSA lightning indexer as a dsaib problem file.
 
 Given the indexer's forward tensors q (B, S, H, D), k (B, S, D) and w (B, S, H), this computes
 what the forward pass and the main attention hand to the indexer's distillation loss:
@@ -11,7 +11,7 @@ what the forward pass and the main attention hand to the indexer's distillation 
                 keys, softmax per head over the selected slots, summed over heads, L1-normalised
 
 and writes them with safetensors.torch.save_file under the names and metadata that
-`dsa-indexer-bwd backward --in FILE` reads (docs/math.md has the backward they feed):
+`dsaib backward --in FILE` reads (docs/math.md has the backward they feed):
 
   tensors   index_q bf16 (B,S,H,D), weights bf16 (B,S,H), index_k bf16 (B,S,D),
             topk_indices int32 (B,S,topk), attn_score f32 (B,S,topk), index_score f32 (B,S,topk)
@@ -20,7 +20,7 @@ and writes them with safetensors.torch.save_file under the names and metadata th
 Examples (CPU, small default sizes):
   python3 scripts/dump_torch_step.py --out step.safetensors
   python3 scripts/dump_torch_step.py --qkw my_forward.safetensors --topk 2048 --out step.safetensors
-  dsa-indexer-bwd backward --in step.safetensors --verify all
+  dsaib backward --in step.safetensors --verify all
 
 --qkw FILE reads q, k and w (tensors index_q, index_k, weights) from a safetensors file instead of
 drawing them at random. --with-grads also stores the loss's gradients computed by torch autograd

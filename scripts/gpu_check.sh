@@ -9,7 +9,7 @@
 #     --skip-PART            skip one part: --skip-tests, --skip-sanitizer, --skip-cli,
 #                            --skip-bench, --skip-target, --skip-peers, --skip-forward-peers,
 #                            --skip-target-peers, --skip-python
-#     --bench-args "ARGS"    more arguments for `dsa-indexer-bwd bench` (e.g. "--seq 16384 --ids random")
+#     --bench-args "ARGS"    more arguments for `dsaib bench` (e.g. "--seq 16384 --ids random")
 #     --target-bench-args "ARGS"  more arguments for dsa-target-bench (e.g. "--seq 4096 --shapes 128x576")
 #     --peers-site DIR       a folder of peer packages to put first on sys.path (passed as --site)
 #     --tilelang-example DIR TileLang's example files (default .peers/tilelang_example, see "peers")
@@ -42,18 +42,18 @@
 #              all-lanes ones must be clean. A missing compute-sanitizer fails the part.
 #   cli        for each case i of CLI_CASES below (shapes, tails, layouts, id modes, dtypes,
 #              a-operand precisions, scalars, strict ids, the deterministic mode):
-#                B/cli/dsa-indexer-bwd backward --backend cuda --verify all --seed $((1000 + i)) CASE --json
+#                B/cli/dsaib backward --backend cuda --verify all --seed $((1000 + i)) CASE --json
 #              (a case that names --verify sample runs sampled rows instead), each against the
 #              fp64 reference; then a problem file through the CLI:
-#                B/cli/dsa-indexer-bwd generate --preset race-report-2 --seed 7 --out O/cli/race2.safetensors
-#                B/cli/dsa-indexer-bwd backward --in O/cli/race2.safetensors --backend cuda --verify all
+#                B/cli/dsaib generate --preset b3-q64-k2048-random --seed 7 --out O/cli/b3-q64-k2048-random.safetensors
+#                B/cli/dsaib backward --in O/cli/b3-q64-k2048-random.safetensors --backend cuda --verify all
 #                                      --out O/cli/race2_grads.safetensors
 #   bench      B/bench/dsa-floor-bench --json O/bench/floor.json
-#              B/cli/dsa-indexer-bwd bench --json O/bench/bench.json [--bench-args]
+#              B/cli/dsaib bench --json O/bench/bench.json [--bench-args]
 #              The second is the speed measurement: per case (DeepSeek shape H64 D128 topk
 #              2048, S 4096 / 16384 / 65536, causal and random ids) it measures the floor at
 #              that case's dK size, then the op, in the same process, and reports ns per query
-#              row and the ratio to that floor (xfloor); `dsa-indexer-bwd bench --help` states
+#              row and the ratio to that floor (xfloor); `dsaib bench --help` states
 #              the floor's formula. The first prints the floor's micro-benchmarks at fixed
 #              table sizes (2 MiB to 512 MiB) for reference.
 #   target     B/tests/gpu/test_gpu_attention_target
@@ -123,11 +123,11 @@
 # shellcheck disable=SC2317  # the part_* functions are called by name
 set -uo pipefail
 
-# The CLI matrix: one case per line, flags of `dsa-indexer-bwd backward`.
+# The CLI matrix: one case per line, flags of `dsaib backward`.
 CLI_CASES=(
-  "--preset race-report-1"
-  "--preset race-report-2"
-  "--preset race-report-3"
+  "--preset b1-q1-k512-random"
+  "--preset b3-q64-k2048-random"
+  "--preset b1-s512-causal"
   "--preset thd"
   "--preset thd --id-mode global"
   "--layout thd --seqlens-q 0,5,300,1 --seqlens-k 7,0,300,2 --heads 64 --head-dim 128 --topk 128"
@@ -283,7 +283,7 @@ fi
 need=()
 # the CLI: every part but forward-peers and target-peers runs or needs it
 for p in tests sanitizer cli bench peers python; do
-  [[ ${run_part[$p]} == 1 ]] && need=(cli/dsa-indexer-bwd) && break
+  [[ ${run_part[$p]} == 1 ]] && need=(cli/dsaib) && break
 done
 [[ ${run_part[tests]} == 1 || ${run_part[sanitizer]} == 1 ]] && need+=(tests/gpu/test_gpu_hopper tests/gpu/test_gpu_bench)
 [[ ${run_part[sanitizer]} == 1 ]] && need+=(tests/sanitizer_bin/test_gpu_hopper tests/sanitizer_bin/test_gpu_kl_forward tests/sanitizer_bin/test_gpu_attention_target tests/sanitizer_bin/sync_calibration)
@@ -293,7 +293,7 @@ done
 for f in "${need[@]}"; do
   [[ -x $build/$f ]] || cannot_run "$build/$f is missing: build the whole project (cmake --build $build, or pass --build)"
 done
-cli=$build/cli/dsa-indexer-bwd
+cli=$build/cli/dsaib
 if [[ ${run_part[cli]} == 1 || ${run_part[peers]} == 1 || ${run_part[python]} == 1 ||
   ${run_part[forward-peers]} == 1 || ${run_part[target-peers]} == 1 ]]; then
   command -v "$py" >/dev/null 2>&1 || cannot_run "$py not found (the cli, peers, forward-peers, target-peers and python parts need it; PYTHON=... names another)"
@@ -380,11 +380,11 @@ EOF
 part_cli() {
   local d=$out/cli pass=0 fail=0 notrun=0 i c verify json rc line flag
   mkdir -p "$d"
-  banner "cli: dsa-indexer-bwd backward --backend cuda against the fp64 reference, ${#CLI_CASES[@]} + ${#CLI_OPTION_CASES[@]} cases"
+  banner "cli: dsaib backward --backend cuda against the fp64 reference, ${#CLI_CASES[@]} + ${#CLI_OPTION_CASES[@]} cases"
   local help
   help=$("$cli" backward --help 2>&1)
   {
-    echo "dsa-indexer-bwd backward --backend cuda, per case: verify mode, relative RMS of d_index_q / d_weights / d_index_k, result"
+    echo "dsaib backward --backend cuda, per case: verify mode, relative RMS of d_index_q / d_weights / d_index_k, result"
     local all=("${CLI_CASES[@]}" "${CLI_OPTION_CASES[@]}")
     for i in "${!all[@]}"; do
       c=${all[$i]}
@@ -404,8 +404,8 @@ part_cli() {
       printf '%-110s %s\n' "$c" "$line"
     done
     echo "--- a problem file: generate, then backward --in FILE --out FILE"
-    if "$cli" generate --preset race-report-2 --seed 7 --out "$d/race2.safetensors" >"$d/generate.txt" 2>&1 &&
-      timeout 300 "$cli" backward --in "$d/race2.safetensors" --backend cuda --verify all \
+    if "$cli" generate --preset b3-q64-k2048-random --seed 7 --out "$d/b3-q64-k2048-random.safetensors" >"$d/generate.txt" 2>&1 &&
+      timeout 300 "$cli" backward --in "$d/b3-q64-k2048-random.safetensors" --backend cuda --verify all \
         --out "$d/race2_grads.safetensors" >"$d/file_case.txt" 2>&1 && [[ -s $d/race2_grads.safetensors ]]; then
       pass=$((pass + 1))
       echo "file round trip: PASS ($d/file_case.txt)"
@@ -431,14 +431,14 @@ part_bench() {
   timeout 600 "$build/bench/dsa-floor-bench" --json "$d/floor.json" >"$d/floor.txt" 2>"$d/floor_stderr.txt"
   frc=$?
   tail -n 12 "$d/floor.txt"
-  banner "bench: dsa-indexer-bwd bench (the floor per case, then the op, in one run) ${bench_args}"
+  banner "bench: dsaib bench (the floor per case, then the op, in one run) ${bench_args}"
   # shellcheck disable=SC2086  # --bench-args is a list of flags
   timeout 1800 "$cli" bench --json "$d/bench.json" $bench_args >"$d/bench.txt" 2>"$d/bench_stderr.txt"
   rc=$?
   cat "$d/bench.txt"
   if [[ $rc -ne 0 || $frc -ne 0 ]]; then
     # exit 1 of either: a floor micro-benchmark failed its correctness check
-    record bench FAIL "dsa-indexer-bwd bench exit $rc ($(tail -1 "$d/bench_stderr.txt")); dsa-floor-bench exit $frc ($(tail -1 "$d/floor_stderr.txt"))"
+    record bench FAIL "dsaib bench exit $rc ($(tail -1 "$d/bench_stderr.txt")); dsa-floor-bench exit $frc ($(tail -1 "$d/floor_stderr.txt"))"
   else
     record bench PASS "ns/row and ratio to the floor measured in the same run: $d/bench.txt, $d/bench.json"
   fi

@@ -5,7 +5,7 @@ Inputs (any mix):
   --merged FILE   one file holding a whole comparison: {"ours": {"results": [...]} or a list,
                   "floor": dsa-floor-bench's JSON, "peers": [a peer's JSON, ...]}; repeatable
   --ours FILE     dsa-indexer-bwd-bench --json (a list of {"ids", "seq", "ns_per_row", ...}),
-                  or `dsa-indexer-bwd bench --json` (an object with a "cases" list, whose
+                  or `dsaib bench --json` (an object with a "cases" list, whose
                   per-case floors, measured in the same run as its times, are drawn and label
                   the ratios unless a --floor file has floors for the shape (they win over a
                   --merged file's floor), and whose traffic floors, the K reads and dK reduces
@@ -126,7 +126,7 @@ def series(rows, heads, dim, topk, time_of=ns_of):
 
 
 def floor_points_of_bench(d, heads, dim, topk, key="floor"):
-    """Per-case floors of `dsa-indexer-bwd bench --json` ({"cases": [{"seq_kv", key: {"ns_per_row"}}]}):
+    """Per-case floors of `dsaib bench --json` ({"cases": [{"seq_kv", key: {"ns_per_row"}}]}):
     key "floor" (the floor) or "traffic_floor" (the K reads and dK reduces alone)."""
     pts = {}
     for c in (d or {}).get("cases", []) if isinstance(d, dict) else []:

@@ -21,7 +21,7 @@ pkg=$(find "$dir/prefix" -name dsaibConfig.cmake) || true
 [ -f "$dir/prefix/include/dsaib/indexer_backward.hpp" ] || fail "no include/dsaib/indexer_backward.hpp under the prefix"
 [ -f "$dir/prefix/include/dsaib/dsaib.h" ] || fail "no include/dsaib/dsaib.h under the prefix"
 echo "install_and_consume: installed $(find "$dir/prefix" -type f | wc -l) files; package: ${pkg#$dir/prefix/}"
-"$dir/prefix/bin/dsa-indexer-bwd" --help > "$dir/cli_help.txt" 2>&1 || { cat "$dir/cli_help.txt"; fail "installed dsa-indexer-bwd --help"; }
+"$dir/prefix/bin/dsaib" --help > "$dir/cli_help.txt" 2>&1 || { cat "$dir/cli_help.txt"; fail "installed dsaib --help"; }
 "$cmake" -S "$src/tests/install_consumer" -B "$dir/consumer" -DCMAKE_PREFIX_PATH="$dir/prefix" \
   -DCMAKE_BUILD_TYPE=Release "$@" > "$dir/configure.log" 2>&1 || { cat "$dir/configure.log"; fail "consumer configure"; }
 grep "dsaib_WITH_CUDA" "$dir/configure.log"

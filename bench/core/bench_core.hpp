@@ -1,4 +1,4 @@
-// dsaib_bench: the benchmark core shared by `dsa-indexer-bwd bench` (cli/bench.cpp),
+// dsaib_bench: the benchmark core shared by `dsaib bench` (cli/bench.cpp),
 // dsa-indexer-bwd-bench (bench/bench_indexer_backward.cpp), dsa-kl-forward-bench
 // (bench/bench_kl_forward.cpp) and dsa-floor-bench (bench/floor/floor_bench.cpp).
 // Built only with the cuda backend; its device code is sm_90a only. Every
@@ -40,7 +40,7 @@ struct DeviceInfo {
   int64_t l2_bytes = 0;
   // L2 set aside for persisting (evict_last) lines in this context
   // (cudaLimitPersistingL2CacheSize; -1 when the query failed). The dK reds' L2
-  // hint (src/hopper/l2_policy.cuh) keeps about this much of dK resident, so its
+  // hint (src/hopper/indexer_backward/l2_policy.cuh) keeps about this much of dK resident, so its
   // gain depends on it.
   int64_t l2_persisting_bytes = -1;
   uint64_t free_bytes = 0, total_bytes = 0;
@@ -173,7 +173,7 @@ ForwardFloor forward_floor_per_row(double gather_ns, double slots, int64_t heads
 /// L2-resident table that dsa-floor-bench measures on an H200 (float4 way), is 278 ns; the
 /// GEMMs (127 ns at ~794 TFLOP/s) hide under it. Reports call the ratio to it
 /// "fixed_floor_ratio" (x278); the floor measured in the run itself (floor_per_row, at the
-/// case's own dK size and shape) is `dsa-indexer-bwd bench`'s "floor_ratio" (xfloor).
+/// case's own dK size and shape) is `dsaib bench`'s "floor_ratio" (xfloor).
 inline constexpr double kFixedFloorNsPerRow = 278.0;
 
 /// Floor of one query row with `slots` selected keys, from measured rates:
@@ -215,10 +215,10 @@ struct OpCase {
   IdPattern ids = IdPattern::random;
   int64_t batch = 1, seq = 4096, heads = 64, dim = 128, topk = 2048;
   AOperandPrecision a_operand = AOperandPrecision::automatic;  // automatic = one bf16 term (bf16 outputs)
-  bool deterministic = false;  // IndexerBackwardOptions::deterministic (the fixed-point dK)
-  L2Hints l2_hints = L2Hints::automatic;                // IndexerBackwardOptions::l2_hints
-  StartStagger start_stagger = StartStagger::automatic;  // IndexerBackwardOptions::start_stagger
-  ForwardFusion forward_fusion = ForwardFusion::automatic;  // IndexerBackwardOptions::forward_fusion (one-call)
+  bool deterministic = false;  // IndexerOptions::deterministic (the fixed-point dK)
+  L2Hints l2_hints = L2Hints::automatic;                // IndexerOptions::l2_hints
+  StartStagger start_stagger = StartStagger::automatic;  // IndexerOptions::start_stagger
+  ForwardFusion forward_fusion = ForwardFusion::automatic;  // IndexerOptions::forward_fusion (one-call)
   uint64_t dk_table_bytes() const { return static_cast<uint64_t>(batch * seq * dim) * 4; }
 };
 

@@ -1,5 +1,5 @@
 // The benchmark tools' vocabulary that needs no CUDA: the id patterns of a
-// case and the decimal-flag rule. Header-only, so that `dsa-indexer-bwd`
+// case and the decimal-flag rule. Header-only, so that `dsaib`
 // checks `bench --ids` and `--sustained-ms` the same way in builds without
 // the cuda backend (where dsaib_bench, bench_core.hpp, is not built) as
 // dsa-indexer-bwd-bench and the bench core do.

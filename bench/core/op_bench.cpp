@@ -141,9 +141,9 @@ Layout layout_of(const OpCase& c) {
 
 /// Views of one set: inputs and outputs as the op takes them.
 struct SetViews {
-  IndexerBackwardInputs in;      // the backward's (step: the P-free form)
+  IndexerInputs in;      // the backward's (step: the P-free form)
   IndexerBackwardOutputs out;
-  IndexerBackwardInputs fwd_in;  // the loss forward's and the one call's (no P)
+  IndexerInputs fwd_in;  // the loss forward's and the one call's (no P)
   IndexerKLForwardOutputs fwd;   // the loss forward's outputs (kl_forward, step)
   IndexerKLLossAndGradOutputs one;  // the one call's outputs
 };
@@ -155,7 +155,7 @@ SetViews views_of(const OpCase& c, void* const ptr[9], DeviceType dev, int devic
     return contiguous_view(ptr[i], dt, shape, dev, device_index);
   };
   SetViews s;
-  s.in = IndexerBackwardInputs{v(0, DType::bf16, {B, S, H, D}), v(1, DType::bf16, {B, S, H}),
+  s.in = IndexerInputs{v(0, DType::bf16, {B, S, H, D}), v(1, DType::bf16, {B, S, H}),
                                v(2, DType::bf16, {B, S, D}),    v(3, DType::i32, {B, S, K}),
                                v(4, DType::f32, {B, S, K}),     v(5, DType::f32, {B, S, K}),
                                {},   // cu_seqlens_q
@@ -192,7 +192,7 @@ SetViews views_of(const OpCase& c, void* const ptr[9], DeviceType dev, int devic
 
 /// The library's workspace for the case: step runs its two calls one after the other,
 /// so the larger of the two.
-std::size_t workspace_bytes_of(const OpCase& c, const SetViews& s, const IndexerBackwardOptions& opt) {
+std::size_t workspace_bytes_of(const OpCase& c, const SetViews& s, const IndexerOptions& opt) {
   switch (c.op) {
     case BenchOp::kl_forward: return indexer_kl_forward_workspace_size(s.fwd_in, s.fwd, opt);
     case BenchOp::step:
@@ -204,7 +204,7 @@ std::size_t workspace_bytes_of(const OpCase& c, const SetViews& s, const Indexer
   return indexer_backward_workspace_size(s.in, s.out, opt);
 }
 
-void launch(const OpCase& c, const SetViews& s, const IndexerBackwardOptions& opt, void* ws, std::size_t bytes) {
+void launch(const OpCase& c, const SetViews& s, const IndexerOptions& opt, void* ws, std::size_t bytes) {
   switch (c.op) {
     case BenchOp::kl_forward: indexer_kl_forward(s.fwd_in, s.fwd, opt, ws, bytes); return;
     case BenchOp::step:
@@ -217,8 +217,8 @@ void launch(const OpCase& c, const SetViews& s, const IndexerBackwardOptions& op
   indexer_backward(s.in, s.out, opt, ws, bytes);
 }
 
-IndexerBackwardOptions options_of(const OpCase& c) {
-  IndexerBackwardOptions opt;
+IndexerOptions options_of(const OpCase& c) {
+  IndexerOptions opt;
   opt.backend = Backend::cuda;
   opt.sm_scale = 1.0f / std::sqrt(static_cast<float>(c.dim));
   opt.a_operand_precision = c.a_operand;
@@ -246,7 +246,7 @@ void check_case(const OpCase& c) {
     at += (l.bytes[i] + 511) / 256 * 256;
   }
   const SetViews s = views_of(c, ptr, DeviceType::cpu, 0);
-  IndexerBackwardOptions opt = options_of(c);
+  IndexerOptions opt = options_of(c);
   opt.backend = Backend::cpu;
   (void)workspace_bytes_of(c, s, opt);
 }
@@ -304,7 +304,7 @@ OpResult run_op_case(const OpCase& c, const OpConfig& cfg) {
   }
 
   Timer timer;
-  IndexerBackwardOptions opt = options_of(c);
+  IndexerOptions opt = options_of(c);
   opt.stream = timer.stream;
   r.workspace_bytes = workspace_bytes_of(c, views[0], opt);
   DeviceBuffer ws(r.workspace_bytes);

@@ -19,7 +19,7 @@
 //      selected 256-B bf16 key rows copied with cp.async into shared memory, random
 //      and causal ids, D128 topk 2048, at each --gather-seq S, and the forward's floor
 //      max(gather time per row, 2*H*D*slots FLOP / GEMM rate) at H64.
-// `dsa-indexer-bwd bench` measures the same rates at each benchmarked case's own dK
+// `dsaib bench` measures the same rates at each benchmarked case's own dK
 // size and reports the floor next to the op; `dsa-kl-forward-bench` does the same
 // for the loss forward.
 //
@@ -128,7 +128,7 @@ void usage(FILE* f) {
                "fp32 (R,128) tables (atomicAdd float4, atomicAdd float, cp.reduce.async.bulk add.f32), the\n"
                "cuBLAS bf16 GEMM rate, and the derived floor per query row of the indexer backward:\n"
                "max(topk*D*4 B / scatter rate, 6*H*D*topk / GEMM rate).\n"
-               "(`dsa-indexer-bwd bench` measures the same at each benchmarked case's own dK size.)\n"
+               "(`dsaib bench` measures the same at each benchmarked case's own dK size.)\n"
                "  --json FILE       also write the results as JSON\n"
                "  --iters N         timed launches per case, median reported (default 25)\n"
                "  --warmup N        untimed launches first (default 3)\n"

@@ -70,7 +70,7 @@ struct AttentionTargetOptions {
   LseBase lse_base = LseBase::natural;
   /// true: T = U / sum U per row; false: U itself (for a tensor-parallel all-reduce).
   bool normalize = true;
-  /// As IndexerBackwardOptions::strict_indices.
+  /// As IndexerOptions::strict_indices.
   bool strict_indices = false;
   /// cuda: the cudaStream_t to run on (nullptr = legacy default stream).
   void* stream = nullptr;

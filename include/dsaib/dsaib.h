@@ -62,7 +62,7 @@ typedef struct dsaib_tensor {
 
 /* P comes either as index_score or, in the P-free form, as row_lse and
    row_target_mass (f32, (B, S_q) / (T_q)) with index_score absent
-   (dsaib::IndexerBackwardInputs). */
+   (dsaib::IndexerInputs). */
 typedef struct dsaib_inputs {
   dsaib_tensor index_q, weights, index_k, topk_indices, attn_score, index_score, cu_seqlens_q, cu_seqlens_k;
   dsaib_tensor row_lse, row_target_mass;

@@ -38,9 +38,9 @@ struct GeneratedProblem {
   float sm_scale = 1.0f;
   HostTensor index_q, weights, index_k, topk_indices, attn_score, index_score, cu_seqlens_q, cu_seqlens_k;
   /// Views of the tensors above (cu_seqlens absent for BSHD).
-  IndexerBackwardInputs inputs() const;
+  IndexerInputs inputs() const;
   /// Options matching the spec: layout, id_mode, sm_scale.
-  IndexerBackwardOptions options() const;
+  IndexerOptions options() const;
 };
 
 /// Draws q, k ~ N(0,1) and w ~ N(0,1)/sqrt(H) (rounded to bf16), selects ids

@@ -120,7 +120,7 @@ enum class StartStagger : int32_t {
 };
 
 /// cuda, indexer_kl_loss_and_grad(): whether the loss forward's pass over a
-/// row runs inside the backward kernel (src/hopper/loss_and_grad_kernel.cuh:
+/// row runs inside the backward kernel (src/hopper/loss_and_grad/loss_and_grad_kernel.cuh:
 /// one launch, the forward's gathers and GEMM under the backward's dK
 /// reductions) or as a kernel of its own before it. Results are the same
 /// either way (the loss, d_index_q and d_weights bitwise for the same grid;
@@ -180,7 +180,7 @@ bool parse_forward_fusion(const std::string& word, ForwardFusion* out);
 ///   rebuilt P): G / sum_i P_i times P_i is then exact to rounding.
 ///   indexer_kl_forward() writes it so (docs/kl-forward.md); statistics with
 ///   an exact LSE (sum_i P_i = 1) are the plain target mass.
-struct IndexerBackwardInputs {
+struct IndexerInputs {
   TensorView index_q;
   TensorView weights;
   TensorView index_k;
@@ -204,7 +204,7 @@ struct IndexerBackwardOutputs {
   TensorView d_index_k;
 };
 
-struct IndexerBackwardOptions {
+struct IndexerOptions {
   Layout layout = Layout::bshd;
   IdMode id_mode = IdMode::local;
   Backend backend = Backend::cpu;
@@ -231,7 +231,7 @@ struct IndexerBackwardOptions {
   /// The cuda backend's d_index_q and d_weights always are; its d_index_k is by
   /// default accumulated with fp32 atomics, whose order varies from run to run.
   /// With deterministic=true, cuda accumulates d_index_k in 64-bit fixed point
-  /// instead (src/hopper/fixed_point_dk.cuh: a bound pass sets the scale, integer
+  /// instead (src/hopper/indexer_backward/fixed_point_dk.cuh: a bound pass sets the scale, integer
   /// sums do not depend on the order; the rounding is far below the fp32
   /// output's), for twice the reduction bytes and a larger workspace.
   bool deterministic = false;
@@ -258,9 +258,9 @@ struct IndexerBackwardOptions {
 /// for the kernel), or with H > 64 or deterministic the loss forward's P,
 /// statistics, loss and scratch (docs/api.md).
 /// Validates like indexer_backward() and raises the same errors.
-std::size_t indexer_backward_workspace_size(const IndexerBackwardInputs& inputs,
+std::size_t indexer_backward_workspace_size(const IndexerInputs& inputs,
                                             const IndexerBackwardOutputs& outputs,
-                                            const IndexerBackwardOptions& options);
+                                            const IndexerOptions& options);
 
 /// Computes d_index_q, d_weights and d_index_k.
 ///
@@ -287,8 +287,8 @@ std::size_t indexer_backward_workspace_size(const IndexerBackwardInputs& inputs,
 /// `workspace` must hold indexer_backward_workspace_size() bytes on the
 /// backend's device, 256-byte aligned; it may be null when that size is 0,
 /// in which case the cuda backend allocates it itself (stream-ordered).
-void indexer_backward(const IndexerBackwardInputs& inputs, const IndexerBackwardOutputs& outputs,
-                      const IndexerBackwardOptions& options, void* workspace = nullptr,
+void indexer_backward(const IndexerInputs& inputs, const IndexerBackwardOutputs& outputs,
+                      const IndexerOptions& options, void* workspace = nullptr,
                       std::size_t workspace_bytes = 0);
 
 /// The scalar loss whose gradient indexer_backward() computes, evaluated in
@@ -297,7 +297,7 @@ void indexer_backward(const IndexerBackwardInputs& inputs, const IndexerBackward
 /// where P is recomputed as softmax over valid slots of
 ///   z_i = sm_scale * sum_h w_h relu(q_h . k_{id_i})
 /// when `recompute_p` is true, else taken from index_score.
-double indexer_kl_loss(const IndexerBackwardInputs& inputs, const IndexerBackwardOptions& options,
+double indexer_kl_loss(const IndexerInputs& inputs, const IndexerOptions& options,
                        bool recompute_p = true);
 
 /// Whether the cuda backend was compiled in and a device of compute
@@ -313,6 +313,6 @@ bool cuda_backend_available();
 /// the caller computes will meet. Like indexer_backward(), it reads cu_seqlens
 /// (THD) and, with strict_indices, topk_indices; for the cuda backend through
 /// a copy to the host on options.stream, waited for.
-void validate_indexer_kl_loss_inputs(const IndexerBackwardInputs& inputs, const IndexerBackwardOptions& options);
+void validate_indexer_kl_loss_inputs(const IndexerInputs& inputs, const IndexerOptions& options);
 
 }  // namespace dsaib

@@ -61,9 +61,9 @@ struct IndexerKLForwardOutputs {
 /// fixed order afterwards) and 4 * topk bytes per resident CTA of the kernel
 /// (a row's logits), each part rounded up to 256 bytes.
 /// Validates like indexer_kl_forward() and raises the same errors.
-std::size_t indexer_kl_forward_workspace_size(const IndexerBackwardInputs& inputs,
+std::size_t indexer_kl_forward_workspace_size(const IndexerInputs& inputs,
                                               const IndexerKLForwardOutputs& outputs,
-                                              const IndexerBackwardOptions& options);
+                                              const IndexerOptions& options);
 
 /// Computes the loss, the per-row statistics and optionally P.
 ///
@@ -81,8 +81,8 @@ std::size_t indexer_kl_forward_workspace_size(const IndexerBackwardInputs& input
 /// as for indexer_backward(): null with workspace_bytes 0 lets the cuda backend
 /// allocate it (stream-ordered), else at least
 /// indexer_kl_forward_workspace_size() bytes, 256-byte aligned.
-void indexer_kl_forward(const IndexerBackwardInputs& inputs, const IndexerKLForwardOutputs& outputs,
-                        const IndexerBackwardOptions& options, void* workspace = nullptr,
+void indexer_kl_forward(const IndexerInputs& inputs, const IndexerKLForwardOutputs& outputs,
+                        const IndexerOptions& options, void* workspace = nullptr,
                         std::size_t workspace_bytes = 0);
 
 /// The forward in fp64 on the host (cpu tensors; index_score absent), row-major:
@@ -96,6 +96,6 @@ struct ReferenceKLForward {
 };
 /// Raises the input and option errors of indexer_kl_forward(); options.backend is
 /// ignored (always cpu), options.num_threads is honoured (the result does not depend on it).
-ReferenceKLForward reference_kl_forward(const IndexerBackwardInputs& inputs, const IndexerBackwardOptions& options);
+ReferenceKLForward reference_kl_forward(const IndexerInputs& inputs, const IndexerOptions& options);
 
 }  // namespace dsaib

@@ -40,9 +40,9 @@ struct IndexerKLLossAndGradOutputs {
 /// used one after the other); with H > 64 or deterministic also P (4 * topk
 /// bytes per query row, rounded up to 256), which the forward then writes for
 /// the backward of the P form. Validates like indexer_kl_loss_and_grad().
-std::size_t indexer_kl_loss_and_grad_workspace_size(const IndexerBackwardInputs& inputs,
+std::size_t indexer_kl_loss_and_grad_workspace_size(const IndexerInputs& inputs,
                                                     const IndexerKLLossAndGradOutputs& outputs,
-                                                    const IndexerBackwardOptions& options);
+                                                    const IndexerOptions& options);
 
 /// Computes the loss and the three gradients in one host call.
 ///
@@ -57,8 +57,8 @@ std::size_t indexer_kl_loss_and_grad_workspace_size(const IndexerBackwardInputs&
 /// included: see docs/api.md on cu_seqlens while capturing). The loss is bitwise
 /// reproducible; the gradients as indexer_backward()'s. cpu: the fp64 forward
 /// and the fp64 P-free backward, from the fp64 row statistics.
-void indexer_kl_loss_and_grad(const IndexerBackwardInputs& inputs, const IndexerKLLossAndGradOutputs& outputs,
-                              const IndexerBackwardOptions& options, void* workspace = nullptr,
+void indexer_kl_loss_and_grad(const IndexerInputs& inputs, const IndexerKLLossAndGradOutputs& outputs,
+                              const IndexerOptions& options, void* workspace = nullptr,
                               std::size_t workspace_bytes = 0);
 
 }  // namespace dsaib

@@ -21,7 +21,7 @@ struct ReferenceGradients {
 /// Raises the same errors as indexer_backward() for the inputs and options.
 /// options.backend is ignored (always cpu); options.num_threads is honoured,
 /// and the result is bitwise identical for a given num_threads.
-ReferenceGradients reference_backward(const IndexerBackwardInputs& inputs, const IndexerBackwardOptions& options);
+ReferenceGradients reference_backward(const IndexerInputs& inputs, const IndexerOptions& options);
 
 /// fp64 gradients of selected rows only, for verifying large problems:
 /// d_index_q/d_weights for the flat query rows `q_rows` (shape (q_rows.size(), H, D)
@@ -36,13 +36,13 @@ struct SampledReferenceGradients {
   int64_t heads = 0, head_dim = 0;
   std::vector<double> d_index_q, d_weights, d_index_k;
 };
-SampledReferenceGradients reference_backward_sampled(const IndexerBackwardInputs& inputs,
-                                                     const IndexerBackwardOptions& options,
+SampledReferenceGradients reference_backward_sampled(const IndexerInputs& inputs,
+                                                     const IndexerOptions& options,
                                                      const std::vector<int64_t>& q_rows,
                                                      const std::vector<int64_t>& k_rows);
 
 /// Index logits z (num_q_rows, topk) in fp64: z_i = sm_scale * sum_h w_h relu(q_h . k_{id_i})
 /// for valid slots; -infinity for invalid ones.
-std::vector<double> reference_index_logits(const IndexerBackwardInputs& inputs, const IndexerBackwardOptions& options);
+std::vector<double> reference_index_logits(const IndexerInputs& inputs, const IndexerOptions& options);
 
 }  // namespace dsaib

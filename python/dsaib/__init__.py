@@ -122,7 +122,7 @@ def _check_out_dtype(out_dtype):
 def _library_options(*, layout, id_mode, backend, strict_indices, deterministic, uint16_as_bf16, sm_scale,
                      loss_coeff, grad_loss, normalization_count, num_threads, a_operand_precision, l2_hints,
                      start_stagger) -> dict:
-    """The library's options (dsaib::IndexerBackwardOptions) as the extension's
+    """The library's options (dsaib::IndexerOptions) as the extension's
     keyword arguments, coerced with messages naming the argument; one set for a
     call and its workspace size (a new option is one more entry here). Also
     carries uint16_as_bf16 and grad_loss_tensor (a one-element tensor or None),

@@ -158,7 +158,7 @@ def _gradients_like(index_q, weights, index_k, dq_dtype, dw_dtype, dk_dtype):
 
 def _op_options(dev, sm_scale, loss_coeff, normalization_count, layout, id_mode, a_operand_precision="auto",
                 l2_hints="auto", start_stagger="auto", strict_indices=False):
-    """The library's options (dsaib::IndexerBackwardOptions) as the extension's
+    """The library's options (dsaib::IndexerOptions) as the extension's
     keyword arguments, for every op; a new option is one more entry here and an
     argument of the ops. cuda: the current stream, and
     torch.use_deterministic_algorithms selects the fixed-point d_index_k (read

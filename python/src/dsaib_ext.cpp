@@ -356,14 +356,14 @@ dsaib::StartStagger parse_start_stagger_word(const std::string& s) {
                      "start_stagger: expected \"auto\" or \"off\", got \"" + s + "\"");
 }
 
-dsaib::IndexerBackwardInputs make_inputs(const Array& index_q, const Array& weights, const Array& index_k,
+dsaib::IndexerInputs make_inputs(const Array& index_q, const Array& weights, const Array& index_k,
                                          const Array& topk_indices, const Array& attn_score,
                                          const std::optional<Array>& index_score,
                                          const std::optional<Array>& cu_seqlens_q,
                                          const std::optional<Array>& cu_seqlens_k, bool u16,
                                          const std::optional<Array>& row_lse = std::nullopt,
                                          const std::optional<Array>& row_target_mass = std::nullopt) {
-  dsaib::IndexerBackwardInputs in;
+  dsaib::IndexerInputs in;
   in.index_q = to_view("index_q", index_q, u16);
   in.weights = to_view("weights", weights, u16);
   in.index_k = to_view("index_k", index_k, u16);
@@ -380,7 +380,7 @@ dsaib::IndexerBackwardInputs make_inputs(const Array& index_q, const Array& weig
 /// The library's options from a binding's keyword arguments (**options): the
 /// one place that maps them, so that a new option is one entry here and one in
 /// the Python layer's options. An option not given keeps its default in
-/// dsaib::IndexerBackwardOptions; a name not known here is a TypeError.
+/// dsaib::IndexerOptions; a name not known here is a TypeError.
 class OptionReader {
  public:
   explicit OptionReader(const nb::kwargs& kw) : kw_(kw) {}
@@ -422,9 +422,9 @@ class OptionReader {
   std::vector<std::string> known_;
 };
 
-dsaib::IndexerBackwardOptions make_options(const nb::kwargs& kw) {
+dsaib::IndexerOptions make_options(const nb::kwargs& kw) {
   OptionReader r(kw);
-  dsaib::IndexerBackwardOptions o;
+  dsaib::IndexerOptions o;
   if (r.given("layout")) o.layout = parse_layout(r.value<std::string>("layout"));
   if (r.given("id_mode")) o.id_mode = parse_id_mode(r.value<std::string>("id_mode"));
   if (r.given("backend")) o.backend = parse_backend(r.value<std::string>("backend"));

@@ -34,8 +34,8 @@ bool parse_lse_base(const std::string& word, LseBase* out) {
 
 namespace detail {
 
-IndexerBackwardOptions as_indexer_options(const AttentionTargetOptions& opt) {
-  IndexerBackwardOptions o;
+IndexerOptions as_indexer_options(const AttentionTargetOptions& opt) {
+  IndexerOptions o;
   o.layout = opt.layout;
   o.id_mode = opt.id_mode;
   o.backend = opt.backend;
@@ -47,7 +47,7 @@ IndexerBackwardOptions as_indexer_options(const AttentionTargetOptions& opt) {
 }
 
 void check_attention_target_options_and_backend(const AttentionTargetOptions& opt) {
-  const IndexerBackwardOptions indexer_opt = as_indexer_options(opt);
+  const IndexerOptions indexer_opt = as_indexer_options(opt);
   check_options(indexer_opt);
   const auto b = static_cast<int32_t>(opt.lse_base);
   if (b != 0 && b != 1) fail("lse_base", "0 (natural) or 1 (base2)", std::to_string(b));

@@ -10,7 +10,7 @@ namespace dsaib::detail {
 /// The options attention_target() shares with the indexer (layout, id_mode,
 /// backend, sm_scale, strict_indices, stream, num_threads), as the indexer's
 /// options, for the rules and helpers written for those.
-IndexerBackwardOptions as_indexer_options(const AttentionTargetOptions& opt);
+IndexerOptions as_indexer_options(const AttentionTargetOptions& opt);
 
 /// The option rules checked first (errors.md "Options"): layout, id_mode,
 /// backend and lse_base are values of their enums, then, for backend cuda, its

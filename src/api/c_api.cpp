@@ -96,8 +96,8 @@ void require(const void* p, const char* name) {
   if (!p) throw dsaib::Error(dsaib::ErrorCode::invalid_argument, name, std::string(name) + ": expected a non-null pointer, got NULL");
 }
 
-void convert(const dsaib_inputs* in, const dsaib_outputs* out, const dsaib_options* opt, dsaib::IndexerBackwardInputs& i,
-             dsaib::IndexerBackwardOutputs& o, dsaib::IndexerBackwardOptions& p) {
+void convert(const dsaib_inputs* in, const dsaib_outputs* out, const dsaib_options* opt, dsaib::IndexerInputs& i,
+             dsaib::IndexerBackwardOutputs& o, dsaib::IndexerOptions& p) {
   require(in, "inputs");
   require(out, "outputs");
   require(opt, "options");
@@ -136,7 +136,7 @@ void convert(const dsaib_inputs* in, const dsaib_outputs* out, const dsaib_optio
 
 /// convert() for the forward: its inputs and options, then its four outputs.
 void convert_forward(const dsaib_inputs* in, const dsaib_kl_forward_outputs* out, const dsaib_options* opt,
-                     dsaib::IndexerBackwardInputs& i, dsaib::IndexerKLForwardOutputs& o, dsaib::IndexerBackwardOptions& p) {
+                     dsaib::IndexerInputs& i, dsaib::IndexerKLForwardOutputs& o, dsaib::IndexerOptions& p) {
   require(out, "outputs");
   const dsaib_outputs no_gradients{};
   dsaib::IndexerBackwardOutputs unused;
@@ -149,8 +149,8 @@ void convert_forward(const dsaib_inputs* in, const dsaib_kl_forward_outputs* out
 
 /// convert() for the one-call loss and gradients: its inputs, options and gradients, then loss.
 void convert_loss_and_grad(const dsaib_inputs* in, const dsaib_kl_loss_and_grad_outputs* out, const dsaib_options* opt,
-                           dsaib::IndexerBackwardInputs& i, dsaib::IndexerKLLossAndGradOutputs& o,
-                           dsaib::IndexerBackwardOptions& p) {
+                           dsaib::IndexerInputs& i, dsaib::IndexerKLLossAndGradOutputs& o,
+                           dsaib::IndexerOptions& p) {
   require(out, "outputs");
   const dsaib_outputs gradients{out->d_index_q, out->d_weights, out->d_index_k};
   dsaib::IndexerBackwardOutputs g;
@@ -192,7 +192,7 @@ extern "C" {
 
 void dsaib_default_options(dsaib_options* options) {
   if (!options) return;
-  const dsaib::IndexerBackwardOptions d;
+  const dsaib::IndexerOptions d;
   options->layout = static_cast<int32_t>(d.layout);
   options->id_mode = static_cast<int32_t>(d.id_mode);
   options->backend = static_cast<int32_t>(d.backend);
@@ -242,9 +242,9 @@ dsaib_status dsaib_indexer_backward_workspace_size(const dsaib_inputs* inputs, c
                                                    const dsaib_options* options, size_t* bytes) {
   return guarded([&] {
     require(bytes, "bytes");
-    dsaib::IndexerBackwardInputs i;
+    dsaib::IndexerInputs i;
     dsaib::IndexerBackwardOutputs o;
-    dsaib::IndexerBackwardOptions p;
+    dsaib::IndexerOptions p;
     convert(inputs, outputs, options, i, o, p);
     *bytes = dsaib::indexer_backward_workspace_size(i, o, p);
   });
@@ -253,9 +253,9 @@ dsaib_status dsaib_indexer_backward_workspace_size(const dsaib_inputs* inputs, c
 dsaib_status dsaib_indexer_backward(const dsaib_inputs* inputs, const dsaib_outputs* outputs,
                                     const dsaib_options* options, void* workspace, size_t workspace_bytes) {
   return guarded([&] {
-    dsaib::IndexerBackwardInputs i;
+    dsaib::IndexerInputs i;
     dsaib::IndexerBackwardOutputs o;
-    dsaib::IndexerBackwardOptions p;
+    dsaib::IndexerOptions p;
     convert(inputs, outputs, options, i, o, p);
     dsaib::indexer_backward(i, o, p, workspace, workspace_bytes);
   });
@@ -265,9 +265,9 @@ dsaib_status dsaib_indexer_kl_forward_workspace_size(const dsaib_inputs* inputs,
                                                      const dsaib_options* options, size_t* bytes) {
   return guarded([&] {
     require(bytes, "bytes");
-    dsaib::IndexerBackwardInputs i;
+    dsaib::IndexerInputs i;
     dsaib::IndexerKLForwardOutputs o;
-    dsaib::IndexerBackwardOptions p;
+    dsaib::IndexerOptions p;
     convert_forward(inputs, outputs, options, i, o, p);
     *bytes = dsaib::indexer_kl_forward_workspace_size(i, o, p);
   });
@@ -276,9 +276,9 @@ dsaib_status dsaib_indexer_kl_forward_workspace_size(const dsaib_inputs* inputs,
 dsaib_status dsaib_indexer_kl_forward(const dsaib_inputs* inputs, const dsaib_kl_forward_outputs* outputs,
                                       const dsaib_options* options, void* workspace, size_t workspace_bytes) {
   return guarded([&] {
-    dsaib::IndexerBackwardInputs i;
+    dsaib::IndexerInputs i;
     dsaib::IndexerKLForwardOutputs o;
-    dsaib::IndexerBackwardOptions p;
+    dsaib::IndexerOptions p;
     convert_forward(inputs, outputs, options, i, o, p);
     dsaib::indexer_kl_forward(i, o, p, workspace, workspace_bytes);
   });
@@ -289,9 +289,9 @@ dsaib_status dsaib_indexer_kl_loss_and_grad_workspace_size(const dsaib_inputs* i
                                                            const dsaib_options* options, size_t* bytes) {
   return guarded([&] {
     require(bytes, "bytes");
-    dsaib::IndexerBackwardInputs i;
+    dsaib::IndexerInputs i;
     dsaib::IndexerKLLossAndGradOutputs o;
-    dsaib::IndexerBackwardOptions p;
+    dsaib::IndexerOptions p;
     convert_loss_and_grad(inputs, outputs, options, i, o, p);
     *bytes = dsaib::indexer_kl_loss_and_grad_workspace_size(i, o, p);
   });
@@ -300,9 +300,9 @@ dsaib_status dsaib_indexer_kl_loss_and_grad_workspace_size(const dsaib_inputs* i
 dsaib_status dsaib_indexer_kl_loss_and_grad(const dsaib_inputs* inputs, const dsaib_kl_loss_and_grad_outputs* outputs,
                                             const dsaib_options* options, void* workspace, size_t workspace_bytes) {
   return guarded([&] {
-    dsaib::IndexerBackwardInputs i;
+    dsaib::IndexerInputs i;
     dsaib::IndexerKLLossAndGradOutputs o;
-    dsaib::IndexerBackwardOptions p;
+    dsaib::IndexerOptions p;
     convert_loss_and_grad(inputs, outputs, options, i, o, p);
     dsaib::indexer_kl_loss_and_grad(i, o, p, workspace, workspace_bytes);
   });

@@ -1,5 +1,5 @@
 // The seam between attention_target() and the Hopper target kernel.
-// Implemented in src/hopper/attention_target_backend.cu when built with CUDA,
+// Implemented in src/hopper/attention_target/attention_target_backend.cu when built with CUDA,
 // else by src/api/cuda_attention_target_stub.cpp.
 #pragma once
 

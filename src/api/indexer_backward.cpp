@@ -5,13 +5,13 @@
 
 #include "api/cuda_backend.hpp"
 #include "core/problem.hpp"
-#include "hopper/launch_plan.hpp"
+#include "hopper/launch/launch_plan.hpp"
 #include "reference/cpu_reference.hpp"
 
 namespace dsaib {
 namespace detail {
 
-void check_options_and_backend(const IndexerBackwardOptions& opt) {
+void check_options_and_backend(const IndexerOptions& opt) {
   check_options(opt);  // errors.md: the options first, then the backend's availability
   if (opt.backend != Backend::cuda) return;
   if (!cuda_backend_compiled()) {
@@ -25,8 +25,8 @@ void check_options_and_backend(const IndexerBackwardOptions& opt) {
 
 namespace {
 
-ProblemGeometry validate_for_backend(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
-                                     const IndexerBackwardOptions& opt) {
+ProblemGeometry validate_for_backend(const IndexerInputs& in, const IndexerBackwardOutputs& out,
+                                     const IndexerOptions& opt) {
   check_options_and_backend(opt);
   const bool cuda = opt.backend == Backend::cuda;
   // THD inside a CUDA-graph capture: cu_seqlens are checked on the device (backend.cu).
@@ -36,8 +36,8 @@ ProblemGeometry validate_for_backend(const IndexerBackwardInputs& in, const Inde
 
 }  // namespace
 
-hopper::LaunchPlan plan_indexer_backward(const IndexerBackwardInputs& inputs, const IndexerBackwardOutputs& outputs,
-                                         const IndexerBackwardOptions& options) {
+hopper::LaunchPlan plan_indexer_backward(const IndexerInputs& inputs, const IndexerBackwardOutputs& outputs,
+                                         const IndexerOptions& options) {
   check_options(options);
   if (options.backend != Backend::cuda) {
     throw Error(ErrorCode::invalid_argument, "backend",
@@ -52,14 +52,14 @@ using detail::validate_for_backend;
 
 bool cuda_backend_available() { return detail::cuda_backend_compiled() && detail::cuda_device_present(); }
 
-std::size_t indexer_backward_workspace_size(const IndexerBackwardInputs& inputs, const IndexerBackwardOutputs& outputs,
-                                            const IndexerBackwardOptions& options) {
+std::size_t indexer_backward_workspace_size(const IndexerInputs& inputs, const IndexerBackwardOutputs& outputs,
+                                            const IndexerOptions& options) {
   const detail::ProblemGeometry g = validate_for_backend(inputs, outputs, options);
   return options.backend == Backend::cuda ? detail::cuda_backward_workspace_bytes(inputs, outputs, options, g) : 0;
 }
 
-void indexer_backward(const IndexerBackwardInputs& inputs, const IndexerBackwardOutputs& outputs,
-                      const IndexerBackwardOptions& options, void* workspace, std::size_t workspace_bytes) {
+void indexer_backward(const IndexerInputs& inputs, const IndexerBackwardOutputs& outputs,
+                      const IndexerOptions& options, void* workspace, std::size_t workspace_bytes) {
   const detail::ProblemGeometry g = validate_for_backend(inputs, outputs, options);
   if (options.backend == Backend::cpu) {
     detail::run_cpu_backend(inputs, outputs, options, g);

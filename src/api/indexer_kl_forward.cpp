@@ -12,8 +12,8 @@
 namespace dsaib {
 namespace {
 
-detail::ProblemGeometry validate_forward_for_backend(const IndexerBackwardInputs& in, const IndexerKLForwardOutputs& out,
-                                                     const IndexerBackwardOptions& opt) {
+detail::ProblemGeometry validate_forward_for_backend(const IndexerInputs& in, const IndexerKLForwardOutputs& out,
+                                                     const IndexerOptions& opt) {
   detail::check_options_and_backend(opt);
   return detail::validate_kl_forward_problem(in, out, opt,
                                              opt.backend == Backend::cuda ? &detail::cuda_copy_to_host : nullptr);
@@ -21,14 +21,14 @@ detail::ProblemGeometry validate_forward_for_backend(const IndexerBackwardInputs
 
 }  // namespace
 
-std::size_t indexer_kl_forward_workspace_size(const IndexerBackwardInputs& inputs, const IndexerKLForwardOutputs& outputs,
-                                              const IndexerBackwardOptions& options) {
+std::size_t indexer_kl_forward_workspace_size(const IndexerInputs& inputs, const IndexerKLForwardOutputs& outputs,
+                                              const IndexerOptions& options) {
   const detail::ProblemGeometry g = validate_forward_for_backend(inputs, outputs, options);
   return options.backend == Backend::cuda ? detail::cuda_kl_forward_workspace_size(g, inputs.index_q.device_index) : 0;
 }
 
-void indexer_kl_forward(const IndexerBackwardInputs& inputs, const IndexerKLForwardOutputs& outputs,
-                        const IndexerBackwardOptions& options, void* workspace, std::size_t workspace_bytes) {
+void indexer_kl_forward(const IndexerInputs& inputs, const IndexerKLForwardOutputs& outputs,
+                        const IndexerOptions& options, void* workspace, std::size_t workspace_bytes) {
   const detail::ProblemGeometry g = validate_forward_for_backend(inputs, outputs, options);
   if (options.backend == Backend::cpu) {
     detail::run_cpu_kl_forward(inputs, outputs, options, g);

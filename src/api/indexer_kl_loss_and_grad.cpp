@@ -15,8 +15,8 @@
 namespace dsaib {
 namespace {
 
-detail::ProblemGeometry validate_loss_and_grad(const IndexerBackwardInputs& in, const IndexerKLLossAndGradOutputs& out,
-                                               const IndexerBackwardOptions& opt) {
+detail::ProblemGeometry validate_loss_and_grad(const IndexerInputs& in, const IndexerKLLossAndGradOutputs& out,
+                                               const IndexerOptions& opt) {
   detail::check_options_and_backend(opt);
   const bool cuda = opt.backend == Backend::cuda;
   const bool capturing = cuda && opt.layout == Layout::thd && detail::cuda_stream_capturing(opt.stream);
@@ -25,22 +25,22 @@ detail::ProblemGeometry validate_loss_and_grad(const IndexerBackwardInputs& in, 
 
 }  // namespace
 
-std::size_t indexer_kl_loss_and_grad_workspace_size(const IndexerBackwardInputs& inputs,
+std::size_t indexer_kl_loss_and_grad_workspace_size(const IndexerInputs& inputs,
                                                     const IndexerKLLossAndGradOutputs& outputs,
-                                                    const IndexerBackwardOptions& options) {
+                                                    const IndexerOptions& options) {
   const detail::ProblemGeometry g = validate_loss_and_grad(inputs, outputs, options);
   return options.backend == Backend::cuda ? detail::cuda_kl_loss_and_grad_workspace_bytes(inputs, outputs, options, g) : 0;
 }
 
-void indexer_kl_loss_and_grad(const IndexerBackwardInputs& inputs, const IndexerKLLossAndGradOutputs& outputs,
-                              const IndexerBackwardOptions& options, void* workspace, std::size_t workspace_bytes) {
+void indexer_kl_loss_and_grad(const IndexerInputs& inputs, const IndexerKLLossAndGradOutputs& outputs,
+                              const IndexerOptions& options, void* workspace, std::size_t workspace_bytes) {
   const detail::ProblemGeometry g = validate_loss_and_grad(inputs, outputs, options);
   if (options.backend == Backend::cpu) {
     // The fp64 forward's statistics go to the fp64 P-free backward unrounded.
     const detail::IeeeSubnormalsScope ieee;
     const ReferenceKLForward fwd = reference_kl_forward(inputs, options);
     detail::RowStatistics stats{fwd.row_lse, fwd.row_target_mass};
-    IndexerBackwardInputs in = inputs;
+    IndexerInputs in = inputs;
     in.index_score = {};
     detail::run_cpu_backend(in, {outputs.d_index_q, outputs.d_weights, outputs.d_index_k}, options, g, &stats);
     detail::store_element(outputs.loss.dtype, outputs.loss.data, 0, fwd.loss);  // f32, or f64 unrounded

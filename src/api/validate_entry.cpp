@@ -6,8 +6,8 @@
 
 namespace dsaib {
 
-void validate_indexer_kl_loss_inputs(const IndexerBackwardInputs& inputs, const IndexerBackwardOptions& options) {
-  IndexerBackwardInputs in = inputs;
+void validate_indexer_kl_loss_inputs(const IndexerInputs& inputs, const IndexerOptions& options) {
+  IndexerInputs in = inputs;
   // An absent P (and no P-free row statistics) is checked as the caller's
   // future P: same dtype and shape as T.
   if (!in.index_score.present() && !in.row_lse.present() && !in.row_target_mass.present()) {

@@ -63,7 +63,7 @@ inline int64_t row_offset(const TensorView& v, Layout layout, int64_t row, int64
 
 /// The option rules checked first (errors.md "Options"): layout, id_mode and
 /// backend are values of their enums. Raises invalid_argument naming the option.
-void check_options(const IndexerBackwardOptions& opt);
+void check_options(const IndexerOptions& opt);
 
 /// The cuda backend's limit: key rows (and topk) below 2^31, since its kernels
 /// address key rows with int32. Raises invalid_argument naming index_k.
@@ -88,12 +88,12 @@ using CopyToHost = void (*)(void* dst, const void* src, std::size_t row_bytes, s
 /// `stream_capturing`: the cuda backend's options.stream is capturing a CUDA
 /// graph; THD cu_seqlens are then not read (ProblemGeometry::cu_seqlens_on_device_only)
 /// and strict_indices is refused.
-ProblemGeometry validate_problem(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
-                                 const IndexerBackwardOptions& opt, CopyToHost copy_to_host = nullptr,
+ProblemGeometry validate_problem(const IndexerInputs& in, const IndexerBackwardOutputs& out,
+                                 const IndexerOptions& opt, CopyToHost copy_to_host = nullptr,
                                  bool check_outputs = true, bool stream_capturing = false);
 
 /// c = grad_loss * loss_coeff / N with grad_loss taken from the host value.
-double scale_from_host(const ProblemGeometry& g, const IndexerBackwardOptions& opt, double grad_loss);
+double scale_from_host(const ProblemGeometry& g, const IndexerOptions& opt, double grad_loss);
 
 }  // namespace dsaib::detail
 
@@ -104,8 +104,8 @@ namespace dsaib::detail {
 /// Validates the arguments of indexer_kl_forward(): the options, the inputs by
 /// validate_problem()'s rules with index_score absent, then the outputs (f32,
 /// shapes, contiguity, disjoint from each other and from every input). Never writes.
-ProblemGeometry validate_kl_forward_problem(const IndexerBackwardInputs& in, const IndexerKLForwardOutputs& out,
-                                            const IndexerBackwardOptions& opt, CopyToHost copy_to_host = nullptr);
+ProblemGeometry validate_kl_forward_problem(const IndexerInputs& in, const IndexerKLForwardOutputs& out,
+                                            const IndexerOptions& opt, CopyToHost copy_to_host = nullptr);
 
 }  // namespace dsaib::detail
 
@@ -116,8 +116,8 @@ namespace dsaib::detail {
 /// Validates the arguments of indexer_kl_loss_and_grad(): index_score, row_lse
 /// and row_target_mass absent, the inputs and the gradients by validate_problem()'s
 /// rules, then loss (f32, rank 0, disjoint from the gradients and every input).
-ProblemGeometry validate_kl_loss_and_grad_problem(const IndexerBackwardInputs& in, const IndexerKLLossAndGradOutputs& out,
-                                                  const IndexerBackwardOptions& opt, CopyToHost copy_to_host,
+ProblemGeometry validate_kl_loss_and_grad_problem(const IndexerInputs& in, const IndexerKLLossAndGradOutputs& out,
+                                                  const IndexerOptions& opt, CopyToHost copy_to_host,
                                                   bool stream_capturing);
 
 }  // namespace dsaib::detail

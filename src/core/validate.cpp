@@ -197,7 +197,7 @@ void check_cu_seqlens(const std::vector<int64_t>& cu, const char* name, int64_t 
 
 }  // namespace
 
-double scale_from_host(const ProblemGeometry& g, const IndexerBackwardOptions& opt, double grad_loss) {
+double scale_from_host(const ProblemGeometry& g, const IndexerOptions& opt, double grad_loss) {
   return grad_loss * static_cast<double>(opt.loss_coeff) / static_cast<double>(g.normalization_count);
 }
 
@@ -207,7 +207,7 @@ void check_cuda_key_rows(const ProblemGeometry& g) {
   }
 }
 
-void check_options(const IndexerBackwardOptions& opt) {
+void check_options(const IndexerOptions& opt) {
   if (opt.layout != Layout::bshd && opt.layout != Layout::thd) {
     fail("layout", "bshd or thd", std::to_string(static_cast<int>(opt.layout)));
   }
@@ -389,8 +389,8 @@ void check_strict_ids(const TensorView& ids, const ProblemGeometry& g, CopyToHos
 }
 
 namespace {
-ProblemGeometry validate_problem_unguarded(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
-                                           const IndexerBackwardOptions& opt, CopyToHost copy_to_host,
+ProblemGeometry validate_problem_unguarded(const IndexerInputs& in, const IndexerBackwardOutputs& out,
+                                           const IndexerOptions& opt, CopyToHost copy_to_host,
                                            bool check_outputs, bool stream_capturing = false) {
   ProblemGeometry g;
   g.layout = opt.layout;
@@ -580,8 +580,8 @@ ProblemGeometry validate_problem_unguarded(const IndexerBackwardInputs& in, cons
 }
 }  // namespace
 
-ProblemGeometry validate_problem(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
-                                 const IndexerBackwardOptions& opt, CopyToHost copy_to_host,
+ProblemGeometry validate_problem(const IndexerInputs& in, const IndexerBackwardOutputs& out,
+                                 const IndexerOptions& opt, CopyToHost copy_to_host,
                                  bool check_outputs, bool stream_capturing) {
   // e.g. the per-sequence tables of a huge cu_seqlens
   return allocation_failure_as_out_of_memory(
@@ -589,8 +589,8 @@ ProblemGeometry validate_problem(const IndexerBackwardInputs& in, const IndexerB
       [&] { return validate_problem_unguarded(in, out, opt, copy_to_host, check_outputs, stream_capturing); });
 }
 
-ProblemGeometry validate_kl_loss_and_grad_problem(const IndexerBackwardInputs& in, const IndexerKLLossAndGradOutputs& out,
-                                                  const IndexerBackwardOptions& opt, CopyToHost copy_to_host,
+ProblemGeometry validate_kl_loss_and_grad_problem(const IndexerInputs& in, const IndexerKLLossAndGradOutputs& out,
+                                                  const IndexerOptions& opt, CopyToHost copy_to_host,
                                                   bool stream_capturing) {
   return allocation_failure_as_out_of_memory(
       "out of memory: expected room in host memory to validate the arguments, got an allocation failure", [&] {
@@ -599,7 +599,7 @@ ProblemGeometry validate_kl_loss_and_grad_problem(const IndexerBackwardInputs& i
         if (in.index_score.present()) fail("index_score", why, "a tensor");
         if (in.row_lse.present()) fail("row_lse", why, "a tensor");
         if (in.row_target_mass.present()) fail("row_target_mass", why, "a tensor");
-        IndexerBackwardInputs with_target = in;
+        IndexerInputs with_target = in;
         with_target.index_score = in.attn_score;  // stands in for P: same rules
         const IndexerBackwardOutputs gradients{out.d_index_q, out.d_weights, out.d_index_k};
         ProblemGeometry g = validate_problem_unguarded(with_target, gradients, opt, copy_to_host, true, stream_capturing);
@@ -626,8 +626,8 @@ ProblemGeometry validate_kl_loss_and_grad_problem(const IndexerBackwardInputs& i
 
 namespace dsaib::detail {
 
-ProblemGeometry validate_kl_forward_problem(const IndexerBackwardInputs& in, const IndexerKLForwardOutputs& out,
-                                            const IndexerBackwardOptions& opt, CopyToHost copy_to_host) {
+ProblemGeometry validate_kl_forward_problem(const IndexerInputs& in, const IndexerKLForwardOutputs& out,
+                                            const IndexerOptions& opt, CopyToHost copy_to_host) {
   return allocation_failure_as_out_of_memory(
       "out of memory: expected room in host memory to validate the arguments, got an allocation failure", [&] {
         check_options(opt);
@@ -640,7 +640,7 @@ ProblemGeometry validate_kl_forward_problem(const IndexerBackwardInputs& in, con
         }
         // The inputs' rules are the backward's; attn_score stands in for the
         // absent index_score (same dtype and shape, already checked before it).
-        IndexerBackwardInputs with_target = in;
+        IndexerInputs with_target = in;
         with_target.index_score = in.attn_score;
         ProblemGeometry g = validate_problem_unguarded(with_target, {}, opt, copy_to_host, false);
 

@@ -311,8 +311,8 @@ struct RowScratch {
 
 // ------------------------------------------------------------ the problem ---
 
-IndexerBackwardInputs GeneratedProblem::inputs() const {
-  IndexerBackwardInputs in;
+IndexerInputs GeneratedProblem::inputs() const {
+  IndexerInputs in;
   in.index_q = index_q.view();
   in.weights = weights.view();
   in.index_k = index_k.view();
@@ -324,8 +324,8 @@ IndexerBackwardInputs GeneratedProblem::inputs() const {
   return in;
 }
 
-IndexerBackwardOptions GeneratedProblem::options() const {
-  IndexerBackwardOptions opt;
+IndexerOptions GeneratedProblem::options() const {
+  IndexerOptions opt;
   opt.layout = spec.layout;
   opt.id_mode = spec.id_mode;
   opt.sm_scale = sm_scale;

@@ -1,16 +1,19 @@
-# The sm_90a cuda backend (fused kernel, one instantiation file per head dim).
+# The sm_90a cuda backend: one folder per kernel family (its kernel entry, its
+# roles, its host launch), common/ for what several families use, launch/ for
+# the launch plan. One translation unit per kernel instantiation where they are
+# heavy, so that they compile in parallel.
+set(dsaib_hopper ${CMAKE_CURRENT_SOURCE_DIR}/hopper)
 target_sources(dsaib PRIVATE
-  ${CMAKE_CURRENT_SOURCE_DIR}/hopper/backend.cu
-  ${CMAKE_CURRENT_SOURCE_DIR}/hopper/instantiate_d64.cu
-  ${CMAKE_CURRENT_SOURCE_DIR}/hopper/instantiate_d128.cu
-  ${CMAKE_CURRENT_SOURCE_DIR}/hopper/instantiate_fixed_point_dk.cu
-  ${CMAKE_CURRENT_SOURCE_DIR}/hopper/instantiate_recompute_p_d64.cu
-  ${CMAKE_CURRENT_SOURCE_DIR}/hopper/instantiate_recompute_p_d128.cu
-  ${CMAKE_CURRENT_SOURCE_DIR}/hopper/instantiate_loss_and_grad.cu
-  ${CMAKE_CURRENT_SOURCE_DIR}/hopper/fixed_point_dk.cu
-  ${CMAKE_CURRENT_SOURCE_DIR}/hopper/reference_kernel.cu
-  ${CMAKE_CURRENT_SOURCE_DIR}/hopper/forward_backend.cu
-  ${CMAKE_CURRENT_SOURCE_DIR}/hopper/attention_target_backend.cu)
+  ${dsaib_hopper}/indexer_backward/indexer_backward_backend.cu
+  ${dsaib_hopper}/indexer_backward/instantiate_d64.cu
+  ${dsaib_hopper}/indexer_backward/instantiate_d128.cu
+  ${dsaib_hopper}/indexer_backward/instantiate_fixed_point_dk.cu
+  ${dsaib_hopper}/indexer_backward/instantiate_p_free_d64.cu
+  ${dsaib_hopper}/indexer_backward/instantiate_p_free_d128.cu
+  ${dsaib_hopper}/indexer_backward/fixed_point_dk.cu
+  ${dsaib_hopper}/loss_and_grad/instantiate_loss_and_grad.cu
+  ${dsaib_hopper}/kl_forward/kl_forward_backend.cu
+  ${dsaib_hopper}/attention_target/attention_target_backend.cu)
 target_include_directories(dsaib PRIVATE ${DSAIB_CUTLASS_INCLUDE_DIR})
 target_compile_options(dsaib PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:${DSAIB_CUDA_FLAGS}>)
 target_link_libraries(dsaib PUBLIC CUDA::cudart)

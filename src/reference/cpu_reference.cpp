@@ -34,7 +34,7 @@ void store(const TensorView& v, int64_t offset, double value) { store_element(v.
 
 /// Host-side reader of one problem: flat rows to doubles through strides.
 struct ProblemReader {
-  const IndexerBackwardInputs& in;
+  const IndexerInputs& in;
   const ProblemGeometry& g;
   /// The P-free form's row statistics in fp64 (the one-call function's forward),
   /// read instead of the row_lse / row_target_mass tensors when set.
@@ -160,7 +160,7 @@ void row_backward(const ProblemReader& rd, int64_t r, double c, double sm_scale,
   for (int64_t h = 0; h < H; ++h) s.dw[h] *= sm_scale;
 }
 
-double read_grad_loss(const IndexerBackwardOptions& opt) {
+double read_grad_loss(const IndexerOptions& opt) {
   return opt.grad_loss_device ? static_cast<double>(*opt.grad_loss_device) : static_cast<double>(opt.grad_loss);
 }
 
@@ -194,7 +194,7 @@ void parallel_rows(int parts, int64_t rows, Fn fn) {
   throw Error(ErrorCode::out_of_memory, "", "out of memory: expected " + what);
 }
 
-ReferenceGradients compute_full(const IndexerBackwardInputs& in, const IndexerBackwardOptions& opt,
+ReferenceGradients compute_full(const IndexerInputs& in, const IndexerOptions& opt,
                                 const ProblemGeometry& g, const RowStatistics* stats = nullptr) {
   ReferenceGradients res;
   res.num_q_rows = g.num_q_rows;
@@ -241,8 +241,8 @@ ReferenceGradients compute_full(const IndexerBackwardInputs& in, const IndexerBa
 
 }  // namespace
 
-void run_cpu_backend(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
-                     const IndexerBackwardOptions& opt, const ProblemGeometry& g, const RowStatistics* stats) {
+void run_cpu_backend(const IndexerInputs& in, const IndexerBackwardOutputs& out,
+                     const IndexerOptions& opt, const ProblemGeometry& g, const RowStatistics* stats) {
   const IeeeSubnormalsScope ieee;  // the caller's FTZ/DAZ would read subnormals as 0 (float_mode.hpp)
   const ReferenceGradients ref = compute_full(in, opt, g, stats);
   // Outputs are contiguous (validated), so flat element e is offset e.
@@ -256,21 +256,21 @@ void run_cpu_backend(const IndexerBackwardInputs& in, const IndexerBackwardOutpu
 namespace dsaib {
 using namespace detail;
 
-ReferenceGradients reference_backward(const IndexerBackwardInputs& inputs, const IndexerBackwardOptions& options) {
+ReferenceGradients reference_backward(const IndexerInputs& inputs, const IndexerOptions& options) {
   const IeeeSubnormalsScope ieee;  // the caller's FTZ/DAZ would read subnormals as 0 (float_mode.hpp)
-  IndexerBackwardOptions opt = options;
+  IndexerOptions opt = options;
   opt.backend = Backend::cpu;
   opt.deterministic = false;
   const ProblemGeometry g = validate_problem(inputs, {}, opt, nullptr, /*check_outputs=*/false);
   return compute_full(inputs, opt, g);
 }
 
-SampledReferenceGradients reference_backward_sampled(const IndexerBackwardInputs& inputs,
-                                                     const IndexerBackwardOptions& options,
+SampledReferenceGradients reference_backward_sampled(const IndexerInputs& inputs,
+                                                     const IndexerOptions& options,
                                                      const std::vector<int64_t>& q_rows,
                                                      const std::vector<int64_t>& k_rows) {
   const IeeeSubnormalsScope ieee;  // the caller's FTZ/DAZ would read subnormals as 0 (float_mode.hpp)
-  IndexerBackwardOptions opt = options;
+  IndexerOptions opt = options;
   opt.backend = Backend::cpu;
   opt.deterministic = false;
   const ProblemGeometry g = validate_problem(inputs, {}, opt, nullptr, false);
@@ -343,9 +343,9 @@ SampledReferenceGradients reference_backward_sampled(const IndexerBackwardInputs
   return res;
 }
 
-std::vector<double> reference_index_logits(const IndexerBackwardInputs& inputs, const IndexerBackwardOptions& options) {
+std::vector<double> reference_index_logits(const IndexerInputs& inputs, const IndexerOptions& options) {
   const IeeeSubnormalsScope ieee;  // the caller's FTZ/DAZ would read subnormals as 0 (float_mode.hpp)
-  IndexerBackwardOptions opt = options;
+  IndexerOptions opt = options;
   opt.backend = Backend::cpu;
   opt.deterministic = false;
   const ProblemGeometry g = validate_problem(inputs, {}, opt, nullptr, false);
@@ -377,9 +377,9 @@ std::vector<double> reference_index_logits(const IndexerBackwardInputs& inputs, 
   return z;
 }
 
-double indexer_kl_loss(const IndexerBackwardInputs& inputs, const IndexerBackwardOptions& options, bool recompute_p) {
+double indexer_kl_loss(const IndexerInputs& inputs, const IndexerOptions& options, bool recompute_p) {
   const IeeeSubnormalsScope ieee;  // the caller's FTZ/DAZ would read subnormals as 0 (float_mode.hpp)
-  IndexerBackwardOptions opt = options;
+  IndexerOptions opt = options;
   opt.backend = Backend::cpu;
   opt.deterministic = false;
   const ProblemGeometry g = validate_problem(inputs, {}, opt, nullptr, false);

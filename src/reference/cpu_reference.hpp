@@ -16,8 +16,8 @@ struct RowStatistics {
 /// `g` comes from validate_problem(); nothing is validated here. `stats`, when
 /// given, are the P-free form's row statistics (instead of the inputs' row_lse
 /// and row_target_mass tensors).
-void run_cpu_backend(const IndexerBackwardInputs& in, const IndexerBackwardOutputs& out,
-                     const IndexerBackwardOptions& opt, const ProblemGeometry& g,
+void run_cpu_backend(const IndexerInputs& in, const IndexerBackwardOutputs& out,
+                     const IndexerOptions& opt, const ProblemGeometry& g,
                      const RowStatistics* stats = nullptr);
 
 }  // namespace dsaib::detail
@@ -28,7 +28,7 @@ namespace dsaib::detail {
 
 /// The cpu backend of indexer_kl_forward(): the fp64 forward, cast to f32 outputs.
 /// `g` comes from validate_kl_forward_problem(); nothing is validated here.
-void run_cpu_kl_forward(const IndexerBackwardInputs& in, const IndexerKLForwardOutputs& out,
-                        const IndexerBackwardOptions& opt, const ProblemGeometry& g);
+void run_cpu_kl_forward(const IndexerInputs& in, const IndexerKLForwardOutputs& out,
+                        const IndexerOptions& opt, const ProblemGeometry& g);
 
 }  // namespace dsaib::detail

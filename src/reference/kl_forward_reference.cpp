@@ -33,11 +33,11 @@ double slot_value(const TensorView& v, const ProblemGeometry& g, int64_t r, int6
 /// `f32_lse`: the LSE is written in f32 (the cpu backend's f32 row_lse), so
 /// row_lse holds its f32 rounding and the target mass is divided by the sum of
 /// exp(z - that LSE).
-ReferenceKLForward compute_forward(const IndexerBackwardInputs& in, const IndexerBackwardOptions& opt,
+ReferenceKLForward compute_forward(const IndexerInputs& in, const IndexerOptions& opt,
                                    const ProblemGeometry& g, bool f32_lse) {
   // reference_index_logits takes the backward's inputs: attn_score stands in
   // for the index_score it does not read.
-  IndexerBackwardInputs with_target = in;
+  IndexerInputs with_target = in;
   with_target.index_score = in.attn_score;
   const std::vector<double> z = reference_index_logits(with_target, opt);
   const int64_t K = g.topk;
@@ -101,8 +101,8 @@ ReferenceKLForward compute_forward(const IndexerBackwardInputs& in, const Indexe
 
 }  // namespace
 
-void run_cpu_kl_forward(const IndexerBackwardInputs& in, const IndexerKLForwardOutputs& out,
-                        const IndexerBackwardOptions& opt, const ProblemGeometry& g) {
+void run_cpu_kl_forward(const IndexerInputs& in, const IndexerKLForwardOutputs& out,
+                        const IndexerOptions& opt, const ProblemGeometry& g) {
   const IeeeSubnormalsScope ieee;  // the caller's FTZ/DAZ would read subnormals as 0 (float_mode.hpp)
   // An f64 row_lse holds the LSE unrounded: the target mass is then the fp64 reference's.
   const ReferenceKLForward ref = compute_forward(in, opt, g, /*f32_lse=*/out.row_lse.dtype != DType::f64);
@@ -124,9 +124,9 @@ void run_cpu_kl_forward(const IndexerBackwardInputs& in, const IndexerKLForwardO
 
 namespace dsaib {
 
-ReferenceKLForward reference_kl_forward(const IndexerBackwardInputs& inputs, const IndexerBackwardOptions& options) {
+ReferenceKLForward reference_kl_forward(const IndexerInputs& inputs, const IndexerOptions& options) {
   const detail::IeeeSubnormalsScope ieee;  // the caller's FTZ/DAZ would read subnormals as 0 (float_mode.hpp)
-  IndexerBackwardOptions opt = options;
+  IndexerOptions opt = options;
   opt.backend = Backend::cpu;
   // The inputs' and options' rules of indexer_kl_forward(), without outputs.
   detail::check_options(opt);
@@ -134,7 +134,7 @@ ReferenceKLForward reference_kl_forward(const IndexerBackwardInputs& inputs, con
     throw Error(ErrorCode::invalid_argument, "index_score",
                 "index_score: expected absent in the inputs of the forward (it writes P to outputs.index_score), got a tensor");
   }
-  IndexerBackwardInputs with_target = inputs;
+  IndexerInputs with_target = inputs;
   with_target.index_score = inputs.attn_score;
   const detail::ProblemGeometry g = detail::validate_problem(with_target, {}, opt, nullptr, /*check_outputs=*/false);
   return detail::compute_forward(inputs, opt, g, /*f32_lse=*/false);

@@ -31,7 +31,7 @@ struct CProblem {
     p = make_problem(s);
     o = make_outputs(p, DType::bf16, DType::f32, DType::f32);
     poison(o);
-    const IndexerBackwardInputs i = p.inputs();
+    const IndexerInputs i = p.inputs();
     in = {to_c(i.index_q),    to_c(i.weights),     to_c(i.index_k),      to_c(i.topk_indices),
           to_c(i.attn_score), to_c(i.index_score), to_c(i.cu_seqlens_q), to_c(i.cu_seqlens_k)};
     const IndexerBackwardOutputs v = o.views();
@@ -57,7 +57,7 @@ TEST(CApi, DefaultOptionsMatchCpp) {
   dsaib_options o;
   std::memset(&o, 0x7f, sizeof o);
   dsaib_default_options(&o);
-  const IndexerBackwardOptions d;
+  const IndexerOptions d;
   EXPECT_EQ(o.layout, DSAIB_BSHD);
   EXPECT_EQ(o.id_mode, DSAIB_IDS_LOCAL);
   EXPECT_EQ(o.backend, DSAIB_BACKEND_CPU);

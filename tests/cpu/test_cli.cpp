@@ -1,4 +1,4 @@
-// End-to-end tests of the dsa-indexer-bwd command line tool (small problems, cpu backend).
+// End-to-end tests of the dsaib command line tool (small problems, cpu backend).
 #include <gtest/gtest.h>
 
 #include <limits>
@@ -21,7 +21,7 @@
 #include "support/test_support.hpp"
 
 #ifndef DSAIB_CLI_PATH
-#error "DSAIB_CLI_PATH (the dsa-indexer-bwd binary) must be defined by the build"
+#error "DSAIB_CLI_PATH (the dsaib binary) must be defined by the build"
 #endif
 
 namespace {
@@ -261,14 +261,14 @@ TEST_F(Cli, ComparesWithGradientsStoredInTheFileAndFailsWhenTheyDiffer) {
   // What scripts/dump_torch_step.py --with-grads stores (torch autograd), here the fp64 reference in f32.
   std::map<std::string, std::string> meta;
   auto t = dsaib::read_safetensors(tiny_problem(), &meta);
-  dsaib::IndexerBackwardInputs in;
+  dsaib::IndexerInputs in;
   in.index_q = t.at("index_q").view();
   in.weights = t.at("weights").view();
   in.index_k = t.at("index_k").view();
   in.topk_indices = t.at("topk_indices").view();
   in.attn_score = t.at("attn_score").view();
   in.index_score = t.at("index_score").view();
-  dsaib::IndexerBackwardOptions opt;
+  dsaib::IndexerOptions opt;
   opt.sm_scale = std::stof(meta.at("sm_scale"));
   const auto ref = dsaib::reference_backward(in, opt);
   auto store = [&](const char* name, const std::vector<double>& v, double scale) {
@@ -713,7 +713,7 @@ TEST_F(Cli, FlagValueErrorsNameTheFlagAndTheValue) {
       {"backward --preset tiny --loss-coeff 1e39", "--loss-coeff: expected a finite number (fp32 range), got 1e39"},
       {"generate --preset tiny --seed -1 --out x.safetensors", "--seed: expected an integer in [0, 2^64 - 1], got \"-1\""},
       {"backward --preset tiny --verify none --out ''", "--out: expected a file name, got \"\""},
-      {"bench --heads 12", "dsa-indexer-bwd: error (invalid_argument): --heads: expected a multiple of 8 in [8, 128], got 12"},
+      {"bench --heads 12", "dsaib: error (invalid_argument): --heads: expected a multiple of 8 in [8, 128], got 12"},
       // The generator's field errors are named by the flag that set the field.
       {"backward --preset tiny --topk 0", "error (invalid_argument): --topk: expected >= 1, got 0"},
       {"backward --preset tiny --heads 12", "error (invalid_argument): --heads: expected a multiple of 8 in [8, 128], got 12"},
@@ -1129,7 +1129,7 @@ TEST_F(Cli, StepOnGeneratedThdGlobalIdsSampledAndForwardFlags) {
   EXPECT_TRUE(contains(bad.output, "--verify")) << bad.output;
   const Result text = run("forward --preset tiny");
   EXPECT_EQ(text.exit_code, 0) << text.output;
-  for (const char* frag : {"dsa-indexer-bwd forward", "  loss        ", "  forward     ", "row_lse", "index_score",
+  for (const char* frag : {"dsaib forward", "  loss        ", "  forward     ", "row_lse", "index_score",
                            "result      PASS"}) {
     EXPECT_TRUE(contains(text.output, frag)) << "'" << frag << "' not in:\n" << text.output;
   }

@@ -36,9 +36,9 @@ struct Env {
   GeneratedProblem p;
   OutputBuffers o;
   std::deque<HostTensor> extra;  // stable addresses
-  IndexerBackwardInputs in;
+  IndexerInputs in;
   IndexerBackwardOutputs out;
-  IndexerBackwardOptions opt;
+  IndexerOptions opt;
 
   /// An extra zeroed buffer of at least `bytes` bytes (16-byte aligned storage).
   unsigned char* buffer(size_t bytes) {
@@ -481,7 +481,7 @@ TEST(Strict, MinusOneAllowedAndSameResult) {
   invalidate_run(env->p, 3, Where::middle, 2);
   invalidate_row(env->p, 7);
   refresh_scores(env->p);
-  IndexerBackwardOptions strict = env->opt;
+  IndexerOptions strict = env->opt;
   strict.strict_indices = true;
   const OutputBuffers a = run_cpu(env->p, env->opt), b = run_cpu(env->p, strict);
   EXPECT_TRUE(bitwise_equal(a.d_index_q, b.d_index_q));
@@ -527,10 +527,10 @@ TEST(StridedViews, StrictIdsAcrossAnUnreadablePage) {
   const int64_t per_batch = ids.shape[1] * ids.shape[2];
   std::memcpy(mem.at_page(0), ids.data, static_cast<size_t>(per_batch) * 4);
   std::memcpy(mem.at_page(2), static_cast<const int32_t*>(ids.data) + per_batch, static_cast<size_t>(per_batch) * 4);
-  IndexerBackwardInputs in = env->in;
+  IndexerInputs in = env->in;
   in.topk_indices.data = mem.at_page(0);
   in.topk_indices.strides[0] = static_cast<int64_t>(2 * mem.page / 4);
-  IndexerBackwardOptions strict = env->opt;
+  IndexerOptions strict = env->opt;
   strict.strict_indices = true;
   const OutputBuffers want = run_cpu(env->p, env->opt);
   OutputBuffers got = make_outputs(env->p);
@@ -546,7 +546,7 @@ TEST(StridedViews, CuSeqlensAcrossUnreadablePages) {
   GuardedPages mem(10, {1, 3, 6, 8});
   ASSERT_NE(mem.base, nullptr);
   const int64_t stride = static_cast<int64_t>(2 * mem.page / 4);
-  IndexerBackwardInputs in = env->in;
+  IndexerInputs in = env->in;
   for (auto [view, first_page] : {std::pair{&in.cu_seqlens_q, size_t{0}}, std::pair{&in.cu_seqlens_k, size_t{5}}}) {
     ASSERT_EQ(view->shape[0], 3);
     const auto* src = static_cast<const int32_t*>(view->data);
@@ -555,7 +555,7 @@ TEST(StridedViews, CuSeqlensAcrossUnreadablePages) {
     view->strides[0] = stride;
   }
   for (bool strict_ids : {false, true}) {
-    IndexerBackwardOptions opt = env->opt;
+    IndexerOptions opt = env->opt;
     opt.strict_indices = strict_ids;
     const OutputBuffers want = run_cpu(env->p, opt);
     OutputBuffers got = make_outputs(env->p);
@@ -591,7 +591,7 @@ struct CopyCount {
 
 TEST(StridedViews, DeviceCopyPathReadsOnlyElements) {
   std::unique_ptr<Env> env = make_env(Layout::bshd);
-  IndexerBackwardOptions strict = env->opt;
+  IndexerOptions strict = env->opt;
   strict.strict_indices = true;
   const size_t id_bytes = static_cast<size_t>(env->in.topk_indices.numel()) * 4;  // 2 x 6 x 5 ids
   // Packed: one copy of the ids' bytes.
@@ -609,7 +609,7 @@ TEST(StridedViews, DeviceCopyPathReadsOnlyElements) {
   std::memcpy(mem.at_page(0), ids.data, static_cast<size_t>(per_batch) * 4);
   std::memcpy(mem.at_page(gap_pages), static_cast<const int32_t*>(ids.data) + per_batch,
               static_cast<size_t>(per_batch) * 4);
-  IndexerBackwardInputs in = env->in;
+  IndexerInputs in = env->in;
   in.topk_indices.data = mem.at_page(0);
   in.topk_indices.strides[0] = static_cast<int64_t>(gap_pages * page / 4);
   CopyCount::reset();
@@ -632,7 +632,7 @@ TEST(StridedViews, DeviceCopyPathReadsOnlyElements) {
   const detail::ProblemGeometry g1 = detail::validate_problem(thd->in, thd->out, thd->opt, &CopyCount::copy);
   EXPECT_EQ(CopyCount::calls, 2);
   EXPECT_EQ(CopyCount::bytes, size_t{24});
-  IndexerBackwardInputs strided = thd->in;
+  IndexerInputs strided = thd->in;
   for (TensorView* v : {&strided.cu_seqlens_q, &strided.cu_seqlens_k}) {
     auto* b = reinterpret_cast<int32_t*>(thd->buffer(6 * 4));
     for (int i = 0; i < 3; ++i) b[2 * i] = static_cast<const int32_t*>(v->data)[i], b[2 * i + 1] = -5;
@@ -717,10 +717,10 @@ TEST(StridedViews, StrictFindsTheBadIdThroughEveryRead) {
       }
     }
     mem[offset(c.bad_row, c.bad_slot)] = 1000;
-    IndexerBackwardInputs in = env->in;
+    IndexerInputs in = env->in;
     in.topk_indices.data = mem;
     std::copy(c.strides.begin(), c.strides.end(), in.topk_indices.strides);
-    IndexerBackwardOptions strict = env->opt;
+    IndexerOptions strict = env->opt;
     strict.strict_indices = true;
     for (bool device_copy : {false, true}) {
       SCOPED_TRACE(device_copy ? "device copy" : "in place");
@@ -749,7 +749,7 @@ TEST(StridedViews, StrictFindsTheBadIdThroughEveryRead) {
 /// (validate_problem called directly with views labelled cuda, on host memory).
 TEST(StridedViews, CudaRefusesStridedCuSeqlensBeforeReadingThem) {
   std::unique_ptr<Env> env = make_env(Layout::thd);
-  IndexerBackwardInputs in = env->in;
+  IndexerInputs in = env->in;
   IndexerBackwardOutputs out = env->out;
   for (TensorView* v : {&in.index_q, &in.weights, &in.index_k, &in.topk_indices, &in.attn_score, &in.index_score,
                         &in.cu_seqlens_q, &in.cu_seqlens_k, &out.d_index_q, &out.d_weights, &out.d_index_k}) {
@@ -760,7 +760,7 @@ TEST(StridedViews, CudaRefusesStridedCuSeqlensBeforeReadingThem) {
   for (int i = 0; i < 3; ++i) b[2 * i] = static_cast<const int32_t*>(in.cu_seqlens_q.data)[i];
   in.cu_seqlens_q.data = b;
   in.cu_seqlens_q.strides[0] = 2;
-  IndexerBackwardOptions opt = env->opt;
+  IndexerOptions opt = env->opt;
   opt.backend = Backend::cuda;
   CopyCount::reset();
   try {
@@ -780,7 +780,7 @@ TEST(StridedViews, CudaRefusesStridedCuSeqlensBeforeReadingThem) {
 TEST(StridedViews, HugeBroadcastCuSeqlensIsOutOfMemory) {
   if (kSanitizedBuild) GTEST_SKIP() << "sanitizers abort on allocations this large";
   std::unique_ptr<Env> env = make_env(Layout::thd);
-  IndexerBackwardInputs in = env->in;
+  IndexerInputs in = env->in;
   for (TensorView* v : {&in.cu_seqlens_q, &in.cu_seqlens_k}) {
     v->shape[0] = int64_t{1} << 45;
     v->strides[0] = 0;
@@ -809,7 +809,7 @@ void expect_broadcast_slots_rejected(int64_t batch, uint64_t seed) {
   s.topk = 2;
   GeneratedProblem p = make_problem(s);
   OutputBuffers o = make_outputs(p);
-  IndexerBackwardInputs in = p.inputs();
+  IndexerInputs in = p.inputs();
   const int64_t huge = int64_t{1} << 61;  // 2^61 elements of 4 bytes: 2^63 bytes
   for (TensorView* v : {&in.topk_indices, &in.attn_score, &in.index_score}) {
     ASSERT_EQ(v->shape[0], batch);
@@ -839,7 +839,7 @@ TEST(StridedViews, EmptyTensorWithUnaddressableSizesIsRejected) { expect_broadca
 
 TEST(Accepted, DeterministicOnCpu) {
   std::unique_ptr<Env> env = make_env(Layout::thd);
-  IndexerBackwardOptions det = env->opt;
+  IndexerOptions det = env->opt;
   det.deterministic = true;
   const OutputBuffers a = run_cpu(env->p, env->opt), b = run_cpu(env->p, det);
   EXPECT_TRUE(bitwise_equal(a.d_index_k, b.d_index_k));
@@ -888,14 +888,14 @@ TEST(Accepted, EmptyProblems) {
   if (k == MAP_FAILED || dk == MAP_FAILED) std::_Exit(10);
   std::memcpy(k, p.index_k.bytes.data(), p.index_k.bytes.size());  // the 9 real key rows first
   OutputBuffers o = make_outputs(p, DType::f32, DType::f32, DType::bf16);
-  IndexerBackwardInputs in = p.inputs();
+  IndexerInputs in = p.inputs();
   in.index_k = contiguous_view(k, DType::bf16, {1, kKeys, D});
   IndexerBackwardOutputs out = o.views();
   out.d_index_k = contiguous_view(dk, DType::bf16, {1, kKeys, D});
   for (HostTensor* t : {&o.d_index_q, &o.d_weights}) std::fill(t->bytes.begin(), t->bytes.end(), 0xA5);
   dk[0] = dk[k_bytes - 1] = 0xA5;
   const Snapshot dq_before(o.d_index_q), dw_before(o.d_weights);
-  IndexerBackwardOptions opt = p.options();
+  IndexerOptions opt = p.options();
   opt.num_threads = threads;  // one fp64 d_index_k partial (512 MiB) per thread
   if (!limit_address_space(size_t{64} << 20)) std::_Exit(11);
   try {

@@ -56,7 +56,7 @@ class F64Layouts : public ::testing::TestWithParam<Layout> {};
 
 TEST_P(F64Layouts, BackwardWritesTheFp64ReferenceUnrounded) {
   const GeneratedProblem p = f64_problem(GetParam());
-  IndexerBackwardOptions opt = p.options();
+  IndexerOptions opt = p.options();
   opt.num_threads = 2;
   opt.loss_coeff = 0.7f;
   opt.grad_loss = 1.5f;
@@ -77,7 +77,7 @@ TEST_P(F64Layouts, Float64InputsAreReadAsTheyAre) {
   // same results bitwise; then an f64 attn_score value that f32 cannot hold
   // changes them (its low bits are read).
   const GeneratedProblem p = f64_problem(GetParam(), 9);
-  IndexerBackwardOptions opt = p.options();
+  IndexerOptions opt = p.options();
   opt.num_threads = 1;
   const OutputBuffers want = run_cpu(p, opt, DType::f64, DType::f64, DType::f64);
   GeneratedProblem wide = p;
@@ -105,9 +105,9 @@ TEST_P(F64Layouts, Float64InputsAreReadAsTheyAre) {
 
 TEST_P(F64Layouts, KLForwardWritesTheFp64ReferenceUnrounded) {
   const GeneratedProblem p = f64_problem(GetParam());
-  IndexerBackwardOptions opt = p.options();
+  IndexerOptions opt = p.options();
   opt.loss_coeff = 0.7f;
-  IndexerBackwardInputs in = p.inputs();
+  IndexerInputs in = p.inputs();
   in.index_score = {};
   const ReferenceKLForward ref = reference_kl_forward(in, opt);
   const int64_t R = num_q_rows(p), K = topk(p);
@@ -131,7 +131,7 @@ TEST_P(F64Layouts, KLForwardWritesTheFp64ReferenceUnrounded) {
   poison(loss2);
   indexer_kl_loss_and_grad(in, {loss2.view(), g.d_index_q.view(), g.d_weights.view(), g.d_index_k.view()}, opt);
   expect_exact_f64(loss2, {ref.loss}, "loss (indexer_kl_loss_and_grad)");
-  IndexerBackwardInputs p_free = in;
+  IndexerInputs p_free = in;
   p_free.row_lse = lse.view();
   p_free.row_target_mass = mass.view();
   const ReferenceGradients want = reference_backward(p_free, opt);
@@ -206,9 +206,9 @@ std::string cuda_validation_error(const std::function<void()>& fn) {
 // machine without a GPU fails first; see CudaEntryPointsRefuseF64 for that path).
 TEST(F64, CudaValidationRefusesF64NamingTheTensor) {
   const GeneratedProblem p = f64_problem(Layout::bshd);
-  IndexerBackwardOptions opt = p.options();
+  IndexerOptions opt = p.options();
   opt.backend = Backend::cuda;
-  IndexerBackwardInputs in = p.inputs();
+  IndexerInputs in = p.inputs();
   for (TensorView* v : {&in.index_q, &in.weights, &in.index_k, &in.topk_indices, &in.attn_score, &in.index_score}) {
     *v = on_cuda(*v);
   }
@@ -225,7 +225,7 @@ TEST(F64, CudaValidationRefusesF64NamingTheTensor) {
               std::string(names[i]) + ": expected dtype bf16 or f32 on the cuda backend (f64 on the cpu backend only), got dtype f64");
   }
   const HostTensor w64 = as_f64(p.weights), T64 = as_f64(p.attn_score);
-  IndexerBackwardInputs wide = in;
+  IndexerInputs wide = in;
   wide.weights = on_cuda(w64.view());
   EXPECT_EQ(cuda_validation_error([&] { (void)detail::validate_problem(wide, out, opt); }),
             "weights: expected dtype bf16 or f32 on the cuda backend (f64 on the cpu backend only), got dtype f64");
@@ -235,7 +235,7 @@ TEST(F64, CudaValidationRefusesF64NamingTheTensor) {
             "attn_score: expected dtype f32 on the cuda backend (f64 on the cpu backend only), got dtype f64");
 
   // The forward's outputs and the one-call function's loss.
-  IndexerBackwardInputs fwd_in = in;
+  IndexerInputs fwd_in = in;
   fwd_in.index_score = {};
   HostTensor loss32(DType::f32, {}), loss64(DType::f64, {});
   HostTensor lse(DType::f32, {p.spec.batch, p.spec.s_q}), mass(DType::f32, {p.spec.batch, p.spec.s_q});
@@ -255,9 +255,9 @@ TEST(F64, CudaValidationRefusesF64NamingTheTensor) {
 TEST(F64, CudaEntryPointsRefuseF64) {
   if (!cuda_backend_available()) GTEST_SKIP() << "no usable cuda backend";
   const GeneratedProblem p = f64_problem(Layout::bshd);
-  IndexerBackwardOptions opt = p.options();
+  IndexerOptions opt = p.options();
   opt.backend = Backend::cuda;
-  IndexerBackwardInputs in = p.inputs();
+  IndexerInputs in = p.inputs();
   for (TensorView* v : {&in.index_q, &in.weights, &in.index_k, &in.topk_indices, &in.attn_score, &in.index_score}) {
     *v = on_cuda(*v);
   }

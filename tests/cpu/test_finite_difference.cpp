@@ -74,9 +74,9 @@ void set_exact(HostTensor& t, int64_t e, double v) {
 }
 
 /// Gradient of the problem as fp64 vectors (q, w, k), computed some way.
-using GradFn = std::function<ReferenceGradients(const GeneratedProblem&, const IndexerBackwardOptions&)>;
+using GradFn = std::function<ReferenceGradients(const GeneratedProblem&, const IndexerOptions&)>;
 
-ReferenceGradients true_gradient(const GeneratedProblem& p, const IndexerBackwardOptions& o) {
+ReferenceGradients true_gradient(const GeneratedProblem& p, const IndexerOptions& o) {
   return reference_backward(p.inputs(), o);
 }
 
@@ -133,7 +133,7 @@ struct FdOutcome {
 };
 
 /// Runs the FD comparison of `grad` over the samples. The problem is restored afterwards.
-FdOutcome run_fd(GeneratedProblem p, const IndexerBackwardOptions& opt, const std::vector<Sample>& samples,
+FdOutcome run_fd(GeneratedProblem p, const IndexerOptions& opt, const std::vector<Sample>& samples,
                  const GradFn& grad) {
   FdOutcome out;
   // Floor of the relative error: RMS of each true gradient tensor.
@@ -222,8 +222,8 @@ GeneratedProblem bshd_problem(bool weights_f32) {
   return p;
 }
 
-IndexerBackwardOptions fd_options(const GeneratedProblem& p) {
-  IndexerBackwardOptions o = p.options();
+IndexerOptions fd_options(const GeneratedProblem& p) {
+  IndexerOptions o = p.options();
   o.loss_coeff = 0.7f;
   o.grad_loss = 1.3f;
   o.num_threads = 2;
@@ -249,7 +249,7 @@ TEST(FiniteDifference, BshdF32WeightsNegativeScale) {
   GeneratedProblem p = bshd_problem(true);
   p.sm_scale = -0.3f;  // options() and refresh_index_score() follow it
   refresh_scores(p);
-  const IndexerBackwardOptions o = fd_options(p);
+  const IndexerOptions o = fd_options(p);
   const FdOutcome r = run_fd(p, o, pick_samples(p, 12, 2), true_gradient);
   expect_fd_ok(r);
 }
@@ -265,7 +265,7 @@ TEST(FiniteDifference, ThdGlobalIdsExplicitN) {
   GeneratedProblem p = make_problem(spec);
   duplicate_slot(p, 10, 1, 6);
   refresh_scores(p);
-  IndexerBackwardOptions o = fd_options(p);
+  IndexerOptions o = fd_options(p);
   o.normalization_count = 17;
   const FdOutcome r = run_fd(p, o, pick_samples(p, 12, 3), true_gradient);
   expect_fd_ok(r);
@@ -282,7 +282,7 @@ TEST(FiniteDifference, DetectsDroppedSoftmaxTerm) {
   }();
   // index_score = eps at every valid slot: the reference then returns gs_i = g_i,
   // i.e. the gradient with the P*G term dropped.
-  const GradFn dropped = [&](const GeneratedProblem& q, const IndexerBackwardOptions& o) {
+  const GradFn dropped = [&](const GeneratedProblem& q, const IndexerOptions& o) {
     GeneratedProblem m = q;
     fill(m.index_score, 0.0);
     for (int64_t r = 0; r < num_q_rows(m); ++r) {
@@ -301,8 +301,8 @@ TEST(FiniteDifference, DetectsDroppedSoftmaxTerm) {
 
 TEST(FiniteDifference, DetectsRelativeErrorOf1e5) {
   const GeneratedProblem p = bshd_problem(false);
-  const GradFn scaled = [](const GeneratedProblem& q, const IndexerBackwardOptions& o) {
-    IndexerBackwardOptions o2 = o;
+  const GradFn scaled = [](const GeneratedProblem& q, const IndexerOptions& o) {
+    IndexerOptions o2 = o;
     o2.grad_loss = static_cast<float>(o.grad_loss * (1.0 + 1e-5));
     return reference_backward(q.inputs(), o2);
   };

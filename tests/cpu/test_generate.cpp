@@ -263,12 +263,12 @@ TEST(Generate, ViewsAndOptions) {
   s.seqlens_k = {};  // same as seqlens_q
   s.id_mode = IdMode::global;
   const GeneratedProblem p = make_problem(s);
-  const IndexerBackwardInputs in = p.inputs();
+  const IndexerInputs in = p.inputs();
   ASSERT_TRUE(in.cu_seqlens_q.present());
   EXPECT_EQ(to_doubles(in.cu_seqlens_q), (std::vector<double>{0, 3, 7}));
   EXPECT_EQ(to_doubles(in.cu_seqlens_k), (std::vector<double>{0, 3, 7}));
   EXPECT_EQ(in.index_q.rank, 3);
-  const IndexerBackwardOptions o = p.options();
+  const IndexerOptions o = p.options();
   EXPECT_EQ(o.layout, Layout::thd);
   EXPECT_EQ(o.id_mode, IdMode::global);
   EXPECT_FLOAT_EQ(o.sm_scale, 0.125f);  // 1/sqrt(64)

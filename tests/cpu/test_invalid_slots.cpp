@@ -36,7 +36,7 @@ void expect_same_gradients(const ReferenceGradients& a, const ReferenceGradients
   check(a.d_index_k, b.d_index_k, "d_index_k");
 }
 
-ReferenceGradients grads(const GeneratedProblem& p, IndexerBackwardOptions o) {
+ReferenceGradients grads(const GeneratedProblem& p, IndexerOptions o) {
   o.num_threads = 2;
   return reference_backward(p.inputs(), o);
 }

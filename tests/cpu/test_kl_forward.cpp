@@ -63,7 +63,7 @@ TEST(KlForward, ReferenceMatchesTheDefinitionInFp64) {
   for (const FwdCase& c : cases()) {
     GeneratedProblem p = make_problem(c.spec);
     if (c.mutate) c.mutate(p);
-    IndexerBackwardOptions opt = p.options();
+    IndexerOptions opt = p.options();
     opt.loss_coeff = 0.7f;
     const Fp64Forward want = fp64_forward(p, opt);
     const ReferenceKLForward got = reference_kl_forward(forward_inputs(p), opt);
@@ -79,7 +79,7 @@ TEST(KlForward, CpuBackendWritesTheReferenceInF32) {
   for (const FwdCase& c : cases()) {
     GeneratedProblem p = make_problem(c.spec);
     if (c.mutate) c.mutate(p);
-    IndexerBackwardOptions opt = p.options();
+    IndexerOptions opt = p.options();
     opt.normalization_count = 5;
     const Fp64Forward want = fp64_forward(p, opt);
     ForwardBuffers b = make_forward_buffers(p);
@@ -109,7 +109,7 @@ TEST(KlForward, TargetMassIsDividedByTheSumOfPRebuiltFromTheF32Lse) {
   for (Layout layout : {Layout::bshd, Layout::thd}) {
     GeneratedProblem p = large_lse_problem(layout, 71);
     invalid_slots(p);
-    const IndexerBackwardOptions opt = p.options();
+    const IndexerOptions opt = p.options();
     const Fp64Forward want = fp64_forward(p, opt);
     ForwardBuffers b = make_forward_buffers(p);
     indexer_kl_forward(forward_inputs(p), b.views(), opt);
@@ -140,7 +140,7 @@ TEST(KlForward, TargetMassIsDividedByTheSumOfPRebuiltFromTheF32Lse) {
 
 TEST(KlForward, RowsWithoutValidSlotGiveMinusInfinityAndNoTerm) {
   GeneratedProblem p = make_problem(spec_of(Layout::bshd, 8, 64, 8, IdMode::local, IdPattern::random_permutation, 21));
-  IndexerBackwardOptions opt = p.options();
+  IndexerOptions opt = p.options();
   const double full = reference_kl_forward(forward_inputs(p), opt).loss;
   invalidate_row(p, 4);
   ForwardBuffers b = make_forward_buffers(p);
@@ -163,7 +163,7 @@ TEST(KlForward, LossEqualsIndexerKlLoss) {
   for (const FwdCase& c : cases()) {
     GeneratedProblem p = make_problem(c.spec);
     if (c.mutate) c.mutate(p);
-    IndexerBackwardOptions opt = p.options();
+    IndexerOptions opt = p.options();
     opt.loss_coeff = 1.5f;
     opt.normalization_count = 3;
     const double want = indexer_kl_loss(p.inputs(), opt, /*recompute_p=*/true);
@@ -173,7 +173,7 @@ TEST(KlForward, LossEqualsIndexerKlLoss) {
 
 TEST(KlForward, IndexScoreIsOptionalAndThreadsDoNotMatter) {
   GeneratedProblem p = make_problem(spec_of(Layout::thd, 32, 128, 16, IdMode::local, IdPattern::causal_topk, 31));
-  IndexerBackwardOptions opt = p.options();
+  IndexerOptions opt = p.options();
   opt.num_threads = 1;
   ForwardBuffers a = make_forward_buffers(p), b = make_forward_buffers(p);
   indexer_kl_forward(forward_inputs(p), a.views(), opt);
@@ -197,7 +197,7 @@ TEST(KlForward, NanTargetAtAValidSlotMakesTheLossNan) {
 }
 
 /// indexer_kl_forward raises invalid_argument naming `arg`, and writes nothing.
-void expect_rejected(const GeneratedProblem& p, const IndexerBackwardInputs& in, const IndexerKLForwardOutputs& out,
+void expect_rejected(const GeneratedProblem& p, const IndexerInputs& in, const IndexerKLForwardOutputs& out,
                      const ForwardBuffers& b, const std::string& arg, const std::string& needle) {
   const Snapshot s0(b.loss), s1(b.row_lse), s2(b.row_target_mass), s3(b.index_score);
   try {
@@ -214,7 +214,7 @@ void expect_rejected(const GeneratedProblem& p, const IndexerBackwardInputs& in,
 TEST(KlForward, ValidationNamesTheArgumentBeforeAnyWrite) {
   GeneratedProblem p = make_problem(spec_of(Layout::bshd, 8, 64, 8, IdMode::local, IdPattern::random_permutation, 51));
   ForwardBuffers b = make_forward_buffers(p);
-  const IndexerBackwardInputs in = forward_inputs(p);
+  const IndexerInputs in = forward_inputs(p);
   expect_rejected(p, p.inputs(), b.views(), b, "index_score", "absent");
   {
     IndexerKLForwardOutputs o = b.views();
@@ -252,7 +252,7 @@ TEST(KlForward, ValidationNamesTheArgumentBeforeAnyWrite) {
     expect_rejected(p, in, o, b, "index_score", "attn_score");
   }
   {
-    IndexerBackwardOptions opt = p.options();
+    IndexerOptions opt = p.options();
     opt.sm_scale = std::numeric_limits<float>::infinity();
     const Snapshot s(b.row_lse);
     EXPECT_THROW(indexer_kl_forward(in, b.views(), opt), Error);
@@ -263,7 +263,7 @@ TEST(KlForward, ValidationNamesTheArgumentBeforeAnyWrite) {
 
 TEST(KlForward, CAbiMatchesTheCppApi) {
   GeneratedProblem p = make_problem(spec_of(Layout::thd, 16, 64, 12, IdMode::global, IdPattern::random_permutation, 61));
-  const IndexerBackwardInputs i = forward_inputs(p);
+  const IndexerInputs i = forward_inputs(p);
   dsaib_inputs in = {to_c(i.index_q),    to_c(i.weights),     to_c(i.index_k),      to_c(i.topk_indices),
                      to_c(i.attn_score), to_c(i.index_score), to_c(i.cu_seqlens_q), to_c(i.cu_seqlens_k)};
   ForwardBuffers a = make_forward_buffers(p), b = make_forward_buffers(p);

@@ -1,13 +1,13 @@
-// The cuda backend's L2-hint decision (src/hopper/l2_hints.hpp: whether the dK reds
+// The cuda backend's L2-hint decision (src/hopper/common/l2_hints.hpp: whether the dK reds
 // carry their L2 policy), host code only: the working-set estimate over sequences,
-// the threshold, and the option's words (IndexerBackwardOptions::l2_hints).
+// the threshold, and the option's words (IndexerOptions::l2_hints).
 #include <gtest/gtest.h>
 
 #include <string>
 #include <utility>
 #include <vector>
 
-#include "hopper/l2_hints.hpp"
+#include "hopper/common/l2_hints.hpp"
 
 namespace dsaib::hopper {
 namespace {
@@ -153,7 +153,7 @@ TEST(L2Hints, NamesAndParsesTheOptionWords) {
     EXPECT_EQ(got, L2Hints::on) << "unchanged on failure";
   }
   EXPECT_STREQ(l2_hints_name(static_cast<L2Hints>(7)), "invalid");
-  EXPECT_EQ(IndexerBackwardOptions{}.l2_hints, L2Hints::automatic);
+  EXPECT_EQ(IndexerOptions{}.l2_hints, L2Hints::automatic);
 }
 
 }  // namespace

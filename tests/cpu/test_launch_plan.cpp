@@ -1,4 +1,4 @@
-// The cuda backend's launch plan (src/hopper/launch_plan.hpp), host code only:
+// The cuda backend's launch plan (src/hopper/launch/launch_plan.hpp), host code only:
 // which fused kernel, the grid, the start delays, the L2 share and the workspace
 // for an H200-like device, without a GPU.
 #include <gtest/gtest.h>
@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "core/problem.hpp"
-#include "hopper/launch_plan.hpp"
+#include "hopper/launch/launch_plan.hpp"
 #include "support/test_support.hpp"
 
 namespace dsaib::hopper {
@@ -47,8 +47,8 @@ detail::ProblemGeometry bshd(int64_t batch, int64_t s_q, int64_t s_kv, int64_t h
   return g;
 }
 
-IndexerBackwardOptions options(L2Hints l2 = L2Hints::automatic, StartStagger stagger = StartStagger::automatic) {
-  IndexerBackwardOptions o;
+IndexerOptions options(L2Hints l2 = L2Hints::automatic, StartStagger stagger = StartStagger::automatic) {
+  IndexerOptions o;
   o.backend = Backend::cuda;
   o.l2_hints = l2;
   o.start_stagger = stagger;
@@ -93,7 +93,7 @@ TEST(LaunchPlan, AOperandFollowsThePrecisionAndTheOutputs) {
   EXPECT_FALSE(plan_launch(g, DType::bf16, DType::bf16, options(), h200()).kernel.split_a);
   EXPECT_TRUE(plan_launch(g, DType::f32, DType::bf16, options(), h200()).kernel.split_a);
   EXPECT_TRUE(plan_launch(g, DType::bf16, DType::f32, options(), h200()).kernel.split_a);
-  IndexerBackwardOptions o = options();
+  IndexerOptions o = options();
   o.a_operand_precision = AOperandPrecision::bf16;
   EXPECT_FALSE(plan_launch(g, DType::f32, DType::f32, o, h200()).kernel.split_a);
   o.a_operand_precision = AOperandPrecision::bf16x2;
@@ -135,7 +135,7 @@ TEST(LaunchPlan, SplitAAndDeterministicKernelsAreNeverHinted) {
     const LaunchPlan split = plan_launch(large, DType::f32, DType::f32, options(mode), h200());
     EXPECT_TRUE(split.kernel.split_a);
     EXPECT_FALSE(split.kernel.l2_keep_dk) << l2_hints_name(mode);
-    IndexerBackwardOptions o = options(mode);
+    IndexerOptions o = options(mode);
     o.deterministic = true;
     const LaunchPlan det = plan_launch(large, DType::bf16, DType::bf16, o, h200());
     EXPECT_TRUE(det.kernel.fixed_point_dk);
@@ -202,7 +202,7 @@ TEST(LaunchPlan, FromAValidatedProblem) {
   spec.topk = 64;
   const GeneratedProblem p = test::make_problem(spec);
   const test::OutputBuffers out = test::make_outputs(p, DType::bf16, DType::f32, DType::bf16);
-  IndexerBackwardOptions o = p.options();  // cpu: validation reads the host cu_seqlens in place
+  IndexerOptions o = p.options();  // cpu: validation reads the host cu_seqlens in place
   const detail::ProblemGeometry g = detail::validate_problem(p.inputs(), out.views(), o);
   o.backend = Backend::cuda;
   const LaunchPlan plan = plan_launch(g, DType::bf16, DType::bf16, o, h200());

@@ -55,7 +55,7 @@ void check_thd_equals_bshd_runs(const GenerateSpec& spec, int32_t threads) {
   const GeneratedProblem thd = make_problem(spec);
   const int64_t H = spec.heads, D = spec.head_dim;
   const int64_t N = num_q_rows(thd);
-  IndexerBackwardOptions o = thd.options();
+  IndexerOptions o = thd.options();
   o.num_threads = threads;
   o.loss_coeff = 0.5f;
   o.grad_loss = 3.0f;
@@ -66,7 +66,7 @@ void check_thd_equals_bshd_runs(const GenerateSpec& spec, int32_t threads) {
   for (int64_t b = 0; b + 1 < thd.cu_seqlens_q.numel(); ++b) {
     SCOPED_TRACE("sequence " + std::to_string(b));
     const GeneratedProblem seq = slice_sequence(thd, b);
-    IndexerBackwardOptions so = seq.options();
+    IndexerOptions so = seq.options();
     so.num_threads = threads;
     so.loss_coeff = o.loss_coeff;
     so.grad_loss = o.grad_loss;

@@ -75,7 +75,7 @@ TEST(Outputs, CallersFlushToZeroModeChangesNothing) {
   uint32_t sub = 27;  // 27 * 2^-149
   std::memcpy(&p.index_score.data<float>()[slot], &sub, 4);
   p.weights.data<uint16_t>()[5] = 0x0003;  // a bf16 subnormal
-  IndexerBackwardOptions opt = p.options();
+  IndexerOptions opt = p.options();
   opt.num_threads = 2;
   const OutputBuffers want = run_cpu(p, opt);
   const ReferenceGradients ref_want = reference_backward(p.inputs(), opt);
@@ -275,7 +275,7 @@ TEST(Outputs, StridedInputsAreReadThroughTheirStrides) {
     const StridedCopy ids = strided_copy(p.topk_indices, steps({1, 1, 2}, {2, 3}), steps({1, 1, 1}, {2, 2}), 0);
     const StridedCopy t = strided_copy(p.attn_score, steps({2, 1, 1}, {1, 2}), steps({0, 0, 5}, {1, 1}));
     const StridedCopy s = strided_copy(p.index_score, steps({1, 3, 1}, {2, 1}), steps({1, 0, 0}, {0, 3}));
-    IndexerBackwardInputs in = p.inputs();
+    IndexerInputs in = p.inputs();
     in.index_q = q.view;
     in.weights = w.view;
     in.index_k = k.view;
@@ -292,7 +292,7 @@ TEST(Outputs, StridedInputsAreReadThroughTheirStrides) {
     ASSERT_FALSE(in.index_q.is_contiguous());
     OutputBuffers got = make_outputs(p);
     poison(got);
-    IndexerBackwardOptions strict = p.options();
+    IndexerOptions strict = p.options();
     strict.strict_indices = true;  // reads the ids through their strides too
     indexer_backward(in, got.views(), strict);
     expect_bitwise(want, got);
@@ -307,7 +307,7 @@ TEST(Outputs, BroadcastInputViaStrideZero) {
   std::memcpy(p.weights.bytes.data() + per_batch * 2, p.weights.bytes.data(), per_batch * 2);  // batch 1 := batch 0
   refresh_index_score(p);
   const OutputBuffers want = run_cpu(p, p.options());
-  IndexerBackwardInputs in = p.inputs();
+  IndexerInputs in = p.inputs();
   in.weights.strides[0] = 0;
   OutputBuffers got = make_outputs(p);
   indexer_backward(in, got.views(), p.options());
@@ -316,7 +316,7 @@ TEST(Outputs, BroadcastInputViaStrideZero) {
 
 TEST(Outputs, GradLossDeviceIsReadAndScalesExactly) {
   const GeneratedProblem p = awkward_problem(66);
-  IndexerBackwardOptions o = p.options();
+  IndexerOptions o = p.options();
   o.grad_loss = 1.0f;
   const OutputBuffers one = run_cpu(p, o);
   float device_value = 2.0f;
@@ -331,7 +331,7 @@ TEST(Outputs, GradLossDeviceIsReadAndScalesExactly) {
 
 TEST(Outputs, NormalizationCountScalesExactly) {
   const GeneratedProblem p = awkward_problem(67);
-  IndexerBackwardOptions o = p.options();
+  IndexerOptions o = p.options();
   const OutputBuffers def = run_cpu(p, o);
   o.normalization_count = num_q_rows(p);  // the default, spelled out
   expect_bitwise(def, run_cpu(p, o));
@@ -340,7 +340,7 @@ TEST(Outputs, NormalizationCountScalesExactly) {
   const std::vector<double> a = to_doubles(def.d_weights), b = to_doubles(half.d_weights);
   for (size_t e = 0; e < a.size(); ++e) ASSERT_EQ(a[e] / 2, b[e]) << e;
   // loss_coeff and grad_loss enter as the product: (2, 0.25) == (0.5, 1).
-  IndexerBackwardOptions x = p.options(), y = p.options();
+  IndexerOptions x = p.options(), y = p.options();
   x.loss_coeff = 2.0f;
   x.grad_loss = 0.25f;
   y.loss_coeff = 0.5f;
@@ -351,14 +351,14 @@ TEST(Outputs, NormalizationCountScalesExactly) {
 TEST(Outputs, ReplayIsBitwiseIdentical) {
   const GeneratedProblem p = awkward_problem(68, Layout::thd);
   for (int32_t threads : {1, 2, 3}) {
-    IndexerBackwardOptions o = p.options();
+    IndexerOptions o = p.options();
     o.num_threads = threads;
     const OutputBuffers first = run_cpu(p, o, DType::f32, DType::bf16, DType::f32);
     for (int rep = 0; rep < 30; ++rep) expect_bitwise(first, run_cpu(p, o, DType::f32, DType::bf16, DType::f32));
   }
   // d_index_q and d_weights do not depend on the thread count at all; d_index_k
   // only through the order its per-thread fp64 partial sums are added.
-  IndexerBackwardOptions o1 = p.options(), o7 = p.options();
+  IndexerOptions o1 = p.options(), o7 = p.options();
   o1.num_threads = 1;
   o7.num_threads = 7;
   const OutputBuffers a = run_cpu(p, o1), b = run_cpu(p, o7);

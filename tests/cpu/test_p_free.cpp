@@ -59,8 +59,8 @@ std::vector<Case> cases() {
 
 /// The P-free inputs of a problem: its inputs without index_score, with the
 /// forward's row statistics.
-IndexerBackwardInputs p_free_inputs(const GeneratedProblem& p, const ForwardBuffers& f) {
-  IndexerBackwardInputs in = forward_inputs(p);
+IndexerInputs p_free_inputs(const GeneratedProblem& p, const ForwardBuffers& f) {
+  IndexerInputs in = forward_inputs(p);
   in.row_lse = f.row_lse.view();
   in.row_target_mass = f.row_target_mass.view();
   return in;
@@ -70,13 +70,13 @@ TEST(PFree, MatchesThePFormFedTheForwardsP) {
   for (const Case& c : cases()) {
     GeneratedProblem p = make_problem(c.spec);
     invalid_slots(p);
-    IndexerBackwardOptions opt = p.options();
+    IndexerOptions opt = p.options();
     opt.loss_coeff = 0.7f;
     opt.grad_loss = 1.3f;
     ForwardBuffers f = make_forward_buffers(p);
     indexer_kl_forward(forward_inputs(p), f.views(), opt);
     // The P form with the forward's P (the f32 P it wrote) ...
-    IndexerBackwardInputs p_form = forward_inputs(p);
+    IndexerInputs p_form = forward_inputs(p);
     p_form.index_score = f.index_score.view();
     const ReferenceGradients want = reference_backward(p_form, opt);
     // ... and the P-free form with the forward's f32 LSE and mass: the same
@@ -96,7 +96,7 @@ TEST(PFree, OneCallEqualsForwardThenPFreeBackward) {
   for (const Case& c : cases()) {
     GeneratedProblem p = make_problem(c.spec);
     invalid_slots(p);
-    IndexerBackwardOptions opt = p.options();
+    IndexerOptions opt = p.options();
     opt.loss_coeff = 0.9f;
     float grad_loss = 0.6f;
     opt.grad_loss_device = &grad_loss;
@@ -151,7 +151,7 @@ TEST(PFree, LargeCommonLogitPartKeepsTheGradientsExact) {
     GeneratedProblem p = make_problem(spec_of(layout, 64, 128, 24, IdMode::local, 81));
     give_logits_a_common_part(p, /*q_common=*/16, /*sm_scale_log2=*/-4, 81);
     invalid_slots(p);
-    IndexerBackwardOptions opt = p.options();
+    IndexerOptions opt = p.options();
     opt.loss_coeff = 0.7f;
     HostTensor loss(DType::f32, {});
     OutputBuffers exact = make_outputs(p);
@@ -183,7 +183,7 @@ TEST(PFree, CudaKeyRowLimitIsAValidationRule) {
   auto dev = [&](int64_t gib, DType t, std::initializer_list<int64_t> shape) {
     return contiguous_view(at(gib), t, shape, DeviceType::cuda, 0);
   };
-  IndexerBackwardInputs in{};
+  IndexerInputs in{};
   in.index_q = dev(1, DType::bf16, {1, 1, 8, 64});
   in.weights = dev(2, DType::bf16, {1, 1, 8});
   in.index_k = dev(1024, DType::bf16, {1, rows, 64});  // 256 GiB of addresses
@@ -191,10 +191,10 @@ TEST(PFree, CudaKeyRowLimitIsAValidationRule) {
   in.attn_score = dev(4, DType::f32, {1, 1, 1});
   const IndexerBackwardOutputs grads{dev(5, DType::f32, {1, 1, 8, 64}), dev(6, DType::f32, {1, 1, 8}),
                                      dev(2048, DType::f32, {1, rows, 64})};
-  IndexerBackwardOptions opt;
+  IndexerOptions opt;
   opt.backend = Backend::cuda;
   const std::string want = "index_k: expected fewer than 2^31 key rows on the cuda backend, got 2147483648";
-  IndexerBackwardInputs p_form = in, p_free = in;
+  IndexerInputs p_form = in, p_free = in;
   p_form.index_score = dev(7, DType::f32, {1, 1, 1});
   p_free.row_lse = dev(8, DType::f32, {1, 1});
   p_free.row_target_mass = dev(9, DType::f32, {1, 1});
@@ -218,32 +218,32 @@ TEST(PFree, CudaKeyRowLimitIsAValidationRule) {
 
 TEST(PFree, ValidationNamesTheForms) {
   GeneratedProblem p = make_problem(cases()[0].spec);
-  IndexerBackwardOptions opt = p.options();
+  IndexerOptions opt = p.options();
   ForwardBuffers f = make_forward_buffers(p);
   indexer_kl_forward(forward_inputs(p), f.views(), opt);
   OutputBuffers out = make_outputs(p);
   poison(out);
   const OutputBuffers before = out;
 
-  IndexerBackwardInputs neither = forward_inputs(p);
+  IndexerInputs neither = forward_inputs(p);
   EXPECT_NE(error_of([&] { indexer_backward(neither, out.views(), opt); })
                 .find("index_score: expected a tensor, or row_lse and row_target_mass instead (the P-free form), got nothing"),
             std::string::npos);
-  IndexerBackwardInputs both = p.inputs();
+  IndexerInputs both = p.inputs();
   both.row_lse = f.row_lse.view();
   both.row_target_mass = f.row_target_mass.view();
   EXPECT_NE(error_of([&] { indexer_backward(both, out.views(), opt); }).find("row_lse: expected absent when index_score is given"),
             std::string::npos);
-  IndexerBackwardInputs half = p_free_inputs(p, f);
+  IndexerInputs half = p_free_inputs(p, f);
   half.row_target_mass = {};
   EXPECT_NE(error_of([&] { indexer_backward(half, out.views(), opt); }).find("row_target_mass: expected a tensor"),
             std::string::npos);
   HostTensor wrong(DType::f32, {p.spec.batch, p.spec.s_q + 1});
-  IndexerBackwardInputs shaped = p_free_inputs(p, f);
+  IndexerInputs shaped = p_free_inputs(p, f);
   shaped.row_lse = wrong.view();
   EXPECT_NE(error_of([&] { indexer_backward(shaped, out.views(), opt); }).find("row_lse: expected shape"), std::string::npos);
   HostTensor ints(DType::i32, {p.spec.batch, p.spec.s_q});
-  IndexerBackwardInputs typed = p_free_inputs(p, f);
+  IndexerInputs typed = p_free_inputs(p, f);
   typed.row_target_mass = ints.view();
   EXPECT_NE(error_of([&] { indexer_backward(typed, out.views(), opt); }).find("row_target_mass: expected dtype f32"),
             std::string::npos);
@@ -267,10 +267,10 @@ TEST(PFree, ValidationNamesTheForms) {
 
 TEST(PFree, CAbi) {
   GeneratedProblem p = make_problem(cases()[2].spec);
-  IndexerBackwardOptions opt = p.options();
+  IndexerOptions opt = p.options();
   ForwardBuffers f = make_forward_buffers(p);
   indexer_kl_forward(forward_inputs(p), f.views(), opt);
-  const IndexerBackwardInputs in = p_free_inputs(p, f);
+  const IndexerInputs in = p_free_inputs(p, f);
   dsaib_inputs ci{};
   ci.index_q = to_c(in.index_q), ci.weights = to_c(in.weights), ci.index_k = to_c(in.index_k);
   ci.topk_indices = to_c(in.topk_indices), ci.attn_score = to_c(in.attn_score);

@@ -1,5 +1,5 @@
-// The start-delay plan of the persistent CTAs (src/hopper/start_stagger.hpp) and
-// the option's words (IndexerBackwardOptions::start_stagger, and ::forward_fusion).
+// The start-delay plan of the persistent CTAs (src/hopper/common/start_stagger.hpp) and
+// the option's words (IndexerOptions::start_stagger, and ::forward_fusion).
 #include <gtest/gtest.h>
 
 #include <set>
@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "dsaib/indexer_backward.hpp"
-#include "hopper/start_stagger.hpp"
+#include "hopper/common/start_stagger.hpp"
 
 namespace {
 
@@ -114,7 +114,7 @@ TEST(StartStagger, NamesAndParsesTheOptionWords) {
     EXPECT_EQ(got, StartStagger::off) << "unchanged on failure";
   }
   EXPECT_STREQ(dsaib::start_stagger_name(static_cast<StartStagger>(5)), "invalid");
-  EXPECT_EQ(dsaib::IndexerBackwardOptions{}.start_stagger, StartStagger::automatic);
+  EXPECT_EQ(dsaib::IndexerOptions{}.start_stagger, StartStagger::automatic);
 }
 
 TEST(ForwardFusion, NamesAndParsesTheOptionWords) {
@@ -131,7 +131,7 @@ TEST(ForwardFusion, NamesAndParsesTheOptionWords) {
     EXPECT_EQ(got, ForwardFusion::off) << "unchanged on failure";
   }
   EXPECT_STREQ(dsaib::forward_fusion_name(static_cast<ForwardFusion>(5)), "invalid");
-  EXPECT_EQ(dsaib::IndexerBackwardOptions{}.forward_fusion, ForwardFusion::automatic);
+  EXPECT_EQ(dsaib::IndexerOptions{}.forward_fusion, ForwardFusion::automatic);
 }
 
 }  // namespace

@@ -38,7 +38,7 @@ TEST(Threads, CpuBackendSameResultWhenThreadsAreRefused) {
   s.s_kv = 80;
   s.topk = 33;
   const GeneratedProblem p = make_problem(s);
-  IndexerBackwardOptions opt = p.options();
+  IndexerOptions opt = p.options();
   opt.num_threads = 8;
   const OutputBuffers all = run_cpu(p, opt);
   for (int limit : {0, 3}) {

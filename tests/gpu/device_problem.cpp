@@ -62,7 +62,7 @@ DeviceProblem::DeviceProblem(const GeneratedProblem& p)
     : index_q(p.index_q), weights(p.weights), index_k(p.index_k), topk_indices(p.topk_indices),
       attn_score(p.attn_score), index_score(p.index_score), cu_seqlens_q(p.cu_seqlens_q), cu_seqlens_k(p.cu_seqlens_k) {}
 
-IndexerBackwardInputs DeviceProblem::inputs() const {
+IndexerInputs DeviceProblem::inputs() const {
   return {index_q.view, weights.view, index_k.view, topk_indices.view, attn_score.view, index_score.view,
           cu_seqlens_q.view, cu_seqlens_k.view};
 }
@@ -78,11 +78,11 @@ void DeviceOutputs::poison() {
   d_index_k.fill_bytes(0xff);
 }
 
-OutputBuffers run_cuda(const GeneratedProblem& p, const IndexerBackwardOptions& options, DType dq, DType dw, DType dk) {
+OutputBuffers run_cuda(const GeneratedProblem& p, const IndexerOptions& options, DType dq, DType dw, DType dk) {
   DeviceProblem dp(p);
   DeviceOutputs out(p, dq, dw, dk);
   out.poison();
-  IndexerBackwardOptions opt = options;
+  IndexerOptions opt = options;
   opt.backend = Backend::cuda;
   indexer_backward(dp.inputs(), out.views(), opt);
   check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize after indexer_backward");

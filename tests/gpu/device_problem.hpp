@@ -47,7 +47,7 @@ struct DeviceTensor {
 struct DeviceProblem {
   DeviceTensor index_q, weights, index_k, topk_indices, attn_score, index_score, cu_seqlens_q, cu_seqlens_k;
   explicit DeviceProblem(const GeneratedProblem& p);
-  IndexerBackwardInputs inputs() const;
+  IndexerInputs inputs() const;
 };
 
 struct DeviceOutputs {
@@ -58,7 +58,7 @@ struct DeviceOutputs {
 };
 
 /// Runs the cuda backend on `p` (synchronously), returns host copies of the outputs.
-OutputBuffers run_cuda(const GeneratedProblem& p, const IndexerBackwardOptions& options, DType dq, DType dw, DType dk);
+OutputBuffers run_cuda(const GeneratedProblem& p, const IndexerOptions& options, DType dq, DType dw, DType dk);
 
 /// FNV-1a hash of a tensor's bytes.
 uint64_t hash_bytes(const HostTensor& t);

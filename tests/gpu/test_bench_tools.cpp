@@ -1,4 +1,4 @@
-// GPU tests (label gpu) of the benchmark tools on tiny shapes: `dsa-indexer-bwd bench`
+// GPU tests (label gpu) of the benchmark tools on tiny shapes: `dsaib bench`
 // (floor micro-benchmarks and the op, its JSON report), dsa-indexer-bwd-bench and
 // dsa-floor-bench (the JSON that scripts/ab_compare.py and the perf log read).
 // Without a compute-capability-9.0 GPU every test is SKIPPED (never passed).
@@ -71,7 +71,7 @@ TEST_F(BenchTools, BenchSubcommandMeasuresTheFloorAndTheOpAndWritesJson) {
     EXPECT_NE(r.output.find(frag), std::string::npos) << "'" << frag << "' not in:\n" << r.output;
   }
   const nlohmann::json j = read_json(json);
-  EXPECT_EQ(j["tool"], "dsa-indexer-bwd bench");
+  EXPECT_EQ(j["tool"], "dsaib bench");
   EXPECT_TRUE(j["checks_ok"].get<bool>());
   EXPECT_TRUE(j["method"]["floor_formula"].is_string());
   EXPECT_TRUE(j["method"]["input_rotation"].is_string());
@@ -164,7 +164,7 @@ TEST_F(BenchTools, OpBenchKeepsItsJsonForAbCompare) {
     for (const char* key : {"ids", "seq", "heads", "dim", "topk", "ns_per_row", "median_ms", "fixed_floor_ratio"}) {
       EXPECT_TRUE(c.contains(key)) << key << " missing in " << c.dump();
     }
-    // It measures no floor, so no "floor_ratio" (which `dsa-indexer-bwd bench` keeps for its measured one).
+    // It measures no floor, so no "floor_ratio" (which `dsaib bench` keeps for its measured one).
     EXPECT_FALSE(c.contains("floor_ratio")) << c.dump();
     EXPECT_NEAR(c["fixed_floor_ratio"].get<double>(), c["ns_per_row"].get<double>() / 278.0, 2e-3);
   }

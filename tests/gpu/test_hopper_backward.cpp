@@ -15,8 +15,8 @@
 #include <vector>
 
 #include "gpu/device_problem.hpp"
-#include "hopper/launch_plan.hpp"
-#include "hopper/reference_kernel.hpp"
+#include "hopper/launch/launch_plan.hpp"
+#include "gpu/reference_kernel.hpp"
 
 namespace dsaib::test {
 namespace {
@@ -56,9 +56,9 @@ GenerateSpec spec_of(int64_t b, int64_t sq, int64_t skv, int64_t h, int64_t d, i
 }
 
 /// Runs the cuda backend and checks every output against the fp64 CPU reference.
-void check_against_cpu(const GeneratedProblem& p, DType dq, DType dw, DType dk, const IndexerBackwardOptions& opt,
+void check_against_cpu(const GeneratedProblem& p, DType dq, DType dw, DType dk, const IndexerOptions& opt,
                        const std::string& name) {
-  IndexerBackwardOptions ref_opt = opt;
+  IndexerOptions ref_opt = opt;
   ref_opt.backend = Backend::cpu;
   ref_opt.num_threads = 0;
   const ReferenceGradients ref = reference_backward(p.inputs(), ref_opt);
@@ -74,10 +74,10 @@ void check_against_cpu(const GeneratedProblem& p, DType dq, DType dw, DType dk, 
 
 /// The launch plan of `opt` on this device for `p` with outputs of these dtypes
 /// (detail::plan_indexer_backward: what the cuda backend launches for that call).
-hopper::LaunchPlan plan_of(const GeneratedProblem& p, const IndexerBackwardOptions& opt, DType dq, DType dw, DType dk) {
+hopper::LaunchPlan plan_of(const GeneratedProblem& p, const IndexerOptions& opt, DType dq, DType dw, DType dk) {
   const DeviceProblem dp(p);
   const DeviceOutputs out(p, dq, dw, dk);
-  IndexerBackwardOptions o = opt;
+  IndexerOptions o = opt;
   o.backend = Backend::cuda;
   return detail::plan_indexer_backward(dp.inputs(), out.views(), o);
 }
@@ -87,7 +87,7 @@ hopper::LaunchPlan plan_of(const GeneratedProblem& p, const IndexerBackwardOptio
 hopper::LaunchPlan run_case(const Case& c) {
   GeneratedProblem p = make_problem(c.spec);
   if (c.mutate) c.mutate(p);
-  IndexerBackwardOptions opt = p.options();
+  IndexerOptions opt = p.options();
   opt.deterministic = c.deterministic;
   opt.l2_hints = c.l2_hints;
   opt.start_stagger = c.start_stagger;
@@ -121,7 +121,7 @@ TEST_F(Gpu, HeadDim64) {
   run_case({"d64 h8 perm", spec_of(1, 33, 500, 8, 64, 257, IdPattern::random_permutation)});
 }
 
-/// Automatic (IndexerBackwardOptions::l2_hints): key tables whose dK + K exceed
+/// Automatic (IndexerOptions::l2_hints): key tables whose dK + K exceed
 /// half the L2 take the hinted kernel, and its results match the fp64 CPU
 /// reference. Which kernel ran is read from the launch plan (the two kernels
 /// give the same results).
@@ -200,7 +200,7 @@ TEST_F(Gpu, L2KeepFractionFollowsTheSetAside) {
 
 /// A shape on which the start stagger delays CTAs (at least 4 waves of the
 /// persistent grid and a remainder; start_stagger.hpp), with the delays planned
-/// (automatic) and off (IndexerBackwardOptions::start_stagger): both match the
+/// (automatic) and off (IndexerOptions::start_stagger): both match the
 /// fp64 CPU reference, and the plans say which ran.
 TEST_F(Gpu, StartStaggerOnAndOff) {
   int sms = 0;
@@ -237,17 +237,17 @@ TEST_F(Gpu, OutputDtypes) {
   run_case(d64);
 }
 
-// The a operand's precision (IndexerBackwardOptions::a_operand_precision): with
+// The a operand's precision (IndexerOptions::a_operand_precision): with
 // fp32 outputs, one bf16 term must cost measurably more error than two (so the
 // option reaches the kernel), and each choice must fit its budget: bf16x2 the
 // 1e-3 of fp32 outputs, bf16 the 3e-3 of bf16 outputs (also forced on bf16 outputs).
 TEST_F(Gpu, AOperandPrecisionChoices) {
   GeneratedProblem p = make_problem(spec_of(1, 128, 1024, 64, 128, 512, IdPattern::random_permutation, 11));
-  IndexerBackwardOptions ref_opt = p.options();
+  IndexerOptions ref_opt = p.options();
   ref_opt.backend = Backend::cpu;
   const ReferenceGradients ref = reference_backward(p.inputs(), ref_opt);
   auto errors = [&](AOperandPrecision a, DType dt) {
-    IndexerBackwardOptions opt = p.options();
+    IndexerOptions opt = p.options();
     opt.a_operand_precision = a;
     const OutputBuffers got = run_cuda(p, opt, dt, dt, dt);
     const ErrorStats eq = compare(got.d_index_q, ref.d_index_q);
@@ -326,7 +326,7 @@ TEST_F(Gpu, PrefilledFp32DkDoesNotMatter) {
   for (int k = 0; k < 3; ++k) {
     DeviceOutputs out(p, DType::f32, DType::f32, DType::f32);
     out.d_index_k.fill(fills[k]);
-    IndexerBackwardOptions opt = p.options();
+    IndexerOptions opt = p.options();
     opt.backend = Backend::cuda;
     indexer_backward(dp.inputs(), out.views(), opt);
     check_cuda(cudaDeviceSynchronize(), "sync");
@@ -346,7 +346,7 @@ TEST_F(Gpu, PrefilledFp32DkDoesNotMatter) {
 TEST_F(Gpu, StrictIdsPackedAndFarApart) {
   GeneratedProblem p = make_problem(spec_of(2, 16, 64, 64, 128, 32, IdPattern::random_permutation));
   DeviceProblem dp(p);
-  IndexerBackwardOptions opt = p.options();
+  IndexerOptions opt = p.options();
   opt.backend = Backend::cuda;
   opt.strict_indices = true;
   const int64_t S = 16, rows = 32, K = 32;
@@ -382,7 +382,7 @@ TEST_F(Gpu, StrictIdsPackedAndFarApart) {
                             cudaMemcpyHostToDevice),
                  "upload ids");
     }
-    IndexerBackwardInputs in = dp.inputs();
+    IndexerInputs in = dp.inputs();
     in.topk_indices.data = buf.ptr;
     in.topk_indices.strides[0] = v.s0;
     in.topk_indices.strides[1] = v.s1;
@@ -430,13 +430,13 @@ TEST_F(Gpu, GradLossFromDeviceAndNormalizationCount) {
   DeviceBuffer g(sizeof(float));
   const float grad_loss = -2.5f;
   check_cuda(cudaMemcpy(g.ptr, &grad_loss, sizeof(float), cudaMemcpyHostToDevice), "H2D");
-  IndexerBackwardOptions opt = p.options();
+  IndexerOptions opt = p.options();
   opt.grad_loss_device = static_cast<const float*>(g.ptr);
   opt.normalization_count = 17;
   opt.loss_coeff = 0.3f;
   opt.sm_scale = -0.7f;
   // The CPU reference reads grad_loss from host memory.
-  IndexerBackwardOptions ref_opt = opt;
+  IndexerOptions ref_opt = opt;
   ref_opt.grad_loss_device = nullptr;
   ref_opt.grad_loss = grad_loss;
   ref_opt.backend = Backend::cpu;
@@ -456,10 +456,10 @@ TEST_F(Gpu, RejectsBadInputBeforeWriting) {
   out.d_weights.fill(3.0);
   out.d_index_k.fill(3.0);
   const auto before_q = out.d_index_q.buffer.to_host(), before_k = out.d_index_k.buffer.to_host();
-  IndexerBackwardOptions opt = p.options();
+  IndexerOptions opt = p.options();
   opt.backend = Backend::cuda;
   // index_k misaligned to 16 bytes (2-byte aligned)
-  IndexerBackwardInputs in = dp.inputs();
+  IndexerInputs in = dp.inputs();
   in.index_k.data = static_cast<char*>(in.index_k.data) + 2;
   in.index_k.shape[1] -= 1;
   IndexerBackwardOutputs o = out.views();
@@ -481,7 +481,7 @@ TEST_F(Gpu, RejectsBadInputBeforeWriting) {
   // fp32 d_index_k is the accumulator the backend zeroes first, so a late check
   // would show here
   for (const char* name : {"l2_hints", "start_stagger"}) {
-    IndexerBackwardOptions bad = opt;
+    IndexerOptions bad = opt;
     if (std::string(name) == "l2_hints") bad.l2_hints = static_cast<L2Hints>(3);
     else bad.start_stagger = static_cast<StartStagger>(2);
     try {
@@ -503,7 +503,7 @@ TEST_F(Gpu, ThirtyReplaysBitwiseIdenticalDqDw) {
   GeneratedProblem p = make_problem(spec_of(1, 256, 2048, 64, 128, 512));
   DeviceProblem dp(p);
   DeviceOutputs out(p, DType::bf16, DType::bf16, DType::f32);
-  IndexerBackwardOptions opt = p.options();
+  IndexerOptions opt = p.options();
   opt.backend = Backend::cuda;
   uint64_t hq = 0, hw = 0;
   HostTensor dk0;
@@ -536,13 +536,13 @@ TEST_F(Gpu, ThirtyReplaysBitwiseIdenticalDqDw) {
 /// agrees with the fp32-atomic one to fp32 rounding.
 TEST_F(Gpu, DeterministicDkBitwiseAcrossRuns) {
   GeneratedProblem p = make_problem(spec_of(1, 256, 2048, 64, 128, 512, IdPattern::random_permutation));
-  IndexerBackwardOptions ref_opt = p.options();
+  IndexerOptions ref_opt = p.options();
   const ReferenceGradients ref = reference_backward(p.inputs(), ref_opt);
   DeviceProblem dp(p);
   for (const DType dt : {DType::bf16, DType::f32}) {
     const std::string name = std::string("deterministic ") + (dt == DType::bf16 ? "bf16" : "f32") + " outputs";
     DeviceOutputs out(p, dt, dt, dt);
-    IndexerBackwardOptions opt = p.options();
+    IndexerOptions opt = p.options();
     opt.backend = Backend::cuda;
     opt.deterministic = true;
     const std::size_t need = indexer_backward_workspace_size(dp.inputs(), out.views(), opt);
@@ -572,7 +572,7 @@ TEST_F(Gpu, DeterministicDkBitwiseAcrossRuns) {
         EXPECT_TRUE(ek.ok(tolerance(dt))) << name << " d_index_k " << ek.str();
         hq = hash_bytes(q), hw = hash_bytes(w), hk = hash_bytes(k);
         if (dt == DType::f32) {
-          IndexerBackwardOptions atomic = opt;
+          IndexerOptions atomic = opt;
           atomic.deterministic = false;
           const OutputBuffers fp32_atomics = run_cuda(p, atomic, dt, dt, dt);
           const ErrorStats between = compare(k, to_doubles(fp32_atomics.d_index_k));
@@ -610,7 +610,7 @@ TEST_F(Gpu, DeterministicDkInACudaGraph) {
   DeviceBuffer g(sizeof(float));
   cudaStream_t stream;
   check_cuda(cudaStreamCreate(&stream), "stream");
-  IndexerBackwardOptions opt = p.options();
+  IndexerOptions opt = p.options();
   opt.backend = Backend::cuda;
   opt.deterministic = true;
   opt.stream = stream;
@@ -636,7 +636,7 @@ TEST_F(Gpu, DeterministicDkInACudaGraph) {
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
-  IndexerBackwardOptions ref_opt = p.options();
+  IndexerOptions ref_opt = p.options();
   const ReferenceGradients ref = reference_backward(p.inputs(), ref_opt);
   const ErrorStats ek = compare(at[0].d_index_k, ref.d_index_k);
   std::printf("[numerics] %-34s dK %s\n", "deterministic graph, grad_loss 1", ek.str().c_str());
@@ -663,8 +663,8 @@ TEST_F(Gpu, TensorsOnTheSecondGpu) {
   if (n < 2 || major1 != 9) GTEST_SKIP() << "needs two compute-capability-9.0 GPUs (" << n << " visible)";
   GeneratedProblem p = make_problem(spec_of(1, 256, 2048, 64, 128, 512));
   check_cuda(cudaSetDevice(0), "cudaSetDevice(0)");
-  const IndexerBackwardOptions opt0 = p.options();
-  IndexerBackwardOptions ref_opt = opt0;
+  const IndexerOptions opt0 = p.options();
+  IndexerOptions ref_opt = opt0;
   ref_opt.backend = Backend::cpu;
   const ReferenceGradients ref = reference_backward(p.inputs(), ref_opt);
   for (const DType dk_dtype : {DType::f32, DType::bf16}) {
@@ -678,7 +678,7 @@ TEST_F(Gpu, TensorsOnTheSecondGpu) {
         DeviceProblem dp(p);  // allocated on device 1
         DeviceOutputs out(p, DType::f32, DType::f32, dk_dtype);
         out.poison();
-        IndexerBackwardInputs in = dp.inputs();
+        IndexerInputs in = dp.inputs();
         IndexerBackwardOutputs o = out.views();
         for (TensorView* v : {&in.index_q, &in.weights, &in.index_k, &in.topk_indices, &in.attn_score,
                               &in.index_score, &o.d_index_q, &o.d_weights, &o.d_index_k})
@@ -687,7 +687,7 @@ TEST_F(Gpu, TensorsOnTheSecondGpu) {
         if (own_stream) check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream on device 1");
         check_cuda(cudaDeviceSynchronize(), "sync device 1 before the call");
         check_cuda(cudaSetDevice(0), "cudaSetDevice(0)");  // the caller's current device
-        IndexerBackwardOptions opt = opt0;
+        IndexerOptions opt = opt0;
         opt.backend = Backend::cuda;
         opt.stream = stream;
         indexer_backward(in, o, opt);
@@ -730,7 +730,7 @@ TEST_F(Gpu, CudaGraphReplayReadsGradLossFromDevice) {
   check_cuda(cudaMemcpy(g.ptr, &one, 4, cudaMemcpyHostToDevice), "H2D");
   cudaStream_t stream;
   check_cuda(cudaStreamCreate(&stream), "stream");
-  IndexerBackwardOptions opt = p.options();
+  IndexerOptions opt = p.options();
   opt.backend = Backend::cuda;
   opt.stream = stream;
   opt.grad_loss_device = static_cast<const float*>(g.ptr);
@@ -775,7 +775,7 @@ TEST_F(Gpu, CudaGraphCaptureOfTheL2HintedKernel) {
   DeviceOutputs graphed(p, DType::bf16, DType::bf16, DType::f32);
   cudaStream_t stream;
   check_cuda(cudaStreamCreate(&stream), "stream");
-  IndexerBackwardOptions opt = p.options();
+  IndexerOptions opt = p.options();
   opt.backend = Backend::cuda;
   opt.stream = stream;
   opt.l2_hints = L2Hints::on;
@@ -918,7 +918,7 @@ TEST_F(Gpu, ReferenceKernelMatchesCpuReference) {
   DeviceBuffer dq(nq * H * D * 8), dw(nq * H * 8), dk(nk * D * 8);
   hopper::reference_backward_device(dp.inputs(), p.options(), static_cast<double*>(dq.ptr), static_cast<double*>(dw.ptr),
                                     static_cast<double*>(dk.ptr), nullptr);
-  IndexerBackwardOptions ref_opt = p.options();
+  IndexerOptions ref_opt = p.options();
   const ReferenceGradients ref = reference_backward(p.inputs(), ref_opt);
   auto rel = [](const std::vector<double>& a, const std::vector<double>& b) {
     double num = 0, den = 0;

@@ -45,8 +45,8 @@ struct DeviceForwardOutputs {
   }
 };
 
-IndexerBackwardInputs device_forward_inputs(const DeviceProblem& d) {
-  IndexerBackwardInputs in = d.inputs();
+IndexerInputs device_forward_inputs(const DeviceProblem& d) {
+  IndexerInputs in = d.inputs();
   in.index_score = TensorView{};
   return in;
 }
@@ -132,8 +132,8 @@ struct Errors {
   double loss_rel, lse_abs, p_rel, p_abs_low, mass_rel;
 };
 
-Errors check_case(const GeneratedProblem& p, const IndexerBackwardOptions& opt_in, const std::string& name) {
-  IndexerBackwardOptions opt = opt_in;
+Errors check_case(const GeneratedProblem& p, const IndexerOptions& opt_in, const std::string& name) {
+  IndexerOptions opt = opt_in;
   opt.backend = Backend::cpu;
   const ReferenceKLForward ref = reference_kl_forward(forward_inputs(p), opt);
   DeviceProblem d(p);
@@ -163,7 +163,7 @@ TEST_F(KlForwardGpu, MatchesTheFp64Reference) {
   for (const GpuCase& c : cases()) {
     GeneratedProblem p = make_problem(c.spec);
     if (c.mutate) c.mutate(p);
-    IndexerBackwardOptions opt = p.options();
+    IndexerOptions opt = p.options();
     opt.loss_coeff = 0.3f;
     check_case(p, opt, c.name);
   }
@@ -214,7 +214,7 @@ TEST_F(KlForwardGpu, LargeCommonLogitPart) {
       refresh_index_score(p);
     }
     invalid_slots(p);
-    IndexerBackwardOptions opt = p.options();
+    IndexerOptions opt = p.options();
     opt.loss_coeff = 0.9f;
     const ReferenceKLForward ref = reference_kl_forward(forward_inputs(p), opt);
     DeviceProblem d(p);
@@ -280,11 +280,11 @@ TEST(Sanitized, KlForwardEveryCase) {
   for (const GpuCase& c : cases()) {
     GeneratedProblem p = make_problem(c.spec);
     if (c.mutate) c.mutate(p);
-    const IndexerBackwardOptions opt = p.options();
+    const IndexerOptions opt = p.options();
     check_case(p, opt, c.name);
     DeviceProblem d(p);
     DeviceForwardOutputs out(p);
-    IndexerBackwardOptions cuda_opt = opt;
+    IndexerOptions cuda_opt = opt;
     cuda_opt.backend = Backend::cuda;
     indexer_kl_forward(device_forward_inputs(d), out.views(false), cuda_opt);
     check_cuda(cudaDeviceSynchronize(), "forward without P");
@@ -294,7 +294,7 @@ TEST(Sanitized, KlForwardEveryCase) {
   // the loss against the reference (the mass of a wide-spread row near the clip
   // is LargeCommonLogitPart's to check), and the statistics bitwise the same.
   for (GeneratedProblem p : {wide_spread_problem(), minus_inf_logits_problem()}) {
-    IndexerBackwardOptions opt = p.options();
+    IndexerOptions opt = p.options();
     const ReferenceKLForward ref = reference_kl_forward(forward_inputs(p), opt);
     opt.backend = Backend::cuda;
     DeviceProblem d(p);
@@ -312,7 +312,7 @@ TEST_F(KlForwardGpu, WeightsF32AndStrictIds) {
   GenerateSpec s = spec_of(Layout::bshd, 40, 128, 64, 30, 64, IdMode::local, IdPattern::random_permutation, 21);
   s.weights_f32 = true;
   GeneratedProblem p = make_problem(s);
-  IndexerBackwardOptions opt = p.options();
+  IndexerOptions opt = p.options();
   opt.strict_indices = true;
   opt.normalization_count = 7;
   check_case(p, opt, "bshd_h40_weights_f32_strict");
@@ -329,7 +329,7 @@ TEST_F(KlForwardGpu, NanNeverPasses) {
   p.attn_score.data<float>()[5 * topk(p) + 3] = std::numeric_limits<float>::quiet_NaN();
   DeviceProblem d(p);
   DeviceForwardOutputs out(p);
-  IndexerBackwardOptions opt = p.options();
+  IndexerOptions opt = p.options();
   opt.backend = Backend::cuda;
   indexer_kl_forward(device_forward_inputs(d), out.views(), opt);
   EXPECT_TRUE(std::isnan(to_doubles(out.loss.to_host())[0]));
@@ -340,7 +340,7 @@ TEST_F(KlForwardGpu, NanNeverPasses) {
 /// it falls in the gather order, also as the first key a score thread sees.
 TEST_F(KlForwardGpu, MinusInfinityLogitsAreSlotsOfZeroProbability) {
   GeneratedProblem p = minus_inf_logits_problem();
-  IndexerBackwardOptions opt = p.options();
+  IndexerOptions opt = p.options();
   const ReferenceKLForward ref = reference_kl_forward(forward_inputs(p), opt);
   int64_t zero_p = 0;  // valid slots whose reference P underflows to 0 (the -inf ones here)
   for (int64_t r = 0; r < num_q_rows(p); ++r) {
@@ -354,7 +354,7 @@ TEST_F(KlForwardGpu, MinusInfinityLogitsAreSlotsOfZeroProbability) {
 TEST_F(KlForwardGpu, BitwiseReproducibleAndIndexScoreOptional) {
   GeneratedProblem p = make_problem(spec_of(Layout::bshd, 64, 128, 512, 200, 700, IdMode::local, IdPattern::random_permutation, 41));
   DeviceProblem d(p);
-  IndexerBackwardOptions opt = p.options();
+  IndexerOptions opt = p.options();
   opt.backend = Backend::cuda;
   DeviceForwardOutputs first(p);
   indexer_kl_forward(device_forward_inputs(d), first.views(), opt);
@@ -374,7 +374,7 @@ TEST_F(KlForwardGpu, BitwiseReproducibleAndIndexScoreOptional) {
 TEST_F(KlForwardGpu, CapturedInACudaGraph) {
   GeneratedProblem p = make_problem(spec_of(Layout::bshd, 64, 128, 128, 64, 256, IdMode::local, IdPattern::random_permutation, 51));
   DeviceProblem d(p);
-  IndexerBackwardOptions opt = p.options();
+  IndexerOptions opt = p.options();
   opt.backend = Backend::cuda;
   DeviceForwardOutputs direct(p), graphed(p), graphed_ws(p);
   indexer_kl_forward(device_forward_inputs(d), direct.views(), opt);
@@ -427,10 +427,10 @@ TEST_F(KlForwardGpu, TimePerRowH64D128Topk2048) {
     }
   }
   DeviceTensor dq(q), dw(w), dk(k), dids(ids), dt(t);
-  IndexerBackwardInputs in{dq.view, dw.view, dk.view, dids.view, dt.view, {}, {}, {}};
+  IndexerInputs in{dq.view, dw.view, dk.view, dids.view, dt.view, {}, {}, {}};
   DeviceTensor loss(DType::f32, {}), lse(DType::f32, {1, S}), mass(DType::f32, {1, S});
   IndexerKLForwardOutputs out{loss.view, lse.view, mass.view, {}};
-  IndexerBackwardOptions opt;
+  IndexerOptions opt;
   opt.backend = Backend::cuda;
   opt.sm_scale = 1.0f / std::sqrt(static_cast<float>(D));
   const std::size_t bytes = indexer_kl_forward_workspace_size(in, out, opt);

@@ -55,7 +55,7 @@ struct Stats {
 };
 
 /// The forward's f32 row statistics from the cpu backend.
-Stats forward_stats(const GeneratedProblem& p, const IndexerBackwardOptions& opt) {
+Stats forward_stats(const GeneratedProblem& p, const IndexerOptions& opt) {
   ForwardBuffers f = make_forward_buffers(p);
   indexer_kl_forward(forward_inputs(p), f.views(false), opt);
   return {f.row_lse, f.row_target_mass, f.loss};
@@ -66,15 +66,15 @@ struct Result {
 };
 
 /// The cuda P-free backward against the fp64 reference of the same inputs.
-Result p_free_against_reference(const GeneratedProblem& p, IndexerBackwardOptions opt, DType dq, DType dw, DType dk) {
+Result p_free_against_reference(const GeneratedProblem& p, IndexerOptions opt, DType dq, DType dw, DType dk) {
   const Stats s = forward_stats(p, opt);
-  IndexerBackwardInputs host_in = forward_inputs(p);
+  IndexerInputs host_in = forward_inputs(p);
   host_in.row_lse = s.row_lse.view();
   host_in.row_target_mass = s.row_target_mass.view();
   const ReferenceGradients ref = reference_backward(host_in, opt);
   DeviceProblem d(p);
   DeviceTensor lse(s.row_lse), mass(s.row_target_mass);
-  IndexerBackwardInputs in = d.inputs();
+  IndexerInputs in = d.inputs();
   in.index_score = {};
   in.row_lse = lse.view;
   in.row_target_mass = mass.view;
@@ -116,7 +116,7 @@ TEST(PFreeGpu, MatchesFp64Reference) {
   for (const C& c : cases) {
     GeneratedProblem p = make_problem(spec_of(c.layout, c.h, c.d, c.topk, seed++));
     invalid_slots(p);
-    IndexerBackwardOptions opt = p.options();
+    IndexerOptions opt = p.options();
     opt.loss_coeff = 0.8f;
     opt.grad_loss = 1.7f;
     expect_within(p_free_against_reference(p, opt, c.out, c.out, c.out), c.out, c.out, c.out, c.name);
@@ -126,7 +126,7 @@ TEST(PFreeGpu, MatchesFp64Reference) {
 TEST(PFreeGpu, DeterministicTakesThePrepass) {
   SKIP_WITHOUT_GPU();
   GeneratedProblem p = make_problem(spec_of(Layout::bshd, 64, 128, 200, 7));
-  IndexerBackwardOptions opt = p.options();
+  IndexerOptions opt = p.options();
   opt.deterministic = true;
   expect_within(p_free_against_reference(p, opt, DType::f32, DType::f32, DType::f32), DType::f32, DType::f32, DType::f32,
                 "deterministic_h64_d128");
@@ -134,7 +134,7 @@ TEST(PFreeGpu, DeterministicTakesThePrepass) {
 
 /// The one-call function on the device: loss, and the gradients against the
 /// fp64 reference of forward + P-free backward.
-IndexerBackwardOptions on_cuda(IndexerBackwardOptions o, const void* grad_loss) {
+IndexerOptions on_cuda(IndexerOptions o, const void* grad_loss) {
   o.backend = Backend::cuda;
   o.grad_loss_device = static_cast<const float*>(grad_loss);
   return o;
@@ -145,13 +145,13 @@ struct OneCall {
   DeviceTensor loss;
   DeviceOutputs out;
   DeviceBuffer grad_loss;
-  IndexerBackwardOptions opt;
+  IndexerOptions opt;
   DeviceBuffer ws;
-  OneCall(const GeneratedProblem& p, IndexerBackwardOptions o, DType t)
+  OneCall(const GeneratedProblem& p, IndexerOptions o, DType t)
       : d(p), loss(DType::f32, {}), out(p, t, t, t), grad_loss(4), opt(on_cuda(o, grad_loss.ptr)),
         ws(std::max<std::size_t>(indexer_kl_loss_and_grad_workspace_size(inputs(), outputs(), opt), 256)) {}
-  IndexerBackwardInputs inputs() const {
-    IndexerBackwardInputs in = d.inputs();
+  IndexerInputs inputs() const {
+    IndexerInputs in = d.inputs();
     in.index_score = {};
     return in;
   }
@@ -168,13 +168,13 @@ struct OneCall {
 /// (cpu): the loss within 1e-6 relative (checked here, `name` in the
 /// message), and the gradients' errors against the fp64 P-free backward from
 /// the forward's f32 row statistics (returned).
-Result one_call_against_reference(const GeneratedProblem& p, const IndexerBackwardOptions& ref_opt, const OneCall& one,
+Result one_call_against_reference(const GeneratedProblem& p, const IndexerOptions& ref_opt, const OneCall& one,
                                   const std::string& name) {
   const ReferenceKLForward fwd = reference_kl_forward(forward_inputs(p), ref_opt);
   const double loss = to_doubles(one.loss.to_host())[0];
   EXPECT_LE(std::fabs(loss - fwd.loss), 1e-6 * std::fabs(fwd.loss)) << name << " loss " << loss << " vs " << fwd.loss;
   const Stats s = forward_stats(p, ref_opt);
-  IndexerBackwardInputs host_in = forward_inputs(p);
+  IndexerInputs host_in = forward_inputs(p);
   host_in.row_lse = s.row_lse.view();
   host_in.row_target_mass = s.row_target_mass.view();
   const ReferenceGradients ref = reference_backward(host_in, ref_opt);
@@ -187,7 +187,7 @@ TEST(PFreeGpu, OneCallMatchesReferenceAndReplaysInAGraph) {
   for (const auto& [layout, h] : {std::pair{Layout::bshd, int64_t{64}}, std::pair{Layout::thd, int64_t{128}}}) {
     GeneratedProblem p = make_problem(spec_of(layout, h, 128, 150, 31 + h));
     invalid_slots(p);
-    IndexerBackwardOptions opt = p.options();
+    IndexerOptions opt = p.options();
     opt.loss_coeff = 1.1f;
     OneCall one(p, opt, DType::f32);
     cudaStream_t stream;
@@ -207,7 +207,7 @@ TEST(PFreeGpu, OneCallMatchesReferenceAndReplaysInAGraph) {
       one.set_grad_loss(g, stream);
       check_cuda(cudaGraphLaunch(exec, stream), "launch");
       check_cuda(cudaStreamSynchronize(stream), "sync");
-      IndexerBackwardOptions ref_opt = opt;
+      IndexerOptions ref_opt = opt;
       ref_opt.grad_loss = g;
       const std::string name = std::string(layout == Layout::thd ? "one_call_graph_thd_h" : "one_call_graph_bshd_h") +
                                std::to_string(h) + "_g" + std::to_string(g);
@@ -258,10 +258,10 @@ TEST(PFreeGpu, FusedOneCallMatchesTwoKernelsAndTheReference) {
     }
     ++seed;
     invalid_slots(p);
-    IndexerBackwardOptions opt = p.options();
+    IndexerOptions opt = p.options();
     opt.loss_coeff = 0.7f;
     if (c.out == DType::f32) opt.a_operand_precision = AOperandPrecision::bf16;  // one A term: the fused kernel
-    IndexerBackwardOptions opt_two = opt;
+    IndexerOptions opt_two = opt;
     opt_two.forward_fusion = ForwardFusion::off;  // before its workspace is sized
     OneCall fused(p, opt, c.out), two(p, opt_two, c.out);
     for (OneCall* one : {&fused, &two}) {
@@ -278,7 +278,7 @@ TEST(PFreeGpu, FusedOneCallMatchesTwoKernelsAndTheReference) {
     const ErrorStats dk_diff = compare(fused.out.d_index_k.to_host(), dk_two);
     EXPECT_TRUE(dk_diff.ok(c.out == DType::f32 ? 1e-6 : 1e-3)) << c.name << " d_index_k against two kernels " << dk_diff.str();
 
-    IndexerBackwardOptions ref_opt = opt;
+    IndexerOptions ref_opt = opt;
     ref_opt.grad_loss = 1.3f;
     // one bf16 A term: the bf16 tolerance for every output
     expect_within(one_call_against_reference(p, ref_opt, fused, c.name), DType::bf16, DType::bf16, DType::bf16,
@@ -289,7 +289,7 @@ TEST(PFreeGpu, FusedOneCallMatchesTwoKernelsAndTheReference) {
 TEST(PFreeGpu, ThdBackwardCapturesAndBadCuSeqlensGiveNaN) {
   SKIP_WITHOUT_GPU();
   GeneratedProblem p = make_problem(spec_of(Layout::thd, 64, 128, 120, 55));
-  IndexerBackwardOptions opt = p.options();
+  IndexerOptions opt = p.options();
   opt.backend = Backend::cuda;
   const OutputBuffers eager = run_cuda(p, opt, DType::f32, DType::f32, DType::f32);
   DeviceProblem d(p);
@@ -376,7 +376,7 @@ TEST(PFreeGpu, LargeCommonLogitPartAgainstExactGradients) {
     GeneratedProblem p = make_problem(spec);
     give_logits_a_common_part(p, c.q_common, c.sm_scale_log2, seed++);
     invalid_slots(p);
-    IndexerBackwardOptions opt = p.options();
+    IndexerOptions opt = p.options();
     opt.loss_coeff = 0.8f;
     opt.deterministic = c.deterministic;
     opt.a_operand_precision = AOperandPrecision::bf16x2;
@@ -399,9 +399,9 @@ TEST(PFreeGpu, LargeCommonLogitPartAgainstExactGradients) {
       }
     };
     DeviceProblem d(p);
-    IndexerBackwardInputs in = d.inputs();
+    IndexerInputs in = d.inputs();
     in.index_score = {};
-    IndexerBackwardOptions cuda_opt = opt;
+    IndexerOptions cuda_opt = opt;
     cuda_opt.backend = Backend::cuda;
     // The forward's statistics (poisoned first) into the P-free backward.
     const std::vector<int64_t> rows = c.layout == Layout::thd ? std::vector<int64_t>{num_q_rows(p)}
@@ -409,7 +409,7 @@ TEST(PFreeGpu, LargeCommonLogitPartAgainstExactGradients) {
     DeviceTensor loss(DType::f32, {}), lse(DType::f32, rows), mass(DType::f32, rows);
     for (DeviceTensor* t : {&loss, &lse, &mass}) t->fill_bytes(0xff);
     indexer_kl_forward(in, {loss.view, lse.view, mass.view, {}}, cuda_opt);
-    IndexerBackwardInputs p_free = in;
+    IndexerInputs p_free = in;
     p_free.row_lse = lse.view;
     p_free.row_target_mass = mass.view;
     DeviceOutputs two(p, c.out, c.out, c.out);
@@ -440,7 +440,7 @@ TEST(PFreeGpu, WorkspaceQueriesRaiseTheKeyRowLimit) {
   auto dev = [](int64_t gib, DType t, std::initializer_list<int64_t> shape) {
     return contiguous_view(reinterpret_cast<void*>(static_cast<uintptr_t>(gib) << 30), t, shape, DeviceType::cuda, 0);
   };
-  IndexerBackwardInputs in{};
+  IndexerInputs in{};
   in.index_q = dev(1, DType::bf16, {1, 1, 8, 64});
   in.weights = dev(2, DType::bf16, {1, 1, 8});
   in.index_k = dev(1024, DType::bf16, {1, rows, 64});
@@ -448,7 +448,7 @@ TEST(PFreeGpu, WorkspaceQueriesRaiseTheKeyRowLimit) {
   in.attn_score = dev(4, DType::f32, {1, 1, 1});
   const IndexerBackwardOutputs grads{dev(5, DType::f32, {1, 1, 8, 64}), dev(6, DType::f32, {1, 1, 8}),
                                      dev(2048, DType::f32, {1, rows, 64})};
-  IndexerBackwardOptions opt;
+  IndexerOptions opt;
   opt.backend = Backend::cuda;
   const std::string want = "index_k: expected fewer than 2^31 key rows on the cuda backend, got 2147483648";
   auto error_of = [](auto&& fn) -> std::string {
@@ -461,7 +461,7 @@ TEST(PFreeGpu, WorkspaceQueriesRaiseTheKeyRowLimit) {
     }
     return "";
   };
-  IndexerBackwardInputs p_form = in, p_free = in;
+  IndexerInputs p_form = in, p_free = in;
   p_form.index_score = dev(7, DType::f32, {1, 1, 1});
   p_free.row_lse = dev(8, DType::f32, {1, 1});
   p_free.row_target_mass = dev(9, DType::f32, {1, 1});
@@ -509,7 +509,7 @@ TEST(SanitizedPFree, LossAndGradKernel) {
       refresh_index_score(p);
     }
     invalid_slots(p);
-    IndexerBackwardOptions opt = p.options();
+    IndexerOptions opt = p.options();
     // wide: f32 outputs with one A term (the fused kernel's), as in FusedOneCallMatchesTwoKernelsAndTheReference
     if (wide) opt.a_operand_precision = AOperandPrecision::bf16;
     OneCall fused(p, opt, wide ? DType::f32 : DType::bf16);
@@ -559,12 +559,12 @@ TEST(PFreeGpu, DISABLED_PFreeTiming) {
       DeviceTensor dq_in(q), dw_in(w), dk_in(k), d_ids(ids), d_t(t);
       DeviceTensor lse(DType::f32, {1, S}), mass(DType::f32, {1, S}), prob(DType::f32, {1, S, K}), loss(DType::f32, {});
       DeviceTensor gq(DType::bf16, {1, S, H, D}), gw(DType::bf16, {1, S, H}), gk(DType::bf16, {1, S, D});
-      IndexerBackwardOptions opt;
+      IndexerOptions opt;
       opt.backend = Backend::cuda;
       opt.sm_scale = 0.088f;
-      IndexerBackwardInputs in{dq_in.view, dw_in.view, dk_in.view, d_ids.view, d_t.view, {}, {}, {}, {}, {}};
+      IndexerInputs in{dq_in.view, dw_in.view, dk_in.view, d_ids.view, d_t.view, {}, {}, {}, {}, {}};
       indexer_kl_forward(in, {loss.view, lse.view, mass.view, prob.view}, opt);
-      IndexerBackwardInputs p_form = in, p_free = in;
+      IndexerInputs p_form = in, p_free = in;
       p_form.index_score = prob.view;
       p_free.row_lse = lse.view;
       p_free.row_target_mass = mass.view;
@@ -573,7 +573,7 @@ TEST(PFreeGpu, DISABLED_PFreeTiming) {
       cudaEvent_t e0, e1;
       cudaEventCreate(&e0);
       cudaEventCreate(&e1);
-      auto time_ns = [&](const IndexerBackwardInputs& x) {
+      auto time_ns = [&](const IndexerInputs& x) {
         cudaEventRecord(e0);
         indexer_backward(x, outs, opt, ws.ptr, ws.bytes);
         cudaEventRecord(e1);

@@ -49,7 +49,7 @@ int run_cuda_backend(const dsaib::GeneratedProblem& p, const dsaib::ReferenceGra
     v.device = DeviceType::cuda;
     return v;
   };
-  IndexerBackwardInputs in = p.inputs();
+  IndexerInputs in = p.inputs();
   for (TensorView* t : {&in.index_q, &in.weights, &in.index_k, &in.topk_indices, &in.attn_score, &in.index_score})
     *t = device_copy(*t);
   const int64_t B = p.spec.batch, S = p.spec.s_q, Skv = p.spec.s_kv, H = p.spec.heads, D = p.spec.head_dim;
@@ -57,7 +57,7 @@ int run_cuda_backend(const dsaib::GeneratedProblem& p, const dsaib::ReferenceGra
   IndexerBackwardOutputs out{device_copy(contiguous_view(dq.data(), DType::f32, {B, S, H, D})),
                              device_copy(contiguous_view(dw.data(), DType::f32, {B, S, H})),
                              device_copy(contiguous_view(dk.data(), DType::f32, {B, Skv, D}))};
-  IndexerBackwardOptions opt = p.options();
+  IndexerOptions opt = p.options();
   opt.backend = Backend::cuda;
   indexer_backward(in, out, opt);
   bool ok = cudaDeviceSynchronize() == cudaSuccess;
@@ -95,7 +95,7 @@ int main() {
   IndexerBackwardOutputs out{contiguous_view(dq.data(), DType::f32, {B, S, H, D}),
                              contiguous_view(dw.data(), DType::f32, {B, S, H}),
                              contiguous_view(dk.data(), DType::f32, {B, Skv, D})};
-  IndexerBackwardOptions opt = p.options();
+  IndexerOptions opt = p.options();
   indexer_backward(p.inputs(), out, opt);
   const ReferenceGradients ref = reference_backward(p.inputs(), opt);
   const double e_q = relative_rms(dq, ref.d_index_q), e_w = relative_rms(dw, ref.d_weights),
@@ -109,7 +109,7 @@ int main() {
   }
   // A wrong rank for index_q: dsaib::Error naming it, outputs untouched.
   std::vector<float> dw_before = dw;
-  IndexerBackwardInputs bad = p.inputs();
+  IndexerInputs bad = p.inputs();
   bad.index_q = contiguous_view(bad.index_q.data, DType::bf16, {B, S, H * D});
   try {
     indexer_backward(bad, out, opt);

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sanitizer harness (label sanitizer). Runs the GPU tests of the Sanitized.*
-# suite (race-report shapes, DeepSeek shape, every tail case) of the backward
+# suite (the b1-q1-k512-random, b3-q64-k2048-random and b1-s512-causal shapes, DeepSeek shape, every tail case) of the backward
 # (test_gpu_hopper), of the loss forward (test_gpu_kl_forward) and of the
 # attention target (test_gpu_attention_target) under
 # compute-sanitizer racecheck, synccheck, memcheck and initcheck, requiring zero

@@ -25,7 +25,7 @@ struct Fp64Forward {
 
 /// The forward in fp64 from the definition: a row's key rows come from
 /// key_range() and the id mode; z from a direct double loop over heads and D.
-inline Fp64Forward fp64_forward(const GeneratedProblem& pr, const IndexerBackwardOptions& opt) {
+inline Fp64Forward fp64_forward(const GeneratedProblem& pr, const IndexerOptions& opt) {
   const int64_t R = num_q_rows(pr), K = topk(pr), H = pr.spec.heads, D = pr.spec.head_dim;
   const std::vector<double> q = to_doubles(pr.index_q), w = to_doubles(pr.weights), k = to_doubles(pr.index_k),
                             t = to_doubles(pr.attn_score);
@@ -177,8 +177,8 @@ inline ForwardBuffers make_forward_buffers(const GeneratedProblem& p) {
 }
 
 /// The problem's inputs without index_score (the forward's inputs).
-inline IndexerBackwardInputs forward_inputs(const GeneratedProblem& p) {
-  IndexerBackwardInputs in = p.inputs();
+inline IndexerInputs forward_inputs(const GeneratedProblem& p) {
+  IndexerInputs in = p.inputs();
   in.index_score = TensorView{};
   return in;
 }

@@ -235,10 +235,10 @@ void poison(OutputBuffers& o) {
   poison(o.d_index_k);
 }
 
-OutputBuffers run_cpu(const GeneratedProblem& p, const IndexerBackwardOptions& options, DType dq, DType dw, DType dk) {
+OutputBuffers run_cpu(const GeneratedProblem& p, const IndexerOptions& options, DType dq, DType dw, DType dk) {
   OutputBuffers o = make_outputs(p, dq, dw, dk);
   poison(o);
-  IndexerBackwardOptions opt = options;
+  IndexerOptions opt = options;
   opt.backend = Backend::cpu;
   indexer_backward(p.inputs(), o.views(), opt);
   return o;

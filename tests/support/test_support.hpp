@@ -97,7 +97,7 @@ void fill(HostTensor& t, double value);
 void poison(OutputBuffers& o);
 
 /// Runs the cpu backend on the problem with `options` into fresh poisoned outputs.
-OutputBuffers run_cpu(const GeneratedProblem& p, const IndexerBackwardOptions& options, DType dq = DType::f32,
+OutputBuffers run_cpu(const GeneratedProblem& p, const IndexerOptions& options, DType dq = DType::f32,
                       DType dw = DType::f32, DType dk = DType::f32);
 
 // ------------------------------------------------------------- metrics ---

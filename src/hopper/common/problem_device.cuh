@@ -1,0 +1,77 @@
+// Device-side geometry: flat rows to memory offsets, sequences, id validity.
+// Mirrors src/core/problem.hpp (the host version used by the cpu backend).
+#pragma once
+
+#include <cstdint>
+
+#include "hopper/common/kernel_params.hpp"
+
+namespace dsaib::hopper {
+
+__device__ __forceinline__ int64_t batched_offset(int64_t row, int64_t rows_per_batch, int64_t batch_stride,
+                                                  int64_t row_stride) {
+  return (row / rows_per_batch) * batch_stride + (row % rows_per_batch) * row_stride;
+}
+
+/// The key rows that a query row may select: [k_start, k_start + k_len).
+struct RowSequence {
+  int64_t k_start;
+  int64_t k_len;
+};
+
+__device__ inline RowSequence row_sequence(const IndexerParams& p, int64_t row) {
+  if (!p.thd) {
+    const int64_t b = row / p.q_rows_per_batch;
+    return {b * p.k_rows_per_batch, p.k_rows_per_batch};
+  }
+  // Last b with cu_seqlens_q[b] <= row (skips empty sequences): binary search.
+  int lo = 0, hi = p.batch - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (p.cu_seqlens_q[mid] <= row) lo = mid;
+    else hi = mid - 1;
+  }
+  const int64_t ks = p.cu_seqlens_k[lo];
+  return {ks, static_cast<int64_t>(p.cu_seqlens_k[lo + 1]) - ks};
+}
+
+/// Flat key row of a selected id, or -1 for an invalid slot (never dereferenced).
+__device__ __forceinline__ int64_t key_row_of(const IndexerParams& p, const RowSequence& seq, int32_t id) {
+  const int64_t v = id;
+  if (!p.global_ids) return (v >= 0 && v < seq.k_len) ? seq.k_start + v : -1;
+  return (v >= seq.k_start && v < seq.k_start + seq.k_len) ? v : -1;
+}
+
+/// A bf16's bits as the fp32 of the same value (exact).
+__device__ __forceinline__ float bf16_bits_to_float(uint16_t bits) { return __uint_as_float(static_cast<uint32_t>(bits) << 16); }
+
+/// Element i of the weights tensor as fp32, from bf16 or fp32 storage (p.weights_f32).
+__device__ __forceinline__ float weight_at(const IndexerParams& p, int64_t i) {
+  return p.weights_f32 ? static_cast<const float*>(p.weights)[i]
+                       : bf16_bits_to_float(static_cast<const uint16_t*>(p.weights)[i]);
+}
+
+/// c = grad_loss * loss_coeff / N in fp32, as stage 1 forms it: grad_loss read from
+/// the device scalar when there is one (CUDA-graph replays), else the value.
+__device__ __forceinline__ float loss_scale(const IndexerParams& p) {
+  const float grad_loss = p.grad_loss_ptr ? *p.grad_loss_ptr : p.grad_loss_value;
+  return grad_loss * p.loss_coeff_over_n;
+}
+
+__device__ __forceinline__ const uint16_t* key_row_ptr(const IndexerParams& p, int64_t key_row) {
+  return p.index_k + batched_offset(key_row, p.k_rows_per_batch, p.k_batch_stride, p.k_row_stride);
+}
+
+/// exp(-100) rounded to the nearest fp32 subnormal (27 * 2^-149): for every
+/// fp32 P, (P >= kEps) equals (double(P) >= exp(-100)). Needs denormals kept
+/// (no -ftz / --use_fast_math).
+__device__ __forceinline__ float eps_exp_minus_100() { return __int_as_float(27); }
+
+/// max(T, eps) as the cpu reference computes it (std::max): a NaN target T
+/// propagates (fmax would replace it by eps and hide it). fp32 kernel and fp64 reference.
+template <class T>
+__device__ __forceinline__ T max_keeping_nan(T t, T eps) {
+  return t < eps ? eps : t;
+}
+
+}  // namespace dsaib::hopper

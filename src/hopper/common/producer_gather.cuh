@@ -1,0 +1,364 @@
+// Producer role (warpgroup 0, all 128 threads): per task, load Q and w, run
+// stage 1 (score gradient), compact the valid slots, and gather their keys
+// into K stages.
+//
+// Stage 1 (docs/math.md): over the row's valid slots
+//   g_i = -c * max(T_i, eps) * [P_i >= eps],  G = sum g_i,  gs_i = g_i - P_i * G
+// The row is walked in chunks of kSlotChunk slots; thread t owns the
+// kSlotsPerThread slots t, t + kThreads, t + 2*kThreads, ... of a chunk
+// (a warp's load j reads 32 consecutive slots, 128 coalesced bytes; with
+// consecutive slots per thread each load spanned 1 KiB and ncu counted 18% of
+// the kernel's L2 sectors as excessive; paired A/B at S 16384: -1.1% causal,
+// -1.9% random) and issues all their
+// loads before using any (one memory latency per chunk, not one per slot).
+// Pass 1 computes G and the number of valid slots; pass 2 writes the chunk's
+// valid slots into a shared list in slot order (a ballot per slot row of
+// kThreads slots and a prefix over (row, warp) counts), from which blocks of
+// kBlockKeys keys are gathered. Each chunk's last block is padded with key_row
+// -1 / gs 0 / zero-filled K rows. Invalid slots never reach the consumers and
+// are never dereferenced.
+//
+// Order of the blocks: the list is in slot order, and in the backward odd waves
+// of tasks (task / gridDim.x) take the chunks last to first (the forward keeps
+// slot order, below). Against thread-order lists
+// and forward chunks, paired A/B with ascending ids, 4 pairs: random ids S 4096
+// -2.6%, S 16384 -0.5%, S 65536 -0.5%; causal S 4096 -1.5%, S 16384 -1.0%,
+// S 65536 0. Ids in a random order within the row run as fast as ascending
+// ones, so the gain is not that of narrow blocks alone; ordering the list by
+// key bucket cost 1.8-3.6% with shuffled ids (its only A/B).
+#pragma once
+
+#include <cute/arch/copy_sm80.hpp>
+#include <cute/tensor.hpp>
+#include <cuda/ptx>
+
+#include "hopper/common/problem_device.cuh"
+#include "hopper/common/shared_storage.cuh"
+#include "hopper/common/slot_compaction.cuh"
+#include "hopper/common/start_stagger.hpp"
+
+namespace dsaib::hopper {
+
+/// kScoreGradient: the backward's producer (stage 1 above; each gathered key
+/// carries its gs). Without it (the loss forward, forward_kernel.cuh) there is
+/// no stage 1: index_score is not read, and each gathered key carries its slot
+/// in the row (Storage::key_slot, -1 on tail entries) and its clipped target
+/// T~ = max(T, eps) (Storage::key_target, 0 on tail entries), compacted through
+/// Storage::slot_index / slot_target.
+/// With a PFreeConfig (the P-free backward) index_score is not read either:
+/// each gathered key carries g~_i = -c * max(T_i, eps) in gs, and the Q stage the
+/// row's LSE and G = -c * row_target_mass; the score role forms gs from them and
+/// the P it rebuilds (score_mma.cuh).
+template <class Config, class Storage = SharedStorage<Config>, bool kScoreGradient = true>
+struct ProducerGather {
+  using Element = typename Config::Element;
+  static constexpr int kD = Config::kHeadDim;
+  static constexpr int kChunksPerRow = kD / 8;  // 16-byte chunks per K/Q row
+  static constexpr int kBlock = Config::kBlockKeys;
+  static constexpr int kThreads = Config::kProducerThreads;
+  static constexpr int kPerThread = Config::kSlotsPerThread;
+  static constexpr int kWarps = kThreads / 32;
+  static constexpr int kGatherRows = kBlock * kChunksPerRow / kThreads;  // rows per thread per block: 8 (D128), 4 (D64)
+  static_assert(kGatherRows % 4 == 0 && kGatherRows * kThreads == kBlock * kChunksPerRow, "whole rows, int4 loads");
+  static constexpr bool kPFree = kIsPFree<Config>;
+  static_assert(!kPFree || kScoreGradient, "the P-free producer is the backward's");
+
+  const IndexerParams& p;
+  Storage& ss;
+  MbarrierPipeline<Config::kStagesK> k_pipe;
+  MbarrierPipeline<Config::kStagesQ> q_pipe;
+
+  __device__ static void copy16(const void* src, Element* dst, bool pred) {
+    using Chunk = cute::uint128_t;
+    cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<Chunk>::copy(*reinterpret_cast<const Chunk*>(src),
+                                                       *reinterpret_cast<Chunk*>(dst), pred);
+  }
+
+  /// One thread's slots of a chunk: key rows (-1 invalid) and, when wanted, T and P.
+  struct SlotBatch {
+    int32_t key_row[kPerThread];
+    float attn_score[kPerThread];
+    float index_score[kPerThread];
+  };
+
+  /// kScores: also T (and P where the backward is given it); the forward's
+  /// counting pass needs the key rows alone.
+  template <bool kScores>
+  __device__ void load_batch(int first_slot, const RowSequence& seq, const int32_t* ids, const float* attn_score,
+                             const float* index_score, SlotBatch& s) const {
+    int32_t id[kPerThread];
+    CUTE_UNROLL
+    for (int j = 0; j < kPerThread; ++j) {
+      const int i = first_slot + j * kThreads;
+      id[j] = i < p.topk ? ids[i] : -1;
+    }
+    CUTE_UNROLL
+    for (int j = 0; j < kPerThread; ++j) {
+      const int i = first_slot + j * kThreads;
+      const int64_t kr = key_row_of(p, seq, id[j]);  // -1 also for slots past topk (id -1)
+      s.key_row[j] = static_cast<int32_t>(kr);
+      if constexpr (kScores) {
+        s.attn_score[j] = kr >= 0 ? attn_score[i] : 0.0f;
+        if constexpr (kScoreGradient && !kPFree) s.index_score[j] = kr >= 0 ? index_score[i] : 0.0f;
+      }
+    }
+  }
+
+  /// Sum of v over the producer warpgroup (every thread gets it). Uses
+  /// producer_partial[.][slot]; ends with the partials free for reuse.
+  __device__ float warpgroup_sum(float v, int slot) {
+    CUTE_UNROLL
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    const int warp = threadIdx.x / 32;
+    if (threadIdx.x % 32 == 0) ss.producer_partial[warp][slot] = v;
+    producer_sync<Config>();
+    float total = 0.0f;
+    CUTE_UNROLL
+    for (int w = 0; w < kWarps; ++w) total += ss.producer_partial[w][slot];  // fixed order: deterministic
+    producer_sync<Config>();
+    return total;
+  }
+
+  /// Exclusive prefix of `count` over producer threads in thread order, and the total.
+  __device__ int warpgroup_exclusive_scan(int count, int* total) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    int inclusive = count;
+    CUTE_UNROLL
+    for (int off = 1; off < 32; off <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, inclusive, off);
+      if (lane >= off) inclusive += v;
+    }
+    if (lane == 31) ss.producer_scan[warp] = inclusive;
+    producer_sync<Config>();
+    int before = 0, all = 0;
+    CUTE_UNROLL
+    for (int w = 0; w < kWarps; ++w) {
+      const int t = ss.producer_scan[w];
+      if (w < warp) before += t;
+      all += t;
+    }
+    *total = all;
+    return before + inclusive - count;
+  }
+
+  // Gather mapping: thread t copies the 16-byte column chunk t % kChunksPerRow
+  // of kGatherRows consecutive rows of a block, starting at gather_row0. For
+  // copy i, a warp's 32 lanes cover whole key rows (coalesced).
+  __device__ static int gather_col(int tid) { return (tid % kChunksPerRow) * 8; }
+  __device__ static int gather_row0(int tid) { return (tid / kChunksPerRow) * kGatherRows; }
+  static constexpr int kStageElems = kBlock * kD;
+
+  /// This thread's copy destinations in K stage 0, computed once: a stage is a
+  /// whole number of swizzle periods (8 rows of 128 bytes), so stage ks is
+  /// stage 0 plus ks * kStageElems and the swizzle need not be redone per copy.
+  __device__ void gather_destinations(Element* (&k_dst)[kGatherRows], int tid) const {
+    static_assert(decltype(cute::cosize(cute::take<0, 2>(typename Config::SmemLayoutK{})))::value == kStageElems &&
+                      (kStageElems * sizeof(Element)) % 1024 == 0,
+                  "a K stage is kStageElems contiguous elements spanning whole 128-byte-swizzle periods");
+    cute::Tensor sK = cute::make_tensor(cute::make_smem_ptr(ss.k), typename Config::SmemLayoutK{});
+    CUTE_UNROLL
+    for (int i = 0; i < kGatherRows; ++i) k_dst[i] = &sK(gather_row0(tid) + i, gather_col(tid), 0);
+  }
+
+  /// The Q tile (cp.async, then one commit group) and w_scaled of a task into Q stage qs.
+  __device__ void load_q(int64_t row, int h0, int nh, int qs, int tid) {
+    cute::Tensor sQ = cute::make_tensor(cute::make_smem_ptr(ss.q), typename Config::SmemLayoutQ{});
+    const uint16_t* q_row = p.index_q + batched_offset(row, p.q_rows_per_batch, p.q_batch_stride, p.q_row_stride);
+    for (int chunk = tid; chunk < Config::kHeadTile * kChunksPerRow; chunk += kThreads) {
+      const int hh = chunk / kChunksPerRow, col = (chunk % kChunksPerRow) * 8;
+      const bool in_range = hh < nh;  // padded heads: zero-filled, nothing read
+      const uint16_t* src = in_range ? q_row + (h0 + hh) * p.q_head_stride + col : p.index_q;
+      copy16(src, &sQ(hh, col, qs), in_range);
+    }
+    cute::cp_async_fence();
+    if (tid < Config::kHeadTile) {
+      float w = 0.0f;
+      if (tid < nh) {
+        const int64_t w_off = batched_offset(row, p.q_rows_per_batch, p.w_batch_stride, p.w_row_stride) + h0 + tid;
+        w = weight_at(p, w_off);
+      }
+      ss.w_scaled[qs][tid] = w * p.sm_scale;
+    }
+  }
+
+  /// The cp.async copies (one commit group) of block `first / kBlock` of a
+  /// chunk's list into K stage ks: the keys at list_key_row[first ...], the
+  /// entries at or past chunk_valid zero-filled. k_seq_col: this thread's column
+  /// of the row's sequence's first key row (key_row_ptr + gather_col).
+  __device__ void gather_block(int ks, int first, int chunk_valid, const int32_t* list_key_row,
+                               Element* const (&k_dst)[kGatherRows], const uint16_t* k_seq_col, int32_t k_start,
+                               int tid) const {
+    const int row0 = gather_row0(tid);
+    // This thread's kGatherRows consecutive rows: one vector load of their key rows.
+    int32_t kr[kGatherRows];
+    CUTE_UNROLL
+    for (int q = 0; q < kGatherRows / 4; ++q) {
+      const int4 v = *reinterpret_cast<const int4*>(&list_key_row[first + row0 + 4 * q]);
+      kr[4 * q] = v.x, kr[4 * q + 1] = v.y, kr[4 * q + 2] = v.z, kr[4 * q + 3] = v.w;
+    }
+    CUTE_UNROLL
+    for (int i = 0; i < kGatherRows; ++i) {
+      const bool valid = first + row0 + i < chunk_valid;  // entries past the list are stale
+      const int32_t local = valid ? kr[i] - k_start : 0;  // zero-filled copies read nothing
+      copy16(k_seq_col + static_cast<int64_t>(local) * p.k_row_stride, k_dst[i] + ks * kStageElems, valid);
+    }
+    cute::cp_async_fence();
+  }
+
+  __device__ void run() {
+    const int tid = threadIdx.x;  // 0..127 in warpgroup 0
+    const float c = loss_scale(p);
+    const float eps = eps_exp_minus_100();
+
+    Element* k_dst[kGatherRows];
+    gather_destinations(k_dst, tid);
+
+    auto k_state = make_producer_start_state<Config::kStagesK>();
+    auto q_state = make_producer_start_state<Config::kStagesQ>();
+
+    // Start delay (start_stagger.hpp): CTAs from start_stagger_first_delayed_cta
+    // on (the ones with a task fewer) start out of phase. Only this role waits;
+    // the others wait on its pipelines anyway. No memory is touched.
+    if (const uint64_t delay = start_delay_ns(p.start_stagger_max_ns, p.start_stagger_first_delayed_cta, blockIdx.x)) {
+      const uint64_t start = cuda::ptx::get_sreg_globaltimer();
+      while (cuda::ptx::get_sreg_globaltimer() - start < delay) __nanosleep(500);
+    }
+    for (int64_t task = blockIdx.x; task < p.num_tasks; task += gridDim.x) {
+      const int64_t row = task / p.head_groups;
+      const int h0 = static_cast<int>(task % p.head_groups) * Config::kHeadTile;
+      const int nh = min(Config::kHeadTile, p.heads - h0);
+      const RowSequence seq = row_sequence(p, row);
+      // This thread's column of the sequence's first key row: one division per
+      // task; its chunk of a selected key row kr of this sequence is then at
+      // k_seq_col + (kr - seq.k_start) * k_row_stride (no per-copy division;
+      // key rows are below 2^31, so the difference is 32-bit).
+      const uint16_t* k_seq_col = key_row_ptr(p, seq.k_start) + gather_col(tid);
+      const int32_t k_start = static_cast<int32_t>(seq.k_start);
+      const int32_t* ids = p.topk_indices + batched_offset(row, p.q_rows_per_batch, p.ids_batch_stride, p.ids_row_stride);
+      const float* attn_score = p.attn_score + batched_offset(row, p.q_rows_per_batch, p.attn_score_batch_stride, p.attn_score_row_stride);
+      const float* index_score = nullptr;
+      if constexpr (!kPFree) {
+        index_score = p.index_score + batched_offset(row, p.q_rows_per_batch, p.index_score_batch_stride, p.index_score_row_stride);
+      }
+
+      // ---- Q tile and weights of this task
+      q_pipe.producer_acquire(q_state);
+      const int qs = q_state.index;
+      load_q(row, h0, nh, qs, tid);
+
+      // ---- stage 1, pass 1: G and the number of blocks (chunks pad their last block)
+      float g_part = 0.0f;
+      int num_blocks = 0;
+      for (int chunk0 = 0; chunk0 < p.topk; chunk0 += Config::kSlotChunk) {
+        SlotBatch s;
+        load_batch<kScoreGradient>(chunk0 + tid, seq, ids, attn_score, index_score, s);
+        int count = 0;
+        CUTE_UNROLL
+        for (int j = 0; j < kPerThread; ++j) {
+          if (s.key_row[j] >= 0) {
+            ++count;
+            if constexpr (kScoreGradient && !kPFree) {
+              if (s.index_score[j] >= eps) g_part += -c * max_keeping_nan(s.attn_score[j], eps);
+            }
+          }
+        }
+        int chunk_valid = 0;
+        (void)warpgroup_exclusive_scan(count, &chunk_valid);
+        producer_sync<Config>();  // producer_scan is reused
+        num_blocks += (chunk_valid + kBlock - 1) / kBlock;
+      }
+      float G = 0.0f;
+      if constexpr (kPFree) {
+        // G = sum_i g_i = -c * sum_i T~_i m_i: the row's target mass, given.
+        if (tid == 0) {
+          // (LSE, mass) of the row, packed by the host (kernel_params.hpp)
+          const float2 stats = reinterpret_cast<const float2*>(p.index_score)[row];
+          ss.p_free.row_lse[qs] = stats.x;
+          ss.p_free.row_g[qs] = -c * stats.y;
+        }
+        (void)G;
+      } else if constexpr (kScoreGradient) {
+        G = warpgroup_sum(g_part, 0);
+      }
+      if (tid == 0) ss.num_blocks[qs] = num_blocks;
+
+      cute::cp_async_wait<0>();                              // this thread's Q copies landed
+      cuda::ptx::fence_proxy_async(cuda::ptx::space_shared); // ...and are visible to wgmma
+      q_pipe.producer_commit(q_state);                       // every producer thread arrives
+      q_state.advance();
+
+      // ---- pass 2 per chunk: compact, then gather blocks; block j is committed
+      //      once block j+1 has been issued (two blocks of copies in flight)
+      bool pending = false;
+      PipelineState<Config::kStagesK> pending_state{};
+      // Odd waves of tasks (task / gridDim.x) walk the chunks last to first:
+      // with ascending ids every CTA then turns at the same end of the key range,
+      // the half of dK and K touched last in one wave is touched first in the next.
+      // The forward walks them in slot order: its row statistics accumulate in
+      // the order the keys arrive, which must not depend on the grid.
+      const int num_chunks = (p.topk + Config::kSlotChunk - 1) / Config::kSlotChunk;
+      const bool reverse_chunks = kScoreGradient && ((task / gridDim.x) & 1) != 0;
+      for (int ci = 0; ci < num_chunks; ++ci) {
+        const int chunk0 = (reverse_chunks ? num_chunks - 1 - ci : ci) * Config::kSlotChunk;
+        SlotBatch s;
+        load_batch<true>(chunk0 + tid, seq, ids, attn_score, index_score, s);
+        // The list in slot order. Slot chunk0 + tid + j * kThreads goes to position
+        //   (valid slots of rows j' < j) + (valid slots of threads < tid in row j),
+        // row j being the kThreads slots chunk0 + j * kThreads + [0, kThreads).
+        int pos[kPerThread];
+        // the previous chunk's list has been fully read (the barrier after its blocks)
+        const int chunk_valid = slot_list_positions<kThreads, kPerThread>(s.key_row, pos, ss.producer_scan_rows, tid,
+                                                                           [] { producer_sync<Config>(); });
+        CUTE_UNROLL
+        for (int j = 0; j < kPerThread; ++j) {
+          if (s.key_row[j] >= 0) {
+            if constexpr (kPFree) {
+              ss.slot_gs[pos[j]] = -c * max_keeping_nan(s.attn_score[j], eps);  // g~_i: masked by the score role
+            } else if constexpr (kScoreGradient) {
+              const float g = s.index_score[j] >= eps ? -c * max_keeping_nan(s.attn_score[j], eps) : 0.0f;
+              ss.slot_gs[pos[j]] = g - s.index_score[j] * G;
+            } else {
+              ss.slot_index[pos[j]] = chunk0 + tid + j * kThreads;
+              ss.slot_target[pos[j]] = max_keeping_nan(s.attn_score[j], eps);
+            }
+            ss.slot_key_row[pos[j]] = s.key_row[j];
+          }
+        }
+        producer_sync<Config>();  // list complete; producer_scan_rows read by every thread
+        const int chunk_blocks = (chunk_valid + kBlock - 1) / kBlock;
+        for (int blk = 0; blk < chunk_blocks; ++blk) {
+          k_pipe.producer_acquire(k_state);
+          const int ks = k_state.index;
+          const int first = blk * kBlock;
+          if (tid < kBlock) {
+            const bool in_list = first + tid < chunk_valid;
+            if constexpr (kScoreGradient) {
+              ss.gs[ks][tid] = in_list ? ss.slot_gs[first + tid] : 0.0f;
+            } else {
+              ss.key_slot[ks][tid] = in_list ? ss.slot_index[first + tid] : -1;
+              ss.key_target[ks][tid] = in_list ? ss.slot_target[first + tid] : 0.0f;
+            }
+            ss.key_row[ks][tid] = in_list ? ss.slot_key_row[first + tid] : -1;
+          }
+          gather_block(ks, first, chunk_valid, ss.slot_key_row, k_dst, k_seq_col, k_start, tid);
+          if (pending) {
+            cute::cp_async_wait<1>();  // all but the block just issued have landed
+            cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
+            k_pipe.producer_commit(pending_state);
+          }
+          pending = true;
+          pending_state = k_state;
+          k_state.advance();
+        }
+        producer_sync<Config>();  // every thread is done reading the list
+      }
+      if (pending) {
+        cute::cp_async_wait<0>();
+        cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
+        k_pipe.producer_commit(pending_state);
+      }
+    }
+  }
+};
+
+}  // namespace dsaib::hopper

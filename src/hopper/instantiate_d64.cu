@@ -1,4 +1,0 @@
-// Explicit instantiation: fused kernel, D = 64.
-#include "hopper/launch_impl.cuh"
-
-DSAIB_INSTANTIATE_INDEXER_BACKWARD(64)

@@ -1,0 +1,47 @@
+// Tile choices of the sm_90a loss forward (kl_forward_kernel.cuh).
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_types.h>
+
+
+namespace dsaib::hopper {
+
+template <int kHeadDim_, int kHeadTile_>
+struct ForwardTileConfig {
+  static constexpr int kHeadDim = kHeadDim_;
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "D must be 64 or 128");
+  static constexpr int kHeadTile = kHeadTile_;  // heads per task: every head of the row, padded
+  static_assert(kHeadTile == 64 || kHeadTile == 128, "one or two m64 wgmma tiles");
+  static constexpr int kBlockKeys = 64;  // keys per gathered block (the backward's)
+  // Without the backward's sA, dK staging and A operands, eight K stages fit
+  // (D 128, 128 heads: 64 KiB of Q stages + 128 KiB of K stages).
+  static constexpr int kStagesK = 8;
+  static constexpr int kStagesQ = 2;
+  static constexpr int kThreadsPerWarpgroup = 128;
+  static constexpr int kProducerThreads = kThreadsPerWarpgroup;
+  static constexpr int kScoreThreads = kThreadsPerWarpgroup;
+  static constexpr int kProducerWarpgroup = 0;
+  static constexpr int kScoreWarpgroup = 1;
+  static constexpr int kThreads = kProducerThreads + kScoreThreads;
+  static constexpr int kSlotsPerThread = 8;  // the producer's slot chunks, as the backward's
+  static constexpr int kSlotChunk = kProducerThreads * kSlotsPerThread;
+
+  using Element = cutlass::bfloat16_t;
+  using SmemAtom = decltype(cute::GMMA::Layout_K_SW128_Atom<Element>{});
+  // sQ: (heads, D, stage); sK: (keys, D, stage) — the backward's layouts
+  using SmemLayoutQ = decltype(cute::tile_to_shape(
+      SmemAtom{}, cute::Shape<cute::Int<kHeadTile>, cute::Int<kHeadDim>, cute::Int<kStagesQ>>{}));
+  using SmemLayoutK = decltype(cute::tile_to_shape(
+      SmemAtom{}, cute::Shape<cute::Int<kBlockKeys>, cute::Int<kHeadDim>, cute::Int<kStagesK>>{}));
+  // GEMM1 transposed against the backward's: S^T (keys, heads) = K Q^T with the
+  // same shared-memory operands (K-major, 128-byte swizzle), K as A and Q as B.
+  // Keys as M put a key's heads in one thread and its quad, so the head sum
+  // needs two shuffles and no exchange between warps.
+  using TiledMmaS = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float,
+                                 cute::Shape<cute::Int<kBlockKeys>, cute::Int<kHeadTile>, cute::Int<kHeadDim>>,
+                                 cute::GMMA::Major::K, cute::GMMA::Major::K>()));
+};
+
+}  // namespace dsaib::hopper
