@@ -9,7 +9,6 @@
 #include <string>
 
 #include "api/attention_target_problem.hpp"
-#include "api/cuda_attention_target.hpp"
 #include "api/cuda_backend.hpp"
 #include "core/allocation.hpp"
 #include "core/option_words.hpp"
@@ -187,9 +186,7 @@ ProblemGeometry validate_for_backend(const AttentionTargetInputs& in, const Atte
 std::size_t attention_target_workspace_size(const AttentionTargetInputs& inputs, const AttentionTargetOutputs& outputs,
                                             const AttentionTargetOptions& options) {
   const detail::ProblemGeometry g = detail::validate_for_backend(inputs, outputs, options);
-  return options.backend == Backend::cuda
-             ? detail::cuda_attention_target_workspace_size(g, options, inputs.query.device_index)
-             : 0;
+  return options.backend == Backend::cuda ? detail::plan_cuda_attention_target(inputs, g).workspace_bytes : 0;
 }
 
 void attention_target(const AttentionTargetInputs& inputs, const AttentionTargetOutputs& outputs,
@@ -199,20 +196,9 @@ void attention_target(const AttentionTargetInputs& inputs, const AttentionTarget
     detail::run_cpu_attention_target(inputs, outputs, options, g);
     return;
   }
-  if (workspace != nullptr || workspace_bytes != 0) {
-    const std::size_t need = detail::cuda_attention_target_workspace_size(g, options, inputs.query.device_index);
-    if (workspace_bytes < need) {
-      throw Error(ErrorCode::invalid_argument, "workspace_bytes",
-                  "workspace_bytes: expected >= " + std::to_string(need) + " (attention_target_workspace_size), got " +
-                      std::to_string(workspace_bytes));
-    }
-    if (need > 0 && (workspace == nullptr || reinterpret_cast<std::uintptr_t>(workspace) % 256 != 0)) {
-      throw Error(ErrorCode::invalid_argument, "workspace",
-                  "workspace: expected a non-null 256-byte aligned device pointer, got " +
-                      std::string(workspace ? "a misaligned pointer" : "null"));
-    }
-  }
-  detail::run_cuda_attention_target(inputs, outputs, options, g, workspace, workspace_bytes);
+  const hopper::TargetPlan plan = detail::plan_cuda_attention_target(inputs, g);
+  detail::check_caller_workspace(workspace, workspace_bytes, plan.workspace_bytes, "attention_target_workspace_size");
+  detail::run_cuda_attention_target(plan, inputs, outputs, options, g, workspace, workspace_bytes);
 }
 
 }  // namespace dsaib

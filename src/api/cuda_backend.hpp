@@ -1,11 +1,20 @@
-// The seam between the backend-neutral API and the Hopper backend.
-// Implemented in src/hopper/indexer_backward/indexer_backward_backend.cu when built with CUDA, else by
-// src/api/cuda_backend_stub.cpp.
+// The seam between the backend-neutral entry points and the cuda backend, for
+// every kernel family. Implemented under src/hopper/ when built with CUDA, else
+// by cuda_backend_stub.cpp, which reports backend_unavailable.
+//
+// Each family's cuda call is a plan, then a run from that plan: plan_cuda_*
+// queries the device once (launch/device.hpp) and returns the launch plan with
+// its workspace size (launch/launch_plan.hpp); the entry point checks a
+// caller's workspace against it (check_caller_workspace) before run_cuda_*
+// allocates or writes anything. `g` is always validated.
 #pragma once
 
 #include <cstddef>
 
 #include "core/problem.hpp"
+#include "dsaib/attention_target.hpp"
+#include "dsaib/indexer_kl_forward.hpp"
+#include "dsaib/indexer_kl_loss_and_grad.hpp"
 #include "hopper/launch/launch_plan.hpp"
 
 namespace dsaib::detail {
@@ -28,40 +37,38 @@ void cuda_copy_to_host(void* dst, const void* src, std::size_t row_bytes, std::s
 /// Whether `stream` (a cudaStream_t) is capturing a CUDA graph (cudaStreamIsCapturing).
 bool cuda_stream_capturing(void* stream);
 
-/// The P-free backward (index_score absent) runs the loss forward's kernel first
-/// to write P into the workspace when the P-free kernels do not apply: H above
-/// one task's 64 heads (z sums over every head of the row), or deterministic.
-inline bool p_free_needs_prepass(const IndexerInputs& in, const ProblemGeometry& g,
-                                 const IndexerOptions& opt) {
-  return !in.index_score.present() && (g.heads > 64 || opt.deterministic);
-}
+/// The one check of a caller's workspace, before anything is written: none
+/// (null and 0 bytes: the backend's own stream-ordered memory), or at least
+/// `need` bytes at a non-null 256-byte aligned address. `size_function` names
+/// the query that gives `need`.
+void check_caller_workspace(const void* workspace, std::size_t workspace_bytes, std::size_t need,
+                            const char* size_function);
 
-/// Scratch bytes of a cuda backward: the fused kernel's (hopper::workspace_bytes)
-/// rounded up to 256, plus, when p_free_needs_prepass, P (num_q_rows * topk f32),
-/// the forward's row statistics and loss, and the forward's own scratch, each
-/// rounded up to 256.
-std::size_t cuda_backward_workspace_bytes(const IndexerInputs& in, const IndexerBackwardOutputs& out,
-                                          const IndexerOptions& opt, const ProblemGeometry& g);
+/// indexer_backward(): the P form, or the P-free form with its kernels or its
+/// prepass (hopper::plan_backward_call).
+hopper::BackwardCallPlan plan_cuda_backward(const IndexerInputs& in, const IndexerBackwardOutputs& out,
+                                            const IndexerOptions& opt, const ProblemGeometry& g);
+void run_cuda_backward(const hopper::BackwardCallPlan& plan, const IndexerInputs& in, const IndexerBackwardOutputs& out,
+                       const IndexerOptions& opt, const ProblemGeometry& g, void* workspace, std::size_t workspace_bytes);
 
-/// The launch plan of a call on the device of index_q (hopper::plan_launch with
-/// that device's properties, queried as run_cuda_backend queries them). `g` is
-/// validated. Launches, allocates and writes nothing.
-hopper::LaunchPlan cuda_launch_plan(const IndexerInputs& in, const IndexerBackwardOutputs& out,
-                                    const IndexerOptions& opt, const ProblemGeometry& g);
+/// indexer_kl_forward().
+hopper::ForwardPlan plan_cuda_kl_forward(const IndexerInputs& in, const ProblemGeometry& g);
+void run_cuda_kl_forward(const hopper::ForwardPlan& plan, const IndexerInputs& in, const IndexerKLForwardOutputs& out,
+                         const IndexerOptions& opt, const ProblemGeometry& g, void* workspace, std::size_t workspace_bytes);
 
-/// Plans the launch (cuda_launch_plan), then launches the fused kernel on
-/// options.stream. `g` is validated.
-void run_cuda_backend(const IndexerInputs& in, const IndexerBackwardOutputs& out,
-                      const IndexerOptions& opt, const ProblemGeometry& g, void* workspace,
-                      std::size_t workspace_bytes);
+/// indexer_kl_loss_and_grad(): one kernel, or the forward then the backward.
+hopper::LossAndGradPlan plan_cuda_loss_and_grad(const IndexerInputs& in, const IndexerKLLossAndGradOutputs& out,
+                                                const IndexerOptions& opt, const ProblemGeometry& g);
+void run_cuda_loss_and_grad(const hopper::LossAndGradPlan& plan, const IndexerInputs& in,
+                            const IndexerKLLossAndGradOutputs& out, const IndexerOptions& opt, const ProblemGeometry& g,
+                            void* workspace, std::size_t workspace_bytes);
 
-/// The one-call loss and gradients on the cuda backend (backend.cu): its
-/// workspace size and the run (the forward, then the backward; no host
-/// synchronisation). `g` is validated.
-std::size_t cuda_kl_loss_and_grad_workspace_bytes(const IndexerInputs& in, const IndexerKLLossAndGradOutputs& out,
-                                                  const IndexerOptions& opt, const ProblemGeometry& g);
-void run_cuda_kl_loss_and_grad(const IndexerInputs& in, const IndexerKLLossAndGradOutputs& out,
-                               const IndexerOptions& opt, const ProblemGeometry& g, void* workspace,
-                               std::size_t workspace_bytes);
+/// attention_target(). `g` describes the problem as for the indexer: heads = Hq,
+/// head_dim = Dqk, layout, id_mode, batch, topk, row counts and per-sequence
+/// tables (cu_seqlens_on_device_only while a THD call is being captured).
+hopper::TargetPlan plan_cuda_attention_target(const AttentionTargetInputs& in, const ProblemGeometry& g);
+void run_cuda_attention_target(const hopper::TargetPlan& plan, const AttentionTargetInputs& in,
+                               const AttentionTargetOutputs& out, const AttentionTargetOptions& opt,
+                               const ProblemGeometry& g, void* workspace, std::size_t workspace_bytes);
 
 }  // namespace dsaib::detail

@@ -1,34 +1,48 @@
-// Used when the library is built without CUDA: the cuda backend reports itself unavailable.
+// The cuda backend's seam in a build without CUDA: every call reports that the
+// backend is unavailable (check_options_and_backend raises it first).
 #include "api/cuda_backend.hpp"
 
 namespace dsaib::detail {
+namespace {
+
+[[noreturn]] void unavailable() {
+  throw Error(ErrorCode::backend_unavailable, "backend", "backend: expected cpu (this build has no CUDA support), got cuda");
+}
+
+}  // namespace
 
 bool cuda_backend_compiled() { return false; }
 bool cuda_device_present() { return false; }
 bool cuda_stream_capturing(void*) { return false; }
-std::size_t cuda_backward_workspace_bytes(const IndexerInputs&, const IndexerBackwardOutputs&,
-                                          const IndexerOptions&, const ProblemGeometry&) {
-  throw Error(ErrorCode::backend_unavailable, "backend", "backend: expected cpu (this build has no CUDA support), got cuda");
-}
 void cuda_copy_to_host(void*, const void*, std::size_t, std::size_t, std::size_t, void*) {
   throw Error(ErrorCode::backend_unavailable, "backend", "backend: this build has no CUDA support");
 }
-hopper::LaunchPlan cuda_launch_plan(const IndexerInputs&, const IndexerBackwardOutputs&,
-                                    const IndexerOptions&, const ProblemGeometry&) {
-  throw Error(ErrorCode::backend_unavailable, "backend", "backend: expected cpu (this build has no CUDA support), got cuda");
-}
-void run_cuda_backend(const IndexerInputs&, const IndexerBackwardOutputs&, const IndexerOptions&,
-                      const ProblemGeometry&, void*, std::size_t) {
-  throw Error(ErrorCode::backend_unavailable, "backend", "backend: expected cpu (this build has no CUDA support), got cuda");
-}
 
-std::size_t cuda_kl_loss_and_grad_workspace_bytes(const IndexerInputs&, const IndexerKLLossAndGradOutputs&,
-                                                  const IndexerOptions&, const ProblemGeometry&) {
-  throw Error(ErrorCode::backend_unavailable, "backend", "backend: expected cpu (this build has no CUDA support), got cuda");
+hopper::BackwardCallPlan plan_cuda_backward(const IndexerInputs&, const IndexerBackwardOutputs&, const IndexerOptions&,
+                                            const ProblemGeometry&) {
+  unavailable();
 }
-void run_cuda_kl_loss_and_grad(const IndexerInputs&, const IndexerKLLossAndGradOutputs&,
-                               const IndexerOptions&, const ProblemGeometry&, void*, std::size_t) {
-  throw Error(ErrorCode::backend_unavailable, "backend", "backend: expected cpu (this build has no CUDA support), got cuda");
+void run_cuda_backward(const hopper::BackwardCallPlan&, const IndexerInputs&, const IndexerBackwardOutputs&,
+                       const IndexerOptions&, const ProblemGeometry&, void*, std::size_t) {
+  unavailable();
+}
+hopper::ForwardPlan plan_cuda_kl_forward(const IndexerInputs&, const ProblemGeometry&) { unavailable(); }
+void run_cuda_kl_forward(const hopper::ForwardPlan&, const IndexerInputs&, const IndexerKLForwardOutputs&,
+                         const IndexerOptions&, const ProblemGeometry&, void*, std::size_t) {
+  unavailable();
+}
+hopper::LossAndGradPlan plan_cuda_loss_and_grad(const IndexerInputs&, const IndexerKLLossAndGradOutputs&,
+                                                const IndexerOptions&, const ProblemGeometry&) {
+  unavailable();
+}
+void run_cuda_loss_and_grad(const hopper::LossAndGradPlan&, const IndexerInputs&, const IndexerKLLossAndGradOutputs&,
+                            const IndexerOptions&, const ProblemGeometry&, void*, std::size_t) {
+  unavailable();
+}
+hopper::TargetPlan plan_cuda_attention_target(const AttentionTargetInputs&, const ProblemGeometry&) { unavailable(); }
+void run_cuda_attention_target(const hopper::TargetPlan&, const AttentionTargetInputs&, const AttentionTargetOutputs&,
+                               const AttentionTargetOptions&, const ProblemGeometry&, void*, std::size_t) {
+  unavailable();
 }
 
 }  // namespace dsaib::detail

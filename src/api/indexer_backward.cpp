@@ -1,11 +1,11 @@
 // The public entry points: validate, then dispatch to a backend.
 #include "dsaib/indexer_backward.hpp"
 
+#include <cstdint>
 #include <string>
 
 #include "api/cuda_backend.hpp"
 #include "core/problem.hpp"
-#include "hopper/launch/launch_plan.hpp"
 #include "reference/cpu_reference.hpp"
 
 namespace dsaib {
@@ -36,7 +36,22 @@ ProblemGeometry validate_for_backend(const IndexerInputs& in, const IndexerBackw
 
 }  // namespace
 
-hopper::LaunchPlan plan_indexer_backward(const IndexerInputs& inputs, const IndexerBackwardOutputs& outputs,
+void check_caller_workspace(const void* workspace, std::size_t workspace_bytes, std::size_t need,
+                            const char* size_function) {
+  if (workspace == nullptr && workspace_bytes == 0) return;  // the backend's own memory
+  if (workspace_bytes < need) {
+    throw Error(ErrorCode::invalid_argument, "workspace_bytes",
+                "workspace_bytes: expected >= " + std::to_string(need) + " (" + size_function + "), got " +
+                    std::to_string(workspace_bytes));
+  }
+  if (need > 0 && (workspace == nullptr || reinterpret_cast<std::uintptr_t>(workspace) % 256 != 0)) {
+    throw Error(ErrorCode::invalid_argument, "workspace",
+                "workspace: expected a non-null 256-byte aligned device pointer, got " +
+                    std::string(workspace ? "a misaligned pointer" : "null"));
+  }
+}
+
+hopper::BackwardPlan plan_indexer_backward(const IndexerInputs& inputs, const IndexerBackwardOutputs& outputs,
                                          const IndexerOptions& options) {
   check_options(options);
   if (options.backend != Backend::cuda) {
@@ -44,7 +59,7 @@ hopper::LaunchPlan plan_indexer_backward(const IndexerInputs& inputs, const Inde
                 "backend: expected cuda (the launch plan is the cuda backend's), got " + std::string(backend_name(options.backend)));
   }
   const ProblemGeometry g = validate_for_backend(inputs, outputs, options);
-  return cuda_launch_plan(inputs, outputs, options, g);
+  return plan_cuda_backward(inputs, outputs, options, g).kernel;
 }
 
 }  // namespace detail
@@ -55,7 +70,7 @@ bool cuda_backend_available() { return detail::cuda_backend_compiled() && detail
 std::size_t indexer_backward_workspace_size(const IndexerInputs& inputs, const IndexerBackwardOutputs& outputs,
                                             const IndexerOptions& options) {
   const detail::ProblemGeometry g = validate_for_backend(inputs, outputs, options);
-  return options.backend == Backend::cuda ? detail::cuda_backward_workspace_bytes(inputs, outputs, options, g) : 0;
+  return options.backend == Backend::cuda ? detail::plan_cuda_backward(inputs, outputs, options, g).workspace_bytes : 0;
 }
 
 void indexer_backward(const IndexerInputs& inputs, const IndexerBackwardOutputs& outputs,
@@ -65,19 +80,9 @@ void indexer_backward(const IndexerInputs& inputs, const IndexerBackwardOutputs&
     detail::run_cpu_backend(inputs, outputs, options, g);
     return;
   }
-  const std::size_t need = detail::cuda_backward_workspace_bytes(inputs, outputs, options, g);
-  if (workspace != nullptr || workspace_bytes != 0) {
-    if (workspace_bytes < need) {
-      throw Error(ErrorCode::invalid_argument, "workspace_bytes",
-                  "workspace_bytes: expected >= " + std::to_string(need) + " (indexer_backward_workspace_size), got " +
-                      std::to_string(workspace_bytes));
-    }
-    if (need > 0 && (workspace == nullptr || reinterpret_cast<std::uintptr_t>(workspace) % 256 != 0)) {
-      throw Error(ErrorCode::invalid_argument, "workspace", "workspace: expected a non-null 256-byte aligned device pointer, got " +
-                                                               std::string(workspace ? "a misaligned pointer" : "null"));
-    }
-  }
-  detail::run_cuda_backend(inputs, outputs, options, g, workspace, workspace_bytes);
+  const hopper::BackwardCallPlan plan = detail::plan_cuda_backward(inputs, outputs, options, g);
+  detail::check_caller_workspace(workspace, workspace_bytes, plan.workspace_bytes, "indexer_backward_workspace_size");
+  detail::run_cuda_backward(plan, inputs, outputs, options, g, workspace, workspace_bytes);
 }
 
 }  // namespace dsaib

@@ -5,7 +5,6 @@
 #include <string>
 
 #include "api/cuda_backend.hpp"
-#include "api/cuda_kl_forward.hpp"
 #include "core/problem.hpp"
 #include "reference/cpu_reference.hpp"
 
@@ -24,7 +23,7 @@ detail::ProblemGeometry validate_forward_for_backend(const IndexerInputs& in, co
 std::size_t indexer_kl_forward_workspace_size(const IndexerInputs& inputs, const IndexerKLForwardOutputs& outputs,
                                               const IndexerOptions& options) {
   const detail::ProblemGeometry g = validate_forward_for_backend(inputs, outputs, options);
-  return options.backend == Backend::cuda ? detail::cuda_kl_forward_workspace_size(g, inputs.index_q.device_index) : 0;
+  return options.backend == Backend::cuda ? detail::plan_cuda_kl_forward(inputs, g).workspace_bytes : 0;
 }
 
 void indexer_kl_forward(const IndexerInputs& inputs, const IndexerKLForwardOutputs& outputs,
@@ -34,20 +33,9 @@ void indexer_kl_forward(const IndexerInputs& inputs, const IndexerKLForwardOutpu
     detail::run_cpu_kl_forward(inputs, outputs, options, g);
     return;
   }
-  if (workspace != nullptr || workspace_bytes != 0) {
-    const std::size_t need = detail::cuda_kl_forward_workspace_size(g, inputs.index_q.device_index);
-    if (workspace_bytes < need) {
-      throw Error(ErrorCode::invalid_argument, "workspace_bytes",
-                  "workspace_bytes: expected >= " + std::to_string(need) + " (indexer_kl_forward_workspace_size), got " +
-                      std::to_string(workspace_bytes));
-    }
-    if (need > 0 && (workspace == nullptr || reinterpret_cast<std::uintptr_t>(workspace) % 256 != 0)) {
-      throw Error(ErrorCode::invalid_argument, "workspace",
-                  "workspace: expected a non-null 256-byte aligned device pointer, got " +
-                      std::string(workspace ? "a misaligned pointer" : "null"));
-    }
-  }
-  detail::run_cuda_kl_forward(inputs, outputs, options, g, workspace, workspace_bytes);
+  const hopper::ForwardPlan plan = detail::plan_cuda_kl_forward(inputs, g);
+  detail::check_caller_workspace(workspace, workspace_bytes, plan.workspace_bytes, "indexer_kl_forward_workspace_size");
+  detail::run_cuda_kl_forward(plan, inputs, outputs, options, g, workspace, workspace_bytes);
 }
 
 }  // namespace dsaib

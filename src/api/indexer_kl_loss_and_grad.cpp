@@ -29,7 +29,8 @@ std::size_t indexer_kl_loss_and_grad_workspace_size(const IndexerInputs& inputs,
                                                     const IndexerKLLossAndGradOutputs& outputs,
                                                     const IndexerOptions& options) {
   const detail::ProblemGeometry g = validate_loss_and_grad(inputs, outputs, options);
-  return options.backend == Backend::cuda ? detail::cuda_kl_loss_and_grad_workspace_bytes(inputs, outputs, options, g) : 0;
+  return options.backend == Backend::cuda ? detail::plan_cuda_loss_and_grad(inputs, outputs, options, g).workspace_bytes
+                                          : 0;
 }
 
 void indexer_kl_loss_and_grad(const IndexerInputs& inputs, const IndexerKLLossAndGradOutputs& outputs,
@@ -46,20 +47,10 @@ void indexer_kl_loss_and_grad(const IndexerInputs& inputs, const IndexerKLLossAn
     detail::store_element(outputs.loss.dtype, outputs.loss.data, 0, fwd.loss);  // f32, or f64 unrounded
     return;
   }
-  const std::size_t need = detail::cuda_kl_loss_and_grad_workspace_bytes(inputs, outputs, options, g);
-  if (workspace != nullptr || workspace_bytes != 0) {
-    if (workspace_bytes < need) {
-      throw Error(ErrorCode::invalid_argument, "workspace_bytes",
-                  "workspace_bytes: expected >= " + std::to_string(need) +
-                      " (indexer_kl_loss_and_grad_workspace_size), got " + std::to_string(workspace_bytes));
-    }
-    if (workspace == nullptr || reinterpret_cast<std::uintptr_t>(workspace) % 256 != 0) {
-      throw Error(ErrorCode::invalid_argument, "workspace",
-                  "workspace: expected a non-null 256-byte aligned device pointer, got " +
-                      std::string(workspace ? "a misaligned pointer" : "null"));
-    }
-  }
-  detail::run_cuda_kl_loss_and_grad(inputs, outputs, options, g, workspace, workspace_bytes);
+  const hopper::LossAndGradPlan plan = detail::plan_cuda_loss_and_grad(inputs, outputs, options, g);
+  detail::check_caller_workspace(workspace, workspace_bytes, plan.workspace_bytes,
+                                 "indexer_kl_loss_and_grad_workspace_size");
+  detail::run_cuda_loss_and_grad(plan, inputs, outputs, options, g, workspace, workspace_bytes);
 }
 
 }  // namespace dsaib

@@ -4,6 +4,10 @@
 # heavy, so that they compile in parallel.
 set(dsaib_hopper ${CMAKE_CURRENT_SOURCE_DIR}/hopper)
 target_sources(dsaib PRIVATE
+  ${dsaib_hopper}/launch/device.cu
+  ${dsaib_hopper}/launch/problem_params.cpp
+  ${dsaib_hopper}/common/support_kernels.cu
+  ${dsaib_hopper}/common/device_cu_seqlens.cu
   ${dsaib_hopper}/indexer_backward/indexer_backward_backend.cu
   ${dsaib_hopper}/indexer_backward/instantiate_d64.cu
   ${dsaib_hopper}/indexer_backward/instantiate_d128.cu
@@ -12,6 +16,7 @@ target_sources(dsaib PRIVATE
   ${dsaib_hopper}/indexer_backward/instantiate_p_free_d128.cu
   ${dsaib_hopper}/indexer_backward/fixed_point_dk.cu
   ${dsaib_hopper}/loss_and_grad/instantiate_loss_and_grad.cu
+  ${dsaib_hopper}/loss_and_grad/loss_and_grad_backend.cu
   ${dsaib_hopper}/kl_forward/kl_forward_backend.cu
   ${dsaib_hopper}/attention_target/attention_target_backend.cu)
 target_include_directories(dsaib PRIVATE ${DSAIB_CUTLASS_INCLUDE_DIR})

@@ -11,12 +11,9 @@
 #include "hopper/common/cuda_check.hpp"
 #include "hopper/common/kernel_params.hpp"
 #include "hopper/common/problem_device.cuh"
+#include "hopper/launch/problem_params.hpp"
 
 namespace dsaib::hopper {
-
-IndexerParams make_kernel_params(const IndexerInputs& in, const IndexerBackwardOutputs& out,
-                                         const IndexerOptions& opt, const detail::ProblemGeometry& g,
-                                         float* dk_accum);
 
 namespace {
 
@@ -111,7 +108,7 @@ void reference_backward_device(const IndexerInputs& inputs, const IndexerOptions
   opt.backend = Backend::cuda;
   opt.deterministic = false;
   const detail::ProblemGeometry g = detail::validate_problem(inputs, {}, opt, &detail::cuda_copy_to_host, false);
-  const IndexerParams p = make_kernel_params(inputs, {}, opt, g, nullptr);
+  const IndexerParams p = indexer_params(inputs, {}, opt, g, 1, nullptr);
   double grad_loss = opt.grad_loss;
   if (opt.grad_loss_device) {
     float v = 0.0f;

@@ -74,7 +74,7 @@ void check_against_cpu(const GeneratedProblem& p, DType dq, DType dw, DType dk, 
 
 /// The launch plan of `opt` on this device for `p` with outputs of these dtypes
 /// (detail::plan_indexer_backward: what the cuda backend launches for that call).
-hopper::LaunchPlan plan_of(const GeneratedProblem& p, const IndexerOptions& opt, DType dq, DType dw, DType dk) {
+hopper::BackwardPlan plan_of(const GeneratedProblem& p, const IndexerOptions& opt, DType dq, DType dw, DType dk) {
   const DeviceProblem dp(p);
   const DeviceOutputs out(p, dq, dw, dk);
   IndexerOptions o = opt;
@@ -84,14 +84,14 @@ hopper::LaunchPlan plan_of(const GeneratedProblem& p, const IndexerOptions& opt,
 
 /// Runs a case against the fp64 CPU reference; returns the launch plan its cuda
 /// call ran with (which kernel, grid, start delays, L2 share).
-hopper::LaunchPlan run_case(const Case& c) {
+hopper::BackwardPlan run_case(const Case& c) {
   GeneratedProblem p = make_problem(c.spec);
   if (c.mutate) c.mutate(p);
   IndexerOptions opt = p.options();
   opt.deterministic = c.deterministic;
   opt.l2_hints = c.l2_hints;
   opt.start_stagger = c.start_stagger;
-  const hopper::LaunchPlan plan = plan_of(p, opt, c.dq, c.dw, c.dk);
+  const hopper::BackwardPlan plan = plan_of(p, opt, c.dq, c.dw, c.dk);
   check_against_cpu(p, c.dq, c.dw, c.dk, opt, c.name);
   return plan;
 }
@@ -137,7 +137,7 @@ TEST_F(Gpu, L2HintedKernelChosenForLargeKeyTables) {
   // So does every split-A call (fp32 outputs), whatever the size.
   Case f32{"auto d128 f32 sq16 skv49152", spec_of(1, 16, 49152, 64, 128, 256, IdPattern::random_permutation)};
   f32.dq = f32.dw = f32.dk = DType::f32;
-  const hopper::LaunchPlan split = run_case(f32);
+  const hopper::BackwardPlan split = run_case(f32);
   EXPECT_TRUE(split.kernel.split_a);
   EXPECT_FALSE(split.kernel.l2_keep_dk);
   Case off{"off d128 sq48 skv49152", spec_of(1, 48, 49152, 64, 128, 2048)};
@@ -145,7 +145,7 @@ TEST_F(Gpu, L2HintedKernelChosenForLargeKeyTables) {
   EXPECT_FALSE(run_case(off).kernel.l2_keep_dk);
   Case on{"on d128 sq16 skv300", spec_of(1, 16, 300, 64, 128, 200)};
   on.l2_hints = L2Hints::on;
-  const hopper::LaunchPlan forced = run_case(on);
+  const hopper::BackwardPlan forced = run_case(on);
   EXPECT_TRUE(forced.kernel.l2_keep_dk);
   // 300 key rows of dK (150 KiB) fit any set-aside but none: all reds evict_last.
   size_t set_aside = 0;
@@ -173,7 +173,7 @@ TEST_F(Gpu, L2KeepFractionFollowsTheSetAside) {
   ASSERT_EQ(cudaDeviceSetLimit(cudaLimitPersistingL2CacheSize, static_cast<size_t>(max_set_aside)), cudaSuccess);
   size_t now = 0;
   ASSERT_EQ(cudaDeviceGetLimit(&now, cudaLimitPersistingL2CacheSize), cudaSuccess);
-  const hopper::LaunchPlan at_max = run_case(c);
+  const hopper::BackwardPlan at_max = run_case(c);
   EXPECT_EQ(at_max.device.persisting_l2_bytes, static_cast<int64_t>(now)) << "the plan reads the set-aside in force";
   ASSERT_TRUE(at_max.kernel.l2_keep_dk) << "the case no longer takes the hinted kernel";
   EXPECT_EQ(at_max.l2_keep_fraction, hopper::l2_keep_fraction(static_cast<int64_t>(now), 49152, 128));
@@ -186,11 +186,11 @@ TEST_F(Gpu, L2KeepFractionFollowsTheSetAside) {
   ASSERT_EQ(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, 0), cudaSuccess);
   const bool expect_small_hinted =
       hopper::l2_hints_pay(L2Hints::automatic, 24576, 128, l2_bytes, static_cast<int64_t>(now));
-  const hopper::LaunchPlan small_at_max = run_case(small);
+  const hopper::BackwardPlan small_at_max = run_case(small);
   EXPECT_EQ(small_at_max.kernel.l2_keep_dk, expect_small_hinted);
   if (expect_small_hinted) EXPECT_EQ(small_at_max.l2_keep_fraction, hopper::L2KeepFraction::f100);
   ASSERT_EQ(cudaDeviceSetLimit(cudaLimitPersistingL2CacheSize, 0), cudaSuccess);
-  const hopper::LaunchPlan at_zero = run_case(c);
+  const hopper::BackwardPlan at_zero = run_case(c);
   EXPECT_EQ(at_zero.device.persisting_l2_bytes, 0);
   EXPECT_TRUE(at_zero.kernel.l2_keep_dk);
   EXPECT_EQ(at_zero.l2_keep_fraction, hopper::L2KeepFraction::f035);
@@ -212,7 +212,7 @@ TEST_F(Gpu, StartStaggerOnAndOff) {
     Case c{std::string("stagger ") + start_stagger_name(mode) + " sq" + std::to_string(rows) + " skv2048 topk512",
            spec_of(1, rows, 2048, 64, 128, 512, IdPattern::random_permutation)};
     c.start_stagger = mode;
-    const hopper::LaunchPlan plan = run_case(c);
+    const hopper::BackwardPlan plan = run_case(c);
     EXPECT_EQ(plan.grid, sms) << c.name;
     EXPECT_EQ(plan.start_delays.max_ns, mode == StartStagger::off ? 0u : expected.max_ns) << c.name;
     EXPECT_EQ(plan.start_delays.first_delayed_cta, mode == StartStagger::off ? 0 : 5) << c.name;
@@ -785,7 +785,7 @@ TEST_F(Gpu, CudaGraphCaptureOfTheL2HintedKernel) {
   DeviceBuffer ws(indexer_backward_workspace_size(dp.inputs(), eager.views(), opt));
 
   eager.poison();
-  const hopper::LaunchPlan eager_plan = detail::plan_indexer_backward(dp.inputs(), eager.views(), opt);
+  const hopper::BackwardPlan eager_plan = detail::plan_indexer_backward(dp.inputs(), eager.views(), opt);
   ASSERT_TRUE(eager_plan.kernel.l2_keep_dk) << "the eager call does not take the hinted kernel";
   indexer_backward(dp.inputs(), eager.views(), opt, ws.ptr, ws.bytes);
   check_cuda(cudaStreamSynchronize(stream), "sync");
@@ -794,7 +794,7 @@ TEST_F(Gpu, CudaGraphCaptureOfTheL2HintedKernel) {
   cudaGraph_t graph;
   check_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
   // The captured call's plan, made as the call makes it (device queries under capture).
-  const hopper::LaunchPlan captured_plan = detail::plan_indexer_backward(dp.inputs(), graphed.views(), opt);
+  const hopper::BackwardPlan captured_plan = detail::plan_indexer_backward(dp.inputs(), graphed.views(), opt);
   indexer_backward(dp.inputs(), graphed.views(), opt, ws.ptr, ws.bytes);
   check_cuda(cudaStreamEndCapture(stream, &graph), "end capture");
   EXPECT_TRUE(captured_plan.kernel.l2_keep_dk) << "the captured call did not take the hinted kernel";
@@ -836,7 +836,7 @@ void run_tail_cases(const std::string& tag, bool deterministic = false, L2Hints 
   const auto run_case = [deterministic, l2_hints](Case c) {
     c.deterministic = deterministic;
     c.l2_hints = l2_hints;
-    const hopper::LaunchPlan plan = dsaib::test::run_case(c);
+    const hopper::BackwardPlan plan = dsaib::test::run_case(c);
     EXPECT_EQ(plan.kernel.fixed_point_dk, deterministic) << c.name;
     // Forced on, every one-term kernel is the hinted one (the split-A and
     // deterministic kernels have none).

@@ -1,5 +1,5 @@
-// The ABI between the host launcher (backend.cu) and the sm_90a kernels: plain
-// pointers, sizes and strides (in elements). Built by make_kernel_params().
+// The ABI between the host launch layer and the sm_90a kernels: plain pointers,
+// sizes and strides (in elements). Filled by launch/problem_params.hpp.
 #pragma once
 
 #include <cstdint>

@@ -17,7 +17,7 @@ template <int kHeadDim, bool kSplitA>
 int indexer_backward_ctas_per_sm();
 
 /// Launches the fused kernel for head dim kHeadDim on `stream` over `grid`
-/// persistent CTAs (LaunchPlan::grid, launch_plan.hpp); kSplitA: the a operand
+/// persistent CTAs (BackwardPlan::grid, launch_plan.hpp); kSplitA: the a operand
 /// as two bf16 terms (TileConfig::kSplitA); kL2KeepDk: the dK reds with an L2
 /// evict_last policy (TileConfig::kL2KeepDk, l2_hints.hpp), instantiated for the
 /// one-term kernels (kSplitA false) only; kFixedPointDk: the deterministic

@@ -1,13 +1,20 @@
-// The cuda backend's launch plan (launch_plan.hpp): host code, built with or
-// without CUDA.
+// The launch plans of every kernel family (launch_plan.hpp): host code, built
+// with or without CUDA.
 #include "hopper/launch/launch_plan.hpp"
 
 #include <algorithm>
+#include <limits>
 #include <string>
 
 #include "hopper/common/kernel_params.hpp"
+#include "hopper/launch/workspace.hpp"
 
 namespace dsaib::hopper {
+
+int64_t persistent_grid(int64_t tasks, const DeviceProperties& device) {
+  const int64_t resident = static_cast<int64_t>(device.sm_count) * device.ctas_per_sm;
+  return tasks > 0 ? std::min(tasks, resident) : 0;
+}
 
 bool a_operand_split(AOperandPrecision precision, DType d_index_q, DType d_index_k) {
   switch (precision) {
@@ -32,10 +39,10 @@ std::size_t workspace_bytes(const detail::ProblemGeometry& g, DType d_index_k, b
   return d_index_k == DType::bf16 ? static_cast<std::size_t>(g.num_k_rows * g.head_dim) * sizeof(float) : 0;
 }
 
-LaunchPlan plan_launch(const detail::ProblemGeometry& g, DType d_index_q, DType d_index_k,
+BackwardPlan plan_backward(const detail::ProblemGeometry& g, DType d_index_q, DType d_index_k,
                        const IndexerOptions& options, const DeviceProperties& device) {
   detail::check_cuda_key_rows(g);  // validation raised it already; a plan of a geometry made by hand too
-  LaunchPlan plan;
+  BackwardPlan plan;
   plan.device = device;
   plan.kernel.head_dim = static_cast<int32_t>(g.head_dim);
   plan.kernel.split_a = a_operand_split(options.a_operand_precision, d_index_q, d_index_k);
@@ -55,13 +62,124 @@ LaunchPlan plan_launch(const detail::ProblemGeometry& g, DType d_index_q, DType 
   }
 
   // The persistent grid, then the start delays for it (start_stagger.hpp).
-  const int64_t resident = static_cast<int64_t>(device.sm_count) * device.ctas_per_sm;
-  plan.grid = plan.num_tasks > 0 ? std::min(plan.num_tasks, resident) : 0;
+  plan.grid = persistent_grid(plan.num_tasks, device);
   if (options.start_stagger == StartStagger::automatic) {
     plan.start_delays = start_delays_for_launch(plan.num_tasks, plan.grid, plan.head_groups, g.topk, g.q_len, g.k_len,
                                                 g.head_dim);
   }
   return plan;
+}
+
+
+ForwardKernel forward_kernel_for(const detail::ProblemGeometry& g) {
+  return ForwardKernel{static_cast<int32_t>(g.head_dim), g.heads <= 64 ? 64 : 128};
+}
+
+ForwardPlan plan_kl_forward(const detail::ProblemGeometry& g, const DeviceProperties& device) {
+  detail::check_cuda_key_rows(g);  // validation raised it already
+  ForwardPlan plan;
+  plan.kernel = forward_kernel_for(g);
+  plan.device = device;
+  plan.grid = persistent_grid(g.num_q_rows, device);
+  plan.z_stride = (g.topk + 63) / 64 * 64;
+  WorkspaceCarver ws;
+  plan.loss_terms_at = ws.add(static_cast<std::size_t>(g.num_q_rows) * sizeof(double));
+  plan.z_scratch_at = ws.add(static_cast<std::size_t>(plan.grid * plan.z_stride) * sizeof(float));
+  plan.workspace_bytes = ws.total();
+  return plan;
+}
+
+bool p_free_needs_prepass(bool p_free, const detail::ProblemGeometry& g, const IndexerOptions& options) {
+  return p_free && (g.heads > kHeadsPerTask || options.deterministic);
+}
+
+BackwardCallPlan plan_backward_call(const detail::ProblemGeometry& g, DType d_index_q, DType d_index_k,
+                                    const IndexerOptions& options, bool p_free, const DeviceProperties& backward,
+                                    const DeviceProperties& forward) {
+  BackwardCallPlan plan;
+  plan.prepass = p_free_needs_prepass(p_free, g, options);
+  plan.p_free_kernels = p_free && !plan.prepass;
+  IndexerOptions kernel_options = options;
+  if (plan.p_free_kernels) kernel_options.l2_hints = L2Hints::off;  // the P-free kernels have no hinted variant
+  plan.kernel = plan_backward(g, d_index_q, d_index_k, kernel_options, backward);
+  WorkspaceCarver ws;
+  if (plan.p_free_kernels) {
+    plan.packed_stats_at = ws.add(static_cast<std::size_t>(g.num_q_rows) * 2 * sizeof(float));  // float2 per row
+  }
+  plan.kernel_at = ws.add(plan.kernel.workspace_bytes);
+  if (plan.prepass) {
+    plan.forward = plan_kl_forward(g, forward);
+    const std::size_t rows = static_cast<std::size_t>(g.num_q_rows) * sizeof(float);
+    plan.p_at = ws.add(rows * static_cast<std::size_t>(g.topk));
+    plan.lse_at = ws.add(rows);
+    plan.mass_at = ws.add(rows);
+    plan.loss_at = ws.add(sizeof(float));
+    plan.forward_at = ws.add(plan.forward.workspace_bytes);
+  }
+  plan.workspace_bytes = ws.total();
+  return plan;
+}
+
+bool loss_and_grad_in_one_kernel(const detail::ProblemGeometry& g, DType d_index_q, DType d_index_k,
+                                 const IndexerOptions& options) {
+  return options.forward_fusion == ForwardFusion::automatic && g.heads <= kHeadsPerTask && !options.deterministic &&
+         !a_operand_split(options.a_operand_precision, d_index_q, d_index_k);
+}
+
+LossAndGradPlan plan_loss_and_grad(const detail::ProblemGeometry& g, DType d_index_q, DType d_index_k,
+                                   const IndexerOptions& options, const DeviceProperties& backward,
+                                   const DeviceProperties& forward) {
+  LossAndGradPlan plan;
+  plan.one_kernel = loss_and_grad_in_one_kernel(g, d_index_q, d_index_k, options);
+  const std::size_t rows = static_cast<std::size_t>(g.num_q_rows) * sizeof(float);
+  WorkspaceCarver ws;
+  plan.lse_at = ws.add(rows);
+  plan.mass_at = ws.add(rows);
+  if (plan.one_kernel) {
+    IndexerOptions p_free = options;
+    p_free.l2_hints = L2Hints::off;  // the P-free backward's plan
+    plan.kernel = plan_backward(g, d_index_q, d_index_k, p_free, backward);
+    plan.z_stride = (g.topk + 63) / 64 * 64;
+    plan.loss_terms_at = ws.add(static_cast<std::size_t>(g.num_q_rows) * sizeof(double));
+    plan.z_scratch_at = ws.add(static_cast<std::size_t>(plan.kernel.grid * plan.z_stride) * sizeof(float));
+    if (d_index_k == DType::bf16) {
+      plan.dk_at = ws.add(static_cast<std::size_t>(g.num_k_rows * g.head_dim) * sizeof(float));
+    }
+    plan.workspace_bytes = ws.total();
+    return plan;
+  }
+  plan.with_p = g.heads > kHeadsPerTask || options.deterministic;
+  if (plan.with_p) plan.p_at = ws.add(rows * static_cast<std::size_t>(g.topk));
+  plan.forward = plan_kl_forward(g, forward);
+  // With P the backward takes the P form; else the P-free kernels (H <= 64, not deterministic).
+  plan.backward = plan_backward_call(g, d_index_q, d_index_k, options, !plan.with_p, backward, forward);
+  plan.scratch_at = ws.add(std::max(plan.forward.workspace_bytes, plan.backward.workspace_bytes));
+  plan.workspace_bytes = ws.total();
+  return plan;
+}
+
+TargetKernel target_kernel_for(const detail::ProblemGeometry& g) {
+  return TargetKernel{g.heads <= 64 ? 64 : 128, g.head_dim <= 192 ? 3 : 9};
+}
+
+void check_attention_target_limits(const detail::ProblemGeometry& g) {
+  if (g.num_k_rows > std::numeric_limits<int32_t>::max()) {
+    throw Error(ErrorCode::invalid_argument, "kv",
+                "kv: expected fewer than 2^31 key rows on the cuda backend, got " + std::to_string(g.num_k_rows));
+  }
+  if (g.topk > std::numeric_limits<int32_t>::max() / 2) {
+    throw Error(ErrorCode::invalid_argument, "topk_indices",
+                "topk_indices: expected topk below 2^30 on the cuda backend, got " + std::to_string(g.topk));
+  }
+}
+
+TargetPlan plan_attention_target(const detail::ProblemGeometry& g, const DeviceProperties& device) {
+  check_attention_target_limits(g);
+  TargetPlan plan;
+  plan.kernel = target_kernel_for(g);
+  plan.device = device;
+  plan.grid = persistent_grid(g.num_q_rows, device);
+  return plan;  // no workspace: the kernel keeps everything in shared memory and the output
 }
 
 }  // namespace dsaib::hopper

@@ -1,9 +1,9 @@
-// The launch heuristics of the cuda backend in one place: which fused kernel, its
-// persistent grid, the start delays, the L2 evict_last share and the workspace,
-// computed by plan_launch() from the validated problem, the options and the
-// device's properties. Host code only, without CUDA headers: the cuda backend
-// (backend.cu) queries the device once per call and launches from the plan, and
-// the CPU tests build plans for an H200-like device without a GPU.
+// The launch plans of every kernel family: which kernel (tile choice), its
+// persistent grid, the start delays and L2 share of the backward, and where
+// each part of the call's workspace lies. Computed from the validated problem,
+// the options and the device's properties alone: host code without CUDA
+// headers, so the CPU tests plan for an H200-like device without a GPU. The
+// cuda backend queries the device once per call and launches from a plan.
 #pragma once
 
 #include <cstddef>
@@ -15,11 +15,11 @@
 
 namespace dsaib::hopper {
 
-/// Heads per task (TileConfig::kHeadTile; backend.cu asserts they agree): a query
-/// row with H heads is ceil(H / 64) tasks.
+/// Heads per backward task (TileConfig::kHeadTile; the backward's host code
+/// asserts they agree): a query row with H heads is ceil(H / 64) tasks.
 inline constexpr int64_t kHeadsPerTask = 64;
 
-/// What a plan needs to know of the device, queried by the cuda backend per call.
+/// What a plan needs to know of the device, queried once per call.
 struct DeviceProperties {
   /// SMs (cudaDevAttrMultiProcessorCount): 132 on the H200.
   int32_t sm_count = 0;
@@ -27,20 +27,24 @@ struct DeviceProperties {
   /// automatic L2 hints.
   int64_t l2_bytes = 0;
   /// The context's L2 set-aside for persisting lines in force
-  /// (cudaLimitPersistingL2CacheSize): 11.25 MiB in a fresh context on the H200,
-  /// at most 37.5 MiB. 0 when it cannot be queried.
+  /// (cudaLimitPersistingL2CacheSize). 0 when it cannot be queried.
   int64_t persisting_l2_bytes = 0;
-  /// Resident CTAs per SM of the fused kernel for this head dim and a operand
-  /// (cudaOccupancyMaxActiveBlocksPerMultiprocessor, indexer_backward_ctas_per_sm
-  /// in launch.hpp; its L2-hinted and fixed-point variants have the same): 1 on
-  /// the H200, where its 512 threads of 128 registers fill the register file.
+  /// Resident CTAs per SM of the kernel the plan launches
+  /// (cudaOccupancyMaxActiveBlocksPerMultiprocessor): 1 for every kernel here
+  /// on the H200, whose shared memory or registers each fill an SM.
   int32_t ctas_per_sm = 1;
 };
 
-/// One of the ten fused kernels: TileConfig<head_dim, split_a, l2_keep_dk,
+/// A persistent grid: min(tasks, SMs x resident CTAs per SM), 0 for no tasks.
+int64_t persistent_grid(int64_t tasks, const DeviceProperties& device);
+
+// ---------------------------------------------------------------------------
+// The indexer backward (indexer_backward/).
+
+/// One of the ten backward kernels: TileConfig<head_dim, split_a, l2_keep_dk,
 /// fixed_point_dk>. Per head dim (64, 128): one bf16 term of a, two terms, one
 /// term with the L2-hinted dK reds, and the fixed-point dK with one and with two
-/// terms.
+/// terms. The P-free kernels are PFreeConfig over the one- and two-term ones.
 struct BackwardKernel {
   int32_t head_dim = 128;       // D
   bool split_a = false;         // a as two bf16 terms (AOperandPrecision)
@@ -48,13 +52,13 @@ struct BackwardKernel {
   bool fixed_point_dk = false;  // deterministic d_index_k (IndexerOptions::deterministic)
 };
 
-/// Everything the cuda backend launches with for one call.
-struct LaunchPlan {
+/// The backward kernel's launch.
+struct BackwardPlan {
   BackwardKernel kernel;
   /// Tasks per query row (ceil(H / kHeadsPerTask)) and in all (query rows x head_groups).
   int64_t head_groups = 0;
   int64_t num_tasks = 0;
-  /// Persistent CTAs: min(num_tasks, sm_count x ctas_per_sm); 0 for no tasks.
+  /// Persistent CTAs (persistent_grid).
   int64_t grid = 0;
   /// Start delays of the CTAs with a task fewer (start_stagger.hpp); none with
   /// StartStagger::off.
@@ -62,7 +66,7 @@ struct LaunchPlan {
   /// The L2-hinted kernel's evict_last share of the dK reds (l2_hints.hpp);
   /// f035 (ignored) for the other kernels.
   L2KeepFraction l2_keep_fraction = L2KeepFraction::f035;
-  /// Scratch bytes of the call (indexer_backward_workspace_size).
+  /// Scratch bytes of the kernel (workspace_bytes below).
   std::size_t workspace_bytes = 0;
   /// The device it was planned for.
   DeviceProperties device;
@@ -79,29 +83,136 @@ std::size_t dk_fixed_bound_offset(int64_t num_k_rows, int64_t head_dim);
 /// Bytes of the deterministic workspace: the accumulator, then the bound.
 std::size_t dk_fixed_workspace_bytes(int64_t num_k_rows, int64_t head_dim);
 
-/// Scratch bytes of a cuda call: deterministic, dk_fixed_workspace_bytes; else
-/// the fp32 dK accumulator (num_k_rows x D x 4) for a bf16 d_index_k, 0 for f32.
+/// Scratch bytes of the backward kernel: deterministic, dk_fixed_workspace_bytes;
+/// else the fp32 dK accumulator (num_k_rows x D x 4) for a bf16 d_index_k, 0 for f32.
 std::size_t workspace_bytes(const detail::ProblemGeometry& g, DType d_index_k, bool deterministic);
 
-/// The plan of one call on the cuda backend: `g` from validate_problem, the
-/// output dtypes, the options (a_operand_precision, deterministic, l2_hints,
-/// start_stagger) and the device. Reads nothing else, touches no device.
+/// The backward kernel's plan: `g` from validation, the output dtypes, the
+/// options (a_operand_precision, deterministic, l2_hints, start_stagger) and
+/// the device (ctas_per_sm: the backward kernel's). Reads nothing else.
 /// Throws Error(invalid_argument, "index_k") for 2^31 key rows or more (or a topk
 /// that large), which the kernels' 32-bit row ids cannot address.
-LaunchPlan plan_launch(const detail::ProblemGeometry& g, DType d_index_q, DType d_index_k,
-                       const IndexerOptions& options, const DeviceProperties& device);
+BackwardPlan plan_backward(const detail::ProblemGeometry& g, DType d_index_q, DType d_index_k,
+                           const IndexerOptions& options, const DeviceProperties& device);
+
+// ---------------------------------------------------------------------------
+// The loss forward (kl_forward/).
+
+/// The loss forward's kernel: ForwardTileConfig<head_dim, head_tile>, the head
+/// tile holding every head of a row (64 for H <= 64, else 128).
+struct ForwardKernel {
+  int32_t head_dim = 128;
+  int32_t head_tile = 64;
+};
+ForwardKernel forward_kernel_for(const detail::ProblemGeometry& g);
+
+/// The loss forward's launch and its workspace: the fp64 row loss terms, then
+/// the z scratch rows of its grid (topk rounded up to 64 floats each).
+struct ForwardPlan {
+  ForwardKernel kernel;
+  int64_t grid = 0;  // persistent_grid over the query rows
+  std::size_t loss_terms_at = 0, z_scratch_at = 0;
+  int64_t z_stride = 0;
+  std::size_t workspace_bytes = 0;
+  DeviceProperties device;  // ctas_per_sm: the forward kernel's
+};
+ForwardPlan plan_kl_forward(const detail::ProblemGeometry& g, const DeviceProperties& device);
+
+// ---------------------------------------------------------------------------
+// indexer_backward() on cuda: the backward kernel, with what the P-free form
+// adds around it.
+
+/// The P-free backward (index_score absent) runs the loss forward's kernel
+/// first to write P into the workspace when the P-free kernels do not apply: H
+/// above one task's 64 heads (z sums over every head of the row), or deterministic.
+bool p_free_needs_prepass(bool p_free, const detail::ProblemGeometry& g, const IndexerOptions& options);
+
+/// A backward call's plan and workspace. P form: the kernel's workspace alone.
+/// P-free with the P-free kernels: the packed row statistics (LSE, mass) per
+/// row, then the kernel's. P-free with the prepass: the kernel's, then P, the
+/// row statistics, the loss and the forward's workspace (`forward`).
+struct BackwardCallPlan {
+  BackwardPlan kernel;       // the P-free kernels' when p_free_kernels (no L2 hint)
+  bool p_free_kernels = false;
+  bool prepass = false;
+  ForwardPlan forward;       // the prepass's
+  std::size_t packed_stats_at = 0, kernel_at = 0;
+  std::size_t p_at = 0, lse_at = 0, mass_at = 0, loss_at = 0, forward_at = 0;
+  std::size_t workspace_bytes = 0;
+};
+/// `backward` and `forward`: the device with the resident CTAs of the backward
+/// and the forward kernel.
+BackwardCallPlan plan_backward_call(const detail::ProblemGeometry& g, DType d_index_q, DType d_index_k,
+                                    const IndexerOptions& options, bool p_free, const DeviceProperties& backward,
+                                    const DeviceProperties& forward);
+
+// ---------------------------------------------------------------------------
+// indexer_kl_loss_and_grad() on cuda (loss_and_grad/).
+
+/// The loss-and-gradient kernel applies (forward_fusion automatic): H <= 64,
+/// one A term, the fp32 dK of atomics.
+bool loss_and_grad_in_one_kernel(const detail::ProblemGeometry& g, DType d_index_q, DType d_index_k,
+                                 const IndexerOptions& options);
+
+/// The one call's plan and workspace. One kernel: the P-free backward's plan
+/// (its grid and start delays), and the row statistics (LSE, mass), the row
+/// loss terms, the z scratch rows of its grid and the fp32 dK accumulator (bf16
+/// d_index_k). Two kernels: the row statistics, with H > 64 or deterministic P,
+/// then the scratch the forward and the backward use one after the other.
+struct LossAndGradPlan {
+  bool one_kernel = false;
+  BackwardPlan kernel;          // one kernel
+  ForwardPlan forward;          // two kernels
+  BackwardCallPlan backward;    // two kernels: the P-free kernels, or the P form over P
+  bool with_p = false;          // two kernels: P in the workspace
+  std::size_t lse_at = 0, mass_at = 0, p_at = 0;
+  std::size_t loss_terms_at = 0, z_scratch_at = 0, dk_at = 0;  // one kernel
+  int64_t z_stride = 0;
+  std::size_t scratch_at = 0;   // two kernels
+  std::size_t workspace_bytes = 0;
+};
+/// `backward`, `forward`: the device with the resident CTAs of the backward
+/// and the forward kernel (the loss-and-gradient kernel runs on the P-free
+/// backward's grid, one CTA per SM).
+LossAndGradPlan plan_loss_and_grad(const detail::ProblemGeometry& g, DType d_index_q, DType d_index_k,
+                                   const IndexerOptions& options, const DeviceProperties& backward,
+                                   const DeviceProperties& forward);
+
+// ---------------------------------------------------------------------------
+// The attention target (attention_target/).
+
+/// AttentionTargetConfig<heads_padded, max_slices>: Hq rounded up to 64 or 128,
+/// Dqk / 64 rounded up to 3 (Dqk <= 192) or 9 slices.
+struct TargetKernel {
+  int32_t heads_padded = 64;
+  int32_t max_slices = 9;
+};
+TargetKernel target_kernel_for(const detail::ProblemGeometry& g);
+
+/// The target's launch; it needs no workspace.
+struct TargetPlan {
+  TargetKernel kernel;
+  int64_t grid = 0;  // persistent_grid over the query rows
+  std::size_t workspace_bytes = 0;
+  DeviceProperties device;
+};
+/// Throws Error(invalid_argument) naming "kv" for 2^31 key rows or more and
+/// "topk_indices" for topk of 2^30 or more, which its 32-bit offsets cannot
+/// address (check_attention_target_limits, also run alone before the device is
+/// queried).
+void check_attention_target_limits(const detail::ProblemGeometry& g);
+TargetPlan plan_attention_target(const detail::ProblemGeometry& g, const DeviceProperties& device);
 
 }  // namespace dsaib::hopper
 
 namespace dsaib::detail {
 
-/// The plan the cuda backend would launch for this call now: validates like
+/// The backward kernel's plan of this call now: validates like
 /// indexer_backward() (options.backend must be cuda), queries the device of
-/// index_q as a call does (the persisting set-aside in force included), and
-/// returns plan_launch()'s plan. Launches, allocates and writes nothing. Raises
-/// indexer_backward()'s errors, and invalid_argument naming "backend" for a cpu
-/// backend.
-hopper::LaunchPlan plan_indexer_backward(const IndexerInputs& inputs, const IndexerBackwardOutputs& outputs,
-                                         const IndexerOptions& options);
+/// index_q as a call does, and returns its plan. Launches, allocates and
+/// writes nothing. Raises indexer_backward()'s errors, and invalid_argument
+/// naming "backend" for a cpu backend.
+hopper::BackwardPlan plan_indexer_backward(const IndexerInputs& inputs, const IndexerBackwardOutputs& outputs,
+                                           const IndexerOptions& options);
 
 }  // namespace dsaib::detail

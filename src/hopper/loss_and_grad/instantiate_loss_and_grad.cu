@@ -1,5 +1,6 @@
 // Explicit instantiation: the loss-and-gradient kernels, D = 64 and 128.
 #include "hopper/common/cuda_check.hpp"
+#include "hopper/loss_and_grad/launch.hpp"
 #include "hopper/loss_and_grad/loss_and_grad_kernel.cuh"
 
 namespace dsaib::hopper {
