@@ -253,6 +253,9 @@ struct Metric {
   int64_t nonfinite = 0;   // non-finite output elements among them
   int64_t ref_nonfinite = 0;  // non-finite reference elements among them (a stored gradient's NaN): never a pass
   double rel_rms = 0, max_abs = 0, ref_rms = 0, ref_max_abs = 0, tol = 0;
+  // The least reference RMS that rel_rms divides by (docs/errors.md): 2^-24 times
+  // the size of one slot's term of this gradient, from the inputs; 0 = none.
+  double ref_floor = 0;
   bool pass = false;
 };
 

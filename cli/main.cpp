@@ -17,6 +17,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include <cstdio>
 #include <iostream>
 #include <new>
 #include <string>
@@ -80,9 +81,10 @@ int report_parse_error(const CLI::App& app, const CLI::ParseError& e, const std:
 
 int run_main(int argc, char** argv) {
   CLI::App app{
-      "dsaib: backward of the DeepSeek Sparse Attention lightning indexer.\n"
-      "Generates problems, runs the backward on the cpu or cuda backend and verifies it\n"
-      "against the fp64 reference, benchmarks it against the hardware floor.\n"
+      "dsaib: training the DeepSeek Sparse Attention lightning indexer.\n"
+      "Generates problems, runs each operation (the backward, the loss forward, the loss\n"
+      "and gradients in one call) on the cpu or cuda backend and verifies it against the\n"
+      "fp64 reference, benchmarks it against the hardware floor.\n"
       "Exit status: 0 ok/PASS, 1 FAIL, 2 error."};
   app.require_subcommand(1);
   app.set_help_all_flag("--help-all", "help of every subcommand");
@@ -120,10 +122,19 @@ int run_main(int argc, char** argv) {
 }  // namespace
 }  // namespace dsaib::cli
 
+/// A report that could not be written (stdout closed, a full disk) is an error:
+/// the verdict would otherwise be lost behind exit status 0.
+int with_written_report(int status) {
+  std::cout.flush();
+  if (std::cout.good() && std::fflush(stdout) == 0 && !std::ferror(stdout)) return status;
+  std::cerr << "error: the report could not be written to standard output\n";
+  return dsaib::cli::kExitError;
+}
+
 int main(int argc, char** argv) {
   using dsaib::cli::report_error;
   try {
-    return dsaib::cli::run_main(argc, argv);
+    return with_written_report(dsaib::cli::run_main(argc, argv));
   } catch (const dsaib::Error& e) {
     report_error(dsaib::error_code_name(e.code()), e.argument(), e.what());
   } catch (const std::bad_alloc&) {

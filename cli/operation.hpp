@@ -41,8 +41,9 @@ struct BackwardOutcome {
 };
 
 /// "attn_score: 3 (first at element 17), ..." for the floating-point inputs holding
-/// NaN/inf where the backends read them; "" if none. `found` (optional) gets the counts.
-std::string nonfinite_inputs(const Problem& p, const Geometry& g,
+/// NaN/inf where operation `op` reads them (forward and step compute P, so they
+/// never read index_score); "" if none. `found` (optional) gets the counts.
+std::string nonfinite_inputs(const Problem& p, const Geometry& g, LossOp op,
                              std::vector<std::pair<std::string, int64_t>>* found = nullptr);
 /// What every backend (and the fp64 reference) does with NaN/inf in input `name`.
 std::string nonfinite_effect(const std::string& name);

@@ -178,7 +178,7 @@ void describe_a_operand(BackwardOutcome& o) {
 
 /// Counts the non-finite inputs the backends read and warns about them with what they do.
 void find_nonfinite_inputs(BackwardOutcome& o) {
-  o.input_nonfinite = nonfinite_inputs(o.p, o.g, &o.nonfinite_found);
+  o.input_nonfinite = nonfinite_inputs(o.p, o.g, o.op, &o.nonfinite_found);
   if (o.input_nonfinite.empty()) return;
   std::string effects;
   for (const auto& nf : o.nonfinite_found) effects += "; " + nonfinite_effect(nf.first);

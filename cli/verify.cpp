@@ -1,5 +1,6 @@
 // Verification of backward outputs against the fp64 reference.
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <mutex>
@@ -27,8 +28,9 @@ struct Accumulator {
   Metric m;
   double err2 = 0, ref2 = 0, spacing = 0;
   int64_t ref_counted = 0;  // elements with a finite reference value (in ref2)
-  Accumulator(const char* name, const HostTensor& out) {
+  Accumulator(const char* name, const HostTensor& out, double ref_floor = 0) {
     m.name = name;
+    m.ref_floor = ref_floor;
     m.shape = out.shape;
     m.dtype = out.dtype;
     m.tol = tolerance(out.dtype);
@@ -57,10 +59,14 @@ struct Accumulator {
     if (m.nonfinite > 0 || m.ref_nonfinite > 0) {
       m.rel_rms = std::numeric_limits<double>::quiet_NaN();
       m.max_abs = std::numeric_limits<double>::quiet_NaN();
-    } else if (ref2 > 0) {
-      m.rel_rms = std::sqrt(err2 / ref2);
     } else {
-      m.rel_rms = err2 > 0 ? std::numeric_limits<double>::infinity() : 0.0;
+      // A reference of (near) zero norm, such as exact gradients of 0 that the
+      // fp64 reference only approaches to its own rounding, is measured against
+      // the floor instead of itself.
+      const double n = static_cast<double>(std::max<int64_t>(ref_counted, 1));
+      const double denominator = std::max(ref2, m.ref_floor * m.ref_floor * n);
+      m.rel_rms = denominator > 0 ? std::sqrt(err2 / denominator)
+                                  : (err2 > 0 ? std::numeric_limits<double>::infinity() : 0.0);
     }
     m.pass = m.nonfinite == 0 && m.ref_nonfinite == 0 && m.rel_rms <= m.tol;  // NaN never passes
     return m;
@@ -81,6 +87,32 @@ std::vector<int64_t> pick(std::vector<int64_t> pool, size_t count, std::mt19937_
   return pool;
 }
 
+/// The reference floors of d_index_q, d_weights and d_index_k: 2^-24 (the fp32
+/// rounding of one term) times the largest size one valid slot's term can have,
+///   d_index_q: |c| sm_scale max|w| max|k|,  d_weights: |c| sm_scale max|q_h| max|k|,
+///   d_index_k: |c| sm_scale max|w| max|q_h|   (|q_h|, |k|: Euclidean norms of rows),
+/// with c = grad_loss * loss_coeff / N (|gs| <= 2|c| bounds a slot's score gradient).
+std::array<double, 3> reference_floors(const Problem& p, const Geometry& g) {
+  const IndexerOptions& o = p.options;
+  const double n = static_cast<double>(std::max<int64_t>(g.normalization_count, 1));
+  const double c = std::abs(static_cast<double>(o.grad_loss) * static_cast<double>(o.loss_coeff) / n);
+  const double scale = 2.0 * c * std::abs(static_cast<double>(o.sm_scale)) * 0x1p-24;
+  const auto max_row_norm = [&](const char* name, int64_t row) {
+    const auto it = p.tensors.find(name);
+    if (it == p.tensors.end() || row <= 0) return 0.0;
+    double best = 0;
+    for (int64_t r = 0; r * row < it->second.numel(); ++r) {
+      double s = 0;
+      for (int64_t e = 0; e < row; ++e) s += element(it->second, r * row + e) * element(it->second, r * row + e);
+      if (std::isfinite(s)) best = std::max(best, s);
+    }
+    return std::sqrt(best);
+  };
+  const double q = max_row_norm("index_q", g.head_dim), k = max_row_norm("index_k", g.head_dim),
+               w = max_row_norm("weights", 1);
+  return {scale * w * k, scale * q * k, scale * w * q};
+}
+
 }  // namespace
 
 bool Verification::pass() const {
@@ -98,8 +130,9 @@ Verification verify_all(const Problem& p, const Geometry& g, const RunResult& r,
   const std::pair<const char*, const HostTensor*> outs[3] = {
       {"d_index_q", &r.d_index_q}, {"d_weights", &r.d_weights}, {"d_index_k", &r.d_index_k}};
   const std::vector<double>* refs[3] = {&ref.d_index_q, &ref.d_weights, &ref.d_index_k};
+  const std::array<double, 3> floors = reference_floors(p, g);
   for (int i = 0; i < 3; ++i) {
-    Accumulator acc(outs[i].first, *outs[i].second);
+    Accumulator acc(outs[i].first, *outs[i].second, floors[static_cast<size_t>(i)]);
     const int64_t n = outs[i].second->numel();
     for (int64_t e = 0; e < n; ++e) acc.add(element(*outs[i].second, e), (*refs[i])[static_cast<size_t>(e)]);
     v.metrics.push_back(acc.finish());
@@ -193,7 +226,9 @@ Verification verify_sampled(const Problem& p, const Geometry& g, const RunResult
   if (error) std::rethrow_exception(error);
   log_stage("verify: reference done in " + human_seconds(seconds_since(t0)));
 
-  Accumulator aq("d_index_q", r.d_index_q), aw("d_weights", r.d_weights), ak("d_index_k", r.d_index_k);
+  const std::array<double, 3> floors = reference_floors(p, g);
+  Accumulator aq("d_index_q", r.d_index_q, floors[0]), aw("d_weights", r.d_weights, floors[1]),
+      ak("d_index_k", r.d_index_k, floors[2]);
   for (size_t n = 0; n < v.q_rows.size(); ++n) {
     const int64_t row = v.q_rows[n];
     for (int64_t e = 0; e < H * D; ++e) aq.add(element(r.d_index_q, row * H * D + e), ref_dq[n * H * D + e]);

@@ -249,6 +249,10 @@ struct IndexerOptions {
   ForwardFusion forward_fusion = ForwardFusion::automatic;
 };
 
+/// The names these types had when the backward was the only entry point.
+using IndexerBackwardInputs [[deprecated("use dsaib::IndexerInputs")]] = IndexerInputs;
+using IndexerBackwardOptions [[deprecated("use dsaib::IndexerOptions")]] = IndexerOptions;
+
 /// Bytes of scratch memory the backend needs for this problem, on the
 /// backend's device. cpu: 0. cuda with deterministic: B*S_kv*D*8 (resp.
 /// T_k*D*8) rounded up to a multiple of 256, plus 16 (the int64 fixed-point dK

@@ -1134,3 +1134,69 @@ TEST_F(Cli, StepOnGeneratedThdGlobalIdsSampledAndForwardFlags) {
     EXPECT_TRUE(contains(text.output, frag)) << "'" << frag << "' not in:\n" << text.output;
   }
 }
+
+// forward and step compute P: a NaN or inf in the file's index_score is a
+// tensor they never read, so it does not decide their verdict (backward reads
+// it, and fails).
+TEST_F(Cli, NonFiniteIndexScoreFailsOnlyTheOperationThatReadsIt) {
+  std::map<std::string, std::string> meta;
+  auto t = dsaib::read_safetensors(tiny_problem(), &meta);
+  t.at("index_score").data<float>()[0] = std::nanf("");  // row 0, slot 0: valid
+  t.at("index_score").data<float>()[1] = std::numeric_limits<float>::infinity();
+  const std::string in = path("nan_p.safetensors");
+  dsaib::write_safetensors(in, t, meta);
+  for (const char* op : {"forward", "step"}) {
+    const Result r = run(std::string(op) + " --in " + quote(in) + " --threads 2 --json", /*with_stderr=*/false);
+    EXPECT_EQ(r.exit_code, 0) << op << ": " << r.output;
+    const auto j = nlohmann::json::parse(r.output);
+    EXPECT_EQ(j["result"], "PASS") << op << ": " << r.output;
+    EXPECT_TRUE(j["nonfinite_inputs"].empty()) << op << ": " << r.output;
+  }
+  const Result bwd = run("backward --in " + quote(in) + " --threads 2 --verify none");
+  EXPECT_EQ(bwd.exit_code, 1) << bwd.output;
+  EXPECT_TRUE(contains(bwd.output, "FAIL (non-finite inputs: index_score: 2 (first at element 0))")) << bwd.output;
+}
+
+// Every id of every row names key 0: every slot's logit is the same, P is
+// uniform, and with a uniform T the exact gradients are 0. The reference is
+// then fp64 rounding noise; the verdict measures the error against the floor
+// that the inputs scale (docs/errors.md), and passes.
+TEST_F(Cli, ZeroGradientsPassAgainstTheInputScaledFloor) {
+  std::map<std::string, std::string> meta;
+  auto t = dsaib::read_safetensors(tiny_problem(), &meta);
+  int32_t* ids = t.at("topk_indices").data<int32_t>();
+  for (int64_t e = 0; e < t.at("topk_indices").numel(); ++e) ids[e] = 0;
+  const int64_t topk = t.at("topk_indices").shape.back();
+  float* target = t.at("attn_score").data<float>();
+  float* p = t.at("index_score").data<float>();
+  for (int64_t e = 0; e < t.at("attn_score").numel(); ++e) target[e] = p[e] = 1.0f / static_cast<float>(topk);
+  const std::string in = path("all_ids_zero.safetensors");
+  dsaib::write_safetensors(in, t, meta);
+  for (const char* op : {"backward", "step"}) {
+    const Result r = run(std::string(op) + " --in " + quote(in) + " --threads 2 --verify all --json", false);
+    EXPECT_EQ(r.exit_code, 0) << op << ": " << r.output;
+    const auto j = nlohmann::json::parse(r.output);
+    EXPECT_EQ(j["result"], "PASS") << op << ": " << r.output;
+    for (const auto& m : j["verify"]["outputs"]) {
+      if (m["name"] == "loss" || m["name"] == "row_lse" || m["name"] == "row_target_mass" || m["name"] == "index_score") {
+        continue;
+      }
+      EXPECT_GT(m["ref_floor"].get<double>(), 0.0) << op << ": " << m.dump();
+      EXPECT_TRUE(std::isfinite(m["rel_rms"].get<double>())) << op << ": " << m.dump();
+    }
+  }
+}
+
+// A report that cannot be written is an error, not a silent exit 0.
+TEST_F(Cli, AReportThatCannotBeWrittenExitsWithTwo) {
+  if (std::filesystem::exists("/dev/full")) {
+    const Result r = dsaib::test::run_command("sh -c " + quote(quote(DSAIB_CLI_PATH) + " step --preset tiny --json >/dev/full") +
+                                              " 2>&1");
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_TRUE(contains(r.output, "the report could not be written to standard output")) << r.output;
+  }
+  const Result closed = dsaib::test::run_command(quote(DSAIB_CLI_PATH) + " presets >&- 2>&1");
+  EXPECT_EQ(closed.exit_code, 2) << closed.output;
+  const Result fine = run("presets");
+  EXPECT_EQ(fine.exit_code, 0) << fine.output;
+}
