@@ -1,7 +1,6 @@
 // THD cu_seqlens checked on the device, for a call captured in a CUDA graph
 // (ProblemGeometry::cu_seqlens_on_device_only), where validation could not copy
-// them to the host. Used by every cuda entry point (backend.cu,
-// attention_target_backend.cu).
+// them to the host. Used by the host code of every cuda entry point.
 #pragma once
 
 #include <cuda_runtime.h>
