@@ -1,5 +1,5 @@
 // The cuda backend's launch plan (src/hopper/launch/launch_plan.hpp), host code only:
-// which fused kernel, the grid, the start delays, the L2 share and the workspace
+// which backward kernel, the grid, the start delays, the L2 share and the workspace
 // for an H200-like device, without a GPU.
 #include <gtest/gtest.h>
 
