@@ -150,8 +150,8 @@ def missing_paths(root):
             line = re.sub(r"https?://\S+", " ", line)  # web addresses are not tree paths
             for m in TOKEN.finditer(line):
                 token = m.group(0).strip(".")
-                if m.start() > 0 and line[m.start() - 1] in "<{*":
-                    continue  # placeholders and globs: src/<component>/sources.cmake, tests/{cpu,gpu}
+                if m.start() > 0 and line[m.start() - 1] in "<>{*":
+                    continue  # placeholders and globs: <family>_kernel.cuh, tests/{cpu,gpu}/x.cpp, *_backend.cu
                 if m.end() < len(line) and line[m.end()] in ">}*(":
                     continue  # a call such as cudaFoo.cu(…) or a templated name
                 if token in ALLOWED or token.startswith(OUTPUT_PREFIXES):
@@ -184,7 +184,8 @@ def self_test():
             f.write('// see helper.cuh and src/a/kernel.cuh\nint x = 0;  // "gone.cuh" below\n'
                     'const char* s = "missing_in_a_string.cuh";\n/* two\n lines: old_name.cu */\n')
         with open(os.path.join(root, "docs", "a.md"), "w") as f:
-            f.write("# A\n\n[b](b.md), `src/a/kernel.cuh`, `build/out.md`, `src/a/moved.cuh`\n")
+            f.write("# A\n\n[b](b.md), `src/a/kernel.cuh`, `build/out.md`, `src/a/moved.cuh`\n"
+                    "`<name>_kernel.cuh`, `*_backend.cu`, `OUTDIR/log.md`\n")
         with open(os.path.join(root, "docs", "b.md"), "w") as f:
             f.write("[a](a.md#a), [tree](../src/a/kernel.cuh)\n")
         got = missing_paths(root)
