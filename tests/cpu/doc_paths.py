@@ -44,8 +44,8 @@ OUTPUT_PREFIXES = ("build/", "build-", "$", "/", "~", "out/")
 
 SOURCE_DIRS = ("src", "include", "tests", "bench", "cli", "python", "scripts", "fuzz", "cmake",
                "examples")
-C_LIKE = (".c", ".cc", ".cpp", ".cu", ".cuh", ".h", ".hpp", ".in")
-HASH_COMMENTS = (".py", ".sh", ".cmake")
+C_LIKE = (".c", ".cc", ".cpp", ".cu", ".cuh", ".h", ".hpp")
+HASH_COMMENTS = (".py", ".sh", ".cmake", ".cmake.in")
 
 TOKEN = re.compile(r"[A-Za-z0-9_.$~/+-]*[A-Za-z0-9_]\.(?:%s)\b" % "|".join(
     sorted(set(PATH_EXTENSIONS) | set(BARE_EXTENSIONS), key=len, reverse=True)))
@@ -188,8 +188,14 @@ def self_test():
                     "`<name>_kernel.cuh`, `*_backend.cu`, `OUTDIR/log.md`\n")
         with open(os.path.join(root, "docs", "b.md"), "w") as f:
             f.write("[a](a.md#a), [tree](../src/a/kernel.cuh)\n")
+        os.makedirs(os.path.join(root, "scripts"))
+        with open(os.path.join(root, "scripts", "run.sh"), "w") as f:
+            f.write("#!/bin/sh\n# runs src/a/kernel.cuh's tests, then gone.sh\n")
+        with open(os.path.join(root, "scripts", "tool.py"), "w") as f:
+            f.write('"""Reads docs/a.md and docs/c.md."""\nX = "src/missing.cuh"  # see b.md\n')
         got = missing_paths(root)
-        want = ["docs/a.md:3: src/a/moved.cuh", "src/a/kernel.cuh:1: helper.cuh",
+        want = ["docs/a.md:3: src/a/moved.cuh", "scripts/run.sh:2: gone.sh",
+                "scripts/tool.py:1: docs/c.md", "src/a/kernel.cuh:1: helper.cuh",
                 "src/a/kernel.cuh:2: gone.cuh", "src/a/kernel.cuh:5: old_name.cu"]
         if got != want:
             print("self-test FAILED\n  got:  %s\n  want: %s" % (got, want))
@@ -198,6 +204,8 @@ def self_test():
             f.write("// see src/a/kernel.cuh\n")
         with open(os.path.join(root, "docs", "a.md"), "w") as f:
             f.write("[b](b.md)\n")
+        for name in ("run.sh", "tool.py"):
+            os.remove(os.path.join(root, "scripts", name))
         if missing_paths(root):
             print("self-test FAILED: a clean tree reported %s" % missing_paths(root))
             return 1
