@@ -89,7 +89,7 @@
 #                        --iters 10 --warmup 2 --json O/forward-peers/peers.json
 #                python3 bench/peers/side_by_side.py --ours O/forward-peers/ours.json
 #                        --peers O/forward-peers/peers.json --out O/forward-peers/side_by_side.md
-#              Ours is the fused forward with its floor (key gather, GEMM1) measured in the same
+#              Ours is the forward kernel with its floor (key gather, GEMM1) measured in the same
 #              process; the peers (torch eager, cudnn-frontend's SM90 sparse indexer score
 #              recompute, Megatron-Core's TileLang sparse KL kernel) are each checked against the
 #              float64 closed form first; one that cannot run says why in peers.json. The TileLang

@@ -34,18 +34,11 @@ enum class LseBase : int32_t {
 const char* lse_base_name(LseBase);                         // "natural", "base2"
 bool parse_lse_base(const std::string& word, LseBase* out);  // false, *out unchanged, otherwise
 
-/// Inputs of attention_target(). Shapes (Hq heads of width Dqk, topk slots):
-///
-/// | name         | dtype | BSHD shape           | THD shape        |
-/// |--------------|-------|----------------------|------------------|
-/// | query        | bf16  | (B, S_q, Hq, Dqk)    | (T_q, Hq, Dqk)   |
-/// | kv           | bf16  | (B, S_kv, Dqk)       | (T_k, Dqk)       |
-/// | lse          | f32 (cpu: or f64) | (B, S_q, Hq) | (T_q, Hq)        |
-/// | topk_indices | int32 | (B, S_q, topk)       | (T_q, topk)      |
-/// | cu_seqlens_q/k | int32 | absent             | (B + 1)          |
-///
-/// query, kv and topk_indices are contiguous; lse may have any strides (a
-/// transposed view of a (B, Hq, S_q) or (Hq, T_q) tensor is accepted as is).
+/// Inputs of attention_target(): query (Hq heads of width Dqk), kv, lse,
+/// topk_indices, cu_seqlens_q/k (THD only). Shapes and dtypes:
+/// docs/attention-target.md, "Shapes". query, kv and topk_indices are
+/// contiguous; lse may have any strides (a transposed view of a (B, Hq, S_q) or
+/// (Hq, T_q) tensor is accepted as is).
 struct AttentionTargetInputs {
   TensorView query;
   TensorView kv;

@@ -52,24 +52,18 @@ enum class IdMode : int32_t {
 /// Which implementation runs.
 enum class Backend : int32_t {
   cpu = 0,   ///< fp64 reference on the host; always deterministic; all tensors on the host
-  cuda = 1,  ///< fused sm_90a kernel; all tensors on one CUDA device
+  cuda = 1,  ///< sm_90a kernels; all tensors on one CUDA device
 };
 
 /// cuda: precision of the tensor-core operand a = gs * w * sm_scale * [q.k > 0]
-/// (docs/math.md stage 2) in the dK and dQ GEMMs. wgmma takes it in bf16; one
-/// bf16 rounding of a adds ~1.3-1.7e-3 relative RMS error to d_index_q and
-/// d_index_k (measured on the H200 with fp32 outputs: 1.3e-3 / 1.6e-3; bf16
-/// outputs including their rounding: 2.1e-3 / 2.3e-3), within the 3e-3 budget
-/// of bf16 outputs but not the 1e-3 of fp32 outputs. Two bf16 terms
-/// (a = a_hi + a_lo, error ~2^-16) run the dK and dQ GEMMs twice (5 GEMMs per
-/// key block, not 3). d_weights never depends on it. The cpu backend ignores it
-/// (fp64 throughout).
+/// (docs/math.md stage 2) in the dK and dQ GEMMs. wgmma takes it in bf16: one
+/// bf16 term is within bf16 outputs' error budget but not fp32 outputs'; two
+/// terms (a = a_hi + a_lo) run those GEMMs twice. d_index_k and d_index_q only;
+/// the cpu backend ignores it. Errors and cost: docs/api.md.
 enum class AOperandPrecision : int32_t {
   /// bf16x2 when d_index_q or d_index_k is f32, bf16 when both are bf16.
   automatic = 0,
-  /// always two bf16 terms (most accurate; ~1.15x the time of one bf16 term at
-  /// DeepSeek shapes: 1.145x causal, 1.152x random ids at B1 S 4096 H64 D128
-  /// topk 2048 on the H200)
+  /// always two bf16 terms (most accurate, slower)
   bf16x2 = 1,
   /// always one bf16 term (fastest; do not combine with fp32 outputs that need 1e-3)
   bf16 = 2,
@@ -83,16 +77,13 @@ bool parse_a_operand_precision(const std::string& word, AOperandPrecision* out);
 const char* id_mode_name(IdMode);
 const char* backend_name(Backend);
 
-/// cuda: L2 eviction-policy hints on the fused kernel's d_index_k reductions.
-/// The fp32 dK accumulator is updated by scattered atomic adds; when dK and K
-/// outgrow the L2, lines of dK are evicted between two adds to them. The hinted
-/// kernel gives part of the adds an evict_last priority (the share follows the
-/// context's persisting-L2 set-aside, cudaLimitPersistingL2CacheSize). Measured
-/// on the H200 at B1 S 65536 D128: -2% to -4% at random ids, ~0 at causal ids;
-/// no change while dK and K fit half of the L2. Results are the same either
-/// way up to the order of the fp32 additions. Only the one-term kernels have a
-/// hinted variant: split-a (bf16x2) and deterministic launches never take it.
-/// The cpu backend ignores it.
+/// cuda: L2 eviction-policy hints on the backward kernel's d_index_k reductions.
+/// When dK and K outgrow the L2, lines of the fp32 dK accumulator are evicted
+/// between two atomic adds to them; the hinted kernel gives part of the adds an
+/// evict_last priority (the share follows the context's persisting-L2
+/// set-aside). Results are the same either way up to the order of the fp32
+/// additions. Split-a (bf16x2) and deterministic launches never take it; the
+/// cpu backend ignores it. When it pays: docs/api.md.
 enum class L2Hints : int32_t {
   /// hinted when the key rows that the CTAs in flight can touch need more than
   /// half of the L2 for dK (fp32) and K (bf16), or when the persisting set-aside
@@ -108,10 +99,9 @@ enum class L2Hints : int32_t {
 /// tasks do not divide evenly over the persistent grid, the CTAs with a task
 /// fewer start up to 3/4 of a task late, spread over 32 steps, so the grid's
 /// CTAs do not run the same phase (loads, gathers, reductions) at the same time.
-/// Measured on the H200 at B1 H64 D128 topk 2048: about -2% at random ids
-/// S 4096, within noise at causal ids and at S 16384. Only launches of at
-/// least 4 waves with a remainder are delayed. Results are the same either way
-/// up to the order of the fp32 additions. The cpu backend ignores it.
+/// Only launches of at least 4 waves with a remainder are delayed. Results are
+/// the same either way up to the order of the fp32 additions. The cpu backend
+/// ignores it.
 enum class StartStagger : int32_t {
   /// delays as above
   automatic = 0,
@@ -127,7 +117,7 @@ enum class StartStagger : int32_t {
 /// d_index_k up to the order of its fp32 additions). The other entry points
 /// and the cpu backend ignore it.
 enum class ForwardFusion : int32_t {
-  /// fused where the kernel applies: H <= 64, one A term, not deterministic
+  /// one kernel where it applies: H <= 64, one A term, not deterministic
   automatic = 0,
   /// two kernels: the loss forward, then the P-free backward
   off = 1,
@@ -146,21 +136,10 @@ const char* forward_fusion_name(ForwardFusion);
 /// Parses forward_fusion_name's words; false (and *out unchanged) for anything else.
 bool parse_forward_fusion(const std::string& word, ForwardFusion* out);
 
-/// Input tensors (never modified). "(cpu: or f64)": the cpu backend also takes
-/// f64 and reads it as it is; the cuda backend refuses f64, naming the tensor.
-///
-/// | name          | BSHD shape        | THD shape     | dtype        |
-/// |---------------|-------------------|---------------|--------------|
-/// | index_q       | (B, S_q, H, D)    | (T_q, H, D)   | bf16         |
-/// | weights       | (B, S_q, H)       | (T_q, H)      | bf16 or f32 (cpu: or f64) |
-/// | index_k       | (B, S_kv, D)      | (T_k, D)      | bf16         |
-/// | topk_indices  | (B, S_q, topk)    | (T_q, topk)   | i32          |
-/// | attn_score    | (B, S_q, topk)    | (T_q, topk)   | f32 (cpu: or f64) (target T)  |
-/// | index_score   | (B, S_q, topk)    | (T_q, topk)   | f32 (cpu: or f64) (predict P) |
-/// | cu_seqlens_q  | absent            | (B + 1)       | i32          |
-/// | cu_seqlens_k  | absent            | (B + 1)       | i32          |
-/// | row_lse       | (B, S_q)          | (T_q)         | f32 (cpu: or f64) (LSE of the row's logits) |
-/// | row_target_mass | (B, S_q)        | (T_q)         | f32 (cpu: or f64) (sum_i T~_i m_i / sum_i P_i, below) |
+/// Input tensors (never modified): index_q, weights, index_k, topk_indices,
+/// attn_score (the target T), index_score (the prediction P), cu_seqlens_q/k
+/// (THD only), row_lse and row_target_mass (the P-free form). Shapes, dtypes,
+/// strides and alignment: docs/api.md, "The problem".
 ///
 /// H must be a multiple of 8 in [8, 128]; D must be 64 or 128; topk >= 1.
 /// Any slot whose id is invalid (-1, or out of range for its sequence) is
@@ -231,9 +210,9 @@ struct IndexerOptions {
   /// The cuda backend's d_index_q and d_weights always are; its d_index_k is by
   /// default accumulated with fp32 atomics, whose order varies from run to run.
   /// With deterministic=true, cuda accumulates d_index_k in 64-bit fixed point
-  /// instead (src/hopper/indexer_backward/fixed_point_dk.cuh: a bound pass sets the scale, integer
-  /// sums do not depend on the order; the rounding is far below the fp32
-  /// output's), for twice the reduction bytes and a larger workspace.
+  /// instead (a bound pass sets the scale, integer sums do not depend on the
+  /// order; the rounding is far below the fp32 output's), for twice the
+  /// reduction bytes and a larger workspace (docs/api.md, "Determinism").
   bool deterministic = false;
   /// cuda: the cudaStream_t to run on (nullptr = legacy default stream).
   void* stream = nullptr;

@@ -37,18 +37,12 @@
 
 namespace dsaib {
 
-/// Outputs of indexer_kl_forward(), all f32 (cpu: each f32 or f64; f64 holds the
-/// fp64 result unrounded, row_lse included), contiguous, on the backend's device,
-/// disjoint from each other and from every input.
-///
-/// | name            | BSHD shape       | THD shape     | contents                         |
-/// |-----------------|------------------|---------------|----------------------------------|
-/// | loss            | ()               | ()            | the scalar Loss                  |
-/// | row_lse         | (B, S_q)         | (T_q)         | LSE per query row (-inf: no valid slot) |
-/// | row_target_mass | (B, S_q)         | (T_q)         | sum_i T~_i [Pb_i >= eps] / sum_i Pb_i per query row (above) |
-/// | index_score     | (B, S_q, topk)   | (T_q, topk)   | P (optional: absent = not written) |
-///
-/// Every element is overwritten; incoming contents never matter.
+/// Outputs of indexer_kl_forward(): loss (the scalar Loss), row_lse (per query
+/// row; -inf: no valid slot), row_target_mass (per query row, above) and the
+/// optional index_score (P; absent: not written). All f32 (cpu: each f32 or
+/// f64, the fp64 result unrounded), contiguous, on the backend's device,
+/// disjoint from each other and from every input; shapes: docs/api.md, "The
+/// loss forward". Every element is overwritten; incoming contents never matter.
 struct IndexerKLForwardOutputs {
   TensorView loss;
   TensorView row_lse;

@@ -35,7 +35,8 @@ struct ProblemGeometry {
   /// THD on a cuda stream that is capturing a CUDA graph: cu_seqlens were not
   /// read on the host (a copy would invalidate the capture). The per-sequence
   /// tables then describe one sequence of all rows (they only tune the launch)
-  /// and the cuda backend checks cu_seqlens on the device (backend.cu).
+  /// and the cuda backend checks cu_seqlens on the device
+  /// (src/hopper/common/device_cu_seqlens.hpp).
   bool cu_seqlens_on_device_only = false;
 
   /// Flat key row for slot id of a query in sequence b, or -1 if the slot is invalid.

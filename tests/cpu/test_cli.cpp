@@ -239,7 +239,7 @@ TEST_F(Cli, SampleVerifyComparesASelectedKeyRowAtAnySampleSize) {
 }
 
 // With fewer selected key rows than --sample-rows asks for, never-selected rows fill the
-// sample (before: at most 2 of them, so the sample was smaller than asked).
+// sample, so that it has the size asked for.
 TEST_F(Cli, SampleVerifyFillsWithUnselectedKeyRows) {
   const Result r = run("backward --s-q 2 --s-kv 2048 --topk 4 --heads 8 --head-dim 64 --verify sample "
                        "--sample-rows 40 --json",
@@ -724,7 +724,7 @@ TEST_F(Cli, FlagValueErrorsNameTheFlagAndTheValue) {
        "error (io_error): --in: /nonexistent/p.safetensors: cannot open for reading"},
       {"backward --preset tiny --seed 18446744073709551616",
        "--seed: expected an integer in [0, 2^64 - 1], got \"18446744073709551616\""},
-      // bench's lists: empty items are errors naming the flag (CLI11's delimiter used to drop
+      // bench's lists: empty items are errors naming the flag (CLI11's delimiter alone drops
       // "4096,,16384"'s empty item), in builds with and without CUDA.
       {"bench --seq 4096,,16384",
        "error (invalid_argument): --seq: expected a comma-separated list of sequence lengths >= 1 without empty "

@@ -1,4 +1,4 @@
-// The "Contract" section of test-cases.md through dsaib::indexer_backward with
+// The argument contract of dsaib::indexer_backward (docs/errors.md) with
 // backend cpu: every bad input gives a dsaib::Error with the right code, whose
 // argument() and message name the argument, whose message says "expected ...,
 // got ...", and after which every input and output buffer (outputs pre-filled

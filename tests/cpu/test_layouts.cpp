@@ -1,4 +1,4 @@
-// Layouts and id modes (test-cases.md, "Index patterns"):
+// Layouts and id modes (docs/math.md §5):
 //   - THD with sequences of lengths 1, 37, 300 equals three separate BSHD runs
 //     given the same N, in local and global id form;
 //   - local ids with B >= 2 and the same problem in global form: identical.

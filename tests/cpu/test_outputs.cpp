@@ -1,5 +1,4 @@
-// Outputs and inputs of the cpu backend (test-cases.md, "Contract" and
-// "Numerics"): incoming output contents never matter, poisoned outputs come
+// Outputs and inputs of the cpu backend (docs/api.md, "The problem"): incoming output contents never matter, poisoned outputs come
 // back finite and right, strided inputs are read through their strides, bf16
 // and f32 outputs, scalars (grad_loss_device, N), replay determinism.
 #include <gtest/gtest.h>

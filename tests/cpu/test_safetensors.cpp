@@ -272,9 +272,9 @@ std::string object_of(size_t n, const std::function<std::string(size_t)>& item) 
   return h + "}";
 }
 
-// The header is read in time linear in its size. The duplicate-key check used to
-// go through nlohmann-json's DOM callback parser, whose end_object is linear in
-// the object's size: 200000 empty entries (2.3 MB) took 7 minutes.
+// The header is read in time linear in its size. A duplicate-key check through
+// nlohmann-json's DOM callback parser, whose end_object is linear in the
+// object's size, takes minutes on 200000 empty entries (2.3 MB).
 TEST(Safetensors, HeaderParseIsLinearInItsSize) {
   const std::string empty_entries =
       object_of(200000, [](size_t i) { return "\"" + std::to_string(i) + "\":{}"; });
@@ -436,8 +436,8 @@ TEST(Safetensors, HeaderBoundsAreIoErrors) {
 }
 
 // A 100 MB header of nested arrays (the format's cap) is an io_error found where
-// the nesting passes 3 levels, in memory about the header's size: it used to be
-// parsed into a document tree of 3.9 GB, and fail as out_of_memory.
+// the nesting passes 3 levels, in memory about the header's size: a document
+// tree of it would take 3.9 GB and fail as out_of_memory.
 TEST(Safetensors, DeeplyNestedHundredMegabyteHeaderIsAnIoErrorInBoundedMemory) {
   if (kSanitizedBuild) GTEST_SKIP() << "address-space limits and sanitizer shadow memory do not mix";
   constexpr size_t kHeaderBytes = 100'000'000;
@@ -605,8 +605,8 @@ TEST(Safetensors, WriterRejectsInconsistentTensors) {
 }
 
 /// A size product past 64 bits is an inconsistent tensor (invalid_argument
-/// naming it, nothing written); it used to wrap, and the file it wrote could
-/// not be read back.
+/// naming it, nothing written): a wrapped product would write a file that
+/// cannot be read back.
 TEST(Safetensors, WriterRejectsByteCountsPast64Bits) {
   // A size-0 dimension makes 0 bytes whatever the others (the reader takes such a file).
   {

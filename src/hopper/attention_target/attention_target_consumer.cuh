@@ -1,17 +1,8 @@
-// The attention target's consumers (warpgroups 1 and 2).
-//
-// Consumer c takes blocks c, c + 2, ... of each row, from its own ring of K
-// stages. Per block, per 64-dim slice (one K stage): wait for the stage, one wgmma group (4 x m64nNk16)
-// S^T += K_slice . Q_slice^T, then wait for the previous slice's group and free
-// its stage (one group in flight while the next stage is awaited). After the
-// block's last slice, per key (accumulator row)
-//   U = sum_h exp2(S^T[key, h] * scale2 - lse2[h])
-// summed over the thread's own columns, then over its quad (two shuffles), and
-// written to attn_score at the key's slot. After the row's blocks both
-// consumers meet (kTargetConsumerSync); with normalize they divide the row by
-// the sum of its U (per-thread sums in block order, warps and consumers in a
-// fixed order: bitwise reproducible), writing +0 at the invalid slots the
-// producer marked with -0.
+// The attention target's consumers (warpgroups 1 and 2): consumer c takes blocks
+// c, c + 2, ... of each row from its own ring. Per slice one wgmma group, with the
+// previous slice's group waited for and its stage freed (one group in flight);
+// per key U = sum_h exp2(S^T * scale2 - lse2), at its slot. With normalize both
+// consumers meet and divide the row by its sum, in a fixed order.
 #pragma once
 
 #include <cutlass/arch/barrier.h>
@@ -59,8 +50,7 @@ struct AttentionTargetConsumer {
     Tensor tA = thr.partition_fragment_A(sK);  // (MMA, M, K, stage) descriptors
     Tensor tB = thr.partition_fragment_B(sQ);  // (MMA, N, K, slice)
     Tensor acc = partition_fragment_C(mma, Shape<Int<kBlock>, Int<kN>>{});
-    // wgmma m64nNk16 accumulator (PTX ISA, "Register fragment D"): value v is
-    // key r0 + 8 * ((v / 2) % 2), head c0 + (v % 2) + 8 * (v / 4).
+    // wgmma accumulator: value v is key r0 + 8 * ((v / 2) % 2), head c0 + (v % 2) + 8 * (v / 4).
     static_assert(decltype(size(acc))::value == kN / 2, "one m64 tile: N/2 values per thread");
     static_assert(decltype(size<2>(tA))::value == 4 && decltype(size<2>(tB))::value == 4, "4 k16 steps per slice");
     const int r0 = warp * 16 + lane / 4;
@@ -158,9 +148,8 @@ struct AttentionTargetConsumer {
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) row_sum += __shfl_xor_sync(0xffffffffu, row_sum, off);
     if (lane == 0) ss.row_part[n & 1u][consumer][warp] = row_sum;
-    // row_part[n & 1] and both consumers' U stores of the row are complete (bar.sync
-    // orders the global stores too); row_part[n & 1] is rewritten two rows on,
-    // after the next row's barrier, which every thread passes after its reads here.
+    // row_part[n & 1] and both consumers' U stores complete (bar.sync orders global
+    // stores too); rewritten two rows on, after the next row's barrier.
     target_consumer_sync<Config>();
     float total = 0.0f;
 #pragma unroll

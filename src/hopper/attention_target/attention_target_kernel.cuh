@@ -1,12 +1,6 @@
-// The sm_90a attention target kernel (docs/attention-target.md): persistent,
-// one query row per task, three warpgroups:
-//
-//   warpgroup 0    : AttentionTargetProducer (attention_target_producer.cuh): Q and
-//                    the row's lse, compaction of the valid slots, K gather
-//   warpgroups 1-2 : AttentionTargetConsumer (attention_target_consumer.cuh):
-//                    blocks c, c + 2, ... of each row, U per key, the row's sum
-//
-// Tile choices and the mbarrier contracts: attention_target_tile_config.cuh.
+// The sm_90a attention target kernel (docs/hopper-kernel.md §14): persistent,
+// one query row per task. Warpgroup 0: AttentionTargetProducer; warpgroups 1-2:
+// AttentionTargetConsumer. Barrier contracts: attention_target_tile_config.cuh.
 #pragma once
 
 #include "hopper/attention_target/attention_target_consumer.cuh"

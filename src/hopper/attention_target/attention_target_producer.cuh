@@ -1,15 +1,8 @@
-// The attention target's producer (warpgroup 0, 128 threads). Per row:
-//   1. Q of the row (every head, zero rows for padded heads) into its Q stage
-//      with cp.async, and lse2 (lse in base 2, +inf for padded heads);
-//   2. pass 1 over the row's slots in chunks of kSlotChunk: the valid slots of
-//      each chunk (id in the row's sequence), hence the row's blocks, and the
-//      output's zeros at invalid slots;
-//   3. pass 2 per chunk: the compacted list of valid slots (slot order), then
-//      per block of 64 keys and per 64-dim slice one K stage: the keys' kv rows
-//      copied with cp.async (tail entries zero-filled), and on the block's first
-//      slice the keys' slots.
-// Copies complete on the stage's mbarrier (cp.async.mbarrier.arrive.noinc):
-// the producer never waits for its own copies, only for free stages.
+// The attention target's producer (warpgroup 0). Per row: Q and lse2 into a Q
+// stage; pass 1, the row's blocks and the zeros at invalid slots; pass 2 per
+// chunk, the compacted list, then one K stage per block and 64-dim slice. Copies
+// complete on the stage's mbarrier (cp.async.mbarrier.arrive.noinc): the producer
+// never waits for its own copies, only for free stages.
 #pragma once
 
 #include <cute/arch/copy_sm80.hpp>
@@ -44,8 +37,7 @@ struct AttentionTargetProducer {
   static constexpr int kBlock = Config::kBlockKeys;
   static constexpr int kN = Config::kHeadsPadded;
   static constexpr int kKeysPerThread = Config::kGatherKeysPerThread;  // 4
-  // Chunks whose ids a thread keeps in registers from before the Q stage's wait
-  // to pass 2 (topk up to 2048 loads its ids once per row; more chunks load again).
+  // Chunks whose ids stay in registers from before the Q stage's wait to pass 2.
   static constexpr int kRegChunks = 2;
   static_assert(kKeysPerThread == 4, "one int4 of key rows per thread and block");
 
@@ -100,13 +92,11 @@ struct AttentionTargetProducer {
     const int ns = tp.num_slices;
     Tensor sQ = make_tensor(make_smem_ptr(ss.q), typename Config::SmemLayoutQ{});  // (heads, 64, slice)
     Tensor sK = make_tensor(make_smem_ptr(ss.k), typename Config::SmemLayoutK{});  // (64 keys, 64, stage)
-    // Gather mapping: thread t copies the 16-byte chunk t % 8 of a key's slice for
-    // keys 4 * (t / 8) .. + 3 of a block; a warp instruction covers 4 whole
-    // 128-byte key slices.
+    // Thread t copies 16-byte chunk t % 8 of the slices of keys 4 (t / 8) .. + 3:
+    // a warp instruction covers 4 whole 128-byte key slices.
     const int gather_col = (tid % 8) * 8;
     const int gather_key0 = (tid / 8) * kKeysPerThread;
-    // Their destinations in stage 0, computed once: a stage is a whole number of
-    // swizzle periods, so stage ks is stage 0 plus ks * kStageElems.
+    // Destinations in stage 0, once: stage ks is stage 0 plus ks * kStageElems.
     using Element = typename Config::Element;
     constexpr int kStageElems = kBlock * Config::kSliceDims;
     static_assert(decltype(cute::cosize(cute::take<0, 2>(typename Config::SmemLayoutK{})))::value == kStageElems &&
@@ -129,8 +119,7 @@ struct AttentionTargetProducer {
       const int32_t* ids = p.topk_indices + batched_offset(row, p.q_rows_per_batch, p.ids_batch_stride, p.ids_row_stride);
       float* out = tp.attn_score + row * static_cast<int64_t>(p.topk);
 
-      // The ids of the row's first kRegChunks chunks, loaded before the Q stage's
-      // wait (their latency hides behind it) and kept for both passes.
+      // Loaded before the Q stage's wait, which hides their latency.
       int32_t kr_first[kRegChunks][kPerThread];
 #pragma unroll
       for (int c = 0; c < kRegChunks; ++c) load_ids(c * Config::kSlotChunk, ids, kr_first[c]);
@@ -160,10 +149,8 @@ struct AttentionTargetProducer {
         ss.lse2[qs][tid] = l2;
       }
 
-      // ---- pass 1: the row's blocks (each chunk pads its last block); zeros at
-      //      invalid slots (-0.0 when the final pass normalises: its mark of them),
-      //      in u_row when U stays in shared memory (after q_empty above: the
-      //      consumers' final pass of the row two back has read it)
+      // ---- pass 1: the row's blocks; zeros at invalid slots (-0.0, the final
+      //      pass's mark, when it normalises), in u_row after q_empty above
       const float zero = tp.normalize ? -0.0f : 0.0f;
       float* u_row = ss.u_row[n & 1u];
       int num_blocks = 0;
@@ -195,9 +182,8 @@ struct AttentionTargetProducer {
       (void)cuda::ptx::mbarrier_arrive(&ss.q_full[qs]);  // lse2, num_blocks and the zeros above
       q_state.advance();
 
-      // ---- pass 2 per chunk: the list, then its blocks, one stage per slice; the
-      //      row's block g goes to consumer g % 2's ring, and two consecutive blocks
-      //      are copied slice by slice in turn, so that both consumers are fed
+      // ---- pass 2 per chunk: block g into consumer g % 2's ring, two blocks
+      //      slice by slice in turn, so that both consumers are fed
       int row_blocks = 0;  // blocks of the earlier chunks of the row
       auto pass2_chunk = [&](int chunk0, const int32_t (&kr)[kPerThread]) {
         int pos[kPerThread];
@@ -232,8 +218,7 @@ struct AttentionTargetProducer {
             slot[b] = b < pair && tid < kBlock && first + tid < chunk_valid ? ss.slot_index[first + tid] : -1;
           }
           if constexpr (Config::kPrefetchBlocksAhead > 0) {
-            // The kv rows of the blocks kPrefetchBlocksAhead on (within the chunk's
-            // list) into the L2, one bulk prefetch per key row.
+            // The kv rows kPrefetchBlocksAhead blocks on, one bulk L2 prefetch per key row.
             const int ahead = (blk + Config::kPrefetchBlocksAhead) * kBlock + tid;
             if (ahead < chunk_valid) {
               prefetch_l2_bulk(key_row_ptr(p, ss.slot_key_row[ahead]), static_cast<uint32_t>(p.head_dim) * 2);

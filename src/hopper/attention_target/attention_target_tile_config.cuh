@@ -1,15 +1,6 @@
-// The attention target kernel (attention_target_kernel.cuh): tile choices,
-// parameters and shared memory with the contract of every mbarrier that guards it.
-//
-// One task = one query row with all its heads (Hq padded to kHeadsPadded).
-// The row's valid slots are compacted and walked in blocks of kBlockKeys keys;
-// a block's kv rows are gathered in slices of kSliceDims dims, one pipeline
-// stage per (block, slice), 8 KiB each. Per block one GEMM
-//   S^T (keys x heads) = K_blk (keys x Dqk) . Q^T (Dqk x heads)      wgmma SS, both K-major
-// accumulated over the row's Dqk / kSliceDims slices, then per key
-//   U = sum_h exp2(S^T[key, h] * scale2 - lse2[h]).
-// Keys are the wgmma M (64) and heads its N (kHeadsPadded), so the sum over
-// heads is a thread's own accumulator columns plus two shuffles in its quad.
+// The attention target kernel's tiles, parameters and shared memory with its
+// mbarrier contracts (docs/hopper-kernel.md §14). Keys are the wgmma M and heads
+// its N, so U's sum over heads stays in a thread's quad.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -24,58 +15,44 @@ namespace dsaib::hopper {
 
 template <int kHeadsPadded_, int kMaxSlices_>
 struct AttentionTargetConfig {
-  // wgmma N: Hq rounded up to 64 or 128. Padded heads have zero query rows and
-  // lse2 = +inf, so they add exp2(-inf) = 0.
+  // wgmma N: Hq rounded up; padded heads have lse2 = +inf and add exp2(-inf) = 0.
   static constexpr int kHeadsPadded = kHeadsPadded_;
   static_assert(kHeadsPadded == 64 || kHeadsPadded == 128, "one n64 or n128 wgmma tile of heads");
   static constexpr int kBlockKeys = 64;  // wgmma M: keys per gathered block
   static constexpr int kSliceDims = 64;  // dims per stage: one 128-byte swizzle row per key
-  // Dqk up to kMaxSlices * 64: 3 (192, the small shape) or 9 (576, DeepSeek-V3.2's).
+  // Dqk up to kMaxSlices * 64: 192 or 576 (DeepSeek-V3.2's).
   static constexpr int kMaxSlices = kMaxSlices_;
   static_assert(kMaxSlices == 3 || kMaxSlices == 9, "Dqk up to 192 or 576");
-  // Q of a row is the B operand of every block of the row, in shared memory for
-  // the whole row; two Q stages (the next row's Q lands while this row's blocks
-  // run) where a stage is at most 96 KiB, else one (128 heads x 576 dims: 144 KiB).
+  // Q stays in shared memory for the whole row: two stages where one is at most
+  // 96 KiB (the next row's lands during this row), else one (128 x 576: 144 KiB).
   static constexpr int kQStageBytes = kHeadsPadded * kSliceDims * kMaxSlices * 2;
   static constexpr int kStagesQ = kQStageBytes <= 96 * 1024 ? 2 : 1;
-  // With normalize, a row's U waits for its sum. Where the Q stages leave room
-  // (at most 64 KiB of them), U stays in shared memory, two rows of up to
-  // kSmemTopk slots (the producer marks a row's invalid slots there while the
-  // consumers normalise the row before); else it goes to attn_score and the
-  // row's final pass reads it back from global memory.
+  // With normalize, a row's U waits for its sum: in shared memory (two rows of up
+  // to kSmemTopk slots) where the Q stages leave room, else in attn_score.
   static constexpr int kSmemTopk = kStagesQ * kQStageBytes <= 64 * 1024 ? 2048 : 0;
-  // (block, slice) stages of 8 KiB in the rest of the 227 KiB (less ~16 KiB for the
-  // slot lists, per-stage slots and barriers), at most 16. The producer's copies
-  // complete on the stage's mbarrier (cp.async.mbarrier.arrive), so every free
-  // stage can have its copies in flight: at 128 x 576, 8 stages = 64 KiB, about
-  // 1.3 us of the gather rate the GEMM needs.
+  // (block, slice) stages of 8 KiB in the rest of the 227 KiB, at most 16; every
+  // free stage can have its copies in flight (they complete on its mbarrier).
   static constexpr int kStageBytes = kBlockKeys * kSliceDims * 2;
   static constexpr int kStageBudget = 216 * 1024 - kStagesQ * kQStageBytes - 2 * kSmemTopk * 4;
   static constexpr int kStagesFit = kStageBudget / (kStageBytes + 256) < 16 ? kStageBudget / (kStageBytes + 256) : 16;
-  // Two rings, one per consumer (stages [c * kStagesPerConsumer, (c + 1) * kStagesPerConsumer)):
-  // consumer c takes blocks c, c + 2, ... of a row and walks its own ring in order. In one
-  // shared ring a consumer would skip the other's stages, and an mbarrier parity wait
-  // more than one phase ahead of a barrier passes at once (it cannot tell phase k + 2
-  // from phase k).
+  // One ring per consumer (blocks c, c + 2, ... of a row): in a shared ring a
+  // consumer would skip the other's stages and wait more than one phase ahead of a
+  // barrier, which a parity wait cannot tell from the phase two before.
   static constexpr int kStagesPerConsumer = kStagesFit / 2;
   static constexpr int kStagesK = 2 * kStagesPerConsumer;
   static_assert(kStagesPerConsumer >= 3, "a pipeline of K stages per consumer");
-  // The producer prefetches the kv rows of the block this many blocks ahead of
-  // the one it copies into the L2 (0: none).
+  // L2 prefetch of the kv rows this many blocks ahead of the copies (0: none).
   static constexpr int kPrefetchBlocksAhead = 0;
 
-  // Three roles of one warpgroup each: the producer (compaction, Q and kv
-  // copies) and two consumers, which take the row's blocks alternately
-  // (block b: consumer b % 2), so one consumer's exp2 epilogue runs beside the
-  // other's wgmma.
+  // A producer and two consumers on alternate blocks, so that one consumer's exp2
+  // epilogue runs beside the other's wgmma.
   static constexpr int kThreadsPerWarpgroup = 128;
   static constexpr int kProducerThreads = kThreadsPerWarpgroup;
   static constexpr int kConsumers = 2;
   static constexpr int kConsumerThreads = kConsumers * kThreadsPerWarpgroup;
   static constexpr int kThreads = kProducerThreads + kConsumerThreads;
   static constexpr int kProducerWarpgroup = 0;  // consumers: warpgroups 1 and 2
-  // The producer's slot chunks (as the indexer kernels'): kSlotsPerThread
-  // slots per thread, strided by kProducerThreads (coalesced id loads).
+  // The producer's slot chunks, as the indexer kernels'.
   static constexpr int kSlotsPerThread = 8;
   static constexpr int kSlotChunk = kProducerThreads * kSlotsPerThread;
   static constexpr int kGatherKeysPerThread = kBlockKeys * (kSliceDims / 8) / kProducerThreads;  // 16-byte copies: 4
@@ -129,67 +106,56 @@ struct AttentionTargetStorage {
   alignas(16) int32_t slot_index[Config::kSlotChunk];
   alignas(16) int32_t slot_key_row[Config::kSlotChunk];
   int32_t producer_scan_rows[Config::kSlotsPerThread][Config::kProducerThreads / 32];
-  // ---- consumer-private (NamedBarrierId::kTargetConsumerSync): per-warp partial
-  //      row sums of U, by row parity (a row's are read after its barrier, the
-  //      next row's are written after the next barrier's... so two rows' worth)
+  // ---- consumer-private (kTargetConsumerSync): per-warp partial row sums of U,
+  //      by row parity (the next row's are written before this row's are all read)
   float row_part[2][Config::kConsumers][Config::kThreadsPerWarpgroup / 32];
-  // ---- U of two rows by row parity (Config::kSmemTopk > 0, normalize, topk <= kSmemTopk):
-  //      the producer's -0 at invalid slots (published by q_full), the consumers' U at
-  //      valid slots (ordered for the final pass by kTargetConsumerSync); row n's buffer
-  //      is rewritten by the producer for row n + 2 after q_empty of row n, which the
-  //      consumers then arrive on after their final pass of row n
+  // ---- U of two rows by parity (u_in_smem): the producer's -0 at invalid slots
+  //      (q_full), the consumers' U (kTargetConsumerSync); rewritten for row n + 2
+  //      after q_empty of row n, which follows row n's final pass
   float u_row[2][Config::kSmemTopk > 0 ? Config::kSmemTopk : 1];
 
   // ---------------------------------------------------------------------------
   // k_full[s]   "stage s holds slice s' of a gathered block"
-  //   arrive count : 2 * kProducerThreads (256): per producer thread one
-  //                  cp.async.mbarrier.arrive.noinc, which arrives when all of the
-  //                  thread's earlier cp.async copies (zero-fill included) have
-  //                  landed, and one mbarrier.arrive (release) after its key_slot[s]
-  //                  stores (slice 0 of a block; none otherwise)
+  //   arrive count : 2 * kProducerThreads (256): per producer thread one cp.async.mbarrier.arrive.noinc, which
+  //                  arrives when all of the thread's earlier cp.async copies (zero-fill included) have landed,
+  //                  and one mbarrier.arrive (release) after its key_slot[s] stores (slice 0 of a block; none
+  //                  otherwise)
   //   tx bytes     : none
-  //   waiters      : the consumer whose ring holds stage s (128 threads), then
-  //                  fence.proxy.async.shared::cta before its wgmma reads k[s]
+  //   waiters      : the consumer whose ring holds stage s (128 threads), then fence.proxy.async.shared::cta
+  //                  before its wgmma reads k[s]
   //   publishes    : k[s], key_slot[s][*]
   //   reuse        : the producer rewrites stage s only after k_empty[s]
   // k_empty[s]  "stage s may be overwritten"
   //   arrive count : kThreadsPerWarpgroup (128): the threads of the consumer whose ring holds s
-  //   who arrives  : each of them after the warpgroup_wait that completes the
-  //                  wgmma reading k[s], and (slice 0) after its key_slot[s] reads
+  //   who arrives  : each of them after the warpgroup_wait that completes the wgmma reading k[s], and (slice 0)
+  //                  after its key_slot[s] reads
   //   waiters      : the 128 producer threads (producer phase, starts at 1)
   uint64_t k_full[kStagesK];
   uint64_t k_empty[kStagesK];
   // q_full[s]   "Q stage s holds the row's query, lse2 and num_blocks"
-  //   arrive count : 2 * kProducerThreads (256): per producer thread one
-  //                  cp.async.mbarrier.arrive.noinc (its Q copies landed) and one
-  //                  mbarrier.arrive after its lse2 / num_blocks stores and its
-  //                  stores of the row's zeros at invalid slots (attn_score, or
-  //                  u_row when U stays in shared memory)
+  //   arrive count : 2 * kProducerThreads (256): per producer thread one cp.async.mbarrier.arrive.noinc (its Q
+  //                  copies landed) and one mbarrier.arrive after its lse2 / num_blocks stores and its stores
+  //                  of the row's zeros at invalid slots (attn_score, or u_row when U stays in shared memory)
   //   waiters      : all 256 consumer threads, then fence.proxy.async.shared::cta
-  //   publishes    : q[s] (every slice), lse2[s][*], num_blocks[s], and the row's
-  //                  zeros (the consumers' final pass reads them)
+  //   publishes    : q[s] (every slice), lse2[s][*], num_blocks[s], and the row's zeros (the consumers' final
+  //                  pass reads them)
   // q_empty[s]  "Q stage s (and, U in shared memory, u_row of the row's parity) may be overwritten"
   //   arrive count : kConsumerThreads (256)
-  //   who arrives  : every consumer thread after the warpgroup_wait<0> of its last
-  //                  block of the row (or at once without a block) and its reads
-  //                  of lse2[s] / num_blocks[s] (at the row's start); with U in
+  //   who arrives  : every consumer thread after the warpgroup_wait<0> of its last block of the row (or at once
+  //                  without a block) and its reads of lse2[s] / num_blocks[s] (at the row's start); with U in
   //                  shared memory, after its reads of u_row in the row's final pass
   //   waiters      : the 128 producer threads (producer phase, starts at 1)
   uint64_t q_full[kStagesQ];
   uint64_t q_empty[kStagesQ];
 };
 
-/// The kernel's mbarrier waits give up after this much wall time (%globaltimer,
-/// read every 1024 polls): a wait of this kernel lasts at most about a row's
-/// work, microseconds (milliseconds under compute-sanitizer's instrumentation),
-/// so a wait this long is a lost arrival, and the kernel traps (the launch
-/// fails) instead of hanging. 30 s leaves the sanitizer's slowdown a margin of
-/// thousands.
+/// The kernel's waits trap after this much wall time (%globaltimer, read every
+/// 1024 polls): a wait lasts about a row's work at most, so this is a lost
+/// arrival, with a margin of thousands for compute-sanitizer's slowdown.
 inline constexpr uint64_t kTargetWaitTimeoutNs = 30000000000ull;
 
 /// The cold path of a timed-out wait (out of line, as mbarrier_wait_timed_out):
-/// records which wait (g_dsaib_wait_timeout_code 17 = K stage full, 18 = Q stage
-/// full, 19 = K stage empty, 20 = Q stage empty), then traps.
+/// g_dsaib_wait_timeout_code 17 = K full, 18 = Q full, 19 = K empty, 20 = Q empty.
 static __device__ __noinline__ void target_wait_timed_out(uint32_t code) {
   g_dsaib_wait_timeout_code = 16u + code;
   __trap();

@@ -7,7 +7,7 @@
 namespace dsaib::hopper {
 
 /// The deterministic d_index_k's scale (fixed_point_dk.cuh), written by the bound
-/// pass before the fused kernel: the largest per-row bound on the sum of the
+/// pass before the backward kernel: the largest per-row bound on the sum of the
 /// magnitudes of a row's dK contributions (an fp64's bits: non-negative doubles
 /// order as unsigned integers, so atomicMax keeps the largest, in any order),
 /// and whether a row's bound was not finite. Zeroed before the pass.
@@ -33,7 +33,7 @@ struct IndexerParams {
   int64_t attn_score_batch_stride, attn_score_row_stride;
   // P. The P-free kernels (PFreeConfig) read here instead the row
   // statistics packed by the host, (LSE, row_target_mass) of flat row r as the
-  // float2 at index r (backend.cu); its strides are then unused.
+  // float2 at index r; its strides are then unused.
   const float* index_score;
   int64_t index_score_batch_stride, index_score_row_stride;
   const int32_t* cu_seqlens_q;  // THD only (B + 1), device

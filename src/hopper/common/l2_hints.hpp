@@ -1,15 +1,7 @@
-// When the fused kernel's dK reds carry their L2 policy (device side:
-// l2_policy.cuh, TileConfig::kL2KeepDk). Host code only, header-only:
-// launch_plan.cpp decides per launch, and the CPU tests check the estimate
-// without a GPU.
-//
-// Measured on the H200 at B1 S 65536 D128, where dK (fp32, 32 MiB) and K (bf16,
-// 16 MiB) fill most of the 60 MiB L2: the hinted kernel took -2.3% to -4.4% at
-// random ids (two paired A/Bs of the same kernel, evict_last share 0.35) and ~0
-// at causal ids. At S 16384, 32768 and 49152 (12, 24, 36 MiB) hint on against
-// off changed nothing. So the hinted kernel is taken only when the keys that the
-// CTAs in flight can touch need more than half of the L2 for dK and K; below
-// that the launch runs the unhinted kernel, which has no policy at all.
+// When the backward kernel's dK reds carry their L2 policy (option l2_hints;
+// device side: l2_policy.cuh), and which share. Host code, header-only, so that
+// the CPU tests check it. The hint pays only once the dK and K rows in flight
+// crowd the L2 (docs/hopper-kernel.md §4, docs/design-decisions.md).
 #pragma once
 
 #include <algorithm>
@@ -58,14 +50,9 @@ inline int64_t key_rows_in_flight(const std::vector<int64_t>& q_len, const std::
 /// (cudaDevAttrL2CacheSize; 0 = unknown: no hints), or when the context's L2
 /// set-aside for persisting lines (`set_aside_bytes`,
 /// cudaLimitPersistingL2CacheSize) holds all of dK and dK and K exceed half of
-/// the L2 that the set-aside leaves to the other lines. The second clause: a
-/// set-aside holds its share away from normal lines, and with 37.5 MiB the
-/// unhinted kernel took +8 / +17 / +36% at random ids S 24576 / 32768 / 40960
-/// against the default set-aside (measured on the H200); the hinted kernel then
-/// keeps all of dK evict_last in the set-aside (l2_keep_fraction: 1.0). It is
-/// never true at the H200's default 11.25 MiB (dK of at most 11.25 MiB and
-/// dK + K above 24.4 MiB cannot both hold), so there only the first clause
-/// decides.
+/// the L2 that the set-aside leaves to the other lines: a set-aside holds its
+/// share away from normal lines, and the hinted kernel then keeps all of dK
+/// there. The second clause never holds at the H200's default 11.25 MiB.
 inline bool l2_hints_pay(L2Hints mode, int64_t key_rows, int64_t head_dim, int64_t l2_bytes,
                          int64_t set_aside_bytes) {
   if (mode != L2Hints::automatic) return mode == L2Hints::on;
@@ -98,18 +85,12 @@ inline bool l2_hints_for_launch(L2Hints mode, const std::vector<int64_t>& q_len,
                       set_aside_bytes);
 }
 
-/// The share of the hinted kernel's dK reds that carry the evict_last policy
-/// (l2_policy.cuh). evict_last lines live in the context's L2 set-aside for
-/// persisting lines (cudaLimitPersistingL2CacheSize: the application's setting,
-/// 11.25 MiB in a fresh context on the H200, at most 37.5 MiB), and a set-aside
-/// holds its share of the L2 away from the other lines, so the share follows the
-/// set-aside in force. Measured on the H200 at B1 S 65536 D128, random ids,
-/// against 0.35 with 11.25 MiB: 0.35 with 37.5 MiB +38% (dK and K squeezed into
-/// the other 22.5 MiB), 1.0 with 37.5 MiB -2.2% [-4.5, +0.1]; with 11.25 MiB,
-/// 1.0 gained least of 0.25 / 0.35 / 0.5 / 1.0 (l2_policy.cuh).
+/// The share of the hinted kernel's dK reds that carry evict_last. evict_last
+/// lines live in the context's persisting set-aside, which holds its share of
+/// the L2 away from other lines, so the share follows the set-aside in force.
 enum class L2KeepFraction : int32_t {
   f035 = 0,  // the set-aside holds less than 3/4 of dK (the default 11.25 MiB at every hinted launch)
-  f075 = 1,  // 3/4 of dK or more (not measured; between the two measured points)
+  f075 = 1,  // 3/4 of dK or more
   f100 = 2,  // all of dK
 };
 

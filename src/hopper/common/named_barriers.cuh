@@ -1,6 +1,5 @@
-// Named (bar.sync) barriers of the sm_90a kernel: one scoped enum, with the
-// number of participating threads beside each. IDs are offset past CUTLASS's
-// reserved ones by cutlass::arch::NamedBarrier.
+// Named (bar.sync) barriers of the sm_90a kernels, in one scoped enum; CUTLASS's
+// NamedBarrier offsets the ids past its reserved ones.
 #pragma once
 
 #include <cutlass/arch/barrier.h>
@@ -8,19 +7,15 @@
 namespace dsaib::hopper {
 
 enum class NamedBarrierId : uint32_t {
-  /// The producer warpgroup: stage-1 partial sums / counts and the compacted
-  /// slot list are complete (or fully consumed) before the next step.
+  /// A producer warpgroup: partial sums, counts and the slot list complete (or consumed).
   kProducerSync = 1,
-  /// The loss forward's score warpgroup (forward_score.cuh): the per-warp row
-  /// statistics of a row (and its logits in the z scratch row) are complete, and
-  /// a pass over its slots has read them and written its per-warp sums.
+  /// The loss forward's score warpgroup (forward_score.cuh): a row's per-warp
+  /// statistics and logits complete, or a slot pass's reads and sums done.
   kForwardScoreSync = 2,
-  /// The P-free backward's score warpgroup (score_mma.cuh, PFreeConfig):
-  /// the per-warp partial logits of a key block, then the block's gs, are complete.
+  /// The P-free score warpgroup (score_mma.cuh): a block's partial logits, then its gs.
   kPFreeScoreSync = 3,
-  /// The attention target's two consumer warpgroups (attention_target_consumer.cuh):
-  /// a row's per-warp partial sums of U, and its unnormalised T in global memory,
-  /// are complete before the row's final pass reads them.
+  /// The attention target's consumers (attention_target_consumer.cuh): a row's
+  /// partial sums of U and its U stores complete before its final pass.
   kTargetConsumerSync = 4,
 };
 

@@ -1,5 +1,5 @@
-// Device-side geometry: flat rows to memory offsets, sequences, id validity.
-// Mirrors src/core/problem.hpp (the host version used by the cpu backend).
+// Device-side geometry: flat rows to offsets, sequences, id validity (the host's
+// is src/core/problem.hpp).
 #pragma once
 
 #include <cstdint>

@@ -1,31 +1,9 @@
-// Producer role (warpgroup 0, all 128 threads): per task, load Q and w, run
-// stage 1 (score gradient), compact the valid slots, and gather their keys
-// into K stages.
-//
-// Stage 1 (docs/math.md): over the row's valid slots
-//   g_i = -c * max(T_i, eps) * [P_i >= eps],  G = sum g_i,  gs_i = g_i - P_i * G
-// The row is walked in chunks of kSlotChunk slots; thread t owns the
-// kSlotsPerThread slots t, t + kThreads, t + 2*kThreads, ... of a chunk
-// (a warp's load j reads 32 consecutive slots, 128 coalesced bytes; with
-// consecutive slots per thread each load spanned 1 KiB and ncu counted 18% of
-// the kernel's L2 sectors as excessive; paired A/B at S 16384: -1.1% causal,
-// -1.9% random) and issues all their
-// loads before using any (one memory latency per chunk, not one per slot).
-// Pass 1 computes G and the number of valid slots; pass 2 writes the chunk's
-// valid slots into a shared list in slot order (a ballot per slot row of
-// kThreads slots and a prefix over (row, warp) counts), from which blocks of
-// kBlockKeys keys are gathered. Each chunk's last block is padded with key_row
-// -1 / gs 0 / zero-filled K rows. Invalid slots never reach the consumers and
-// are never dereferenced.
-//
-// Order of the blocks: the list is in slot order, and in the backward odd waves
-// of tasks (task / gridDim.x) take the chunks last to first (the forward keeps
-// slot order, below). Against thread-order lists
-// and forward chunks, paired A/B with ascending ids, 4 pairs: random ids S 4096
-// -2.6%, S 16384 -0.5%, S 65536 -0.5%; causal S 4096 -1.5%, S 16384 -1.0%,
-// S 65536 0. Ids in a random order within the row run as fast as ascending
-// ones, so the gain is not that of narrow blocks alone; ordering the list by
-// key bucket cost 1.8-3.6% with shuffled ids (its only A/B).
+// Producer role (warpgroup 0): per task, Q and w, stage 1 (the score gradient
+// g_i = -c max(T_i, eps) [P_i >= eps], G = sum g_i, gs_i = g_i - P_i G), the
+// compacted list of the valid slots, and their keys gathered into K stages
+// (docs/hopper-kernel.md §4). Thread t owns slots t, t + kThreads, ... of a
+// chunk, so that a warp's load covers 128 contiguous bytes, and issues all their
+// loads before using any. Invalid slots are never dereferenced.
 #pragma once
 
 #include <cute/arch/copy_sm80.hpp>
@@ -39,16 +17,11 @@
 
 namespace dsaib::hopper {
 
-/// kScoreGradient: the backward's producer (stage 1 above; each gathered key
-/// carries its gs). Without it (the loss forward, forward_kernel.cuh) there is
-/// no stage 1: index_score is not read, and each gathered key carries its slot
-/// in the row (Storage::key_slot, -1 on tail entries) and its clipped target
-/// T~ = max(T, eps) (Storage::key_target, 0 on tail entries), compacted through
-/// Storage::slot_index / slot_target.
-/// With a PFreeConfig (the P-free backward) index_score is not read either:
-/// each gathered key carries g~_i = -c * max(T_i, eps) in gs, and the Q stage the
-/// row's LSE and G = -c * row_target_mass; the score role forms gs from them and
-/// the P it rebuilds (score_mma.cuh).
+/// kScoreGradient: the backward's producer (each gathered key carries its gs).
+/// Without it (the loss forward) there is no stage 1: each key carries its slot
+/// (key_slot, -1 on tail entries) and T~ = max(T, eps) (key_target). With a
+/// PFreeConfig each key carries g~_i = -c max(T_i, eps) in gs and the Q stage
+/// the row's LSE and G; the score role forms gs (score_mma.cuh).
 template <class Config, class Storage = SharedStorage<Config>, bool kScoreGradient = true>
 struct ProducerGather {
   using Element = typename Config::Element;
@@ -141,16 +114,14 @@ struct ProducerGather {
     return before + inclusive - count;
   }
 
-  // Gather mapping: thread t copies the 16-byte column chunk t % kChunksPerRow
-  // of kGatherRows consecutive rows of a block, starting at gather_row0. For
-  // copy i, a warp's 32 lanes cover whole key rows (coalesced).
+  // Thread t copies 16-byte column chunk t % kChunksPerRow of kGatherRows
+  // consecutive rows from gather_row0: a warp's copy i covers whole key rows.
   __device__ static int gather_col(int tid) { return (tid % kChunksPerRow) * 8; }
   __device__ static int gather_row0(int tid) { return (tid / kChunksPerRow) * kGatherRows; }
   static constexpr int kStageElems = kBlock * kD;
 
-  /// This thread's copy destinations in K stage 0, computed once: a stage is a
-  /// whole number of swizzle periods (8 rows of 128 bytes), so stage ks is
-  /// stage 0 plus ks * kStageElems and the swizzle need not be redone per copy.
+  /// This thread's destinations in K stage 0, once: a stage spans whole swizzle
+  /// periods, so stage ks is stage 0 plus ks * kStageElems.
   __device__ void gather_destinations(Element* (&k_dst)[kGatherRows], int tid) const {
     static_assert(decltype(cute::cosize(cute::take<0, 2>(typename Config::SmemLayoutK{})))::value == kStageElems &&
                       (kStageElems * sizeof(Element)) % 1024 == 0,
@@ -181,10 +152,9 @@ struct ProducerGather {
     }
   }
 
-  /// The cp.async copies (one commit group) of block `first / kBlock` of a
-  /// chunk's list into K stage ks: the keys at list_key_row[first ...], the
-  /// entries at or past chunk_valid zero-filled. k_seq_col: this thread's column
-  /// of the row's sequence's first key row (key_row_ptr + gather_col).
+  /// The copies (one commit group) of list entries first... into K stage ks, those
+  /// at or past chunk_valid zero-filled. k_seq_col: this thread's column of the
+  /// sequence's first key row.
   __device__ void gather_block(int ks, int first, int chunk_valid, const int32_t* list_key_row,
                                Element* const (&k_dst)[kGatherRows], const uint16_t* k_seq_col, int32_t k_start,
                                int tid) const {
@@ -216,9 +186,7 @@ struct ProducerGather {
     auto k_state = make_producer_start_state<Config::kStagesK>();
     auto q_state = make_producer_start_state<Config::kStagesQ>();
 
-    // Start delay (start_stagger.hpp): CTAs from start_stagger_first_delayed_cta
-    // on (the ones with a task fewer) start out of phase. Only this role waits;
-    // the others wait on its pipelines anyway. No memory is touched.
+    // Start delay (start_stagger.hpp): only this role waits, touching no memory.
     if (const uint64_t delay = start_delay_ns(p.start_stagger_max_ns, p.start_stagger_first_delayed_cta, blockIdx.x)) {
       const uint64_t start = cuda::ptx::get_sreg_globaltimer();
       while (cuda::ptx::get_sreg_globaltimer() - start < delay) __nanosleep(500);
@@ -228,10 +196,8 @@ struct ProducerGather {
       const int h0 = static_cast<int>(task % p.head_groups) * Config::kHeadTile;
       const int nh = min(Config::kHeadTile, p.heads - h0);
       const RowSequence seq = row_sequence(p, row);
-      // This thread's column of the sequence's first key row: one division per
-      // task; its chunk of a selected key row kr of this sequence is then at
-      // k_seq_col + (kr - seq.k_start) * k_row_stride (no per-copy division;
-      // key rows are below 2^31, so the difference is 32-bit).
+      // One division per task, none per copy: a key row kr's chunk is at
+      // k_seq_col + (kr - k_start) * k_row_stride (32-bit: key rows < 2^31).
       const uint16_t* k_seq_col = key_row_ptr(p, seq.k_start) + gather_col(tid);
       const int32_t k_start = static_cast<int32_t>(seq.k_start);
       const int32_t* ids = p.topk_indices + batched_offset(row, p.q_rows_per_batch, p.ids_batch_stride, p.ids_row_stride);
@@ -288,25 +254,20 @@ struct ProducerGather {
       q_state.advance();
 
       // ---- pass 2 per chunk: compact, then gather blocks; block j is committed
-      //      once block j+1 has been issued (two blocks of copies in flight)
+      //      once block j+1 is issued (two blocks of copies in flight)
       bool pending = false;
       PipelineState<Config::kStagesK> pending_state{};
-      // Odd waves of tasks (task / gridDim.x) walk the chunks last to first:
-      // with ascending ids every CTA then turns at the same end of the key range,
-      // the half of dK and K touched last in one wave is touched first in the next.
-      // The forward walks them in slot order: its row statistics accumulate in
-      // the order the keys arrive, which must not depend on the grid.
+      // Odd waves walk the chunks last to first: with ascending ids, the keys a
+      // wave touched last are the next wave's first. The forward keeps slot
+      // order: its statistics accumulate in arrival order, which must not
+      // depend on the grid.
       const int num_chunks = (p.topk + Config::kSlotChunk - 1) / Config::kSlotChunk;
       const bool reverse_chunks = kScoreGradient && ((task / gridDim.x) & 1) != 0;
       for (int ci = 0; ci < num_chunks; ++ci) {
         const int chunk0 = (reverse_chunks ? num_chunks - 1 - ci : ci) * Config::kSlotChunk;
         SlotBatch s;
         load_batch<true>(chunk0 + tid, seq, ids, attn_score, index_score, s);
-        // The list in slot order. Slot chunk0 + tid + j * kThreads goes to position
-        //   (valid slots of rows j' < j) + (valid slots of threads < tid in row j),
-        // row j being the kThreads slots chunk0 + j * kThreads + [0, kThreads).
-        int pos[kPerThread];
-        // the previous chunk's list has been fully read (the barrier after its blocks)
+        int pos[kPerThread];  // the previous list was read (the barrier after its blocks)
         const int chunk_valid = slot_list_positions<kThreads, kPerThread>(s.key_row, pos, ss.producer_scan_rows, tid,
                                                                            [] { producer_sync<Config>(); });
         CUTE_UNROLL

@@ -6,10 +6,8 @@
 
 namespace dsaib::hopper {
 
-/// One part of a row's statistics over its valid slots, in the order the
-/// blocks arrive: the running max m of the logits z and sum s of exp(z - m)
-/// (a -inf logit adds nothing), the smallest z, the fp64 sums of T~ z and of
-/// T~, and the number of valid slots.
+/// Running max m of the logits z and sum s of exp(z - m), the smallest z, the
+/// fp64 sums of T~ z and T~, over a part of a row's valid slots.
 struct RowRunningStats {
   float m, s, z_min;
   double target_logit, target;

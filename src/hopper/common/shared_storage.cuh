@@ -1,5 +1,5 @@
 // Shared memory of the sm_90a indexer backward, with the contract of every
-// mbarrier that guards it.
+// mbarrier that guards it (docs/sync-contract.md).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -10,25 +10,20 @@
 
 namespace dsaib::hopper {
 
-/// Shared memory of the P-free kernels only (PFreeConfig), at the end of
-/// SharedStorage: the score role's per-warp partial logits of one key block
-/// (ordered by NamedBarrierId::kPFreeScoreSync), and per Q stage the row's
-/// LSE and G = -c * row_target_mass (written by the producer, published with the
-/// stage by q_full like w_scaled, read by the score role).
+/// The P-free kernels' part (PFreeConfig): the score role's per-warp partial
+/// logits of a key block (kPFreeScoreSync), and per Q stage the row's LSE and
+/// G = -c * row_target_mass (published with the stage by q_full, as w_scaled).
 template <class Config>
 struct PFreeStorage {
   float z_part[Config::kScoreThreads / 32][Config::kBlockKeys];
   float row_lse[Config::kStagesQ];
   float row_g[Config::kStagesQ];
 };
-/// The other kernels: nothing (one byte after the last member, inside the
-/// padding that rounds SharedStorage up to its 1024-byte alignment).
+/// The other kernels: one byte, inside SharedStorage's alignment padding.
 struct NoPFreeStorage {};
 
-/// Shared memory of the loss-and-gradient kernels only (LossAndGradConfig):
-/// loss_and_grad/loss_and_grad_storage.cuh, with its mbarrier contracts. Named
-/// here, completed there: only the loss-and-gradient kernel's translation unit
-/// instantiates a SharedStorage that holds it.
+/// The loss-and-gradient kernels' part, completed in
+/// loss_and_grad/loss_and_grad_storage.cuh with its mbarrier contracts.
 template <class Config>
 struct LossAndGradStorage;
 struct NoLossAndGradStorage {};
@@ -44,18 +39,13 @@ struct SharedStorage {
   alignas(1024) Element q[cute::cosize_v<typename Config::SmemLayoutQ>];  // (64 heads, D) x kStagesQ
   alignas(1024) Element k[cute::cosize_v<typename Config::SmemLayoutK>];  // (64 keys, D) x kStagesK
   alignas(1024) Element a[cute::cosize_v<typename Config::SmemLayoutA>];  // (64 keys, 64 heads) x kATerms x kABuffers
-  // ---- the dK block staged row-contiguous, rows padded by kDkStagePad floats: the
-  //      accumulator's float2 stores of 8 rows then fall in distinct bank pairs
-  //      (2 wavefronts per store, the minimum).
-  //      kDkBuffers = 2 buffers, consumer -> scatter role through dk_full /
-  //      dk_empty (contract blocks below).
+  // ---- the dK block staged row-contiguous (rows padded: 2 wavefronts per float2
+  //      store, the minimum), dK role -> scatter role through dk_full / dk_empty
   alignas(128) float dk_stage[Config::kDkBuffers][Config::kBlockKeys][Config::kHeadDim + Config::kDkStagePad];
-  // With dk_stage[b], the flat key row of each staged row (-1 on
-  // tail rows) and the end marker (1: no more blocks; the scatter role exits).
+  // With dk_stage[b]: each row's flat key row (-1 on tail rows) and the end marker.
   int32_t dk_key_row[Config::kDkBuffers][Config::kBlockKeys];
   int32_t dk_end[Config::kDkBuffers];
-  // With sA[b], the flat key row of each of its 64 keys (-1 on tail keys): the
-  // score role copies them from key_row[ks], so the dK role needs no K stage.
+  // With sA[b]: each key's flat key row (-1 on tail keys), so the dK role needs no K stage.
   int32_t a_key_row[Config::kABuffers][Config::kBlockKeys];
   // ---- per K stage, read with ordinary loads
   float gs[kStagesK][Config::kBlockKeys];        // dLoss/dz of each gathered slot (0 on tail entries)
@@ -73,20 +63,18 @@ struct SharedStorage {
   // ---------------------------------------------------------------------------
   // k_full[s]   "gathered block s is ready"
   //   arrive count : Config::kProducerThreads (128) thread arrivals, one per producer thread
-  //   who arrives  : every producer thread, after (1) its gs/key_row stores for
-  //                  stage s, (2) cp.async.wait_group proving its own cp.async
-  //                  copies into k[s] (zero-fill included) completed, and
-  //                  (3) fence.proxy.async.shared::cta
+  //   who arrives  : every producer thread, after (1) its gs/key_row stores for stage s, (2)
+  //                  cp.async.wait_group proving its own cp.async copies into k[s] (zero-fill included)
+  //                  completed, and (3) fence.proxy.async.shared::cta
   //   tx bytes     : none (cp.async completion is waited for, not tracked)
   //   waiters      : all score-role threads, on the consumer PipelineState's phase
   //   publishes    : k[s], gs[s][*], key_row[s][*]
   //   reuse        : the producer overwrites stage s only after k_empty[s]
   // k_empty[s]  "stage s may be overwritten"
   //   arrive count : Config::kScoreThreads (128) thread arrivals
-  //   who arrives  : every score-role thread, after the warpgroup_wait<0> that
-  //                  completes GEMM1 and GEMM3 of the block (the wgmma reads of
-  //                  k[s]; GEMM3's wait is the next block's, or the task's last)
-  //                  and its own reads of gs[s] / key_row[s]
+  //   who arrives  : every score-role thread, after the warpgroup_wait<0> that completes GEMM1 and GEMM3 of the
+  //                  block (the wgmma reads of k[s]; GEMM3's wait is the next block's, or the task's last) and
+  //                  its own reads of gs[s] / key_row[s]
   //   tx bytes     : none
   //   waiters      : producer threads, starting on phase 1 (make_producer_start_state)
   //   publishes    : the end of all reads of stage s (write-after-read order)
@@ -95,22 +83,19 @@ struct SharedStorage {
   uint64_t k_empty[kStagesK];
   // q_full[s]   "task s's Q tile, w_scaled and num_blocks are ready"
   //   arrive count : Config::kProducerThreads (128) thread arrivals
-  //   who arrives  : every producer thread, after its w_scaled/num_blocks stores,
-  //                  cp.async.wait_group 0 for its Q copies, and fence.proxy.async
-  //                  (GEMM2 reads q[s] through the async proxy; the score role's
-  //                  ldmatrix loads of q[s] are generic-proxy reads)
+  //   who arrives  : every producer thread, after its w_scaled/num_blocks stores, cp.async.wait_group 0 for its
+  //                  Q copies, and fence.proxy.async (GEMM2 reads q[s] through the async proxy; the score
+  //                  role's ldmatrix loads of q[s] are generic-proxy reads)
   //   tx bytes     : none
   //   waiters      : all score-role and dK-role threads, consumer phase
   //   publishes    : q[s], w_scaled[s][*], num_blocks[s]
   //   reuse        : after q_empty[s]
   // q_empty[s]  "Q stage s may be overwritten"
   //   arrive count : Config::kScoreThreads + Config::kDkThreads (256) thread arrivals
-  //   who arrives  : every score-role thread after the task's last
-  //                  warpgroup_wait<0> (its reads of q[s] are the ldmatrix loads
-  //                  of the task's Q into registers, before its first GEMM1),
-  //                  every dK-role thread after its last GEMM2 (the score role
-  //                  after reading w_scaled / num_blocks, the dK role after
-  //                  reading num_blocks)
+  //   who arrives  : every score-role thread after the task's last warpgroup_wait<0> (its reads of q[s] are the
+  //                  ldmatrix loads of the task's Q into registers, before its first GEMM1), every dK-role
+  //                  thread after its last GEMM2 (the score role after reading w_scaled / num_blocks, the dK
+  //                  role after reading num_blocks)
   //   tx bytes     : none
   //   waiters      : producer threads, starting on phase 1
   //   publishes    : the end of all reads of q[s]
@@ -119,30 +104,28 @@ struct SharedStorage {
   uint64_t q_empty[kStagesQ];
   // a_full[b]   "A of a block (every term) and its key rows are in sA[b] / a_key_row[b]"
   //   arrive count : Config::kScoreThreads (128) thread arrivals
-  //   who arrives  : every score-role thread, after its stmatrix stores of sA[b]
-  //                  (lanes 0-15 of each warp: a_key_row[b]) and
-  //                  fence.proxy.async.shared::cta (GEMM2 reads sA[b] through the
-  //                  async proxy)
+  //   who arrives  : every score-role thread, after its stmatrix stores of sA[b] (lanes 0-15 of each warp:
+  //                  a_key_row[b]) and fence.proxy.async.shared::cta (GEMM2 reads sA[b] through the async
+  //                  proxy)
   //   tx bytes     : none
   //   waiters      : all dK-role threads, consumer-side PipelineState
   //   publishes    : sA[b] (all terms), a_key_row[b][*]
   //   reuse        : the score role rewrites buffer b only after a_empty[b]
   // a_empty[b]  "sA[b] / a_key_row[b] may be overwritten"
   //   arrive count : Config::kDkThreads (128) thread arrivals
-  //   who arrives  : every dK-role thread, after warpgroup_wait<0> of GEMM2 (the
-  //                  wgmma reads of sA[b]) and its read of a_key_row[b]
+  //   who arrives  : every dK-role thread, after warpgroup_wait<0> of GEMM2 (the wgmma reads of sA[b]) and its
+  //                  read of a_key_row[b]
   //   tx bytes     : none
   //   waiters      : score-role threads, starting on phase 1
-  //   publishes    : the end of all reads of buffer b (write-after-read): the dK
-  //                  role is its only reader (the score role's GEMM3 takes A
-  //                  from registers, see below)
+  //   publishes    : the end of all reads of buffer b (write-after-read): the dK role is its only reader (the
+  //                  score role's GEMM3 takes A from registers, see below)
   //   reuse        : immediately after the wait
   uint64_t a_full[Config::kABuffers];
   uint64_t a_empty[Config::kABuffers];
   // dk_full[b]  "dK block (or the end marker) staged in buffer b"
   //   arrive count : Config::kDkThreads (128) thread arrivals
-  //   who arrives  : every dK-role thread, after its stores of dk_stage[b]
-  //                  (lanes 0-15 of each warp: dk_key_row[b]; thread 0: dk_end[b])
+  //   who arrives  : every dK-role thread, after its stores of dk_stage[b] (lanes 0-15 of each warp:
+  //                  dk_key_row[b]; thread 0: dk_end[b])
   //   tx bytes     : none
   //   waiters      : all scatter threads, consumer-side PipelineState
   //   publishes    : dk_stage[b][*], dk_key_row[b][*], dk_end[b]
@@ -156,15 +139,12 @@ struct SharedStorage {
   //   reuse        : immediately after the wait
   uint64_t dk_full[Config::kDkBuffers];
   uint64_t dk_empty[Config::kDkBuffers];
-  // The score role never reads sA: GEMM3 (wgmma RS) takes A from the role's
-  // registers, the bf16 A terms in the GEMM1 accumulator layout. Each thread's
-  // stmatrix into sA[b] reads those registers before GEMM3 is issued (PTX leaves
-  // access to an in-flight wgmma's A registers undefined until
-  // wgmma.wait_group). WAR on A's registers: the next block's warpgroup_wait<0>
-  // (after its GEMM1), or the one after the block loop, completes GEMM3 before
-  // A is rewritten or dQ is read. GEMM1 (wgmma RS) takes Q from registers that
-  // ldmatrix loads from q[qs] once per task, after the q_full wait; every GEMM1
-  // of the previous task was waited for before they are rewritten.
+  // The score role's register operands, which no mbarrier guards. It reads no
+  // sA: GEMM3 takes A from registers, which its stmatrix into sA[b] reads before
+  // GEMM3 is issued (PTX leaves them undefined until wgmma.wait_group); the next
+  // block's warpgroup_wait<0> (or the one after the loop) completes GEMM3 before
+  // A is rewritten or dQ read. GEMM1 takes Q from registers loaded once per task
+  // after q_full; every GEMM1 of the previous task was waited for first.
 
   std::conditional_t<kIsPFree<Config>, PFreeStorage<Config>, NoPFreeStorage> p_free;
   std::conditional_t<kFusesForward<Config>, LossAndGradStorage<Config>, NoLossAndGradStorage> fused;
@@ -184,8 +164,7 @@ struct KernelBarrierCounts {
   // dK ring: every dK-role thread stages, every scatter thread reads.
   static constexpr uint32_t kDkFullArrivals = Config::kDkThreads;
   static constexpr uint32_t kDkEmptyArrivals = Config::kScatterThreads;
-  // Each role is one whole warpgroup (indexer_backward_kernel.cuh), and every
-  // thread of it arrives.
+  // Each role is one whole warpgroup, and every thread of it arrives.
   static_assert(Config::kProducerThreads == Config::kThreadsPerWarpgroup &&
                     Config::kScoreThreads == Config::kThreadsPerWarpgroup &&
                     Config::kDkThreads == Config::kThreadsPerWarpgroup &&
@@ -194,8 +173,7 @@ struct KernelBarrierCounts {
                 "one warpgroup per role, every thread of a role arrives");
 };
 
-/// The four pipelines of the backward's roles over SharedStorage's barriers
-/// (the contract blocks above), with the timeout codes of pipeline.cuh.
+/// The backward's four pipelines over the barriers above (timeout codes: pipeline.cuh).
 template <class Config>
 struct BackwardPipelines {
   MbarrierPipeline<Config::kStagesK> k;     // the producer fills K stages, the score role empties them

@@ -1,22 +1,15 @@
-// The compacted list of a chunk's valid slots, in slot order: shared by the
-// producers of the indexer kernels (producer_gather.cuh) and of the attention
-// target (attention_target_producer.cuh).
+// The compacted list of a chunk's valid slots, in slot order, for every producer.
 #pragma once
 
 #include <cstdint>
 
 namespace dsaib::hopper {
 
-/// A producer warpgroup of kThreads threads holds a chunk of kThreads *
-/// kPerThread slots; thread tid holds slots tid + j * kThreads (slot row j),
-/// key_row[j] < 0 marking an invalid one. Returns the chunk's valid slots and
-/// sets pos[j], the position of each valid slot in the list of valid slots in
-/// slot order:
-///   (valid slots of rows j' < j) + (valid slots of threads < tid in row j).
-/// A ballot per slot row, the (row, warp) counts through `scan_rows`, and one
-/// `sync()` (the warpgroup's named barrier) after their writes; the caller
-/// orders any later rewrite of `scan_rows` after every thread's reads here
-/// (a barrier of its own, e.g. after the list writes).
+/// Thread tid holds slots tid + j * kThreads (slot row j; key_row[j] < 0:
+/// invalid). Returns the chunk's valid slots and sets pos[j], the list position
+/// of each valid slot: (valid slots of rows < j) + (of threads < tid in row j).
+/// One sync() after the (row, warp) counts; the caller orders any rewrite of
+/// scan_rows after every thread's reads here.
 template <int kThreads, int kPerThread, class Sync>
 __device__ __forceinline__ int slot_list_positions(const int32_t (&key_row)[kPerThread], int (&pos)[kPerThread],
                                                    int32_t (&scan_rows)[kPerThread][kThreads / 32], int tid,

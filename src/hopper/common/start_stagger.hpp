@@ -1,29 +1,13 @@
-// When the persistent CTAs start out of phase. The plan is host code,
-// header-only (launch_plan.cpp decides per launch, and the CPU tests check it
-// without a GPU); start_delay_ns is also compiled for the device, where the
-// producer computes its own CTA's delay with it.
+// When the persistent CTAs start out of phase (option start_stagger,
+// docs/hopper-kernel.md §3). Host code, header-only, so that the CPU tests check
+// the plan; start_delay_ns is also the producer's, on the device.
 //
-// All CTAs of the persistent grid start their first task at the same moment and
-// then do the same kind of work at the same time (stage 1's streamed loads, then
-// the gathers, then the dK reds); they drift apart only over many waves. CTAs
-// held in step (a gate at every chunk of every wave) cost ~7% at S 65536 with
-// shuffled ids, and delaying the start of most CTAs by up to about half a task
-// took random ids at S 4096 (31 waves) -1.2% (8-pair A/B on the H200); three
-// quarters of a task took another -1.0% there (8-pair A/B; kTaskShare).
-//
-// With num_tasks = waves * grid + tail (0 < tail < grid), CTAs 0 .. tail-1 run
-// one task more than the others (CTA b runs tasks b, b + grid, ...). Only the
-// others are delayed, CTA b by ((37 b) mod 32) / 32 of max_ns (a scrambled
-// spread over CTA ids), where max_ns is kTaskShare (3/4) of the estimated time of
-// the cheapest of those extra tasks. When the tasks cost about the same (BSHD, or THD with
-// equal sequences) the delayed CTAs still finish before the ones with an extra
-// task, so the delay costs no time; with unequal tasks it can cost up to max_ns
-// once, which the plan bounds by asking for at least kMinWaves waves. No delay
-// with tail 0, fewer waves, or a max_ns under kMinDelayNs (the timer and
-// __nanosleep granularity would dominate it).
-//
-// IndexerOptions::start_stagger = off turns the delays off (for A/B runs
-// and debugging).
+// CTAs that start together run the same phase (streamed loads, gathers, dK reds)
+// at the same time, which costs the L2. With num_tasks = waves * grid + tail,
+// CTAs 0 .. tail-1 run one task more; the others start up to kTaskShare of the
+// cheapest extra task late, so with tasks of equal cost the delay costs no time.
+// Unequal tasks can lose up to max_ns once, hence kMinWaves; under kMinDelayNs
+// the timer's granularity would dominate.
 #pragma once
 
 #include <algorithm>
@@ -38,17 +22,12 @@
 
 namespace dsaib::hopper {
 
-/// One CTA's time per valid slot of a task (one query row, up to 64 heads) while
-/// the whole grid runs, in ns, measured on the H200 with one CTA per SM: ~0.176 ns
-/// per slot and row at D 128 (~360 ns per row at topk 2048, random ids) and
-/// ~0.113 at D 64 (~231), each times the 132 CTAs that share that rate.
+/// One CTA's ns per valid slot of a task while the whole grid runs: the H200's
+/// per-row rate times its 132 CTAs (docs/hopper-kernel.md §3).
 inline constexpr double kTaskNsPerSlotD128 = 0.176 * 132;
 inline constexpr double kTaskNsPerSlotD64 = 0.113 * 132;
-/// The delay's share of the cheapest extra task. Measured against 0.5, 8 pairs
-/// at S 4096: 0.75 random -3.7 [-6.4, -1.0] ns/row, causal +0.7 [-2.1, +3.4];
-/// 1.0 random -2.9 [-5.2, -0.6], causal +1.5 [-0.8, +3.9]. Below 1, a delayed
-/// CTA still ends before the CTAs with an extra task when the tasks cost the
-/// same.
+/// The delay's share of the cheapest extra task (docs/design-decisions.md): below
+/// 1, a delayed CTA still ends first when the tasks cost the same.
 inline constexpr double kTaskShare = 0.75;
 inline constexpr int64_t kMinWaves = 4;
 inline constexpr double kMinDelayNs = 2000.0;

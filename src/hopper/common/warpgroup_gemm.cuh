@@ -1,14 +1,12 @@
-// One warpgroup GEMM (wgmma, SS operands) over all k-blocks of its operands,
-// used by both MMA roles (score_mma.cuh, dk_mma.cuh).
+// Warpgroup GEMMs (wgmma) over all k-blocks of their operands.
 #pragma once
 
 #include <cute/tensor.hpp>
 
 namespace dsaib::hopper {
 
-/// Issues one warpgroup GEMM over all k-blocks of the operands as one wgmma
-/// commit group (async; the caller waits with warpgroup_wait). kZeroInit: the
-/// first k-block overwrites the accumulator instead of adding to it.
+/// One wgmma commit group over all k-blocks (the caller waits with
+/// warpgroup_wait); kZeroInit: the first k-block overwrites the accumulator.
 template <bool kZeroInit, class TiledMma, class TA, class TB, class TC>
 __device__ __forceinline__ void warpgroup_gemm(TiledMma& mma, const TA& tA, const TB& tB, TC& tC) {
   cute::warpgroup_fence_operand(tC);
@@ -23,9 +21,8 @@ __device__ __forceinline__ void warpgroup_gemm(TiledMma& mma, const TA& tA, cons
   cute::warpgroup_fence_operand(tC);
 }
 
-/// As warpgroup_gemm, with A in registers (wgmma RS): the A fragment is
-/// fenced too, so the compiler neither moves its writes past the issue nor
-/// reuses its registers before the caller's warpgroup_wait.
+/// With A in registers (wgmma RS), fenced so that the compiler neither moves its
+/// writes past the issue nor reuses its registers before the caller's wait.
 template <bool kZeroInit, class TiledMma, class TA, class TB, class TC>
 __device__ __forceinline__ void warpgroup_gemm_rs(TiledMma& mma, TA& tA, const TB& tB, TC& tC) {
   cute::warpgroup_fence_operand(tA);

@@ -1,9 +1,6 @@
-// dK role (warpgroup 2, kDkRegisters): per task, for each block whose A the
-// score role (score_mma.cuh) put in sA[b],
-//   GEMM2 dK_blk = A^T Q (every A term)
-// then the dK block is staged row-contiguous in shared memory for the scatter
-// role (scatter_reduce.cuh), which adds it into the global fp32 dK
-// accumulator. After its last task this role stages an end marker.
+// dK role (warpgroup 2): per block, GEMM2 dK_blk = A^T Q from sA[b], then the
+// block staged row-contiguous for the scatter role; after its last task, the
+// end marker that stops the scatter role.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -25,8 +22,7 @@ struct DkMma {
   MbarrierPipeline<Config::kStagesQ> q_pipe;     // this role reads Q stages (with the score role)
   MbarrierPipeline<Config::kABuffers> a_pipe;    // consumes sA
   MbarrierPipeline<Config::kDkBuffers> dk_pipe;  // and fills the staging buffers
-  // The loss-and-gradient kernels (LossAndGradConfig): this role also runs the
-  // forward blocks, from their ring of K stages, and writes the forward's outputs.
+  // The loss-and-gradient kernel: this role also runs the forward blocks.
   MbarrierPipeline<kForwardStagesOf<Config>> f_pipe{};
   const IndexerKLForwardParams* fp = nullptr;
 
@@ -44,8 +40,8 @@ struct DkMma {
     Tensor tDKrQt = thr_dk.partition_fragment_B(sQt);
     Tensor tDKrDK = partition_fragment_C(mma_dk, Shape<Int<kBlock>, Int<kD>>{});
     static_assert(decltype(size(tDKrDK))::value == kBlock * kD / 128, "one m64 tile per warpgroup");
-    // Accumulator value i of a thread is key row r0 + 8*((i/2)%2), column
-    // c0 + (i%2) + 8*(i/4): warp w holds key rows 16w..16w+15 whole.
+    // Accumulator value i is key row r0 + 8*((i/2)%2), column c0 + (i%2) + 8*(i/4):
+    // warp w holds key rows 16w..16w+15 whole.
     const int r0 = warp * 16 + lane / 4;
     const int c0 = 2 * (lane % 4);
 
@@ -64,14 +60,7 @@ struct DkMma {
       a_pipe.consumer_release(a_state);  // GEMM2 reads of sA[b] and this thread's read of a_key_row[b] are done
       a_state.advance();
 
-      // dK staging: warp w writes its key rows 16w..16w+15 to the same rows
-      // of dk_stage[buf], and the scatter role reads them back
-      // row-contiguous: one float4 red per lane covers kLanesPerRow*16 B of
-      // one key row (a whole 512-B row at D=128) instead of 32 B of each of
-      // 16 rows (the L2 adds whole rows at ~3.5 TB/s and the
-      // fragment pattern at ~2.2 TB/s). RAW and WAR on buffer buf: dk_full /
-      // dk_empty (contract blocks in shared_storage.cuh): every dK-role
-      // thread arrives after its stores, every scatter thread after its loads.
+      // Staged so that the scatter role's reds cover whole key rows (tile_config.cuh).
       const int buf = dk_state.index;
       dk_pipe.producer_acquire(dk_state);  // the scatter role has read buffer buf
       CUTE_UNROLL
@@ -103,18 +92,9 @@ struct DkMma {
     dk_pipe.producer_commit(dk_state);
   }
 
-  /// The loss-and-gradient kernels' steps (loss_and_grad_kernel.cuh): step n
-  /// runs GEMM2 of the backward blocks of the CTA's row r_{n-1} and the forward
-  /// blocks of r_n, in the producer's order (loss_and_grad_producer.cuh):
-  /// backward block 0, forward block 0, backward block 1, ... A forward block:
-  /// GEMM1 S^T = K Q^T (keys as M, both operands in shared memory), the head
-  /// sum and the row statistics (ForwardScore::add_block); after the step,
-  /// r_n's LSE, target mass and loss term (ForwardScore::finish_row), and its
-  /// LSE and G = -c * mass for the score role's backward of it (stats_full).
-  /// The dK accumulator is dead between blocks, so the forward's accumulator
-  /// takes no registers of it.
-  /// Defined in loss_and_grad/dk_forward_steps.cuh, which the loss-and-gradient
-  /// kernel includes; the backward's kernels never instantiate it.
+  /// The loss-and-gradient kernel's steps: GEMM2 of row r_{n-1}'s backward
+  /// blocks and row r_n's forward blocks, in the producer's order. Defined in
+  /// loss_and_grad/dk_forward_steps.cuh; the backward's kernels never instantiate it.
   template <class DkBlock>
   __device__ void run_forward_steps(DkBlock&& dk_block, PipelineState<Config::kStagesQ>& q_state, int tid, int lane,
                                     int warp);

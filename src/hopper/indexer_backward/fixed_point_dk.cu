@@ -1,5 +1,4 @@
-// The deterministic d_index_k's bound pass and finish kernel (fixed_point_dk.cuh
-// has the method and the bound's derivation).
+// The deterministic d_index_k's bound pass and finish kernel (docs/hopper-kernel.md §10).
 #include "hopper/indexer_backward/fixed_point_dk.hpp"
 
 #include <cuda_bf16.h>
@@ -20,11 +19,9 @@ __device__ __forceinline__ double warp_sum(double v) {
   return v;
 }
 
-/// One warp per query row: R = 2 |c| |sm_scale| W S_T (1 + S_P) (fixed_point_dk.cuh),
-/// over the row's valid slots and all its heads, into bound->max_row_bound_bits
-/// (atomicMax), or bound->non_finite. NaN and Inf propagate through the sums
-/// (no fmax / fmin): a non-finite input of a valid slot or of the row's q or w
-/// gives a non-finite R.
+/// One warp per query row: R = 2 |c| |sm_scale| W S_T (1 + S_P) into
+/// bound->max_row_bound_bits (atomicMax), or bound->non_finite. NaN and Inf
+/// propagate (no fmax / fmin), so a non-finite input gives a non-finite R.
 __global__ void dk_fixed_bound_kernel(IndexerParams p, DkFixedBound* bound) {
   const int lane = threadIdx.x % 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kBoundWarps;
@@ -58,7 +55,7 @@ __global__ void dk_fixed_bound_kernel(IndexerParams p, DkFixedBound* bound) {
       const uint16_t* q = q_row + h * p.q_head_stride;
       float q_max = 0.0f;
       bool q_nan = false;
-      for (int d = 0; d < p.head_dim; d += 8) {  // 16-byte loads (the fused kernel's Q alignment)
+      for (int d = 0; d < p.head_dim; d += 8) {  // 16-byte loads (the backward kernel's Q alignment)
         const uint4 v = *reinterpret_cast<const uint4*>(q + d);
         const uint32_t words[4] = {v.x, v.y, v.z, v.w};
         for (const uint32_t word : words) {

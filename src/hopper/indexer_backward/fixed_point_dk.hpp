@@ -1,6 +1,6 @@
 // Host side of the deterministic d_index_k (fixed_point_dk.cuh): the bound pass
-// before the fused kernel and the finish kernel after it (its workspace:
-// dk_fixed_workspace_bytes in launch_plan.hpp).
+// before the backward kernel and the finish kernel after it (its workspace:
+// dk_fixed_workspace_bytes, src/hopper/launch/launch_plan.cpp).
 #pragma once
 
 #include <cuda_runtime.h>

@@ -1,17 +1,14 @@
-// The sum over a warp's 16 heads of each key column of a GEMM1 tile, in one
-// fixed order: the P-free backward's score role (score_mma.cuh, recompute_gs)
-// forms its logits z_i with it, heads being the wgmma M there.
+// The sum over a warp's 16 heads of each key column of a GEMM1 tile, in a fixed
+// order (the P-free score role's logits).
 #pragma once
 
 #include <cute/config.hpp>
 
 namespace dsaib::hopper {
 
-/// `col`: this thread's partial sums of its 16 key columns (column j of the
-/// wgmma accumulator layout: j = (v / 4) * 2 + v % 2). A butterfly over the
-/// lanes with the same lane % 4 (xor 16, 8, 4): each step keeps half the
-/// columns and adds the partner's half, so lane ends with the sums over the
-/// warp's 16 heads of keys 2 * lane and 2 * lane + 1. All 32 lanes take part.
+/// `col`: this thread's partial sums of its 16 key columns. A butterfly over the
+/// lanes with the same lane % 4 (xor 16, 8, 4), each step keeping half the
+/// columns: lane ends with the sums of keys 2 * lane and 2 * lane + 1.
 __device__ __forceinline__ float2 warp_head_sums(const float (&col)[16], int lane) {
   float c8[8], c4[4], c2[2];
   const bool b4 = (lane & 16) != 0, b3 = (lane & 8) != 0, b2 = (lane & 4) != 0;

@@ -1,13 +1,7 @@
-// The fused, warp-specialized sm_90a indexer backward kernel: roles and
-// pipeline setup. Roles live in producer_gather.cuh, score_mma.cuh, dk_mma.cuh
-// and scatter_reduce.cuh.
-//
-//   warpgroup 0 : ProducerGather  (Q/w loads, stage 1, compaction, K gather; kProducerRegisters)
-//   warpgroup 1 : ScoreMma        (GEMM1, dW, A -> sA, GEMM3 dQ, epilogue; kScoreRegisters)
-//   warpgroup 2 : DkMma           (GEMM2 dK from sA, dK staging, end marker; kDkRegisters)
-//   warpgroup 3 : ScatterReduce   (dK scatter-add from the staging double buffer; kScatterRegisters)
-// Every kernel (both head dims, one or two A terms) has the four roles.
-// Persistent: CTA b takes tasks b, b + gridDim.x, ... (task = row * head_groups + group).
+// The warp-specialised sm_90a indexer backward kernel (docs/hopper-kernel.md):
+// barrier setup and the role split. Persistent: CTA b takes tasks b, b + gridDim.x, ...
+//   warpgroup 0: ProducerGather (common/producer_gather.cuh)  2: DkMma (dk_mma.cuh)
+//   warpgroup 1: ScoreMma (score_mma.cuh)                      3: ScatterReduce (scatter_reduce.cuh)
 #pragma once
 
 #include <cutlass/arch/reg_reconfig.h>

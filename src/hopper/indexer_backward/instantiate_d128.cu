@@ -1,4 +1,4 @@
-// Explicit instantiation: fused kernel, D = 128.
+// Explicit instantiation: the backward kernels, D = 128.
 #include "hopper/indexer_backward/launch_impl.cuh"
 
 DSAIB_INSTANTIATE_INDEXER_BACKWARD(128)

@@ -1,5 +1,4 @@
-// Explicit instantiation: the deterministic fused kernels (fixed-point dK,
-// fixed_point_dk.cuh), D = 64 and 128, in a translation unit of their own.
+// Explicit instantiation: the deterministic backward kernels (fixed-point dK), D = 64 and 128.
 #include "hopper/indexer_backward/launch_impl.cuh"
 
 DSAIB_INSTANTIATE_INDEXER_BACKWARD_FIXED_POINT_DK(64)

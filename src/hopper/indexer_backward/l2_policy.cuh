@@ -1,33 +1,10 @@
-// L2 eviction priority of the scatter role's dK reds in the kernels with
-// TileConfig::kL2KeepDk (chosen per launch on the host: l2_hints.hpp).
-//
-// At B1 S_kv 65536 D 128 the fp32 dK accumulator (32 MiB) and the gathered keys
-// (16 MiB) nearly fill the H200's 60 MiB L2, and ncu counts ~233 KB of DRAM
-// write-back per query row: ~23% of the reds land on dK lines evicted since their
-// last red.
-//
-// The reds carry a createpolicy.fractional.L2::evict_last policy with fraction
-// 0.35, 0.75 or 1.0 (l2_keep_fraction in l2_hints.hpp: from the context's L2
-// set-aside for persisting lines; 0.35 at the H200's default): the PTX ISA applies the primary priority (evict_last) to that fraction of
-// the cache accesses made with the policy and the secondary one (here the default,
-// evict_unchanged) to the rest; which accesses is the hardware's choice (the CUDA
-// guide says of hitRatio: random, with a distribution that depends on the
-// architecture and the memory extent). So it is a share of the dK traffic, not a
-// chosen set of lines, and evict_last is a priority, not a pin. After the kernel,
-// reset_l2_priority_to_normal (backend.cu) applies evict_normal to every line of
-// the accumulator, so that no evict_last line outlives the call.
-//
-// Measured on the H200, paired A/B at S 65536 against no hint: fraction
-// 1.0: random B/A 0.989; 0.25 / 0.35 / 0.5: random 0.955 / 0.956 / 0.957, causal
-// 0.995-0.997 (within noise). A hypothesis for why 1.0 gains least, not
-// measured: only about the persisting set-aside (11.25 MiB in force on the H200
-// we measured, cudaLimitPersistingL2CacheSize) holds evict_last lines, and with
-// every red evict_last they churn among themselves. With the set-aside at its
-// cap (37.5 MiB), 0.35 took +38% at random ids and 1.0 took -1.6% against 0.35
-// at the default: hence the fraction follows the set-aside.
-//
-// Own inline PTX because neither CCCL's cuda::ptx (13.0) nor CuTe wraps
-// createpolicy, red.global with an L2::cache_hint, or applypriority.
+// The L2 evict_last policy of the scatter role's dK reds (TileConfig::kL2KeepDk),
+// so that dK lines are evicted less between two reds when dK and K crowd the L2
+// (docs/hopper-kernel.md §4). The fraction is a share of the accesses, chosen by
+// the hardware, and evict_last a priority, not a pin; after the kernel every
+// accumulator line goes back to evict_normal. Inline PTX: neither CCCL's
+// cuda::ptx (13.0) nor CuTe wraps createpolicy, red with L2::cache_hint, or
+// applypriority.
 #pragma once
 
 #include <cstdint>
@@ -36,10 +13,9 @@
 
 namespace dsaib::hopper {
 
-/// The createpolicy value of the dK reds: L2 evict_last for 35%, 75% or all of
-/// the accesses made with it (`keep_fraction`, an L2KeepFraction chosen on the
-/// host from the set-aside in force, l2_hints.hpp), evict_unchanged for the
-/// others. The fraction is an immediate in PTX, hence one instruction per value.
+/// evict_last for 35%, 75% or all of the accesses (`keep_fraction`, an
+/// L2KeepFraction: l2_hints.hpp), evict_unchanged for the others. The fraction
+/// is an immediate in PTX, hence one instruction per value.
 __device__ __forceinline__ uint64_t l2_policy_dk_reds(int32_t keep_fraction) {
   uint64_t policy;
   if (keep_fraction == static_cast<int32_t>(L2KeepFraction::f100)) {

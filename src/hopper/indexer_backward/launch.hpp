@@ -7,7 +7,7 @@
 
 namespace dsaib::hopper {
 
-/// Resident CTAs per SM of the fused kernel for head dim kHeadDim and kSplitA on
+/// Resident CTAs per SM of the backward kernel for head dim kHeadDim and kSplitA on
 /// the current device (cudaOccupancyMaxActiveBlocksPerMultiprocessor): the
 /// launch plan's DeviceProperties::ctas_per_sm. The L2-hinted and fixed-point
 /// variants of the kernel have its shared memory, threads and launch bounds, so
@@ -16,7 +16,7 @@ namespace dsaib::hopper {
 template <int kHeadDim, bool kSplitA>
 int indexer_backward_ctas_per_sm();
 
-/// Launches the fused kernel for head dim kHeadDim on `stream` over `grid`
+/// Launches the backward kernel for head dim kHeadDim on `stream` over `grid`
 /// persistent CTAs (BackwardPlan::grid, launch_plan.hpp); kSplitA: the a operand
 /// as two bf16 terms (TileConfig::kSplitA); kL2KeepDk: the dK reds with an L2
 /// evict_last policy (TileConfig::kL2KeepDk, l2_hints.hpp), instantiated for the
@@ -36,7 +36,7 @@ void launch_indexer_backward_p_free(const IndexerParams& params, int64_t grid, c
 template <int kHeadDim, bool kSplitA>
 int indexer_backward_p_free_ctas_per_sm();
 
-/// Dynamic shared memory the fused kernel needs, in bytes.
+/// Dynamic shared memory the backward kernel needs, in bytes.
 template <int kHeadDim, bool kSplitA>
 int indexer_backward_smem_bytes();
 

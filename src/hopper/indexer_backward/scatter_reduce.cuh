@@ -1,14 +1,8 @@
-// Scatter role (warpgroup 3, 128 threads, kScatterRegisters): adds
-// every dK block the dK role (dk_mma.cuh) stages into the global fp32 dK accumulator, one
-// float4 red per lane on contiguous columns of one key row (a whole 512-B row
-// per warp instruction at D=128), and hands the buffer back. Warp w takes rows
-// 16w..16w+15. Runs until the dK role stages the end marker. With
-// Config::kL2KeepDk the reds carry an L2 evict_last policy for part of the dK
-// lines (l2_policy.cuh; taken when dK and K outgrow the L2, l2_hints.hpp). With
-// Config::kFixedPointDk (options.deterministic) each value is added as an int64
-// fixed-point term into p.dk_fixed instead (one u64 red per element, a lane's
-// columns strided by D/4 so that each red instruction covers whole sectors;
-// fixed_point_dk.cuh): associative, so the result does not depend on the order.
+// Scatter role (warpgroup 3): adds every dK block the dK role stages into the
+// global dK accumulator, one float4 red per lane on contiguous columns of a key
+// row (a whole 512-B row per warp instruction at D=128), until the end marker.
+// kL2KeepDk: the reds carry an L2 policy (l2_policy.cuh); kFixedPointDk: int64
+// fixed-point terms instead (fixed_point_dk.cuh).
 #pragma once
 
 #include <cute/config.hpp>
@@ -35,10 +29,8 @@ struct ScatterReduce {
   SharedStorage<Config>& ss;
   MbarrierPipeline<Config::kDkBuffers> dk_pipe;  // this role empties the staging buffers
 
-  /// The deterministic reds (kFixedPointDk, fixed_point_dk.cuh): int64 terms, one
-  /// u64 red per element. Lane li of a row takes columns li + kLanesPerRow * j, so
-  /// each red instruction covers a contiguous kLanesPerRow * 8 bytes of a key row
-  /// (whole sectors). dk_scale: 2^E, set once in run().
+  /// The deterministic reds: one u64 red per element, lane li of a row on columns
+  /// li + kLanesPerRow * j, so that each instruction covers whole sectors.
   template <class State>
   __device__ __forceinline__ void fixed_point_reds(State& state, int b, int lane, int row0) {
     const int li = lane % kLanesPerRow;
@@ -71,8 +63,7 @@ struct ScatterReduce {
     auto state = make_consumer_start_state<Config::kDkBuffers>();
     [[maybe_unused]] uint64_t dk_policy = 0;  // the reds' L2 policy (kL2KeepDk only)
     if constexpr (Config::kL2KeepDk) dk_policy = l2_policy_dk_reds(p.l2_keep_fraction);
-    // The fixed-point scale 2^E (kFixedPointDk only): the bound pass wrote *p.dk_bound
-    // before this kernel (stream order), and nothing writes it during the kernel.
+    // *p.dk_bound: written by the bound pass before this kernel (stream order).
     if constexpr (Config::kFixedPointDk) dk_scale = ldexp(1.0, dk_fixed_exponent(*p.dk_bound, p.num_q_rows));
     for (;;) {
       dk_pipe.consumer_wait(state);

@@ -1,15 +1,6 @@
-// Score role (warpgroup 1, kScoreRegisters): per task, for each gathered block
-// of keys,
-//   GEMM1 S = Q K^T -> dW, masked A (bf16, one or two terms) -> sA[b]
-//   GEMM3 dQ += A K
-// and at the end of the task it writes dQ and dW. The dK role (dk_mma.cuh)
-// takes A from sA[b] for GEMM2 (dK = A^T Q); the two roles hand sA over through
-// a_full / a_empty (shared_storage.cuh).
-//
-// The P-free kernels (PFreeConfig) first form the block's gs here, from
-// GEMM1 (recompute_gs): z_i = sum_h w_h sm_scale relu(x_hi) over the task's
-// heads (all of the row's: H <= kHeadTile), P_i = exp(z_i - LSE),
-// gs_i = [P_i >= eps] g~_i - P_i G, written over the producer's g~_i in gs[ks].
+// Score role (warpgroup 1): per block GEMM1 S = Q K^T, dW and the masked A
+// (into sA[b] for the dK role's GEMM2), GEMM3 dQ += A K; dQ and dW at the end of
+// the task. The P-free kernels first form the block's gs from GEMM1 (recompute_gs).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -39,15 +30,10 @@ struct ScoreMma {
     cutlass::arch::NamedBarrier::sync(Config::kScoreThreads, static_cast<uint32_t>(NamedBarrierId::kPFreeScoreSync));
   }
 
-  /// The P-free kernels: gs of the block in K stage ks from its logits. The head
-  /// sums of each key column: per thread over its two accumulator rows, a
-  /// butterfly over the 8 lanes of a column (xor 16, 8, 4), the 4 warps'
-  /// partials added in warp order (head_sum.cuh); z equals the loss forward's
-  /// logits to f32 rounding (the forward sums the heads in another order). The
-  /// forward divided G by the sum of its exp(z - LSE) over the row, so the f32
-  /// LSE's rounding, common to the row, cancels in P_i G. Two barriers of
-  /// the score warpgroup: partials complete; gs complete (and z_part read, before
-  /// the next block rewrites it).
+  /// The P-free kernels: gs_i = [P_i >= eps] g~_i - P_i G with P_i = exp(z_i - LSE),
+  /// over gs[ks], from the block's logits z summed over the heads in a fixed order
+  /// (head_sum.cuh, then the 4 warps in order). The f32 LSE's rounding cancels in
+  /// P_i G: the forward divided G by the row's sum of P (docs/kl-forward.md).
   template <class Accumulator>
   __device__ void recompute_gs(const Accumulator& tSrS, const float (&w_row)[2], float lse, float G, int ks, int tid) {
     const int lane = tid % 32, warp = tid / 32;
@@ -112,9 +98,8 @@ struct ScoreMma {
     Tensor tDQrKt = thr_dq.partition_fragment_B(sKt);
     Tensor tDQrDQ = partition_fragment_C(mma_dq, Shape<Int<Config::kHeadTile>, Int<kD>>{});
 
-    // wgmma m64nNk16 accumulator layout (PTX ISA, "Register fragment D"):
-    // value i of thread tid sits at row r0 + 8 * ((i / 2) % 2) and column
-    // c0 + (i % 2) + 8 * (i / 4), with r0 = 16 * warp + lane / 4, c0 = 2 * (lane % 4).
+    // wgmma accumulator (PTX ISA, "Register fragment D"): value i is at row
+    // r0 + 8 * ((i / 2) % 2), column c0 + (i % 2) + 8 * (i / 4).
     static_assert(decltype(size(tSrS))::value == Config::kHeadTile * kBlock / 128, "one m64 tile per warpgroup");
     static_assert(decltype(size(tDQrDQ))::value == Config::kHeadTile * kD / 128, "one m64 tile per warpgroup");
     const int r0 = warp * 16 + lane / 4;
@@ -134,8 +119,7 @@ struct ScoreMma {
     auto begin_task = [&](const PipelineState<Config::kStagesQ>& qst) {
       task_q = qst;
       const int qs = qst.index;
-      // This task's Q, read once. Every GEMM1 of the previous task was
-      // waited for (in its block), so no wgmma still reads these registers.
+      // No wgmma still reads Q's registers: each GEMM1 was waited for in its block.
       copy(smem_copy_q, tQsQ(_, _, _, qs), tQrQ);
       w_row[0] = ss.w_scaled[qs][r0];
       w_row[1] = ss.w_scaled[qs][r0 + 8];
@@ -143,13 +127,10 @@ struct ScoreMma {
       clear(tDQrDQ);
       holds_prev = false;
     };
-    // One block: GEMM1 (one wgmma group), then GEMM3 (kATerms groups). The
-    // wait after GEMM1 (<0>) also completes the previous block's GEMM3, so
-    // GEMM3 runs on the tensor pipe while this warpgroup waits for the next
-    // K stage and issues the next GEMM1; the previous K stage is released
-    // only then. Every wait has the same count on every path (waits that
-    // depend on a runtime branch make ptxas serialise every wgmma,
-    // C7514/C7515).
+    // One block. The wait after GEMM1 also completes the previous block's GEMM3,
+    // so GEMM3 runs while this warpgroup waits for K; only then is that block's
+    // stage released. Every wait has the same count on every path: a count that
+    // depends on a runtime branch makes ptxas serialise every wgmma (C7514/C7515).
     auto backward_block = [&] {
       const auto kb = k_state;
       k_state.advance();
@@ -172,9 +153,7 @@ struct ScoreMma {
         tSrA(i) = Element(a);
         if constexpr (Config::kSplitA) tSrAlo(i) = Element(a - static_cast<float>(tSrA(i)));
       }
-      // WAR on sA[b]: the dK role's GEMM2 of two blocks ago read it (a_empty).
-      // This role never reads sA (its GEMM3 takes A from registers).
-      a_pipe.producer_acquire(a_state);
+      a_pipe.producer_acquire(a_state);  // the dK role's GEMM2 of two blocks ago read sA[b]
       const int b = a_state.index;
       // The stmatrix reads A's registers before GEMM3 is issued: PTX leaves any
       // access to a wgmma's A registers undefined until wgmma.wait_group.
@@ -182,9 +161,7 @@ struct ScoreMma {
       if constexpr (Config::kSplitA) copy(smem_copy_a, tArAlo, tAsAt(_, _, _, 1, b));
       if (lane < 16) ss.a_key_row[b][16 * warp + lane] = ss.key_row[ks][16 * warp + lane];
       cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);  // sA is read by the dK role's wgmma next
-      // GEMM3: dQ += A K with A from registers. The next block's
-      // warpgroup_wait<0> (or the one after the loop) completes it before A's
-      // registers are written or dQ is read.
+      // GEMM3, A from registers: the next block's wait completes it before A is rewritten.
       warpgroup_gemm_rs<false>(mma_dq, tDQrA, tDQrKt(_, _, _, ks), tDQrDQ);
       if constexpr (Config::kSplitA) warpgroup_gemm_rs<false>(mma_dq, tDQrAlo, tDQrKt(_, _, _, ks), tDQrDQ);
       a_pipe.producer_commit(a_state);  // every thread, after its stores and fence
@@ -234,9 +211,8 @@ struct ScoreMma {
       q_pipe.consumer_wait(q_state);
       const int num_blocks = ss.num_blocks[q_state.index];
       if constexpr (kFusesForward<Config>) {
-        // The loss-and-gradient kernels: the dK role's forward of this row
-        // (dk_mma.cuh) hands its LSE and G over through stats_full, on the
-        // phase of this q_full wait (shared_storage.cuh).
+        // The row's LSE and G from the dK role's forward of it (stats_full, on
+        // this q_full wait's phase: loss_and_grad/loss_and_grad_storage.cuh).
         mbarrier_wait(&ss.fused.stats_full[q_state.index], q_state.phase, 5u);
       }
       begin_task(q_state);

@@ -1,28 +1,9 @@
-// The loss forward's score role (warpgroup 1; the kernel: kl_forward_kernel.cuh).
-//
-// Per gathered block of 64 keys, GEMM1 S^T = K Q^T (wgmma, both operands in
-// shared memory, keys as M and heads as N); the next block's GEMM1 is issued
-// before this block's accumulator is read, so the tensor cores run under the
-// head sum. A key's logit z = sum_h w_h sm_scale relu(S_hk) is summed over the
-// thread's heads (two partial sums, fixed order), then over its quad (two
-// shuffles). Quad lanes 0 and 1 each take one of the quad's two keys: the z
-// goes to the CTA's scratch row at the key's slot, and into the thread's row
-// statistics (RowRunningStats: running max m and sum s of exp(z - m), min z, and
-// the fp64 sums of T~ z and T~), in the order the keys arrive: slot order,
-// whatever the grid. After the row's blocks the statistics meet in a fixed
-// tree (the warp's lanes, then the warps in order): LSE = m + log s, rounded to
-// f32, and, where every slot has log P >= -99 (so no term is clipped and every
-// mask [P >= eps] is 1) and |LSE| < 2^20:
-//   loss term = sum T~ z - (sum T~) (m + log s)        (fp64)
-//   mass      = sum T~ / c,  c = sum exp(z - LSE) = s exp(m - LSE)
-// c is the sum of the P that the P-free backward rebuilds from the f32 LSE
-// (kl-forward.md: dividing by it cancels the LSE's rounding in that backward's
-// score gradient). A row with a slot below that bound or a non-finite
-// statistic takes one pass over its slots instead, in slot order: the clipped
-// loss term, the mask and c element by element (fp64 sums). P, where wanted,
-// is written by such a pass, P = exp((z - m) - log s); the statistics do not
-// depend on whether it is. Every reduction has a fixed order: the outputs are
-// bitwise reproducible.
+// The loss forward's score role (docs/kl-forward.md, "The cuda kernel"): per
+// block GEMM1 with keys as M, the next block's GEMM1 issued before this one's
+// head sum; each key's logit into the row's running statistics in slot order,
+// whatever the grid. A row's LSE, loss term and target mass come from the
+// statistics, unless a slot is clipped or |LSE| is large: then one pass over
+// its slots. Every reduction has a fixed order: bitwise reproducible.
 #pragma once
 
 #include <cutlass/arch/barrier.h>
@@ -56,12 +37,9 @@ __device__ __forceinline__ void combine_max_sum(float& m, float& s, float m2, fl
   m = mm;
 }
 
-/// Storage: the shared memory with the role's row_stats / row_part
-/// (ForwardSharedStorage; the loss-and-gradient kernels use finish_row and
-/// add_block with their LossAndGradStorage, in their dK role: dk_mma.cuh).
-/// kWarpgroup: the warpgroup that runs the role (its 128 threads meet at
-/// NamedBarrierId::kForwardScoreSync). kBatch: slots per thread per batch of
-/// the slot pass (fewer where the role has fewer registers).
+/// Storage: the shared memory with row_stats / row_part (ForwardSharedStorage, or
+/// LossAndGradStorage in the loss-and-gradient kernel's dK role). kWarpgroup: the
+/// warpgroup that runs the role. kBatch: slots per thread per batch of a slot pass.
 template <class Config, class Storage = ForwardSharedStorage<Config>, int kWarpgroup = Config::kScoreWarpgroup,
           int kBatch = 16>
 struct ForwardScore {
@@ -70,17 +48,12 @@ struct ForwardScore {
   static constexpr int kN = Config::kHeadTile;  // heads, as wgmma N
   static constexpr int kThreads = Config::kScoreThreads;
   static constexpr int kWarps = kThreads / 32;
-  // Slots per thread per batch of the slot pass: 2048 slots in one batch at 16.
   static constexpr int kEpilogueBatch = kBatch;
-  // A row whose every slot has z - LSE >= this takes no slot pass: exp(-99) is
-  // far above eps = exp(-100) as an fp32 subnormal, so no mask is 0 and no loss
-  // term is clipped, and the backward's logits (equal to these to f32 rounding)
-  // give the same masks.
+  // A row whose every slot has z - LSE >= this takes no slot pass: exp(-99) is far
+  // above eps, so no mask is 0 and no term clipped, also for the backward's logits.
   static constexpr double kNoClipBound = -99.0;
-  // ... and whose |LSE| is below 2^20: the plain loss term sum T~ z - (sum T~) LSE
-  // cancels |LSE| 2^-53 per slot in fp64, and the f32 LSE the backward gets is
-  // within 2^-4 of it, well inside the clip bound's margin. Beyond, the pass over
-  // the slots (log P = (z - m) - log s) keeps its accuracy at any |LSE|.
+  // ... and whose |LSE| is below this: the plain loss term cancels |LSE| 2^-53 per
+  // slot, and the f32 LSE stays well inside the clip bound's margin.
   static constexpr double kPlainLseBound = 1048576.0;
 
   const IndexerKLForwardParams& fp;
@@ -104,8 +77,7 @@ struct ForwardScore {
     Tensor tSsQ = thr_s.partition_fragment_B(sQ);  // (MMA, N, K, stage) descriptors
     Tensor acc0 = partition_fragment_C(mma_s, Shape<Int<kBlock>, Int<kN>>{});
     Tensor acc1 = partition_fragment_C(mma_s, Shape<Int<kBlock>, Int<kN>>{});
-    // wgmma m64nNk16 accumulator (PTX ISA, "Register fragment D"): value v is
-    // key r0 + 8 * ((v / 2) % 2), head c0 + (v % 2) + 8 * (v / 4).
+    // wgmma accumulator: value v is key r0 + 8 * ((v / 2) % 2), head c0 + (v % 2) + 8 * (v / 4).
     static_assert(decltype(size(acc0))::value == kN / 2, "one m64 tile: N/2 values per thread");
     const int r0 = warp * 16 + lane / 4;
     const int c0 = 2 * (lane % 4);
@@ -127,15 +99,14 @@ struct ForwardScore {
       for (int k = 0; k < kN / 4; ++k) w[k] = ss.w_scaled[qs][c0 + 8 * (k / 2) + k % 2];
 
       RowRunningStats st{-INFINITY, 0.0f, INFINITY, 0.0, 0.0, 0};
-      // GEMM1 of the block after the one at k_state, into `acc`.
+      // GEMM1 of the block after k_state's into `acc`.
       auto issue_next = [&](auto& acc) {
         auto next = k_state;
         next.advance();
         k_pipe.consumer_wait(next);
         warpgroup_gemm<true>(mma_s, tSsK(_, _, _, next.index), tSsQ(_, _, _, qs), acc);
       };
-      // The block at k_state, whose GEMM1 in `acc` has been waited for: free its
-      // stage, sum its heads, add its keys to the statistics.
+      // k_state's block, its GEMM1 waited for: free the stage, add its keys.
       auto consume = [&](auto& acc) {
         warpgroup_fence_operand(acc);
         const int ks = k_state.index;
@@ -146,10 +117,8 @@ struct ForwardScore {
 
         add_block(acc, [&](int k) { return w[k]; }, quad, slot, target, st, z_row);
       };
-      // Two accumulators: while the head sum reads one block's, the next
-      // block's GEMM1 runs into the other. Steady state in pairs without
-      // branches around the wgmma issues (ptxas would serialise them), then
-      // the last one or two blocks.
+      // Two accumulators, so the next GEMM1 runs under this head sum; pairs, with
+      // no branch around the wgmma issues (ptxas would serialise them).
       if (num_blocks > 0) {
         k_pipe.consumer_wait(k_state);
         warpgroup_gemm<true>(mma_s, tSsK(_, _, _, k_state.index), tSsQ(_, _, _, qs), acc0);
@@ -179,12 +148,9 @@ struct ForwardScore {
     }
   }
 
-  /// One gathered block's keys from its GEMM1 accumulator `acc` (keys as M):
-  /// each key's weighted relu head sum z over this thread's heads, then its
-  /// quad's; quad lanes 0 and 1 each add their key (slot >= 0; tail entries
-  /// have slot -1) to the statistics `st` and write z to z_row[slot].
-  /// w(k): w sm_scale of head c0 + 8 (k / 2) + k % 2 (from registers, or
-  /// from shared memory where registers are short).
+  /// A block's keys from its accumulator: each key's z over the thread's heads,
+  /// then its quad's; quad lanes 0 and 1 add their key to `st` and z_row[slot].
+  /// w(k): w sm_scale of head c0 + 8 (k / 2) + k % 2.
   template <class Accumulator, class Weight>
   __device__ static void add_block(const Accumulator& acc, Weight&& w, int quad, int slot, float target,
                                    RowRunningStats& st, float* z_row) {
@@ -205,8 +171,7 @@ struct ForwardScore {
         st.s *= expf(st.m - z);
         st.m = z;
       }
-      // a NaN logit makes the sum NaN; a -inf one adds exp(-inf) = 0 (z - m
-      // would be NaN while m is still -inf)
+      // a NaN logit makes the sum NaN; a -inf one adds 0 (z - m would be NaN)
       if (z != -INFINITY) st.s += expf(z - st.m);
       st.target_logit += static_cast<double>(target) * static_cast<double>(z);
       st.target += static_cast<double>(target);
@@ -239,16 +204,14 @@ struct ForwardScore {
       combine(st, o);
     }
     if (lane == 0) ss.row_stats[n & 1u][warp] = st;
-    // row_stats[n & 1] complete; with the z_row stores of the row (bar.sync orders
-    // the global stores too). It is rewritten two rows on, after the next row's
-    // barrier, which every thread passes after its reads here.
+    // row_stats[n & 1] and the row's z_row stores complete (bar.sync orders global
+    // stores too); rewritten two rows on, after the next row's barrier.
     forward_score_sync<Config>();
     st = ss.row_stats[n & 1u][0];
     CUTE_UNROLL
     for (int wi = 1; wi < kWarps; ++wi) combine(st, ss.row_stats[n & 1u][wi]);
     const bool any_slot = st.count > 0;
-    // every valid logit -inf: no max to measure from, the softmax undefined (the
-    // reference's exp(z - max z) is exp(NaN))
+    // every valid logit -inf: the softmax is undefined, as the reference's exp(NaN)
     if (any_slot && st.s == 0.0f) st.s = NAN;
     const float log_s = logf(st.s);
     const float lse = st.m + log_s;  // no valid slot: -inf + log(0) = -inf
@@ -276,9 +239,8 @@ struct ForwardScore {
     slot_pass<true>(row, z_row, st.m, log_s, lse, eps);
   }
 
-  /// Slots base + j * kThreads (j < kEpilogueBatch) of a row: valid[j] (in the row
-  /// and its id in range) and, at valid slots, the logit from z_row. All id loads
-  /// are issued before the first is used, then all z loads.
+  /// Slots base + j * kThreads of a row: valid[j] and, at valid slots, the logit
+  /// from z_row; all id loads issued before the first is used, then all z loads.
   __device__ void load_valid_z(int base, const RowSequence& seq, const int32_t* ids, const float* z_row,
                                bool (&valid)[kEpilogueBatch], float (&zb)[kEpilogueBatch]) const {
     const IndexerParams& p = fp.in;
@@ -295,9 +257,8 @@ struct ForwardScore {
     }
   }
 
-  /// P (where index_score is wanted) and, with kStatistics, the target mass and
-  /// the loss term of one row from its logits in z_row, slot by slot, given the
-  /// row's m, log s and (f32) LSE.
+  /// P (where wanted) and, with kStatistics, the row's target mass and loss term,
+  /// slot by slot from its logits in z_row.
   template <bool kStatistics>
   __device__ void slot_pass(int64_t row, const float* z_row, float m, float log_s, float lse, float eps) {
     const IndexerParams& p = fp.in;
@@ -306,22 +267,9 @@ struct ForwardScore {
     const int32_t* ids = p.topk_indices + batched_offset(row, p.q_rows_per_batch, p.ids_batch_stride, p.ids_row_stride);
     const float* attn = p.attn_score + batched_offset(row, p.q_rows_per_batch, p.attn_score_batch_stride, p.attn_score_row_stride);
 
-    // P and the loss take log P = (z - m) - log s: exact z - m near the
-    // top, and none of the f32 LSE's rounding (up to |LSE| 2^-24, the same for
-    // every slot of the row). log(max(P, eps)) is log P where log P >= -100,
-    // else log(eps) = -100.
-    //
-    // The P-free backward (score_mma.cuh, recompute_gs) rebuilds Pb_i =
-    // exp(z_i - LSE) from the f32 LSE written here, so Pb_i = c P_i with
-    // c = sum_i Pb_i != 1 by that rounding, and its score gradient
-    // [Pb_i >= eps] g~_i - Pb_i G picks up (c - 1) P_i G at every slot, which
-    // the common part of the logits carries into d_weights and d_index_q. This
-    // pass forms Pb_i as that backward does and writes G / c (the mass below
-    // divided by c) so that Pb_i G / c = P_i G to rounding; its mask
-    // [Pb_i >= eps] is the backward's. The backward's z_i come from its own
-    // GEMM1 and head sum, equal to these to f32 rounding (another summation
-    // order): the LSE's rounding, common to every slot, cancels; what is left
-    // is each logit's own rounding, as in P itself.
+    // log P = (z - m) - log s carries none of the f32 LSE's rounding. The mass is
+    // divided by c = sum_i exp(z_i - LSE), formed as the P-free backward rebuilds
+    // P, so that the LSE's rounding cancels in its P_i G (docs/kl-forward.md).
     float* p_out = fp.index_score ? fp.index_score + row * p.topk : nullptr;
     double term = 0.0, mass = 0.0, rebuilt_sum = 0.0;
     for (int base = tid; base < p.topk; base += kThreads * kEpilogueBatch) {
@@ -389,9 +337,7 @@ struct ForwardScore {
         c += ss.row_part[wi][2];
       }
       fp.row_lse[row] = lse;
-      // c >= 1/topk where a slot is valid (Pb = exp(-log s) at the maximum); a
-      // row without a valid slot keeps mass 0, a NaN c leaves the mass as is
-      // (the row's LSE is NaN then).
+      // c >= 1/topk where a slot is valid; no valid slot: mass 0; NaN c: LSE NaN too.
       fp.row_target_mass[row] = static_cast<float>(c > 0.0 ? ms / c : ms);
       fp.loss_terms[row] = t;
     }

@@ -1,5 +1,5 @@
 // Shared memory of the sm_90a loss forward, with the contract of every mbarrier
-// that guards it.
+// that guards it (docs/sync-contract.md).
 #pragma once
 
 #include <cute/tensor.hpp>

@@ -14,8 +14,7 @@ struct ForwardTileConfig {
   static constexpr int kHeadTile = kHeadTile_;  // heads per task: every head of the row, padded
   static_assert(kHeadTile == 64 || kHeadTile == 128, "one or two m64 wgmma tiles");
   static constexpr int kBlockKeys = 64;  // keys per gathered block (the backward's)
-  // Without the backward's sA, dK staging and A operands, eight K stages fit
-  // (D 128, 128 heads: 64 KiB of Q stages + 128 KiB of K stages).
+  // Without the backward's sA and dK staging, eight K stages fit (D 128, 128 heads).
   static constexpr int kStagesK = 8;
   static constexpr int kStagesQ = 2;
   static constexpr int kThreadsPerWarpgroup = 128;
@@ -34,10 +33,9 @@ struct ForwardTileConfig {
       SmemAtom{}, cute::Shape<cute::Int<kHeadTile>, cute::Int<kHeadDim>, cute::Int<kStagesQ>>{}));
   using SmemLayoutK = decltype(cute::tile_to_shape(
       SmemAtom{}, cute::Shape<cute::Int<kBlockKeys>, cute::Int<kHeadDim>, cute::Int<kStagesK>>{}));
-  // GEMM1 transposed against the backward's: S^T (keys, heads) = K Q^T with the
-  // same shared-memory operands (K-major, 128-byte swizzle), K as A and Q as B.
-  // Keys as M put a key's heads in one thread and its quad, so the head sum
-  // needs two shuffles and no exchange between warps.
+  // GEMM1 transposed against the backward's, S^T (keys, heads) = K Q^T: keys as M
+  // put a key's heads in one thread and its quad, so the head sum needs two
+  // shuffles and no exchange between warps.
   using TiledMmaS = decltype(cute::make_tiled_mma(
       cute::GMMA::ss_op_selector<Element, Element, float,
                                  cute::Shape<cute::Int<kBlockKeys>, cute::Int<kHeadTile>, cute::Int<kHeadDim>>,

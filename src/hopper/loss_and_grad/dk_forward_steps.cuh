@@ -1,7 +1,8 @@
-// The dK role's steps in the loss-and-gradient kernel (loss_and_grad_kernel.cuh):
-// DkMma::run_forward_steps (declared in indexer_backward/dk_mma.cuh), which runs
-// the backward blocks of the CTA's row r_{n-1} and the loss forward's blocks of
-// its next row r_n in the producer's order.
+// The dK role's steps in the loss-and-gradient kernel, DkMma::run_forward_steps:
+// step n runs GEMM2 of the backward blocks of the CTA's row r_{n-1} and the loss
+// forward's blocks of r_n (GEMM1 with keys as M, head sum, row statistics) in
+// the producer's order, then r_n's outputs and its LSE and G for the score role.
+// The dK accumulator is dead between blocks: the forward's takes its registers.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -66,8 +67,7 @@ __device__ void DkMma<Config>::run_forward_steps(DkBlock&& dk_block, PipelineSta
     int f_blocks = 0;
     const auto f_q = q_state;
     const int nb = backward_row ? b_blocks : 0;
-    // The producer's order (loss_and_grad_producer.cuh): the backward's first
-    // block comes before the forward row's Q stage.
+    // The producer's order: the backward's first block before the forward row's Q stage.
     const int early = min(nb, 1);
     for (int i = 0; i < early; ++i) dk_block(b_q.index);
     if (forward_row) {

@@ -10,9 +10,8 @@
 
 namespace dsaib::hopper {
 
-/// The kernel for head dim kHeadDim over `grid` persistent CTAs (none for grid
-/// 0; the P-free backward's plan: one CTA per SM, as this kernel's shared
-/// memory allows), its dynamic shared-memory attribute set first.
+/// The kernel for head dim kHeadDim over `grid` persistent CTAs (the P-free
+/// backward's plan; none for grid 0).
 template <int kHeadDim>
 void launch_indexer_kl_loss_and_grad(const IndexerKLForwardParams& params, int64_t grid, cudaStream_t stream);
 /// Sets the kernel's dynamic shared-memory attribute and checks that a CTA fits

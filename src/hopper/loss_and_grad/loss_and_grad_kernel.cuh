@@ -1,26 +1,12 @@
-// The sm_90a loss-and-gradient kernel (LossAndGradConfig, tile_config.cuh):
-// the P-free backward's four roles, whose producer and dK role also run the
-// loss forward's pass over the CTA's next row, so that the forward's gathers
-// and GEMM1 run beside the backward's instead of in a launch of their own.
-//
-//   warpgroup 0 : LossAndGradProducer (loss_and_grad_producer.cuh): per step,
-//                 the backward blocks of row r_{n-1} and the forward blocks of
-//                 r_n in turn
-//   warpgroup 1 : ScoreMma (score_mma.cuh): the P-free backward's, its row's LSE
-//                 and G from the dK role (stats_full) instead of the producer
-//   warpgroup 2 : DkMma (dk_mma.cuh): GEMM2 of each backward block, then a
-//                 forward block (GEMM1 with keys as M, head sum, row
-//                 statistics); after the step, r_n's LSE, target mass and loss
-//                 term (ForwardScore::finish_row, forward_score.cuh), and its
-//                 LSE and G for the score role
-//   warpgroup 3 : ScatterReduce (scatter_reduce.cuh), unchanged
-//
-// The mbarrier contracts are the backward's, plus forward_full / forward_empty
-// (the forward blocks' ring of K stages) and stats_full (LossAndGradStorage,
-// shared_storage.cuh).
-// Outputs: the forward's (IndexerKLForwardParams: row_lse, row_target_mass,
-// loss_terms, with z_scratch) and the backward's (params.in). The row terms
-// are summed by the loss forward's fixed-order kernel after this one.
+// The sm_90a loss-and-gradient kernel (docs/hopper-kernel.md §15): the P-free
+// backward whose producer and dK role also run the loss forward's pass over the
+// CTA's next row, so that the forward's gathers and GEMM1 run under the
+// backward's dK reductions instead of in a launch of their own.
+//   warpgroup 0: LossAndGradProducer (loss_and_grad_producer.cuh)
+//   warpgroup 1: ScoreMma, its row's LSE and G from the dK role (stats_full)
+//   warpgroup 2: DkMma with run_forward_steps (dk_forward_steps.cuh)
+//   warpgroup 3: ScatterReduce
+// Barrier contracts beyond the backward's: loss_and_grad_storage.cuh.
 #pragma once
 
 #include "hopper/indexer_backward/indexer_backward_kernel.cuh"

@@ -1,24 +1,11 @@
-// Producer role of the loss-and-gradient kernels (LossAndGradConfig,
-// loss_and_grad_kernel.cuh), warpgroup 0. The CTA's rows are r_n = blockIdx.x +
-// n * gridDim.x; step n gathers the blocks of two passes in turn:
-//
-//   backward pass of r_{n-1}   (as the P-free backward's producer: each key
-//                               carries g~ = -c max(T, eps) in gs and its key
-//                               row; odd waves take the chunks last to first)
-//   forward pass of r_n        (as the loss forward's: slot order whatever the
-//                               grid, each key carrying T~ = max(T, eps) and
-//                               its slot, LossAndGradStorage::key_target /
-//                               key_slot)
-//
-// r_n's block count, backward block 0, then r_n's Q tile and weights into its
-// Q stage, forward block 0, backward block 1, forward block 1, ..., then the
-// longer pass's remaining blocks, into two rings of K stages
-// (LossAndGradConfig): the backward's (k_full / k_empty, the score role's,
-// score_mma.cuh) and the forward's (forward_full / forward_empty, the dK
-// role's, dk_mma.cuh). r_n's Q stage stays until its backward pass ends, one
-// step later (two Q stages: the two rows of a step). Each pass compacts its chunks
-// into its own slot list (slot_gs / slot_key_row, and LossAndGradStorage's for
-// the forward), so the two passes' chunks interleave freely.
+// Producer role of the loss-and-gradient kernel. The CTA's rows are
+// r_n = blockIdx.x + n * gridDim.x; step n gathers, in turn, the backward pass
+// of r_{n-1} (as the P-free backward's producer, into the score role's ring) and
+// the forward pass of r_n (as the loss forward's, in slot order, into the dK
+// role's ring): r_n's block count, backward block 0, r_n's Q stage, forward
+// block 0, backward block 1, ... Each pass compacts into its own slot list, so
+// the two passes' chunks interleave freely; r_n's Q stage stays until its
+// backward pass ends a step later (two Q stages).
 #pragma once
 
 #include "hopper/common/producer_gather.cuh"
@@ -81,10 +68,9 @@ struct LossAndGradProducer : ProducerGather<Config> {
     return num_blocks;
   }
 
-  /// Compacts the pass's next chunk that has a valid slot into its list.
-  /// Every thread's reads of the pass's previous list precede its arrival at
-  /// the barrier inside slot_list_positions, so the list writes after it are
-  /// ordered after them.
+  /// Compacts the pass's next chunk that has a valid slot into its list; the
+  /// barrier inside slot_list_positions orders the writes after the previous
+  /// list's reads.
   template <bool kForward>
   __device__ void compact_next_chunk(RowPass& r, float c, float eps, int tid) {
     do {
@@ -127,10 +113,8 @@ struct LossAndGradProducer : ProducerGather<Config> {
     pending_full = nullptr;
   }
 
-  /// Gathers the pass's next block into the next stage of its ring: the
-  /// backward's (k stages 0..kStagesK-1, k_full / k_empty) or the forward's
-  /// (k stages kStagesK.., forward_full / forward_empty). Called only while the
-  /// pass has blocks left.
+  /// The pass's next block into the next stage of its ring (k stages 0.. for the
+  /// backward, kStagesK.. for the forward), while the pass has blocks left.
   template <bool kForward, int kStages>
   __device__ void gather_next(RowPass& r, const MbarrierPipeline<kStages>& pipe, PipelineState<kStages>& state,
                               Element* const (&k_dst)[kGatherRows], float c, float eps, int tid) {
@@ -196,10 +180,8 @@ struct LossAndGradProducer : ProducerGather<Config> {
       // Odd waves of rows take the backward's chunks last to first (producer_gather.cuh).
       if (backward_row) b = begin_pass(b_task, ((b_task / gridDim.x) & 1) != 0, tid);
       const int nb = backward_row ? b_blocks : 0;
-      // The backward row's Q is resident: its first block goes out before the
-      // forward row's Q stage is acquired, which waits until both MMA roles
-      // are done with the row two steps back, so the backward ring does not
-      // run dry at each row.
+      // The backward row's first block goes out before the forward row's Q stage is
+      // acquired (which waits for the row two steps back): the ring stays fed.
       const int early = min(nb, 1);
       for (int i = 0; i < early; ++i) gather_next<false>(b, this->k_pipe, k_state, k_dst, c, eps, tid);
       if (forward_row) {

@@ -1,6 +1,5 @@
 // Shared memory of the loss-and-gradient kernel beyond the P-free backward's
-// (SharedStorage::fused, common/shared_storage.cuh), with the contract of
-// every mbarrier that guards it.
+// (SharedStorage::fused), with the contract of every mbarrier that guards it.
 #pragma once
 
 #include <cstdint>
@@ -10,16 +9,10 @@
 
 namespace dsaib::hopper {
 
-/// Shared memory of the loss-and-gradient kernels only (LossAndGradConfig).
-/// Producer-private (NamedBarrierId::kProducerSync): the compacted slot list of
-/// one chunk of the forward row, beside the backward row's (slot_gs /
-/// slot_key_row): each valid slot's index in its row, T~ = max(T, eps) and key
-/// row, in slot order. Private to the dK role, which runs the forward
-/// (NamedBarrierId::kForwardScoreSync): the forward row's per-warp statistics
-/// (by row parity) and slot-pass sums, as the loss forward's (forward_score.cuh).
-/// The forward blocks' ring of K stages (k stages kStagesK + f): per stage
-/// each key's T~ (0 on tail entries) and its slot (-1 on tail entries), and
-/// forward_full / forward_empty (contract blocks below).
+/// Producer-private (kProducerSync): the forward row's compacted slot list (slot,
+/// T~, key row), beside the backward row's. dK-role-private (kForwardScoreSync):
+/// the forward's per-warp statistics and slot-pass sums. Per forward K stage
+/// (k stage kStagesK + f): each key's T~ (0 on tail entries) and slot (-1 on tail entries).
 template <class Config>
 struct LossAndGradStorage {
   static constexpr int kWarps = Config::kDkThreads / 32;
@@ -39,16 +32,15 @@ struct LossAndGradStorage {
   uint64_t forward_empty[Config::kForwardStages];
   // stats_full[s]  "the LSE and G of the row in Q stage s are in p_free.row_lse[s] / row_g[s]"
   //   arrive count : 1
-  //   who arrives  : dK-role thread 0, after the row's forward (ForwardScore::finish_row,
-  //                  in which this thread wrote the row's LSE and target mass to global
-  //                  memory) and its stores of row_lse[s] / row_g[s]
+  //   who arrives  : dK-role thread 0, after the row's forward (ForwardScore::finish_row, in which this thread
+  //                  wrote the row's LSE and target mass to global memory) and its stores of row_lse[s] /
+  //                  row_g[s]
   //   tx bytes     : none
-  //   waiters      : all score-role threads, before the row's backward, on the
-  //                  phase of the q_full wait that gave them the row (one
-  //                  completion per row in stage s, as q_full)
+  //   waiters      : all score-role threads, before the row's backward, on the phase of the q_full wait that
+  //                  gave them the row (one completion per row in stage s, as q_full)
   //   publishes    : p_free.row_lse[s], p_free.row_g[s]
-  //   reuse        : stage s's next row is loaded only after q_empty[s], which
-  //                  the score role arrives on after the backward that read them
+  //   reuse        : stage s's next row is loaded only after q_empty[s], which the score role arrives on after
+  //                  the backward that read them
   uint64_t stats_full[Config::kStagesQ];
 };
 
