@@ -104,7 +104,7 @@ def reference_softmax(q, w, k, ids, sm_scale):
 
 
 def reference_grads(q, w, k, ids, target, sm_scale, c):
-    """Closed form of indexer-backward-math.md, float64 (inputs already float64, any device).
+    """Closed form of docs/math.md, float64 (inputs already float64, any device).
     P is the softmax of the true logits over the valid slots."""
     D = q.shape[3]
     valid, idx, bidx, k_sel, x, z = _reference_logits(q, w, k, ids, sm_scale)

@@ -29,7 +29,7 @@ ProblemGeometry validate_for_backend(const IndexerInputs& in, const IndexerBackw
                                      const IndexerOptions& opt) {
   check_options_and_backend(opt);
   const bool cuda = opt.backend == Backend::cuda;
-  // THD inside a CUDA-graph capture: cu_seqlens are checked on the device (backend.cu).
+  // THD inside a CUDA-graph capture: cu_seqlens are checked on the device (common/device_cu_seqlens.hpp).
   const bool capturing = cuda && opt.layout == Layout::thd && cuda_stream_capturing(opt.stream);
   return validate_problem(in, out, opt, cuda ? &cuda_copy_to_host : nullptr, true, capturing);
 }

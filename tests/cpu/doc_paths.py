@@ -192,7 +192,8 @@ def self_test():
         with open(os.path.join(root, "scripts", "run.sh"), "w") as f:
             f.write("#!/bin/sh\n# runs src/a/kernel.cuh's tests, then gone.sh\n")
         with open(os.path.join(root, "scripts", "tool.py"), "w") as f:
-            f.write('"""Reads docs/a.md and docs/c.md."""\nX = "src/missing.cuh"  # see b.md\n')
+            # (the comment's path is assembled, so that this file's own comment scan does not see it)
+            f.write('"""Reads docs/a.md and docs/c.md."""\nX = "src/missing.cuh"  # see b' + '.md\n')
         got = missing_paths(root)
         want = ["docs/a.md:3: src/a/moved.cuh", "scripts/run.sh:2: gone.sh",
                 "scripts/tool.py:1: docs/c.md", "src/a/kernel.cuh:1: helper.cuh",
