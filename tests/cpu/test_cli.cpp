@@ -1141,8 +1141,9 @@ TEST_F(Cli, StepOnGeneratedThdGlobalIdsSampledAndForwardFlags) {
 TEST_F(Cli, NonFiniteIndexScoreFailsOnlyTheOperationThatReadsIt) {
   std::map<std::string, std::string> meta;
   auto t = dsaib::read_safetensors(tiny_problem(), &meta);
-  t.at("index_score").data<float>()[0] = std::nanf("");  // row 0, slot 0: valid
-  t.at("index_score").data<float>()[1] = std::numeric_limits<float>::infinity();
+  const int64_t topk = t.at("topk_indices").shape.back();
+  t.at("index_score").data<float>()[0] = std::nanf("");  // row 0, slot 0: valid (causal ids)
+  t.at("index_score").data<float>()[topk] = std::numeric_limits<float>::infinity();  // row 1, slot 0: valid
   const std::string in = path("nan_p.safetensors");
   dsaib::write_safetensors(in, t, meta);
   for (const char* op : {"forward", "step"}) {
