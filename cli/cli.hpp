@@ -205,13 +205,20 @@ RunResult run_cuda(const Problem& p, const Geometry& g, DType out_dtype, int war
 
 // ---------------------------------------------------------------- bench
 
-/// Flags of `dsaib bench` (defaults: the DeepSeek-V3.2 indexer shapes at three lengths).
+/// Flags of the bench: `dsaib bench` and the dsaib-bench binary take the same
+/// ones (cli/bench_command.cpp). Defaults: the DeepSeek-V3.2 indexer shapes at three lengths.
 struct BenchArgs {
+  std::vector<std::string> ops = {"backward"};       // bench::BenchOp words
   std::vector<int64_t> seqs = {4096, 16384, 65536};  // S_q = S_kv
   std::vector<std::string> ids = {"causal", "random"};
   int64_t batch = 1, heads = 64, dim = 128, topk = 2048;
+  std::vector<std::pair<int64_t, int64_t>> shapes = {{128, 576}, {64, 192}};  // target: Hq x Dqk
+  std::string lse_base = "natural";            // target: AttentionTargetOptions::lse_base
+  bool unnormalized = false;                   // target: AttentionTargetOptions::normalize = false
+  bool index_score = false;                    // forward: also write P
   int iters = 20, warmup = 3, input_sets = 0;  // input_sets 0: automatic
   double sustained_ms = 2000;                   // back-to-back launches after the timed ones (0: none)
+  double l2_set_aside_mib = -1;                 // < 0: the context's persisting-L2 limit as it is
   uint64_t seed = 1234;
   std::string json;                             // "" none, "-" stdout
   bool no_floor = false;
@@ -220,16 +227,26 @@ struct BenchArgs {
   std::string start_stagger = "auto";           // IndexerOptions::start_stagger
   std::string forward_fusion = "auto";          // IndexerOptions::forward_fusion
   bool deterministic = false;                   // IndexerOptions::deterministic
-  std::string op = "backward";                  // backward, forward, step or one-call (bench::BenchOp)
+  std::string tool = "dsaib bench";   // names the report
   std::string command_line;                     // for the JSON report
 };
 
-/// The per-case floor, as --help and the JSON state it.
+/// The per-case floors, as --help and the JSON state them.
 inline constexpr const char* kBenchFloorFormula =
-    "floor ns/row = max(topk*D*4 B / scatter rate, 6*H*D*topk FLOP / GEMM rate), where the scatter rate is "
-    "the best of three ways (float4 atomicAdd, scalar atomicAdd, cp.reduce.async.bulk add.f32) of adding "
+    "backward: floor ns/row = max(topk*D*4 B / scatter rate, 6*H*D*topk FLOP / GEMM rate), where the scatter rate "
+    "is the best of three ways (float4 atomicAdd, scalar atomicAdd, cp.reduce.async.bulk add.f32) of adding "
     "rows of D fp32 values into random rows of an fp32 table of this case's dK size (B*S_kv*D*4 bytes), and "
-    "the GEMM rate is cuBLAS bf16 (fp32 compute) at 8192^3, both measured in the same run";
+    "the GEMM rate is the best of cuBLAS bf16 (fp32 compute) at 8192^3 at four operand layouts, both measured in "
+    "the same run";
+inline constexpr const char* kBenchGatherFloorFormula =
+    "forward: floor ns/row = max(gather ns/row, 2*H*D*slots FLOP / GEMM rate); target: the same with Hq, Dqk and "
+    "the cuBLAS rate at the target's shape (Hq x topk x Dqk, batched); where gather ns/row is the fastest of three "
+    "ways (16-byte vector loads per lane, a cp.async ring, cp.async.bulk per row on an mbarrier), each at a few "
+    "depths and CTA counts, of reading every valid slot's D*2-byte key row of an (S, topk) id table of this case's "
+    "pattern, S and topk, inputs rotated over the L2 as the op's; slots = the case's valid slots per row";
+inline constexpr const char* kBenchStepFloorFormula =
+    "step, one-call: floor ns/row = max(topk*D*4 B / scatter rate, 8*H*D*topk FLOP / GEMM rate, gather ns/row): "
+    "the backward's terms with the forward's GEMM1 added, and the key gather";
 
 /// The per-case traffic floor (not the floor; a second reference), as the report states it.
 inline constexpr const char* kBenchTrafficFloorFormula =
@@ -238,9 +255,11 @@ inline constexpr const char* kBenchTrafficFloorFormula =
     "key (D*2 B, ld.global.cg) from a key table of as many rows: the op's dK reduce and K gather traffic alone, "
     "with uniformly random rows";
 
-/// Runs `bench`: floor micro-benchmarks, then the op for every case; prints the report
-/// (and writes the JSON). Returns the exit status. Raises dsaib::Error(backend_unavailable)
-/// in a build without CUDA or on a machine without a compute-capability-9.0 GPU.
+/// Runs the bench: the floors every case needs, then every case (--op x --ids x --seq, and
+/// --shapes for the target); prints the report (and writes the JSON). Returns the exit
+/// status: 0, or 1 when a floor's correctness check failed. Raises
+/// dsaib::Error(backend_unavailable) in a build without CUDA or on a machine without a
+/// compute-capability-9.0 GPU, dsaib::Error(cuda_error) when a CUDA call fails.
 int run_bench(const BenchArgs& a);
 
 // ---------------------------------------------------------------- verification

@@ -70,7 +70,30 @@ class OperationCommand {
   OperationArgs args_;
 };
 
-/// `bench`: the floor micro-benchmarks and the op on the GPU (run_bench).
+/// The bench's flags on a CLI11 app or subcommand, and what they parse into. The
+/// `bench` subcommand and the dsaib-bench binary (bench/dsaib_bench.cpp) both use it, so
+/// they take the same flags, check them the same way and run the same code (run_bench).
+/// Must stay where it was built: the flags write into its members.
+struct BenchFlags {
+  BenchArgs args;
+  // The lists are taken as text and split after the parse (split_list_items), so that an
+  // empty item ("4096,,16384") is an error naming the flag, not dropped.
+  std::vector<std::string> op_text, seq_text, ids_text, shapes_text;
+  CLI::Option* op_opt = nullptr;
+  CLI::Option* seq_opt = nullptr;
+  CLI::Option* ids_opt = nullptr;
+  CLI::Option* shapes_opt = nullptr;
+};
+/// Adds the bench's flags to `cmd`, into `f`, and its --help footer.
+void add_bench_flags(CLI::App* cmd, BenchFlags& f);
+/// After the parse: the lists split and checked (errors name the flag), `command_line`
+/// kept for the report; then run_bench. Returns its exit status.
+int run_bench_flags(BenchFlags& f, const std::string& command_line);
+/// Whether `words` (the flags) ask for the JSON report on stdout (--json -), for a command
+/// line that did not parse.
+bool bench_json_requested(const std::vector<std::string>& words);
+
+/// `bench`: the floors and the ops on the GPU (BenchFlags, run_bench).
 class BenchCommand {
  public:
   explicit BenchCommand(CLI::App& app);
@@ -78,20 +101,15 @@ class BenchCommand {
   BenchCommand& operator=(const BenchCommand&) = delete;
   bool selected() const { return cmd_->parsed(); }
   /// Whether the JSON report (an error's too) goes to stdout (--json -).
-  bool json_to_stdout() const { return args_.json == "-"; }
+  bool json_to_stdout() const { return flags_.args.json == "-"; }
   /// Whether the words after `bench` ask for JSON on stdout (for a command line that did not parse).
-  static bool json_requested(const std::vector<std::string>& words);
+  static bool json_requested(const std::vector<std::string>& words) { return bench_json_requested(words); }
   /// `command_line`: the whole command line, for the JSON report.
-  int run(const std::string& command_line);
+  int run(const std::string& command_line) { return run_bench_flags(flags_, command_line); }
 
  private:
   CLI::App* cmd_ = nullptr;
-  BenchArgs args_;
-  // --seq and --ids are taken as text and split in run() (split_list_items), so
-  // that an empty item ("4096,,16384") is an error, not dropped.
-  std::vector<std::string> seq_text_, ids_text_;
-  CLI::Option* seq_opt_ = nullptr;
-  CLI::Option* ids_opt_ = nullptr;
+  BenchFlags flags_;
 };
 
 /// `presets`: lists the presets of the generation flags.

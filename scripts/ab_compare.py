@@ -2,23 +2,28 @@
 """Paired A/B comparison of two benchmark binaries (two builds or variants).
 
 Runs A and B alternately (ABAB..., or BABA.. on odd pairs to cancel drift) as
-separate processes, N pairs, each run printing JSON (dsa-indexer-bwd-bench
---json). For every case it reports the median ns/row of A and B, the paired
-deltas (B - A) and a Student-t 95% confidence interval of the mean delta.
+separate processes, N pairs, each run writing the bench's JSON report (dsaib-bench
+--json FILE: an object whose "cases" list holds one record per case; a plain list
+of case records is read too). For every case it reports the median ns/row of A
+and B, the paired deltas (B - A) and a Student-t 95% confidence interval of the
+mean delta. A case is named by its op (when not the backward), ids, B, S, H, D and
+topk.
 
 usage: ab_compare.py BIN_A BIN_B [--pairs 8] [--args "--seq 4096 --ids random"] [--out FILE]
                      [--metric ns_per_row | ns_per_row_sustained | both]
 
 --metric ns_per_row_sustained compares the sustained runs' steady state (pass
---sustained-ms in --args too): back to back the op runs at the H200's power
-limit, where a change pays by its energy as much as by its latency.
+a positive --sustained-ms in --args too): back to back the op runs at the H200's
+power limit, where a change pays by its energy as much as by its latency.
 
-Example: a build of the baseline (build-a) against a build of the change (build-b):
-  python3 scripts/ab_compare.py build-a/bench/dsa-indexer-bwd-bench build-b/bench/dsa-indexer-bwd-bench \
-      --pairs 8 --args "--seq 16384 --ids random --iters 15" --out ab.json
+Example: a build of the baseline (build-a) against a build of the change (build-b),
+the loss forward (without the floors and the sustained run, which a paired A/B does
+not need):
+  python3 scripts/ab_compare.py build-a/bench/dsaib-bench build-b/bench/dsaib-bench --pairs 8 \
+      --args "--op forward --seq 16384 --ids random --iters 15 --no-floor --sustained-ms 0" --out ab.json
 B is faster when the 95% interval of B - A lies below 0. A or B can be any executable
 that takes `--json FILE` and the --args, such as a two-line shell wrapper that runs one
-build's bench with an option (`exec .../dsa-indexer-bwd-bench --a-operand bf16x2 "$@"`).
+build's bench with an option (`exec .../dsaib-bench --a-operand bf16x2 "$@"`).
 """
 import argparse
 import json
@@ -53,11 +58,30 @@ def fail(binary, what):
 METRICS = ("ns_per_row", "ns_per_row_sustained")
 
 
+def metric_value(r, m):
+    """Metric m of case record r: its own key, or for the sustained metric the
+    report's "sustained": {"ns_per_row"} object."""
+    if m in r:
+        return r[m]
+    if m == "ns_per_row_sustained" and isinstance(r.get("sustained"), dict):
+        return r["sustained"].get("ns_per_row")
+    return None
+
+
+def case_name(r):
+    """'random S16384 H64 D128 k2048', the op first when it is not the backward, the
+    batch when it is not 1 (as in the README's speed table)."""
+    batch = r.get("batch", 1)
+    op = r.get("op", "backward")
+    return (f'{"" if op == "backward" else f"{op} "}{r["ids"]}{"" if batch == 1 else f" B{batch}"} '
+            f'S{r["seq"]} H{r["heads"]} D{r["dim"]} k{r["topk"]}')
+
+
 def run(binary, extra, metrics=("ns_per_row",)):
     """{metric: {case: value}} of one run of `binary --json FILE extra...`.
     Exits with a message naming the binary for a failed run or a JSON that is
-    not the bench's (a list of case objects with a finite positive metric, each
-    case once)."""
+    not the bench's (case objects with a finite positive metric, each case once,
+    as a list or under "cases")."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         path = f.name
     try:
@@ -75,19 +99,20 @@ def run(binary, extra, metrics=("ns_per_row",)):
             fail(binary, f"its --json file is not valid JSON ({e})")
     finally:
         os.unlink(path)
+    if isinstance(rows, dict):
+        rows = rows.get("cases")
     if not isinstance(rows, list) or not rows:
-        fail(binary, "expected its JSON to be a non-empty list of cases")
+        fail(binary, "expected its JSON to hold a non-empty list of cases")
     out = {m: {} for m in metrics}
     for r in rows:
         if not isinstance(r, dict):
             fail(binary, f"expected each case to be an object, got {r!r}")
         try:
-            batch = r.get("batch", 1)  # named only when not 1, as in the README's speed table
-            case = f'{r["ids"]}{"" if batch == 1 else f" B{batch}"} S{r["seq"]} H{r["heads"]} D{r["dim"]} k{r["topk"]}'
+            case = case_name(r)
         except KeyError as e:
             fail(binary, f"a case without {e} in its JSON")
         for m in metrics:
-            v = r.get(m)
+            v = metric_value(r, m)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v < math.inf):
                 fail(binary, f"no finite positive {m!r} for {case} in its JSON" +
                      (" (does it take --sustained-ms?)" if m == "ns_per_row_sustained" else ""))

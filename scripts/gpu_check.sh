@@ -9,8 +9,8 @@
 #     --skip-PART            skip one part: --skip-tests, --skip-sanitizer, --skip-cli,
 #                            --skip-bench, --skip-target, --skip-peers, --skip-forward-peers,
 #                            --skip-target-peers, --skip-python
-#     --bench-args "ARGS"    more arguments for `dsaib bench` (e.g. "--seq 16384 --ids random")
-#     --target-bench-args "ARGS"  more arguments for dsa-target-bench (e.g. "--seq 4096 --shapes 128x576")
+#     --bench-args "ARGS"    more arguments for the bench part's dsaib-bench (e.g. "--seq 16384 --ids random")
+#     --target-bench-args "ARGS"  more arguments for the target part's dsaib-bench (e.g. "--seq 4096 --shapes 128x576")
 #     --peers-site DIR       a folder of peer packages to put first on sys.path (passed as --site)
 #     --tilelang-example DIR TileLang's example files (default .peers/tilelang_example, see "peers")
 #     --megatron-dir DIR     Megatron-Core's TileLang loss kernels (default .peers/megatron_tilelang,
@@ -48,16 +48,16 @@
 #                B/cli/dsaib generate --preset b3-q64-k2048-random --seed 7 --out O/cli/b3-q64-k2048-random.safetensors
 #                B/cli/dsaib backward --in O/cli/b3-q64-k2048-random.safetensors --backend cuda --verify all
 #                                      --out O/cli/race2_grads.safetensors
-#   bench      B/bench/dsa-floor-bench --json O/bench/floor.json
-#              B/cli/dsaib bench --json O/bench/bench.json [--bench-args]
-#              The second is the speed measurement: per case (DeepSeek shape H64 D128 topk
-#              2048, S 4096 / 16384 / 65536, causal and random ids) it measures the floor at
-#              that case's dK size, then the op, in the same process, and reports ns per query
-#              row and the ratio to that floor (xfloor); `dsaib bench --help` states
-#              the floor's formula. The first prints the floor's micro-benchmarks at fixed
-#              table sizes (2 MiB to 512 MiB) for reference.
+#   bench      B/bench/dsaib-bench --op backward,forward,step,one-call --json O/bench/bench.json [--bench-args]
+#              The speed measurement of the indexer loss's ops: per case (DeepSeek shape H64
+#              D128 topk 2048, S 4096 / 16384 / 65536, causal and random ids, each op) it
+#              measures the floors the cases need (the scatter-add rate at each case's dK size,
+#              the key gather of each case's ids, S, D and topk, the GEMM rate; each the best
+#              of several ways, each way checked), then every op, in the same process, and
+#              reports ns per query row and the ratio to that op's floor (xfloor);
+#              `dsaib-bench --help` states the floors' formulas.
 #   target     B/tests/gpu/test_gpu_attention_target
-#              B/bench/dsa-target-bench --json O/target/bench.json [--target-bench-args]
+#              B/bench/dsaib-bench --op target --json O/target/bench.json [--target-bench-args]
 #              The attention target: its GPU tests against the fp64 reference (also in the
 #              tests part; here on their own, a skipped test failing the part), then its speed:
 #              per case (Hq x Dqk 128 x 576 and 64 x 192, topk 2048, S 4096 / 16384 / 65536,
@@ -71,6 +71,8 @@
 #                        --iters 10 --warmup 2 --json O/peers/tilelang.json
 #                python3 bench/peers/torch_eager.py --check --seq 4096,16384,65536 --ids causal,random
 #                        --iters 5 --warmup 1 --json O/peers/torch_eager.json
+#                python3 bench/peers/side_by_side.py --ours O/bench/bench.json --op backward
+#                        --peers O/peers/NAME.json ... --out O/peers/side_by_side.md
 #                python3 scripts/plot_bench.py --ours O/bench/bench.json --peers O/peers/NAME.json ...
 #                        --out O/peers/bench_vs_s.png
 #              Measured with torch 2.11, nvidia-cudnn-frontend 1.32.0 with nvidia-cutlass-dsl
@@ -81,10 +83,12 @@
 #              .peers/tilelang_example/ (ignored by git) or pass --tilelang-example DIR.
 #              A peer's own result (its gradient check failing, a case running out of memory)
 #              is reported, never a failure of this check; a peer script refusing its
-#              arguments (exit 2) is.
+#              arguments (exit 2) is, and so is a peer that does the floor's work running faster
+#              than ours' floor of the same case (side_by_side.py's floor check: the floor is
+#              then wrong).
 #   forward-peers  the loss forward, ours and its peers side by side, in one run:
-#                B/bench/dsa-kl-forward-bench --seq 4096,16384,65536 --ids causal,random --iters 10
-#                        --warmup 2 --json O/forward-peers/ours.json
+#                B/bench/dsaib-bench --op forward --seq 4096,16384,65536 --ids causal,random --iters 10
+#                        --warmup 2 --sustained-ms 0 --json O/forward-peers/ours.json
 #                python3 bench/peers/loss_forward_peers.py --check --seq 4096,16384,65536 --ids causal,random
 #                        --iters 10 --warmup 2 --json O/forward-peers/peers.json
 #                python3 bench/peers/side_by_side.py --ours O/forward-peers/ours.json
@@ -98,9 +102,9 @@
 #              github.com/NVIDIA/Megatron-LM's megatron/core/transformer/experimental_attention_variant/ops/
 #              into .peers/megatron_tilelang/ (ignored by git) or pass --megatron-dir DIR.
 #   target-peers   the attention target T, ours and its peers side by side, in one run:
-#                B/bench/dsa-target-bench --seq 4096,16384,65536 --ids causal,random
-#                        --shapes 128x576,64x192 --topk 2048 --iters 10 --warmup 2
-#                        --json O/target-peers/ours.json      (when the build has it)
+#                B/bench/dsaib-bench --op target --seq 4096,16384,65536 --ids causal,random
+#                        --shapes 128x576,64x192 --topk 2048 --iters 10 --warmup 2 --sustained-ms 0
+#                        --json O/target-peers/ours.json
 #                python3 bench/peers/attention_target_peers.py --check --seq 4096,16384,65536
 #                        --ids causal,random --shapes 128x576,64x192 --iters 10 --warmup 2
 #                        --json O/target-peers/peers.json
@@ -109,7 +113,9 @@
 #              Peers: torch eager, cudnn-frontend's SM90 sparse attention score recompute,
 #              Megatron-Core's TileLang sparse_indexer_target (same files as forward-peers).
 #              For both parts, as for "peers": a peer's own result is reported, never a failure of
-#              this check; a peer script refusing its arguments (exit 2) and our bench failing are.
+#              this check; a peer script refusing its arguments (exit 2), our bench failing, and a
+#              peer that does the floor's work running faster than ours' floor (the table names it)
+#              are.
 #   python     bash scripts/python_check.sh --install --cuda --require-cuda O/python
 #              builds this checkout's Python package with the cuda backend into O/python/site,
 #              runs python/tests (the GPU tests must run) and the training example on cpu and
@@ -281,15 +287,16 @@ if [[ $do_build == 1 ]]; then
   cmake --build "$build" >"$out/build.log" 2>&1 || cannot_run "cmake --build $build failed (tail of $out/build.log: $(tail -3 "$out/build.log" | tr '\n' ' '))"
 fi
 need=()
-# the CLI: every part but forward-peers and target-peers runs or needs it
-for p in tests sanitizer cli bench peers python; do
+# the CLI: every part but bench, target, forward-peers and target-peers runs or needs it
+for p in tests sanitizer cli peers python; do
   [[ ${run_part[$p]} == 1 ]] && need=(cli/dsaib) && break
 done
 [[ ${run_part[tests]} == 1 || ${run_part[sanitizer]} == 1 ]] && need+=(tests/gpu/test_gpu_hopper tests/gpu/test_gpu_bench)
 [[ ${run_part[sanitizer]} == 1 ]] && need+=(tests/sanitizer_bin/test_gpu_hopper tests/sanitizer_bin/test_gpu_kl_forward tests/sanitizer_bin/test_gpu_attention_target tests/sanitizer_bin/sync_calibration)
-[[ ${run_part[bench]} == 1 ]] && need+=(bench/dsa-floor-bench)
-[[ ${run_part[forward-peers]} == 1 ]] && need+=(bench/dsa-kl-forward-bench)
-[[ ${run_part[target]} == 1 ]] && need+=(tests/gpu/test_gpu_attention_target bench/dsa-target-bench)
+for p in bench target forward-peers target-peers; do
+  [[ ${run_part[$p]} == 1 ]] && need+=(bench/dsaib-bench) && break
+done
+[[ ${run_part[target]} == 1 ]] && need+=(tests/gpu/test_gpu_attention_target)
 for f in "${need[@]}"; do
   [[ -x $build/$f ]] || cannot_run "$build/$f is missing: build the whole project (cmake --build $build, or pass --build)"
 done
@@ -425,22 +432,19 @@ part_cli() {
 
 # ---------------------------------------------------------------- bench
 part_bench() {
-  local d=$out/bench rc frc
+  local d=$out/bench rc
   mkdir -p "$d"
-  banner "bench: dsa-floor-bench (the floor's micro-benchmarks at fixed table sizes)"
-  timeout 600 "$build/bench/dsa-floor-bench" --json "$d/floor.json" >"$d/floor.txt" 2>"$d/floor_stderr.txt"
-  frc=$?
-  tail -n 12 "$d/floor.txt"
-  banner "bench: dsaib bench (the floor per case, then the op, in one run) ${bench_args}"
+  banner "bench: dsaib-bench --op backward,forward,step,one-call (the floors, then every op, in one run) ${bench_args}"
   # shellcheck disable=SC2086  # --bench-args is a list of flags
-  timeout 1800 "$cli" bench --json "$d/bench.json" $bench_args >"$d/bench.txt" 2>"$d/bench_stderr.txt"
+  timeout 3600 "$build/bench/dsaib-bench" --op backward,forward,step,one-call --json "$d/bench.json" $bench_args \
+    >"$d/bench.txt" 2>"$d/bench_stderr.txt"
   rc=$?
   cat "$d/bench.txt"
-  if [[ $rc -ne 0 || $frc -ne 0 ]]; then
-    # exit 1 of either: a floor micro-benchmark failed its correctness check
-    record bench FAIL "dsaib bench exit $rc ($(tail -1 "$d/bench_stderr.txt")); dsa-floor-bench exit $frc ($(tail -1 "$d/floor_stderr.txt"))"
+  if [[ $rc -ne 0 ]]; then
+    # exit 1: a floor's correctness check failed (or a CUDA error)
+    record bench FAIL "dsaib-bench exit $rc ($(tail -1 "$d/bench_stderr.txt"))"
   else
-    record bench PASS "ns/row and ratio to the floor measured in the same run: $d/bench.txt, $d/bench.json"
+    record bench PASS "ns/row and ratio to each op's floor measured in the same run: $d/bench.txt, $d/bench.json"
   fi
 }
 
@@ -453,17 +457,18 @@ part_target() {
   rc=$?
   grep -E "^\[  (FAILED|SKIPPED) |^\[  PASSED|tests ran" "$d/tests.txt" | tail -n 20
   line=$(grep -E "^\[==========\] [0-9]+ tests? from .* ran" "$d/tests.txt" | tail -1)
-  banner "target: dsa-target-bench (the attention target and its floor in one run) ${target_bench_args}"
+  banner "target: dsaib-bench --op target (the attention target and its floor in one run) ${target_bench_args}"
   # shellcheck disable=SC2086  # --target-bench-args is a list of flags
-  timeout 1800 "$build/bench/dsa-target-bench" --json "$d/bench.json" $target_bench_args >"$d/bench.txt" 2>"$d/bench_stderr.txt"
+  timeout 1800 "$build/bench/dsaib-bench" --op target --json "$d/bench.json" $target_bench_args >"$d/bench.txt" \
+    2>"$d/bench_stderr.txt"
   brc=$?
   cat "$d/bench.txt"
   if [[ $rc -ne 0 ]]; then
-    record target FAIL "test_gpu_attention_target exit $rc: $(grep -c '^\[  FAILED  \]' "$d/tests.txt") failed lines (see $d/tests.txt); dsa-target-bench exit $brc"
+    record target FAIL "test_gpu_attention_target exit $rc: $(grep -c '^\[  FAILED  \]' "$d/tests.txt") failed lines (see $d/tests.txt); dsaib-bench exit $brc"
   elif grep -q "^\[  SKIPPED \]" "$d/tests.txt"; then
     record target FAIL "test_gpu_attention_target skipped tests (no visible sm_90 GPU? see $d/tests.txt)"
   elif [[ $brc -ne 0 ]]; then
-    record target FAIL "GPU tests passed (${line}); dsa-target-bench exit $brc ($(tail -1 "$d/bench_stderr.txt"))"
+    record target FAIL "GPU tests passed (${line}); dsaib-bench exit $brc ($(tail -1 "$d/bench_stderr.txt"))"
   else
     record target PASS "GPU tests passed (${line}); ns/row and ratio to the floor: $d/bench.txt, $d/bench.json"
   fi
@@ -471,7 +476,7 @@ part_target() {
 
 # ---------------------------------------------------------------- peers
 part_peers() {
-  local d=$out/peers rc name script args reason plot_args=() ran=0 bad=0 notes=()
+  local d=$out/peers rc name script args reason plot_args=() ran=0 bad=0 notes=() f
   mkdir -p "$d"
   local site_args=()
   [[ -n $peers_site ]] && site_args=(--site "$peers_site")
@@ -501,8 +506,21 @@ part_peers() {
         [[ -s $d/$name.json ]] && plot_args+=(--peers "$d/$name.json") && ran=$((ran + 1)) ;;
     esac
   done
+  if ((ran > 0)) && [[ -s $out/bench/bench.json ]]; then
+    local side_args=()
+    for f in "${plot_args[@]}"; do [[ $f == --peers ]] || side_args+=(--peers "$f"); done
+    banner "peers: side by side with ours and the floor check (bench/peers/side_by_side.py)"
+    "$py" bench/peers/side_by_side.py --ours "$out/bench/bench.json" --op backward "${side_args[@]}" \
+      --out "$d/side_by_side.md" >/dev/null 2>"$d/floor_check.txt"
+    case $? in
+      0) notes+=("floor check passed; table $d/side_by_side.md") ;;
+      1) notes+=("FLOOR CHECK FAILED: $(sed 's/^side_by_side: floor check FAILED: //' "$d/floor_check.txt" | tr '\n' ';')")
+        bad=1 ;;
+      *) notes+=("side by side failed (see $d/floor_check.txt)") ;;
+    esac
+  fi
   if ((ran > 0)); then
-    [[ -s $out/bench/bench.json ]] && plot_args+=(--ours "$out/bench/bench.json")
+    [[ -s $out/bench/bench.json ]] && plot_args+=(--ours "$out/bench/bench.json" --op backward)
     banner "peers: plot (scripts/plot_bench.py)"
     if ! "$py" -c 'import matplotlib' 2>/dev/null; then
       notes+=("plot not drawn: matplotlib not installed")
@@ -525,22 +543,15 @@ part_peers() {
 
 # ---------------------------------------------------------------- forward-peers, target-peers
 # Ours for one problem: ours_PART DIR writes DIR/ours.json and DIR/ours.txt; returns 0 when it
-# ran, 3 when this build has no bench for it, another status when it failed.
+# ran, another status when it failed. The JSON (dsaib-bench's report: cases with ids, seq,
+# heads, dim, topk, ns_per_row and floor.ns_per_row) is what bench/peers/side_by_side.py reads.
 ours_forward_peers() {
-  timeout 900 "$build/bench/dsa-kl-forward-bench" --seq "$PEER_SEQS" --ids "$PEER_IDS" --iters 10 --warmup 2 \
-    --json "$1/ours.json" >"$1/ours.txt" 2>&1
+  timeout 900 "$build/bench/dsaib-bench" --op forward --seq "$PEER_SEQS" --ids "$PEER_IDS" --iters 10 --warmup 2 \
+    --sustained-ms 0 --json "$1/ours.json" >"$1/ours.txt" 2>&1
 }
-# The attention target's bench, dsa-target-bench, at the peers' cases, its floor measured in
-# the same run; its JSON (a list of cases with ids, seq, heads = Hq, dim = Dqk, topk, ns_per_row
-# and floor.ns_per_row) is what bench/peers/side_by_side.py reads. A build without it: the
-# peers alone, said in the summary.
 ours_target_peers() {
-  if [[ ! -x $build/bench/dsa-target-bench ]]; then
-    echo "no attention-target bench in $build (bench/dsa-target-bench)" >"$1/ours.txt"
-    return 3
-  fi
-  timeout 900 "$build/bench/dsa-target-bench" --seq "$PEER_SEQS" --ids "$PEER_IDS" --shapes "$TARGET_SHAPES" \
-    --topk 2048 --iters 10 --warmup 2 --json "$1/ours.json" >"$1/ours.txt" 2>&1
+  timeout 900 "$build/bench/dsaib-bench" --op target --seq "$PEER_SEQS" --ids "$PEER_IDS" --shapes "$TARGET_SHAPES" \
+    --topk 2048 --iters 10 --warmup 2 --sustained-ms 0 --json "$1/ours.json" >"$1/ours.txt" 2>&1
 }
 # problem_peers PART SCRIPT [ARGS...]: ours, then the peers script, then the table of both
 problem_peers() {
@@ -557,7 +568,6 @@ problem_peers() {
   tail -n 20 "$d/ours.txt"
   case $orc in
     0) ours_note="ours ran"; side_args+=(--ours "$d/ours.json") ;;
-    3) ours_note="ours not run: $(head -1 "$d/ours.txt")" ;;
     *) ours_note="ours FAILED (exit $orc, see $d/ours.txt)" ;;
   esac
   banner "$part: peers ($script)"
@@ -566,9 +576,15 @@ problem_peers() {
   rc=$?
   tail -n 40 "$d/peers.txt"
   reason=$("$py" bench/peers/side_by_side.py --peers "$d/peers.json" --status-line 2>/dev/null)
+  local floor_note="" floor_bad=0
   if [[ -s $d/peers.json ]]; then
-    banner "$part: side by side (bench/peers/side_by_side.py)"
-    "$py" bench/peers/side_by_side.py --peers "$d/peers.json" "${side_args[@]}" --out "$d/side_by_side.md"
+    banner "$part: side by side and the floor check (bench/peers/side_by_side.py)"
+    "$py" bench/peers/side_by_side.py --peers "$d/peers.json" "${side_args[@]}" --out "$d/side_by_side.md" \
+      2>"$d/floor_check.txt"
+    if [[ $? == 1 ]]; then
+      floor_bad=1
+      floor_note="; FLOOR CHECK FAILED: $(sed 's/^side_by_side: floor check FAILED: //' "$d/floor_check.txt" | tr '\n' ';')"
+    fi
   fi
   local peers_note
   case $rc in
@@ -577,8 +593,8 @@ problem_peers() {
     2) record "$part" FAIL "$ours_note; the peers script refused its arguments (see $d/peers.txt)"; return ;;
     *) peers_note="peers ran with errors (exit $rc$( ((rc == 124 || rc == 137)) && echo ', timed out'): ${reason:-see $d/peers.txt})" ;;
   esac
-  if [[ $orc != 0 && $orc != 3 ]]; then
-    record "$part" FAIL "$ours_note; $peers_note"
+  if [[ $orc != 0 || $floor_bad == 1 ]]; then
+    record "$part" FAIL "$ours_note; $peers_note$floor_note"
   else
     record "$part" PASS "$ours_note; $peers_note; table $d/side_by_side.md"
   fi

@@ -3,20 +3,24 @@
 
 Inputs (any mix):
   --merged FILE   one file holding a whole comparison: {"ours": {"results": [...]} or a list,
-                  "floor": dsa-floor-bench's JSON, "peers": [a peer's JSON, ...]}; repeatable
-  --ours FILE     dsa-indexer-bwd-bench --json (a list of {"ids", "seq", "ns_per_row", ...}),
-                  or `dsaib bench --json` (an object with a "cases" list, whose
-                  per-case floors, measured in the same run as its times, are drawn and label
-                  the ratios unless a --floor file has floors for the shape (they win over a
-                  --merged file's floor), and whose traffic floors, the K reads and dK reduces
-                  alone, are drawn as a reference)
+                  "floor": {"floor": [{"seq_kv", "floor_ns_per_row", ...}]}, "peers": [a peer's
+                  JSON, ...]}; repeatable
+  --ours FILE     dsaib-bench --json or `dsaib bench --json` (an object with a "cases"
+                  list, whose per-case floors, measured in the same run as its times, are drawn
+                  and label the ratios unless a --floor file has floors for the shape (they win
+                  over a --merged file's floor), and whose traffic floors, the backward's K reads
+                  and dK reduces alone, are drawn as a reference), or a plain list of case
+                  records ({"ids", "seq", "ns_per_row", ...})
+  --op OP         the op whose cases are drawn (default backward; a record without "op" counts as
+                  any op): backward, forward, step, one-call or target
   --peers FILE    a peer's JSON (bench/peers/*.py --json): {"peer", "status", "results": [...]};
                   repeatable
-  --floor FILE    dsa-floor-bench --json ({"floor": [{"seq_kv", "floor_ns_per_row", ...}]})
+  --floor FILE    floors per S of the shape ({"floor": [{"seq_kv", "floor_ns_per_row", "heads",
+                  "dim", "topk"}]})
   --sustained     also draw the sustained timings (launches back to back, --sustained-ms) where
                   the JSON has them ("ns_per_row_sustained", or a case's "sustained": {"ns_per_row"}),
                   as thin lines with hollow markers and no value labels
-Without a measured floor the line is the fixed reference floor, 278 ns per row (the
+Without a measured floor the backward's line is the fixed reference floor, 278 ns per row (the
 DeepSeek shape's dK reduce at the H200's L2 scatter-add rate, 3.77 TB/s; see
 kFixedFloorNsPerRow in bench/core/bench_core.hpp). Of two records of the same peer the one with the better status is drawn (ok, partial, error, ...); on a tie, a
 --peers record wins over one from a --merged file. Times that are not finite positive numbers
@@ -110,11 +114,16 @@ def sustained_ns_of(r):
     return time_value(st.get("ns_per_row")) if isinstance(st, dict) else None
 
 
-def series(rows, heads, dim, topk, time_of=ns_of):
-    """{ids: [(S, ns)]} for rows of the DeepSeek shape that have a time."""
+def op_matches(r, op):
+    """Whether record r is of `op` (None: any; a record without "op" matches every op)."""
+    return op is None or r.get("op", op) == op
+
+
+def series(rows, heads, dim, topk, time_of=ns_of, op=None):
+    """{ids: [(S, ns)]} for rows of the DeepSeek shape (and `op`) that have a time."""
     out = {}
     for r in rows:
-        if not isinstance(r, dict) or r.get("status", "ok") not in ("ok",):
+        if not isinstance(r, dict) or r.get("status", "ok") not in ("ok",) or not op_matches(r, op):
             continue
         if (r.get("heads", heads), r.get("dim", dim), r.get("topk", topk)) != (heads, dim, topk):
             continue
@@ -125,12 +134,14 @@ def series(rows, heads, dim, topk, time_of=ns_of):
     return {k: sorted(v) for k, v in out.items()}
 
 
-def floor_points_of_bench(d, heads, dim, topk, key="floor"):
-    """Per-case floors of `dsaib bench --json` ({"cases": [{"seq_kv", key: {"ns_per_row"}}]}):
-    key "floor" (the floor) or "traffic_floor" (the K reads and dK reduces alone)."""
+def floor_points_of_bench(d, heads, dim, topk, key="floor", op=None):
+    """Per-case floors of the bench's JSON report ({"cases": [{"seq_kv", key: {"ns_per_row"}}]}) for
+    the shape (and `op`): key "floor" (the floor) or "traffic_floor" (the K reads and dK reduces alone)."""
     pts = {}
     for c in (d or {}).get("cases", []) if isinstance(d, dict) else []:
         if not isinstance(c, dict) or (c.get("heads"), c.get("dim"), c.get("topk")) != (heads, dim, topk):
+            continue
+        if not op_matches(c, op):
             continue
         f = c.get(key)
         ns = time_value(f.get("ns_per_row")) if isinstance(f, dict) else None
@@ -176,7 +187,9 @@ def main(argv=None):
                          "give them)")
     ap.add_argument("--ours", help="our bench JSON")
     ap.add_argument("--peers", action="append", default=[], help="a peer JSON (repeatable)")
-    ap.add_argument("--floor", help="dsa-floor-bench JSON")
+    ap.add_argument("--floor", help="a JSON of floors per S ({\"floor\": [...]})")
+    ap.add_argument("--op", default="backward", choices=("backward", "forward", "step", "one-call", "target"),
+                    help="the op of --ours whose cases and floors are drawn (default backward)")
     ap.add_argument("--out", default="bench_vs_s.png", help="PNG to write (default bench_vs_s.png)")
     ap.add_argument("--heads", type=int, default=64)
     ap.add_argument("--dim", type=int, default=128)
@@ -201,8 +214,8 @@ def main(argv=None):
     if a.ours:
         ours_json = load(a.ours)
         ours = ours_rows(ours_json)
-        bench_floor = floor_points_of_bench(ours_json, a.heads, a.dim, a.topk)
-        traffic_floor = floor_points_of_bench(ours_json, a.heads, a.dim, a.topk, "traffic_floor")
+        bench_floor = floor_points_of_bench(ours_json, a.heads, a.dim, a.topk, op=a.op)
+        traffic_floor = floor_points_of_bench(ours_json, a.heads, a.dim, a.topk, "traffic_floor", op=a.op)
     explicit_floor = floor_points(load(a.floor), a.heads, a.dim, a.topk) if a.floor else []
     fpts = choose_floor(explicit_floor, bench_floor, merged_floor)
     peers = [load(p) for p in a.peers] + peers  # explicit --peers records first: they win ties
@@ -230,12 +243,12 @@ def main(argv=None):
 
     extra_colour = {}  # peers without a STYLE entry: one colour each, in the order they are drawn
 
-    def draw(key, rows, label_extra="", ratio=False):
+    def draw(key, rows, label_extra="", ratio=False, op=None):
         if key not in STYLE and key not in extra_colour:
             extra_colour[key] = EXTRA_COLOURS[len(extra_colour) % len(EXTRA_COLOURS)]
         label, colour, marker = STYLE.get(key, (key, extra_colour.get(key), "v"))
         drawn = False
-        for ids, pts in sorted(series(rows, a.heads, a.dim, a.topk).items()):
+        for ids, pts in sorted(series(rows, a.heads, a.dim, a.topk, op=op).items()):
             xs, ys = zip(*pts)
             all_s.update(xs)
             all_ns.extend(ys)
@@ -244,13 +257,13 @@ def main(argv=None):
                     markersize=6, label=f"{label}{label_extra}, {ids} ids")
             for x, y in pts:
                 text = f"{y:,.0f}"
-                if ratio:
+                if ratio and (x in floor_at or a.op == "backward"):
                     text += f" ({y / floor_at.get(x, FIXED_FLOOR_NS):.2f}x floor)"
                 labels.append(ax.annotate(text, (x, y), textcoords="offset points",
                                           xytext=(7, -11 if causal else 4), fontsize=7, color=colour))
             drawn = True
         if a.sustained:
-            for ids, pts in sorted(series(rows, a.heads, a.dim, a.topk, sustained_ns_of).items()):
+            for ids, pts in sorted(series(rows, a.heads, a.dim, a.topk, sustained_ns_of, op=op).items()):
                 xs, ys = zip(*pts)
                 all_s.update(xs)
                 all_ns.extend(ys)
@@ -264,7 +277,7 @@ def main(argv=None):
                                + (f" ({str(r.get('reason'))[:80]})" if r.get("reason") else ""))
         return drawn
 
-    if not draw("dsaib", ours, ratio=True):
+    if not draw("dsaib", ours, ratio=True, op=a.op):
         missing.append("dsaib (ours): no results")
     for p in peers:
         name = p.get("peer", "peer")
@@ -280,10 +293,12 @@ def main(argv=None):
     if fpts:
         xs, ys = zip(*fpts)
         all_s.update(xs)
+        what = {"backward": "dK scatter-add at the measured L2 reduce rate",
+                "forward": "key gather or GEMM1, the best way of each measured"}.get(a.op, "its terms measured")
         ax.plot(xs, ys, color="black", linestyle=":", linewidth=2, marker="x",
-                label="floor, measured in this run (dK scatter-add at the measured L2 reduce rate)")
+                label=f"floor, measured in this run ({what})")
         all_ns.extend(ys)
-    else:
+    elif a.op == "backward":  # the fixed reference floor is the backward's
         ax.axhline(FIXED_FLOOR_NS, color="black", linestyle=":", linewidth=2,
                    label=f"fixed reference floor {FIXED_FLOOR_NS:.0f} ns/row (not measured in this run)")
         all_ns.append(FIXED_FLOOR_NS)
@@ -312,7 +327,9 @@ def main(argv=None):
     ax.yaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("S = S_q = S_kv (log2)")
     ax.set_ylabel("ns per query row (median, log)")
-    ax.set_title(a.title or f"DSA indexer backward, B1 H{a.heads} D{a.dim} topk {a.topk}, bf16 inputs"
+    op_title = {"backward": "indexer backward", "forward": "indexer loss forward", "step": "indexer loss step",
+                "one-call": "indexer loss and gradients in one call", "target": "attention target"}[a.op]
+    ax.set_title(a.title or f"DSA {op_title}, B1 H{a.heads} D{a.dim} topk {a.topk}, bf16 inputs"
                  + (f"\n{gpu.split(',')[0]}" if gpu else ""))
     ax.grid(True, which="major", alpha=0.35)
     ax.grid(True, which="minor", axis="y", alpha=0.12)

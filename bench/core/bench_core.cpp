@@ -126,6 +126,18 @@ ForwardFloor forward_floor_per_row(double gather_ns, double slots, int64_t heads
   return f;
 }
 
+StepFloor step_floor_per_row(double slots, int64_t heads, int64_t dim, double scatter_tbps, double gemm_tflops,
+                             double gather_ns) {
+  StepFloor f;
+  const double flops = 8.0 * static_cast<double>(heads) * static_cast<double>(dim) * slots;
+  f.scatter_ns = reduce_ns(slots, dim, scatter_tbps);
+  f.gemm_ns = gemm_tflops > 0 ? flops / (gemm_tflops * 1e3) : 0.0;
+  f.gather_ns = gather_ns;
+  f.ns = std::max({f.scatter_ns, f.gemm_ns, f.gather_ns});
+  f.bound = f.ns == f.scatter_ns ? "scatter" : f.ns == f.gemm_ns ? "gemm" : "gather";
+  return f;
+}
+
 int sustained_launches(double sustained_ms, double launch_ms) {
   if (!std::isfinite(sustained_ms) || sustained_ms < 0) {
     throw Error(ErrorCode::invalid_argument, "sustained_ms",

@@ -1,15 +1,15 @@
-// dsaib_bench: the benchmark core shared by `dsaib bench` (cli/bench.cpp),
-// dsa-indexer-bwd-bench (bench/bench_indexer_backward.cpp), dsa-kl-forward-bench
-// (bench/bench_kl_forward.cpp) and dsa-floor-bench (bench/floor/floor_bench.cpp).
-// Built only with the cuda backend; its device code is sm_90a only. Every
-// function here runs on device 0, on a stream of its own, and raises
-// dsaib::Error (cuda_error) when a CUDA or cuBLAS call fails. Nothing here
-// exposes CUDA types, so callers need no CUDA headers.
+// dsaib_bench: the benchmark core of the bench (dsaib-bench and `dsaib bench`,
+// whose run and report are cli/bench.cpp). Built only with the cuda backend; its device
+// code is sm_90a only. Every function here runs on device 0, on a stream of its own, and
+// raises dsaib::Error (cuda_error) when a CUDA or cuBLAS call fails. Nothing here exposes
+// CUDA types, so callers need no CUDA headers.
 //
-//   op_bench.cpp       the op: case setup (ids patterns, input-set rotation), CUDA-event timing
-//   floor_kernels.cu   floor micro-benchmarks: fp32 scatter-add rate (three ways), cuBLAS bf16 GEMM rate,
-//                      the loss forward's key gather
-//   bench_core.cpp     statistics, device probe, the floor formula
+//   op_bench.cpp       the ops of the indexer loss: case setup (ids patterns, input-set rotation),
+//                      CUDA-event timing
+//   target_bench.cpp   the attention target's case, timed the same way
+//   floor_kernels.cu   floor measurements: fp32 scatter-add rate (three ways), cuBLAS bf16 GEMM rate
+//   gather_floor.cu    the key-gather floor (three ways, each at a few depths and CTA counts)
+//   bench_core.cpp     statistics, device probe, the floor formulas
 #pragma once
 
 #include <cstdint>
@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "bench_names.hpp"
+#include "dsaib/attention_target.hpp"
 #include "dsaib/indexer_backward.hpp"
 
 namespace dsaib::bench {
@@ -96,17 +97,29 @@ std::vector<ScatterResult> measure_scatter(const ScatterConfig& c, const std::ve
 /// The entry with the highest rate (the floor uses the best way).
 const ScatterResult& fastest(const std::vector<ScatterResult>& results);
 
+/// The operand layouts of a cuBLAS GEMM (cublasGemmEx's transa, transb): cuBLAS runs another
+/// kernel for each, so the GEMM rate is the best of them.
+enum class GemmLayout { tn, nn, nt, tt };
+inline const std::vector<GemmLayout> kAllGemmLayouts = {GemmLayout::tn, GemmLayout::nn, GemmLayout::nt,
+                                                        GemmLayout::tt};
+const char* gemm_layout_name(GemmLayout l);  // "TN", "NN", "NT", "TT"
+
 /// cuBLAS bf16 GEMM (cublasGemmEx, bf16 in and out, fp32 compute), size^3, random non-zero
 /// data; a few entries checked against a host dot product.
 struct GemmResult {
   int m = 0, n = 0, k = 0;
   int batch = 1;
+  GemmLayout layout = GemmLayout::tn;
   Stats t;
   double tflops = 0;
   bool check_ok = false;
   double max_rel_err = 0;
 };
-GemmResult measure_gemm(int size = 8192, int iters = 25, int warmup = 3);
+GemmResult measure_gemm(int size = 8192, int iters = 25, int warmup = 3, GemmLayout layout = GemmLayout::tn);
+/// measure_gemm at every layout (the GEMM floor's ways).
+std::vector<GemmResult> measure_gemm_layouts(int size = 8192, int iters = 25, int warmup = 3);
+/// The fastest layout that passed its check (raises dsaib::Error when none did).
+const GemmResult& fastest(const std::vector<GemmResult>& results);
 /// cuBLAS bf16 GEMM at a given shape, `batch` entries in one strided-batched call:
 /// entry b multiplies its own m x k operand (query rows of one token: Hq x Dqk) by one
 /// n x k operand shared by every entry (n keys), giving m x n (fp32 compute, bf16 out).
@@ -122,44 +135,63 @@ void fill_device_f32(float* data, uint64_t n, float value, void* stream);
 /// the key-gather micro-benchmark's (seq, topk) ids (KeyGatherConfig: random or causal).
 void fill_device_gather_ids(int32_t* ids, int64_t seq, int64_t topk, bool causal, uint32_t seed, void* stream);
 
-/// The key-gather micro-benchmark (the loss forward's and the attention target's
-/// floor): per query row of a (S, topk) id table, its valid slots' bf16 key rows (D*2
-/// bytes each, from an (S, D) table: 16 MiB at S 65536 D128, resident in the L2)
-/// copied with cp.async into a shared-memory ring, as the producers gather them; one
-/// CTA of 128 threads per SM. D 64 and 128: 64-row blocks of whole rows, 2, 4 and 6
-/// blocks in flight per CTA; any other multiple of 64 up to 576 (the attention
-/// target's latent keys, e.g. 576 dims = 1152 B, 192 = 384 B): 8 KiB stages of 64
-/// keys x 64 dims, 4, 8 and 12 stages in flight. Ids: random
-/// (topk hashed keys of [0, S) per row) or causal (row t: min(t+1, topk) keys of
-/// [0, t], the rest -1). Each thread reads its slots' ids from global memory just
-/// before it issues their copies (the forward's producer reads 1024 slots' ids in
-/// one batch ahead of its copies): when the id table (S*topk*4 bytes) does not
-/// fit in the L2, these reads' latency sets the rate, and 2, 4 and 6 blocks in
-/// flight run alike. So at such sizes it is an upper bound of the gather's floor.
+/// The key gather (the loss forward's and the attention target's floor, gather_floor.cu):
+/// per query row of an (S, topk) id table, its valid slots' bf16 key rows (D*2 bytes each,
+/// D a multiple of 64 up to 576) brought into the SM, each of three ways at a few depths
+/// and CTA counts:
+///   vector    16-byte ld.global.cg per lane into registers, `depth` loads in flight per
+///             lane (256 threads per CTA; a warp instruction reads two 256-byte rows);
+///   cp.async  16-byte cp.async.cg per lane into a shared-memory ring of `depth` 512-byte
+///             stages per warp, one commit group per warp step (256 threads per CTA);
+///   bulk      one cp.async.bulk global -> shared per row (no tensor map) into a ring of
+///             `depth` stages of up to 32 rows per warp, each on its own mbarrier (128
+///             threads per CTA).
+/// Ids: random (topk hashed keys of [0, S) per row) or causal (row t: min(t+1, topk) keys
+/// of [0, t], the rest -1). Each warp reads the next 64 slots' ids (coalesced) before it
+/// gathers the current ones. Keys and ids are rotated over input sets (auto_input_sets) as
+/// the op's inputs are. Each variant is checked once (the words it read, summed, against a
+/// plain reference over the same ids), then timed: warm-up, `iters` launches with CUDA
+/// events, median. The floor is the fastest variant that passed its check.
+enum class GatherMethod { vector_loads, cp_async_ring, bulk_copy };
+inline const std::vector<GatherMethod> kAllGatherMethods = {GatherMethod::vector_loads, GatherMethod::cp_async_ring,
+                                                            GatherMethod::bulk_copy};
+const char* gather_method_name(GatherMethod m);  // "vector", "cp.async", "bulk"
+
 struct KeyGatherConfig {
   int64_t seq = 4096, topk = 2048;
   int dim = 128;
   bool causal = false;
   int iters = 25, warmup = 3;
+  int input_sets = 0;  // 0: automatic (auto_input_sets of keys + ids), else this many
   uint32_t seed = 4321;
 };
 struct KeyGatherResult {
+  GatherMethod method = GatherMethod::cp_async_ring;
+  int depth = 0;        // vector: loads in flight per lane; cp.async, bulk: stages per warp
+  int ctas_per_sm = 0, grid = 0, block = 0, smem_bytes = 0;
   int64_t seq = 0, topk = 0;
-  int dim = 0, in_flight = 0, grid = 0;
+  int dim = 0;
   bool causal = false;
+  int input_sets = 0;
   double valid_slots_per_row = 0;
   Stats t;
   double ns_per_row = 0;  // median launch time / S
-  double tbps = 0;        // key bytes copied / median time, 1e12 B/s
+  double tbps = 0;        // key bytes read / median time, 1e12 B/s
+  bool check_ok = false;
 };
-/// One result per in-flight depth.
+/// "cp.async, 8 stages per warp, 256 threads x 2 CTAs per SM".
+std::string gather_variant_name(const KeyGatherResult& r);
+/// One result per variant.
 std::vector<KeyGatherResult> measure_key_gather(const KeyGatherConfig& c);
-/// The depth with the lowest time (the forward's floor uses the best).
+/// The fastest variant that passed its check (raises dsaib::Error when none did).
 const KeyGatherResult& fastest(const std::vector<KeyGatherResult>& results);
+/// The fastest checked variant of one way, or nullptr.
+const KeyGatherResult* fastest_of(const std::vector<KeyGatherResult>& results, GatherMethod m);
 
-/// Floor of the loss forward for one query row with `slots` valid keys:
-///   gather_ns = the key-gather micro-benchmark's time per row (same ids pattern, S, D, topk)
-///   gemm_ns   = 2*H*D*slots FLOP / GEMM rate        (GEMM1, the logits)
+/// Floor of one query row that gathers its keys and multiplies them (the loss forward,
+/// the attention target) with `slots` valid keys of D dims against H heads:
+///   gather_ns = the key gather's time per row (its fastest way; same ids pattern, S, D, topk)
+///   gemm_ns   = 2*H*D*slots FLOP / GEMM rate
 ///   ns        = max(gather_ns, gemm_ns)             (they overlap in a fused kernel)
 struct ForwardFloor {
   double gather_ns = 0, gemm_ns = 0, ns = 0;
@@ -170,10 +202,10 @@ ForwardFloor forward_floor_per_row(double gather_ns, double slots, int64_t heads
 /// A fixed reference floor, the same number on every machine and run, so that times of
 /// different runs compare: the dK reduce of one DeepSeek-shape row (H64 D128 topk 2048,
 /// all slots valid: 2048*128*4 B = 1 MiB) at 3.77 TB/s, the fp32 scatter-add rate into an
-/// L2-resident table that dsa-floor-bench measures on an H200 (float4 way), is 278 ns; the
-/// GEMMs (127 ns at ~794 TFLOP/s) hide under it. Reports call the ratio to it
-/// "fixed_floor_ratio" (x278); the floor measured in the run itself (floor_per_row, at the
-/// case's own dK size and shape) is `dsaib bench`'s "floor_ratio" (xfloor).
+/// L2-resident table measured on an H200 (float4 way), is 278 ns; the GEMMs (127 ns at
+/// ~794 TFLOP/s) hide under it. Reports call the ratio to it "fixed_floor_ratio" (x278); the
+/// floor measured in the run itself (floor_per_row, at the case's own dK size and shape) is
+/// the report's "floor_ratio" (xfloor).
 inline constexpr double kFixedFloorNsPerRow = 278.0;
 
 /// Floor of one query row with `slots` selected keys, from measured rates:
@@ -186,6 +218,20 @@ struct Floor {
 };
 Floor floor_per_row(double slots, int64_t heads, int64_t dim, double scatter_tbps, double gemm_tflops);
 
+/// Floor of one query row of the loss and its gradients (the forward, then the P-free
+/// backward, or both in one kernel): the same terms, with the forward's GEMM1 and its key
+/// gather added:
+///   scatter_ns = slots*D*4 B / scatter rate
+///   gemm_ns    = 8*H*D*slots FLOP / GEMM rate      (GEMM1, and the backward's three)
+///   gather_ns  = the key gather's time per row
+///   ns         = max(scatter_ns, gemm_ns, gather_ns)
+struct StepFloor {
+  double scatter_ns = 0, gemm_ns = 0, gather_ns = 0, ns = 0;
+  const char* bound = "";  // "scatter", "gemm" or "gather"
+};
+StepFloor step_floor_per_row(double slots, int64_t heads, int64_t dim, double scatter_tbps, double gemm_tflops,
+                             double gather_ns);
+
 /// The traffic floor of one query row (not the floor above; a second reference):
 ///   ns = slots*D*4 B / key-read scatter rate
 /// where the rate is ScatterWay::gather_float4's (payload bytes of fp32 adds per second,
@@ -197,21 +243,17 @@ double traffic_floor_ns_per_row(double slots, int64_t dim, double key_read_scatt
 
 // IdPattern, kIdPatterns, id_pattern_name / _list, is_causal, is_shuffled,
 // parse_id_pattern: bench_names.hpp (no CUDA).
-
-/// The op a case times: the backward (indexer_backward given P: dK zeroing, fused
-/// kernel, bf16 cast), the loss forward (indexer_kl_forward: the fused forward kernel
-/// and the fixed-order sum of the loss terms; P written only with
-/// OpCase::write_index_score), the training step of an autograd loss (the forward,
-/// then the P-free indexer_backward from its row statistics: two library calls), or
-/// the loss and gradients in one call (indexer_kl_loss_and_grad).
-enum class BenchOp { backward, kl_forward, step, one_call };
-/// "backward", "forward", "step", "one-call" (the CLI's --op words).
-const char* bench_op_name(BenchOp op);
+// BenchOp, kBenchOps, bench_op_name, parse_bench_op: bench_names.hpp (no CUDA).
 
 /// One benchmark case: bf16 inputs, bshd, local ids, S_q = S_kv = seq, bf16 outputs.
+/// The attention target's case: query (1, S, Hq = heads, Dqk = dim) and kv (1, S, Dqk)
+/// bf16 of magnitude [0.25, 1) with hashed signs, lse 8 (every exponential finite and
+/// non-zero), ids as the key gather's (causal or random, hashed), made on the device.
 struct OpCase {
   BenchOp op = BenchOp::backward;
   bool write_index_score = false;  // kl_forward: also write P (the (B, S, topk) f32 index_score)
+  LseBase lse_base = LseBase::natural;  // target
+  bool normalize = true;                // target
   IdPattern ids = IdPattern::random;
   int64_t batch = 1, seq = 4096, heads = 64, dim = 128, topk = 2048;
   AOperandPrecision a_operand = AOperandPrecision::automatic;  // automatic = one bf16 term (bf16 outputs)
@@ -259,8 +301,8 @@ struct OpResult {
   std::vector<float> ms;            // every timed launch, in order
   Stats t;
   double ns_per_row = 0, ns_per_row_min = 0, ns_per_row_max = 0;  // median / min / max time over B*S rows
-  double tflops = 0;                // 6*H*D FLOP (kl_forward: 2*H*D; step, one_call: 8*H*D) per valid slot / median time
-  double dk_gbps = 0;               // D*4 B of dK reduce per valid slot / median time
+  double tflops = 0;                // 6*H*D FLOP (kl_forward, target: 2*H*D; step, one_call: 8*H*D) per valid slot / median time
+  double dk_gbps = 0;               // D*4 B of dK reduce per valid slot / median time (0 for kl_forward and target)
   // Sustained run (OpConfig::sustained_ms > 0): `sustained_launches` launches back to
   // back, an event recorded between each two, no host wait and no pre-roll in between,
   // as a training step runs them. The GPU's power management has then had the whole
@@ -278,10 +320,10 @@ struct OpResult {
 /// problem (heads, dim, topk, ...). Touches no device.
 void check_case(const OpCase& c);
 
-/// Generates the case on the host, uploads it (and its copies), times the whole op
-/// (dK zeroing, fused kernel, bf16 cast) with CUDA events around each launch:
-/// `warmup` untimed launches, then `iters` timed ones, then (sustained_ms > 0) the
-/// sustained run.
+/// Generates the case (on the host, then uploaded; the target's on the device) and its
+/// copies, times the whole op (for the backward: dK zeroing, fused kernel, bf16 cast) with
+/// CUDA events around each launch: `warmup` untimed launches, then `iters` timed ones, then
+/// (sustained_ms > 0) the sustained run.
 OpResult run_op_case(const OpCase& c, const OpConfig& cfg);
 
 }  // namespace dsaib::bench

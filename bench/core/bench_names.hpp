@@ -1,8 +1,7 @@
-// The benchmark tools' vocabulary that needs no CUDA: the id patterns of a
-// case and the decimal-flag rule. Header-only, so that `dsaib`
-// checks `bench --ids` and `--sustained-ms` the same way in builds without
-// the cuda backend (where dsaib_bench, bench_core.hpp, is not built) as
-// dsa-indexer-bwd-bench and the bench core do.
+// The bench's vocabulary that needs no CUDA: the ops, the id patterns of a case
+// and the decimal-flag rule. Header-only, so that the bench's flags (cli/bench_command.cpp)
+// are checked the same way in builds without the cuda backend (where dsaib_bench,
+// bench_core.hpp, is not built) as in the bench core.
 #pragma once
 
 #include <cmath>
@@ -10,6 +9,46 @@
 #include <string>
 
 namespace dsaib::bench {
+
+/// The op a case times: the backward (indexer_backward given P: dK zeroing, fused
+/// kernel, bf16 cast), the loss forward (indexer_kl_forward: the fused forward kernel
+/// and the fixed-order sum of the loss terms), the training step of an autograd loss
+/// (the forward, then the P-free indexer_backward from its row statistics: two library
+/// calls), the loss and gradients in one call (indexer_kl_loss_and_grad), or the
+/// attention target (attention_target: heads = Hq, dim = Dqk).
+enum class BenchOp { backward, kl_forward, step, one_call, target };
+inline constexpr BenchOp kBenchOps[] = {BenchOp::backward, BenchOp::kl_forward, BenchOp::step, BenchOp::one_call,
+                                        BenchOp::target};
+
+/// "backward", "forward", "step", "one-call", "target" (the --op words).
+inline const char* bench_op_name(BenchOp op) {
+  switch (op) {
+    case BenchOp::kl_forward: return "forward";
+    case BenchOp::step: return "step";
+    case BenchOp::one_call: return "one-call";
+    case BenchOp::target: return "target";
+    case BenchOp::backward: break;
+  }
+  return "backward";
+}
+
+/// The names of kBenchOps, comma-separated, for messages.
+inline std::string bench_op_list() {
+  std::string s;
+  for (BenchOp op : kBenchOps) s += (s.empty() ? "" : ", ") + std::string(bench_op_name(op));
+  return s;
+}
+
+/// One of bench_op_name's words; false for anything else.
+inline bool parse_bench_op(const std::string& word, BenchOp* out) {
+  for (BenchOp op : kBenchOps) {
+    if (word == bench_op_name(op)) {
+      *out = op;
+      return true;
+    }
+  }
+  return false;
+}
 
 /// causal: row t selects min(t+1, topk) keys of 0..t (the rest -1, empty); random: topk
 /// (at most S_kv) distinct keys of the whole sequence. Ids ascending within a row, or, in

@@ -4,7 +4,10 @@
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
+#include <cstdint>
+#include <functional>
 
+#include "bench_core.hpp"
 #include "dsaib/error.hpp"
 
 namespace dsaib::bench {
@@ -78,5 +81,15 @@ struct Timer {
     return ms;
   }
 };
+
+/// Times an op as every op of the bench is timed: cfg.warmup untimed calls of `launch`
+/// (one launch of the op on timer.stream per call), then cfg.iters calls timed with
+/// Timer::time, then (cfg.sustained_ms > 0) the sustained run; fills r.ms, r.t, the
+/// ns_per_row fields (over `rows` query rows) and the sustained fields. op_bench.cpp.
+void time_op(Timer& timer, const std::function<void()>& launch, const OpConfig& cfg, int64_t rows, OpResult& r);
+
+/// The attention target's case (BenchOp::target; target_bench.cpp): check_case and run_op_case of it.
+void check_target_case(const OpCase& c);
+OpResult run_target_case(const OpCase& c, const OpConfig& cfg);
 
 }  // namespace dsaib::bench

@@ -5,11 +5,7 @@
 //      registers; rate = bytes added / time. Each way is checked once: exact column sums.
 //   b. cuBLAS bf16 GEMM rate (cublasGemmEx, bf16 in/out, fp32 compute), a few entries
 //      checked against a host dot product of the same bf16 data.
-//   c. key gather (the loss forward's and the attention target's floor): per query row,
-//      its selected bf16 key rows (D*2 bytes each) copied with cp.async into a
-//      shared-memory ring, ids read from a (S, topk) table: 64-row blocks of whole rows
-//      at D 64 / 128 (the forward's producer), 64-row blocks of 64-dim slices for wider
-//      rows (the attention target's producer; D any multiple of 64 up to 576).
+//   c. the key gather's ids (the gather itself: gather_floor.cu).
 //   d. cuBLAS bf16 GEMM rate at a given shape, batched (the attention target's per-row
 //      GEMM, Hq x topk x Dqk).
 #include <cublas_v2.h>
@@ -363,16 +359,7 @@ std::vector<ScatterResult> measure_scatter_rows(const ScatterConfig& c, const st
   return out;
 }
 
-// ---- c. key gather
-constexpr int kKeyGatherThreads = 128;   // one warpgroup, as the forward's producer
-constexpr int kKeyGatherBlockRows = 64;  // keys per block (the forward's)
-constexpr int kKeyGatherStages = 8;      // shared-memory ring (the forward's K stages)
-
-template <int D>
-constexpr int key_gather_smem_bytes() {  // 128 KiB at D128
-  return kKeyGatherStages * kKeyGatherBlockRows * D * 2;
-}
-
+// ---- the key-gather floor's ids (gather_floor.cu)
 // ids of row t: its first n = min(t + 1, topk) (causal) or topk (random) slots hold
 // hashed keys of [0, t] or [0, S); the rest -1. Distinctness does not matter to the rate.
 __global__ void key_gather_ids_kernel(int32_t* ids, uint32_t seq, uint32_t topk, bool causal, uint32_t seed) {
@@ -383,143 +370,6 @@ __global__ void key_gather_ids_kernel(int32_t* ids, uint32_t seq, uint32_t topk,
     const uint32_t avail = causal ? t + 1 : seq;
     ids[i] = slot < avail ? static_cast<int32_t>(row_of(static_cast<uint32_t>(i), seed, avail)) : -1;
   }
-}
-
-// Persistent CTAs take rows b, b + gridDim.x, ...; every block of 64 slots is one
-// cp.async group, and a thread waits until at most InFlight - 1 of its groups are
-// pending before it issues the next (so InFlight blocks are in flight per CTA).
-// Thread t copies 16-byte column t % (D/8) of D/16 consecutive rows of a block.
-template <int D, int InFlight>
-__global__ void __launch_bounds__(kKeyGatherThreads, 1)
-    key_gather_kernel(const __nv_bfloat16* __restrict__ keys, const int32_t* __restrict__ ids, uint32_t seq,
-                      uint32_t topk, bool causal) {
-  static_assert(InFlight >= 1 && InFlight <= kKeyGatherStages, "in-flight blocks fit in the ring");
-  constexpr int kChunks = D / 8, kRows = kKeyGatherBlockRows * kChunks / kKeyGatherThreads;
-  extern __shared__ __align__(128) uint8_t key_gather_smem[];
-  const int col = (threadIdx.x % kChunks) * 8, row0 = (threadIdx.x / kChunks) * kRows;
-  uint32_t stage = 0;
-  for (uint32_t t = blockIdx.x; t < seq; t += gridDim.x) {
-    const uint32_t n = causal ? min(t + 1, topk) : topk;
-    const int32_t* row_ids = ids + static_cast<size_t>(t) * topk;
-    for (uint32_t first = 0; first < n; first += kKeyGatherBlockRows) {
-      uint8_t* dst = key_gather_smem + static_cast<size_t>(stage) * kKeyGatherBlockRows * D * 2;
-#pragma unroll
-      for (int i = 0; i < kRows; ++i) {
-        const uint32_t slot = first + row0 + i;
-        const bool valid = slot < n;
-        const int32_t id = valid ? row_ids[slot] : 0;
-        const __nv_bfloat16* src = keys + static_cast<size_t>(id) * D + col;
-        const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst + ((row0 + i) * D + col) * 2));
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 16 : 0)
-                     : "memory");
-      }
-      asm volatile("cp.async.commit_group;\n" ::: "memory");
-      asm volatile("cp.async.wait_group %0;\n" ::"n"(InFlight - 1) : "memory");
-      stage = (stage + 1) % kKeyGatherStages;
-    }
-  }
-  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-}
-
-template <int D, int InFlight>
-void launch_key_gather(int grid, const void* keys, const int32_t* ids, uint32_t seq, uint32_t topk, bool causal,
-                       cudaStream_t s) {
-  key_gather_kernel<D, InFlight><<<grid, kKeyGatherThreads, key_gather_smem_bytes<D>(), s>>>(
-      static_cast<const __nv_bfloat16*>(keys), ids, seq, topk, causal);
-  check_cuda(cudaGetLastError(), "key gather kernel launch");
-}
-
-template <int D>
-void set_key_gather_smem() {
-  auto set = [](auto kernel) {
-    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, key_gather_smem_bytes<D>()),
-               "cudaFuncSetAttribute (key gather)");
-  };
-  set(key_gather_kernel<D, 2>);
-  set(key_gather_kernel<D, 4>);
-  set(key_gather_kernel<D, 6>);
-}
-
-template <int D>
-void launch_key_gather_depth(int in_flight, int grid, const void* keys, const int32_t* ids, uint32_t seq,
-                             uint32_t topk, bool causal, cudaStream_t s) {
-  switch (in_flight) {
-    case 2: return launch_key_gather<D, 2>(grid, keys, ids, seq, topk, causal, s);
-    case 4: return launch_key_gather<D, 4>(grid, keys, ids, seq, topk, causal, s);
-    case 6: return launch_key_gather<D, 6>(grid, keys, ids, seq, topk, causal, s);
-  }
-  throw Error(ErrorCode::invalid_argument, "in_flight", "key gather: 2, 4 or 6 blocks in flight");
-}
-
-// Rows wider than 128 dims (the attention target's latent keys: 192 to 576 dims):
-// per block of 64 slots and per 64-dim slice one 8 KiB stage of a 16-stage ring;
-// thread t copies the 16-byte chunk t % 8 of keys 4 * (t / 8) .. + 3 of the slice
-// (a warp instruction covers 4 whole 128-byte key slices); every stage is one
-// cp.async group, and a thread waits until at most InFlight - 1 of its groups are
-// pending before it issues the next.
-constexpr int kWideGatherStages = 16;
-constexpr int kWideGatherStageBytes = kKeyGatherBlockRows * 64 * 2;  // 8 KiB
-constexpr int kWideGatherSmemBytes = kWideGatherStages * kWideGatherStageBytes;  // 128 KiB
-
-template <int InFlight>
-__global__ void __launch_bounds__(kKeyGatherThreads, 1)
-    key_gather_wide_kernel(const __nv_bfloat16* __restrict__ keys, const int32_t* __restrict__ ids, uint32_t seq,
-                           uint32_t topk, bool causal, uint32_t dim) {
-  static_assert(InFlight >= 1 && InFlight <= kWideGatherStages, "in-flight stages fit in the ring");
-  extern __shared__ __align__(128) uint8_t key_gather_smem[];
-  const int col = (threadIdx.x % 8) * 8, key0 = (threadIdx.x / 8) * 4;
-  const uint32_t slices = dim / 64;
-  uint32_t stage = 0;
-  for (uint32_t t = blockIdx.x; t < seq; t += gridDim.x) {
-    const uint32_t n = causal ? min(t + 1, topk) : topk;
-    const int32_t* row_ids = ids + static_cast<size_t>(t) * topk;
-    for (uint32_t first = 0; first < n; first += kKeyGatherBlockRows) {
-      const __nv_bfloat16* src[4];
-      bool valid[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const uint32_t slot = first + key0 + i;
-        valid[i] = slot < n;
-        src[i] = keys + static_cast<size_t>(valid[i] ? row_ids[slot] : 0) * dim + col;
-      }
-      for (uint32_t sl = 0; sl < slices; ++sl) {
-        uint8_t* dst = key_gather_smem + static_cast<size_t>(stage) * kWideGatherStageBytes;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst + ((key0 + i) * 64 + col) * 2));
-          asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src[i] + sl * 64),
-                       "r"(valid[i] ? 16 : 0)
-                       : "memory");
-        }
-        asm volatile("cp.async.commit_group;\n" ::: "memory");
-        asm volatile("cp.async.wait_group %0;\n" ::"n"(InFlight - 1) : "memory");
-        stage = (stage + 1) % kWideGatherStages;
-      }
-    }
-  }
-  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-}
-
-void set_wide_gather_smem() {
-  auto set = [](auto kernel) {
-    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kWideGatherSmemBytes),
-               "cudaFuncSetAttribute (wide key gather)");
-  };
-  set(key_gather_wide_kernel<4>);
-  set(key_gather_wide_kernel<8>);
-  set(key_gather_wide_kernel<12>);
-}
-
-void launch_wide_gather_depth(int in_flight, int grid, const void* keys, const int32_t* ids, uint32_t seq,
-                              uint32_t topk, bool causal, uint32_t dim, cudaStream_t s) {
-  auto k = static_cast<const __nv_bfloat16*>(keys);
-  switch (in_flight) {
-    case 4: key_gather_wide_kernel<4><<<grid, kKeyGatherThreads, kWideGatherSmemBytes, s>>>(k, ids, seq, topk, causal, dim); break;
-    case 8: key_gather_wide_kernel<8><<<grid, kKeyGatherThreads, kWideGatherSmemBytes, s>>>(k, ids, seq, topk, causal, dim); break;
-    case 12: key_gather_wide_kernel<12><<<grid, kKeyGatherThreads, kWideGatherSmemBytes, s>>>(k, ids, seq, topk, causal, dim); break;
-    default: throw Error(ErrorCode::invalid_argument, "in_flight", "wide key gather: 4, 8 or 12 stages in flight");
-  }
-  check_cuda(cudaGetLastError(), "wide key gather kernel launch");
 }
 
 // Random non-zero bf16: magnitude in [0.25, 1), random sign; reproducible on the host.
@@ -597,74 +447,14 @@ std::vector<ScatterResult> measure_scatter(const ScatterConfig& c, const std::ve
               "scatter rows of 64 or 128 floats (D), got " + std::to_string(c.row_floats));
 }
 
-std::vector<KeyGatherResult> measure_key_gather(const KeyGatherConfig& c) {
-  if (c.iters < 1 || c.warmup < 0) throw Error(ErrorCode::invalid_argument, "iters", "iters >= 1, warmup >= 0");
-  if (c.dim < 64 || c.dim > 576 || c.dim % 64 != 0) {
-    throw Error(ErrorCode::invalid_argument, "dim",
-                "key gather: D a multiple of 64 from 64 to 576, got " + std::to_string(c.dim));
-  }
-  const bool wide = c.dim != 64 && c.dim != 128;
-  if (c.seq < 1 || c.topk < 1 || c.seq > (1ll << 31) - 1 || c.seq * c.topk > (1ll << 40)) {
-    throw Error(ErrorCode::invalid_argument, "seq", "key gather: 1 <= seq < 2^31, 1 <= topk, seq*topk <= 2^40");
-  }
-  int dev = 0, sms = 0;
-  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
-  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
-  const uint32_t seq = static_cast<uint32_t>(c.seq), topk = static_cast<uint32_t>(c.topk);
-  DeviceBuffer keys(static_cast<size_t>(c.seq) * c.dim * 2), ids(static_cast<size_t>(c.seq) * c.topk * 4);
-  Timer timer;
-  fill_ones_bf16_kernel<<<1024, 256, 0, timer.stream>>>(keys.as<__nv_bfloat16>(), keys.bytes / 2);
-  check_cuda(cudaGetLastError(), "fill kernel launch");
-  key_gather_ids_kernel<<<1024, 256, 0, timer.stream>>>(ids.as<int32_t>(), seq, topk, c.causal, c.seed);
-  check_cuda(cudaGetLastError(), "ids kernel launch");
-  if (wide) set_wide_gather_smem();
-  else if (c.dim == 64) set_key_gather_smem<64>();
-  else set_key_gather_smem<128>();
-  const int grid = static_cast<int>(std::min<int64_t>(sms, c.seq));
-  double slots = 0;  // valid slots over all rows
-  for (int64_t t = 0; t < c.seq; ++t) slots += static_cast<double>(c.causal ? std::min(t + 1, c.topk) : c.topk);
-  std::vector<KeyGatherResult> out;
-  const std::vector<int> depths = wide ? std::vector<int>{4, 8, 12} : std::vector<int>{2, 4, 6};
-  for (int in_flight : depths) {
-    auto launch = [&] {
-      if (wide) launch_wide_gather_depth(in_flight, grid, keys.ptr, ids.as<int32_t>(), seq, topk, c.causal,
-                                         static_cast<uint32_t>(c.dim), timer.stream);
-      else if (c.dim == 64) launch_key_gather_depth<64>(in_flight, grid, keys.ptr, ids.as<int32_t>(), seq, topk, c.causal, timer.stream);
-      else launch_key_gather_depth<128>(in_flight, grid, keys.ptr, ids.as<int32_t>(), seq, topk, c.causal, timer.stream);
-    };
-    for (int i = 0; i < c.warmup; ++i) launch();
-    check_cuda(cudaStreamSynchronize(timer.stream), "key gather warm-up");
-    std::vector<float> ms;
-    for (int i = 0; i < c.iters; ++i) ms.push_back(timer.time(launch));
-    KeyGatherResult r;
-    r.seq = c.seq;
-    r.dim = c.dim;
-    r.topk = c.topk;
-    r.causal = c.causal;
-    r.in_flight = in_flight;
-    r.grid = grid;
-    r.valid_slots_per_row = slots / static_cast<double>(c.seq);
-    r.t = stats_of(ms);
-    r.ns_per_row = r.t.median_ms * 1e6 / static_cast<double>(c.seq);
-    r.tbps = slots * c.dim * 2.0 / (r.t.median_ms * 1e-3) / 1e12;
-    out.push_back(r);
-  }
-  return out;
-}
-
-const KeyGatherResult& fastest(const std::vector<KeyGatherResult>& results) {
-  if (results.empty()) throw Error(ErrorCode::invalid_argument, "results", "no key gather result");
-  return *std::min_element(results.begin(), results.end(),
-                           [](const KeyGatherResult& a, const KeyGatherResult& b) { return a.ns_per_row < b.ns_per_row; });
-}
-
-GemmResult measure_gemm(int size, int iters, int warmup) {
+GemmResult measure_gemm(int size, int iters, int warmup, GemmLayout layout) {
   if (size < 64 || iters < 1 || warmup < 0) {
     throw Error(ErrorCode::invalid_argument, "gemm", "GEMM size >= 64, iters >= 1, warmup >= 0");
   }
   const int n = size;
   GemmResult g;
   g.m = g.n = g.k = n;
+  g.layout = layout;
   const size_t elems = static_cast<size_t>(n) * n;
   DeviceBuffer A(elems * 2), B(elems * 2), C(elems * 2);
   Timer timer;
@@ -675,12 +465,19 @@ GemmResult measure_gemm(int size, int iters, int warmup) {
   check_cuda(cudaGetLastError(), "fill kernel launch");
   Cublas blas(timer.stream);
   const float alpha = 1.0f, beta = 0.0f;
-  // Column-major C (m x n) = A^T B with A stored (k x m), B stored (k x n): "TN".
+  // Column-major C (n x n) = op(A) op(B), every leading dimension n. op T: A stored (k x m),
+  // B stored (n x k); op N: A stored (m x k), B stored (k x n).
+  const bool ta = layout == GemmLayout::tn || layout == GemmLayout::tt;
+  const bool tb = layout == GemmLayout::nt || layout == GemmLayout::tt;
   auto gemm = [&]() {
-    check_cublas(cublasGemmEx(blas.h, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &alpha, A.ptr, CUDA_R_16BF, n, B.ptr,
-                              CUDA_R_16BF, n, &beta, C.ptr, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+    check_cublas(cublasGemmEx(blas.h, ta ? CUBLAS_OP_T : CUBLAS_OP_N, tb ? CUBLAS_OP_T : CUBLAS_OP_N, n, n, n, &alpha,
+                              A.ptr, CUDA_R_16BF, n, B.ptr, CUDA_R_16BF, n, &beta, C.ptr, CUDA_R_16BF, n,
+                              CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                  "cublasGemmEx");
   };
+  // Element (i, kk) of op(A) and (kk, j) of op(B) in their storage.
+  auto a_at = [&](int i, int kk) { return ta ? static_cast<uint64_t>(i) * n + kk : static_cast<uint64_t>(kk) * n + i; };
+  auto b_at = [&](int kk, int j) { return tb ? static_cast<uint64_t>(kk) * n + j : static_cast<uint64_t>(j) * n + kk; };
   // Check a few entries against a host dot product of the same (bf16-rounded) data.
   gemm();
   check_cuda(cudaStreamSynchronize(timer.stream), "GEMM check launch");
@@ -690,8 +487,8 @@ GemmResult measure_gemm(int size, int iters, int warmup) {
     const int j = static_cast<int>(mix32(31u * p + 7u) % static_cast<uint32_t>(n));
     double ref = 0, scale = 0;
     for (int kk = 0; kk < n; ++kk) {
-      const double a = host_bf16_round(gemm_value(static_cast<uint64_t>(i) * n + kk, salt_a));
-      const double b = host_bf16_round(gemm_value(static_cast<uint64_t>(j) * n + kk, salt_b));
+      const double a = host_bf16_round(gemm_value(a_at(i, kk), salt_a));
+      const double b = host_bf16_round(gemm_value(b_at(kk, j), salt_b));
       ref += a * b;
       scale += (a * b) * (a * b);
     }
@@ -711,6 +508,31 @@ GemmResult measure_gemm(int size, int iters, int warmup) {
   g.t = stats_of(ms);
   g.tflops = 2.0 * n * static_cast<double>(n) * n / (g.t.median_ms * 1e-3) / 1e12;
   return g;
+}
+
+std::vector<GemmResult> measure_gemm_layouts(int size, int iters, int warmup) {
+  std::vector<GemmResult> out;
+  for (GemmLayout l : kAllGemmLayouts) out.push_back(measure_gemm(size, iters, warmup, l));
+  return out;
+}
+
+const GemmResult& fastest(const std::vector<GemmResult>& results) {
+  const GemmResult* best = nullptr;
+  for (const GemmResult& r : results) {
+    if (r.check_ok && (!best || r.tflops > best->tflops)) best = &r;
+  }
+  if (!best) throw Error(ErrorCode::internal, "bench", "GEMM: no layout passed its check");
+  return *best;
+}
+
+const char* gemm_layout_name(GemmLayout l) {
+  switch (l) {
+    case GemmLayout::tn: return "TN";
+    case GemmLayout::nn: return "NN";
+    case GemmLayout::nt: return "NT";
+    case GemmLayout::tt: return "TT";
+  }
+  return "?";
 }
 
 GemmResult measure_gemm_batched(int m, int n, int k, int batch, int iters, int warmup) {

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <initializer_list>
 #include <random>
 #include <thread>
@@ -199,7 +200,8 @@ std::size_t workspace_bytes_of(const OpCase& c, const SetViews& s, const Indexer
       return std::max(indexer_kl_forward_workspace_size(s.fwd_in, s.fwd, opt),
                       indexer_backward_workspace_size(s.in, s.out, opt));
     case BenchOp::one_call: return indexer_kl_loss_and_grad_workspace_size(s.fwd_in, s.one, opt);
-    case BenchOp::backward: break;
+    case BenchOp::backward:
+    case BenchOp::target: break;  // the target's cases: target_bench.cpp
   }
   return indexer_backward_workspace_size(s.in, s.out, opt);
 }
@@ -212,7 +214,8 @@ void launch(const OpCase& c, const SetViews& s, const IndexerOptions& opt, void*
       indexer_backward(s.in, s.out, opt, ws, bytes);
       return;
     case BenchOp::one_call: indexer_kl_loss_and_grad(s.fwd_in, s.one, opt, ws, bytes); return;
-    case BenchOp::backward: break;
+    case BenchOp::backward:
+    case BenchOp::target: break;  // the target's cases: target_bench.cpp
   }
   indexer_backward(s.in, s.out, opt, ws, bytes);
 }
@@ -232,6 +235,7 @@ IndexerOptions options_of(const OpCase& c) {
 }  // namespace
 
 void check_case(const OpCase& c) {
+  if (c.op == BenchOp::target) return check_target_case(c);
   if (c.batch < 1 || c.seq < 1 || c.topk < 1) {
     throw Error(ErrorCode::invalid_argument, "case", "batch, seq and topk must be >= 1");
   }
@@ -251,17 +255,54 @@ void check_case(const OpCase& c) {
   (void)workspace_bytes_of(c, s, opt);
 }
 
-const char* bench_op_name(BenchOp op) {
-  switch (op) {
-    case BenchOp::kl_forward: return "forward";
-    case BenchOp::step: return "step";
-    case BenchOp::one_call: return "one-call";
-    case BenchOp::backward: break;
+void time_op(Timer& timer, const std::function<void()>& launch, const OpConfig& cfg, int64_t rows, OpResult& r) {
+  for (int i = 0; i < cfg.warmup; ++i) launch();
+  check_cuda(cudaStreamSynchronize(timer.stream), "warm-up launches");
+  for (int i = 0; i < cfg.iters; ++i) r.ms.push_back(timer.time(launch));
+  check_cuda(cudaGetLastError(), "after the timed launches");
+
+  r.t = stats_of(r.ms);
+  const double ns_per_ms_row = 1e6 / static_cast<double>(rows);
+  r.ns_per_row = r.t.median_ms * ns_per_ms_row;
+  r.ns_per_row_min = r.t.min_ms * ns_per_ms_row;
+  r.ns_per_row_max = r.t.max_ms * ns_per_ms_row;
+
+  if (cfg.sustained_ms > 0) {
+    // Back to back: an event between each two launches, no host wait until the end.
+    const int n = sustained_launches(cfg.sustained_ms, r.t.median_ms);
+    std::vector<cudaEvent_t> ev(static_cast<size_t>(n) + 1, nullptr);
+    struct Events {
+      std::vector<cudaEvent_t>& v;
+      ~Events() {
+        for (cudaEvent_t e : v)
+          if (e) cudaEventDestroy(e);
+      }
+    } guard{ev};
+    for (auto& e : ev) check_cuda(cudaEventCreate(&e), "cudaEventCreate (sustained run)");
+    check_cuda(cudaEventRecord(ev[0], timer.stream), "cudaEventRecord");
+    for (int i = 0; i < n; ++i) {
+      launch();
+      check_cuda(cudaEventRecord(ev[i + 1], timer.stream), "cudaEventRecord");
+    }
+    check_cuda(cudaEventSynchronize(ev[n]), "the sustained run");
+    check_cuda(cudaGetLastError(), "after the sustained run");
+    std::vector<float> first, second;
+    for (int i = 0; i < n; ++i) {
+      float ms = 0;
+      check_cuda(cudaEventElapsedTime(&ms, ev[i], ev[i + 1]), "cudaEventElapsedTime");
+      (i < n / 2 ? first : second).push_back(ms);
+    }
+    float total = 0;
+    check_cuda(cudaEventElapsedTime(&total, ev[0], ev[n]), "cudaEventElapsedTime");
+    r.sustained_launches = n;
+    r.sustained_seconds = total * 1e-3;
+    r.ns_per_row_sustained = stats_of(second).median_ms * ns_per_ms_row;
+    r.ns_per_row_sustained_first_half = stats_of(first).median_ms * ns_per_ms_row;
   }
-  return "backward";
 }
 
 OpResult run_op_case(const OpCase& c, const OpConfig& cfg) {
+  if (c.op == BenchOp::target) return run_target_case(c, cfg);
   if (cfg.iters < 1 || cfg.warmup < 0 || cfg.input_sets < 0) {
     throw Error(ErrorCode::invalid_argument, "iters", "iters >= 1, warmup >= 0, input_sets >= 0");
   }
@@ -309,55 +350,13 @@ OpResult run_op_case(const OpCase& c, const OpConfig& cfg) {
   r.workspace_bytes = workspace_bytes_of(c, views[0], opt);
   DeviceBuffer ws(r.workspace_bytes);
   int launches = 0;
-  auto run = [&] { launch(c, views[launches++ % r.input_sets], opt, ws.ptr, ws.bytes); };
-  for (int i = 0; i < cfg.warmup; ++i) run();
-  check_cuda(cudaStreamSynchronize(timer.stream), "warm-up launches");
-  for (int i = 0; i < cfg.iters; ++i) r.ms.push_back(timer.time(run));
-  check_cuda(cudaGetLastError(), "after the timed launches");
+  time_op(timer, [&] { launch(c, views[launches++ % r.input_sets], opt, ws.ptr, ws.bytes); }, cfg, rows, r);
 
-  r.t = stats_of(r.ms);
   const double sec = r.t.median_ms * 1e-3;
-  const double ns_per_ms_row = 1e6 / static_cast<double>(rows);
-  r.ns_per_row = r.t.median_ms * ns_per_ms_row;
-  r.ns_per_row_min = r.t.min_ms * ns_per_ms_row;
-  r.ns_per_row_max = r.t.max_ms * ns_per_ms_row;
   // useful FLOP per valid slot: GEMM1 (2*H*D) for the forward, 6*H*D for the backward's three GEMMs
   const double flop_per_slot = c.op == BenchOp::kl_forward ? 2.0 : (c.op == BenchOp::backward ? 6.0 : 8.0);
   r.tflops = flop_per_slot * c.heads * c.dim * static_cast<double>(h.valid_slots) / sec / 1e12;
-  r.dk_gbps = static_cast<double>(h.valid_slots) * c.dim * 4.0 / sec / 1e9;
-
-  if (cfg.sustained_ms > 0) {
-    // Back to back: an event between each two launches, no host wait until the end.
-    const int n = sustained_launches(cfg.sustained_ms, r.t.median_ms);
-    std::vector<cudaEvent_t> ev(static_cast<size_t>(n) + 1, nullptr);
-    struct Events {
-      std::vector<cudaEvent_t>& v;
-      ~Events() {
-        for (cudaEvent_t e : v)
-          if (e) cudaEventDestroy(e);
-      }
-    } guard{ev};
-    for (auto& e : ev) check_cuda(cudaEventCreate(&e), "cudaEventCreate (sustained run)");
-    check_cuda(cudaEventRecord(ev[0], timer.stream), "cudaEventRecord");
-    for (int i = 0; i < n; ++i) {
-      run();
-      check_cuda(cudaEventRecord(ev[i + 1], timer.stream), "cudaEventRecord");
-    }
-    check_cuda(cudaEventSynchronize(ev[n]), "the sustained run");
-    check_cuda(cudaGetLastError(), "after the sustained run");
-    std::vector<float> first, second;
-    for (int i = 0; i < n; ++i) {
-      float ms = 0;
-      check_cuda(cudaEventElapsedTime(&ms, ev[i], ev[i + 1]), "cudaEventElapsedTime");
-      (i < n / 2 ? first : second).push_back(ms);
-    }
-    float total = 0;
-    check_cuda(cudaEventElapsedTime(&total, ev[0], ev[n]), "cudaEventElapsedTime");
-    r.sustained_launches = n;
-    r.sustained_seconds = total * 1e-3;
-    r.ns_per_row_sustained = stats_of(second).median_ms * ns_per_ms_row;
-    r.ns_per_row_sustained_first_half = stats_of(first).median_ms * ns_per_ms_row;
-  }
+  r.dk_gbps = c.op == BenchOp::kl_forward ? 0.0 : static_cast<double>(h.valid_slots) * c.dim * 4.0 / sec / 1e9;
   return r;
 }
 

@@ -1,5 +1,5 @@
 // CPU tests of the benchmark core's pure functions (no GPU is touched): the
-// sustained run's launch count and the two floor formulas.
+// sustained run's launch count, the floor formulas and the op words.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -61,6 +61,40 @@ TEST(BenchCore, TrafficFloorIsTheReduceBytesAtTheKeyReadRate) {
   EXPECT_NEAR(traffic_floor_ns_per_row(1000.5, 64, 2.0), 1000.5 * 256.0 / 2000.0, 1e-9);
   EXPECT_GT(traffic_floor_ns_per_row(2048, 128, 3.5), floor_per_row(2048, 64, 128, 3.77, 800.0).ns);
   EXPECT_EQ(traffic_floor_ns_per_row(2048, 128, 0.0), 0.0);  // no rate measured
+}
+
+TEST(BenchCore, GatherFloorIsTheSlowerOfTheGatherAndGemm1) {
+  // H64 D128, 2048 slots at 800 TFLOP/s: GEMM1 2*64*128*2048 / 800e3 = 41.9 ns.
+  const ForwardFloor f = forward_floor_per_row(80.0, 2048, 64, 128, 800.0);
+  EXPECT_NEAR(f.gemm_ns, 2.0 * 64 * 128 * 2048 / 800e3, 1e-9);
+  EXPECT_DOUBLE_EQ(f.ns, 80.0);
+  EXPECT_STREQ(f.bound, "gather");
+  const ForwardFloor g = forward_floor_per_row(30.0, 2048, 128, 576, 700.0);  // the target's shape: GEMM-bound
+  EXPECT_DOUBLE_EQ(g.ns, g.gemm_ns);
+  EXPECT_STREQ(g.bound, "gemm");
+}
+
+TEST(BenchCore, StepFloorAddsGemm1AndTheGatherToTheBackwardsTerms) {
+  const StepFloor f = step_floor_per_row(2048, 64, 128, 3.77, 800.0, 80.0);
+  EXPECT_NEAR(f.scatter_ns, floor_per_row(2048, 64, 128, 3.77, 800.0).scatter_ns, 1e-9);
+  EXPECT_NEAR(f.gemm_ns, 8.0 * 64 * 128 * 2048 / 800e3, 1e-9);  // 167.8 ns
+  EXPECT_DOUBLE_EQ(f.gather_ns, 80.0);
+  EXPECT_DOUBLE_EQ(f.ns, f.scatter_ns);
+  EXPECT_STREQ(f.bound, "scatter");
+  EXPECT_STREQ(step_floor_per_row(2048, 64, 128, 3.77, 800.0, 400.0).bound, "gather");
+  EXPECT_STREQ(step_floor_per_row(2048, 128, 128, 3.77, 200.0, 80.0).bound, "gemm");
+}
+
+TEST(BenchCore, OpWordsRoundTrip) {
+  for (BenchOp op : kBenchOps) {
+    BenchOp parsed = BenchOp::backward;
+    EXPECT_TRUE(parse_bench_op(bench_op_name(op), &parsed)) << bench_op_name(op);
+    EXPECT_EQ(parsed, op);
+  }
+  BenchOp unchanged = BenchOp::target;
+  EXPECT_FALSE(parse_bench_op("loss", &unchanged));
+  EXPECT_EQ(unchanged, BenchOp::target);
+  EXPECT_EQ(bench_op_list(), "backward, forward, step, one-call, target");
 }
 
 }  // namespace

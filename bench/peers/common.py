@@ -2,7 +2,7 @@
 cudnn_frontend_dsa.py, tilelang_indexer_bwd.py for the backward; loss_forward_peers.py
 and attention_target_peers.py for the loss forward and the attention target).
 
-- Inputs: the problem of bench/bench_indexer_backward.cpp: bf16 q, k ~ N(0, 1),
+- Inputs: the problem of the bench's cases (bench/core/op_bench.cpp): bf16 q, k ~ N(0, 1),
   w ~ N(0, 1)/sqrt(H); ids distinct per row, causal (row t selects
   min(t+1, topk) of the keys 0..t, the rest of the row is -1) or random (topk
   of all S_kv keys), ascending, or for causal-shuffled / random-shuffled in the
@@ -128,7 +128,7 @@ def add_run_args(ap, sustained=False):
         ap.add_argument("--sustained-ms", type=sustained_ms_arg, default=0.0, metavar="MS",
                         help="after the timed calls, about MS ms of calls back to back (no sleep, no host "
                              "wait; prepare() between them): the steady state under the GPU's power "
-                             "management, as dsa-indexer-bwd-bench --sustained-ms: 20 to 20000 calls "
+                             "management, as dsaib-bench --sustained-ms: 20 to 20000 calls "
                              "(0: not run)")
 
 
@@ -190,7 +190,7 @@ def gpu_time(op, iters, warmup, prepare=None, sleep_ms=3.0):
 
 
 def gpu_time_sustained(op, sustained_ms, median_ms, prepare=None):
-    """The sustained run of dsa-indexer-bwd-bench --sustained-ms (bench/core/op_bench.cpp,
+    """The sustained run of dsaib-bench --sustained-ms (bench/core/op_bench.cpp time_op,
     sustained_launches): max(20, ceil(sustained_ms / median_ms)) calls (at most 20000)
     back to back, CUDA events around each op() only, prepare() between them on the same
     stream, one host wait at the end. Returns (every call's time in ms, in order; the whole run's GPU seconds), for
@@ -213,7 +213,8 @@ def gpu_time_sustained(op, sustained_ms, median_ms, prepare=None):
 
 
 def summarize_sustained(times_ms, seconds, rows):
-    """Keys of dsa-indexer-bwd-bench's JSON: the steady state is the second half's median."""
+    """The sustained run's keys: the steady state is the second half's median (dsaib-bench's
+    report: a case's "sustained" object, "ns_per_row" there)."""
     half = len(times_ms) // 2
     return {"sustained_launches": len(times_ms), "sustained_seconds": seconds,
             "ns_per_row_sustained": statistics.median(times_ms[half:]) * 1e6 / rows,
@@ -557,11 +558,16 @@ class Peer:
     `reason`), `versions`, `notes` (what it computes and what its timed call covers), `iters` /
     `warmup` (None: the run's), make_op(inputs) -> an object with run(), restore() or None,
     outputs() (tensors that must come out finite) and `extra` ({name: callable} timed like run,
-    reported as NAME_ns_per_row), and check() -> {"ok": bool, ...} on a small problem."""
+    reported as NAME_ns_per_row), and check() -> {"ok": bool, ...} on a small problem.
+    `floor_bound` (default True): its timed call does at least the work our floor counts, so it
+    cannot run faster than the floor (bench/peers/side_by_side.py fails when it does); False,
+    with `floor_note` saying why, for a peer whose timed call leaves part of that work out."""
 
-    def __init__(self, name, notes, make_op=None, check=None, iters=None, warmup=None):
+    def __init__(self, name, notes, make_op=None, check=None, iters=None, warmup=None, floor_bound=True,
+                 floor_note=None):
         self.name, self.notes, self.make_op, self.check = name, list(notes), make_op, check
         self.iters, self.warmup = iters, warmup
+        self.floor_bound, self.floor_note = floor_bound, floor_note
         self.status, self.reason, self.versions = "ok", None, {}
 
     def unavailable(self, reason, **extra):
@@ -570,7 +576,9 @@ class Peer:
         return self
 
     def record(self):
-        rec = {"status": self.status, "notes": self.notes, "versions": self.versions}
+        rec = {"status": self.status, "notes": self.notes, "versions": self.versions, "floor_bound": self.floor_bound}
+        if self.floor_note:
+            rec["floor_note"] = self.floor_note
         if self.reason:
             rec["reason"] = self.reason
         return rec

@@ -10,7 +10,7 @@ an H200. On compute capability 9.0 it is three stages on one stream:
      dW, A, dK = A^T Q scattered with cp.reduce.async.bulk into an fp32 buffer,
      dQ += A K), after a memset of that fp32 dK buffer;
   3. a torch cast of the fp32 dK into the bf16 d_index_k.
-That is the whole op our dsa-indexer-bwd-bench times (dK zeroing, fused kernel,
+That is the whole op dsaib-bench --op backward times (dK zeroing, fused kernel,
 bf16 cast), and the problem is the same: bf16 q/w/k, fp32 T and P, B1 H64 D128
 topk 2048, S_q = S_kv, causal ids (row t < topk has t+1 valid ids, then -1) or
 random ids (topk distinct keys per row), local ids, bf16 outputs.

@@ -229,7 +229,9 @@ def main(argv=None):
                  "the dK work")
     info = {"peer": PEER, "status": "ok", "versions": versions, "example_patch": patch, **common.device_info(),
             "timing": "CUDA events around indexer_bwd_interface only; median of iters", "iters": a.iters,
-            "warmup": a.warmup, "notes": notes, "results": []}
+            "warmup": a.warmup, "notes": notes, "results": [], "floor_bound": False,
+            "floor_note": "adds dK in bf16 (half the bytes of the floor's fp32 reduce), and with --mask original "
+                          "drops about half of the random ids"}
     print(f"{PEER}: tilelang {versions.get('tilelang')}, mask {a.mask} on {info['device']}", flush=True)
     rc = 0
     if a.check or a.check_only:

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# scripts/ab_compare.py against two fake benches that write the bench's JSON: the
-# paired deltas of each metric (timed ns_per_row, sustained ns_per_row_sustained,
-# both), and its refusals (the sustained metric without a positive --sustained-ms,
-# a JSON without the metric).
+# scripts/ab_compare.py against fake benches that write the bench's JSON (a list of
+# cases, or dsaib-bench's report with its "cases" and a case's "sustained" object):
+# the paired deltas of each metric (timed ns_per_row, sustained ns_per_row_sustained,
+# both), the op in a case's name, and its refusals (the sustained metric without a
+# positive --sustained-ms, a JSON without the metric).
 set -uo pipefail
 ab=${1:?usage: ab_compare_metrics.sh path/to/ab_compare.py [python3]}
 py=${2:-python3}
@@ -64,6 +65,19 @@ expect "other cases" "A and B ran different cases" 1 "$py" "$ab" "$dir/a" "$dir/
 expect "case twice" "twice in its JSON" 1 "$py" "$ab" "$dir/twice" "$dir/b" --pairs 1
 expect "exit status" "crashes: exited with status 3" 1 "$py" "$ab" "$dir/a" "$dir/crashes" --pairs 1
 expect "missing binary" "cannot run it" 1 "$py" "$ab" "$dir/a" "$dir/nonexistent" --pairs 1
+# dsaib-bench's report: the cases under "cases", the sustained time in each case's
+# "sustained" object, the op named unless it is the backward.
+raw report_a '{"tool": "dsaib-bench", "cases": [{"op": "forward", "ids": "random", "seq": 16, "heads": 64, "dim": 128, "topk": 4, "ns_per_row": 100, "sustained": {"ns_per_row": 110}}, {"op": "backward", "ids": "random", "seq": 16, "heads": 64, "dim": 128, "topk": 4, "ns_per_row": 300, "sustained": {"ns_per_row": 310}}]}'
+raw report_b '{"tool": "dsaib-bench", "cases": [{"op": "forward", "ids": "random", "seq": 16, "heads": 64, "dim": 128, "topk": 4, "ns_per_row": 104, "sustained": {"ns_per_row": 105}}, {"op": "backward", "ids": "random", "seq": 16, "heads": 64, "dim": 128, "topk": 4, "ns_per_row": 297, "sustained": {"ns_per_row": 311}}]}'
+expect "report: forward named" "forward random S16 H64 D128 k4         100.0     104.0       4.0" 0 \
+  "$py" "$ab" "$dir/report_a" "$dir/report_b" --pairs 2
+expect "report: backward unnamed" "
+random S16 H64 D128 k4                 300.0     297.0      -3.0" 0 "$py" "$ab" "$dir/report_a" "$dir/report_b" --pairs 2
+expect "report: sustained object" "forward random S16 H64 D128 k4         110.0     105.0      -5.0" 0 \
+  "$py" "$ab" "$dir/report_a" "$dir/report_b" --pairs 2 --metric ns_per_row_sustained --args "--sustained-ms 5"
+raw report_empty '{"tool": "dsaib-bench", "cases": []}'
+expect "report without cases" "expected its JSON to hold a non-empty list of cases" 1 \
+  "$py" "$ab" "$dir/report_empty" "$dir/report_b" --pairs 1
 # One pair: no interval, and the --out file is standard JSON (null, not NaN).
 expect "one pair" "[     nan,      nan]" 0 "$py" "$ab" "$dir/a" "$dir/b" --pairs 1 --out "$dir/one.json"
 if ! "$py" -c 'import json,sys; r=json.load(open(sys.argv[1]), parse_constant=lambda c: sys.exit("NaN in --out")); assert r[0]["ci95"] is None' "$dir/one.json"; then

@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
-# dsa-indexer-bwd-bench's number flags (--l2-set-aside-mib, --sustained-ms): every
-# bad value exits 2 with a message that names the flag and the value, before any GPU
-# is touched (so it runs in CI without one). A good value gets past parsing (exit 0
-# with a GPU, 77 without).
+# dsaib-bench's number flags (--l2-set-aside-mib, --sustained-ms): every bad value exits
+# 2 with a message that names the flag and the value (a control character shown escaped,
+# as the CLI's messages show it), before any GPU is touched (so it runs in CI without
+# one). A good value gets past parsing (exit 0 with a GPU, 77 without).
 set -uo pipefail
-bench=${1:?usage: bench_number_flag_errors.sh path/to/dsa-indexer-bwd-bench}
+bench=${1:?usage: bench_number_flag_errors.sh path/to/dsaib-bench}
 fail=0
 check() {  # flag max good...
   local flag=$1 over=$2; shift 2
   for v in abc "" inf nan 1e300 12abc 0x10 -1 " 5" "5 " $'\t5' 1,5 "$over"; do
     err=$("$bench" --seq 16 "$flag" "$v" 2>&1 >/dev/null)
     rc=$?
-    if [[ $rc -ne 2 || $err != *"$flag"*"\"$v\""* ]]; then
+    shown=${v//$'\t'/\\t}
+    if [[ $rc -ne 2 || $err != *"$flag"*"\"$shown\""* ]]; then
       echo "FAIL: $flag '$v': rc=$rc, stderr: $err"
       fail=1
     fi

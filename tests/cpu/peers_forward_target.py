@@ -1,7 +1,9 @@
 """ctest scripts_peers_forward_target: the pure-Python parts of the loss-forward and
 attention-target peers (bench/peers/), on the CPU:
 - side_by_side.py: the table of ours and the peers (values, ratios, a peer's extra timing, an
-  unavailable peer's reason, a failed row), and --status-line;
+  unavailable peer's reason, a failed row), --status-line, one backward peer's JSON, our cases
+  of one op, and the floor check (a peer faster than the floor it is compared with fails, naming
+  the peer, its time and the floor; a peer that leaves the floor's work out is not held to it);
 - attention_target_peers.parse_shapes, common.load_module_from (a package with a relative
   import, as Megatron-Core's TileLang files are loaded);
 - with torch: the torch eager loss forward and attention target against the float64 closed
@@ -79,6 +81,87 @@ with tempfile.TemporaryDirectory() as d:
     with redirect_stdout(io.StringIO()):
         rc = side_by_side.main(["--peers", oj])
     check(rc == 2, "an unreadable peers JSON must be refused")
+
+# the floor check: a peer faster than our floor fails the run, naming the peer, its time and the floor
+below_floor = {"problem": "loss_forward",
+        "peers": {"cudnn_frontend": {"status": "ok"},
+                  "tilelang": {"status": "ok", "floor_bound": False, "floor_note": "starts from the logits"}},
+        "results": [
+            {"peer": "cudnn_frontend", "ids": "random", "seq": 4096, "heads": 64, "dim": 128, "topk": 2048,
+             "status": "ok", "ns_per_row": 88.5},
+            {"peer": "tilelang", "ids": "random", "seq": 4096, "heads": 64, "dim": 128, "topk": 2048,
+             "status": "ok", "ns_per_row": 22.0}]}
+report = {"tool": "dsaib-bench", "cases": [
+    {"op": "backward", "ids": "random", "seq": 4096, "heads": 64, "dim": 128, "topk": 2048, "ns_per_row": 330.0,
+     "floor": {"ns_per_row": 276.0}},
+    {"op": "forward", "ids": "random", "seq": 4096, "heads": 64, "dim": 128, "topk": 2048, "ns_per_row": 150.0,
+     "floor": {"ns_per_row": 125.0}}]}
+ours_fwd = side_by_side.ours_records(report, "forward")
+bad = side_by_side.floor_violations(below_floor, ours_fwd)
+check([(v[0], v[2], v[3]) for v in bad] == [("cudnn_frontend", 88.5, 125.0)], f"floor violations {bad!r}")
+text = side_by_side.build_table(below_floor, report)
+check("| random | 4096 | 64 | 128 | 2048 | — | 150.0 | 125.0 | 1.20 |" in text, "ours' forward case (not the backward's)")
+check("**floor check FAILED**: peer cudnn_frontend ran random S4096 H64 D128 topk 2048 in 88.5 ns/row, faster than "
+      "the floor it is compared with, 125.0 ns/row" in text, f"violation not in the table:\n{text}")
+check("not held to our floor: starts from the logits" in text, "floor_note not shown")
+with tempfile.TemporaryDirectory() as d:
+    pj, oj = os.path.join(d, "p.json"), os.path.join(d, "o.json")
+    json.dump(below_floor, open(pj, "w"))
+    json.dump(report, open(oj, "w"))
+    err = io.StringIO()
+    from contextlib import redirect_stderr
+    with redirect_stdout(io.StringIO()), redirect_stderr(err):
+        rc = side_by_side.main(["--peers", pj, "--ours", oj])
+    check(rc == 1, f"a peer faster than the floor must fail the check, rc {rc}")
+    check("floor check FAILED: peer cudnn_frontend ran random S4096 H64 D128 topk 2048 in 88.5 ns/row" in err.getvalue()
+          and "125.0 ns/row" in err.getvalue(), f"stderr: {err.getvalue()!r}")
+    # at or above the floor: no failure
+    below_floor["results"][0]["ns_per_row"] = 125.0
+    json.dump(below_floor, open(pj, "w"))
+    with redirect_stdout(io.StringIO()):
+        rc = side_by_side.main(["--peers", pj, "--ours", oj])
+    check(rc == 0, f"a peer at the floor must pass, rc {rc}")
+    # one backward peer's JSON (cudnn_frontend_dsa.py's), against ours' backward floor; --op picks it
+    one = {"peer": "cudnn_frontend_dsa_sm90", "status": "ok", "notes": ["whole op"],
+           "results": [{"ids": "random", "seq": 4096, "heads": 64, "dim": 128, "topk": 2048, "status": "ok",
+                        "ns_per_row": 270.0}]}
+    json.dump(one, open(pj, "w"))
+    err = io.StringIO()
+    with redirect_stdout(io.StringIO()) as out, redirect_stderr(err):
+        rc = side_by_side.main(["--peers", pj, "--ours", oj])
+    check(rc == 1 and "peer cudnn_frontend_dsa_sm90 ran random S4096 H64 D128 topk 2048 in 270.0 ns/row" in err.getvalue()
+          and "276.0 ns/row" in err.getvalue(), f"one backward peer: rc {rc}, {err.getvalue()!r}")
+    check("| random | 4096 | 64 | 128 | 2048 | — | 330.0 | 276.0 | 1.20 | 270.0 | 0.82 |" in out.getvalue(),
+          f"one backward peer's row: {out.getvalue()!r}")
+    # the backward's floor of the valid slots, where ours has it, is the one a peer is held to
+    report["cases"][0]["floor"]["valid_slots_ns_per_row"] = 260.0
+    json.dump(report, open(oj, "w"))
+    with redirect_stdout(io.StringIO()), redirect_stderr(io.StringIO()):
+        rc = side_by_side.main(["--peers", pj, "--ours", oj])
+    check(rc == 0, f"a peer above the valid slots' floor failed the check, rc {rc}")
+    one["results"][0]["ns_per_row"] = 250.0
+    json.dump(one, open(pj, "w"))
+    err = io.StringIO()
+    with redirect_stdout(io.StringIO()), redirect_stderr(err):
+        rc = side_by_side.main(["--peers", pj, "--ours", oj])
+    check(rc == 1 and "260.0 ns/row" in err.getvalue(), f"valid slots' floor: rc {rc}, {err.getvalue()!r}")
+    # a peer that leaves the floor's work out (floor_bound false) is not held to it
+    one["floor_bound"] = False
+    json.dump(one, open(pj, "w"))
+    with redirect_stdout(io.StringIO()), redirect_stderr(io.StringIO()):
+        rc = side_by_side.main(["--peers", pj, "--ours", oj])
+    check(rc == 0, f"a peer not held to the floor failed the check, rc {rc}")
+    # two files at once: the peers of both, one table
+    two = os.path.join(d, "two.json")
+    one["floor_bound"] = True
+    one["results"][0]["ns_per_row"] = 900.0
+    json.dump(one, open(pj, "w"))
+    json.dump({"peer": "torch_eager_autograd", "status": "ok", "results": [
+        {"ids": "random", "seq": 4096, "heads": 64, "dim": 128, "topk": 2048, "status": "ok", "ns_per_row": 2700.0}]},
+        open(two, "w"))
+    with redirect_stdout(io.StringIO()) as out:
+        rc = side_by_side.main(["--peers", pj, "--peers", two, "--ours", oj])
+    check(rc == 0 and "| 900.0 | 2.73 | 2,700.0 | 8.18 |" in out.getvalue(), f"two peers: rc {rc}, {out.getvalue()!r}")
 
 # --------------------------------------------------------------------------- parsing, loading
 check(attention_target_peers.parse_shapes("128x576, 64X192") == [(128, 576), (64, 192)], "parse_shapes")

@@ -73,6 +73,16 @@ merged = {"floor": [
     "not a row",
 ]}
 assert pb.floor_points(merged, 64, 128, 2048) == [(4096, 277.0)], pb.floor_points(merged, 64, 128, 2048)
+# --op: a report of several ops draws the chosen op's cases and floors; a record without "op" is any op's
+ops = [{"op": "backward", "ids": "random", "seq": 4096, "heads": 64, "dim": 128, "topk": 2048, "ns_per_row": 330.0,
+        "seq_kv": 4096, "floor": {"ns_per_row": 276.0}},
+       {"op": "forward", "ids": "random", "seq": 4096, "heads": 64, "dim": 128, "topk": 2048, "ns_per_row": 150.0,
+        "seq_kv": 4096, "floor": {"ns_per_row": 80.0}},
+       {"ids": "causal", "seq": 4096, "heads": 64, "dim": 128, "topk": 2048, "ns_per_row": 140.0}]
+assert pb.series(ops, 64, 128, 2048, op="forward") == {"random": [(4096, 150.0)], "causal": [(4096, 140.0)]}
+assert pb.series(ops, 64, 128, 2048, op="backward") == {"random": [(4096, 330.0)], "causal": [(4096, 140.0)]}
+assert pb.floor_points_of_bench({"cases": ops}, 64, 128, 2048, op="forward") == [(4096, 80.0)]
+assert pb.floor_points_of_bench({"cases": ops}, 64, 128, 2048, op="backward") == [(4096, 276.0)]
 # rows with a bad S or batch give no point, not an exception
 assert pb.series([{"ids": "random", "seq": math.nan, "ns_per_row": 300.0}, "x"], 64, 128, 2048) == {}
 assert pb.ns_of({"seq": 4096, "batch": 0, "timing": {"median_ms": 1.0}}) is None

@@ -1,6 +1,7 @@
-// GPU tests (label gpu) of the benchmark tools on tiny shapes: `dsaib bench`
-// (floor micro-benchmarks and the op, its JSON report), dsa-indexer-bwd-bench and
-// dsa-floor-bench (the JSON that scripts/ab_compare.py and the perf log read).
+// GPU tests (label gpu) of the bench on tiny shapes: `dsaib bench` and
+// dsaib-bench (one parser, one run, one JSON report): the floors, each the best of the
+// ways measured in the same run and each way checked, every op against its floor, and
+// the JSON that scripts/ab_compare.py and scripts/plot_bench.py read.
 // Without a compute-capability-9.0 GPU every test is SKIPPED (never passed).
 // The binaries are the build tree's; DSAIB_BIN_DIR=dir takes them from dir instead
 // (binaries copied to another machine, without the build tree).
@@ -8,10 +9,13 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <set>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -19,8 +23,8 @@
 #include "dsaib/indexer_backward.hpp"
 #include "support/test_support.hpp"
 
-#if !defined(DSAIB_CLI_PATH) || !defined(DSAIB_OP_BENCH_PATH) || !defined(DSAIB_FLOOR_BENCH_PATH)
-#error "the build must define DSAIB_CLI_PATH, DSAIB_OP_BENCH_PATH and DSAIB_FLOOR_BENCH_PATH"
+#if !defined(DSAIB_CLI_PATH) || !defined(DSAIB_BENCH_PATH)
+#error "the build must define DSAIB_CLI_PATH and DSAIB_BENCH_PATH"
 #endif
 
 namespace dsaib::test {
@@ -142,81 +146,136 @@ TEST_F(BenchTools, BenchSubcommandWithoutFloorAndWithoutRotation) {
   EXPECT_TRUE(j["cases"][0]["sustained"].is_null());  // --sustained-ms 0: no sustained run
 }
 
-TEST_F(BenchTools, OpBenchKeepsItsJsonForAbCompare) {
+TEST_F(BenchTools, BenchBinaryWritesWhatAbCompareReads) {
   const std::string json = path("op.json");
-  const CommandResult r = run_tool_json(DSAIB_OP_BENCH_PATH,
+  const CommandResult r = run_tool_json(DSAIB_BENCH_PATH,
                                        " --seq 512 --ids causal,random,causal-shuffled,random-shuffled --heads 16"
-                                       " --dim 128 --topk 128 --iters 3",
+                                       " --dim 128 --topk 128 --iters 3 --no-floor --sustained-ms 0",
                                        json);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const nlohmann::json j = read_json(json);
-  ASSERT_TRUE(j.is_array());
-  ASSERT_EQ(j.size(), 4u);
+  EXPECT_EQ(j["tool"], "dsaib-bench");
+  const auto& cases = j["cases"];
+  ASSERT_EQ(cases.size(), 4u);
   // The shuffled patterns are the same draws in another order: as many valid slots.
-  EXPECT_EQ(j[0]["ids"], "causal");
-  EXPECT_EQ(j[2]["ids"], "causal-shuffled");
-  EXPECT_EQ(j[3]["ids"], "random-shuffled");
-  EXPECT_EQ(j[2]["valid_slots_per_row"], j[0]["valid_slots_per_row"]);
-  EXPECT_EQ(j[3]["valid_slots_per_row"], j[1]["valid_slots_per_row"]);
-  EXPECT_LT(j[0]["valid_slots_per_row"].get<double>(), 128.0);  // causal: rows t < 127 keep t + 1
-  EXPECT_EQ(j[1]["valid_slots_per_row"].get<double>(), 128.0);
-  for (const auto& c : j) {
-    for (const char* key : {"ids", "seq", "heads", "dim", "topk", "ns_per_row", "median_ms", "fixed_floor_ratio"}) {
+  EXPECT_EQ(cases[0]["ids"], "causal");
+  EXPECT_EQ(cases[2]["ids"], "causal-shuffled");
+  EXPECT_EQ(cases[3]["ids"], "random-shuffled");
+  EXPECT_EQ(cases[2]["valid_slots_per_row"], cases[0]["valid_slots_per_row"]);
+  EXPECT_EQ(cases[3]["valid_slots_per_row"], cases[1]["valid_slots_per_row"]);
+  EXPECT_LT(cases[0]["valid_slots_per_row"].get<double>(), 128.0);  // causal: rows t < 127 keep t + 1
+  EXPECT_EQ(cases[1]["valid_slots_per_row"].get<double>(), 128.0);
+  for (const auto& c : cases) {
+    for (const char* key : {"op", "ids", "seq", "heads", "dim", "topk", "ns_per_row", "timing", "fixed_floor_ratio"}) {
       EXPECT_TRUE(c.contains(key)) << key << " missing in " << c.dump();
     }
-    // It measures no floor, so no "floor_ratio" (which `dsaib bench` keeps for its measured one).
-    EXPECT_FALSE(c.contains("floor_ratio")) << c.dump();
+    EXPECT_EQ(c["op"], "backward");
+    EXPECT_TRUE(c["floor"].is_null()) << c.dump();
     EXPECT_NEAR(c["fixed_floor_ratio"].get<double>(), c["ns_per_row"].get<double>() / 278.0, 2e-3);
   }
 }
 
-TEST_F(BenchTools, OpBenchSustainedRunReportsItsSteadyState) {
+TEST_F(BenchTools, BenchBinarySustainedRunReportsItsSteadyState) {
   const std::string json = path("sustained.json");
   const CommandResult r = run_tool_json(
-      DSAIB_OP_BENCH_PATH, " --seq 512 --ids random --heads 16 --dim 128 --topk 128 --iters 3 --sustained-ms 50", json);
+      DSAIB_BENCH_PATH, " --seq 512 --ids random --heads 16 --dim 128 --topk 128 --iters 3 --no-floor --sustained-ms 50",
+      json);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("sustained:"), std::string::npos) << r.output;
   const nlohmann::json j = read_json(json);
-  ASSERT_EQ(j.size(), 1u);
-  const auto& c = j[0];
+  ASSERT_EQ(j["cases"].size(), 1u);
+  const auto& st = j["cases"][0]["sustained"];
   // At least kSustainedMinLaunches (20) launches, timed back to back.
-  EXPECT_GE(c["sustained_launches"].get<int>(), 20) << c.dump();
-  const double ns = c["ns_per_row_sustained"].get<double>(), first = c["ns_per_row_sustained_first_half"].get<double>();
-  EXPECT_TRUE(std::isfinite(ns) && ns > 0.0) << c.dump();
-  EXPECT_TRUE(std::isfinite(first) && first > 0.0) << c.dump();
+  EXPECT_GE(st["launches"].get<int>(), 20) << st.dump();
+  const double ns = st["ns_per_row"].get<double>(), first = st["ns_per_row_first_half"].get<double>();
+  EXPECT_TRUE(std::isfinite(ns) && ns > 0.0) << st.dump();
+  EXPECT_TRUE(std::isfinite(first) && first > 0.0) << st.dump();
   // The whole run's GPU time covers its launches: at least half of them at the second half's median.
-  EXPECT_GE(c["sustained_seconds"].get<double>() * 1e9,
-            0.5 * c["sustained_launches"].get<double>() * ns * 512.0 * 0.5) << c.dump();
-  // Without the flag: no sustained run, zeros.
-  const std::string plain = path("plain.json");
-  const CommandResult q =
-      run_tool_json(DSAIB_OP_BENCH_PATH, " --seq 512 --ids random --heads 16 --dim 128 --topk 128 --iters 3", plain);
-  ASSERT_EQ(q.exit_code, 0) << q.output;
-  EXPECT_EQ(read_json(plain)[0]["sustained_launches"], 0);
-  EXPECT_EQ(q.output.find("sustained:"), std::string::npos) << q.output;
+  EXPECT_GE(st["seconds"].get<double>() * 1e9, 0.5 * st["launches"].get<double>() * ns * 512.0 * 0.5) << st.dump();
 }
 
-TEST_F(BenchTools, FloorBenchChecksEveryWay) {
-  const std::string json = path("floor.json");
-  const CommandResult r =
-      run_tool_json(DSAIB_FLOOR_BENCH_PATH, " --tables 2,8 --iters 3 --payload-mib 64 --gemm-size 1024", json);
+TEST_F(BenchTools, EveryOpAgainstItsFloorEachFloorTheBestOfItsCheckedWays) {
+  const std::string json = path("ops.json");
+  const CommandResult r = run_tool_json(DSAIB_BENCH_PATH,
+                                       " --op backward,forward,step,one-call,target --seq 512 --ids causal,random"
+                                       " --heads 16 --dim 128 --topk 128 --shapes 64x192 --iters 3 --warmup 1"
+                                       " --sustained-ms 0",
+                                       json);
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  const nlohmann::json j = read_json(json);
-  ASSERT_EQ(j["scatter"].size(), 6u);
-  for (const auto& s : j["scatter"]) EXPECT_TRUE(s["check"].get<bool>()) << s.dump();
-  // The ways that are not part of the floor, one per table: each checked too (the
-  // gather way's keys are 1.0, so its exact column sums prove every add read its key).
-  for (const char* extra : {"scatter_fragment_pattern", "scatter_with_key_reads"}) {
-    ASSERT_EQ(j[extra].size(), 2u) << extra;
-    for (const auto& s : j[extra]) EXPECT_TRUE(s["check"].get<bool>()) << extra << " " << s.dump();
+  for (const char* frag : {"key gather", "vector", "cp.async", "bulk", "fastest", "scatter-add", "bf16 GEMM",
+                           "batched", "xfloor"}) {
+    EXPECT_NE(r.output.find(frag), std::string::npos) << "'" << frag << "' not in:\n" << r.output;
   }
-  EXPECT_EQ(j["scatter_with_key_reads"][0]["way"], "gather");
-  EXPECT_TRUE(j["gemm"]["check"].get<bool>());
-  ASSERT_EQ(j["floor"].size(), 8u);
-  // The floor uses the three floor ways only: each case's way is one of them.
-  for (const auto& f : j["floor"]) {
-    const std::string way = f["scatter_way"].get<std::string>();
-    EXPECT_TRUE(way == "float4" || way == "scalar" || way == "bulk") << f.dump();
+  const nlohmann::json j = read_json(json);
+  EXPECT_TRUE(j["checks_ok"].get<bool>());
+  const auto& fm = j["floor_measurements"];
+  // The key gather of (causal, random) x (D 128 for the loss's ops, Dqk 192 for the target).
+  ASSERT_EQ(fm["key_gather"].size(), 4u);
+  std::map<std::string, double> gather_ns;  // "ids D" -> the floor's gather time
+  for (const auto& g : fm["key_gather"]) {
+    SCOPED_TRACE(g.dump());
+    std::set<std::string> methods;
+    double best = 1e30;
+    for (const auto& v : g["variants"]) {
+      EXPECT_TRUE(v["check"].get<bool>()) << v.dump();
+      EXPECT_GT(v["ns_per_row"].get<double>(), 0.0);
+      methods.insert(v["method"].get<std::string>());
+      best = std::min(best, v["ns_per_row"].get<double>());
+    }
+    EXPECT_EQ(methods, (std::set<std::string>{"vector", "cp.async", "bulk"}));
+    EXPECT_DOUBLE_EQ(g["fastest"]["ns_per_row"].get<double>(), best);
+    for (const char* m : {"vector", "cp.async", "bulk"}) EXPECT_GE(g["best_ns_per_row_by_method"][m].get<double>(), best);
+    gather_ns[g["ids"].get<std::string>() + " " + std::to_string(g["dim"].get<int>())] = best;
+  }
+  ASSERT_EQ(fm["gemm_batched"].size(), 1u);
+  EXPECT_TRUE(fm["gemm_batched"][0]["check"].get<bool>());
+  EXPECT_TRUE(fm["gemm"]["check"].get<bool>());
+  // The GEMM rate: the fastest of cuBLAS's four operand layouts, each checked.
+  ASSERT_EQ(fm["gemm"]["ways"].size(), 4u);
+  double best_tflops = 0;
+  for (const auto& w : fm["gemm"]["ways"]) {
+    EXPECT_TRUE(w["check"].get<bool>()) << w.dump();
+    best_tflops = std::max(best_tflops, w["tflops"].get<double>());
+  }
+  EXPECT_DOUBLE_EQ(fm["gemm"]["tflops"].get<double>(), best_tflops);
+  ASSERT_EQ(j["cases"].size(), 10u);  // 5 ops x 2 id patterns
+  std::set<std::string> ops;
+  for (const auto& c : j["cases"]) {
+    SCOPED_TRACE(c.dump());
+    const std::string op = c["op"].get<std::string>();
+    ops.insert(op);
+    const double ns = c["ns_per_row"].get<double>(), floor_ns = c["floor"]["ns_per_row"].get<double>();
+    EXPECT_GT(ns, 0.0);
+    EXPECT_GT(floor_ns, 0.0);
+    EXPECT_NEAR(c["floor_ratio"].get<double>(), ns / floor_ns, 1e-9 * ns / floor_ns);
+    const std::string gather_key = c["ids"].get<std::string>() + " " + std::to_string(c["dim"].get<int>());
+    if (op == "forward" || op == "target") {
+      EXPECT_DOUBLE_EQ(c["floor"]["gather_ns"].get<double>(), gather_ns.at(gather_key));
+      EXPECT_DOUBLE_EQ(floor_ns, std::max(c["floor"]["gather_ns"].get<double>(), c["floor"]["gemm_ns"].get<double>()));
+    }
+    if (op == "step" || op == "one-call") {
+      EXPECT_DOUBLE_EQ(c["floor"]["gather_ns"].get<double>(), gather_ns.at(gather_key));
+      EXPECT_DOUBLE_EQ(floor_ns, std::max({c["floor"]["scatter_ns"].get<double>(), c["floor"]["gemm_ns"].get<double>(),
+                                           c["floor"]["gather_ns"].get<double>()}));
+    }
+    if (op == "target") {
+      EXPECT_EQ(c["heads"], 64);
+      EXPECT_EQ(c["dim"], 192);
+      EXPECT_EQ(c["floor"]["gemm_tflops"], fm["gemm_batched"][0]["tflops"]);
+    }
+    if (op == "backward") EXPECT_TRUE(c["traffic_floor"].is_object());
+  }
+  EXPECT_EQ(ops, (std::set<std::string>{"backward", "forward", "step", "one-call", "target"}));
+}
+
+TEST_F(BenchTools, BenchBinaryAndSubcommandShareTheirFlagChecks) {
+  for (const char* built : {DSAIB_CLI_PATH, DSAIB_BENCH_PATH}) {
+    const std::string sub = std::string(built) == DSAIB_CLI_PATH ? " bench" : "";
+    for (const std::string args : {" --op target --ids causal-shuffled", " --op target --batch 2", " --shapes 100x576",
+                                   " --op backwards"}) {
+      const CommandResult r = run_tool(built, sub + args + " --seq 64 --iters 1 2>&1");
+      EXPECT_EQ(r.exit_code, 2) << built << args << "\n" << r.output;
+    }
   }
 }
 
