@@ -2,8 +2,9 @@
 reject with nanobind's "incompatible function arguments" (which names no
 argument), or convert silently (float -> int truncation, a str flag taken as
 true), is checked here, with messages in the library's style: "NAME: expected
-X, got Y". Values the library itself validates (finite scales, counts >= 0,
-option words) are passed through to it, so that its messages are the only ones.
+X, got Y". Values the library itself validates (finite scales, counts >= 0)
+are passed through to it, so that its messages are the only ones. The table
+of options that uses these is _options.py.
 """
 
 from __future__ import annotations
@@ -104,7 +105,10 @@ def _num_threads(x) -> int:
 
 def _stream_value(x) -> int:
     """An explicit cudaStream_t as an int in [0, 2^64-1]: an int (anything with __index__),
-    or an object with __int__ such as numba's cuda.Stream; not bool, float or str."""
+    an object with __int__ such as numba's cuda.Stream, or a torch stream (its
+    cuda_stream); not bool, float or str."""
+    if _framework(x) == "torch" and hasattr(x, "cuda_stream"):
+        x = x.cuda_stream
     if _is_bool(x) or isinstance(x, (float, str, bytes)) or not (
             hasattr(type(x), "__index__") or hasattr(type(x), "__int__")):
         raise TypeError(f"stream: expected an int (a cudaStream_t), got {_type_name(x)} {x!r}")
@@ -196,9 +200,3 @@ def _option_str(name, x, words) -> str:
     if not isinstance(x, str):
         raise TypeError(f"{name}: expected a str ({words}), got {_type_name(x)} {x!r}")
     return x
-
-
-def _a_operand(a_operand_precision) -> str:
-    """The option as the str the extension parses (it raises ValueError for a bad word)."""
-    return _option_str("a_operand_precision", a_operand_precision, '"auto", "bf16x2" or "bf16"')
-

@@ -2,16 +2,29 @@
 //
 // It converts DLPack tensors (numpy, torch, cupy, jax, or any object with
 // __dlpack__/__dlpack_device__, or a DLPack capsule, through nanobind::ndarray)
-// into dsaib::TensorView records and calls the library: indexer_backward (P
-// given as index_score, or the P-free form with row_lse and row_target_mass),
-// the loss forward (indexer_kl_forward), the loss and gradients in one call
-// (indexer_kl_loss_and_grad), each with its workspace size, the validation
-// alone (validate_indexer_kl_loss_inputs), the fp64 loss, and the attention
-// target T from the main attention's tensors (attention_target). The Python layer
+// into dsaib::TensorView records and calls the library, one library call per
+// binding: indexer_backward (P given as index_score, or the P-free form with
+// row_lse and row_target_mass), the loss forward (indexer_kl_forward), the loss
+// and gradients in one call (indexer_kl_loss_and_grad), the attention target T
+// from the main attention's tensors (attention_target), the validation alone
+// (validate_indexer_kl_loss_inputs) and the fp64 host loss (indexer_kl_loss).
+//
+// The workspace of a call comes from the caller's allocator, asked by the
+// library after it has validated the arguments (dsaib::WorkspaceAllocator):
+// `workspace` is a Python callable nbytes -> DLPack array on the backend's
+// device (torch's caching allocator), or None (the library allocates it,
+// stream-ordered). So the arguments are validated once per call.
+//
+// The library's options are keyword arguments (**options), read through one
+// table per options struct (OptionTable below), which also tells Python each
+// option's kind, default and words (option_table()). The Python layer
 // (python/dsaib/) allocates outputs with the inputs' framework; for other
 // producers it uses `empty`, which returns a Buffer: host or device memory
-// owned by this module, exported through DLPack. Sizes and argument rules are
-// the library's: nothing here or in Python re-derives them.
+// owned by this module, exported through DLPack.
+//
+// Counters for tests: library_calls() (calls into the library made here) and
+// host_waits() (the CUDA runtime's blocking calls made inside this module,
+// counted through the linker's --wrap in CUDA builds; host_waits.cpp).
 //
 // dtype mapping (DLPack -> dsaib::DType):
 //   bfloat16 (16 bits)                          -> bf16
@@ -31,7 +44,6 @@
 //   unsupported, backend_unavailable, cuda_error,
 //   io_error, internal                              -> RuntimeError
 // with what() unchanged, so Python sees the C++ message verbatim.
-#include <cmath>
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
@@ -39,9 +51,12 @@
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <functional>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -58,6 +73,8 @@
 #include "dsaib/indexer_kl_forward.hpp"
 #include "dsaib/indexer_kl_loss_and_grad.hpp"
 #include "dsaib/tensor.hpp"
+#include "dsaib/workspace.hpp"
+#include "host_waits.hpp"
 
 namespace nb = nanobind;
 
@@ -315,46 +332,187 @@ Buffer make_buffer(const std::vector<int64_t>& shape, const std::string& dtype, 
   b.device_id = a->device_id;
   return b;
 }
+// ---- options: one table per options struct ------------------------------------
 
-dsaib::Layout parse_layout(const std::string& s) {
-  if (s == "bshd") return dsaib::Layout::bshd;
-  if (s == "thd") return dsaib::Layout::thd;
-  throw dsaib::Error(dsaib::ErrorCode::invalid_argument, "layout",
-                     "layout: expected \"bshd\" or \"thd\", got \"" + s + "\"");
-}
-dsaib::IdMode parse_id_mode(const std::string& s) {
-  if (s == "local") return dsaib::IdMode::local;
-  if (s == "global") return dsaib::IdMode::global;
-  throw dsaib::Error(dsaib::ErrorCode::invalid_argument, "id_mode",
-                     "id_mode: expected \"local\" or \"global\", got \"" + s + "\"");
-}
-dsaib::Backend parse_backend(const std::string& s) {
-  if (s == "cpu") return dsaib::Backend::cpu;
-  if (s == "cuda") return dsaib::Backend::cuda;
-  throw dsaib::Error(dsaib::ErrorCode::invalid_argument, "backend",
-                     "backend: expected \"cpu\" or \"cuda\", got \"" + s + "\"");
+/// `"a", "b" or "c"`: how the library's messages list an option's words.
+std::string word_list(const std::vector<std::string>& words) {
+  std::string s;
+  for (size_t i = 0; i < words.size(); ++i) {
+    if (i) s += i + 1 == words.size() ? " or " : ", ";
+    s += "\"" + words[i] + "\"";
+  }
+  return s;
 }
 
-dsaib::AOperandPrecision parse_a_operand(const std::string& s) {
-  dsaib::AOperandPrecision a = dsaib::AOperandPrecision::automatic;
-  if (dsaib::parse_a_operand_precision(s, &a)) return a;
-  throw dsaib::Error(dsaib::ErrorCode::invalid_argument, "a_operand_precision",
-                     "a_operand_precision: expected \"auto\", \"bf16x2\" or \"bf16\", got \"" + s + "\"");
+/// The library's options struct `Options` read from keyword arguments: each
+/// field once, with its name, kind, words (the library's *_name functions of
+/// the enum's values) and default (a default-constructed Options). The
+/// bindings read **options through it, and option_table() shows it to Python,
+/// which takes its words and defaults from there.
+template <class Options>
+class OptionTable {
+ public:
+  template <class E>
+  OptionTable& word(const char* name, E Options::*member, std::initializer_list<E> values, const char* (*word_of)(E)) {
+    std::vector<std::string> words;
+    for (E v : values) words.emplace_back(word_of(v));
+    const std::vector<E> vals(values);
+    const std::string option = name;
+    add(name, "word", words,
+        [member, vals, words, option](Options& o, nb::handle h) {
+          const auto s = cast<std::string>(option, h);
+          for (size_t i = 0; i < vals.size(); ++i) {
+            if (s == words[i]) {
+              o.*member = vals[i];
+              return;
+            }
+          }
+          throw dsaib::Error(dsaib::ErrorCode::invalid_argument, option,
+                             option + ": expected " + word_list(words) + ", got \"" + s + "\"");
+        },
+        [member, word_of](const Options& o) -> nb::object { return nb::str(word_of(o.*member)); });
+    return *this;
+  }
+  /// A number or a flag (float, bool, int64_t, int32_t), or a pointer read as an int (uintptr_t).
+  template <class T>
+  OptionTable& value(const char* name, T Options::*member) {
+    const std::string option = name;
+    add(name, kind<T>(), {}, [member, option](Options& o, nb::handle h) { o.*member = cast<T>(option, h); },
+        [member](const Options& o) -> nb::object { return nb::cast(o.*member); });
+    return *this;
+  }
+  OptionTable& pointer(const char* name, void* Options::*member) {
+    const std::string option = name;
+    add(name, "pointer", {},
+        [member, option](Options& o, nb::handle h) { o.*member = reinterpret_cast<void*>(cast<uintptr_t>(option, h)); },
+        [member](const Options& o) -> nb::object { return nb::cast(reinterpret_cast<uintptr_t>(o.*member)); });
+    return *this;
+  }
+
+  /// Options from keyword arguments: a name not in the table is a TypeError; one
+  /// left out keeps the struct's default.
+  Options read(const nb::kwargs& kw) const {
+    Options o;
+    for (auto item : kw) {
+      const auto name = nb::cast<std::string>(nb::str(item.first));
+      const Field* f = find(name);
+      if (!f) throw PyTypeError{"options: unexpected keyword argument '" + name + "'"};
+      f->set(o, item.second);
+    }
+    return o;
+  }
+
+  /// {name: (kind, default, words)}, in the struct's order.
+  nb::dict describe() const {
+    const Options defaults{};
+    nb::dict d;
+    for (const Field& f : fields_) {
+      nb::list words;
+      for (const auto& w : f.words) words.append(nb::str(w.c_str()));
+      d[f.name.c_str()] = nb::make_tuple(nb::str(f.kind.c_str()), f.get(defaults), nb::tuple(words));
+    }
+    return d;
+  }
+
+ private:
+  struct Field {
+    std::string name, kind;
+    std::vector<std::string> words;
+    std::function<void(Options&, nb::handle)> set;
+    std::function<nb::object(const Options&)> get;
+  };
+  void add(const char* name, const char* k, std::vector<std::string> words,
+           std::function<void(Options&, nb::handle)> set, std::function<nb::object(const Options&)> get) {
+    fields_.push_back({name, k, std::move(words), std::move(set), std::move(get)});
+  }
+  const Field* find(const std::string& name) const {
+    for (const Field& f : fields_) {
+      if (f.name == name) return &f;
+    }
+    return nullptr;
+  }
+  template <class T>
+  static const char* kind() {
+    if constexpr (std::is_same_v<T, bool>) return "bool";
+    else if constexpr (std::is_floating_point_v<T>) return "float";
+    else if constexpr (sizeof(T) == 4) return "int32";
+    else return "int64";
+  }
+  template <class T>
+  static T cast(const std::string& name, nb::handle h) {
+    T v{};
+    if (!nb::try_cast<T>(h, v)) {
+      const char* what = std::is_same_v<T, std::string> ? "a str"
+                         : std::is_same_v<T, bool>      ? "a bool"
+                         : std::is_floating_point_v<T>  ? "a float"
+                                                        : "an int in the range of its C type";
+      throw PyTypeError{name + ": expected " + what + ", got " +
+                        nb::cast<std::string>(nb::str(h.type().attr("__name__")))};
+    }
+    return v;
+  }
+
+  std::vector<Field> fields_;
+};
+
+using dsaib::AOperandPrecision;
+using dsaib::Backend;
+using dsaib::ForwardFusion;
+using dsaib::IdMode;
+using dsaib::L2Hints;
+using dsaib::Layout;
+using dsaib::LseBase;
+using dsaib::StartStagger;
+
+/// dsaib::IndexerOptions (grad_loss_device comes as a tensor argument).
+const OptionTable<dsaib::IndexerOptions>& indexer_options() {
+  using O = dsaib::IndexerOptions;
+  static const OptionTable<O> table = [] {
+    OptionTable<O> t;
+    t.word("layout", &O::layout, {Layout::bshd, Layout::thd}, dsaib::layout_name)
+        .word("id_mode", &O::id_mode, {IdMode::local, IdMode::global}, dsaib::id_mode_name)
+        .word("backend", &O::backend, {Backend::cpu, Backend::cuda}, dsaib::backend_name)
+        .value("sm_scale", &O::sm_scale)
+        .value("loss_coeff", &O::loss_coeff)
+        .value("grad_loss", &O::grad_loss)
+        .value("normalization_count", &O::normalization_count)
+        .value("strict_indices", &O::strict_indices)
+        .value("deterministic", &O::deterministic)
+        .pointer("stream", &O::stream)
+        .value("num_threads", &O::num_threads)
+        .word("a_operand_precision", &O::a_operand_precision,
+              {AOperandPrecision::automatic, AOperandPrecision::bf16x2, AOperandPrecision::bf16},
+              dsaib::a_operand_precision_name)
+        .word("l2_hints", &O::l2_hints, {L2Hints::automatic, L2Hints::on, L2Hints::off}, dsaib::l2_hints_name)
+        .word("start_stagger", &O::start_stagger, {StartStagger::automatic, StartStagger::off},
+              dsaib::start_stagger_name)
+        .word("forward_fusion", &O::forward_fusion, {ForwardFusion::automatic, ForwardFusion::off},
+              dsaib::forward_fusion_name);
+    return t;
+  }();
+  return table;
 }
 
-dsaib::L2Hints parse_l2_hints_word(const std::string& s) {
-  dsaib::L2Hints v = dsaib::L2Hints::automatic;
-  if (dsaib::parse_l2_hints(s, &v)) return v;
-  throw dsaib::Error(dsaib::ErrorCode::invalid_argument, "l2_hints",
-                     "l2_hints: expected \"auto\", \"on\" or \"off\", got \"" + s + "\"");
+/// dsaib::AttentionTargetOptions.
+const OptionTable<dsaib::AttentionTargetOptions>& target_options() {
+  using O = dsaib::AttentionTargetOptions;
+  static const OptionTable<O> table = [] {
+    OptionTable<O> t;
+    t.word("layout", &O::layout, {Layout::bshd, Layout::thd}, dsaib::layout_name)
+        .word("id_mode", &O::id_mode, {IdMode::local, IdMode::global}, dsaib::id_mode_name)
+        .word("backend", &O::backend, {Backend::cpu, Backend::cuda}, dsaib::backend_name)
+        .value("sm_scale", &O::sm_scale)
+        .word("lse_base", &O::lse_base, {LseBase::natural, LseBase::base2}, dsaib::lse_base_name)
+        .value("normalize", &O::normalize)
+        .value("strict_indices", &O::strict_indices)
+        .pointer("stream", &O::stream)
+        .value("num_threads", &O::num_threads);
+    return t;
+  }();
+  return table;
 }
 
-dsaib::StartStagger parse_start_stagger_word(const std::string& s) {
-  dsaib::StartStagger v = dsaib::StartStagger::automatic;
-  if (dsaib::parse_start_stagger(s, &v)) return v;
-  throw dsaib::Error(dsaib::ErrorCode::invalid_argument, "start_stagger",
-                     "start_stagger: expected \"auto\" or \"off\", got \"" + s + "\"");
-}
+// ---- tensors --------------------------------------------------------------------
 
 dsaib::IndexerInputs make_inputs(const Array& index_q, const Array& weights, const Array& index_k,
                                          const Array& topk_indices, const Array& attn_score,
@@ -377,130 +535,6 @@ dsaib::IndexerInputs make_inputs(const Array& index_q, const Array& weights, con
   return in;
 }
 
-/// The library's options from a binding's keyword arguments (**options): the
-/// one place that maps them, so that a new option is one entry here and one in
-/// the Python layer's options. An option not given keeps its default in
-/// dsaib::IndexerOptions; a name not known here is a TypeError.
-class OptionReader {
- public:
-  explicit OptionReader(const nb::kwargs& kw) : kw_(kw) {}
-
-  /// Whether option `name` was given (it then counts as known).
-  bool given(const char* name) {
-    if (!kw_.contains(name)) return false;
-    known_.emplace_back(name);
-    return true;
-  }
-  template <class T>
-  T value(const char* name) const {
-    T v{};
-    if (!nb::try_cast<T>(kw_[name], v)) {
-      throw PyTypeError{std::string(name) + ": expected " + what<T>() + ", got " +
-                        nb::cast<std::string>(nb::str(nb::handle(kw_[name]).type().attr("__name__")))};
-    }
-    return v;
-  }
-  /// TypeError naming a keyword argument that is no option.
-  void check_all_known() const {
-    for (auto item : kw_) {
-      const auto name = nb::cast<std::string>(nb::str(item.first));
-      if (std::find(known_.begin(), known_.end(), name) == known_.end()) {
-        throw PyTypeError{"options: unexpected keyword argument '" + name + "'"};
-      }
-    }
-  }
-
- private:
-  template <class T>
-  static std::string what() {
-    if constexpr (std::is_same_v<T, std::string>) return "a str";
-    else if constexpr (std::is_same_v<T, bool>) return "a bool";
-    else if constexpr (std::is_floating_point_v<T>) return "a float";
-    else return "an int in the range of its C type";
-  }
-  const nb::kwargs& kw_;
-  std::vector<std::string> known_;
-};
-
-dsaib::IndexerOptions make_options(const nb::kwargs& kw) {
-  OptionReader r(kw);
-  dsaib::IndexerOptions o;
-  if (r.given("layout")) o.layout = parse_layout(r.value<std::string>("layout"));
-  if (r.given("id_mode")) o.id_mode = parse_id_mode(r.value<std::string>("id_mode"));
-  if (r.given("backend")) o.backend = parse_backend(r.value<std::string>("backend"));
-  if (r.given("sm_scale")) o.sm_scale = r.value<float>("sm_scale");
-  if (r.given("loss_coeff")) o.loss_coeff = r.value<float>("loss_coeff");
-  if (r.given("grad_loss")) o.grad_loss = r.value<float>("grad_loss");
-  if (r.given("normalization_count")) o.normalization_count = r.value<int64_t>("normalization_count");
-  if (r.given("strict_indices")) o.strict_indices = r.value<bool>("strict_indices");
-  if (r.given("deterministic")) o.deterministic = r.value<bool>("deterministic");
-  if (r.given("stream")) o.stream = reinterpret_cast<void*>(r.value<uintptr_t>("stream"));
-  if (r.given("num_threads")) o.num_threads = r.value<int32_t>("num_threads");
-  if (r.given("a_operand_precision")) {
-    o.a_operand_precision = parse_a_operand(r.value<std::string>("a_operand_precision"));
-  }
-  if (r.given("l2_hints")) o.l2_hints = parse_l2_hints_word(r.value<std::string>("l2_hints"));
-  if (r.given("start_stagger")) o.start_stagger = parse_start_stagger_word(r.value<std::string>("start_stagger"));
-  r.check_all_known();
-  return o;
-}
-
-dsaib::IndexerBackwardOutputs make_outputs(const OutArray& d_index_q, const OutArray& d_weights,
-                                           const OutArray& d_index_k, bool out_uint16_as_bf16) {
-  dsaib::IndexerBackwardOutputs out;
-  out.d_index_q = to_view("d_index_q", d_index_q, out_uint16_as_bf16);
-  out.d_weights = to_view("d_weights", d_weights, out_uint16_as_bf16);
-  out.d_index_k = to_view("d_index_k", d_index_k, out_uint16_as_bf16);
-  return out;
-}
-
-/// Outputs of the loss forward; index_score (P) is optional.
-dsaib::IndexerKLForwardOutputs make_forward_outputs(const OutArray& loss, const OutArray& row_lse,
-                                                    const OutArray& row_target_mass,
-                                                    const std::optional<OutArray>& index_score) {
-  dsaib::IndexerKLForwardOutputs out;
-  out.loss = to_view("loss", loss, false);
-  out.row_lse = to_view("row_lse", row_lse, false);
-  out.row_target_mass = to_view("row_target_mass", row_target_mass, false);
-  if (index_score) out.index_score = to_view("index_score", *index_score, false);
-  return out;
-}
-
-dsaib::IndexerKLLossAndGradOutputs make_loss_and_grad_outputs(const OutArray& loss, const OutArray& d_index_q,
-                                                              const OutArray& d_weights, const OutArray& d_index_k,
-                                                              bool out_uint16_as_bf16) {
-  dsaib::IndexerKLLossAndGradOutputs out;
-  out.loss = to_view("loss", loss, false);
-  out.d_index_q = to_view("d_index_q", d_index_q, out_uint16_as_bf16);
-  out.d_weights = to_view("d_weights", d_weights, out_uint16_as_bf16);
-  out.d_index_k = to_view("d_index_k", d_index_k, out_uint16_as_bf16);
-  return out;
-}
-
-dsaib::LseBase parse_lse_base_word(const std::string& s) {
-  dsaib::LseBase v = dsaib::LseBase::natural;
-  if (dsaib::parse_lse_base(s, &v)) return v;
-  throw dsaib::Error(dsaib::ErrorCode::invalid_argument, "lse_base",
-                     "lse_base: expected \"natural\" or \"base2\", got \"" + s + "\"");
-}
-
-/// attention_target()'s options from keyword arguments, as make_options does for the indexer's.
-dsaib::AttentionTargetOptions make_target_options(const nb::kwargs& kw) {
-  OptionReader r(kw);
-  dsaib::AttentionTargetOptions o;
-  if (r.given("layout")) o.layout = parse_layout(r.value<std::string>("layout"));
-  if (r.given("id_mode")) o.id_mode = parse_id_mode(r.value<std::string>("id_mode"));
-  if (r.given("backend")) o.backend = parse_backend(r.value<std::string>("backend"));
-  if (r.given("sm_scale")) o.sm_scale = r.value<float>("sm_scale");
-  if (r.given("lse_base")) o.lse_base = parse_lse_base_word(r.value<std::string>("lse_base"));
-  if (r.given("normalize")) o.normalize = r.value<bool>("normalize");
-  if (r.given("strict_indices")) o.strict_indices = r.value<bool>("strict_indices");
-  if (r.given("stream")) o.stream = reinterpret_cast<void*>(r.value<uintptr_t>("stream"));
-  if (r.given("num_threads")) o.num_threads = r.value<int32_t>("num_threads");
-  r.check_all_known();
-  return o;
-}
-
 dsaib::AttentionTargetInputs make_target_inputs(const Array& query, const Array& kv, const Array& lse,
                                                 const Array& topk_indices, const std::optional<Array>& cu_seqlens_q,
                                                 const std::optional<Array>& cu_seqlens_k, bool u16) {
@@ -514,16 +548,82 @@ dsaib::AttentionTargetInputs make_target_inputs(const Array& query, const Array&
   return in;
 }
 
-/// The workspace argument of a library call: (pointer, bytes), after checking
-/// that it lives on the backend's device; (nullptr, 0) when none is given.
-std::pair<void*, std::size_t> workspace_of(const std::optional<OutArray>& workspace, const std::string& device) {
-  if (!workspace) return {nullptr, 0};
-  const std::string got = device_string(workspace->device_type(), workspace->device_id());
-  if (got != device) {
-    throw dsaib::Error(dsaib::ErrorCode::invalid_argument, "workspace",
-                       "workspace: expected a tensor on " + device + " (the backend's device), got one on " + got);
+// ---- the workspace: the caller's allocator, asked by the library --------------
+
+/// A Python exception raised by the allocator, restored as the pending error
+/// (with the GIL held) and raised again once the library call has returned.
+struct PendingPythonError {};
+
+/// dsaib::WorkspaceAllocator over a Python callable nbytes -> DLPack array. The
+/// array is held until the call returns (the caller's allocator orders its
+/// reuse after the work on the call's stream).
+class PyWorkspace {
+ public:
+  PyWorkspace(const std::optional<nb::object>& allocate, std::string device)
+      : allocate_(allocate), device_(std::move(device)) {
+    if (allocate_ && !allocate_->is_none() && !PyCallable_Check(allocate_->ptr())) {
+      throw PyTypeError{"workspace: expected None or a callable nbytes -> array (an allocator), got " +
+                        nb::cast<std::string>(nb::str(allocate_->type().attr("__name__")))};
+    }
   }
-  return {workspace->data(), workspace->nbytes()};
+  dsaib::WorkspaceAllocator allocator() {
+    if (!allocate_ || allocate_->is_none()) return {};  // the library allocates it, stream-ordered
+    return {&PyWorkspace::allocate, this};
+  }
+
+ private:
+  static void* allocate(void* self, std::size_t bytes) {
+    auto* w = static_cast<PyWorkspace*>(self);
+    nb::gil_scoped_acquire gil;
+    try {
+      OutArray a = nb::cast<OutArray>((*w->allocate_)(bytes));
+      const std::string got = device_string(a.device_type(), a.device_id());
+      if (got != w->device_) {
+        throw dsaib::Error(dsaib::ErrorCode::invalid_argument, "workspace",
+                           "workspace: expected the allocator's array on " + w->device_ +
+                               " (the backend's device), got one on " + got);
+      }
+      if (a.nbytes() < bytes) {
+        throw dsaib::Error(dsaib::ErrorCode::invalid_argument, "workspace",
+                           "workspace: expected the allocator's array to hold >= " + std::to_string(bytes) +
+                               " bytes, got " + std::to_string(a.nbytes()));
+      }
+      w->held_ = a;
+      return a.data();
+    } catch (nb::python_error& e) {
+      e.restore();
+      throw PendingPythonError{};
+    } catch (const nb::cast_error&) {
+      throw dsaib::Error(dsaib::ErrorCode::invalid_argument, "workspace",
+                         "workspace: expected the allocator to return an array (DLPack), got another object");
+    }
+  }
+
+  std::optional<nb::object> allocate_;
+  std::string device_;
+  std::optional<OutArray> held_;
+};
+
+/// Calls of the library made by this module (each validates its arguments once).
+std::atomic<std::uint64_t> g_library_calls{0};
+
+/// Runs one library call with the GIL released; a Python exception of the
+/// workspace allocator comes back as itself.
+template <class F>
+void call_library(F&& f) {
+  g_library_calls.fetch_add(1, std::memory_order_relaxed);
+  try {
+    nb::gil_scoped_release release;
+    f();
+  } catch (const PendingPythonError&) {
+    throw nb::python_error();
+  }
+}
+
+/// The "cpu" or "cuda:N" device of a call whose options name its backend.
+template <class Options>
+std::string device_of(const Options& opt, const Array& first) {
+  return backend_device(opt.backend, first);
 }
 
 }  // namespace
@@ -562,30 +662,42 @@ NB_MODULE(_dsaib, m) {
   m.def("cuda_backend_available", &dsaib::cuda_backend_available,
         "Whether the cuda backend was compiled in and an sm_90 device is present.");
 
+  m.def(
+      "option_table",
+      [](const std::string& which) {
+        if (which == "indexer") return indexer_options().describe();
+        if (which == "attention_target") return target_options().describe();
+        throw dsaib::Error(dsaib::ErrorCode::invalid_argument, "which",
+                           "which: expected \"indexer\" or \"attention_target\", got \"" + which + "\"");
+      },
+      nb::arg("which"),
+      "The library's options of the indexer's entry points (\"indexer\": dsaib::IndexerOptions) or of\n"
+      "attention_target (\"attention_target\"): {name: (kind, default, words)}, kind one of \"word\",\n"
+      "\"float\", \"bool\", \"int32\", \"int64\", \"pointer\"; words the values a \"word\" option takes.\n"
+      "The bindings take exactly these names as keyword arguments.");
+
   // Every library call takes the tensors as named arguments and the library's
-  // options as **options (make_options): layout, id_mode, backend, sm_scale,
-  // loss_coeff, grad_loss, normalization_count, strict_indices, deterministic,
-  // stream, num_threads, a_operand_precision. indexer_backward and
-  // indexer_backward_workspace_size take the same arguments (the second
-  // without workspace), so that Python passes one set to both.
+  // options as **options (the tables above). `workspace` is None or a
+  // callable nbytes -> array that the library calls once, after validation.
   m.def(
       "indexer_backward",
       [](const Array& index_q, const Array& weights, const Array& index_k, const Array& topk_indices,
          const Array& attn_score, const std::optional<Array>& index_score, const std::optional<Array>& cu_seqlens_q,
          const std::optional<Array>& cu_seqlens_k, const OutArray& d_index_q, const OutArray& d_weights,
          const OutArray& d_index_k, const std::optional<Array>& grad_loss_device,
-         const std::optional<OutArray>& workspace, const std::optional<Array>& row_lse,
+         const std::optional<nb::object>& workspace, const std::optional<Array>& row_lse,
          const std::optional<Array>& row_target_mass, bool uint16_as_bf16, bool out_uint16_as_bf16,
          const nb::kwargs& options) {
         const auto in = make_inputs(index_q, weights, index_k, topk_indices, attn_score, index_score,
                                     cu_seqlens_q, cu_seqlens_k, uint16_as_bf16, row_lse, row_target_mass);
-        const auto out = make_outputs(d_index_q, d_weights, d_index_k, out_uint16_as_bf16);
-        auto opt = make_options(options);
-        const std::string device = backend_device(opt.backend, index_q);
+        const dsaib::IndexerBackwardOutputs out{to_view("d_index_q", d_index_q, out_uint16_as_bf16),
+                                                to_view("d_weights", d_weights, out_uint16_as_bf16),
+                                                to_view("d_index_k", d_index_k, out_uint16_as_bf16)};
+        auto opt = indexer_options().read(options);
+        const std::string device = device_of(opt, index_q);
         if (grad_loss_device) opt.grad_loss_device = grad_loss_pointer(*grad_loss_device, device);
-        const auto [ws, ws_bytes] = workspace_of(workspace, device);
-        nb::gil_scoped_release release;
-        dsaib::indexer_backward(in, out, opt, ws, ws_bytes);
+        PyWorkspace ws(workspace, device);
+        call_library([&] { dsaib::indexer_backward(in, out, opt, ws.allocator()); });
       },
       nb::arg("index_q"), nb::arg("weights"), nb::arg("index_k"), nb::arg("topk_indices"), nb::arg("attn_score"),
       nb::arg("index_score").none(), nb::arg("cu_seqlens_q").none(), nb::arg("cu_seqlens_k").none(),
@@ -596,48 +708,27 @@ NB_MODULE(_dsaib, m) {
       "Calls dsaib::indexer_backward on caller-provided outputs, with the library's options as keyword\n"
       "arguments. P is index_score, or (index_score None) the P-free form: row_lse and row_target_mass as\n"
       "indexer_kl_forward writes them. grad_loss_device (optional) is a one-element float32 tensor on the\n"
-      "backend's device, read when the work runs; workspace (optional) is scratch memory on that device (see\n"
-      "indexer_backward_workspace_size). Raises ValueError/TypeError/RuntimeError.");
-
-  m.def(
-      "indexer_backward_workspace_size",
-      [](const Array& index_q, const Array& weights, const Array& index_k, const Array& topk_indices,
-         const Array& attn_score, const std::optional<Array>& index_score, const std::optional<Array>& cu_seqlens_q,
-         const std::optional<Array>& cu_seqlens_k, const OutArray& d_index_q, const OutArray& d_weights,
-         const OutArray& d_index_k, const std::optional<Array>& grad_loss_device,
-         const std::optional<Array>& row_lse, const std::optional<Array>& row_target_mass, bool uint16_as_bf16,
-         bool out_uint16_as_bf16, const nb::kwargs& options) {
-        const auto in = make_inputs(index_q, weights, index_k, topk_indices, attn_score, index_score,
-                                    cu_seqlens_q, cu_seqlens_k, uint16_as_bf16, row_lse, row_target_mass);
-        const auto out = make_outputs(d_index_q, d_weights, d_index_k, out_uint16_as_bf16);
-        auto opt = make_options(options);
-        if (grad_loss_device) opt.grad_loss_device = grad_loss_pointer(*grad_loss_device, backend_device(opt.backend, index_q));
-        nb::gil_scoped_release release;
-        return dsaib::indexer_backward_workspace_size(in, out, opt);
-      },
-      nb::arg("index_q"), nb::arg("weights"), nb::arg("index_k"), nb::arg("topk_indices"), nb::arg("attn_score"),
-      nb::arg("index_score").none(), nb::arg("cu_seqlens_q").none(), nb::arg("cu_seqlens_k").none(),
-      nb::arg("d_index_q"), nb::arg("d_weights"), nb::arg("d_index_k"),
-      nb::arg("grad_loss_device").none() = nb::none(), nb::arg("row_lse").none() = nb::none(),
-      nb::arg("row_target_mass").none() = nb::none(), nb::arg("uint16_as_bf16") = false,
-      nb::arg("out_uint16_as_bf16") = false, nb::arg("options"),
-      "dsaib::indexer_backward_workspace_size: the bytes of scratch memory indexer_backward needs with the same\n"
-      "arguments (0 on the cpu backend). Validates them as indexer_backward does and raises the same errors.");
+      "backend's device, read when the work runs. workspace: None (the library allocates its scratch memory,\n"
+      "stream-ordered) or a callable nbytes -> array on the backend's device, called at most once, after\n"
+      "validation. Raises ValueError/TypeError/RuntimeError.");
 
   m.def(
       "indexer_kl_forward",
       [](const Array& index_q, const Array& weights, const Array& index_k, const Array& topk_indices,
          const Array& attn_score, const std::optional<Array>& cu_seqlens_q, const std::optional<Array>& cu_seqlens_k,
          const OutArray& loss, const OutArray& row_lse, const OutArray& row_target_mass,
-         const std::optional<OutArray>& index_score, const std::optional<OutArray>& workspace, bool uint16_as_bf16,
+         const std::optional<OutArray>& index_score, const std::optional<nb::object>& workspace, bool uint16_as_bf16,
          const nb::kwargs& options) {
         const auto in = make_inputs(index_q, weights, index_k, topk_indices, attn_score, std::nullopt, cu_seqlens_q,
                                     cu_seqlens_k, uint16_as_bf16);
-        const auto out = make_forward_outputs(loss, row_lse, row_target_mass, index_score);
-        const auto opt = make_options(options);
-        const auto [ws, ws_bytes] = workspace_of(workspace, backend_device(opt.backend, index_q));
-        nb::gil_scoped_release release;
-        dsaib::indexer_kl_forward(in, out, opt, ws, ws_bytes);
+        dsaib::IndexerKLForwardOutputs out;
+        out.loss = to_view("loss", loss, false);
+        out.row_lse = to_view("row_lse", row_lse, false);
+        out.row_target_mass = to_view("row_target_mass", row_target_mass, false);
+        if (index_score) out.index_score = to_view("index_score", *index_score, false);
+        const auto opt = indexer_options().read(options);
+        PyWorkspace ws(workspace, device_of(opt, index_q));
+        call_library([&] { dsaib::indexer_kl_forward(in, out, opt, ws.allocator()); });
       },
       nb::arg("index_q"), nb::arg("weights"), nb::arg("index_k"), nb::arg("topk_indices"), nb::arg("attn_score"),
       nb::arg("cu_seqlens_q").none(), nb::arg("cu_seqlens_k").none(), nb::arg("loss"), nb::arg("row_lse"),
@@ -645,44 +736,26 @@ NB_MODULE(_dsaib, m) {
       nb::arg("workspace").none() = nb::none(), nb::arg("uint16_as_bf16") = false, nb::arg("options"),
       "Calls dsaib::indexer_kl_forward: writes the loss (float32, shape ()), row_lse and row_target_mass\n"
       "(float32, one per query row) and, if given, index_score (P, float32, shaped like topk_indices).\n"
-      "workspace (optional) is scratch memory on the backend's device (see indexer_kl_forward_workspace_size).");
-
-  m.def(
-      "indexer_kl_forward_workspace_size",
-      [](const Array& index_q, const Array& weights, const Array& index_k, const Array& topk_indices,
-         const Array& attn_score, const std::optional<Array>& cu_seqlens_q, const std::optional<Array>& cu_seqlens_k,
-         const OutArray& loss, const OutArray& row_lse, const OutArray& row_target_mass,
-         const std::optional<OutArray>& index_score, bool uint16_as_bf16, const nb::kwargs& options) {
-        const auto in = make_inputs(index_q, weights, index_k, topk_indices, attn_score, std::nullopt, cu_seqlens_q,
-                                    cu_seqlens_k, uint16_as_bf16);
-        const auto out = make_forward_outputs(loss, row_lse, row_target_mass, index_score);
-        const auto opt = make_options(options);
-        nb::gil_scoped_release release;
-        return dsaib::indexer_kl_forward_workspace_size(in, out, opt);
-      },
-      nb::arg("index_q"), nb::arg("weights"), nb::arg("index_k"), nb::arg("topk_indices"), nb::arg("attn_score"),
-      nb::arg("cu_seqlens_q").none(), nb::arg("cu_seqlens_k").none(), nb::arg("loss"), nb::arg("row_lse"),
-      nb::arg("row_target_mass"), nb::arg("index_score").none() = nb::none(), nb::arg("uint16_as_bf16") = false,
-      nb::arg("options"),
-      "dsaib::indexer_kl_forward_workspace_size: the bytes of scratch memory indexer_kl_forward needs with the\n"
-      "same arguments (0 on the cpu backend). Validates them as indexer_kl_forward does.");
+      "workspace as for indexer_backward.");
 
   m.def(
       "indexer_kl_loss_and_grad",
       [](const Array& index_q, const Array& weights, const Array& index_k, const Array& topk_indices,
          const Array& attn_score, const std::optional<Array>& cu_seqlens_q, const std::optional<Array>& cu_seqlens_k,
          const OutArray& loss, const OutArray& d_index_q, const OutArray& d_weights, const OutArray& d_index_k,
-         const std::optional<Array>& grad_loss_device, const std::optional<OutArray>& workspace,
+         const std::optional<Array>& grad_loss_device, const std::optional<nb::object>& workspace,
          bool uint16_as_bf16, bool out_uint16_as_bf16, const nb::kwargs& options) {
         const auto in = make_inputs(index_q, weights, index_k, topk_indices, attn_score, std::nullopt, cu_seqlens_q,
                                     cu_seqlens_k, uint16_as_bf16);
-        const auto out = make_loss_and_grad_outputs(loss, d_index_q, d_weights, d_index_k, out_uint16_as_bf16);
-        auto opt = make_options(options);
-        const std::string device = backend_device(opt.backend, index_q);
+        const dsaib::IndexerKLLossAndGradOutputs out{to_view("loss", loss, false),
+                                                     to_view("d_index_q", d_index_q, out_uint16_as_bf16),
+                                                     to_view("d_weights", d_weights, out_uint16_as_bf16),
+                                                     to_view("d_index_k", d_index_k, out_uint16_as_bf16)};
+        auto opt = indexer_options().read(options);
+        const std::string device = device_of(opt, index_q);
         if (grad_loss_device) opt.grad_loss_device = grad_loss_pointer(*grad_loss_device, device);
-        const auto [ws, ws_bytes] = workspace_of(workspace, device);
-        nb::gil_scoped_release release;
-        dsaib::indexer_kl_loss_and_grad(in, out, opt, ws, ws_bytes);
+        PyWorkspace ws(workspace, device);
+        call_library([&] { dsaib::indexer_kl_loss_and_grad(in, out, opt, ws.allocator()); });
       },
       nb::arg("index_q"), nb::arg("weights"), nb::arg("index_k"), nb::arg("topk_indices"), nb::arg("attn_score"),
       nb::arg("cu_seqlens_q").none(), nb::arg("cu_seqlens_k").none(), nb::arg("loss"), nb::arg("d_index_q"),
@@ -693,63 +766,23 @@ NB_MODULE(_dsaib, m) {
       "in one call, without P. grad_loss_device and workspace as for indexer_backward.");
 
   m.def(
-      "indexer_kl_loss_and_grad_workspace_size",
-      [](const Array& index_q, const Array& weights, const Array& index_k, const Array& topk_indices,
-         const Array& attn_score, const std::optional<Array>& cu_seqlens_q, const std::optional<Array>& cu_seqlens_k,
-         const OutArray& loss, const OutArray& d_index_q, const OutArray& d_weights, const OutArray& d_index_k,
-         const std::optional<Array>& grad_loss_device, bool uint16_as_bf16, bool out_uint16_as_bf16,
-         const nb::kwargs& options) {
-        const auto in = make_inputs(index_q, weights, index_k, topk_indices, attn_score, std::nullopt, cu_seqlens_q,
-                                    cu_seqlens_k, uint16_as_bf16);
-        const auto out = make_loss_and_grad_outputs(loss, d_index_q, d_weights, d_index_k, out_uint16_as_bf16);
-        auto opt = make_options(options);
-        if (grad_loss_device) opt.grad_loss_device = grad_loss_pointer(*grad_loss_device, backend_device(opt.backend, index_q));
-        nb::gil_scoped_release release;
-        return dsaib::indexer_kl_loss_and_grad_workspace_size(in, out, opt);
-      },
-      nb::arg("index_q"), nb::arg("weights"), nb::arg("index_k"), nb::arg("topk_indices"), nb::arg("attn_score"),
-      nb::arg("cu_seqlens_q").none(), nb::arg("cu_seqlens_k").none(), nb::arg("loss"), nb::arg("d_index_q"),
-      nb::arg("d_weights"), nb::arg("d_index_k"), nb::arg("grad_loss_device").none() = nb::none(),
-      nb::arg("uint16_as_bf16") = false, nb::arg("out_uint16_as_bf16") = false, nb::arg("options"),
-      "dsaib::indexer_kl_loss_and_grad_workspace_size: the bytes of scratch memory indexer_kl_loss_and_grad\n"
-      "needs with the same arguments (0 on the cpu backend). Validates them as that call does.");
-
-  m.def(
       "attention_target",
       [](const Array& query, const Array& kv, const Array& lse, const Array& topk_indices,
          const std::optional<Array>& cu_seqlens_q, const std::optional<Array>& cu_seqlens_k,
-         const OutArray& attn_score, const std::optional<OutArray>& workspace, bool uint16_as_bf16,
+         const OutArray& attn_score, const std::optional<nb::object>& workspace, bool uint16_as_bf16,
          const nb::kwargs& options) {
         const auto in = make_target_inputs(query, kv, lse, topk_indices, cu_seqlens_q, cu_seqlens_k, uint16_as_bf16);
         const dsaib::AttentionTargetOutputs out{to_view("attn_score", attn_score, false)};
-        const auto opt = make_target_options(options);
-        const auto [ws, ws_bytes] = workspace_of(workspace, backend_device(opt.backend, query));
-        nb::gil_scoped_release release;
-        dsaib::attention_target(in, out, opt, ws, ws_bytes);
+        const auto opt = target_options().read(options);
+        PyWorkspace ws(workspace, device_of(opt, query));
+        call_library([&] { dsaib::attention_target(in, out, opt, ws.allocator()); });
       },
       nb::arg("query"), nb::arg("kv"), nb::arg("lse"), nb::arg("topk_indices"), nb::arg("cu_seqlens_q").none(),
       nb::arg("cu_seqlens_k").none(), nb::arg("attn_score"), nb::arg("workspace").none() = nb::none(),
       nb::arg("uint16_as_bf16") = false, nb::arg("options"),
       "Calls dsaib::attention_target: writes attn_score (float32, shaped like topk_indices), the main\n"
       "attention's probability of each selected key summed over its heads (normalised per row unless\n"
-      "normalize=False). Options: layout, id_mode, backend, sm_scale, lse_base (\"natural\" or \"base2\"),\n"
-      "normalize, strict_indices, stream, num_threads.");
-
-  m.def(
-      "attention_target_workspace_size",
-      [](const Array& query, const Array& kv, const Array& lse, const Array& topk_indices,
-         const std::optional<Array>& cu_seqlens_q, const std::optional<Array>& cu_seqlens_k,
-         const OutArray& attn_score, bool uint16_as_bf16, const nb::kwargs& options) {
-        const auto in = make_target_inputs(query, kv, lse, topk_indices, cu_seqlens_q, cu_seqlens_k, uint16_as_bf16);
-        const dsaib::AttentionTargetOutputs out{to_view("attn_score", attn_score, false)};
-        const auto opt = make_target_options(options);
-        nb::gil_scoped_release release;
-        return dsaib::attention_target_workspace_size(in, out, opt);
-      },
-      nb::arg("query"), nb::arg("kv"), nb::arg("lse"), nb::arg("topk_indices"), nb::arg("cu_seqlens_q").none(),
-      nb::arg("cu_seqlens_k").none(), nb::arg("attn_score"), nb::arg("uint16_as_bf16") = false, nb::arg("options"),
-      "dsaib::attention_target_workspace_size: the bytes of scratch memory attention_target needs with the\n"
-      "same arguments (0 on the cpu backend). Validates them as attention_target does.");
+      "normalize=False). workspace as for indexer_backward.");
 
   m.def(
       "validate_indexer_kl_loss_inputs",
@@ -758,28 +791,15 @@ NB_MODULE(_dsaib, m) {
          const std::optional<Array>& cu_seqlens_k, bool uint16_as_bf16, const nb::kwargs& options) {
         const auto in = make_inputs(index_q, weights, index_k, topk_indices, attn_score, index_score,
                                     cu_seqlens_q, cu_seqlens_k, uint16_as_bf16);
-        const auto opt = make_options(options);
-        nb::gil_scoped_release release;  // THD on cuda waits for the copy of cu_seqlens
-        dsaib::validate_indexer_kl_loss_inputs(in, opt);
+        const auto opt = indexer_options().read(options);
+        call_library([&] { dsaib::validate_indexer_kl_loss_inputs(in, opt); });  // THD on cuda: reads cu_seqlens
       },
       nb::arg("index_q"), nb::arg("weights"), nb::arg("index_k"), nb::arg("topk_indices"), nb::arg("attn_score"),
       nb::arg("index_score").none() = nb::none(), nb::arg("cu_seqlens_q").none() = nb::none(),
       nb::arg("cu_seqlens_k").none() = nb::none(), nb::arg("uint16_as_bf16") = false, nb::arg("options"),
       "dsaib::validate_indexer_kl_loss_inputs: indexer_backward's checks of the inputs and options, without\n"
       "outputs and without computing anything; index_score may be None (then held to attn_score's rules).\n"
-      "Reads only the tensors' metadata and, for layout thd, cu_seqlens (cuda: copied to the host on the\n"
-      "stream option, waited for). Raises what indexer_backward would, with its messages.");
-
-  m.def(
-      "check_a_operand_precision",
-      [](const std::string& word) { (void)parse_a_operand(word); }, nb::arg("word"),
-      "Raises ValueError (the message indexer_backward gives) unless word is \"auto\", \"bf16x2\" or \"bf16\".");
-  m.def(
-      "check_l2_hints", [](const std::string& word) { (void)parse_l2_hints_word(word); }, nb::arg("word"),
-      "Raises ValueError (the message indexer_backward gives) unless word is \"auto\", \"on\" or \"off\".");
-  m.def(
-      "check_start_stagger", [](const std::string& word) { (void)parse_start_stagger_word(word); }, nb::arg("word"),
-      "Raises ValueError (the message indexer_backward gives) unless word is \"auto\" or \"off\".");
+      "For the torch layer's forwards that compute in torch (float64, index_scores).");
 
   m.def(
       "indexer_kl_loss",
@@ -789,14 +809,16 @@ NB_MODULE(_dsaib, m) {
          const nb::kwargs& options) {
         const auto in = make_inputs(index_q, weights, index_k, topk_indices, attn_score, index_score,
                                     cu_seqlens_q, cu_seqlens_k, uint16_as_bf16);
-        const auto opt = make_options(options);  // the library takes cpu tensors here, whatever `backend` says
-        nb::gil_scoped_release release;
-        return dsaib::indexer_kl_loss(in, opt, recompute_p);
+        const auto opt = indexer_options().read(options);  // the library takes cpu tensors here, whatever `backend` says
+        double loss = 0;
+        call_library([&] { loss = dsaib::indexer_kl_loss(in, opt, recompute_p); });
+        return loss;
       },
       nb::arg("index_q"), nb::arg("weights"), nb::arg("index_k"), nb::arg("topk_indices"), nb::arg("attn_score"),
       nb::arg("index_score"), nb::arg("cu_seqlens_q").none() = nb::none(), nb::arg("cu_seqlens_k").none() = nb::none(),
       nb::arg("recompute_p") = true, nb::arg("uint16_as_bf16") = false, nb::arg("options"),
-      "fp64 host evaluation of the loss whose gradient indexer_backward computes (cpu tensors only).");
+      "dsaib::indexer_kl_loss: the fp64 host evaluation of the loss whose gradient indexer_backward computes\n"
+      "(cpu tensors only).");
 
   m.def("cuda_compiled", []() {
 #if DSAIB_PY_WITH_CUDA
@@ -806,10 +828,18 @@ NB_MODULE(_dsaib, m) {
 #endif
   }, "Whether this build of the extension contains the cuda backend (a device may still be missing).");
 
+  m.def("library_calls", []() { return g_library_calls.load(); },
+        "The number of calls into the library made by this module so far (each validates its arguments once).");
+  m.def("host_waits", []() { return dsaib_py::host_waits(); },
+        "The number of the CUDA runtime's blocking calls (stream, event and device synchronisations,\n"
+        "synchronous copies) made inside this module so far: the library's validation reads and this\n"
+        "module's own stream_synchronize. 0 in a build without CUDA, where nothing waits on a device.");
+  m.attr("counts_host_waits") = nb::bool_(dsaib_py::counts_host_waits());
+
   nb::class_<Buffer>(m, "Buffer",
                      "A contiguous array in memory owned by dsaib (host or CUDA), exported through DLPack:\n"
                      "numpy.from_dlpack, torch.from_dlpack, cupy.from_dlpack and jax.dlpack.from_dlpack take it\n"
-                     "without a copy. Returned by dsaib.indexer_backward for inputs of frameworks dsaib\n"
+                     "without a copy. Returned by dsaib's functions for inputs of frameworks dsaib\n"
                      "cannot allocate with.")
       .def("__dlpack__", [](const Buffer& b, nb::kwargs) { return b.array; },
            "A new DLPack capsule viewing this buffer (stream and version arguments are accepted and ignored;\n"
@@ -831,7 +861,7 @@ NB_MODULE(_dsaib, m) {
       });
 
   m.def("empty", &make_buffer, nb::arg("shape"), nb::arg("dtype"), nb::arg("device"),
-        "An uninitialised contiguous Buffer: dtype \"f32\" or \"bf16\", device \"cpu\" or \"cuda:N\".");
+        "An uninitialised contiguous Buffer: dtype \"f32\", \"bf16\" or \"f64\", device \"cpu\" or \"cuda:N\".");
 
   m.def(
       "stream_synchronize",

@@ -24,6 +24,8 @@ if not (dist.is_available() and dist.is_gloo_available()):
     pytest.skip("torch.distributed with the gloo backend is not available", allow_module_level=True)
 
 import dsaib.distributed as dcp  # noqa: E402
+from host_syncs import HostSyncs  # noqa: E402
+from dsaib._torch import cp_plan  # noqa: E402
 import dsaib.torch as dt  # noqa: E402
 
 SM = 0.125
@@ -142,6 +144,14 @@ def backward_out_dtype(dtype):
 # ---- the worker (one rank) ----------------------------------------------------
 
 
+def counted(syncs):
+    """(library calls, reads of tensor data to the host through tolist) of a call
+    (host_syncs.HostSyncs): what synchronises the host on a GPU besides the
+    collectives (the reads on the CPU here would be synchronisations there)."""
+    return syncs.library_calls, syncs.torch_reads["tolist"]
+
+
+
 def run_worker(rank, world, init_file, problem_file, out_file):
     dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=world)
     problems = torch.load(problem_file)
@@ -154,16 +164,21 @@ def run_worker(rank, world, init_file, problem_file, out_file):
             passed_layout = "contiguous" if name == "wrong_order" else cp_layout
             if op == "loss":
                 leaves = [x.detach().clone().requires_grad_() for x in (q, w, k)]
-                loss = dcp.context_parallel_indexer_kl_loss(*leaves, ids, T, group=None, cp_layout=passed_layout,
-                                                            **opts)
-                loss.backward(torch.tensor(1.5, dtype=loss.dtype))
-                results[name] = dict(loss=loss.detach(), grads=[x.grad for x in leaves])
+                with HostSyncs(cuda=False) as forward:
+                    loss = dcp.context_parallel_indexer_kl_loss(*leaves, ids, T, group=None,
+                                                                cp_layout=passed_layout, **opts)
+                with HostSyncs(cuda=False) as backward:
+                    loss.backward(torch.tensor(1.5, dtype=loss.dtype))
+                results[name] = dict(loss=loss.detach(), grads=[x.grad for x in leaves],
+                                     counts=[counted(forward), counted(backward)])
             else:
                 P = p["P_parts"][rank]
-                grads = dcp.context_parallel_indexer_backward(
-                    *backward_op_inputs(q, w, k, ids, T, dtype), P, group=None, cp_layout=passed_layout,
-                    grad_loss=1.5, out_dtype=backward_out_dtype(dtype), **opts)
-                results[name] = dict(loss=None, grads=list(grads))
+                inputs = backward_op_inputs(q, w, k, ids, T, dtype)
+                with HostSyncs(cuda=False) as call:
+                    grads = dcp.context_parallel_indexer_backward(
+                        *inputs, P, group=None, cp_layout=passed_layout, grad_loss=1.5,
+                        out_dtype=backward_out_dtype(dtype), **opts)
+                results[name] = dict(loss=None, grads=list(grads), counts=[counted(call)])
         torch.save(results, out_file)
     finally:
         dist.destroy_process_group()
@@ -294,6 +309,19 @@ def test_split_sequence_matches_one_process(world_results, case):
         assert err <= tol, (gname, err)
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] != "wrong_order"], ids=lambda c: c[0])
+def test_each_call_makes_one_library_call_and_its_documented_host_reads(world_results, case):
+    """docs/python.md, "Context parallelism": the loss's forward and backward one
+    library call each, the backward-only function one; the host reads the
+    agreement's descriptor (and, THD, both cu_seqlens in one transfer)."""
+    world, probs, results = world_results
+    name, layout, cp_layout, id_mode, dtype, op = case
+    reads = 1 + (layout == "thd")
+    want = [(1, reads), (1, 0)] if op == "loss" else [(1, reads)]
+    for r, res in enumerate(results):
+        assert [tuple(c) for c in res[name]["counts"]] == want, (r, res[name]["counts"])
+
+
 def test_wrong_chunk_order_is_detected(world_results):
     """Zig-zag slices passed as contiguous: the keys land in the wrong order and the
     comparison fails (the comparison is able to fail)."""
@@ -342,7 +370,8 @@ def test_rank_rows_known_answer():
 
 
 def _plan(cp, cp_layout, layout, q, k, cu=None):
-    return dcp._Plan(None, cp, 0, cp_layout, layout, q, k, cu, cu)
+    offsets = (cu.tolist(), cu.tolist()) if cu is not None else (None, None)
+    return cp_plan.Plan(None, cp, 0, cp_layout, layout, q, k, cu, cu, offsets)
 
 
 @pytest.mark.parametrize("layout", ["bshd", "thd"])

@@ -102,7 +102,7 @@ def test_global_ids_match_local():
 
 
 def test_loss_finite_difference_in_weights():
-    # dLoss/dw from indexer_backward vs a central difference of indexer_kl_loss
+    # dLoss/dw from indexer_backward vs a central difference of reference_kl_loss
     # (P recomputed from the logits, so it must be consistent with them).
     p = make_problem(8, invalid=False)
     q = dsaib.bf16_to_f32(p["index_q"]).astype(np.float64)
@@ -115,7 +115,7 @@ def test_loss_finite_difference_in_weights():
     P = np.exp(z) / np.exp(z).sum(-1, keepdims=True)
     p["index_score"] = P.astype(np.float32)
     _, dw, _ = run(p)
-    loss = lambda pp: dsaib.indexer_kl_loss(**pp, sm_scale=SM_SCALE, uint16_as_bf16=True)
+    loss = lambda pp: dsaib.reference_kl_loss(**pp, sm_scale=SM_SCALE, uint16_as_bf16=True)
     h = 1e-2
     for idx in [(0, 0, 0), (1, 4, 7), (0, 2, 3)]:
         hi, lo = dict(p), dict(p)
@@ -200,8 +200,16 @@ def test_f64_outputs_hold_the_unrounded_fp64_results():
         **{k: v for k, v in p.items() if k != "index_score"}, sm_scale=SM_SCALE, uint16_as_bf16=True,
         out_dtype="f64")
     assert loss.dtype == np.float64 and all(g.dtype == np.float64 for g in grads)
-    with pytest.raises(ValueError, match=r'^out_dtype: expected "f32", "bf16" or "f64", got \'f16\'$'):
+    bad = r'^out_dtype: expected "f32", "bf16" or "f64", or a tuple of three such codes, got %s$'
+    with pytest.raises(ValueError, match=bad % r"'f16'"):
         run(p, out_dtype="f16")
+    with pytest.raises(ValueError, match=bad % r"\('f32', 'f32'\)"):
+        run(p, out_dtype=("f32", "f32"))
+    # one code per gradient, as dsaib.torch takes them
+    mixed = run(p, loss_coeff=0.75, grad_loss=1.5, out_dtype=("f64", "f32", "bf16"))
+    assert [g.dtype for g in mixed] == [np.float64, np.float32, np.uint16]
+    np.testing.assert_array_equal(mixed[0], f64[0])
+    np.testing.assert_array_equal(mixed[1], f32[1])
 
 
 @pytest.mark.parametrize("name,dtype,want", [
@@ -293,7 +301,7 @@ def test_normalization_count_must_be_an_integer():
     with pytest.raises(TypeError, match=r"^normalization_count: expected an int, got float 2.5$"):
         run(p, normalization_count=2.5)
     with pytest.raises(TypeError, match=r"^normalization_count: "):
-        dsaib.indexer_kl_loss(**p, sm_scale=SM_SCALE, uint16_as_bf16=True, normalization_count=2.5)
+        dsaib.reference_kl_loss(**p, sm_scale=SM_SCALE, uint16_as_bf16=True, normalization_count=2.5)
     with pytest.raises(ValueError, match=r"^normalization_count: expected an int in \[0, 2\^63-1\], got 9223372036854775808$"):
         run(p, normalization_count=2**63)
     for a, b in zip(run(p, normalization_count=np.int64(5)), run(p, normalization_count=5)):
@@ -310,7 +318,7 @@ def test_scale_overflowing_float32_gives_the_library_message():
     with pytest.raises(ValueError, match=r"^grad_loss: expected a finite value, got inf$"):
         run(p, grad_loss=3.5e38)
     with pytest.raises(ValueError, match=r"^sm_scale: expected a finite value, got inf$"):
-        dsaib.indexer_kl_loss(**p, sm_scale=1e300, uint16_as_bf16=True)
+        dsaib.reference_kl_loss(**p, sm_scale=1e300, uint16_as_bf16=True)
     with pytest.raises(ValueError, match=r"^sm_scale: expected a finite value, got inf$"):
         run(p, sm_scale=10**400)  # an int beyond float64
     # FLT_MAX and the largest value that rounds to it are finite; the next one is not
@@ -369,7 +377,7 @@ def test_non_array_inputs_are_type_errors_naming_the_argument():
         with pytest.raises(TypeError, match=pattern):
             run(q)
         with pytest.raises(TypeError, match=pattern):
-            dsaib.indexer_kl_loss(**q, sm_scale=SM_SCALE, uint16_as_bf16=True)
+            dsaib.reference_kl_loss(**q, sm_scale=SM_SCALE, uint16_as_bf16=True)
 
 
 def test_numpy_views_with_strides_between_elements_are_value_errors():
@@ -387,7 +395,7 @@ def test_numpy_views_with_strides_between_elements_are_value_errors():
     with pytest.raises(ValueError, match=pattern):
         run(q)
     with pytest.raises(ValueError, match=pattern):
-        dsaib.indexer_kl_loss(**q, sm_scale=SM_SCALE, uint16_as_bf16=True)
+        dsaib.reference_kl_loss(**q, sm_scale=SM_SCALE, uint16_as_bf16=True)
 
 
 def test_buffer_protocol_inputs_and_byte_order_of_outputs():
@@ -445,14 +453,14 @@ def test_bad_option_strings_are_value_errors():
 def test_option_words_that_are_not_str_are_type_errors_naming_them(name, bad):
     with pytest.raises(TypeError, match=r"^%s: expected a str \(.*\), got %s " % (name, type(bad).__name__)):
         run(make_problem(0), **{name: bad})
-    if name != "backend":  # indexer_kl_loss has no backend (host only)
+    if name != "backend":  # reference_kl_loss has no backend (host only)
         with pytest.raises(TypeError, match=r"^%s: expected a str" % name):
-            dsaib.indexer_kl_loss(**make_problem(0), sm_scale=SM_SCALE, uint16_as_bf16=True, **{name: bad})
+            dsaib.reference_kl_loss(**make_problem(0), sm_scale=SM_SCALE, uint16_as_bf16=True, **{name: bad})
 
 
 def test_kl_loss_recompute_p_is_a_bool():
     with pytest.raises(TypeError, match=r"^recompute_p: expected a bool, got str 'false'$"):
-        dsaib.indexer_kl_loss(**make_problem(0), sm_scale=SM_SCALE, uint16_as_bf16=True, recompute_p="false")
+        dsaib.reference_kl_loss(**make_problem(0), sm_scale=SM_SCALE, uint16_as_bf16=True, recompute_p="false")
 
 
 @pytest.mark.parametrize("name", ["strict_indices", "deterministic", "uint16_as_bf16"])
@@ -542,7 +550,7 @@ def test_cuda_backend_unavailable_is_runtime_error():
 
 def test_kl_loss_takes_grad_loss_as_the_backward_does():
     p = make_problem(0)
-    loss = lambda **kw: dsaib.indexer_kl_loss(**p, sm_scale=SM_SCALE, uint16_as_bf16=True, **kw)
+    loss = lambda **kw: dsaib.reference_kl_loss(**p, sm_scale=SM_SCALE, uint16_as_bf16=True, **kw)
     assert loss(grad_loss=np.ones(1, np.float32) * 1.5) == loss(grad_loss=1.5)
     assert loss(grad_loss=np.full((), 1.5, np.float32)) == loss(grad_loss=1.5)
     with pytest.raises(TypeError, match=r"^grad_loss: expected dtype float32"):
@@ -644,8 +652,8 @@ def test_loss_forward_matches_the_float64_loss_and_softmax():
         **_forward_inputs(p), sm_scale=SM_SCALE, loss_coeff=0.7, uint16_as_bf16=True, return_index_score=True)
     assert [a.dtype for a in (loss, row_lse, row_target_mass, P)] == [np.float32] * 4
     assert loss.shape == () and row_lse.shape == row_target_mass.shape == (2, 5) and P.shape == (2, 5, 4)
-    want = dsaib.indexer_kl_loss(**_forward_inputs(p), index_score=p["index_score"], sm_scale=SM_SCALE,
-                                 loss_coeff=0.7, uint16_as_bf16=True)
+    want = dsaib.reference_kl_loss(**_forward_inputs(p), index_score=p["index_score"], sm_scale=SM_SCALE,
+                                   loss_coeff=0.7, uint16_as_bf16=True)
     assert abs(float(loss) - want) <= 1e-6 * abs(want)
     # P = exp(z - LSE): 0 at invalid slots, rows summing to 1 (the row without a valid slot: 0, LSE -inf)
     assert P[0, 0, 0] == 0 and P[0, 1, 1] == 0 and np.all(P[1, 2] == 0) and row_lse[1, 2] == -np.inf

@@ -1,9 +1,9 @@
-"""The extension's bindings of the library's workspace size and validation
-(indexer_backward_workspace_size, validate_indexer_kl_loss_inputs).
-
-The Python layers ask these instead of re-deriving the rules: each must raise
-exactly what indexer_backward raises for the same arguments (the same
-exception type and message), and answer for valid ones.
+"""The extension's bindings as the Python layers use them: the validation alone
+(validate_indexer_kl_loss_inputs) raises exactly what indexer_backward raises
+for the same arguments (the same exception type and message) and answers for
+valid ones; the option table the extension shows Python is the one it reads,
+with the library's words and messages; each binding is one library call, and
+the workspace is None or an allocator the library calls.
 """
 import numpy as np
 import pytest
@@ -79,33 +79,59 @@ def bad_cases():
 
 
 @pytest.mark.parametrize("case", sorted(bad_cases()))
-def test_size_and_validation_raise_what_the_backward_raises(case):
+def test_validation_raises_what_the_backward_raises(case):
     kw = bad_cases()[case]
     if case == "cuda backend" and dsaib.cuda_backend_available():
         pytest.skip("cuda backend available here (the cpu arrays are then a device error: same rule)")
     want = raised(_dsaib.indexer_backward, **kw, workspace=None)
     assert want[0] in (TypeError, ValueError, RuntimeError), want
     assert want[1].split(":")[0] in kw or want[1].startswith("backend: "), want  # names the argument
-    assert raised(_dsaib.indexer_backward_workspace_size, **kw) == want
     assert raised(_dsaib.validate_indexer_kl_loss_inputs, **validate_args(kw)) == want
     if case != "index_score dtype":  # index_score absent: checked as attn_score, which is fine
         assert raised(_dsaib.validate_indexer_kl_loss_inputs, **dict(validate_args(kw), index_score=None)) == want
     assert all((kw[out] == 7.0).all() for out in OUT_OF)  # nothing written
 
 
-def test_valid_arguments_pass_and_the_cpu_backend_needs_no_workspace():
+def test_valid_arguments_pass_and_the_cpu_backend_asks_for_no_workspace():
     p = make_problem(1)
     kw = backward_args(p)
-    assert _dsaib.indexer_backward_workspace_size(**kw) == 0
     _dsaib.validate_indexer_kl_loss_inputs(**validate_args(kw))
     _dsaib.validate_indexer_kl_loss_inputs(**dict(validate_args(kw), index_score=None))
     thd, cu_q, cu_k = thd_problem()
     thd_kw = backward_args(thd, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
-    assert _dsaib.indexer_backward_workspace_size(**thd_kw) == 0
     _dsaib.validate_indexer_kl_loss_inputs(**dict(validate_args(thd_kw), index_score=None))
     assert all((kw[out] == 7.0).all() for out in OUT_OF)
-    _dsaib.indexer_backward(**kw, workspace=None)  # and the backward takes them
+    asked = []
+    _dsaib.indexer_backward(**kw, workspace=lambda n: asked.append(n))  # and the backward takes them
     assert not (kw["d_weights"] == 7.0).all()
+    assert asked == []  # the cpu backend needs no workspace: the allocator is never called
+
+
+def test_workspace_is_none_or_an_allocator():
+    kw = backward_args(make_problem(1))
+    with pytest.raises(TypeError, match=r"^workspace: expected None or a callable nbytes -> array \(an allocator\), "
+                                        r"got ndarray$"):
+        _dsaib.indexer_backward(**kw, workspace=np.empty(256, np.uint8))
+    assert all((kw[out] == 7.0).all() for out in OUT_OF)
+
+
+def test_each_binding_is_one_library_call():
+    # Validation runs in the library, once per call: no binding calls it twice
+    # (the workspace comes from the allocator the library calls after it).
+    p = make_problem(1)
+    kw = backward_args(p)
+    before = _dsaib.library_calls()
+    _dsaib.indexer_backward(**kw, workspace=None)
+    assert _dsaib.library_calls() == before + 1
+    _dsaib.validate_indexer_kl_loss_inputs(**validate_args(kw))
+    assert _dsaib.library_calls() == before + 2
+    with pytest.raises(ValueError):
+        _dsaib.indexer_backward(**dict(kw, normalization_count=-1), workspace=None)
+    assert _dsaib.library_calls() == before + 3
+    with pytest.raises(TypeError):  # refused by the binding: the library is not called
+        _dsaib.indexer_backward(**dict(kw, sm_scale="x"), workspace=None)
+    assert _dsaib.library_calls() == before + 3
+    assert _dsaib.host_waits() == 0 or _dsaib.cuda_compiled()  # nothing waits on a device without CUDA
 
 
 def test_an_absent_index_score_is_held_to_attn_scores_rules():
@@ -120,25 +146,51 @@ def test_an_absent_index_score_is_held_to_attn_scores_rules():
         _dsaib.validate_indexer_kl_loss_inputs(**dict(kw, attn_score=p["attn_score"].astype(np.int32)))
 
 
-def test_a_operand_precision_check_is_the_librarys():
-    for word in ("auto", "bf16x2", "bf16"):
-        _dsaib.check_a_operand_precision(word)
-    want = raised(_dsaib.indexer_backward, **backward_args(make_problem(0), a_operand_precision="half"), workspace=None)
-    assert raised(_dsaib.check_a_operand_precision, word="half") == want
-    assert want == (ValueError, 'a_operand_precision: expected "auto", "bf16x2" or "bf16", got "half"')
+WORD_OPTIONS = ("layout", "id_mode", "backend", "a_operand_precision", "l2_hints", "start_stagger", "forward_fusion")
 
 
-def test_launch_option_word_checks_are_the_librarys():
-    # The torch op's fake kernel checks l2_hints and start_stagger with these.
-    for word in ("auto", "on", "off"):
-        _dsaib.check_l2_hints(word)
-    for word in ("auto", "off"):
-        _dsaib.check_start_stagger(word)
-    for name, check, bad in (("l2_hints", _dsaib.check_l2_hints, "yes"),
-                             ("start_stagger", _dsaib.check_start_stagger, "on")):
-        want = raised(_dsaib.indexer_backward, **backward_args(make_problem(0), **{name: bad}), workspace=None)
-        assert raised(check, word=bad) == want
-        assert want[0] is ValueError and want[1].startswith(f'{name}: expected "auto"'), want
+def test_option_table_is_the_librarys_options_struct():
+    # Every field of dsaib::IndexerOptions but grad_loss_device (a tensor
+    # argument), and of dsaib::AttentionTargetOptions, with the struct's defaults.
+    table = _dsaib.option_table("indexer")
+    assert list(table) == ["layout", "id_mode", "backend", "sm_scale", "loss_coeff", "grad_loss",
+                           "normalization_count", "strict_indices", "deterministic", "stream", "num_threads",
+                           "a_operand_precision", "l2_hints", "start_stagger", "forward_fusion"]
+    assert table["layout"] == ("word", "bshd", ("bshd", "thd"))
+    assert table["forward_fusion"] == ("word", "auto", ("auto", "off"))
+    assert table["a_operand_precision"] == ("word", "auto", ("auto", "bf16x2", "bf16"))
+    assert table["normalization_count"] == ("int64", 0, ()) and table["num_threads"] == ("int32", 0, ())
+    assert table["stream"] == ("pointer", 0, ()) and table["deterministic"] == ("bool", False, ())
+    target = _dsaib.option_table("attention_target")
+    assert list(target) == ["layout", "id_mode", "backend", "sm_scale", "lse_base", "normalize", "strict_indices",
+                            "stream", "num_threads"]
+    assert target["lse_base"] == ("word", "natural", ("natural", "base2")) and target["normalize"][1] is True
+    with pytest.raises(ValueError, match=r'^which: expected "indexer" or "attention_target", got "x"$'):
+        _dsaib.option_table("x")
+
+
+@pytest.mark.parametrize("name", WORD_OPTIONS)
+def test_python_checks_option_words_with_the_librarys_words_and_message(name):
+    # The option table in Python takes the words from the extension; its message
+    # for a bad word is the library's, so a fake kernel or a front end that
+    # checks a word before the library says the same.
+    table = _dsaib.option_table("indexer")
+    assert dsaib.OPTIONS[name].words == table[name][2]
+    for word in table[name][2]:
+        assert dsaib.OPTIONS[name].check(word) == word
+    want = raised(_dsaib.indexer_backward, **backward_args(make_problem(0), **{name: "nope"}), workspace=None)
+    assert want[0] is ValueError and want[1].startswith(f"{name}: expected "), want
+    assert raised(dsaib.OPTIONS[name].check, x="nope") == want
+
+
+def test_python_checks_lse_base_with_the_librarys_message():
+    q = np.zeros((1, 1, 16, 64), np.uint16)
+    kw = dict(query=q, kv=np.zeros((1, 2, 64), np.uint16), lse=np.zeros((1, 1, 16), np.float32),
+              topk_indices=np.zeros((1, 1, 1), np.int32), cu_seqlens_q=None, cu_seqlens_k=None,
+              attn_score=np.zeros((1, 1, 1), np.float32), uint16_as_bf16=True, backend="cpu", lse_base="base10")
+    want = raised(_dsaib.attention_target, **kw)
+    assert want == (ValueError, 'lse_base: expected "natural" or "base2", got "base10"')
+    assert raised(dsaib.OPTIONS["lse_base"].check, x="base10") == want
 
 
 def test_options_are_keyword_arguments_checked_by_name():
@@ -146,7 +198,7 @@ def test_options_are_keyword_arguments_checked_by_name():
     # error, not silently the default; one left out is the library's default.
     p = make_problem(3)
     kw = backward_args(p)
-    for fn, args in ((_dsaib.indexer_backward_workspace_size, kw),
+    for fn, args in ((_dsaib.indexer_backward, dict(kw, workspace=None)),
                      (_dsaib.validate_indexer_kl_loss_inputs, validate_args(kw))):
         with pytest.raises(TypeError, match=r"^options: unexpected keyword argument 'sm_scal'$"):
             fn(**args, sm_scal=1.0)

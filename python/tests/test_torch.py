@@ -43,6 +43,8 @@ def test_torch_wrong_dtype_is_type_error():
 # --- dsaib.torch on CPU tensors (the CPU backend) ----------------------------
 
 import dsaib.torch as dt  # noqa: E402
+from dsaib._torch import reference as torch_forward  # noqa: E402
+from dsaib._torch.convert import ids_int32  # noqa: E402
 from torch_reference import (  # noqa: E402
     assert_close_rms, deterministic_algorithms, make_torch_problem, reference_grads, reference_index_scores,
     reference_loss,
@@ -84,16 +86,24 @@ def test_cpu_op_runs_under_use_deterministic_algorithms():
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
+def _schema_defaults(op):
+    """{argument: (type, default)} of the op's arguments that have defaults, and
+    whether they all come after the ones without."""
+    args = op.default._schema.arguments
+    first = next(i for i, a in enumerate(args) if a.has_default_value())
+    return ({a.name: (str(a.type), a.default_value) for a in args[first:]},
+            all(a.has_default_value() for a in args[first:]))
+
+
 def test_custom_op_a_operand_precision_argument():
     # Arguments with defaults after the required ones: callers without them keep working.
-    schema = torch.ops.dsaib.indexer_backward.default._schema
-    names = [a.name for a in schema.arguments]
-    assert names[-6:] == ["a_operand_precision", "row_lse", "row_target_mass", "l2_hints", "start_stagger",
-                          "strict_indices"], str(schema)
-    assert str(schema.arguments[-1].type) == "bool" and schema.arguments[-1].default_value is False, str(schema)
-    a_op, lse, mass = schema.arguments[-6:-3]
-    assert str(a_op.type) == "str" and a_op.default_value == "auto", str(schema)
-    assert str(lse.type) == str(mass.type) == "Optional[Tensor]" and lse.default_value is None, str(schema)
+    defaults, trailing = _schema_defaults(torch.ops.dsaib.indexer_backward)
+    assert trailing, defaults
+    assert list(defaults)[:6] == ["a_operand_precision", "row_lse", "row_target_mass", "l2_hints",
+                                  "start_stagger", "strict_indices"], defaults
+    assert defaults["a_operand_precision"] == ("str", "auto")
+    assert defaults["row_lse"] == defaults["row_target_mass"] == ("Optional[Tensor]", None)
+    assert defaults["strict_indices"] == ("bool", False)
     q, w, k, ids, T = make_torch_problem(seed=1)
     P = dt.index_scores(q, w, k, ids, sm_scale=SM)
     g = torch.tensor(1.5)
@@ -122,12 +132,10 @@ def test_custom_op_a_operand_precision_argument():
 
 def test_custom_op_takes_the_launch_options_as_words():
     # l2_hints and start_stagger, as dsaib.indexer_backward takes them: arguments
-    # of the op with defaults (then strict_indices); the library parses the words.
-    schema = torch.ops.dsaib.indexer_backward.default._schema
-    l2, stagger = schema.arguments[-3:-1]
-    assert (l2.name, stagger.name) == ("l2_hints", "start_stagger"), str(schema)
-    assert str(l2.type) == str(stagger.type) == "str", str(schema)
-    assert l2.default_value == stagger.default_value == "auto", str(schema)
+    # of the op with defaults; the library parses the words.
+    defaults, _ = _schema_defaults(torch.ops.dsaib.indexer_backward)
+    assert defaults["l2_hints"] == defaults["start_stagger"] == ("str", "auto"), defaults
+    assert list(defaults).index("start_stagger") == list(defaults).index("l2_hints") + 1
     q, w, k, ids, T = make_torch_problem(seed=2)
     P = dt.index_scores(q, w, k, ids, sm_scale=SM)
     g = torch.tensor(0.5)
@@ -234,8 +242,11 @@ def test_op_errors_keep_the_cpp_message():
         dt.indexer_backward(q, w, k, ids, T, P, sm_scale=SM, grad_loss=torch.ones(2))
     with pytest.raises(TypeError, match=r"^grad_loss: expected dtype float32"):
         dt.indexer_backward(q, w, k, ids, T, P, sm_scale=SM, grad_loss=torch.ones((), dtype=torch.float64))
-    with pytest.raises(ValueError, match="dq_dtype"):
+    with pytest.raises(ValueError, match=r"^out_dtype: expected .*got \('f16', 'f32', 'f32'\)$"):
         dt.indexer_backward(q, w, k, ids, T, P, sm_scale=SM, out_dtype=("f16", "f32", "f32"))
+    with pytest.raises(ValueError, match=r"^dq_dtype: expected \"f32\", \"bf16\" or \"f64\", got 'f16'$"):
+        torch.ops.dsaib.indexer_backward(q, w, k, ids, T, P, torch.tensor(1.0), None, None, SM, 1.0, 0, "bshd",
+                                         "local", "f16", "f32", "f32")
 
 
 def test_index_scores_match_reference():
@@ -451,7 +462,7 @@ def test_loss_compiles_with_dynamic_shapes_in_one_graph(monkeypatch, chunk_eleme
     # row chunks is not traced: with chunk_elements set, 2 rows per chunk (torch
     # 2.11's dynamo failed on that loop with an AssertionError, even unchunked).
     if chunk_elements is not None:
-        monkeypatch.setattr(dt, "_LOGITS_CHUNK_ELEMENTS", chunk_elements)
+        monkeypatch.setattr(torch_forward, "LOGITS_CHUNK_ELEMENTS", chunk_elements)
 
     def loss_fn(q, w, k, ids, T):
         return dt.indexer_kl_loss(q, w, k, ids, T, sm_scale=SM, loss_coeff=0.5)
@@ -717,28 +728,28 @@ def test_ids_outside_int32_are_invalid_slots_not_wrapped():
 
 
 def test_ids_conversion_of_every_integer_dtype():
-    got = dt._ids_int32(torch.tensor([2**32, 2**32 + 1, -(2**31) - 1, -(2**31), 2**31 - 1, 2**31, 5, -1]))
+    got = ids_int32(torch.tensor([2**32, 2**32 + 1, -(2**31) - 1, -(2**31), 2**31 - 1, 2**31, 5, -1]))
     assert got.dtype == torch.int32 and got.is_contiguous()
     assert got.tolist() == [-1, -1, -1, -(2**31), 2**31 - 1, -1, 5, -1]
-    assert dt._ids_int32(torch.tensor([2**32 - 1, 7], dtype=torch.uint32)).tolist() == [-1, 7]
-    assert dt._ids_int32(torch.tensor([2**63 + 5, 2**64 - 1, 7, 2**32], dtype=torch.uint64)).tolist() == [-1, -1, 7, -1]
+    assert ids_int32(torch.tensor([2**32 - 1, 7], dtype=torch.uint32)).tolist() == [-1, 7]
+    assert ids_int32(torch.tensor([2**63 + 5, 2**64 - 1, 7, 2**32], dtype=torch.uint64)).tolist() == [-1, -1, 7, -1]
     for dtype in (torch.int8, torch.int16, torch.uint8):
-        assert dt._ids_int32(torch.tensor([-1, 3, 100], dtype=torch.int16).to(dtype)).tolist() == (
+        assert ids_int32(torch.tensor([-1, 3, 100], dtype=torch.int16).to(dtype)).tolist() == (
             torch.tensor([-1, 3, 100], dtype=torch.int16).to(dtype).tolist())
     ids32 = torch.tensor([[1, -1], [3, 4]], dtype=torch.int32)
-    assert dt._ids_int32(ids32) is ids32
+    assert ids_int32(ids32) is ids32
     strided = torch.arange(12, dtype=torch.int64).view(3, 4).t()
-    assert torch.equal(dt._ids_int32(strided), strided.to(torch.int32)) and dt._ids_int32(strided).is_contiguous()
+    assert torch.equal(ids_int32(strided), strided.to(torch.int32)) and ids_int32(strided).is_contiguous()
 
 
 def test_ids_conversion_strict_names_the_first_id_outside_int32():
     ids = torch.tensor([[1, -1], [2**40, -(2**33)]])
     with pytest.raises(ValueError, match=r"^topk_indices: strict mode found an out-of-range id at \(1, 0\): "
                                          r"expected -1 or an id in \[-2\^31, 2\^31-1\] \(int32\), got id 1099511627776$"):
-        dt._ids_int32(ids, strict=True)
+        ids_int32(ids, strict=True)
     with pytest.raises(ValueError, match=r"got id 9223372036854775813$"):
-        dt._ids_int32(torch.tensor([2**63 + 5], dtype=torch.uint64), strict=True)
-    assert dt._ids_int32(torch.tensor([[1, -1], [-(2**31), 2**31 - 1]]), strict=True).tolist() == [
+        ids_int32(torch.tensor([2**63 + 5], dtype=torch.uint64), strict=True)
+    assert ids_int32(torch.tensor([[1, -1], [-(2**31), 2**31 - 1]]), strict=True).tolist() == [
         [1, -1], [-(2**31), 2**31 - 1]]
 
 

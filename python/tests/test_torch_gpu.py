@@ -296,7 +296,7 @@ def test_use_deterministic_algorithms_runs_the_deterministic_kernels():
         assert torch.equal(a, b), name
     for name, x, r in zip(NAMES, leaves, want):
         assert_close_rms(name, x.grad, r, *TOL[torch.float32])
-    # bf16 d_index_k with deterministic=True in the generic function (its own workspace size)
+    # bf16 d_index_k with deterministic=True in the generic function (a larger workspace)
     g16 = dsaib.indexer_backward(q, w, k, ids, T, P, sm_scale=sm, deterministic=True, out_dtype="bf16")
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(g16, runs["bf16"][0]))
@@ -555,3 +555,73 @@ def test_cuda_graph_capture_of_one_call_replays_with_new_grad_loss(layout):
         for s, e in zip(static[1:], eager[1:]):
             assert torch.isfinite(s).all()
             assert rel_rms(s.float(), value * e.float()) < (LINEARITY_RTOL if s.dtype == torch.float32 else 5e-3)
+
+
+def _raw_backward_args(q, w, k, ids, T, P, dk_dtype):
+    """The extension's indexer_backward arguments for CUDA tensors (capsules, current stream)."""
+    from dsaib._frameworks import _export
+
+    outs = [torch.full(x.shape, float("nan"), dtype=d, device=DEV)
+            for x, d in zip((q, w, k), (torch.float32, torch.float32, dk_dtype))]
+    args = dict(index_q=q, weights=w, index_k=k, topk_indices=ids, attn_score=T, index_score=P, cu_seqlens_q=None,
+                cu_seqlens_k=None, d_index_q=outs[0], d_weights=outs[1], d_index_k=outs[2])
+    args = {n: _export(t) if t is not None else None for n, t in args.items()}
+    args.update(backend="cuda", sm_scale=0.1, stream=int(torch.cuda.current_stream().cuda_stream))
+    return args, outs
+
+
+def test_the_library_asks_the_allocator_once_after_validation():
+    # A bf16 d_index_k needs the fp32 dK accumulator: the library asks for it
+    # once, after validating, and the array comes from the caller (here torch).
+    from dsaib import _dsaib
+    from dsaib._frameworks import _export
+
+    q, w, k, ids, T = problem(B=1, S=32, S_kv=64, H=64, D=128, topk=64, seed=40)
+    P = dt.index_scores(q, w, k, ids, sm_scale=0.1)
+    asked = []
+
+    def allocate(nbytes):
+        asked.append(nbytes)
+        return _export(torch.empty(nbytes, dtype=torch.uint8, device=DEV))
+
+    args, outs = _raw_backward_args(q, w, k, ids, T, P, torch.bfloat16)
+    _dsaib.indexer_backward(**args, workspace=allocate)
+    torch.cuda.synchronize()
+    assert len(asked) == 1 and asked[0] >= k.numel() * 4, asked
+    want = dt.indexer_backward(q, w, k, ids, T, P, sm_scale=0.1, out_dtype=("f32", "f32", "bf16"))
+    torch.cuda.synchronize()
+    assert torch.equal(outs[0], want[0]) and torch.equal(outs[1], want[1])
+    assert rel_rms(outs[2].float(), want[2].float()) < 5e-3
+    # an invalid argument is refused before the allocator is asked
+    asked.clear()
+    bad, _ = _raw_backward_args(q, w, k, ids, T, P, torch.bfloat16)
+    with pytest.raises(ValueError, match="^normalization_count: "):
+        _dsaib.indexer_backward(**bad, workspace=allocate, normalization_count=-1)
+    assert asked == []
+
+
+def test_the_allocators_errors_reach_the_caller_and_nothing_is_written():
+    from dsaib import _dsaib
+    from dsaib._frameworks import _export
+
+    q, w, k, ids, T = problem(B=1, S=32, S_kv=64, H=64, D=128, topk=64, seed=41)
+    P = dt.index_scores(q, w, k, ids, sm_scale=0.1)
+
+    class Refused(Exception):
+        pass
+
+    def refuse(nbytes):
+        raise Refused(f"no {nbytes} bytes")
+
+    cases = [(refuse, Refused, r"^no \d+ bytes$"),
+             (lambda n: _export(torch.empty(n, dtype=torch.uint8)), ValueError,
+              r"^workspace: expected the allocator's array on cuda:0 \(the backend's device\), got one on cpu$"),
+             (lambda n: _export(torch.empty(1, dtype=torch.uint8, device=DEV)), ValueError,
+              r"^workspace: expected the allocator's array to hold >= \d+ bytes, got 1$"),
+             (lambda n: 7, ValueError, r"^workspace: expected the allocator to return an array \(DLPack\)")]
+    for allocate, error, message in cases:
+        args, outs = _raw_backward_args(q, w, k, ids, T, P, torch.bfloat16)
+        with pytest.raises(error, match=message):
+            _dsaib.indexer_backward(**args, workspace=allocate)
+        torch.cuda.synchronize()
+        assert all(torch.isnan(o.float()).all() for o in outs)

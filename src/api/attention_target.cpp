@@ -10,6 +10,7 @@
 
 #include "api/attention_target_problem.hpp"
 #include "api/cuda_backend.hpp"
+#include "api/workspace_allocator.hpp"
 #include "core/allocation.hpp"
 #include "core/option_words.hpp"
 #include "core/validate_rules.hpp"
@@ -189,16 +190,39 @@ std::size_t attention_target_workspace_size(const AttentionTargetInputs& inputs,
   return options.backend == Backend::cuda ? detail::plan_cuda_attention_target(inputs, g).workspace_bytes : 0;
 }
 
-void attention_target(const AttentionTargetInputs& inputs, const AttentionTargetOutputs& outputs,
-                      const AttentionTargetOptions& options, void* workspace, std::size_t workspace_bytes) {
-  const detail::ProblemGeometry g = detail::validate_for_backend(inputs, outputs, options);
+namespace {
+
+/// The call after validation (`g`): the cpu backend, or the cuda backend's plan,
+/// its workspace (the caller's, from `allocator`, or, with neither, the
+/// backend's own) checked against it, and the run.
+void run_validated(const AttentionTargetInputs& inputs, const AttentionTargetOutputs& outputs,
+                   const AttentionTargetOptions& options, const detail::ProblemGeometry& g, void* workspace,
+                   std::size_t workspace_bytes,
+                   const WorkspaceAllocator* allocator = nullptr) {
   if (options.backend == Backend::cpu) {
     detail::run_cpu_attention_target(inputs, outputs, options, g);
     return;
   }
   const hopper::TargetPlan plan = detail::plan_cuda_attention_target(inputs, g);
+  if (allocator != nullptr && allocator->allocate != nullptr && plan.workspace_bytes > 0) {
+    workspace = detail::allocate_workspace(*allocator, plan.workspace_bytes);
+    workspace_bytes = plan.workspace_bytes;
+  }
   detail::check_caller_workspace(workspace, workspace_bytes, plan.workspace_bytes, "attention_target_workspace_size");
   detail::run_cuda_attention_target(plan, inputs, outputs, options, g, workspace, workspace_bytes);
+}
+
+}  // namespace
+
+void attention_target(const AttentionTargetInputs& inputs, const AttentionTargetOutputs& outputs,
+                      const AttentionTargetOptions& options, void* workspace, std::size_t workspace_bytes) {
+  run_validated(inputs, outputs, options, detail::validate_for_backend(inputs, outputs, options), workspace,
+                workspace_bytes);
+}
+
+void attention_target(const AttentionTargetInputs& inputs, const AttentionTargetOutputs& outputs,
+                      const AttentionTargetOptions& options, const WorkspaceAllocator& allocator) {
+  run_validated(inputs, outputs, options, detail::validate_for_backend(inputs, outputs, options), nullptr, 0, &allocator);
 }
 
 }  // namespace dsaib

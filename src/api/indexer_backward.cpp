@@ -4,6 +4,7 @@
 #include <string>
 
 #include "api/cuda_backend.hpp"
+#include "api/workspace_allocator.hpp"
 #include "core/problem.hpp"
 #include "reference/cpu_reference.hpp"
 
@@ -45,16 +46,38 @@ std::size_t indexer_backward_workspace_size(const IndexerInputs& inputs, const I
   return options.backend == Backend::cuda ? detail::plan_cuda_backward(inputs, outputs, options, g).workspace_bytes : 0;
 }
 
-void indexer_backward(const IndexerInputs& inputs, const IndexerBackwardOutputs& outputs,
-                      const IndexerOptions& options, void* workspace, std::size_t workspace_bytes) {
-  const detail::ProblemGeometry g = validate_for_backend(inputs, outputs, options);
+namespace {
+
+/// The call after validation (`g`): the cpu backend, or the cuda backend's plan,
+/// its workspace (the caller's, from `allocator`, or, with neither, the
+/// backend's own) checked against it, and the run.
+void run_validated(const IndexerInputs& inputs, const IndexerBackwardOutputs& outputs,
+                   const IndexerOptions& options, const detail::ProblemGeometry& g, void* workspace,
+                   std::size_t workspace_bytes,
+                   const WorkspaceAllocator* allocator = nullptr) {
   if (options.backend == Backend::cpu) {
     detail::run_cpu_backend(inputs, outputs, options, g);
     return;
   }
   const hopper::BackwardCallPlan plan = detail::plan_cuda_backward(inputs, outputs, options, g);
+  if (allocator != nullptr && allocator->allocate != nullptr && plan.workspace_bytes > 0) {
+    workspace = detail::allocate_workspace(*allocator, plan.workspace_bytes);
+    workspace_bytes = plan.workspace_bytes;
+  }
   detail::check_caller_workspace(workspace, workspace_bytes, plan.workspace_bytes, "indexer_backward_workspace_size");
   detail::run_cuda_backward(plan, inputs, outputs, options, g, workspace, workspace_bytes);
+}
+
+}  // namespace
+
+void indexer_backward(const IndexerInputs& inputs, const IndexerBackwardOutputs& outputs,
+                      const IndexerOptions& options, void* workspace, std::size_t workspace_bytes) {
+  run_validated(inputs, outputs, options, validate_for_backend(inputs, outputs, options), workspace, workspace_bytes);
+}
+
+void indexer_backward(const IndexerInputs& inputs, const IndexerBackwardOutputs& outputs,
+                      const IndexerOptions& options, const WorkspaceAllocator& allocator) {
+  run_validated(inputs, outputs, options, validate_for_backend(inputs, outputs, options), nullptr, 0, &allocator);
 }
 
 }  // namespace dsaib

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "api/cuda_backend.hpp"
+#include "api/workspace_allocator.hpp"
 #include "core/element_access.hpp"
 #include "core/float_mode.hpp"
 #include "core/problem.hpp"
@@ -33,9 +34,15 @@ std::size_t indexer_kl_loss_and_grad_workspace_size(const IndexerInputs& inputs,
                                           : 0;
 }
 
-void indexer_kl_loss_and_grad(const IndexerInputs& inputs, const IndexerKLLossAndGradOutputs& outputs,
-                              const IndexerOptions& options, void* workspace, std::size_t workspace_bytes) {
-  const detail::ProblemGeometry g = validate_loss_and_grad(inputs, outputs, options);
+namespace {
+
+/// The call after validation (`g`): the cpu backend, or the cuda backend's plan,
+/// its workspace (the caller's, from `allocator`, or, with neither, the
+/// backend's own) checked against it, and the run.
+void run_validated(const IndexerInputs& inputs, const IndexerKLLossAndGradOutputs& outputs,
+                   const IndexerOptions& options, const detail::ProblemGeometry& g, void* workspace,
+                   std::size_t workspace_bytes,
+                   const WorkspaceAllocator* allocator = nullptr) {
   if (options.backend == Backend::cpu) {
     // The fp64 forward's statistics go to the fp64 P-free backward unrounded.
     const detail::IeeeSubnormalsScope ieee;
@@ -48,9 +55,26 @@ void indexer_kl_loss_and_grad(const IndexerInputs& inputs, const IndexerKLLossAn
     return;
   }
   const hopper::LossAndGradPlan plan = detail::plan_cuda_loss_and_grad(inputs, outputs, options, g);
+  if (allocator != nullptr && allocator->allocate != nullptr && plan.workspace_bytes > 0) {
+    workspace = detail::allocate_workspace(*allocator, plan.workspace_bytes);
+    workspace_bytes = plan.workspace_bytes;
+  }
   detail::check_caller_workspace(workspace, workspace_bytes, plan.workspace_bytes,
                                  "indexer_kl_loss_and_grad_workspace_size");
   detail::run_cuda_loss_and_grad(plan, inputs, outputs, options, g, workspace, workspace_bytes);
+}
+
+}  // namespace
+
+void indexer_kl_loss_and_grad(const IndexerInputs& inputs, const IndexerKLLossAndGradOutputs& outputs,
+                              const IndexerOptions& options, void* workspace, std::size_t workspace_bytes) {
+  run_validated(inputs, outputs, options, validate_loss_and_grad(inputs, outputs, options), workspace,
+                workspace_bytes);
+}
+
+void indexer_kl_loss_and_grad(const IndexerInputs& inputs, const IndexerKLLossAndGradOutputs& outputs,
+                              const IndexerOptions& options, const WorkspaceAllocator& allocator) {
+  run_validated(inputs, outputs, options, validate_loss_and_grad(inputs, outputs, options), nullptr, 0, &allocator);
 }
 
 }  // namespace dsaib

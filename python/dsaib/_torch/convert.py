@@ -1,0 +1,159 @@
+"""The torch layer's own argument rules and its conversions of tensors to what
+the library takes (bf16 index_q/index_k, int32 ids, float32 scores, the fp64
+mode of the cpu backend), shared by dsaib.torch, its autograd functions and
+dsaib.distributed."""
+
+import contextlib
+
+import torch
+
+from .._args import _INT32_MAX, _INT32_MIN, _finite_f32, _grad_loss
+
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f64": torch.float64}
+CODES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+def out_dtype(name: str, code: str) -> torch.dtype:
+    try:
+        return DTYPES[code]
+    except KeyError:
+        raise ValueError(f'{name}: expected "f32", "bf16" or "f64", got {code!r}') from None
+
+
+def fp64(device: torch.device, *tensors) -> bool:
+    """Whether the library runs in float64 end to end for these tensors: on the
+    CPU backend (the only one that takes f64) when any of them is float64."""
+    return device.type == "cpu" and any(t.dtype == torch.float64 for t in tensors)
+
+
+def grad_code(dtype: torch.dtype, in_fp64: bool) -> str:
+    """The library's output code for a gradient of a leaf of `dtype`: the leaf's
+    own dtype where the library writes it (float64 only in the fp64 mode,
+    unrounded), else float32."""
+    if in_fp64 and dtype == torch.float64:
+        return "f64"
+    return CODES.get(dtype, "f32")
+
+
+def check_same_device(index_q, **tensors):
+    """ValueError naming the first tensor (None skipped) not on index_q's device."""
+    for name, t in tensors.items():
+        if t is not None and t.device != index_q.device:
+            raise ValueError(f"{name}: expected memory on device '{index_q.device}' (that of index_q), "
+                             f"got device '{t.device}'")
+
+
+def check_torch_arguments(index_q, weights, index_k, topk_indices, attn_score=None, cu_seqlens_q=None,
+                          cu_seqlens_k=None, cu_seqlens_on_any_device=False):
+    """The torch layer's own rules, before the library's: every tensor argument a
+    torch.Tensor, all on index_q's device (torch would compute with a meta tensor
+    beside cpu ones, from uninitialised memory; the library cannot see meta
+    tensors), topk_indices of an integer dtype and attn_score of a floating one
+    (the loss converts them to int32 and float32)."""
+    tensors = dict(index_q=index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
+                   attn_score=attn_score, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor) and (t is not None or name in ("index_q", "weights", "index_k",
+                                                                            "topk_indices")):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    same_device = {n: t for n, t in tensors.items() if n != "index_q"}
+    if cu_seqlens_on_any_device:
+        del same_device["cu_seqlens_q"], same_device["cu_seqlens_k"]
+    check_same_device(index_q, **same_device)
+    if topk_indices.is_floating_point() or topk_indices.is_complex() or topk_indices.dtype == torch.bool:
+        raise TypeError(f"topk_indices: expected an integer dtype, got {topk_indices.dtype}")
+    if attn_score is not None and not attn_score.is_floating_point():
+        raise TypeError(f"attn_score: expected a floating-point dtype, got {attn_score.dtype}")
+
+
+def grad_loss_tensor(checked, device) -> torch.Tensor:
+    """grad_loss as the ops take it, from the option table's (value, tensor): a
+    one-element float32 tensor (the caller's, read when the work runs), or a
+    number finite as float32 (the library's message; on CUDA the library does
+    not read a device grad_loss before it runs) put on the device."""
+    value, tensor = checked
+    if tensor is None:
+        return torch.full((), _finite_f32("grad_loss", value), dtype=torch.float32, device=device)
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"grad_loss: expected a real number or a one-element float32 torch.Tensor, got "
+                        f"{type(tensor).__name__}")
+    return tensor.detach()
+
+
+def checked_grad_loss(x, device) -> torch.Tensor:
+    return grad_loss_tensor(_grad_loss(x), device)
+
+
+def on_stream(stream, device: torch.device):
+    """The context in which an op runs on the stream option: None, the current
+    stream; an int (a cudaStream_t) on CUDA, that stream (its outputs and
+    workspace are then allocated for it); on the CPU only None or 0."""
+    if stream is None:
+        return contextlib.nullcontext()
+    if device.type != "cuda":
+        if stream != 0:
+            raise ValueError(f"stream: expected None or 0 on the cpu backend (it runs on host threads), got {stream!r}")
+        return contextlib.nullcontext()
+    if stream == int(torch.cuda.current_stream(device).cuda_stream):
+        return contextlib.nullcontext()
+    return torch.cuda.stream(torch.cuda.ExternalStream(stream, device=device))
+
+
+def library_view(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What the library's validation is shown of a tensor that the forward hands
+    to the backward as ``t.to(dtype).contiguous()``: t itself when that is t,
+    else a stand-in of that dtype and t's shape, one row broadcast over the
+    others (no copy of t; its values are never read by the validation)."""
+    if t.dtype == dtype and t.is_contiguous():
+        return t
+    return torch.empty(t.shape[-1:], dtype=dtype, device=t.device).expand(t.shape)
+
+
+def ids_int32(topk_indices: torch.Tensor, strict: bool = False) -> torch.Tensor:
+    """topk_indices as the library takes them: int32, contiguous (itself when
+    already so). An id that int32 cannot hold (int64, uint32 or uint64 ids) is
+    out of range for every sequence, so an invalid slot: it becomes -1, where a
+    plain cast would wrap it onto a valid id (2**32 + 1 would read as 1). Done
+    on the device with torch.where: no host synchronisation, so CUDA graphs
+    capture it and torch.compile traces it. strict (the library's
+    strict_indices): ValueError naming the first such id instead, which reads
+    the ids to the host (one synchronisation on a GPU, two when one is found)."""
+    ids = topk_indices
+    if ids.dtype == torch.int32:
+        return ids.contiguous()
+    if ids.dtype in (torch.int8, torch.int16, torch.uint8, torch.uint16):
+        return ids.to(torch.int32).contiguous()
+    unsigned = ids.dtype in (torch.uint32, torch.uint64)
+    # torch compares unsigned types wider than 8 bits on no device: compare in
+    # int64, where a uint64 id of 2**63 or more turns negative (marked below).
+    wide = ids.to(torch.int64)
+    outside = (wide < _INT32_MIN) | (wide > _INT32_MAX)
+    if unsigned:
+        outside = outside | (wide < 0)
+    if strict and bool(outside.any()):
+        at = tuple(int(i) for i in outside.nonzero()[0])
+        value = int(wide[at])
+        value = value + 2**64 if value < 0 and unsigned else value
+        raise ValueError(f"topk_indices: strict mode found an out-of-range id at {at}: expected -1 or an id in "
+                         f"[-2^31, 2^31-1] (int32), got id {value}")
+    return torch.where(outside, torch.full((), -1, dtype=torch.int32, device=ids.device),
+                       wide.to(torch.int32)).contiguous()
+
+
+def library_float_dtypes(weights, in_fp64):
+    """(weights, attn_score) dtypes the library is given: weights bf16 or float32
+    as they are, others as float32; attn_score float32. In the fp64 mode
+    (fp64(): the CPU backend) float64 weights and attn_score stay float64."""
+    kept = (torch.bfloat16, torch.float32, torch.float64) if in_fp64 else (torch.bfloat16, torch.float32)
+    return (weights.dtype if weights.dtype in kept else torch.float32), (torch.float64 if in_fp64 else torch.float32)
+
+
+def library_inputs(index_q, weights, index_k, topk_indices, attn_score, in_fp64=False, strict=False):
+    """The tensors as the library takes them: bf16 index_q/index_k, float32 (or
+    bf16) weights, int32 topk_indices, float32 attn_score, all contiguous; in
+    the fp64 mode float64 weights and a float64 attn_score (unrounded). A
+    tensor already so is passed as it is (no copy)."""
+    w_dtype, T_dtype = library_float_dtypes(weights, in_fp64)
+    return (index_q.to(torch.bfloat16).contiguous(), weights.to(w_dtype).contiguous(),
+            index_k.to(torch.bfloat16).contiguous(), ids_int32(topk_indices, strict),
+            attn_score.to(T_dtype).contiguous())

@@ -1,0 +1,233 @@
+"""The torch.library custom ops over the library's entry points, with their
+fake kernels: torch.ops.dsaib.indexer_backward, indexer_kl_forward,
+indexer_kl_loss_and_grad and attention_target.
+
+Each op makes one library call on index_q's device: CUDA tensors on the
+current stream, CPU tensors on the fp64 cpu backend. The library validates the
+arguments once, then (on CUDA) asks for its workspace, which comes from
+torch's caching allocator (stream-ordered; a CUDA graph's pool while one is
+captured). The arguments with defaults come last, so a call may leave any
+of them out. The fake kernels
+give torch.compile the outputs' shapes and check what can be checked without
+memory: the option words (from the option table, with the library's messages)
+and the devices.
+"""
+
+from typing import List, Optional, Tuple
+
+import torch
+
+from .. import _dsaib
+from .._frameworks import _export, _exported
+from .._options import OPTIONS
+from .convert import check_same_device, out_dtype
+
+
+def torch_allocator(dev: torch.device):
+    """The workspace allocator the extension hands the library: nbytes -> a
+    uint8 tensor from torch's caching allocator on the current stream (a CUDA
+    graph's pool while one is captured), exported without synchronisation."""
+    def allocate(nbytes):
+        return _export(torch.empty(nbytes, dtype=torch.uint8, device=dev))
+    return allocate
+
+
+def run_library(entry, dev: torch.device, tensors: dict, options: dict) -> None:
+    """entry(**tensors, **options): one library call; on CUDA its workspace from
+    torch's caching allocator, asked by the library after validation."""
+    entry(**_exported(tensors), **options, workspace=torch_allocator(dev) if dev.type == "cuda" else None)
+
+
+def library_options(dev, backend, **options) -> dict:
+    """The library's options for an op on `dev`: the backend (None: that of the
+    device), the current stream on CUDA, and for the indexer's entry points the
+    deterministic mode also under torch.use_deterministic_algorithms (read when
+    the op runs: eager, compiled, or at capture, whose replays keep it)."""
+    cuda = dev.type == "cuda"
+    options["backend"] = backend if backend is not None else ("cuda" if cuda else "cpu")
+    options["stream"] = int(torch.cuda.current_stream(dev).cuda_stream) if cuda else 0
+    if "deterministic" in options:
+        options["deterministic"] = bool(options["deterministic"]) or (
+            cuda and torch.are_deterministic_algorithms_enabled())
+    return options
+
+
+def check_words(**words) -> None:
+    """The option words a fake kernel can check (the library's messages)."""
+    for name, word in words.items():
+        OPTIONS[name].check(word)
+
+
+def gradients_like(index_q, weights, index_k, dq_dtype, dw_dtype, dk_dtype):
+    """New contiguous d_index_q, d_weights, d_index_k on index_q's device, of the codes' dtypes."""
+    return (index_q.new_empty(index_q.shape, dtype=out_dtype("dq_dtype", dq_dtype)),
+            index_q.new_empty(weights.shape, dtype=out_dtype("dw_dtype", dw_dtype)),
+            index_q.new_empty(index_k.shape, dtype=out_dtype("dk_dtype", dk_dtype)))
+
+
+# ---- dsaib::indexer_backward --------------------------------------------------
+
+
+@torch.library.custom_op("dsaib::indexer_backward", mutates_args=())
+def indexer_backward_op(
+    index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, topk_indices: torch.Tensor,
+    attn_score: torch.Tensor, index_score: Optional[torch.Tensor], grad_loss: torch.Tensor,
+    cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor], sm_scale: float, loss_coeff: float,
+    normalization_count: int, layout: str, id_mode: str, dq_dtype: str, dw_dtype: str, dk_dtype: str,
+    a_operand_precision: str = "auto", row_lse: Optional[torch.Tensor] = None,
+    row_target_mass: Optional[torch.Tensor] = None, l2_hints: str = "auto", start_stagger: str = "auto",
+    strict_indices: bool = False, deterministic: bool = False, num_threads: int = 0, backend: Optional[str] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dev = index_q.device
+    dq, dw, dk = gradients_like(index_q, weights, index_k, dq_dtype, dw_dtype, dk_dtype)
+    tensors = dict(index_q=index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
+                   attn_score=attn_score, index_score=index_score, cu_seqlens_q=cu_seqlens_q,
+                   cu_seqlens_k=cu_seqlens_k, d_index_q=dq, d_weights=dw, d_index_k=dk, grad_loss_device=grad_loss,
+                   row_lse=row_lse, row_target_mass=row_target_mass)
+    options = library_options(
+        dev, backend, layout=layout, id_mode=id_mode, sm_scale=float(sm_scale), loss_coeff=float(loss_coeff),
+        normalization_count=int(normalization_count), strict_indices=bool(strict_indices),
+        deterministic=deterministic, num_threads=int(num_threads), a_operand_precision=a_operand_precision,
+        l2_hints=l2_hints, start_stagger=start_stagger)
+    run_library(_dsaib.indexer_backward, dev, tensors, options)
+    return dq, dw, dk
+
+
+@indexer_backward_op.register_fake
+def _indexer_backward_fake(index_q, weights, index_k, topk_indices, attn_score, index_score, grad_loss,
+                           cu_seqlens_q, cu_seqlens_k, sm_scale, loss_coeff, normalization_count, layout,
+                           id_mode, dq_dtype, dw_dtype, dk_dtype, a_operand_precision="auto", row_lse=None,
+                           row_target_mass=None, l2_hints="auto", start_stagger="auto", strict_indices=False,
+                           deterministic=False, num_threads=0, backend=None):
+    # Contiguous outputs on index_q's device, like the real kernel's. This is
+    # also the Meta kernel: a call that mixes meta tensors with real ones lands
+    # here and must fail like the real kernels would, not return empty tensors.
+    check_words(a_operand_precision=a_operand_precision, l2_hints=l2_hints, start_stagger=start_stagger,
+                backend=backend)
+    check_same_device(index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
+                      attn_score=attn_score, index_score=index_score, grad_loss=grad_loss,
+                      cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, row_lse=row_lse,
+                      row_target_mass=row_target_mass)
+    return gradients_like(index_q, weights, index_k, dq_dtype, dw_dtype, dk_dtype)
+
+
+# ---- dsaib::indexer_kl_forward ------------------------------------------------
+
+
+def _forward_outputs(index_q, topk_indices):
+    """loss (), row_lse and row_target_mass (topk_indices' shape without topk), float32."""
+    rows = topk_indices.shape[:-1]
+    return (index_q.new_empty((), dtype=torch.float32), index_q.new_empty(rows, dtype=torch.float32),
+            index_q.new_empty(rows, dtype=torch.float32))
+
+
+@torch.library.custom_op("dsaib::indexer_kl_forward", mutates_args={"index_score"})
+def indexer_kl_forward_op(
+    index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, topk_indices: torch.Tensor,
+    attn_score: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
+    sm_scale: float, loss_coeff: float, normalization_count: int, layout: str, id_mode: str,
+    strict_indices: bool = False, num_threads: int = 0, backend: Optional[str] = None,
+    index_score: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, row_lse, row_target_mass), float32, through dsaib::indexer_kl_forward
+    (no P: the backward rebuilds it from the row statistics); P is written
+    into index_score when one is given (float32, shaped like topk_indices)."""
+    dev = index_q.device
+    loss, row_lse, row_target_mass = _forward_outputs(index_q, topk_indices)
+    tensors = dict(index_q=index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
+                   attn_score=attn_score, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, loss=loss,
+                   row_lse=row_lse, row_target_mass=row_target_mass, index_score=index_score)
+    options = library_options(dev, backend, layout=layout, id_mode=id_mode, sm_scale=float(sm_scale),
+                              loss_coeff=float(loss_coeff), normalization_count=int(normalization_count),
+                              strict_indices=bool(strict_indices), num_threads=int(num_threads))
+    run_library(_dsaib.indexer_kl_forward, dev, tensors, options)
+    return loss, row_lse, row_target_mass
+
+
+@indexer_kl_forward_op.register_fake
+def _indexer_kl_forward_fake(index_q, weights, index_k, topk_indices, attn_score, cu_seqlens_q, cu_seqlens_k,
+                             sm_scale, loss_coeff, normalization_count, layout, id_mode, strict_indices=False,
+                             num_threads=0, backend=None, index_score=None):
+    check_words(backend=backend)
+    check_same_device(index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
+                      attn_score=attn_score, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                      index_score=index_score)
+    return _forward_outputs(index_q, topk_indices)
+
+
+# ---- dsaib::indexer_kl_loss_and_grad -------------------------------------------
+
+
+@torch.library.custom_op("dsaib::indexer_kl_loss_and_grad", mutates_args=())
+def indexer_kl_loss_and_grad_op(
+    index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, topk_indices: torch.Tensor,
+    attn_score: torch.Tensor, grad_loss: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor],
+    cu_seqlens_k: Optional[torch.Tensor], sm_scale: float, loss_coeff: float, normalization_count: int,
+    layout: str, id_mode: str, dq_dtype: str, dw_dtype: str, dk_dtype: str, a_operand_precision: str = "auto",
+    loss_dtype: str = "f32", strict_indices: bool = False, l2_hints: str = "auto", start_stagger: str = "auto",
+    deterministic: bool = False, num_threads: int = 0, backend: Optional[str] = None, forward_fusion: str = "auto",
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, d_index_q, d_weights, d_index_k) through dsaib::indexer_kl_loss_and_grad."""
+    dev = index_q.device
+    loss = index_q.new_empty((), dtype=out_dtype("loss_dtype", loss_dtype))
+    dq, dw, dk = gradients_like(index_q, weights, index_k, dq_dtype, dw_dtype, dk_dtype)
+    tensors = dict(index_q=index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
+                   attn_score=attn_score, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, loss=loss,
+                   d_index_q=dq, d_weights=dw, d_index_k=dk, grad_loss_device=grad_loss)
+    options = library_options(
+        dev, backend, layout=layout, id_mode=id_mode, sm_scale=float(sm_scale), loss_coeff=float(loss_coeff),
+        normalization_count=int(normalization_count), strict_indices=bool(strict_indices),
+        deterministic=deterministic, num_threads=int(num_threads), a_operand_precision=a_operand_precision,
+        l2_hints=l2_hints, start_stagger=start_stagger, forward_fusion=forward_fusion)
+    run_library(_dsaib.indexer_kl_loss_and_grad, dev, tensors, options)
+    return loss, dq, dw, dk
+
+
+@indexer_kl_loss_and_grad_op.register_fake
+def _indexer_kl_loss_and_grad_fake(index_q, weights, index_k, topk_indices, attn_score, grad_loss, cu_seqlens_q,
+                                   cu_seqlens_k, sm_scale, loss_coeff, normalization_count, layout, id_mode,
+                                   dq_dtype, dw_dtype, dk_dtype, a_operand_precision="auto", loss_dtype="f32",
+                                   strict_indices=False, l2_hints="auto", start_stagger="auto",
+                                   deterministic=False, num_threads=0, backend=None, forward_fusion="auto"):
+    check_words(a_operand_precision=a_operand_precision, l2_hints=l2_hints, start_stagger=start_stagger,
+                backend=backend, forward_fusion=forward_fusion)
+    check_same_device(index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
+                      attn_score=attn_score, grad_loss=grad_loss, cu_seqlens_q=cu_seqlens_q,
+                      cu_seqlens_k=cu_seqlens_k)
+    return (index_q.new_empty((), dtype=out_dtype("loss_dtype", loss_dtype)),
+            *gradients_like(index_q, weights, index_k, dq_dtype, dw_dtype, dk_dtype))
+
+
+# ---- dsaib::attention_target ---------------------------------------------------
+
+
+@torch.library.custom_op("dsaib::attention_target", mutates_args=())
+def attention_target_op(
+    query: torch.Tensor, kv: torch.Tensor, lse: torch.Tensor, topk_indices: torch.Tensor,
+    cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor], sm_scale: float, lse_base: str,
+    normalize: bool, layout: str, id_mode: str, strict_indices: bool = False, num_threads: int = 0,
+    backend: Optional[str] = None,
+) -> torch.Tensor:
+    """attn_score (float32, shaped like topk_indices) through dsaib::attention_target."""
+    dev = query.device
+    attn_score = query.new_empty(topk_indices.shape, dtype=torch.float32)
+    tensors = dict(query=query, kv=kv, lse=lse, topk_indices=topk_indices, cu_seqlens_q=cu_seqlens_q,
+                   cu_seqlens_k=cu_seqlens_k, attn_score=attn_score)
+    options = library_options(dev, backend, layout=layout, id_mode=id_mode, sm_scale=float(sm_scale),
+                              lse_base=lse_base, normalize=bool(normalize), strict_indices=bool(strict_indices),
+                              num_threads=int(num_threads))
+    run_library(_dsaib.attention_target, dev, tensors, options)
+    return attn_score
+
+
+@attention_target_op.register_fake
+def _attention_target_fake(query, kv, lse, topk_indices, cu_seqlens_q, cu_seqlens_k, sm_scale, lse_base, normalize,
+                           layout, id_mode, strict_indices=False, num_threads=0, backend=None):
+    check_words(lse_base=lse_base, backend=backend)
+    check_same_device(query, kv=kv, lse=lse, topk_indices=topk_indices, cu_seqlens_q=cu_seqlens_q,
+                      cu_seqlens_k=cu_seqlens_k)
+    return query.new_empty(topk_indices.shape, dtype=torch.float32)
+
+
+#: The ops' names, for tests and docs.
+OPS: List[str] = ["indexer_backward", "indexer_kl_forward", "indexer_kl_loss_and_grad", "attention_target"]
