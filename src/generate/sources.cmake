@@ -1,1 +1,1 @@
-target_sources(dsaib PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/generate/generate.cpp)
+target_sources(dsaib PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/generate/generate.cpp ${CMAKE_CURRENT_SOURCE_DIR}/generate/sequences.cpp)
