@@ -162,6 +162,34 @@ bool bench_json_requested(const std::vector<std::string>& words) {
   return false;
 }
 
+namespace {
+
+/// The sizes of every case, named by their flag: rows and topk are int32 in the
+/// library's ids and cu_seqlens, so --batch, each --seq and --topk, and the
+/// rows of a case (--batch x --seq), are at most 2^31 - 1. Every tensor's
+/// element count then fits in 64 bits.
+void check_bench_sizes(const BenchArgs& a) {
+  const auto at_most_rows = [](const char* flag, int64_t v, const std::string& what) {
+    if (v > kMaxRows) {
+      throw Error(ErrorCode::invalid_argument, flag,
+                  std::string(flag) + ": expected " + what + " of at most 2147483647 (2^31 - 1: ids and cu_seqlens are "
+                  "int32), got " + std::to_string(v));
+    }
+  };
+  at_most_rows("--batch", a.batch, "a batch");
+  at_most_rows("--topk", a.topk, "a topk");
+  for (const int64_t s : a.seqs) {
+    at_most_rows("--seq", s, "sequence lengths");
+    if (a.batch > kMaxRows / s) {
+      throw Error(ErrorCode::invalid_argument, "--seq",
+                  "--seq: expected --batch x --seq of at most 2147483647 rows (2^31 - 1), got " +
+                      std::to_string(a.batch) + " x " + std::to_string(s));
+    }
+  }
+}
+
+}  // namespace
+
 int run_bench_flags(BenchFlags& f, const std::string& command_line) {
   BenchArgs& a = f.args;
   // Checked here (run_bench checks the cases again), so a build without CUDA reports bad usage as such.
@@ -190,6 +218,7 @@ int run_bench_flags(BenchFlags& f, const std::string& command_line) {
     a.shapes.clear();
     for (const std::string& item : split_list_items("--shapes", f.shapes_text, "shapes")) a.shapes.push_back(parse_shape(item));
   }
+  check_bench_sizes(a);
   a.sustained_ms += 0.0;  // -0 -> 0
   a.command_line = command_line;
   return run_bench(a);

@@ -1201,3 +1201,19 @@ TEST_F(Cli, AReportThatCannotBeWrittenExitsWithTwo) {
   const Result fine = run("presets");
   EXPECT_EQ(fine.exit_code, 0) << fine.output;
 }
+
+// bench sizes beyond what int32 ids and cu_seqlens address are errors naming the
+// flag (not the shape of a tensor the flag made), before any GPU is needed.
+TEST_F(Cli, BenchSizesBeyondInt32RowsNameTheirFlag) {
+  const std::pair<const char*, const char*> cases[] = {{"--topk 9223372036854775807", "--topk"},
+                                                       {"--batch 9223372036854775807", "--batch"},
+                                                       {"--seq 4096,9223372036854775807", "--seq"},
+                                                       {"--batch 65536 --seq 65536", "--seq"}};
+  for (const auto& [flags, flag] : cases) {
+    const Result r = run(std::string("bench ") + flags + " --json -", /*with_stderr=*/false);
+    EXPECT_EQ(r.exit_code, 2) << flags << ": " << r.output;
+    const auto j = nlohmann::json::parse(r.output);
+    EXPECT_EQ(j["error"]["argument"], flag) << flags << ": " << r.output;
+    EXPECT_TRUE(contains(j["error"]["message"].get<std::string>(), "2147483647")) << r.output;
+  }
+}
