@@ -47,7 +47,7 @@ from ._options import OPTIONS
 from ._torch import ops as _ops  # noqa: F401  (registers torch.ops.dsaib.*)
 from ._torch import reference as _reference
 from ._torch.autograd import IndexerKLLossFunction as _IndexerKLLossFunction
-from ._torch.convert import (check_torch_arguments, fp64, grad_code, grad_loss_tensor, ids_int32, library_inputs,
+from ._torch.convert import (check_tensor_types, check_torch_arguments, fp64, grad_code, grad_loss_tensor, ids_int32, library_inputs,
                              on_stream)
 from .distributed import context_parallel_indexer_backward, context_parallel_indexer_kl_loss
 
@@ -82,6 +82,10 @@ def indexer_backward(index_q, weights, index_k, topk_indices, attn_score, index_
         id_mode=id_mode, backend=backend, strict_indices=strict_indices, num_threads=num_threads, stream=stream,
         grad_loss=grad_loss, out_dtype=out_dtype, deterministic=deterministic,
         a_operand_precision=a_operand_precision, l2_hints=l2_hints, start_stagger=start_stagger))
+    check_tensor_types(("index_score", "row_lse", "row_target_mass", "cu_seqlens_q", "cu_seqlens_k"),
+                       index_q=index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
+                       attn_score=attn_score, index_score=index_score, row_lse=row_lse,
+                       row_target_mass=row_target_mass, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     g = grad_loss_tensor(o["grad_loss"], index_q.device)
     with on_stream(o["stream"], index_q.device):
         return torch.ops.dsaib.indexer_backward(
@@ -104,6 +108,9 @@ def indexer_kl_forward(index_q, weights, index_k, topk_indices, attn_score, *, s
         sm_scale=sm_scale, loss_coeff=loss_coeff, normalization_count=normalization_count, layout=layout,
         id_mode=id_mode, backend=backend, strict_indices=strict_indices, num_threads=num_threads, stream=stream,
         return_index_score=return_index_score))
+    check_tensor_types(("cu_seqlens_q", "cu_seqlens_k"), index_q=index_q, weights=weights, index_k=index_k,
+                       topk_indices=topk_indices, attn_score=attn_score, cu_seqlens_q=cu_seqlens_q,
+                       cu_seqlens_k=cu_seqlens_k)
     with on_stream(o["stream"], index_q.device):
         p = index_q.new_empty(topk_indices.shape, dtype=torch.float32) if o["return_index_score"] else None
         out = torch.ops.dsaib.indexer_kl_forward(
@@ -290,7 +297,9 @@ def index_scores(index_q, weights, index_k, topk_indices, *, sm_scale, layout="b
     except that cu_seqlens may be of any integer dtype, on any device.
     """
     check_torch_arguments(index_q, weights, index_k, topk_indices, None, cu_seqlens_q, cu_seqlens_k,
-                          cu_seqlens_on_any_device=True)
+                          cu_seqlens_on_any_device=True, attn_score_required=False)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype: expected a floating-point torch.dtype, got {dtype}")
     layout, id_mode = OPTIONS["layout"].check(layout), OPTIONS["id_mode"].check(id_mode)
     _reference.validate(index_q, weights, index_k, topk_indices, None, sm_scale=OPTIONS["sm_scale"].check(sm_scale),
                         layout=layout, id_mode=id_mode, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,

@@ -1217,3 +1217,41 @@ TEST_F(Cli, BenchSizesBeyondInt32RowsNameTheirFlag) {
     EXPECT_TRUE(contains(j["error"]["message"].get<std::string>(), "2147483647")) << r.output;
   }
 }
+
+// The floor of a near-zero reference comes from the rows the operation reads:
+// a huge key row that no valid slot selects (padding) must not loosen the check.
+TEST_F(Cli, ReferenceFloorIgnoresRowsTheOperationDoesNotRead) {
+  std::map<std::string, std::string> meta;
+  auto t = dsaib::read_safetensors(tiny_problem(), &meta);
+  const dsaib::HostTensor& ids = t.at("topk_indices");
+  const int64_t s_kv = t.at("index_k").shape[1], d = t.at("index_k").shape[2], topk = ids.shape.back();
+  std::vector<bool> selected(static_cast<size_t>(s_kv), false);
+  for (int64_t e = 0; e < ids.numel() / 2; ++e) {  // batch 0's rows (local ids)
+    if (ids.data<int32_t>()[e] >= 0) selected[static_cast<size_t>(ids.data<int32_t>()[e])] = true;
+  }
+  int64_t unread = -1;
+  for (int64_t j = 0; j < s_kv && unread < 0; ++j) unread = selected[static_cast<size_t>(j)] ? -1 : j;
+  ASSERT_GE(unread, 0) << "every key row of batch 0 is selected (topk " << topk << ")";
+  for (int64_t e = 0; e < d; ++e) t.at("index_k").data<uint16_t>()[unread * d + e] = 0x7149;  // bf16 ~1e30
+  const std::string in = path("huge_padding.safetensors");
+  dsaib::write_safetensors(in, t, meta);
+  const Result r = run("backward --in " + quote(in) + " --threads 2 --verify all --json", false);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  for (const auto& m : nlohmann::json::parse(r.output)["verify"]["outputs"]) {
+    EXPECT_LT(m["ref_floor"].get<double>(), 1e-3 * m["ref_rms"].get<double>()) << m.dump();
+  }
+}
+
+// A loss below f32's normal range is judged beyond f32's resolution there.
+TEST_F(Cli, SubnormalLossPassesWithinTheF32Resolution) {
+  std::map<std::string, std::string> meta;
+  auto t = dsaib::read_safetensors(tiny_problem(), &meta);
+  float* target = t.at("attn_score").data<float>();
+  for (int64_t e = 0; e < t.at("attn_score").numel(); ++e) target[e] = 0.0f;  // T~ = eps: a loss of ~1e-42
+  const std::string in = path("zero_target.safetensors");
+  dsaib::write_safetensors(in, t, meta);
+  for (const char* op : {"forward", "step"}) {
+    const Result r = run(std::string(op) + " --in " + quote(in) + " --threads 2 --json", false);
+    EXPECT_EQ(r.exit_code, 0) << op << ": " << r.output;
+  }
+}

@@ -4,10 +4,15 @@ mode of the cpu backend), shared by dsaib.torch, its autograd functions and
 dsaib.distributed."""
 
 import contextlib
+import math
 
 import torch
 
-from .._args import _INT32_MAX, _INT32_MIN, _finite_f32, _grad_loss
+from .._args import _INT32_MAX, _INT32_MIN, _f32_value, _grad_loss
+
+# float32 rounds every magnitude below FLT_MAX + half its last place to a finite value.
+_F32_MAX = 3.4028234663852886e38
+_F32_OVERFLOW = _F32_MAX + 2.0 ** 103
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f64": torch.float64}
 CODES = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -43,19 +48,30 @@ def check_same_device(index_q, **tensors):
                              f"got device '{t.device}'")
 
 
+def check_tensor_types(optional=(), **tensors):
+    """Every argument named a torch.Tensor (None allowed for those in
+    `optional`): TypeError naming it otherwise, before anything runs."""
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor) and not (t is None and name in optional):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+
+
 def check_torch_arguments(index_q, weights, index_k, topk_indices, attn_score=None, cu_seqlens_q=None,
-                          cu_seqlens_k=None, cu_seqlens_on_any_device=False):
+                          cu_seqlens_k=None, cu_seqlens_on_any_device=False, attn_score_required=True):
     """The torch layer's own rules, before the library's: every tensor argument a
     torch.Tensor, all on index_q's device (torch would compute with a meta tensor
     beside cpu ones, from uninitialised memory; the library cannot see meta
     tensors), topk_indices of an integer dtype and attn_score of a floating one
-    (the loss converts them to int32 and float32)."""
+    (the loss converts them to int32 and float32), and index_q, weights,
+    index_k of a real floating dtype (the loss converts them to bf16 and
+    float32: an integer, bool or complex tensor would lose what it holds)."""
     tensors = dict(index_q=index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
                    attn_score=attn_score, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
-    for name, t in tensors.items():
-        if not isinstance(t, torch.Tensor) and (t is not None or name in ("index_q", "weights", "index_k",
-                                                                            "topk_indices")):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    optional = ("cu_seqlens_q", "cu_seqlens_k") + (() if attn_score_required else ("attn_score",))
+    check_tensor_types(optional, **tensors)
+    for name in ("index_q", "weights", "index_k"):
+        if not tensors[name].is_floating_point():
+            raise TypeError(f"{name}: expected a floating-point dtype, got {tensors[name].dtype}")
     same_device = {n: t for n, t in tensors.items() if n != "index_q"}
     if cu_seqlens_on_any_device:
         del same_device["cu_seqlens_q"], same_device["cu_seqlens_k"]
@@ -73,7 +89,17 @@ def grad_loss_tensor(checked, device) -> torch.Tensor:
     not read a device grad_loss before it runs) put on the device."""
     value, tensor = checked
     if tensor is None:
-        return torch.full((), _finite_f32("grad_loss", value), dtype=torch.float32, device=device)
+        # The float32 rounding is torch.full's, and the finiteness test two
+        # comparisons (false for nan): torch.compile(dynamic=True) traces this
+        # with a symbolic value, which neither struct-based rounding nor
+        # math.isfinite can take.
+        value = _f32_value("grad_loss", value)
+        if not -_F32_OVERFLOW < value < _F32_OVERFLOW:
+            shown = value if math.isnan(value) else math.copysign(math.inf, value)
+            raise ValueError(f"grad_loss: expected a finite value, got {shown}")
+        if value > _F32_MAX or value < -_F32_MAX:  # rounds to float32's largest (torch.full refuses it unrounded)
+            value = _F32_MAX if value > 0 else -_F32_MAX
+        return torch.full((), value, dtype=torch.float32, device=device)
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"grad_loss: expected a real number or a one-element float32 torch.Tensor, got "
                         f"{type(tensor).__name__}")

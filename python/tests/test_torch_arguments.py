@@ -1,0 +1,96 @@
+"""The torch front end's argument rules that come before the library's: every
+tensor argument a torch.Tensor and every converted input of a real floating
+dtype (TypeError naming it, before anything runs), and every entry point
+under torch.compile(fullgraph=True), static and dynamic."""
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import dsaib  # noqa: E402
+import dsaib.torch as dt  # noqa: E402
+from conftest import make_problem  # noqa: E402
+
+SM = 0.125
+
+
+def problem():
+    p = make_problem(3)
+    t = {}
+    for k, v in p.items():
+        if k in ("index_q", "index_k"):
+            t[k] = torch.from_numpy(dsaib.bf16_to_f32(v)).to(torch.bfloat16)
+        else:
+            t[k] = torch.from_numpy(v)
+    return t
+
+
+def loss_args(t, **changes):
+    args = dict(index_q=t["index_q"], weights=t["weights"], index_k=t["index_k"], topk_indices=t["topk_indices"],
+                attn_score=t["attn_score"])
+    args.update(changes)
+    return args
+
+
+@pytest.mark.parametrize("entry", [dt.indexer_kl_loss, dt.indexer_kl_loss_and_grad])
+def test_loss_without_attn_score_names_it(entry):
+    t = problem()
+    with pytest.raises(TypeError, match=r"^attn_score: expected a torch.Tensor, got NoneType$"):
+        entry(**loss_args(t, attn_score=None), sm_scale=SM)
+
+
+@pytest.mark.parametrize("name, dtype", [("index_q", torch.int32), ("index_q", torch.complex64),
+                                         ("index_q", torch.bool), ("index_k", torch.int64),
+                                         ("weights", torch.int64), ("weights", torch.complex64)])
+@pytest.mark.parametrize("entry", [dt.indexer_kl_loss, dt.indexer_kl_loss_and_grad])
+def test_loss_refuses_inputs_it_would_convert_lossily(entry, name, dtype):
+    t = problem()
+    bad = t[name].to(torch.float32).to(dtype)
+    with pytest.raises(TypeError, match=rf"^{name}: expected a floating-point dtype, got {dtype}$"):
+        entry(**loss_args(t, **{name: bad}), sm_scale=SM)
+
+
+@pytest.mark.parametrize("name", ["index_q", "weights", "index_k", "topk_indices", "attn_score", "index_score"])
+def test_backward_op_names_a_missing_tensor(name):
+    t = problem()
+    args = loss_args(t, index_score=t["index_score"])
+    args[name] = None if name != "index_score" else [0.5]
+    got = "NoneType" if name != "index_score" else "list"
+    with pytest.raises(TypeError, match=rf"^{name}: expected a torch.Tensor, got {got}$"):
+        dt.indexer_backward(*args.values(), sm_scale=SM)
+
+
+@pytest.mark.parametrize("name", ["index_q", "weights", "index_k", "topk_indices", "attn_score"])
+def test_forward_op_names_a_missing_tensor(name):
+    t = problem()
+    args = loss_args(t)
+    args[name] = "x"
+    with pytest.raises(TypeError, match=rf"^{name}: expected a torch.Tensor, got str$"):
+        dt.indexer_kl_forward(*args.values(), sm_scale=SM)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, "float32"])
+def test_index_scores_dtype_is_a_floating_torch_dtype(dtype):
+    t = problem()
+    with pytest.raises(TypeError, match=r"^dtype: expected a floating-point torch.dtype, got "):
+        dt.index_scores(t["index_q"], t["weights"], t["index_k"], t["topk_indices"], sm_scale=SM, dtype=dtype)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("entry", ["indexer_backward", "indexer_kl_loss_and_grad", "indexer_kl_forward",
+                                   "indexer_kl_loss"])
+def test_every_entry_point_compiles_with_its_default_grad_loss(entry, dynamic):
+    t = problem()
+    torch._dynamo.reset()
+    if entry == "indexer_backward":
+        def f(q, w, k, ids, T, P):
+            return dt.indexer_backward(q, w, k, ids, T, P, sm_scale=SM)
+        args = (t["index_q"], t["weights"], t["index_k"], t["topk_indices"], t["attn_score"], t["index_score"])
+    else:
+        def f(q, w, k, ids, T):
+            return getattr(dt, entry)(q, w, k, ids, T, sm_scale=SM)
+        args = (t["index_q"], t["weights"], t["index_k"], t["topk_indices"], t["attn_score"])
+    eager = f(*args)
+    compiled = torch.compile(f, fullgraph=True, dynamic=dynamic)(*args)
+    for a, b in zip(eager if isinstance(eager, tuple) else (eager,),
+                    compiled if isinstance(compiled, tuple) else (compiled,)):
+        assert torch.equal(a, b)
