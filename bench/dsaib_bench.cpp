@@ -40,7 +40,9 @@ int report_error(bool json, const std::string& code, const std::string& argument
 
 }  // namespace
 
-int main(int argc, char** argv) {
+namespace {
+
+int run(int argc, char** argv) {
   using namespace dsaib::cli;
   CLI::App app{
       "dsaib-bench: every op of dsaib on the cuda backend (the backward, the loss forward, the loss and gradients\n"
@@ -79,3 +81,7 @@ int main(int argc, char** argv) {
     return report_error(json, "", "", e.what(), kExitCheckFailed);
   }
 }
+
+}  // namespace
+
+int main(int argc, char** argv) { return dsaib::cli::with_written_report(run(argc, argv), kExitUsage); }

@@ -161,6 +161,11 @@ Problem load_problem(const std::string& path, const std::set<std::string>& overr
 /// Writes a problem file (inputs and their metadata).
 void save_problem(const std::string& path, const Problem& p);
 
+/// `status`, or `error_status` with a line on stderr when standard output could
+/// not be written (closed, a full disk): a report that is lost is an error,
+/// not an exit status 0 behind it. Called as a program returns.
+int with_written_report(int status, int error_status);
+
 /// "%.9g": round-trips a float.
 std::string format_float(double v);
 

@@ -122,19 +122,10 @@ int run_main(int argc, char** argv) {
 }  // namespace
 }  // namespace dsaib::cli
 
-/// A report that could not be written (stdout closed, a full disk) is an error:
-/// the verdict would otherwise be lost behind exit status 0.
-int with_written_report(int status) {
-  std::cout.flush();
-  if (std::cout.good() && std::fflush(stdout) == 0 && !std::ferror(stdout)) return status;
-  std::cerr << "error: the report could not be written to standard output\n";
-  return dsaib::cli::kExitError;
-}
-
 int main(int argc, char** argv) {
   using dsaib::cli::report_error;
   try {
-    return with_written_report(dsaib::cli::run_main(argc, argv));
+    return dsaib::cli::with_written_report(dsaib::cli::run_main(argc, argv), dsaib::cli::kExitError);
   } catch (const dsaib::Error& e) {
     report_error(dsaib::error_code_name(e.code()), e.argument(), e.what());
   } catch (const std::bad_alloc&) {

@@ -1,4 +1,5 @@
 // Running the library calls (backward, loss forward, one-call step) on the host, and small utilities of the CLI.
+#include <cstdio>
 #include <cstring>
 #include <iostream>
 #include <mutex>
@@ -62,6 +63,13 @@ double element(const HostTensor& t, int64_t i) {
     case DType::f64: return t.data<double>()[i];
   }
   return 0;
+}
+
+int with_written_report(int status, int error_status) {
+  std::cout.flush();
+  if (std::cout.good() && std::fflush(stdout) == 0 && !std::ferror(stdout)) return status;
+  std::cerr << "error: the report could not be written to standard output\n";
+  return error_status;
 }
 
 const char* loss_op_name(LossOp op) {

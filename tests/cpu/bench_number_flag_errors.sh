@@ -28,5 +28,14 @@ check() {  # flag max good...
 }
 check --l2-set-aside-mib 1048577 0 37.5 1048576
 check --sustained-ms 600001 0 -0 1 1e3 +5 250.5
+# A report that cannot be written is an error (exit 2), not a silent exit 0.
+if [[ -w /dev/full ]]; then
+  err=$("$bench" --help 2>&1 >/dev/full)
+  rc=$?
+  if [[ $rc -ne 2 || $err != *"could not be written"* ]]; then
+    echo "FAIL: --help >/dev/full: rc=$rc, stderr: $err"
+    fail=1
+  fi
+fi
 [[ $fail -eq 0 ]] && echo "bench number flags: bad values rejected, good ones parsed"
 exit $fail
