@@ -511,6 +511,8 @@ def mismatch_inputs(case, rank):
     if case.endswith("backward-op"):
         if case == "different-grad-loss-backward-op":
             opts["grad_loss"] = 1.0 if rank == 0 else 2.0
+        if case == "equal-grad-loss-of-other-types-backward-op":
+            opts["grad_loss"] = 1 if rank == 0 else numpy.float64(1.0)
         return dcp.context_parallel_indexer_backward, args, dict(opts, row_lse=torch.zeros(args[3].shape[:-1]),
                                                                row_target_mass=torch.ones(args[3].shape[:-1]))
     return dcp.context_parallel_indexer_kl_loss, args, opts
@@ -549,6 +551,8 @@ MISMATCHES = {
                            r"without this process \(global rank 1\)"],
     "different-grad-loss-backward-op": [r"grad_loss: the values differ across the group: rank 0 has 1.0, "
                                         r"rank 1 has 2.0"] * 2,
+    # an int, a float and a numpy float of one value are one value
+    "equal-grad-loss-of-other-types-backward-op": [None, None],
     # a rank's own check fails before the exchange: it raises its error, the other
     # rank a ValueError naming it (before, the other rank waited out the timeout)
     "one-rank-rejects": [r"^ValueError: the group's arguments: 1 rank\(s\) rejected their own arguments before "

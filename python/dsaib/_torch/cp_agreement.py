@@ -8,6 +8,7 @@ a collective of mismatched sizes, which gloo aborts the process on and NCCL
 may hang or corrupt on, or a loss normalised with another rank's sizes.
 """
 import functools
+import numbers
 import struct
 
 import torch
@@ -100,6 +101,16 @@ def _encode_offsets(offsets):
     return [len(offsets) - 1, offsets[-1], _hash(offsets)]
 
 
+def _grad_loss_value(grad_loss):
+    """What the ranks compare of grad_loss: a real number as a float; a tensor
+    only as being one; anything else as it is (its own check rejects it)."""
+    if isinstance(grad_loss, torch.Tensor):
+        return "a tensor"
+    if isinstance(grad_loss, numbers.Real) and not isinstance(grad_loss, bool):
+        return float(grad_loss)
+    return grad_loss
+
+
 def describe(function, index_q, weights, index_k, topk_indices, attn_score, index_score, sm_scale, cp_layout,
              loss_coeff, normalization_count, layout, id_mode, offsets_q, offsets_k, out_dtype,
              a_operand_precision, grad_loss=None):
@@ -120,9 +131,9 @@ def describe(function, index_q, weights, index_k, topk_indices, attn_score, inde
                ("normalization_count", "int", [int(normalization_count or 0)]),
                ("out_dtype", "repr", _encode_repr(out_dtype)),
                ("a_operand_precision", "repr", _encode_repr(a_operand_precision)),
-               # a number is compared; a tensor's value would need a synchronisation
-               ("grad_loss", "repr", _encode_repr("a tensor" if isinstance(grad_loss, torch.Tensor)
-                                                  else grad_loss))]
+               # a number is compared by its value (1, 1.0 and numpy's 1.0 are one
+               # value); a tensor's value would need a synchronisation
+               ("grad_loss", "repr", _encode_repr(_grad_loss_value(grad_loss)))]
     return fields
 
 
