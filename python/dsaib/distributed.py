@@ -238,6 +238,31 @@ def context_parallel_indexer_kl_loss(
                                         float(loss_coeff), int(normalization_count), id_mode, a_operand_precision)
 
 
+def _check_local_backward_arguments(index_q, layout, grad_loss, row_lse, row_target_mass):
+    """The backward's arguments that no other rank's descriptor compares: a
+    grad_loss tensor (one float32 element on index_q's device) and the row
+    statistics (one value per query row of this rank, on index_q's device)."""
+    if isinstance(grad_loss, torch.Tensor):
+        if grad_loss.dtype != torch.float32:
+            raise TypeError(f"grad_loss: expected dtype float32 (one element), got {grad_loss.dtype}")
+        if grad_loss.numel() != 1:
+            raise ValueError(f"grad_loss: expected a tensor with one element, got {grad_loss.numel()} elements")
+        if grad_loss.device != index_q.device:
+            raise ValueError(f"grad_loss: expected a tensor on {index_q.device} (index_q's device), "
+                             f"got one on {grad_loss.device}")
+    rows = tuple(index_q.shape[:-2])  # (B, S_q) or (T_q)
+    for name, t in (("row_lse", row_lse), ("row_target_mass", row_target_mass)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if tuple(t.shape) != rows:
+            raise ValueError(f"{name}: expected shape {list(rows)} (one value per query row of this rank, "
+                             f"layout {layout}), got {list(t.shape)}")
+        if t.device != index_q.device:
+            raise ValueError(f"{name}: expected a tensor on {index_q.device} (index_q's device), got one on {t.device}")
+
+
 def context_parallel_indexer_backward(
     index_q: torch.Tensor,
     weights: torch.Tensor,
@@ -280,6 +305,10 @@ def context_parallel_indexer_backward(
     fields, error, offsets = None, None, (None, None)
     try:
         check_torch_arguments(index_q, weights, index_k, topk_indices, attn_score, cu_seqlens_q, cu_seqlens_k)
+        # What only this rank's arguments decide is checked here, before the
+        # exchange, so that an error of one rank reaches every rank (through the
+        # exchange) instead of leaving the others waiting in the reduce-scatter.
+        _check_local_backward_arguments(index_q, layout, grad_loss, row_lse, row_target_mass)
         if isinstance(out_dtype, str):
             out_dtype = (out_dtype,) * 3
         offsets = host_offsets(cu_seqlens_q, cu_seqlens_k)

@@ -513,6 +513,11 @@ def mismatch_inputs(case, rank):
             opts["grad_loss"] = 1.0 if rank == 0 else 2.0
         if case == "equal-grad-loss-of-other-types-backward-op":
             opts["grad_loss"] = 1 if rank == 0 else numpy.float64(1.0)
+        if case == "one-rank-bad-grad-loss-tensor-backward-op" and rank == 1:
+            opts["grad_loss"] = torch.ones(2)
+        if case == "one-rank-bad-row-lse-backward-op" and rank == 1:
+            return dcp.context_parallel_indexer_backward, args, dict(
+                opts, row_lse=torch.zeros(args[3].shape[:-1] + (2,)), row_target_mass=torch.ones(args[3].shape[:-1]))
         return dcp.context_parallel_indexer_backward, args, dict(opts, row_lse=torch.zeros(args[3].shape[:-1]),
                                                                row_target_mass=torch.ones(args[3].shape[:-1]))
     return dcp.context_parallel_indexer_kl_loss, args, opts
@@ -553,6 +558,17 @@ MISMATCHES = {
                                         r"rank 1 has 2.0"] * 2,
     # an int, a float and a numpy float of one value are one value
     "equal-grad-loss-of-other-types-backward-op": [None, None],
+    # an argument only the rank's own library call would check: every rank
+    # raises at once (before, the others waited out the group's timeout)
+    "one-rank-bad-grad-loss-tensor-backward-op": [
+        r"^ValueError: the group's arguments: 1 rank\(s\) rejected their own arguments before the exchange "
+        r"\(rank 1: ValueError: grad_loss: expected a tensor with one element, got 2 elements\)",
+        r"^ValueError: grad_loss: expected a tensor with one element, got 2 elements$"],
+    "one-rank-bad-row-lse-backward-op": [
+        r"^ValueError: the group's arguments: 1 rank\(s\) rejected their own arguments before the exchange "
+        r"\(rank 1: ValueError: row_lse: expected shape",
+        r"^ValueError: row_lse: expected shape \[2, 8\] \(one value per query row of this rank, layout bshd\), "
+        r"got \[2, 8, 2\]$"],
     # a rank's own check fails before the exchange: it raises its error, the other
     # rank a ValueError naming it (before, the other rank waited out the timeout)
     "one-rank-rejects": [r"^ValueError: the group's arguments: 1 rank\(s\) rejected their own arguments before "
