@@ -210,7 +210,8 @@ def indexer_kl_loss_and_grad(index_q, weights, index_k, topk_indices, attn_score
         loss, dq, dw, dk = torch.ops.dsaib.indexer_kl_loss_and_grad(
             q16, w_op, k16, ids32, T32, g, cu_seqlens_q, cu_seqlens_k, o["sm_scale"], o["loss_coeff"],
             o["normalization_count"], o["layout"], o["id_mode"], *codes, o["a_operand_precision"],
-            "f64" if in_fp64 else "f32", o["strict_indices"], o["l2_hints"], o["start_stagger"], o["deterministic"],
+            "f64" if in_fp64 or tuple(codes) == ("f64",) * 3 else "f32",  # as dsaib.indexer_kl_loss_and_grad
+            o["strict_indices"], o["l2_hints"], o["start_stagger"], o["deterministic"],
             o["num_threads"], o["backend"], o["forward_fusion"])
     if o["out_dtype"] is not None:
         return loss, dq, dw, dk

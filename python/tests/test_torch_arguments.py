@@ -94,3 +94,16 @@ def test_every_entry_point_compiles_with_its_default_grad_loss(entry, dynamic):
     for a, b in zip(eager if isinstance(eager, tuple) else (eager,),
                     compiled if isinstance(compiled, tuple) else (compiled,)):
         assert torch.equal(a, b)
+
+
+def test_one_call_loss_dtype_follows_out_dtype_in_both_front_ends():
+    t = problem()
+    p = make_problem(3)
+    args = loss_args(t)
+    torch_loss = dt.indexer_kl_loss_and_grad(**args, sm_scale=SM, out_dtype="f64")[0]
+    numpy_loss = dsaib.indexer_kl_loss_and_grad(
+        **{k: p[k] for k in ("index_q", "weights", "index_k", "topk_indices", "attn_score")}, sm_scale=SM,
+        out_dtype="f64", uint16_as_bf16=True)[0]
+    assert torch_loss.dtype == torch.float64 and numpy_loss.dtype.name == "float64"
+    assert float(torch_loss) == float(numpy_loss)
+    assert dt.indexer_kl_loss_and_grad(**args, sm_scale=SM)[0].dtype == torch.float32
