@@ -109,7 +109,11 @@ def _stream_value(x) -> int:
     cuda_stream); not bool, float or str."""
     if _framework(x) == "torch" and hasattr(x, "cuda_stream"):
         x = x.cuda_stream
-    if _is_bool(x) or isinstance(x, (float, str, bytes)) or not (
+    # A real number that is not an integer (numpy's float32, a 0-d float tensor)
+    # has __int__ too, but truncating it to a stream is never meant.
+    not_integral = hasattr(x, "dtype") and str(getattr(x, "dtype")).rsplit(".", 1)[-1].startswith(
+        ("float", "bfloat", "complex"))
+    if _is_bool(x) or isinstance(x, (float, complex, str, bytes)) or not_integral or not (
             hasattr(type(x), "__index__") or hasattr(type(x), "__int__")):
         raise TypeError(f"stream: expected an int (a cudaStream_t), got {_type_name(x)} {x!r}")
     try:

@@ -107,3 +107,16 @@ def test_one_call_loss_dtype_follows_out_dtype_in_both_front_ends():
     assert torch_loss.dtype == torch.float64 and numpy_loss.dtype.name == "float64"
     assert float(torch_loss) == float(numpy_loss)
     assert dt.indexer_kl_loss_and_grad(**args, sm_scale=SM)[0].dtype == torch.float32
+
+
+@pytest.mark.parametrize("stream", [torch.tensor(0.7), torch.tensor(0.0)])
+def test_stream_refuses_a_float_tensor_in_both_front_ends(stream):
+    import numpy as np
+    t = problem()
+    p = make_problem(3)
+    with pytest.raises(TypeError, match=r"^stream: expected an int \(a cudaStream_t\), got Tensor"):
+        dt.indexer_kl_loss_and_grad(**loss_args(t), sm_scale=SM, stream=stream)
+    with pytest.raises(TypeError, match=r"^stream: expected an int \(a cudaStream_t\), got float32"):
+        dsaib.indexer_kl_loss_and_grad(**{k: p[k] for k in ("index_q", "weights", "index_k", "topk_indices",
+                                                          "attn_score")}, sm_scale=SM, uint16_as_bf16=True,
+                                       stream=np.float32(0.9))
