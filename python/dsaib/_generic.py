@@ -224,7 +224,10 @@ def _refuses_the_host_loss_call(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         given = [n for n in ("index_score", "recompute_p") if n in kwargs]
-        given = given or (["index_score"] if len(args) > 5 else [])
+        # A sixth positional array is the old call's index_score; anything else
+        # (an sm_scale given by position) gets Python's own message.
+        old_p = len(args) > 5 and (args[5] is None or hasattr(args[5], "__dlpack__") or hasattr(args[5], "__array__"))
+        given = given or (["index_score"] if old_p else [])
         if given:
             raise TypeError(
                 f"indexer_kl_loss: expected (index_q, weights, index_k, topk_indices, attn_score, *, sm_scale, ...), "

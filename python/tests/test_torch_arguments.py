@@ -120,3 +120,12 @@ def test_stream_refuses_a_float_tensor_in_both_front_ends(stream):
         dsaib.indexer_kl_loss_and_grad(**{k: p[k] for k in ("index_q", "weights", "index_k", "topk_indices",
                                                           "attn_score")}, sm_scale=SM, uint16_as_bf16=True,
                                        stream=np.float32(0.9))
+
+
+def test_a_positional_sm_scale_gets_pythons_message_not_the_old_call_guard():
+    p = make_problem(3)
+    args = [p[k] for k in ("index_q", "weights", "index_k", "topk_indices", "attn_score")]
+    with pytest.raises(TypeError, match=r"takes 5 positional arguments"):
+        dsaib.indexer_kl_loss(*args, 0.125, uint16_as_bf16=True)
+    with pytest.raises(TypeError, match=r"reference_kl_loss"):
+        dsaib.indexer_kl_loss(*args, p["index_score"], sm_scale=SM, uint16_as_bf16=True)
