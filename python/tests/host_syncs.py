@@ -1,4 +1,4 @@
-"""Counting a call's host synchronisations (test helper).
+"""Counting a call's host synchronisations, for the tests.
 
 A dsaib call can make the host wait for a GPU in two places:
 

@@ -64,6 +64,13 @@ DeviceCuSeqlens check_device_cu_seqlens(const TensorView& cu_seqlens_q, const Te
   return c;
 }
 
+IndexerInputs with_checked_cu_seqlens(IndexerInputs in, const DeviceCuSeqlens& c) {
+  if (c.buffer == nullptr) return in;
+  in.cu_seqlens_q.data = const_cast<int32_t*>(c.cu_seqlens_q);
+  in.cu_seqlens_k.data = const_cast<int32_t*>(c.cu_seqlens_k);
+  return in;
+}
+
 void finish_device_cu_seqlens(const DeviceCuSeqlens& c, std::initializer_list<const TensorView*> outputs,
                               cudaStream_t stream) {
   if (c.buffer == nullptr) return;

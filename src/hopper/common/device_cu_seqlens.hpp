@@ -28,6 +28,10 @@ struct DeviceCuSeqlens {
 DeviceCuSeqlens check_device_cu_seqlens(const TensorView& cu_seqlens_q, const TensorView& cu_seqlens_k,
                                         const ProblemGeometry& g, cudaStream_t stream);
 
+/// `in` with the checked copies of `c` in place of its cu_seqlens (`in` as it is
+/// for a default DeviceCuSeqlens).
+IndexerInputs with_checked_cu_seqlens(IndexerInputs in, const DeviceCuSeqlens& c);
+
 /// After the kernels: NaN into every element of `outputs` when the check found
 /// bad cu_seqlens, then frees the copies. Nothing for a default DeviceCuSeqlens.
 void finish_device_cu_seqlens(const DeviceCuSeqlens& c, std::initializer_list<const TensorView*> outputs,

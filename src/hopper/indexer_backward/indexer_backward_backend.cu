@@ -177,13 +177,10 @@ void run_cuda_backward(const hopper::BackwardCallPlan& plan, const IndexerInputs
   hopper::DeviceGuard guard(inputs.index_q.device_index);
   cudaStream_t stream = static_cast<cudaStream_t>(opt.stream);
   hopper::CallWorkspace ws(workspace, workspace_bytes, plan.workspace_bytes, stream, "backward workspace");
-  DeviceCuSeqlens seqs;
-  IndexerInputs in = inputs;
-  if (g.cu_seqlens_on_device_only) {
-    seqs = check_device_cu_seqlens(inputs.cu_seqlens_q, inputs.cu_seqlens_k, g, stream);
-    in.cu_seqlens_q.data = const_cast<int32_t*>(seqs.cu_seqlens_q);
-    in.cu_seqlens_k.data = const_cast<int32_t*>(seqs.cu_seqlens_k);
-  }
+  const DeviceCuSeqlens seqs = g.cu_seqlens_on_device_only
+                                   ? check_device_cu_seqlens(inputs.cu_seqlens_q, inputs.cu_seqlens_k, g, stream)
+                                   : DeviceCuSeqlens{};
+  IndexerInputs in = with_checked_cu_seqlens(inputs, seqs);
   if (plan.prepass) {
     // P-free with H > 64 or deterministic: the loss forward's kernel writes P (and
     // its own row statistics, unused) into the workspace, then the P form runs.

@@ -101,13 +101,10 @@ void run_cuda_loss_and_grad(const hopper::LossAndGradPlan& plan, const IndexerIn
   hopper::DeviceGuard guard(inputs.index_q.device_index);
   cudaStream_t stream = static_cast<cudaStream_t>(opt.stream);
   hopper::CallWorkspace ws(workspace, workspace_bytes, plan.workspace_bytes, stream, "loss and gradients workspace");
-  DeviceCuSeqlens seqs;
-  IndexerInputs in = inputs;
-  if (g.cu_seqlens_on_device_only) {
-    seqs = check_device_cu_seqlens(inputs.cu_seqlens_q, inputs.cu_seqlens_k, g, stream);
-    in.cu_seqlens_q.data = const_cast<int32_t*>(seqs.cu_seqlens_q);
-    in.cu_seqlens_k.data = const_cast<int32_t*>(seqs.cu_seqlens_k);
-  }
+  const DeviceCuSeqlens seqs = g.cu_seqlens_on_device_only
+                                   ? check_device_cu_seqlens(inputs.cu_seqlens_q, inputs.cu_seqlens_k, g, stream)
+                                   : DeviceCuSeqlens{};
+  IndexerInputs in = with_checked_cu_seqlens(inputs, seqs);
   if (plan.one_kernel) hopper::run_one_kernel(plan, in, out, opt, g, ws.data(), stream);
   else hopper::run_two_kernels(plan, in, out, opt, g, ws.data(), stream);
   finish_device_cu_seqlens(seqs, {&out.loss, &out.d_index_q, &out.d_weights, &out.d_index_k}, stream);
