@@ -15,6 +15,7 @@
 #include "dsaib/attention_target.hpp"
 #include "dsaib/indexer_kl_forward.hpp"
 #include "dsaib/indexer_kl_loss_and_grad.hpp"
+#include "dsaib/indexer_topk.hpp"
 #include "hopper/launch/launch_plan.hpp"
 
 namespace dsaib::detail {
@@ -70,5 +71,12 @@ hopper::TargetPlan plan_cuda_attention_target(const AttentionTargetInputs& in, c
 void run_cuda_attention_target(const hopper::TargetPlan& plan, const AttentionTargetInputs& in,
                                const AttentionTargetOutputs& out, const AttentionTargetOptions& opt,
                                const ProblemGeometry& g, void* workspace, std::size_t workspace_bytes);
+
+/// indexer_topk(). `g` as validate_topk_problem() returns it: topk = the
+/// outputs' last dimension, heads = H, head_dim = D, the per-sequence tables.
+hopper::TopkPlan plan_cuda_indexer_topk(const IndexerTopkInputs& in, const ProblemGeometry& g);
+void run_cuda_indexer_topk(const hopper::TopkPlan& plan, const IndexerTopkInputs& in, const IndexerTopkOutputs& out,
+                           const IndexerTopkOptions& opt, const ProblemGeometry& g, void* workspace,
+                           std::size_t workspace_bytes);
 
 }  // namespace dsaib::detail

@@ -203,6 +203,26 @@ struct TargetPlan {
 void check_attention_target_limits(const detail::ProblemGeometry& g);
 TargetPlan plan_attention_target(const detail::ProblemGeometry& g, const DeviceProperties& device);
 
+/// The indexer's top-k forward (src/hopper/indexer_topk/): one task = a block
+/// of query rows whose heads fill one wgmma N of 256, against every key tile
+/// the block sees; persistent grid. Its workspace holds each CTA's candidate
+/// buffers (docs/indexer-topk.md, "Memory").
+struct TopkPlan {
+  int32_t head_tile = 0;      // H padded: 32, 64 or 128
+  int32_t rows_per_task = 0;  // 256 / head_tile
+  int32_t candidate_capacity = 0;  // entries of one warpgroup's buffer of one row
+  int64_t num_tasks = 0;
+  int64_t grid = 0;
+  std::size_t workspace_bytes = 0;
+  DeviceProperties device;
+};
+/// Throws Error(invalid_argument) naming the argument for what the kernel
+/// cannot run: "index_q" (H not a multiple of 8 in [8, 128], D not 64 or 128),
+/// "topk_indices" (topk above kMaxCudaTopk). Runs before the device is queried.
+inline constexpr int64_t kMaxCudaTopk = 8192;
+void check_topk_limits(const detail::ProblemGeometry& g);
+TopkPlan plan_indexer_topk(const detail::ProblemGeometry& g, const DeviceProperties& device);
+
 }  // namespace dsaib::hopper
 
 namespace dsaib::detail {
