@@ -74,7 +74,8 @@ void run_cuda_attention_target(const hopper::TargetPlan& plan, const AttentionTa
 
 /// indexer_topk(). `g` as validate_topk_problem() returns it: topk = the
 /// outputs' last dimension, heads = H, head_dim = D, the per-sequence tables.
-hopper::TopkPlan plan_cuda_indexer_topk(const IndexerTopkInputs& in, const ProblemGeometry& g);
+hopper::TopkPlan plan_cuda_indexer_topk(const IndexerTopkInputs& in, const IndexerTopkOutputs& out,
+                                        const ProblemGeometry& g);
 void run_cuda_indexer_topk(const hopper::TopkPlan& plan, const IndexerTopkInputs& in, const IndexerTopkOutputs& out,
                            const IndexerTopkOptions& opt, const ProblemGeometry& g, void* workspace,
                            std::size_t workspace_bytes);

@@ -44,7 +44,9 @@ void run_cuda_attention_target(const hopper::TargetPlan&, const AttentionTargetI
                                const AttentionTargetOptions&, const ProblemGeometry&, void*, std::size_t) {
   unavailable();
 }
-hopper::TopkPlan plan_cuda_indexer_topk(const IndexerTopkInputs&, const ProblemGeometry&) { unavailable(); }
+hopper::TopkPlan plan_cuda_indexer_topk(const IndexerTopkInputs&, const IndexerTopkOutputs&, const ProblemGeometry&) {
+  unavailable();
+}
 void run_cuda_indexer_topk(const hopper::TopkPlan&, const IndexerTopkInputs&, const IndexerTopkOutputs&,
                            const IndexerTopkOptions&, const ProblemGeometry&, void*, std::size_t) {
   unavailable();

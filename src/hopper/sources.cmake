@@ -18,7 +18,8 @@ target_sources(dsaib PRIVATE
   ${dsaib_hopper}/loss_and_grad/instantiate_loss_and_grad.cu
   ${dsaib_hopper}/loss_and_grad/loss_and_grad_backend.cu
   ${dsaib_hopper}/kl_forward/kl_forward_backend.cu
-  ${dsaib_hopper}/attention_target/attention_target_backend.cu)
+  ${dsaib_hopper}/attention_target/attention_target_backend.cu
+  ${dsaib_hopper}/indexer_topk/indexer_topk_backend.cu)
 target_include_directories(dsaib PRIVATE ${DSAIB_CUTLASS_INCLUDE_DIR})
 target_compile_options(dsaib PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:${DSAIB_CUDA_FLAGS}>)
 target_link_libraries(dsaib PUBLIC CUDA::cudart)

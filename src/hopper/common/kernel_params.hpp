@@ -89,4 +89,48 @@ struct IndexerKLForwardParams {
   int64_t z_stride;
 };
 
+/// The indexer top-k forward's parameters (indexer_topk/). Query and key rows
+/// are flat as in IndexerParams; THD sets *_rows_per_batch to the row counts
+/// and the batch strides to 0.
+struct IndexerTopkParams {
+  const uint16_t* index_q;  // bf16
+  int64_t q_batch_stride, q_row_stride, q_head_stride;
+  const void* weights;  // bf16 or f32, heads contiguous
+  int64_t w_batch_stride, w_row_stride;
+  const uint16_t* index_k;  // bf16
+  int64_t k_batch_stride, k_row_stride;
+  // Visible ranges [starts, ends) per query row (null: causal), in the
+  // sequence's key coordinates: BSHD positions in [0, S_kv), THD flat key rows.
+  const int32_t* starts;
+  int64_t starts_batch_stride, starts_row_stride;
+  const int32_t* ends;
+  int64_t ends_batch_stride, ends_row_stride;
+  const int32_t* cu_seqlens_q;  // THD only (B + 1), device
+  const int32_t* cu_seqlens_k;
+
+  int64_t num_q_rows, q_rows_per_batch;
+  int64_t num_k_rows, k_rows_per_batch;
+  int32_t batch, heads, topk;
+  bool thd, global_ids, weights_f32, id_ascending, causal_offset_auto;
+  int64_t causal_offset;  // used when !causal_offset_auto and starts is null
+
+  int32_t rows_per_task;  // consecutive flat query rows per task
+  int64_t num_tasks;      // ceil(num_q_rows / rows_per_task)
+
+  // Each CTA's candidate buffers: (gridDim.x, 2 warpgroups, rows_per_task, 2
+  // halves, candidate_capacity) 64-bit rank keys (topk_rank_key.cuh).
+  unsigned long long* candidates;
+  int32_t candidate_capacity;
+
+  // A row's selection between the two kernels, unordered: the low and high
+  // words of its rank keys in (num_q_rows, topk) (the memory of topk_indices
+  // and of topk_logits or the workspace), its count in row_count (topk_lengths
+  // or the workspace). The ordering kernel rewrites them in place as ids and
+  // logits.
+  uint32_t* key_lo;
+  uint32_t* key_hi;
+  int32_t* row_count;
+  bool write_logits;  // key_hi is topk_logits: the ordering kernel writes the logits there
+};
+
 }  // namespace dsaib::hopper

@@ -182,4 +182,52 @@ TargetPlan plan_attention_target(const detail::ProblemGeometry& g, const DeviceP
   return plan;  // no workspace: the kernel keeps everything in shared memory and the output
 }
 
+void check_topk_limits(const detail::ProblemGeometry& g) {
+  if (g.heads < 8 || g.heads > 128 || g.heads % 8 != 0) {
+    throw Error(ErrorCode::unsupported, "index_q",
+                "index_q: expected H a multiple of 8 in [8, 128] on the cuda backend, got H " + std::to_string(g.heads));
+  }
+  if (g.head_dim != 64 && g.head_dim != 128) {
+    throw Error(ErrorCode::unsupported, "index_q",
+                "index_q: expected D 64 or 128 on the cuda backend, got D " + std::to_string(g.head_dim));
+  }
+  if (g.topk > kMaxCudaTopk) {
+    throw Error(ErrorCode::unsupported, "topk_indices",
+                "topk_indices: expected topk at most " + std::to_string(kMaxCudaTopk) + " on the cuda backend, got " +
+                    std::to_string(g.topk));
+  }
+  if (g.num_k_rows > std::numeric_limits<int32_t>::max()) {
+    throw Error(ErrorCode::unsupported, "index_k",
+                "index_k: expected fewer than 2^31 key rows on the cuda backend, got " + std::to_string(g.num_k_rows));
+  }
+}
+
+TopkPlan plan_indexer_topk(const detail::ProblemGeometry& g, bool with_logits, bool with_lengths,
+                           const DeviceProperties& device) {
+  check_topk_limits(g);
+  TopkPlan plan;
+  plan.device = device;
+  plan.head_dim = static_cast<int32_t>(g.head_dim);
+  plan.head_tile = g.heads <= 32 ? 32 : g.heads <= 64 ? 64 : 128;
+  plan.rows_per_task = 256 / plan.head_tile;
+  // A buffer takes one tile's appends (64 keys) past its cut size, topk; twice
+  // topk leaves room for topk more appends between cuts.
+  plan.candidate_capacity = static_cast<int32_t>(2 * std::max<int64_t>(g.topk, 128) + 64);
+  plan.num_tasks = (g.num_q_rows + plan.rows_per_task - 1) / plan.rows_per_task;
+  plan.grid = persistent_grid(plan.num_tasks, device);
+  plan.order_grid = std::min<int64_t>(g.num_q_rows, std::max<int64_t>(1, int64_t{device.sm_count} * 16));
+  WorkspaceCarver carver;
+  const std::size_t buffers_per_cta = std::size_t{2} * static_cast<std::size_t>(plan.rows_per_task) * 2 *
+                                      static_cast<std::size_t>(plan.candidate_capacity) * sizeof(unsigned long long);
+  plan.candidates_at = carver.add(static_cast<std::size_t>(plan.grid) * buffers_per_cta);
+  plan.key_hi_in_workspace = !with_logits;
+  plan.row_count_in_workspace = !with_lengths;
+  if (plan.key_hi_in_workspace) {
+    plan.key_hi_at = carver.add(static_cast<std::size_t>(g.num_q_rows) * static_cast<std::size_t>(g.topk) * 4);
+  }
+  if (plan.row_count_in_workspace) plan.row_count_at = carver.add(static_cast<std::size_t>(g.num_q_rows) * 4);
+  plan.workspace_bytes = plan.grid > 0 ? carver.total() : 0;
+  return plan;
+}
+
 }  // namespace dsaib::hopper

@@ -203,25 +203,41 @@ struct TargetPlan {
 void check_attention_target_limits(const detail::ProblemGeometry& g);
 TargetPlan plan_attention_target(const detail::ProblemGeometry& g, const DeviceProperties& device);
 
-/// The indexer's top-k forward (src/hopper/indexer_topk/): one task = a block
-/// of query rows whose heads fill one wgmma N of 256, against every key tile
-/// the block sees; persistent grid. Its workspace holds each CTA's candidate
-/// buffers (docs/indexer-topk.md, "Memory").
+// ---------------------------------------------------------------------------
+// The indexer's top-k forward (indexer_topk/).
+
+/// The largest topk the cuda backend selects (its ordering kernel sorts a row
+/// in one CTA of at most 512 threads x 16 keys).
+inline constexpr int64_t kMaxCudaTopk = 8192;
+
+/// One task = rows_per_task consecutive query rows whose heads, padded to
+/// head_tile, fill one wgmma N of 256, against every key tile the rows see;
+/// persistent grid. The workspace: each CTA's candidate buffers (2 score
+/// warpgroups x rows_per_task x 2 halves x candidate_capacity 8-byte keys),
+/// then, when the caller wants no logits, the high words of each row's
+/// selection (num_q_rows x topk x 4 bytes), and, without topk_lengths, the rows'
+/// counts (num_q_rows x 4 bytes); docs/indexer-topk.md, "Memory".
 struct TopkPlan {
-  int32_t head_tile = 0;      // H padded: 32, 64 or 128
-  int32_t rows_per_task = 0;  // 256 / head_tile
-  int32_t candidate_capacity = 0;  // entries of one warpgroup's buffer of one row
+  int32_t head_dim = 128;
+  int32_t head_tile = 64;       // H padded: 32, 64 or 128
+  int32_t rows_per_task = 4;    // 256 / head_tile
+  int32_t candidate_capacity = 0;  // keys in one buffer half: 2 max(topk, 128) + 64
   int64_t num_tasks = 0;
-  int64_t grid = 0;
+  int64_t grid = 0;             // persistent_grid over the tasks
+  int64_t order_grid = 0;       // CTAs of the ordering kernel (rows in a grid-stride loop)
+  std::size_t candidates_at = 0, key_hi_at = 0, row_count_at = 0;
+  bool key_hi_in_workspace = false, row_count_in_workspace = false;
   std::size_t workspace_bytes = 0;
   DeviceProperties device;
 };
-/// Throws Error(invalid_argument) naming the argument for what the kernel
+/// Throws Error(unsupported) naming the argument for what the cuda kernels
 /// cannot run: "index_q" (H not a multiple of 8 in [8, 128], D not 64 or 128),
-/// "topk_indices" (topk above kMaxCudaTopk). Runs before the device is queried.
-inline constexpr int64_t kMaxCudaTopk = 8192;
+/// "topk_indices" (topk above kMaxCudaTopk), "index_k" (2^31 key rows or more).
 void check_topk_limits(const detail::ProblemGeometry& g);
-TopkPlan plan_indexer_topk(const detail::ProblemGeometry& g, const DeviceProperties& device);
+/// `with_logits` / `with_lengths`: the caller gave topk_logits / topk_lengths,
+/// which then hold the selection between the two kernels.
+TopkPlan plan_indexer_topk(const detail::ProblemGeometry& g, bool with_logits, bool with_lengths,
+                           const DeviceProperties& device);
 
 }  // namespace dsaib::hopper
 

@@ -1,0 +1,102 @@
+// Exact selection over a row's candidate rank keys (topk_rank_key.cuh) by one
+// warpgroup: a most-significant-digit radix select finds the k-th largest key
+// (or a prefix that only the k largest keys reach), then the kept keys are
+// written elsewhere. Keys are distinct (the low word is the key row), so
+// exactly k are kept, whatever the order of the entries: the result depends
+// on the set alone.
+#pragma once
+
+#include <cstdint>
+
+#include <cutlass/arch/barrier.h>
+
+#include "hopper/indexer_topk/topk_shared_storage.cuh"
+
+namespace dsaib::hopper {
+
+/// The k largest keys are those with (key & mask) >= prefix; any key of the
+/// row's top-k is >= prefix.
+struct RadixCut {
+  unsigned long long prefix = 0;
+  unsigned long long mask = 0;
+  __device__ bool keeps(unsigned long long key) const { return (key & mask) >= prefix; }
+};
+
+/// kThreads threads (one warpgroup) with their own barrier `sync()`.
+template <int kRows, int kThreads = 128>
+struct CandidateSelect {
+  TopkSelection<kRows>& sel;
+  int tid;  // 0..kThreads-1
+
+  /// The cut that keeps the k largest of the entries that for_each(f) passes
+  /// to f across the warpgroup (each entry to one thread); needs more than k
+  /// entries. Ends with a sync(); reads, writes nothing but sel.hist/found_*.
+  template <class Sync, class ForEach>
+  __device__ RadixCut radix_cut(int k, Sync&& sync, ForEach&& for_each) {
+    RadixCut cut;
+    int need = k;
+    for (int shift = 56; shift >= 0; shift -= 8) {
+      for (int b = tid; b < 256; b += kThreads) sel.hist[b] = 0;
+      sync();
+      for_each([&](unsigned long long key) {
+        if ((key & cut.mask) == cut.prefix) atomicAdd(&sel.hist[(key >> shift) & 255u], 1u);
+      });
+      sync();
+      if (tid < 32) {  // lane l: bins 255 - 8 l down to 248 - 8 l, counted from the top
+        const int lane = tid;
+        uint32_t c[8], s = 0;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          c[i] = sel.hist[255 - 8 * lane - i];
+          s += c[i];
+        }
+        uint32_t inclusive = s;
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+          const uint32_t v = __shfl_up_sync(0xffffffffu, inclusive, off);
+          if (lane >= off) inclusive += v;
+        }
+        uint32_t above = inclusive - s;
+        const uint32_t n = static_cast<uint32_t>(need);
+        if (above < n && n <= inclusive) {  // one lane: the bin holding the need-th key
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            if (above + c[i] >= n) {
+              sel.found_bin = 255 - 8 * lane - i;
+              sel.found_above = static_cast<int32_t>(above);
+              sel.found_count = static_cast<int32_t>(c[i]);
+              break;
+            }
+            above += c[i];
+          }
+        }
+      }
+      sync();
+      const int bin = sel.found_bin;
+      need -= sel.found_above;
+      cut.prefix |= static_cast<unsigned long long>(bin) << shift;
+      cut.mask |= 0xffull << shift;
+      if (sel.found_count == need) break;  // the whole bin is kept
+    }
+    sync();  // found_* and hist read by every thread before they are rewritten
+    return cut;
+  }
+
+  /// Writes the entries that `cut` keeps (or all, for a default cut) to
+  /// out(position, key) at positions 0, 1, ... in no particular order; returns
+  /// their count. Ends with a sync().
+  template <class Sync, class ForEach, class Out>
+  __device__ int write_kept(const RadixCut& cut, Sync&& sync, ForEach&& for_each, Out&& out) {
+    if (tid == 0) sel.out_count = 0;
+    sync();
+    for_each([&](unsigned long long key) {
+      if (cut.keeps(key)) out(atomicAdd(&sel.out_count, 1), key);
+    });
+    sync();
+    const int n = sel.out_count;
+    sync();  // out_count read before it is reset
+    return n;
+  }
+};
+
+}  // namespace dsaib::hopper

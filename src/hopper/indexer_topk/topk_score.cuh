@@ -1,0 +1,201 @@
+// Score role of the top-k forward (warpgroups 1 and 2; docs/indexer-topk.md,
+// "The sm_90a kernel"). The two warpgroups take a task's K tiles alternately
+// (global tile number g to warpgroup g % 2), so that one's head sum and
+// selection run under the other's GEMM. Per tile: the GEMM I^T (64 keys,
+// rows x heads) = K Q^T, the ReLU and weighted head sum in registers (two quad
+// shuffles), then every visible key whose rank key reaches the row's admission
+// bound is appended to the warpgroup's candidate buffer of that row (global
+// memory, each CTA its own). A buffer that could overflow on the next tile is
+// cut to its topk largest keys (candidate_select.cuh), which raises the bound.
+// At the task's end each warpgroup merges half of the rows: the topk largest
+// of both warpgroups' buffers, unordered, for the ordering kernel.
+#pragma once
+
+#include <cutlass/arch/barrier.h>
+
+#include <cute/tensor.hpp>
+
+#include "hopper/common/kernel_params.hpp"
+#include "hopper/common/warpgroup_gemm.cuh"
+#include "hopper/indexer_topk/candidate_select.cuh"
+#include "hopper/indexer_topk/topk_rank_key.cuh"
+#include "hopper/indexer_topk/topk_shared_storage.cuh"
+
+namespace dsaib::hopper {
+
+template <class Config>
+struct TopkScore {
+  using Storage = TopkSharedStorage<Config>;
+  static constexpr int kRows = Config::kRows;
+  static constexpr int kN = Config::kN;
+  static constexpr int kBlock = Config::kBlockKeys;
+  static constexpr int kHeadTile = Config::kHeadTile;
+  static constexpr int kThreads = Config::kThreadsPerWarpgroup;
+  static constexpr int kStagesK = Config::kStagesK;
+
+  const IndexerTopkParams& p;
+  Storage& ss;
+  MbarrierPipeline<Config::kStagesK> k_pipe;
+  MbarrierPipeline<Config::kStagesQ> q_pipe;
+  int wg;  // 0 or 1: which score warpgroup
+
+  __device__ void select_sync() const {
+    cutlass::arch::NamedBarrier::sync(kThreads, static_cast<uint32_t>(NamedBarrierId::kTopkSelectSync0) + wg);
+  }
+  __device__ static void merge_sync() {
+    cutlass::arch::NamedBarrier::sync(Config::kScoreThreads, static_cast<uint32_t>(NamedBarrierId::kTopkMergeSync));
+  }
+
+  /// Candidate buffer `half` of row j of score warpgroup `w` of this CTA.
+  __device__ unsigned long long* buffer(int w, int j, int half) const {
+    const int64_t part = ((static_cast<int64_t>(blockIdx.x) * Config::kScoreWarpgroups + w) * kRows + j) * 2 + half;
+    return p.candidates + part * p.candidate_capacity;
+  }
+
+  __device__ void run() {
+    using namespace cute;
+    const int tid = threadIdx.x - (Config::kProducerWarpgroup + 1 + wg) * kThreads;  // 0..127
+    const int lane = tid % 32, warp = tid / 32;
+    TopkSelection<kRows>& sel = ss.sel[wg];
+
+    Tensor sQ = make_tensor(make_smem_ptr(ss.q), typename Config::SmemLayoutQ{});  // (rows x heads, D, stage)
+    Tensor sK = make_tensor(make_smem_ptr(ss.k), typename Config::SmemLayoutK{});  // (64 keys, D, stage)
+    typename Config::TiledMma mma;
+    auto thr = mma.get_thread_slice(tid);
+    Tensor tSsK = thr.partition_fragment_A(sK);  // (MMA, M, K, stage) descriptors
+    Tensor tSsQ = thr.partition_fragment_B(sQ);  // (MMA, N, K, stage) descriptors
+    Tensor acc = partition_fragment_C(mma, Shape<Int<kBlock>, Int<kN>>{});
+    // wgmma accumulator: value v is key r0 + 8 ((v / 2) % 2), column c0 + v % 2 + 8 (v / 4).
+    static_assert(decltype(size(acc))::value == kN / 2, "one m64 tile: N/2 values per thread");
+    const int r0 = warp * 16 + lane / 4;
+    const int c0 = 2 * (lane % 4);
+    const int quad = lane % 4;
+
+    auto q_state = make_consumer_start_state<Config::kStagesQ>();
+    int64_t tiles_before = 0;  // K tiles of this CTA's earlier tasks (both warpgroups count all)
+    for (int64_t i = blockIdx.x; i < p.num_tasks; i += gridDim.x) {
+      const int64_t row0 = (p.num_tasks - 1 - i) * kRows;
+      q_pipe.consumer_wait(q_state);
+      const int qs = q_state.index;
+      // warp-uniform as ptxas sees it, so that the wgmma issues are not on a divergent path
+      const int num_tiles = __shfl_sync(0xffffffffu, ss.num_tiles[qs], 0);
+      const int64_t tile_base = ss.tile_base[qs];
+      if (tid < kRows) {
+        sel.count[tid] = 0;
+        sel.half[tid] = 0;
+        sel.bound[tid] = 0ull;
+      }
+      select_sync();
+      for (int t = static_cast<int>((wg + tiles_before) & 1); t < num_tiles; t += 2) {
+        const int64_t g = tiles_before + t;
+        const PipelineState<kStagesK> st{static_cast<uint32_t>(g % kStagesK),
+                                         static_cast<uint32_t>((g / kStagesK) & 1)};
+        k_pipe.consumer_wait(st);
+        warpgroup_gemm<true>(mma, tSsK(_, _, _, st.index), tSsQ(_, _, _, qs), acc);
+        warpgroup_wait<0>();
+        k_pipe.consumer_release(st);  // the GEMM's reads of k[st.index] retired
+        add_tile(acc, qs, tile_base + static_cast<int64_t>(t) * kBlock, r0, c0, quad, sel);
+        select_sync();  // appends and counts complete
+#pragma unroll 1
+        for (int j = 0; j < kRows; ++j) {
+          if (sel.count[j] > p.candidate_capacity - kBlock) cut_buffer(j, tid, sel);
+        }
+      }
+      tiles_before += num_tiles;
+      q_pipe.consumer_release(q_state);  // every GEMM of the task retired; w and ranges read
+      q_state.advance();
+      merge_sync();  // both warpgroups' buffers complete
+#pragma unroll 1
+      for (int j = wg; j < kRows; j += Config::kScoreWarpgroups) merge_row(row0 + j, j, tid, sel);
+      merge_sync();  // both merges read their buffers before the next task resets them
+    }
+  }
+
+  /// The logits of one tile's keys for every row, and the appends.
+  template <class Accumulator>
+  __device__ void add_tile(const Accumulator& acc, int qs, int64_t key0, int r0, int c0, int quad,
+                           TopkSelection<kRows>& sel) const {
+    float z[kRows][2];
+    CUTE_UNROLL
+    for (int j = 0; j < kRows; ++j) z[j][0] = z[j][1] = 0.0f;
+    CUTE_UNROLL
+    for (int m = 0; m < kN / 8; ++m) {
+      const float2 w = *reinterpret_cast<const float2*>(&ss.w[qs][c0 + 8 * m]);
+      constexpr int kColsPerRow = kHeadTile / 8;
+      const int j = m / kColsPerRow;
+      CUTE_UNROLL
+      for (int kk = 0; kk < 2; ++kk) {
+        // relu keeping NaN (x < 0 is false for NaN), as torch.relu
+        const float x0 = acc(4 * m + 2 * kk), x1 = acc(4 * m + 2 * kk + 1);
+        z[j][kk] += w.x * (x0 < 0.0f ? 0.0f : x0);
+        z[j][kk] += w.y * (x1 < 0.0f ? 0.0f : x1);
+      }
+    }
+    CUTE_UNROLL
+    for (int j = 0; j < kRows; ++j) {
+      CUTE_UNROLL
+      for (int kk = 0; kk < 2; ++kk) {
+        z[j][kk] += __shfl_xor_sync(0xffffffffu, z[j][kk], 1);
+        z[j][kk] += __shfl_xor_sync(0xffffffffu, z[j][kk], 2);
+      }
+    }
+    // Pair (j, kk) = 2 j + kk goes to quad lane (2 j + kk) % 4.
+    CUTE_UNROLL
+    for (int pair = 0; pair < 2 * kRows; ++pair) {
+      const int j = pair / 2, kk = pair % 2;
+      if (pair % 4 != quad) continue;
+      const int64_t kr = key0 + r0 + 8 * kk;
+      if (kr < ss.key_begin[qs][j] || kr >= ss.key_end[qs][j]) continue;
+      const unsigned long long key = rank_key(z[j][kk], static_cast<uint32_t>(kr));
+      if (key < sel.bound[j]) continue;
+      const int slot = atomicAdd(&sel.count[j], 1);
+      buffer(wg, j, sel.half[j])[slot] = key;
+    }
+  }
+
+  /// Cuts row j's buffer to its topk largest keys (into the other half) and
+  /// raises its bound. Called by the whole warpgroup after a select_sync().
+  __device__ void cut_buffer(int j, int tid, TopkSelection<kRows>& sel) const {
+    const int n = sel.count[j];
+    const int h = sel.half[j];
+    const unsigned long long* src = buffer(wg, j, h);
+    unsigned long long* dst = buffer(wg, j, h ^ 1);
+    CandidateSelect<kRows> cs{sel, tid};
+    auto sync = [&] { select_sync(); };
+    auto each = [&](auto&& f) {
+      for (int e = tid; e < n; e += kThreads) f(src[e]);
+    };
+    const RadixCut cut = cs.radix_cut(p.topk, sync, each);
+    const int kept = cs.write_kept(cut, sync, each, [&](int pos, unsigned long long key) { dst[pos] = key; });
+    if (tid == 0) {
+      sel.count[j] = kept;
+      sel.half[j] = h ^ 1;
+      sel.bound[j] = max(sel.bound[j], cut.prefix);
+    }
+    select_sync();
+  }
+
+  /// The topk largest keys of row j in both warpgroups' buffers, unordered,
+  /// into key_lo / key_hi of `row`, and their count.
+  __device__ void merge_row(int64_t row, int j, int tid, TopkSelection<kRows>& sel) const {
+    if (row >= p.num_q_rows) return;  // a padded row of the last task (uniform)
+    const int n0 = ss.sel[0].count[j], n1 = ss.sel[1].count[j];
+    const unsigned long long* src0 = buffer(0, j, ss.sel[0].half[j]);
+    const unsigned long long* src1 = buffer(1, j, ss.sel[1].half[j]);
+    CandidateSelect<kRows> cs{sel, tid};
+    auto sync = [&] { select_sync(); };
+    auto each = [&](auto&& f) {
+      for (int e = tid; e < n0 + n1; e += kThreads) f(e < n0 ? src0[e] : src1[e - n0]);
+    };
+    const RadixCut cut = n0 + n1 > p.topk ? cs.radix_cut(p.topk, sync, each) : RadixCut{};
+    uint32_t* lo = p.key_lo + row * p.topk;
+    uint32_t* hi = p.key_hi + row * p.topk;
+    const int kept = cs.write_kept(cut, sync, each, [&](int pos, unsigned long long key) {
+      lo[pos] = static_cast<uint32_t>(key);
+      hi[pos] = static_cast<uint32_t>(key >> 32);
+    });
+    if (tid == 0) p.row_count[row] = kept;
+  }
+};
+
+}  // namespace dsaib::hopper
