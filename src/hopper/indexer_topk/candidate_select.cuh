@@ -39,7 +39,14 @@ struct CandidateSelect {
       for (int b = tid; b < 256; b += kThreads) sel.hist[b] = 0;
       sync();
       for_each([&](unsigned long long key) {
-        if ((key & cut.mask) == cut.prefix) atomicAdd(&sel.hist[(key >> shift) & 255u], 1u);
+        // Logits cluster in few bins (the top digit is the sign and exponent):
+        // one add per distinct bin per warp, not one per lane on the same word.
+        const bool counted = (key & cut.mask) == cut.prefix;
+        const uint32_t bin = counted ? static_cast<uint32_t>(key >> shift) & 255u : 256u;
+        const uint32_t peers = __match_any_sync(__activemask(), bin);
+        if (counted && (threadIdx.x % 32) == static_cast<uint32_t>(__ffs(peers) - 1)) {
+          atomicAdd(&sel.hist[bin], static_cast<uint32_t>(__popc(peers)));
+        }
       });
       sync();
       if (tid < 32) {  // lane l: bins 255 - 8 l down to 248 - 8 l, counted from the top
