@@ -26,6 +26,11 @@ struct TopkTileConfig {
   // K stages as the rest of the 227 KiB holds.
   static constexpr int kStagesQ = 2;
   static constexpr int kStagesK = kHeadDim == 128 ? 4 : 8;
+  // Tile g goes to score warpgroup g % 2 and to K stage g % kStagesK, g counted
+  // over all of a CTA's tasks: with an even kStagesK every stage has one
+  // consumer, which takes its uses in order, so no wait is ever more than one
+  // phase ahead of the stage's barrier (a parity wait cannot tell phase k from k + 2).
+  static_assert(kStagesK % 2 == 0, "each K stage belongs to one score warpgroup");
 
   static constexpr int kThreadsPerWarpgroup = 128;
   static constexpr int kProducerThreads = kThreadsPerWarpgroup;
