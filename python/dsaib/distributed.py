@@ -59,20 +59,27 @@ every tensor's dtype and shape, a hash of ``cu_seqlens_q``/``cu_seqlens_k``,
 ``id_mode``, ``sm_scale``, ``loss_coeff``, ``normalization_count``,
 ``out_dtype``, ``a_operand_precision``) and compares them: an argument that
 differs raises the same ValueError on every rank, naming it and what each
-rank passed. It costs one extra small collective per call (with NCCL, one
-host synchronisation); a group of one process skips it.
+rank passed. Before it, each rank runs the library's own validation of what
+its library call will get (dsaib::validate_indexer_kl_loss_inputs: one call
+that reads only metadata, and for THD cu_seqlens) and sends its error, if any,
+with the descriptor: when the descriptors agree, that rank raises its error
+and every other rank a ValueError naming the rank and its error, instead of
+the others waiting out the group's timeout in the next collective. It costs
+one extra small collective per call (with NCCL, one host synchronisation) and
+one validation call (microseconds of host time; with THD on a GPU it reads
+cu_seqlens to the host: one more synchronisation); a group of one process
+skips the collective.
 
 Overlap: the all-gather is started asynchronously before the local tensors
-are converted (and, for float64 inputs, whose forward runs in torch, checked
-by the library's validation) and waited for just before the library's op,
-which validates the rest; in the backward, the reduce-scatter is started
+are converted and waited for just before the library's op; in the backward, the reduce-scatter is started
 asynchronously and the conversion of ``d_index_q`` and ``d_weights`` runs
 while it is in flight. With NCCL, the waits order the current CUDA stream
 after the collective without blocking the host.
 
 Host synchronisations besides the collectives: the agreement's descriptor
 read back (one with NCCL), THD's cu_seqlens read to the host in one transfer
-(one), and those of the library's calls (one in the loss's forward, one in
+(one), the validation before the exchange (THD on a GPU: one), and those of
+the library's calls (one in the loss's forward, one in
 its backward, one in the backward-only function; docs/python.md).
 """
 from typing import Optional, Tuple

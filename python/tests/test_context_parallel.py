@@ -312,13 +312,16 @@ def test_split_sequence_matches_one_process(world_results, case):
 
 @pytest.mark.parametrize("case", [c for c in CASES if c[0] != "wrong_order"], ids=lambda c: c[0])
 def test_each_call_makes_one_library_call_and_its_documented_host_reads(world_results, case):
-    """docs/python.md, "Context parallelism": the loss's forward and backward one
-    library call each, the backward-only function one; the host reads the
-    agreement's descriptor (and, THD, both cu_seqlens in one transfer)."""
+    """docs/python.md, "Context parallelism": the library's validation before the
+    exchange (one call), then the loss's forward and backward one library call
+    each (the float64 forward runs in torch), the backward-only function one;
+    the host reads the agreement's descriptor (and, THD, both cu_seqlens in one
+    transfer)."""
     world, probs, results = world_results
     name, layout, cp_layout, id_mode, dtype, op = case
     reads = 1 + (layout == "thd")
-    want = [(1, reads), (1, 0)] if op == "loss" else [(1, reads)]
+    forward_calls = 1 + (dtype != torch.float64)
+    want = [(forward_calls, reads), (1, 0)] if op == "loss" else [(2, reads)]
     for r, res in enumerate(results):
         assert [tuple(c) for c in res[name]["counts"]] == want, (r, res[name]["counts"])
 
