@@ -752,5 +752,40 @@ TEST(IndexerTopk, CudaUnavailable) {
   EXPECT_NO_THROW(reference_indexer_topk(p.inputs(), opt, 4));
 }
 
+// With a cuda device, its limits (H a multiple of 8 up to 128, D 64 or 128,
+// topk up to 8192) are checked before any memory is read (views marked cuda
+// over host memory).
+TEST(IndexerTopk, CudaLimits) {
+  if (!cuda_backend_available()) GTEST_SKIP() << "no cuda device: the cuda limits are not reachable";
+  const TopkProblem p = make_topk_problem(TopkSpec{});
+  TopkOutputs out(p, 4);
+  IndexerTopkOptions opt = p.options();
+  opt.backend = Backend::cuda;
+  struct Limit {
+    int64_t heads, dim, topk;
+    const char* argument;
+    const char* part;
+  };
+  for (const Limit& l : {Limit{12, 64, 4, "index_q", "H (heads, dim 2) a multiple of 8 in [8, 128] on the cuda backend, got H = 12"},
+                         Limit{136, 64, 4, "index_q", "got H = 136"},
+                         Limit{8, 96, 4, "index_q", "D (last dim) 64 or 128 on the cuda backend, got D = 96"},
+                         Limit{8, 64, 8193, "topk_indices", "topk (last dim) at most 8192 on the cuda backend, got topk = 8193"}}) {
+    IndexerTopkInputs in = p.inputs();
+    IndexerTopkOutputs o = out.views();
+    in.index_q = contiguous_view(in.index_q.data, DType::bf16, {2, 5, l.heads, l.dim}, DeviceType::cuda);
+    in.weights = contiguous_view(in.weights.data, DType::f32, {2, 5, l.heads}, DeviceType::cuda);
+    in.index_k = contiguous_view(in.index_k.data, DType::bf16, {2, 13, l.dim}, DeviceType::cuda);
+    o.topk_indices = contiguous_view(o.topk_indices.data, DType::i32, {2, 5, l.topk}, DeviceType::cuda);
+    o.topk_logits = o.topk_lengths = TensorView{};
+    try {
+      indexer_topk(in, o, opt);
+      ADD_FAILURE() << "accepted " << l.heads << " x " << l.dim << ", topk " << l.topk;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.argument(), l.argument) << e.what();
+      EXPECT_NE(std::string(e.what()).find(l.part), std::string::npos) << e.what();
+    }
+  }
+}
+
 }  // namespace
 }  // namespace dsaib::test
