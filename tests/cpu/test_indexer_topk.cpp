@@ -599,6 +599,70 @@ TEST(TopkChecker, AcceptsANearTieExchange) {
   EXPECT_FALSE(c.pass);
 }
 
+// A selection computed as the cuda backend computes it (fp32 accumulation of
+// the bf16 products, here in reverse order, f32 weights and sum): it may
+// differ from the fp64 one only by near-ties, and its f32 logits lie within
+// their bounds, so the checker accepts it.
+TEST(TopkChecker, AcceptsAnFp32Selection) {
+  int64_t exchanged = 0;
+  for (uint64_t seed : {101, 102, 103, 104, 105, 106}) {
+    TopkSpec s;
+    s.batch = 1, s.s_q = 16, s.s_kv = 700, s.heads = 16, s.head_dim = 64, s.topk = 95, s.causal_offset = 684, s.seed = seed;
+    TopkProblem p = make_topk_problem(s);
+    // Exact ties that fp32 rounds apart: pairs of keys with elements 0 and 1
+    // swapped, against queries whose elements 0 and 1 are equal; element 2
+    // (8 * 8) makes each dot large, so that the last two products (d = 1, 0)
+    // are rounded as they are added, in either order.
+    for (int64_t e = 0; e < p.index_q.numel(); e += 64) {
+      p.q_bits()[e + 1] = p.q_bits()[e];
+      p.q_bits()[e + 2] = detail::float_to_bf16(8.0f);
+    }
+    for (int64_t e = 0; e < p.index_k.numel(); e += 64) p.k_bits()[e + 2] = detail::float_to_bf16(8.0f);
+    for (int64_t j = 0; j + 1 < 700; j += 2) {
+      for (int64_t d = 0; d < 64; ++d) p.k_bits()[(j + 1) * 64 + d] = p.k_bits()[j * 64 + (d < 2 ? 1 - d : d)];
+    }
+    const int64_t H = 16, D = 64, K = 95;  // odd: the k-th boundary splits a tied pair
+    TopkOutputs out(p, K);
+    for (int64_t r = 0; r < p.rows; ++r) {
+      const int64_t hi = std::min<int64_t>(700, r + 684 + 1);
+      std::vector<std::pair<float, int32_t>> keys;
+      for (int64_t j = 0; j < hi; ++j) {
+        float sum = 0.0f;
+        for (int64_t h = 0; h < H; ++h) {
+          float dot = 0.0f;
+          for (int64_t d = D - 1; d >= 0; --d) {
+            dot += detail::bf16_to_float(p.q_bits()[(r * H + h) * D + d]) * detail::bf16_to_float(p.k_bits()[j * D + d]);
+          }
+          sum += p.weights.data<float>()[r * H + h] * std::max(dot, 0.0f);
+        }
+        keys.push_back({sum, int32_t(j)});
+      }
+      std::sort(keys.begin(), keys.end(), [](auto a, auto b) { return a.first != b.first ? a.first > b.first : a.second < b.second; });
+      for (int64_t i = 0; i < K; ++i) {
+        out.ids.data<int32_t>()[r * K + i] = keys[i].second;
+        out.logits.data<float>()[r * K + i] = keys[i].first;
+      }
+      out.lengths.data<int32_t>()[r] = int32_t(K);
+    }
+    const TopkCheck c = check_indexer_topk(p.inputs(), p.options(), out.views());
+    EXPECT_TRUE(c.pass) << "seed " << seed << ": " << c.first_failure;
+    EXPECT_LE(c.max_logit_error, 1.0);
+    EXPECT_GT(c.max_logit_error, 0.0) << "fp32 logits should differ from fp64 ones somewhere";
+    exchanged += c.exchanged_ids;
+    // Each logit moved by twice its bound: refused.
+    const ReferenceTopk ref = reference_indexer_topk(p.inputs(), p.options(), K);
+    for (int64_t i = 0; i < K; ++i) {
+      const size_t e = size_t(3 * K + i);
+      if (out.ids.data<int32_t>()[e] == ref.topk_indices[e]) {
+        out.logits.data<float>()[e] = float(ref.topk_logits[e] + 2 * ref.topk_bounds[e]);
+        break;
+      }
+    }
+    EXPECT_FALSE(check_indexer_topk(p.inputs(), p.options(), out.views()).pass);
+  }
+  EXPECT_GT(exchanged, 0) << "no exact tie rounded apart: the case does not exercise the exchange";
+}
+
 // ---------------------------------------------------------------- validation
 
 struct Call {
