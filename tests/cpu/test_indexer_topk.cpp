@@ -116,6 +116,7 @@ class TopkAgainstDefinition : public ::testing::TestWithParam<DefinitionCase> {}
 
 TEST_P(TopkAgainstDefinition, CpuBackendReferenceAndChecker) {
   const TopkProblem p = make_topk_problem(GetParam().spec);
+  const Snapshot q(p.index_q), w(p.weights), k(p.index_k), st(p.starts), en(p.ends), cq(p.cu_q), ck(p.cu_k);
   expect_matches_definition(p, p.options(), p.spec.topk, GetParam().name);
   // f64 logits: unrounded.
   expect_matches_definition(p, p.options(), p.spec.topk, GetParam().name + " f64", DType::f64);
@@ -126,6 +127,9 @@ TEST_P(TopkAgainstDefinition, CpuBackendReferenceAndChecker) {
   for (size_t i = 0; i < want.ids.size(); ++i) ASSERT_EQ(out.ids.data<int32_t>()[i], want.ids[i]);
   const TopkCheck check = check_indexer_topk(p.inputs(), p.options(), {out.ids.view(), {}, {}});
   EXPECT_TRUE(check.pass) << check.first_failure;
+  EXPECT_TRUE(q.unchanged() && w.unchanged() && k.unchanged() && st.unchanged() && en.unchanged() && cq.unchanged() &&
+              ck.unchanged())
+      << "an input written";
 }
 
 INSTANTIATE_TEST_SUITE_P(Problems, TopkAgainstDefinition, ::testing::ValuesIn(definition_cases()),
