@@ -274,9 +274,12 @@ Buffer make_buffer(const std::vector<int64_t>& shape, const std::string& dtype, 
   } else if (dtype == "f64") {
     dt = nb::dtype<double>();
     elem = 8;
+  } else if (dtype == "i32") {
+    dt = nb::dtype<int32_t>();
+    elem = 4;
   } else {
     throw dsaib::Error(dsaib::ErrorCode::invalid_argument, "dtype",
-                       "dtype: expected \"f32\", \"bf16\" or \"f64\", got \"" + dtype + "\"");
+                       "dtype: expected \"f32\", \"bf16\", \"f64\" or \"i32\", got \"" + dtype + "\"");
   }
   if (shape.size() > static_cast<size_t>(dsaib::kMaxRank)) {
     throw dsaib::Error(dsaib::ErrorCode::invalid_argument, "shape",
@@ -973,7 +976,7 @@ NB_MODULE(_dsaib, m) {
       });
 
   m.def("empty", &make_buffer, nb::arg("shape"), nb::arg("dtype"), nb::arg("device"),
-        "An uninitialised contiguous Buffer: dtype \"f32\", \"bf16\" or \"f64\", device \"cpu\" or \"cuda:N\".");
+        "An uninitialised contiguous Buffer: dtype \"f32\", \"bf16\", \"f64\" or \"i32\", device \"cpu\" or \"cuda:N\".");
 
   m.def(
       "stream_synchronize",
