@@ -854,11 +854,13 @@ NB_MODULE(_dsaib, m) {
         PyWorkspace ws(workspace, device_of(opt, index_q));
         const dsaib::WorkspaceAllocator allocator = ws.allocator();
         call_library([&] {
-          // dsaib::indexer_topk takes its workspace as (pointer, bytes): with the
-          // caller's allocator on the cuda backend it is sized first (a second
-          // validation; BSHD reads nothing on the host), else the library
-          // allocates it itself, stream-ordered.
-          if (allocator.allocate && opt.backend == Backend::cuda) {
+          // dsaib::indexer_topk takes its workspace as (pointer, bytes), so the
+          // caller's allocator needs the size query first: a second validation,
+          // which reads nothing on the host for BSHD. THD's validation copies
+          // cu_seqlens to the host (cuda, outside a capture), so there the
+          // library allocates the workspace itself, stream-ordered, and the
+          // call validates once.
+          if (allocator.allocate && opt.backend == Backend::cuda && opt.layout == Layout::bshd) {
             const std::size_t bytes = dsaib::indexer_topk_workspace_size(in, out, opt);
             void* p = bytes ? allocator.allocate(allocator.context, bytes) : nullptr;
             dsaib::indexer_topk(in, out, opt, p, bytes);
