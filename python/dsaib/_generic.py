@@ -379,7 +379,7 @@ def indexer_topk(index_q, weights, index_k, topk, *, starts=None, ends=None, cu_
                  uint16_as_bf16=False):
     """The lightning indexer's forward: each query row's ``topk`` keys with the
     largest logits ``I[t, s] = sum_h weights[t, h] * relu(index_q[t, h] . index_k[s])``
-    among the keys it sees (docs/indexer-topk.md).
+    among the keys it sees (include/dsaib/indexer_topk.hpp).
 
     ========  ===============  ==============  ======================
     argument  shape (BSHD)     shape (THD)     dtype
