@@ -20,8 +20,9 @@ option), CPU tensors the fp64 CPU backend. Each makes one library call.
   keys by logit (``torch.ops.dsaib.indexer_topk``), whose ids the loss takes.
   Not differentiable.
 * :func:`index_scores`: P alone, computed in torch.
-* :func:`context_parallel_indexer_kl_loss` and
-  :func:`context_parallel_indexer_backward` from :mod:`dsaib.distributed`.
+* :func:`context_parallel_indexer_kl_loss`,
+  :func:`context_parallel_indexer_backward` and
+  :func:`context_parallel_indexer_topk` from :mod:`dsaib.distributed`.
 
 The loss (docs/math.md), per query row over its valid slots ``i``::
 
@@ -52,11 +53,13 @@ from ._torch import reference as _reference
 from ._torch.autograd import IndexerKLLossFunction as _IndexerKLLossFunction
 from ._torch.convert import (check_same_device, check_tensor_types, check_torch_arguments, fp64, grad_code,
                              grad_loss_tensor, ids_int32, library_inputs, on_stream, range_int32, topk_operand)
-from .distributed import context_parallel_indexer_backward, context_parallel_indexer_kl_loss
+from .distributed import (context_parallel_indexer_backward, context_parallel_indexer_kl_loss,
+                          context_parallel_indexer_topk)
 
 __all__ = ["indexer_backward", "indexer_kl_forward", "indexer_kl_loss", "indexer_kl_loss_and_grad",
            "attention_target", "indexer_topk", "indexer_kl_loss_and_grad_from_attention", "IndexerKLLoss", "index_scores", "EPS",
-           "OPTIONS", "context_parallel_indexer_kl_loss", "context_parallel_indexer_backward"]
+           "OPTIONS", "context_parallel_indexer_kl_loss", "context_parallel_indexer_backward",
+           "context_parallel_indexer_topk"]
 
 #: The clip of ``T`` and ``P`` in the loss: exp(-100).
 EPS = _reference.EPS

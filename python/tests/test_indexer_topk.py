@@ -268,3 +268,34 @@ def test_the_workspace_query_is_zero_on_the_cpu_backend():
     with pytest.raises(ValueError, match=r'^order: expected "logit_descending" or "id_ascending", got "x"$'):
         dsaib._dsaib.indexer_topk_workspace_size(q, w, k, None, None, None, None, out, uint16_as_bf16=True,
                                                  order="x")
+
+
+def test_the_binding_is_one_library_call_and_takes_a_workspace_allocator_or_none():
+    q, w, k = bshd_problem(150)
+    ext = dsaib._dsaib
+    ids = np.full((2, 6, 3), 7, np.int32)
+    asked = []
+    before = ext.library_calls()
+    ext.indexer_topk(q, w, k, None, None, None, None, ids, workspace=lambda n: asked.append(n),
+                     uint16_as_bf16=True, backend="cpu")
+    assert ext.library_calls() == before + 1 and asked == []  # the cpu backend asks for no workspace
+    np.testing.assert_array_equal(ids, reference_topk(f32(q), w, f32(k), 3)[0])
+    with pytest.raises(TypeError, match=r"^workspace: expected None or a callable nbytes -> array"):
+        ext.indexer_topk(q, w, k, None, None, None, None, ids, workspace=np.empty(8, np.uint8),
+                         uint16_as_bf16=True)
+    with pytest.raises(TypeError, match=r"^options: unexpected keyword argument 'sm_scale'$"):
+        ext.indexer_topk(q, w, k, None, None, None, None, ids, uint16_as_bf16=True, sm_scale=1.0)
+    table = ext.option_table("indexer_topk")
+    assert list(table) == ["layout", "id_mode", "backend", "order", "causal_offset", "strict_ranges", "stream",
+                           "num_threads"]
+    assert table["order"] == ("word", "logit_descending", ("logit_descending", "id_ascending"))
+    assert table["strict_ranges"] == ("bool", False, ()) and table["causal_offset"] == ("int64", -2**63, ())
+
+
+def test_an_output_the_library_refuses_is_left_unwritten():
+    q, w, k = bshd_problem(160)
+    ids = np.full((2, 6, 3), 7, np.int32)
+    lengths = np.full((2, 5), 9, np.int32)  # the wrong shape: refused before anything is written
+    with pytest.raises(ValueError, match=r"^topk_lengths: "):
+        dsaib._dsaib.indexer_topk(q, w, k, None, None, None, None, ids, topk_lengths=lengths, uint16_as_bf16=True)
+    assert (ids == 7).all() and (lengths == 9).all()
