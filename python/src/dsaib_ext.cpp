@@ -853,21 +853,7 @@ NB_MODULE(_dsaib, m) {
         const auto opt = topk_options().read(options);
         PyWorkspace ws(workspace, device_of(opt, index_q));
         const dsaib::WorkspaceAllocator allocator = ws.allocator();
-        call_library([&] {
-          // dsaib::indexer_topk takes its workspace as (pointer, bytes), so the
-          // caller's allocator needs the size query first: a second validation,
-          // which reads nothing on the host for BSHD. THD's validation copies
-          // cu_seqlens to the host (cuda, outside a capture), so there the
-          // library allocates the workspace itself, stream-ordered, and the
-          // call validates once.
-          if (allocator.allocate && opt.backend == Backend::cuda && opt.layout == Layout::bshd) {
-            const std::size_t bytes = dsaib::indexer_topk_workspace_size(in, out, opt);
-            void* p = bytes ? allocator.allocate(allocator.context, bytes) : nullptr;
-            dsaib::indexer_topk(in, out, opt, p, bytes);
-          } else {
-            dsaib::indexer_topk(in, out, opt);
-          }
-        });
+        call_library([&] { dsaib::indexer_topk(in, out, opt, allocator); });
       },
       nb::arg("index_q"), nb::arg("weights"), nb::arg("index_k"), nb::arg("starts").none(), nb::arg("ends").none(),
       nb::arg("cu_seqlens_q").none(), nb::arg("cu_seqlens_k").none(), nb::arg("topk_indices"),
