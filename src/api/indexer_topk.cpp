@@ -325,7 +325,7 @@ ProblemGeometry validate_for_backend(const IndexerTopkInputs& in, const IndexerT
 std::size_t indexer_topk_workspace_size(const IndexerTopkInputs& inputs, const IndexerTopkOutputs& outputs,
                                         const IndexerTopkOptions& options) {
   const detail::ProblemGeometry g = detail::validate_for_backend(inputs, outputs, options);
-  return options.backend == Backend::cuda ? detail::plan_cuda_indexer_topk(inputs, g).workspace_bytes : 0;
+  return options.backend == Backend::cuda ? detail::plan_cuda_indexer_topk(inputs, outputs, g).workspace_bytes : 0;
 }
 
 void indexer_topk(const IndexerTopkInputs& inputs, const IndexerTopkOutputs& outputs, const IndexerTopkOptions& options,
@@ -335,7 +335,7 @@ void indexer_topk(const IndexerTopkInputs& inputs, const IndexerTopkOutputs& out
     detail::run_cpu_indexer_topk(inputs, outputs, options, g);
     return;
   }
-  const hopper::TopkPlan plan = detail::plan_cuda_indexer_topk(inputs, g);
+  const hopper::TopkPlan plan = detail::plan_cuda_indexer_topk(inputs, outputs, g);
   detail::check_caller_workspace(workspace, workspace_bytes, plan.workspace_bytes, "indexer_topk_workspace_size");
   detail::run_cuda_indexer_topk(plan, inputs, outputs, options, g, workspace, workspace_bytes);
 }
