@@ -983,10 +983,10 @@ TEST_F(Cli, BadUsageExitsWithTwo) {
   }
   const Result unknown = run("frobnicate --preset tiny");
   EXPECT_EQ(unknown.exit_code, 2) << unknown.output;
-  EXPECT_TRUE(contains(unknown.output, "unknown subcommand 'frobnicate': expected one of generate, backward, forward, step, bench, presets"))
+  EXPECT_TRUE(contains(unknown.output, "unknown subcommand 'frobnicate': expected one of generate, backward, forward, step, bench, topk, presets"))
       << unknown.output;
   const Result none = run("");
-  EXPECT_TRUE(contains(none.output, "a subcommand is required: one of generate, backward, forward, step, bench, presets")) << none.output;
+  EXPECT_TRUE(contains(none.output, "a subcommand is required: one of generate, backward, forward, step, bench, topk, presets")) << none.output;
   const Result help = run("backward --help");
   EXPECT_EQ(help.exit_code, 0);
   EXPECT_TRUE(contains(help.output, "--preset")) << help.output;
