@@ -4,9 +4,10 @@
 // THD with cu_seqlens; starts/ends as a context-parallel shard's rows against
 // all-gathered keys, and clipped and empty ranges; exact ties; rows seeing fewer
 // keys than topk; topk 1 to 8192; S_kv 262144; key offsets beyond 2^31
-// elements; both orders and id modes; logits and lengths present and absent; a
-// NaN in one row of index_q; bitwise determinism; CUDA-graph capture of a BSHD
-// and a THD call; a caller's workspace. Every run first poisons the outputs
+// elements; sequence-first index_q and weights; both orders and id modes;
+// logits and lengths present and absent; a NaN in one row of index_q; bitwise
+// determinism; CUDA-graph capture of a BSHD and a THD call; a caller's
+// workspace. Every run first poisons the outputs
 // (ids 0x7f7f7f7f, logits NaN, lengths 0x7f7f7f7f); each test draws fresh
 // random inputs (its seed is printed on failure). Without a compute-capability
 // 9.0 GPU every GPU test is SKIPPED (never passed).
@@ -66,6 +67,7 @@ struct TopkSpec {
   bool negated_rows = false;              // keys >= 0, odd rows' index_q <= 0: every ReLU of those rows 0
   std::vector<int64_t> nan_rows;          // flat query rows with one NaN in index_q
   int64_t k_row_stride = 0;               // device index_k's row stride in elements (0: D, contiguous)
+  bool seq_first = false;                 // bshd: device index_q and weights as views of (S_q, B, ...) storage
 };
 
 /// One problem on the host (index_k compact), with its device copies.
@@ -208,6 +210,20 @@ std::size_t key_bytes(const TopkProblem& p) {
   return p.key_rows > 0 ? static_cast<std::size_t>((p.key_rows - 1) * key_row_stride(p) + p.s.dim) * 2 : 0;
 }
 
+/// BSHD index_q (B, S, H, D) or weights (B, S, H) reordered to sequence-first
+/// storage (S, B, ...), as Megatron keeps them; `inner` elements per (b, s).
+HostTensor sequence_first(const HostTensor& t, int64_t inner) {
+  const int64_t B = t.shape[0], S = t.shape[1];
+  const std::size_t es = dtype_size(t.dtype), row = static_cast<std::size_t>(inner) * es;
+  HostTensor out(t.dtype, {S, B, inner});
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t s = 0; s < S; ++s) {
+      std::memcpy(out.bytes.data() + (s * B + b) * row, t.bytes.data() + (b * S + s) * row, row);
+    }
+  }
+  return out;
+}
+
 /// The problem's inputs and the outputs on the device.
 struct DeviceTopk {
   const TopkProblem& p;
@@ -215,7 +231,10 @@ struct DeviceTopk {
   DeviceBuffer key_storage;  // index_k, rows k_row_stride elements apart
   TensorView index_k;
   explicit DeviceTopk(const TopkProblem& prob)
-      : p(prob), index_q(prob.index_q), weights(prob.weights), starts(prob.starts), ends(prob.ends), cu_q(prob.cu_q),
+      : p(prob),
+        index_q(prob.s.seq_first ? sequence_first(prob.index_q, prob.s.heads * prob.s.dim) : prob.index_q),
+        weights(prob.s.seq_first ? sequence_first(prob.weights, prob.s.heads) : prob.weights),
+        starts(prob.starts), ends(prob.ends), cu_q(prob.cu_q),
         cu_k(prob.cu_k), ids(DType::i32, prob.out_shape()), logits(DType::f32, prob.out_shape()),
         lengths(DType::i32, prob.row_shape()), key_storage(key_bytes(prob)) {
     const int64_t D = p.s.dim, rs = key_row_stride(p);
@@ -239,6 +258,14 @@ struct DeviceTopk {
     IndexerTopkInputs in;
     in.index_q = index_q.view;
     in.weights = weights.view;
+    if (p.s.seq_first) {  // (B, S_q, ...) views of the (S_q, B, ...) storage: Megatron's x.transpose(0, 1)
+      in.index_q = contiguous_view(index_q.buffer.ptr, DType::bf16, p.index_q.shape.data(), 4, DeviceType::cuda, 0);
+      in.index_q.strides[0] = p.s.heads * p.s.dim;
+      in.index_q.strides[1] = p.s.batch * p.s.heads * p.s.dim;
+      in.weights = contiguous_view(weights.buffer.ptr, p.weights.dtype, p.weights.shape.data(), 3, DeviceType::cuda, 0);
+      in.weights.strides[0] = p.s.heads;
+      in.weights.strides[1] = p.s.batch * p.s.heads;
+    }
     in.index_k = index_k;
     if (p.ranged()) {
       in.starts = starts.view;
@@ -583,6 +610,21 @@ TEST_F(IndexerTopkGpu, OrdersAndIdModes) {
         check_case(s, fresh_seed());
       }
     }
+  }
+}
+
+TEST_F(IndexerTopkGpu, SequenceFirstViews) {
+  // index_q and weights read in place from Megatron's sequence-first storage.
+  for (auto [h, d] : {std::pair<int64_t, int64_t>{64, 128}, {8, 64}}) {
+    SCOPED_TRACE("H " + std::to_string(h) + " D " + std::to_string(d));
+    TopkSpec s = shape(h, d, 100);
+    s.batch = 3;
+    s.seq_first = true;
+    check_case(s, fresh_seed());
+    s.weights_dtype = DType::f32;
+    s.ranges = Ranges::second_half;
+    s.s_q = 150;
+    check_case(s, fresh_seed());
   }
 }
 
