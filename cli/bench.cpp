@@ -478,7 +478,8 @@ nlohmann::ordered_json topk_memory_json(const bench::TopkMemory& m) {
 /// 2. One case: its line(s) of the table, and its JSON.
 nlohmann::ordered_json run_case(std::ostream& out, const bench::OpCase& c, const bench::OpConfig& cfg,
                                 const Floors& f, const bench::DeviceInfo& dev) {
-  log_stage(std::string("op: ") + bench::bench_op_name(c.op) + " " + bench::id_pattern_name(c.ids) +
+  log_stage(std::string("op: ") + bench::bench_op_name(c.op) + " " +
+            (c.op == BenchOp::topk ? bench::topk_ranges_name(c.ranges) : bench::id_pattern_name(c.ids)) +
             " S=" + std::to_string(c.seq) + " H=" + std::to_string(c.heads) + " D=" + std::to_string(c.dim) +
             ": generating, uploading, " + std::to_string(cfg.warmup) + " + " + std::to_string(cfg.iters) +
             " launches" + (cfg.sustained_ms > 0 ? ", then ~" + fmt("%g", cfg.sustained_ms) + " ms back to back" : "") +
