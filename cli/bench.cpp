@@ -37,7 +37,7 @@ std::string fmt(const char* f, double v) {
 std::string version_string(int v) { return std::to_string(v / 1000) + "." + std::to_string(v % 1000 / 10); }
 
 bool uses_scatter(BenchOp op) { return op == BenchOp::backward || op == BenchOp::step || op == BenchOp::one_call; }
-bool uses_gather(BenchOp op) { return op != BenchOp::backward; }
+bool uses_gather(BenchOp op) { return op != BenchOp::backward && op != BenchOp::topk; }
 
 // ---------------------------------------------------------------- the floors
 
@@ -88,13 +88,23 @@ std::vector<bench::OpCase> bench_cases(const BenchArgs& a) {
       throw Error(ErrorCode::invalid_argument, "op", "--op: expected one of " + bench::bench_op_list() + ", got " + word);
     }
     const std::vector<std::pair<int64_t, int64_t>> shapes =
-        op == BenchOp::target ? a.shapes : std::vector<std::pair<int64_t, int64_t>>{{a.heads, a.dim}};
-    for (const std::string& ids : a.ids) {
+        op == BenchOp::target ? a.shapes
+        : op == BenchOp::topk ? a.topk_shapes
+                              : std::vector<std::pair<int64_t, int64_t>>{{a.heads, a.dim}};
+    // topk's cases go over --ranges instead of --ids (its rows see key ranges, not ids).
+    const std::vector<std::string>& patterns = op == BenchOp::topk ? a.ranges : a.ids;
+    for (const std::string& ids : patterns) {
       for (const auto& [heads, dim] : shapes) {
         for (int64_t s : a.seqs) {
           bench::OpCase c;
           c.op = op;
-          if (!bench::parse_id_pattern(ids, &c.ids)) {
+          if (op == BenchOp::topk) {
+            if (!bench::parse_topk_ranges(ids, &c.ranges)) {
+              throw Error(ErrorCode::invalid_argument, "ranges",
+                          "--ranges: expected one of " + bench::topk_ranges_list() + ", got \"" + ids + "\"");
+            }
+            c.ids = bench::IdPattern::causal;  // unused
+          } else if (!bench::parse_id_pattern(ids, &c.ids)) {
             throw Error(ErrorCode::invalid_argument, "ids",
                         "--ids: expected one of " + bench::id_pattern_list() + ", got \"" + ids + "\"");
           }
@@ -364,6 +374,19 @@ CaseFloor case_floor(const bench::OpCase& c, const bench::OpResult& r, const Flo
       cf.bound = fl.bound;
       break;
     }
+    case BenchOp::topk: {
+      const double ns = bench::topk_floor_ns_per_row(r.visible_keys_per_row, c.heads, c.dim, f.gemm->tflops);
+      j = {{"formula", "visible_keys_per_row*H*D*2 FLOP / GEMM rate"},
+           {"visible_keys_per_row", r.visible_keys_per_row},
+           {"flop_per_row", 2.0 * static_cast<double>(c.heads) * static_cast<double>(c.dim) * r.visible_keys_per_row},
+           {"gemm_tflops", f.gemm->tflops},
+           {"gemm_layout", bench::gemm_layout_name(f.gemm->layout)},
+           {"ns_per_row", ns},
+           {"bound", "gemm"}};
+      cf.ns = ns;
+      cf.bound = "gemm";
+      break;
+    }
     case BenchOp::step:
     case BenchOp::one_call: {
       const TableRates& rates = f.tables.at({c.dk_table_bytes(), c.dim});
@@ -432,16 +455,37 @@ nlohmann::ordered_json report_sustained(std::ostream& out, const bench::OpResult
   return j;
 }
 
+/// The top-k's extra memory: a line under its case, and its JSON.
+std::string mib_or_dash(int64_t bytes) { return bytes < 0 ? std::string("-") : fmt("%.1f MiB", bytes / kMiB); }
+
+std::string topk_memory_line(const bench::TopkMemory& m) {
+  return std::string(19, ' ') + "  extra memory: workspace " + mib_or_dash(static_cast<int64_t>(m.workspace_bytes)) +
+         " (ids alone " + mib_or_dash(static_cast<int64_t>(m.workspace_bytes_ids_only)) +
+         "); one call with its own workspace: pool peak used " + mib_or_dash(m.pool_used_high_bytes) + ", reserved " +
+         mib_or_dash(m.pool_reserved_high_bytes) + ", cudaMemGetInfo delta " + mib_or_dash(m.mem_get_info_delta_bytes) +
+         "\n";
+}
+
+nlohmann::ordered_json topk_memory_json(const bench::TopkMemory& m) {
+  auto measured = [](int64_t v) { return v < 0 ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(v); };
+  return {{"workspace_bytes", m.workspace_bytes},
+          {"workspace_bytes_ids_only", m.workspace_bytes_ids_only},
+          {"pool_used_high_bytes", measured(m.pool_used_high_bytes)},
+          {"pool_reserved_high_bytes", measured(m.pool_reserved_high_bytes)},
+          {"mem_get_info_delta_bytes", measured(m.mem_get_info_delta_bytes)}};
+}
+
 /// 2. One case: its line(s) of the table, and its JSON.
 nlohmann::ordered_json run_case(std::ostream& out, const bench::OpCase& c, const bench::OpConfig& cfg,
                                 const Floors& f, const bench::DeviceInfo& dev) {
-  log_stage(std::string("op: ") + bench::bench_op_name(c.op) + " " + bench::id_pattern_name(c.ids) +
+  log_stage(std::string("op: ") + bench::bench_op_name(c.op) + " " +
+            (c.op == BenchOp::topk ? bench::topk_ranges_name(c.ranges) : bench::id_pattern_name(c.ids)) +
             " S=" + std::to_string(c.seq) + " H=" + std::to_string(c.heads) + " D=" + std::to_string(c.dim) +
             ": generating, uploading, " + std::to_string(cfg.warmup) + " + " + std::to_string(cfg.iters) +
             " launches" + (cfg.sustained_ms > 0 ? ", then ~" + fmt("%g", cfg.sustained_ms) + " ms back to back" : "") +
             " ...");
   const bench::OpResult r = bench::run_op_case(c, cfg);
-  const bool backward = c.op == BenchOp::backward;
+  const bool backward = c.op == BenchOp::backward, topk = c.op == BenchOp::topk;
   const CaseFloor cf = case_floor(c, r, f, dev);
   char spread[64];
   std::snprintf(spread, sizeof spread, "(%.1f-%.1f)", r.ns_per_row_min, r.ns_per_row_max);
@@ -453,21 +497,34 @@ nlohmann::ordered_json run_case(std::ostream& out, const bench::OpCase& c, const
   char line[400];
   std::snprintf(line, sizeof line,
                 "%-8s %-15s %3lld %6lld %4lld %4lld %5lld %9.1f %4d %8.1f %19s %8.1f %9s %-7s %7s  %s\n",
-                bench::bench_op_name(c.op), bench::id_pattern_name(c.ids), (long long)c.batch, (long long)c.seq,
-                (long long)c.heads, (long long)c.dim, (long long)c.topk, r.valid_slots_per_row, r.input_sets,
+                bench::bench_op_name(c.op), topk ? bench::topk_ranges_name(c.ranges) : bench::id_pattern_name(c.ids),
+                (long long)c.batch, (long long)c.seq, (long long)c.heads, (long long)c.dim, (long long)c.topk,
+                topk ? r.visible_keys_per_row : r.valid_slots_per_row, r.input_sets,
                 r.ns_per_row, spread, r.tflops, cf.floor_ns.c_str(), cf.bound.c_str(), cf.floor_x.c_str(),
                 extra.c_str());
   out << line << std::flush;
+  if (topk) out << topk_memory_line(r.topk_memory) << std::flush;
   const nlohmann::ordered_json sustained = report_sustained(out, r, cf);
-  nlohmann::ordered_json j = {{"op", bench::bench_op_name(c.op)},
-                              {"ids", bench::id_pattern_name(c.ids)},
-                              {"batch", c.batch},
-                              {"seq", c.seq},
-                              {"seq_kv", c.seq},
-                              {"heads", c.heads},
-                              {"dim", c.dim},
-                              {"topk", c.topk}};
-  if (c.op == BenchOp::target) {
+  nlohmann::ordered_json j = {{"op", bench::bench_op_name(c.op)}};
+  if (topk) {
+    j["ranges"] = bench::topk_ranges_name(c.ranges);
+  } else {
+    j["ids"] = bench::id_pattern_name(c.ids);
+  }
+  j["batch"] = c.batch;
+  j["seq"] = c.seq;
+  if (topk) j["seq_q"] = r.query_rows;
+  j["seq_kv"] = c.seq;
+  j["heads"] = c.heads;
+  j["dim"] = c.dim;
+  j["topk"] = c.topk;
+  if (topk) {
+    j["layout"] = "bshd";
+    j["order"] = "logit_descending";
+    j["outputs"] = "topk_indices and topk_logits";
+    j["workspace"] = "the caller's, of indexer_topk_workspace_size bytes";
+    j["visible_keys_per_row"] = r.visible_keys_per_row;
+  } else if (c.op == BenchOp::target) {
     j["lse_base"] = lse_base_name(c.lse_base);
     j["normalize"] = c.normalize;
   } else {
@@ -491,6 +548,7 @@ nlohmann::ordered_json run_case(std::ostream& out, const bench::OpCase& c, const
   j["dk_reduce_gbps"] = uses_scatter(c.op) ? nlohmann::ordered_json(r.dk_gbps) : nlohmann::ordered_json(nullptr);
   j["floor"] = cf.floor;
   j["floor_ratio"] = cf.ratio;
+  if (topk) j["memory"] = topk_memory_json(r.topk_memory);
   if (backward) {
     j["traffic_floor"] = cf.traffic;
     j["traffic_floor_ratio"] = cf.traffic_ratio;
@@ -505,20 +563,29 @@ nlohmann::ordered_json method_json() {
       {"op", "the whole op on the cuda backend, per case (cases[].op): backward = indexer_backward given P (dK "
              "workspace zeroing, fused kernel, bf16 cast of dK); forward = indexer_kl_forward; step = "
              "indexer_kl_forward then the P-free indexer_backward; one-call = indexer_kl_loss_and_grad; target = "
-             "attention_target (heads = Hq, dim = Dqk)"},
+             "attention_target (heads = Hq, dim = Dqk); topk = indexer_topk (BSHD, B 1, local ids, "
+             "logit_descending, topk_indices and topk_logits, the caller's workspace; causal: S query rows against S "
+             "keys; cp-shard: the S/2 rows of the second half against all S keys, as starts/ends)"},
       {"timing", "CUDA events recorded around each launch on a non-blocking stream, after a 3 ms GPU spin, "
                  "synchronised after each; warm-up launches untimed"},
-      {"statistics", "median, min and max over the timed launches; ns_per_row = time / (B*S_q)"},
+      {"statistics", "median, min and max over the timed launches; ns_per_row = time / (B*S_q) (topk: / seq_q)"},
       {"sustained", "after the timed launches, settings.sustained_ms of launches back to back (an event between "
                     "each two, no spin, no host wait); sustained.ns_per_row = the median over the second half "
                     "of them (the steady state under the GPU's power limit), ratios as above; null when 0"},
       {"tflops", "useful FLOP per valid slot / median time: 6*H*D (backward), 2*H*D (forward, target), 8*H*D (step, "
-                 "one-call)"},
+                 "one-call); topk: 2*H*D per visible key"},
       {"dk_reduce_gbps", "D*4 bytes of fp32 dK reduce per valid slot / median time (backward, step, one-call)"},
       {"input_rotation", bench::rotation_method()},
       {"floor_formula", kBenchFloorFormula},
       {"gather_floor_formula", kBenchGatherFloorFormula},
       {"step_floor_formula", kBenchStepFloorFormula},
+      {"topk_floor_formula", kBenchTopkFloorFormula},
+      {"topk_memory", "memory (topk): workspace_bytes = indexer_topk_workspace_size of the timed call (ids and "
+                      "logits), workspace_bytes_ids_only without topk_logits; then, after one untimed call, one call "
+                      "with the library's own stream-ordered workspace: pool_used_high_bytes and "
+                      "pool_reserved_high_bytes = the device's current memory pool's high-water marks over it (reset "
+                      "before), mem_get_info_delta_bytes = cudaMemGetInfo's free bytes before minus after it with "
+                      "the pool keeping what it reserved"},
       {"floor_ways", "every floor term is the best of the ways measured in this run: the scatter rate of three "
                      "(floor_measurements.scatter), the key gather of three at a few depths and CTA counts "
                      "(floor_measurements.key_gather, each variant with its time and check), the GEMM rate the "
@@ -641,6 +708,8 @@ nlohmann::ordered_json bench_json(const BenchArgs& a, const bench::DeviceInfo& d
                  {"runtime", version_string(dev.runtime_version)}};
   nlohmann::ordered_json shapes = nlohmann::ordered_json::array();
   for (const auto& [h, d] : a.shapes) shapes.push_back(std::to_string(h) + "x" + std::to_string(d));
+  nlohmann::ordered_json topk_shapes = nlohmann::ordered_json::array();
+  for (const auto& [h, d] : a.topk_shapes) topk_shapes.push_back(std::to_string(h) + "x" + std::to_string(d));
   j["settings"] = {{"ops", a.ops},
                    {"iters", a.iters},
                    {"warmup", a.warmup},
@@ -649,6 +718,8 @@ nlohmann::ordered_json bench_json(const BenchArgs& a, const bench::DeviceInfo& d
                    {"seed", a.seed},
                    {"floor", !a.no_floor},
                    {"target_shapes", shapes},
+                   {"topk_shapes", topk_shapes},
+                   {"topk_ranges", a.ranges},
                    {"l2_set_aside_mib", a.l2_set_aside_mib >= 0 ? nlohmann::ordered_json(a.l2_set_aside_mib)
                                                                 : nlohmann::ordered_json(nullptr)},
                    {"dtypes", "bf16 inputs and outputs"},
@@ -728,7 +799,7 @@ int run_bench(const BenchArgs& a) {
   for (const bench::OpCase& c : cases) jcases.push_back(run_case(out, c, cfg, floors, dev));
   out << "ns/row: median over B*S query rows (min-max of the launches); xfloor: ns/row / floor ns; bound: the "
          "floor's larger term; backward: xtraffic = ns/row / traffic floor ns (the K reads and dK reduces alone), "
-         "x278 = ns/row / 278 ns\n";
+         "x278 = ns/row / 278 ns; topk: ids = its ranges, valid/row = visible keys per row, ns/row over its S_q rows\n";
   if (!floors.checks_ok) out << "a floor measurement failed its correctness check (see the JSON)\n";
   out << std::flush;
 

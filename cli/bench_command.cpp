@@ -27,7 +27,9 @@ constexpr const char* kBenchFooter =
     "       the fastest counts, and the report names it;\n"
     "     - target: the cuBLAS bf16 GEMM rate at the target's shape (Hq x topk x Dqk,\n"
     "       batched, no gather);\n"
-    "  2. every --op x --ids x --seq case (the target: x --shapes): --warmup untimed\n"
+    "     - topk: the cuBLAS bf16 GEMM rate (8192^3, the best of four operand layouts);\n"
+    "  2. every --op x --ids x --seq case (the target: x --shapes; topk: --ranges x\n"
+    "     --topk-shapes x --seq, B 1): --warmup untimed\n"
     "     launches, then --iters launches, each timed with CUDA events after a 3 ms GPU\n"
     "     spin (the events bracket GPU time, not the host's calls); input sets rotated so\n"
     "     consecutive launches touch different memory, beyond L2;\n"
@@ -43,6 +45,10 @@ constexpr const char* kBenchFooter =
     "  forward, target: floor ns/row = max(gather ns/row, 2*H*D*slots FLOP / GEMM rate)\n"
     "  step, one-call:  floor ns/row = max(topk*D*4 B / scatter rate,\n"
     "                                      8*H*D*topk FLOP / GEMM rate, gather ns/row)\n"
+    "  topk:            floor ns/row = visible keys per row * H*D*2 FLOP / GEMM rate\n"
+    "                   (ns/row over the S_q query rows; after the timed launches, one call\n"
+    "                   with the library's own workspace gives its extra memory: the\n"
+    "                   workspace size, the memory pool's peak and the cudaMemGetInfo delta)\n"
     "and for the backward also xtraffic = ns/row / traffic floor (topk*D*4 B / key-read rate:\n"
     "the K reads and dK reduces alone, a reference, not the floor) and x278 = ns/row / 278 ns\n"
     "(a fixed reference floor for H64 D128 topk 2048: the dK reduce of 2048 rows of 128\n"
@@ -66,19 +72,38 @@ CLI::Validator mib_range() {
       "MIB");
 }
 
+/// "AxB" as two decimal integers without leading zeros; false for anything else.
+bool parse_pair(const std::string& item, int64_t* a, int64_t* b) {
+  const size_t x = item.find('x');
+  return x != std::string::npos && parse_decimal_int64(item.substr(0, x), a) &&
+         parse_decimal_int64(item.substr(x + 1), b) && !has_leading_zero(item.substr(0, x)) &&
+         !has_leading_zero(item.substr(x + 1));
+}
+
 /// "HqxDqk" (e.g. 128x576): Hq a multiple of 16 up to 128, Dqk a multiple of 64 up to 576.
 std::pair<int64_t, int64_t> parse_shape(const std::string& item) {
-  const size_t x = item.find('x');
   int64_t h = 0, d = 0;
-  if (x == std::string::npos || !parse_decimal_int64(item.substr(0, x), &h) ||
-      !parse_decimal_int64(item.substr(x + 1), &d) || has_leading_zero(item.substr(0, x)) ||
-      has_leading_zero(item.substr(x + 1))) {
+  if (!parse_pair(item, &h, &d)) {
     throw Error(ErrorCode::invalid_argument, "--shapes", "--shapes: expected HqxDqk (e.g. 128x576), got \"" + item + "\"");
   }
   if (h < 16 || h > 128 || h % 16 != 0 || d < 64 || d > 576 || d % 64 != 0) {
     throw Error(ErrorCode::invalid_argument, "--shapes",
                 "--shapes: expected Hq a multiple of 16 up to 128 and Dqk a multiple of 64 up to 576, got \"" + item +
                     "\"");
+  }
+  return {h, d};
+}
+
+/// "HxD" (e.g. 64x128): the cuda top-k's H a multiple of 8 up to 128, D 64 or 128.
+std::pair<int64_t, int64_t> parse_topk_shape(const std::string& item) {
+  int64_t h = 0, d = 0;
+  if (!parse_pair(item, &h, &d)) {
+    throw Error(ErrorCode::invalid_argument, "--topk-shapes",
+                "--topk-shapes: expected HxD (e.g. 64x128), got \"" + item + "\"");
+  }
+  if (h < 8 || h > 128 || h % 8 != 0 || (d != 64 && d != 128)) {
+    throw Error(ErrorCode::invalid_argument, "--topk-shapes",
+                "--topk-shapes: expected H a multiple of 8 up to 128 and D 64 or 128, got \"" + item + "\"");
   }
   return {h, d};
 }
@@ -91,8 +116,8 @@ void add_bench_flags(CLI::App* cmd, BenchFlags& f) {
                              "what the cases time, a comma-separated list: backward (indexer_backward given P), "
                              "forward (indexer_kl_forward), step (indexer_kl_forward, then the P-free "
                              "indexer_backward: an autograd loss's training step), one-call "
-                             "(indexer_kl_loss_and_grad), target (attention_target, at --shapes); each against "
-                             "its own floor")
+                             "(indexer_kl_loss_and_grad), target (attention_target, at --shapes), topk "
+                             "(indexer_topk, at --ranges and --topk-shapes); each against its own floor")
                  ->type_name("OP,...")
                  ->default_str("backward");
   f.seq_opt = cmd->add_option("--seq", f.seq_text, "S_q = S_kv of each case, a comma-separated list")
@@ -113,6 +138,18 @@ void add_bench_flags(CLI::App* cmd, BenchFlags& f) {
                                  "HqxDqk (Hq a multiple of 16 up to 128, Dqk a multiple of 64 up to 576)")
                      ->type_name("HqxDqk,...")
                      ->default_str("128x576,64x192");
+  f.topk_shapes_opt = cmd->add_option("--topk-shapes", f.topk_shapes_text,
+                                      "topk: index heads x head dim of each case, a comma-separated list of HxD "
+                                      "(H a multiple of 8 up to 128, D 64 or 128)")
+                          ->type_name("HxD,...")
+                          ->default_str("64x128,32x128");
+  f.ranges_opt = cmd->add_option("--ranges", f.ranges_text,
+                                 "topk: the keys each query row sees, a comma-separated list (instead of --ids): "
+                                 "causal (S query rows, row t sees keys 0..t), cp-shard (a context-parallel shard: "
+                                 "the S/2 rows of the sequence's second half against all S keys, given as "
+                                 "starts/ends)")
+                     ->type_name("RANGES,...")
+                     ->default_str("causal,cp-shard");
   cmd->add_option("--lse-base", a.lse_base, "target: the base of the lse input (natural, or base2 as FlashMLA writes it)")
       ->check(one_of({"natural", "base2"}))
       ->default_str("natural");
@@ -217,6 +254,22 @@ int run_bench_flags(BenchFlags& f, const std::string& command_line) {
   if (f.shapes_opt->count() > 0) {
     a.shapes.clear();
     for (const std::string& item : split_list_items("--shapes", f.shapes_text, "shapes")) a.shapes.push_back(parse_shape(item));
+  }
+  if (f.topk_shapes_opt->count() > 0) {
+    a.topk_shapes.clear();
+    for (const std::string& item : split_list_items("--topk-shapes", f.topk_shapes_text, "shapes")) {
+      a.topk_shapes.push_back(parse_topk_shape(item));
+    }
+  }
+  if (f.ranges_opt->count() > 0) {
+    a.ranges = split_list_items("--ranges", f.ranges_text, "ranges");
+    for (const std::string& word : a.ranges) {
+      dsaib::bench::TopkRanges parsed;
+      if (!dsaib::bench::parse_topk_ranges(word, &parsed)) {
+        throw Error(ErrorCode::invalid_argument, "--ranges",
+                    "--ranges: expected one of " + dsaib::bench::topk_ranges_list() + ", got \"" + word + "\"");
+      }
+    }
   }
   check_bench_sizes(a);
   a.sustained_ms += 0.0;  // -0 -> 0

@@ -218,6 +218,8 @@ struct BenchArgs {
   std::vector<std::string> ids = {"causal", "random"};
   int64_t batch = 1, heads = 64, dim = 128, topk = 2048;
   std::vector<std::pair<int64_t, int64_t>> shapes = {{128, 576}, {64, 192}};  // target: Hq x Dqk
+  std::vector<std::pair<int64_t, int64_t>> topk_shapes = {{64, 128}, {32, 128}};  // topk: H x D
+  std::vector<std::string> ranges = {"causal", "cp-shard"};  // topk: bench::TopkRanges words
   std::string lse_base = "natural";            // target: AttentionTargetOptions::lse_base
   bool unnormalized = false;                   // target: AttentionTargetOptions::normalize = false
   bool index_score = false;                    // forward: also write P
@@ -252,6 +254,12 @@ inline constexpr const char* kBenchGatherFloorFormula =
 inline constexpr const char* kBenchStepFloorFormula =
     "step, one-call: floor ns/row = max(topk*D*4 B / scatter rate, 8*H*D*topk FLOP / GEMM rate, gather ns/row): "
     "the backward's terms with the forward's GEMM1 added, and the key gather";
+
+/// The top-k's floor, as --help and the JSON state it.
+inline constexpr const char* kBenchTopkFloorFormula =
+    "topk: floor ns/row = visible keys per row * H * D * 2 FLOP / GEMM rate (every visible key's dot product with "
+    "every head: the causal FLOPs summed over the rows, per row), where the GEMM rate is the best of cuBLAS bf16 "
+    "(fp32 compute) at 8192^3 at four operand layouts, measured in the same run";
 
 /// The per-case traffic floor (not the floor; a second reference), as the report states it.
 inline constexpr const char* kBenchTrafficFloorFormula =

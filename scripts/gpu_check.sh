@@ -292,7 +292,7 @@ for p in tests sanitizer cli peers python; do
   [[ ${run_part[$p]} == 1 ]] && need=(cli/dsaib) && break
 done
 [[ ${run_part[tests]} == 1 || ${run_part[sanitizer]} == 1 ]] && need+=(tests/gpu/test_gpu_hopper tests/gpu/test_gpu_bench)
-[[ ${run_part[sanitizer]} == 1 ]] && need+=(tests/sanitizer_bin/test_gpu_hopper tests/sanitizer_bin/test_gpu_kl_forward tests/sanitizer_bin/test_gpu_attention_target tests/sanitizer_bin/sync_calibration)
+[[ ${run_part[sanitizer]} == 1 ]] && need+=(tests/sanitizer_bin/test_gpu_hopper tests/sanitizer_bin/test_gpu_kl_forward tests/sanitizer_bin/test_gpu_attention_target tests/sanitizer_bin/test_gpu_indexer_topk tests/sanitizer_bin/sync_calibration)
 for p in bench target forward-peers target-peers; do
   [[ ${run_part[$p]} == 1 ]] && need+=(bench/dsaib-bench) && break
 done

@@ -126,6 +126,11 @@ ForwardFloor forward_floor_per_row(double gather_ns, double slots, int64_t heads
   return f;
 }
 
+double topk_floor_ns_per_row(double visible_keys_per_row, int64_t heads, int64_t dim, double gemm_tflops) {
+  const double flops = 2.0 * static_cast<double>(heads) * static_cast<double>(dim) * visible_keys_per_row;
+  return gemm_tflops > 0 ? flops / (gemm_tflops * 1e3) : 0.0;  // 1 TFLOP/s = 1e3 FLOP/ns
+}
+
 StepFloor step_floor_per_row(double slots, int64_t heads, int64_t dim, double scatter_tbps, double gemm_tflops,
                              double gather_ns) {
   StepFloor f;

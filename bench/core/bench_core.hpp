@@ -7,6 +7,7 @@
 //   op_bench.cpp       the ops of the indexer loss: case setup (ids patterns, input-set rotation),
 //                      CUDA-event timing
 //   target_bench.cpp   the attention target's case, timed the same way
+//   topk_bench.cpp     the indexer's top-k case, timed the same way, and its extra memory
 //   floor_kernels.cu   floor measurements: fp32 scatter-add rate (three ways), cuBLAS bf16 GEMM rate
 //   gather_floor.cu    the key-gather floor (three ways, each at a few depths and CTA counts)
 //   bench_core.cpp     statistics, device probe, the floor formulas
@@ -232,6 +233,12 @@ struct StepFloor {
 StepFloor step_floor_per_row(double slots, int64_t heads, int64_t dim, double scatter_tbps, double gemm_tflops,
                              double gather_ns);
 
+/// Floor of one query row of the indexer's top-k: the logits' FLOPs at the GEMM rate,
+///   ns = visible_keys_per_row * H * D * 2 FLOP / GEMM rate
+/// (every visible key's dot product with every head; the ReLU, the weighted sum over
+/// heads and the selection are not counted).
+double topk_floor_ns_per_row(double visible_keys_per_row, int64_t heads, int64_t dim, double gemm_tflops);
+
 /// The traffic floor of one query row (not the floor above; a second reference):
 ///   ns = slots*D*4 B / key-read scatter rate
 /// where the rate is ScatterWay::gather_float4's (payload bytes of fp32 adds per second,
@@ -261,6 +268,7 @@ struct OpCase {
   L2Hints l2_hints = L2Hints::automatic;                // IndexerOptions::l2_hints
   StartStagger start_stagger = StartStagger::automatic;  // IndexerOptions::start_stagger
   ForwardFusion forward_fusion = ForwardFusion::automatic;  // IndexerOptions::forward_fusion (one-call)
+  TopkRanges ranges = TopkRanges::causal;                   // topk: the keys each query row sees
   uint64_t dk_table_bytes() const { return static_cast<uint64_t>(batch * seq * dim) * 4; }
 };
 
@@ -291,8 +299,25 @@ int auto_input_sets(uint64_t set_bytes, int64_t l2_bytes, uint64_t free_bytes);
 /// One sentence on the rotation, for reports.
 std::string rotation_method();
 
+/// The extra device memory of one indexer_topk call with the library's own workspace
+/// (workspace null), beyond its inputs and outputs.
+struct TopkMemory {
+  uint64_t workspace_bytes = 0;           // indexer_topk_workspace_size, the case's outputs (ids and logits)
+  uint64_t workspace_bytes_ids_only = 0;  // the same without topk_logits
+  // The device's current memory pool (cudaMallocAsync's) over the call: its high-water
+  // marks of used and reserved bytes, reset before the call (-1 when not measured).
+  int64_t pool_used_high_bytes = -1, pool_reserved_high_bytes = -1;
+  // cudaMemGetInfo's free bytes before the call minus after it, the pool keeping what it
+  // reserved (release threshold raised for the call): the memory the call took from the
+  // device, at the pool's granularity (-1 when not measured).
+  int64_t mem_get_info_delta_bytes = -1;
+};
+
 struct OpResult {
   OpCase c;
+  int64_t query_rows = 0;           // rows timed: B*S, or topk's S_q (S / 2 for cp-shard)
+  double visible_keys_per_row = 0;  // topk: keys a query row sees, on average
+  TopkMemory topk_memory;           // topk
   int64_t valid_slots = 0;          // over all B*S query rows
   double valid_slots_per_row = 0;
   int input_sets = 1;
@@ -301,7 +326,8 @@ struct OpResult {
   std::vector<float> ms;            // every timed launch, in order
   Stats t;
   double ns_per_row = 0, ns_per_row_min = 0, ns_per_row_max = 0;  // median / min / max time over B*S rows
-  double tflops = 0;                // 6*H*D FLOP (kl_forward, target: 2*H*D; step, one_call: 8*H*D) per valid slot / median time
+  double tflops = 0;                // 6*H*D FLOP (kl_forward, target: 2*H*D; step, one_call: 8*H*D) per valid slot / median time;
+                                    // topk: 2*H*D per visible key
   double dk_gbps = 0;               // D*4 B of dK reduce per valid slot / median time (0 for kl_forward and target)
   // Sustained run (OpConfig::sustained_ms > 0): `sustained_launches` launches back to
   // back, an event recorded between each two, no host wait and no pre-roll in between,

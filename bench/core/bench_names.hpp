@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <string>
 
@@ -14,19 +15,21 @@ namespace dsaib::bench {
 /// kernel, bf16 cast), the loss forward (indexer_kl_forward: the fused forward kernel
 /// and the fixed-order sum of the loss terms), the training step of an autograd loss
 /// (the forward, then the P-free indexer_backward from its row statistics: two library
-/// calls), the loss and gradients in one call (indexer_kl_loss_and_grad), or the
-/// attention target (attention_target: heads = Hq, dim = Dqk).
-enum class BenchOp { backward, kl_forward, step, one_call, target };
+/// calls), the loss and gradients in one call (indexer_kl_loss_and_grad), the
+/// attention target (attention_target: heads = Hq, dim = Dqk), or the indexer's
+/// top-k (indexer_topk: the logits of every visible key and their topk best).
+enum class BenchOp { backward, kl_forward, step, one_call, target, topk };
 inline constexpr BenchOp kBenchOps[] = {BenchOp::backward, BenchOp::kl_forward, BenchOp::step, BenchOp::one_call,
-                                        BenchOp::target};
+                                        BenchOp::target,   BenchOp::topk};
 
-/// "backward", "forward", "step", "one-call", "target" (the --op words).
+/// "backward", "forward", "step", "one-call", "target", "topk" (the --op words).
 inline const char* bench_op_name(BenchOp op) {
   switch (op) {
     case BenchOp::kl_forward: return "forward";
     case BenchOp::step: return "step";
     case BenchOp::one_call: return "one-call";
     case BenchOp::target: return "target";
+    case BenchOp::topk: return "topk";
     case BenchOp::backward: break;
   }
   return "backward";
@@ -91,6 +94,45 @@ inline bool parse_id_pattern(const std::string& s, IdPattern* out) {
     }
   }
   return false;
+}
+
+/// The keys each query row of a topk case sees (S = --seq keys, B 1):
+///   causal    S_q = S query rows, row t sees keys [0, t + 1) (no starts/ends);
+///   cp-shard  a context-parallel shard: the S/2 query rows of the sequence's second
+///             half against all S (all-gathered) keys, row t seeing [0, S/2 + t + 1),
+///             given as starts/ends.
+enum class TopkRanges { causal, cp_shard };
+inline constexpr TopkRanges kTopkRanges[] = {TopkRanges::causal, TopkRanges::cp_shard};
+
+/// "causal" / "cp-shard" (the --ranges words).
+inline const char* topk_ranges_name(TopkRanges r) { return r == TopkRanges::cp_shard ? "cp-shard" : "causal"; }
+
+/// The names of kTopkRanges, comma-separated, for messages.
+inline std::string topk_ranges_list() {
+  std::string s;
+  for (TopkRanges r : kTopkRanges) s += (s.empty() ? "" : ", ") + std::string(topk_ranges_name(r));
+  return s;
+}
+
+/// One of topk_ranges_name's words; false (and *out unchanged) for anything else.
+inline bool parse_topk_ranges(const std::string& word, TopkRanges* out) {
+  for (TopkRanges r : kTopkRanges) {
+    if (word == topk_ranges_name(r)) {
+      *out = r;
+      return true;
+    }
+  }
+  return false;
+}
+
+/// Query rows of a topk case of S keys: S (causal), S / 2 (cp-shard).
+inline int64_t topk_query_rows(TopkRanges r, int64_t seq) { return r == TopkRanges::cp_shard ? seq / 2 : seq; }
+
+/// The keys the case's query rows see, summed over its rows: S (S + 1) / 2 (causal);
+/// Q (S - Q) + Q (Q + 1) / 2 with Q = S / 2 (cp-shard). In double: exact below 2^53.
+inline double topk_visible_keys(TopkRanges r, int64_t seq) {
+  const double s = static_cast<double>(seq), q = static_cast<double>(topk_query_rows(r, seq));
+  return r == TopkRanges::cp_shard ? q * (s - q) + q * (q + 1) / 2 : s * (s + 1) / 2;
 }
 
 /// A decimal number in [lo, hi] (the tools' millisecond and MiB flags): blanks,

@@ -92,4 +92,8 @@ void time_op(Timer& timer, const std::function<void()>& launch, const OpConfig& 
 void check_target_case(const OpCase& c);
 OpResult run_target_case(const OpCase& c, const OpConfig& cfg);
 
+/// The indexer's top-k case (BenchOp::topk; topk_bench.cpp): check_case and run_op_case of it.
+void check_topk_case(const OpCase& c);
+OpResult run_topk_case(const OpCase& c, const OpConfig& cfg);
+
 }  // namespace dsaib::bench

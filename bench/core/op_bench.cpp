@@ -201,7 +201,8 @@ std::size_t workspace_bytes_of(const OpCase& c, const SetViews& s, const Indexer
                       indexer_backward_workspace_size(s.in, s.out, opt));
     case BenchOp::one_call: return indexer_kl_loss_and_grad_workspace_size(s.fwd_in, s.one, opt);
     case BenchOp::backward:
-    case BenchOp::target: break;  // the target's cases: target_bench.cpp
+    case BenchOp::target:  // the target's cases: target_bench.cpp
+    case BenchOp::topk: break;  // the top-k's: topk_bench.cpp
   }
   return indexer_backward_workspace_size(s.in, s.out, opt);
 }
@@ -215,7 +216,8 @@ void launch(const OpCase& c, const SetViews& s, const IndexerOptions& opt, void*
       return;
     case BenchOp::one_call: indexer_kl_loss_and_grad(s.fwd_in, s.one, opt, ws, bytes); return;
     case BenchOp::backward:
-    case BenchOp::target: break;  // the target's cases: target_bench.cpp
+    case BenchOp::target:  // the target's cases: target_bench.cpp
+    case BenchOp::topk: break;  // the top-k's: topk_bench.cpp
   }
   indexer_backward(s.in, s.out, opt, ws, bytes);
 }
@@ -236,6 +238,7 @@ IndexerOptions options_of(const OpCase& c) {
 
 void check_case(const OpCase& c) {
   if (c.op == BenchOp::target) return check_target_case(c);
+  if (c.op == BenchOp::topk) return check_topk_case(c);
   if (c.batch < 1 || c.seq < 1 || c.topk < 1) {
     throw Error(ErrorCode::invalid_argument, "case", "batch, seq and topk must be >= 1");
   }
@@ -303,6 +306,7 @@ void time_op(Timer& timer, const std::function<void()>& launch, const OpConfig& 
 
 OpResult run_op_case(const OpCase& c, const OpConfig& cfg) {
   if (c.op == BenchOp::target) return run_target_case(c, cfg);
+  if (c.op == BenchOp::topk) return run_topk_case(c, cfg);
   if (cfg.iters < 1 || cfg.warmup < 0 || cfg.input_sets < 0) {
     throw Error(ErrorCode::invalid_argument, "iters", "iters >= 1, warmup >= 0, input_sets >= 0");
   }
@@ -313,6 +317,7 @@ OpResult run_op_case(const OpCase& c, const OpConfig& cfg) {
   const HostCase h = generate(c, cfg.seed + static_cast<uint64_t>(c.seq));
   r.valid_slots = h.valid_slots;
   const int64_t rows = c.batch * c.seq;
+  r.query_rows = rows;
   r.valid_slots_per_row = static_cast<double>(h.valid_slots) / static_cast<double>(rows);
 
   int dev = 0;

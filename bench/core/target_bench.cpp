@@ -111,6 +111,7 @@ OpResult run_target_case(const OpCase& c, const OpConfig& cfg) {
   const double slots = valid_slots_of(c);
   r.valid_slots = static_cast<int64_t>(slots);
   r.valid_slots_per_row = slots / static_cast<double>(c.seq);
+  r.query_rows = c.seq;
   int dev = 0, l2 = 0;
   check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
   check_cuda(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev), "cudaDeviceGetAttribute");

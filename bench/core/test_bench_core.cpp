@@ -1,5 +1,6 @@
 // CPU tests of the benchmark core's pure functions (no GPU is touched): the
-// sustained run's launch count, the floor formulas and the op words.
+// sustained run's launch count, the floor formulas, the op words and the top-k's
+// counts and case rules.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -94,7 +95,85 @@ TEST(BenchCore, OpWordsRoundTrip) {
   BenchOp unchanged = BenchOp::target;
   EXPECT_FALSE(parse_bench_op("loss", &unchanged));
   EXPECT_EQ(unchanged, BenchOp::target);
-  EXPECT_EQ(bench_op_list(), "backward, forward, step, one-call, target");
+  EXPECT_EQ(bench_op_list(), "backward, forward, step, one-call, target, topk");
+}
+
+TEST(BenchCore, TopkRangesWordsRoundTrip) {
+  for (TopkRanges r : kTopkRanges) {
+    TopkRanges parsed = TopkRanges::causal;
+    EXPECT_TRUE(parse_topk_ranges(topk_ranges_name(r), &parsed)) << topk_ranges_name(r);
+    EXPECT_EQ(parsed, r);
+  }
+  TopkRanges unchanged = TopkRanges::cp_shard;
+  for (const char* word : {"random", "cp_shard", "", "Causal"}) {
+    EXPECT_FALSE(parse_topk_ranges(word, &unchanged)) << word;
+  }
+  EXPECT_EQ(unchanged, TopkRanges::cp_shard);
+  EXPECT_EQ(topk_ranges_list(), "causal, cp-shard");
+}
+
+TEST(BenchCore, TopkRowsAndVisibleKeys) {
+  // causal: S rows, row t sees t + 1 keys; cp-shard: the S/2 rows of the second half, row t
+  // seeing S/2 + t + 1 keys. Against the sums written out.
+  for (int64_t s : {1, 2, 7, 16384, 131072}) {
+    for (TopkRanges r : kTopkRanges) {
+      if (r == TopkRanges::cp_shard && s < 2) continue;
+      const int64_t q = topk_query_rows(r, s);
+      EXPECT_EQ(q, r == TopkRanges::causal ? s : s / 2);
+      double sum = 0;
+      for (int64_t t = 0; t < q; ++t) sum += static_cast<double>(s - q + t + 1);
+      EXPECT_DOUBLE_EQ(topk_visible_keys(r, s), sum) << topk_ranges_name(r) << " S " << s;
+    }
+  }
+  EXPECT_DOUBLE_EQ(topk_visible_keys(TopkRanges::causal, 4), 10.0);   // 1 + 2 + 3 + 4
+  EXPECT_DOUBLE_EQ(topk_visible_keys(TopkRanges::cp_shard, 4), 7.0);  // 3 + 4
+}
+
+TEST(BenchCore, TopkFloorIsTheLogitFlopsAtTheGemmRate) {
+  // H64 D128, a causal row of S 131072 seeing 65536.5 keys on average, at 800 TFLOP/s:
+  // 65536.5 * 64 * 128 * 2 / 800e3 ns.
+  EXPECT_NEAR(topk_floor_ns_per_row(65536.5, 64, 128, 800.0), 65536.5 * 64 * 128 * 2 / 800e3, 1e-9);
+  EXPECT_NEAR(topk_floor_ns_per_row(100, 32, 64, 400.0), 100.0 * 32 * 64 * 2 / 400e3, 1e-12);
+  EXPECT_EQ(topk_floor_ns_per_row(100, 32, 64, 0.0), 0.0);  // no rate measured
+}
+
+TEST(BenchCore, TopkCaseRulesNeedNoGpu) {
+  OpCase c;
+  c.op = BenchOp::topk;
+  c.seq = 4096;
+  c.heads = 64;
+  c.dim = 128;
+  c.topk = 2048;
+  for (TopkRanges r : kTopkRanges) {
+    c.ranges = r;
+    EXPECT_NO_THROW(check_case(c)) << topk_ranges_name(r);
+  }
+  auto refused = [](OpCase bad, const char* argument) {
+    try {
+      check_case(bad);
+      ADD_FAILURE() << "accepted: H " << bad.heads << " D " << bad.dim << " topk " << bad.topk << " B " << bad.batch
+                    << " S " << bad.seq;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+      EXPECT_EQ(e.argument(), argument);
+    }
+  };
+  OpCase bad = c;
+  bad.heads = 12;
+  refused(bad, "shapes");
+  bad = c;
+  bad.dim = 96;
+  refused(bad, "shapes");
+  bad = c;
+  bad.topk = 8193;
+  refused(bad, "topk");
+  bad = c;
+  bad.batch = 2;
+  refused(bad, "batch");
+  bad = c;
+  bad.ranges = TopkRanges::cp_shard;
+  bad.seq = 1;
+  refused(bad, "seq");
 }
 
 }  // namespace

@@ -9,12 +9,13 @@ floor check: a peer must not run faster than the floor it is compared with.
 PEERS.json: what bench/peers/loss_forward_peers.py or attention_target_peers.py wrote
 ({"problem", "peers": {name: {status, reason, notes, floor_bound}}, "results": [rows]}), or
 what one backward peer (cudnn_frontend_dsa.py, tilelang_indexer_bwd.py, torch_eager.py) wrote
+(topk_peers.py too: its rows' "ranges" match on ids)
 ({"peer", "status", "notes", "floor_bound", "results": [rows]}); --peers repeats.
 OURS.json: our bench's JSON for the same cases (dsaib-bench's report, {"cases": [...]}, or any
 list of records, or {"results": [...]}), each with ids, seq, heads, dim, topk and ns_per_row;
 with a floor: "floor": {"ns_per_row"} or "floor_ns_per_row". --op picks our cases of one op
-(default: forward for the loss-forward peers, target for the attention-target peers, else
-backward; a record without "op" is any op's).
+(default: forward for the loss-forward peers, target for the attention-target peers, topk for
+the top-k peers, else backward; a record without "op" is any op's).
 Cases are matched on (ids, seq, heads, dim, topk). Prints the markdown table (and writes it
 to --out): per case, ours and its floor, then each peer's ns/row and its ratio to ours (a
 peer's extra timings, NAME_ns_per_row, get columns of their own), then every peer's status
@@ -35,7 +36,7 @@ import sys
 
 KEY = ("ids", "seq", "heads", "dim", "topk")
 ALIASES = {"heads": ("heads", "hq", "num_heads"), "dim": ("dim", "dqk", "head_dim"), "seq": ("seq", "s", "seq_len"),
-           "ids": ("ids", "id_pattern"), "topk": ("topk",)}
+           "ids": ("ids", "id_pattern", "ranges"), "topk": ("topk",)}
 
 
 def load(path):
@@ -73,7 +74,7 @@ def floor_of(rec):
     return float(v) if isinstance(v, (int, float)) else None
 
 
-PROBLEM_OP = {"loss_forward": "forward", "attention_target": "target"}
+PROBLEM_OP = {"loss_forward": "forward", "attention_target": "target", "indexer_topk": "topk"}
 
 
 def normalize_peers(obj):
@@ -269,7 +270,7 @@ def main(argv=None):
     ap.add_argument("--peers", required=True, action="append", metavar="FILE",
                     help="a peers script's JSON, or one backward peer's (repeatable)")
     ap.add_argument("--ours", metavar="FILE", help="our bench's JSON (absent or unreadable: ours not run)")
-    ap.add_argument("--op", choices=("backward", "forward", "step", "one-call", "target"),
+    ap.add_argument("--op", choices=("backward", "forward", "step", "one-call", "target", "topk"),
                     help="our cases of this op (default: the peers' problem's)")
     ap.add_argument("--title", help="the table's heading (default: the problem's name)")
     ap.add_argument("--out", metavar="FILE", help="also write the table here")

@@ -268,11 +268,52 @@ TEST_F(BenchTools, EveryOpAgainstItsFloorEachFloorTheBestOfItsCheckedWays) {
   EXPECT_EQ(ops, (std::set<std::string>{"backward", "forward", "step", "one-call", "target"}));
 }
 
+TEST_F(BenchTools, TopkAgainstTheGemmFloorWithItsExtraMemory) {
+  const std::string json = path("topk.json");
+  const CommandResult r = run_tool_json(DSAIB_BENCH_PATH,
+                                       " --op topk --seq 512 --topk-shapes 64x128,32x64 --topk 128 --iters 3"
+                                       " --warmup 1 --sustained-ms 0",
+                                       json);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (const char* frag : {"bf16 GEMM", "xfloor", "extra memory", "cudaMemGetInfo delta"}) {
+    EXPECT_NE(r.output.find(frag), std::string::npos) << "'" << frag << "' not in:\n" << r.output;
+  }
+  const nlohmann::json j = read_json(json);
+  EXPECT_TRUE(j["checks_ok"].get<bool>());
+  const double tflops = j["floor_measurements"]["gemm"]["tflops"].get<double>();
+  ASSERT_GT(tflops, 0.0);
+  ASSERT_EQ(j["cases"].size(), 4u);  // (causal, cp-shard) x (64x128, 32x64)
+  std::set<std::string> ranges;
+  for (const auto& c : j["cases"]) {
+    SCOPED_TRACE(c.dump());
+    EXPECT_EQ(c["op"], "topk");
+    const std::string rg = c["ranges"].get<std::string>();
+    ranges.insert(rg);
+    // causal: 512 rows seeing 1..512 keys; cp-shard: 256 rows seeing 257..512
+    EXPECT_EQ(c["seq_q"].get<int>(), rg == "causal" ? 512 : 256);
+    EXPECT_DOUBLE_EQ(c["visible_keys_per_row"].get<double>(), rg == "causal" ? 256.5 : 384.5);
+    const double h = c["heads"].get<double>(), d = c["dim"].get<double>();
+    const double floor_ns = c["floor"]["ns_per_row"].get<double>(), ns = c["ns_per_row"].get<double>();
+    EXPECT_NEAR(floor_ns, c["visible_keys_per_row"].get<double>() * h * d * 2 / (tflops * 1e3), 1e-9 * floor_ns);
+    EXPECT_GT(ns, 0.0);
+    EXPECT_GT(ns, floor_ns);
+    EXPECT_NEAR(c["floor_ratio"].get<double>(), ns / floor_ns, 1e-9 * ns / floor_ns);
+    const auto& m = c["memory"];
+    EXPECT_GT(m["workspace_bytes"].get<double>(), 0.0);
+    // without topk_logits the selection's high words need room too
+    EXPECT_GT(m["workspace_bytes_ids_only"].get<double>(), m["workspace_bytes"].get<double>());
+    EXPECT_GE(m["pool_used_high_bytes"].get<double>(), m["workspace_bytes"].get<double>());
+    EXPECT_GE(m["mem_get_info_delta_bytes"].get<double>(), 0.0);
+  }
+  EXPECT_EQ(ranges, (std::set<std::string>{"causal", "cp-shard"}));
+}
+
 TEST_F(BenchTools, BenchBinaryAndSubcommandShareTheirFlagChecks) {
   for (const char* built : {DSAIB_CLI_PATH, DSAIB_BENCH_PATH}) {
     const std::string sub = std::string(built) == DSAIB_CLI_PATH ? " bench" : "";
     for (const std::string args : {" --op target --ids causal-shuffled", " --op target --batch 2", " --shapes 100x576",
-                                   " --op backwards"}) {
+                                   " --op backwards", " --op topk --topk-shapes 64x96", " --op topk --ranges random",
+                                   " --op topk --batch 2", " --op topk --topk 8193"}) {
       const CommandResult r = run_tool(built, sub + args + " --seq 64 --iters 1 2>&1");
       EXPECT_EQ(r.exit_code, 2) << built << args << "\n" << r.output;
     }

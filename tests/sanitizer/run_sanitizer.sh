@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Sanitizer harness (label sanitizer). Runs the GPU tests of the Sanitized.*
 # suite (the b1-q1-k512-random, b3-q64-k2048-random and b1-s512-causal shapes, DeepSeek shape, every tail case) of the backward
-# (test_gpu_hopper), of the loss forward (test_gpu_kl_forward) and of the
-# attention target (test_gpu_attention_target) under
+# (test_gpu_hopper), of the loss forward (test_gpu_kl_forward), of the
+# attention target (test_gpu_attention_target) and of the indexer's top-k
+# (test_gpu_indexer_topk: cuts of the candidate buffers, THD) under
 # compute-sanitizer racecheck, synccheck, memcheck and initcheck, requiring zero
 # reports, and runs the negative controls of sync_calibration: the lane-0-alone
 # handoffs must be flagged, the all-lanes ones must be clean.
@@ -35,7 +36,7 @@ for mode in raw_lane0 war_lane0 raw_all war_all; do
   summary+=("control $mode: $hazards hazards, $verdict")
 done
 # ---- the kernels under every tool (a binary missing from BIN_DIR fails the check)
-for test_bin in test_gpu_hopper test_gpu_kl_forward test_gpu_attention_target; do
+for test_bin in test_gpu_hopper test_gpu_kl_forward test_gpu_attention_target test_gpu_indexer_topk; do
   for tool in "${tools[@]}"; do
     log="$logs/${test_bin}_$tool.log"
     extra=()
