@@ -224,6 +224,63 @@ dsaib_status dsaib_attention_target(const dsaib_attention_target_inputs* inputs,
                                     const dsaib_attention_target_options* options, void* workspace,
                                     size_t workspace_bytes);
 
+/* The indexer's top-k forward: each query row's logits over the keys it sees
+   and the topk best of them (dsaib::indexer_topk in include/dsaib/indexer_topk.hpp
+   and docs/indexer-topk.md). Absent tensors: rank 0 and data NULL (starts/ends
+   together or neither; cu_seqlens for BSHD; the optional outputs). */
+typedef enum dsaib_topk_order {
+  DSAIB_TOPK_LOGIT_DESCENDING = 0, /* by logit descending, equal logits by id ascending */
+  DSAIB_TOPK_ID_ASCENDING = 1      /* by id ascending */
+} dsaib_topk_order;
+
+/* dsaib_indexer_topk_options.causal_offset's default: each sequence's S_kv - S_q. */
+#define DSAIB_CAUSAL_OFFSET_AUTO (-INT64_MAX - 1)
+
+/* index_q bf16 (B, S_q, H, D) / (T_q, H, D); weights bf16 or f32 (cpu: or f64) (B, S_q, H) / (T_q, H);
+   index_k bf16 (B, S_kv, D) / (T_k, D); any strides with a contiguous last dimension.
+   starts, ends i32 (B, S_q) / (T_q), optional: row t sees the keys [starts[t], ends[t]) of its sequence
+   (THD: flat rows of index_k); absent: causal rows. cu_seqlens_q/k i32 (B + 1) for THD. */
+typedef struct dsaib_indexer_topk_inputs {
+  dsaib_tensor index_q, weights, index_k, starts, ends, cu_seqlens_q, cu_seqlens_k;
+} dsaib_indexer_topk_inputs;
+
+/* topk_indices i32 (B, S_q, topk) / (T_q, topk), -1 past each row's count; topk_logits f32 (cpu: or f64)
+   shaped like it, -inf past the count (optional); topk_lengths i32 (B, S_q) / (T_q) (optional).
+   Contiguous, disjoint from each other and from every input. */
+typedef struct dsaib_indexer_topk_outputs {
+  dsaib_tensor topk_indices, topk_logits, topk_lengths;
+} dsaib_indexer_topk_outputs;
+
+typedef struct dsaib_indexer_topk_options {
+  int32_t layout;        /* dsaib_layout */
+  int32_t id_mode;       /* dsaib_id_mode */
+  int32_t backend;       /* dsaib_backend */
+  int32_t order;         /* dsaib_topk_order */
+  int64_t causal_offset; /* without starts/ends: row t sees keys [0, t + causal_offset + 1); DSAIB_CAUSAL_OFFSET_AUTO */
+  int32_t strict_ranges; /* 1: a range outside its sequence's keys is DSAIB_INDEX_OUT_OF_RANGE; 0: clipped */
+  void* stream;          /* cudaStream_t */
+  int32_t num_threads;
+} dsaib_indexer_topk_options;
+
+/* Fills *options with the C++ defaults (bshd, local ids, cpu, logit order,
+   DSAIB_CAUSAL_OFFSET_AUTO, strict_ranges 0). Always start from it (fields may be added at its end). */
+void dsaib_default_indexer_topk_options(dsaib_indexer_topk_options* options);
+
+/* *bytes = the scratch memory dsaib_indexer_topk needs on the backend's device
+   (0 on cpu). Validates like dsaib_indexer_topk; *bytes is written only on
+   DSAIB_OK. C++: dsaib::indexer_topk_workspace_size. */
+dsaib_status dsaib_indexer_topk_workspace_size(const dsaib_indexer_topk_inputs* inputs,
+                                               const dsaib_indexer_topk_outputs* outputs,
+                                               const dsaib_indexer_topk_options* options, size_t* bytes);
+
+/* Computes topk_indices (and topk_logits, topk_lengths when given). Every check
+   runs before an output is written; inputs are never modified. Statuses as for
+   dsaib_indexer_backward (the cuda backend needs H a multiple of 8 up to 128,
+   D 64 or 128, topk up to 8192); workspace as for dsaib_indexer_backward. cuda
+   runs asynchronously on options->stream. */
+dsaib_status dsaib_indexer_topk(const dsaib_indexer_topk_inputs* inputs, const dsaib_indexer_topk_outputs* outputs,
+                                const dsaib_indexer_topk_options* options, void* workspace, size_t workspace_bytes);
+
 /* Message of the last failure of a dsaib_status function on this thread: "" after such a call
  * succeeded (each of them sets it) or before any. Valid until the next such call on this thread. */
 const char* dsaib_last_error(void);

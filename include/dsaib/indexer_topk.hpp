@@ -141,12 +141,15 @@ void indexer_topk(const IndexerTopkInputs& inputs, const IndexerTopkOutputs& out
 
 /// The fp64 reference (cpu tensors; options.backend ignored): for every row its
 /// exact selection in options.order and the logits and bounds of the selected
-/// keys, row-major (num_q_rows, topk), -1 / -inf / 0 past each row's count.
+/// keys, row-major (num_q_rows, topk), -1 / -inf / 0 past each row's count,
+/// and each row's count. Raises indexer_topk()'s input and option errors
+/// (topk < 1 names "topk").
 struct ReferenceTopk {
   int64_t num_q_rows = 0, topk = 0;
-  std::vector<int32_t> topk_indices;
-  std::vector<double> topk_logits;
-  std::vector<int32_t> topk_lengths;
+  std::vector<int32_t> topk_indices;  ///< ids as options.id_mode says, -1 past the count
+  std::vector<double> topk_logits;    ///< I of each selected key, -inf past the count
+  std::vector<double> topk_bounds;    ///< beta of each selected key (the header's bound), 0 past the count
+  std::vector<int32_t> topk_lengths;  ///< (num_q_rows): min(topk, keys seen)
 };
 ReferenceTopk reference_indexer_topk(const IndexerTopkInputs& inputs, const IndexerTopkOptions& options,
                                      int64_t topk);

@@ -11,6 +11,8 @@ or the sm_90a cuda kernels):
 * :func:`indexer_kl_loss`: the loss alone;
 * :func:`indexer_kl_loss_and_grad`: the loss and the three gradients in one call;
 * :func:`attention_target`: the target T from the main attention's tensors;
+* :func:`indexer_topk`: the indexer's forward, each query row's exact top-k
+  keys by logit (the ids the loss then takes), and their logits;
 * :func:`reference_kl_loss`: the loss in fp64 on the host (a reference).
 
 Two front ends take the same arguments for each of these, from one table of
@@ -50,7 +52,7 @@ import numpy as _np
 
 from . import _dsaib
 from ._generic import (attention_target, indexer_backward, indexer_kl_forward, indexer_kl_loss,
-                       indexer_kl_loss_and_grad, reference_kl_loss)
+                       indexer_kl_loss_and_grad, indexer_topk, reference_kl_loss)
 from ._options import OPTIONS, OPERATIONS
 
 __all__ = [
@@ -59,6 +61,7 @@ __all__ = [
     "indexer_kl_loss",
     "indexer_kl_loss_and_grad",
     "attention_target",
+    "indexer_topk",
     "reference_kl_loss",
     "OPTIONS",
     "OPERATIONS",

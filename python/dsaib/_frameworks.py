@@ -150,17 +150,19 @@ def _alloc(fw, ref, shape, out_dtype, device):
     """A contiguous output of `shape` in framework `fw` on `device` ("cpu"/"cuda:N")."""
     shape = tuple(int(s) for s in shape)
     if fw == "numpy":
-        return _np.empty(shape, dtype={"f32": _np.float32, "bf16": _np.uint16, "f64": _np.float64}[out_dtype])
+        return _np.empty(shape, dtype={"f32": _np.float32, "bf16": _np.uint16, "f64": _np.float64,
+                                       "i32": _np.int32}[out_dtype])
     if fw == "torch":
         import torch
 
-        dt = {"f32": torch.float32, "bf16": torch.bfloat16, "f64": torch.float64}[out_dtype]
+        dt = {"f32": torch.float32, "bf16": torch.bfloat16, "f64": torch.float64, "i32": torch.int32}[out_dtype]
         return torch.empty(shape, dtype=dt, device=ref.device)
     if fw == "cupy":
         import cupy
 
         with cupy.cuda.Device(int(device.split(":")[1]) if ":" in device else 0):
-            return cupy.empty(shape, dtype={"f32": cupy.float32, "bf16": cupy.uint16, "f64": cupy.float64}[out_dtype])
+            return cupy.empty(shape, dtype={"f32": cupy.float32, "bf16": cupy.uint16, "f64": cupy.float64,
+                                            "i32": cupy.int32}[out_dtype])
     return _dsaib.empty(list(shape), out_dtype, device)
 
 

@@ -370,3 +370,60 @@ def reference_kl_loss(index_q, weights, index_k, topk_indices, attn_score, index
         **_exported(tensors), recompute_p=recompute_p, uint16_as_bf16=uint16_as_bf16, layout=layout,
         id_mode=id_mode, sm_scale=_f32_value("sm_scale", sm_scale), loss_coeff=_f32_value("loss_coeff", loss_coeff),
         grad_loss=_host_grad_loss(grad_loss), normalization_count=_normalization_count(normalization_count))
+
+
+@_options.documented("indexer_topk")
+def indexer_topk(index_q, weights, index_k, topk, *, starts=None, ends=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                 layout="bshd", id_mode="local", order="logit_descending", causal_offset=None, strict_ranges=False,
+                 return_logits=False, return_lengths=False, backend=None, stream=None, num_threads=0,
+                 uint16_as_bf16=False):
+    """The lightning indexer's forward: each query row's ``topk`` keys with the
+    largest logits ``I[t, s] = sum_h weights[t, h] * relu(index_q[t, h] . index_k[s])``
+    among the keys it sees (include/dsaib/indexer_topk.hpp).
+
+    ========  ===============  ==============  ======================
+    argument  shape (BSHD)     shape (THD)     dtype
+    ========  ===============  ==============  ======================
+    index_q   (B, S_q, H, D)   (T_q, H, D)     bf16
+    weights   (B, S_q, H)      (T_q, H)        bf16 or float32
+    index_k   (B, S_kv, D)     (T_k, D)        bf16
+    starts    (B, S_q)         (T_q,)          int32 (optional)
+    ends      (B, S_q)         (T_q,)          int32 (optional)
+    ========  ===============  ==============  ======================
+
+    ``weights`` carry any scale (there is no sm_scale). Row t sees the keys
+    ``[starts[t], ends[t])`` in its sequence's key coordinates (BSHD: positions
+    0..S_kv of its batch row; THD: flat rows of index_k inside its sequence),
+    or without starts/ends the causal keys ``[0, t + causal_offset + 1)``.
+    Strided views are read as they are (the last dimension contiguous).
+
+    Returns ``topk_indices`` (int32, ``(B, S_q, topk)`` / ``(T_q, topk)``,
+    ids as ``id_mode`` says, in ``order``, -1 past each row's count); with
+    ``return_logits`` and/or ``return_lengths`` a tuple ``(topk_indices,
+    topk_logits, topk_lengths)`` of those asked for, in that order:
+    ``topk_logits`` float32 shaped like topk_indices (-inf past the count),
+    ``topk_lengths`` int32 ``(B, S_q)`` / ``(T_q,)``. Selection is exact and
+    deterministic: logit descending, equal logits by id ascending, a NaN
+    logit above +inf.
+    """
+    arrays = dict(index_q=index_q, weights=weights, index_k=index_k)
+    arrays.update({n: x for n, x in (("starts", starts), ("ends", ends)) if x is not None})
+    _check_arrays(**arrays, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    options, run, u16 = _prepare("indexer_topk", index_q, dict(
+        topk=topk, layout=layout, id_mode=id_mode, order=order, causal_offset=causal_offset,
+        strict_ranges=strict_ranges, return_logits=return_logits, return_lengths=return_lengths, backend=backend,
+        num_threads=num_threads, stream=stream), uint16_as_bf16)
+    rows = _shape(index_q)[:-2]
+    out = (run.alloc(rows + (options["topk"],), "i32"),)
+    logits = run.alloc(rows + (options["topk"],), "f32") if options["return_logits"] else None
+    lengths = run.alloc(rows, "i32") if options["return_lengths"] else None
+    out += tuple(x for x in (logits, lengths) if x is not None)
+    tensors = dict(index_q=index_q, weights=weights, index_k=index_k, starts=starts, ends=ends,
+                   cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, topk_indices=out[0], topk_logits=logits,
+                   topk_lengths=lengths)
+    out = run.call(_dsaib.indexer_topk, tensors, _options.library_kwargs(options), out, True,
+                   dict(uint16_as_bf16=u16))
+    return out if len(out) > 1 else out[0]
+
+
+indexer_topk.__doc__ += _RETURNS

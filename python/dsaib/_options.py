@@ -3,10 +3,11 @@
 ``dsaib.indexer_backward`` and ``dsaib.torch.indexer_backward`` (and likewise
 each operation both front ends have) take the same keyword arguments with
 the same defaults and the same rules, from :data:`OPTIONS`. The library's
-options (``dsaib::IndexerOptions``, ``dsaib::AttentionTargetOptions``)
-come from the extension (``_dsaib.option_table``): their kinds and the words a
+options (``dsaib::IndexerOptions``, ``dsaib::AttentionTargetOptions``,
+``dsaib::IndexerTopkOptions``) come from the extension (``_dsaib.option_table``): their kinds and the words a
 word option takes are the C++ library's own; Python adds what a front end
-needs beyond them (a tensor ``grad_loss``, ``backend=None``, ``out_dtype``).
+needs beyond them (a tensor ``grad_loss``, ``backend=None``, ``out_dtype``,
+``topk``, ``causal_offset=None``, which outputs indexer_topk returns).
 
 Each option is checked here before anything happens, with messages in the
 library's style ("NAME: expected X, got Y"): a value of the wrong type is a
@@ -77,16 +78,34 @@ def _out_dtype(x):
 
 _INDEXER = _dsaib.option_table("indexer")
 _TARGET = _dsaib.option_table("attention_target")
+_TOPK = _dsaib.option_table("indexer_topk")
+
+
+def _library_entry(name):
+    return next(table[name] for table in (_INDEXER, _TARGET, _TOPK) if name in table)
 
 
 def _library_words(name):
-    kind, _, words = _INDEXER[name] if name in _INDEXER else _TARGET[name]
+    kind, _, words = _library_entry(name)
     assert kind == "word", name
     return tuple(words)
 
 
 def _library_default(name):
-    return (_INDEXER[name] if name in _INDEXER else _TARGET[name])[1]
+    return _library_entry(name)[1]
+
+
+def _topk_check(x):
+    """topk: the width of indexer_topk's outputs (Python allocates them), an int in [1, 2^31-1]."""
+    return _int_value("topk", x, 1, _INT32[1], "[1, 2^31-1]")
+
+
+def _causal_offset_check(x):
+    """None (each sequence's S_kv - S_q, the library's kCausalOffsetAuto) or an int64
+    other than that sentinel."""
+    if x is None:
+        return None
+    return _int_value("causal_offset", x, _INT64[0] + 1, _INT64[1], "[-2^63+1, 2^63-1] or None")
 
 
 def _make_options():
@@ -146,6 +165,21 @@ def _make_options():
                'whose gradients then have the dtypes of index_q, weights and index_k (as their .grad would)',
                _out_dtype),
         flag("return_index_score", "also return P (float32, shaped like topk_indices)", library=False, default=False),
+        Option("topk", REQUIRED, (), False, "the number of keys each query row selects (an int >= 1): the last "
+                                            "dimension of topk_indices", _topk_check),
+        word("order", '"logit_descending" (each row\'s keys by logit, equal logits by id) or "id_ascending" '
+                      '(by id, as FlashMLA\'s sparse kernels read them)'),
+        Option("causal_offset", None, (), True,
+               "without starts/ends, row t (0-based in its sequence) sees its sequence's keys [0, t + causal_offset "
+               "+ 1); None: S_kv - S_q of each sequence (its query rows are its last S_q positions); ignored with "
+               "starts/ends", _causal_offset_check),
+        flag("strict_ranges", "with starts/ends: raise ValueError naming the first row whose [start, end) is not "
+                              "0 <= start <= end <= its sequence's key count, instead of clipping it (on a GPU one "
+                              "synchronisation, refused during a capture)"),
+        flag("return_logits", "also return each selected key's logit (float32, shaped like topk_indices, -inf "
+                              "past the row's count)", library=False, default=False),
+        flag("return_lengths", "also return each query row's count (int32, min(topk, keys it sees))",
+             library=False, default=False),
     ]
     return types.MappingProxyType({o.name: o for o in table})
 
@@ -167,6 +201,8 @@ OPERATIONS = types.MappingProxyType({
     "indexer_kl_loss": _COMMON + _BACKWARD,
     "indexer_kl_loss_and_grad": _COMMON + ("grad_loss", "out_dtype") + _BACKWARD + ("forward_fusion",),
     "attention_target": _TARGET_NAMES,
+    "indexer_topk": ("topk", "layout", "id_mode", "order", "causal_offset", "strict_ranges", "return_logits",
+                     "return_lengths", "backend", "num_threads", "stream"),
 })
 
 
@@ -180,10 +216,11 @@ def check(operation: str, given: dict) -> dict:
 def library_kwargs(options: dict, *, drop=()) -> dict:
     """The checked options that are fields of the library's options struct (what
     the extension takes as **options); grad_loss as its number (a tensor goes
-    as grad_loss_device), backend and stream as resolved by the caller."""
+    as grad_loss_device), backend and stream as resolved by the caller;
+    causal_offset None left out (the struct's default is the per-sequence one)."""
     out = {}
     for name, value in options.items():
-        if name in drop or not OPTIONS[name].library:
+        if name in drop or not OPTIONS[name].library or (name == "causal_offset" and value is None):
             continue
         if name == "grad_loss":
             value = value[0]

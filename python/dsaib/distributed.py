@@ -70,6 +70,12 @@ asynchronously and the conversion of ``d_index_q`` and ``d_weights`` runs
 while it is in flight. With NCCL, the waits order the current CUDA stream
 after the collective without blocking the host.
 
+The indexer's forward, :func:`context_parallel_indexer_topk`, selects each of
+the rank's query rows' top-k keys against the all-gathered ``index_k`` (the
+same all-gather), with ranges in the whole sequence's key coordinates: the
+ids, logits and counts of the rank's rows are bitwise those of one process on
+the whole sequence.
+
 Host synchronisations besides the collectives: the agreement's descriptor
 read back (one with NCCL), THD's cu_seqlens read to the host in one transfer
 (one), and those of the library's calls (one in the loss's forward, one in
@@ -80,17 +86,19 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from . import _options
 from ._options import OPTIONS
 from ._torch import ops as _ops  # noqa: F401  (registers torch.ops.dsaib.*)
 from ._torch import reference
-from ._torch.convert import (check_torch_arguments, checked_grad_loss, fp64 as _fp64, grad_code, library_inputs,
-                             out_dtype as _out_dtype)
+from ._torch.convert import (check_same_device, check_tensor_types, check_torch_arguments, checked_grad_loss,
+                             fp64 as _fp64, grad_code, library_inputs, out_dtype as _out_dtype, range_int32,
+                             topk_operand)
 from ._torch.cp_agreement import describe, host_offsets
 from ._torch.cp_plan import (CP_LAYOUTS, finish, normalization, plan as _plan, rank_chunks, rank_rows,
                              start_gather, start_reduce_scatter)
 
-__all__ = ["context_parallel_indexer_kl_loss", "context_parallel_indexer_backward", "rank_rows", "rank_chunks",
-           "CP_LAYOUTS"]
+__all__ = ["context_parallel_indexer_kl_loss", "context_parallel_indexer_backward", "context_parallel_indexer_topk",
+           "rank_rows", "rank_chunks", "CP_LAYOUTS"]
 
 
 def _resolved_a_operand(a_operand_precision, q_code, k_code):
@@ -336,3 +344,116 @@ def context_parallel_indexer_backward(
     dk, work = start_reduce_scatter(plan, dk_whole)
     finish(work)
     return dq, dw, dk.to(k_dt)
+
+
+def _causal_ranges(plan, index_q, causal_offset):
+    """(starts, ends) int32 of the rank's query rows in the whole sequence's key
+    coordinates (BSHD: positions; THD: flat rows of the whole index_k): the keys
+    [0, p + causal_offset + 1) of the row's sequence, p its position in the whole
+    sequence, clipped to the sequence; causal_offset None: S_kv - S_q of each
+    sequence, as the single-process call. Made on the host from the plan's
+    sizes (no read of device data), then copied to index_q's device."""
+    if plan.layout == "bshd":
+        B, s_local = index_q.shape[0], index_q.shape[1]
+        s_q, s_kv = s_local * plan.cp, plan.k_full_shape[1]
+        pos = rank_rows([s_q], plan.cp, plan.cp_layout)[plan.rank]
+        off = s_kv - s_q if causal_offset is None else causal_offset
+        ends = (pos + off + 1).clamp(0, s_kv)
+        starts = torch.zeros_like(ends)
+        starts, ends = (x.expand(B, s_local) for x in (starts, ends))
+    else:
+        lengths_q = plan.lengths_q
+        lengths_k = torch.tensor(plan.lengths, dtype=torch.int64)
+        packed = rank_rows(lengths_q, plan.cp, plan.cp_layout)[plan.rank]        # rows of the whole packed q
+        first_q = torch.cumsum(torch.tensor(lengths_q, dtype=torch.int64), 0)
+        seq = torch.searchsorted(first_q, packed, right=True)                    # each row's sequence
+        first_q = first_q - torch.tensor(lengths_q, dtype=torch.int64)
+        first_k = torch.cumsum(lengths_k, 0) - lengths_k
+        pos = packed - first_q[seq]
+        off = (lengths_k - torch.tensor(lengths_q, dtype=torch.int64))[seq] if causal_offset is None else causal_offset
+        starts = first_k[seq]
+        ends = starts + (pos + off + 1).clamp(min=0).minimum(lengths_k[seq])
+    return (starts.to(torch.int32).to(index_q.device, non_blocking=True),
+            ends.clamp(max=2**31 - 1).to(torch.int32).to(index_q.device, non_blocking=True))
+
+
+def context_parallel_indexer_topk(
+    index_q: torch.Tensor,
+    weights: torch.Tensor,
+    index_k: torch.Tensor,
+    topk: int,
+    *,
+    group,
+    cp_layout: str = "contiguous",
+    starts: Optional[torch.Tensor] = None,
+    ends: Optional[torch.Tensor] = None,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+    layout: str = "bshd",
+    id_mode: str = "local",
+    order: str = "logit_descending",
+    causal_offset: Optional[int] = None,
+    strict_ranges: bool = False,
+    return_logits: bool = False,
+    return_lengths: bool = False,
+    num_threads: int = 0,
+):
+    """:func:`dsaib.torch.indexer_topk` of a sequence split over the CP group
+    ``group``: the rank's own query rows against the whole ``index_k``,
+    all-gathered over the group as for the loss (the split, THD offsets and
+    the agreement of the ranks' arguments as
+    :func:`context_parallel_indexer_kl_loss`).
+
+    Ranges are in the whole sequence's key coordinates: ``starts``/``ends`` of
+    the rank's rows (BSHD ``(B, S_q/cp)``: key positions of the whole
+    sequence; THD ``(T_q/cp,)``: flat rows of the whole packed ``index_k``),
+    or, without them, each row's causal keys by its position in the whole
+    sequence (``causal_offset`` as the single-process call: None is
+    ``S_kv - S_q`` of each whole sequence). Ids number the keys of the whole
+    sequence (``id_mode`` as on one process). Returns what
+    :func:`dsaib.torch.indexer_topk` returns, for the rank's rows; the union of
+    the ranks' rows is bitwise the single-process result. Not differentiable.
+    """
+    fields, error, offsets, o = None, None, (None, None), None
+    try:
+        o = _options.check("indexer_topk", dict(
+            topk=topk, layout=layout, id_mode=id_mode, order=order, causal_offset=causal_offset,
+            strict_ranges=strict_ranges, return_logits=return_logits, return_lengths=return_lengths, backend=None,
+            num_threads=num_threads, stream=None))
+        check_tensor_types(("starts", "ends", "cu_seqlens_q", "cu_seqlens_k"), index_q=index_q, weights=weights,
+                           index_k=index_k, starts=starts, ends=ends, cu_seqlens_q=cu_seqlens_q,
+                           cu_seqlens_k=cu_seqlens_k)
+        for name, t in (("index_q", index_q), ("weights", weights), ("index_k", index_k)):
+            if not t.is_floating_point():
+                raise TypeError(f"{name}: expected a floating-point dtype, got {t.dtype}")
+        check_same_device(index_q, weights=weights, index_k=index_k, starts=starts, ends=ends)
+        if (starts is None) != (ends is None):
+            raise ValueError(f"{'ends' if starts is not None else 'starts'}: expected a tensor (starts and ends "
+                             f"come together, or neither), got None")
+        offsets = host_offsets(cu_seqlens_q, cu_seqlens_k)
+        fields = describe("context_parallel_indexer_topk", index_q, weights, index_k, None, None, None, 0.0,
+                          cp_layout, 0.0, 0, layout, id_mode, *offsets, None, None, starts=starts, ends=ends,
+                          topk=o["topk"], order=o["order"], causal_offset=o["causal_offset"],
+                          strict_ranges=o["strict_ranges"])
+    except (TypeError, ValueError) as e:  # raised on every rank by the exchange in plan
+        error = e
+    plan = _plan(group, cp_layout, layout, index_q, index_k, cu_seqlens_q, cu_seqlens_k, offsets, fields, error)
+    gathered, work = start_gather(plan, index_k.to(torch.bfloat16))
+    try:
+        # While the keys travel: the rank's query rows and their ranges.
+        cuda = index_q.device.type == "cuda"
+        q16 = topk_operand(index_q, (torch.bfloat16,), cuda)
+        w_op = topk_operand(weights, (torch.float32, torch.bfloat16), False)
+        if starts is None:
+            starts32, ends32 = _causal_ranges(plan, index_q, o["causal_offset"])
+        else:
+            starts32, ends32 = range_int32("starts", starts), range_int32("ends", ends)
+    finally:
+        finish(work)
+    with torch.no_grad():
+        ids, logits, lengths = torch.ops.dsaib.indexer_topk(
+            q16, w_op, plan.to_sequence_order(gathered), o["topk"], starts32, ends32, plan.cu_q_local, plan.cu_k,
+            o["layout"], o["id_mode"], o["order"], None, o["strict_ranges"], o["return_logits"],
+            o["return_lengths"], o["num_threads"])
+    out = (ids,) + ((logits,) if o["return_logits"] else ()) + ((lengths,) if o["return_lengths"] else ())
+    return out if len(out) > 1 else ids

@@ -16,9 +16,13 @@ option), CPU tensors the fp64 CPU backend. Each makes one library call.
   as a device scalar. :class:`IndexerKLLoss` is the same as an ``nn.Module``.
 * :func:`indexer_kl_loss_and_grad_from_attention`: :func:`attention_target`,
   then :func:`indexer_kl_loss_and_grad`, from the tensors a DSA layer has.
+* :func:`indexer_topk`: the indexer's forward, each query row's exact top-k
+  keys by logit (``torch.ops.dsaib.indexer_topk``), whose ids the loss takes.
+  Not differentiable.
 * :func:`index_scores`: P alone, computed in torch.
-* :func:`context_parallel_indexer_kl_loss` and
-  :func:`context_parallel_indexer_backward` from :mod:`dsaib.distributed`.
+* :func:`context_parallel_indexer_kl_loss`,
+  :func:`context_parallel_indexer_backward` and
+  :func:`context_parallel_indexer_topk` from :mod:`dsaib.distributed`.
 
 The loss (docs/math.md), per query row over its valid slots ``i``::
 
@@ -47,13 +51,15 @@ from ._options import OPTIONS
 from ._torch import ops as _ops  # noqa: F401  (registers torch.ops.dsaib.*)
 from ._torch import reference as _reference
 from ._torch.autograd import IndexerKLLossFunction as _IndexerKLLossFunction
-from ._torch.convert import (check_tensor_types, check_torch_arguments, fp64, grad_code, grad_loss_tensor, ids_int32, library_inputs,
-                             on_stream)
-from .distributed import context_parallel_indexer_backward, context_parallel_indexer_kl_loss
+from ._torch.convert import (check_same_device, check_tensor_types, check_torch_arguments, fp64, grad_code,
+                             grad_loss_tensor, ids_int32, library_inputs, on_stream, range_int32, topk_operand)
+from .distributed import (context_parallel_indexer_backward, context_parallel_indexer_kl_loss,
+                          context_parallel_indexer_topk)
 
 __all__ = ["indexer_backward", "indexer_kl_forward", "indexer_kl_loss", "indexer_kl_loss_and_grad",
-           "attention_target", "indexer_kl_loss_and_grad_from_attention", "IndexerKLLoss", "index_scores", "EPS",
-           "OPTIONS", "context_parallel_indexer_kl_loss", "context_parallel_indexer_backward"]
+           "attention_target", "indexer_topk", "indexer_kl_loss_and_grad_from_attention", "IndexerKLLoss", "index_scores", "EPS",
+           "OPTIONS", "context_parallel_indexer_kl_loss", "context_parallel_indexer_backward",
+           "context_parallel_indexer_topk"]
 
 #: The clip of ``T`` and ``P`` in the loss: exp(-100).
 EPS = _reference.EPS
@@ -250,6 +256,54 @@ def attention_target(query, kv, lse, topk_indices, *, sm_scale, lse_base="natura
             q16, kv16, lse32, ids_int32(topk_indices, o["strict_indices"]), cu_seqlens_q, cu_seqlens_k,
             o["sm_scale"], o["lse_base"], o["normalize"], o["layout"], o["id_mode"], o["strict_indices"],
             o["num_threads"], o["backend"])
+
+
+@_options.documented("indexer_topk")
+def indexer_topk(index_q, weights, index_k, topk, *, starts=None, ends=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                 layout="bshd", id_mode="local", order="logit_descending", causal_offset=None, strict_ranges=False,
+                 return_logits=False, return_lengths=False, backend=None, stream=None, num_threads=0):
+    """Each query row's ``topk`` keys with the largest indexer logits, through
+    ``torch.ops.dsaib.indexer_topk``, as :func:`dsaib.indexer_topk` computes
+    them: ``topk_indices`` (int32, -1 past a row's count), or with
+    ``return_logits`` / ``return_lengths`` the tuple ``(topk_indices,
+    topk_logits, topk_lengths)`` of those asked for.
+
+    index_q and index_k are taken as bf16 (other float dtypes rounded to bf16),
+    weights as bf16 or float32, starts/ends as int32 (other integer dtypes
+    converted, values beyond int32 clamped). A tensor of the right dtype is
+    passed without a copy when its last dimension is contiguous and, on CUDA,
+    its other strides and storage offset are multiples of 8 elements: a
+    sequence-first ``x.transpose(0, 1)`` of an ``[sq, b, H, D]`` tensor is read
+    in place; other layouts are copied contiguous first.
+
+    Not differentiable: the ids are integers, and the logits come back
+    detached (``requires_grad=False``) whatever the inputs; the indexer is
+    trained through :func:`indexer_kl_loss` on these ids. BSHD on CUDA makes no
+    host synchronisation (CUDA graphs capture it; THD reads cu_seqlens as the
+    other entry points do, strict_ranges reads the ranges).
+    """
+    o = _options.check("indexer_topk", dict(
+        topk=topk, layout=layout, id_mode=id_mode, order=order, causal_offset=causal_offset,
+        strict_ranges=strict_ranges, return_logits=return_logits, return_lengths=return_lengths, backend=backend,
+        num_threads=num_threads, stream=stream))
+    check_tensor_types(("starts", "ends", "cu_seqlens_q", "cu_seqlens_k"), index_q=index_q, weights=weights,
+                       index_k=index_k, starts=starts, ends=ends, cu_seqlens_q=cu_seqlens_q,
+                       cu_seqlens_k=cu_seqlens_k)
+    for name in ("index_q", "weights", "index_k"):
+        t = dict(index_q=index_q, weights=weights, index_k=index_k)[name]
+        if not t.is_floating_point():
+            raise TypeError(f"{name}: expected a floating-point dtype, got {t.dtype}")
+    check_same_device(index_q, weights=weights, index_k=index_k, starts=starts, ends=ends)
+    cuda = index_q.device.type == "cuda"
+    with torch.no_grad(), on_stream(o["stream"], index_q.device):
+        ids, logits, lengths = torch.ops.dsaib.indexer_topk(
+            topk_operand(index_q, (torch.bfloat16,), cuda), topk_operand(weights, (torch.float32, torch.bfloat16), False),
+            topk_operand(index_k, (torch.bfloat16,), cuda), o["topk"], range_int32("starts", starts),
+            range_int32("ends", ends), cu_seqlens_q, cu_seqlens_k, o["layout"], o["id_mode"], o["order"],
+            o["causal_offset"], o["strict_ranges"], o["return_logits"], o["return_lengths"], o["num_threads"],
+            o["backend"])
+    out = (ids,) + ((logits,) if o["return_logits"] else ()) + ((lengths,) if o["return_lengths"] else ())
+    return out if len(out) > 1 else ids
 
 
 def indexer_kl_loss_and_grad_from_attention(

@@ -7,7 +7,9 @@
 // row_lse and row_target_mass), the loss forward (indexer_kl_forward), the loss
 // and gradients in one call (indexer_kl_loss_and_grad), the attention target T
 // from the main attention's tensors (attention_target), the validation alone
-// (validate_indexer_kl_loss_inputs) and the fp64 host loss (indexer_kl_loss).
+// (validate_indexer_kl_loss_inputs), the fp64 host loss (indexer_kl_loss) and the
+// indexer's forward, its logits and exact top-k (indexer_topk, with its workspace
+// size query indexer_topk_workspace_size).
 //
 // The workspace of a call comes from the caller's allocator, asked by the
 // library after it has validated the arguments (dsaib::WorkspaceAllocator):
@@ -72,6 +74,7 @@
 #include "dsaib/indexer_backward.hpp"
 #include "dsaib/indexer_kl_forward.hpp"
 #include "dsaib/indexer_kl_loss_and_grad.hpp"
+#include "dsaib/indexer_topk.hpp"
 #include "dsaib/tensor.hpp"
 #include "dsaib/workspace.hpp"
 #include "host_waits.hpp"
@@ -116,7 +119,10 @@ const char* expected_dtypes(const std::string& name) {
   if (name == "attn_score" || name == "index_score" || name == "row_lse" || name == "row_target_mass" ||
       name == "loss" || name == "lse")
     return "f32 (or f64 on the cpu backend)";
-  if (name == "topk_indices" || name == "cu_seqlens_q" || name == "cu_seqlens_k") return "i32";
+  if (name == "topk_logits") return "f32 (or f64 on the cpu backend)";
+  if (name == "topk_indices" || name == "cu_seqlens_q" || name == "cu_seqlens_k" || name == "starts" ||
+      name == "ends" || name == "topk_lengths")
+    return "i32";
   return "bf16, f32 or i32";
 }
 
@@ -268,9 +274,12 @@ Buffer make_buffer(const std::vector<int64_t>& shape, const std::string& dtype, 
   } else if (dtype == "f64") {
     dt = nb::dtype<double>();
     elem = 8;
+  } else if (dtype == "i32") {
+    dt = nb::dtype<int32_t>();
+    elem = 4;
   } else {
     throw dsaib::Error(dsaib::ErrorCode::invalid_argument, "dtype",
-                       "dtype: expected \"f32\", \"bf16\" or \"f64\", got \"" + dtype + "\"");
+                       "dtype: expected \"f32\", \"bf16\", \"f64\" or \"i32\", got \"" + dtype + "\"");
   }
   if (shape.size() > static_cast<size_t>(dsaib::kMaxRank)) {
     throw dsaib::Error(dsaib::ErrorCode::invalid_argument, "shape",
@@ -512,6 +521,26 @@ const OptionTable<dsaib::AttentionTargetOptions>& target_options() {
   return table;
 }
 
+/// dsaib::IndexerTopkOptions (causal_offset's default, kCausalOffsetAuto, is
+/// Python's None: the keyword is then left out).
+const OptionTable<dsaib::IndexerTopkOptions>& topk_options() {
+  using O = dsaib::IndexerTopkOptions;
+  static const OptionTable<O> table = [] {
+    OptionTable<O> t;
+    t.word("layout", &O::layout, {Layout::bshd, Layout::thd}, dsaib::layout_name)
+        .word("id_mode", &O::id_mode, {IdMode::local, IdMode::global}, dsaib::id_mode_name)
+        .word("backend", &O::backend, {Backend::cpu, Backend::cuda}, dsaib::backend_name)
+        .word("order", &O::order, {dsaib::TopkOrder::logit_descending, dsaib::TopkOrder::id_ascending},
+              dsaib::topk_order_name)
+        .value("causal_offset", &O::causal_offset)
+        .value("strict_ranges", &O::strict_ranges)
+        .pointer("stream", &O::stream)
+        .value("num_threads", &O::num_threads);
+    return t;
+  }();
+  return table;
+}
+
 // ---- tensors --------------------------------------------------------------------
 
 dsaib::IndexerInputs make_inputs(const Array& index_q, const Array& weights, const Array& index_k,
@@ -546,6 +575,30 @@ dsaib::AttentionTargetInputs make_target_inputs(const Array& query, const Array&
   in.cu_seqlens_q = opt_view("cu_seqlens_q", cu_seqlens_q, u16);
   in.cu_seqlens_k = opt_view("cu_seqlens_k", cu_seqlens_k, u16);
   return in;
+}
+
+dsaib::IndexerTopkInputs make_topk_inputs(const Array& index_q, const Array& weights, const Array& index_k,
+                                          const std::optional<Array>& starts, const std::optional<Array>& ends,
+                                          const std::optional<Array>& cu_seqlens_q,
+                                          const std::optional<Array>& cu_seqlens_k, bool u16) {
+  dsaib::IndexerTopkInputs in;
+  in.index_q = to_view("index_q", index_q, u16);
+  in.weights = to_view("weights", weights, u16);
+  in.index_k = to_view("index_k", index_k, u16);
+  in.starts = opt_view("starts", starts, u16);
+  in.ends = opt_view("ends", ends, u16);
+  in.cu_seqlens_q = opt_view("cu_seqlens_q", cu_seqlens_q, u16);
+  in.cu_seqlens_k = opt_view("cu_seqlens_k", cu_seqlens_k, u16);
+  return in;
+}
+
+dsaib::IndexerTopkOutputs make_topk_outputs(const OutArray& topk_indices, const std::optional<OutArray>& topk_logits,
+                                            const std::optional<OutArray>& topk_lengths) {
+  dsaib::IndexerTopkOutputs out;
+  out.topk_indices = to_view("topk_indices", topk_indices, false);
+  if (topk_logits) out.topk_logits = to_view("topk_logits", *topk_logits, false);
+  if (topk_lengths) out.topk_lengths = to_view("topk_lengths", *topk_lengths, false);
+  return out;
 }
 
 // ---- the workspace: the caller's allocator, asked by the library --------------
@@ -667,12 +720,15 @@ NB_MODULE(_dsaib, m) {
       [](const std::string& which) {
         if (which == "indexer") return indexer_options().describe();
         if (which == "attention_target") return target_options().describe();
+        if (which == "indexer_topk") return topk_options().describe();
         throw dsaib::Error(dsaib::ErrorCode::invalid_argument, "which",
-                           "which: expected \"indexer\" or \"attention_target\", got \"" + which + "\"");
+                           "which: expected \"indexer\", \"attention_target\" or \"indexer_topk\", got \"" +
+                               which + "\"");
       },
       nb::arg("which"),
-      "The library's options of the indexer's entry points (\"indexer\": dsaib::IndexerOptions) or of\n"
-      "attention_target (\"attention_target\"): {name: (kind, default, words)}, kind one of \"word\",\n"
+      "The library's options of the indexer's entry points (\"indexer\": dsaib::IndexerOptions), of\n"
+      "attention_target (\"attention_target\") or of indexer_topk (\"indexer_topk\"): {name: (kind,\n"
+      "default, words)}, kind one of \"word\",\n"
       "\"float\", \"bool\", \"int32\", \"int64\", \"pointer\"; words the values a \"word\" option takes.\n"
       "The bindings take exactly these names as keyword arguments.");
 
@@ -785,6 +841,67 @@ NB_MODULE(_dsaib, m) {
       "normalize=False). workspace as for indexer_backward.");
 
   m.def(
+      "indexer_topk",
+      [](const Array& index_q, const Array& weights, const Array& index_k, const std::optional<Array>& starts,
+         const std::optional<Array>& ends, const std::optional<Array>& cu_seqlens_q,
+         const std::optional<Array>& cu_seqlens_k, const OutArray& topk_indices,
+         const std::optional<OutArray>& topk_logits, const std::optional<OutArray>& topk_lengths,
+         const std::optional<nb::object>& workspace, bool uint16_as_bf16, const nb::kwargs& options) {
+        const auto in = make_topk_inputs(index_q, weights, index_k, starts, ends, cu_seqlens_q, cu_seqlens_k,
+                                         uint16_as_bf16);
+        const auto out = make_topk_outputs(topk_indices, topk_logits, topk_lengths);
+        const auto opt = topk_options().read(options);
+        PyWorkspace ws(workspace, device_of(opt, index_q));
+        const dsaib::WorkspaceAllocator allocator = ws.allocator();
+        call_library([&] {
+          // dsaib::indexer_topk takes its workspace as (pointer, bytes), so the
+          // caller's allocator needs the size query first: a second validation,
+          // which reads nothing on the host for BSHD. THD's validation copies
+          // cu_seqlens to the host (cuda, outside a capture), so there the
+          // library allocates the workspace itself, stream-ordered, and the
+          // call validates once.
+          if (allocator.allocate && opt.backend == Backend::cuda && opt.layout == Layout::bshd) {
+            const std::size_t bytes = dsaib::indexer_topk_workspace_size(in, out, opt);
+            void* p = bytes ? allocator.allocate(allocator.context, bytes) : nullptr;
+            dsaib::indexer_topk(in, out, opt, p, bytes);
+          } else {
+            dsaib::indexer_topk(in, out, opt);
+          }
+        });
+      },
+      nb::arg("index_q"), nb::arg("weights"), nb::arg("index_k"), nb::arg("starts").none(), nb::arg("ends").none(),
+      nb::arg("cu_seqlens_q").none(), nb::arg("cu_seqlens_k").none(), nb::arg("topk_indices"),
+      nb::arg("topk_logits").none() = nb::none(), nb::arg("topk_lengths").none() = nb::none(),
+      nb::arg("workspace").none() = nb::none(), nb::arg("uint16_as_bf16") = false, nb::arg("options"),
+      "Calls dsaib::indexer_topk: writes topk_indices (int32, (B, S_q, topk) or (T_q, topk); -1 past each\n"
+      "row's count) and, when given, topk_logits (float32, or float64 on the cpu backend, shaped like\n"
+      "topk_indices; -inf past the count) and topk_lengths (int32, one per query row). The library's\n"
+      "IndexerTopkOptions as keyword arguments (option_table(\"indexer_topk\")). workspace as for\n"
+      "indexer_backward.");
+
+  m.def(
+      "indexer_topk_workspace_size",
+      [](const Array& index_q, const Array& weights, const Array& index_k, const std::optional<Array>& starts,
+         const std::optional<Array>& ends, const std::optional<Array>& cu_seqlens_q,
+         const std::optional<Array>& cu_seqlens_k, const OutArray& topk_indices,
+         const std::optional<OutArray>& topk_logits, const std::optional<OutArray>& topk_lengths,
+         bool uint16_as_bf16, const nb::kwargs& options) {
+        const auto in = make_topk_inputs(index_q, weights, index_k, starts, ends, cu_seqlens_q, cu_seqlens_k,
+                                         uint16_as_bf16);
+        const auto out = make_topk_outputs(topk_indices, topk_logits, topk_lengths);
+        const auto opt = topk_options().read(options);
+        std::size_t bytes = 0;
+        call_library([&] { bytes = dsaib::indexer_topk_workspace_size(in, out, opt); });
+        return bytes;
+      },
+      nb::arg("index_q"), nb::arg("weights"), nb::arg("index_k"), nb::arg("starts").none(), nb::arg("ends").none(),
+      nb::arg("cu_seqlens_q").none(), nb::arg("cu_seqlens_k").none(), nb::arg("topk_indices"),
+      nb::arg("topk_logits").none() = nb::none(), nb::arg("topk_lengths").none() = nb::none(),
+      nb::arg("uint16_as_bf16") = false, nb::arg("options"),
+      "dsaib::indexer_topk_workspace_size: the bytes of scratch memory indexer_topk needs on the backend's\n"
+      "device for these arguments (cpu: 0), after the same validation and with the same errors.");
+
+  m.def(
       "validate_indexer_kl_loss_inputs",
       [](const Array& index_q, const Array& weights, const Array& index_k, const Array& topk_indices,
          const Array& attn_score, const std::optional<Array>& index_score, const std::optional<Array>& cu_seqlens_q,
@@ -861,7 +978,7 @@ NB_MODULE(_dsaib, m) {
       });
 
   m.def("empty", &make_buffer, nb::arg("shape"), nb::arg("dtype"), nb::arg("device"),
-        "An uninitialised contiguous Buffer: dtype \"f32\", \"bf16\" or \"f64\", device \"cpu\" or \"cuda:N\".");
+        "An uninitialised contiguous Buffer: dtype \"f32\", \"bf16\", \"f64\" or \"i32\", device \"cpu\" or \"cuda:N\".");
 
   m.def(
       "stream_synchronize",

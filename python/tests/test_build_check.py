@@ -22,7 +22,7 @@ STAND_INS = {
     "crash_on_library_error": (
         "import os, signal\n"
         "def empty(shape, dtype, device):\n"
-        "    raise ValueError('dtype: expected \"f32\", \"bf16\" or \"f64\", got \"f16\"')\n"
+        "    raise ValueError('dtype: expected \"f32\", \"bf16\", \"f64\" or \"i32\", got \"f16\"')\n"
         "def indexer_backward(**kw):\n"
         "    os.kill(os.getpid(), signal.SIGSEGV)\n"),
     # The defect seen on the H200: errors raise correctly until
@@ -31,7 +31,7 @@ STAND_INS = {
         "import os, signal\n"
         "ran = []\n"
         "def empty(shape, dtype, device):\n"
-        "    raise ValueError('dtype: expected \"f32\", \"bf16\" or \"f64\", got \"f16\"')\n"
+        "    raise ValueError('dtype: expected \"f32\", \"bf16\", \"f64\" or \"i32\", got \"f16\"')\n"
         "def indexer_backward(**kw):\n"
         "    if ran:\n"
         "        os.kill(os.getpid(), signal.SIGSEGV)\n"
@@ -42,13 +42,13 @@ STAND_INS = {
     # imported: the right exception, the numbers missing from its message.
     "corrupted_message": (
         "def empty(shape, dtype, device):\n"
-        "    raise ValueError('dtype: expected \"f32\", \"bf16\" or \"f64\", got \"f16\"')\n"
+        "    raise ValueError('dtype: expected \"f32\", \"bf16\", \"f64\" or \"i32\", got \"f16\"')\n"
         "def indexer_backward(**kw):\n"
         "    raise ValueError('normalization_count: expected >= 0 (0 = number of query tokens), got ')\n"),
     "crash_on_import": "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n",
     "no_exception": (
         "def empty(shape, dtype, device):\n"
-        "    raise ValueError('dtype: expected \"f32\", \"bf16\" or \"f64\", got \"f16\"')\n"
+        "    raise ValueError('dtype: expected \"f32\", \"bf16\", \"f64\" or \"i32\", got \"f16\"')\n"
         "def indexer_backward(**kw):\n"
         "    return None\n"),
 }

@@ -106,6 +106,10 @@ def runners(p):
         "`dsaib.torch.indexer_kl_loss_and_grad_from_attention`": lambda: lambda: (
             dt.indexer_kl_loss_and_grad_from_attention(q, w, k, *target[:3], ids, sm_scale=SM, softmax_scale=0.1,
                                                        **o)),
+        "`dsaib.indexer_topk`": lambda: lambda: dsaib.indexer_topk(q, w, k, 8, **o),
+        "`dsaib.torch.indexer_topk`": lambda: lambda: dt.indexer_topk(q, w, k, 8, **o),
+        "`dsaib.torch.indexer_topk(return_logits=True, return_lengths=True)`": lambda: lambda: dt.indexer_topk(
+            q, w, k, 8, return_logits=True, return_lengths=True, **o),
         "`dsaib.torch.index_scores`": lambda: lambda: dt.index_scores(
             q, w, k, ids, sm_scale=SM, **{n: v for n, v in o.items()}),
     }
@@ -237,11 +241,29 @@ def test_each_entry_point_synchronises_as_documented_on_a_gpu(layout):
 
 
 @pytest.mark.skipif(not GPU, reason="needs a CUDA device and dsaib's cuda backend")
+def test_a_captured_bshd_topk_replays_to_the_eager_result():
+    # BSHD: no host synchronisation, so the op (its outputs and workspace from
+    # torch's caching allocator) is captured and replayed.
+    p = problem("bshd", "cuda")
+    q, w, k = p["q"], p["w"], p["k"]
+    eager = dt.indexer_topk(q, w, k, 8, return_logits=True, return_lengths=True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with HostSyncs(cuda=True) as s, torch.cuda.graph(graph):
+        captured = dt.indexer_topk(q, w, k, 8, return_logits=True, return_lengths=True)
+    assert s.library_calls == 1 and s.library_waits == 0 and s.torch_total == 0
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(eager, captured))
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA device and dsaib's cuda backend")
 def test_captured_thd_calls_do_not_synchronise():
     # Inside a CUDA-graph capture the library checks THD cu_seqlens on the device.
     p = problem("thd", "cuda")
     q, w, k, ids, T, P, o = p["q"], p["w"], p["k"], p["ids"], p["T"], p["P"], p["opts"]
     calls = [lambda: dt.indexer_backward(q, w, k, ids, T, P, sm_scale=SM, **o),
+             lambda: dt.indexer_topk(q, w, k, 8, return_logits=True, **o),
              lambda: dt.indexer_kl_loss_and_grad(q, w, k, ids, T, sm_scale=SM, **o),
              lambda: dt.attention_target(p["query"], p["kv"], p["lse"], ids, sm_scale=SM, **o)]
     side = torch.cuda.Stream()

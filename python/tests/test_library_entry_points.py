@@ -165,7 +165,7 @@ def test_option_table_is_the_librarys_options_struct():
     assert list(target) == ["layout", "id_mode", "backend", "sm_scale", "lse_base", "normalize", "strict_indices",
                             "stream", "num_threads"]
     assert target["lse_base"] == ("word", "natural", ("natural", "base2")) and target["normalize"][1] is True
-    with pytest.raises(ValueError, match=r'^which: expected "indexer" or "attention_target", got "x"$'):
+    with pytest.raises(ValueError, match=r'^which: expected "indexer", "attention_target" or "indexer_topk", got "x"$'):
         _dsaib.option_table("x")
 
 

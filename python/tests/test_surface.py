@@ -25,15 +25,16 @@ SM = 0.125
 # caller outputs and bf16 bit patterns (numpy, cupy have no bf16).
 DLPACK_ONLY = {"indexer_backward": {"out", "uint16_as_bf16"}, "attention_target": {"out", "uint16_as_bf16"},
                "indexer_kl_forward": {"uint16_as_bf16"}, "indexer_kl_loss": {"uint16_as_bf16"},
-               "indexer_kl_loss_and_grad": {"uint16_as_bf16"}}
-TENSOR_KEYWORDS = {"cu_seqlens_q", "cu_seqlens_k", "row_lse", "row_target_mass"}
+               "indexer_kl_loss_and_grad": {"uint16_as_bf16"}, "indexer_topk": {"uint16_as_bf16"}}
+TENSOR_KEYWORDS = {"cu_seqlens_q", "cu_seqlens_k", "row_lse", "row_target_mass", "starts", "ends"}
 
 
 def keyword_defaults(fn):
-    """{keyword-only argument: default} of a function (REQUIRED where none)."""
+    """{keyword-only argument, or a positional one the option table has (topk): default}
+    of a function (REQUIRED where none)."""
     sig = inspect.signature(fn)
     return {n: (REQUIRED if p.default is inspect.Parameter.empty else p.default)
-            for n, p in sig.parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+            for n, p in sig.parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY or n in dsaib.OPTIONS}
 
 
 def front_ends():
@@ -59,14 +60,17 @@ def test_both_front_ends_take_the_tables_options_with_its_defaults(operation):
 
 def test_every_library_option_is_reachable_from_both_front_ends():
     reachable = set().union(*dsaib.OPERATIONS.values())
-    library = set(_dsaib.option_table("indexer")) | set(_dsaib.option_table("attention_target"))
+    tables = [_dsaib.option_table(w) for w in ("indexer", "attention_target", "indexer_topk")]
+    library = set().union(*tables)
     assert library <= reachable, library - reachable
     assert {n for n, o in dsaib.OPTIONS.items() if o.library} == library
     for name, o in dsaib.OPTIONS.items():  # the library's words and defaults, as the extension gives them
-        table = _dsaib.option_table("indexer" if name in _dsaib.option_table("indexer") else "attention_target")
-        if o.library and table[name][0] == "word":
-            assert o.words == table[name][2], name
-            assert o.default == table[name][1] or name == "backend", name  # backend: None picks the device's
+        for table in (t for t in tables if name in t and o.library):
+            if table[name][0] == "word":
+                assert o.words == table[name][2], name
+                assert o.default == table[name][1] or name == "backend", name  # backend: None picks the device's
+    # causal_offset's None is the library's per-sequence default (kCausalOffsetAuto, int64's least value)
+    assert dsaib.OPTIONS["causal_offset"].default is None and tables[2]["causal_offset"][1] == -2**63
 
 
 def test_forward_fusion_reaches_the_library_from_both_front_ends():

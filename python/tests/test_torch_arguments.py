@@ -1,7 +1,8 @@
 """The torch front end's argument rules that come before the library's: every
 tensor argument a torch.Tensor and every converted input of a real floating
 dtype (TypeError naming it, before anything runs), and every entry point
-under torch.compile(fullgraph=True), static and dynamic."""
+(the loss's, and indexer_topk) under torch.compile(fullgraph=True), static
+and dynamic."""
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -77,11 +78,18 @@ def test_index_scores_dtype_is_a_floating_torch_dtype(dtype):
 
 @pytest.mark.parametrize("dynamic", [False, True])
 @pytest.mark.parametrize("entry", ["indexer_backward", "indexer_kl_loss_and_grad", "indexer_kl_forward",
-                                   "indexer_kl_loss"])
+                                   "indexer_kl_loss", "indexer_topk"])
 def test_every_entry_point_compiles_with_its_default_grad_loss(entry, dynamic):
     t = problem()
     torch._dynamo.reset()
-    if entry == "indexer_backward":
+    if entry == "indexer_topk":
+        def f(q, w, k, starts, ends):
+            ids = dt.indexer_topk(q, w, k, 3)
+            return (ids,) + dt.indexer_topk(q, w, k, 4, starts=starts, ends=ends, order="id_ascending",
+                                            return_logits=True, return_lengths=True)
+        starts = torch.zeros(t["weights"].shape[:2], dtype=torch.int64)
+        args = (t["index_q"], t["weights"], t["index_k"], starts, starts + t["index_k"].shape[1])
+    elif entry == "indexer_backward":
         def f(q, w, k, ids, T, P):
             return dt.indexer_backward(q, w, k, ids, T, P, sm_scale=SM)
         args = (t["index_q"], t["weights"], t["index_k"], t["topk_indices"], t["attn_score"], t["index_score"])

@@ -110,7 +110,7 @@ args = dict(index_q=buf("H", [B, S, H, D]), weights=buf("f", [B, S, H]), index_k
             grad_loss_device=None, normalization_count=-1, strict_indices=False, deterministic=False, stream=0,
             num_threads=1, workspace=None, uint16_as_bf16=True, out_uint16_as_bf16=True)
 NORMALIZATION = "normalization_count: expected >= 0 (0 = number of query tokens), got -1"
-expect_value_error("extension", 'dtype: expected "f32", "bf16" or "f64", got "f16"',
+expect_value_error("extension", 'dtype: expected "f32", "bf16", "f64" or "i32", got "f16"',
                    lambda: _dsaib.empty((2,), "f16", "cpu"))
 expect_value_error("library", NORMALIZATION, lambda: _dsaib.indexer_backward(**args))
 # That /opt/gcc build passed the two probes above and still crashed in

@@ -6,10 +6,12 @@
 
 #include "api/attention_target_problem.hpp"
 #include "api/cuda_backend.hpp"
+#include "api/indexer_topk_problem.hpp"
 #include "dsaib/attention_target.hpp"
 #include "dsaib/indexer_backward.hpp"
 #include "dsaib/indexer_kl_forward.hpp"
 #include "dsaib/indexer_kl_loss_and_grad.hpp"
+#include "dsaib/indexer_topk.hpp"
 
 namespace {
 
@@ -39,6 +41,11 @@ static_assert(DSAIB_A_OPERAND_AUTOMATIC == static_cast<int>(dsaib::AOperandPreci
 static_assert(DSAIB_LSE_NATURAL == static_cast<int>(dsaib::LseBase::natural) &&
                   DSAIB_LSE_BASE2 == static_cast<int>(dsaib::LseBase::base2),
               "dsaib_lse_base (dsaib.h) and dsaib::LseBase (attention_target.hpp) must have the same values");
+
+static_assert(DSAIB_TOPK_LOGIT_DESCENDING == static_cast<int>(dsaib::TopkOrder::logit_descending) &&
+                  DSAIB_TOPK_ID_ASCENDING == static_cast<int>(dsaib::TopkOrder::id_ascending) &&
+                  DSAIB_CAUSAL_OFFSET_AUTO == dsaib::kCausalOffsetAuto,
+              "dsaib_topk_order and DSAIB_CAUSAL_OFFSET_AUTO (dsaib.h) must match indexer_topk.hpp");
 
 thread_local std::string g_last_error;
 
@@ -184,6 +191,34 @@ void convert_target(const dsaib_attention_target_inputs* in, const dsaib_attenti
   i = {to_view(in->query),        to_view(in->kv),           to_view(in->lse),
        to_view(in->topk_indices), to_view(in->cu_seqlens_q), to_view(in->cu_seqlens_k)};
   o = {to_view(out->attn_score)};
+}
+
+/// convert() for the top-k: options (then the backend's availability), then
+/// the tensors' enum fields, as the other entries.
+void convert_topk(const dsaib_indexer_topk_inputs* in, const dsaib_indexer_topk_outputs* out,
+                  const dsaib_indexer_topk_options* opt, dsaib::IndexerTopkInputs& i, dsaib::IndexerTopkOutputs& o,
+                  dsaib::IndexerTopkOptions& p) {
+  require(in, "inputs");
+  require(out, "outputs");
+  require(opt, "options");
+  p.layout = static_cast<dsaib::Layout>(opt->layout);
+  p.id_mode = static_cast<dsaib::IdMode>(opt->id_mode);
+  p.backend = static_cast<dsaib::Backend>(opt->backend);
+  p.order = static_cast<dsaib::TopkOrder>(opt->order);
+  p.causal_offset = opt->causal_offset;
+  p.strict_ranges = opt->strict_ranges != 0;
+  p.stream = opt->stream;
+  p.num_threads = opt->num_threads;
+  dsaib::detail::check_topk_options_and_backend(p);
+  const dsaib_tensor* ts[] = {&in->index_q,      &in->weights,       &in->index_k,        &in->starts,
+                              &in->ends,         &out->topk_indices, &out->topk_logits,   &out->topk_lengths,
+                              &in->cu_seqlens_q, &in->cu_seqlens_k};
+  const char* names[] = {"index_q", "weights",      "index_k",      "starts",       "ends",
+                         "topk_indices", "topk_logits", "topk_lengths", "cu_seqlens_q", "cu_seqlens_k"};
+  for (int k = 0; k < 10; ++k) check_enums(*ts[k], names[k]);
+  i = {to_view(in->index_q), to_view(in->weights),      to_view(in->index_k),     to_view(in->starts),
+       to_view(in->ends),    to_view(in->cu_seqlens_q), to_view(in->cu_seqlens_k)};
+  o = {to_view(out->topk_indices), to_view(out->topk_logits), to_view(out->topk_lengths)};
 }
 
 }  // namespace
@@ -345,6 +380,43 @@ dsaib_status dsaib_attention_target(const dsaib_attention_target_inputs* inputs,
     dsaib::AttentionTargetOptions p;
     convert_target(inputs, outputs, options, i, o, p);
     dsaib::attention_target(i, o, p, workspace, workspace_bytes);
+  });
+}
+
+void dsaib_default_indexer_topk_options(dsaib_indexer_topk_options* options) {
+  if (!options) return;
+  const dsaib::IndexerTopkOptions d;
+  options->layout = static_cast<int32_t>(d.layout);
+  options->id_mode = static_cast<int32_t>(d.id_mode);
+  options->backend = static_cast<int32_t>(d.backend);
+  options->order = static_cast<int32_t>(d.order);
+  options->causal_offset = d.causal_offset;
+  options->strict_ranges = d.strict_ranges ? 1 : 0;
+  options->stream = d.stream;
+  options->num_threads = d.num_threads;
+}
+
+dsaib_status dsaib_indexer_topk_workspace_size(const dsaib_indexer_topk_inputs* inputs,
+                                               const dsaib_indexer_topk_outputs* outputs,
+                                               const dsaib_indexer_topk_options* options, size_t* bytes) {
+  return guarded([&] {
+    require(bytes, "bytes");
+    dsaib::IndexerTopkInputs i;
+    dsaib::IndexerTopkOutputs o;
+    dsaib::IndexerTopkOptions p;
+    convert_topk(inputs, outputs, options, i, o, p);
+    *bytes = dsaib::indexer_topk_workspace_size(i, o, p);
+  });
+}
+
+dsaib_status dsaib_indexer_topk(const dsaib_indexer_topk_inputs* inputs, const dsaib_indexer_topk_outputs* outputs,
+                                const dsaib_indexer_topk_options* options, void* workspace, size_t workspace_bytes) {
+  return guarded([&] {
+    dsaib::IndexerTopkInputs i;
+    dsaib::IndexerTopkOutputs o;
+    dsaib::IndexerTopkOptions p;
+    convert_topk(inputs, outputs, options, i, o, p);
+    dsaib::indexer_topk(i, o, p, workspace, workspace_bytes);
   });
 }
 

@@ -13,6 +13,7 @@
 #include "dsaib/reference.hpp"
 #include "support/attention_target_check.hpp"
 #include "support/test_support.hpp"
+#include "support/topk_check.hpp"
 
 namespace dsaib::test {
 namespace {
@@ -390,6 +391,139 @@ TEST(CApi, AttentionTargetFailures) {
   EXPECT_EQ(dsaib_attention_target(&c.in, &c.c_out, nullptr, nullptr, 0), DSAIB_INVALID_ARGUMENT);
   EXPECT_STREQ(dsaib_last_error(), "options: expected a non-null pointer, got NULL");
   EXPECT_EQ(dsaib_attention_target_workspace_size(&c.in, &c.c_out, &c.opt, nullptr), DSAIB_INVALID_ARGUMENT);
+  EXPECT_STREQ(dsaib_last_error(), "bytes: expected a non-null pointer, got NULL");
+}
+
+// ---------------------------------------------------------- top-k ---
+
+struct CTopk {
+  TopkProblem p;
+  TopkOutputs out;
+  dsaib_indexer_topk_inputs in;
+  dsaib_indexer_topk_outputs c_out;
+  dsaib_indexer_topk_options opt;
+  explicit CTopk(Layout layout, bool ranges = false)
+      : p(make_topk_problem([&] {
+          TopkSpec s;
+          s.layout = layout;
+          s.q_lens = {4, 6};
+          s.k_lens = {7, 12};
+          s.ranges = ranges;
+          s.topk = 5;
+          s.seed = 91;
+          return s;
+        }())),
+        out(p, 5) {
+    const IndexerTopkInputs i = p.inputs();
+    in = {to_c(i.index_q), to_c(i.weights), to_c(i.index_k), to_c(i.starts), to_c(i.ends), to_c(i.cu_seqlens_q),
+          to_c(i.cu_seqlens_k)};
+    const IndexerTopkOutputs o = out.views();
+    c_out = {to_c(o.topk_indices), to_c(o.topk_logits), to_c(o.topk_lengths)};
+    dsaib_default_indexer_topk_options(&opt);
+    opt.layout = static_cast<int32_t>(layout);
+  }
+};
+
+TEST(CApi, IndexerTopkDefaultOptionsMatchCpp) {
+  dsaib_indexer_topk_options o;
+  std::memset(&o, 0x7f, sizeof o);
+  dsaib_default_indexer_topk_options(&o);
+  const IndexerTopkOptions d;
+  EXPECT_EQ(o.layout, DSAIB_BSHD);
+  EXPECT_EQ(o.id_mode, DSAIB_IDS_LOCAL);
+  EXPECT_EQ(o.backend, DSAIB_BACKEND_CPU);
+  EXPECT_EQ(o.order, DSAIB_TOPK_LOGIT_DESCENDING);
+  EXPECT_EQ(o.causal_offset, DSAIB_CAUSAL_OFFSET_AUTO);
+  EXPECT_EQ(o.causal_offset, d.causal_offset);
+  EXPECT_EQ(o.strict_ranges, 0);
+  EXPECT_EQ(o.stream, nullptr);
+  EXPECT_EQ(o.num_threads, 0);
+  EXPECT_EQ(DSAIB_TOPK_ID_ASCENDING, static_cast<int>(TopkOrder::id_ascending));
+  dsaib_default_indexer_topk_options(nullptr);  // tolerated
+}
+
+TEST(CApi, IndexerTopkMatchesCpp) {
+  for (Layout layout : {Layout::bshd, Layout::thd}) {
+    for (int order : {DSAIB_TOPK_LOGIT_DESCENDING, DSAIB_TOPK_ID_ASCENDING}) {
+      CTopk c(layout, layout == Layout::thd);
+      c.opt.order = order;
+      c.opt.id_mode = DSAIB_IDS_GLOBAL;
+      size_t bytes = 123;
+      ASSERT_EQ(dsaib_indexer_topk_workspace_size(&c.in, &c.c_out, &c.opt, &bytes), DSAIB_OK) << dsaib_last_error();
+      EXPECT_EQ(bytes, 0u);
+      ASSERT_EQ(dsaib_indexer_topk(&c.in, &c.c_out, &c.opt, nullptr, 0), DSAIB_OK) << dsaib_last_error();
+      EXPECT_STREQ(dsaib_last_error(), "");
+      IndexerTopkOptions opt = c.p.options();
+      opt.order = static_cast<TopkOrder>(order);
+      opt.id_mode = IdMode::global;
+      TopkOutputs want(c.p, 5);
+      indexer_topk(c.p.inputs(), want.views(), opt);
+      EXPECT_TRUE(bitwise_equal(want.ids, c.out.ids));
+      EXPECT_TRUE(bitwise_equal(want.logits, c.out.logits));
+      EXPECT_TRUE(bitwise_equal(want.lengths, c.out.lengths));
+      const BruteTopk brute = brute_force_topk(c.p, opt, 5);
+      for (size_t k = 0; k < brute.ids.size(); ++k) EXPECT_EQ(c.out.ids.data<int32_t>()[k], brute.ids[k]) << k;
+    }
+  }
+}
+
+TEST(CApi, IndexerTopkFailures) {
+  struct TopkFailure {
+    const char* name;
+    dsaib_status status;
+    const char* message_start;
+    void (*mutate)(CTopk&);
+  };
+  const TopkFailure failures[] = {
+      {"order enum", DSAIB_INVALID_ARGUMENT, "order: expected 0 (logit_descending) or 1 (id_ascending), got 2",
+       [](CTopk& c) { c.opt.order = 2; }},
+      {"order before a rank enum", DSAIB_INVALID_ARGUMENT, "order: expected", [](CTopk& c) {
+         c.opt.order = -1;
+         c.in.index_q.rank = 9;
+       }},
+      {"rank enum", DSAIB_INVALID_ARGUMENT, "topk_lengths: expected rank 0..4, got 7",
+       [](CTopk& c) { c.c_out.topk_lengths.rank = 7; }},
+      {"dtype enum", DSAIB_INVALID_ARGUMENT, "ends: expected dtype 0 (bf16), 1 (f32), 2 (i32) or 3 (f64), got 9",
+       [](CTopk& c) { c.in.ends.dtype = 9; }},
+      {"ends absent", DSAIB_INVALID_ARGUMENT, "ends: expected a tensor (starts and ends come together, or neither)",
+       [](CTopk& c) { c.in.ends = dsaib_tensor{}; }},
+      {"index_k dtype", DSAIB_INVALID_ARGUMENT, "index_k: expected dtype bf16, got dtype f32",
+       [](CTopk& c) { c.in.index_k.dtype = DSAIB_F32; }},
+      {"strict ranges", DSAIB_INDEX_OUT_OF_RANGE, "ends: strict mode found a range outside its sequence's keys",
+       [](CTopk& c) {
+         c.opt.strict_ranges = 1;
+         c.p.starts.data<int32_t>()[1] = 0;
+         c.p.ends.data<int32_t>()[1] = 100;
+       }},
+      {"cuda before a dtype enum", DSAIB_BACKEND_UNAVAILABLE, "backend: expected cpu", [](CTopk& c) {
+         c.opt.backend = DSAIB_BACKEND_CUDA;
+         c.in.index_k.dtype = 9;
+       }},
+  };
+  for (const TopkFailure& f : failures) {
+    SCOPED_TRACE(f.name);
+    if (f.status == DSAIB_BACKEND_UNAVAILABLE && dsaib_cuda_backend_available()) continue;
+    CTopk c(Layout::bshd, true);
+    f.mutate(c);
+    const Snapshot ids(c.out.ids), logits(c.out.logits), lengths(c.out.lengths), q(c.p.index_q), k(c.p.index_k);
+    EXPECT_EQ(dsaib_indexer_topk(&c.in, &c.c_out, &c.opt, nullptr, 0), f.status);
+    const std::string msg = dsaib_last_error();
+    EXPECT_EQ(msg.rfind(f.message_start, 0), 0u) << msg;
+    EXPECT_NE(msg.find("got"), std::string::npos) << msg;
+    size_t bytes = 7;
+    EXPECT_EQ(dsaib_indexer_topk_workspace_size(&c.in, &c.c_out, &c.opt, &bytes), f.status);
+    EXPECT_EQ(std::string(dsaib_last_error()), msg);
+    EXPECT_EQ(bytes, 7u);
+    EXPECT_TRUE(ids.unchanged() && logits.unchanged() && lengths.unchanged() && q.unchanged() && k.unchanged());
+  }
+  CTopk c(Layout::thd);
+  EXPECT_EQ(dsaib_indexer_topk(nullptr, &c.c_out, &c.opt, nullptr, 0), DSAIB_INVALID_ARGUMENT);
+  EXPECT_STREQ(dsaib_last_error(), "inputs: expected a non-null pointer, got NULL");
+  EXPECT_EQ(dsaib_indexer_topk(&c.in, nullptr, &c.opt, nullptr, 0), DSAIB_INVALID_ARGUMENT);
+  EXPECT_STREQ(dsaib_last_error(), "outputs: expected a non-null pointer, got NULL");
+  EXPECT_EQ(dsaib_indexer_topk(&c.in, &c.c_out, nullptr, nullptr, 0), DSAIB_INVALID_ARGUMENT);
+  EXPECT_STREQ(dsaib_last_error(), "options: expected a non-null pointer, got NULL");
+  EXPECT_EQ(dsaib_indexer_topk_workspace_size(&c.in, &c.c_out, &c.opt, nullptr), DSAIB_INVALID_ARGUMENT);
   EXPECT_STREQ(dsaib_last_error(), "bytes: expected a non-null pointer, got NULL");
 }
 

@@ -183,3 +183,33 @@ def library_inputs(index_q, weights, index_k, topk_indices, attn_score, in_fp64=
     return (index_q.to(torch.bfloat16).contiguous(), weights.to(w_dtype).contiguous(),
             index_k.to(torch.bfloat16).contiguous(), ids_int32(topk_indices, strict),
             attn_score.to(T_dtype).contiguous())
+
+
+def topk_operand(t: torch.Tensor, dtypes, cuda: bool) -> torch.Tensor:
+    """index_q, weights or index_k as dsaib::indexer_topk reads it, without a
+    copy where its strides are acceptable: ``t`` itself when its dtype is one of
+    ``dtypes`` (the first is what other float dtypes are converted to), its last
+    dimension contiguous and, on CUDA, its other strides and its storage offset
+    multiples of 8 elements (the cuda backend's 16-byte rule for bf16; the
+    storage's own base is aligned); else a contiguous copy in that dtype.
+    Megatron's sequence-first views (``x.transpose(0, 1)`` of an
+    ``[sq, b, H, D]`` tensor) pass as they are."""
+    if t.dtype not in dtypes:
+        t = t.to(dtypes[0])
+    if t.dim() == 0:
+        return t  # the library names the rank
+    ok = t.stride(-1) == 1 or t.shape[-1] == 1
+    if ok and cuda:
+        ok = t.storage_offset() % 8 == 0 and all(s % 8 == 0 for s in t.stride()[:-1])
+    return t if ok else t.contiguous()
+
+
+def range_int32(name: str, x):
+    """starts or ends (``name``) as int32: an integer tensor's values outside int32 clamped
+    (a range reaching outside its sequence is clipped by the library alike, and
+    strict_ranges still names it), on the device, no host synchronisation."""
+    if x is None or x.dtype == torch.int32:
+        return x
+    if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+        raise TypeError(f"{name}: expected an integer dtype, got {x.dtype}")
+    return x.to(torch.int64).clamp(_INT32_MIN, _INT32_MAX).to(torch.int32)

@@ -113,14 +113,18 @@ def _grad_loss_value(grad_loss):
 
 def describe(function, index_q, weights, index_k, topk_indices, attn_score, index_score, sm_scale, cp_layout,
              loss_coeff, normalization_count, layout, id_mode, offsets_q, offsets_k, out_dtype,
-             a_operand_precision, grad_loss=None):
+             a_operand_precision, grad_loss=None, starts=None, ends=None, topk=0, order=None, causal_offset=None,
+             strict_ranges=None):
     """[(argument, kind, int64 values)] in the order the comparison names them:
-    the function and the split's words first, then the tensors, then the options."""
+    the function and the split's words first, then the tensors, then the options
+    (indexer_topk's too, the same words for every function: the descriptor's
+    length never depends on which function a rank called)."""
     fields = [("function", "repr", _encode_repr(function)),
               ("layout", "repr", _encode_repr(layout)),
               ("cp_layout", "repr", _encode_repr(cp_layout))]
     for name, t in (("index_q", index_q), ("weights", weights), ("index_k", index_k),
-                    ("topk_indices", topk_indices), ("attn_score", attn_score), ("index_score", index_score)):
+                    ("topk_indices", topk_indices), ("attn_score", attn_score), ("index_score", index_score),
+                    ("starts", starts), ("ends", ends)):
         fields.append((name, "dtype", _encode_repr(None if t is None else t.dtype)))
         fields.append((name, "shape", _encode_shape(t)))
     fields += [("cu_seqlens_q", "offsets", _encode_offsets(offsets_q)),
@@ -133,7 +137,11 @@ def describe(function, index_q, weights, index_k, topk_indices, attn_score, inde
                ("a_operand_precision", "repr", _encode_repr(a_operand_precision)),
                # a number is compared by its value (1, 1.0 and numpy's 1.0 are one
                # value); a tensor's value would need a synchronisation
-               ("grad_loss", "repr", _encode_repr(_grad_loss_value(grad_loss)))]
+               ("grad_loss", "repr", _encode_repr(_grad_loss_value(grad_loss))),
+               ("topk", "int", [int(topk)]),
+               ("order", "repr", _encode_repr(order)),
+               ("causal_offset", "repr", _encode_repr(causal_offset)),
+               ("strict_ranges", "repr", _encode_repr(strict_ranges))]
     return fields
 
 

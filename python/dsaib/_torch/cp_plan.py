@@ -126,6 +126,7 @@ class Plan:
                                      f"over {cp} ranks), got {t.shape[0]}")
             self.k_full_shape = (sum(lengths_k),) + tuple(index_k.shape[1:])
             self.lengths = tuple(lengths_k)
+            self.lengths_q = tuple(lengths_q)
             self.global_rows = sum(lengths_q)
             self.cu_q_local = torch.div(cu_seqlens_q, cp, rounding_mode="floor").to(cu_seqlens_q.dtype)
             self.cu_k = cu_seqlens_k

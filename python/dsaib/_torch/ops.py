@@ -1,6 +1,6 @@
 """The torch.library custom ops over the library's entry points, with their
 fake kernels: torch.ops.dsaib.indexer_backward, indexer_kl_forward,
-indexer_kl_loss_and_grad and attention_target.
+indexer_kl_loss_and_grad, attention_target and indexer_topk.
 
 Each op makes one library call on index_q's device: CUDA tensors on the
 current stream, CPU tensors on the fp64 cpu backend. The library validates the
@@ -229,5 +229,53 @@ def _attention_target_fake(query, kv, lse, topk_indices, cu_seqlens_q, cu_seqlen
     return query.new_empty(topk_indices.shape, dtype=torch.float32)
 
 
+# ---- dsaib::indexer_topk --------------------------------------------------------
+
+
+def _topk_outputs(index_q, topk, with_logits, with_lengths):
+    """(topk_indices int32, topk_logits float32, topk_lengths int32), contiguous on
+    index_q's device; an output not asked for is an empty (0,) tensor (an op
+    returns tensors, never None)."""
+    rows = index_q.shape[:-2]
+    ids = index_q.new_empty((*rows, topk), dtype=torch.int32)
+    logits = index_q.new_empty((*rows, topk) if with_logits else (0,), dtype=torch.float32)
+    lengths = index_q.new_empty(rows if with_lengths else (0,), dtype=torch.int32)
+    return ids, logits, lengths
+
+
+@torch.library.custom_op("dsaib::indexer_topk", mutates_args=())
+def indexer_topk_op(
+    index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, topk: int,
+    starts: Optional[torch.Tensor], ends: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
+    cu_seqlens_k: Optional[torch.Tensor], layout: str, id_mode: str, order: str = "logit_descending",
+    causal_offset: Optional[int] = None, strict_ranges: bool = False, with_logits: bool = False,
+    with_lengths: bool = False, num_threads: int = 0, backend: Optional[str] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(topk_indices, topk_logits, topk_lengths) through dsaib::indexer_topk;
+    topk_logits and topk_lengths are empty (0,) tensors unless asked for."""
+    dev = index_q.device
+    ids, logits, lengths = _topk_outputs(index_q, int(topk), with_logits, with_lengths)
+    tensors = dict(index_q=index_q, weights=weights, index_k=index_k, starts=starts, ends=ends,
+                   cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, topk_indices=ids,
+                   topk_logits=logits if with_logits else None, topk_lengths=lengths if with_lengths else None)
+    options = library_options(dev, backend, layout=layout, id_mode=id_mode, order=order,
+                              strict_ranges=bool(strict_ranges), num_threads=int(num_threads))
+    if causal_offset is not None:
+        options["causal_offset"] = int(causal_offset)
+    run_library(_dsaib.indexer_topk, dev, tensors, options)
+    return ids, logits, lengths
+
+
+@indexer_topk_op.register_fake
+def _indexer_topk_fake(index_q, weights, index_k, topk, starts, ends, cu_seqlens_q, cu_seqlens_k, layout, id_mode,
+                       order="logit_descending", causal_offset=None, strict_ranges=False, with_logits=False,
+                       with_lengths=False, num_threads=0, backend=None):
+    check_words(layout=layout, id_mode=id_mode, order=order, backend=backend)
+    check_same_device(index_q, weights=weights, index_k=index_k, starts=starts, ends=ends,
+                      cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    return _topk_outputs(index_q, topk, with_logits, with_lengths)
+
+
 #: The ops' names, for tests and docs.
-OPS: List[str] = ["indexer_backward", "indexer_kl_forward", "indexer_kl_loss_and_grad", "attention_target"]
+OPS: List[str] = ["indexer_backward", "indexer_kl_forward", "indexer_kl_loss_and_grad", "attention_target",
+                  "indexer_topk"]
