@@ -317,16 +317,19 @@ def attention_target(query, kv, lse, topk_indices, *, sm_scale, lse_base="natura
         U_i = sum_h exp2(sm_scale * log2(e) * query[t, h] . kv[j] - lse[t, h])   ("base2")
         T_i = U_i / sum_i' U_i'    (normalize=True; a row whose sum is 0 gives 0)
 
-    and 0 at invalid slots. ``query`` (B, S_q, Hq, Dqk) / (T_q, Hq, Dqk) and
+    and 0 at invalid slots. ``lse=None``: each head's softmax over the row's
+    valid selected slots, ``lse[t, h] = log sum_i exp(sm_scale * query[t, h] .
+    kv[j_i])`` computed by the library (Megatron-Core's sparse indexer loss;
+    lse_base is then not used). ``query`` (B, S_q, Hq, Dqk) / (T_q, Hq, Dqk) and
     ``kv`` (B, S_kv, Dqk) / (T_k, Dqk) bf16 and contiguous, ``lse`` (B, S_q, Hq)
-    / (T_q, Hq) float32 with any strides, ``topk_indices`` int32. ``sm_scale``
+    / (T_q, Hq) float32 with any strides or None, ``topk_indices`` int32. ``sm_scale``
     is the main attention's softmax scale. The cuda backend takes Hq a multiple
     of 16 up to 128 and Dqk a multiple of 64 up to 576; the cpu backend (fp64)
     any sizes. ``out``: an optional float32 array shaped like topk_indices to
     write into. Returns attn_score, float32, shaped like topk_indices.
     """
-    _check_arrays(query=query, kv=kv, lse=lse, topk_indices=topk_indices, cu_seqlens_q=cu_seqlens_q,
-                  cu_seqlens_k=cu_seqlens_k)
+    _check_arrays(query=query, kv=kv, topk_indices=topk_indices, cu_seqlens_q=cu_seqlens_q,
+                  cu_seqlens_k=cu_seqlens_k, **({} if lse is None else dict(lse=lse)))
     options, run, u16 = _prepare("attention_target", query, dict(
         sm_scale=sm_scale, lse_base=lse_base, normalize=normalize, layout=layout, id_mode=id_mode,
         backend=backend, strict_indices=strict_indices, num_threads=num_threads, stream=stream), uint16_as_bf16)

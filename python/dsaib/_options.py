@@ -156,7 +156,7 @@ def _make_options():
                                '("auto", where it applies) or as a kernel of its own ("off"); results do not '
                                'depend on it'),
         Option("lse_base", _library_default("lse_base"), _library_words("lse_base"), True,
-               '"natural" or "base2" (FlashMLA\'s): the base of lse',
+               '"natural" or "base2" (FlashMLA\'s): the base of lse (not used when lse is None)',
                _word_check("lse_base", _library_words("lse_base"))),
         flag("normalize", "True: T = U / sum U per row; False: U itself (for a tensor-parallel all-reduce)"),
         Option("out_dtype", None, ("f32", "bf16", "f64"), False,

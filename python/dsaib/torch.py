@@ -233,15 +233,18 @@ def attention_target(query, kv, lse, topk_indices, *, sm_scale, lse_base="natura
     :func:`dsaib.attention_target` computes it.
 
     query and kv are taken as bf16 (other float dtypes are rounded to bf16),
-    lse as float32 (any strides; a float64 lse on CPU as it is, unrounded),
-    topk_indices as int32 (ids beyond int32: invalid slots). Returns a
-    float32 tensor shaped like topk_indices; not differentiable (a target).
+    lse as float32 (any strides; a float64 lse on CPU as it is, unrounded)
+    or None (each head's lse over the row's valid selected keys, computed by
+    the library, as Megatron-Core's sparse indexer loss takes each head's
+    softmax over them; lse_base is then not used), topk_indices as int32 (ids
+    beyond int32: invalid slots). Returns a float32 tensor shaped like
+    topk_indices; not differentiable (a target).
     """
     o = _options.check("attention_target", dict(
         sm_scale=sm_scale, lse_base=lse_base, normalize=normalize, layout=layout, id_mode=id_mode, backend=backend,
         strict_indices=strict_indices, num_threads=num_threads, stream=stream))
     for name, t in dict(query=query, kv=kv, lse=lse, topk_indices=topk_indices).items():
-        if not isinstance(t, torch.Tensor):
+        if not isinstance(t, torch.Tensor) and not (name == "lse" and t is None):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if topk_indices.is_floating_point() or topk_indices.is_complex() or topk_indices.dtype == torch.bool:
         raise TypeError(f"topk_indices: expected an integer dtype, got {topk_indices.dtype}")
@@ -250,7 +253,7 @@ def attention_target(query, kv, lse, topk_indices, *, sm_scale, lse_base="natura
         kv16 = kv.to(torch.bfloat16).contiguous() if kv.is_floating_point() else kv
         # float32, strides kept when already so; a float64 lse on CPU stays float64 (the
         # cpu backend takes it unrounded: at |lse| ~ 1000 float32 would move T by ~6e-5)
-        keep = lse.dtype == torch.float64 and lse.device.type == "cpu"
+        keep = lse is None or (lse.dtype == torch.float64 and lse.device.type == "cpu")
         lse32 = lse if keep or not lse.is_floating_point() else lse.to(torch.float32)
         return torch.ops.dsaib.attention_target(
             q16, kv16, lse32, ids_int32(topk_indices, o["strict_indices"]), cu_seqlens_q, cu_seqlens_k,
@@ -314,8 +317,9 @@ def indexer_kl_loss_and_grad_from_attention(
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(loss, d_index_q, d_weights, d_index_k)`` of the indexer KL loss from the
     tensors a DSA layer has: the indexer's ``index_q``, ``weights``,
-    ``index_k``, the main attention's ``query``, latent ``kv`` and ``lse``, and
-    the selected ``topk_indices``.
+    ``index_k``, the main attention's ``query``, latent ``kv`` and ``lse`` (or
+    None: each head's softmax over the selected keys), and the selected
+    ``topk_indices``.
 
     :func:`attention_target` (normalised, with the main attention's
     ``softmax_scale`` and ``lse_base``), then :func:`indexer_kl_loss_and_grad`

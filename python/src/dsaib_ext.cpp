@@ -564,13 +564,13 @@ dsaib::IndexerInputs make_inputs(const Array& index_q, const Array& weights, con
   return in;
 }
 
-dsaib::AttentionTargetInputs make_target_inputs(const Array& query, const Array& kv, const Array& lse,
+dsaib::AttentionTargetInputs make_target_inputs(const Array& query, const Array& kv, const std::optional<Array>& lse,
                                                 const Array& topk_indices, const std::optional<Array>& cu_seqlens_q,
                                                 const std::optional<Array>& cu_seqlens_k, bool u16) {
   dsaib::AttentionTargetInputs in;
   in.query = to_view("query", query, u16);
   in.kv = to_view("kv", kv, u16);
-  in.lse = to_view("lse", lse, u16);
+  in.lse = opt_view("lse", lse, u16);  // None: the library computes it over the selected keys
   in.topk_indices = to_view("topk_indices", topk_indices, u16);
   in.cu_seqlens_q = opt_view("cu_seqlens_q", cu_seqlens_q, u16);
   in.cu_seqlens_k = opt_view("cu_seqlens_k", cu_seqlens_k, u16);
@@ -823,7 +823,7 @@ NB_MODULE(_dsaib, m) {
 
   m.def(
       "attention_target",
-      [](const Array& query, const Array& kv, const Array& lse, const Array& topk_indices,
+      [](const Array& query, const Array& kv, const std::optional<Array>& lse, const Array& topk_indices,
          const std::optional<Array>& cu_seqlens_q, const std::optional<Array>& cu_seqlens_k,
          const OutArray& attn_score, const std::optional<nb::object>& workspace, bool uint16_as_bf16,
          const nb::kwargs& options) {
@@ -833,12 +833,13 @@ NB_MODULE(_dsaib, m) {
         PyWorkspace ws(workspace, device_of(opt, query));
         call_library([&] { dsaib::attention_target(in, out, opt, ws.allocator()); });
       },
-      nb::arg("query"), nb::arg("kv"), nb::arg("lse"), nb::arg("topk_indices"), nb::arg("cu_seqlens_q").none(),
+      nb::arg("query"), nb::arg("kv"), nb::arg("lse").none(), nb::arg("topk_indices"), nb::arg("cu_seqlens_q").none(),
       nb::arg("cu_seqlens_k").none(), nb::arg("attn_score"), nb::arg("workspace").none() = nb::none(),
       nb::arg("uint16_as_bf16") = false, nb::arg("options"),
       "Calls dsaib::attention_target: writes attn_score (float32, shaped like topk_indices), the main\n"
       "attention's probability of each selected key summed over its heads (normalised per row unless\n"
-      "normalize=False). workspace as for indexer_backward.");
+      "normalize=False); lse None: each head's lse over the row's selected keys, computed here. workspace as\n"
+      "for indexer_backward.");
 
   m.def(
       "indexer_topk",

@@ -72,7 +72,9 @@ ProblemGeometry validate_unguarded(const AttentionTargetInputs& in, const Attent
   // Each tensor.
   check_tensor(in.query, {"query", {DType::bf16}, 4 - r}, device, device_index);
   check_tensor(in.kv, {"kv", {DType::bf16}, 3 - r}, device, device_index);
-  check_tensor(in.lse, {"lse", {DType::f32}, 3 - r, true}, device, device_index);
+  // lse absent: the target computes each head's lse over the row's selected keys.
+  const bool has_lse = in.lse.present();
+  if (has_lse) check_tensor(in.lse, {"lse", {DType::f32}, 3 - r, true}, device, device_index);
   check_tensor(in.topk_indices, {"topk_indices", {DType::i32}, 3 - r}, device, device_index);
   if (out) check_tensor(out->attn_score, {"attn_score", {DType::f32}, 3 - r, true}, device, device_index);
   check_cu_seqlens_views(in.cu_seqlens_q, in.cu_seqlens_k, thd, device, device_index);
@@ -96,13 +98,13 @@ ProblemGeometry validate_unguarded(const AttentionTargetInputs& in, const Attent
   if (thd) {
     const int64_t T = g.num_q_rows;
     check_shape(in.kv, "kv", {g.num_k_rows, D}, "(T_k, Dqk) with Dqk of query");
-    check_shape(in.lse, "lse", {T, H}, "(T_q, Hq)");
+    if (has_lse) check_shape(in.lse, "lse", {T, H}, "(T_q, Hq)");
     check_shape(in.topk_indices, "topk_indices", {T, K}, "(T_q, topk)");
     if (out) check_shape(out->attn_score, "attn_score", {T, K}, "(T_q, topk), topk from topk_indices");
   } else {
     const int64_t B = g.batch, S = g.s_q;
     check_shape(in.kv, "kv", {B, g.s_kv, D}, "(B, S_kv, Dqk) with B and Dqk of query");
-    check_shape(in.lse, "lse", {B, S, H}, "(B, S_q, Hq)");
+    if (has_lse) check_shape(in.lse, "lse", {B, S, H}, "(B, S_q, Hq)");
     check_shape(in.topk_indices, "topk_indices", {B, S, K}, "(B, S_q, topk)");
     if (out) check_shape(out->attn_score, "attn_score", {B, S, K}, "(B, S_q, topk), topk from topk_indices");
   }

@@ -5,6 +5,8 @@
 //   U_i = sum_h exp(sm_scale * (q[r, h] . kv[j]) - lse[r, h])                 (natural)
 //   U_i = sum_h exp2(sm_scale * log2(e) * (q[r, h] . kv[j]) - lse[r, h])      (base 2)
 //   T_i = U_i / sum_i' U_i' (normalize; a row whose sum is 0 gives 0), 0 at invalid slots.
+// Without an lse: lse[r, h] = log sum_{valid i} exp(sm_scale * (q[r, h] . kv[j_i])),
+// max-shifted, and U as in the natural case with it.
 // Rows are independent and each is computed by one thread in a fixed order, so
 // every result is the same for any thread count.
 #include <cmath>
@@ -21,12 +23,18 @@
 namespace dsaib::detail {
 namespace {
 
-/// One thread's row buffers: the query row and one key row in fp64, the row's key rows.
+/// One thread's row buffers: the query row and one key row in fp64, the row's
+/// key rows; without an lse, the row's logits (slot-major) and per-head lse.
 struct TargetScratch {
   std::vector<double> q, kv;
   std::vector<int64_t> krow;
-  explicit TargetScratch(const ProblemGeometry& g)
-      : q(static_cast<size_t>(g.heads * g.head_dim)), kv(static_cast<size_t>(g.head_dim)), krow(static_cast<size_t>(g.topk)) {}
+  std::vector<double> logit, lse;
+  TargetScratch(const ProblemGeometry& g, bool lse_given)
+      : q(static_cast<size_t>(g.heads * g.head_dim)),
+        kv(static_cast<size_t>(g.head_dim)),
+        krow(static_cast<size_t>(g.topk)),
+        logit(lse_given ? 0 : static_cast<size_t>(g.topk * g.heads)),
+        lse(lse_given ? 0 : static_cast<size_t>(g.heads)) {}
 };
 
 /// Writes row r's K targets (fp64) to `t`.
@@ -54,31 +62,74 @@ void target_row(const AttentionTargetInputs& in, const AttentionTargetOptions& o
   for (int64_t h = 0; h < H; ++h) {
     for (int64_t d = 0; d < D; ++d) s.q[h * D + d] = load_element(DType::bf16, q.data, q_row + h * q_hs + d * q_ds);
   }
-  const TensorView& lse = in.lse;
-  const int64_t lse_row = row_offset(lse, g.layout, r, g.s_q);
-  const int64_t lse_hs = lse.strides[thd ? 1 : 2];
-  const bool base2 = opt.lse_base == LseBase::base2;
-  const double scale = base2 ? static_cast<double>(opt.sm_scale) * 1.4426950408889634073599246810019 /* log2(e) */
-                             : static_cast<double>(opt.sm_scale);
-
   const TensorView& kv = in.kv;
   const int64_t kv_ds = kv.strides[thd ? 1 : 2];
-  double sum = 0.0;
-  for (int64_t i = 0; i < K; ++i) {
-    const int64_t j = s.krow[i];
-    if (j < 0) continue;
+  // Key row j into s.kv, its dot with each head h of the query row into dot[h].
+  auto dots = [&](int64_t j, double* dot) {
     const int64_t kv_row = row_offset(kv, g.layout, j, g.s_kv);
     for (int64_t d = 0; d < D; ++d) s.kv[d] = load_element(DType::bf16, kv.data, kv_row + d * kv_ds);
-    double u = 0.0;
     for (int64_t h = 0; h < H; ++h) {
       const double* qh = &s.q[h * D];
-      double dot = 0.0;
-      for (int64_t d = 0; d < D; ++d) dot += qh[d] * s.kv[d];
-      const double l = load_element(lse.dtype, lse.data, lse_row + h * lse_hs);
-      u += base2 ? std::exp2(scale * dot - l) : std::exp(scale * dot - l);
+      double acc = 0.0;
+      for (int64_t d = 0; d < D; ++d) acc += qh[d] * s.kv[d];
+      dot[h] = acc;
     }
-    t[i] = u;
-    sum += u;
+  };
+
+  double sum = 0.0;
+  if (!in.lse.present()) {
+    // Each head's natural lse over the row's valid slots (duplicates count once
+    // per slot), shifted by the head's max logit: exp never overflows, and a
+    // NaN or +inf logit makes the head's lse (and the row) NaN.
+    const double scale = static_cast<double>(opt.sm_scale);
+    for (int64_t h = 0; h < H; ++h) s.lse[h] = -INFINITY;  // the max first
+    for (int64_t i = 0; i < K; ++i) {
+      if (s.krow[i] < 0) continue;
+      double* x = &s.logit[i * H];
+      dots(s.krow[i], x);
+      for (int64_t h = 0; h < H; ++h) {
+        x[h] *= scale;
+        if (std::isnan(x[h]) || x[h] > s.lse[h]) s.lse[h] = x[h];  // a NaN stays
+      }
+    }
+    for (int64_t h = 0; h < H; ++h) {
+      const double m = s.lse[h];
+      double e = 0.0;
+      for (int64_t i = 0; i < K; ++i) {
+        if (s.krow[i] >= 0) e += std::exp(s.logit[i * H + h] - m);
+      }
+      s.lse[h] = m + std::log(e);
+    }
+    for (int64_t i = 0; i < K; ++i) {
+      if (s.krow[i] < 0) continue;
+      double u = 0.0;
+      for (int64_t h = 0; h < H; ++h) u += std::exp(s.logit[i * H + h] - s.lse[h]);
+      t[i] = u;
+      sum += u;
+    }
+  } else {
+    const TensorView& lse = in.lse;
+    const int64_t lse_row = row_offset(lse, g.layout, r, g.s_q);
+    const int64_t lse_hs = lse.strides[thd ? 1 : 2];
+    const bool base2 = opt.lse_base == LseBase::base2;
+    const double scale = base2 ? static_cast<double>(opt.sm_scale) * 1.4426950408889634073599246810019 /* log2(e) */
+                               : static_cast<double>(opt.sm_scale);
+    for (int64_t i = 0; i < K; ++i) {
+      const int64_t j = s.krow[i];
+      if (j < 0) continue;
+      const int64_t kv_row = row_offset(kv, g.layout, j, g.s_kv);
+      for (int64_t d = 0; d < D; ++d) s.kv[d] = load_element(DType::bf16, kv.data, kv_row + d * kv_ds);
+      double u = 0.0;
+      for (int64_t h = 0; h < H; ++h) {
+        const double* qh = &s.q[h * D];
+        double acc = 0.0;
+        for (int64_t d = 0; d < D; ++d) acc += qh[d] * s.kv[d];
+        const double l = load_element(lse.dtype, lse.data, lse_row + h * lse_hs);
+        u += base2 ? std::exp2(scale * acc - l) : std::exp(scale * acc - l);
+      }
+      t[i] = u;
+      sum += u;
+    }
   }
   if (!opt.normalize) return;
   if (sum == 0.0) {
@@ -105,7 +156,7 @@ void run_cpu_attention_target(const AttentionTargetInputs& in, const AttentionTa
   std::vector<std::vector<double>> rows;
   allocation_failure_as_out_of_memory(kOutOfMemory, [&] {
     scratch.reserve(threads);
-    for (int t = 0; t < threads; ++t) scratch.emplace_back(g);
+    for (int t = 0; t < threads; ++t) scratch.emplace_back(g, in.lse.present());
     rows.assign(static_cast<size_t>(threads), std::vector<double>(static_cast<size_t>(K)));
     return 0;
   });
@@ -135,7 +186,7 @@ ReferenceAttentionTarget reference_attention_target(const AttentionTargetInputs&
   detail::allocation_failure_as_out_of_memory(detail::kOutOfMemory, [&] {
     res.attn_score.assign(static_cast<size_t>(g.num_q_rows * g.topk), 0.0);
     scratch.reserve(threads);
-    for (int t = 0; t < threads; ++t) scratch.emplace_back(g);
+    for (int t = 0; t < threads; ++t) scratch.emplace_back(g, inputs.lse.present());
     return 0;
   });
   detail::parallel_for(threads, g.num_q_rows, 16, [&](int64_t r, int tid) {

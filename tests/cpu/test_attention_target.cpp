@@ -128,6 +128,139 @@ TEST_P(TargetAgainstDefinition, ReferenceAndCpuBackend) {
 INSTANTIATE_TEST_SUITE_P(Cases, TargetAgainstDefinition, ::testing::ValuesIn(cases()),
                          [](const auto& info) { return info.param.name; });
 
+// Without an lse: each head's lse over the row's valid selected slots, against
+// the definition written out in the test; the unnormalised U of a row with a
+// valid slot sums to Hq (each head's softmax over the slots sums to 1); the
+// cpu backend is the reference rounded once to f32; lse_base is not used.
+TEST_P(TargetAgainstDefinition, WithoutLse) {
+  TargetProblem p = make_target_problem(GetParam().spec);
+  clear_row(p, 1);
+  AttentionTargetInputs in = p.inputs();
+  in.lse = TensorView{};
+  for (bool normalize : {true, false}) {
+    SCOPED_TRACE(normalize ? "normalize" : "unnormalised");
+    const std::vector<double> want = naive_selected_attention_target(p, normalize);
+    const AttentionTargetOptions opt = p.options(normalize);
+    const ReferenceAttentionTarget ref = reference_attention_target(in, opt);
+    ASSERT_EQ(ref.attn_score.size(), want.size());
+    EXPECT_LE(rel_rms(ref.attn_score, want), 1e-13);
+    for (size_t e = 0; e < want.size(); ++e) {
+      ASSERT_TRUE(std::isfinite(ref.attn_score[e])) << "element " << e;
+      EXPECT_NEAR(ref.attn_score[e], want[e], 1e-12 * std::max(1.0, std::fabs(want[e]))) << "element " << e;
+    }
+    for (int64_t r = 0; r < p.num_q_rows(); ++r) {
+      double sum = 0;
+      bool any = false;
+      for (int64_t i = 0; i < p.topk; ++i) {
+        sum += ref.attn_score[r * p.topk + i];
+        any = any || want[r * p.topk + i] != 0;
+      }
+      if (r == 1) EXPECT_FALSE(any);  // the cleared row: zeros
+      if (any) EXPECT_NEAR(sum, normalize ? 1.0 : static_cast<double>(p.heads), 1e-11 * p.heads) << "row " << r;
+    }
+
+    HostTensor out = p.make_output();
+    poison(out);
+    AttentionTargetOptions cpu = opt;
+    cpu.backend = Backend::cpu;
+    attention_target(in, {out.view()}, cpu);
+    for (size_t e = 0; e < want.size(); ++e) {
+      ASSERT_EQ(out.data<float>()[e], static_cast<float>(ref.attn_score[e])) << "element " << e;
+    }
+    HostTensor other = p.make_output();
+    cpu.lse_base = cpu.lse_base == LseBase::natural ? LseBase::base2 : LseBase::natural;
+    attention_target(in, {other.view()}, cpu);
+    EXPECT_TRUE(bitwise_equal(out, other)) << "lse_base changed the target without an lse";
+    EXPECT_EQ(attention_target_workspace_size(in, {out.view()}, cpu), 0u);
+  }
+}
+
+// The selected-key lse written into the lse input gives the target without an
+// lse (up to the f32 rounding of lse), and the dense lse of the problem does
+// not (the test would pass for a target that ignored the selection otherwise).
+TEST(AttentionTarget, WithoutLseEqualsSelectedLse) {
+  for (Layout layout : {Layout::bshd, Layout::thd}) {
+    const TargetSpec s = layout == Layout::bshd ? bshd_spec(16, 192, 8, IdMode::local, LseBase::natural, 23)
+                                                : thd_spec(16, 192, 8, IdMode::global, LseBase::natural, 23);
+    TargetProblem p = make_target_problem(s);
+    AttentionTargetInputs none = p.inputs();
+    none.lse = TensorView{};
+    const ReferenceAttentionTarget dense = reference_attention_target(p.inputs(), p.options(false));
+    const ReferenceAttentionTarget sel = reference_attention_target(none, p.options(false));
+    // lse[r, h] = log sum_{valid i} exp(sm_scale * q[r, h] . kv[j_i]), written
+    // here from the definition (NaN in a row without a valid slot: never read).
+    const int64_t H = p.heads, D = p.head_dim, K = p.topk;
+    for (int64_t b = 0; b < p.batch(); ++b) {
+      const int64_t k0 = p.k_start(b), kl = p.k_lens[b];
+      for (int64_t t = 0; t < p.q_lens[b]; ++t) {
+        const int64_t r = p.q_start(b) + t;
+        for (int64_t h = 0; h < H; ++h) {
+          double mx = -INFINITY;
+          std::vector<double> x;
+          for (int64_t i = 0; i < K; ++i) {
+            const int64_t id = p.ids()[r * K + i];
+            const int64_t j = p.id_mode == IdMode::local ? (id >= 0 && id < kl ? k0 + id : -1)
+                                                         : (id >= k0 && id < k0 + kl ? id : -1);
+            if (j < 0) continue;
+            double dot = 0;
+            for (int64_t d = 0; d < D; ++d) {
+              dot += static_cast<double>(target_bf16_to_float(p.query.data<uint16_t>()[(r * H + h) * D + d])) *
+                     target_bf16_to_float(p.kv.data<uint16_t>()[j * D + d]);
+            }
+            x.push_back(p.sm_scale * dot);
+            mx = std::max(mx, x.back());
+          }
+          double e = 0;
+          for (double v : x) e += std::exp(v - mx);
+          p.lse.data<float>()[r * H + h] = x.empty() ? NAN : static_cast<float>(mx + std::log(e));
+        }
+      }
+    }
+    const ReferenceAttentionTarget given = reference_attention_target(p.inputs(), p.options(false));
+    EXPECT_LE(rel_rms(sel.attn_score, given.attn_score), 1e-6) << layout_name(layout);
+    EXPECT_GT(rel_rms(sel.attn_score, dense.attn_score), 1e-3) << "the dense and selected lse agree: proves nothing";
+  }
+}
+
+// Logits far beyond exp's range (sm_scale 60: |logit| in the thousands): the
+// max shift keeps every U finite, equal to the definition's.
+TEST(AttentionTarget, WithoutLseLargeLogits) {
+  TargetProblem p = make_target_problem(thd_spec(16, 192, 12, IdMode::local, LseBase::natural, 29));
+  p.sm_scale = 60.0f;
+  AttentionTargetInputs in = p.inputs();
+  in.lse = TensorView{};
+  for (bool normalize : {true, false}) {
+    const std::vector<double> want = naive_selected_attention_target(p, normalize);
+    HostTensor out = p.make_output();
+    poison(out);
+    attention_target(in, {out.view()}, p.options(normalize));
+    EXPECT_TRUE(compare(out, want).ok(1e-6)) << compare(out, want).str();
+    double mass = 0;
+    for (int64_t e = 0; e < out.numel(); ++e) {
+      ASSERT_TRUE(std::isfinite(out.data<float>()[e])) << "element " << e;
+      mass += out.data<float>()[e];
+    }
+    EXPECT_GT(mass, 0.5);
+  }
+}
+
+// Without an lse, a NaN in a valid slot's query reaches its row's output, and
+// only its row's; the lse_base option is not checked beyond its enum.
+TEST(AttentionTarget, WithoutLseNaN) {
+  TargetProblem p = make_target_problem(bshd_spec(16, 192, 8, IdMode::local, LseBase::natural, 37));
+  AttentionTargetInputs in = p.inputs();
+  in.lse = TensorView{};
+  p.query.data<uint16_t>()[(2 * p.heads + 5) * p.head_dim + 7] = 0x7fc0;  // row 2, head 5: NaN
+  HostTensor out = p.make_output();
+  attention_target(in, {out.view()}, p.options(true));
+  bool nan2 = false;
+  for (int64_t i = 0; i < p.topk; ++i) {
+    nan2 = nan2 || std::isnan(out.data<float>()[2 * p.topk + i]);
+    EXPECT_FALSE(std::isnan(out.data<float>()[0 * p.topk + i])) << "slot " << i;
+  }
+  EXPECT_TRUE(nan2);
+}
+
 // The same target from the lse in natural log and in base 2: base 2 takes
 // lse / ln 2 and scales the logits by log2(e).
 TEST(AttentionTarget, Base2MatchesNatural) {

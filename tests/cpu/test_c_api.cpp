@@ -332,6 +332,23 @@ TEST(CApi, AttentionTargetMatchesCpp) {
   }
 }
 
+// An absent lse (rank 0, data NULL): the target computes each head's lse over
+// the row's selected keys, as the C++ entry does.
+TEST(CApi, AttentionTargetWithoutLse) {
+  for (Layout layout : {Layout::bshd, Layout::thd}) {
+    CTarget c(layout);
+    std::memset(&c.in.lse, 0, sizeof c.in.lse);
+    ASSERT_EQ(dsaib_attention_target(&c.in, &c.c_out, &c.opt, nullptr, 0), DSAIB_OK) << dsaib_last_error();
+    HostTensor want = c.p.make_output();
+    AttentionTargetInputs i = c.p.inputs();
+    i.lse = TensorView{};
+    attention_target(i, {want.view()}, c.p.options());
+    EXPECT_TRUE(bitwise_equal(want, c.out));
+    const std::vector<double> naive = naive_selected_attention_target(c.p, true);
+    EXPECT_TRUE(compare(c.out, naive).ok(1e-6)) << compare(c.out, naive).str();
+  }
+}
+
 TEST(CApi, AttentionTargetFailures) {
   struct TargetFailure {
     const char* name;

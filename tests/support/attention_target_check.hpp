@@ -221,4 +221,55 @@ inline std::vector<double> naive_attention_target(const TargetProblem& p, bool n
   return out;
 }
 
+/// attn_score without a given lse, from the definition in fp64: each head's
+/// natural lse over the row's valid slots, lse[r, h] = log sum_i exp(sm_scale *
+/// (q[r, h] . kv[j_i])) (shifted by the head's max logit), then U and T as above
+/// with it. p.lse is not read.
+inline std::vector<double> naive_selected_attention_target(const TargetProblem& p, bool normalize) {
+  const int64_t H = p.heads, D = p.head_dim, K = p.topk;
+  std::vector<double> out(static_cast<size_t>(p.num_q_rows() * K), 0.0);
+  const uint16_t* q = p.query.data<uint16_t>();
+  const uint16_t* kv = p.kv.data<uint16_t>();
+  std::vector<double> x;  // (slot, head) logits of a row; NaN at invalid slots
+  for (int64_t b = 0; b < p.batch(); ++b) {
+    const int64_t k0 = p.k_start(b), kl = p.k_lens[b];
+    for (int64_t t = 0; t < p.q_lens[b]; ++t) {
+      const int64_t r = p.q_start(b) + t;
+      x.assign(static_cast<size_t>(K * H), NAN);
+      std::vector<bool> valid(static_cast<size_t>(K), false);
+      for (int64_t i = 0; i < K; ++i) {
+        const int64_t id = p.ids()[r * K + i];
+        const int64_t j = p.id_mode == IdMode::local ? (id >= 0 && id < kl ? k0 + id : -1)
+                                                     : (id >= k0 && id < k0 + kl ? id : -1);
+        if (j < 0) continue;
+        valid[i] = true;
+        for (int64_t h = 0; h < H; ++h) {
+          double dot = 0;
+          for (int64_t d = 0; d < D; ++d) {
+            dot += static_cast<double>(target_bf16_to_float(q[(r * H + h) * D + d])) * target_bf16_to_float(kv[j * D + d]);
+          }
+          x[i * H + h] = p.sm_scale * dot;
+        }
+      }
+      double sum = 0;
+      std::vector<double> u(static_cast<size_t>(K), 0.0);
+      for (int64_t h = 0; h < H; ++h) {
+        double mx = -INFINITY, e = 0;
+        for (int64_t i = 0; i < K; ++i) {
+          if (valid[i]) mx = std::max(mx, x[i * H + h]);
+        }
+        for (int64_t i = 0; i < K; ++i) {
+          if (valid[i]) e += std::exp(x[i * H + h] - mx);
+        }
+        for (int64_t i = 0; i < K; ++i) {
+          if (valid[i]) u[i] += std::exp(x[i * H + h] - mx) / e;  // head h's softmax over the slots
+        }
+      }
+      for (int64_t i = 0; i < K; ++i) sum += u[i];
+      for (int64_t i = 0; i < K; ++i) out[r * K + i] = normalize ? (sum > 0 ? u[i] / sum : 0.0) : u[i];
+    }
+  }
+  return out;
+}
+
 }  // namespace dsaib::test

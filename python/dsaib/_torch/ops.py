@@ -203,12 +203,13 @@ def _indexer_kl_loss_and_grad_fake(index_q, weights, index_k, topk_indices, attn
 
 @torch.library.custom_op("dsaib::attention_target", mutates_args=())
 def attention_target_op(
-    query: torch.Tensor, kv: torch.Tensor, lse: torch.Tensor, topk_indices: torch.Tensor,
+    query: torch.Tensor, kv: torch.Tensor, lse: Optional[torch.Tensor], topk_indices: torch.Tensor,
     cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor], sm_scale: float, lse_base: str,
     normalize: bool, layout: str, id_mode: str, strict_indices: bool = False, num_threads: int = 0,
     backend: Optional[str] = None,
 ) -> torch.Tensor:
-    """attn_score (float32, shaped like topk_indices) through dsaib::attention_target."""
+    """attn_score (float32, shaped like topk_indices) through dsaib::attention_target (lse None: each
+    head's lse over the row's selected keys, computed by the library)."""
     dev = query.device
     attn_score = query.new_empty(topk_indices.shape, dtype=torch.float32)
     tensors = dict(query=query, kv=kv, lse=lse, topk_indices=topk_indices, cu_seqlens_q=cu_seqlens_q,

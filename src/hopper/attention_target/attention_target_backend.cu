@@ -1,8 +1,8 @@
 // attention_target() on cuda (api/cuda_backend.hpp): one persistent launch of
 // attention_target_kernel (attention_target_kernel.cuh) over the query rows,
 // with the kernel for Hq rounded up to 64 or 128 heads and Dqk up to 192 or 576
-// (target_kernel_for). No host synchronisation; THD while capturing checks
-// cu_seqlens on the device.
+// (target_kernel_for), in its two-sweep form when no lse is given. No host
+// synchronisation; THD while capturing checks cu_seqlens on the device.
 #include <cuda_runtime.h>
 
 #include "api/cuda_backend.hpp"
@@ -15,16 +15,21 @@
 namespace dsaib::hopper {
 namespace {
 
-/// Calls f(AttentionTargetConfig<N, slices>{}) for the plan's kernel.
+/// Calls f(AttentionTargetConfig<N, slices, selected_lse>{}) for the plan's kernel.
+template <bool kSelectedLse, class F>
+void with_target_config_lse(const TargetKernel& k, F&& f) {
+  if (k.max_slices == 3) {
+    if (k.heads_padded == 64) f(AttentionTargetConfig<64, 3, kSelectedLse>{});
+    else f(AttentionTargetConfig<128, 3, kSelectedLse>{});
+  } else {
+    if (k.heads_padded == 64) f(AttentionTargetConfig<64, 9, kSelectedLse>{});
+    else f(AttentionTargetConfig<128, 9, kSelectedLse>{});
+  }
+}
 template <class F>
 void with_target_config(const TargetKernel& k, F&& f) {
-  if (k.max_slices == 3) {
-    if (k.heads_padded == 64) f(AttentionTargetConfig<64, 3>{});
-    else f(AttentionTargetConfig<128, 3>{});
-  } else {
-    if (k.heads_padded == 64) f(AttentionTargetConfig<64, 9>{});
-    else f(AttentionTargetConfig<128, 9>{});
-  }
+  if (k.selected_lse) with_target_config_lse<true>(k, f);
+  else with_target_config_lse<false>(k, f);
 }
 
 int target_ctas_per_sm(const TargetKernel& k) {
@@ -43,10 +48,12 @@ AttentionTargetParams target_params(const AttentionTargetInputs& in, const Atten
   AttentionTargetParams t{};
   t.in = problem_params({in.query, no_weights, in.kv, in.topk_indices, in.cu_seqlens_q, in.cu_seqlens_k}, g, 1);
   t.in.sm_scale = opt.sm_scale;
-  t.lse = static_cast<const float*>(in.lse.data);
-  t.lse_batch_stride = flat_batch_stride(in.lse, g);
-  t.lse_row_stride = flat_row_stride(in.lse, g);
-  t.lse_head_stride = in.lse.strides[g.layout == Layout::thd ? 1 : 2];
+  t.lse = static_cast<const float*>(in.lse.data);  // null without an lse (the kernel then computes it)
+  if (in.lse.present()) {
+    t.lse_batch_stride = flat_batch_stride(in.lse, g);
+    t.lse_row_stride = flat_row_stride(in.lse, g);
+    t.lse_head_stride = in.lse.strides[g.layout == Layout::thd ? 1 : 2];
+  }
   constexpr double kLog2e = 1.4426950408889634073599246810019;
   t.scale2 = static_cast<float>(static_cast<double>(opt.sm_scale) * kLog2e);
   t.lse_to_log2 = opt.lse_base == LseBase::natural ? static_cast<float>(kLog2e) : 1.0f;
@@ -65,8 +72,12 @@ hopper::TargetPlan plan_cuda_attention_target(const AttentionTargetInputs& in, c
   hopper::DeviceGuard guard(in.query.device_index);
   hopper::check_attention_target_limits(g);  // before any device query
   const hopper::DeviceProperties device = hopper::query_device_properties();
-  const int ctas = hopper::target_ctas_per_sm(hopper::target_kernel_for(g));
-  return hopper::plan_attention_target(g, hopper::with_ctas_per_sm(device, ctas));
+  hopper::TargetKernel kernel = hopper::target_kernel_for(g);
+  kernel.selected_lse = !in.lse.present();
+  const int ctas = hopper::target_ctas_per_sm(kernel);
+  hopper::TargetPlan plan = hopper::plan_attention_target(g, hopper::with_ctas_per_sm(device, ctas));
+  plan.kernel.selected_lse = kernel.selected_lse;
+  return plan;
 }
 
 void run_cuda_attention_target(const hopper::TargetPlan& plan, const AttentionTargetInputs& in,

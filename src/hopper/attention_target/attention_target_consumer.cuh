@@ -2,7 +2,10 @@
 // c, c + 2, ... of each row from its own ring. Per slice one wgmma group, with the
 // previous slice's group waited for and its stage freed (one group in flight);
 // per key U = sum_h exp2(S^T * scale2 - lse2), at its slot. With normalize both
-// consumers meet and divide the row by its sum, in a fixed order.
+// consumers meet and divide the row by its sum, in a fixed order. kSelectedLse:
+// a first sweep over the row's blocks, with heads as the wgmma M, keeps each
+// head's running max and sum of exp2 over the thread's keys, merged in a fixed
+// order into lse2 (merge_row_lse).
 #pragma once
 
 #include <cutlass/arch/barrier.h>
@@ -30,6 +33,7 @@ struct AttentionTargetConsumer {
   static constexpr int kBlock = Config::kBlockKeys;
   static constexpr int kWarps = Config::kThreadsPerWarpgroup / 32;
   static constexpr int kFinalBatch = 8;  // slots per thread per batch of the final pass
+  static constexpr int kHeadTiles = kN / 64;  // sweep 0's m64 tiles of heads
 
   const AttentionTargetParams& tp;
   Storage& ss;
@@ -55,6 +59,16 @@ struct AttentionTargetConsumer {
     static_assert(decltype(size<2>(tA))::value == 4 && decltype(size<2>(tB))::value == 4, "4 k16 steps per slice");
     const int r0 = warp * 16 + lane / 4;
     const int c0 = 2 * (lane % 4);
+    // kSelectedLse's sweep 0: S = Q . K^T (heads x keys), kHeadTiles m64 tiles
+    typename Config::TiledMmaHeads mma_h;
+    auto thr_h = mma_h.get_thread_slice(tid);
+    Tensor hA = thr_h.partition_fragment_A(sQ);  // (MMA, M, K, slice) descriptors
+    Tensor hB = thr_h.partition_fragment_B(sK);  // (MMA, N, K, stage)
+    // acc's registers: the wgmma keeps its accumulator live across the loops (its
+    // scale-out is a runtime operand), so a second one would hold 64 more registers.
+    Tensor acc_h = make_tensor(acc.data(), partition_fragment_C(mma_h, Shape<Int<kN>, Int<kBlock>>{}).layout());
+    static_assert(decltype(size(acc_h))::value == kHeadTiles * 32 && kHeadTiles * 32 == kN / 2,
+                  "per m64 tile of heads 32 values per thread: acc's size");
 
     // this consumer's ring of K stages: [ring_base, ring_base + kStagesPerConsumer)
     auto st = make_consumer_start_state<Config::kStagesPerConsumer>();
@@ -66,47 +80,130 @@ struct AttentionTargetConsumer {
       target_wait(&ss.q_full[qs], q_state.phase, 2u);
       cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);  // Q copies (generic proxy) before wgmma reads
       const int num_blocks = ss.num_blocks[qs];
-      float lse2[kN / 4];  // head c0 + 8 * (k / 2) + k % 2
-#pragma unroll
-      for (int k = 0; k < kN / 4; ++k) lse2[k] = ss.lse2[qs][c0 + 8 * (k / 2) + k % 2];
 
-      float row_sum = 0.0f;
-      for (int blk = consumer; blk < num_blocks; blk += Config::kConsumers) {
-        int32_t slot0 = -1, slot1 = -1;
+      // One block's product over every slice: per slice, wait for its stage, on
+      // slice 0 on_first(stage) (the block's key slots), gemm_slice(stage, slice)
+      // (one wgmma group into accum), the previous slice's stage freed after its
+      // group (one group in flight).
+      auto mma_block = [&](auto& accum, auto&& on_first, auto&& gemm_slice) {
         int prev = 0;  // the previous slice's stage
         for (int s = 0; s < ns; ++s) {
           const int ks = ring_base + static_cast<int>(st.index);
           target_wait(&ss.k_full[ks], st.phase, 1u);
           cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);  // kv copies before wgmma reads
-          if (s == 0) {
-            slot0 = ss.key_slot[ks][r0];
-            slot1 = ss.key_slot[ks][r0 + 8];
-          }
-          warpgroup_fence_operand(acc);
+          if (s == 0) on_first(ks);
+          warpgroup_fence_operand(accum);
           warpgroup_arrive();
-          mma.accumulate_ = s == 0 ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
-#pragma unroll
-          for (int kb = 0; kb < 4; ++kb) {
-            gemm(mma, tA(_, _, kb, ks), tB(_, _, kb, qs * Config::kMaxSlices + s), acc);
-            mma.accumulate_ = GMMA::ScaleOut::One;
-          }
+          gemm_slice(ks, s);
           warpgroup_commit_batch();
-          warpgroup_fence_operand(acc);
+          warpgroup_fence_operand(accum);
           warpgroup_wait<1>();  // the previous slice's group has read its stage
           if (s > 0) (void)cuda::ptx::mbarrier_arrive(&ss.k_empty[prev]);
           prev = ks;
           st.advance();
         }
         warpgroup_wait<0>();
-        warpgroup_fence_operand(acc);
+        warpgroup_fence_operand(accum);
         (void)cuda::ptx::mbarrier_arrive(&ss.k_empty[prev]);
+      };
+
+      if constexpr (Config::kSelectedLse) {
+        // Sweep 0 (num_blocks is the same for both consumers: both skip it, or
+        // both meet in merge_row_lse) with the transposed product S = Q . K^T:
+        // heads the wgmma M, the block's keys its N, so a thread holds 2 heads
+        // per m64 tile (head warp * 16 + lane / 4 + 8 e + 64 mt) and 16 keys
+        // (key 2 (lane % 4) + b + 8 j: value 4 j + 2 e + b of tile mt), and keeps
+        // per head the max m and the sum l of exp2(x - m) over its keys,
+        // x = S * scale2 (base 2). Tail keys (slot -1) are no keys. A NaN logit
+        // is dropped by fmaxf but makes l NaN, so it reaches the row.
+        if (num_blocks > 0) {
+          float m[kHeadTiles][2], l[kHeadTiles][2];
+#pragma unroll
+          for (int mt = 0; mt < kHeadTiles; ++mt) m[mt][0] = m[mt][1] = -INFINITY, l[mt][0] = l[mt][1] = 0.0f;
+          const int kc0 = 2 * (lane % 4);
+          for (int blk = consumer; blk < num_blocks; blk += Config::kConsumers) {
+            uint32_t valid = 0;  // bit 2 j + b: key kc0 + b + 8 j
+            mma_block(
+                acc_h,
+                [&](int ks) {
+#pragma unroll
+                  for (int j = 0; j < 8; ++j) {
+                    valid |= static_cast<uint32_t>(ss.key_slot[ks][kc0 + 8 * j] >= 0) << (2 * j);
+                    valid |= static_cast<uint32_t>(ss.key_slot[ks][kc0 + 8 * j + 1] >= 0) << (2 * j + 1);
+                  }
+                },
+                [&](int ks, int s) {
+                  mma_h.accumulate_ = s == 0 ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+#pragma unroll
+                  for (int kb = 0; kb < 4; ++kb) {
+                    gemm(mma_h, hA(_, _, kb, qs * Config::kMaxSlices + s), hB(_, _, kb, ks), acc_h);
+                    mma_h.accumulate_ = GMMA::ScaleOut::One;
+                  }
+                });
+#pragma unroll
+            for (int mt = 0; mt < kHeadTiles; ++mt) {
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                // i = 2 j + b: value 4 j + 2 e + b of tile mt (read twice: no copy held)
+                float bm = -INFINITY;
+#pragma unroll
+                for (int i = 0; i < 16; ++i) {
+                  if ((valid >> i) & 1u) bm = fmaxf(bm, acc_h(4 * (i / 2) + 2 * e + i % 2 + 32 * mt) * scale2);
+                }
+                const float mn = fmaxf(m[mt][e], bm);
+                const float shift = mn == -INFINITY ? 0.0f : mn;  // no key yet: l stays 0
+                float sum = 0.0f;
+#pragma unroll
+                for (int i = 0; i < 16; ++i) {
+                  const float x = acc_h(4 * (i / 2) + 2 * e + i % 2 + 32 * mt) * scale2;
+                  if ((valid >> i) & 1u) sum += exp2f(x - shift);
+                }
+                l[mt][e] = fmaf(l[mt][e], exp2f(m[mt][e] - shift), sum);
+                m[mt][e] = mn;
+              }
+            }
+          }
+          merge_row_lse(m, l, consumer, lane, warp, qs);
+        }
+      }
+
+      // lse2 of head c0 + 8 * (k / 2) + k % 2: in registers for the row, or with
+      // kSelectedLse read from shared memory per block (the registers it would
+      // hold serialise the wgmma at 128 x 576 beside sweep 0's state)
+      float lse2[Config::kSelectedLse ? 1 : kN / 4];
+      if constexpr (!Config::kSelectedLse) {
+#pragma unroll
+        for (int k = 0; k < kN / 4; ++k) lse2[k] = ss.lse2[qs][c0 + 8 * (k / 2) + k % 2];
+      }
+      auto lse2_of = [&](int k) {
+        if constexpr (Config::kSelectedLse) return ss.lse2[qs][c0 + 8 * (k / 2) + k % 2];
+        else return lse2[k];
+      };
+
+      float row_sum = 0.0f;
+      for (int blk = consumer; blk < num_blocks; blk += Config::kConsumers) {
+        int32_t slot0 = -1, slot1 = -1;
+        mma_block(
+            acc,
+            [&](int ks) {
+              slot0 = ss.key_slot[ks][r0];
+              slot1 = ss.key_slot[ks][r0 + 8];
+            },
+            [&](int ks, int s) {
+              mma.accumulate_ = s == 0 ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+#pragma unroll
+              for (int kb = 0; kb < 4; ++kb) {
+                gemm(mma, tA(_, _, kb, ks), tB(_, _, kb, qs * Config::kMaxSlices + s), acc);
+                mma.accumulate_ = GMMA::ScaleOut::One;
+              }
+            });
 
         // U of the thread's two keys: its columns (two partial sums each, fixed
         // order), then the quad (lanes with the same lane / 4 hold the same keys).
         float u[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
 #pragma unroll
         for (int v = 0; v < kN / 2; ++v) {
-          const float x = fmaf(acc(v), scale2, -lse2[(v / 4) * 2 + v % 2]);
+          const float x = fmaf(acc(v), scale2, -lse2_of((v / 4) * 2 + v % 2));
           u[(v / 2) % 2][(v / 4) % 2] += exp2f(x);
         }
         float u0 = u[0][0] + u[0][1], u1 = u[1][0] + u[1][1];
@@ -138,6 +235,58 @@ struct AttentionTargetConsumer {
       }
       q_state.advance();
     }
+  }
+
+  /// (m, l) <- the (max, sum of exp2(x - max)) of both sets of x; -inf maxima
+  /// (no x) are shifted by 0, so an empty set adds 0.
+  __device__ static void merge_lse(float& m, float& l, float mo, float lo) {
+    const float mn = fmaxf(m, mo);
+    const float shift = mn == -INFINITY ? 0.0f : mn;
+    l = fmaf(l, exp2f(m - shift), lo * exp2f(mo - shift));
+    m = mn;
+  }
+
+  /// kSelectedLse, after sweep 0: each thread's (m, l) of its heads merged over
+  /// the quad (lanes with the same lane / 4 hold the same heads: a butterfly),
+  /// then consumer 1's into consumer 0's through lse_part, into lse2[qs] =
+  /// m + log2(l) (+inf for padded heads). A fixed order; two
+  /// kTargetConsumerSync barriers, the second publishing lse2.
+  __device__ void merge_row_lse(float (&m)[kHeadTiles][2], float (&l)[kHeadTiles][2], int consumer, int lane,
+                                int warp, int qs) {
+#pragma unroll
+    for (int mt = 0; mt < kHeadTiles; ++mt) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+#pragma unroll
+        for (int off = 1; off < 4; off <<= 1) {
+          const float mo = __shfl_xor_sync(0xffffffffu, m[mt][e], off);
+          const float lo = __shfl_xor_sync(0xffffffffu, l[mt][e], off);
+          merge_lse(m[mt][e], l[mt][e], mo, lo);
+        }
+      }
+    }
+    const int h0 = warp * 16 + lane / 4;  // head h0 + 8 e + 64 mt
+    if (consumer == 1 && lane % 4 == 0) {
+#pragma unroll
+      for (int mt = 0; mt < kHeadTiles; ++mt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) ss.lse_part[h0 + 8 * e + 64 * mt] = make_float2(m[mt][e], l[mt][e]);
+      }
+    }
+    target_consumer_sync<Config>();  // consumer 1's (m, l) written
+    if (consumer == 0 && lane % 4 == 0) {
+#pragma unroll
+      for (int mt = 0; mt < kHeadTiles; ++mt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int h = h0 + 8 * e + 64 * mt;
+          const float2 part = ss.lse_part[h];
+          merge_lse(m[mt][e], l[mt][e], part.x, part.y);
+          ss.lse2[qs][h] = h < tp.in.heads ? m[mt][e] + log2f(l[mt][e]) : INFINITY;
+        }
+      }
+    }
+    target_consumer_sync<Config>();  // lse2[qs] complete; lse_part read before the next row's writes
   }
 
   /// T = U / sum U over the row (both consumers), +0 at the slots marked -0; U

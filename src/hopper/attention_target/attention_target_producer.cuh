@@ -1,6 +1,7 @@
 // The attention target's producer (warpgroup 0). Per row: Q and lse2 into a Q
 // stage; pass 1, the row's blocks and the zeros at invalid slots; pass 2 per
-// chunk, the compacted list, then one K stage per block and 64-dim slice. Copies
+// chunk, the compacted list, then one K stage per block and 64-dim slice (with
+// kSelectedLse pass 2 runs twice, the consumers' two sweeps). Copies
 // complete on the stage's mbarrier (cp.async.mbarrier.arrive.noinc): the producer
 // never waits for its own copies, only for free stages.
 #pragma once
@@ -139,7 +140,7 @@ struct AttentionTargetProducer {
         copy16(src, &sQ(h, col, qs * Config::kMaxSlices + s), in_range);
       }
       cp_async_arrive_noinc(&ss.q_full[qs]);
-      if (tid < kN) {
+      if (!Config::kSelectedLse && tid < kN) {  // kSelectedLse: the consumers write lse2
         float l2 = INFINITY;
         if (tid < p.heads) {
           const int64_t off = batched_offset(row, p.q_rows_per_batch, tp.lse_batch_stride, tp.lse_row_stride) +
@@ -183,8 +184,9 @@ struct AttentionTargetProducer {
       q_state.advance();
 
       // ---- pass 2 per chunk: block g into consumer g % 2's ring, two blocks
-      //      slice by slice in turn, so that both consumers are fed
-      int row_blocks = 0;  // blocks of the earlier chunks of the row
+      //      slice by slice in turn, so that both consumers are fed; once per
+      //      sweep of the consumers, each sweep's blocks in the same rings
+      int row_blocks = 0;  // blocks of the earlier chunks of the row in this sweep
       auto pass2_chunk = [&](int chunk0, const int32_t (&kr)[kPerThread]) {
         int pos[kPerThread];
         // the previous chunk's list was fully read (the barrier after its blocks)
@@ -252,14 +254,17 @@ struct AttentionTargetProducer {
         row_blocks += chunk_blocks;
         producer_sync<Config>();  // every thread is done reading the list
       };
+      for (int sweep = 0; sweep < (Config::kSelectedLse ? 2 : 1); ++sweep) {
+        row_blocks = 0;
 #pragma unroll
-      for (int c = 0; c < kRegChunks; ++c) {
-        if (c < num_chunks) pass2_chunk(c * Config::kSlotChunk, kr_first[c]);
-      }
-      for (int ci = kRegChunks; ci < num_chunks; ++ci) {
-        int32_t kr[kPerThread];
-        load_key_rows(ci * Config::kSlotChunk, seq, ids, kr);
-        pass2_chunk(ci * Config::kSlotChunk, kr);
+        for (int c = 0; c < kRegChunks; ++c) {
+          if (c < num_chunks) pass2_chunk(c * Config::kSlotChunk, kr_first[c]);
+        }
+        for (int ci = kRegChunks; ci < num_chunks; ++ci) {
+          int32_t kr[kPerThread];
+          load_key_rows(ci * Config::kSlotChunk, seq, ids, kr);
+          pass2_chunk(ci * Config::kSlotChunk, kr);
+        }
       }
     }
   }

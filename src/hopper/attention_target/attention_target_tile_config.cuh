@@ -1,6 +1,7 @@
 // The attention target kernel's tiles, parameters and shared memory with its
 // mbarrier contracts (docs/hopper-kernel.md §14). Keys are the wgmma M and heads
-// its N, so U's sum over heads stays in a thread's quad.
+// its N, so U's sum over heads stays in a thread's quad. kSelectedLse (no lse
+// given): each row's keys are swept twice, first for each head's lse over them.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -13,7 +14,7 @@
 
 namespace dsaib::hopper {
 
-template <int kHeadsPadded_, int kMaxSlices_>
+template <int kHeadsPadded_, int kMaxSlices_, bool kSelectedLse_ = false>
 struct AttentionTargetConfig {
   // wgmma N: Hq rounded up; padded heads have lse2 = +inf and add exp2(-inf) = 0.
   static constexpr int kHeadsPadded = kHeadsPadded_;
@@ -30,10 +31,17 @@ struct AttentionTargetConfig {
   // With normalize, a row's U waits for its sum: in shared memory (two rows of up
   // to kSmemTopk slots) where the Q stages leave room, else in attn_score.
   static constexpr int kSmemTopk = kStagesQ * kQStageBytes <= 64 * 1024 ? 2048 : 0;
+  // No lse given: the producer sends each row's blocks twice (sweep 0: each
+  // head's max and sum of exp2 over the row's keys, with heads as the wgmma M
+  // (TiledMmaHeads) so that a thread holds 2 heads per 64, merged across the two
+  // consumers through lse_part; sweep 1: U with that lse), the second gather
+  // likely from the L2.
+  static constexpr bool kSelectedLse = kSelectedLse_;
+  static constexpr int kLsePartBytes = kSelectedLse ? kHeadsPadded * 8 : 0;
   // (block, slice) stages of 8 KiB in the rest of the 227 KiB, at most 16; every
   // free stage can have its copies in flight (they complete on its mbarrier).
   static constexpr int kStageBytes = kBlockKeys * kSliceDims * 2;
-  static constexpr int kStageBudget = 216 * 1024 - kStagesQ * kQStageBytes - 2 * kSmemTopk * 4;
+  static constexpr int kStageBudget = 216 * 1024 - kStagesQ * kQStageBytes - 2 * kSmemTopk * 4 - kLsePartBytes;
   static constexpr int kStagesFit = kStageBudget / (kStageBytes + 256) < 16 ? kStageBudget / (kStageBytes + 256) : 16;
   // One ring per consumer (blocks c, c + 2, ... of a row): in a shared ring a
   // consumer would skip the other's stages and wait more than one phase ahead of a
@@ -71,6 +79,12 @@ struct AttentionTargetConfig {
       cute::GMMA::ss_op_selector<Element, Element, float,
                                  cute::Shape<cute::Int<kBlockKeys>, cute::Int<kHeadsPadded>, cute::Int<kSliceDims>>,
                                  cute::GMMA::Major::K, cute::GMMA::Major::K>()));
+  // kSelectedLse's sweep 0: S = Q . K^T, the same operands swapped: m64 n64 k16,
+  // kHeadsPadded / 64 tiles along M, 4 per slice.
+  using TiledMmaHeads = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float,
+                                 cute::Shape<cute::Int<kHeadsPadded>, cute::Int<kBlockKeys>, cute::Int<kSliceDims>>,
+                                 cute::GMMA::Major::K, cute::GMMA::Major::K>()));
 };
 
 /// The kernel's parameters: the indexer's input addressing (query as index_q,
@@ -100,7 +114,9 @@ struct AttentionTargetStorage {
   //      -1 on tail entries; written on the block's first slice only
   int32_t key_slot[kStagesK][Config::kBlockKeys];
   // ---- per Q stage
-  float lse2[kStagesQ][Config::kHeadsPadded];  // lse in base 2; +inf for padded heads
+  // lse in base 2; +inf for padded heads. Given lse: the producer's (q_full);
+  // kSelectedLse: the consumers' after sweep 0 (kTargetConsumerSync)
+  float lse2[kStagesQ][Config::kHeadsPadded];
   int32_t num_blocks[kStagesQ];                // blocks of valid keys in the row
   // ---- producer-private (NamedBarrierId::kProducerSync): one chunk's compacted slot list
   alignas(16) int32_t slot_index[Config::kSlotChunk];
@@ -113,6 +129,10 @@ struct AttentionTargetStorage {
   //      (q_full), the consumers' U (kTargetConsumerSync); rewritten for row n + 2
   //      after q_empty of row n, which follows row n's final pass
   float u_row[2][Config::kSmemTopk > 0 ? Config::kSmemTopk : 1];
+  // ---- consumer-private (kTargetConsumerSync), kSelectedLse: consumer 1's (m, l)
+  //      of each head after sweep 0 (base 2), read by consumer 0 after a barrier;
+  //      the next barrier publishes lse2 and ends the reads before the next row's writes
+  float2 lse_part[Config::kSelectedLse ? Config::kHeadsPadded : 1];
 
   // ---------------------------------------------------------------------------
   // k_full[s]   "stage s holds slice s' of a gathered block"
@@ -125,6 +145,8 @@ struct AttentionTargetStorage {
   //                  before its wgmma reads k[s]
   //   publishes    : k[s], key_slot[s][*]
   //   reuse        : the producer rewrites stage s only after k_empty[s]
+  //   order        : a ring takes its consumer's blocks of a row in block order; with kSelectedLse the same
+  //                  blocks twice (sweep 0, then sweep 1), each slice of each sweep its own phase
   // k_empty[s]  "stage s may be overwritten"
   //   arrive count : kThreadsPerWarpgroup (128): the threads of the consumer whose ring holds s
   //   who arrives  : each of them after the warpgroup_wait that completes the wgmma reading k[s], and (slice 0)
@@ -137,8 +159,9 @@ struct AttentionTargetStorage {
   //                  copies landed) and one mbarrier.arrive after its lse2 / num_blocks stores and its stores
   //                  of the row's zeros at invalid slots (attn_score, or u_row when U stays in shared memory)
   //   waiters      : all 256 consumer threads, then fence.proxy.async.shared::cta
-  //   publishes    : q[s] (every slice), lse2[s][*], num_blocks[s], and the row's zeros (the consumers' final
-  //                  pass reads them)
+  //   publishes    : q[s] (every slice), lse2[s][*] (not with kSelectedLse: the consumers write it after
+  //                  sweep 0, before their q_empty arrival), num_blocks[s], and the row's zeros (the consumers'
+  //                  final pass reads them)
   // q_empty[s]  "Q stage s (and, U in shared memory, u_row of the row's parity) may be overwritten"
   //   arrive count : kConsumerThreads (256)
   //   who arrives  : every consumer thread after the warpgroup_wait<0> of its last block of the row (or at once

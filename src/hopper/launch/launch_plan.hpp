@@ -181,11 +181,13 @@ LossAndGradPlan plan_loss_and_grad(const detail::ProblemGeometry& g, DType d_ind
 // ---------------------------------------------------------------------------
 // The attention target (attention_target/).
 
-/// AttentionTargetConfig<heads_padded, max_slices>: Hq rounded up to 64 or 128,
-/// Dqk / 64 rounded up to 3 (Dqk <= 192) or 9 slices.
+/// AttentionTargetConfig<heads_padded, max_slices, selected_lse>: Hq rounded up
+/// to 64 or 128, Dqk / 64 rounded up to 3 (Dqk <= 192) or 9 slices; selected_lse
+/// when no lse is given (each row's keys swept twice), set by the backend.
 struct TargetKernel {
   int32_t heads_padded = 64;
   int32_t max_slices = 9;
+  bool selected_lse = false;
 };
 TargetKernel target_kernel_for(const detail::ProblemGeometry& g);
 
