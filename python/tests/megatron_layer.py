@@ -86,9 +86,10 @@ class Capture:
     def __init__(self):
         from megatron.core.transformer.experimental_attention_variant import dsa
 
-        self.dsa, self.saved = dsa, []
+        self.dsa, self.kernels = dsa, dsa.dsa_kernels
         self.before, self.attention, self.scaler = (dsa.DSAIndexer.forward_before_topk, dsa._run_sparse_attention,
                                                     dsa.DSAIndexerLossAutoScaler.apply)
+        self.hook = self.kernels.run_fused_qk_topk_with_loss
         self.clear()
 
     def clear(self):
@@ -99,8 +100,15 @@ class Capture:
 
         def before(module, *a, **k):
             q, kk, w = rec.before(module, *a, **k)
-            rec.record["qkw"] = (q.detach().clone(), kk.detach().clone(), w.detach().clone())
+            for name, t in (("dq", q), ("dk", kk), ("dw", w)):
+                if t.requires_grad:
+                    t.register_hook(lambda g, name=name: rec.record.__setitem__(name, g.detach().float().clone()))
             return q, kk, w
+
+        def hook(config, q, k, weights, index_topk, starts, ends, *a, **kw):
+            # what both paths select from: k gathered over CP, each row's [start, end)
+            rec.record["topk_inputs"] = tuple(t.detach().clone() for t in (q, k, weights, starts, ends))
+            return rec.hook(config, q, k, weights, index_topk, starts, ends, *a, **kw)
 
         def attention(**k):
             rec.record["ids"] = k["topk_indices"].detach().clone()
@@ -113,12 +121,14 @@ class Capture:
         self.dsa.DSAIndexer.forward_before_topk = before
         self.dsa._run_sparse_attention = attention
         self.dsa.DSAIndexerLossAutoScaler.apply = scaler
+        self.kernels.run_fused_qk_topk_with_loss = hook
         return self
 
     def __exit__(self, *exc):
         self.dsa.DSAIndexer.forward_before_topk = self.before
         self.dsa._run_sparse_attention = self.attention
         self.dsa.DSAIndexerLossAutoScaler.apply = self.scaler
+        self.kernels.run_fused_qk_topk_with_loss = self.hook
 
 
 def layer_inputs(case, tp, cp, tp_rank, cp_rank):
@@ -164,7 +174,8 @@ def run_layer(layer, case, inputs, capture):
     out.backward(inputs["grad_out"].view_as(out))
     grads = {n: p.grad.detach().float().clone() for n, p in layer.indexer.named_parameters() if p.grad is not None}
     rec = dict(capture.record)
-    return dict(loss=rec.get("loss"), ids=rec["ids"], qkw=rec["qkw"], out=out.detach().float(), grads=grads)
+    return dict(loss=rec.get("loss"), ids=rec["ids"], topk_inputs=rec.get("topk_inputs"), out=out.detach().float(),
+                grads=grads, dqkw=tuple(rec.get(n) for n in ("dq", "dk", "dw")))
 
 
 def run_cases(rank, world, cases):
