@@ -15,6 +15,11 @@
 // across tensor-parallel ranks, each rank computes the unnormalised U over its
 // heads (normalize = false), the ranks all-reduce U, and the caller divides by
 // each row's sum.
+//
+// lse absent: lse[t, h] = log sum_{valid i} exp(sm_scale * (query[t, h, :] .
+// kv[j_i, :])) over the row's valid slots (each head's softmax over the
+// selected keys, Megatron-Core's sparse indexer loss), then U and T as above
+// (natural); lse_base is not used. A row without a valid slot gives 0.
 #pragma once
 
 #include <cstddef>
@@ -38,7 +43,8 @@ bool parse_lse_base(const std::string& word, LseBase* out);  // false, *out unch
 /// topk_indices, cu_seqlens_q/k (THD only). Shapes and dtypes:
 /// docs/attention-target.md, "Shapes". query, kv and topk_indices are
 /// contiguous; lse may have any strides (a transposed view of a (B, Hq, S_q) or
-/// (Hq, T_q) tensor is accepted as is).
+/// (Hq, T_q) tensor is accepted as is), or be absent (the target computes it
+/// over each row's selected keys).
 struct AttentionTargetInputs {
   TensorView query;
   TensorView kv;
@@ -60,6 +66,7 @@ struct AttentionTargetOptions {
   Backend backend = Backend::cpu;
   /// The main attention's softmax scale (multiplies query . kv). Finite.
   float sm_scale = 1.0f;
+  /// The base of a given lse; not used when lse is absent.
   LseBase lse_base = LseBase::natural;
   /// true: T = U / sum U per row; false: U itself (for a tensor-parallel all-reduce).
   bool normalize = true;

@@ -181,7 +181,8 @@ typedef enum dsaib_lse_base {
 } dsaib_lse_base;
 
 /* query bf16 (B, S_q, Hq, Dqk) / (T_q, Hq, Dqk); kv bf16 (B, S_kv, Dqk) / (T_k, Dqk);
-   lse f32 (cpu: or f64) (B, S_q, Hq) / (T_q, Hq), any strides; topk_indices i32 (B, S_q, topk) /
+   lse f32 (cpu: or f64) (B, S_q, Hq) / (T_q, Hq), any strides, or absent (each head's lse over the
+   row's selected keys, computed by the library; lse_base not used); topk_indices i32 (B, S_q, topk) /
    (T_q, topk); cu_seqlens_q/k i32 (B + 1) for THD. */
 typedef struct dsaib_attention_target_inputs {
   dsaib_tensor query, kv, lse, topk_indices, cu_seqlens_q, cu_seqlens_k;

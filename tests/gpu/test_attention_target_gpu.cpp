@@ -4,7 +4,9 @@
 // 48 x 128; BSHD and THD; local and global ids; -1 and out-of-range slots; a row
 // without a valid slot; topk 1 and topk not a multiple of 64; lse natural and
 // base 2, contiguous and transposed; normalize on and off; a CUDA-graph capture
-// of a THD call; bitwise reproducibility. Every run first fills the output with
+// of a THD call; bitwise reproducibility; and without an lse (each head's lse
+// over the row's selected keys: every kernel, THD, topk edges, logits beyond
+// exp's range, rows without a valid slot). Every run first fills the output with
 // NaN; each test draws fresh random inputs (its seed is printed on failure).
 // Without a compute-capability-9.0 GPU every test is SKIPPED (never passed).
 #include <gtest/gtest.h>
@@ -17,6 +19,8 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "dsaib/attention_target.hpp"
@@ -56,6 +60,8 @@ struct TargetSpec {
   double invalid_share = 0.1;   // slots set to -1 or out of range
   bool empty_row = true;        // query row 1: no valid slot
   bool lse_transposed = false;  // lse a transposed view of (B, Hq, S_q) / (Hq, T_q) storage
+  bool no_lse = false;          // lse absent: each head's lse over the row's valid slots (two sweeps)
+  double scale_mul = 1.0;       // sm_scale times this (large: logits far beyond exp's range)
 };
 
 /// One problem on the host, with the lse of each row and head the log-sum-exp
@@ -96,7 +102,7 @@ struct TargetProblem {
     AttentionTargetInputs in;
     in.query = query.view();
     in.kv = kv.view();
-    in.lse = lse_view(const_cast<uint8_t*>(lse_storage.bytes.data()), DeviceType::cpu);
+    if (!s.no_lse) in.lse = lse_view(const_cast<uint8_t*>(lse_storage.bytes.data()), DeviceType::cpu);
     in.topk_indices = ids.view();
     if (s.layout == Layout::thd) {
       in.cu_seqlens_q = cu_q.view();
@@ -121,7 +127,7 @@ TargetProblem make_target_problem(const TargetSpec& spec, uint64_t seed) {
   p.rows = q_start[B];
   p.key_rows = k_start[B];
   const int64_t H = s.heads, D = s.dim, K = s.topk;
-  p.sm_scale = static_cast<float>(1.1 / std::sqrt(static_cast<double>(D)));
+  p.sm_scale = static_cast<float>(s.scale_mul * 1.1 / std::sqrt(static_cast<double>(D)));
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::uniform_real_distribution<double> uni(0.0, 1.0);
@@ -231,7 +237,7 @@ struct DeviceTarget {
     AttentionTargetInputs in;
     in.query = query.view;
     in.kv = kv.view;
-    in.lse = p.lse_view(lse.buffer.ptr, DeviceType::cuda);
+    if (!p.s.no_lse) in.lse = p.lse_view(lse.buffer.ptr, DeviceType::cuda);
     in.topk_indices = ids.view;
     if (p.s.layout == Layout::thd) {
       in.cu_seqlens_q = cu_q.view;
@@ -439,6 +445,102 @@ TEST_F(AttentionTargetGpu, BitwiseReproducible) {
     ASSERT_EQ(a.size(), b.size());
     EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << "Hq " << h;
   }
+}
+
+// ---- without an lse: each head's lse over the row's valid slots, computed by the
+//      kernel's first sweep (the reference computes it in fp64, max-shifted)
+
+TEST_F(AttentionTargetGpu, NoLseEveryKernel) {
+  // both head paddings and both slice counts, normalised and not
+  for (auto [h, d, k] : {std::tuple<int64_t, int64_t, int64_t>{128, 576, 200}, {64, 192, 300}, {16, 64, 130},
+                         {48, 128, 64}, {128, 192, 150}, {64, 576, 90}}) {
+    for (bool normalize : {true, false}) {
+      SCOPED_TRACE("Hq " + std::to_string(h) + " Dqk " + std::to_string(d) + (normalize ? " normalised" : ""));
+      TargetSpec s = shape(h, d, k);
+      s.no_lse = true;
+      s.normalize = normalize;
+      const std::vector<float> out = check_case(s, fresh_seed());
+      if (!normalize) {
+        // U of a row with a valid slot sums to Hq: each head's softmax over the slots sums to 1
+        double row0 = 0;
+        for (int64_t i = 0; i < k; ++i) row0 += out[i];
+        EXPECT_NEAR(row0, static_cast<double>(h), 1e-4 * h);
+      }
+    }
+  }
+}
+
+TEST_F(AttentionTargetGpu, NoLseThdAndTopkEdges) {
+  for (IdMode mode : {IdMode::local, IdMode::global}) {
+    TargetSpec s = thd_spec(64, 192, 300);
+    s.id_mode = mode;
+    s.no_lse = true;
+    check_case(s, fresh_seed());
+  }
+  // topk 1, not a multiple of 64, more than one chunk of 1024 slots, more than
+  // the 2048 slots U keeps in shared memory; rows with few keys (causal)
+  for (int64_t topk : {1, 65, 1000, 2100}) {
+    SCOPED_TRACE("topk " + std::to_string(topk));
+    TargetSpec s = shape(64, 192, topk);
+    s.s_kv = 2500;
+    s.s_q = 5;
+    s.no_lse = true;
+    check_case(s, fresh_seed());
+  }
+  TargetSpec full = shape(128, 576, 2048);
+  full.batch = 1;
+  full.s_q = 3;
+  full.s_kv = 3000;
+  full.invalid_share = 0.02;
+  full.no_lse = true;
+  check_case(full, fresh_seed());
+  TargetSpec causal = shape(128, 576, 2048);
+  causal.batch = 1;
+  causal.s_q = 40;
+  causal.s_kv = 3000;
+  causal.causal = true;
+  causal.invalid_share = 0.0;
+  causal.no_lse = true;
+  check_case(causal, fresh_seed());
+}
+
+TEST_F(AttentionTargetGpu, NoLseLargeLogitsNoValidSlotAndReproducible) {
+  // sm_scale x 40: |logits| in the hundreds, beyond exp's range without the max
+  // shift. fp32 logits of that size carry ~1e-5 absolute error each, so the
+  // bounds are 20x and 10x the usual ones; NaN, inf and wrong zeros still fail.
+  for (auto [h, d] : {std::pair<int64_t, int64_t>{128, 576}, {64, 192}}) {
+    TargetSpec s = shape(h, d, 300);
+    s.no_lse = true;
+    s.scale_mul = 40.0;
+    const uint64_t seed = fresh_seed();
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    const TargetProblem p = make_target_problem(s, seed);
+    const ReferenceAttentionTarget ref = reference_attention_target(p.host_inputs(), p.options(Backend::cpu));
+    DeviceTarget dev(p);
+    const std::vector<float> out = dev.run();
+    const Comparison c = compare_target(out, ref.attn_score);
+    EXPECT_EQ(c.non_finite, 0) << describe(c, out, ref.attn_score);
+    EXPECT_EQ(c.bad_zero, 0) << describe(c, out, ref.attn_score);
+    EXPECT_LE(c.rel_rms, 20 * kRelRms) << describe(c, out, ref.attn_score);
+    EXPECT_LE(c.worst_excess, 10.0) << describe(c, out, ref.attn_score);
+  }
+  TargetSpec none = shape(64, 128, 80);
+  none.invalid_share = 1.0;
+  none.no_lse = true;
+  for (bool normalize : {true, false}) {
+    none.normalize = normalize;
+    const std::vector<float> out = check_case(none, fresh_seed());
+    for (float v : out) ASSERT_TRUE(v == 0.0f && !std::signbit(v));
+  }
+  TargetSpec s = shape(128, 576, 700);
+  s.s_q = 64;
+  s.s_kv = 1500;
+  s.no_lse = true;
+  const TargetProblem p = make_target_problem(s, fresh_seed());
+  DeviceTarget dev(p);
+  const std::vector<float> a = dev.run(), b = dev.run();
+  ASSERT_EQ(a.size(), b.size());
+  EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0);
 }
 
 TEST_F(AttentionTargetGpu, ThdCapturedInCudaGraph) {
