@@ -112,6 +112,34 @@ class BenchCommand {
   BenchFlags flags_;
 };
 
+/// Flags of `topk`.
+struct TopkArgs {
+  int64_t batch = 2, s_q = 128, s_kv = -1, heads = 8, head_dim = 64, topk = 32;
+  std::string visible = "causal", causal_offset = "auto", layout = "bshd", id_mode = "local";
+  std::string order = "logit_descending", backend = "auto";
+  uint64_t seed = 0;
+  int32_t threads = 0;
+  int warmup = -1, repeat = 1;
+  bool weights_f32 = false, strict_ranges = false, json = false;
+};
+
+/// `topk`: generates a random indexer_topk() problem, runs it on a backend,
+/// checks the selection against the fp64 reference (check_indexer_topk) and
+/// reports PASS or FAIL, as text or JSON.
+class TopkCommand {
+ public:
+  explicit TopkCommand(CLI::App& app);
+  TopkCommand(const TopkCommand&) = delete;
+  TopkCommand& operator=(const TopkCommand&) = delete;
+  bool selected() const { return cmd_->parsed(); }
+  bool json() const { return args_.json; }
+  int run();
+
+ private:
+  CLI::App* cmd_ = nullptr;
+  TopkArgs args_;
+};
+
 /// `presets`: lists the presets of the generation flags.
 class PresetsCommand {
  public:

@@ -6,6 +6,7 @@
 #include <memory>
 
 #include "cli.hpp"
+#include "topk.hpp"
 
 namespace dsaib::cli {
 namespace {
@@ -139,6 +140,66 @@ RunResult run_cuda(const Problem& p, const Geometry&, DType out_dtype, int warmu
     }
   }
   return r;
+}
+
+void run_topk_cuda(TopkRun& run, int warmup, int repeat) {
+  if (!cuda_backend_available()) {
+    throw Error(ErrorCode::backend_unavailable, "backend", "backend cuda: " + cuda_unavailable_reason());
+  }
+  int dev = 0;
+  check(cudaGetDevice(&dev), "cudaGetDevice");
+  cudaDeviceProp prop{};
+  check(cudaGetDeviceProperties(&prop, dev), "cudaGetDeviceProperties");
+  run.timer = "cudaEvent";
+  run.device = std::string(prop.name) + " (device " + std::to_string(dev) + ", sm_" + std::to_string(prop.major) +
+               std::to_string(prop.minor) + ")";
+  std::vector<std::unique_ptr<DeviceBuffer>> buffers;
+  auto on_device = [&](const HostTensor& t, bool upload) -> TensorView {
+    if (t.empty()) return TensorView{};
+    buffers.push_back(std::make_unique<DeviceBuffer>(t.bytes.size()));
+    if (upload && !t.bytes.empty()) {
+      check(cudaMemcpy(buffers.back()->ptr, t.bytes.data(), t.bytes.size(), cudaMemcpyHostToDevice), "cudaMemcpy H2D");
+    }
+    TensorView v = t.view();
+    v.data = buffers.back()->ptr;
+    v.device = DeviceType::cuda;
+    v.device_index = dev;
+    return v;
+  };
+  IndexerTopkInputs in{on_device(run.index_q, true),      on_device(run.weights, true),
+                       on_device(run.index_k, true),      on_device(run.starts, true),
+                       on_device(run.ends, true),         on_device(run.cu_seqlens_q, true),
+                       on_device(run.cu_seqlens_k, true)};
+  HostTensor* host_out[] = {&run.topk_indices, &run.topk_logits, &run.topk_lengths};
+  const size_t first_out = buffers.size();
+  IndexerTopkOutputs out{on_device(run.topk_indices, false), on_device(run.topk_logits, false),
+                         on_device(run.topk_lengths, false)};
+  IndexerTopkOptions opt = run.options;
+  opt.backend = Backend::cuda;
+  opt.stream = nullptr;
+  DeviceBuffer ws(indexer_topk_workspace_size(in, out, opt));  // cudaMalloc is 256-byte aligned
+  Event start, stop;
+  for (int i = 0; i < warmup + repeat; ++i) {
+    // Poison the outputs (all-ones bytes: -1 ids and NaN logits): every element must be written.
+    for (size_t b = first_out; b < buffers.size(); ++b) {
+      if (buffers[b]->bytes) check(cudaMemsetAsync(buffers[b]->ptr, 0xff, buffers[b]->bytes, nullptr), "cudaMemsetAsync");
+    }
+    check(cudaEventRecord(start.e, nullptr), "cudaEventRecord");
+    indexer_topk(in, out, opt, ws.ptr, ws.bytes);
+    check(cudaEventRecord(stop.e, nullptr), "cudaEventRecord");
+    check(cudaEventSynchronize(stop.e), "cudaEventSynchronize (the indexer_topk kernel)");
+    float ms = 0;
+    check(cudaEventElapsedTime(&ms, start.e, stop.e), "cudaEventElapsedTime");
+    if (i >= warmup) run.seconds.push_back(ms * 1e-3);
+  }
+  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  const TensorView dev_out[] = {out.topk_indices, out.topk_logits, out.topk_lengths};
+  for (int k = 0; k < 3; ++k) {
+    if (!host_out[k]->bytes.empty()) {
+      check(cudaMemcpy(host_out[k]->bytes.data(), dev_out[k].data, host_out[k]->bytes.size(), cudaMemcpyDeviceToHost),
+            "cudaMemcpy D2H");
+    }
+  }
 }
 
 }  // namespace dsaib::cli

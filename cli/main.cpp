@@ -9,11 +9,14 @@
 //   dsaib bench [--seq 4096,16384,65536] [--ids causal,random] [--heads 64] [--dim 128] [--topk 2048]
 //                         [--batch 1] [--iters 20] [--warmup 3] [--sustained-ms 2000] [--json FILE] [--no-floor]
 //                         (cuda builds, a GPU)
+//   dsaib topk [--batch 2] [--s-q 128] [--s-kv ..] [--heads 8] [--head-dim 64] [--topk 32] [--visible causal|ranges]
+//                        [--causal-offset auto|N] [--layout bshd|thd] [--id-mode local|global]
+//                        [--order logit_descending|id_ascending] [--seed 0] [--backend auto|cpu|cuda] [--json]
 //   dsaib presets
 //
 // Exit status: 0 success (and PASS), 1 verification FAIL, 2 error (bad usage, bad file, bad input).
 // One file per subcommand (generate_command.cpp, operation_command.cpp, bench_command.cpp,
-// presets_command.cpp); this one builds the command line, dispatches and reports errors.
+// topk_command.cpp, presets_command.cpp); this one builds the command line, dispatches and reports errors.
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
@@ -70,6 +73,7 @@ int report_parse_error(const CLI::App& app, const CLI::ParseError& e, const std:
       g_json_errors = OperationCommand::json_requested(rest);
     }
     if (words[0] == "bench") g_json_errors = BenchCommand::json_requested(rest);
+    if (words[0] == "topk") g_json_errors = OperationCommand::json_requested(rest);
   }
   // The argument is the flag the message starts with ("--sm-scale: expected ..."), if any.
   const size_t colon = message.find(": ");
@@ -93,6 +97,7 @@ int run_main(int argc, char** argv) {
   OperationCommand forward(app, LossOp::forward);
   OperationCommand step(app, LossOp::step);
   BenchCommand bench(app);
+  TopkCommand topk(app);
   PresetsCommand presets(app);
 
   try {
@@ -108,6 +113,10 @@ int run_main(int argc, char** argv) {
     std::string command_line;
     for (int i = 0; i < argc; ++i) command_line += (i ? " " : "") + std::string(argv[i]);
     return bench.run(command_line);
+  }
+  if (topk.selected()) {
+    g_json_errors = topk.json();
+    return topk.run();
   }
   for (OperationCommand* c : {&forward, &step}) {
     if (c->selected()) {

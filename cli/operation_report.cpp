@@ -12,11 +12,11 @@ namespace dsaib::cli {
 
 std::string nonfinite_effect(const std::string& name) {
   // g_i = -c * max(T_i, eps) * [P_i >= eps], G = sum_i g_i, gs_i = g_i - P_i * G;
-  // a slot and head contribute only where the logit x = q_h . k > 0.
+  // a slot and head contribute where the logit x = q_h . k is not <= 0 (NaN included).
   if (name == "index_q" || name == "index_k") {
-    return name + ": a logit q.k that comes out NaN (or -inf) counts as not positive (relu(NaN) = 0, [NaN > 0] = 0), "
-                  "so that slot and head drop out silently, not propagated; a logit of +inf (e.g. +inf in index_k "
-                  "against a positive query entry) propagates";
+    return name + ": a logit q.k that comes out NaN (a NaN entry, or inf * 0) propagates as torch's relu does "
+                  "(relu(NaN) = NaN): the loss is NaN, and so are the gradients of that query row and of the keys it "
+                  "selects; a logit of -inf counts as not positive (relu = 0), one of +inf propagates";
   }
   if (name == "weights") return "weights: propagate into d_index_q and d_index_k of the row's selected keys";
   if (name == "attn_score") {

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli.hpp"
+#include "topk.hpp"
 #include "dsaib/indexer_kl_loss_and_grad.hpp"
 
 namespace dsaib::cli {
@@ -177,6 +178,13 @@ RunResult run_cuda(const Problem& p, const Geometry&, DType out_dtype, int, int,
   IndexerOptions opt = p.options;
   opt.backend = Backend::cuda;
   run_op(op, p.inputs(), views, opt, nullptr, 0);
+  throw Error(ErrorCode::backend_unavailable, "backend", "backend: this build has no CUDA support");
+}
+void run_topk_cuda(TopkRun& run, int, int) {
+  // Let the library give its own error for the request (backend_unavailable).
+  IndexerTopkOptions opt = run.options;
+  opt.backend = Backend::cuda;
+  indexer_topk(run.inputs(), run.outputs(), opt);
   throw Error(ErrorCode::backend_unavailable, "backend", "backend: this build has no CUDA support");
 }
 int run_bench(const BenchArgs&) {

@@ -53,7 +53,7 @@ inline constexpr int64_t kCausalOffsetAuto = std::numeric_limits<int64_t>::min()
 /// Inputs of indexer_topk() (never modified).
 ///
 /// - index_q: bf16, (B, S_q, H, D) BSHD or (T_q, H, D) THD;
-/// - weights: bf16 or f32, (B, S_q, H) or (T_q, H);
+/// - weights: bf16 or f32 (cpu: or f64, read as it is), (B, S_q, H) or (T_q, H);
 /// - index_k: bf16, (B, S_kv, D) or (T_k, D);
 /// - starts, ends: int32, (B, S_q) or (T_q), both present or both absent. Row
 ///   t sees the keys [starts[t], ends[t]), in the key coordinates of its own
@@ -66,8 +66,8 @@ inline constexpr int64_t kCausalOffsetAuto = std::numeric_limits<int64_t>::min()
 /// - cu_seqlens_q, cu_seqlens_k: THD only, as for indexer_backward().
 ///
 /// Strided views are taken as they are (Megatron's sequence-first [sq, b, H, D]
-/// tensors need no copy): index_q, weights and index_k may have any strides
-/// with a contiguous last dimension; the cuda backend also needs the other
+/// tensors need no copy): index_q, weights, index_k, starts and ends may have
+/// any strides with a contiguous last dimension; the cuda backend also needs the other
 /// strides of index_q and index_k to be multiples of 8 elements and their
 /// pointers 16-byte aligned.
 struct IndexerTopkInputs {

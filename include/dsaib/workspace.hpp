@@ -17,6 +17,7 @@
 #include "dsaib/indexer_backward.hpp"
 #include "dsaib/indexer_kl_forward.hpp"
 #include "dsaib/indexer_kl_loss_and_grad.hpp"
+#include "dsaib/indexer_topk.hpp"
 
 namespace dsaib {
 
@@ -55,5 +56,9 @@ void indexer_kl_loss_and_grad(const IndexerInputs& inputs, const IndexerKLLossAn
 /// attention_target() with its workspace from `allocator`.
 void attention_target(const AttentionTargetInputs& inputs, const AttentionTargetOutputs& outputs,
                       const AttentionTargetOptions& options, const WorkspaceAllocator& allocator);
+
+/// indexer_topk() with its workspace from `allocator`.
+void indexer_topk(const IndexerTopkInputs& inputs, const IndexerTopkOutputs& outputs,
+                  const IndexerTopkOptions& options, const WorkspaceAllocator& allocator);
 
 }  // namespace dsaib

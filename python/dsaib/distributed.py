@@ -59,13 +59,19 @@ every tensor's dtype and shape, a hash of ``cu_seqlens_q``/``cu_seqlens_k``,
 ``id_mode``, ``sm_scale``, ``loss_coeff``, ``normalization_count``,
 ``out_dtype``, ``a_operand_precision``) and compares them: an argument that
 differs raises the same ValueError on every rank, naming it and what each
-rank passed. It costs one extra small collective per call (with NCCL, one
-host synchronisation); a group of one process skips it.
+rank passed. Before it, each rank runs the library's own validation of what
+its library call will get (dsaib::validate_indexer_kl_loss_inputs: one call
+that reads only metadata, and for THD cu_seqlens) and sends its error, if any,
+with the descriptor: when the descriptors agree, that rank raises its error
+and every other rank a ValueError naming the rank and its error, instead of
+the others waiting out the group's timeout in the next collective. It costs
+one extra small collective per call (with NCCL, one host synchronisation) and
+one validation call (microseconds of host time; with THD on a GPU it reads
+cu_seqlens to the host: one more synchronisation); a group of one process
+skips the collective.
 
 Overlap: the all-gather is started asynchronously before the local tensors
-are converted (and, for float64 inputs, whose forward runs in torch, checked
-by the library's validation) and waited for just before the library's op,
-which validates the rest; in the backward, the reduce-scatter is started
+are converted and waited for just before the library's op; in the backward, the reduce-scatter is started
 asynchronously and the conversion of ``d_index_q`` and ``d_weights`` runs
 while it is in flight. With NCCL, the waits order the current CUDA stream
 after the collective without blocking the host.
@@ -78,7 +84,8 @@ the whole sequence.
 
 Host synchronisations besides the collectives: the agreement's descriptor
 read back (one with NCCL), THD's cu_seqlens read to the host in one transfer
-(one), and those of the library's calls (one in the loss's forward, one in
+(one), the validation before the exchange (THD on a GPU: one), and those of
+the library's calls (one in the loss's forward, one in
 its backward, one in the backward-only function; docs/python.md).
 """
 from typing import Optional, Tuple
@@ -120,17 +127,9 @@ class _ContextParallelKLLoss(torch.autograd.Function):
         k_send = index_k if fp64 else index_k.to(torch.bfloat16)
         gathered, work = start_gather(plan, k_send)
         try:
-            # While the keys travel: the local conversions and, for a forward
-            # computed in torch (float64), the library's checks of what the
-            # backward will get (the whole index_k by its shape alone; the
-            # library's forward checks them itself).
+            # While the keys travel: the local conversions (the library's checks
+            # of the arguments ran before the exchange, in plan).
             n = normalization(plan, normalization_count)
-            if fp64:
-                k_standin = torch.empty(plan.k_full_shape[-1:], dtype=torch.bfloat16,
-                                        device=index_k.device).expand(plan.k_full_shape)
-                reference.validate(index_q, weights, k_standin, topk_indices, attn_score, sm_scale=sm_scale,
-                                   layout=plan.layout, id_mode=id_mode, cu_seqlens_q=plan.cu_q_local,
-                                   cu_seqlens_k=plan.cu_k, loss_coeff=loss_coeff, normalization_count=n)
             # (index_k itself is converted whole after the gather; an empty slice stands in here)
             q16, w_op, _, ids32, T32 = library_inputs(index_q, weights, index_k[:0], topk_indices, attn_score,
                                                       library_fp64)
@@ -241,7 +240,19 @@ def context_parallel_indexer_kl_loss(
                           a_operand_precision)
     except (TypeError, ValueError) as e:  # raised on every rank by the exchange in plan
         error = e
-    plan = _plan(group, cp_layout, layout, index_q, index_k, cu_seqlens_q, cu_seqlens_k, offsets, fields, error)
+
+    def validate(plan):
+        # The library's validation of what this rank's forward gives it (and its
+        # backward will): index_q, weights, ids and attn_score as the forward
+        # converts them, the whole index_k by its shape alone.
+        k_standin = torch.empty(plan.k_full_shape[-1:], dtype=torch.bfloat16,
+                                device=index_k.device).expand(plan.k_full_shape)
+        reference.validate(index_q, weights, k_standin, topk_indices, attn_score, sm_scale=sm_scale,
+                           layout=plan.layout, id_mode=id_mode, cu_seqlens_q=plan.cu_q_local, cu_seqlens_k=plan.cu_k,
+                           loss_coeff=loss_coeff, normalization_count=normalization(plan, normalization_count))
+
+    plan = _plan(group, cp_layout, layout, index_q, index_k, cu_seqlens_q, cu_seqlens_k, offsets, fields, error,
+                 validate)
     return _ContextParallelKLLoss.apply(index_q, weights, index_k, topk_indices, attn_score, plan, float(sm_scale),
                                         float(loss_coeff), int(normalization_count), id_mode, a_operand_precision)
 
@@ -325,22 +336,41 @@ def context_parallel_indexer_backward(
                           out_dtype, a_operand_precision, grad_loss)
     except (TypeError, ValueError) as e:  # raised on every rank by the exchange in plan
         error = e
-    plan = _plan(group, cp_layout, layout, index_q, index_k, cu_seqlens_q, cu_seqlens_k, offsets, fields, error)
+    checked = {}
+
+    def validate(plan):
+        # Everything this rank's library call would check, before the exchange:
+        # the options, grad_loss, and the library's validation of the tensors as
+        # the call passes them (the whole index_k by its shape alone).
+        dq_dtype, dw_dtype, dk_dtype = out_dtype
+        for name, code in (("dq_dtype", dq_dtype), ("dw_dtype", dw_dtype), ("dk_dtype", dk_dtype)):
+            _out_dtype(name, code)
+        checked["precision"] = _resolved_a_operand(OPTIONS["a_operand_precision"].check(a_operand_precision),
+                                                   dq_dtype, dk_dtype)
+        checked["g"] = checked_grad_loss(grad_loss, index_q.device)
+        checked["sm_scale"] = float(OPTIONS["sm_scale"].check(sm_scale))
+        checked["loss_coeff"] = float(OPTIONS["loss_coeff"].check(loss_coeff))
+        checked["n"] = normalization(plan, normalization_count)
+        k_standin = torch.empty(plan.k_full_shape[-1:], dtype=index_k.dtype,
+                                device=index_k.device).expand(plan.k_full_shape)
+        reference.validate_as_given(index_q, weights, k_standin, topk_indices, attn_score, index_score,
+                                    sm_scale=checked["sm_scale"], layout=layout, id_mode=id_mode,
+                                    cu_seqlens_q=plan.cu_q_local, cu_seqlens_k=plan.cu_k,
+                                    loss_coeff=checked["loss_coeff"], normalization_count=checked["n"],
+                                    row_lse=row_lse, row_target_mass=row_target_mass)
+
+    plan = _plan(group, cp_layout, layout, index_q, index_k, cu_seqlens_q, cu_seqlens_k, offsets, fields, error,
+                 validate)
     dq_dtype, dw_dtype, dk_dtype = out_dtype
     k_dt = _out_dtype("dk_dtype", dk_dtype)
     gathered, work = start_gather(plan, index_k)
-    try:
-        precision = _resolved_a_operand(OPTIONS["a_operand_precision"].check(a_operand_precision), dq_dtype,
-                                        dk_dtype)
-        g = checked_grad_loss(grad_loss, index_q.device)
-    finally:
-        finish(work)
+    finish(work)
     # The rank's share of every key row's gradient: d_index_k in float32 (float64) for the sum over the ranks.
     dq, dw, dk_whole = torch.ops.dsaib.indexer_backward(
-        index_q, weights, plan.to_sequence_order(gathered).contiguous(), topk_indices, attn_score, index_score, g,
-        plan.cu_q_local, plan.cu_k, float(OPTIONS["sm_scale"].check(sm_scale)),
-        float(OPTIONS["loss_coeff"].check(loss_coeff)), normalization(plan, normalization_count), layout, id_mode,
-        dq_dtype, dw_dtype, "f64" if dk_dtype == "f64" else "f32", precision, row_lse, row_target_mass)
+        index_q, weights, plan.to_sequence_order(gathered).contiguous(), topk_indices, attn_score, index_score,
+        checked["g"], plan.cu_q_local, plan.cu_k, checked["sm_scale"], checked["loss_coeff"], checked["n"], layout,
+        id_mode, dq_dtype, dw_dtype, "f64" if dk_dtype == "f64" else "f32", checked["precision"], row_lse,
+        row_target_mass)
     dk, work = start_reduce_scatter(plan, dk_whole)
     finish(work)
     return dq, dw, dk.to(k_dt)

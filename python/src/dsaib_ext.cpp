@@ -854,21 +854,7 @@ NB_MODULE(_dsaib, m) {
         const auto opt = topk_options().read(options);
         PyWorkspace ws(workspace, device_of(opt, index_q));
         const dsaib::WorkspaceAllocator allocator = ws.allocator();
-        call_library([&] {
-          // dsaib::indexer_topk takes its workspace as (pointer, bytes), so the
-          // caller's allocator needs the size query first: a second validation,
-          // which reads nothing on the host for BSHD. THD's validation copies
-          // cu_seqlens to the host (cuda, outside a capture), so there the
-          // library allocates the workspace itself, stream-ordered, and the
-          // call validates once.
-          if (allocator.allocate && opt.backend == Backend::cuda && opt.layout == Layout::bshd) {
-            const std::size_t bytes = dsaib::indexer_topk_workspace_size(in, out, opt);
-            void* p = bytes ? allocator.allocate(allocator.context, bytes) : nullptr;
-            dsaib::indexer_topk(in, out, opt, p, bytes);
-          } else {
-            dsaib::indexer_topk(in, out, opt);
-          }
-        });
+        call_library([&] { dsaib::indexer_topk(in, out, opt, allocator); });
       },
       nb::arg("index_q"), nb::arg("weights"), nb::arg("index_k"), nb::arg("starts").none(), nb::arg("ends").none(),
       nb::arg("cu_seqlens_q").none(), nb::arg("cu_seqlens_k").none(), nb::arg("topk_indices"),
@@ -906,17 +892,20 @@ NB_MODULE(_dsaib, m) {
       "validate_indexer_kl_loss_inputs",
       [](const Array& index_q, const Array& weights, const Array& index_k, const Array& topk_indices,
          const Array& attn_score, const std::optional<Array>& index_score, const std::optional<Array>& cu_seqlens_q,
-         const std::optional<Array>& cu_seqlens_k, bool uint16_as_bf16, const nb::kwargs& options) {
+         const std::optional<Array>& cu_seqlens_k, const std::optional<Array>& row_lse,
+         const std::optional<Array>& row_target_mass, bool uint16_as_bf16, const nb::kwargs& options) {
         const auto in = make_inputs(index_q, weights, index_k, topk_indices, attn_score, index_score,
-                                    cu_seqlens_q, cu_seqlens_k, uint16_as_bf16);
+                                    cu_seqlens_q, cu_seqlens_k, uint16_as_bf16, row_lse, row_target_mass);
         const auto opt = indexer_options().read(options);
         call_library([&] { dsaib::validate_indexer_kl_loss_inputs(in, opt); });  // THD on cuda: reads cu_seqlens
       },
       nb::arg("index_q"), nb::arg("weights"), nb::arg("index_k"), nb::arg("topk_indices"), nb::arg("attn_score"),
       nb::arg("index_score").none() = nb::none(), nb::arg("cu_seqlens_q").none() = nb::none(),
-      nb::arg("cu_seqlens_k").none() = nb::none(), nb::arg("uint16_as_bf16") = false, nb::arg("options"),
+      nb::arg("cu_seqlens_k").none() = nb::none(), nb::arg("row_lse").none() = nb::none(),
+      nb::arg("row_target_mass").none() = nb::none(), nb::arg("uint16_as_bf16") = false, nb::arg("options"),
       "dsaib::validate_indexer_kl_loss_inputs: indexer_backward's checks of the inputs and options, without\n"
-      "outputs and without computing anything; index_score may be None (then held to attn_score's rules).\n"
+      "outputs and without computing anything; index_score may be None (then held to attn_score's rules,\n"
+      "unless row_lse and row_target_mass give the P-free form).\n"
       "For the torch layer's forwards that compute in torch (float64, index_scores).");
 
   m.def(

@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import numpy
 import pytest
@@ -311,13 +312,16 @@ def test_split_sequence_matches_one_process(world_results, case):
 
 @pytest.mark.parametrize("case", [c for c in CASES if c[0] != "wrong_order"], ids=lambda c: c[0])
 def test_each_call_makes_one_library_call_and_its_documented_host_reads(world_results, case):
-    """docs/python.md, "Context parallelism": the loss's forward and backward one
-    library call each, the backward-only function one; the host reads the
-    agreement's descriptor (and, THD, both cu_seqlens in one transfer)."""
+    """docs/python.md, "Context parallelism": the library's validation before the
+    exchange (one call), then the loss's forward and backward one library call
+    each (the float64 forward runs in torch), the backward-only function one;
+    the host reads the agreement's descriptor (and, THD, both cu_seqlens in one
+    transfer)."""
     world, probs, results = world_results
     name, layout, cp_layout, id_mode, dtype, op = case
     reads = 1 + (layout == "thd")
-    want = [(1, reads), (1, 0)] if op == "loss" else [(1, reads)]
+    forward_calls = 1 + (dtype != torch.float64)
+    want = [(forward_calls, reads), (1, 0)] if op == "loss" else [(2, reads)]
     for r, res in enumerate(results):
         assert [tuple(c) for c in res[name]["counts"]] == want, (r, res[name]["counts"])
 
@@ -474,7 +478,7 @@ if __name__ == "__main__" and len(sys.argv) == 7 and sys.argv[1] == "--worker":
 def mismatch_inputs(case, rank):
     """(function, positional tensors, options) of rank for a mismatch case (2 ranks)."""
     g = torch.Generator().manual_seed(11)
-    layout = "thd" if case == "different-cu-seqlens" else "bshd"
+    layout = "thd" if case in ("different-cu-seqlens", "one-rank-cu-seqlens-int64") else "bshd"
     B, S, T = 2, 16, 24
     shape = (B, S) if layout == "bshd" else (T,)
     q = torch.randn(*shape, H, D, generator=g).to(torch.bfloat16).double()
@@ -494,7 +498,8 @@ def mismatch_inputs(case, rank):
     if layout == "bshd":
         args = [q[:, q_rows], w[:, q_rows], k[:, k_rows], ids[:, q_rows], T_[:, q_rows]]
     else:
-        cu = torch.tensor([0, 4, 12, 24] if rank == 0 else [0, 8, 12, 24], dtype=torch.int32)
+        cu = torch.tensor([0, 4, 12, 24] if rank == 0 or case != "different-cu-seqlens" else [0, 8, 12, 24],
+                          dtype=torch.int32)
         opts.update(cp_layout="zigzag", cu_seqlens_q=cu, cu_seqlens_k=cu)
         args = [q[:12], w[:12], k[:12], ids[:12], T_[:12]]
     if case == "different-dtypes" and rank == 1:
@@ -506,6 +511,10 @@ def mismatch_inputs(case, rank):
     if case.endswith("backward-op"):
         args = [args[0].to(torch.bfloat16), args[1].float(), args[2].to(torch.bfloat16), args[3],
                 args[4].float(), None]
+    if case == "one-rank-index-q-float16" and rank == 1:
+        args[0] = args[0].to(torch.float16)          # index_q: a dtype the library does not take
+    if case == "one-rank-cu-seqlens-int64" and rank == 1:
+        opts["cu_seqlens_q"] = opts["cu_seqlens_q"].to(torch.int64)   # the same offsets in int64
     if case.startswith("one-rank-rejects") and rank == 1:
         args[2] = args[2].tolist()                   # index_k: not a tensor, on rank 1 only
     if case.endswith("backward-op"):
@@ -515,6 +524,10 @@ def mismatch_inputs(case, rank):
             opts["grad_loss"] = 1 if rank == 0 else numpy.float64(1.0)
         if case == "one-rank-bad-grad-loss-tensor-backward-op" and rank == 1:
             opts["grad_loss"] = torch.ones(2)
+        if case == "one-rank-float16-row-lse-backward-op" and rank == 1:
+            return dcp.context_parallel_indexer_backward, args, dict(
+                opts, row_lse=torch.zeros(args[3].shape[:-1], dtype=torch.float16),
+                row_target_mass=torch.ones(args[3].shape[:-1]))
         if case == "one-rank-bad-row-lse-backward-op" and rank == 1:
             return dcp.context_parallel_indexer_backward, args, dict(
                 opts, row_lse=torch.zeros(args[3].shape[:-1] + (2,)), row_target_mass=torch.ones(args[3].shape[:-1]))
@@ -523,17 +536,27 @@ def mismatch_inputs(case, rank):
     return dcp.context_parallel_indexer_kl_loss, args, opts
 
 
+# A short group timeout: a rank left waiting for another that raised alone fails
+# the test on the elapsed time (MISMATCH_SECONDS) instead of hanging it.
+MISMATCH_TIMEOUT_S = 20
+MISMATCH_SECONDS = 10
+
+
 def run_mismatch_worker(case, rank, world, init_file, out_file):
     dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+                            timeout=datetime.timedelta(seconds=MISMATCH_TIMEOUT_S))
     try:
         fn, args, opts = mismatch_inputs(case, rank)
+        dist.barrier()  # both ranks start the call together: the elapsed time is the call's
+        start = time.monotonic()
         try:
             fn(*args, **opts)
             error = None
         except (TypeError, ValueError) as e:
             error = f"{type(e).__name__}: {e}"
-        torch.save(dict(error=error), out_file)
+        except RuntimeError as e:  # a collective that timed out: the failure this test is for
+            error = f"{type(e).__name__}: {e}"
+        torch.save(dict(error=error, seconds=time.monotonic() - start), out_file)
     finally:
         dist.destroy_process_group()
 
@@ -569,6 +592,19 @@ MISMATCHES = {
         r"\(rank 1: ValueError: row_lse: expected shape",
         r"^ValueError: row_lse: expected shape \[2, 8\] \(one value per query row of this rank, layout bshd\), "
         r"got \[2, 8, 2\]$"],
+    # what only the rank's library call would reject (its validation runs before
+    # the exchange): every rank raises within seconds
+    # a dtype the descriptors compare: the difference, on every rank
+    "one-rank-index-q-float16": [r"^ValueError: index_q: the dtypes differ across the group: rank 0 has "
+                                 r"torch.float64, rank 1 has torch.float16"] * 2,
+    "one-rank-cu-seqlens-int64": [
+        r"^ValueError: the group's arguments: 1 rank\(s\) rejected their own arguments before the exchange "
+        r"\(rank 1: TypeError: cu_seqlens_q.*by the library's validation",
+        r"^TypeError: cu_seqlens_q: expected dtype i32, got int64$"],
+    "one-rank-float16-row-lse-backward-op": [
+        r"^ValueError: the group's arguments: 1 rank\(s\) rejected their own arguments before the exchange "
+        r"\(rank 1: TypeError: row_lse.*by the library's validation",
+        r"^TypeError: row_lse: .*float16"],
     # a rank's own check fails before the exchange: it raises its error, the other
     # rank a ValueError naming it (before, the other rank waited out the timeout)
     "one-rank-rejects": [r"^ValueError: the group's arguments: 1 rank\(s\) rejected their own arguments before "
@@ -600,7 +636,9 @@ def test_arguments_that_differ_across_ranks_raise_on_every_rank(case, tmp_path):
     for r, (proc, log) in enumerate(zip(procs, logs)):
         assert proc.returncode == 0, f"rank {r} failed (exit {proc.returncode}):\n{log}"
     for r, (out, want) in enumerate(zip(outs, MISMATCHES[case])):
-        error = torch.load(out)["error"]
+        result = torch.load(out)
+        error = result["error"]
+        assert result["seconds"] < MISMATCH_SECONDS, f"rank {r}: {result['seconds']:.1f} s ({error})"
         if want is None:
             assert error is None, (r, error)
         else:

@@ -13,6 +13,7 @@
 
 #include "api/cuda_backend.hpp"
 #include "api/indexer_topk_problem.hpp"
+#include "api/workspace_allocator.hpp"
 #include "core/allocation.hpp"
 #include "core/option_words.hpp"
 #include "core/validate_rules.hpp"
@@ -325,19 +326,42 @@ ProblemGeometry validate_for_backend(const IndexerTopkInputs& in, const IndexerT
 std::size_t indexer_topk_workspace_size(const IndexerTopkInputs& inputs, const IndexerTopkOutputs& outputs,
                                         const IndexerTopkOptions& options) {
   const detail::ProblemGeometry g = detail::validate_for_backend(inputs, outputs, options);
-  return options.backend == Backend::cuda ? detail::plan_cuda_indexer_topk(inputs, g).workspace_bytes : 0;
+  return options.backend == Backend::cuda ? detail::plan_cuda_indexer_topk(inputs, outputs, g).workspace_bytes : 0;
 }
 
-void indexer_topk(const IndexerTopkInputs& inputs, const IndexerTopkOutputs& outputs, const IndexerTopkOptions& options,
-                  void* workspace, std::size_t workspace_bytes) {
-  const detail::ProblemGeometry g = detail::validate_for_backend(inputs, outputs, options);
+namespace {
+
+/// The call after validation (`g`): the cpu backend, or the cuda backend's plan,
+/// its workspace (the caller's, from `allocator`, or, with neither, the
+/// backend's own) checked against it, and the run.
+void run_validated(const IndexerTopkInputs& inputs, const IndexerTopkOutputs& outputs,
+                   const IndexerTopkOptions& options, const detail::ProblemGeometry& g, void* workspace,
+                   std::size_t workspace_bytes, const WorkspaceAllocator* allocator = nullptr) {
   if (options.backend == Backend::cpu) {
     detail::run_cpu_indexer_topk(inputs, outputs, options, g);
     return;
   }
-  const hopper::TopkPlan plan = detail::plan_cuda_indexer_topk(inputs, g);
+  const hopper::TopkPlan plan = detail::plan_cuda_indexer_topk(inputs, outputs, g);
+  if (allocator != nullptr && allocator->allocate != nullptr && plan.workspace_bytes > 0) {
+    workspace = detail::allocate_workspace(*allocator, plan.workspace_bytes);
+    workspace_bytes = plan.workspace_bytes;
+  }
   detail::check_caller_workspace(workspace, workspace_bytes, plan.workspace_bytes, "indexer_topk_workspace_size");
   detail::run_cuda_indexer_topk(plan, inputs, outputs, options, g, workspace, workspace_bytes);
+}
+
+}  // namespace
+
+void indexer_topk(const IndexerTopkInputs& inputs, const IndexerTopkOutputs& outputs, const IndexerTopkOptions& options,
+                  void* workspace, std::size_t workspace_bytes) {
+  run_validated(inputs, outputs, options, detail::validate_for_backend(inputs, outputs, options), workspace,
+                workspace_bytes);
+}
+
+void indexer_topk(const IndexerTopkInputs& inputs, const IndexerTopkOutputs& outputs, const IndexerTopkOptions& options,
+                  const WorkspaceAllocator& allocator) {
+  run_validated(inputs, outputs, options, detail::validate_for_backend(inputs, outputs, options), nullptr, 0,
+                &allocator);
 }
 
 }  // namespace dsaib

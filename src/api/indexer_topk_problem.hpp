@@ -10,8 +10,8 @@
 namespace dsaib::detail {
 
 /// The options indexer_topk() shares with the indexer (layout, id_mode,
-/// backend, stream, num_threads), as the indexer's options, for the rules and
-/// helpers written for those.
+/// backend, stream, num_threads), as the indexer's options, for the rules
+/// written for those (check_options, check_options_and_backend).
 IndexerOptions as_indexer_options(const IndexerTopkOptions& opt);
 
 /// The option rules checked first (errors.md "Options"): layout, id_mode,

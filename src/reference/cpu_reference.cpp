@@ -28,6 +28,15 @@ namespace {
 
 const double kEps = std::exp(-100.0);
 
+// relu as torch computes it, NaN kept: relu(NaN) = NaN, so a NaN in index_q,
+// weights or index_k reaches the logits, the loss and every gradient of its row
+// (docs/math.md, "NaN and infinities"). One select, no branch.
+inline double relu_keeping_nan(double x) { return x < 0 ? 0.0 : x; }
+
+// relu's derivative is 0 at this x (torch's threshold_backward: x <= 0); a NaN x
+// passes the gradient on, as torch's does.
+inline bool relu_blocks(double x) { return x <= 0; }
+
 double load(const TensorView& v, int64_t offset) { return load_element(v.dtype, v.data, offset); }
 
 void store(const TensorView& v, int64_t offset, double value) { store_element(v.dtype, v.data, offset, value); }
@@ -94,7 +103,7 @@ void score_gradient(const ProblemReader& rd, int64_t r, double c, double sm_scal
       for (int64_t h = 0; h < H; ++h) {
         double x = 0;
         for (int64_t d = 0; d < D; ++d) x += q[h * D + d] * k[d];
-        z += w[h] * (x > 0 ? x : 0.0);  // relu, NaN counting as not positive
+        z += w[h] * relu_keeping_nan(x);
       }
       const double P = std::exp(sm_scale * z - lse);
       const double T = rd.slot(rd.in.attn_score, r, i);
@@ -146,8 +155,9 @@ void row_backward(const ProblemReader& rd, int64_t r, double c, double sm_scale,
       const double* qh = &s.q[h * D];
       double x = 0;
       for (int64_t d = 0; d < D; ++d) x += qh[d] * s.k[d];
-      if (!(x > 0)) continue;
-      s.dw[h] += s.gs[i] * x;
+      // every slot adds to dW, as torch's product does: a NaN gs_i times relu(x) = 0 is NaN
+      s.dw[h] += s.gs[i] * relu_keeping_nan(x);
+      if (relu_blocks(x)) continue;  // a = 0: nothing to add (a NaN x passes, as torch's relu backward)
       const double a = s.gs[i] * s.w[h] * sm_scale;
       double* dqh = &s.dq[h * D];
       for (int64_t d = 0; d < D; ++d) dqh[d] += a * s.k[d];
@@ -330,7 +340,7 @@ SampledReferenceGradients reference_backward_sampled(const IndexerInputs& inputs
       for (int64_t h = 0; h < H; ++h) {
         double x = 0;
         for (int64_t d = 0; d < D; ++d) x += s.q[h * D + d] * k[d];
-        if (!(x > 0)) continue;
+        if (relu_blocks(x)) continue;
         const double a = s.gs[i] * s.w[h] * opt.sm_scale;
         for (int64_t d = 0; d < D; ++d) dkj[d] += a * s.q[h * D + d];
       }
@@ -368,7 +378,7 @@ std::vector<double> reference_index_logits(const IndexerInputs& inputs, const In
         for (int64_t h = 0; h < H; ++h) {
           double x = 0;
           for (int64_t d = 0; d < D; ++d) x += q[h * D + d] * k[d];
-          zi += w[h] * (x > 0 ? x : 0.0);  // relu, NaN counting as not positive (as the backward)
+          zi += w[h] * relu_keeping_nan(x);
         }
         z[r * g.topk + i] = opt.sm_scale * zi;
       }

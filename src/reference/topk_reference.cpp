@@ -54,10 +54,12 @@ struct TopkScratch {
   std::vector<double> logits;      // per visible key, by position - lo
   std::vector<Entry> entries;      // per visible key
   std::vector<int64_t> mark, ref_mark;  // checker: per visible key, the row that marked it
+  std::vector<int64_t> pos;             // checker: the candidate's keys (topk), as positions
   TopkScratch(const ProblemGeometry& g, int64_t max_keys, bool checker)
       : q(static_cast<size_t>(g.heads * g.head_dim)), w(static_cast<size_t>(g.heads)), k(static_cast<size_t>(g.head_dim)),
         logits(static_cast<size_t>(max_keys)), entries(static_cast<size_t>(max_keys)),
-        mark(checker ? static_cast<size_t>(max_keys) : 0, -1), ref_mark(checker ? static_cast<size_t>(max_keys) : 0, -1) {}
+        mark(checker ? static_cast<size_t>(max_keys) : 0, -1), ref_mark(checker ? static_cast<size_t>(max_keys) : 0, -1),
+        pos(checker ? static_cast<size_t>(std::min(g.topk, max_keys)) : 0) {}
 };
 
 int64_t max_keys_of(const ProblemGeometry& g) {
@@ -244,7 +246,7 @@ RowVerdict check_row(const RowAccess& a, TopkScratch& s, const IndexerTopkOption
     }
   }
   // Ids: visible and distinct before the count, -1 after it.
-  std::vector<int64_t> pos(static_cast<size_t>(c));
+  std::vector<int64_t>& pos = s.pos;  // c <= min(topk, max keys) entries
   for (int64_t i = 0; i < K; ++i) {
     const int64_t id = ids[i];
     if (i >= c) {

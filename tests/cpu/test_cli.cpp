@@ -869,9 +869,9 @@ TEST_F(Cli, AdversarialHeadersAreIoErrorsNamingTheFile) {
   EXPECT_EQ(j["error"]["message"], "--in: " + deep_file + ": header: expected a JSON object, got an array") << r.output;
 }
 
-// The warning about NaN/inf inputs says what the backends do: a NaN logit q.k counts
-// as not positive and drops out (not propagated); weights propagate; attn_score and
-// index_score at valid slots propagate. Non-finite inputs are never a PASS.
+// The warning about NaN/inf inputs says what the backends do: a NaN logit q.k
+// propagates as torch's relu does; weights propagate; attn_score and index_score
+// at valid slots propagate. Non-finite inputs are never a PASS.
 TEST_F(Cli, NonFiniteInputWarningSaysWhatHappens) {
   std::map<std::string, std::string> meta;
   auto t = dsaib::read_safetensors(tiny_problem(), &meta);
@@ -879,18 +879,17 @@ TEST_F(Cli, NonFiniteInputWarningSaysWhatHappens) {
   dsaib::write_safetensors(path("nan_q.safetensors"), t, meta);
   Result r = run("backward --backend cpu --verify none --in " + quote(path("nan_q.safetensors")));
   EXPECT_TRUE(contains(r.output, "warning: non-finite input values (index_q: 1 (first at element 5))")) << r.output;
-  EXPECT_TRUE(contains(r.output, "counts as not positive")) << r.output;
-  EXPECT_TRUE(contains(r.output, "drop out silently, not propagated")) << r.output;
-  EXPECT_FALSE(contains(r.output, "propagate through the math")) << r.output;
+  EXPECT_TRUE(contains(r.output, "propagates as torch's relu does (relu(NaN) = NaN)")) << r.output;
+  EXPECT_FALSE(contains(r.output, "not propagated")) << r.output;
   EXPECT_FALSE(contains(r.output, "attn_score: at a valid slot")) << r.output;  // only the affected inputs
-  // The outputs stay finite (the NaN logit drops out), but a NaN input is never a PASS.
+  // The NaN reaches the outputs (the row's gradients and its keys'), and a NaN input is never a PASS.
   EXPECT_TRUE(contains(r.output, "result      FAIL (non-finite inputs: index_q: 1 (first at element 5))")) << r.output;
   EXPECT_EQ(r.exit_code, 1) << r.output;
   r = run("backward --backend cpu --verify all --json --in " + quote(path("nan_q.safetensors")), false);
   EXPECT_EQ(r.exit_code, 1) << r.output;
   const auto j = nlohmann::json::parse(r.output);
   EXPECT_EQ(j["nonfinite_inputs"]["index_q"], 1) << r.output;
-  EXPECT_EQ(j["nonfinite_outputs"], 0) << r.output;
+  EXPECT_GT(j["nonfinite_outputs"], 0) << r.output;
   EXPECT_EQ(j["pass"], false) << r.output;
 
   // NaN scores at an invalid slot (id -1) are never read: no warning, no FAIL.
@@ -983,10 +982,10 @@ TEST_F(Cli, BadUsageExitsWithTwo) {
   }
   const Result unknown = run("frobnicate --preset tiny");
   EXPECT_EQ(unknown.exit_code, 2) << unknown.output;
-  EXPECT_TRUE(contains(unknown.output, "unknown subcommand 'frobnicate': expected one of generate, backward, forward, step, bench, presets"))
+  EXPECT_TRUE(contains(unknown.output, "unknown subcommand 'frobnicate': expected one of generate, backward, forward, step, bench, topk, presets"))
       << unknown.output;
   const Result none = run("");
-  EXPECT_TRUE(contains(none.output, "a subcommand is required: one of generate, backward, forward, step, bench, presets")) << none.output;
+  EXPECT_TRUE(contains(none.output, "a subcommand is required: one of generate, backward, forward, step, bench, topk, presets")) << none.output;
   const Result help = run("backward --help");
   EXPECT_EQ(help.exit_code, 0);
   EXPECT_TRUE(contains(help.output, "--preset")) << help.output;

@@ -5,8 +5,8 @@
 // exact ties, all-zero rows, rows seeing fewer keys than topk, empty rows,
 // topk 1 and 8192, S_kv 262144, a context-parallel shard's ranges, strict
 // ranges, the NaN rule, -0.0 vs +0.0, sequence-first strided index_q, bitwise
-// determinism over thread counts; the checker's negative controls; every
-// validation rule naming its argument, with nothing written on error.
+// determinism over thread counts. The checker: test_topk_checker.cpp; the
+// validation rules: test_indexer_topk_validation.cpp.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -81,13 +81,6 @@ struct DefinitionCase {
   TopkSpec spec;
 };
 
-TopkSpec thd(TopkSpec s) {
-  s.layout = Layout::thd;
-  s.q_lens = {3, 0, 6, 2};
-  s.k_lens = {9, 5, 14, 0};  // the last sequence has no key: its rows are empty
-  return s;
-}
-
 std::vector<DefinitionCase> definition_cases() {
   std::vector<DefinitionCase> c;
   TopkSpec s;
@@ -106,13 +99,13 @@ std::vector<DefinitionCase> definition_cases() {
   c.push_back({"bshd_ranges_bf16_weights", s});
   s = TopkSpec{}, s.seed = 8, s.topk = 20;  // more than every row sees
   c.push_back({"bshd_topk_above_keys", s});
-  s = thd(TopkSpec{}), s.seed = 9;
+  s = thd_spec(TopkSpec{}), s.seed = 9;
   c.push_back({"thd_causal_auto", s});
-  s = thd(TopkSpec{}), s.seed = 10, s.id_mode = IdMode::global, s.ranges = true;
+  s = thd_spec(TopkSpec{}), s.seed = 10, s.id_mode = IdMode::global, s.ranges = true;
   c.push_back({"thd_global_ranges", s});
-  s = thd(TopkSpec{}), s.seed = 11, s.order = TopkOrder::id_ascending, s.causal_offset = 2, s.topk = 3;
+  s = thd_spec(TopkSpec{}), s.seed = 11, s.order = TopkOrder::id_ascending, s.causal_offset = 2, s.topk = 3;
   c.push_back({"thd_id_ascending_offset", s});
-  s = thd(TopkSpec{}), s.seed = 12, s.heads = 16, s.head_dim = 64, s.topk = 5, s.ranges = true;
+  s = thd_spec(TopkSpec{}), s.seed = 12, s.heads = 16, s.head_dim = 64, s.topk = 5, s.ranges = true;
   c.push_back({"thd_h16_d64_ranges", s});
   return c;
 }
@@ -123,6 +116,7 @@ class TopkAgainstDefinition : public ::testing::TestWithParam<DefinitionCase> {}
 
 TEST_P(TopkAgainstDefinition, CpuBackendReferenceAndChecker) {
   const TopkProblem p = make_topk_problem(GetParam().spec);
+  const Snapshot q(p.index_q), w(p.weights), k(p.index_k), st(p.starts), en(p.ends), cq(p.cu_q), ck(p.cu_k);
   expect_matches_definition(p, p.options(), p.spec.topk, GetParam().name);
   // f64 logits: unrounded.
   expect_matches_definition(p, p.options(), p.spec.topk, GetParam().name + " f64", DType::f64);
@@ -133,6 +127,9 @@ TEST_P(TopkAgainstDefinition, CpuBackendReferenceAndChecker) {
   for (size_t i = 0; i < want.ids.size(); ++i) ASSERT_EQ(out.ids.data<int32_t>()[i], want.ids[i]);
   const TopkCheck check = check_indexer_topk(p.inputs(), p.options(), {out.ids.view(), {}, {}});
   EXPECT_TRUE(check.pass) << check.first_failure;
+  EXPECT_TRUE(q.unchanged() && w.unchanged() && k.unchanged() && st.unchanged() && en.unchanged() && cq.unchanged() &&
+              ck.unchanged())
+      << "an input written";
 }
 
 INSTANTIATE_TEST_SUITE_P(Problems, TopkAgainstDefinition, ::testing::ValuesIn(definition_cases()),
@@ -198,7 +195,7 @@ TEST(IndexerTopk, FewerKeysThanTopkArePadded) {
 
 // Empty rows: start >= end, a range outside the sequence, a sequence without keys.
 TEST(IndexerTopk, EmptyRows) {
-  TopkSpec s = thd(TopkSpec{});
+  TopkSpec s = thd_spec(TopkSpec{});
   s.ranges = true;
   TopkProblem p = make_topk_problem(s);
   int32_t* st = p.starts.data<int32_t>();
@@ -261,7 +258,7 @@ TEST(IndexerTopk, ContextParallelShardRanges) {
 // Ranges reaching outside the sequence: clipped by default, an error with strict_ranges.
 TEST(IndexerTopk, ClippingAndStrictRanges) {
   for (Layout layout : {Layout::bshd, Layout::thd}) {
-    TopkSpec s = layout == Layout::thd ? thd(TopkSpec{}) : TopkSpec{};
+    TopkSpec s = layout == Layout::thd ? thd_spec(TopkSpec{}) : TopkSpec{};
     s.ranges = true;
     TopkProblem p = make_topk_problem(s);
     const int64_t base = layout == Layout::thd ? p.k_start[2] : 0;  // row 3 is in sequence 2 (THD) / 0 (BSHD)
@@ -404,7 +401,7 @@ TEST(IndexerTopk, SequenceFirstStridedIndexQ) {
 }
 
 TEST(IndexerTopk, BitwiseDeterministicOverThreadCounts) {
-  TopkSpec s = thd(TopkSpec{});
+  TopkSpec s = thd_spec(TopkSpec{});
   s.q_lens = {40, 0, 70, 9};
   s.k_lens = {90, 5, 120, 30};
   s.topk = 16;
@@ -454,302 +451,6 @@ TEST(IndexerTopk, OrderWords) {
   EXPECT_EQ(o, TopkOrder::id_ascending);
   EXPECT_FALSE(parse_topk_order("ascending", &o));
   EXPECT_EQ(o, TopkOrder::id_ascending);
-}
-
-// ---------------------------------------------------------------- checker
-
-struct CheckerFixture {
-  TopkProblem p;
-  TopkOutputs out;
-  IndexerTopkOptions opt;
-  CheckerFixture(TopkOrder order = TopkOrder::logit_descending)
-      : p(make_topk_problem([&] {
-          TopkSpec s;
-          s.batch = 1, s.s_q = 4, s.s_kv = 40, s.topk = 6, s.causal_offset = 100, s.order = order, s.seed = 77;
-          return s;
-        }())),
-        out(p, 6), opt(p.options()) {
-    indexer_topk(p.inputs(), out.views(), opt);
-  }
-  int32_t* ids(int64_t r) { return out.ids.data<int32_t>() + r * 6; }
-  float* logits(int64_t r) { return out.logits.data<float>() + r * 6; }
-  TopkCheck check(bool with_logits = true) {
-    return check_indexer_topk(p.inputs(), opt, {out.ids.view(), with_logits ? out.logits.view() : TensorView{}, out.lengths.view()});
-  }
-};
-
-TEST(TopkChecker, AcceptsTheCpuBackend) {
-  CheckerFixture f;
-  EXPECT_TRUE(f.check().pass) << f.check().first_failure;
-  CheckerFixture g(TopkOrder::id_ascending);
-  EXPECT_TRUE(g.check().pass) << g.check().first_failure;
-}
-
-TEST(TopkChecker, FailsOnAClearlyWorseKey) {
-  for (bool with_logits : {true, false}) {
-    CheckerFixture f;
-    // the row's worst key, far below its k-th
-    const BruteTopk all = brute_force_topk(f.p, f.opt, 40);
-    const int32_t worst = all.ids[1 * 40 + 39];
-    f.ids(1)[3] = worst;
-    f.logits(1)[3] = float(all.logits[1 * 40 + 39]);
-    std::vector<std::pair<int32_t, float>> row;  // keep the candidate's own order valid
-    for (int i = 0; i < 6; ++i) row.push_back({f.ids(1)[i], f.logits(1)[i]});
-    std::sort(row.begin(), row.end(), [](auto a, auto b) { return a.second > b.second; });
-    for (int i = 0; i < 6; ++i) f.ids(1)[i] = row[i].first, f.logits(1)[i] = row[i].second;
-    const TopkCheck c = f.check(with_logits);
-    EXPECT_FALSE(c.pass);
-    EXPECT_NE(c.first_failure.find("row 1"), std::string::npos) << c.first_failure;
-    EXPECT_NE(c.first_failure.find("near-tie"), std::string::npos) << c.first_failure;
-  }
-}
-
-TEST(TopkChecker, FailsOnADuplicateId) {
-  CheckerFixture f;
-  f.ids(2)[4] = f.ids(2)[1];
-  const TopkCheck c = f.check(false);
-  EXPECT_FALSE(c.pass);
-  EXPECT_NE(c.first_failure.find("distinct"), std::string::npos) << c.first_failure;
-}
-
-TEST(TopkChecker, FailsOnAWrongOrder) {
-  {
-    CheckerFixture f;
-    std::swap(f.ids(0)[0], f.ids(0)[1]);
-    std::swap(f.logits(0)[0], f.logits(0)[1]);
-    EXPECT_FALSE(f.check(true).pass);
-    EXPECT_FALSE(f.check(false).pass);
-  }
-  {
-    CheckerFixture f(TopkOrder::id_ascending);
-    std::swap(f.ids(3)[2], f.ids(3)[4]);
-    const TopkCheck c = f.check(false);
-    EXPECT_FALSE(c.pass);
-    EXPECT_NE(c.first_failure.find("ids ascending"), std::string::npos) << c.first_failure;
-  }
-  {  // the candidate in id order while logit order is asked
-    CheckerFixture f(TopkOrder::id_ascending);
-    f.opt.order = TopkOrder::logit_descending;
-    EXPECT_FALSE(f.check(true).pass);
-  }
-}
-
-TEST(TopkChecker, FailsOnAWrongCount) {
-  {
-    CheckerFixture f;
-    f.out.lengths.data<int32_t>()[1] = 5;
-    EXPECT_FALSE(f.check().pass);
-  }
-  {
-    CheckerFixture f;
-    f.ids(1)[5] = -1;  // one key short, count left as it is
-    f.logits(1)[5] = -INFINITY;
-    EXPECT_FALSE(f.check().pass);
-    f.out.lengths.data<int32_t>()[1] = 5;
-    EXPECT_FALSE(f.check().pass);
-  }
-  {
-    CheckerFixture f;
-    f.ids(0)[1] = 3;  // row 0 sees keys [0, 37): an id past the visible range
-    EXPECT_FALSE(f.check(false).pass);
-  }
-}
-
-TEST(TopkChecker, FailsOnALogitOutsideItsBound) {
-  CheckerFixture f;
-  f.logits(2)[2] = f.logits(2)[2] * (1.0f + 1e-3f);
-  const TopkCheck c = f.check();
-  EXPECT_FALSE(c.pass);
-  EXPECT_EQ(c.max_logit_error_rows, 1);
-  EXPECT_GT(c.max_logit_error, 1.0);
-  CheckerFixture g;
-  g.logits(2)[5] = NAN;
-  EXPECT_FALSE(g.check().pass);
-}
-
-// Two keys whose exact logits differ by less than their bounds: either may be
-// selected (a cuda result may differ so); a third clearly apart may not.
-TEST(TopkChecker, AcceptsANearTieExchange) {
-  TopkSpec s;
-  s.batch = 1, s.s_q = 1, s.s_kv = 8, s.heads = 1, s.head_dim = 8, s.topk = 2, s.causal_offset = 100;
-  TopkProblem p = make_topk_problem(s);
-  const int64_t D = 8;
-  p.weights.data<float>()[0] = 1.0f;
-  for (int64_t d = 0; d < D; ++d) p.q_bits()[d] = detail::float_to_bf16(1.0f);
-  for (int64_t j = 0; j < 8; ++j) {
-    for (int64_t d = 0; d < D; ++d) p.k_bits()[j * D + d] = detail::float_to_bf16(0.125f * float(j) / 8.0f);
-  }
-  for (int64_t d = 0; d < D; ++d) p.k_bits()[6 * D + d] = p.k_bits()[5 * D + d] = detail::float_to_bf16(0.5f);
-  p.k_bits()[6 * D + 7] = detail::float_to_bf16(std::ldexp(1.0f, -20));  // key 6 above key 5 by 2^-20 - ... < beta
-  p.k_bits()[5 * D + 7] = detail::float_to_bf16(std::ldexp(1.0f, -21));
-  p.k_bits()[7 * D + 0] = detail::float_to_bf16(4.0f);  // key 7 the clear best
-  TopkOutputs out(p, 2);
-  indexer_topk(p.inputs(), out.views(), p.options());
-  ASSERT_EQ(out.ids.data<int32_t>()[0], 7);
-  ASSERT_EQ(out.ids.data<int32_t>()[1], 6);
-  const ReferenceTopk ref = reference_indexer_topk(p.inputs(), p.options(), 2);
-  EXPECT_LT(definition_logit(p, 0, 6) - definition_logit(p, 0, 5), ref.topk_bounds[1]);
-  out.ids.data<int32_t>()[1] = 5;  // the near-tie exchanged
-  TopkCheck c = check_indexer_topk(p.inputs(), p.options(), out.views());
-  EXPECT_TRUE(c.pass) << c.first_failure;
-  EXPECT_EQ(c.exchanged_ids, 1);
-  out.ids.data<int32_t>()[1] = 4;  // 0.0546875 * 8 vs 0.5 * 7: far outside the bounds
-  out.logits.data<float>()[1] = float(definition_logit(p, 0, 4));
-  c = check_indexer_topk(p.inputs(), p.options(), out.views());
-  EXPECT_FALSE(c.pass);
-}
-
-// ---------------------------------------------------------------- validation
-
-struct Call {
-  IndexerTopkInputs in;
-  IndexerTopkOutputs out;
-  IndexerTopkOptions opt;
-};
-
-struct ErrorCase {
-  std::string name;
-  Layout layout;
-  std::function<void(Call&)> mutate;
-  const char* argument;
-  const char* message_part;
-  ErrorCode code = ErrorCode::invalid_argument;
-};
-
-std::vector<ErrorCase> error_cases() {
-  const Layout S = Layout::bshd, T = Layout::thd;
-  return {
-      {"layout", S, [](Call& c) { c.opt.layout = static_cast<Layout>(7); }, "layout", "expected bshd or thd, got 7"},
-      {"id_mode", S, [](Call& c) { c.opt.id_mode = static_cast<IdMode>(5); }, "id_mode", "expected local or global, got 5"},
-      {"order", S, [](Call& c) { c.opt.order = static_cast<TopkOrder>(5); }, "order",
-       "order: expected 0 (logit_descending) or 1 (id_ascending), got 5"},
-      {"backend", S, [](Call& c) { c.opt.backend = static_cast<Backend>(3); }, "backend", "expected cpu or cuda, got 3"},
-      {"index_q_absent", S, [](Call& c) { c.in.index_q = TensorView{}; }, "index_q", "expected a tensor, got nothing"},
-      {"index_q_dtype", S, [](Call& c) { c.in.index_q.dtype = DType::f32; }, "index_q", "expected dtype bf16, got dtype f32"},
-      {"weights_dtype", S, [](Call& c) { c.in.weights.dtype = DType::i32; }, "weights", "expected dtype bf16 or f32 or f64, got dtype i32"},
-      {"index_k_rank", S, [](Call& c) { c.in.index_k.rank = 2; }, "index_k", "expected rank 3, got rank 2"},
-      {"starts_without_ends", S, [](Call& c) { c.in.ends = TensorView{}; }, "ends",
-       "ends: expected a tensor (starts and ends come together, or neither), got nothing (absent) while starts is given"},
-      {"ends_without_starts", S, [](Call& c) { c.in.starts = TensorView{}; }, "starts", "got nothing (absent) while ends is given"},
-      {"starts_dtype", S, [](Call& c) { c.in.starts.dtype = DType::f32; }, "starts", "expected dtype i32, got dtype f32"},
-      {"topk_indices_dtype", S, [](Call& c) { c.out.topk_indices.dtype = DType::f32; }, "topk_indices", "expected dtype i32"},
-      {"topk_logits_dtype", S, [](Call& c) { c.out.topk_logits.dtype = DType::bf16; }, "topk_logits", "expected dtype f32 or f64, got dtype bf16"},
-      {"topk_lengths_dtype", S, [](Call& c) { c.out.topk_lengths.dtype = DType::f32; }, "topk_lengths", "expected dtype i32"},
-      {"cu_seqlens_bshd", S, [](Call& c) { c.in.cu_seqlens_q = c.in.starts; }, "cu_seqlens_q", "expected absent for layout bshd"},
-      {"heads_zero", S, [](Call& c) { c.in.index_q.shape[2] = 0; }, "index_q", "expected H (heads, dim 2) >= 1, got H = 0"},
-      {"dim_zero", T, [](Call& c) { c.in.index_q.shape[2] = 0; }, "index_q", "expected D (last dim) >= 1, got D = 0"},
-      {"topk_zero", S, [](Call& c) { c.out.topk_indices.shape[2] = 0; }, "topk_indices", "expected topk (last dim) >= 1, got topk = 0"},
-      {"weights_shape", S, [](Call& c) { c.in.weights.shape[2] = 4; }, "weights", "(B, S_q, H), got shape (2, 5, 4)"},
-      {"index_k_batch", S, [](Call& c) { c.in.index_k.shape[0] = 1; }, "index_k", "(B, S_kv, D) with B and D of index_q"},
-      {"index_k_dim_thd", T, [](Call& c) { c.in.index_k.shape[1] = 4; }, "index_k", "(T_k, D) with D of index_q"},
-      {"starts_shape", S, [](Call& c) { c.in.starts.shape[1] = 4; }, "starts", "expected shape (2, 5) (B, S_q), got shape (2, 4)"},
-      {"ends_shape_thd", T, [](Call& c) { c.in.ends.shape[0] = 3; }, "ends", "(T_q)"},
-      {"topk_indices_shape", S, [](Call& c) { c.out.topk_indices.shape[1] = 4; }, "topk_indices", "(B, S_q, topk)"},
-      {"topk_logits_shape", S, [](Call& c) { c.out.topk_logits.shape[2] = 3; }, "topk_logits", "(B, S_q, topk) like topk_indices"},
-      {"topk_lengths_shape", T, [](Call& c) { c.out.topk_lengths.shape[0] = 2; }, "topk_lengths", "(T_q)"},
-      {"index_q_last_stride", S, [](Call& c) { c.in.index_q.strides[3] = 2; c.in.index_q.shape[3] = 4; c.in.weights.shape[2] = 3; c.in.index_k.shape[2] = 4; }, "index_q",
-       "expected a contiguous last dimension (stride 1)"},
-      {"index_k_last_stride", T, [](Call& c) { c.in.index_k.strides[1] = 0; }, "index_k", "expected a contiguous last dimension (stride 1)"},
-      {"starts_stride", T, [](Call& c) { c.in.starts.strides[0] = 0; }, "starts", "contiguous last dimension"},
-      {"topk_indices_strided", S, [](Call& c) { c.out.topk_indices.shape[1] = 2; c.out.topk_indices.strides[0] = 100;
-         c.out.topk_logits.shape[1] = 2; c.out.topk_lengths.shape[1] = 2; c.in.index_q.shape[1] = 2; c.in.weights.shape[1] = 2; c.in.starts.shape[1] = 2; c.in.ends.shape[1] = 2; },
-       "topk_indices", "expected a contiguous (row-major) tensor"},
-      {"outputs_overlap", S, [](Call& c) { c.out.topk_logits.data = c.out.topk_indices.data; }, "topk_indices",
-       "expected memory disjoint from topk_logits, got overlapping memory"},
-      {"output_overlaps_input", S, [](Call& c) { c.out.topk_lengths.data = c.in.index_k.data; }, "topk_lengths",
-       "expected memory disjoint from input index_k, got overlapping memory"},
-      {"output_overlaps_starts", T, [](Call& c) { c.out.topk_lengths.data = c.in.starts.data; }, "topk_lengths",
-       "disjoint from input starts"},
-      {"num_threads", S, [](Call& c) { c.opt.num_threads = -1; }, "num_threads", "expected >= 0 (0 = all hardware threads), got -1"},
-      {"cu_seqlens_end", T, [](Call& c) { static_cast<int32_t*>(c.in.cu_seqlens_q.data)[4] = 12; }, "cu_seqlens_q",
-       "expected last value equal to T_q (index_q dim 0) = 11, got 12"},
-      {"cu_seqlens_k_length", T, [](Call& c) { c.in.cu_seqlens_k.shape[0] = 3; }, "cu_seqlens_k", "expected length B + 1 = 5"},
-      {"strict_ranges", T, [](Call& c) { c.opt.strict_ranges = true; static_cast<int32_t*>(c.in.starts.data)[0] = -1; }, "starts",
-       "strict mode found a range outside its sequence's keys at (b=0, t=0): expected 0 <= start <= end <= 9",
-       ErrorCode::index_out_of_range},
-  };
-}
-
-void PrintTo(const ErrorCase& c, std::ostream* os) { *os << c.name; }
-
-class TopkValidation : public ::testing::TestWithParam<ErrorCase> {};
-
-TEST_P(TopkValidation, NamesTheArgumentAndWritesNothing) {
-  const ErrorCase& ec = GetParam();
-  TopkSpec s = ec.layout == Layout::thd ? thd(TopkSpec{}) : TopkSpec{};
-  s.ranges = true;
-  TopkProblem p = make_topk_problem(s);
-  for (int64_t r = 0; r < p.rows; ++r) {  // valid ranges, so that strict mode finds only the case's
-    const int64_t b = p.seq_of(r), base = ec.layout == Layout::thd ? p.k_start[b] : 0;
-    p.starts.data<int32_t>()[r] = int32_t(base);
-    p.ends.data<int32_t>()[r] = int32_t(base + p.k_len[b]);
-  }
-  TopkOutputs out(p, s.topk);
-  Call c{p.inputs(), out.views(), p.options()};
-  const Snapshot ids(out.ids), logits(out.logits), lengths(out.lengths);
-  ec.mutate(c);
-  const Snapshot q(p.index_q), w(p.weights), k(p.index_k), st(p.starts), en(p.ends), cq(p.cu_q), ck(p.cu_k);
-  auto expect_error = [&](const std::function<void()>& call, const char* who, bool full) {
-    try {
-      call();
-      ADD_FAILURE() << who << " accepted it";
-    } catch (const Error& e) {
-      EXPECT_EQ(e.argument(), ec.argument) << who << ": " << e.what();
-      if (!full) return;
-      EXPECT_EQ(e.code(), ec.code) << e.what();
-      const std::string msg = e.what();
-      EXPECT_EQ(msg.rfind(std::string(ec.argument) + ":", 0), 0u) << msg;
-      EXPECT_NE(msg.find(ec.message_part), std::string::npos) << msg;
-      EXPECT_NE(msg.find("expected"), std::string::npos) << msg;
-      EXPECT_NE(msg.find("got"), std::string::npos) << msg;
-    }
-  };
-  expect_error([&] { indexer_topk(c.in, c.out, c.opt); }, "indexer_topk", true);
-  EXPECT_TRUE(ids.unchanged() && logits.unchanged() && lengths.unchanged()) << "an output written before the error";
-  EXPECT_TRUE(q.unchanged() && w.unchanged() && k.unchanged() && st.unchanged() && en.unchanged() && cq.unchanged() && ck.unchanged());
-  expect_error([&] { indexer_topk_workspace_size(c.in, c.out, c.opt); }, "indexer_topk_workspace_size", false);
-  const std::string arg = ec.argument;
-  if (ec.name == "backend") return;  // the reference and the checker run on the host whatever the backend
-  if (arg.rfind("topk_", 0) != 0) {  // the reference has no output
-    expect_error([&] { reference_indexer_topk(c.in, c.opt, s.topk); }, "reference_indexer_topk", false);
-  }
-  expect_error([&] { check_indexer_topk(c.in, c.opt, c.out); }, "check_indexer_topk", false);
-}
-
-INSTANTIATE_TEST_SUITE_P(Rules, TopkValidation, ::testing::ValuesIn(error_cases()),
-                         [](const auto& info) { return info.param.name; });
-
-TEST(IndexerTopk, ReferenceTopkMustBePositive) {
-  const TopkProblem p = make_topk_problem(TopkSpec{});
-  try {
-    reference_indexer_topk(p.inputs(), p.options(), 0);
-    ADD_FAILURE() << "topk 0 accepted";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.argument(), "topk");
-    EXPECT_STREQ(e.what(), "topk: expected topk >= 1, got topk = 0");
-  }
-}
-
-// cuda without a usable device is refused before any tensor is read.
-TEST(IndexerTopk, CudaUnavailable) {
-  if (cuda_backend_available()) GTEST_SKIP() << "a cuda device is present";
-  const TopkProblem p = make_topk_problem(TopkSpec{});
-  TopkOutputs out(p, 4);
-  IndexerTopkOptions opt = p.options();
-  opt.backend = Backend::cuda;
-  IndexerTopkInputs in = p.inputs();
-  in.index_q = TensorView{};  // not reached
-  const Snapshot ids(out.ids);
-  try {
-    indexer_topk(in, out.views(), opt);
-    ADD_FAILURE() << "cuda accepted";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::backend_unavailable) << e.what();
-    EXPECT_EQ(e.argument(), "backend");
-  }
-  EXPECT_TRUE(ids.unchanged());
-  // The reference and the checker run on the host whatever the backend.
-  EXPECT_NO_THROW(reference_indexer_topk(p.inputs(), opt, 4));
 }
 
 }  // namespace

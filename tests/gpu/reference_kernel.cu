@@ -82,8 +82,9 @@ __global__ void __launch_bounds__(kThreads) reference_backward_kernel(const Inde
     if (tid < H) {
       double x = 0.0;
       for (int d = 0; d < D; ++d) x += q[tid * D + d] * k[d];
-      dw += gs * fmax(x, 0.0);
-      a[tid] = x > 0.0 ? gs * w * static_cast<double>(p.sm_scale) : 0.0;
+      // relu as torch computes it: NaN kept, and its derivative passes a NaN x
+      dw += gs * (x < 0.0 ? 0.0 : x);
+      a[tid] = !(x <= 0.0) ? gs * w * static_cast<double>(p.sm_scale) : 0.0;
     }
     __syncthreads();
     for (int d = tid; d < D; d += kThreads) {

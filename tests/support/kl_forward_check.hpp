@@ -53,7 +53,7 @@ inline Fp64Forward fp64_forward(const GeneratedProblem& pr, const IndexerOptions
       for (int64_t h = 0; h < H; ++h) {
         double x = 0;
         for (int64_t d = 0; d < D; ++d) x += q[(r * H + h) * D + d] * k[kr[i] * D + d];
-        zi += w[r * H + h] * (x > 0 ? x : 0.0);
+        zi += w[r * H + h] * (x < 0 ? 0.0 : x);  // relu with NaN kept, as torch's
       }
       z[i] = static_cast<double>(opt.sm_scale) * zi;
       f.z[r * K + i] = z[i];

@@ -124,7 +124,15 @@ void refresh_index_score(GeneratedProblem& p) {
   float* P = p.index_score.data<float>();
   for (int64_t r = 0; r < R; ++r) {
     double zmax = -std::numeric_limits<double>::infinity();
-    for (int64_t i = 0; i < K; ++i) zmax = std::max(zmax, z[r * K + i]);
+    bool nan = false;  // a NaN logit makes the row's P NaN, as torch's softmax
+    for (int64_t i = 0; i < K; ++i) {
+      nan = nan || std::isnan(z[r * K + i]);
+      zmax = std::max(zmax, z[r * K + i]);
+    }
+    if (nan) {
+      for (int64_t i = 0; i < K; ++i) P[r * K + i] = std::numeric_limits<float>::quiet_NaN();
+      continue;
+    }
     if (!std::isfinite(zmax)) {
       for (int64_t i = 0; i < K; ++i) P[r * K + i] = 0.0f;
       continue;

@@ -91,6 +91,14 @@ struct TopkOutputs {
   IndexerTopkOutputs views() const { return {ids.view(), logits.view(), lengths.view()}; }
 };
 
+/// THD: four sequences, one without queries and one without keys (its rows are empty).
+inline TopkSpec thd_spec(TopkSpec s) {
+  s.layout = Layout::thd;
+  s.q_lens = {3, 0, 6, 2};
+  s.k_lens = {9, 5, 14, 0};
+  return s;
+}
+
 inline TopkProblem make_topk_problem(const TopkSpec& s) {
   TopkProblem p;
   p.spec = s;

@@ -211,39 +211,57 @@ def exchange_device(group, index_k):
     return torch.device("cpu")
 
 
-def check_same_across_group(group, cp, device, fields, layout, local_error=None):
+def check_same_across_group(group, cp, device, fields, layout, local_error=None, library_error=None):
     """All-gathers the descriptor (one small collective) and raises the same
     ValueError on every rank when an argument differs across the group. A rank
     whose own checks failed (local_error) takes part with its error instead of
     a descriptor: it raises that error, every other rank a ValueError naming it
-    (instead of waiting in the all-gather for a rank that never comes)."""
+    (instead of waiting in the all-gather for a rank that never comes). A rank
+    whose arguments the library's own validation rejected (library_error: what
+    its library call would raise after the exchange, alone, while the others
+    wait in the next collective) sends its descriptor and that error: when the
+    descriptors agree, it raises its error and every other rank a ValueError
+    naming it."""
     if cp == 1:
         if local_error is not None:
             raise local_error
+        if library_error is not None:
+            raise library_error
         return
     n = _descriptor_words()
+    error_words = _ERROR_BYTES // 8
     if local_error is None:
-        words = [0] + [v for _, _, ints in fields for v in ints]
+        words = [2 if library_error is not None else 0] + [v for _, _, ints in fields for v in ints]
+        words += _encode_error(library_error) if library_error is not None else [0] * error_words
     else:
-        words = [1] + _encode_error(local_error)
-        words += [0] * (n + 1 - len(words))
+        words = [1] + [0] * n + _encode_error(local_error)
     local = torch.tensor(words, dtype=torch.int64, device=device)
     gathered = local.new_empty((cp * local.numel(),))
     dist.all_gather_into_tensor(gathered, local, group=group)
     rows = gathered.view(cp, -1).tolist()
-    failed = [r for r, row in enumerate(rows) if row[0] != 0]
     if local_error is not None:
         raise local_error
+
+    def rejected(failed):
+        shown = "; ".join(f"rank {r}: {_decode_error(rows[r][1 + n:])}" for r in failed[:4])
+        return (f"{len(failed)} rank(s) rejected their own arguments before the exchange "
+                f"({shown}{'; ...' if len(failed) > 4 else ''})")
+
+    failed = [r for r, row in enumerate(rows) if row[0] == 1]
     if failed:
-        shown = "; ".join(f"rank {r}: {_decode_error(rows[r][1:])}" for r in failed[:4])
-        raise ValueError(f"the group's arguments: {len(failed)} rank(s) rejected their own arguments before the "
-                         f"exchange ({shown}{'; ...' if len(failed) > 4 else ''}); expected every rank's to pass "
+        raise ValueError(f"the group's arguments: {rejected(failed)}; expected every rank's to pass "
                          f"(docs/context-parallel.md)")
-    rows = [row[1:] for row in rows]
+    descriptors = [row[1:1 + n] for row in rows]
     start = 0
     for name, kind, ints in fields:
         stop = start + len(ints)
-        mine = [r[start:stop] for r in rows]
+        mine = [r[start:stop] for r in descriptors]
         if any(m != mine[0] for m in mine):
             raise ValueError(_difference(name, kind, mine, layout))
         start = stop
+    if library_error is not None:
+        raise library_error
+    failed = [r for r, row in enumerate(rows) if row[0] == 2]
+    if failed:
+        raise ValueError(f"the group's arguments: {rejected(failed)} by the library's validation; expected every "
+                         f"rank's to pass (docs/context-parallel.md)")

@@ -206,13 +206,26 @@ def start_reduce_scatter(plan, dk_whole):
     return out, dist.reduce_scatter_tensor(out, send, op=dist.ReduceOp.SUM, group=plan.group, async_op=True)
 
 
-def plan(group, cp_layout, layout, index_q, index_k, cu_seqlens_q, cu_seqlens_k, offsets, fields, local_error=None):
+def plan(group, cp_layout, layout, index_q, index_k, cu_seqlens_q, cu_seqlens_k, offsets, fields, local_error=None,
+         validate=None):
     """The split's plan, after the group has compared every rank's arguments
     (``fields``, cp_agreement.describe; or this rank's own error, ``local_error``;
-    ``offsets``: cp_agreement.host_offsets of the cu_seqlens):
-    the checks that follow then see the same sizes and words on every rank, and
-    raise on every rank alike."""
+    ``offsets``: cp_agreement.host_offsets of the cu_seqlens). Before the
+    exchange, ``validate(plan)`` runs the library's validation of what this
+    rank's library call will get; its error goes into the exchange, so that
+    every rank raises (this one its error, the others a ValueError naming it)
+    instead of this one alone after the exchange, while the others wait in the
+    next collective. The checks then see the same sizes and words on every
+    rank, and raise on every rank alike."""
     cp, rank = group_size_rank(group)
-    check_same_across_group(group, cp, exchange_device(group, index_k), fields, layout, local_error)
-    check_words(cp_layout, layout)
-    return Plan(group, cp, rank, cp_layout, layout, index_q, index_k, cu_seqlens_q, cu_seqlens_k, offsets)
+    built, library_error = None, None
+    if local_error is None:
+        try:
+            check_words(cp_layout, layout)
+            built = Plan(group, cp, rank, cp_layout, layout, index_q, index_k, cu_seqlens_q, cu_seqlens_k, offsets)
+            if validate is not None:
+                validate(built)
+        except (TypeError, ValueError) as e:
+            library_error = e
+    check_same_across_group(group, cp, exchange_device(group, index_k), fields, layout, local_error, library_error)
+    return built

@@ -42,7 +42,6 @@ def validate(index_q, weights, index_k, topk_indices, attn_score, *, sm_scale, l
     """
     if torch.compiler.is_compiling() or index_q.device.type not in ("cpu", "cuda"):
         return
-    cuda = index_q.device.type == "cuda"
     w_dtype, T_dtype = library_float_dtypes(weights, fp64(index_q.device, index_q, weights, index_k))
     if any_integer_cu_seqlens:
         cu_seqlens_q, cu_seqlens_k = (
@@ -57,13 +56,40 @@ def validate(index_q, weights, index_k, topk_indices, attn_score, *, sm_scale, l
                                  else library_view(topk_indices, torch.int32)),
                    attn_score=library_view(attn_score, T_dtype), cu_seqlens_q=cu_seqlens_q,
                    cu_seqlens_k=cu_seqlens_k)
+    _library_validation(tensors, index_q.device, sm_scale=sm_scale, layout=layout, id_mode=id_mode,
+                        loss_coeff=loss_coeff, normalization_count=normalization_count, backend=backend,
+                        num_threads=num_threads, strict_indices=strict_indices)
+
+
+def _library_validation(tensors, device, *, sm_scale, layout, id_mode, loss_coeff, normalization_count, backend,
+                        num_threads, strict_indices):
+    """One call of dsaib::validate_indexer_kl_loss_inputs on `tensors` (None ones left out)."""
+    cuda = device.type == "cuda"
     _dsaib.validate_indexer_kl_loss_inputs(
-        **_exported(tensors), layout=layout, id_mode=id_mode,
+        **_exported({n: t for n, t in tensors.items() if t is not None}), layout=layout, id_mode=id_mode,
         backend=backend if backend is not None else ("cuda" if cuda else "cpu"),
         sm_scale=_float_or_inf(sm_scale), loss_coeff=_float_or_inf(loss_coeff),
         normalization_count=_normalization_count(int(normalization_count)), num_threads=int(num_threads),
-        stream=int(torch.cuda.current_stream(index_q.device).cuda_stream) if cuda else 0,
+        stream=int(torch.cuda.current_stream(device).cuda_stream) if cuda else 0,
         strict_indices=bool(strict_indices))
+
+
+def validate_as_given(index_q, weights, index_k, topk_indices, attn_score, index_score, *, sm_scale, layout, id_mode,
+                      cu_seqlens_q, cu_seqlens_k, loss_coeff, normalization_count, row_lse=None,
+                      row_target_mass=None):
+    """The library's validation (one call, nothing computed or written) of
+    what a backward call will pass it: the tensors as they are (index_k may be
+    a stand-in of the right dtype and shape, one row broadcast), with
+    index_score or the P-free row statistics. Only metadata is read, and for
+    THD cu_seqlens (on a GPU: a copy to the host, waited for)."""
+    if torch.compiler.is_compiling() or index_q.device.type not in ("cpu", "cuda"):
+        return
+    tensors = dict(index_q=index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
+                   attn_score=attn_score, index_score=index_score, cu_seqlens_q=cu_seqlens_q,
+                   cu_seqlens_k=cu_seqlens_k, row_lse=row_lse, row_target_mass=row_target_mass)
+    _library_validation(tensors, index_q.device, sm_scale=sm_scale, layout=layout, id_mode=id_mode,
+                        loss_coeff=loss_coeff, normalization_count=normalization_count, backend=None,
+                        num_threads=0, strict_indices=False)
 
 
 def key_rows(index_k, topk_indices, layout, id_mode, cu_seqlens_q, cu_seqlens_k):

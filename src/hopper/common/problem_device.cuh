@@ -67,6 +67,15 @@ __device__ __forceinline__ const uint16_t* key_row_ptr(const IndexerParams& p, i
 /// (no -ftz / --use_fast_math).
 __device__ __forceinline__ float eps_exp_minus_100() { return __int_as_float(27); }
 
+/// relu as torch computes it, NaN kept (fmaxf(x, 0) would turn NaN into 0 and
+/// hide a NaN input from the logits and the loss while dK still multiplies it;
+/// docs/math.md, "NaN and infinities"). One select, as cheap as fmaxf.
+__device__ __forceinline__ float relu_keeping_nan(float x) { return x < 0.0f ? 0.0f : x; }
+
+/// Whether relu's derivative passes the gradient at x: torch's relu backward
+/// zeroes it where x <= 0, and passes it for a NaN x.
+__device__ __forceinline__ bool relu_passes(float x) { return !(x <= 0.0f); }
+
 /// max(T, eps) as the cpu reference computes it (std::max): a NaN target T
 /// propagates (fmax would replace it by eps and hide it). fp32 kernel and fp64 reference.
 template <class T>

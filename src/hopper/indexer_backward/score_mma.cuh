@@ -41,7 +41,7 @@ struct ScoreMma {
     CUTE_UNROLL
     for (int j = 0; j < 16; ++j) col[j] = 0.0f;
     CUTE_UNROLL
-    for (int v = 0; v < kBlock / 2; ++v) col[(v / 4) * 2 + v % 2] += w_row[(v >> 1) & 1] * fmaxf(tSrS(v), 0.0f);
+    for (int v = 0; v < kBlock / 2; ++v) col[(v / 4) * 2 + v % 2] += w_row[(v >> 1) & 1] * relu_keeping_nan(tSrS(v));
     // lane holds the sums over its warp's 16 heads of keys 2 * lane and 2 * lane + 1
     *reinterpret_cast<float2*>(&ss.p_free.z_part[warp][2 * lane]) = warp_head_sums(col, lane);
     score_sync();  // z_part complete
@@ -148,8 +148,8 @@ struct ScoreMma {
         const float x = tSrS(i);
         const float gs = ss.gs[ks][key];
         const int half = (i >> 1) & 1;  // value i sits in row r0 + 8 * half
-        dw[half] += gs * fmaxf(x, 0.0f);
-        const float a = x > 0.0f ? gs * w_row[half] : 0.0f;
+        dw[half] += gs * relu_keeping_nan(x);
+        const float a = relu_passes(x) ? gs * w_row[half] : 0.0f;
         tSrA(i) = Element(a);
         if constexpr (Config::kSplitA) tSrAlo(i) = Element(a - static_cast<float>(tSrA(i)));
       }

@@ -121,7 +121,7 @@ namespace dsaib::detail {
 hopper::TopkPlan plan_cuda_indexer_topk(const IndexerTopkInputs& in, const IndexerTopkOutputs& out,
                                         const ProblemGeometry& g) {
   hopper::DeviceGuard guard(in.index_q.device_index);
-  hopper::check_topk_limits(g);  // before the device is queried
+  check_cuda_key_rows(g);  // validation raised it already
   const bool with_logits = out.topk_logits.present(), with_lengths = out.topk_lengths.present();
   hopper::TopkPlan plan = hopper::plan_indexer_topk(g, with_logits, with_lengths, hopper::query_device_properties());
   return hopper::plan_indexer_topk(g, with_logits, with_lengths,

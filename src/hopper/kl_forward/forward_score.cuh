@@ -154,10 +154,10 @@ struct ForwardScore {
   template <class Accumulator, class Weight>
   __device__ static void add_block(const Accumulator& acc, Weight&& w, int quad, int slot, float target,
                                    RowRunningStats& st, float* z_row) {
-    // relu with NaN as not positive (the reference's x > 0 ? x : 0)
+    // relu with NaN kept (torch's relu): a NaN logit makes the row's sum, LSE and loss NaN
     float zp[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
     CUTE_UNROLL
-    for (int v = 0; v < kN / 2; ++v) zp[(v / 2) % 2][(v / 4) % 2] += w((v / 4) * 2 + v % 2) * fmaxf(acc(v), 0.0f);
+    for (int v = 0; v < kN / 2; ++v) zp[(v / 2) % 2][(v / 4) % 2] += w((v / 4) * 2 + v % 2) * relu_keeping_nan(acc(v));
     float z0 = zp[0][0] + zp[0][1], z1 = zp[1][0] + zp[1][1];
     z0 += __shfl_xor_sync(0xffffffffu, z0, 1);
     z1 += __shfl_xor_sync(0xffffffffu, z1, 1);

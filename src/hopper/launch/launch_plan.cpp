@@ -182,29 +182,8 @@ TargetPlan plan_attention_target(const detail::ProblemGeometry& g, const DeviceP
   return plan;  // no workspace: the kernel keeps everything in shared memory and the output
 }
 
-void check_topk_limits(const detail::ProblemGeometry& g) {
-  if (g.heads < 8 || g.heads > 128 || g.heads % 8 != 0) {
-    throw Error(ErrorCode::unsupported, "index_q",
-                "index_q: expected H a multiple of 8 in [8, 128] on the cuda backend, got H " + std::to_string(g.heads));
-  }
-  if (g.head_dim != 64 && g.head_dim != 128) {
-    throw Error(ErrorCode::unsupported, "index_q",
-                "index_q: expected D 64 or 128 on the cuda backend, got D " + std::to_string(g.head_dim));
-  }
-  if (g.topk > kMaxCudaTopk) {
-    throw Error(ErrorCode::unsupported, "topk_indices",
-                "topk_indices: expected topk at most " + std::to_string(kMaxCudaTopk) + " on the cuda backend, got " +
-                    std::to_string(g.topk));
-  }
-  if (g.num_k_rows > std::numeric_limits<int32_t>::max()) {
-    throw Error(ErrorCode::unsupported, "index_k",
-                "index_k: expected fewer than 2^31 key rows on the cuda backend, got " + std::to_string(g.num_k_rows));
-  }
-}
-
 TopkPlan plan_indexer_topk(const detail::ProblemGeometry& g, bool with_logits, bool with_lengths,
                            const DeviceProperties& device) {
-  check_topk_limits(g);
   TopkPlan plan;
   plan.device = device;
   plan.head_dim = static_cast<int32_t>(g.head_dim);

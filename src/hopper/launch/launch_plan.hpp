@@ -232,10 +232,9 @@ struct TopkPlan {
   std::size_t workspace_bytes = 0;
   DeviceProperties device;
 };
-/// Throws Error(unsupported) naming the argument for what the cuda kernels
-/// cannot run: "index_q" (H not a multiple of 8 in [8, 128], D not 64 or 128),
-/// "topk_indices" (topk above kMaxCudaTopk), "index_k" (2^31 key rows or more).
-void check_topk_limits(const detail::ProblemGeometry& g);
+/// For a problem that validate_topk_problem() accepted on the cuda backend (its
+/// limits: H a multiple of 8 up to 128, D 64 or 128, topk up to kMaxCudaTopk,
+/// key rows below 2^31).
 /// `with_logits` / `with_lengths`: the caller gave topk_logits / topk_lengths,
 /// which then hold the selection between the two kernels.
 TopkPlan plan_indexer_topk(const detail::ProblemGeometry& g, bool with_logits, bool with_lengths,
