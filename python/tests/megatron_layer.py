@@ -165,6 +165,13 @@ def run_layer(layer, case, inputs, capture):
         cu = torch.tensor([0] + list(torch.tensor(case["lengths"]).cumsum(0)), dtype=torch.int32)
         packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(case["lengths"]),
                                  max_seqlen_kv=max(case["lengths"]))
+        if case.get("pad"):
+            # padding at the end of each sequence: rows Megatron leaves out of the
+            # loss and its mean (real_token_mask_q -> query_valid_rows)
+            real = torch.ones(int(cu[-1]), dtype=torch.bool)
+            for end in cu[1:].tolist():
+                real[end - case["pad"]:end] = False
+            packed.real_token_mask_q = real
     layer.zero_grad(set_to_none=True)
     capture.clear()
     query = inputs["query"].clone().requires_grad_()
