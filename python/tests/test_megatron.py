@@ -30,6 +30,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import megatron_layer  # noqa: E402  (the worker's helpers; imports no megatron at module level)
+
 WORKER = HERE / "megatron_layer.py"
 WORKER_TIMEOUT_S = 300
 
@@ -129,8 +132,7 @@ def topk_rule_violations(q, k, w, starts, ends, ids, topk, tol_rel):
     """Rows whose ids are not a top-k of the float64 logits within tol_rel of
     the row's largest |logit| (ids of keys outside the row's range, a wrong
     count, or a key left out that beats a selected one by more than that)."""
-    logits = torch.einsum("sbhd,tbd->bsht", q.double(), k.double()).relu().mul(
-        w.double().transpose(0, 1).unsqueeze(-1)).sum(2)  # [b, sq, skv]
+    logits = megatron_layer.float64_logits(q, k, w)  # [b, sq, skv]
     pos = torch.arange(k.shape[0])
     visible = (pos >= starts.long().unsqueeze(-1)) & (pos < ends.long().unsqueeze(-1))  # [sq, skv]
     bad = []
@@ -163,15 +165,16 @@ def test_layer_agrees_with_megatron_torch_path(layer_results, name):
         q, k, w, starts, ends = ours["topk_inputs"]
         assert not topk_rule_violations(q, k, w, starts, ends, ours["ids"], case["topk"], 1e-12), where
         assert not topk_rule_violations(q, k, w, starts, ends, theirs["ids"], case["topk"], 1e-5), where
+        # inputs with a row near a tie at its boundary were redrawn (megatron_layer.AMBIGUOUS_GAP): the sets are equal
+        assert megatron_layer.ambiguous_rows(q, k, w, starts, ends, case["topk"]) == 0, (where, got["draws"])
         differ = (ours["ids"].sort(-1).values.long() != theirs["ids"].sort(-1).values.long()).any(-1)
-        assert differ.float().mean() <= 0.02, f"{where}: {int(differ.sum())} rows select other keys"
+        assert not differ.any(), f"{where}: {int(differ.sum())} rows select other keys"
         # the loss: Megatron's KL in both
         lo, lt = ours["loss"].item(), theirs["loss"].item()
         rows = case["b"] * sum(case["lengths"]) // case["cp"] if case.get("per_token") else 1  # a sum, not a mean
         terms = case["loss_coeff"] * math.log(case["topk"]) * rows
         assert torch.isfinite(ours["loss"]) and abs(lo - lt) <= LOSS_ABS_PER_TERM * terms, (where, lo, lt)
-        if not differ.any():
-            assert (ours["out"] - theirs["out"]).abs().max().item() <= OUT_ABS, where
+        assert (ours["out"] - theirs["out"]).abs().max().item() <= OUT_ABS, where
         grads = dict(zip(("d_q", "d_k", "d_weights"), zip(ours["dqkw"], theirs["dqkw"])))
         grads.update({n: (ours["grads"][n], theirs["grads"][n]) for n in theirs["grads"]})
         assert set(ours["grads"]) == set(theirs["grads"]), where
@@ -205,6 +208,20 @@ def hook_problem(gen, weights_scale, sq=48, b=2, H=8, D=64, heads=4, dqk=48):
     query, key = bf16_valued(rnd(sq, b, heads, dqk)), bf16_valued(rnd(sq, b, 1, dqk))
     ends = torch.arange(1, sq + 1, dtype=torch.int32)
     return q, k, w, query, key, torch.zeros_like(ends), ends
+
+
+def unambiguous_problem(weights_scale, topk=16):
+    """(seed, problem) from a fresh seed, redrawn while a row's top-k boundary
+    is near a tie (megatron_layer.AMBIGUOUS_GAP), where float32 and float64
+    may each rightly pick another key."""
+    for _ in range(megatron_layer.MAX_DRAWS):
+        seed = fresh_seed()
+        problem = hook_problem(torch.Generator().manual_seed(seed), weights_scale)
+        q, k, w, _, _, starts, ends = problem
+        if megatron_layer.ambiguous_rows(q, k, w, starts, ends, topk) == 0:
+            print(f"seed {seed}")
+            return seed, problem
+    raise AssertionError(f"{megatron_layer.MAX_DRAWS} draws each had a near-tie at a top-k boundary")
 
 
 class _OneRankTP:
@@ -245,9 +262,7 @@ def test_hook_agrees_in_float32(regime):
     """Megatron-Core 0.19's gradient is the exact c (P - T) (its backward
     forms it so) and ours is too, down to P = exp(-100): they agree where
     every selected P is far above 1e-10 and where many are far below it."""
-    seed = fresh_seed()
-    problem = hook_problem(torch.Generator().manual_seed(seed), 1.0 if regime == "P_above_1e-10" else 14.0)
-    print(f"seed {seed}")
+    seed, problem = unambiguous_problem(1.0 if regime == "P_above_1e-10" else 14.0)
     ours, theirs = run_both(problem)
     q, k, w = problem[:3]
     p = selected_p(q, k, w, ours[0])
@@ -267,9 +282,7 @@ def test_the_wide_regime_is_where_smoothing_would_differ():
     Megatron-Core's KL, T (log T - log(P + 1e-10)), whose 1e-10 damps the
     slots of tiny P, differs there from the exact one by far more than the
     agreement above."""
-    seed = fresh_seed()
-    print(f"seed {seed}")
-    q, k, w, query, key, starts, ends = hook_problem(torch.Generator().manual_seed(seed), 14.0)
+    seed, (q, k, w, query, key, starts, ends) = unambiguous_problem(14.0)
     ours, _ = run_both((q, k, w, query, key, starts, ends), grad=1.0)
     ids = ours[0]
     wl = w.clone().requires_grad_()
