@@ -1,6 +1,6 @@
 """python -m dsaib.megatron [--attention cudnn|tilelang] [--order ORDER] SCRIPT [ARGS...]
 
-Runs a Megatron training script (e.g. pretrain_gpt.py) as ``python SCRIPT
+Runs a Megatron training script (e.g. Megatron-LM's $MEGATRON_LM/pretrain_gpt.py) as ``python SCRIPT
 ARGS`` would, after dsaib.megatron.register(), so that its command line takes
 ``--dsa-kernel-backend dsaib`` without an edit to the script."""
 

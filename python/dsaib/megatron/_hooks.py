@@ -1,5 +1,5 @@
 """The hooks Megatron-Core's DSA layer looks up by name in a kernel backend
-(``experimental_attention_variant/dsa_kernels.py``): the indexer's top-k and
+(module ``megatron.core.transformer.experimental_attention_variant.dsa_kernels``): the indexer's top-k and
 its sparse KL loss on dsaib, the main attention handed to the backend named
 at registration (or to Megatron's own torch code).
 
