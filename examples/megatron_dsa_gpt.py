@@ -1,0 +1,223 @@
+"""A tiny Megatron-Core GPT with DeepSeek Sparse Attention layers, trained on
+one GPU with the DSA indexer on a chosen kernel backend (docs/megatron.md).
+
+    python examples/megatron_dsa_gpt.py --backend dsaib --steps 300 --csv dsaib.csv
+    python examples/megatron_dsa_gpt.py --backend none  --steps 300 --csv none.csv
+    python examples/megatron_dsa_gpt.py --backend cudnn --steps 300 --csv cudnn.csv
+    python examples/megatron_dsa_gpt.py --plot dsaib.csv none.csv cudnn.csv --png curves.png
+
+Needs: an NVIDIA GPU, Python >= 3.12, torch, megatron-core 0.19.x and
+Transformer Engine (Megatron's DSA layer spec takes its linear layers from
+it); dsaib built with its cuda backend for --backend dsaib; FlashMLA and
+cudnn-frontend's DSA for --backend cudnn. Same seed, same data and same
+initial weights for every backend, so the curves can be laid over each other.
+
+The data is a synthetic language: tokens drawn from a fixed random bigram
+table in which each token has a few likely successors, so the LM loss falls
+from log(vocab) towards that table's entropy, and the indexer has real
+attention to learn from. Every step prints and writes to the CSV the LM loss,
+the indexer's KL loss (Megatron's, summed over the layers) and the step time;
+the last --time-indexer-steps steps also time the indexer's top-k, loss and
+gradients alone (synchronising around them; those steps' times are left out
+of the mean step time).
+"""
+
+import argparse
+import csv
+import math
+import os
+import sys
+import time
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--backend", choices=("none", "dsaib", "cudnn", "tilelang"), default="dsaib",
+                   help="Megatron's dsa_kernel_backend (dsaib is registered first)")
+    p.add_argument("--attention", choices=("torch", "cudnn", "tilelang"), default="torch",
+                   help="with --backend dsaib: the main sparse attention's backend")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--heads", type=int, default=16, help="attention heads (cuDNN/FlashMLA and dsaib's cuda target: "
+                                                           "a multiple of 16)")
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--topk", type=int, default=256, help="keys each query row selects")
+    p.add_argument("--indexer-heads", type=int, default=16)
+    p.add_argument("--indexer-loss-coeff", type=float, default=0.01)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--time-indexer-steps", type=int, default=20)
+    p.add_argument("--csv", default=None, help="write step, lm_loss, indexer_loss, step_ms here")
+    p.add_argument("--plot", nargs="+", default=None, metavar="CSV", help="plot these CSVs instead of training")
+    p.add_argument("--png", default="megatron_dsa_curves.png")
+    return p.parse_args(argv)
+
+
+def plot(paths, png):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for path in paths:
+        rows = list(csv.DictReader(open(path)))
+        steps = [int(r["step"]) for r in rows]
+        label = os.path.splitext(os.path.basename(path))[0]
+        axes[0].plot(steps, [float(r["lm_loss"]) for r in rows], label=label)
+        axes[1].plot(steps, [float(r["indexer_loss"]) for r in rows], label=label)
+    axes[0].set_title("LM loss")
+    axes[1].set_title("indexer KL loss (sum over layers)")
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    print(f"wrote {png}")
+
+
+def build(args, torch):
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+        get_transformer_block_with_experimental_attention_variant_spec)
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    parallel_state.initialize_model_parallel(1, 1)
+    model_parallel_cuda_manual_seed(args.seed)
+    config = MLATransformerConfig(
+        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+        ffn_hidden_size=4 * args.hidden, multi_latent_attention=True, q_lora_rank=256, kv_lora_rank=512,
+        qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128, rope_type="rope",
+        experimental_attention_variant="dsa", dsa_indexer_n_heads=args.indexer_heads, dsa_indexer_head_dim=128,
+        dsa_indexer_topk=args.topk, dsa_indexer_loss_coeff=args.indexer_loss_coeff,
+        dsa_indexer_use_sparse_loss=True, dsa_kernel_backend=args.backend, normalization="RMSNorm",
+        add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
+        hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02)
+    spec = get_transformer_block_with_experimental_attention_variant_spec(config)
+    model = GPTModel(config, spec, vocab_size=args.vocab, max_sequence_length=args.seq,
+                     position_embedding_type="rope").cuda()
+    return config, model
+
+
+def bigram_batches(args, torch):
+    """An endless stream of (tokens, labels) [batch, seq] from a fixed random
+    bigram table with 4 likely successors per token."""
+    g = torch.Generator(device="cuda").manual_seed(args.seed)
+    logits = torch.full((args.vocab, args.vocab), -4.0, device="cuda")
+    succ = torch.randint(0, args.vocab, (args.vocab, 4), generator=g, device="cuda")
+    logits.scatter_(1, succ, 4.0)
+    probs = torch.softmax(logits, -1)
+    while True:
+        x = torch.empty(args.batch, args.seq + 1, dtype=torch.long, device="cuda")
+        x[:, 0] = torch.randint(0, args.vocab, (args.batch,), generator=g, device="cuda")
+        for t in range(args.seq):
+            x[:, t + 1] = torch.multinomial(probs[x[:, t]], 1, generator=g).squeeze(1)
+        yield x[:, :-1].contiguous(), x[:, 1:].contiguous()
+
+
+class IndexerTimer:
+    """Times the indexer's top-k, loss and gradients while on: Megatron's hook
+    (dsaib, cudnn: the backward only scales saved gradients) or, for backend
+    none, its FusedDSAIndexerLoss forward and backward."""
+
+    def __init__(self, torch):
+        from megatron.core.transformer.experimental_attention_variant import dsa, dsa_kernels
+
+        self.torch, self.on, self.ms = torch, False, 0.0
+        self.patched = [(dsa_kernels, "run_fused_qk_topk_with_loss"),
+                        (dsa.FusedDSAIndexerLoss, "forward"), (dsa.FusedDSAIndexerLoss, "backward")]
+        for obj, name in self.patched:
+            setattr(obj, name, self.timed(getattr(obj, name)))
+
+    def timed(self, fn):
+        def wrapper(*a, **k):
+            if not self.on:
+                return fn(*a, **k)
+            self.torch.cuda.synchronize()
+            start = time.perf_counter()
+            out = fn(*a, **k)
+            self.torch.cuda.synchronize()
+            self.ms += (time.perf_counter() - start) * 1e3
+            return out
+        return staticmethod(wrapper) if fn.__name__ in ("forward", "backward") else wrapper
+
+
+def train(args):
+    import torch
+    import torch.distributed as dist
+
+    if args.backend == "dsaib":
+        import dsaib.megatron
+
+        dsaib.megatron.register(attention=None if args.attention == "torch" else args.attention)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    torch.cuda.set_device(0)
+    torch.manual_seed(args.seed)
+    from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerLossLoggingHelper
+
+    config, model = build(args, torch)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    timer = IndexerTimer(torch)
+    data = bigram_batches(args, torch)
+    position_ids = torch.arange(args.seq, device="cuda").unsqueeze(0).expand(args.batch, -1)
+    out = csv.writer(open(args.csv, "w", newline="")) if args.csv else None
+    if out:
+        out.writerow(["step", "lm_loss", "indexer_loss", "step_ms"])
+    step_ms, indexer_ms = [], []
+    for step in range(1, args.steps + 1):
+        tokens, labels = next(data)
+        timing_indexer = step > args.steps - args.time_indexer_steps
+        timer.on, timer.ms = timing_indexer, 0.0
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        per_token = model(tokens, position_ids, None, labels=labels)
+        lm_loss = per_token.float().mean()
+        lm_loss.backward()
+        opt.step()
+        torch.cuda.synchronize()
+        ms = (time.perf_counter() - start) * 1e3
+        tracker = DSAIndexerLossLoggingHelper.tracker
+        indexer_loss = float(tracker["values"].sum()) if "values" in tracker else float("nan")
+        DSAIndexerLossLoggingHelper.clean_loss_in_tracker()
+        if timing_indexer:
+            indexer_ms.append((timer.ms, ms))
+        elif step > 10:  # the first steps compile and warm up
+            step_ms.append(ms)
+        if out:
+            out.writerow([step, f"{lm_loss.item():.6f}", f"{indexer_loss:.6f}", f"{ms:.3f}"])
+        if step % 10 == 0 or step == 1:
+            print(f"step {step:5d}  lm_loss {lm_loss.item():.4f}  indexer_loss {indexer_loss:.5f}  {ms:.1f} ms",
+                  flush=True)
+    if step_ms:
+        print(f"backend {args.backend}: mean step {sum(step_ms) / len(step_ms):.2f} ms over {len(step_ms)} steps")
+    if indexer_ms:
+        share = sum(i for i, _ in indexer_ms) / sum(s for _, s in indexer_ms)
+        mean_i = sum(i for i, _ in indexer_ms) / len(indexer_ms)
+        print(f"indexer top-k + loss + gradients: {mean_i:.2f} ms per step, {100 * share:.1f}% of the step "
+              f"(over {len(indexer_ms)} synchronised steps)")
+    dist.destroy_process_group()
+
+
+def main(argv=None):
+    args = parse(sys.argv[1:] if argv is None else argv)
+    if args.plot:
+        plot(args.plot, args.png)
+        return
+    if args.attention != "torch" and args.backend != "dsaib":
+        raise SystemExit(f"--attention: expected torch unless --backend dsaib, got {args.attention}")
+    if not math.isfinite(args.indexer_loss_coeff) or args.indexer_loss_coeff <= 0:
+        raise SystemExit(f"--indexer-loss-coeff: expected a positive number, got {args.indexer_loss_coeff}")
+    train(args)
+
+
+if __name__ == "__main__":
+    main()
