@@ -272,10 +272,13 @@ def indexer_topk(index_q, weights, index_k, topk, *, starts=None, ends=None, cu_
     topk_logits, topk_lengths)`` of those asked for.
 
     index_q and index_k are taken as bf16 (other float dtypes rounded to bf16),
-    weights as bf16 or float32, starts/ends as int32 (other integer dtypes
-    converted, values beyond int32 clamped). A tensor of the right dtype is
-    passed without a copy when its last dimension is contiguous and, on CUDA,
-    its other strides and storage offset are multiples of 8 elements: a
+    weights as bf16 or float32 (on the cpu backend float64 too, unrounded;
+    other float dtypes converted to float32), starts/ends as int32 (other
+    integer dtypes converted, values beyond int32 clamped; with strict_ranges
+    a ValueError naming the value). A tensor of the right dtype is passed
+    without a copy when its last dimension is contiguous and, on CUDA
+    (index_q, index_k), its other strides and storage offset are multiples of
+    8 elements: a
     sequence-first ``x.transpose(0, 1)`` of an ``[sq, b, H, D]`` tensor is read
     in place; other layouts are copied contiguous first.
 
@@ -298,11 +301,13 @@ def indexer_topk(index_q, weights, index_k, topk, *, starts=None, ends=None, cu_
             raise TypeError(f"{name}: expected a floating-point dtype, got {t.dtype}")
     check_same_device(index_q, weights=weights, index_k=index_k, starts=starts, ends=ends)
     cuda = index_q.device.type == "cuda"
+    # float64 weights reach the cpu backend unrounded (as through dsaib.indexer_topk); cuda takes bf16 or float32
+    weight_dtypes = (torch.float32, torch.bfloat16) + (() if cuda else (torch.float64,))
     with torch.no_grad(), on_stream(o["stream"], index_q.device):
         ids, logits, lengths = torch.ops.dsaib.indexer_topk(
-            topk_operand(index_q, (torch.bfloat16,), cuda), topk_operand(weights, (torch.float32, torch.bfloat16), False),
-            topk_operand(index_k, (torch.bfloat16,), cuda), o["topk"], range_int32("starts", starts),
-            range_int32("ends", ends), cu_seqlens_q, cu_seqlens_k, o["layout"], o["id_mode"], o["order"],
+            topk_operand(index_q, (torch.bfloat16,), cuda), topk_operand(weights, weight_dtypes, False),
+            topk_operand(index_k, (torch.bfloat16,), cuda), o["topk"], range_int32("starts", starts, o["strict_ranges"]),
+            range_int32("ends", ends, o["strict_ranges"]), cu_seqlens_q, cu_seqlens_k, o["layout"], o["id_mode"], o["order"],
             o["causal_offset"], o["strict_ranges"], o["return_logits"], o["return_lengths"], o["num_threads"],
             o["backend"])
     out = (ids,) + ((logits,) if o["return_logits"] else ()) + ((lengths,) if o["return_lengths"] else ())

@@ -204,3 +204,56 @@ def test_cuda_selection_passes_the_librarys_check_against_fp64():
     assert same > 0.99
     finite = torch.isfinite(want[1])
     torch.testing.assert_close(logits.cpu()[finite], want[1][finite], rtol=1e-2, atol=1e-2)
+
+
+# ---- argument conversions: ranges, float64 weights, outputs too large -------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_ranges_with_a_strided_last_dimension_are_copied(dtype):
+    """starts/ends follow index_q's rule: a non-contiguous last dimension (a
+    transpose, an expand) is copied contiguous, not refused."""
+    q, w, k = bshd(30)
+    starts = torch.randint(0, 4, (2, 6), generator=gen(31), dtype=dtype)
+    ends = starts + torch.randint(0, 6, (2, 6), generator=gen(32), dtype=dtype)
+    want = dt.indexer_topk(q, w, k, 4, starts=starts, ends=ends, return_lengths=True)
+    got = dt.indexer_topk(q, w, k, 4, starts=starts.t().contiguous().t(), ends=ends.t().contiguous().t(),
+                          return_lengths=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    column = starts[:, :1]  # (2, 1) expanded over the rows: last-dimension stride 0
+    got = dt.indexer_topk(q, w, k, 4, starts=column.expand(2, 6), ends=ends, return_lengths=True)
+    want = dt.indexer_topk(q, w, k, 4, starts=column.expand(2, 6).contiguous(), ends=ends, return_lengths=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_strict_ranges_name_the_int64_value_passed():
+    q, w, k = bshd(33)
+    starts = torch.zeros(2, 6, dtype=torch.int64)
+    ends = torch.full((2, 6), 9, dtype=torch.int64)
+    ends[1, 2] = 2**40 + 9
+    with pytest.raises(ValueError, match=r"^ends: .*row \(1, 2\).*got 1099511627785$"):
+        dt.indexer_topk(q, w, k, 4, starts=starts, ends=ends, strict_ranges=True)
+    starts[0, 3] = -(2**33)
+    with pytest.raises(ValueError, match=r"^starts: .*row \(0, 3\).*got -8589934592$"):
+        dt.indexer_topk(q, w, k, 4, starts=starts, ends=ends, strict_ranges=True)
+    # without strict_ranges the values are clamped, then clipped to the sequence
+    assert dt.indexer_topk(q, w, k, 4, starts=starts, ends=ends, return_lengths=True)[1].eq(4).all()
+
+
+def test_float64_weights_reach_the_cpu_backend_unrounded():
+    """Two keys whose logits differ only below float32's precision: the float64
+    weights select as dsaib.indexer_topk does on them, not as float32 weights."""
+    H, D = 8, 64
+    q = torch.zeros(1, 1, H, D, dtype=torch.bfloat16)
+    q[0, 0, 0, 0], q[0, 0, 1, 1] = 1.0, 1.0
+    k = torch.zeros(1, 2, D, dtype=torch.bfloat16)
+    k[0, 0, 0], k[0, 1, 1] = 1.0, 1.0  # key 0 scores weights[0], key 1 weights[1]
+    w = torch.zeros(1, 1, H, dtype=torch.float64)
+    w[0, 0, 0], w[0, 0, 1] = 1.0, 1.0 + 2.0**-40  # equal in float32: key 0 first by id
+    ids = dt.indexer_topk(q, w, k, 1, causal_offset=1)
+    assert ids.tolist() == [[[1]]]
+    assert dt.indexer_topk(q, w.float(), k, 1, causal_offset=1).tolist() == [[[0]]]
+    generic = dsaib.indexer_topk(q.view(torch.int16).numpy().view(np.uint16), w.numpy(),
+                                 k.view(torch.int16).numpy().view(np.uint16), 1, causal_offset=1, uint16_as_bf16=True)
+    assert generic.tolist() == ids.tolist()
+

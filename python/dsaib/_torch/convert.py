@@ -204,12 +204,29 @@ def topk_operand(t: torch.Tensor, dtypes, cuda: bool) -> torch.Tensor:
     return t if ok else t.contiguous()
 
 
-def range_int32(name: str, x):
-    """starts or ends (``name``) as int32: an integer tensor's values outside int32 clamped
-    (a range reaching outside its sequence is clipped by the library alike, and
-    strict_ranges still names it), on the device, no host synchronisation."""
-    if x is None or x.dtype == torch.int32:
+def range_int32(name: str, x, strict: bool = False):
+    """starts or ends (``name``) as int32, read by the library in place when its
+    last dimension is contiguous, else a contiguous copy (the rule of
+    :func:`topk_operand`): an integer tensor's values outside int32 clamped
+    (a range reaching outside its sequence is clipped by the library alike),
+    on the device, no host synchronisation. ``strict`` (strict_ranges): such a
+    value is a ValueError naming the argument, the row and the value passed,
+    which reads the ranges to the host (one synchronisation on a GPU)."""
+    if x is None:
         return x
     if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
         raise TypeError(f"{name}: expected an integer dtype, got {x.dtype}")
-    return x.to(torch.int64).clamp(_INT32_MIN, _INT32_MAX).to(torch.int32)
+    if x.dtype != torch.int32:
+        raw = x.to(torch.int64)
+        wide = raw
+        if x.dtype == torch.uint64:  # 2**63 or more reads as negative in int64: above int32 all the same
+            wide = torch.where(raw < 0, torch.full((), _INT32_MAX, dtype=torch.int64, device=raw.device), raw)
+        if strict and x.dtype in (torch.int64, torch.uint32, torch.uint64):
+            outside = (wide < _INT32_MIN) | (wide > _INT32_MAX)
+            if bool(outside.any()):
+                at = tuple(int(i) for i in outside.nonzero()[0])
+                raise ValueError(f"{name}: strict mode found a range outside its sequence's keys at row {at}: "
+                                 f"expected a value in [-2^31, 2^31-1] (int32) within its sequence, got "
+                                 f"{int(raw[at]) % 2**64 if x.dtype == torch.uint64 else int(raw[at])}")
+        x = wide.clamp(_INT32_MIN, _INT32_MAX).to(torch.int32)
+    return topk_operand(x, (torch.int32,), False)
