@@ -257,3 +257,8 @@ def test_float64_weights_reach_the_cpu_backend_unrounded():
                                  k.view(torch.int16).numpy().view(np.uint16), 1, causal_offset=1, uint16_as_bf16=True)
     assert generic.tolist() == ids.tolist()
 
+
+def test_outputs_too_large_are_a_memory_error_naming_topk():
+    q, w, k = bshd(34)
+    with pytest.raises(MemoryError, match=r"^topk: .*got topk 2147483647: 12 query rows need 103079215056 bytes"):
+        dt.indexer_topk(q, w, k, 2**31 - 1)

@@ -13,6 +13,7 @@ memory: the option words (from the option table, with the library's messages)
 and the devices.
 """
 
+import math
 from typing import List, Optional, Tuple
 
 import torch
@@ -238,9 +239,16 @@ def _topk_outputs(index_q, topk, with_logits, with_lengths):
     index_q's device; an output not asked for is an empty (0,) tensor (an op
     returns tensors, never None)."""
     rows = index_q.shape[:-2]
-    ids = index_q.new_empty((*rows, topk), dtype=torch.int32)
-    logits = index_q.new_empty((*rows, topk) if with_logits else (0,), dtype=torch.float32)
-    lengths = index_q.new_empty(rows if with_lengths else (0,), dtype=torch.int32)
+    try:
+        ids = index_q.new_empty((*rows, topk), dtype=torch.int32)
+        logits = index_q.new_empty((*rows, topk) if with_logits else (0,), dtype=torch.float32)
+        lengths = index_q.new_empty(rows if with_lengths else (0,), dtype=torch.int32)
+    except RuntimeError as e:  # torch's allocators (torch.OutOfMemoryError is one)
+        count = math.prod(rows)
+        nbytes = 4 * count * (topk * (2 if with_logits else 1) + (1 if with_lengths else 0))
+        raise MemoryError(f"topk: expected outputs that fit in memory on {index_q.device}, got topk {topk}: "
+                          f"{count} query rows need {nbytes} bytes of outputs, which could not be allocated "
+                          f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
     return ids, logits, lengths
 
 
