@@ -22,6 +22,8 @@ import importlib
 import torch
 
 from .. import torch as _dt
+from .._args import _INT32_MAX, _int_value
+from .._torch.convert import check_same_device, check_tensor_types, range_int32
 
 #: What register() set: the main attention's backend and the order of the ids.
 SETTINGS = {"attention": None, "order": "logit_descending"}
@@ -42,30 +44,56 @@ def _check_relu(use_relu):
                          "indexer logits are sum_h w_h * ReLU(q_h . k)), got False")
 
 
+def _check_arguments(q, k, weights, index_topk, starts, ends):
+    """The hook's own arguments in Megatron's names and sequence-first shapes,
+    before dsaib sees its transposed views: tensors of real floating dtypes
+    (``starts``/``ends`` of an integer one) on ``q``'s device, ``q
+    [sq, b, H, D]``, ``k [skv, b, D]``, ``weights [sq, b, H]``, ``starts``/``ends
+    [sq]``, ``index_topk`` an int >= 1 (dsaib's rules for ``topk``); returns
+    index_topk."""
+    check_tensor_types(q=q, k=k, weights=weights, starts=starts, ends=ends)
+    for name, t in dict(q=q, k=k, weights=weights).items():
+        if not t.is_floating_point():
+            raise TypeError(f"{name}: expected a floating-point dtype, got {t.dtype}")
+    check_same_device(q, k=k, weights=weights, starts=starts, ends=ends)
+    ranks = dict(q=(q, 4, "[sq, b, H, D]"), k=(k, 3, "[skv, b, D]"), weights=(weights, 3, "[sq, b, H]"),
+                 starts=(starts, 1, "[sq]"), ends=(ends, 1, "[sq]"))
+    for name, (t, rank, what) in ranks.items():
+        if t.dim() != rank:
+            raise ValueError(f"{name}: expected a rank-{rank} tensor {what}, got shape {tuple(t.shape)}")
+    sq, b, H, D = q.shape
+    if k.shape[1:] != (b, D):
+        raise ValueError(f"k: expected shape (skv, {b}, {D}) ([skv, b, D], b and D of q), got shape "
+                         f"{tuple(k.shape)}")
+    for name, t, want, what in (("weights", weights, (sq, b, H), "[sq, b, H]"), ("starts", starts, (sq,), "[sq]"),
+                                ("ends", ends, (sq,), "[sq]")):
+        if t.shape != want:
+            raise ValueError(f"{name}: expected shape {want} ({what}, of q's sizes), got shape {tuple(t.shape)}")
+    return _int_value("index_topk", index_topk, 1, _INT32_MAX, "[1, 2^31-1]")
+
+
 def _bshd(q, k, weights, starts, ends):
-    """Megatron's sequence-first indexer tensors as dsaib's BSHD views (no copy
-    where the strides allow) and its [sq] ranges as (b, sq) int32."""
+    """Megatron's sequence-first indexer tensors (checked) as dsaib's BSHD views
+    (no copy where the strides allow) and its [sq] ranges as (b, sq) int32 by
+    dsaib.torch's rules (other integer dtypes converted, values beyond int32
+    clamped; floats refused)."""
     sq, b = q.shape[0], q.shape[1]
-    if q.dim() != 4 or k.dim() != 3 or weights.dim() != 3:
-        raise ValueError(f"q, k, weights: expected ranks 4, 3, 3 ([sq, b, H, D], [skv, b, D], [sq, b, H]), got "
-                         f"shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(weights.shape)}")
-    if starts is None or ends is None:
-        raise ValueError("starts, ends: expected each query row's key range [start, end) as int32 [sq] tensors, "
-                         f"got starts={type(starts).__name__}, ends={type(ends).__name__}")
-    if starts.shape != (sq,) or ends.shape != (sq,):
-        raise ValueError(f"starts, ends: expected shape ({sq},) (sq), got {tuple(starts.shape)} and "
-                         f"{tuple(ends.shape)}")
-    rows = lambda r: r.to(torch.int32).unsqueeze(0).expand(b, sq).contiguous()  # noqa: E731
-    return q.transpose(0, 1), k.transpose(0, 1), weights.transpose(0, 1), rows(starts), rows(ends)
+    rows = lambda name, r: range_int32(name, r).unsqueeze(0).expand(b, sq).contiguous()  # noqa: E731
+    return q.transpose(0, 1), k.transpose(0, 1), weights.transpose(0, 1), rows("starts", starts), rows("ends", ends)
 
 
 def _topk(q, k, weights, index_topk, starts, ends):
     """(ids [b, sq, min(index_topk, skv)] int32 with -1 past each row's count,
     lengths [b, sq] int32): the exact top-k of dsaib's logits in each row's range."""
+    index_topk = _check_arguments(q, k, weights, index_topk, starts, ends)
     q_b, k_b, w_b, starts_b, ends_b = _bshd(q, k, weights, starts, ends)
     # Megatron's torch path returns min(index_topk, skv) slots; the same width
     # keeps every consumer of the ids (the main attention, index sharing) alike.
-    width = min(int(index_topk), k.shape[0])
+    width = min(index_topk, k.shape[0])
+    if width == 0:  # no keys (skv = 0): every row is empty
+        sq, b = q.shape[0], q.shape[1]
+        return (torch.empty((b, sq, 0), dtype=torch.int32, device=q.device),
+                torch.zeros((b, sq), dtype=torch.int32, device=q.device))
     return _dt.indexer_topk(q_b, w_b, k_b, width, starts=starts_b, ends=ends_b, order=SETTINGS["order"],
                             return_lengths=True)
 

@@ -1,0 +1,84 @@
+"""The Megatron hook's own arguments (dsaib.megatron._hooks, no megatron-core
+needed): checked in Megatron's names and sequence-first shapes before dsaib
+sees its transposed views, ranges and index_topk by dsaib.torch.indexer_topk's
+rules (int64 clamped to int32, floats refused), and a k without rows."""
+import re
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import dsaib.torch as dt  # noqa: E402
+from dsaib.megatron import _hooks  # noqa: E402
+
+SQ, B, H, D, SKV = 4, 1, 8, 64, 6
+
+
+def tensors(seed=0, skv=SKV):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(SQ, B, H, D, generator=g).to(torch.bfloat16)
+    k = torch.randn(skv, B, D, generator=g).to(torch.bfloat16)
+    w = torch.randn(SQ, B, H, generator=g)
+    starts = torch.zeros(SQ, dtype=torch.int32)
+    ends = torch.arange(1, SQ + 1, dtype=torch.int32) + (skv - SQ)
+    return q, k, w, starts, ends
+
+
+def topk(q, k, w, index_topk, starts, ends):
+    return _hooks.run_fused_qk_topk(q, k, w, index_topk, starts, ends, block_size=64)
+
+
+def test_int64_ranges_are_clamped_as_dsaib_torch_does():
+    q, k, w, starts, ends = tensors(1)
+    want = topk(q, k, w, 4, starts, torch.full((SQ,), SKV, dtype=torch.int32))
+    got = topk(q, k, w, 4, starts.long(), torch.full((SQ,), 2**32, dtype=torch.int64))  # .to(int32) would wrap to 0
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert got[1].eq(4).all()
+    reference = dt.indexer_topk(q.transpose(0, 1), w.transpose(0, 1), k.transpose(0, 1), 4,
+                                starts=starts.long().expand(B, SQ), ends=torch.full((B, SQ), 2**32),
+                                return_lengths=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, reference))
+
+
+def test_float_ranges_and_index_topk_are_refused():
+    q, k, w, starts, ends = tensors(2)
+    with pytest.raises(TypeError, match=r"^starts: expected an integer dtype, got torch.float32$"):
+        topk(q, k, w, 4, starts.float() + 0.7, ends)
+    with pytest.raises(TypeError, match=r"^ends: expected an integer dtype, got torch.float64$"):
+        topk(q, k, w, 4, starts, ends.double())
+    with pytest.raises(TypeError, match=r"^index_topk: expected an int, got float 4.7$"):
+        topk(q, k, w, 4.7, starts, ends)
+    with pytest.raises(ValueError, match=re.escape("index_topk: expected an int in [1, 2^31-1], got 0")):
+        topk(q, k, w, 0, starts, ends)
+
+
+def test_shapes_are_named_in_megatron_terms():
+    q, k, w, starts, ends = tensors(3)
+    cases = [
+        (dict(weights=w.transpose(0, 1)), r"^weights: expected shape \(4, 1, 8\) \(\[sq, b, H\], of q's sizes\), "
+                                          r"got shape \(1, 4, 8\)$"),
+        (dict(q=q.flatten()), r"^q: expected a rank-4 tensor \[sq, b, H, D\], got shape \(2048,\)$"),
+        (dict(k=k[..., :32]), r"^k: expected shape \(skv, 1, 64\) .*got shape \(6, 1, 32\)$"),
+        (dict(starts=starts[:3]), r"^starts: expected shape \(4,\) \(\[sq\], of q's sizes\), got shape \(3,\)$"),
+        (dict(ends=ends.expand(B, SQ)), r"^ends: expected a rank-1 tensor \[sq\], got shape \(1, 4\)$"),
+    ]
+    for change, message in cases:
+        args = dict(q=q, k=k, w=w, starts=starts, ends=ends)
+        args.update({("w" if n == "weights" else n): v for n, v in change.items()})
+        with pytest.raises(ValueError, match=message):
+            topk(args["q"], args["k"], args["w"], 4, args["starts"], args["ends"])
+
+
+def test_arguments_of_other_types_are_named():
+    q, k, w, starts, ends = tensors(4)
+    with pytest.raises(TypeError, match=r"^starts: expected a torch.Tensor, got list$"):
+        topk(q, k, w, 4, [0] * SQ, ends)
+    with pytest.raises(TypeError, match=r"^k: expected a floating-point dtype, got torch.int32$"):
+        topk(q, k.int(), w, 4, starts, ends)
+
+
+def test_k_without_rows_gives_empty_rows():
+    q, k, w, starts, ends = tensors(5, skv=0)
+    ids, lengths = topk(q, k, w, 4, starts, torch.zeros(SQ, dtype=torch.int32))
+    assert ids.shape == (B, SQ, 0) and ids.dtype == torch.int32
+    assert lengths.shape == (B, SQ) and lengths.dtype == torch.int32 and lengths.eq(0).all()
