@@ -28,7 +28,9 @@ TopkCommand::TopkCommand(CLI::App& app) {
   cmd_->add_option("--s-q", a.s_q, "S_q: query rows per sequence (THD: the longest; lengths drawn in [0, S_q])")
       ->check(int_range(0, kMaxRows))
       ->default_str("128");
-  cmd_->add_option("--s-kv", a.s_kv, "S_kv: keys per sequence (default S_q; THD: the longest, at least its S_q)")
+  cmd_->add_option("--s-kv", a.s_kv,
+                   "S_kv: keys per sequence (default S_q; THD: each sequence's key count is drawn between its query "
+                   "count and S_kv, so it can exceed S_kv when --s-q > --s-kv)")
       ->check(int_range(0, kMaxRows));
   cmd_->add_option("--heads", a.heads, "H: index heads (cuda: a multiple of 8 up to 128)")
       ->check(int_range(1, 65536))
@@ -48,10 +50,11 @@ TopkCommand::TopkCommand(CLI::App& app) {
                    "causal rows: auto (each sequence's S_kv - S_q) or an integer")
       ->check(CLI::Validator(
           [](std::string& v) {
+            // The least int64 is the library's kCausalOffsetAuto: it would run as auto.
             int64_t x = 0;
-            return v == "auto" || parse_decimal_int64(v, &x)
+            return v == "auto" || (parse_decimal_int64(v, &x) && x != kCausalOffsetAuto)
                        ? std::string()
-                       : "expected auto or a decimal integer, got \"" + v + "\"";
+                       : "expected auto or a decimal integer in [-2^63+1, 2^63-1], got \"" + v + "\"";
           },
           "auto|INT"))
       ->default_str("auto");

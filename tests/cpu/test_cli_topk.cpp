@@ -56,7 +56,8 @@ TEST(CliTopk, JsonReportsPassOverLayoutsRangesIdsAndOrders) {
 }
 
 TEST(CliTopk, CausalOffsetsStrictRangesAndF32Weights) {
-  for (const char* extra : {"--causal-offset -5", "--causal-offset 9223372036854775807", "--causal-offset 0 --topk 200",
+  for (const char* extra : {"--causal-offset -5", "--causal-offset 9223372036854775807",
+                            "--causal-offset=-9223372036854775807", "--causal-offset 0 --topk 200",
                             "--visible ranges --strict-ranges --weights-f32"}) {
     const Result r = run(std::string("--backend cpu --json --s-q 20 --s-kv 50 --threads 2 ") + extra, false);
     ASSERT_EQ(r.exit_code, 0) << extra << "\n" << r.output;
@@ -80,7 +81,12 @@ TEST(CliTopk, ErrorsExitTwoNamingTheFlag) {
     const char* message;
   };
   for (const Bad& bad : {Bad{"--topk 0", "--topk", "--topk: expected an integer in [1, 2147483647], got 0"},
-                         Bad{"--causal-offset x", "--causal-offset", "expected auto or a decimal integer, got \"x\""},
+                         Bad{"--causal-offset x", "--causal-offset",
+                             "--causal-offset: expected auto or a decimal integer in [-2^63+1, 2^63-1], got \"x\""},
+                         // the least int64 is the library's auto sentinel: refused, not run as auto
+                         Bad{"--causal-offset=-9223372036854775808", "--causal-offset",
+                             "--causal-offset: expected auto or a decimal integer in [-2^63+1, 2^63-1], got "
+                             "\"-9223372036854775808\""},
                          Bad{"--order random", "--order", "--order"},
                          Bad{"--visible all", "--visible", "--visible"}}) {
     const Result r = run(std::string("--json ") + bad.args, false);
@@ -103,3 +109,13 @@ TEST(CliTopk, ErrorsExitTwoNamingTheFlag) {
 }
 
 }  // namespace
+
+TEST(CliTopk, HelpSaysWhatTheThdKeyLengthsAre) {
+  // THD draws each sequence's key count between its query count and S_kv: above S_kv when S_q is larger.
+  const Result r = run("--help");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "each sequence's key count is drawn between its query count and S_kv, so it can "
+                                 "exceed S_kv when --s-q > --s-kv"))
+      << r.output;
+  EXPECT_FALSE(contains(r.output, "THD: the longest, at least its S_q")) << r.output;
+}
