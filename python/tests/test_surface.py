@@ -7,6 +7,7 @@ import ast
 import importlib.util
 import inspect
 import pathlib
+import re
 
 import numpy as np
 import pytest
@@ -204,3 +205,16 @@ def test_the_package_has_no_import_cycle():
 def test_no_module_of_the_package_is_over_500_lines():
     sizes = {str(p.relative_to(SOURCE)): len(p.read_text().splitlines()) for p in SOURCE.rglob("*.py")}
     assert sizes and max(sizes.values()) <= 500, {n: s for n, s in sizes.items() if s > 500}
+
+
+def test_the_entry_points_docs_python_md_says_take_out_are_those_that_do():
+    """docs/python.md names the DLPack entry points that take ``out=``; the
+    others refuse it as an unexpected keyword."""
+    text = " ".join((SOURCE.parents[1] / "docs" / "python.md").read_text().split())
+    said = text.split("The two front ends differ only where a framework does:", 1)[1].split(" only, `out=`", 1)[0]
+    named = set(re.findall(r"`(\w+)`", said.rsplit(", in ", 1)[1]))
+    taking = {name for name in DLPACK_ONLY if "out" in inspect.signature(getattr(dsaib, name)).parameters}
+    assert named == taking == {n for n, extra in DLPACK_ONLY.items() if "out" in extra}
+    q, w, k = (np.zeros((1, 2, 8, 64), np.float32), np.zeros((1, 2, 8), np.float32), np.zeros((1, 2, 64), np.float32))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'out'"):
+        dsaib.indexer_topk(q, w, k, 1, out=np.zeros((1, 2, 1), np.int32))
