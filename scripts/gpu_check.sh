@@ -7,15 +7,18 @@
 #     --build                run `cmake --build DIR` first
 #     --only PART[,PART...]  run only these parts (names below)
 #     --skip-PART            skip one part: --skip-tests, --skip-sanitizer, --skip-cli,
-#                            --skip-bench, --skip-target, --skip-peers, --skip-forward-peers,
-#                            --skip-target-peers, --skip-python
+#                            --skip-bench, --skip-target, --skip-topk, --skip-peers,
+#                            --skip-forward-peers, --skip-target-peers, --skip-topk-peers, --skip-python
 #     --bench-args "ARGS"    more arguments for the bench part's dsaib-bench (e.g. "--seq 16384 --ids random")
 #     --target-bench-args "ARGS"  more arguments for the target part's dsaib-bench (e.g. "--seq 4096 --shapes 128x576")
+#     --topk-bench-args "ARGS"    more arguments for the topk part's timed dsaib-bench (e.g. "--topk-shapes 64x128
+#                                 --ranges causal"; its S list is --topk-seq)
 #     --peers-site DIR       a folder of peer packages to put first on sys.path (passed as --site)
 #     --tilelang-example DIR TileLang's example files (default .peers/tilelang_example, see "peers")
 #     --megatron-dir DIR     Megatron-Core's TileLang loss kernels (default .peers/megatron_tilelang,
 #                            see "forward-peers")
 #     --peers-seq LIST       S of the peers, forward-peers and target-peers parts (default 4096,16384,65536)
+#     --topk-seq LIST        S of the topk and topk-peers parts' timed cases (default 16384,65536,131072)
 #     -h, --help             this text
 #
 # Before it, once (the README's build):
@@ -63,6 +66,17 @@
 #              per case (Hq x Dqk 128 x 576 and 64 x 192, topk 2048, S 4096 / 16384 / 65536,
 #              causal and random ids) ns per query row and the ratio to its floor, max(latent-key
 #              gather, GEMM at the target's shape), measured in the same run.
+#   topk       B/tests/gpu/test_gpu_indexer_topk
+#              B/bench/dsaib-bench --op topk --seq 16384,65536,131072 --topk 2048 --json O/topk/bench.json
+#                      [--topk-bench-args]
+#              B/bench/dsaib-bench --op topk --seq 131072,262144 --topk 2048 --iters 3 --warmup 1
+#                      --sustained-ms 0 --no-floor --json O/topk/memory.json
+#              The indexer's top-k forward (indexer_topk): its GPU tests against the reference
+#              selection (also in the tests part; here on their own, a skipped test failing the
+#              part), then its speed: per case (--ranges causal and cp-shard x --topk-shapes 64x128
+#              and 32x128 x S, topk 2048) ns per query row and the ratio to its floor (the logits'
+#              FLOPs at the GEMM rate measured in the same run); then its memory at long S (the
+#              workspace, the pool's high-water marks, the cudaMemGetInfo delta; no floor).
 #   peers      the same problem in other implementations, each one skipped with its reason
 #              when its packages are not installed (exit 77 and a JSON saying why):
 #                python3 bench/peers/cudnn_frontend_dsa.py --check --seq 4096,16384,65536 --ids causal,random
@@ -116,6 +130,18 @@
 #              this check; a peer script refusing its arguments (exit 2), our bench failing, and a
 #              peer that does the floor's work running faster than ours' floor (the table names it)
 #              are.
+#   topk-peers the indexer's top-k, ours (the topk part's O/topk/bench.json) and its peers side by side:
+#                python3 bench/peers/topk_peers.py --check --seq 16384,65536,131072 --topk 2048
+#                        --iters 10 --warmup 2 --json O/topk-peers/peers.json
+#                python3 bench/peers/side_by_side.py [--ours O/topk/bench.json] --op topk
+#                        --peers O/topk-peers/peers.json --out O/topk-peers/side_by_side.md
+#              Peers: dsaib.torch.indexer_topk (the Python package, where installed: --peers-site),
+#              torch chunked matmul and torch.topk (Megatron-Core's fallback), cudnn-frontend's SM90
+#              indexer forward and top-k, DeepGEMM's fp8_mqa_logits and torch.topk; each checked on a
+#              small problem against the float64 top-k first. Without the topk part in the same run
+#              the table has no rows of ours. As for "peers": a peer's own result is reported, never
+#              a failure of this check; a peer script refusing its arguments (exit 2) and a peer that
+#              does the floor's work running faster than ours' floor (the table names it) are.
 #   python     bash scripts/python_check.sh --install --cuda --require-cuda O/python
 #              builds this checkout's Python package with the cuda backend into O/python/site,
 #              runs python/tests (the GPU tests must run) and the training example on cpu and
@@ -180,17 +206,19 @@ CLI_OPTION_CASES=(
 PEER_SEQS=4096,16384,65536
 PEER_IDS=causal,random
 TARGET_SHAPES=128x576,64x192
+TOPK_SEQS=16384,65536,131072
 
 usage() { sed -n '2,/^$/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 die() { echo "gpu_check: $*" >&2; exit 2; }
 
-ALL_PARTS=(tests sanitizer cli bench target peers forward-peers target-peers python)
+ALL_PARTS=(tests sanitizer cli bench target topk peers forward-peers target-peers topk-peers python)
 declare -A run_part=()
 for p in "${ALL_PARTS[@]}"; do run_part[$p]=1; done
 build_dir=./build
 do_build=0
 bench_args=""
 target_bench_args=""
+topk_bench_args=""
 peers_site=""
 tilelang_example=""
 megatron_dir=""
@@ -217,6 +245,7 @@ while (($#)); do
       run_part[$p]=0 ;;
     --bench-args) [[ $# -ge 2 ]] || die "--bench-args: expected a string of arguments"; bench_args=$2; shift ;;
     --target-bench-args) [[ $# -ge 2 ]] || die "--target-bench-args: expected a string of arguments"; target_bench_args=$2; shift ;;
+    --topk-bench-args) [[ $# -ge 2 ]] || die "--topk-bench-args: expected a string of arguments"; topk_bench_args=$2; shift ;;
     --peers-site) [[ $# -ge 2 ]] || die "--peers-site: expected a folder"; peers_site=$2; shift ;;
     --tilelang-example) [[ $# -ge 2 ]] || die "--tilelang-example: expected a folder"; tilelang_example=$2; shift ;;
     --megatron-dir) [[ $# -ge 2 ]] || die "--megatron-dir: expected a folder"; megatron_dir=$2; shift ;;
@@ -224,6 +253,10 @@ while (($#)); do
       [[ $# -ge 2 && $2 =~ ^[1-9][0-9]*(,[1-9][0-9]*)*$ ]] ||
         die "--peers-seq: expected a comma-separated list of positive sequence lengths, got \"${2:-}\""
       PEER_SEQS=$2; shift ;;
+    --topk-seq)
+      [[ $# -ge 2 && $2 =~ ^[1-9][0-9]*(,[1-9][0-9]*)*$ ]] ||
+        die "--topk-seq: expected a comma-separated list of positive sequence lengths, got \"${2:-}\""
+      TOPK_SEQS=$2; shift ;;
     -*) die "unknown option $1 (see --help)" ;;
     *) [[ -z $outdir ]] || die "one OUTDIR expected, got \"$outdir\" and \"$1\""; outdir=$1 ;;
   esac
@@ -287,23 +320,24 @@ if [[ $do_build == 1 ]]; then
   cmake --build "$build" >"$out/build.log" 2>&1 || cannot_run "cmake --build $build failed (tail of $out/build.log: $(tail -3 "$out/build.log" | tr '\n' ' '))"
 fi
 need=()
-# the CLI: every part but bench, target, forward-peers and target-peers runs or needs it
+# the CLI: every part but bench, target, topk, forward-peers, target-peers and topk-peers runs or needs it
 for p in tests sanitizer cli peers python; do
   [[ ${run_part[$p]} == 1 ]] && need=(cli/dsaib) && break
 done
 [[ ${run_part[tests]} == 1 || ${run_part[sanitizer]} == 1 ]] && need+=(tests/gpu/test_gpu_hopper tests/gpu/test_gpu_bench)
 [[ ${run_part[sanitizer]} == 1 ]] && need+=(tests/sanitizer_bin/test_gpu_hopper tests/sanitizer_bin/test_gpu_kl_forward tests/sanitizer_bin/test_gpu_attention_target tests/sanitizer_bin/test_gpu_indexer_topk tests/sanitizer_bin/sync_calibration)
-for p in bench target forward-peers target-peers; do
+for p in bench target topk forward-peers target-peers; do
   [[ ${run_part[$p]} == 1 ]] && need+=(bench/dsaib-bench) && break
 done
 [[ ${run_part[target]} == 1 ]] && need+=(tests/gpu/test_gpu_attention_target)
+[[ ${run_part[topk]} == 1 ]] && need+=(tests/gpu/test_gpu_indexer_topk)
 for f in "${need[@]}"; do
   [[ -x $build/$f ]] || cannot_run "$build/$f is missing: build the whole project (cmake --build $build, or pass --build)"
 done
 cli=$build/cli/dsaib
 if [[ ${run_part[cli]} == 1 || ${run_part[peers]} == 1 || ${run_part[python]} == 1 ||
-  ${run_part[forward-peers]} == 1 || ${run_part[target-peers]} == 1 ]]; then
-  command -v "$py" >/dev/null 2>&1 || cannot_run "$py not found (the cli, peers, forward-peers, target-peers and python parts need it; PYTHON=... names another)"
+  ${run_part[forward-peers]} == 1 || ${run_part[target-peers]} == 1 || ${run_part[topk-peers]} == 1 ]]; then
+  command -v "$py" >/dev/null 2>&1 || cannot_run "$py not found (the cli, peers, forward-peers, target-peers, topk-peers and python parts need it; PYTHON=... names another)"
 fi
 
 {
@@ -474,6 +508,39 @@ part_target() {
   fi
 }
 
+# ---------------------------------------------------------------- topk
+part_topk() {
+  local d=$out/topk rc brc mrc line
+  mkdir -p "$d"
+  banner "topk: test_gpu_indexer_topk (the indexer's top-k against the reference selection)"
+  timeout 1200 "$build/tests/gpu/test_gpu_indexer_topk" >"$d/tests.txt" 2>&1
+  rc=$?
+  grep -E "^\[  (FAILED|SKIPPED) |^\[  PASSED|tests ran" "$d/tests.txt" | tail -n 20
+  line=$(grep -E "^\[==========\] [0-9]+ tests? from .* ran" "$d/tests.txt" | tail -1)
+  banner "topk: dsaib-bench --op topk --seq $TOPK_SEQS (the top-k and its floor in one run) ${topk_bench_args}"
+  # shellcheck disable=SC2086  # --topk-bench-args is a list of flags
+  timeout 1800 "$build/bench/dsaib-bench" --op topk --seq "$TOPK_SEQS" --topk 2048 --json "$d/bench.json" \
+    $topk_bench_args >"$d/bench.txt" 2>"$d/bench_stderr.txt"
+  brc=$?
+  cat "$d/bench.txt"
+  banner "topk: dsaib-bench --op topk --seq 131072,262144 (the memory at long S, no floor)"
+  timeout 1200 "$build/bench/dsaib-bench" --op topk --seq 131072,262144 --topk 2048 --iters 3 --warmup 1 \
+    --sustained-ms 0 --no-floor --json "$d/memory.json" >"$d/memory.txt" 2>"$d/memory_stderr.txt"
+  mrc=$?
+  cat "$d/memory.txt"
+  if [[ $rc -ne 0 ]]; then
+    record topk FAIL "test_gpu_indexer_topk exit $rc: $(grep -c '^\[  FAILED  \]' "$d/tests.txt") failed lines (see $d/tests.txt); dsaib-bench exit $brc, memory run exit $mrc"
+  elif grep -q "^\[  SKIPPED \]" "$d/tests.txt"; then
+    record topk FAIL "test_gpu_indexer_topk skipped tests (no visible sm_90 GPU? see $d/tests.txt)"
+  elif [[ $brc -ne 0 ]]; then
+    record topk FAIL "GPU tests passed (${line}); dsaib-bench exit $brc ($(tail -1 "$d/bench_stderr.txt"))"
+  elif [[ $mrc -ne 0 ]]; then
+    record topk FAIL "GPU tests passed (${line}); bench ran; the memory run exit $mrc ($(tail -1 "$d/memory_stderr.txt"))"
+  else
+    record topk PASS "GPU tests passed (${line}); ns/row and ratio to the floor: $d/bench.txt, $d/bench.json; memory: $d/memory.txt, $d/memory.json"
+  fi
+}
+
 # ---------------------------------------------------------------- peers
 part_peers() {
   local d=$out/peers rc name script args reason plot_args=() ran=0 bad=0 notes=() f
@@ -541,7 +608,7 @@ part_peers() {
   fi
 }
 
-# ---------------------------------------------------------------- forward-peers, target-peers
+# ---------------------------------------------------------------- forward-peers, target-peers, topk-peers
 # Ours for one problem: ours_PART DIR writes DIR/ours.json and DIR/ours.txt; returns 0 when it
 # ran, another status when it failed. The JSON (dsaib-bench's report: cases with ids, seq,
 # heads, dim, topk, ns_per_row and floor.ns_per_row) is what bench/peers/side_by_side.py reads.
@@ -604,6 +671,48 @@ part_forward_peers() {
 }
 part_target_peers() {
   problem_peers target-peers bench/peers/attention_target_peers.py --shapes "$TARGET_SHAPES" --iters 10 --warmup 2
+}
+
+part_topk_peers() {
+  local d=$out/topk-peers ours=$out/topk/bench.json rc reason ours_note side_args=() peer_args=()
+  mkdir -p "$d"
+  [[ -n $peers_site ]] && peer_args+=(--site "$peers_site")
+  if [[ -s $ours ]]; then
+    ours_note="ours from $ours"; side_args+=(--ours "$ours")
+  elif [[ ${run_part[topk]} == 1 ]]; then
+    ours_note="ours missing (the topk part wrote no $ours)"
+  else
+    ours_note="ours not run (the topk part not selected)"
+  fi
+  banner "topk-peers: peers (bench/peers/topk_peers.py --seq $TOPK_SEQS)"
+  rm -f "$d/peers.json"
+  timeout -k 10 2400 "$py" bench/peers/topk_peers.py --check --seq "$TOPK_SEQS" --topk 2048 --iters 10 --warmup 2 \
+    "${peer_args[@]}" --json "$d/peers.json" >"$d/peers.txt" 2>&1
+  rc=$?
+  tail -n 40 "$d/peers.txt"
+  reason=$("$py" bench/peers/side_by_side.py --peers "$d/peers.json" --status-line 2>/dev/null)
+  local floor_note="" floor_bad=0
+  if [[ -s $d/peers.json ]]; then
+    banner "topk-peers: side by side and the floor check (bench/peers/side_by_side.py --op topk)"
+    "$py" bench/peers/side_by_side.py --peers "$d/peers.json" "${side_args[@]}" --op topk --out "$d/side_by_side.md" \
+      2>"$d/floor_check.txt"
+    if [[ $? == 1 ]]; then
+      floor_bad=1
+      floor_note="; FLOOR CHECK FAILED: $(sed 's/^side_by_side: floor check FAILED: //' "$d/floor_check.txt" | tr '\n' ';')"
+    fi
+  fi
+  local peers_note
+  case $rc in
+    0) peers_note="peers: ${reason}" ;;
+    77) peers_note="no peer could run: ${reason:-see $d/peers.txt}" ;;
+    2) record topk-peers FAIL "$ours_note; the peers script refused its arguments (see $d/peers.txt)"; return ;;
+    *) peers_note="peers ran with errors (exit $rc$( ((rc == 124 || rc == 137)) && echo ', timed out'): ${reason:-see $d/peers.txt})" ;;
+  esac
+  if [[ $floor_bad == 1 ]]; then
+    record topk-peers FAIL "$ours_note; $peers_note$floor_note"
+  else
+    record topk-peers PASS "$ours_note; $peers_note; table $d/side_by_side.md"
+  fi
 }
 
 # ---------------------------------------------------------------- python
