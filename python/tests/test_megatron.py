@@ -380,7 +380,7 @@ def test_the_hooks_decline_or_refuse_what_they_do_not_do(registered):
     with pytest.raises(ValueError, match=r"^dsa_indexer_scoring_relu: expected True"):
         dm.run_fused_qk_topk(q=q, k=k, weights=w, index_topk=4, starts=starts, ends=ends, block_size=1,
                              use_relu=False)
-    with pytest.raises(ValueError, match=r"^starts, ends: expected shape \(48,\)"):
+    with pytest.raises(ValueError, match=r"^starts: expected shape \(48,\)"):
         dm.run_fused_qk_topk(q=q, k=k, weights=w, index_topk=4, starts=starts[:5], ends=ends, block_size=1)
     ids, lengths = dm.run_fused_qk_topk(q=q, k=k, weights=w, index_topk=4, starts=starts, ends=ends, block_size=1)
     assert ids.shape == (2, 48, 4) and ids.dtype == torch.int32 and lengths.tolist()[0][:5] == [1, 2, 3, 4, 4]
