@@ -19,20 +19,26 @@ struct RowSequence {
   int64_t k_len;
 };
 
+/// THD: the sequence of flat query row `row`, the last b with
+/// cu_seqlens_q[b] <= row (so empty sequences are skipped), by binary search.
+__device__ inline int sequence_of_q_row(const int32_t* cu_seqlens_q, int batch, int64_t row) {
+  int lo = 0, hi = batch - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (cu_seqlens_q[mid] <= row) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
 __device__ inline RowSequence row_sequence(const IndexerParams& p, int64_t row) {
   if (!p.thd) {
     const int64_t b = row / p.q_rows_per_batch;
     return {b * p.k_rows_per_batch, p.k_rows_per_batch};
   }
-  // Last b with cu_seqlens_q[b] <= row (skips empty sequences): binary search.
-  int lo = 0, hi = p.batch - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (p.cu_seqlens_q[mid] <= row) lo = mid;
-    else hi = mid - 1;
-  }
-  const int64_t ks = p.cu_seqlens_k[lo];
-  return {ks, static_cast<int64_t>(p.cu_seqlens_k[lo + 1]) - ks};
+  const int b = sequence_of_q_row(p.cu_seqlens_q, p.batch, row);
+  const int64_t ks = p.cu_seqlens_k[b];
+  return {ks, static_cast<int64_t>(p.cu_seqlens_k[b + 1]) - ks};
 }
 
 /// Flat key row of a selected id, or -1 for an invalid slot (never dereferenced).
@@ -45,10 +51,15 @@ __device__ __forceinline__ int64_t key_row_of(const IndexerParams& p, const RowS
 /// A bf16's bits as the fp32 of the same value (exact).
 __device__ __forceinline__ float bf16_bits_to_float(uint16_t bits) { return __uint_as_float(static_cast<uint32_t>(bits) << 16); }
 
-/// Element i of the weights tensor as fp32, from bf16 or fp32 storage (p.weights_f32).
+/// Element i of a weights tensor as fp32, from bf16 or fp32 storage.
+__device__ __forceinline__ float weight_value(const void* weights, bool weights_f32, int64_t i) {
+  return weights_f32 ? static_cast<const float*>(weights)[i]
+                     : bf16_bits_to_float(static_cast<const uint16_t*>(weights)[i]);
+}
+
+/// Element i of the weights tensor as fp32 (p.weights_f32: fp32 storage, else bf16).
 __device__ __forceinline__ float weight_at(const IndexerParams& p, int64_t i) {
-  return p.weights_f32 ? static_cast<const float*>(p.weights)[i]
-                       : bf16_bits_to_float(static_cast<const uint16_t*>(p.weights)[i]);
+  return weight_value(p.weights, p.weights_f32, i);
 }
 
 /// c = grad_loss * loss_coeff / N in fp32, as stage 1 forms it: grad_loss read from

@@ -40,8 +40,7 @@ struct TopkProducer {
 
   __device__ float weight(int64_t row, int h) const {
     const int64_t off = batched_offset(row, p.q_rows_per_batch, p.w_batch_stride, p.w_row_stride) + h;
-    return p.weights_f32 ? static_cast<const float*>(p.weights)[off]
-                         : bf16_bits_to_float(static_cast<const uint16_t*>(p.weights)[off]);
+    return weight_value(p.weights, p.weights_f32, off);
   }
 
   /// The task's Q, weights and ranges into Q stage qs; returns the first key row

@@ -21,15 +21,9 @@ __device__ inline TopkRowSequence topk_row_sequence(const IndexerTopkParams& p, 
     const int64_t b = row / p.q_rows_per_batch;
     return {b * p.q_rows_per_batch, p.q_rows_per_batch, b * p.k_rows_per_batch, p.k_rows_per_batch};
   }
-  // Last b with cu_seqlens_q[b] <= row (skips empty sequences).
-  int lo = 0, hi = p.batch - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (p.cu_seqlens_q[mid] <= row) lo = mid;
-    else hi = mid - 1;
-  }
-  const int64_t qs = p.cu_seqlens_q[lo], ks = p.cu_seqlens_k[lo];
-  return {qs, static_cast<int64_t>(p.cu_seqlens_q[lo + 1]) - qs, ks, static_cast<int64_t>(p.cu_seqlens_k[lo + 1]) - ks};
+  const int b = sequence_of_q_row(p.cu_seqlens_q, p.batch, row);
+  const int64_t qs = p.cu_seqlens_q[b], ks = p.cu_seqlens_k[b];
+  return {qs, static_cast<int64_t>(p.cu_seqlens_q[b + 1]) - qs, ks, static_cast<int64_t>(p.cu_seqlens_k[b + 1]) - ks};
 }
 
 /// The flat key rows [*begin, *end) that query row `row` sees; *begin == *end when none.
