@@ -11,6 +11,7 @@
 
 #include <cmath>
 #include <string>
+#include <vector>
 
 #include "dsaib/indexer_kl_forward.hpp"
 #include "dsaib/indexer_kl_loss_and_grad.hpp"
@@ -49,9 +50,10 @@ TEST_P(NanPropagationGpu, LossForwardAndOneCall) {
   const DeviceProblem d(p);
   IndexerInputs in = d.inputs();
   in.index_score = TensorView{};  // the forward forms P itself
-  const int64_t rows = num_q_rows(p);
+  // One value per query row: (B, S_q) in BSHD, (T_q) in THD, the shape of weights less its head axis.
+  const std::vector<int64_t> row_shape(p.weights.shape.begin(), p.weights.shape.end() - 1);
 
-  DeviceTensor loss(DType::f32, {}), row_lse(DType::f32, {rows}), mass(DType::f32, {rows});
+  DeviceTensor loss(DType::f32, {}), row_lse(DType::f32, row_shape), mass(DType::f32, row_shape);
   for (DeviceTensor* t : {&loss, &row_lse, &mass}) t->fill_bytes(0xff);  // NaN
   indexer_kl_forward(in, IndexerKLForwardOutputs{loss.view, row_lse.view, mass.view, TensorView{}}, cuda_options(p));
   check_cuda(cudaDeviceSynchronize(), "indexer_kl_forward");
