@@ -70,10 +70,12 @@ def metric_value(r, m):
 
 def case_name(r):
     """'random S16384 H64 D128 k2048', the op first when it is not the backward, the
-    batch when it is not 1 (as in the README's speed table)."""
+    batch when it is not 1 (as in the README's speed table); the top-k's cases name
+    their key ranges ('topk causal S16384 ...') where the others name their ids."""
     batch = r.get("batch", 1)
     op = r.get("op", "backward")
-    return (f'{"" if op == "backward" else f"{op} "}{r["ids"]}{"" if batch == 1 else f" B{batch}"} '
+    ids = r["ranges"] if op == "topk" else r["ids"]
+    return (f'{"" if op == "backward" else f"{op} "}{ids}{"" if batch == 1 else f" B{batch}"} '
             f'S{r["seq"]} H{r["heads"]} D{r["dim"]} k{r["topk"]}')
 
 

@@ -97,7 +97,17 @@ struct CandidateSelect {
     if (tid == 0) sel.out_count = 0;
     sync();
     for_each([&](unsigned long long key) {
-      if (cut.keeps(key)) out(atomicAdd(&sel.out_count, 1), key);
+      // one shared atomic per warp, not one per kept key on the same word
+      const uint32_t active = __activemask();
+      const bool keep = cut.keeps(key);
+      const uint32_t kept = __ballot_sync(active, keep);
+      if (kept == 0u) return;
+      const uint32_t lane = threadIdx.x % 32;
+      const int leader = __ffs(kept) - 1;
+      int base = 0;
+      if (lane == static_cast<uint32_t>(leader)) base = atomicAdd(&sel.out_count, __popc(kept));
+      base = __shfl_sync(active, base, leader);
+      if (keep) out(base + __popc(kept & ((1u << lane) - 1u)), key);
     });
     sync();
     const int n = sel.out_count;

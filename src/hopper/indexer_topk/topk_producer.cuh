@@ -118,14 +118,21 @@ struct TopkProducer {
         k_pipe.producer_acquire(k_state);
         const int ks = k_state.index;
         const int64_t first = tile_base + static_cast<int64_t>(t) * kBlock + my_row0;
+        // One 64-bit division per tile, not one per row: this thread's rows are
+        // consecutive, so the next row is the next in its batch or, past the
+        // batch's last row, a later batch's first (a task's rows can span two).
+        int64_t batch = first / p.k_rows_per_batch;
+        int64_t in_batch = first - batch * p.k_rows_per_batch;
         CUTE_UNROLL
         for (int r = 0; r < kTileRowsPerThread; ++r) {
-          const int64_t kr = first + r;
-          const bool valid = kr < range_end;
+          const bool valid = first + r < range_end;
           const uint16_t* src =
-              valid ? p.index_k + batched_offset(kr, p.k_rows_per_batch, p.k_batch_stride, p.k_row_stride) + my_col
-                    : p.index_k;
+              valid ? p.index_k + batch * p.k_batch_stride + in_batch * p.k_row_stride + my_col : p.index_k;
           copy16(src, &sK(my_row0 + r, my_col, ks), valid);
+          if (++in_batch == p.k_rows_per_batch) {
+            in_batch = 0;
+            ++batch;
+          }
         }
         cute::cp_async_fence();
         k_state.advance();

@@ -16,6 +16,7 @@
 #include <cute/tensor.hpp>
 
 #include "hopper/common/kernel_params.hpp"
+#include "hopper/common/problem_device.cuh"
 #include "hopper/common/warpgroup_gemm.cuh"
 #include "hopper/indexer_topk/candidate_select.cuh"
 #include "hopper/indexer_topk/topk_rank_key.cuh"
@@ -125,10 +126,8 @@ struct TopkScore {
       const int j = m / kColsPerRow;
       CUTE_UNROLL
       for (int kk = 0; kk < 2; ++kk) {
-        // relu keeping NaN (x < 0 is false for NaN), as torch.relu
-        const float x0 = acc(4 * m + 2 * kk), x1 = acc(4 * m + 2 * kk + 1);
-        z[j][kk] += w.x * (x0 < 0.0f ? 0.0f : x0);
-        z[j][kk] += w.y * (x1 < 0.0f ? 0.0f : x1);
+        z[j][kk] += w.x * relu_keeping_nan(acc(4 * m + 2 * kk));
+        z[j][kk] += w.y * relu_keeping_nan(acc(4 * m + 2 * kk + 1));
       }
     }
     CUTE_UNROLL
@@ -139,17 +138,31 @@ struct TopkScore {
         z[j][kk] += __shfl_xor_sync(0xffffffffu, z[j][kk], 2);
       }
     }
-    // Pair (j, kk) = 2 j + kk goes to quad lane (2 j + kk) % 4.
+    // Pair (j, kk) = 2 j + kk goes to quad lane (2 j + kk) % 4, so a thread
+    // holds at most one key of each row. The appends of a row are counted once
+    // per warp (a ballot, one shared atomic by the lowest admitting lane), not
+    // once per key: early in a row nearly every key is admitted, and a shared
+    // atomic on one word serialises across the warp's lanes.
+    const int lane = threadIdx.x % 32;
     CUTE_UNROLL
-    for (int pair = 0; pair < 2 * kRows; ++pair) {
-      const int j = pair / 2, kk = pair % 2;
-      if (pair % 4 != quad) continue;
-      const int64_t kr = key0 + r0 + 8 * kk;
-      if (kr < ss.key_begin[qs][j] || kr >= ss.key_end[qs][j]) continue;
-      const unsigned long long key = rank_key(z[j][kk], static_cast<uint32_t>(kr));
-      if (key < sel.bound[j]) continue;
-      const int slot = atomicAdd(&sel.count[j], 1);
-      buffer(wg, j, sel.half[j])[slot] = key;
+    for (int j = 0; j < kRows; ++j) {
+      bool admit = false;
+      unsigned long long key = 0ull;
+      CUTE_UNROLL
+      for (int kk = 0; kk < 2; ++kk) {
+        if ((2 * j + kk) % 4 != quad) continue;
+        const int64_t kr = key0 + r0 + 8 * kk;
+        if (kr < ss.key_begin[qs][j] || kr >= ss.key_end[qs][j]) continue;
+        key = rank_key(z[j][kk], static_cast<uint32_t>(kr));
+        admit = key >= sel.bound[j];
+      }
+      const uint32_t admitted = __ballot_sync(0xffffffffu, admit);
+      if (admitted == 0u) continue;  // warp-uniform
+      const int leader = __ffs(admitted) - 1;
+      int base = 0;
+      if (lane == leader) base = atomicAdd(&sel.count[j], __popc(admitted));
+      base = __shfl_sync(0xffffffffu, base, leader);
+      if (admit) buffer(wg, j, sel.half[j])[base + __popc(admitted & ((1u << lane) - 1u))] = key;
     }
   }
 
