@@ -75,6 +75,11 @@ expect "report: backward unnamed" "
 random S16 H64 D128 k4                 300.0     297.0      -3.0" 0 "$py" "$ab" "$dir/report_a" "$dir/report_b" --pairs 2
 expect "report: sustained object" "forward random S16 H64 D128 k4         110.0     105.0      -5.0" 0 \
   "$py" "$ab" "$dir/report_a" "$dir/report_b" --pairs 2 --metric ns_per_row_sustained --args "--sustained-ms 5"
+# The top-k's cases name their key ranges, not ids (their JSON has no "ids").
+raw topk_a '{"tool": "dsaib-bench", "cases": [{"op": "topk", "ranges": "cp-shard", "seq": 16, "heads": 32, "dim": 128, "topk": 4, "ns_per_row": 200}]}'
+raw topk_b '{"tool": "dsaib-bench", "cases": [{"op": "topk", "ranges": "cp-shard", "seq": 16, "heads": 32, "dim": 128, "topk": 4, "ns_per_row": 190}]}'
+expect "report: topk by its ranges" "topk cp-shard S16 H32 D128 k4          200.0     190.0     -10.0" 0 \
+  "$py" "$ab" "$dir/topk_a" "$dir/topk_b" --pairs 2
 raw report_empty '{"tool": "dsaib-bench", "cases": []}'
 expect "report without cases" "expected its JSON to hold a non-empty list of cases" 1 \
   "$py" "$ab" "$dir/report_empty" "$dir/report_b" --pairs 1
