@@ -358,5 +358,53 @@ TEST(TargetPlan, KernelGridAndLimits) {
   }
 }
 
+TEST(TopkPlan, TilesGridAndWorkspace) {
+  // H 64: 4 rows per task, heads padded to 64; one CTA per SM over the tasks.
+  const detail::ProblemGeometry g = bshd(1, 16384, 16384, 64, 128, 2048);
+  const TopkPlan p = plan_indexer_topk(g, /*with_logits=*/true, /*with_lengths=*/true, h200());
+  EXPECT_EQ(p.head_tile, 64);
+  EXPECT_EQ(p.rows_per_task, 4);
+  EXPECT_EQ(p.candidate_capacity, 2 * 2048 + 64);
+  EXPECT_EQ(p.num_tasks, 4096);
+  EXPECT_EQ(p.grid, 132);
+  EXPECT_EQ(p.order_grid, 132 * 16);
+  // The candidate buffers alone (67 MiB at this shape): 132 CTAs x
+  // 2 warpgroups x 4 rows x 2 halves x 4160 keys x 8 bytes, independent of S.
+  const std::size_t buffers = std::size_t{132} * 2 * 4 * 2 * 4160 * 8;
+  EXPECT_FALSE(p.key_hi_in_workspace);
+  EXPECT_FALSE(p.row_count_in_workspace);
+  EXPECT_EQ(p.candidates_at, 0u);
+  EXPECT_EQ(p.workspace_bytes, buffers);
+  EXPECT_EQ(plan_indexer_topk(bshd(1, 131072, 131072, 64, 128, 2048), true, true, h200()).workspace_bytes, buffers);
+
+  // Without topk_logits and topk_lengths the selection's high words and the
+  // rows' counts follow the buffers, each at a 256-byte boundary.
+  const TopkPlan bare = plan_indexer_topk(bshd(1, 1000, 1000, 64, 128, 100), false, false, h200());
+  EXPECT_EQ(bare.candidate_capacity, 2 * 128 + 64);  // topk below 128 keeps 128's room
+  ASSERT_TRUE(bare.key_hi_in_workspace);
+  ASSERT_TRUE(bare.row_count_in_workspace);
+  const std::size_t bare_buffers = std::size_t{132} * 2 * 4 * 2 * 320 * 8;
+  EXPECT_EQ(bare.key_hi_at, round_up_256(bare_buffers));
+  EXPECT_EQ(bare.row_count_at, round_up_256(bare.key_hi_at + std::size_t{1000} * 100 * 4));
+  EXPECT_EQ(bare.workspace_bytes, bare.row_count_at + std::size_t{1000} * 4);
+
+  // Heads padded to 32 (8 rows per task) and 128 (2 rows); few rows: one CTA per task.
+  const TopkPlan h8 = plan_indexer_topk(bshd(1, 20, 64, 8, 64, 16), true, true, h200());
+  EXPECT_EQ(h8.head_tile, 32);
+  EXPECT_EQ(h8.rows_per_task, 8);
+  EXPECT_EQ(h8.num_tasks, 3);
+  EXPECT_EQ(h8.grid, 3);
+  EXPECT_EQ(h8.order_grid, 20);
+  const TopkPlan h128 = plan_indexer_topk(bshd(2, 3, 64, 128, 128, 16), true, true, h200());
+  EXPECT_EQ(h128.head_tile, 128);
+  EXPECT_EQ(h128.rows_per_task, 2);
+  EXPECT_EQ(h128.num_tasks, 3);  // 6 rows over the batch, tasks cross it
+
+  // No query rows: nothing to launch and no workspace.
+  const TopkPlan empty = plan_indexer_topk(bshd(1, 0, 64, 64, 128, 16), false, false, h200());
+  EXPECT_EQ(empty.grid, 0);
+  EXPECT_EQ(empty.workspace_bytes, 0u);
+}
+
 }  // namespace
 }  // namespace dsaib::hopper
