@@ -125,6 +125,15 @@ struct IndexerTopkOptions {
 std::size_t indexer_topk_workspace_size(const IndexerTopkInputs& inputs, const IndexerTopkOutputs& outputs,
                                         const IndexerTopkOptions& options);
 
+/// Runs indexer_topk()'s checks of the inputs and the options for a selection
+/// of `topk` keys per row, in the same order and with the same errors (`topk`
+/// named "topk"), and nothing else: no outputs, no workspace, nothing computed
+/// or written. For a caller that wants the call's errors before it starts (a
+/// context-parallel rank, before the exchange of the keys). Like indexer_topk(),
+/// it reads cu_seqlens (THD) and, with strict_ranges, starts and ends; for the
+/// cuda backend through a copy to the host on options.stream, waited for.
+void validate_indexer_topk_inputs(const IndexerTopkInputs& inputs, int64_t topk, const IndexerTopkOptions& options);
+
 /// Computes topk_indices and, when given, topk_logits and topk_lengths.
 /// cpu: any H >= 1, D >= 1, topk >= 1, logits in fp64. cuda (sm_90a): H a
 /// multiple of 8 up to 128, D 64 or 128, topk up to 8192; no host

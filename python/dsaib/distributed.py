@@ -101,8 +101,8 @@ from ._torch.convert import (check_same_device, check_tensor_types, check_torch_
                              fp64 as _fp64, grad_code, library_inputs, out_dtype as _out_dtype, range_int32,
                              topk_operand)
 from ._torch.cp_agreement import describe, host_offsets
-from ._torch.cp_plan import (CP_LAYOUTS, finish, normalization, plan as _plan, rank_chunks, rank_rows,
-                             start_gather, start_reduce_scatter)
+from ._torch.cp_plan import (CP_LAYOUTS, causal_ranges, finish, normalization, plan as _plan, rank_chunks,
+                             rank_rows, start_gather, start_reduce_scatter)
 
 __all__ = ["context_parallel_indexer_kl_loss", "context_parallel_indexer_backward", "context_parallel_indexer_topk",
            "rank_rows", "rank_chunks", "CP_LAYOUTS"]
@@ -376,37 +376,6 @@ def context_parallel_indexer_backward(
     return dq, dw, dk.to(k_dt)
 
 
-def _causal_ranges(plan, index_q, causal_offset):
-    """(starts, ends) int32 of the rank's query rows in the whole sequence's key
-    coordinates (BSHD: positions; THD: flat rows of the whole index_k): the keys
-    [0, p + causal_offset + 1) of the row's sequence, p its position in the whole
-    sequence, clipped to the sequence; causal_offset None: S_kv - S_q of each
-    sequence, as the single-process call. Made on the host from the plan's
-    sizes (no read of device data), then copied to index_q's device."""
-    if plan.layout == "bshd":
-        B, s_local = index_q.shape[0], index_q.shape[1]
-        s_q, s_kv = s_local * plan.cp, plan.k_full_shape[1]
-        pos = rank_rows([s_q], plan.cp, plan.cp_layout)[plan.rank]
-        off = s_kv - s_q if causal_offset is None else causal_offset
-        ends = (pos + off + 1).clamp(0, s_kv)
-        starts = torch.zeros_like(ends)
-        starts, ends = (x.expand(B, s_local) for x in (starts, ends))
-    else:
-        lengths_q = plan.lengths_q
-        lengths_k = torch.tensor(plan.lengths, dtype=torch.int64)
-        packed = rank_rows(lengths_q, plan.cp, plan.cp_layout)[plan.rank]        # rows of the whole packed q
-        first_q = torch.cumsum(torch.tensor(lengths_q, dtype=torch.int64), 0)
-        seq = torch.searchsorted(first_q, packed, right=True)                    # each row's sequence
-        first_q = first_q - torch.tensor(lengths_q, dtype=torch.int64)
-        first_k = torch.cumsum(lengths_k, 0) - lengths_k
-        pos = packed - first_q[seq]
-        off = (lengths_k - torch.tensor(lengths_q, dtype=torch.int64))[seq] if causal_offset is None else causal_offset
-        starts = first_k[seq]
-        ends = starts + (pos + off + 1).clamp(min=0).minimum(lengths_k[seq])
-    return (starts.to(torch.int32).to(index_q.device, non_blocking=True),
-            ends.clamp(max=2**31 - 1).to(torch.int32).to(index_q.device, non_blocking=True))
-
-
 def context_parallel_indexer_topk(
     index_q: torch.Tensor,
     weights: torch.Tensor,
@@ -467,17 +436,33 @@ def context_parallel_indexer_topk(
                           strict_ranges=o["strict_ranges"])
     except (TypeError, ValueError) as e:  # raised on every rank by the exchange in plan
         error = e
-    plan = _plan(group, cp_layout, layout, index_q, index_k, cu_seqlens_q, cu_seqlens_k, offsets, fields, error)
+    ranges = {}
+
+    def validate(plan):
+        # The library's validation of what this rank's call will get, before the
+        # exchange (so that its error reaches every rank): the rank's rows and
+        # their ranges (made here, used after the exchange), the whole index_k
+        # by its shape alone.
+        if starts is None:
+            ranges["starts"], ranges["ends"] = causal_ranges(plan, index_q, o["causal_offset"])
+        else:
+            ranges["starts"], ranges["ends"] = range_int32("starts", starts), range_int32("ends", ends)
+        k_standin = torch.empty(plan.k_full_shape[-1:], dtype=torch.bfloat16,
+                                device=index_k.device).expand(plan.k_full_shape)
+        reference.validate_topk(index_q, weights, k_standin, o["topk"], starts=ranges["starts"],
+                                ends=ranges["ends"], cu_seqlens_q=plan.cu_q_local, cu_seqlens_k=plan.cu_k,
+                                options=dict(layout=o["layout"], id_mode=o["id_mode"], order=o["order"],
+                                             strict_ranges=o["strict_ranges"], num_threads=o["num_threads"]))
+
+    plan = _plan(group, cp_layout, layout, index_q, index_k, cu_seqlens_q, cu_seqlens_k, offsets, fields, error,
+                 validate)
     gathered, work = start_gather(plan, index_k.to(torch.bfloat16))
     try:
-        # While the keys travel: the rank's query rows and their ranges.
+        # While the keys travel: the rank's query rows as the library reads them.
         cuda = index_q.device.type == "cuda"
         q16 = topk_operand(index_q, (torch.bfloat16,), cuda)
         w_op = topk_operand(weights, (torch.float32, torch.bfloat16), False)
-        if starts is None:
-            starts32, ends32 = _causal_ranges(plan, index_q, o["causal_offset"])
-        else:
-            starts32, ends32 = range_int32("starts", starts), range_int32("ends", ends)
+        starts32, ends32 = ranges["starts"], ranges["ends"]
     finally:
         finish(work)
     with torch.no_grad():

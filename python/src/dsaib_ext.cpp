@@ -889,6 +889,24 @@ NB_MODULE(_dsaib, m) {
       "device for these arguments (cpu: 0), after the same validation and with the same errors.");
 
   m.def(
+      "validate_indexer_topk_inputs",
+      [](const Array& index_q, const Array& weights, const Array& index_k, const std::optional<Array>& starts,
+         const std::optional<Array>& ends, const std::optional<Array>& cu_seqlens_q,
+         const std::optional<Array>& cu_seqlens_k, int64_t topk, bool uint16_as_bf16, const nb::kwargs& options) {
+        const auto in = make_topk_inputs(index_q, weights, index_k, starts, ends, cu_seqlens_q, cu_seqlens_k,
+                                         uint16_as_bf16);
+        const auto opt = topk_options().read(options);
+        call_library([&] { dsaib::validate_indexer_topk_inputs(in, topk, opt); });  // THD on cuda: reads cu_seqlens
+      },
+      nb::arg("index_q"), nb::arg("weights"), nb::arg("index_k"), nb::arg("starts").none() = nb::none(),
+      nb::arg("ends").none() = nb::none(), nb::arg("cu_seqlens_q").none() = nb::none(),
+      nb::arg("cu_seqlens_k").none() = nb::none(), nb::arg("topk"), nb::arg("uint16_as_bf16") = false,
+      nb::arg("options"),
+      "dsaib::validate_indexer_topk_inputs: indexer_topk's checks of the inputs and options for a selection\n"
+      "of topk keys per row, without outputs and without computing anything (a context-parallel rank's\n"
+      "check before the exchange of the keys).");
+
+  m.def(
       "validate_indexer_kl_loss_inputs",
       [](const Array& index_q, const Array& weights, const Array& index_k, const Array& topk_indices,
          const Array& attn_score, const std::optional<Array>& index_score, const std::optional<Array>& cu_seqlens_q,

@@ -104,6 +104,19 @@ def run_worker(rank, world, init_file, problem_file, out_file):
             results["mismatch"] = None
         except ValueError as e:
             results["mismatch"] = str(e)
+        # what only the rank's library call would reject (a strict range past its
+        # sequence on rank 1): its validation runs before the exchange, so every
+        # rank raises (before, rank 1 alone did, after the exchange)
+        starts = torch.zeros(q.shape[:2], dtype=torch.int32)
+        ends = torch.full(q.shape[:2], k.shape[1] * world, dtype=torch.int32)
+        if rank == 1:
+            ends[0, 2] += 1
+        try:
+            dcp.context_parallel_indexer_topk(q, w, k, TOPK, group=None, starts=starts, ends=ends,
+                                              strict_ranges=True)
+            results["one-rank-strict-range"] = None
+        except ValueError as e:
+            results["one-rank-strict-range"] = str(e)
         torch.save(results, out_file)
     finally:
         dist.destroy_process_group()
@@ -157,6 +170,17 @@ def test_a_topk_that_differs_across_the_ranks_raises_on_every_rank(world_results
         message = results[rank]["mismatch"]
         assert message is not None and message.startswith("topk: the values differ across the group: "
                                                            "rank 0 has 5, rank 1 has 6"), message
+
+
+def test_a_range_only_one_ranks_library_call_would_reject_raises_on_every_rank(world_results):
+    world, _, results = world_results
+    mine = results[1]["one-rank-strict-range"]
+    assert mine is not None and mine.startswith("ends: strict mode found a range outside its sequence's keys at "
+                                                "(b=0, t=2)"), mine
+    other = results[0]["one-rank-strict-range"]
+    assert other is not None and other.startswith(
+        "the group's arguments: 1 rank(s) rejected their own arguments before the exchange (rank 1: "
+        "ValueError: ends: strict mode found a range outside"), other
 
 
 if __name__ == "__main__" and len(sys.argv) == 7 and sys.argv[1] == "--worker":

@@ -307,8 +307,10 @@ ProblemGeometry validate_topk_problem(const IndexerTopkInputs& in, const Indexer
 
 namespace {
 
-ProblemGeometry validate_for_backend(const IndexerTopkInputs& in, const IndexerTopkOutputs& out,
-                                     const IndexerTopkOptions& opt) {
+/// The validation of a call on its backend: `out` null checks the inputs alone,
+/// for a selection of `topk` keys.
+ProblemGeometry validate_for_backend(const IndexerTopkInputs& in, const IndexerTopkOutputs* out,
+                                     const IndexerTopkOptions& opt, int64_t topk = 0) {
   const bool cuda = opt.backend == Backend::cuda;
   // Availability first: cuda_stream_capturing needs a cuda build. An invalid
   // option is reported by validate_topk_problem before it.
@@ -317,15 +319,19 @@ ProblemGeometry validate_for_backend(const IndexerTopkInputs& in, const IndexerT
   if (cuda && reads_host && cuda_backend_compiled() && cuda_device_present()) {
     capturing = cuda_stream_capturing(opt.stream);
   }
-  return validate_topk_problem(in, &out, opt, cuda ? &cuda_copy_to_host : nullptr, capturing);
+  return validate_topk_problem(in, out, opt, cuda ? &cuda_copy_to_host : nullptr, capturing, topk);
 }
 
 }  // namespace
 }  // namespace detail
 
+void validate_indexer_topk_inputs(const IndexerTopkInputs& inputs, int64_t topk, const IndexerTopkOptions& options) {
+  (void)detail::validate_for_backend(inputs, nullptr, options, topk);
+}
+
 std::size_t indexer_topk_workspace_size(const IndexerTopkInputs& inputs, const IndexerTopkOutputs& outputs,
                                         const IndexerTopkOptions& options) {
-  const detail::ProblemGeometry g = detail::validate_for_backend(inputs, outputs, options);
+  const detail::ProblemGeometry g = detail::validate_for_backend(inputs, &outputs, options);
   return options.backend == Backend::cuda ? detail::plan_cuda_indexer_topk(inputs, outputs, g).workspace_bytes : 0;
 }
 
@@ -354,13 +360,13 @@ void run_validated(const IndexerTopkInputs& inputs, const IndexerTopkOutputs& ou
 
 void indexer_topk(const IndexerTopkInputs& inputs, const IndexerTopkOutputs& outputs, const IndexerTopkOptions& options,
                   void* workspace, std::size_t workspace_bytes) {
-  run_validated(inputs, outputs, options, detail::validate_for_backend(inputs, outputs, options), workspace,
+  run_validated(inputs, outputs, options, detail::validate_for_backend(inputs, &outputs, options), workspace,
                 workspace_bytes);
 }
 
 void indexer_topk(const IndexerTopkInputs& inputs, const IndexerTopkOutputs& outputs, const IndexerTopkOptions& options,
                   const WorkspaceAllocator& allocator) {
-  run_validated(inputs, outputs, options, detail::validate_for_backend(inputs, outputs, options), nullptr, 0,
+  run_validated(inputs, outputs, options, detail::validate_for_backend(inputs, &outputs, options), nullptr, 0,
                 &allocator);
 }
 

@@ -124,6 +124,9 @@ TEST_P(TopkValidation, NamesTheArgumentAndWritesNothing) {
   EXPECT_TRUE(q.unchanged() && w.unchanged() && k.unchanged() && st.unchanged() && en.unchanged() && cq.unchanged() && ck.unchanged());
   expect_error([&] { indexer_topk_workspace_size(c.in, c.out, c.opt); }, "indexer_topk_workspace_size", false);
   const std::string arg = ec.argument;
+  if (arg.rfind("topk_", 0) != 0) {  // the inputs-only validation has no output to name
+    expect_error([&] { validate_indexer_topk_inputs(c.in, s.topk, c.opt); }, "validate_indexer_topk_inputs", true);
+  }
   if (ec.name == "backend") return;  // the reference and the checker run on the host whatever the backend
   if (arg.rfind("topk_", 0) != 0) {  // the reference has no output
     expect_error([&] { reference_indexer_topk(c.in, c.opt, s.topk); }, "reference_indexer_topk", false);
@@ -138,6 +141,20 @@ TEST(IndexerTopk, ReferenceTopkMustBePositive) {
   const TopkProblem p = make_topk_problem(TopkSpec{});
   try {
     reference_indexer_topk(p.inputs(), p.options(), 0);
+    ADD_FAILURE() << "topk 0 accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "topk");
+    EXPECT_STREQ(e.what(), "topk: expected topk >= 1, got topk = 0");
+  }
+}
+
+TEST(IndexerTopk, ValidateInputsAcceptsAValidCallAndNamesTopk) {
+  TopkSpec s;
+  s.ranges = true;
+  const TopkProblem p = make_topk_problem(s);
+  EXPECT_NO_THROW(validate_indexer_topk_inputs(p.inputs(), s.topk, p.options()));
+  try {
+    validate_indexer_topk_inputs(p.inputs(), 0, p.options());
     ADD_FAILURE() << "topk 0 accepted";
   } catch (const Error& e) {
     EXPECT_EQ(e.argument(), "topk");

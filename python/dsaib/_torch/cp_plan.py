@@ -229,3 +229,34 @@ def plan(group, cp_layout, layout, index_q, index_k, cu_seqlens_q, cu_seqlens_k,
             library_error = e
     check_same_across_group(group, cp, exchange_device(group, index_k), fields, layout, local_error, library_error)
     return built
+
+
+def causal_ranges(plan, index_q, causal_offset):
+    """(starts, ends) int32 of the rank's query rows in the whole sequence's key
+    coordinates (BSHD: positions; THD: flat rows of the whole index_k): the keys
+    [0, p + causal_offset + 1) of the row's sequence, p its position in the whole
+    sequence, clipped to the sequence; causal_offset None: S_kv - S_q of each
+    sequence, as the single-process call. Made on the host from the plan's
+    sizes (no read of device data), then copied to index_q's device."""
+    if plan.layout == "bshd":
+        B, s_local = index_q.shape[0], index_q.shape[1]
+        s_q, s_kv = s_local * plan.cp, plan.k_full_shape[1]
+        pos = rank_rows([s_q], plan.cp, plan.cp_layout)[plan.rank]
+        off = s_kv - s_q if causal_offset is None else causal_offset
+        ends = (pos + off + 1).clamp(0, s_kv)
+        starts = torch.zeros_like(ends)
+        starts, ends = (x.expand(B, s_local) for x in (starts, ends))
+    else:
+        lengths_q = plan.lengths_q
+        lengths_k = torch.tensor(plan.lengths, dtype=torch.int64)
+        packed = rank_rows(lengths_q, plan.cp, plan.cp_layout)[plan.rank]        # rows of the whole packed q
+        first_q = torch.cumsum(torch.tensor(lengths_q, dtype=torch.int64), 0)
+        seq = torch.searchsorted(first_q, packed, right=True)                    # each row's sequence
+        first_q = first_q - torch.tensor(lengths_q, dtype=torch.int64)
+        first_k = torch.cumsum(lengths_k, 0) - lengths_k
+        pos = packed - first_q[seq]
+        off = (lengths_k - torch.tensor(lengths_q, dtype=torch.int64))[seq] if causal_offset is None else causal_offset
+        starts = first_k[seq]
+        ends = starts + (pos + off + 1).clamp(min=0).minimum(lengths_k[seq])
+    return (starts.to(torch.int32).to(index_q.device, non_blocking=True),
+            ends.clamp(max=2**31 - 1).to(torch.int32).to(index_q.device, non_blocking=True))

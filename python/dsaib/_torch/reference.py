@@ -61,6 +61,29 @@ def validate(index_q, weights, index_k, topk_indices, attn_score, *, sm_scale, l
                         num_threads=num_threads, strict_indices=strict_indices)
 
 
+def validate_topk(index_q, weights, index_k, topk, *, starts, ends, cu_seqlens_q, cu_seqlens_k, options):
+    """The library's validation (dsaib::validate_indexer_topk_inputs, one
+    library call, nothing computed or written) of what dsaib::indexer_topk
+    will get: index_q and index_k shown as bf16, weights as float32 (or bf16),
+    starts/ends as given (int32), for a selection of ``topk`` keys; ``options``
+    the op's (layout, id_mode, order, causal_offset, strict_ranges,
+    num_threads). Only metadata is read, and for THD cu_seqlens, with
+    strict_ranges starts and ends (on a GPU: copies to the host on the current
+    stream, waited for). Not run while torch.compile traces, nor for meta
+    tensors."""
+    if torch.compiler.is_compiling() or index_q.device.type not in ("cpu", "cuda"):
+        return
+    cuda = index_q.device.type == "cuda"
+    w_dtype = weights.dtype if weights.dtype in (torch.float32, torch.bfloat16) else torch.float32
+    tensors = dict(index_q=library_view(index_q, torch.bfloat16), weights=library_view(weights, w_dtype),
+                   index_k=library_view(index_k, torch.bfloat16), starts=starts, ends=ends,
+                   cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    _dsaib.validate_indexer_topk_inputs(
+        **_exported({n: t for n, t in tensors.items() if t is not None}), topk=int(topk),
+        backend="cuda" if cuda else "cpu", stream=int(torch.cuda.current_stream(index_q.device).cuda_stream)
+        if cuda else 0, **{n: v for n, v in options.items() if v is not None})
+
+
 def _library_validation(tensors, device, *, sm_scale, layout, id_mode, loss_coeff, normalization_count, backend,
                         num_threads, strict_indices):
     """One call of dsaib::validate_indexer_kl_loss_inputs on `tensors` (None ones left out)."""
