@@ -213,6 +213,13 @@ def check(operation: str, given: dict) -> dict:
     return {name: OPTIONS[name].check(given[name]) for name in names}
 
 
+def check_each(**given) -> dict:
+    """Options checked by their own rules in OPTIONS, in the order given: for a
+    function that takes some of an operation's options (the context-parallel
+    ones), so that its rules are the table's too."""
+    return {name: OPTIONS[name].check(value) for name, value in given.items()}
+
+
 def library_kwargs(options: dict, *, drop=()) -> dict:
     """The checked options that are fields of the library's options struct (what
     the extension takes as **options); grad_loss as its number (a tensor goes

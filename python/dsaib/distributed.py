@@ -232,7 +232,9 @@ def context_parallel_indexer_kl_loss(
     """
     fields, error, offsets = None, None, (None, None)
     try:
-        a_operand_precision = OPTIONS["a_operand_precision"].check(a_operand_precision)
+        sm_scale, loss_coeff, normalization_count, a_operand_precision = _options.check_each(
+            sm_scale=sm_scale, loss_coeff=loss_coeff, normalization_count=normalization_count,
+            a_operand_precision=a_operand_precision).values()
         check_torch_arguments(index_q, weights, index_k, topk_indices, attn_score, cu_seqlens_q, cu_seqlens_k)
         offsets = host_offsets(cu_seqlens_q, cu_seqlens_k)
         fields = describe("context_parallel_indexer_kl_loss", index_q, weights, index_k, topk_indices, attn_score,
@@ -327,9 +329,11 @@ def context_parallel_indexer_backward(
         # What only this rank's arguments decide is checked here, before the
         # exchange, so that an error of one rank reaches every rank (through the
         # exchange) instead of leaving the others waiting in the reduce-scatter.
+        sm_scale, loss_coeff, normalization_count, out_dtype, _, a_operand_precision = _options.check_each(
+            sm_scale=sm_scale, loss_coeff=loss_coeff, normalization_count=normalization_count, out_dtype=out_dtype,
+            grad_loss=grad_loss, a_operand_precision=a_operand_precision).values()
+        out_dtype = out_dtype or ("f32",) * 3  # None: f32, as dsaib.torch.indexer_backward
         _check_local_backward_arguments(index_q, layout, grad_loss, row_lse, row_target_mass)
-        if isinstance(out_dtype, str):
-            out_dtype = (out_dtype,) * 3
         offsets = host_offsets(cu_seqlens_q, cu_seqlens_k)
         fields = describe("context_parallel_indexer_backward", index_q, weights, index_k, topk_indices, attn_score,
                           index_score, sm_scale, cp_layout, loss_coeff, normalization_count, layout, id_mode, *offsets,

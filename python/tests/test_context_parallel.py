@@ -455,6 +455,56 @@ def test_errors_name_the_argument(one_rank_group):
         loss(*args, group=None, **dict(opts, sm_scale=float("inf")))
 
 
+# Numbers and words that the options table refuses, as dsaib.torch's entry points
+# refuse them (test_torch_arguments.py): each names its argument.
+BAD_OPTIONS = [
+    ("sm_scale", "0.125", TypeError, r"^sm_scale: expected a real number, got str '0.125'$"),
+    ("sm_scale", True, TypeError, r"^sm_scale: expected a real number, got bool True$"),
+    ("sm_scale", None, TypeError, r"^sm_scale: expected a real number, got NoneType$"),
+    ("sm_scale", "abc", TypeError, r"^sm_scale: expected a real number, got str 'abc'$"),
+    ("sm_scale", 10**400, ValueError, r"^sm_scale: expected a finite value, got inf"),
+    ("loss_coeff", "3", TypeError, r"^loss_coeff: expected a real number, got str '3'$"),
+    ("normalization_count", 2.5, TypeError, r"^normalization_count: expected an int, got float 2.5$"),
+    ("normalization_count", True, TypeError, r"^normalization_count: expected an int, got bool True$"),
+    ("normalization_count", "3", TypeError, r"^normalization_count: expected an int, got str '3'$"),
+    ("normalization_count", 2**63, ValueError, r"^normalization_count: expected an int in \[0, 2\^63-1\]"),
+]
+BAD_BACKWARD_OPTIONS = [
+    ("out_dtype", ("f32", "f32"), ValueError, r'^out_dtype: expected "f32", "bf16" or "f64", or a tuple of three'),
+    ("grad_loss", "2", TypeError, r"^grad_loss: expected a real number or a one-element float32 tensor, got str"),
+    ("grad_loss", True, TypeError, r"^grad_loss: expected a real number or a one-element float32 tensor, got bool"),
+    ("grad_loss", 1e39, ValueError, r"^grad_loss: expected a finite value, got inf"),
+]
+
+
+@pytest.mark.parametrize("name, value, error, message", BAD_OPTIONS, ids=lambda x: repr(x)[:20])
+def test_the_losss_options_follow_the_options_table(one_rank_group, name, value, error, message):
+    p = make_problem("bshd", "local", torch.float32, seed=10)
+    with pytest.raises(error, match=message):
+        dcp.context_parallel_indexer_kl_loss(p["q"], p["w"], p["k"], p["ids"], p["T"], group=None,
+                                             **dict(options(p, "bshd", "local"), **{name: value}))
+
+
+@pytest.mark.parametrize("name, value, error, message", BAD_OPTIONS + BAD_BACKWARD_OPTIONS,
+                         ids=lambda x: repr(x)[:20])
+def test_the_backwards_options_follow_the_options_table(one_rank_group, name, value, error, message):
+    p = make_problem("bshd", "local", torch.float32, seed=11)
+    inputs = backward_op_inputs(p["q"], p["w"], p["k"], p["ids"], p["T"], torch.float32)
+    P = torch.softmax(torch.randn(p["T"].shape), -1)
+    with pytest.raises(error, match=message):
+        dcp.context_parallel_indexer_backward(*inputs, P, group=None,
+                                              **dict(options(p, "bshd", "local"), **{name: value}))
+
+
+def test_the_backwards_out_dtype_none_is_f32(one_rank_group):
+    p = make_problem("bshd", "local", torch.float32, seed=12)
+    inputs = backward_op_inputs(p["q"], p["w"], p["k"], p["ids"], p["T"], torch.float32)
+    P = torch.softmax(torch.randn(p["T"].shape), -1).masked_fill(p["ids"] < 0, 0)
+    grads = dcp.context_parallel_indexer_backward(*inputs, P, group=None, out_dtype=None,
+                                                  **options(p, "bshd", "local"))
+    assert [g.dtype for g in grads] == [torch.float32] * 3
+
+
 def test_without_an_initialised_process_group_raises():
     assert not dist.is_initialized()
     p = make_problem("bshd", "local", torch.float32, seed=9)

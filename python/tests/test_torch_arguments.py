@@ -137,3 +137,52 @@ def test_a_positional_sm_scale_gets_pythons_message_not_the_old_call_guard():
         dsaib.indexer_kl_loss(*args, 0.125, uint16_as_bf16=True)
     with pytest.raises(TypeError, match=r"reference_kl_loss"):
         dsaib.indexer_kl_loss(*args, p["index_score"], sm_scale=SM, uint16_as_bf16=True)
+
+
+# Numbers and words each entry point takes from the options table (dsaib.OPTIONS):
+# a TypeError or ValueError naming the argument, not a cast, a truncation or
+# torch's own message.
+BAD_OPTIONS = [
+    ("sm_scale", "0.125", TypeError, r"^sm_scale: expected a real number, got str '0.125'$"),
+    ("sm_scale", True, TypeError, r"^sm_scale: expected a real number, got bool True$"),
+    ("sm_scale", None, TypeError, r"^sm_scale: expected a real number, got NoneType$"),
+    ("sm_scale", "abc", TypeError, r"^sm_scale: expected a real number, got str 'abc'$"),
+    ("sm_scale", 10**400, ValueError, r"^sm_scale: expected a finite value, got inf"),
+    ("loss_coeff", "3", TypeError, r"^loss_coeff: expected a real number, got str '3'$"),
+    ("normalization_count", 2.5, TypeError, r"^normalization_count: expected an int, got float 2.5$"),
+    ("normalization_count", True, TypeError, r"^normalization_count: expected an int, got bool True$"),
+    ("normalization_count", "3", TypeError, r"^normalization_count: expected an int, got str '3'$"),
+    ("normalization_count", 2**63, ValueError, r"^normalization_count: expected an int in \[0, 2\^63-1\]"),
+    ("layout", None, TypeError, r'^layout: expected a str \("bshd" or "thd"\), got NoneType None$'),
+]
+BAD_BACKWARD_OPTIONS = [
+    ("out_dtype", ("f32", "f32"), ValueError, r'^out_dtype: expected "f32", "bf16" or "f64", or a tuple of three'),
+    ("grad_loss", "2", TypeError, r"^grad_loss: expected a real number or a one-element float32 tensor, got str"),
+    ("grad_loss", True, TypeError, r"^grad_loss: expected a real number or a one-element float32 tensor, got bool"),
+    ("grad_loss", 1e39, ValueError, r"^grad_loss: expected a finite value, got inf"),
+]
+
+
+@pytest.mark.parametrize("name, value, error, message", BAD_OPTIONS, ids=lambda x: repr(x)[:20])
+def test_the_loss_refuses_options_the_table_refuses(name, value, error, message):
+    t = problem()
+    with pytest.raises(error, match=message):
+        dt.indexer_kl_loss(**loss_args(t), **dict(dict(sm_scale=SM), **{name: value}))
+
+
+@pytest.mark.parametrize("name, value, error, message", BAD_OPTIONS + BAD_BACKWARD_OPTIONS,
+                         ids=lambda x: repr(x)[:20])
+@pytest.mark.parametrize("entry", ["indexer_kl_loss_and_grad", "indexer_backward"])
+def test_the_gradient_entry_points_refuse_options_the_table_refuses(entry, name, value, error, message):
+    t = problem()
+    kw = dict(dict(sm_scale=SM), **{name: value})
+    with pytest.raises(error, match=message):
+        if entry == "indexer_backward":
+            dt.indexer_backward(*loss_args(t, index_score=t["index_score"]).values(), **kw)
+        else:
+            dt.indexer_kl_loss_and_grad(**loss_args(t), **kw)
+
+
+def test_the_loss_module_refuses_a_scale_the_table_refuses():
+    with pytest.raises(TypeError, match=r"^sm_scale: expected a real number, got str 'abc'$"):
+        dt.IndexerKLLoss(sm_scale="abc")
