@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 
 from . import _dsaib, _options
-from ._args import _OUT_NAMES, _bool_value, _check_out, _f32_value, _host_grad_loss, _normalization_count
+from ._args import _OUT_NAMES, _bool_value, _check_out, _host_grad_loss
 from ._frameworks import _alloc, _check_arrays, _default_stream, _device, _export, _exported, _framework, _shape
 
 _RETURNS = """
@@ -362,17 +362,16 @@ def reference_kl_loss(index_q, weights, index_k, topk_indices, attn_score, index
     _check_arrays(index_q=index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
                   attn_score=attn_score, index_score=index_score, cu_seqlens_q=cu_seqlens_q,
                   cu_seqlens_k=cu_seqlens_k)
-    layout = _options.OPTIONS["layout"].check(layout)
-    id_mode = _options.OPTIONS["id_mode"].check(id_mode)
+    o = _options.check_each(sm_scale=sm_scale, loss_coeff=loss_coeff, normalization_count=normalization_count,
+                            layout=layout, id_mode=id_mode)
     recompute_p = _bool_value("recompute_p", recompute_p)
     uint16_as_bf16 = _bool_value("uint16_as_bf16", uint16_as_bf16)
     tensors = dict(index_q=index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
                    attn_score=attn_score, index_score=index_score, cu_seqlens_q=cu_seqlens_q,
                    cu_seqlens_k=cu_seqlens_k)
     return _dsaib.indexer_kl_loss(
-        **_exported(tensors), recompute_p=recompute_p, uint16_as_bf16=uint16_as_bf16, layout=layout,
-        id_mode=id_mode, sm_scale=_f32_value("sm_scale", sm_scale), loss_coeff=_f32_value("loss_coeff", loss_coeff),
-        grad_loss=_host_grad_loss(grad_loss), normalization_count=_normalization_count(normalization_count))
+        **_exported(tensors), recompute_p=recompute_p, uint16_as_bf16=uint16_as_bf16, **o,
+        grad_loss=_host_grad_loss(grad_loss))
 
 
 @_options.documented("indexer_topk")
