@@ -496,6 +496,13 @@ def test_the_backwards_options_follow_the_options_table(one_rank_group, name, va
                                               **dict(options(p, "bshd", "local"), **{name: value}))
 
 
+def test_a_missing_attn_score_is_named(one_rank_group):
+    p = make_problem("bshd", "local", torch.float32, seed=13)
+    with pytest.raises(TypeError, match=r"^attn_score: expected a torch.Tensor, got NoneType$"):
+        dcp.context_parallel_indexer_kl_loss(p["q"], p["w"], p["k"], p["ids"], None, group=None,
+                                             **options(p, "bshd", "local"))
+
+
 def test_the_backwards_out_dtype_none_is_f32(one_rank_group):
     p = make_problem("bshd", "local", torch.float32, seed=12)
     inputs = backward_op_inputs(p["q"], p["w"], p["k"], p["ids"], p["T"], torch.float32)
