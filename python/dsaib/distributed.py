@@ -460,7 +460,9 @@ def context_parallel_indexer_topk(
 
     plan = _plan(group, cp_layout, layout, index_q, index_k, cu_seqlens_q, cu_seqlens_k, offsets, fields, error,
                  validate)
-    gathered, work = start_gather(plan, index_k.to(torch.bfloat16))
+    # not differentiable: the keys travel without their autograd history (a
+    # leaf that requires grad cannot be the all-gather's source)
+    gathered, work = start_gather(plan, index_k.detach().to(torch.bfloat16))
     try:
         # While the keys travel: the rank's query rows as the library reads them.
         cuda = index_q.device.type == "cuda"

@@ -183,6 +183,36 @@ def test_a_range_only_one_ranks_library_call_would_reject_raises_on_every_rank(w
         "ValueError: ends: strict mode found a range outside"), other
 
 
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A gloo group of this one process (a CP group of size 1)."""
+    dist.init_process_group("gloo", init_method="file://" + str(tmp_path / "rendezvous"), rank=0, world_size=1)
+    yield None
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("causal_offset", [2**63 - 1, 2**63 - 5, 2**40 + 3, -(2**63) + 1, -(2**40) - 3])
+def test_an_offset_near_int64s_ends_selects_as_one_process(one_rank_group, causal_offset):
+    # the rows' causal ends are clipped to the sequence, not wrapped
+    g = torch.Generator().manual_seed(5)
+    q, w = torch.randn(1, 8, 8, 64, generator=g), torch.randn(1, 8, 8, generator=g)
+    k = torch.randn(1, 8, 64, generator=g)
+    got = dcp.context_parallel_indexer_topk(q, w, k, 3, group=None, causal_offset=causal_offset, return_lengths=True)
+    want = dt.indexer_topk(q, w, k, 3, causal_offset=causal_offset, return_lengths=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)), (got[1], want[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inputs_that_require_grad_select_as_one_process(one_rank_group, dtype):
+    g = torch.Generator().manual_seed(6)
+    q, w = torch.randn(1, 8, 8, 64, generator=g), torch.randn(1, 8, 8, generator=g)
+    k = torch.randn(1, 8, 64, generator=g).to(dtype)
+    leaves = [x.clone().requires_grad_() for x in (q, w, k)]
+    got = dcp.context_parallel_indexer_topk(*leaves, 3, group=None)
+    assert torch.equal(got, dt.indexer_topk(q, w, k, 3))
+
+
 if __name__ == "__main__" and len(sys.argv) == 7 and sys.argv[1] == "--worker":
     torch.set_num_threads(1)
     run_worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6])

@@ -231,6 +231,13 @@ def plan(group, cp_layout, layout, index_q, index_k, cu_seqlens_q, cu_seqlens_k,
     return built
 
 
+def _bounded_offset(causal_offset: int) -> int:
+    """causal_offset clipped to [-2^40, 2^40]: positions and sequence lengths are
+    below 2^31, so p + offset + 1 clipped to the sequence is the same, and the
+    int64 sum cannot overflow (an offset near 2^63 - 1 wrapped to negative)."""
+    return max(min(int(causal_offset), 2**40), -(2**40))
+
+
 def causal_ranges(plan, index_q, causal_offset):
     """(starts, ends) int32 of the rank's query rows in the whole sequence's key
     coordinates (BSHD: positions; THD: flat rows of the whole index_k): the keys
@@ -242,7 +249,7 @@ def causal_ranges(plan, index_q, causal_offset):
         B, s_local = index_q.shape[0], index_q.shape[1]
         s_q, s_kv = s_local * plan.cp, plan.k_full_shape[1]
         pos = rank_rows([s_q], plan.cp, plan.cp_layout)[plan.rank]
-        off = s_kv - s_q if causal_offset is None else causal_offset
+        off = s_kv - s_q if causal_offset is None else _bounded_offset(causal_offset)
         ends = (pos + off + 1).clamp(0, s_kv)
         starts = torch.zeros_like(ends)
         starts, ends = (x.expand(B, s_local) for x in (starts, ends))
@@ -255,7 +262,8 @@ def causal_ranges(plan, index_q, causal_offset):
         first_q = first_q - torch.tensor(lengths_q, dtype=torch.int64)
         first_k = torch.cumsum(lengths_k, 0) - lengths_k
         pos = packed - first_q[seq]
-        off = (lengths_k - torch.tensor(lengths_q, dtype=torch.int64))[seq] if causal_offset is None else causal_offset
+        off = ((lengths_k - torch.tensor(lengths_q, dtype=torch.int64))[seq] if causal_offset is None
+               else _bounded_offset(causal_offset))
         starts = first_k[seq]
         ends = starts + (pos + off + 1).clamp(min=0).minimum(lengths_k[seq])
     return (starts.to(torch.int32).to(index_q.device, non_blocking=True),
