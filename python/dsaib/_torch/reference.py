@@ -16,6 +16,7 @@ from .. import _dsaib
 from .._args import _f32_round, _float_or_inf, _normalization_count
 from .._frameworks import _exported
 from .convert import fp64, ids_int32, library_float_dtypes, library_view
+from .ops import library_options
 
 #: The clip of ``T`` and ``P`` in the loss: exp(-100).
 EPS = math.exp(-100.0)
@@ -73,15 +74,13 @@ def validate_topk(index_q, weights, index_k, topk, *, starts, ends, cu_seqlens_q
     tensors."""
     if torch.compiler.is_compiling() or index_q.device.type not in ("cpu", "cuda"):
         return
-    cuda = index_q.device.type == "cuda"
     w_dtype = weights.dtype if weights.dtype in (torch.float32, torch.bfloat16) else torch.float32
     tensors = dict(index_q=library_view(index_q, torch.bfloat16), weights=library_view(weights, w_dtype),
                    index_k=library_view(index_k, torch.bfloat16), starts=starts, ends=ends,
                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     _dsaib.validate_indexer_topk_inputs(
         **_exported({n: t for n, t in tensors.items() if t is not None}), topk=int(topk),
-        backend="cuda" if cuda else "cpu", stream=int(torch.cuda.current_stream(index_q.device).cuda_stream)
-        if cuda else 0, **{n: v for n, v in options.items() if v is not None})
+        **library_options(index_q.device, None, **options))
 
 
 def _library_validation(tensors, device, *, sm_scale, layout, id_mode, loss_coeff, normalization_count, backend,
