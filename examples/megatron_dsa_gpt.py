@@ -6,10 +6,13 @@ one GPU with the DSA indexer on a chosen kernel backend (docs/megatron.md).
     python examples/megatron_dsa_gpt.py --backend cudnn --steps 300 --csv cudnn.csv
     python examples/megatron_dsa_gpt.py --plot dsaib.csv none.csv cudnn.csv --png curves.png
 
-Needs: an NVIDIA GPU, Python >= 3.12, torch, megatron-core 0.19.x and
-Transformer Engine (Megatron's DSA layer spec takes its linear layers from
-it); dsaib built with its cuda backend for --backend dsaib; FlashMLA and
-cudnn-frontend's DSA for --backend cudnn. Same seed, same data and same
+Needs: Python >= 3.12, torch and megatron-core 0.19.x; an NVIDIA GPU with
+dsaib built with its cuda backend for --backend dsaib; FlashMLA and
+cudnn-frontend's DSA for --backend cudnn. --spec te builds the layers from
+Transformer Engine's modules as Megatron's DSA spec does by default; --spec
+local (the default) from Megatron's own, so that no Transformer Engine is
+needed. --device cpu runs the same model on the CPU (dsaib's cpu backend; a
+few steps of tiny dims, as the test suite does). Same seed, same data and same
 initial weights for every backend, so the curves can be laid over each other.
 
 The data is a synthetic language: tokens drawn from a fixed random bigram
@@ -36,6 +39,9 @@ def parse(argv):
                    help="Megatron's dsa_kernel_backend (dsaib is registered first)")
     p.add_argument("--attention", choices=("torch", "cudnn", "tilelang"), default="torch",
                    help="with --backend dsaib: the main sparse attention's backend")
+    p.add_argument("--spec", choices=("local", "te"), default="local",
+                   help="the layers' modules: Megatron's own (local) or Transformer Engine's (te)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--batch", type=int, default=1)
@@ -47,6 +53,8 @@ def parse(argv):
     p.add_argument("--topk", type=int, default=256, help="keys each query row selects")
     p.add_argument("--indexer-heads", type=int, default=16)
     p.add_argument("--indexer-loss-coeff", type=float, default=0.01)
+    p.add_argument("--rotate-activation", action="store_true",
+                   help="the indexer's Hadamard rotation of q and k (Megatron's default; needs fast_hadamard_transform)")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--time-indexer-steps", type=int, default=20)
@@ -79,6 +87,31 @@ def plot(paths, png):
     print(f"wrote {png}")
 
 
+def local_block_spec(config):
+    """Megatron's DSA block spec with Megatron's own modules instead of
+    Transformer Engine's: LocalSpecProvider's, its column-parallel linear for
+    MLA's down projections (what MLA takes besides TELinear), and for the
+    indexer's three projections (built "duplicated") Megatron's local Linear."""
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+        get_transformer_layer_with_experimental_attention_variant_spec)
+    from megatron.core.post_training.modelopt.layers import Linear
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    class Provider(LocalSpecProvider):
+        def linear(self):
+            return ColumnParallelLinear
+
+    provider = Provider()
+    layers = get_transformer_layer_with_experimental_attention_variant_spec(config, backend=provider)
+    for layer in layers:
+        indexer = layer.submodules.self_attention.submodules.core_attention.submodules.indexer.submodules
+        indexer.linear_wq_b = indexer.linear_wk = indexer.linear_weights_proj = Linear
+    return TransformerBlockSubmodules(layer_specs=layers,
+                                      layer_norm=provider.layer_norm(rms_norm=config.normalization == "RMSNorm"))
+
+
 def build(args, torch):
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -88,33 +121,39 @@ def build(args, torch):
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     parallel_state.initialize_model_parallel(1, 1)
-    model_parallel_cuda_manual_seed(args.seed)
+    if args.device == "cuda":
+        model_parallel_cuda_manual_seed(args.seed)
     config = MLATransformerConfig(
         num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
         ffn_hidden_size=4 * args.hidden, multi_latent_attention=True, q_lora_rank=256, kv_lora_rank=512,
         qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128, rope_type="rope",
         experimental_attention_variant="dsa", dsa_indexer_n_heads=args.indexer_heads, dsa_indexer_head_dim=128,
         dsa_indexer_topk=args.topk, dsa_indexer_loss_coeff=args.indexer_loss_coeff,
-        dsa_indexer_use_sparse_loss=True, dsa_kernel_backend=args.backend, normalization="RMSNorm",
+        dsa_indexer_use_sparse_loss=True, dsa_kernel_backend=args.backend,
+        dsa_indexer_rotate_activation=args.rotate_activation, normalization="RMSNorm",
         add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
-        hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02)
-    spec = get_transformer_block_with_experimental_attention_variant_spec(config)
+        hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
+        transformer_impl="transformer_engine" if args.spec == "te" else "local",
+        use_cpu_initialization=args.device == "cpu")
+    spec = (get_transformer_block_with_experimental_attention_variant_spec(config) if args.spec == "te"
+            else local_block_spec(config))
     model = GPTModel(config, spec, vocab_size=args.vocab, max_sequence_length=args.seq,
-                     position_embedding_type="rope").cuda()
+                     position_embedding_type="rope").to(args.device)
     return config, model
 
 
 def bigram_batches(args, torch):
     """An endless stream of (tokens, labels) [batch, seq] from a fixed random
     bigram table with 4 likely successors per token."""
-    g = torch.Generator(device="cuda").manual_seed(args.seed)
-    logits = torch.full((args.vocab, args.vocab), -4.0, device="cuda")
-    succ = torch.randint(0, args.vocab, (args.vocab, 4), generator=g, device="cuda")
+    dev = args.device
+    g = torch.Generator(device=dev).manual_seed(args.seed)
+    logits = torch.full((args.vocab, args.vocab), -4.0, device=dev)
+    succ = torch.randint(0, args.vocab, (args.vocab, 4), generator=g, device=dev)
     logits.scatter_(1, succ, 4.0)
     probs = torch.softmax(logits, -1)
     while True:
-        x = torch.empty(args.batch, args.seq + 1, dtype=torch.long, device="cuda")
-        x[:, 0] = torch.randint(0, args.vocab, (args.batch,), generator=g, device="cuda")
+        x = torch.empty(args.batch, args.seq + 1, dtype=torch.long, device=dev)
+        x[:, 0] = torch.randint(0, args.vocab, (args.batch,), generator=g, device=dev)
         for t in range(args.seq):
             x[:, t + 1] = torch.multinomial(probs[x[:, t]], 1, generator=g).squeeze(1)
         yield x[:, :-1].contiguous(), x[:, 1:].contiguous()
@@ -125,10 +164,10 @@ class IndexerTimer:
     (dsaib, cudnn: the backward only scales saved gradients) or, for backend
     none, its FusedDSAIndexerLoss forward and backward."""
 
-    def __init__(self, torch):
+    def __init__(self, torch, sync):
         from megatron.core.transformer.experimental_attention_variant import dsa, dsa_kernels
 
-        self.torch, self.on, self.ms = torch, False, 0.0
+        self.torch, self.sync, self.on, self.ms = torch, sync, False, 0.0
         self.patched = [(dsa_kernels, "run_fused_qk_topk_with_loss"),
                         (dsa.FusedDSAIndexerLoss, "forward"), (dsa.FusedDSAIndexerLoss, "backward")]
         for obj, name in self.patched:
@@ -138,13 +177,19 @@ class IndexerTimer:
         def wrapper(*a, **k):
             if not self.on:
                 return fn(*a, **k)
-            self.torch.cuda.synchronize()
+            self.sync()
             start = time.perf_counter()
             out = fn(*a, **k)
-            self.torch.cuda.synchronize()
+            self.sync()
             self.ms += (time.perf_counter() - start) * 1e3
             return out
         return staticmethod(wrapper) if fn.__name__ in ("forward", "backward") else wrapper
+
+
+def run_on_cpu(torch):
+    """Megatron's RoPE puts its frequencies on torch.cuda.current_device(): on
+    the CPU, there."""
+    torch.cuda.current_device = lambda: torch.device("cpu")
 
 
 def train(args):
@@ -157,17 +202,22 @@ def train(args):
         dsaib.megatron.register(attention=None if args.attention == "torch" else args.attention)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    torch.cuda.set_device(0)
+    on_gpu = args.device == "cuda"
+    if on_gpu:
+        torch.cuda.set_device(0)
+    else:
+        run_on_cpu(torch)
+    dist.init_process_group("nccl" if on_gpu else "gloo", rank=0, world_size=1)
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     torch.manual_seed(args.seed)
     from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerLossLoggingHelper
 
     config, model = build(args, torch)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    timer = IndexerTimer(torch)
+    timer = IndexerTimer(torch, sync)
     data = bigram_batches(args, torch)
-    position_ids = torch.arange(args.seq, device="cuda").unsqueeze(0).expand(args.batch, -1)
+    position_ids = torch.arange(args.seq, device=args.device).unsqueeze(0).expand(args.batch, -1)
     out = csv.writer(open(args.csv, "w", newline="")) if args.csv else None
     if out:
         out.writerow(["step", "lm_loss", "indexer_loss", "step_ms"])
@@ -176,14 +226,14 @@ def train(args):
         tokens, labels = next(data)
         timing_indexer = step > args.steps - args.time_indexer_steps
         timer.on, timer.ms = timing_indexer, 0.0
-        torch.cuda.synchronize()
+        sync()
         start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         per_token = model(tokens, position_ids, None, labels=labels)
         lm_loss = per_token.float().mean()
         lm_loss.backward()
         opt.step()
-        torch.cuda.synchronize()
+        sync()
         ms = (time.perf_counter() - start) * 1e3
         tracker = DSAIndexerLossLoggingHelper.tracker
         indexer_loss = float(tracker["values"].sum()) if "values" in tracker else float("nan")
@@ -195,7 +245,7 @@ def train(args):
         if out:
             out.writerow([step, f"{lm_loss.item():.6f}", f"{indexer_loss:.6f}", f"{ms:.3f}"])
         if step % 10 == 0 or step == 1:
-            print(f"step {step:5d}  lm_loss {lm_loss.item():.4f}  indexer_loss {indexer_loss:.5f}  {ms:.1f} ms",
+            print(f"step {step:5d}  lm_loss {lm_loss.item():.4f}  indexer_loss {indexer_loss:.4e}  {ms:.1f} ms",
                   flush=True)
     if step_ms:
         print(f"backend {args.backend}: mean step {sum(step_ms) / len(step_ms):.2f} ms over {len(step_ms)} steps")

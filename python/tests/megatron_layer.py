@@ -1,6 +1,7 @@
-"""Megatron-Core's DSA layer (DSAttention with its DSAIndexer) on the CPU, run
-once with dsa_kernel_backend="dsaib" and once with "none" (Megatron's torch
-path) on the same parameters and inputs, for python/tests/test_megatron.py.
+"""Megatron-Core's DSA layer (DSAttention with its DSAIndexer) on the CPU or on
+one GPU (a case's "device"), run once with dsa_kernel_backend="dsaib" and once
+with "none" (Megatron's torch path) on the same parameters and inputs, for
+python/tests/test_megatron.py.
 
 Run as a script it is one rank of a gloo group: ``python megatron_layer.py
 RANK WORLD INIT_FILE CASE_FILE OUT_FILE`` runs every case of CASE_FILE and
@@ -193,14 +194,15 @@ def run_layer(layer, case, inputs, capture):
     from megatron.core.transformer.enums import AttnMaskType
 
     packed = None
+    device = inputs["x"].device
     if case["thd"]:
-        cu = torch.tensor([0] + list(torch.tensor(case["lengths"]).cumsum(0)), dtype=torch.int32)
+        cu = torch.tensor([0] + list(torch.tensor(case["lengths"]).cumsum(0)), dtype=torch.int32, device=device)
         packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(case["lengths"]),
                                  max_seqlen_kv=max(case["lengths"]))
         if case.get("pad"):
             # padding at the end of each sequence: rows Megatron leaves out of the
             # loss and its mean (real_token_mask_q -> query_valid_rows)
-            real = torch.ones(int(cu[-1]), dtype=torch.bool)
+            real = torch.ones(int(cu[-1]), dtype=torch.bool, device=device)
             for end in cu[1:].tolist():
                 real[end - case["pad"]:end] = False
             packed.real_token_mask_q = real
@@ -211,10 +213,14 @@ def run_layer(layer, case, inputs, capture):
     out = layer(query, key, None, attention_mask=None, x=inputs["x"], qr=inputs["qr"], packed_seq_params=packed,
                 attn_mask_type=AttnMaskType.causal, up_v_weight=inputs["up_v"])
     out.backward(inputs["grad_out"].view_as(out))
-    grads = {n: p.grad.detach().float().clone() for n, p in layer.indexer.named_parameters() if p.grad is not None}
+    grads = {n: p.grad.detach().float().cpu() for n, p in layer.indexer.named_parameters() if p.grad is not None}
     rec = dict(capture.record)
-    return dict(loss=rec.get("loss"), ids=rec["ids"], topk_inputs=rec.get("topk_inputs"), out=out.detach().float(),
-                grads=grads, dqkw=tuple(rec.get(n) for n in ("dq", "dk", "dw")))
+
+    def cpu(t):  # what is compared, on the CPU whatever the layer ran on
+        return None if t is None else tuple(map(cpu, t)) if isinstance(t, tuple) else t.cpu()
+
+    return dict(loss=cpu(rec.get("loss")), ids=cpu(rec["ids"]), topk_inputs=cpu(rec.get("topk_inputs")),
+                out=cpu(out.detach().float()), grads=grads, dqkw=cpu(tuple(rec.get(n) for n in ("dq", "dk", "dw"))))
 
 
 def run_cases(rank, world, cases):
@@ -232,13 +238,15 @@ def run_cases(rank, world, cases):
         pgs.cp = dist.group.WORLD if cp > 1 else singles[rank]
         torch.manual_seed(case["seed"] + 1)  # the same parameters on every rank and for both backends
         config = make_config(case, "dsaib", tp, cp)
-        layer = make_layer(config, pgs)
+        device = torch.device(case.get("device", "cpu"))
+        layer = make_layer(config, pgs).to(device)
         if case.get("weights_scale"):
             with torch.no_grad():
                 layer.indexer.linear_weights_proj.weight.mul_(case["weights_scale"])
         layer.train()
         for draw in range(MAX_DRAWS):
-            inputs = layer_inputs(case, tp, cp, rank if tp > 1 else 0, rank if cp > 1 else 0, draw)
+            inputs = {n: t.to(device) for n, t in
+                      layer_inputs(case, tp, cp, rank if tp > 1 else 0, rank if cp > 1 else 0, draw).items()}
             with Capture() as capture:
                 got = {}
                 for backend in ("dsaib", "none"):
@@ -275,11 +283,17 @@ def run_on_cpu():
 
 
 def main(argv):
-    run_on_cpu()
     rank, world, init_file, case_file, out_file = int(argv[1]), int(argv[2]), argv[3], argv[4], argv[5]
-    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=world)
+    cases = torch.load(case_file)
+    on_gpu = any(c.get("device", "cpu") == "cuda" for c in cases.values())
+    if on_gpu:  # the collectives of CUDA tensors (the target's TP all-reduce) need NCCL
+        torch.cuda.set_device(rank)
+    else:
+        run_on_cpu()
+    dist.init_process_group("cpu:gloo,cuda:nccl" if on_gpu else "gloo", init_method="file://" + init_file,
+                            rank=rank, world_size=world)
     try:
-        torch.save(run_cases(rank, world, torch.load(case_file)), out_file)
+        torch.save(run_cases(rank, world, cases), out_file)
     finally:
         dist.destroy_process_group()
 
