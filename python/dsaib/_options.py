@@ -164,6 +164,14 @@ def _make_options():
                'codes (d_index_q, d_weights, d_index_k); None: "f32", except for dsaib.torch.indexer_kl_loss_and_grad, '
                'whose gradients then have the dtypes of index_q, weights and index_k (as their .grad would)',
                _out_dtype),
+        Option("gradients", "forward", ("forward", "backward"), False,
+               'the autograd loss (dsaib.torch.indexer_kl_loss): where the gradients are formed. "forward": by '
+               'the forward\'s one library call (indexer_kl_loss_and_grad at grad_loss 1), held until the backward, '
+               'which scales them by the upstream gradient (the same library work as the loss and gradients in one '
+               'call; holds gradient-sized tensors between the two); "backward": by a P-free backward fed the '
+               'forward\'s row statistics (the forward is the loss alone). Only where a gradient is wanted (grad '
+               'mode on, an input that requires grad, not float64 leaves); dsaib.indexer_kl_loss checks it only',
+               _word_check("gradients", ("forward", "backward"))),
         flag("return_index_score", "also return P (float32, shaped like topk_indices)", library=False, default=False),
         Option("topk", REQUIRED, (), False, "the number of keys each query row selects (an int >= 1): the last "
                                             "dimension of topk_indices", _topk_check),
@@ -198,7 +206,7 @@ _BACKWARD = ("deterministic", "a_operand_precision", "l2_hints", "start_stagger"
 OPERATIONS = types.MappingProxyType({
     "indexer_backward": _COMMON + ("grad_loss", "out_dtype") + _BACKWARD,
     "indexer_kl_forward": _COMMON + ("return_index_score",),
-    "indexer_kl_loss": _COMMON + _BACKWARD,
+    "indexer_kl_loss": _COMMON + _BACKWARD + ("gradients",),
     "indexer_kl_loss_and_grad": _COMMON + ("grad_loss", "out_dtype") + _BACKWARD + ("forward_fusion",),
     "attention_target": _TARGET_NAMES,
     "indexer_topk": ("topk", "layout", "id_mode", "order", "causal_offset", "strict_ranges", "return_logits",

@@ -51,6 +51,7 @@ from ._options import OPTIONS
 from ._torch import ops as _ops  # noqa: F401  (registers torch.ops.dsaib.*)
 from ._torch import reference as _reference
 from ._torch.autograd import IndexerKLLossFunction as _IndexerKLLossFunction
+from ._torch.autograd import IndexerKLLossGradientsInForward as _IndexerKLLossGradientsInForward
 from ._torch.convert import (check_same_device, check_tensor_types, check_torch_arguments, fp64, grad_code,
                              grad_loss_tensor, ids_int32, library_inputs, on_stream, range_int32, topk_operand)
 from .distributed import (context_parallel_indexer_backward, context_parallel_indexer_kl_loss,
@@ -130,7 +131,8 @@ def indexer_kl_forward(index_q, weights, index_k, topk_indices, attn_score, *, s
 def indexer_kl_loss(index_q, weights, index_k, topk_indices, attn_score, *, sm_scale, loss_coeff=1.0,
                     normalization_count=0, layout="bshd", id_mode="local", cu_seqlens_q=None, cu_seqlens_k=None,
                     backend=None, strict_indices=False, num_threads=0, stream=None, deterministic=False,
-                    a_operand_precision="auto", l2_hints="auto", start_stagger="auto") -> torch.Tensor:
+                    a_operand_precision="auto", l2_hints="auto", start_stagger="auto",
+                    gradients="forward") -> torch.Tensor:
     """The indexer KL loss, a 0-dim tensor, differentiable w.r.t. index_q, weights and index_k.
 
     ============  ======================  ===========================================
@@ -144,16 +146,24 @@ def indexer_kl_loss(index_q, weights, index_k, topk_indices, attn_score, *, sm_s
     attn_score    (B, S_q, topk)          float; the target distribution T
     ============  ======================  ===========================================
 
-    H a multiple of 8 in [8, 128], D 64 or 128. The forward is one library call
-    (dsaib::indexer_kl_forward, which validates the converted tensors as the
-    backward will get them, before anything is computed): the loss (float32;
-    float64 for float64 leaves, computed in torch on the unrounded values) and
-    each query row's log-sum-exp and target mass, saved with the converted
-    inputs; no P. The backward is one library call: the P-free
-    ``indexer_backward`` with autograd's upstream gradient as a device tensor
-    (a replayed CUDA graph reads the value it holds then) and the backward's options
-    (``deterministic``, ``a_operand_precision``, ``l2_hints``,
-    ``start_stagger``). Gradients come back in the dtypes of the leaves.
+    H a multiple of 8 in [8, 128], D 64 or 128. Where a gradient is wanted
+    (grad mode on, index_q, weights or index_k requiring grad) and
+    ``gradients="forward"`` (the default), the forward is one library call,
+    dsaib::indexer_kl_loss_and_grad at grad_loss 1 (the loss and gradients in
+    one call: the same library work as the training step needs, no more),
+    which validates the converted tensors before anything is computed; the
+    gradients are held (memory: the size of the three leaves) until the
+    backward multiplies them by autograd's upstream gradient, a device scalar.
+    Otherwise (``gradients="backward"``, no gradient wanted, or float64 leaves)
+    the forward is one library call (dsaib::indexer_kl_forward, which validates
+    likewise): the loss (float32; float64 for float64 leaves, computed in torch
+    on the unrounded values) and each query row's log-sum-exp and target mass,
+    saved with the converted inputs; no P. The backward is then one library
+    call: the P-free ``indexer_backward`` with autograd's upstream gradient as a
+    device tensor (a replayed CUDA graph reads the value it holds then). Either
+    way the backward's options (``deterministic``, ``a_operand_precision``,
+    ``l2_hints``, ``start_stagger``) apply, and gradients come back in the
+    dtypes of the leaves.
 
     Errors, before anything is computed: TypeError for a non-tensor argument,
     non-integer ``topk_indices`` or non-float ``attn_score``, ValueError for
@@ -165,17 +175,22 @@ def indexer_kl_loss(index_q, weights, index_k, topk_indices, attn_score, *, sm_s
         sm_scale=sm_scale, loss_coeff=loss_coeff, normalization_count=normalization_count, layout=layout,
         id_mode=id_mode, backend=backend, strict_indices=strict_indices, num_threads=num_threads, stream=stream,
         deterministic=deterministic, a_operand_precision=a_operand_precision, l2_hints=l2_hints,
-        start_stagger=start_stagger))
+        start_stagger=start_stagger, gradients=gradients))
     check_torch_arguments(index_q, weights, index_k, topk_indices, attn_score, cu_seqlens_q, cu_seqlens_k)
+    leaves = (index_q, weights, index_k)
+    float64 = any(t.dtype == torch.float64 for t in leaves)
+    in_forward = (o["gradients"] == "forward" and not float64 and torch.is_grad_enabled()
+                  and any(t.requires_grad for t in leaves))
+    function = _IndexerKLLossGradientsInForward if in_forward else _IndexerKLLossFunction
     with on_stream(o["stream"], index_q.device):
-        if any(t.dtype == torch.float64 for t in (index_q, weights, index_k)):
+        if float64:
             # The forward is computed in torch: the library's validation of what the backward will get.
             _reference.validate(index_q, weights, index_k, topk_indices, attn_score, sm_scale=o["sm_scale"],
                                 layout=o["layout"], id_mode=o["id_mode"], cu_seqlens_q=cu_seqlens_q,
                                 cu_seqlens_k=cu_seqlens_k, loss_coeff=o["loss_coeff"],
                                 normalization_count=o["normalization_count"], backend=o["backend"],
                                 num_threads=o["num_threads"], strict_indices=o["strict_indices"])
-        return _IndexerKLLossFunction.apply(
+        return function.apply(
             index_q, weights, index_k, topk_indices, attn_score, cu_seqlens_q, cu_seqlens_k, o["sm_scale"],
             o["loss_coeff"], o["normalization_count"], o["layout"], o["id_mode"], o["backend"], o["strict_indices"],
             o["num_threads"], o["deterministic"], o["a_operand_precision"], o["l2_hints"], o["start_stagger"])
@@ -384,12 +399,13 @@ class IndexerKLLoss(torch.nn.Module):
 
     def __init__(self, sm_scale, loss_coeff=1.0, normalization_count=0, layout="bshd", id_mode="local",
                  a_operand_precision="auto", strict_indices=False, *, backend=None, num_threads=0, stream=None,
-                 deterministic=False, l2_hints="auto", start_stagger="auto"):
+                 deterministic=False, l2_hints="auto", start_stagger="auto", gradients="forward"):
         super().__init__()
         given = dict(sm_scale=sm_scale, loss_coeff=loss_coeff, normalization_count=normalization_count,
                      layout=layout, id_mode=id_mode, backend=backend, strict_indices=strict_indices,
                      num_threads=num_threads, stream=stream, deterministic=deterministic,
-                     a_operand_precision=a_operand_precision, l2_hints=l2_hints, start_stagger=start_stagger)
+                     a_operand_precision=a_operand_precision, l2_hints=l2_hints, start_stagger=start_stagger,
+                     gradients=gradients)
         _options.check("indexer_kl_loss", given)
         self.options = given
         for name, value in given.items():

@@ -194,7 +194,8 @@ def reference(p, layout, id_mode, op, dtype=None):
     opts = options(p, layout, id_mode)
     if op == "loss":
         leaves = [x.detach().clone().requires_grad_() for x in (p["q"], p["w"], p["k"])]
-        loss = dt.indexer_kl_loss(*leaves, p["ids"], p["T"], **opts)
+        # the context-parallel loss forms its gradients in its backward, as this one then
+        loss = dt.indexer_kl_loss(*leaves, p["ids"], p["T"], gradients="backward", **opts)
         loss.backward(torch.tensor(1.5, dtype=loss.dtype))
         return loss.detach(), [x.grad for x in leaves]
     q16, w_op, k16, ids, T_op = backward_op_inputs(p["q"], p["w"], p["k"], p["ids"], p["T"], dtype)

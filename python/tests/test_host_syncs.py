@@ -96,6 +96,9 @@ def runners(p):
         "`dsaib.torch.indexer_kl_loss` (forward)": lambda: lambda: dt.indexer_kl_loss(*leaves(), ids, T, sm_scale=SM,
                                                                                        **o),
         "`loss.backward()` of `dsaib.torch.indexer_kl_loss`": backward_of(),
+        "`dsaib.torch.indexer_kl_loss(gradients=\"backward\")` (forward)": lambda: lambda: dt.indexer_kl_loss(
+            *leaves(), ids, T, sm_scale=SM, gradients="backward", **o),
+        "`loss.backward()` of `dsaib.torch.indexer_kl_loss(gradients=\"backward\")`": backward_of(gradients="backward"),
         "`dsaib.torch.indexer_kl_loss(strict_indices=True)` (forward)": lambda: lambda: dt.indexer_kl_loss(
             *leaves(), ids, T, sm_scale=SM, strict_indices=True, **o),
         "`dsaib.torch.indexer_kl_loss(strict_indices=True)` (forward), int64 ids": lambda: lambda: dt.indexer_kl_loss(

@@ -272,14 +272,22 @@ def test_autograd_loss_matches_float64_reference(w_dtype):
         assert_close_rms(name, g, r, tol if g.dtype == torch.bfloat16 else 1e-5, 2 * tol)
 
 
-def test_autograd_loss_f32_leaves_get_f32_gradients_equal_to_the_op():
+@pytest.mark.parametrize("gradients", ["forward", "backward"])
+def test_autograd_loss_f32_leaves_get_f32_gradients_equal_to_the_op(gradients):
     q, w, k, ids, T = make_torch_problem(seed=7)
     qq, ww, kk = (x.detach().float().requires_grad_() for x in (q, w, k))
-    dt.indexer_kl_loss(qq, ww, kk, ids, T, sm_scale=SM).backward(torch.tensor(2.0))
-    # the backward is the library's P-free form, fed with the forward's row statistics
-    _, row_lse, row_target_mass = dsaib.indexer_kl_forward(q, w, k, ids, T, sm_scale=SM)
-    want = dt.indexer_backward(q, w, k, ids, T, None, sm_scale=SM, grad_loss=2.0, row_lse=row_lse,
-                               row_target_mass=row_target_mass)
+    loss = dt.indexer_kl_loss(qq, ww, kk, ids, T, sm_scale=SM, gradients=gradients)
+    loss.backward(torch.tensor(2.0))
+    if gradients == "backward":
+        # the library's P-free backward, fed with the forward's row statistics
+        _, row_lse, row_target_mass = dsaib.indexer_kl_forward(q, w, k, ids, T, sm_scale=SM)
+        want = dt.indexer_backward(q, w, k, ids, T, None, sm_scale=SM, grad_loss=2.0, row_lse=row_lse,
+                                   row_target_mass=row_target_mass)
+    else:
+        # the loss and gradients in one call at grad_loss 1, then times 2 (exact in float32)
+        one_call = dt.indexer_kl_loss_and_grad(q, w, k, ids, T, sm_scale=SM, out_dtype="f32")
+        assert torch.equal(loss.detach(), one_call[0])
+        want = tuple(2 * d for d in one_call[1:])
     for g, x in zip((qq.grad, ww.grad, kk.grad), want):
         assert g.dtype == torch.float32
         assert torch.equal(g, x)

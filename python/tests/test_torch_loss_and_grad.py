@@ -73,7 +73,7 @@ def test_loss_value_and_gradients_match_float64_reference(layout, w_dtype):
 def test_forward_saves_row_statistics_and_no_topk_sized_tensor_beyond_ids_and_T():
     q, w, k, ids, T = make_torch_problem(seed=22)  # int32 ids, float32 T: taken as they are
     leaves = [x.detach().float().requires_grad_() for x in (q, w, k)]
-    loss = dt.indexer_kl_loss(*leaves, ids, T, sm_scale=SM)
+    loss = dt.indexer_kl_loss(*leaves, ids, T, sm_scale=SM, gradients="backward")
     saved = [t for t in loss.grad_fn.saved_tensors if t is not None]
     topk_sized = [t for t in saved if tuple(t.shape) == tuple(ids.shape)]
     # the caller's own ids and T, not copies, and no P
@@ -94,6 +94,27 @@ def test_forward_saves_row_statistics_and_no_topk_sized_tensor_beyond_ids_and_T(
     # divided by sum_i exp(z_i - row_lse) = exp(LSE - row_lse): the P the backward rebuilds from the f32 LSE
     want_mass[finite] *= torch.exp(row_lse[finite].double() - want_lse[finite])
     torch.testing.assert_close(row_target_mass.double(), want_mass, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32])
+def test_gradients_in_forward_hold_the_gradients_alone(w_dtype):
+    q, w, k, ids, T = make_torch_problem(seed=24)
+    leaves = [x.detach().clone().to(dt_).requires_grad_() for x, dt_ in ((q, q.dtype), (w, w_dtype), (k, k.dtype))]
+    loss = dt.indexer_kl_loss(*leaves, ids, T, sm_scale=SM)  # gradients="forward", the default
+    saved = loss.grad_fn.saved_tensors
+    # d_index_q, d_weights, d_index_k in the leaves' dtypes and shapes; no input, no row statistics
+    assert [(t.shape, t.dtype) for t in saved] == [(x.shape, x.dtype) for x in leaves]
+    assert not {t.data_ptr() for t in saved} & {x.data_ptr() for x in (*leaves, ids, T)}
+    want = dt.indexer_kl_loss_and_grad(q, w.to(w_dtype), k, ids, T, sm_scale=SM, grad_loss=1.0)
+    assert torch.equal(loss.detach(), want[0])
+    loss.backward(torch.tensor(0.5))  # a power of two: exact in bf16
+    for g, x in zip((x.grad for x in leaves), want[1:]):
+        assert torch.equal(g, 0.5 * x)
+    # no gradient wanted: the loss alone, nothing held
+    with torch.no_grad():
+        assert dt.indexer_kl_loss(*leaves, ids, T, sm_scale=SM).grad_fn is None
+    plain = dt.indexer_kl_loss(*(x.detach() for x in leaves), ids, T, sm_scale=SM)
+    assert plain.grad_fn is None and torch.equal(plain, want[0])
 
 
 def test_forward_is_the_library_not_torch_logits(monkeypatch):
@@ -255,3 +276,23 @@ def test_strict_indices_raises_on_an_invalid_id_every_entry_point():
         call(clean, strict_indices=True)  # valid ids pass
     with pytest.raises(TypeError, match=r"^strict_indices: expected a bool"):
         dt.indexer_kl_loss(*leaves, clean, T, sm_scale=SM, strict_indices="yes")
+
+
+def test_the_step_bench_checks_the_three_forms_and_needs_cuda_to_time(tmp_path):
+    """bench/torch_step.py: its --check on the CPU (the autograd step with the
+    gradients formed in the forward equals the one call bitwise), and without a
+    CUDA device its timing reports unavailable (exit 77) instead of running."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[2] / "bench" / "torch_step.py"
+    run = subprocess.run([sys.executable, str(bench), "--check-only", "--device", "cpu", "--heads", "8", "--dim", "64",
+                          "--topk", "32", "--json", str(tmp_path / "check.json")], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "check autograd_forward" in run.stdout and "(bitwise equal): ok" in run.stdout, run.stdout
+    assert "check autograd_backward" in run.stdout, run.stdout
+    if not torch.cuda.is_available():
+        run = subprocess.run([sys.executable, str(bench), "--seq", "256"], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 77 and '"status": "unavailable"' in run.stdout, run.stdout + run.stderr

@@ -1,12 +1,21 @@
-"""The autograd function of dsaib.torch.indexer_kl_loss: the library's forward
-(the loss and each query row's log-sum-exp and target mass; no P) and, as its
-backward, the P-free backward fed those row statistics and autograd's upstream
-gradient as a device scalar."""
+"""The autograd functions of dsaib.torch.indexer_kl_loss, by where its
+gradients are formed (its option ``gradients``):
+
+* IndexerKLLossFunction ("backward", and float64 leaves): the library's forward
+  (the loss and each query row's log-sum-exp and target mass; no P) and, as its
+  backward, the P-free backward fed those row statistics and autograd's
+  upstream gradient as a device scalar.
+* IndexerKLLossGradientsInForward ("forward"): the loss and its gradients at
+  grad_loss 1 in the forward's one library call (indexer_kl_loss_and_grad),
+  the gradients held until the backward, which scales them by the upstream
+  gradient. The gradient is linear in grad_loss, so this is the same
+  gradient for any upstream value.
+"""
 
 import torch
 
 from . import reference
-from .convert import fp64, grad_code, library_inputs
+from .convert import fp64, grad_code, grad_loss_tensor, library_inputs
 
 
 class IndexerKLLossFunction(torch.autograd.Function):
@@ -67,3 +76,41 @@ class IndexerKLLossFunction(torch.autograd.Function):
         need = ctx.needs_input_grad
         return (dq.to(q_dt) if need[0] else None, dw.to(w_dt) if need[1] else None,
                 dk.to(k_dt) if need[2] else None) + (None,) * 16
+
+
+class IndexerKLLossGradientsInForward(torch.autograd.Function):
+    """forward(the arguments of IndexerKLLossFunction) -> the loss (0-dim).
+
+    One library call, in the forward: dsaib::indexer_kl_loss_and_grad at
+    grad_loss 1, which validates the arguments and writes the loss and the
+    gradients in the leaves' dtypes (as the backward's call would). The
+    backward multiplies each held gradient by autograd's upstream gradient (a
+    device scalar, no host synchronisation): exact when it is 1 or a power of
+    two, else one more rounding to the gradient's dtype. Holds d_index_q,
+    d_weights and d_index_k (the size of the leaves) from the forward to the
+    backward, and none of the inputs. Not for float64 leaves.
+    """
+
+    @staticmethod
+    def forward(ctx, index_q, weights, index_k, topk_indices, attn_score, cu_seqlens_q, cu_seqlens_k, sm_scale,
+                loss_coeff, normalization_count, layout, id_mode, backend, strict_indices, num_threads, deterministic,
+                a_operand_precision, l2_hints, start_stagger):
+        q16, w_op, k16, ids32, T32 = library_inputs(index_q, weights, index_k, topk_indices, attn_score, False,
+                                                    strict_indices)
+        codes = tuple(grad_code(t.dtype, False) for t in (index_q, weights, index_k))
+        one = grad_loss_tensor((1.0, None), index_q.device)
+        loss, dq, dw, dk = torch.ops.dsaib.indexer_kl_loss_and_grad(
+            q16, w_op, k16, ids32, T32, one, cu_seqlens_q, cu_seqlens_k, sm_scale, loss_coeff, normalization_count,
+            layout, id_mode, *codes, a_operand_precision, "f32", strict_indices, l2_hints, start_stagger,
+            deterministic, num_threads, backend, "auto")
+        ctx.save_for_backward(dq, dw, dk)
+        ctx.in_dtypes = (index_q.dtype, weights.dtype, index_k.dtype)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        g = grad_loss.detach().reshape(()).to(torch.float32)
+        need = ctx.needs_input_grad
+        grads = tuple((d * g).to(dt) if need[i] else None
+                      for i, (d, dt) in enumerate(zip(ctx.saved_tensors, ctx.in_dtypes)))
+        return grads + (None,) * 16
