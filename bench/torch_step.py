@@ -12,13 +12,14 @@ ids, sm_scale = D**-0.5), what a user's step of the indexer loss runs:
                      backward)
 - one_call:          dsaib.torch.indexer_kl_loss_and_grad(...) (no autograd)
 
-Each timed call is the whole step (forward and backward), with CUDA events after a 3 ms GPU
-sleep, --warmup untimed calls and the median of --iters; the leaves' .grad is cleared before
-each call, untimed. Reported per case: ns per query row of each form, each autograd form's
-ratio to the one call, and the peak memory of a step. --check (also alone, with
---check-only, on any device) first runs the three forms on a small problem: the
-gradients of autograd_forward must equal the one call's (bitwise: the upstream gradient is 1),
-those of autograd_backward must lie within 1e-2 relative RMS of them, every loss within 1e-5.
+Each timed call is the whole step (fresh leaves, forward and backward), with CUDA events after
+a 3 ms GPU sleep, --warmup untimed calls and the median of --iters. Reported per case: ns per
+query row of each form, each autograd form's ratio to the one call, and the peak memory of a
+step. --check (also alone, with --check-only, on any device) first runs the three forms on a
+small problem with deterministic=True (d_index_k's fixed-point reduction, so that runs can be
+compared bitwise on a GPU): the gradients of autograd_forward must equal the one call's
+(bitwise: the upstream gradient is 1), those of autograd_backward must lie within 1e-2 relative
+RMS of them, every loss within 1e-5.
 
   python3 bench/torch_step.py [--seq 16384,65536] [--ids causal,random] [--heads 64] [--dim 128]
          [--topk 2048] [--batch 1] [--iters 10] [--warmup 3] [--check] [--check-only]
@@ -38,14 +39,14 @@ from common import torch  # noqa: E402
 FORMS = ("autograd_forward", "autograd_backward", "one_call")
 
 
-def step(form, q, w, k, ids, T, sm_scale):
+def step(form, q, w, k, ids, T, sm_scale, deterministic=False):
     """One training step of the loss in `form`; returns (loss, d_index_q, d_weights, d_index_k)."""
     import dsaib.torch as dt
 
     if form == "one_call":
-        return dt.indexer_kl_loss_and_grad(q, w, k, ids, T, sm_scale=sm_scale)
+        return dt.indexer_kl_loss_and_grad(q, w, k, ids, T, sm_scale=sm_scale, deterministic=deterministic)
     leaves = [x.detach().requires_grad_() for x in (q, w, k)]
-    loss = dt.indexer_kl_loss(*leaves, ids, T, sm_scale=sm_scale,
+    loss = dt.indexer_kl_loss(*leaves, ids, T, sm_scale=sm_scale, deterministic=deterministic,
                               gradients="forward" if form == "autograd_forward" else "backward")
     loss.backward()
     return (loss.detach(),) + tuple(x.grad for x in leaves)
@@ -54,7 +55,7 @@ def step(form, q, w, k, ids, T, sm_scale):
 def check(device, heads, dim, topk):
     """The three forms on a small problem: (ok, lines)."""
     q, w, k, ids, T, _ = common.make_problem(1, 256, heads, dim, min(topk, 64), "causal", device, seed=11)
-    got = {f: step(f, q, w, k, ids, T, dim ** -0.5) for f in FORMS}
+    got = {f: step(f, q, w, k, ids, T, dim ** -0.5, deterministic=True) for f in FORMS}
     ref = got["one_call"]
     lines, ok = [], True
     for form in ("autograd_forward", "autograd_backward"):

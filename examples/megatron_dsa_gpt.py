@@ -91,13 +91,28 @@ def local_block_spec(config):
     """Megatron's DSA block spec with Megatron's own modules instead of
     Transformer Engine's: LocalSpecProvider's, its column-parallel linear for
     MLA's down projections (what MLA takes besides TELinear), and for the
-    indexer's three projections (built "duplicated") Megatron's local Linear."""
+    indexer's three projections (built "duplicated") a plain linear layer
+    initialised by Megatron's init_method, as TE's duplicated linear is."""
+    import torch
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
         get_transformer_layer_with_experimental_attention_variant_spec)
-    from megatron.core.post_training.modelopt.layers import Linear
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    class DuplicatedLinear(torch.nn.Module):
+        """The whole weight on every rank; forward returns (output, None) as Megatron's linears do."""
+
+        def __init__(self, input_size, output_size, *, config, init_method, bias, parallel_mode, **kwargs):
+            super().__init__()
+            if parallel_mode != "duplicated" or bias:
+                raise ValueError(f"the indexer's projections: expected a duplicated linear without bias, got "
+                                 f"parallel_mode={parallel_mode!r}, bias={bias!r}")
+            self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
+            init_method(self.weight)
+
+        def forward(self, x):
+            return torch.nn.functional.linear(x, self.weight), None
 
     class Provider(LocalSpecProvider):
         def linear(self):
@@ -107,7 +122,7 @@ def local_block_spec(config):
     layers = get_transformer_layer_with_experimental_attention_variant_spec(config, backend=provider)
     for layer in layers:
         indexer = layer.submodules.self_attention.submodules.core_attention.submodules.indexer.submodules
-        indexer.linear_wq_b = indexer.linear_wk = indexer.linear_weights_proj = Linear
+        indexer.linear_wq_b = indexer.linear_wk = indexer.linear_weights_proj = DuplicatedLinear
     return TransformerBlockSubmodules(layer_specs=layers,
                                       layer_norm=provider.layer_norm(rms_norm=config.normalization == "RMSNorm"))
 
@@ -243,7 +258,7 @@ def train(args):
         elif step > 10:  # the first steps compile and warm up
             step_ms.append(ms)
         if out:
-            out.writerow([step, f"{lm_loss.item():.6f}", f"{indexer_loss:.6f}", f"{ms:.3f}"])
+            out.writerow([step, f"{lm_loss.item():.9e}", f"{indexer_loss:.9e}", f"{ms:.3f}"])
         if step % 10 == 0 or step == 1:
             print(f"step {step:5d}  lm_loss {lm_loss.item():.4f}  indexer_loss {indexer_loss:.4e}  {ms:.1f} ms",
                   flush=True)

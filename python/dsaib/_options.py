@@ -169,8 +169,10 @@ def _make_options():
                'the forward\'s one library call (indexer_kl_loss_and_grad at grad_loss 1), held until the backward, '
                'which scales them by the upstream gradient (the same library work as the loss and gradients in one '
                'call; holds gradient-sized tensors between the two); "backward": by a P-free backward fed the '
-               'forward\'s row statistics (the forward is the loss alone). Only where a gradient is wanted (grad '
-               'mode on, an input that requires grad, not float64 leaves); dsaib.indexer_kl_loss checks it only',
+               'forward\'s row statistics (the forward is the loss alone). "forward" only where a gradient is wanted '
+               '(grad mode on, index_q, weights or index_k requiring grad, not float64 leaves); deterministic '
+               'and torch.use_deterministic_algorithms are read where the gradients are formed; '
+               'dsaib.indexer_kl_loss checks it only',
                _word_check("gradients", ("forward", "backward"))),
         flag("return_index_score", "also return P (float32, shaped like topk_indices)", library=False, default=False),
         Option("topk", REQUIRED, (), False, "the number of keys each query row selects (an int >= 1): the last "

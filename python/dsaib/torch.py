@@ -208,8 +208,9 @@ def indexer_kl_loss_and_grad(index_q, weights, index_k, topk_indices, attn_score
 
     Through ``torch.ops.dsaib.indexer_kl_loss_and_grad``: the loss forward and
     the P-free backward in one host call; no P exists anywhere. Arguments and
-    their conversions as :func:`indexer_kl_loss`; the gradients equal what
-    ``indexer_kl_loss(...).backward(grad_loss)`` gives, in the dtypes of
+    their conversions as :func:`indexer_kl_loss`; the gradients are those of
+    ``indexer_kl_loss(...).backward(grad_loss)`` (whose default form runs
+    this call at grad_loss 1 and scales), in the dtypes of
     index_q, weights and index_k (``out_dtype=None``), and the loss is not
     scaled by ``grad_loss``. Float64 CPU tensors: the library's fp64 forward
     (on index_q/index_k rounded to bf16), a float64 loss and float64 gradients,

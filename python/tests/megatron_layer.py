@@ -3,7 +3,9 @@ one GPU (a case's "device"), run once with dsa_kernel_backend="dsaib" and once
 with "none" (Megatron's torch path) on the same parameters and inputs, for
 python/tests/test_megatron.py.
 
-Run as a script it is one rank of a gloo group: ``python megatron_layer.py
+Run as a script it is one rank of a process group (gloo; with NCCL beside it
+for the collectives of CUDA tensors when the cases run on a GPU, all of a
+case file's cases on one kind of device): ``python megatron_layer.py
 RANK WORLD INIT_FILE CASE_FILE OUT_FILE`` runs every case of CASE_FILE and
 saves what each backend gave (the loss, the ids the main attention got, the
 layer's output, the indexer's parameter gradients, the indexer's q/k/weights).
@@ -285,7 +287,9 @@ def run_on_cpu():
 def main(argv):
     rank, world, init_file, case_file, out_file = int(argv[1]), int(argv[2]), argv[3], argv[4], argv[5]
     cases = torch.load(case_file)
-    on_gpu = any(c.get("device", "cpu") == "cuda" for c in cases.values())
+    devices = {c.get("device", "cpu") for c in cases.values()}
+    assert len(devices) == 1, f"one kind of device per case file, got {sorted(devices)}"
+    on_gpu = devices == {"cuda"}
     if on_gpu:  # the collectives of CUDA tensors (the target's TP all-reduce) need NCCL
         torch.cuda.set_device(rank)
     else:

@@ -453,9 +453,12 @@ def free_port():
 def test_the_example_trains_on_the_cpu_with_either_backend(tmp_path):
     """examples/megatron_dsa_gpt.py on the CPU, a few steps of tiny dims, with
     dsaib and with Megatron's torch path: the same model, data and initial
-    weights, so the first step's LM loss is the same (the same ids give the
-    same attention) and its indexer loss agrees to float32 rounding; later
-    steps drift apart by bf16 roundings of the two gradients only."""
+    weights. The first step's indexer loss agrees to float32 rounding and its
+    LM loss to 1e-4 relative: at the initial weights (std 0.02) the indexer's
+    logits lie close together, and where two are within float32's rounding of
+    each other the float64 and float32 top-k may keep another key, which moves
+    the main attention a little. Later steps drift apart by such choices and
+    the bf16 roundings of the two gradients."""
     import csv
 
     steps, topk, layers, coeff = 6, 16, 2, 0.01
@@ -473,7 +476,7 @@ def test_the_example_trains_on_the_cpu_with_either_backend(tmp_path):
         curves[backend] = [{k: float(v) for k, v in row.items()} for row in csv.DictReader(open(out))]
     ours, theirs = curves["dsaib"], curves["none"]
     assert len(ours) == len(theirs) == steps
-    assert ours[0]["lm_loss"] == theirs[0]["lm_loss"]
+    assert abs(ours[0]["lm_loss"] - theirs[0]["lm_loss"]) <= 1e-4 * theirs[0]["lm_loss"], (ours[0], theirs[0])
     terms = coeff * math.log(topk) * layers
     assert 0 < ours[0]["indexer_loss"] and abs(ours[0]["indexer_loss"] - theirs[0]["indexer_loss"]) <= (
         LOSS_ABS_PER_TERM * terms), (ours[0], theirs[0])

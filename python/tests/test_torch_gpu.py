@@ -276,9 +276,11 @@ def test_use_deterministic_algorithms_runs_the_deterministic_kernels():
     P = reference_index_scores(q, w, k, ids, sm_scale=sm).float()
     _, *want = reference_grads(q, w, k, ids, T, sm_scale=sm)
     # The loss's forward runs before the switch: its bmm would need CUBLAS_WORKSPACE_CONFIG
-    # under deterministic algorithms, set before the process's first cuBLAS call.
+    # under deterministic algorithms, set before the process's first cuBLAS call. Its
+    # gradients are formed in the backward here, under the switch (with the default
+    # gradients="forward" the switch would have to be on at the forward).
     leaves = [x.detach().float().requires_grad_() for x in (q, w, k)]
-    loss = dt.indexer_kl_loss(*leaves, ids, T, sm_scale=sm)
+    loss = dt.indexer_kl_loss(*leaves, ids, T, sm_scale=sm, gradients="backward")
     with deterministic_algorithms(), warnings.catch_warnings():
         warnings.simplefilter("error")
         runs = {codes: [dt.indexer_backward(q, w, k, ids, T, P, sm_scale=sm, out_dtype=codes) for _ in range(3)]
@@ -484,8 +486,11 @@ def to_thd(q, w, k, ids, T):
 LOSS_CASES = [(layout, H) for layout in ("bshd", "thd") for H in (64, 128)]
 
 
+@pytest.mark.parametrize("gradients", ["backward", "forward"])
 @pytest.mark.parametrize("layout,H", LOSS_CASES)
-def test_loss_on_cuda_runs_the_fused_forward_and_the_p_free_backward(layout, H):
+def test_loss_on_cuda_in_both_gradient_forms(layout, H, gradients):
+    """gradients="backward": the fused forward and the P-free backward;
+    "forward": the one call in the forward, its gradients held and scaled."""
     q, w, k, ids, T = problem(B=2, S=64, S_kv=96, H=H, D=128, topk=80, seed=30)
     sm = 128 ** -0.5
     want_loss, *want = reference_grads(q, w, k, ids, T, sm_scale=sm, loss_coeff=0.9)
@@ -493,14 +498,18 @@ def test_loss_on_cuda_runs_the_fused_forward_and_the_p_free_backward(layout, H):
     opts = {} if layout == "bshd" else args[5]
     q2, w2, k2, ids2, T2 = args[:5]
     leaves = [x.detach().float().requires_grad_() for x in (q2, w2, k2)]
-    loss = dt.indexer_kl_loss(*leaves, ids2, T2, sm_scale=sm, loss_coeff=0.9, **opts)
+    loss = dt.indexer_kl_loss(*leaves, ids2, T2, sm_scale=sm, loss_coeff=0.9, gradients=gradients, **opts)
     assert loss.device.type == "cuda" and loss.dtype == torch.float32
     assert abs(loss.item() - want_loss.item()) <= 1e-6 * abs(want_loss.item()), (loss.item(), want_loss.item())
-    # the forward saved the row statistics and, of size S_q x topk, only the caller's ids and T
     saved = [t for t in loss.grad_fn.saved_tensors if t is not None]
-    topk_sized = [t for t in saved if tuple(t.shape) == tuple(ids2.shape)]
-    assert sorted(t.data_ptr() for t in topk_sized) == sorted([ids2.data_ptr(), T2.data_ptr()])
-    assert len([t for t in saved if tuple(t.shape) == tuple(ids2.shape[:-1])]) == 2
+    if gradients == "backward":
+        # the forward saved the row statistics and, of size S_q x topk, only the caller's ids and T
+        topk_sized = [t for t in saved if tuple(t.shape) == tuple(ids2.shape)]
+        assert sorted(t.data_ptr() for t in topk_sized) == sorted([ids2.data_ptr(), T2.data_ptr()])
+        assert len([t for t in saved if tuple(t.shape) == tuple(ids2.shape[:-1])]) == 2
+    else:
+        # the gradients alone, shaped and typed as the leaves
+        assert [(t.shape, t.dtype, t.device) for t in saved] == [(x.shape, x.dtype, x.device) for x in leaves]
     loss.backward()
     for name, x, r in zip(NAMES, leaves, want):
         assert_close_rms(name, x.grad.reshape(r.shape), r, *TOL[torch.float32])

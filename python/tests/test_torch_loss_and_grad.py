@@ -110,11 +110,36 @@ def test_gradients_in_forward_hold_the_gradients_alone(w_dtype):
     loss.backward(torch.tensor(0.5))  # a power of two: exact in bf16
     for g, x in zip((x.grad for x in leaves), want[1:]):
         assert torch.equal(g, 0.5 * x)
+    # a leaf that needs no gradient: its gradient is not held
+    part = [leaves[0].detach(), leaves[1], leaves[2].detach()]
+    assert [t is None for t in dt.indexer_kl_loss(*part, ids, T, sm_scale=SM).grad_fn.saved_tensors] == [
+        True, False, True]
     # no gradient wanted: the loss alone, nothing held
     with torch.no_grad():
         assert dt.indexer_kl_loss(*leaves, ids, T, sm_scale=SM).grad_fn is None
     plain = dt.indexer_kl_loss(*(x.detach() for x in leaves), ids, T, sm_scale=SM)
     assert plain.grad_fn is None and torch.equal(plain, want[0])
+
+
+def test_gradients_in_forward_scale_in_float32_and_refuse_a_graph_of_the_gradient():
+    q, w, k, ids, T = make_torch_problem(seed=25)
+    leaves = [x.detach().clone().requires_grad_() for x in (q, w, k)]  # bf16 q and k
+    want = dt.indexer_kl_loss_and_grad(q, w, k, ids, T, sm_scale=SM, out_dtype="f32")
+    g = 1.0 / 3.0  # not a power of two: one rounding of the float32 product
+    dt.indexer_kl_loss(*leaves, ids, T, sm_scale=SM).backward(torch.tensor(g))
+    one = dt.indexer_kl_loss_and_grad(q, w, k, ids, T, sm_scale=SM)  # the held gradients, in the leaves' dtypes
+    for x, d in zip(leaves, one[1:]):
+        assert torch.equal(x.grad, (d.float() * torch.tensor(g)).to(x.dtype))
+    for x, r in zip(leaves, want[1:]):
+        assert_close_rms("grad", x.grad.float(), r * g, 2 ** -8, 2 ** -7)
+    # a graph of the gradient (for a second derivative) is refused, as with gradients="backward"
+    for form, message in (("forward", r"^dsaib.torch.indexer_kl_loss: expected a first-order backward"),
+                          ("backward", "autograd")):
+        w2 = w.detach().clone().requires_grad_()
+        loss = dt.indexer_kl_loss(q, w2, k, ids, T, sm_scale=SM, gradients=form)
+        with pytest.raises(RuntimeError, match=message):  # at the graph's making, or at its use
+            (gw,) = torch.autograd.grad(loss, w2, create_graph=True)
+            gw.pow(2).sum().backward()
 
 
 def test_forward_is_the_library_not_torch_logits(monkeypatch):

@@ -85,10 +85,13 @@ class IndexerKLLossGradientsInForward(torch.autograd.Function):
     grad_loss 1, which validates the arguments and writes the loss and the
     gradients in the leaves' dtypes (as the backward's call would). The
     backward multiplies each held gradient by autograd's upstream gradient (a
-    device scalar, no host synchronisation): exact when it is 1 or a power of
-    two, else one more rounding to the gradient's dtype. Holds d_index_q,
-    d_weights and d_index_k (the size of the leaves) from the forward to the
-    backward, and none of the inputs. Not for float64 leaves.
+    device scalar, no host synchronisation) in float32 and rounds once to the
+    gradient's dtype: exact when the upstream gradient is 1 or a power of two
+    (short of overflow), else one more rounding. Holds those of d_index_q,
+    d_weights and d_index_k whose leaves need a gradient (the size of those
+    leaves) from the forward to the backward, and none of the inputs. A
+    backward with create_graph=True raises (the other form's does too: its
+    op has no derivative); not for float64 leaves.
     """
 
     @staticmethod
@@ -103,14 +106,19 @@ class IndexerKLLossGradientsInForward(torch.autograd.Function):
             q16, w_op, k16, ids32, T32, one, cu_seqlens_q, cu_seqlens_k, sm_scale, loss_coeff, normalization_count,
             layout, id_mode, *codes, a_operand_precision, "f32", strict_indices, l2_hints, start_stagger,
             deterministic, num_threads, backend, "auto")
-        ctx.save_for_backward(dq, dw, dk)
+        need = ctx.needs_input_grad
+        ctx.save_for_backward(*(d if need[i] else None for i, d in enumerate((dq, dw, dk))))
         ctx.in_dtypes = (index_q.dtype, weights.dtype, index_k.dtype)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
+        if torch.is_grad_enabled():  # backward(create_graph=True): the held gradients have no graph
+            raise RuntimeError("dsaib.torch.indexer_kl_loss: expected a first-order backward, got "
+                               "create_graph=True (the loss is not twice differentiable)")
         g = grad_loss.detach().reshape(()).to(torch.float32)
-        need = ctx.needs_input_grad
-        grads = tuple((d * g).to(dt) if need[i] else None
-                      for i, (d, dt) in enumerate(zip(ctx.saved_tensors, ctx.in_dtypes)))
+        # In float32, rounded once: a CUDA 0-dim tensor would be converted to the
+        # gradient's dtype before a bf16/fp16 multiply.
+        grads = tuple(None if d is None else (d.to(torch.float32) * g).to(dt)
+                      for d, dt in zip(ctx.saved_tensors, ctx.in_dtypes))
         return grads + (None,) * 16
