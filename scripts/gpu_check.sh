@@ -8,7 +8,8 @@
 #     --only PART[,PART...]  run only these parts (names below)
 #     --skip-PART            skip one part: --skip-tests, --skip-sanitizer, --skip-cli,
 #                            --skip-bench, --skip-target, --skip-topk, --skip-peers,
-#                            --skip-forward-peers, --skip-target-peers, --skip-topk-peers, --skip-python
+#                            --skip-forward-peers, --skip-target-peers, --skip-topk-peers, --skip-python,
+#                            --skip-torch-step, --skip-megatron
 #     --bench-args "ARGS"    more arguments for the bench part's dsaib-bench (e.g. "--seq 16384 --ids random")
 #     --target-bench-args "ARGS"  more arguments for the target part's dsaib-bench (e.g. "--seq 4096 --shapes 128x576")
 #     --topk-bench-args "ARGS"    more arguments for the topk part's timed dsaib-bench (e.g. "--topk-shapes 64x128
@@ -146,6 +147,20 @@
 #              builds this checkout's Python package with the cuda backend into O/python/site,
 #              runs python/tests (the GPU tests must run) and the training example on cpu and
 #              cuda; see scripts/python_check.sh.
+#   torch-step python3 bench/torch_step.py --check --seq 16384,65536 --ids causal,random
+#                      --json O/torch-step/torch_step.json
+#              dsaib.torch's autograd step in both gradient forms beside the one call (the
+#              package the python part installed, O/python/site, when it ran; else the installed
+#              one): its check, then ns per query row of each form and each form's ratio to the
+#              one call. Exit 77 (no CUDA for torch) fails the part.
+#   megatron   for BACKEND in dsaib none (and cudnn where cudnn-frontend imports):
+#                python3 examples/megatron_dsa_gpt.py --backend BACKEND --steps 300 --csv O/megatron/BACKEND.csv
+#              then python3 examples/megatron_dsa_gpt.py --plot O/megatron/*.csv --png O/megatron/curves.png
+#              A tiny Megatron-Core GPT with DSA layers trained on one GPU per indexer backend
+#              (same seed, data and initial weights), each run's mean step time and the
+#              indexer's share of it in its log. Needs Python >= 3.12 with megatron-core 0.19:
+#              without it the part is SKIPPED with the reason; dsaib or none failing fails it,
+#              cudnn's own failure is reported only; the plot needs matplotlib (else skipped).
 #
 # Writes O/summary.txt (one line per part: PASS, FAIL or SKIPPED with the reason),
 # O/gpu.txt (GPU, driver, toolkit, commit) and O/gpu_check.log (the console).
@@ -211,7 +226,8 @@ TOPK_SEQS=16384,65536,131072
 usage() { sed -n '2,/^$/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 die() { echo "gpu_check: $*" >&2; exit 2; }
 
-ALL_PARTS=(tests sanitizer cli bench target topk peers forward-peers target-peers topk-peers python)
+ALL_PARTS=(tests sanitizer cli bench target topk peers forward-peers target-peers topk-peers python torch-step
+           megatron)
 declare -A run_part=()
 for p in "${ALL_PARTS[@]}"; do run_part[$p]=1; done
 build_dir=./build
@@ -727,6 +743,62 @@ part_python() {
     record python PASS "$steps"
   else
     record python FAIL "exit $rc: $steps (see $d)"
+  fi
+}
+
+# The package the python part installed, when it ran, for the parts after it.
+with_python_site() {
+  if [[ -d $out/python/site ]]; then
+    PYTHONPATH="$out/python/site${PYTHONPATH:+:$PYTHONPATH}" "$@"
+  else
+    "$@"
+  fi
+}
+
+part_torch_step() {
+  local d=$out/torch-step rc
+  mkdir -p "$d"
+  banner "torch-step: bench/torch_step.py --check"
+  with_python_site python3 bench/torch_step.py --check --seq 16384,65536 --ids causal,random \
+    --json "$d/torch_step.json" 2>&1 | tee "$d/torch_step.log"
+  rc=${PIPESTATUS[0]}
+  if [[ $rc -eq 0 ]]; then
+    record torch-step PASS "$(grep -c '^\(causal\|random\) ' "$d/torch_step.log") cases timed (see $d)"
+  else
+    record torch-step FAIL "bench/torch_step.py exit $rc (see $d/torch_step.log)"
+  fi
+}
+
+part_megatron() {
+  local d=$out/megatron rc backends=(dsaib none) b fails=() notes=()
+  mkdir -p "$d"
+  banner "megatron: examples/megatron_dsa_gpt.py"
+  if ! with_python_site python3 -c "import dsaib.megatron as m, sys; sys.exit(m.megatron_version() not in m.SUPPORTED_VERSIONS)" \
+      >"$d/import.log" 2>&1; then
+    record megatron SKIPPED "no supported megatron-core for $(python3 --version 2>&1) (see $d/import.log)"
+    return
+  fi
+  python3 -c "import cudnn" >/dev/null 2>&1 && backends+=(cudnn)
+  for b in "${backends[@]}"; do
+    with_python_site timeout 1800 python3 examples/megatron_dsa_gpt.py --backend "$b" --steps 300 \
+      --csv "$d/$b.csv" >"$d/$b.log" 2>&1
+    rc=$?
+    if [[ $rc -ne 0 ]]; then
+      [[ $b == cudnn ]] && notes+=("cudnn exit $rc") || fails+=("$b exit $rc")
+    else
+      notes+=("$b: $(grep -h '^backend .*mean step' "$d/$b.log" | sed 's/^backend [a-z]*: //')")
+    fi
+  done
+  if python3 -c "import matplotlib" >/dev/null 2>&1; then
+    python3 examples/megatron_dsa_gpt.py --plot "$d"/*.csv --png "$d/curves.png" >"$d/plot.log" 2>&1 ||
+      notes+=("plot failed (see $d/plot.log)")
+  else
+    notes+=("no matplotlib: no plot")
+  fi
+  if [[ ${#fails[@]} -eq 0 ]]; then
+    record megatron PASS "$(IFS=';'; echo "${notes[*]}")"
+  else
+    record megatron FAIL "$(IFS=';'; echo "${fails[*]}") (see $d)"
   fi
 }
 

@@ -133,7 +133,7 @@ grep -q -- "--topk-seq: expected" "$t/log6" || bad "--topk-seq refusal says noth
 
 # the part names: each one's --skip-PART is accepted (every part skipped: exit 0, each SKIPPED, in
 # order), a misspelt one is refused with the list, and --help names each --skip-PART
-parts=(tests sanitizer cli bench target topk peers forward-peers target-peers topk-peers python)
+parts=(tests sanitizer cli bench target topk peers forward-peers target-peers topk-peers python torch-step megatron)
 skips=()
 for p in "${parts[@]}"; do skips+=("--skip-$p"); done
 bash "$repo/scripts/gpu_check.sh" -B "$t/build" "${skips[@]}" "$t/out7" >"$t/log7" 2>&1
