@@ -85,96 +85,26 @@ the whole sequence.
 Host synchronisations besides the collectives: the agreement's descriptor
 read back (one with NCCL), THD's cu_seqlens read to the host in one transfer
 (one), the validation before the exchange (THD on a GPU: one), and those of
-the library's calls (one in the loss's forward, one in
-its backward, one in the backward-only function; docs/python.md).
+the library's calls (one in the loss's forward, one in its backward with
+gradients="backward", one in the backward-only function; docs/python.md).
 """
 from typing import Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
 from . import _options
 from ._options import OPTIONS
 from ._torch import ops as _ops  # noqa: F401  (registers torch.ops.dsaib.*)
 from ._torch import reference
 from ._torch.convert import (check_same_device, check_tensor_types, check_torch_arguments, checked_grad_loss,
-                             fp64 as _fp64, grad_code, library_inputs, out_dtype as _out_dtype, range_int32,
-                             topk_operand)
+                             out_dtype as _out_dtype, range_int32, topk_operand)
 from ._torch.cp_agreement import describe, host_offsets
+from ._torch.cp_loss import ContextParallelKLLoss as _ContextParallelKLLoss, resolved_a_operand as _resolved_a_operand
 from ._torch.cp_plan import (CP_LAYOUTS, causal_ranges, finish, normalization, plan as _plan, rank_chunks,
                              rank_rows, start_gather, start_reduce_scatter)
 
 __all__ = ["context_parallel_indexer_kl_loss", "context_parallel_indexer_backward", "context_parallel_indexer_topk",
            "rank_rows", "rank_chunks", "CP_LAYOUTS"]
-
-
-def _resolved_a_operand(a_operand_precision, q_code, k_code):
-    """'auto' as the single-GPU op resolves it for these leaves (the CP backward
-    always writes d_index_k in float32 (or float64) for the reduction, which
-    would otherwise turn 'auto' into two terms for bf16 leaves)."""
-    if a_operand_precision != "auto":
-        return a_operand_precision
-    return "bf16x2" if ("f32" in (q_code, k_code) or "f64" in (q_code, k_code)) else "bf16"
-
-
-class _ContextParallelKLLoss(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, index_q, weights, index_k, topk_indices, attn_score, plan, sm_scale, loss_coeff,
-                normalization_count, id_mode, a_operand_precision):
-        fp64 = any(t.dtype == torch.float64 for t in (index_q, weights, index_k))
-        # CPU float64: through the library in float64 too (its fp64 CPU backend).
-        library_fp64 = _fp64(index_q.device, index_q, weights, index_k)
-        k_send = index_k if fp64 else index_k.to(torch.bfloat16)
-        gathered, work = start_gather(plan, k_send)
-        try:
-            # While the keys travel: the local conversions (the library's checks
-            # of the arguments ran before the exchange, in plan).
-            n = normalization(plan, normalization_count)
-            # (index_k itself is converted whole after the gather; an empty slice stands in here)
-            q16, w_op, _, ids32, T32 = library_inputs(index_q, weights, index_k[:0], topk_indices, attn_score,
-                                                      library_fp64)
-        finally:
-            finish(work)
-        k_whole = plan.to_sequence_order(gathered)
-        k16 = k_whole.to(torch.bfloat16).contiguous()
-        if fp64:
-            loss, row_lse, row_target_mass = reference.float64_forward(
-                index_q, weights, k_whole, topk_indices, attn_score, sm_scale, loss_coeff, n, plan.layout,
-                id_mode, plan.cu_q_local, plan.cu_k)
-        else:
-            loss, row_lse, row_target_mass = torch.ops.dsaib.indexer_kl_forward(
-                q16, w_op, k16, ids32, T32, plan.cu_q_local, plan.cu_k, float(sm_scale), float(loss_coeff), n,
-                plan.layout, id_mode)
-        # Every rank returns the global loss; backward() on a rank carries its own share.
-        dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=plan.group)
-        stats = torch.float64 if library_fp64 else torch.float32
-        ctx.save_for_backward(q16, w_op, k16, ids32, T32, row_lse.to(stats), row_target_mass.to(stats))
-        ctx.plan = plan
-        ctx.in_dtypes = (index_q.dtype, weights.dtype, index_k.dtype)
-        ctx.fp64 = library_fp64
-        ctx.options = (float(sm_scale), float(loss_coeff), n, id_mode, a_operand_precision)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        q16, w_op, k16, ids32, T32, row_lse, row_target_mass = ctx.saved_tensors
-        plan = ctx.plan
-        sm_scale, loss_coeff, n, id_mode, a_operand_precision = ctx.options
-        q_dt, w_dt, k_dt = ctx.in_dtypes
-        q_code, w_code, k_code = (grad_code(dt, ctx.fp64) for dt in (q_dt, w_dt, k_dt))
-        g = grad_loss.detach().reshape(()).to(torch.float32)
-        # d_index_k's shares: float32 (float64 in the fp64 mode) for the sum over the ranks.
-        dk_code = "f64" if ctx.fp64 else "f32"
-        dq, dw, dk_whole = torch.ops.dsaib.indexer_backward(
-            q16, w_op, k16, ids32, T32, None, g, plan.cu_q_local, plan.cu_k, sm_scale, loss_coeff, n,
-            plan.layout, id_mode, q_code, w_code, dk_code, _resolved_a_operand(a_operand_precision, q_code, k_code),
-            row_lse, row_target_mass)
-        dk, work = start_reduce_scatter(plan, dk_whole)
-        need = ctx.needs_input_grad
-        dq = dq.to(q_dt) if need[0] else None
-        dw = dw.to(w_dt) if need[1] else None
-        finish(work)
-        return dq, dw, dk.to(k_dt) if need[2] else None, None, None, None, None, None, None, None, None
 
 
 def context_parallel_indexer_kl_loss(
@@ -194,6 +124,7 @@ def context_parallel_indexer_kl_loss(
     cu_seqlens_q: Optional[torch.Tensor] = None,
     cu_seqlens_k: Optional[torch.Tensor] = None,
     a_operand_precision: str = "auto",
+    gradients: str = "forward",
 ) -> torch.Tensor:
     """The indexer KL loss of a sequence split over the CP group ``group``
     (a ``torch.distributed`` process group; ``None`` is the default group).
@@ -224,22 +155,32 @@ def context_parallel_indexer_kl_loss(
     word or number) still takes part in that all-gather: it raises its own
     error, and every other rank a ValueError naming that rank and its error.
 
-    Memory: the gathered ``index_k`` (bf16, the whole sequence) is kept for the
-    backward, which also makes a float32 ``d_index_k`` of the whole sequence
-    for the reduce-scatter (float64 for float64 inputs on CPU). THD reads both
+    ``gradients`` as in :func:`dsaib.torch.indexer_kl_loss`: with
+    ``"forward"`` (the default, where a gradient is wanted and the leaves are
+    not float64) the forward's one library call (``indexer_kl_loss_and_grad``
+    at ``grad_loss`` 1) forms this rank's gradients, and the backward scales
+    them by the rank's upstream gradient and reduce-scatters ``d_index_k``; with
+    ``"backward"`` the forward is the loss alone and the backward the P-free
+    backward, then the reduce-scatter.
+
+    Memory: ``"forward"`` holds this rank's ``d_index_q`` and ``d_weights`` and
+    its float32 share of ``d_index_k`` for the whole sequence from the forward
+    to the backward; ``"backward"`` keeps the gathered ``index_k`` (bf16, the
+    whole sequence) for the backward, which then makes that float32
+    ``d_index_k`` for the reduce-scatter (float64 for float64 inputs on CPU). THD reads both
     cu_seqlens to the host in one transfer (one synchronisation on a GPU; the
     library's calls add theirs, docs/python.md).
     """
     fields, error, offsets = None, None, (None, None)
     try:
-        sm_scale, loss_coeff, normalization_count, a_operand_precision = _options.check_each(
+        sm_scale, loss_coeff, normalization_count, a_operand_precision, gradients = _options.check_each(
             sm_scale=sm_scale, loss_coeff=loss_coeff, normalization_count=normalization_count,
-            a_operand_precision=a_operand_precision).values()
+            a_operand_precision=a_operand_precision, gradients=gradients).values()
         check_torch_arguments(index_q, weights, index_k, topk_indices, attn_score, cu_seqlens_q, cu_seqlens_k)
         offsets = host_offsets(cu_seqlens_q, cu_seqlens_k)
         fields = describe("context_parallel_indexer_kl_loss", index_q, weights, index_k, topk_indices, attn_score,
                           None, sm_scale, cp_layout, loss_coeff, normalization_count, layout, id_mode, *offsets, None,
-                          a_operand_precision)
+                          a_operand_precision, gradients=gradients)
     except (TypeError, ValueError) as e:  # raised on every rank by the exchange in plan
         error = e
 
@@ -255,8 +196,12 @@ def context_parallel_indexer_kl_loss(
 
     plan = _plan(group, cp_layout, layout, index_q, index_k, cu_seqlens_q, cu_seqlens_k, offsets, fields, error,
                  validate)
+    leaves = (index_q, weights, index_k)
+    in_forward = (gradients == "forward" and torch.is_grad_enabled() and any(t.requires_grad for t in leaves)
+                  and not any(t.dtype == torch.float64 for t in leaves))
     return _ContextParallelKLLoss.apply(index_q, weights, index_k, topk_indices, attn_score, plan, float(sm_scale),
-                                        float(loss_coeff), int(normalization_count), id_mode, a_operand_precision)
+                                        float(loss_coeff), int(normalization_count), id_mode, a_operand_precision,
+                                        in_forward)
 
 
 def _check_local_backward_arguments(index_q, layout, grad_loss, row_lse, row_target_mass):

@@ -121,6 +121,9 @@ CASES = [
     ("thd-zigzag-backward-op-float64", "thd", "zigzag", "global", torch.float64, "backward"),
     ("wrong_order", "bshd", "zigzag", "local", torch.float64, "loss"),
 ]
+# The loss's gradients formed by the backward, or by the forward's one call (float64
+# leaves: by the backward either way).
+GRADIENT_FORMS = ("backward", "forward")
 
 
 def options(p, layout, id_mode):
@@ -165,14 +168,15 @@ def run_worker(rank, world, init_file, problem_file, out_file):
             opts = options(p, layout, id_mode)
             passed_layout = "contiguous" if name == "wrong_order" else cp_layout
             if op == "loss":
-                leaves = [x.detach().clone().requires_grad_() for x in (q, w, k)]
-                with HostSyncs(cuda=False) as forward:
-                    loss = dcp.context_parallel_indexer_kl_loss(*leaves, ids, T, group=None,
-                                                                cp_layout=passed_layout, **opts)
-                with HostSyncs(cuda=False) as backward:
-                    loss.backward(torch.tensor(1.5, dtype=loss.dtype))
-                results[name] = dict(loss=loss.detach(), grads=[x.grad for x in leaves],
-                                     counts=[counted(forward), counted(backward)])
+                for form in GRADIENT_FORMS:
+                    leaves = [x.detach().clone().requires_grad_() for x in (q, w, k)]
+                    with HostSyncs(cuda=False) as forward:
+                        loss = dcp.context_parallel_indexer_kl_loss(*leaves, ids, T, group=None,
+                                                                    cp_layout=passed_layout, gradients=form, **opts)
+                    with HostSyncs(cuda=False) as backward:
+                        loss.backward(torch.tensor(1.5, dtype=loss.dtype))
+                    results[(name, form)] = dict(loss=loss.detach(), grads=[x.grad for x in leaves],
+                                                 counts=[counted(forward), counted(backward)])
             else:
                 P = p["P_parts"][rank]
                 inputs = backward_op_inputs(q, w, k, ids, T, dtype)
@@ -180,7 +184,7 @@ def run_worker(rank, world, init_file, problem_file, out_file):
                     grads = dcp.context_parallel_indexer_backward(
                         *inputs, P, group=None, cp_layout=passed_layout, grad_loss=1.5,
                         out_dtype=backward_out_dtype(dtype), **opts)
-                results[name] = dict(loss=None, grads=list(grads), counts=[counted(call)])
+                results[(name, None)] = dict(loss=None, grads=list(grads), counts=[counted(call)])
         torch.save(results, out_file)
     finally:
         dist.destroy_process_group()
@@ -189,13 +193,13 @@ def run_worker(rank, world, init_file, problem_file, out_file):
 # ---- the parent: run the workers, compare ---------------------------------------
 
 
-def reference(p, layout, id_mode, op, dtype=None):
-    """loss and gradients of one process on the whole sequence (dsaib.torch, CPU backend)."""
+def reference(p, layout, id_mode, op, dtype=None, gradients="backward"):
+    """loss and gradients of one process on the whole sequence (dsaib.torch, CPU backend),
+    the loss's gradients formed where `gradients` says, as the context-parallel call's."""
     opts = options(p, layout, id_mode)
     if op == "loss":
         leaves = [x.detach().clone().requires_grad_() for x in (p["q"], p["w"], p["k"])]
-        # the context-parallel loss forms its gradients in its backward, as this one then
-        loss = dt.indexer_kl_loss(*leaves, p["ids"], p["T"], gradients="backward", **opts)
+        loss = dt.indexer_kl_loss(*leaves, p["ids"], p["T"], gradients=gradients, **opts)
         loss.backward(torch.tensor(1.5, dtype=loss.dtype))
         return loss.detach(), [x.grad for x in leaves]
     q16, w_op, k16, ids, T_op = backward_op_inputs(p["q"], p["w"], p["k"], p["ids"], p["T"], dtype)
@@ -283,22 +287,29 @@ def world_results(request, problems, tmp_path_factory):
     return world, probs, results
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c[0] != "wrong_order"], ids=lambda c: c[0])
-def test_split_sequence_matches_one_process(world_results, case):
+def case_forms():
+    """(case, gradients form) of the comparisons: the loss in both forms, the backward-only op once."""
+    return [(c, form) for c in CASES if c[0] != "wrong_order"
+            for form in (GRADIENT_FORMS if c[5] == "loss" else (None,))]
+
+
+@pytest.mark.parametrize("case,form", case_forms(), ids=lambda x: x[0] if isinstance(x, tuple) else str(x))
+def test_split_sequence_matches_one_process(world_results, case, form):
     world, probs, results = world_results
     name, layout, cp_layout, id_mode, dtype, op = case
     p = probs[name]
-    want_loss, want = reference(p, layout, id_mode, op, dtype)
+    want_loss, want = reference(p, layout, id_mode, op, dtype, gradients=form)
     if op == "loss":
         # float64 inputs: the forward runs in float64 (loss to rounding); float32: the
         # library's float32 loss of each rank's rows, summed over the ranks
         loss_tol = 1e-12 if dtype == torch.float64 else 1e-6
         for r, res in enumerate(results):
-            got = res[name]["loss"]
+            got = res[(name, form)]["loss"]
             assert got.dtype == want_loss.dtype
             assert abs(got.item() - want_loss.item()) <= loss_tol * abs(want_loss.item()), (r, got, want_loss)
     for i, (gname, like) in enumerate(zip(NAMES, want)):
-        got = whole_from_parts([res[name]["grads"][i] for res in results], p, layout, world, cp_layout, like)
+        got = whole_from_parts([res[(name, form)]["grads"][i] for res in results], p, layout, world, cp_layout,
+                               like)
         assert got.dtype == like.dtype, gname
         err = max_rel(got, like)
         # d_index_q, d_weights: the same rows, keys and arithmetic as one process:
@@ -307,25 +318,28 @@ def test_split_sequence_matches_one_process(world_results, case):
         # reduce-scatter) to 1e-12 too; float32/bf16 leaves: each rank's share is
         # written in float32 and the shares summed in float32, where one process
         # rounds the whole (float64) sum once: a few float32 roundings, world *
-        # 2^-24 twice over.
-        tol = 1e-12 if gname != "d_index_k" or dtype == torch.float64 else 2 * world * 2.0 ** -24
+        # 2^-24 twice over (gradients formed in the forward: each share scaled by the
+        # upstream gradient before the sum, one process after it: one rounding more).
+        tol = 1e-12 if gname != "d_index_k" or dtype == torch.float64 else (2 * world + 1) * 2.0 ** -24
         assert err <= tol, (gname, err)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c[0] != "wrong_order"], ids=lambda c: c[0])
-def test_each_call_makes_one_library_call_and_its_documented_host_reads(world_results, case):
+@pytest.mark.parametrize("case,form", case_forms(), ids=lambda x: x[0] if isinstance(x, tuple) else str(x))
+def test_each_call_makes_one_library_call_and_its_documented_host_reads(world_results, case, form):
     """docs/python.md, "Context parallelism": the library's validation before the
-    exchange (one call), then the loss's forward and backward one library call
-    each (the float64 forward runs in torch), the backward-only function one;
-    the host reads the agreement's descriptor (and, THD, both cu_seqlens in one
-    transfer)."""
+    exchange (one call), then the loss's forward one library call (the float64
+    forward runs in torch) and its backward one (gradients="backward"; float64
+    leaves either way) or none (gradients="forward": the forward's call formed
+    them), the backward-only function one; the host reads the agreement's
+    descriptor (and, THD, both cu_seqlens in one transfer)."""
     world, probs, results = world_results
     name, layout, cp_layout, id_mode, dtype, op = case
     reads = 1 + (layout == "thd")
     forward_calls = 1 + (dtype != torch.float64)
-    want = [(forward_calls, reads), (1, 0)] if op == "loss" else [(2, reads)]
+    backward_calls = 0 if form == "forward" and dtype != torch.float64 else 1
+    want = [(forward_calls, reads), (backward_calls, 0)] if op == "loss" else [(2, reads)]
     for r, res in enumerate(results):
-        assert [tuple(c) for c in res[name]["counts"]] == want, (r, res[name]["counts"])
+        assert [tuple(c) for c in res[(name, form)]["counts"]] == want, (r, res[(name, form)]["counts"])
 
 
 def test_wrong_chunk_order_is_detected(world_results):
@@ -334,7 +348,7 @@ def test_wrong_chunk_order_is_detected(world_results):
     world, probs, results = world_results
     p = probs["wrong_order"]
     _, want = reference(p, "bshd", "local", "loss")
-    errors = [max_rel(whole_from_parts([res["wrong_order"]["grads"][i] for res in results], p, "bshd", world,
+    errors = [max_rel(whole_from_parts([res[("wrong_order", "backward")]["grads"][i] for res in results], p, "bshd", world,
                                        "zigzag", like), like)
               for i, like in enumerate(want)]
     assert min(errors) > 1e-3, errors
@@ -416,13 +430,14 @@ def one_rank_group(tmp_path):
 
 
 @pytest.mark.parametrize("layout", ["bshd", "thd"])
-def test_a_group_of_one_equals_the_single_process_loss(one_rank_group, layout):
+@pytest.mark.parametrize("form", GRADIENT_FORMS)
+def test_a_group_of_one_equals_the_single_process_loss(one_rank_group, layout, form):
     p = make_problem(layout, "local", torch.float32, seed=7)
     opts = options(p, layout, "local")
-    want_loss, want = reference(p, layout, "local", "loss")
+    want_loss, want = reference(p, layout, "local", "loss", gradients=form)
     leaves = [x.detach().clone().requires_grad_() for x in (p["q"], p["w"], p["k"])]
     loss = dcp.context_parallel_indexer_kl_loss(*leaves, p["ids"], p["T"], group=one_rank_group,
-                                                cp_layout="zigzag", **opts)
+                                                cp_layout="zigzag", gradients=form, **opts)
     loss.backward(torch.tensor(1.5))
     assert torch.equal(loss.detach(), want_loss)
     for gname, x, r in zip(NAMES, leaves, want):

@@ -114,7 +114,7 @@ def _grad_loss_value(grad_loss):
 def describe(function, index_q, weights, index_k, topk_indices, attn_score, index_score, sm_scale, cp_layout,
              loss_coeff, normalization_count, layout, id_mode, offsets_q, offsets_k, out_dtype,
              a_operand_precision, grad_loss=None, starts=None, ends=None, topk=0, order=None, causal_offset=None,
-             strict_ranges=None):
+             strict_ranges=None, gradients=None):
     """[(argument, kind, int64 values)] in the order the comparison names them:
     the function and the split's words first, then the tensors, then the options
     (indexer_topk's too, the same words for every function: the descriptor's
@@ -141,7 +141,8 @@ def describe(function, index_q, weights, index_k, topk_indices, attn_score, inde
                ("topk", "int", [int(topk)]),
                ("order", "repr", _encode_repr(order)),
                ("causal_offset", "repr", _encode_repr(causal_offset)),
-               ("strict_ranges", "repr", _encode_repr(strict_ranges))]
+               ("strict_ranges", "repr", _encode_repr(strict_ranges)),
+               ("gradients", "repr", _encode_repr(gradients))]
     return fields
 
 
