@@ -150,9 +150,10 @@
 #   torch-step python3 bench/torch_step.py --check --seq 16384,65536 --ids causal,random
 #                      --json O/torch-step/torch_step.json
 #              dsaib.torch's autograd step in both gradient forms beside the one call (the
-#              package the python part installed, O/python/site, when it ran; else the installed
-#              one): its check, then ns per query row of each form and each form's ratio to the
-#              one call. Exit 77 (no CUDA for torch) fails the part.
+#              package the python part installed, O/python/site, when it ran in this run; else
+#              the installed one): its check, then ns per query row of each form and each form's
+#              ratio to the one call. Exit 77 (no CUDA for torch) fails the part. This part and
+#              the next run the interpreter PYTHON names (default python3), as the python part.
 #   megatron   for BACKEND in dsaib none (and cudnn where cudnn-frontend imports):
 #                python3 examples/megatron_dsa_gpt.py --backend BACKEND --steps 300 --csv O/megatron/BACKEND.csv
 #              then python3 examples/megatron_dsa_gpt.py --plot O/megatron/*.csv --png O/megatron/curves.png
@@ -352,8 +353,9 @@ for f in "${need[@]}"; do
 done
 cli=$build/cli/dsaib
 if [[ ${run_part[cli]} == 1 || ${run_part[peers]} == 1 || ${run_part[python]} == 1 ||
-  ${run_part[forward-peers]} == 1 || ${run_part[target-peers]} == 1 || ${run_part[topk-peers]} == 1 ]]; then
-  command -v "$py" >/dev/null 2>&1 || cannot_run "$py not found (the cli, peers, forward-peers, target-peers, topk-peers and python parts need it; PYTHON=... names another)"
+  ${run_part[forward-peers]} == 1 || ${run_part[target-peers]} == 1 || ${run_part[topk-peers]} == 1 ||
+  ${run_part[torch-step]} == 1 || ${run_part[megatron]} == 1 ]]; then
+  command -v "$py" >/dev/null 2>&1 || cannot_run "$py not found (the cli, peers, forward-peers, target-peers, topk-peers, python, torch-step and megatron parts need it; PYTHON=... names another)"
 fi
 
 {
@@ -746,9 +748,9 @@ part_python() {
   fi
 }
 
-# The package the python part installed, when it ran, for the parts after it.
+# The package the python part installed in this run (with $py), for the parts after it.
 with_python_site() {
-  if [[ -d $out/python/site ]]; then
+  if [[ ${run_part[python]} == 1 && -d $out/python/site ]]; then
     PYTHONPATH="$out/python/site${PYTHONPATH:+:$PYTHONPATH}" "$@"
   else
     "$@"
@@ -759,7 +761,7 @@ part_torch_step() {
   local d=$out/torch-step rc
   mkdir -p "$d"
   banner "torch-step: bench/torch_step.py --check"
-  with_python_site python3 bench/torch_step.py --check --seq 16384,65536 --ids causal,random \
+  with_python_site "$py" bench/torch_step.py --check --seq 16384,65536 --ids causal,random \
     --json "$d/torch_step.json" 2>&1 | tee "$d/torch_step.log"
   rc=${PIPESTATUS[0]}
   if [[ $rc -eq 0 ]]; then
@@ -773,14 +775,14 @@ part_megatron() {
   local d=$out/megatron rc backends=(dsaib none) b fails=() notes=()
   mkdir -p "$d"
   banner "megatron: examples/megatron_dsa_gpt.py"
-  if ! with_python_site python3 -c "import dsaib.megatron as m, sys; sys.exit(m.megatron_version() not in m.SUPPORTED_VERSIONS)" \
+  if ! with_python_site "$py" -c "import dsaib.megatron as m, sys; sys.exit(m.megatron_version() not in m.SUPPORTED_VERSIONS)" \
       >"$d/import.log" 2>&1; then
-    record megatron SKIPPED "no supported megatron-core for $(python3 --version 2>&1) (see $d/import.log)"
+    record megatron SKIPPED "no supported megatron-core for $("$py" --version 2>&1) (see $d/import.log; PYTHON=... names another interpreter)"
     return
   fi
-  python3 -c "import cudnn" >/dev/null 2>&1 && backends+=(cudnn)
+  "$py" -c "import cudnn" >/dev/null 2>&1 && backends+=(cudnn)
   for b in "${backends[@]}"; do
-    with_python_site timeout 1800 python3 examples/megatron_dsa_gpt.py --backend "$b" --steps 300 \
+    with_python_site timeout 1800 "$py" examples/megatron_dsa_gpt.py --backend "$b" --steps 300 \
       --csv "$d/$b.csv" >"$d/$b.log" 2>&1
     rc=$?
     if [[ $rc -ne 0 ]]; then
@@ -789,8 +791,8 @@ part_megatron() {
       notes+=("$b: $(grep -h '^backend .*mean step' "$d/$b.log" | sed 's/^backend [a-z]*: //')")
     fi
   done
-  if python3 -c "import matplotlib" >/dev/null 2>&1; then
-    python3 examples/megatron_dsa_gpt.py --plot "$d"/*.csv --png "$d/curves.png" >"$d/plot.log" 2>&1 ||
+  if "$py" -c "import matplotlib" >/dev/null 2>&1; then
+    "$py" examples/megatron_dsa_gpt.py --plot "$d"/*.csv --png "$d/curves.png" >"$d/plot.log" 2>&1 ||
       notes+=("plot failed (see $d/plot.log)")
   else
     notes+=("no matplotlib: no plot")

@@ -8,9 +8,11 @@ The indexer loss of a query row needs every key its ids select, so:
   (``torch.distributed.all_gather_into_tensor``), puts the gathered slices in
   sequence order and runs the library's op on the rank's own query rows
   against the whole key sequence;
-* the backward runs the library's backward on the same rows, which gives
-  ``d_index_q`` and ``d_weights`` of the rank's rows and this rank's share of
-  ``d_index_k`` for *every* key row, and reduce-scatters those shares
+* the library's backward on the same rows (in the loss's forward, by the one
+  call of loss and gradients, with ``gradients="forward"``; in its backward
+  with ``"backward"``) gives ``d_index_q`` and ``d_weights`` of the rank's
+  rows and this rank's share of ``d_index_k`` for *every* key row, and the
+  backward reduce-scatters those shares
   (``torch.distributed.reduce_scatter_tensor``, a sum in float32, or in
   float64 for float64 inputs on CPU) so that each rank gets the whole
   gradient of the key rows it holds.

@@ -10,10 +10,13 @@ option), CPU tensors the fp64 CPU backend. Each makes one library call.
   :func:`indexer_kl_loss_and_grad`, :func:`attention_target`: the ops
   ``torch.ops.dsaib.*`` with keyword options.
 * :func:`indexer_kl_loss`: the indexer KL loss, differentiable w.r.t.
-  ``index_q``, ``weights`` and ``index_k``: its forward is the library's
-  (the loss and each query row's log-sum-exp and target mass, no ``P``), its
-  backward the P-free ``indexer_backward`` with autograd's upstream gradient
-  as a device scalar. :class:`IndexerKLLoss` is the same as an ``nn.Module``.
+  ``index_q``, ``weights`` and ``index_k``. By default (``gradients="forward"``)
+  its forward is the library's loss and gradients in one call at grad_loss 1
+  and its backward scales them by autograd's upstream gradient; with
+  ``gradients="backward"`` its forward is the library's loss forward (the loss
+  and each query row's log-sum-exp and target mass, no ``P``) and its backward
+  the P-free ``indexer_backward`` with the upstream gradient as a device
+  scalar. :class:`IndexerKLLoss` is the same as an ``nn.Module``.
 * :func:`indexer_kl_loss_and_grad_from_attention`: :func:`attention_target`,
   then :func:`indexer_kl_loss_and_grad`, from the tensors a DSA layer has.
 * :func:`indexer_topk`: the indexer's forward, each query row's exact top-k
@@ -152,8 +155,9 @@ def indexer_kl_loss(index_q, weights, index_k, topk_indices, attn_score, *, sm_s
     dsaib::indexer_kl_loss_and_grad at grad_loss 1 (the loss and gradients in
     one call: the same library work as the training step needs, no more),
     which validates the converted tensors before anything is computed; the
-    gradients are held (memory: the size of the three leaves) until the
-    backward multiplies them by autograd's upstream gradient, a device scalar.
+    gradients of the leaves that need one are held (memory: their size) until the
+    backward multiplies them by autograd's upstream gradient, a device scalar
+    (in float32, rounded once).
     Otherwise (``gradients="backward"``, no gradient wanted, or float64 leaves)
     the forward is one library call (dsaib::indexer_kl_forward, which validates
     likewise): the loss (float32; float64 for float64 leaves, computed in torch
@@ -209,8 +213,9 @@ def indexer_kl_loss_and_grad(index_q, weights, index_k, topk_indices, attn_score
     Through ``torch.ops.dsaib.indexer_kl_loss_and_grad``: the loss forward and
     the P-free backward in one host call; no P exists anywhere. Arguments and
     their conversions as :func:`indexer_kl_loss`; the gradients are those of
-    ``indexer_kl_loss(...).backward(grad_loss)`` (whose default form runs
-    this call at grad_loss 1 and scales), in the dtypes of
+    ``indexer_kl_loss(...).backward(grad_loss)`` (its default form runs this
+    call at grad_loss 1 and scales: bitwise the same where grad_loss is 1 or a
+    power of two, else one more rounding), in the dtypes of
     index_q, weights and index_k (``out_dtype=None``), and the loss is not
     scaled by ``grad_loss``. Float64 CPU tensors: the library's fp64 forward
     (on index_q/index_k rounded to bf16), a float64 loss and float64 gradients,

@@ -10,8 +10,8 @@ A random *teacher* indexer of the same form picks, for every query token, the
 top-k earlier keys by its own score (causal; -1 where a token has fewer than
 topk earlier keys) and defines the target distribution T over them (its
 softmax). The *student* (Wq, Wk, Ww) starts elsewhere and is fitted to T by
-gradient descent on dsaib.torch.indexer_kl_loss, whose backward is the
-dsaib custom op (the sm_90a kernel on --device cuda, the fp64 CPU backend on
+gradient descent on dsaib.torch.indexer_kl_loss, whose gradients the dsaib
+custom ops form (the sm_90a kernels on --device cuda, the fp64 CPU backend on
 --device cpu). The loss is a cross-entropy; KL = loss - H(T) goes towards 0.
 
     python3 python/examples/train_indexer.py --device cpu                      # toy size, seconds

@@ -436,7 +436,8 @@ def _have_cxx():
 
 
 @pytest.mark.skipif(not _have_cxx(), reason="torch.compile on CPU needs a C++ compiler (inductor)")
-def test_torch_compile_fullgraph_cpu():
+@pytest.mark.parametrize("gradients", ["forward", "backward"])
+def test_torch_compile_fullgraph_cpu(gradients):
     q, w, k, ids, T = make_torch_problem(seed=11)
     P = dt.index_scores(q, w, k, ids, sm_scale=SM)
     g = torch.tensor(2.0)
@@ -449,7 +450,7 @@ def test_torch_compile_fullgraph_cpu():
         assert torch.equal(a, b)
 
     def loss_fn(q, w, k, ids, T):
-        return dt.indexer_kl_loss(q, w, k, ids, T, sm_scale=SM)
+        return dt.indexer_kl_loss(q, w, k, ids, T, sm_scale=SM, gradients=gradients)
 
     closs = torch.compile(loss_fn, fullgraph=True)
     a = [x.detach().float().requires_grad_() for x in (q, w, k)]

@@ -326,7 +326,8 @@ def test_cuda_graph_capture_replays_with_new_grad_loss():
         assert all(torch.isfinite(s).all() for s in static)
 
 
-def test_cuda_graph_capture_of_autograd_loss_backward():
+@pytest.mark.parametrize("gradients", ["forward", "backward"])
+def test_cuda_graph_capture_of_autograd_loss_backward(gradients):
     q, w, k, ids, T = problem(B=1, S=64, S_kv=128, H=64, D=128, topk=128, seed=12)
     leaves = [x.detach().float().requires_grad_() for x in (q, w, k)]
     # The upstream gradient reaches the backward through autograd: the loss is
@@ -336,7 +337,7 @@ def test_cuda_graph_capture_of_autograd_loss_backward():
     g = torch.ones((), device=DEV)
 
     def step():
-        loss = dt.indexer_kl_loss(*leaves, ids, T, sm_scale=0.1)
+        loss = dt.indexer_kl_loss(*leaves, ids, T, sm_scale=0.1, gradients=gradients)
         return (loss, *torch.autograd.grad(loss * g, leaves))
 
     # Detached: a live loss from a run on another stream would keep that run's
@@ -524,7 +525,7 @@ def test_one_call_on_cuda_equals_loss_and_autograd_gradients(layout, H):
     g = torch.tensor(1.75, device=DEV)
     with deterministic_algorithms():  # the fixed-point d_index_k on both sides
         leaves = [x.detach().clone().requires_grad_() for x in (q2, w2, k2)]  # bf16, f32, bf16
-        loss = dt.indexer_kl_loss(*leaves, ids2, T2, sm_scale=0.1, **opts)
+        loss = dt.indexer_kl_loss(*leaves, ids2, T2, sm_scale=0.1, gradients="backward", **opts)  # the two-step path
         loss.backward(g)
         poison_allocator((q2.shape, torch.bfloat16), (k2.shape, torch.bfloat16), (w2.shape, torch.float32))
         got = dt.indexer_kl_loss_and_grad(q2, w2, k2, ids2, T2, sm_scale=0.1, grad_loss=g, **opts)

@@ -190,7 +190,9 @@ def test_one_call_equals_loss_and_autograd_gradients(layout, leaf_dtype, grad_lo
     q, w, k, ids, T, opts = problem(layout, 25)
     g = torch.tensor(-0.75) if grad_loss == "tensor" else grad_loss
     leaves = [x.detach().to(leaf_dtype).requires_grad_() for x in (q, w, k)]
-    loss = dt.indexer_kl_loss(*leaves, ids, T, sm_scale=SM, loss_coeff=1.1, **opts)
+    # the two-step path (the loss forward, then the P-free backward); the default
+    # form runs the one call itself (test_gradients_in_forward_hold_the_gradients_alone)
+    loss = dt.indexer_kl_loss(*leaves, ids, T, sm_scale=SM, loss_coeff=1.1, gradients="backward", **opts)
     loss.backward(g if isinstance(g, torch.Tensor) else torch.tensor(g))
     got = dt.indexer_kl_loss_and_grad(*(x.detach() for x in leaves), ids, T, sm_scale=SM, loss_coeff=1.1,
                                       grad_loss=g, **opts)

@@ -8,8 +8,10 @@ gradients are formed (its option ``gradients``):
 * IndexerKLLossGradientsInForward ("forward"): the loss and its gradients at
   grad_loss 1 in the forward's one library call (indexer_kl_loss_and_grad),
   the gradients held until the backward, which scales them by the upstream
-  gradient. The gradient is linear in grad_loss, so this is the same
-  gradient for any upstream value.
+  gradient (in float32, rounded once). The gradient is linear in grad_loss,
+  so this is the loss's gradient for any upstream value: bitwise the other
+  form's where that value is 1 or a power of two (on the cpu backend), else
+  within one more rounding.
 """
 
 import torch
