@@ -99,7 +99,7 @@ from ._options import OPTIONS
 from ._torch import ops as _ops  # noqa: F401  (registers torch.ops.dsaib.*)
 from ._torch import reference
 from ._torch.convert import (check_same_device, check_tensor_types, check_torch_arguments, checked_grad_loss,
-                             out_dtype as _out_dtype, range_int32, topk_operand)
+                             gradients_in_forward, out_dtype as _out_dtype, range_int32, topk_operand)
 from ._torch.cp_agreement import describe, host_offsets
 from ._torch.cp_loss import ContextParallelKLLoss as _ContextParallelKLLoss, resolved_a_operand as _resolved_a_operand
 from ._torch.cp_plan import (CP_LAYOUTS, causal_ranges, finish, normalization, plan as _plan, rank_chunks,
@@ -198,12 +198,9 @@ def context_parallel_indexer_kl_loss(
 
     plan = _plan(group, cp_layout, layout, index_q, index_k, cu_seqlens_q, cu_seqlens_k, offsets, fields, error,
                  validate)
-    leaves = (index_q, weights, index_k)
-    in_forward = (gradients == "forward" and torch.is_grad_enabled() and any(t.requires_grad for t in leaves)
-                  and not any(t.dtype == torch.float64 for t in leaves))
     return _ContextParallelKLLoss.apply(index_q, weights, index_k, topk_indices, attn_score, plan, float(sm_scale),
                                         float(loss_coeff), int(normalization_count), id_mode, a_operand_precision,
-                                        in_forward)
+                                        gradients_in_forward(gradients, (index_q, weights, index_k)))
 
 
 def _check_local_backward_arguments(index_q, layout, grad_loss, row_lse, row_target_mass):

@@ -56,7 +56,8 @@ from ._torch import reference as _reference
 from ._torch.autograd import IndexerKLLossFunction as _IndexerKLLossFunction
 from ._torch.autograd import IndexerKLLossGradientsInForward as _IndexerKLLossGradientsInForward
 from ._torch.convert import (check_same_device, check_tensor_types, check_torch_arguments, fp64, grad_code,
-                             grad_loss_tensor, ids_int32, library_inputs, on_stream, range_int32, topk_operand)
+                             grad_loss_tensor, gradients_in_forward, ids_int32, library_inputs, on_stream,
+                             range_int32, topk_operand)
 from .distributed import (context_parallel_indexer_backward, context_parallel_indexer_kl_loss,
                           context_parallel_indexer_topk)
 
@@ -181,13 +182,10 @@ def indexer_kl_loss(index_q, weights, index_k, topk_indices, attn_score, *, sm_s
         deterministic=deterministic, a_operand_precision=a_operand_precision, l2_hints=l2_hints,
         start_stagger=start_stagger, gradients=gradients))
     check_torch_arguments(index_q, weights, index_k, topk_indices, attn_score, cu_seqlens_q, cu_seqlens_k)
-    leaves = (index_q, weights, index_k)
-    float64 = any(t.dtype == torch.float64 for t in leaves)
-    in_forward = (o["gradients"] == "forward" and not float64 and torch.is_grad_enabled()
-                  and any(t.requires_grad for t in leaves))
-    function = _IndexerKLLossGradientsInForward if in_forward else _IndexerKLLossFunction
+    function = (_IndexerKLLossGradientsInForward if gradients_in_forward(o["gradients"], (index_q, weights, index_k))
+                else _IndexerKLLossFunction)
     with on_stream(o["stream"], index_q.device):
-        if float64:
+        if any(t.dtype == torch.float64 for t in (index_q, weights, index_k)):
             # The forward is computed in torch: the library's validation of what the backward will get.
             _reference.validate(index_q, weights, index_k, topk_indices, attn_score, sm_scale=o["sm_scale"],
                                 layout=o["layout"], id_mode=o["id_mode"], cu_seqlens_q=cu_seqlens_q,

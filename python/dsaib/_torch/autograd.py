@@ -17,7 +17,7 @@ gradients are formed (its option ``gradients``):
 import torch
 
 from . import reference
-from .convert import fp64, grad_code, grad_loss_tensor, library_inputs
+from .convert import fp64, grad_code, grad_loss_tensor, held_gradient_scale, library_inputs, scaled_gradient
 
 
 class IndexerKLLossFunction(torch.autograd.Function):
@@ -115,12 +115,6 @@ class IndexerKLLossGradientsInForward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        if torch.is_grad_enabled():  # backward(create_graph=True): the held gradients have no graph
-            raise RuntimeError("dsaib.torch.indexer_kl_loss: expected a first-order backward, got "
-                               "create_graph=True (the loss is not twice differentiable)")
-        g = grad_loss.detach().reshape(()).to(torch.float32)
-        # In float32, rounded once: a CUDA 0-dim tensor would be converted to the
-        # gradient's dtype before a bf16/fp16 multiply.
-        grads = tuple(None if d is None else (d.to(torch.float32) * g).to(dt)
-                      for d, dt in zip(ctx.saved_tensors, ctx.in_dtypes))
+        g = held_gradient_scale(grad_loss, "dsaib.torch.indexer_kl_loss")
+        grads = tuple(scaled_gradient(d, g, dt) for d, dt in zip(ctx.saved_tensors, ctx.in_dtypes))
         return grads + (None,) * 16

@@ -82,6 +82,31 @@ def check_torch_arguments(index_q, weights, index_k, topk_indices, attn_score=No
         raise TypeError(f"attn_score: expected a floating-point dtype, got {attn_score.dtype}")
 
 
+def gradients_in_forward(gradients: str, leaves) -> bool:
+    """Whether a loss with the option ``gradients`` forms its gradients in its
+    forward: "forward", a gradient wanted (grad mode on, a leaf requiring
+    grad) and no float64 leaf (float64 leaves take the other form)."""
+    return (gradients == "forward" and torch.is_grad_enabled() and any(t.requires_grad for t in leaves)
+            and not any(t.dtype == torch.float64 for t in leaves))
+
+
+def held_gradient_scale(grad_loss, function: str) -> torch.Tensor:
+    """autograd's upstream gradient, as the float32 0-dim factor of gradients
+    that a loss's forward formed at grad_loss 1; a backward with
+    create_graph=True is refused (the held gradients have no graph)."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"{function}: expected a first-order backward, got create_graph=True (the loss is "
+                           f"not twice differentiable)")
+    return grad_loss.detach().reshape(()).to(torch.float32)
+
+
+def scaled_gradient(d, g, dtype):
+    """A held gradient (or None) times the factor g, in float32 and rounded once
+    to dtype: a CUDA 0-dim tensor would be converted to the gradient's dtype
+    before a bf16/fp16 multiply."""
+    return None if d is None else (d.to(torch.float32) * g).to(dtype)
+
+
 def grad_loss_tensor(checked, device) -> torch.Tensor:
     """grad_loss as the ops take it, from the option table's (value, tensor): a
     one-element float32 tensor (the caller's, read when the work runs), or a

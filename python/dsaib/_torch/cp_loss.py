@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from . import ops as _ops  # noqa: F401  (registers torch.ops.dsaib.*)
 from . import reference
-from .convert import fp64 as _fp64, grad_code, grad_loss_tensor, library_inputs
+from .convert import fp64 as _fp64, grad_code, grad_loss_tensor, held_gradient_scale, library_inputs, scaled_gradient
 from .cp_plan import finish, normalization, start_gather, start_reduce_scatter
 
 
@@ -102,17 +102,13 @@ class ContextParallelKLLoss(torch.autograd.Function):
         """The backward of the gradients formed in the forward: each held one times
         this rank's upstream gradient, in float32, rounded once; d_index_k's share
         then reduce-scattered."""
-        if torch.is_grad_enabled():  # backward(create_graph=True): the held gradients have no graph
-            raise RuntimeError("dsaib.distributed.context_parallel_indexer_kl_loss: expected a first-order "
-                               "backward, got create_graph=True (the loss is not twice differentiable)")
-        g = grad_loss.detach().reshape(()).to(torch.float32)
+        g = held_gradient_scale(grad_loss, "dsaib.distributed.context_parallel_indexer_kl_loss")
         dq, dw, dk_whole = ctx.saved_tensors
         q_dt, w_dt, k_dt = ctx.in_dtypes
         dk = work = None
         if dk_whole is not None:
             dk, work = start_reduce_scatter(ctx.plan, dk_whole * g)
-        dq = None if dq is None else (dq.to(torch.float32) * g).to(q_dt)
-        dw = None if dw is None else (dw.to(torch.float32) * g).to(w_dt)
+        dq, dw = scaled_gradient(dq, g, q_dt), scaled_gradient(dw, g, w_dt)
         if work is not None:
             finish(work)
             dk = dk.to(k_dt)
