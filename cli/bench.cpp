@@ -114,6 +114,7 @@ std::vector<bench::OpCase> bench_cases(const BenchArgs& a) {
           c.dim = dim;
           c.topk = a.topk;
           c.write_index_score = a.index_score;
+          c.from_topk_logits = a.topk_logits && (op == BenchOp::kl_forward || op == BenchOp::one_call);
           if (!parse_lse_base(a.lse_base, &c.lse_base)) {
             throw Error(ErrorCode::invalid_argument, "lse_base", "--lse-base: expected natural or base2, got " + a.lse_base);
           }
@@ -322,9 +323,13 @@ nlohmann::ordered_json gather_floor_fields(const GatherRates& g) {
 
 CaseFloor case_floor(const bench::OpCase& c, const bench::OpResult& r, const Floors& f, const bench::DeviceInfo& dev) {
   CaseFloor cf;
-  if (!f.measured) return cf;
+  // Given the top-k's logits the forward only streams ids, logits and targets:
+  // none of the floors measured here bounds that, so it gets none.
+  if (!f.measured || (c.from_topk_logits && c.op == BenchOp::kl_forward)) return cf;
   nlohmann::ordered_json j;
-  switch (c.op) {
+  // Given the top-k's logits the one call's forward runs no GEMM and gathers
+  // nothing: its floor is the backward's.
+  switch (c.from_topk_logits && c.op == BenchOp::one_call ? BenchOp::backward : c.op) {
     case BenchOp::backward: {
       const TableRates& rates = f.tables.at({c.dk_table_bytes(), c.dim});
       const bench::Floor fl = bench::floor_per_row(static_cast<double>(c.topk), c.heads, c.dim, rates.best->tbps,
@@ -535,6 +540,7 @@ nlohmann::ordered_json run_case(std::ostream& out, const bench::OpCase& c, const
     j["deterministic"] = c.deterministic;
   }
   if (c.op == BenchOp::kl_forward) j["index_score"] = c.write_index_score;
+  if (c.op == BenchOp::kl_forward || c.op == BenchOp::one_call) j["topk_logits"] = c.from_topk_logits;
   j["valid_slots_per_row"] = r.valid_slots_per_row;
   j["input_sets"] = r.input_sets;
   j["input_set_bytes"] = r.set_bytes;

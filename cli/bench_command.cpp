@@ -155,6 +155,9 @@ void add_bench_flags(CLI::App* cmd, BenchFlags& f) {
       ->default_str("natural");
   cmd->add_flag("--unnormalized", a.unnormalized, "target: the unnormalised sum U (normalize = false)");
   cmd->add_flag("--index-score", a.index_score, "forward: also write P (the (B, S, topk) f32 index_score)");
+  cmd->add_flag("--topk-logits", a.topk_logits,
+                "forward, one-call: take the selected keys' logits as the top-k writes them (topk_logits), so the "
+                "forward gathers no key and runs no GEMM; the other ops ignore it");
   cmd->add_option("--a-operand", a.a_operand,
                   "precision of the a operand of the dK/dQ GEMMs: auto (bf16 for these bf16 outputs), bf16x2 or bf16")
       ->check(one_of({"auto", "bf16x2", "bf16"}))

@@ -223,6 +223,7 @@ struct BenchArgs {
   std::string lse_base = "natural";            // target: AttentionTargetOptions::lse_base
   bool unnormalized = false;                   // target: AttentionTargetOptions::normalize = false
   bool index_score = false;                    // forward: also write P
+  bool topk_logits = false;                    // forward, one-call: the top-k's logits given (IndexerInputs::topk_logits)
   int iters = 20, warmup = 3, input_sets = 0;  // input_sets 0: automatic
   double sustained_ms = 2000;                   // back-to-back launches after the timed ones (0: none)
   double l2_set_aside_mib = -1;                 // < 0: the context's persisting-L2 limit as it is

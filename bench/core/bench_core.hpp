@@ -259,6 +259,9 @@ double traffic_floor_ns_per_row(double slots, int64_t dim, double key_read_scatt
 struct OpCase {
   BenchOp op = BenchOp::backward;
   bool write_index_score = false;  // kl_forward: also write P (the (B, S, topk) f32 index_score)
+  /// kl_forward, one_call: the selected keys' logits given as the top-k writes them
+  /// (IndexerInputs::topk_logits), so the forward gathers no key and runs no GEMM
+  bool from_topk_logits = false;
   LseBase lse_base = LseBase::natural;  // target
   bool normalize = true;                // target
   IdPattern ids = IdPattern::random;

@@ -118,9 +118,15 @@ HostCase generate(const OpCase& c, uint64_t seed) {
   return h;
 }
 
-/// Byte sizes of one set's tensors, in upload order: q, w, k, ids, attn, pred, dq, dw, dk.
+/// One set's tensors: q, w, k, ids, attn, pred, dq, dw, dk, and the top-k's
+/// logits (OpCase::from_topk_logits; else 0 bytes).
+inline constexpr int kSetBuffers = 10;
+/// The buffers uploaded from the generated case: q, w, k, ids, attn, pred, and the logits (pred's values).
+inline constexpr bool uploaded(int i) { return i < 6 || i == 9; }
+
+/// Byte sizes of one set's tensors, in the order above.
 struct Layout {
-  uint64_t bytes[9];
+  uint64_t bytes[kSetBuffers];
   uint64_t total() const {
     uint64_t t = 0;
     for (uint64_t b : bytes) t += b;
@@ -137,7 +143,7 @@ Layout layout_of(const OpCase& c) {
   uint64_t p_bytes = B * S * K * 4;
   if (c.op == BenchOp::step || c.op == BenchOp::one_call) p_bytes = std::max(p_bytes, 256 + 2 * row_stats_offset(B * S));
   return {{B * S * H * D * 2, B * S * H * 2, B * S * D * 2, B * S * K * 4, B * S * K * 4, p_bytes,
-           B * S * H * D * 2, B * S * H * 2, B * S * D * 2}};
+           B * S * H * D * 2, B * S * H * 2, B * S * D * 2, c.from_topk_logits ? B * S * K * 4 : 0}};
 }
 
 /// Views of one set: inputs and outputs as the op takes them.
@@ -149,8 +155,8 @@ struct SetViews {
   IndexerKLLossAndGradOutputs one;  // the one call's outputs
 };
 
-/// Views over nine buffers laid out as layout_of(c), with device `dev` (cpu for check_case).
-SetViews views_of(const OpCase& c, void* const ptr[9], DeviceType dev, int device_index) {
+/// Views over the buffers laid out as layout_of(c), with device `dev` (cpu for check_case).
+SetViews views_of(const OpCase& c, void* const ptr[kSetBuffers], DeviceType dev, int device_index) {
   const int64_t B = c.batch, S = c.seq, H = c.heads, D = c.dim, K = c.topk;
   auto v = [&](int i, DType dt, std::initializer_list<int64_t> shape) {
     return contiguous_view(ptr[i], dt, shape, dev, device_index);
@@ -162,7 +168,8 @@ SetViews views_of(const OpCase& c, void* const ptr[9], DeviceType dev, int devic
                                {},   // cu_seqlens_q
                                {},   // cu_seqlens_k
                                {},   // row_lse (the P form reads index_score)
-                               {}};  // row_target_mass
+                               {},   // row_target_mass
+                               {}};  // topk_logits (the forward's input, below)
   s.out = IndexerBackwardOutputs{v(6, DType::bf16, {B, S, H, D}), v(7, DType::bf16, {B, S, H}),
                                  v(8, DType::bf16, {B, S, D})};
   if (c.op == BenchOp::kl_forward) {
@@ -188,6 +195,7 @@ SetViews views_of(const OpCase& c, void* const ptr[9], DeviceType dev, int devic
     s.in.row_target_mass = mass;
     s.one = IndexerKLLossAndGradOutputs{loss, s.out.d_index_q, s.out.d_weights, s.out.d_index_k};
   }
+  if (c.from_topk_logits) s.fwd_in.topk_logits = v(9, DType::f32, {B, S, K});
   return s;
 }
 
@@ -242,13 +250,18 @@ void check_case(const OpCase& c) {
   if (c.batch < 1 || c.seq < 1 || c.topk < 1) {
     throw Error(ErrorCode::invalid_argument, "case", "batch, seq and topk must be >= 1");
   }
+  if (c.from_topk_logits && c.op != BenchOp::kl_forward && c.op != BenchOp::one_call) {
+    throw Error(ErrorCode::invalid_argument, "topk_logits",
+                std::string("topk_logits: expected the forward or one-call (the ops that take them), got ") +
+                    bench_op_name(c.op));
+  }
   // Validation of a bshd problem with non-strict ids reads no tensor data: check the
   // shapes against the library's own rules (on the cpu backend) with placeholder
   // addresses, disjoint and 256-byte aligned, that are never dereferenced.
   const Layout l = layout_of(c);
-  void* ptr[9];
+  void* ptr[kSetBuffers];
   uint64_t at = 1ull << 40;
-  for (int i = 0; i < 9; ++i) {
+  for (int i = 0; i < kSetBuffers; ++i) {
     ptr[i] = reinterpret_cast<void*>(static_cast<uintptr_t>(at));
     at += (l.bytes[i] + 511) / 256 * 256;
   }
@@ -331,16 +344,18 @@ OpResult run_op_case(const OpCase& c, const OpConfig& cfg) {
   r.input_sets = cfg.input_sets > 0 ? cfg.input_sets : auto_input_sets(r.set_bytes, l2, free_b);
 
   // Set 0 from the host, the others as device copies of it (same values, other addresses).
-  const void* host_src[6] = {h.q.data(), h.w.data(), h.k.data(), h.ids.data(), h.attn.data(), h.pred.data()};
+  // The top-k's logits: P's values (any finite logits take the same path).
+  const void* host_src[kSetBuffers] = {h.q.data(), h.w.data(), h.k.data(), h.ids.data(), h.attn.data(),
+                                       h.pred.data(), nullptr, nullptr, nullptr, h.pred.data()};
   std::vector<std::vector<DeviceBuffer>> sets(r.input_sets);
   std::vector<SetViews> views;
   for (int s = 0; s < r.input_sets; ++s) {
-    void* ptr[9];
-    sets[s].reserve(9);
-    for (int i = 0; i < 9; ++i) {
+    void* ptr[kSetBuffers];
+    sets[s].reserve(kSetBuffers);
+    for (int i = 0; i < kSetBuffers; ++i) {
       sets[s].emplace_back(l.bytes[i]);
       ptr[i] = sets[s].back().ptr;
-      if (i < 6) {
+      if (uploaded(i) && l.bytes[i] > 0) {
         const void* src = s == 0 ? host_src[i] : sets[0][i].ptr;
         check_cuda(cudaMemcpy(ptr[i], src, l.bytes[i], s == 0 ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToDevice),
                    "cudaMemcpy (inputs)");
@@ -359,7 +374,9 @@ OpResult run_op_case(const OpCase& c, const OpConfig& cfg) {
 
   const double sec = r.t.median_ms * 1e-3;
   // useful FLOP per valid slot: GEMM1 (2*H*D) for the forward, 6*H*D for the backward's three GEMMs
-  const double flop_per_slot = c.op == BenchOp::kl_forward ? 2.0 : (c.op == BenchOp::backward ? 6.0 : 8.0);
+  // (given the top-k's logits, the forward runs none)
+  const double forward_flop = c.from_topk_logits ? 0.0 : 2.0;
+  const double flop_per_slot = c.op == BenchOp::kl_forward ? forward_flop : (c.op == BenchOp::backward ? 6.0 : 6.0 + forward_flop);
   r.tflops = flop_per_slot * c.heads * c.dim * static_cast<double>(h.valid_slots) / sec / 1e12;
   r.dk_gbps = c.op == BenchOp::kl_forward ? 0.0 : static_cast<double>(h.valid_slots) * c.dim * 4.0 / sec / 1e9;
   return r;

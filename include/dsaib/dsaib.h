@@ -62,10 +62,13 @@ typedef struct dsaib_tensor {
 
 /* P comes either as index_score or, in the P-free form, as row_lse and
    row_target_mass (f32, (B, S_q) / (T_q)) with index_score absent
-   (dsaib::IndexerInputs). */
+   (dsaib::IndexerInputs). topk_logits (f32, like topk_indices; the loss
+   forward's and the one call's input only): the selected keys' logits as
+   dsaib_indexer_topk writes them, so the forward recomputes none. */
 typedef struct dsaib_inputs {
   dsaib_tensor index_q, weights, index_k, topk_indices, attn_score, index_score, cu_seqlens_q, cu_seqlens_k;
   dsaib_tensor row_lse, row_target_mass;
+  dsaib_tensor topk_logits;
 } dsaib_inputs;
 
 typedef struct dsaib_outputs {

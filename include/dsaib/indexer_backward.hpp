@@ -159,6 +159,16 @@ bool parse_forward_fusion(const std::string& word, ForwardFusion* out);
 ///   rebuilt P): G / sum_i P_i times P_i is then exact to rounding.
 ///   indexer_kl_forward() writes it so (docs/kl-forward.md); statistics with
 ///   an exact LSE (sum_i P_i = 1) are the plain target mass.
+///
+/// topk_logits (optional; the inputs of indexer_kl_forward() and
+/// indexer_kl_loss_and_grad() only, every other entry point refuses it): f32
+/// (cpu: or f64), shaped like topk_indices, innermost stride 1 on the cuda
+/// backend: the index logit I_i = sum_h w_h relu(q_h . k_{id_i}) of each
+/// selected key, without sm_scale, as indexer_topk() writes them into its
+/// topk_logits output. The forward then takes z_i = sm_scale * topk_logits_i
+/// instead of gathering the keys and recomputing them (docs/kl-forward.md,
+/// "From the top-k's logits"); validity still comes from the ids, and slots
+/// that are invalid are not read. The backward always recomputes its logits.
 struct IndexerInputs {
   TensorView index_q;
   TensorView weights;
@@ -170,6 +180,7 @@ struct IndexerInputs {
   TensorView cu_seqlens_k;
   TensorView row_lse;
   TensorView row_target_mass;
+  TensorView topk_logits;
 };
 
 /// Output tensors, each bf16 or f32 (cpu: or f64, the fp64 results unrounded),

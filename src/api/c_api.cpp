@@ -110,10 +110,11 @@ void convert(const dsaib_inputs* in, const dsaib_outputs* out, const dsaib_optio
   require(opt, "options");
   const dsaib_tensor* ts[] = {&in->index_q, &in->weights, &in->index_k, &in->topk_indices, &in->attn_score,
                               &in->index_score, &in->cu_seqlens_q, &in->cu_seqlens_k, &out->d_index_q,
-                              &out->d_weights, &out->d_index_k, &in->row_lse, &in->row_target_mass};
+                              &out->d_weights, &out->d_index_k, &in->row_lse, &in->row_target_mass,
+                              &in->topk_logits};
   const char* names[] = {"index_q", "weights", "index_k", "topk_indices", "attn_score", "index_score",
                          "cu_seqlens_q", "cu_seqlens_k", "d_index_q", "d_weights", "d_index_k", "row_lse",
-                         "row_target_mass"};
+                         "row_target_mass", "topk_logits"};
   p.layout = static_cast<dsaib::Layout>(opt->layout);
   p.id_mode = static_cast<dsaib::IdMode>(opt->id_mode);
   p.backend = static_cast<dsaib::Backend>(opt->backend);
@@ -133,11 +134,11 @@ void convert(const dsaib_inputs* in, const dsaib_outputs* out, const dsaib_optio
   // The C++ order (errors.md): options and the backend first, then the tensors,
   // whose enum fields C can set to anything (checked before any view is used).
   dsaib::detail::check_options_and_backend(p);
-  for (int k = 0; k < 13; ++k) check_enums(*ts[k], names[k]);
+  for (int k = 0; k < 14; ++k) check_enums(*ts[k], names[k]);
   i = {to_view(in->index_q),      to_view(in->weights),      to_view(in->index_k),
        to_view(in->topk_indices), to_view(in->attn_score),   to_view(in->index_score),
        to_view(in->cu_seqlens_q), to_view(in->cu_seqlens_k), to_view(in->row_lse),
-       to_view(in->row_target_mass)};
+       to_view(in->row_target_mass), to_view(in->topk_logits)};
   o = {to_view(out->d_index_q), to_view(out->d_weights), to_view(out->d_index_k)};
 }
 

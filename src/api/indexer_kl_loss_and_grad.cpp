@@ -50,6 +50,7 @@ void run_validated(const IndexerInputs& inputs, const IndexerKLLossAndGradOutput
     detail::RowStatistics stats{fwd.row_lse, fwd.row_target_mass};
     IndexerInputs in = inputs;
     in.index_score = {};
+    in.topk_logits = {};  // the backward recomputes its logits
     detail::run_cpu_backend(in, {outputs.d_index_q, outputs.d_weights, outputs.d_index_k}, options, g, &stats);
     detail::store_element(outputs.loss.dtype, outputs.loss.data, 0, fwd.loss);  // f32, or f64 unrounded
     return;

@@ -13,10 +13,13 @@ void validate_indexer_kl_loss_inputs(const IndexerInputs& inputs, const IndexerO
   if (!in.index_score.present() && !in.row_lse.present() && !in.row_target_mass.present()) {
     in.index_score = in.attn_score;
   }
+  in.topk_logits = {};  // the loss's input: its own rule below, once the sizes are known
   detail::check_options_and_backend(options);
-  (void)detail::validate_problem(in, IndexerBackwardOutputs{}, options,
-                                 options.backend == Backend::cuda ? &detail::cuda_copy_to_host : nullptr,
-                                 /*check_outputs=*/false);
+  const detail::ProblemGeometry g =
+      detail::validate_problem(in, IndexerBackwardOutputs{}, options,
+                               options.backend == Backend::cuda ? &detail::cuda_copy_to_host : nullptr,
+                               /*check_outputs=*/false);
+  detail::check_topk_logits(inputs, options, g);
 }
 
 }  // namespace dsaib

@@ -93,6 +93,11 @@ ProblemGeometry validate_problem(const IndexerInputs& in, const IndexerBackwardO
                                  const IndexerOptions& opt, CopyToHost copy_to_host = nullptr,
                                  bool check_outputs = true, bool stream_capturing = false);
 
+/// The rule of a given topk_logits (the loss forward's and the one call's
+/// input; IndexerInputs): f32 (cpu: or f64), shaped like topk_indices (`g`),
+/// innermost stride 1 on the cuda backend. Absent: nothing to check.
+void check_topk_logits(const IndexerInputs& in, const IndexerOptions& opt, const ProblemGeometry& g);
+
 /// c = grad_loss * loss_coeff / N with grad_loss taken from the host value.
 double scale_from_host(const ProblemGeometry& g, const IndexerOptions& opt, double grad_loss);
 

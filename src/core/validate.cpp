@@ -5,6 +5,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/allocation.hpp"
@@ -32,6 +33,12 @@ ProblemGeometry validate_problem_unguarded(const IndexerInputs& in, const Indexe
   check_tensor(in.index_k, {"index_k", {DType::bf16}, 3 - r}, device, device_index);
   check_tensor(in.topk_indices, {"topk_indices", {DType::i32}, 3 - r}, device, device_index);
   check_tensor(in.attn_score, {"attn_score", {DType::f32}, 3 - r, true}, device, device_index);
+  if (in.topk_logits.present()) {
+    fail("topk_logits",
+         "absent here (an input of indexer_kl_forward and indexer_kl_loss_and_grad only; the backward recomputes "
+         "the logits)",
+         "a tensor");
+  }
   // P in one of two forms: index_score, or the P-free row statistics.
   const bool p_free = !in.index_score.present();
   if (!p_free) {
@@ -205,6 +212,19 @@ ProblemGeometry validate_problem_unguarded(const IndexerInputs& in, const Indexe
 }
 }  // namespace
 
+void check_topk_logits(const IndexerInputs& in, const IndexerOptions& opt, const ProblemGeometry& g) {
+  const TensorView& v = in.topk_logits;
+  if (!v.present()) return;
+  const DeviceType device = opt.backend == Backend::cpu ? DeviceType::cpu : DeviceType::cuda;
+  const bool thd = opt.layout == Layout::thd;
+  check_tensor(v, {"topk_logits", {DType::f32}, thd ? 2 : 3, true}, device, in.index_q.device_index);
+  if (thd) check_shape(v, "topk_logits", {g.num_q_rows, g.topk}, "(T_q, topk) like topk_indices");
+  else check_shape(v, "topk_logits", {g.batch, g.s_q, g.topk}, "(B, S_q, topk) like topk_indices");
+  if (device == DeviceType::cuda && v.strides[v.rank - 1] != 1 && v.shape[v.rank - 1] > 1) {
+    fail("topk_logits", "innermost stride 1 on the cuda backend", "strides " + v.strides_string());
+  }
+}
+
 ProblemGeometry validate_problem(const IndexerInputs& in, const IndexerBackwardOutputs& out,
                                  const IndexerOptions& opt, CopyToHost copy_to_host,
                                  bool check_outputs, bool stream_capturing) {
@@ -226,16 +246,22 @@ ProblemGeometry validate_kl_loss_and_grad_problem(const IndexerInputs& in, const
         if (in.row_target_mass.present()) fail("row_target_mass", why, "a tensor");
         IndexerInputs with_target = in;
         with_target.index_score = in.attn_score;  // stands in for P: same rules
+        with_target.topk_logits = {};             // its own rule below, once the sizes are known
         const IndexerBackwardOutputs gradients{out.d_index_q, out.d_weights, out.d_index_k};
         ProblemGeometry g = validate_problem_unguarded(with_target, gradients, opt, copy_to_host, true, stream_capturing);
+        check_topk_logits(in, opt, g);
         const DeviceType device = opt.backend == Backend::cpu ? DeviceType::cpu : DeviceType::cuda;
         check_tensor(out.loss, {"loss", {DType::f32}, 0, true}, device, in.index_q.device_index);
+        for (const auto& [grad, name] : {std::pair{&out.d_index_q, "d_index_q"}, std::pair{&out.d_weights, "d_weights"},
+                                         std::pair{&out.d_index_k, "d_index_k"}}) {
+          if (overlaps(*grad, in.topk_logits)) fail(name, "memory disjoint from input topk_logits", "overlapping memory");
+        }
         const TensorView* others[] = {&out.d_index_q,  &out.d_weights,    &out.d_index_k,    &in.index_q,
                                       &in.weights,     &in.index_k,       &in.topk_indices,  &in.attn_score,
-                                      &in.cu_seqlens_q, &in.cu_seqlens_k};
-        const char* names[] = {"d_index_q", "d_weights",    "d_index_k",    "index_q",      "weights",
-                               "index_k",   "topk_indices", "attn_score",   "cu_seqlens_q", "cu_seqlens_k"};
-        for (int j = 0; j < 10; ++j) {
+                                      &in.cu_seqlens_q, &in.cu_seqlens_k, &in.topk_logits};
+        const char* names[] = {"d_index_q", "d_weights",    "d_index_k",    "index_q",      "weights",     "index_k",
+                               "topk_indices", "attn_score", "cu_seqlens_q", "cu_seqlens_k", "topk_logits"};
+        for (int j = 0; j < 11; ++j) {
           if (overlaps(out.loss, *others[j])) {
             fail("loss", std::string("memory disjoint from ") + (j < 3 ? "" : "input ") + names[j], "overlapping memory");
           }
@@ -267,7 +293,9 @@ ProblemGeometry validate_kl_forward_problem(const IndexerInputs& in, const Index
         // absent index_score (same dtype and shape, already checked before it).
         IndexerInputs with_target = in;
         with_target.index_score = in.attn_score;
+        with_target.topk_logits = {};  // its own rule below, once the sizes are known
         ProblemGeometry g = validate_problem_unguarded(with_target, {}, opt, copy_to_host, false);
+        check_topk_logits(in, opt, g);
 
         const DeviceType device = opt.backend == Backend::cpu ? DeviceType::cpu : DeviceType::cuda;
         const int device_index = in.index_q.device_index;
@@ -293,10 +321,10 @@ ProblemGeometry validate_kl_forward_problem(const IndexerInputs& in, const Index
         }
         const TensorView* outs[] = {&out.loss, &out.row_lse, &out.row_target_mass, &out.index_score};
         const char* out_names[] = {"loss", "row_lse", "row_target_mass", "index_score"};
-        const TensorView* ins[] = {&in.index_q,    &in.weights,      &in.index_k,     &in.topk_indices,
-                                   &in.attn_score, &in.cu_seqlens_q, &in.cu_seqlens_k};
-        const char* in_names[] = {"index_q",    "weights",      "index_k",     "topk_indices",
-                                  "attn_score", "cu_seqlens_q", "cu_seqlens_k"};
+        const TensorView* ins[] = {&in.index_q,    &in.weights,      &in.index_k,      &in.topk_indices,
+                                   &in.attn_score, &in.cu_seqlens_q, &in.cu_seqlens_k, &in.topk_logits};
+        const char* in_names[] = {"index_q",    "weights",      "index_k",      "topk_indices",
+                                  "attn_score", "cu_seqlens_q", "cu_seqlens_k", "topk_logits"};
         for (int i = 0; i < 4; ++i) {
           if (outs[i]->present() && !outs[i]->is_contiguous()) {
             fail(out_names[i], "a contiguous (row-major) tensor",
@@ -309,7 +337,7 @@ ProblemGeometry validate_kl_forward_problem(const IndexerInputs& in, const Index
               fail(out_names[i], std::string("memory disjoint from ") + out_names[j], "overlapping memory");
             }
           }
-          for (int j = 0; j < 7; ++j) {
+          for (int j = 0; j < 8; ++j) {
             if (overlaps(*outs[i], *ins[j])) {
               fail(out_names[i], std::string("memory disjoint from input ") + in_names[j], "overlapping memory");
             }

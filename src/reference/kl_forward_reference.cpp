@@ -1,6 +1,7 @@
 // fp64 reference of the indexer KL loss forward (docs/kl-forward.md), and the cpu backend of indexer_kl_forward() built on it.
 //
-// Per query row, over its valid slots: the logits z (reference_index_logits),
+// Per query row, over its valid slots: the logits z (reference_index_logits, or
+// sm_scale times the given topk_logits),
 // LSE = zmax + log sum exp(z - zmax), P = exp(z - LSE) and the loss term
 // sum T~ log(max(P, eps)). The statistics of the P-free backward use the LSE
 // as written (rounded to f32 by the cpu backend into an f32 row_lse, exact in
@@ -35,12 +36,30 @@ double slot_value(const TensorView& v, const ProblemGeometry& g, int64_t r, int6
 /// exp(z - that LSE).
 ReferenceKLForward compute_forward(const IndexerInputs& in, const IndexerOptions& opt,
                                    const ProblemGeometry& g, bool f32_lse) {
-  // reference_index_logits takes the backward's inputs: attn_score stands in
-  // for the index_score it does not read.
-  IndexerInputs with_target = in;
-  with_target.index_score = in.attn_score;
-  const std::vector<double> z = reference_index_logits(with_target, opt);
   const int64_t K = g.topk;
+  std::vector<double> z;
+  if (in.topk_logits.present()) {
+    // The top-k's logits, scaled as the cuda kernel scales them (an fp64
+    // topk_logits unrounded). Invalid slots are never read.
+    z.assign(static_cast<std::size_t>(g.num_q_rows * K), 0.0);
+    const bool f32 = in.topk_logits.dtype == DType::f32;
+    for (int64_t r = 0; r < g.num_q_rows; ++r) {
+      int64_t b, tq;
+      g.q_row_coords(r, &b, &tq);
+      for (int64_t i = 0; i < K; ++i) {
+        if (g.key_row(b, static_cast<int64_t>(slot_value(in.topk_indices, g, r, i))) < 0) continue;
+        const double logit = slot_value(in.topk_logits, g, r, i);
+        z[r * K + i] = f32 ? static_cast<double>(opt.sm_scale * static_cast<float>(logit))
+                           : static_cast<double>(opt.sm_scale) * logit;
+      }
+    }
+  } else {
+    // reference_index_logits takes the backward's inputs: attn_score stands in
+    // for the index_score it does not read.
+    IndexerInputs with_target = in;
+    with_target.index_score = in.attn_score;
+    z = reference_index_logits(with_target, opt);
+  }
   const double inf = std::numeric_limits<double>::infinity();
   ReferenceKLForward res;
   res.num_q_rows = g.num_q_rows;
@@ -136,7 +155,9 @@ ReferenceKLForward reference_kl_forward(const IndexerInputs& inputs, const Index
   }
   IndexerInputs with_target = inputs;
   with_target.index_score = inputs.attn_score;
+  with_target.topk_logits = {};
   const detail::ProblemGeometry g = detail::validate_problem(with_target, {}, opt, nullptr, /*check_outputs=*/false);
+  detail::check_topk_logits(inputs, opt, g);
   return detail::compute_forward(inputs, opt, g, /*f32_lse=*/false);
 }
 

@@ -248,6 +248,19 @@ TEST(ForwardPlan, KernelGridAndWorkspace) {
   EXPECT_EQ(plan_kl_forward(bshd(1, 0, 300, 64, 64, 100), h200()).grid, 0);
 }
 
+TEST(ForwardPlan, FromTheTopkLogitsNoZScratch) {
+  const detail::ProblemGeometry g = bshd(2, 1000, 1000, 64, 128, 2048);
+  DeviceProperties device = h200();
+  device.ctas_per_sm = 7;  // the from-logits kernel's occupancy
+  const ForwardPlan p = plan_kl_forward(g, device, /*from_logits=*/true);
+  EXPECT_TRUE(p.kernel.from_logits);
+  EXPECT_EQ(p.grid, 132 * 7);
+  EXPECT_EQ(p.z_stride, 0);  // the given logits are read where they lie
+  EXPECT_EQ(p.loss_terms_at, 0u);
+  EXPECT_EQ(p.workspace_bytes, 2000u * 8);
+  EXPECT_FALSE(plan_kl_forward(g, h200()).kernel.from_logits);
+}
+
 TEST(BackwardCallPlan, TheThreeFormsOfTheCall) {
   const detail::ProblemGeometry g = bshd(1, 4096, 4096, 64, 128, 2048);
   // P form: the kernel's workspace alone (the fp32 dK accumulator of a bf16 d_index_k).
@@ -329,6 +342,22 @@ TEST(LossAndGradPlan, TwoKernelsOtherwise) {
   EXPECT_FALSE(with_p.backward.prepass);
   expect_inside(with_p.p_at, std::size_t{4096} * 2048 * 4, with_p.workspace_bytes, "P");
   EXPECT_TRUE(plan_loss_and_grad(bshd(1, 64, 64, 128, 128, 64), DType::bf16, DType::bf16, options(), h200(), h200()).with_p);
+}
+
+TEST(LossAndGradPlan, FromTheTopkLogitsTheirForwardThenTheBackward) {
+  const detail::ProblemGeometry g = bshd(1, 4096, 4096, 64, 128, 2048);
+  EXPECT_FALSE(loss_and_grad_in_one_kernel(g, DType::bf16, DType::bf16, options(), /*from_logits=*/true));
+  const LossAndGradPlan p =
+      plan_loss_and_grad(g, DType::bf16, DType::bf16, options(), h200(), h200(), /*from_logits=*/true);
+  EXPECT_FALSE(p.one_kernel);
+  EXPECT_TRUE(p.forward.kernel.from_logits);
+  EXPECT_EQ(p.forward.z_stride, 0);
+  EXPECT_FALSE(p.with_p);
+  EXPECT_TRUE(p.backward.p_free_kernels);  // from the forward's row statistics
+  EXPECT_EQ(p.workspace_bytes, p.scratch_at + std::max(p.forward.workspace_bytes, p.backward.workspace_bytes));
+  IndexerOptions det = options();
+  det.deterministic = true;
+  EXPECT_TRUE(plan_loss_and_grad(g, DType::bf16, DType::bf16, det, h200(), h200(), true).with_p);
 }
 
 TEST(TargetPlan, KernelGridAndLimits) {

@@ -87,6 +87,10 @@ struct IndexerKLForwardParams {
   double* loss_terms;      // (num_q_rows) workspace: sum_i T~_i log(max(P_i, eps)) per row
   float* z_scratch;        // (gridDim.x, z_stride) workspace: a row's logits by slot
   int64_t z_stride;
+  // The forward from the top-k's logits (kl_forward_from_logits_kernel.cuh):
+  // I of each slot, rows as attn_score's; null for the kernels that recompute them.
+  const float* topk_logits;
+  int64_t topk_logits_batch_stride, topk_logits_row_stride;
 };
 
 /// The indexer top-k forward's parameters (indexer_topk/). Query and key rows

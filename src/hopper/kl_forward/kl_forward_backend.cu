@@ -1,6 +1,7 @@
 // indexer_kl_forward() on cuda (api/cuda_backend.hpp): the forward kernel
-// (kl_forward_kernel.cuh) over the query rows, then one CTA that sums the
-// per-row loss terms in a fixed order. No host synchronisation.
+// (kl_forward_kernel.cuh, or kl_forward_from_logits_kernel.cuh given the
+// top-k's logits) over the query rows, then one CTA that sums the per-row loss
+// terms in a fixed order. No host synchronisation.
 #include <cuda_runtime.h>
 
 #include "api/cuda_backend.hpp"
@@ -8,6 +9,7 @@
 #include "hopper/common/device_cu_seqlens.hpp"
 #include "hopper/common/support_kernels.hpp"
 #include "hopper/kl_forward/kl_forward_backend.hpp"
+#include "hopper/kl_forward/kl_forward_from_logits_kernel.cuh"
 #include "hopper/kl_forward/kl_forward_kernel.cuh"
 #include "hopper/launch/device.hpp"
 #include "hopper/launch/problem_params.hpp"
@@ -29,7 +31,11 @@ void with_forward_config(const ForwardKernel& k, F&& f) {
 
 }  // namespace
 
-int kl_forward_ctas_per_sm(const detail::ProblemGeometry& g) {
+int kl_forward_ctas_per_sm(const detail::ProblemGeometry& g, bool from_logits) {
+  if (from_logits) {
+    return resident_ctas_per_sm(indexer_kl_forward_from_logits_kernel, LogitsForwardConfig::kThreads, 0,
+                                "indexer_kl_forward_from_logits_kernel");
+  }
   int ctas = 0;
   with_forward_config(forward_kernel_for(g), [&](auto c) {
     using Config = decltype(c);
@@ -50,7 +56,17 @@ void run_kl_forward_kernel(const ForwardPlan& plan, const IndexerInputs& in, con
   params.loss_terms = reinterpret_cast<double*>(workspace + plan.loss_terms_at);
   params.z_scratch = reinterpret_cast<float*>(workspace + plan.z_scratch_at);
   params.z_stride = plan.z_stride;
-  if (plan.grid > 0) {
+  if (plan.kernel.from_logits) {
+    const TensorView& logits = in.topk_logits;
+    params.topk_logits = static_cast<const float*>(logits.data);
+    params.topk_logits_batch_stride = g.layout == Layout::bshd ? logits.strides[0] : 0;
+    params.topk_logits_row_stride = logits.strides[g.layout == Layout::bshd ? 1 : 0];
+    if (plan.grid > 0) {
+      indexer_kl_forward_from_logits_kernel<<<static_cast<unsigned>(plan.grid), LogitsForwardConfig::kThreads, 0,
+                                              stream>>>(params);
+      cuda_check_launch("indexer_kl_forward_from_logits_kernel");
+    }
+  } else if (plan.grid > 0) {
     with_forward_config(plan.kernel, [&](auto c) {
       using Config = decltype(c);
       indexer_kl_forward_kernel<Config><<<static_cast<unsigned>(plan.grid), Config::kThreads,
@@ -70,7 +86,9 @@ hopper::ForwardPlan plan_cuda_kl_forward(const IndexerInputs& in, const ProblemG
   hopper::DeviceGuard guard(in.index_q.device_index);
   check_cuda_key_rows(g);  // validation raised it already
   const hopper::DeviceProperties device = hopper::query_device_properties();
-  return hopper::plan_kl_forward(g, hopper::with_ctas_per_sm(device, hopper::kl_forward_ctas_per_sm(g)));
+  const bool from_logits = in.topk_logits.present();
+  return hopper::plan_kl_forward(
+      g, hopper::with_ctas_per_sm(device, hopper::kl_forward_ctas_per_sm(g, from_logits)), from_logits);
 }
 
 void run_cuda_kl_forward(const hopper::ForwardPlan& plan, const IndexerInputs& inputs,

@@ -71,20 +71,22 @@ BackwardPlan plan_backward(const detail::ProblemGeometry& g, DType d_index_q, DT
 }
 
 
-ForwardKernel forward_kernel_for(const detail::ProblemGeometry& g) {
-  return ForwardKernel{static_cast<int32_t>(g.head_dim), g.heads <= 64 ? 64 : 128};
+ForwardKernel forward_kernel_for(const detail::ProblemGeometry& g, bool from_logits) {
+  return ForwardKernel{static_cast<int32_t>(g.head_dim), g.heads <= 64 ? 64 : 128, from_logits};
 }
 
-ForwardPlan plan_kl_forward(const detail::ProblemGeometry& g, const DeviceProperties& device) {
+ForwardPlan plan_kl_forward(const detail::ProblemGeometry& g, const DeviceProperties& device, bool from_logits) {
   detail::check_cuda_key_rows(g);  // validation raised it already
   ForwardPlan plan;
-  plan.kernel = forward_kernel_for(g);
+  plan.kernel = forward_kernel_for(g, from_logits);
   plan.device = device;
   plan.grid = persistent_grid(g.num_q_rows, device);
-  plan.z_stride = (g.topk + 63) / 64 * 64;
   WorkspaceCarver ws;
   plan.loss_terms_at = ws.add(static_cast<std::size_t>(g.num_q_rows) * sizeof(double));
-  plan.z_scratch_at = ws.add(static_cast<std::size_t>(plan.grid * plan.z_stride) * sizeof(float));
+  if (!from_logits) {  // the given logits are read where they lie
+    plan.z_stride = (g.topk + 63) / 64 * 64;
+    plan.z_scratch_at = ws.add(static_cast<std::size_t>(plan.grid * plan.z_stride) * sizeof(float));
+  }
   plan.workspace_bytes = ws.total();
   return plan;
 }
@@ -121,16 +123,16 @@ BackwardCallPlan plan_backward_call(const detail::ProblemGeometry& g, DType d_in
 }
 
 bool loss_and_grad_in_one_kernel(const detail::ProblemGeometry& g, DType d_index_q, DType d_index_k,
-                                 const IndexerOptions& options) {
-  return options.forward_fusion == ForwardFusion::automatic && g.heads <= kHeadsPerTask && !options.deterministic &&
-         !a_operand_split(options.a_operand_precision, d_index_q, d_index_k);
+                                 const IndexerOptions& options, bool from_logits) {
+  return !from_logits && options.forward_fusion == ForwardFusion::automatic && g.heads <= kHeadsPerTask &&
+         !options.deterministic && !a_operand_split(options.a_operand_precision, d_index_q, d_index_k);
 }
 
 LossAndGradPlan plan_loss_and_grad(const detail::ProblemGeometry& g, DType d_index_q, DType d_index_k,
                                    const IndexerOptions& options, const DeviceProperties& backward,
-                                   const DeviceProperties& forward) {
+                                   const DeviceProperties& forward, bool from_logits) {
   LossAndGradPlan plan;
-  plan.one_kernel = loss_and_grad_in_one_kernel(g, d_index_q, d_index_k, options);
+  plan.one_kernel = loss_and_grad_in_one_kernel(g, d_index_q, d_index_k, options, from_logits);
   const std::size_t rows = static_cast<std::size_t>(g.num_q_rows) * sizeof(float);
   WorkspaceCarver ws;
   plan.lse_at = ws.add(rows);
@@ -150,7 +152,7 @@ LossAndGradPlan plan_loss_and_grad(const detail::ProblemGeometry& g, DType d_ind
   }
   plan.with_p = g.heads > kHeadsPerTask || options.deterministic;
   if (plan.with_p) plan.p_at = ws.add(rows * static_cast<std::size_t>(g.topk));
-  plan.forward = plan_kl_forward(g, forward);
+  plan.forward = plan_kl_forward(g, forward, from_logits);
   // With P the backward takes the P form; else the P-free kernels (H <= 64, not deterministic).
   plan.backward = plan_backward_call(g, d_index_q, d_index_k, options, !plan.with_p, backward, forward);
   plan.scratch_at = ws.add(std::max(plan.forward.workspace_bytes, plan.backward.workspace_bytes));

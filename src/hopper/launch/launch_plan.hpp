@@ -99,15 +99,19 @@ BackwardPlan plan_backward(const detail::ProblemGeometry& g, DType d_index_q, DT
 // The loss forward (kl_forward/).
 
 /// The loss forward's kernel: ForwardTileConfig<head_dim, head_tile>, the head
-/// tile holding every head of a row (64 for H <= 64, else 128).
+/// tile holding every head of a row (64 for H <= 64, else 128); or, given the
+/// top-k's logits (`from_logits`), the kernel that reads them and runs no GEMM
+/// (kl_forward_from_logits_kernel.cuh).
 struct ForwardKernel {
   int32_t head_dim = 128;
   int32_t head_tile = 64;
+  bool from_logits = false;
 };
-ForwardKernel forward_kernel_for(const detail::ProblemGeometry& g);
+ForwardKernel forward_kernel_for(const detail::ProblemGeometry& g, bool from_logits = false);
 
 /// The loss forward's launch and its workspace: the fp64 row loss terms, then
-/// the z scratch rows of its grid (topk rounded up to 64 floats each).
+/// (recomputing the logits) the z scratch rows of its grid (topk rounded up to
+/// 64 floats each).
 struct ForwardPlan {
   ForwardKernel kernel;
   int64_t grid = 0;  // persistent_grid over the query rows
@@ -116,7 +120,9 @@ struct ForwardPlan {
   std::size_t workspace_bytes = 0;
   DeviceProperties device;  // ctas_per_sm: the forward kernel's
 };
-ForwardPlan plan_kl_forward(const detail::ProblemGeometry& g, const DeviceProperties& device);
+/// `device`: with the resident CTAs of forward_kernel_for(g, from_logits).
+ForwardPlan plan_kl_forward(const detail::ProblemGeometry& g, const DeviceProperties& device,
+                            bool from_logits = false);
 
 // ---------------------------------------------------------------------------
 // indexer_backward() on cuda: the backward kernel, with what the P-free form
@@ -150,9 +156,11 @@ BackwardCallPlan plan_backward_call(const detail::ProblemGeometry& g, DType d_in
 // indexer_kl_loss_and_grad() on cuda (loss_and_grad/).
 
 /// The loss-and-gradient kernel applies (forward_fusion automatic): H <= 64,
-/// one A term, the fp32 dK of atomics.
+/// one A term, the fp32 dK of atomics, and the logits recomputed (not given
+/// as topk_logits: then the forward is the from-logits kernel's, before the
+/// backward).
 bool loss_and_grad_in_one_kernel(const detail::ProblemGeometry& g, DType d_index_q, DType d_index_k,
-                                 const IndexerOptions& options);
+                                 const IndexerOptions& options, bool from_logits = false);
 
 /// The one call's plan and workspace. One kernel: the P-free backward's plan
 /// (its grid and start delays), and the row statistics (LSE, mass), the row
@@ -176,7 +184,7 @@ struct LossAndGradPlan {
 /// backward's grid, one CTA per SM).
 LossAndGradPlan plan_loss_and_grad(const detail::ProblemGeometry& g, DType d_index_q, DType d_index_k,
                                    const IndexerOptions& options, const DeviceProperties& backward,
-                                   const DeviceProperties& forward);
+                                   const DeviceProperties& forward, bool from_logits = false);
 
 // ---------------------------------------------------------------------------
 // The attention target (attention_target/).

@@ -1,8 +1,9 @@
 // indexer_kl_loss_and_grad() on cuda (api/cuda_backend.hpp): the loss and the
 // gradients in the loss-and-gradient kernel where it applies
-// (loss_and_grad_in_one_kernel), else the loss forward's kernel writing the row
-// statistics (and, with H > 64 or deterministic, P) into the workspace and the
-// backward from them. No host synchronisation.
+// (loss_and_grad_in_one_kernel), else the loss forward's kernel (from the
+// top-k's logits when they are given) writing the row statistics (and, with
+// H > 64 or deterministic, P) into the workspace and the backward from them.
+// No host synchronisation.
 #include <cuda_runtime.h>
 
 #include "api/cuda_backend.hpp"
@@ -61,6 +62,7 @@ void run_two_kernels(const LossAndGradPlan& plan, const IndexerInputs& in, const
   if (plan.with_p) fwd.index_score = rows_view(ws + plan.p_at, g, device, g.topk);
   run_kl_forward_kernel(plan.forward, in, fwd, opt, g, ws + plan.scratch_at, stream);
   IndexerInputs bwd_in = in;
+  bwd_in.topk_logits = {};  // the backward recomputes its logits
   if (plan.with_p) {
     bwd_in.index_score = fwd.index_score;
   } else {
@@ -85,14 +87,16 @@ hopper::LossAndGradPlan plan_cuda_loss_and_grad(const IndexerInputs& in, const I
   const bool split_a = hopper::a_operand_split(opt.a_operand_precision, dq, dk);
   const hopper::DeviceProperties backward =
       hopper::with_ctas_per_sm(device, hopper::backward_ctas_per_sm(g.head_dim, split_a));
-  if (hopper::loss_and_grad_in_one_kernel(g, dq, dk, opt)) {
+  const bool from_logits = in.topk_logits.present();
+  if (hopper::loss_and_grad_in_one_kernel(g, dq, dk, opt, from_logits)) {
     // The kernel's attribute and occupancy before anything is allocated or written.
     if (g.head_dim == 64) hopper::prepare_indexer_kl_loss_and_grad<64>();
     else hopper::prepare_indexer_kl_loss_and_grad<128>();
     return hopper::plan_loss_and_grad(g, dq, dk, opt, backward, device);
   }
-  const hopper::DeviceProperties forward = hopper::with_ctas_per_sm(device, hopper::kl_forward_ctas_per_sm(g));
-  return hopper::plan_loss_and_grad(g, dq, dk, opt, backward, forward);
+  const hopper::DeviceProperties forward =
+      hopper::with_ctas_per_sm(device, hopper::kl_forward_ctas_per_sm(g, from_logits));
+  return hopper::plan_loss_and_grad(g, dq, dk, opt, backward, forward, from_logits);
 }
 
 void run_cuda_loss_and_grad(const hopper::LossAndGradPlan& plan, const IndexerInputs& inputs,
