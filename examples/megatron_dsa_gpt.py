@@ -92,27 +92,14 @@ def local_block_spec(config):
     Transformer Engine's: LocalSpecProvider's, its column-parallel linear for
     MLA's down projections (what MLA takes besides TELinear), and for the
     indexer's three projections (built "duplicated") a plain linear layer
-    initialised by Megatron's init_method, as TE's duplicated linear is."""
-    import torch
+    initialised by Megatron's init_method, as TE's duplicated linear is
+    (megatron_duplicated_linear.py)."""
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
         get_transformer_layer_with_experimental_attention_variant_spec)
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-
-    class DuplicatedLinear(torch.nn.Module):
-        """The whole weight on every rank; forward returns (output, None) as Megatron's linears do."""
-
-        def __init__(self, input_size, output_size, *, config, init_method, bias, parallel_mode, **kwargs):
-            super().__init__()
-            if parallel_mode != "duplicated" or bias:
-                raise ValueError(f"the indexer's projections: expected a duplicated linear without bias, got "
-                                 f"parallel_mode={parallel_mode!r}, bias={bias!r}")
-            self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
-            init_method(self.weight)
-
-        def forward(self, x):
-            return torch.nn.functional.linear(x, self.weight), None
+    from megatron_duplicated_linear import DuplicatedLinear  # beside this file
 
     class Provider(LocalSpecProvider):
         def linear(self):

@@ -10,30 +10,22 @@ RANK WORLD INIT_FILE CASE_FILE OUT_FILE`` runs every case of CASE_FILE and
 saves what each backend gave (the loss, the ids the main attention got, the
 layer's output, the indexer's parameter gradients, the indexer's q/k/weights).
 
-The indexer's linear projections are plain bf16 ``nn.Linear`` stand-ins with
-the build arguments Megatron passes (its DSA spec takes them from Transformer
-Engine, which has no CPU build); everything else is Megatron's own code.
+The indexer's linear projections are plain bf16 linear stand-ins with the
+build arguments Megatron passes (its DSA spec takes them from Transformer
+Engine, which has no CPU build): the training example's DuplicatedLinear
+(examples/megatron_duplicated_linear.py); everything else is Megatron's own
+code.
 """
 
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-
-class DuplicatedLinear(torch.nn.Module):
-    """What build_module(linear, in, out, config=..., parallel_mode="duplicated")
-    builds: the whole weight on every rank, returning (output, bias)."""
-
-    def __init__(self, input_size, output_size, *, config, init_method, bias, skip_bias_add,
-                 skip_weight_param_allocation, parallel_mode, **kwargs):
-        super().__init__()
-        assert parallel_mode == "duplicated" and not bias
-        self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
-        init_method(self.weight)
-
-    def forward(self, x):
-        return torch.nn.functional.linear(x, self.weight), None
+# The indexer's linear stand-in is the training example's, in examples/.
+sys.path.append(str(Path(__file__).resolve().parents[2] / "examples"))
+from megatron_duplicated_linear import DuplicatedLinear  # noqa: E402
 
 
 def make_config(case, backend, tp, cp):

@@ -3,6 +3,11 @@
 Written independently of dsaib.torch: gather the selected keys, recompute the
 logits, a masked softmax, the clipped cross-entropy; torch.autograd gives the
 gradients. BSHD layout, local or global ids.
+
+Beside it: the error measures (relative RMS and max), torch's deterministic
+mode for a block, the warm-up before a CUDA-graph capture, and what the CUDA
+tests (test_torch_gpu_backward.py, test_torch_gpu_loss.py) share: the device,
+the tolerances, problems on the device, a caching allocator poisoned with NaN.
 """
 import contextlib
 import math
@@ -129,3 +134,25 @@ def warm_up_on_side_stream(step, runs=2):
         for _ in range(runs):
             step()
     torch.cuda.current_stream().wait_stream(side)
+
+
+# ---- the CUDA tests' device, tolerances and problems ----------------------------
+
+DEV = torch.device("cuda")
+# Relative RMS allowed between a run and a rescaled run (grad_loss linearity).
+LINEARITY_RTOL = 1e-4
+# The library's acceptance criteria (docs/math.md section 6) per output dtype.
+TOL = {torch.bfloat16: (3e-3, 1.5e-2), torch.float32: (1e-3, 5e-3)}  # (rel RMS, rel max)
+NAMES = ("d_index_q", "d_weights", "d_index_k")
+
+
+def cuda_problem(**kw):
+    """make_torch_problem's tensors on the CUDA device."""
+    return make_torch_problem(device=DEV, **kw)
+
+
+def poison_allocator(*shapes_dtypes):
+    """Fill blocks the caching allocator will hand out next with NaN, then free them."""
+    blocks = [torch.full(s, float("nan"), dtype=d, device=DEV) for s, d in shapes_dtypes]
+    torch.cuda.synchronize()
+    del blocks

@@ -1,4 +1,9 @@
-"""dsaib.torch on CUDA tensors (the sm_90a kernel), against a float64 torch autograd reference.
+"""dsaib.indexer_backward on CUDA tensors (the sm_90a kernel): the op
+(dsaib.torch.indexer_backward) and the generic function against a float64
+torch autograd reference, the a operand's precision, grad_loss read on the
+device, the current and an explicit stream, a second GPU, the deterministic
+kernels, CUDA-graph capture, torch.compile, opcheck, THD, and the workspace
+from the caller's allocator.
 
 Skipped (never passed) without torch, without a CUDA device, or when the
 installed dsaib has no cuda backend (`pip install .` builds CPU-only; see
@@ -25,26 +30,9 @@ if not dsaib.cuda_backend_available():
 
 import dsaib.torch as dt  # noqa: E402
 from torch_reference import (  # noqa: E402
-    assert_close_rms, deterministic_algorithms, make_torch_problem, reference_grads, reference_index_scores,
-    reference_loss, rel_rms, warm_up_on_side_stream,
+    DEV, LINEARITY_RTOL, NAMES, TOL, assert_close_rms, cuda_problem, deterministic_algorithms, make_torch_problem,
+    poison_allocator, reference_grads, reference_index_scores, rel_rms, warm_up_on_side_stream,
 )
-
-DEV = torch.device("cuda")
-# Relative RMS allowed between a run and a rescaled run (grad_loss linearity).
-LINEARITY_RTOL = 1e-4
-TOL = {torch.bfloat16: (3e-3, 1.5e-2), torch.float32: (1e-3, 5e-3)}  # (rel RMS, rel max)
-NAMES = ("d_index_q", "d_weights", "d_index_k")
-
-
-def problem(**kw):
-    return make_torch_problem(device=DEV, **kw)
-
-
-def poison_allocator(*shapes_dtypes):
-    """Fill blocks the caching allocator will hand out next with NaN, then free them."""
-    blocks = [torch.full(s, float("nan"), dtype=d, device=DEV) for s, d in shapes_dtypes]
-    torch.cuda.synchronize()
-    del blocks
 
 
 def check_against_reference(got, want, codes):
@@ -68,7 +56,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_op_matches_float64_autograd_reference(case):
     kw, codes = CASES[case]
-    q, w, k, ids, T = problem(**kw)
+    q, w, k, ids, T = cuda_problem(**kw)
     sm = 1.0 / math.sqrt(q.shape[-1])
     P = reference_index_scores(q, w, k, ids, sm_scale=sm).float()
     _, *want = reference_grads(q, w, k, ids, T, sm_scale=sm, loss_coeff=0.8)
@@ -92,7 +80,7 @@ def test_a_operand_precision_bf16_vs_bf16x2_with_f32_outputs():
     # One bf16 term of the a operand adds ~1.3-1.6e-3 relative RMS error to
     # d_index_q/d_index_k (measured on the H200, DeepSeek shapes); two terms
     # ~2e-6. float32 outputs are held to 1e-3, so "auto" takes two terms there.
-    q, w, k, ids, T = problem(B=2, S=64, S_kv=512, H=64, D=128, topk=256, seed=19)
+    q, w, k, ids, T = cuda_problem(B=2, S=64, S_kv=512, H=64, D=128, topk=256, seed=19)
     sm = 128 ** -0.5
     P = reference_index_scores(q, w, k, ids, sm_scale=sm).float()
     _, *want = reference_grads(q, w, k, ids, T, sm_scale=sm)
@@ -123,7 +111,7 @@ def test_a_operand_precision_bf16_vs_bf16x2_with_f32_outputs():
 
 
 def test_grad_loss_tensor_is_read_on_device_and_scales_linearly():
-    q, w, k, ids, T = problem(B=1, S=32, S_kv=64, H=64, D=128, topk=64, seed=5)
+    q, w, k, ids, T = cuda_problem(B=1, S=32, S_kv=64, H=64, D=128, topk=64, seed=5)
     P = dt.index_scores(q, w, k, ids, sm_scale=0.1)
     g = torch.full((), 1.0, device=DEV)
     a = dt.indexer_backward(q, w, k, ids, T, P, sm_scale=0.1, grad_loss=g)
@@ -136,52 +124,6 @@ def test_grad_loss_tensor_is_read_on_device_and_scales_linearly():
         assert rel_rms(y, -3.0 * x) < LINEARITY_RTOL
 
 
-def test_autograd_loss_on_cuda_matches_float64_reference():
-    q, w, k, ids, T = problem(B=2, S=64, S_kv=128, H=64, D=128, topk=128, seed=6)
-    sm = 128 ** -0.5
-    want_loss, *want = reference_grads(q, w, k, ids, T, sm_scale=sm, loss_coeff=1.3)
-    leaves = [x.detach().float().requires_grad_() for x in (q, w, k)]
-    loss = dt.indexer_kl_loss(*leaves, ids, T, sm_scale=sm, loss_coeff=1.3)
-    assert loss.device.type == "cuda" and loss.dtype == torch.float32
-    assert abs(loss.item() - want_loss.item()) <= 1e-4 * abs(want_loss.item())
-    loss.backward()
-    for name, x, r in zip(NAMES, leaves, want):
-        assert x.grad.dtype == torch.float32
-        assert_close_rms(name, x.grad, r, *TOL[torch.float32])
-    # bf16 leaves get bf16 gradients
-    leaves16 = [x.detach().clone().requires_grad_() for x in (q, w, k)]
-    dt.indexer_kl_loss(*leaves16, ids, T, sm_scale=sm, loss_coeff=1.3).backward()
-    assert [x.grad.dtype for x in leaves16] == [torch.bfloat16, torch.float32, torch.bfloat16]
-    for name, x, r in zip(NAMES, leaves16, want):
-        assert_close_rms(name, x.grad, r, *TOL[x.grad.dtype])
-
-
-def test_gradcheck_float64_tiny_cuda():
-    # float64 leaves on the bf16 grid: the forward runs in float64, the op sees the same values.
-    q, w, k, ids, T = problem(B=1, S=4, S_kv=6, H=8, D=64, topk=4, seed=7)
-    leaves = tuple(x.detach().double().requires_grad_() for x in (q, w.to(torch.bfloat16), k))
-    f = lambda a, b, c: dt.indexer_kl_loss(a, b, c, ids, T, sm_scale=0.125)  # noqa: E731
-    # nondet_tol: d_index_k is accumulated with fp32 atomics (not bitwise reproducible)
-    assert torch.autograd.gradcheck(f, leaves, eps=1e-6, atol=1e-5, rtol=1e-3, nondet_tol=1e-6)
-
-
-def test_finite_difference_of_reference_loss_vs_cuda_gradient():
-    q, w, k, ids, T = problem(B=1, S=16, S_kv=64, H=64, D=128, topk=48, seed=8)
-    sm = 128 ** -0.5
-    leaves = [x.detach().float().requires_grad_() for x in (q, w, k)]
-    dt.indexer_kl_loss(*leaves, ids, T, sm_scale=sm).backward()
-    g = torch.Generator(device="cpu").manual_seed(1)
-    base = [x.detach().double() for x in (q, w, k)]
-    h = 1e-6
-    for _ in range(4):
-        v = [torch.randn(x.shape, generator=g, dtype=torch.float64).to(DEV) for x in base]
-        hi = reference_loss(*(x + h * d for x, d in zip(base, v)), ids, T, sm_scale=sm)
-        lo = reference_loss(*(x - h * d for x, d in zip(base, v)), ids, T, sm_scale=sm)
-        fd = ((hi - lo) / (2 * h)).item()
-        an = sum((x.grad.double() * d).sum() for x, d in zip(leaves, v)).item()
-        assert math.isfinite(an) and abs(fd - an) <= 1e-3 * max(abs(fd), 1e-3), (fd, an)
-
-
 def _sleep_available():
     return hasattr(torch.cuda, "_sleep")
 
@@ -190,7 +132,7 @@ def _sleep_available():
 def test_runs_on_the_current_torch_stream():
     # On a side stream: a long sleep, then grad_loss := 3, then the op. If the op
     # ran on any other stream it would read grad_loss before the fill (1.0).
-    q, w, k, ids, T = problem(B=1, S=64, S_kv=128, H=64, D=128, topk=128, seed=9)
+    q, w, k, ids, T = cuda_problem(B=1, S=64, S_kv=128, H=64, D=128, topk=128, seed=9)
     P = dt.index_scores(q, w, k, ids, sm_scale=0.1)
     ref = dt.indexer_backward(q, w, k, ids, T, P, sm_scale=0.1, grad_loss=3.0)
     g = torch.ones((), device=DEV)
@@ -214,7 +156,7 @@ def test_runs_on_the_current_torch_stream():
 
 @pytest.mark.skipif(not hasattr(torch.cuda, "_sleep"), reason="torch.cuda._sleep missing")
 def test_generic_function_explicit_stream():
-    q, w, k, ids, T = problem(B=1, S=64, S_kv=128, H=64, D=128, topk=128, seed=10)
+    q, w, k, ids, T = cuda_problem(B=1, S=64, S_kv=128, H=64, D=128, topk=128, seed=10)
     P = dt.index_scores(q, w, k, ids, sm_scale=0.1)
     ref = dt.indexer_backward(q, w, k, ids, T, P, sm_scale=0.1, grad_loss=2.0)
     g = torch.ones((), device=DEV)
@@ -271,7 +213,7 @@ def test_use_deterministic_algorithms_runs_the_deterministic_kernels():
     # backward) take the fixed-point d_index_k: bitwise-equal runs, no warning, the
     # generic function's deterministic=True result, and the fp64 reference's values.
     import warnings
-    q, w, k, ids, T = problem(B=2, S=64, S_kv=512, H=64, D=128, topk=256, seed=29)
+    q, w, k, ids, T = cuda_problem(B=2, S=64, S_kv=512, H=64, D=128, topk=256, seed=29)
     sm = 128 ** -0.5
     P = reference_index_scores(q, w, k, ids, sm_scale=sm).float()
     _, *want = reference_grads(q, w, k, ids, T, sm_scale=sm)
@@ -305,7 +247,7 @@ def test_use_deterministic_algorithms_runs_the_deterministic_kernels():
 
 
 def test_cuda_graph_capture_replays_with_new_grad_loss():
-    q, w, k, ids, T = problem(B=2, S=64, S_kv=128, H=64, D=128, topk=128, seed=11)
+    q, w, k, ids, T = cuda_problem(B=2, S=64, S_kv=128, H=64, D=128, topk=128, seed=11)
     P = dt.index_scores(q, w, k, ids, sm_scale=0.1)
     g = torch.ones((), device=DEV)
     eager = dt.indexer_backward(q, w, k, ids, T, P, sm_scale=0.1, grad_loss=g, out_dtype=("f32", "f32", "bf16"))
@@ -326,40 +268,8 @@ def test_cuda_graph_capture_replays_with_new_grad_loss():
         assert all(torch.isfinite(s).all() for s in static)
 
 
-@pytest.mark.parametrize("gradients", ["forward", "backward"])
-def test_cuda_graph_capture_of_autograd_loss_backward(gradients):
-    q, w, k, ids, T = problem(B=1, S=64, S_kv=128, H=64, D=128, topk=128, seed=12)
-    leaves = [x.detach().float().requires_grad_() for x in (q, w, k)]
-    # The upstream gradient reaches the backward through autograd: the loss is
-    # scaled by a static device scalar g inside the graph, so autograd's
-    # grad_loss is g (computed on the capture stream; a grad_outputs tensor made
-    # outside the capture would tie the capture to the legacy stream).
-    g = torch.ones((), device=DEV)
-
-    def step():
-        loss = dt.indexer_kl_loss(*leaves, ids, T, sm_scale=0.1, gradients=gradients)
-        return (loss, *torch.autograd.grad(loss * g, leaves))
-
-    # Detached: a live loss from a run on another stream would keep that run's
-    # AccumulateGrad nodes (made on the default stream) alive, and the capture
-    # would then sync with the legacy stream (cudaErrorStreamCaptureImplicit;
-    # torch warns about the stream mismatch). Such a failure is the test's
-    # doing, not the op's.
-    eager = tuple(t.detach() for t in step())
-    warm_up_on_side_stream(step)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = step()
-    g.fill_(4.0)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert rel_rms(static[0], eager[0]) < 1e-6
-    for a, b in zip(static[1:], eager[1:]):
-        assert rel_rms(a, 4.0 * b) < LINEARITY_RTOL
-
-
 def test_torch_compile_fullgraph_cuda():
-    q, w, k, ids, T = problem(B=1, S=64, S_kv=128, H=64, D=128, topk=128, seed=13)
+    q, w, k, ids, T = cuda_problem(B=1, S=64, S_kv=128, H=64, D=128, topk=128, seed=13)
     P = dt.index_scores(q, w, k, ids, sm_scale=0.1)
     g = torch.full((), 2.0, device=DEV)
 
@@ -386,7 +296,7 @@ def test_torch_compile_fullgraph_cuda():
 
 
 def test_torch_compile_reduce_overhead_cuda_graphs():
-    q, w, k, ids, T = problem(B=1, S=32, S_kv=64, H=64, D=128, topk=64, seed=14)
+    q, w, k, ids, T = cuda_problem(B=1, S=32, S_kv=64, H=64, D=128, topk=64, seed=14)
     P = dt.index_scores(q, w, k, ids, sm_scale=0.1)
 
     def op(q, w, k, ids, T, P, g):
@@ -402,7 +312,7 @@ def test_torch_compile_reduce_overhead_cuda_graphs():
 
 
 def test_cuda_errors_keep_the_cpp_message():
-    q, w, k, ids, T = problem(seed=15)
+    q, w, k, ids, T = cuda_problem(seed=15)
     P = dt.index_scores(q, w, k, ids, sm_scale=0.1)
     with pytest.raises(ValueError, match=r"^index_k: "):
         dt.indexer_backward(q, w, k.cpu(), ids, T, P, sm_scale=0.1)
@@ -411,7 +321,7 @@ def test_cuda_errors_keep_the_cpp_message():
 
 
 def test_generic_function_defaults_to_cuda_backend_for_cuda_tensors():
-    q, w, k, ids, T = problem(B=1, S=32, S_kv=64, H=64, D=128, topk=64, seed=16)
+    q, w, k, ids, T = cuda_problem(B=1, S=32, S_kv=64, H=64, D=128, topk=64, seed=16)
     P = dt.index_scores(q, w, k, ids, sm_scale=0.1)
     got = dsaib.indexer_backward(q, w, k, ids, T, P, sm_scale=0.1, out_dtype="bf16")
     assert all(x.device.type == "cuda" and x.dtype == torch.bfloat16 for x in got)
@@ -421,7 +331,7 @@ def test_generic_function_defaults_to_cuda_backend_for_cuda_tensors():
 
 
 def test_opcheck_cuda():
-    q, w, k, ids, T = problem(B=1, S=16, S_kv=32, H=64, D=128, topk=32, seed=17)
+    q, w, k, ids, T = cuda_problem(B=1, S=16, S_kv=32, H=64, D=128, topk=32, seed=17)
     P = dt.index_scores(q, w, k, ids, sm_scale=0.1)
     g = torch.full((), 0.5, device=DEV)
     for codes in (("f32", "f32", "f32"), ("bf16", "f32", "bf16")):
@@ -431,7 +341,7 @@ def test_opcheck_cuda():
 
 
 def test_thd_global_ids_match_bshd_on_cuda():
-    q, w, k, ids, T = problem(B=3, S=32, S_kv=48, H=64, D=128, topk=40, seed=18, invalid=False)
+    q, w, k, ids, T = cuda_problem(B=3, S=32, S_kv=48, H=64, D=128, topk=40, seed=18, invalid=False)
     B, S, H, D = q.shape
     S_kv = k.shape[1]
     P = dt.index_scores(q, w, k, ids, sm_scale=0.1)
@@ -445,126 +355,6 @@ def test_thd_global_ids_match_bshd_on_cuda():
     torch.cuda.synchronize()
     for a, b in zip(thd, bshd):
         assert rel_rms(a.reshape(b.shape), b) < 1e-6
-
-
-def test_loss_forward_checks_gpu_cu_seqlens_like_the_op():
-    # Eager THD on the GPU: the library's validation reads cu_seqlens (a copy to
-    # the host on the current stream) before the forward, with the op's message.
-    q, w, k, ids, T = problem(B=2, S=32, S_kv=48, H=64, D=128, topk=40, seed=19, invalid=False)
-    B, S, H, D = q.shape
-    S_kv = k.shape[1]
-    gids = (ids.long() + S_kv * torch.arange(B, device=DEV).view(B, 1, 1)).to(torch.int32).reshape(B * S, -1)
-    cu_q = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=DEV)
-    bad_cu_k = torch.arange(0, (B + 1) * S_kv, S_kv, dtype=torch.int32, device=DEV)
-    bad_cu_k[-1] += 5
-    thd = dict(layout="thd", id_mode="global", cu_seqlens_q=cu_q, cu_seqlens_k=bad_cu_k)
-    qt, wt, kt, Tt = q.reshape(B * S, H, D), w.reshape(B * S, H), k.reshape(B * S_kv, D), T.reshape(B * S, -1)
-    with pytest.raises(ValueError) as lib:
-        dt.indexer_backward(qt, wt, kt, gids, Tt, Tt, sm_scale=0.1, **thd)
-    assert str(lib.value).startswith("cu_seqlens_k: expected last value equal to T_k"), str(lib.value)
-    leaf = qt.detach().float().requires_grad_()
-    with pytest.raises(ValueError) as ours:
-        dt.indexer_kl_loss(leaf, wt, kt, gids, Tt, sm_scale=0.1, **thd)
-    assert str(ours.value) == str(lib.value)
-    assert leaf.grad is None
-
-
-def to_thd(q, w, k, ids, T):
-    """The BSHD problem packed as THD with global ids (-1 stays -1; a local id out
-    of range becomes a row outside its sequence, still invalid)."""
-    B, S = ids.shape[:2]
-    S_kv = k.shape[1]
-    flat = lambda x: x.reshape((-1,) + tuple(x.shape[2:]))  # noqa: E731
-    base = S_kv * torch.arange(B, device=DEV).view(B, 1, 1)
-    gids = torch.where(ids >= 0, ids.long() + base, torch.full_like(ids.long(), -1)).to(torch.int32)
-    cu_q = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=DEV)
-    cu_k = torch.arange(0, (B + 1) * S_kv, S_kv, dtype=torch.int32, device=DEV)
-    return (flat(q), flat(w), flat(k), flat(gids), flat(T),
-            dict(layout="thd", id_mode="global", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k))
-
-
-# H 64 runs the P-free backward's own P rebuild; H 128 its forward pre-pass.
-LOSS_CASES = [(layout, H) for layout in ("bshd", "thd") for H in (64, 128)]
-
-
-@pytest.mark.parametrize("gradients", ["backward", "forward"])
-@pytest.mark.parametrize("layout,H", LOSS_CASES)
-def test_loss_on_cuda_in_both_gradient_forms(layout, H, gradients):
-    """gradients="backward": the fused forward and the P-free backward;
-    "forward": the one call in the forward, its gradients held and scaled."""
-    q, w, k, ids, T = problem(B=2, S=64, S_kv=96, H=H, D=128, topk=80, seed=30)
-    sm = 128 ** -0.5
-    want_loss, *want = reference_grads(q, w, k, ids, T, sm_scale=sm, loss_coeff=0.9)
-    args = (q, w, k, ids, T) if layout == "bshd" else to_thd(q, w, k, ids, T)
-    opts = {} if layout == "bshd" else args[5]
-    q2, w2, k2, ids2, T2 = args[:5]
-    leaves = [x.detach().float().requires_grad_() for x in (q2, w2, k2)]
-    loss = dt.indexer_kl_loss(*leaves, ids2, T2, sm_scale=sm, loss_coeff=0.9, gradients=gradients, **opts)
-    assert loss.device.type == "cuda" and loss.dtype == torch.float32
-    assert abs(loss.item() - want_loss.item()) <= 1e-6 * abs(want_loss.item()), (loss.item(), want_loss.item())
-    saved = [t for t in loss.grad_fn.saved_tensors if t is not None]
-    if gradients == "backward":
-        # the forward saved the row statistics and, of size S_q x topk, only the caller's ids and T
-        topk_sized = [t for t in saved if tuple(t.shape) == tuple(ids2.shape)]
-        assert sorted(t.data_ptr() for t in topk_sized) == sorted([ids2.data_ptr(), T2.data_ptr()])
-        assert len([t for t in saved if tuple(t.shape) == tuple(ids2.shape[:-1])]) == 2
-    else:
-        # the gradients alone, shaped and typed as the leaves
-        assert [(t.shape, t.dtype, t.device) for t in saved] == [(x.shape, x.dtype, x.device) for x in leaves]
-    loss.backward()
-    for name, x, r in zip(NAMES, leaves, want):
-        assert_close_rms(name, x.grad.reshape(r.shape), r, *TOL[torch.float32])
-
-
-@pytest.mark.parametrize("layout,H", LOSS_CASES)
-def test_one_call_on_cuda_equals_loss_and_autograd_gradients(layout, H):
-    q, w, k, ids, T = problem(B=2, S=64, S_kv=96, H=H, D=128, topk=80, seed=31)
-    args = (q, w, k, ids, T) if layout == "bshd" else to_thd(q, w, k, ids, T)
-    opts = {} if layout == "bshd" else args[5]
-    q2, w2, k2, ids2, T2 = args[:5]
-    g = torch.tensor(1.75, device=DEV)
-    with deterministic_algorithms():  # the fixed-point d_index_k on both sides
-        leaves = [x.detach().clone().requires_grad_() for x in (q2, w2, k2)]  # bf16, f32, bf16
-        loss = dt.indexer_kl_loss(*leaves, ids2, T2, sm_scale=0.1, gradients="backward", **opts)  # the two-step path
-        loss.backward(g)
-        poison_allocator((q2.shape, torch.bfloat16), (k2.shape, torch.bfloat16), (w2.shape, torch.float32))
-        got = dt.indexer_kl_loss_and_grad(q2, w2, k2, ids2, T2, sm_scale=0.1, grad_loss=g, **opts)
-    torch.cuda.synchronize()
-    assert torch.isfinite(got[0]) and rel_rms(got[0], loss.detach()) <= 1e-6
-    for name, d, x in zip(NAMES, got[1:], leaves):
-        assert d.dtype == x.grad.dtype and d.shape == x.shape
-        assert_close_rms(name, d.float(), x.grad.float(), 1e-3 if d.dtype == torch.float32 else 4e-3, 8e-3)
-    want_loss, *want = reference_grads(q, w, k, ids, T, sm_scale=0.1)
-    for name, d, r in zip(NAMES, got[1:], want):
-        assert_close_rms(name, d.reshape(r.shape), 1.75 * r, *TOL[d.dtype])
-
-
-@pytest.mark.parametrize("layout", ["bshd", "thd"])
-def test_cuda_graph_capture_of_one_call_replays_with_new_grad_loss(layout):
-    # THD too: the library checks device cu_seqlens on the device while capturing.
-    q, w, k, ids, T = problem(B=2, S=64, S_kv=128, H=64, D=128, topk=128, seed=32)
-    args = (q, w, k, ids, T) if layout == "bshd" else to_thd(q, w, k, ids, T)
-    opts = {} if layout == "bshd" else args[5]
-    g = torch.ones((), device=DEV)
-
-    def step():
-        return dt.indexer_kl_loss_and_grad(*args[:5], sm_scale=0.1, grad_loss=g, **opts)
-
-    eager = step()
-    warm_up_on_side_stream(step)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = step()
-    for value in (1.0, 2.5, -0.5):
-        for s in static:
-            s.fill_(float("nan"))
-        g.fill_(value)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(static[0], eager[0])  # the loss: bitwise reproducible, not scaled by grad_loss
-        for s, e in zip(static[1:], eager[1:]):
-            assert torch.isfinite(s).all()
-            assert rel_rms(s.float(), value * e.float()) < (LINEARITY_RTOL if s.dtype == torch.float32 else 5e-3)
 
 
 def _raw_backward_args(q, w, k, ids, T, P, dk_dtype):
@@ -586,7 +376,7 @@ def test_the_library_asks_the_allocator_once_after_validation():
     from dsaib import _dsaib
     from dsaib._frameworks import _export
 
-    q, w, k, ids, T = problem(B=1, S=32, S_kv=64, H=64, D=128, topk=64, seed=40)
+    q, w, k, ids, T = cuda_problem(B=1, S=32, S_kv=64, H=64, D=128, topk=64, seed=40)
     P = dt.index_scores(q, w, k, ids, sm_scale=0.1)
     asked = []
 
@@ -614,7 +404,7 @@ def test_the_allocators_errors_reach_the_caller_and_nothing_is_written():
     from dsaib import _dsaib
     from dsaib._frameworks import _export
 
-    q, w, k, ids, T = problem(B=1, S=32, S_kv=64, H=64, D=128, topk=64, seed=41)
+    q, w, k, ids, T = cuda_problem(B=1, S=32, S_kv=64, H=64, D=128, topk=64, seed=41)
     P = dt.index_scores(q, w, k, ids, sm_scale=0.1)
 
     class Refused(Exception):
