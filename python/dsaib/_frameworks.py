@@ -64,7 +64,7 @@ def _check_arrays(**arrays):
     happens (the extension would only report "incompatible function arguments")."""
     seen_capsules = []
     for name, x in arrays.items():
-        if x is None and (name.startswith("cu_seqlens") or name == "grad_loss"):
+        if x is None and (name.startswith("cu_seqlens") or name in ("grad_loss", "topk_logits")):
             continue
         if not (hasattr(x, "__dlpack__") or isinstance(x, (_np.ndarray, _dsaib.Buffer))
                 or _is_capsule(x)  # a raw DLPack capsule is taken too

@@ -179,7 +179,7 @@ indexer_backward.__doc__ += _RETURNS
 def indexer_kl_forward(index_q, weights, index_k, topk_indices, attn_score, *, sm_scale, loss_coeff=1.0,
                        normalization_count=0, layout="bshd", id_mode="local", cu_seqlens_q=None, cu_seqlens_k=None,
                        backend=None, strict_indices=False, num_threads=0, stream=None, return_index_score=False,
-                       uint16_as_bf16=False):
+                       uint16_as_bf16=False, topk_logits=None):
     """The indexer KL loss and its per-row statistics: ``(loss, row_lse, row_target_mass)``.
 
     The inputs of :func:`indexer_backward` without ``index_score``. float32
@@ -190,27 +190,32 @@ def indexer_kl_forward(index_q, weights, index_k, topk_indices, attn_score, *, s
     backward rebuilds from the float32 LSE (docs/kl-forward.md), shaped
     ``(B, S_q)`` or ``(T_q,)``: what :func:`indexer_backward` takes in place of
     ``index_score``. With ``return_index_score=True`` also P (float32, shaped
-    like topk_indices) as a fourth item.
+    like topk_indices) as a fourth item. ``topk_logits`` (optional, float32
+    or on the cpu backend float64, shaped like topk_indices): the selected
+    keys' logits as :func:`indexer_topk` writes them; the forward then takes
+    ``sm_scale`` times them instead of gathering the keys and recomputing them.
     """
     _check_arrays(index_q=index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
-                  attn_score=attn_score, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+                  attn_score=attn_score, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                  topk_logits=topk_logits)
     options, run, u16 = _prepare("indexer_kl_forward", index_q, dict(
         sm_scale=sm_scale, loss_coeff=loss_coeff, normalization_count=normalization_count, layout=layout,
         id_mode=id_mode, backend=backend, strict_indices=strict_indices, num_threads=num_threads, stream=stream,
         return_index_score=return_index_score), uint16_as_bf16)
     return _forward(run, options, u16, index_q, weights, index_k, topk_indices, attn_score, cu_seqlens_q,
-                    cu_seqlens_k, options["return_index_score"])
+                    cu_seqlens_k, options["return_index_score"], topk_logits)
 
 
 def _forward(run, options, u16, index_q, weights, index_k, topk_indices, attn_score, cu_seqlens_q, cu_seqlens_k,
-             with_p):
+             with_p, topk_logits=None):
     ids_shape = _shape(topk_indices)
     out = (run.alloc(()), run.alloc(ids_shape[:-1]), run.alloc(ids_shape[:-1]))
     if with_p:
         out += (run.alloc(ids_shape),)
     tensors = dict(index_q=index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
                    attn_score=attn_score, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, loss=out[0],
-                   row_lse=out[1], row_target_mass=out[2], index_score=out[3] if with_p else None)
+                   row_lse=out[1], row_target_mass=out[2], index_score=out[3] if with_p else None,
+                   topk_logits=topk_logits)
     return run.call(_dsaib.indexer_kl_forward, tensors, _options.library_kwargs(options), out, True,
                     dict(uint16_as_bf16=u16))
 
@@ -274,7 +279,7 @@ def indexer_kl_loss_and_grad(index_q, weights, index_k, topk_indices, attn_score
                              cu_seqlens_q=None, cu_seqlens_k=None, out_dtype=None, backend=None,
                              strict_indices=False, deterministic=False, num_threads=0, stream=None,
                              a_operand_precision="auto", l2_hints="auto", start_stagger="auto",
-                             forward_fusion="auto", uint16_as_bf16=False):
+                             forward_fusion="auto", uint16_as_bf16=False, topk_logits=None):
     """``(loss, d_index_q, d_weights, d_index_k)`` in one library call, for an
     indexer trained only by this loss.
 
@@ -283,10 +288,12 @@ def indexer_kl_loss_and_grad(index_q, weights, index_k, topk_indices, attn_score
     ``out_dtype="f64"``), not scaled by ``grad_loss``; the gradients as
     :func:`indexer_backward` returns them. On the cuda backend the call does
     not synchronise the host when a CUDA graph is being captured (BSHD and
-    THD), so it can be captured.
+    THD), so it can be captured. ``topk_logits`` as for
+    :func:`indexer_kl_forward` (the backward recomputes its logits).
     """
     _check_arrays(index_q=index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
-                  attn_score=attn_score, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+                  attn_score=attn_score, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                  topk_logits=topk_logits)
     options, run, u16 = _prepare("indexer_kl_loss_and_grad", index_q, dict(
         sm_scale=sm_scale, loss_coeff=loss_coeff, normalization_count=normalization_count, layout=layout,
         id_mode=id_mode, backend=backend, strict_indices=strict_indices, num_threads=num_threads, stream=stream,
@@ -298,7 +305,8 @@ def indexer_kl_loss_and_grad(index_q, weights, index_k, topk_indices, attn_score
                                                                                       codes)
     tensors = dict(index_q=index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
                    attn_score=attn_score, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, loss=out[0],
-                   d_index_q=out[1], d_weights=out[2], d_index_k=out[3], grad_loss_device=options["grad_loss"][1])
+                   d_index_q=out[1], d_weights=out[2], d_index_k=out[3], grad_loss_device=options["grad_loss"][1],
+                   topk_logits=topk_logits)
     return run.call(_dsaib.indexer_kl_loss_and_grad, tensors, _options.library_kwargs(options), out, True,
                     dict(uint16_as_bf16=u16, out_uint16_as_bf16=True))
 

@@ -99,7 +99,8 @@ from ._options import OPTIONS
 from ._torch import ops as _ops  # noqa: F401  (registers torch.ops.dsaib.*)
 from ._torch import reference
 from ._torch.convert import (check_same_device, check_tensor_types, check_torch_arguments, checked_grad_loss,
-                             gradients_in_forward, out_dtype as _out_dtype, range_int32, topk_operand)
+                             gradients_in_forward, logits_operand, out_dtype as _out_dtype, range_int32,
+                             topk_operand)
 from ._torch.cp_agreement import describe, host_offsets
 from ._torch.cp_loss import ContextParallelKLLoss as _ContextParallelKLLoss, resolved_a_operand as _resolved_a_operand
 from ._torch.cp_plan import (CP_LAYOUTS, causal_ranges, finish, normalization, plan as _plan, rank_chunks,
@@ -127,6 +128,7 @@ def context_parallel_indexer_kl_loss(
     cu_seqlens_k: Optional[torch.Tensor] = None,
     a_operand_precision: str = "auto",
     gradients: str = "forward",
+    topk_logits: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The indexer KL loss of a sequence split over the CP group ``group``
     (a ``torch.distributed`` process group; ``None`` is the default group).
@@ -165,6 +167,11 @@ def context_parallel_indexer_kl_loss(
     ``"backward"`` the forward is the loss alone and the backward the P-free
     backward, then the reduce-scatter.
 
+    ``topk_logits`` (optional): this rank's rows of the selected keys'
+    logits, as :func:`context_parallel_indexer_topk` (or
+    :func:`dsaib.torch.indexer_topk`) returns them; the forward reads them
+    instead of recomputing the logits, as in :func:`dsaib.torch.indexer_kl_loss`.
+
     Memory: ``"forward"`` holds this rank's ``d_index_q`` and ``d_weights`` and
     its float32 share of ``d_index_k`` for the whole sequence from the forward
     to the backward; ``"backward"`` keeps the gathered ``index_k`` (bf16, the
@@ -179,6 +186,7 @@ def context_parallel_indexer_kl_loss(
             sm_scale=sm_scale, loss_coeff=loss_coeff, normalization_count=normalization_count,
             a_operand_precision=a_operand_precision, gradients=gradients).values()
         check_torch_arguments(index_q, weights, index_k, topk_indices, attn_score, cu_seqlens_q, cu_seqlens_k)
+        logits_operand(topk_logits)  # its TypeError
         offsets = host_offsets(cu_seqlens_q, cu_seqlens_k)
         fields = describe("context_parallel_indexer_kl_loss", index_q, weights, index_k, topk_indices, attn_score,
                           None, sm_scale, cp_layout, loss_coeff, normalization_count, layout, id_mode, *offsets, None,
@@ -194,13 +202,14 @@ def context_parallel_indexer_kl_loss(
                                 device=index_k.device).expand(plan.k_full_shape)
         reference.validate(index_q, weights, k_standin, topk_indices, attn_score, sm_scale=sm_scale,
                            layout=plan.layout, id_mode=id_mode, cu_seqlens_q=plan.cu_q_local, cu_seqlens_k=plan.cu_k,
-                           loss_coeff=loss_coeff, normalization_count=normalization(plan, normalization_count))
+                           loss_coeff=loss_coeff, normalization_count=normalization(plan, normalization_count),
+                           topk_logits=topk_logits)
 
     plan = _plan(group, cp_layout, layout, index_q, index_k, cu_seqlens_q, cu_seqlens_k, offsets, fields, error,
                  validate)
     return _ContextParallelKLLoss.apply(index_q, weights, index_k, topk_indices, attn_score, plan, float(sm_scale),
                                         float(loss_coeff), int(normalization_count), id_mode, a_operand_precision,
-                                        gradients_in_forward(gradients, (index_q, weights, index_k)))
+                                        gradients_in_forward(gradients, (index_q, weights, index_k)), topk_logits)
 
 
 def _check_local_backward_arguments(index_q, layout, grad_loss, row_lse, row_target_mass):

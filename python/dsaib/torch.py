@@ -56,8 +56,8 @@ from ._torch import reference as _reference
 from ._torch.autograd import IndexerKLLossFunction as _IndexerKLLossFunction
 from ._torch.autograd import IndexerKLLossGradientsInForward as _IndexerKLLossGradientsInForward
 from ._torch.convert import (check_same_device, check_tensor_types, check_torch_arguments, fp64, grad_code,
-                             grad_loss_tensor, gradients_in_forward, ids_int32, library_inputs, on_stream,
-                             range_int32, topk_operand)
+                             grad_loss_tensor, gradients_in_forward, ids_int32, library_inputs, logits_operand,
+                             on_stream, range_int32, topk_operand)
 from .distributed import (context_parallel_indexer_backward, context_parallel_indexer_kl_loss,
                           context_parallel_indexer_topk)
 
@@ -110,24 +110,27 @@ def indexer_backward(index_q, weights, index_k, topk_indices, attn_score, index_
 @_options.documented("indexer_kl_forward")
 def indexer_kl_forward(index_q, weights, index_k, topk_indices, attn_score, *, sm_scale, loss_coeff=1.0,
                        normalization_count=0, layout="bshd", id_mode="local", cu_seqlens_q=None, cu_seqlens_k=None,
-                       backend=None, strict_indices=False, num_threads=0, stream=None, return_index_score=False):
+                       backend=None, strict_indices=False, num_threads=0, stream=None, return_index_score=False,
+                       topk_logits=None):
     """``(loss, row_lse, row_target_mass)`` (and P with ``return_index_score=True``)
     through ``torch.ops.dsaib.indexer_kl_forward``, as :func:`dsaib.indexer_kl_forward`
     returns them; tensors taken as they are, as :func:`indexer_backward` takes them.
-    Not differentiable (:func:`indexer_kl_loss` is)."""
+    ``topk_logits``: the selected keys' logits as :func:`indexer_topk` returns
+    them (``return_logits=True``), taken instead of recomputing them (no key
+    gathered, no GEMM). Not differentiable (:func:`indexer_kl_loss` is)."""
     o = _options.check("indexer_kl_forward", dict(
         sm_scale=sm_scale, loss_coeff=loss_coeff, normalization_count=normalization_count, layout=layout,
         id_mode=id_mode, backend=backend, strict_indices=strict_indices, num_threads=num_threads, stream=stream,
         return_index_score=return_index_score))
-    check_tensor_types(("cu_seqlens_q", "cu_seqlens_k"), index_q=index_q, weights=weights, index_k=index_k,
-                       topk_indices=topk_indices, attn_score=attn_score, cu_seqlens_q=cu_seqlens_q,
-                       cu_seqlens_k=cu_seqlens_k)
+    check_tensor_types(("cu_seqlens_q", "cu_seqlens_k", "topk_logits"), index_q=index_q, weights=weights,
+                       index_k=index_k, topk_indices=topk_indices, attn_score=attn_score, cu_seqlens_q=cu_seqlens_q,
+                       cu_seqlens_k=cu_seqlens_k, topk_logits=topk_logits)
     with on_stream(o["stream"], index_q.device):
         p = index_q.new_empty(topk_indices.shape, dtype=torch.float32) if o["return_index_score"] else None
         out = torch.ops.dsaib.indexer_kl_forward(
             index_q, weights, index_k, topk_indices, attn_score, cu_seqlens_q, cu_seqlens_k, o["sm_scale"],
             o["loss_coeff"], o["normalization_count"], o["layout"], o["id_mode"], o["strict_indices"],
-            o["num_threads"], o["backend"], p)
+            o["num_threads"], o["backend"], p, topk_logits)
     return out + (p,) if p is not None else out
 
 
@@ -136,7 +139,7 @@ def indexer_kl_loss(index_q, weights, index_k, topk_indices, attn_score, *, sm_s
                     normalization_count=0, layout="bshd", id_mode="local", cu_seqlens_q=None, cu_seqlens_k=None,
                     backend=None, strict_indices=False, num_threads=0, stream=None, deterministic=False,
                     a_operand_precision="auto", l2_hints="auto", start_stagger="auto",
-                    gradients="forward") -> torch.Tensor:
+                    gradients="forward", topk_logits=None) -> torch.Tensor:
     """The indexer KL loss, a 0-dim tensor, differentiable w.r.t. index_q, weights and index_k.
 
     ============  ======================  ===========================================
@@ -170,6 +173,14 @@ def indexer_kl_loss(index_q, weights, index_k, topk_indices, attn_score, *, sm_s
     ``l2_hints``, ``start_stagger``) apply, and gradients come back in the
     dtypes of the leaves.
 
+    ``topk_logits`` (optional, float, shaped like topk_indices): the selected
+    keys' logits as :func:`indexer_topk` returns them (``return_logits=True``),
+    for the same index_q, weights and index_k. The forward then takes
+    sm_scale times them instead of gathering the keys and recomputing the
+    logits; they are a constant (detached): the gradient flows through the
+    logits the backward recomputes, which agree with them within the top-k's
+    bound (docs/kl-forward.md, "From the top-k's logits").
+
     Errors, before anything is computed: TypeError for a non-tensor argument,
     non-integer ``topk_indices`` or non-float ``attn_score``, ValueError for
     tensors on different devices, then the option table's and the library's
@@ -182,6 +193,7 @@ def indexer_kl_loss(index_q, weights, index_k, topk_indices, attn_score, *, sm_s
         deterministic=deterministic, a_operand_precision=a_operand_precision, l2_hints=l2_hints,
         start_stagger=start_stagger, gradients=gradients))
     check_torch_arguments(index_q, weights, index_k, topk_indices, attn_score, cu_seqlens_q, cu_seqlens_k)
+    logits_operand(topk_logits)  # its TypeError before anything runs
     function = (_IndexerKLLossGradientsInForward if gradients_in_forward(o["gradients"], (index_q, weights, index_k))
                 else _IndexerKLLossFunction)
     with on_stream(o["stream"], index_q.device):
@@ -191,11 +203,13 @@ def indexer_kl_loss(index_q, weights, index_k, topk_indices, attn_score, *, sm_s
                                 layout=o["layout"], id_mode=o["id_mode"], cu_seqlens_q=cu_seqlens_q,
                                 cu_seqlens_k=cu_seqlens_k, loss_coeff=o["loss_coeff"],
                                 normalization_count=o["normalization_count"], backend=o["backend"],
-                                num_threads=o["num_threads"], strict_indices=o["strict_indices"])
+                                num_threads=o["num_threads"], strict_indices=o["strict_indices"],
+                                topk_logits=topk_logits)
         return function.apply(
             index_q, weights, index_k, topk_indices, attn_score, cu_seqlens_q, cu_seqlens_k, o["sm_scale"],
             o["loss_coeff"], o["normalization_count"], o["layout"], o["id_mode"], o["backend"], o["strict_indices"],
-            o["num_threads"], o["deterministic"], o["a_operand_precision"], o["l2_hints"], o["start_stagger"])
+            o["num_threads"], o["deterministic"], o["a_operand_precision"], o["l2_hints"], o["start_stagger"],
+            topk_logits)
 
 
 @_options.documented("indexer_kl_loss_and_grad")
@@ -204,7 +218,8 @@ def indexer_kl_loss_and_grad(index_q, weights, index_k, topk_indices, attn_score
                              cu_seqlens_q=None, cu_seqlens_k=None, out_dtype=None, backend=None,
                              strict_indices=False, deterministic=False, num_threads=0, stream=None,
                              a_operand_precision="auto", l2_hints="auto", start_stagger="auto",
-                             forward_fusion="auto") -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                             forward_fusion="auto",
+                             topk_logits=None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(loss, d_index_q, d_weights, d_index_k)`` in one library call, for an
     indexer trained only by this loss (detached from the model's graph).
 
@@ -217,7 +232,9 @@ def indexer_kl_loss_and_grad(index_q, weights, index_k, topk_indices, attn_score
     index_q, weights and index_k (``out_dtype=None``), and the loss is not
     scaled by ``grad_loss``. Float64 CPU tensors: the library's fp64 forward
     (on index_q/index_k rounded to bf16), a float64 loss and float64 gradients,
-    all unrounded. Not differentiable: the outputs are plain tensors.
+    all unrounded. ``topk_logits`` as for :func:`indexer_kl_loss`: the forward
+    reads them, the backward recomputes its logits. Not differentiable: the
+    outputs are plain tensors.
     """
     o = _options.check("indexer_kl_loss_and_grad", dict(
         sm_scale=sm_scale, loss_coeff=loss_coeff, normalization_count=normalization_count, layout=layout,
@@ -237,7 +254,7 @@ def indexer_kl_loss_and_grad(index_q, weights, index_k, topk_indices, attn_score
             o["normalization_count"], o["layout"], o["id_mode"], *codes, o["a_operand_precision"],
             "f64" if in_fp64 or tuple(codes) == ("f64",) * 3 else "f32",  # as dsaib.indexer_kl_loss_and_grad
             o["strict_indices"], o["l2_hints"], o["start_stagger"], o["deterministic"],
-            o["num_threads"], o["backend"], o["forward_fusion"])
+            o["num_threads"], o["backend"], o["forward_fusion"], logits_operand(topk_logits, in_fp64))
     if o["out_dtype"] is not None:
         return loss, dq, dw, dk
     return loss, dq.to(index_q.dtype), dw.to(weights.dtype), dk.to(index_k.dtype)

@@ -168,7 +168,8 @@ dsaib::IndexerInputs make_inputs(const Array& index_q, const Array& weights, con
                                          const std::optional<Array>& cu_seqlens_q,
                                          const std::optional<Array>& cu_seqlens_k, bool u16,
                                          const std::optional<Array>& row_lse,
-                                         const std::optional<Array>& row_target_mass) {
+                                         const std::optional<Array>& row_target_mass,
+                                         const std::optional<Array>& topk_logits) {
   dsaib::IndexerInputs in;
   in.index_q = to_view("index_q", index_q, u16);
   in.weights = to_view("weights", weights, u16);
@@ -180,6 +181,7 @@ dsaib::IndexerInputs make_inputs(const Array& index_q, const Array& weights, con
   in.cu_seqlens_k = opt_view("cu_seqlens_k", cu_seqlens_k, u16);
   in.row_lse = opt_view("row_lse", row_lse, u16);
   in.row_target_mass = opt_view("row_target_mass", row_target_mass, u16);
+  in.topk_logits = opt_view("topk_logits", topk_logits, u16);
   return in;
 }
 

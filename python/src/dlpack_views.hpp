@@ -42,13 +42,15 @@ std::string backend_device(dsaib::Backend backend, const Array& index_q);
 const float* grad_loss_pointer(const Array& g, const std::string& want_device);
 
 /// The inputs of the indexer's loss entry points; index_score, row_lse and
-/// row_target_mass may be absent (the P-free form, or a forward).
+/// row_target_mass may be absent (the P-free form, or a forward), and
+/// topk_logits is given only to the forward and the one call.
 dsaib::IndexerInputs make_inputs(const Array& index_q, const Array& weights, const Array& index_k,
                                  const Array& topk_indices, const Array& attn_score,
                                  const std::optional<Array>& index_score, const std::optional<Array>& cu_seqlens_q,
                                  const std::optional<Array>& cu_seqlens_k, bool u16,
                                  const std::optional<Array>& row_lse = std::nullopt,
-                                 const std::optional<Array>& row_target_mass = std::nullopt);
+                                 const std::optional<Array>& row_target_mass = std::nullopt,
+                                 const std::optional<Array>& topk_logits = std::nullopt);
 
 dsaib::AttentionTargetInputs make_target_inputs(const Array& query, const Array& kv, const std::optional<Array>& lse,
                                                 const Array& topk_indices, const std::optional<Array>& cu_seqlens_q,

@@ -175,9 +175,9 @@ NB_MODULE(_dsaib, m) {
          const Array& attn_score, const std::optional<Array>& cu_seqlens_q, const std::optional<Array>& cu_seqlens_k,
          const OutArray& loss, const OutArray& row_lse, const OutArray& row_target_mass,
          const std::optional<OutArray>& index_score, const std::optional<nb::object>& workspace, bool uint16_as_bf16,
-         const nb::kwargs& options) {
+         const std::optional<Array>& topk_logits, const nb::kwargs& options) {
         const auto in = make_inputs(index_q, weights, index_k, topk_indices, attn_score, std::nullopt, cu_seqlens_q,
-                                    cu_seqlens_k, uint16_as_bf16);
+                                    cu_seqlens_k, uint16_as_bf16, std::nullopt, std::nullopt, topk_logits);
         dsaib::IndexerKLForwardOutputs out;
         out.loss = to_view("loss", loss, false);
         out.row_lse = to_view("row_lse", row_lse, false);
@@ -190,10 +190,12 @@ NB_MODULE(_dsaib, m) {
       nb::arg("index_q"), nb::arg("weights"), nb::arg("index_k"), nb::arg("topk_indices"), nb::arg("attn_score"),
       nb::arg("cu_seqlens_q").none(), nb::arg("cu_seqlens_k").none(), nb::arg("loss"), nb::arg("row_lse"),
       nb::arg("row_target_mass"), nb::arg("index_score").none() = nb::none(),
-      nb::arg("workspace").none() = nb::none(), nb::arg("uint16_as_bf16") = false, nb::arg("options"),
+      nb::arg("workspace").none() = nb::none(), nb::arg("uint16_as_bf16") = false,
+      nb::arg("topk_logits").none() = nb::none(), nb::arg("options"),
       "Calls dsaib::indexer_kl_forward: writes the loss (float32, shape ()), row_lse and row_target_mass\n"
       "(float32, one per query row) and, if given, index_score (P, float32, shaped like topk_indices).\n"
-      "workspace as for indexer_backward.");
+      "topk_logits (optional): the selected keys' logits as indexer_topk writes them; the forward then\n"
+      "takes sm_scale times them instead of recomputing the logits. workspace as for indexer_backward.");
 
   m.def(
       "indexer_kl_loss_and_grad",
@@ -201,9 +203,10 @@ NB_MODULE(_dsaib, m) {
          const Array& attn_score, const std::optional<Array>& cu_seqlens_q, const std::optional<Array>& cu_seqlens_k,
          const OutArray& loss, const OutArray& d_index_q, const OutArray& d_weights, const OutArray& d_index_k,
          const std::optional<Array>& grad_loss_device, const std::optional<nb::object>& workspace,
-         bool uint16_as_bf16, bool out_uint16_as_bf16, const nb::kwargs& options) {
+         bool uint16_as_bf16, bool out_uint16_as_bf16, const std::optional<Array>& topk_logits,
+         const nb::kwargs& options) {
         const auto in = make_inputs(index_q, weights, index_k, topk_indices, attn_score, std::nullopt, cu_seqlens_q,
-                                    cu_seqlens_k, uint16_as_bf16);
+                                    cu_seqlens_k, uint16_as_bf16, std::nullopt, std::nullopt, topk_logits);
         const dsaib::IndexerKLLossAndGradOutputs out{to_view("loss", loss, false),
                                                      to_view("d_index_q", d_index_q, out_uint16_as_bf16),
                                                      to_view("d_weights", d_weights, out_uint16_as_bf16),
@@ -218,9 +221,10 @@ NB_MODULE(_dsaib, m) {
       nb::arg("cu_seqlens_q").none(), nb::arg("cu_seqlens_k").none(), nb::arg("loss"), nb::arg("d_index_q"),
       nb::arg("d_weights"), nb::arg("d_index_k"), nb::arg("grad_loss_device").none() = nb::none(),
       nb::arg("workspace").none() = nb::none(), nb::arg("uint16_as_bf16") = false,
-      nb::arg("out_uint16_as_bf16") = false, nb::arg("options"),
+      nb::arg("out_uint16_as_bf16") = false, nb::arg("topk_logits").none() = nb::none(), nb::arg("options"),
       "Calls dsaib::indexer_kl_loss_and_grad: the loss (float32, shape ()) and d_index_q, d_weights, d_index_k\n"
-      "in one call, without P. grad_loss_device and workspace as for indexer_backward.");
+      "in one call, without P. topk_logits as for indexer_kl_forward (the backward recomputes its logits).\n"
+      "grad_loss_device and workspace as for indexer_backward.");
 
   m.def(
       "attention_target",
@@ -312,16 +316,18 @@ NB_MODULE(_dsaib, m) {
       [](const Array& index_q, const Array& weights, const Array& index_k, const Array& topk_indices,
          const Array& attn_score, const std::optional<Array>& index_score, const std::optional<Array>& cu_seqlens_q,
          const std::optional<Array>& cu_seqlens_k, const std::optional<Array>& row_lse,
-         const std::optional<Array>& row_target_mass, bool uint16_as_bf16, const nb::kwargs& options) {
+         const std::optional<Array>& row_target_mass, bool uint16_as_bf16, const std::optional<Array>& topk_logits,
+         const nb::kwargs& options) {
         const auto in = make_inputs(index_q, weights, index_k, topk_indices, attn_score, index_score,
-                                    cu_seqlens_q, cu_seqlens_k, uint16_as_bf16, row_lse, row_target_mass);
+                                    cu_seqlens_q, cu_seqlens_k, uint16_as_bf16, row_lse, row_target_mass, topk_logits);
         const auto opt = read_indexer_options(options);
         call_library([&] { dsaib::validate_indexer_kl_loss_inputs(in, opt); });  // THD on cuda: reads cu_seqlens
       },
       nb::arg("index_q"), nb::arg("weights"), nb::arg("index_k"), nb::arg("topk_indices"), nb::arg("attn_score"),
       nb::arg("index_score").none() = nb::none(), nb::arg("cu_seqlens_q").none() = nb::none(),
       nb::arg("cu_seqlens_k").none() = nb::none(), nb::arg("row_lse").none() = nb::none(),
-      nb::arg("row_target_mass").none() = nb::none(), nb::arg("uint16_as_bf16") = false, nb::arg("options"),
+      nb::arg("row_target_mass").none() = nb::none(), nb::arg("uint16_as_bf16") = false,
+      nb::arg("topk_logits").none() = nb::none(), nb::arg("options"),
       "dsaib::validate_indexer_kl_loss_inputs: indexer_backward's checks of the inputs and options, without\n"
       "outputs and without computing anything; index_score may be None (then held to attn_score's rules,\n"
       "unless row_lse and row_target_mass give the P-free form).\n"

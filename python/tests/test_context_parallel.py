@@ -24,6 +24,7 @@ if not (dist.is_available() and dist.is_gloo_available()):
     pytest.skip("torch.distributed with the gloo backend is not available", allow_module_level=True)
 
 import dsaib.distributed as dcp  # noqa: E402
+import dsaib.torch as dt  # noqa: E402
 from bad_options import BAD_BACKWARD_OPTIONS, BAD_OPTIONS  # noqa: E402
 from host_syncs import HostSyncs  # noqa: E402
 from dsaib._torch import cp_plan  # noqa: E402
@@ -441,6 +442,36 @@ def test_a_group_of_one_equals_the_single_process_loss(one_rank_group, layout, f
     assert torch.equal(loss.detach(), want_loss)
     for gname, x, r in zip(NAMES, leaves, want):
         assert torch.equal(x.grad, r), gname
+
+
+def _selected_logits(p):
+    """I of each selected key of a BSHD problem (float32, torch), as indexer_topk writes them."""
+    q, w, k, ids = p["q"].bfloat16().float(), p["w"].float(), p["k"].bfloat16().float(), p["ids"].long()
+    # invalid slots (out of range) read key 0: their logits are never read
+    safe = torch.where((ids >= 0) & (ids < k.shape[1]), ids, 0)
+    keys = torch.stack([k[b][safe[b]] for b in range(k.shape[0])])  # (B, S, K, D)
+    return (w.unsqueeze(-1) * torch.relu(torch.einsum("bshd,bskd->bshk", q, keys))).sum(2)
+
+
+@pytest.mark.parametrize("form", GRADIENT_FORMS)
+def test_a_group_of_one_takes_the_topk_logits_as_the_single_process_loss(one_rank_group, form):
+    p = make_problem("bshd", "local", torch.float32, seed=9)
+    opts = options(p, "bshd", "local")
+    logits = _selected_logits(p)
+    results = []
+    for fn, extra in ((dt.indexer_kl_loss, {}), (dcp.context_parallel_indexer_kl_loss,
+                                                dict(group=one_rank_group, cp_layout="zigzag"))):
+        leaves = [x.detach().clone().requires_grad_() for x in (p["q"], p["w"], p["k"])]
+        loss = fn(*leaves, p["ids"], p["T"], gradients=form, topk_logits=logits, **extra, **opts)
+        loss.backward(torch.tensor(1.5))
+        results.append((loss.detach(), [x.grad for x in leaves]))
+    (want_loss, want), (got_loss, got) = results
+    assert torch.equal(got_loss, want_loss)
+    for gname, x, r in zip(NAMES, got, want):
+        assert torch.equal(x, r), gname
+    other = dcp.context_parallel_indexer_kl_loss(p["q"], p["w"], p["k"], p["ids"], p["T"], group=one_rank_group,
+                                                 topk_logits=logits * 2, **opts)
+    assert not torch.equal(other, want_loss)  # the logits are what the forward reads
 
 
 def test_errors_name_the_argument(one_rank_group):

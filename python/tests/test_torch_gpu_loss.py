@@ -232,3 +232,25 @@ def test_cuda_graph_capture_of_one_call_replays_with_new_grad_loss(layout):
         for s, e in zip(static[1:], eager[1:]):
             assert torch.isfinite(s).all()
             assert rel_rms(s.float(), value * e.float()) < (LINEARITY_RTOL if s.dtype == torch.float32 else 5e-3)
+
+
+@pytest.mark.parametrize("gradients", ["forward", "backward"])
+def test_loss_on_cuda_from_the_topk_logits(gradients):
+    """indexer_topk's ids and logits on the device straight into the loss: the
+    loss and gradients against the float64 reference of those ids, as the
+    loss that recomputes the logits is held to."""
+    g = torch.Generator(device="cpu").manual_seed(21)
+    B, S, H, D, K = 2, 256, 64, 128, 128
+    q = torch.randn(B, S, H, D, generator=g).bfloat16().to(DEV)
+    k = torch.randn(B, S, D, generator=g).bfloat16().to(DEV)
+    w = (torch.randn(B, S, H, generator=g) / 8).to(DEV)
+    ids, logits = dt.indexer_topk(q, w, k, K, return_logits=True)
+    T = torch.rand(B, S, K, generator=g).to(DEV).masked_fill(ids < 0, 0)
+    T = T / T.sum(-1, keepdim=True)
+    want_loss, *want = reference_grads(q, w, k, ids, T, sm_scale=1.0)
+    leaves = [x.detach().float().requires_grad_() for x in (q, w, k)]
+    loss = dt.indexer_kl_loss(*leaves, ids, T, sm_scale=1.0, gradients=gradients, topk_logits=logits)
+    assert abs(loss.item() - want_loss.item()) <= 1e-4 * abs(want_loss.item())
+    loss.backward()
+    for name, x, r in zip(NAMES, leaves, want):
+        assert_close_rms(name, x.grad, r, *TOL[torch.float32])

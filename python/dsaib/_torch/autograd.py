@@ -17,14 +17,15 @@ gradients are formed (its option ``gradients``):
 import torch
 
 from . import reference
-from .convert import fp64, grad_code, grad_loss_tensor, held_gradient_scale, library_inputs, scaled_gradient
+from .convert import (fp64, grad_code, grad_loss_tensor, held_gradient_scale, library_inputs, logits_operand,
+                      scaled_gradient)
 
 
 class IndexerKLLossFunction(torch.autograd.Function):
     """forward(index_q, weights, index_k, topk_indices, attn_score, cu_seqlens_q,
     cu_seqlens_k, sm_scale, loss_coeff, normalization_count, layout, id_mode,
     backend, strict_indices, num_threads, deterministic, a_operand_precision,
-    l2_hints, start_stagger) -> the loss (0-dim).
+    l2_hints, start_stagger, topk_logits) -> the loss (0-dim).
 
     One library call in the forward (dsaib::indexer_kl_forward, which validates
     the arguments; float64 leaves: the validation alone, then the forward in
@@ -36,7 +37,7 @@ class IndexerKLLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, index_q, weights, index_k, topk_indices, attn_score, cu_seqlens_q, cu_seqlens_k, sm_scale,
                 loss_coeff, normalization_count, layout, id_mode, backend, strict_indices, num_threads, deterministic,
-                a_operand_precision, l2_hints, start_stagger):
+                a_operand_precision, l2_hints, start_stagger, topk_logits=None):
         # CPU float64: the backward reads the forward's float64 row statistics, float64
         # weights and attn_score, and writes float64 gradients, all unrounded.
         library_fp64 = fp64(index_q.device, index_q, weights, index_k)
@@ -45,13 +46,14 @@ class IndexerKLLossFunction(torch.autograd.Function):
         if any(t.dtype == torch.float64 for t in (index_q, weights, index_k)):
             loss, row_lse, row_target_mass = reference.float64_forward(
                 index_q, weights, index_k, topk_indices, attn_score, sm_scale, loss_coeff, normalization_count,
-                layout, id_mode, cu_seqlens_q, cu_seqlens_k)
+                layout, id_mode, cu_seqlens_q, cu_seqlens_k, topk_logits)
         else:
             # The library's forward: the loss and each row's LSE and target
             # mass; no P (S_q x topk) is made, saved or passed on.
             loss, row_lse, row_target_mass = torch.ops.dsaib.indexer_kl_forward(
                 q16, w_op, k16, ids32, T32, cu_seqlens_q, cu_seqlens_k, sm_scale, loss_coeff, normalization_count,
-                layout, id_mode, strict_indices, num_threads, backend)
+                layout, id_mode, strict_indices, num_threads, backend, None,
+                logits_operand(topk_logits, library_fp64))
         stats = torch.float64 if library_fp64 else torch.float32
         ctx.save_for_backward(q16, w_op, k16, ids32, T32, row_lse.to(stats), row_target_mass.to(stats),
                               cu_seqlens_q, cu_seqlens_k)
@@ -77,7 +79,7 @@ class IndexerKLLossFunction(torch.autograd.Function):
             deterministic, num_threads, backend)
         need = ctx.needs_input_grad
         return (dq.to(q_dt) if need[0] else None, dw.to(w_dt) if need[1] else None,
-                dk.to(k_dt) if need[2] else None) + (None,) * 16
+                dk.to(k_dt) if need[2] else None) + (None,) * 17
 
 
 class IndexerKLLossGradientsInForward(torch.autograd.Function):
@@ -99,7 +101,7 @@ class IndexerKLLossGradientsInForward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, index_q, weights, index_k, topk_indices, attn_score, cu_seqlens_q, cu_seqlens_k, sm_scale,
                 loss_coeff, normalization_count, layout, id_mode, backend, strict_indices, num_threads, deterministic,
-                a_operand_precision, l2_hints, start_stagger):
+                a_operand_precision, l2_hints, start_stagger, topk_logits=None):
         q16, w_op, k16, ids32, T32 = library_inputs(index_q, weights, index_k, topk_indices, attn_score, False,
                                                     strict_indices)
         codes = tuple(grad_code(t.dtype, False) for t in (index_q, weights, index_k))
@@ -107,7 +109,7 @@ class IndexerKLLossGradientsInForward(torch.autograd.Function):
         loss, dq, dw, dk = torch.ops.dsaib.indexer_kl_loss_and_grad(
             q16, w_op, k16, ids32, T32, one, cu_seqlens_q, cu_seqlens_k, sm_scale, loss_coeff, normalization_count,
             layout, id_mode, *codes, a_operand_precision, "f32", strict_indices, l2_hints, start_stagger,
-            deterministic, num_threads, backend, "auto")
+            deterministic, num_threads, backend, "auto", logits_operand(topk_logits))
         need = ctx.needs_input_grad
         ctx.save_for_backward(*(d if need[i] else None for i, d in enumerate((dq, dw, dk))))
         ctx.in_dtypes = (index_q.dtype, weights.dtype, index_k.dtype)
@@ -117,4 +119,4 @@ class IndexerKLLossGradientsInForward(torch.autograd.Function):
     def backward(ctx, grad_loss):
         g = held_gradient_scale(grad_loss, "dsaib.torch.indexer_kl_loss")
         grads = tuple(scaled_gradient(d, g, dt) for d, dt in zip(ctx.saved_tensors, ctx.in_dtypes))
-        return grads + (None,) * 16
+        return grads + (None,) * 17

@@ -210,6 +210,21 @@ def library_inputs(index_q, weights, index_k, topk_indices, attn_score, in_fp64=
             attn_score.to(T_dtype).contiguous())
 
 
+def logits_operand(topk_logits, in_fp64=False):
+    """topk_logits as the loss's library calls take them: None as it is; a
+    float tensor as float32 (float64 in the fp64 mode), detached (a constant:
+    the gradient flows through the logits the backward recomputes), its last
+    dimension contiguous. TypeError for anything else, naming the argument."""
+    if topk_logits is None:
+        return None
+    if not isinstance(topk_logits, torch.Tensor):
+        raise TypeError(f"topk_logits: expected a torch.Tensor or None, got {type(topk_logits).__name__}")
+    if not topk_logits.is_floating_point():
+        raise TypeError(f"topk_logits: expected a floating-point tensor, got dtype {topk_logits.dtype}")
+    t = topk_logits.detach().to(torch.float64 if in_fp64 else torch.float32)
+    return t if t.dim() == 0 or t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
 def topk_operand(t: torch.Tensor, dtypes, cuda: bool) -> torch.Tensor:
     """index_q, weights or index_k as dsaib::indexer_topk reads it, without a
     copy where its strides are acceptable: ``t`` itself when its dtype is one of

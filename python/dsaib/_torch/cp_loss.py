@@ -9,7 +9,8 @@ import torch.distributed as dist
 
 from . import ops as _ops  # noqa: F401  (registers torch.ops.dsaib.*)
 from . import reference
-from .convert import fp64 as _fp64, grad_code, grad_loss_tensor, held_gradient_scale, library_inputs, scaled_gradient
+from .convert import (fp64 as _fp64, grad_code, grad_loss_tensor, held_gradient_scale, library_inputs, logits_operand,
+                      scaled_gradient)
 from .cp_plan import finish, normalization, start_gather, start_reduce_scatter
 
 
@@ -25,7 +26,7 @@ def resolved_a_operand(a_operand_precision, q_code, k_code):
 class ContextParallelKLLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, index_q, weights, index_k, topk_indices, attn_score, plan, sm_scale, loss_coeff,
-                normalization_count, id_mode, a_operand_precision, in_forward):
+                normalization_count, id_mode, a_operand_precision, in_forward, topk_logits=None):
         fp64 = any(t.dtype == torch.float64 for t in (index_q, weights, index_k))
         # CPU float64: through the library in float64 too (its fp64 CPU backend).
         library_fp64 = _fp64(index_q.device, index_q, weights, index_k)
@@ -53,7 +54,8 @@ class ContextParallelKLLoss(torch.autograd.Function):
             loss, dq, dw, dk_whole = torch.ops.dsaib.indexer_kl_loss_and_grad(
                 q16, w_op, k16, ids32, T32, grad_loss_tensor((1.0, None), index_q.device), plan.cu_q_local,
                 plan.cu_k, float(sm_scale), float(loss_coeff), n, plan.layout, id_mode, q_code, w_code, "f32",
-                resolved_a_operand(a_operand_precision, q_code, k_code))
+                resolved_a_operand(a_operand_precision, q_code, k_code), "f32", False, "auto", "auto", False, 0,
+                None, "auto", logits_operand(topk_logits))
             dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=plan.group)
             need = ctx.needs_input_grad
             ctx.save_for_backward(dq if need[0] else None, dw if need[1] else None, dk_whole if need[2] else None)
@@ -61,11 +63,11 @@ class ContextParallelKLLoss(torch.autograd.Function):
         if fp64:
             loss, row_lse, row_target_mass = reference.float64_forward(
                 index_q, weights, k_whole, topk_indices, attn_score, sm_scale, loss_coeff, n, plan.layout,
-                id_mode, plan.cu_q_local, plan.cu_k)
+                id_mode, plan.cu_q_local, plan.cu_k, topk_logits)
         else:
             loss, row_lse, row_target_mass = torch.ops.dsaib.indexer_kl_forward(
                 q16, w_op, k16, ids32, T32, plan.cu_q_local, plan.cu_k, float(sm_scale), float(loss_coeff), n,
-                plan.layout, id_mode)
+                plan.layout, id_mode, False, 0, None, None, logits_operand(topk_logits, library_fp64))
         # Every rank returns the global loss; backward() on a rank carries its own share.
         dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=plan.group)
         stats = torch.float64 if library_fp64 else torch.float32
@@ -95,7 +97,7 @@ class ContextParallelKLLoss(torch.autograd.Function):
         dq = dq.to(q_dt) if need[0] else None
         dw = dw.to(w_dt) if need[1] else None
         finish(work)
-        return dq, dw, dk.to(k_dt) if need[2] else None, None, None, None, None, None, None, None, None, None
+        return dq, dw, dk.to(k_dt) if need[2] else None, None, None, None, None, None, None, None, None, None, None
 
     @staticmethod
     def scale_held(ctx, grad_loss):
@@ -112,4 +114,4 @@ class ContextParallelKLLoss(torch.autograd.Function):
         if work is not None:
             finish(work)
             dk = dk.to(k_dt)
-        return dq, dw, dk, None, None, None, None, None, None, None, None, None
+        return dq, dw, dk, None, None, None, None, None, None, None, None, None, None

@@ -128,16 +128,19 @@ def indexer_kl_forward_op(
     attn_score: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
     sm_scale: float, loss_coeff: float, normalization_count: int, layout: str, id_mode: str,
     strict_indices: bool = False, num_threads: int = 0, backend: Optional[str] = None,
-    index_score: Optional[torch.Tensor] = None,
+    index_score: Optional[torch.Tensor] = None, topk_logits: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, row_lse, row_target_mass), float32, through dsaib::indexer_kl_forward
     (no P: the backward rebuilds it from the row statistics); P is written
-    into index_score when one is given (float32, shaped like topk_indices)."""
+    into index_score when one is given (float32, shaped like topk_indices).
+    topk_logits: the selected keys' logits as indexer_topk writes them, taken
+    instead of recomputing them."""
     dev = index_q.device
     loss, row_lse, row_target_mass = _forward_outputs(index_q, topk_indices)
     tensors = dict(index_q=index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
                    attn_score=attn_score, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, loss=loss,
-                   row_lse=row_lse, row_target_mass=row_target_mass, index_score=index_score)
+                   row_lse=row_lse, row_target_mass=row_target_mass, index_score=index_score,
+                   topk_logits=topk_logits)
     options = library_options(dev, backend, layout=layout, id_mode=id_mode, sm_scale=float(sm_scale),
                               loss_coeff=float(loss_coeff), normalization_count=int(normalization_count),
                               strict_indices=bool(strict_indices), num_threads=int(num_threads))
@@ -148,11 +151,11 @@ def indexer_kl_forward_op(
 @indexer_kl_forward_op.register_fake
 def _indexer_kl_forward_fake(index_q, weights, index_k, topk_indices, attn_score, cu_seqlens_q, cu_seqlens_k,
                              sm_scale, loss_coeff, normalization_count, layout, id_mode, strict_indices=False,
-                             num_threads=0, backend=None, index_score=None):
+                             num_threads=0, backend=None, index_score=None, topk_logits=None):
     check_words(backend=backend)
     check_same_device(index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
                       attn_score=attn_score, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                      index_score=index_score)
+                      index_score=index_score, topk_logits=topk_logits)
     return _forward_outputs(index_q, topk_indices)
 
 
@@ -167,14 +170,16 @@ def indexer_kl_loss_and_grad_op(
     layout: str, id_mode: str, dq_dtype: str, dw_dtype: str, dk_dtype: str, a_operand_precision: str = "auto",
     loss_dtype: str = "f32", strict_indices: bool = False, l2_hints: str = "auto", start_stagger: str = "auto",
     deterministic: bool = False, num_threads: int = 0, backend: Optional[str] = None, forward_fusion: str = "auto",
+    topk_logits: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, d_index_q, d_weights, d_index_k) through dsaib::indexer_kl_loss_and_grad."""
+    """(loss, d_index_q, d_weights, d_index_k) through dsaib::indexer_kl_loss_and_grad;
+    topk_logits as for indexer_kl_forward."""
     dev = index_q.device
     loss = index_q.new_empty((), dtype=out_dtype("loss_dtype", loss_dtype))
     dq, dw, dk = gradients_like(index_q, weights, index_k, dq_dtype, dw_dtype, dk_dtype)
     tensors = dict(index_q=index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
                    attn_score=attn_score, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, loss=loss,
-                   d_index_q=dq, d_weights=dw, d_index_k=dk, grad_loss_device=grad_loss)
+                   d_index_q=dq, d_weights=dw, d_index_k=dk, grad_loss_device=grad_loss, topk_logits=topk_logits)
     options = library_options(
         dev, backend, layout=layout, id_mode=id_mode, sm_scale=float(sm_scale), loss_coeff=float(loss_coeff),
         normalization_count=int(normalization_count), strict_indices=bool(strict_indices),
@@ -189,12 +194,13 @@ def _indexer_kl_loss_and_grad_fake(index_q, weights, index_k, topk_indices, attn
                                    cu_seqlens_k, sm_scale, loss_coeff, normalization_count, layout, id_mode,
                                    dq_dtype, dw_dtype, dk_dtype, a_operand_precision="auto", loss_dtype="f32",
                                    strict_indices=False, l2_hints="auto", start_stagger="auto",
-                                   deterministic=False, num_threads=0, backend=None, forward_fusion="auto"):
+                                   deterministic=False, num_threads=0, backend=None, forward_fusion="auto",
+                                   topk_logits=None):
     check_words(a_operand_precision=a_operand_precision, l2_hints=l2_hints, start_stagger=start_stagger,
                 backend=backend, forward_fusion=forward_fusion)
     check_same_device(index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
                       attn_score=attn_score, grad_loss=grad_loss, cu_seqlens_q=cu_seqlens_q,
-                      cu_seqlens_k=cu_seqlens_k)
+                      cu_seqlens_k=cu_seqlens_k, topk_logits=topk_logits)
     return (index_q.new_empty((), dtype=out_dtype("loss_dtype", loss_dtype)),
             *gradients_like(index_q, weights, index_k, dq_dtype, dw_dtype, dk_dtype))
 

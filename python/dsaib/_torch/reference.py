@@ -24,7 +24,7 @@ EPS = math.exp(-100.0)
 
 def validate(index_q, weights, index_k, topk_indices, attn_score, *, sm_scale, layout, id_mode, cu_seqlens_q,
              cu_seqlens_k, loss_coeff=1.0, normalization_count=0, backend=None, num_threads=0,
-             strict_indices=False, any_integer_cu_seqlens=False):
+             strict_indices=False, any_integer_cu_seqlens=False, topk_logits=None):
     """The library's validation (dsaib::validate_indexer_kl_loss_inputs, one
     library call) of what the backward will get from a forward computed here,
     before it computes anything, so that a bad argument raises its
@@ -33,7 +33,8 @@ def validate(index_q, weights, index_k, topk_indices, attn_score, *, sm_scale, l
     The tensors are shown as the loss converts them (library_view): bf16
     index_q/index_k, float32 (or bf16; CPU float64: float64) weights, int32
     topk_indices, float32 (CPU float64: float64) attn_score (absent: shaped
-    like topk_indices); index_score is the P computed here.
+    like topk_indices), topk_logits (when given) as attn_score; index_score is
+    the P computed here.
     any_integer_cu_seqlens (index_scores, which has no backward): cu_seqlens of
     any integer dtype on any device are shown as int32 on index_q's device.
     Only metadata is read, and for THD cu_seqlens (on a GPU: a copy to the host
@@ -57,6 +58,8 @@ def validate(index_q, weights, index_k, topk_indices, attn_score, *, sm_scale, l
                                  else library_view(topk_indices, torch.int32)),
                    attn_score=library_view(attn_score, T_dtype), cu_seqlens_q=cu_seqlens_q,
                    cu_seqlens_k=cu_seqlens_k)
+    if topk_logits is not None:
+        tensors["topk_logits"] = library_view(topk_logits, T_dtype)
     _library_validation(tensors, index_q.device, sm_scale=sm_scale, layout=layout, id_mode=id_mode,
                         loss_coeff=loss_coeff, normalization_count=normalization_count, backend=backend,
                         num_threads=num_threads, strict_indices=strict_indices)
@@ -209,15 +212,19 @@ def softmax_valid(z):
 
 
 def float64_forward(index_q, weights, index_k, topk_indices, attn_score, sm_scale, loss_coeff,
-                     normalization_count, layout, id_mode, cu_seqlens_q, cu_seqlens_k):
+                     normalization_count, layout, id_mode, cu_seqlens_q, cu_seqlens_k, topk_logits=None):
     """(loss, row_lse, row_target_mass) in float64 in torch, from the unrounded
     values: the forward of float64 inputs, for finite-difference checks.
     sm_scale and loss_coeff as the library applies them, rounded to float32:
     its backward rebuilds P with that sm_scale from row_lse, so the gradient
-    is that of the loss returned here."""
+    is that of the loss returned here. topk_logits (the top-k's logits) stand
+    in for the recomputed ones at the valid slots, as the library takes them."""
     sm_scale, loss_coeff = _f32_round(float(sm_scale)), _f32_round(float(loss_coeff))
     rows, valid = key_rows(index_k, topk_indices, layout, id_mode, cu_seqlens_q, cu_seqlens_k)
     z = logits(index_q, weights, index_k, rows, valid, sm_scale, torch.float64)
+    if topk_logits is not None:
+        given = topk_logits.detach().reshape(z.shape).to(torch.float64) * sm_scale
+        z = torch.where(valid, given, z)
     P = softmax_valid(z)
     T = attn_score.reshape(P.shape).to(torch.float64).clamp_min(EPS)
     zero = torch.zeros_like(P)

@@ -82,9 +82,10 @@ def _bshd(q, k, weights, starts, ends):
     return q.transpose(0, 1), k.transpose(0, 1), weights.transpose(0, 1), rows("starts", starts), rows("ends", ends)
 
 
-def _topk(q, k, weights, index_topk, starts, ends):
+def _topk(q, k, weights, index_topk, starts, ends, with_logits=False):
     """(ids [b, sq, min(index_topk, skv)] int32 with -1 past each row's count,
-    lengths [b, sq] int32): the exact top-k of dsaib's logits in each row's range."""
+    lengths [b, sq] int32): the exact top-k of dsaib's logits in each row's
+    range; with_logits: (ids, logits [b, sq, K] float32, lengths)."""
     index_topk = _check_arguments(q, k, weights, index_topk, starts, ends)
     q_b, k_b, w_b, starts_b, ends_b = _bshd(q, k, weights, starts, ends)
     # Megatron's torch path returns min(index_topk, skv) slots; the same width
@@ -92,10 +93,11 @@ def _topk(q, k, weights, index_topk, starts, ends):
     width = min(index_topk, k.shape[0])
     if width == 0:  # no keys (skv = 0): every row is empty
         sq, b = q.shape[0], q.shape[1]
-        return (torch.empty((b, sq, 0), dtype=torch.int32, device=q.device),
-                torch.zeros((b, sq), dtype=torch.int32, device=q.device))
+        empty = torch.empty((b, sq, 0), dtype=torch.int32, device=q.device)
+        lengths = torch.zeros((b, sq), dtype=torch.int32, device=q.device)
+        return (empty, empty.float(), lengths) if with_logits else (empty, lengths)
     return _dt.indexer_topk(q_b, w_b, k_b, width, starts=starts_b, ends=ends_b, order=SETTINGS["order"],
-                            return_lengths=True)
+                            return_logits=with_logits, return_lengths=True)
 
 
 def run_fused_qk_topk(q, k, weights, index_topk, starts, ends, block_size, use_relu=True,
@@ -171,12 +173,13 @@ def run_fused_qk_topk_with_loss(q, k, weights, index_topk, starts, ends, block_s
     topk_length, loss)``, the loss a 0-d float32 tensor differentiable with
     respect to q, k and weights.
 
-    1. the top-k (:func:`run_fused_qk_topk`);
+    1. the top-k (:func:`run_fused_qk_topk`), with the selected keys' logits;
     2. the target from ``query`` and ``key`` with each head's log-sum-exp over
        the selected keys computed by dsaib, all-reduced unnormalised over
        ``pg_collection.tp``, then normalised;
     3. the loss and the three gradients in one library call
-       (``dsaib.torch.indexer_kl_loss_and_grad``); the backward scales them.
+       (``dsaib.torch.indexer_kl_loss_and_grad``), its forward from the
+       top-k's logits (no second gather or GEMM); the backward scales them.
 
     The loss returned is Megatron's ``KL(T || P)``: dsaib's cross-entropy plus
     ``loss_coeff / N * sum T log max(T, 1e-10)``, the term that does not
@@ -190,14 +193,15 @@ def run_fused_qk_topk_with_loss(q, k, weights, index_topk, starts, ends, block_s
     sq, b = q.shape[0], q.shape[1]
     tp_group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
     with torch.no_grad():
-        ids, lengths = _topk(q, k, weights, index_topk, starts, ends)
+        ids, logits, lengths = _topk(q, k, weights, index_topk, starts, ends, with_logits=True)
         count, scale, valid = _normalization(b, sq, query_valid_rows, calculate_per_token_loss, q.device)
         loss_ids = ids if valid is None else ids.masked_fill(~valid.unsqueeze(-1), -1)
         target = _target(query.detach(), key.detach(), loss_ids, softmax_scale, tp_group)
         q_b, k_b, w_b = q.detach().transpose(0, 1), k.detach().transpose(0, 1), weights.detach().transpose(0, 1)
         cross_entropy, dq, dw, dk = _dt.indexer_kl_loss_and_grad(
             q_b, w_b, k_b, loss_ids, target, sm_scale=1.0, loss_coeff=float(loss_coeff),
-            normalization_count=count, grad_loss=1.0 if scale is None else scale, out_dtype="f32")
+            normalization_count=count, grad_loss=1.0 if scale is None else scale, out_dtype="f32",
+            topk_logits=logits)
         entropy = (target * torch.log(target.clamp_min(_TARGET_FLOOR))).sum(dtype=torch.float32)
         loss = cross_entropy.to(torch.float32) + entropy * (float(loss_coeff) / count)
         if scale is not None:
