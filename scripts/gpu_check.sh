@@ -53,6 +53,8 @@
 #                B/cli/dsaib backward --in O/cli/b3-q64-k2048-random.safetensors --backend cuda --verify all
 #                                      --out O/cli/race2_grads.safetensors
 #   bench      B/bench/dsaib-bench --op backward,forward,step,one-call --json O/bench/bench.json [--bench-args]
+#              B/bench/dsaib-bench --op forward,one-call --topk-logits --json O/bench/bench_topk_logits.json
+#                      [--bench-args]
 #              The speed measurement of the indexer loss's ops: per case (DeepSeek shape H64
 #              D128 topk 2048, S 4096 / 16384 / 65536, causal and random ids, each op) it
 #              measures the floors the cases need (the scatter-add rate at each case's dK size,
@@ -495,8 +497,19 @@ part_bench() {
   if [[ $rc -ne 0 ]]; then
     # exit 1: a floor's correctness check failed (or a CUDA error)
     record bench FAIL "dsaib-bench exit $rc ($(tail -1 "$d/bench_stderr.txt"))"
+    return
+  fi
+  # The forward and the one call given the top-k's logits (no floor for the forward: see its --help)
+  banner "bench: dsaib-bench --op forward,one-call --topk-logits ${bench_args}"
+  # shellcheck disable=SC2086
+  timeout 3600 "$build/bench/dsaib-bench" --op forward,one-call --topk-logits --json "$d/bench_topk_logits.json" \
+    $bench_args >"$d/bench_topk_logits.txt" 2>"$d/bench_topk_logits_stderr.txt"
+  rc=$?
+  cat "$d/bench_topk_logits.txt"
+  if [[ $rc -ne 0 ]]; then
+    record bench FAIL "dsaib-bench --topk-logits exit $rc ($(tail -1 "$d/bench_topk_logits_stderr.txt"))"
   else
-    record bench PASS "ns/row and ratio to each op's floor measured in the same run: $d/bench.txt, $d/bench.json"
+    record bench PASS "ns/row and ratio to each op's floor measured in the same run: $d/bench.txt, $d/bench.json; from the top-k's logits: $d/bench_topk_logits.txt"
   fi
 }
 
