@@ -123,6 +123,7 @@ struct TopkArgs {
   int32_t threads = 0;
   int warmup = -1, repeat = 1;
   bool weights_f32 = false, strict_ranges = false, json = false;
+  std::string dtype = "bf16";  // index_q and index_k: bf16, or e4m3 with per-token scales
 };
 
 /// `topk`: generates a random indexer_topk() problem, runs it on a backend,

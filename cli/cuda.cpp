@@ -169,7 +169,8 @@ void run_topk_cuda(TopkRun& run, int warmup, int repeat) {
   IndexerTopkInputs in{on_device(run.index_q, true),      on_device(run.weights, true),
                        on_device(run.index_k, true),      on_device(run.starts, true),
                        on_device(run.ends, true),         on_device(run.cu_seqlens_q, true),
-                       on_device(run.cu_seqlens_k, true)};
+                       on_device(run.cu_seqlens_k, true), on_device(run.index_q_scale, true),
+                       on_device(run.index_k_scale, true)};
   HostTensor* host_out[] = {&run.topk_indices, &run.topk_logits, &run.topk_lengths};
   const size_t first_out = buffers.size();
   IndexerTopkOutputs out{on_device(run.topk_indices, false), on_device(run.topk_logits, false),

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli.hpp"
+#include "core/e4m3.hpp"
 #include "topk.hpp"
 #include "dsaib/indexer_kl_loss_and_grad.hpp"
 
@@ -62,6 +63,7 @@ double element(const HostTensor& t, int64_t i) {
     case DType::f32: return t.data<float>()[i];
     case DType::i32: return t.data<int32_t>()[i];
     case DType::f64: return t.data<double>()[i];
+    case DType::e4m3: return detail::e4m3_to_double(t.data<uint8_t>()[i]);
   }
   return 0;
 }

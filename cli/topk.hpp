@@ -13,6 +13,7 @@ namespace dsaib::cli {
 /// A generated indexer_topk() problem on the host, its outputs beside it.
 struct TopkRun {
   HostTensor index_q, weights, index_k, starts, ends, cu_seqlens_q, cu_seqlens_k;
+  HostTensor index_q_scale, index_k_scale;  // e4m3 inputs only
   HostTensor topk_indices, topk_logits, topk_lengths;
   IndexerTopkOptions options;
   std::vector<double> seconds;  // per timed call
@@ -20,8 +21,8 @@ struct TopkRun {
 
   /// Host views (absent tensors absent).
   IndexerTopkInputs inputs() const {
-    return {index_q.view(), weights.view(), index_k.view(), starts.view(), ends.view(), cu_seqlens_q.view(),
-            cu_seqlens_k.view()};
+    return {index_q.view(),      weights.view(),      index_k.view(),       starts.view(),       ends.view(),
+            cu_seqlens_q.view(), cu_seqlens_k.view(), index_q_scale.view(), index_k_scale.view()};
   }
   IndexerTopkOutputs outputs() const { return {topk_indices.view(), topk_logits.view(), topk_lengths.view()}; }
 };

@@ -13,6 +13,7 @@
 
 #include "commands.hpp"
 #include "core/bf16.hpp"
+#include "core/e4m3.hpp"
 #include "topk.hpp"
 
 namespace dsaib::cli {
@@ -69,6 +70,11 @@ TopkCommand::TopkCommand(CLI::App& app) {
       ->default_str("logit_descending");
   cmd_->add_option("--seed", a.seed, "random seed")->default_str("0")->check(uint64_text());
   cmd_->add_flag("--weights-f32", a.weights_f32, "weights in f32 instead of bf16");
+  cmd_->add_option("--dtype", a.dtype,
+                   "index_q and index_k: bf16, or e4m3 quantised per token (and head) with f32 scales "
+                   "(index_q_scale, index_k_scale; the cpu backend)")
+      ->check(one_of({"bf16", "e4m3"}))
+      ->default_str("bf16");
   cmd_->add_flag("--strict-ranges", a.strict_ranges, "ranges: raise an error for a range outside its sequence");
   cmd_->add_option("--backend", a.backend, "auto (cuda if available, else cpu), cpu or cuda")
       ->check(one_of({"auto", "cpu", "cuda"}))
@@ -85,8 +91,10 @@ TopkCommand::TopkCommand(CLI::App& app) {
 
 namespace {
 
-/// The problem of the flags: random bf16 index_q, index_k, weights in [-1, 1],
-/// THD sequence lengths, ranges; outputs allocated (logits in f32).
+/// The problem of the flags: random bf16 index_q, index_k, weights in [-1, 1]
+/// (e4m3: index_q and index_k quantised from such values, each query head and
+/// each key row by its largest magnitude over 448, with that scale), THD
+/// sequence lengths, ranges; outputs allocated (logits in f32).
 TopkRun generate_topk(const TopkArgs& a) {
   TopkRun run;
   IndexerTopkOptions& o = run.options;
@@ -116,12 +124,32 @@ TopkRun generate_topk(const TopkArgs& a) {
   }
   const int64_t H = a.heads, D = a.head_dim;
   const auto shape = [&](std::vector<int64_t> bshd, std::vector<int64_t> packed) { return thd ? packed : bshd; };
-  run.index_q = HostTensor(DType::bf16, shape({a.batch, a.s_q, H, D}, {rows, H, D}));
+  const bool fp8 = a.dtype == "e4m3";
+  const DType qk = fp8 ? DType::e4m3 : DType::bf16;
+  run.index_q = HostTensor(qk, shape({a.batch, a.s_q, H, D}, {rows, H, D}));
   run.weights = HostTensor(a.weights_f32 ? DType::f32 : DType::bf16, shape({a.batch, a.s_q, H}, {rows, H}));
-  run.index_k = HostTensor(DType::bf16, shape({a.batch, s_kv, D}, {keys, D}));
+  run.index_k = HostTensor(qk, shape({a.batch, s_kv, D}, {keys, D}));
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-  for (int64_t e = 0; e < run.index_q.numel(); ++e) run.index_q.data<uint16_t>()[e] = detail::float_to_bf16(u(rng));
-  for (int64_t e = 0; e < run.index_k.numel(); ++e) run.index_k.data<uint16_t>()[e] = detail::float_to_bf16(u(rng));
+  if (fp8) {
+    run.index_q_scale = HostTensor(DType::f32, shape({a.batch, a.s_q, H}, {rows, H}));
+    run.index_k_scale = HostTensor(DType::f32, shape({a.batch, s_kv}, {keys}));
+    // Each vector of D values quantised by its largest magnitude: scale = amax / 448.
+    const auto quantise = [&](HostTensor& t, HostTensor& scales) {
+      std::vector<float> v(static_cast<size_t>(D));
+      for (int64_t vec = 0; vec < scales.numel(); ++vec) {
+        float amax = 0.0f;
+        for (float& x : v) amax = std::max(amax, std::fabs(x = u(rng)));
+        const float scale = amax > 0.0f ? amax / 448.0f : 1.0f;
+        scales.data<float>()[vec] = scale;
+        for (int64_t d = 0; d < D; ++d) t.data<uint8_t>()[vec * D + d] = detail::double_to_e4m3(v[d] / scale);
+      }
+    };
+    quantise(run.index_q, run.index_q_scale);
+    quantise(run.index_k, run.index_k_scale);
+  } else {
+    for (int64_t e = 0; e < run.index_q.numel(); ++e) run.index_q.data<uint16_t>()[e] = detail::float_to_bf16(u(rng));
+    for (int64_t e = 0; e < run.index_k.numel(); ++e) run.index_k.data<uint16_t>()[e] = detail::float_to_bf16(u(rng));
+  }
   for (int64_t e = 0; e < run.weights.numel(); ++e) {
     const float w = u(rng);
     if (a.weights_f32) run.weights.data<float>()[e] = w;
@@ -212,6 +240,7 @@ int TopkCommand::run() {
                     {"id_mode", id_mode_name(run.options.id_mode)},
                     {"order", topk_order_name(run.options.order)},
                     {"weights", a.weights_f32 ? "f32" : "bf16"},
+                    {"dtype", a.dtype},
                     {"seed", a.seed}};
     j["backend"] = {{"name", cuda ? "cuda" : "cpu"}, {"why", why}, {"device", run.device}};
     j["timing"] = {{"timer", run.timer}, {"warmup", warmup}, {"seconds", run.seconds}, {"best_seconds", best}};

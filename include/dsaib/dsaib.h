@@ -25,7 +25,8 @@ typedef enum dsaib_status {
 } dsaib_status;
 
 /* DSAIB_F64: the cpu backend only (its outputs, and the float inputs docs/api.md lists). */
-typedef enum dsaib_dtype { DSAIB_BF16 = 0, DSAIB_F32 = 1, DSAIB_I32 = 2, DSAIB_F64 = 3 } dsaib_dtype;
+/* DSAIB_E4M3: float8 e4m3 ("fn": no infinities), indexer_topk's index_q and index_k only. */
+typedef enum dsaib_dtype { DSAIB_BF16 = 0, DSAIB_F32 = 1, DSAIB_I32 = 2, DSAIB_F64 = 3, DSAIB_E4M3 = 4 } dsaib_dtype;
 typedef enum dsaib_device { DSAIB_CPU = 0, DSAIB_CUDA = 1 } dsaib_device;
 typedef enum dsaib_layout { DSAIB_BSHD = 0, DSAIB_THD = 1 } dsaib_layout;
 typedef enum dsaib_id_mode { DSAIB_IDS_LOCAL = 0, DSAIB_IDS_GLOBAL = 1 } dsaib_id_mode;
@@ -240,12 +241,15 @@ typedef enum dsaib_topk_order {
 /* dsaib_indexer_topk_options.causal_offset's default: each sequence's S_kv - S_q. */
 #define DSAIB_CAUSAL_OFFSET_AUTO (-INT64_MAX - 1)
 
-/* index_q bf16 (B, S_q, H, D) / (T_q, H, D); weights bf16 or f32 (cpu: or f64) (B, S_q, H) / (T_q, H);
-   index_k bf16 (B, S_kv, D) / (T_k, D); any strides with a contiguous last dimension.
+/* index_q bf16 or e4m3 (B, S_q, H, D) / (T_q, H, D); weights bf16 or f32 (cpu: or f64) (B, S_q, H) / (T_q, H);
+   index_k of index_q's dtype (B, S_kv, D) / (T_k, D); any strides with a contiguous last dimension.
    starts, ends i32 (B, S_q) / (T_q), optional: row t sees the keys [starts[t], ends[t]) of its sequence
-   (THD: flat rows of index_k); absent: causal rows. cu_seqlens_q/k i32 (B + 1) for THD. */
+   (THD: flat rows of index_k); absent: causal rows. cu_seqlens_q/k i32 (B + 1) for THD.
+   index_q_scale f32 (B, S_q, H) / (T_q, H) and index_k_scale f32 (B, S_kv) / (T_k): e4m3 inputs only,
+   each optional (dsaib::IndexerTopkInputs). */
 typedef struct dsaib_indexer_topk_inputs {
   dsaib_tensor index_q, weights, index_k, starts, ends, cu_seqlens_q, cu_seqlens_k;
+  dsaib_tensor index_q_scale, index_k_scale;
 } dsaib_indexer_topk_inputs;
 
 /* topk_indices i32 (B, S_q, topk) / (T_q, topk), -1 past each row's count; topk_logits f32 (cpu: or f64)

@@ -18,8 +18,10 @@
 //
 // Exactness. The set is the exact top-k of the logits as the backend computes
 // them: fp64 on the cpu backend, fp32 accumulation of the bf16 products on the
-// cuda backend. Against exact arithmetic, a cuda logit differs by at most
+// cuda backend. Against exact arithmetic, an fp32 logit differs by at most
 //   beta[t, s] = 2^-21 * (D + H) * sum_h |weights[t, h]| * sum_d |index_q[t, h, d] * index_k[s, d]|
+// (e4m3 inputs: 2^-21 * (D + H + 2) * |index_k_scale[s]| * sum_h |weights[t, h] * index_q_scale[t, h]|
+//  * sum_d |index_q[t, h, d] * index_k[s, d]|, the two scale products rounded once each)
 // so the cuda set can differ from the fp64 one only by keys whose logits lie
 // within the sum of their two bounds (check_indexer_topk()).
 #pragma once
@@ -52,9 +54,16 @@ inline constexpr int64_t kCausalOffsetAuto = std::numeric_limits<int64_t>::min()
 
 /// Inputs of indexer_topk() (never modified).
 ///
-/// - index_q: bf16, (B, S_q, H, D) BSHD or (T_q, H, D) THD;
+/// - index_q: bf16 or e4m3, (B, S_q, H, D) BSHD or (T_q, H, D) THD;
 /// - weights: bf16 or f32 (cpu: or f64, read as it is), (B, S_q, H) or (T_q, H);
-/// - index_k: bf16, (B, S_kv, D) or (T_k, D);
+/// - index_k: of index_q's dtype, (B, S_kv, D) or (T_k, D);
+/// - index_q_scale, index_k_scale (e4m3 only, each optional; absent: 1): f32
+///   (cpu: or f64), (B, S_q, H) / (T_q, H) and (B, S_kv) / (T_k): the
+///   per-token (and, for queries, per-head) scales of the float8 form that
+///   cuDNN's SM90 fp8 indexer and DeepGEMM take. The logit is then
+///     I[t, s] = index_k_scale[s] * sum_h weights[t, h] * index_q_scale[t, h]
+///                                      * ReLU(index_q[t, h, :] . index_k[s, :])
+///   (for non-negative scales, the bf16 formula on the dequantised inputs);
 /// - starts, ends: int32, (B, S_q) or (T_q), both present or both absent. Row
 ///   t sees the keys [starts[t], ends[t]), in the key coordinates of its own
 ///   sequence's keys: BSHD positions 0..S_kv of its batch; THD flat rows of
@@ -78,6 +87,8 @@ struct IndexerTopkInputs {
   TensorView ends;
   TensorView cu_seqlens_q;
   TensorView cu_seqlens_k;
+  TensorView index_q_scale;
+  TensorView index_k_scale;
 };
 
 /// Outputs, contiguous, on the backend's device, disjoint from each other and
@@ -135,8 +146,8 @@ std::size_t indexer_topk_workspace_size(const IndexerTopkInputs& inputs, const I
 void validate_indexer_topk_inputs(const IndexerTopkInputs& inputs, int64_t topk, const IndexerTopkOptions& options);
 
 /// Computes topk_indices and, when given, topk_logits and topk_lengths.
-/// cpu: any H >= 1, D >= 1, topk >= 1, logits in fp64. cuda (sm_90a): H a
-/// multiple of 8 up to 128, D 64 or 128, topk up to 8192; no host
+/// cpu: any H >= 1, D >= 1, topk >= 1, bf16 or e4m3 inputs, logits in fp64.
+/// cuda (sm_90a): bf16 inputs, H a multiple of 8 up to 128, D 64 or 128, topk up to 8192; no host
 /// synchronisation (unless strict_ranges or THD cu_seqlens are read, as for
 /// the other entry points), CUDA-graph capturable.
 ///

@@ -15,6 +15,7 @@ enum class DType : int32_t {
   f32 = 1,   ///< IEEE float32, 4 bytes
   i32 = 2,   ///< int32, 4 bytes
   f64 = 3,   ///< IEEE float64, 8 bytes: the cpu backend's outputs (and some inputs) only
+  e4m3 = 4,  ///< float8 e4m3 (OCP "fn": no infinities, NaN 0x7f/0xff, largest 448), 1 byte: indexer_topk's index_q and index_k
 };
 
 /// Where a tensor's memory lives.
@@ -27,7 +28,7 @@ inline constexpr int kMaxRank = 4;
 
 /// Size of one element in bytes.
 std::size_t dtype_size(DType dtype);
-/// "bf16", "f32", "i32", "f64".
+/// "bf16", "f32", "i32", "f64", "e4m3".
 const char* dtype_name(DType dtype);
 const char* device_name(DeviceType device);
 

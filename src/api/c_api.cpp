@@ -68,9 +68,9 @@ void check_enums(const dsaib_tensor& t, const char* name) {
     throw dsaib::Error(dsaib::ErrorCode::invalid_argument, name,
                        std::string(name) + ": expected rank 0..4, got " + std::to_string(t.rank));
   }
-  if (t.dtype < 0 || t.dtype > 3) {
+  if (t.dtype < 0 || t.dtype > 4) {
     throw dsaib::Error(dsaib::ErrorCode::invalid_argument, name,
-                       std::string(name) + ": expected dtype 0 (bf16), 1 (f32), 2 (i32) or 3 (f64), got " + std::to_string(t.dtype));
+                       std::string(name) + ": expected dtype 0 (bf16), 1 (f32), 2 (i32), 3 (f64) or 4 (e4m3), got " + std::to_string(t.dtype));
   }
   if (t.device < 0 || t.device > 1) {
     throw dsaib::Error(dsaib::ErrorCode::invalid_argument, name,
@@ -213,12 +213,14 @@ void convert_topk(const dsaib_indexer_topk_inputs* in, const dsaib_indexer_topk_
   dsaib::detail::check_topk_options_and_backend(p);
   const dsaib_tensor* ts[] = {&in->index_q,      &in->weights,       &in->index_k,        &in->starts,
                               &in->ends,         &out->topk_indices, &out->topk_logits,   &out->topk_lengths,
-                              &in->cu_seqlens_q, &in->cu_seqlens_k};
+                              &in->cu_seqlens_q, &in->cu_seqlens_k, &in->index_q_scale, &in->index_k_scale};
   const char* names[] = {"index_q", "weights",      "index_k",      "starts",       "ends",
-                         "topk_indices", "topk_logits", "topk_lengths", "cu_seqlens_q", "cu_seqlens_k"};
-  for (int k = 0; k < 10; ++k) check_enums(*ts[k], names[k]);
+                         "topk_indices", "topk_logits", "topk_lengths", "cu_seqlens_q", "cu_seqlens_k",
+                         "index_q_scale", "index_k_scale"};
+  for (int k = 0; k < 12; ++k) check_enums(*ts[k], names[k]);
   i = {to_view(in->index_q), to_view(in->weights),      to_view(in->index_k),     to_view(in->starts),
-       to_view(in->ends),    to_view(in->cu_seqlens_q), to_view(in->cu_seqlens_k)};
+       to_view(in->ends),    to_view(in->cu_seqlens_q), to_view(in->cu_seqlens_k), to_view(in->index_q_scale),
+       to_view(in->index_k_scale)};
   o = {to_view(out->topk_indices), to_view(out->topk_logits), to_view(out->topk_lengths)};
 }
 
@@ -252,9 +254,9 @@ dsaib_status dsaib_contiguous_tensor(dsaib_tensor* view, void* data, dsaib_dtype
   return guarded([&] {
     require(view, "view");
     if (rank > 0 && rank <= 4) require(shape, "shape");  // a bad rank is named first (contiguous_view)
-    if (static_cast<int32_t>(dtype) < 0 || static_cast<int32_t>(dtype) > 3) {
+    if (static_cast<int32_t>(dtype) < 0 || static_cast<int32_t>(dtype) > 4) {
       throw dsaib::Error(dsaib::ErrorCode::invalid_argument, "dtype",
-                         "dtype: expected 0 (bf16), 1 (f32), 2 (i32) or 3 (f64), got " + std::to_string(static_cast<int32_t>(dtype)));
+                         "dtype: expected 0 (bf16), 1 (f32), 2 (i32), 3 (f64) or 4 (e4m3), got " + std::to_string(static_cast<int32_t>(dtype)));
     }
     if (static_cast<int32_t>(device) < 0 || static_cast<int32_t>(device) > 1) {
       throw dsaib::Error(dsaib::ErrorCode::invalid_argument, "device",

@@ -9,6 +9,7 @@
 #include <limits>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "api/cuda_backend.hpp"
@@ -145,9 +146,23 @@ ProblemGeometry validate_unguarded(const IndexerTopkInputs& in, const IndexerTop
   const int r = thd ? 1 : 0;  // rank offset: THD tensors have one dim fewer
 
   // Each tensor: the inputs, the outputs, then the THD cu_seqlens.
-  check_tensor(in.index_q, {"index_q", {DType::bf16}, 4 - r}, device, device_index);
+  check_tensor(in.index_q, {"index_q", {DType::bf16, DType::e4m3}, 4 - r}, device, device_index);
   check_tensor(in.weights, {"weights", {DType::bf16, DType::f32}, 3 - r, true}, device, device_index);
-  check_tensor(in.index_k, {"index_k", {DType::bf16}, 3 - r}, device, device_index);
+  check_tensor(in.index_k, {"index_k", {DType::bf16, DType::e4m3}, 3 - r}, device, device_index);
+  const bool fp8 = in.index_q.dtype == DType::e4m3;
+  if (in.index_k.dtype != in.index_q.dtype) {
+    fail("index_k", std::string("dtype ") + dtype_name(in.index_q.dtype) + " (that of index_q)",
+         std::string("dtype ") + dtype_name(in.index_k.dtype));
+  }
+  if (fp8 && cuda) {
+    fail("index_q", "dtype bf16 on the cuda backend (e4m3 inputs: the cpu backend)", "dtype e4m3");
+  }
+  for (const auto& [scale, name, rank] : {std::tuple{&in.index_q_scale, "index_q_scale", 3 - r},
+                                          std::tuple{&in.index_k_scale, "index_k_scale", 2 - r}}) {
+    if (!scale->present()) continue;
+    if (!fp8) fail(name, "absent with bf16 index_q and index_k (the scales of e4m3 inputs)", "a tensor");
+    check_tensor(*scale, {name, {DType::f32}, rank, true}, device, device_index);
+  }
   const bool ranges = in.starts.present() || in.ends.present();
   if (ranges) {
     const char* both = "a tensor (starts and ends come together, or neither)";
@@ -200,6 +215,8 @@ ProblemGeometry validate_unguarded(const IndexerTopkInputs& in, const IndexerTop
     const int64_t T = g.num_q_rows;
     check_shape(in.weights, "weights", {T, H}, "(T_q, H)");
     check_shape(in.index_k, "index_k", {g.num_k_rows, D}, "(T_k, D) with D of index_q");
+    if (in.index_q_scale.present()) check_shape(in.index_q_scale, "index_q_scale", {T, H}, "(T_q, H) like weights");
+    if (in.index_k_scale.present()) check_shape(in.index_k_scale, "index_k_scale", {g.num_k_rows}, "(T_k)");
     if (ranges) {
       check_shape(in.starts, "starts", {T}, "(T_q)");
       check_shape(in.ends, "ends", {T}, "(T_q)");
@@ -213,6 +230,10 @@ ProblemGeometry validate_unguarded(const IndexerTopkInputs& in, const IndexerTop
     const int64_t B = g.batch, S = g.s_q;
     check_shape(in.weights, "weights", {B, S, H}, "(B, S_q, H)");
     check_shape(in.index_k, "index_k", {B, g.s_kv, D}, "(B, S_kv, D) with B and D of index_q");
+    if (in.index_q_scale.present()) {
+      check_shape(in.index_q_scale, "index_q_scale", {B, S, H}, "(B, S_q, H) like weights");
+    }
+    if (in.index_k_scale.present()) check_shape(in.index_k_scale, "index_k_scale", {B, g.s_kv}, "(B, S_kv)");
     if (ranges) {
       check_shape(in.starts, "starts", {B, S}, "(B, S_q)");
       check_shape(in.ends, "ends", {B, S}, "(B, S_q)");
@@ -227,9 +248,11 @@ ProblemGeometry validate_unguarded(const IndexerTopkInputs& in, const IndexerTop
   }
 
   // Inputs: any strides with a contiguous last dimension.
-  const TensorView* ins[] = {&in.index_q, &in.weights, &in.index_k, &in.starts, &in.ends, &in.cu_seqlens_q, &in.cu_seqlens_k};
-  const char* in_names[] = {"index_q", "weights", "index_k", "starts", "ends", "cu_seqlens_q", "cu_seqlens_k"};
-  for (int j = 0; j < 5; ++j) {
+  const TensorView* ins[] = {&in.index_q,      &in.weights,      &in.index_k,       &in.starts,       &in.ends,
+                             &in.cu_seqlens_q, &in.cu_seqlens_k, &in.index_q_scale, &in.index_k_scale};
+  const char* in_names[] = {"index_q",      "weights",      "index_k",       "starts",       "ends",
+                            "cu_seqlens_q", "cu_seqlens_k", "index_q_scale", "index_k_scale"};
+  for (int j : {0, 1, 2, 3, 4, 7, 8}) {
     const TensorView& v = *ins[j];
     if (v.present() && v.strides[v.rank - 1] != 1 && v.shape[v.rank - 1] > 1) {
       fail(in_names[j], "a contiguous last dimension (stride 1)", "strides " + v.strides_string() + " for shape " + v.shape_string());
@@ -249,7 +272,7 @@ ProblemGeometry validate_unguarded(const IndexerTopkInputs& in, const IndexerTop
       for (int j = i + 1; j < 3; ++j) {
         if (overlaps(*outs[i], *outs[j])) fail(out_names[i], std::string("memory disjoint from ") + out_names[j], "overlapping memory");
       }
-      for (int j = 0; j < 7; ++j) {
+      for (int j = 0; j < 9; ++j) {
         if (overlaps(*outs[i], *ins[j])) {
           fail(out_names[i], std::string("memory disjoint from input ") + in_names[j], "overlapping memory");
         }

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "core/bf16.hpp"
+#include "core/e4m3.hpp"
 #include "dsaib/tensor.hpp"
 
 namespace dsaib::detail {
@@ -33,12 +34,14 @@ inline double load_element(DType dtype, const void* base, int64_t offset) {
       std::memcpy(&d, p + offset * 8, 8);
       return d;
     }
+    case DType::e4m3: return e4m3_to_double(static_cast<uint8_t>(p[offset]));
   }
   return 0;
 }
 
-/// bf16 and f32 round from double to nearest even, once; f64 stores the value
-/// unrounded; i32 truncates toward zero.
+/// bf16, f32 and e4m3 round from double to nearest even, once (e4m3: beyond
+/// its range NaN, as torch converts); f64 stores the value unrounded; i32
+/// truncates toward zero.
 inline void store_element(DType dtype, void* base, int64_t offset, double value) {
   char* p = static_cast<char*>(base);
   switch (dtype) {
@@ -59,6 +62,10 @@ inline void store_element(DType dtype, void* base, int64_t offset, double value)
     }
     case DType::f64: {
       std::memcpy(p + offset * 8, &value, 8);
+      return;
+    }
+    case DType::e4m3: {
+      p[offset] = static_cast<char>(double_to_e4m3(value));
       return;
     }
   }

@@ -15,6 +15,7 @@ std::size_t dtype_size(DType dtype) {
     case DType::f32: return 4;
     case DType::i32: return 4;
     case DType::f64: return 8;
+    case DType::e4m3: return 1;
   }
   return 0;
 }
@@ -25,6 +26,7 @@ const char* dtype_name(DType dtype) {
     case DType::f32: return "f32";
     case DType::i32: return "i32";
     case DType::f64: return "f64";
+    case DType::e4m3: return "e4m3";
   }
   return "unknown-dtype";
 }

@@ -53,6 +53,7 @@ const char* safetensors_dtype_name(DType dtype) {
     case DType::f32: return "F32";
     case DType::i32: return "I32";
     case DType::f64: return "F64";
+    case DType::e4m3: return "F8_E4M3";
   }
   return "UNKNOWN";
 }

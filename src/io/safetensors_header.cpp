@@ -89,6 +89,7 @@ bool parse_dtype(const std::string& s, DType* out) {
   else if (s == "F32") *out = DType::f32;
   else if (s == "I32") *out = DType::i32;
   else if (s == "F64") *out = DType::f64;
+  else if (s == "F8_E4M3") *out = DType::e4m3;
   else return false;
   return true;
 }

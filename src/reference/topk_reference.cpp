@@ -50,7 +50,8 @@ inline bool ranks_before(const Entry& a, const Entry& b) { return a.key > b.key 
 
 /// One thread's row buffers.
 struct TopkScratch {
-  std::vector<double> q, w, k;     // the row's index_q (H*D) and weights (H), one key row (D)
+  std::vector<double> q, w, k;     // the row's index_q (H*D) and weights (H; e4m3: times index_q_scale), one key row (D)
+  double k_scale = 1.0;            // e4m3: the loaded key's index_k_scale
   std::vector<double> logits;      // per visible key, by position - lo
   std::vector<Entry> entries;      // per visible key
   std::vector<int64_t> mark, ref_mark;  // checker: per visible key, the row that marked it
@@ -79,27 +80,39 @@ struct RowAccess {
     g.q_row_coords(r, &b, &t);
     topk_visible_range(in, opt, g, r, &lo, &hi);
   }
-  /// Loads the row's index_q and weights into s (fp64).
+  /// Loads the row's index_q and weights into s (fp64; e4m3: the weights times index_q_scale).
   void load_row(TopkScratch& s) const {
     const bool thd = g.layout == Layout::thd;
     const int64_t H = g.heads, D = g.head_dim;
     const TensorView& q = in.index_q;
-    const auto* qb = static_cast<const uint16_t*>(q.data);
     const int64_t q_row = row_offset(q, g.layout, r, g.s_q), q_hs = q.strides[thd ? 1 : 2], q_ds = q.strides[thd ? 2 : 3];
     for (int64_t h = 0; h < H; ++h) {
-      for (int64_t d = 0; d < D; ++d) s.q[h * D + d] = bf16_to_float(qb[q_row + h * q_hs + d * q_ds]);
+      for (int64_t d = 0; d < D; ++d) s.q[h * D + d] = load_element(q.dtype, q.data, q_row + h * q_hs + d * q_ds);
     }
     const TensorView& w = in.weights;
     const int64_t w_row = row_offset(w, g.layout, r, g.s_q), w_hs = w.strides[thd ? 1 : 2];
     for (int64_t h = 0; h < H; ++h) s.w[h] = load_element(w.dtype, w.data, w_row + h * w_hs);
+    const TensorView& qs = in.index_q_scale;
+    if (qs.present()) {
+      const int64_t qs_row = row_offset(qs, g.layout, r, g.s_q), qs_hs = qs.strides[thd ? 1 : 2];
+      for (int64_t h = 0; h < H; ++h) s.w[h] *= load_element(qs.dtype, qs.data, qs_row + h * qs_hs);
+    }
   }
-  /// Loads the key at position `pos` of the row's sequence into s.k.
+  /// Loads the key at position `pos` of the row's sequence into s.k (and its
+  /// index_k_scale into s.k_scale: 1 when absent).
   void load_key(TopkScratch& s, int64_t pos) const {
     const TensorView& k = in.index_k;
-    const auto* kb = static_cast<const uint16_t*>(k.data);
-    const int64_t off = row_offset(k, g.layout, g.k_start[b] + pos, g.s_kv);
+    const int64_t key_row = g.k_start[b] + pos;
+    const int64_t off = row_offset(k, g.layout, key_row, g.s_kv);
     const int64_t k_ds = k.strides[g.layout == Layout::thd ? 1 : 2];
-    for (int64_t d = 0; d < g.head_dim; ++d) s.k[d] = bf16_to_float(kb[off + d * k_ds]);
+    for (int64_t d = 0; d < g.head_dim; ++d) s.k[d] = load_element(k.dtype, k.data, off + d * k_ds);
+    const TensorView& ks = in.index_k_scale;
+    s.k_scale = 1.0;
+    if (ks.present()) {
+      const int64_t ks_off = g.layout == Layout::thd ? key_row * ks.strides[0]
+                                                     : (key_row / g.s_kv) * ks.strides[0] + (key_row % g.s_kv) * ks.strides[1];
+      s.k_scale = load_element(ks.dtype, ks.data, ks_off);
+    }
   }
   /// I of the key loaded in s.k. ReLU keeps NaN (x < 0 is false for it).
   double logit(const TopkScratch& s) const {
@@ -111,10 +124,11 @@ struct RowAccess {
       for (int64_t d = 0; d < D; ++d) dot += qh[d] * s.k[d];
       sum += s.w[h] * (dot < 0.0 ? 0.0 : dot);
     }
-    return sum;
+    return in.index_k_scale.present() ? s.k_scale * sum : sum;
   }
   /// The header's bound beta of the key loaded in s.k:
-  /// 2^-21 (D + H) sum_h |w_h| sum_d |q_hd k_d|.
+  /// 2^-21 (D + H) sum_h |w_h| sum_d |q_hd k_d| (e4m3: D + H + 2, times |k_scale|,
+  /// w_h including index_q_scale).
   double beta(const TopkScratch& s) const {
     const int64_t H = g.heads, D = g.head_dim;
     double sum = 0.0;
@@ -123,6 +137,9 @@ struct RowAccess {
       double a = 0.0;
       for (int64_t d = 0; d < D; ++d) a += std::fabs(qh[d] * s.k[d]);
       sum += std::fabs(s.w[h]) * a;
+    }
+    if (in.index_q.dtype == DType::e4m3) {
+      return std::ldexp(static_cast<double>(D + H + 2), -21) * std::fabs(s.k_scale) * sum;
     }
     return std::ldexp(static_cast<double>(D + H), -21) * sum;
   }

@@ -105,7 +105,7 @@ TEST(CApi, ContiguousTensor) {
   dsaib_tensor before;
   std::memcpy(&before, &t, sizeof t);
   EXPECT_EQ(dsaib_contiguous_tensor(&t, buf, static_cast<dsaib_dtype>(42), shape, 3, DSAIB_CPU, 0), DSAIB_INVALID_ARGUMENT);
-  EXPECT_STREQ(dsaib_last_error(), "dtype: expected 0 (bf16), 1 (f32), 2 (i32) or 3 (f64), got 42");
+  EXPECT_STREQ(dsaib_last_error(), "dtype: expected 0 (bf16), 1 (f32), 2 (i32), 3 (f64) or 4 (e4m3), got 42");
   EXPECT_EQ(dsaib_contiguous_tensor(&t, buf, DSAIB_F32, shape, 3, static_cast<dsaib_device>(-1), 0), DSAIB_INVALID_ARGUMENT);
   EXPECT_STREQ(dsaib_last_error(), "device: expected 0 (cpu) or 1 (cuda), got -1");
   const int64_t negative[3] = {2, -3, 4};
@@ -191,7 +191,7 @@ TEST(CApi, FailuresReportStatusAndMessageAndTouchNothing) {
   const CFailure failures[] = {
       {"wrong dtype", DSAIB_INVALID_ARGUMENT, "index_q: expected dtype bf16",
        [](CProblem& c) { c.in.index_q.dtype = DSAIB_F32; }},
-      {"dtype enum", DSAIB_INVALID_ARGUMENT, "weights: expected dtype 0 (bf16), 1 (f32), 2 (i32) or 3 (f64), got 9",
+      {"dtype enum", DSAIB_INVALID_ARGUMENT, "weights: expected dtype 0 (bf16), 1 (f32), 2 (i32), 3 (f64) or 4 (e4m3), got 9",
        [](CProblem& c) { c.in.weights.dtype = 9; }},
       {"rank enum", DSAIB_INVALID_ARGUMENT, "index_k: expected rank 0..4, got 7", [](CProblem& c) { c.in.index_k.rank = 7; }},
       {"device enum", DSAIB_INVALID_ARGUMENT, "d_index_k: expected device 0 (cpu) or 1 (cuda), got 3",
@@ -359,7 +359,7 @@ TEST(CApi, AttentionTargetFailures) {
   const TargetFailure failures[] = {
       {"query dtype", DSAIB_INVALID_ARGUMENT, "query: expected dtype bf16, got dtype f32",
        [](CTarget& c) { c.in.query.dtype = DSAIB_F32; }},
-      {"dtype enum", DSAIB_INVALID_ARGUMENT, "lse: expected dtype 0 (bf16), 1 (f32), 2 (i32) or 3 (f64), got 9",
+      {"dtype enum", DSAIB_INVALID_ARGUMENT, "lse: expected dtype 0 (bf16), 1 (f32), 2 (i32), 3 (f64) or 4 (e4m3), got 9",
        [](CTarget& c) { c.in.lse.dtype = 9; }},
       {"rank enum", DSAIB_INVALID_ARGUMENT, "attn_score: expected rank 0..4, got 7",
        [](CTarget& c) { c.c_out.attn_score.rank = 7; }},
@@ -500,7 +500,7 @@ TEST(CApi, IndexerTopkFailures) {
        }},
       {"rank enum", DSAIB_INVALID_ARGUMENT, "topk_lengths: expected rank 0..4, got 7",
        [](CTopk& c) { c.c_out.topk_lengths.rank = 7; }},
-      {"dtype enum", DSAIB_INVALID_ARGUMENT, "ends: expected dtype 0 (bf16), 1 (f32), 2 (i32) or 3 (f64), got 9",
+      {"dtype enum", DSAIB_INVALID_ARGUMENT, "ends: expected dtype 0 (bf16), 1 (f32), 2 (i32), 3 (f64) or 4 (e4m3), got 9",
        [](CTopk& c) { c.in.ends.dtype = 9; }},
       {"ends absent", DSAIB_INVALID_ARGUMENT, "ends: expected a tensor (starts and ends come together, or neither)",
        [](CTopk& c) { c.in.ends = dsaib_tensor{}; }},

@@ -33,6 +33,22 @@ TEST(CliTopk, TextReportPasses) {
   EXPECT_TRUE(contains(r.output, "result      PASS")) << r.output;
 }
 
+TEST(CliTopk, E4m3InputsWithTheirScalesPass) {
+  for (const char* layout : {"bshd", "thd"}) {
+    const std::string args = std::string("--backend cpu --json --dtype e4m3 --batch 3 --s-q 33 --s-kv 90 --heads 8 ") +
+                             "--head-dim 32 --topk 12 --seed 5 --threads 2 --visible ranges --layout " + layout;
+    const Result r = run(args, false);
+    ASSERT_EQ(r.exit_code, 0) << args << "\n" << r.output;
+    const auto j = nlohmann::json::parse(r.output);
+    EXPECT_EQ(j["result"], "PASS") << args;
+    EXPECT_EQ(j["problem"]["dtype"], "e4m3");
+    EXPECT_EQ(j["check"]["exchanged_ids"], 0);
+  }
+  const Result bad = run("--backend cpu --dtype e5m2");
+  EXPECT_EQ(bad.exit_code, 2) << bad.output;
+  EXPECT_TRUE(contains(bad.output, "--dtype")) << bad.output;
+}
+
 TEST(CliTopk, JsonReportsPassOverLayoutsRangesIdsAndOrders) {
   for (const char* layout : {"bshd", "thd"}) {
     for (const char* visible : {"causal", "ranges"}) {

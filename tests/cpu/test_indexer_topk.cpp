@@ -5,7 +5,8 @@
 // exact ties, all-zero rows, rows seeing fewer keys than topk, empty rows,
 // topk 1 and 8192, S_kv 262144, a context-parallel shard's ranges, strict
 // ranges, the NaN rule, -0.0 vs +0.0, sequence-first strided index_q, bitwise
-// determinism over thread counts. The checker: test_topk_checker.cpp; the
+// determinism over thread counts; float8 e4m3 inputs with and without their
+// scales. The checker: test_topk_checker.cpp; the
 // validation rules: test_indexer_topk_validation.cpp.
 #include <gtest/gtest.h>
 
@@ -107,6 +108,16 @@ std::vector<DefinitionCase> definition_cases() {
   c.push_back({"thd_id_ascending_offset", s});
   s = thd_spec(TopkSpec{}), s.seed = 12, s.heads = 16, s.head_dim = 64, s.topk = 5, s.ranges = true;
   c.push_back({"thd_h16_d64_ranges", s});
+  // float8 e4m3 inputs with their per-token (and per-head) scales, or without one or both
+  s = TopkSpec{}, s.seed = 13, s.e4m3 = true, s.heads = 8, s.head_dim = 32;
+  c.push_back({"bshd_e4m3_scaled", s});
+  s = TopkSpec{}, s.seed = 14, s.e4m3 = true, s.q_scale = false, s.ranges = true, s.weights_f32 = false;
+  c.push_back({"bshd_e4m3_k_scale_only_ranges", s});
+  s = thd_spec(TopkSpec{}), s.seed = 15, s.e4m3 = true, s.q_scale = false, s.k_scale = false,
+  s.id_mode = IdMode::global;
+  c.push_back({"thd_e4m3_unscaled_global", s});
+  s = thd_spec(TopkSpec{}), s.seed = 16, s.e4m3 = true, s.negative_scales = true, s.order = TopkOrder::id_ascending;
+  c.push_back({"thd_e4m3_negative_scales", s});
   return c;
 }
 

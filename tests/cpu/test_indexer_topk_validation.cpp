@@ -40,7 +40,19 @@ std::vector<ErrorCase> error_cases() {
        "order: expected 0 (logit_descending) or 1 (id_ascending), got 5"},
       {"backend", S, [](Call& c) { c.opt.backend = static_cast<Backend>(3); }, "backend", "expected cpu or cuda, got 3"},
       {"index_q_absent", S, [](Call& c) { c.in.index_q = TensorView{}; }, "index_q", "expected a tensor, got nothing"},
-      {"index_q_dtype", S, [](Call& c) { c.in.index_q.dtype = DType::f32; }, "index_q", "expected dtype bf16, got dtype f32"},
+      {"index_q_dtype", S, [](Call& c) { c.in.index_q.dtype = DType::f32; }, "index_q", "expected dtype bf16 or e4m3, got dtype f32"},
+      {"index_k_dtype_unlike_index_q", S, [](Call& c) { c.in.index_q.dtype = DType::e4m3; }, "index_k",
+       "index_k: expected dtype e4m3 (that of index_q), got dtype bf16"},
+      {"scale_with_bf16", S, [](Call& c) { c.in.index_q_scale = c.in.weights; }, "index_q_scale",
+       "expected absent with bf16 index_q and index_k (the scales of e4m3 inputs), got a tensor"},
+      {"index_k_scale_dtype", S, [](Call& c) { c.in.index_q.dtype = c.in.index_k.dtype = DType::e4m3; c.in.index_k_scale = c.in.starts; },
+       "index_k_scale", "expected dtype f32 or f64, got dtype i32"},
+      {"index_q_scale_shape", T, [](Call& c) { c.in.index_q.dtype = c.in.index_k.dtype = DType::e4m3; c.in.index_q_scale = c.in.weights;
+         c.in.index_q_scale.shape[1] = 2; }, "index_q_scale", "expected shape (11, 3) (T_q, H) like weights, got shape (11, 2)"},
+      {"index_k_scale_shape", S, [](Call& c) { c.in.index_q.dtype = c.in.index_k.dtype = DType::e4m3; c.in.index_k_scale = c.in.weights;
+         c.in.index_k_scale.rank = 2; }, "index_k_scale", "expected shape (2, 13) (B, S_kv), got shape (2, 5)"},
+      {"output_overlaps_scale", S, [](Call& c) { c.in.index_q.dtype = c.in.index_k.dtype = DType::e4m3; c.in.index_q_scale = c.in.weights;
+         c.out.topk_lengths.data = c.in.weights.data; }, "topk_lengths", "disjoint from input weights"},
       {"weights_dtype", S, [](Call& c) { c.in.weights.dtype = DType::i32; }, "weights", "expected dtype bf16 or f32 or f64, got dtype i32"},
       {"index_k_rank", S, [](Call& c) { c.in.index_k.rank = 2; }, "index_k", "expected rank 3, got rank 2"},
       {"starts_without_ends", S, [](Call& c) { c.in.ends = TensorView{}; }, "ends",

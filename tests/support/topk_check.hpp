@@ -26,11 +26,24 @@ struct TopkSpec {
   bool weights_f32 = true;
   int64_t causal_offset = kCausalOffsetAuto;
   uint64_t seed = 1;
+  // float8: index_q and index_k in e4m3 (random codes), with index_q_scale /
+  // index_k_scale when asked (random in [1/4, 4], negative with negative_scales)
+  bool e4m3 = false, q_scale = true, k_scale = true, negative_scales = false;
 };
+
+/// A float8 e4m3 ("fn") code's value, written out from the format: sign,
+/// 4 exponent bits of bias 7 (0: subnormal), 3 mantissa bits, S.1111.111 NaN.
+inline double e4m3_value(uint8_t code) {
+  const int e = (code >> 3) & 15, m = code & 7;
+  if (e == 15 && m == 7) return std::numeric_limits<double>::quiet_NaN();
+  const double v = e == 0 ? (m / 8.0) * std::pow(2.0, -6) : (1.0 + m / 8.0) * std::pow(2.0, e - 7);
+  return (code & 0x80) ? -v : v;
+}
 
 struct TopkProblem {
   TopkSpec spec;
   HostTensor index_q, weights, index_k, starts, ends, cu_q, cu_k;
+  HostTensor index_q_scale, index_k_scale;  // e4m3 problems, when asked
   int64_t rows = 0, keys = 0;
   std::vector<int64_t> q_start, k_start, q_len, k_len;  // per sequence
 
@@ -47,6 +60,8 @@ struct TopkProblem {
       in.cu_seqlens_q = cu_q.view();
       in.cu_seqlens_k = cu_k.view();
     }
+    in.index_q_scale = index_q_scale.view();
+    in.index_k_scale = index_k_scale.view();
     return in;
   }
   IndexerTopkOptions options() const {
@@ -124,9 +139,9 @@ inline TopkProblem make_topk_problem(const TopkSpec& s) {
       p.cu_q.data<int32_t>()[b] = static_cast<int32_t>(b < nb ? p.q_start[b] : qs);
       p.cu_k.data<int32_t>()[b] = static_cast<int32_t>(b < nb ? p.k_start[b] : ks);
     }
-    p.index_q = HostTensor(DType::bf16, {p.rows, s.heads, s.head_dim});
+    p.index_q = HostTensor(s.e4m3 ? DType::e4m3 : DType::bf16, {p.rows, s.heads, s.head_dim});
     p.weights = HostTensor(s.weights_f32 ? DType::f32 : DType::bf16, {p.rows, s.heads});
-    p.index_k = HostTensor(DType::bf16, {p.keys, s.head_dim});
+    p.index_k = HostTensor(s.e4m3 ? DType::e4m3 : DType::bf16, {p.keys, s.head_dim});
   } else {
     for (int64_t b = 0; b < s.batch; ++b) {
       p.q_start.push_back(b * s.s_q);
@@ -136,12 +151,30 @@ inline TopkProblem make_topk_problem(const TopkSpec& s) {
     }
     p.rows = s.batch * s.s_q;
     p.keys = s.batch * s.s_kv;
-    p.index_q = HostTensor(DType::bf16, {s.batch, s.s_q, s.heads, s.head_dim});
+    p.index_q = HostTensor(s.e4m3 ? DType::e4m3 : DType::bf16, {s.batch, s.s_q, s.heads, s.head_dim});
     p.weights = HostTensor(s.weights_f32 ? DType::f32 : DType::bf16, {s.batch, s.s_q, s.heads});
-    p.index_k = HostTensor(DType::bf16, {s.batch, s.s_kv, s.head_dim});
+    p.index_k = HostTensor(s.e4m3 ? DType::e4m3 : DType::bf16, {s.batch, s.s_kv, s.head_dim});
   }
-  for (int64_t e = 0; e < p.index_q.numel(); ++e) p.q_bits()[e] = detail::float_to_bf16(u(rng));
-  for (int64_t e = 0; e < p.index_k.numel(); ++e) p.k_bits()[e] = detail::float_to_bf16(u(rng));
+  if (s.e4m3) {
+    // Random codes of magnitude below 2^3 (exponent field up to 9), NaN excluded.
+    std::uniform_int_distribution<int> code(0, 0x4f);
+    const auto fill = [&](HostTensor& t) {
+      for (int64_t e = 0; e < t.numel(); ++e) t.data<uint8_t>()[e] = static_cast<uint8_t>(code(rng) | (rng() & 0x80));
+    };
+    fill(p.index_q);
+    fill(p.index_k);
+    std::uniform_real_distribution<float> mag(0.25f, 4.0f);
+    const auto scales = [&](std::vector<int64_t> shape) {
+      HostTensor t(DType::f32, shape);
+      for (int64_t e = 0; e < t.numel(); ++e) t.data<float>()[e] = mag(rng) * (s.negative_scales && (rng() & 1) ? -1.0f : 1.0f);
+      return t;
+    };
+    if (s.q_scale) p.index_q_scale = scales(thd ? std::vector<int64_t>{p.rows, s.heads} : std::vector<int64_t>{s.batch, s.s_q, s.heads});
+    if (s.k_scale) p.index_k_scale = scales(thd ? std::vector<int64_t>{p.keys} : std::vector<int64_t>{s.batch, s.s_kv});
+  } else {
+    for (int64_t e = 0; e < p.index_q.numel(); ++e) p.q_bits()[e] = detail::float_to_bf16(u(rng));
+    for (int64_t e = 0; e < p.index_k.numel(); ++e) p.k_bits()[e] = detail::float_to_bf16(u(rng));
+  }
   for (int64_t e = 0; e < p.weights.numel(); ++e) {
     const float w = u(rng);
     if (s.weights_f32) p.weights.data<float>()[e] = w;
@@ -161,22 +194,28 @@ inline TopkProblem make_topk_problem(const TopkSpec& s) {
   return p;
 }
 
-/// fp64 logit of flat query row r and flat key row j, written out as the definition.
+/// fp64 logit of flat query row r and flat key row j, written out as the
+/// definition (e4m3: k_scale[j] * sum_h (w_h q_scale_h) relu(q_h . k)).
 inline double definition_logit(const TopkProblem& p, int64_t r, int64_t j) {
   const int64_t H = p.spec.heads, D = p.spec.head_dim;
+  const bool fp8 = p.spec.e4m3;
+  const auto q_at = [&](int64_t e) {
+    return fp8 ? e4m3_value(p.index_q.data<uint8_t>()[e]) : double(detail::bf16_to_float(p.index_q.data<uint16_t>()[e]));
+  };
+  const auto k_at = [&](int64_t e) {
+    return fp8 ? e4m3_value(p.index_k.data<uint8_t>()[e]) : double(detail::bf16_to_float(p.index_k.data<uint16_t>()[e]));
+  };
   double sum = 0;
   for (int64_t h = 0; h < H; ++h) {
     double dot = 0;
-    for (int64_t d = 0; d < D; ++d) {
-      dot += double(detail::bf16_to_float(p.index_q.data<uint16_t>()[(r * H + h) * D + d])) *
-             double(detail::bf16_to_float(p.index_k.data<uint16_t>()[j * D + d]));
-    }
-    const double w = p.spec.weights_f32 ? double(p.weights.data<float>()[r * H + h])
-                                        : double(detail::bf16_to_float(p.weights.data<uint16_t>()[r * H + h]));
+    for (int64_t d = 0; d < D; ++d) dot += q_at((r * H + h) * D + d) * k_at(j * D + d);
+    double w = p.spec.weights_f32 ? double(p.weights.data<float>()[r * H + h])
+                                  : double(detail::bf16_to_float(p.weights.data<uint16_t>()[r * H + h]));
+    if (!p.index_q_scale.empty()) w *= double(p.index_q_scale.data<float>()[r * H + h]);
     const double relu = std::isnan(dot) ? dot : std::max(dot, 0.0);
     sum += w * relu;
   }
-  return sum;
+  return p.index_k_scale.empty() ? sum : double(p.index_k_scale.data<float>()[j]) * sum;
 }
 
 /// The selection written out: ids (in `order`), fp64 logits, -1 / -inf past
