@@ -388,7 +388,7 @@ def reference_kl_loss(index_q, weights, index_k, topk_indices, attn_score, index
 def indexer_topk(index_q, weights, index_k, topk, *, starts=None, ends=None, cu_seqlens_q=None, cu_seqlens_k=None,
                  layout="bshd", id_mode="local", order="logit_descending", causal_offset=None, strict_ranges=False,
                  return_logits=False, return_lengths=False, backend=None, stream=None, num_threads=0,
-                 uint16_as_bf16=False):
+                 uint16_as_bf16=False, index_q_scale=None, index_k_scale=None, uint8_as_e4m3=False):
     """The lightning indexer's forward: each query row's ``topk`` keys with the
     largest logits ``I[t, s] = sum_h weights[t, h] * relu(index_q[t, h] . index_k[s])``
     among the keys it sees (include/dsaib/indexer_topk.hpp).
@@ -396,12 +396,18 @@ def indexer_topk(index_q, weights, index_k, topk, *, starts=None, ends=None, cu_
     ========  ===============  ==============  ======================
     argument  shape (BSHD)     shape (THD)     dtype
     ========  ===============  ==============  ======================
-    index_q   (B, S_q, H, D)   (T_q, H, D)     bf16
+    index_q   (B, S_q, H, D)   (T_q, H, D)     bf16 or float8_e4m3fn
     weights   (B, S_q, H)      (T_q, H)        bf16 or float32
-    index_k   (B, S_kv, D)     (T_k, D)        bf16
+    index_k   (B, S_kv, D)     (T_k, D)        index_q's dtype
     starts    (B, S_q)         (T_q,)          int32 (optional)
     ends      (B, S_q)         (T_q,)          int32 (optional)
     ========  ===============  ==============  ======================
+
+    float8 e4m3 inputs (the cpu backend; ``uint8_as_e4m3=True`` reads uint8
+    arrays as their codes, numpy having no float8) take the optional float32
+    ``index_q_scale`` ``(B, S_q, H)`` / ``(T_q, H)`` and ``index_k_scale``
+    ``(B, S_kv)`` / ``(T_k,)``: ``I[t, s] = index_k_scale[s] * sum_h
+    weights[t, h] * index_q_scale[t, h] * relu(index_q[t, h] . index_k[s])``.
 
     ``weights`` carry any scale (there is no sm_scale). Row t sees the keys
     ``[starts[t], ends[t])`` in its sequence's key coordinates (BSHD: positions
@@ -419,7 +425,8 @@ def indexer_topk(index_q, weights, index_k, topk, *, starts=None, ends=None, cu_
     logit above +inf.
     """
     arrays = dict(index_q=index_q, weights=weights, index_k=index_k)
-    arrays.update({n: x for n, x in (("starts", starts), ("ends", ends)) if x is not None})
+    arrays.update({n: x for n, x in (("starts", starts), ("ends", ends), ("index_q_scale", index_q_scale),
+                                      ("index_k_scale", index_k_scale)) if x is not None})
     _check_arrays(**arrays, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     options, run, u16 = _prepare("indexer_topk", index_q, dict(
         topk=topk, layout=layout, id_mode=id_mode, order=order, causal_offset=causal_offset,
@@ -433,8 +440,9 @@ def indexer_topk(index_q, weights, index_k, topk, *, starts=None, ends=None, cu_
     tensors = dict(index_q=index_q, weights=weights, index_k=index_k, starts=starts, ends=ends,
                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, topk_indices=out[0], topk_logits=logits,
                    topk_lengths=lengths)
+    tensors.update(index_q_scale=index_q_scale, index_k_scale=index_k_scale)
     out = run.call(_dsaib.indexer_topk, tensors, _options.library_kwargs(options), out, True,
-                   dict(uint16_as_bf16=u16))
+                   dict(uint16_as_bf16=u16, uint8_as_e4m3=bool(uint8_as_e4m3)))
     return out if len(out) > 1 else out[0]
 
 

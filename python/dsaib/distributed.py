@@ -382,6 +382,9 @@ def context_parallel_indexer_topk(
         for name, t in (("index_q", index_q), ("weights", weights), ("index_k", index_k)):
             if not t.is_floating_point():
                 raise TypeError(f"{name}: expected a floating-point dtype, got {t.dtype}")
+            if t.dtype == torch.float8_e4m3fn:  # the keys travel as bf16, which would drop their scales
+                raise TypeError(f"{name}: expected a dtype the keys' all-gather takes (bf16 or another float that "
+                                f"converts to it), got {t.dtype} (float8 inputs: dsaib.torch.indexer_topk)")
         check_same_device(index_q, weights=weights, index_k=index_k, starts=starts, ends=ends)
         if (starts is None) != (ends is None):
             raise ValueError(f"{'ends' if starts is not None else 'starts'}: expected a tensor (starts and ends "

@@ -300,7 +300,8 @@ def attention_target(query, kv, lse, topk_indices, *, sm_scale, lse_base="natura
 @_options.documented("indexer_topk")
 def indexer_topk(index_q, weights, index_k, topk, *, starts=None, ends=None, cu_seqlens_q=None, cu_seqlens_k=None,
                  layout="bshd", id_mode="local", order="logit_descending", causal_offset=None, strict_ranges=False,
-                 return_logits=False, return_lengths=False, backend=None, stream=None, num_threads=0):
+                 return_logits=False, return_lengths=False, backend=None, stream=None, num_threads=0,
+                 index_q_scale=None, index_k_scale=None):
     """Each query row's ``topk`` keys with the largest indexer logits, through
     ``torch.ops.dsaib.indexer_topk``, as :func:`dsaib.indexer_topk` computes
     them: ``topk_indices`` (int32, -1 past a row's count), or with
@@ -318,6 +319,10 @@ def indexer_topk(index_q, weights, index_k, topk, *, starts=None, ends=None, cu_
     sequence-first ``x.transpose(0, 1)`` of an ``[sq, b, H, D]`` tensor is read
     in place; other layouts are copied contiguous first.
 
+    ``torch.float8_e4m3fn`` index_q and index_k (both, the cpu backend) are
+    taken as they are, with their optional float32 ``index_q_scale`` and
+    ``index_k_scale`` (:func:`dsaib.indexer_topk` says how they scale the logits).
+
     Not differentiable: the ids are integers, and the logits come back
     detached (``requires_grad=False``) whatever the inputs; the indexer is
     trained through :func:`indexer_kl_loss` on these ids. BSHD on CUDA makes no
@@ -328,24 +333,30 @@ def indexer_topk(index_q, weights, index_k, topk, *, starts=None, ends=None, cu_
         topk=topk, layout=layout, id_mode=id_mode, order=order, causal_offset=causal_offset,
         strict_ranges=strict_ranges, return_logits=return_logits, return_lengths=return_lengths, backend=backend,
         num_threads=num_threads, stream=stream))
-    check_tensor_types(("starts", "ends", "cu_seqlens_q", "cu_seqlens_k"), index_q=index_q, weights=weights,
-                       index_k=index_k, starts=starts, ends=ends, cu_seqlens_q=cu_seqlens_q,
-                       cu_seqlens_k=cu_seqlens_k)
+    check_tensor_types(("starts", "ends", "cu_seqlens_q", "cu_seqlens_k", "index_q_scale", "index_k_scale"),
+                       index_q=index_q, weights=weights, index_k=index_k, starts=starts, ends=ends,
+                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, index_q_scale=index_q_scale,
+                       index_k_scale=index_k_scale)
     for name in ("index_q", "weights", "index_k"):
         t = dict(index_q=index_q, weights=weights, index_k=index_k)[name]
         if not t.is_floating_point():
             raise TypeError(f"{name}: expected a floating-point dtype, got {t.dtype}")
-    check_same_device(index_q, weights=weights, index_k=index_k, starts=starts, ends=ends)
+    check_same_device(index_q, weights=weights, index_k=index_k, starts=starts, ends=ends,
+                      index_q_scale=index_q_scale, index_k_scale=index_k_scale)
     cuda = index_q.device.type == "cuda"
+    # float8 inputs stay float8 (the library names a pair that differs); other floats go to bf16
+    qk_dtypes = (torch.float8_e4m3fn,) if index_q.dtype == torch.float8_e4m3fn else (torch.bfloat16,)
+    scale = lambda t: None if t is None else topk_operand(t, (torch.float32,), False)  # noqa: E731
     # float64 weights reach the cpu backend unrounded (as through dsaib.indexer_topk); cuda takes bf16 or float32
     weight_dtypes = (torch.float32, torch.bfloat16) + (() if cuda else (torch.float64,))
     with torch.no_grad(), on_stream(o["stream"], index_q.device):
         ids, logits, lengths = torch.ops.dsaib.indexer_topk(
-            topk_operand(index_q, (torch.bfloat16,), cuda), topk_operand(weights, weight_dtypes, False),
-            topk_operand(index_k, (torch.bfloat16,), cuda), o["topk"], range_int32("starts", starts, o["strict_ranges"]),
+            topk_operand(index_q, qk_dtypes, cuda), topk_operand(weights, weight_dtypes, False),
+            topk_operand(index_k, qk_dtypes if index_k.dtype == torch.float8_e4m3fn else (torch.bfloat16,), cuda),
+            o["topk"], range_int32("starts", starts, o["strict_ranges"]),
             range_int32("ends", ends, o["strict_ranges"]), cu_seqlens_q, cu_seqlens_k, o["layout"], o["id_mode"], o["order"],
             o["causal_offset"], o["strict_ranges"], o["return_logits"], o["return_lengths"], o["num_threads"],
-            o["backend"])
+            o["backend"], scale(index_q_scale), scale(index_k_scale))
     out = (ids,) + ((logits,) if o["return_logits"] else ()) + ((lengths,) if o["return_lengths"] else ())
     return out if len(out) > 1 else ids
 

@@ -10,6 +10,8 @@
 //   float64                                     -> f64 (the library takes it on the
 //                                                  cpu backend where docs/api.md says)
 //   int32                                       -> i32
+//   float8_e4m3fn (DLPack code 10, 8 bits)      -> e4m3 (indexer_topk's index_q and index_k)
+//   uint8, only if uint8_as_e4m3=True           -> e4m3 (the raw code; numpy has no float8)
 //   anything else                               -> TypeError "NAME: expected dtype X, got Y",
 //                                                  X the dtypes NAME takes (src/core/validate.cpp)
 #include "dlpack_views.hpp"
@@ -25,6 +27,7 @@
 namespace dsaib_py {
 
 std::string dtype_string(nb::dlpack::dtype dt) {
+  if (dt.code == kDLFloat8E4m3fn && dt.bits == 8 && dt.lanes == 1) return "float8_e4m3fn";
   std::string got;
   switch (static_cast<nb::dlpack::dtype_code>(dt.code)) {
     case nb::dlpack::dtype_code::Int: got = "int"; break;
@@ -46,7 +49,9 @@ namespace {
 /// (src/core/validate.cpp), for a DLPack dtype that is no dsaib::DType at all
 /// (a float64 reaches the library, which names the backend that refuses it).
 const char* expected_dtypes(const std::string& name) {
-  if (name == "index_q" || name == "index_k" || name == "query" || name == "kv") return "bf16";
+  if (name == "index_q" || name == "index_k") return "bf16 (indexer_topk: or e4m3)";
+  if (name == "query" || name == "kv") return "bf16";
+  if (name == "index_q_scale" || name == "index_k_scale") return "f32 (or f64 on the cpu backend)";
   if (name == "weights" || name == "d_index_q" || name == "d_weights" || name == "d_index_k") {
     return "bf16 or f32 (or f64 on the cpu backend)";
   }
@@ -61,9 +66,11 @@ const char* expected_dtypes(const std::string& name) {
   return "bf16, f32 or i32";
 }
 
-dsaib::DType to_dtype(const char* name, nb::dlpack::dtype dt, bool uint16_as_bf16) {
+dsaib::DType to_dtype(const char* name, nb::dlpack::dtype dt, bool uint16_as_bf16, bool uint8_as_e4m3) {
   const auto code = static_cast<nb::dlpack::dtype_code>(dt.code);
   if (dt.lanes == 1) {
+    if (dt.code == kDLFloat8E4m3fn && dt.bits == 8) return dsaib::DType::e4m3;
+    if (uint8_as_e4m3 && code == nb::dlpack::dtype_code::UInt && dt.bits == 8) return dsaib::DType::e4m3;
     if (code == nb::dlpack::dtype_code::Bfloat && dt.bits == 16) return dsaib::DType::bf16;
     if (code == nb::dlpack::dtype_code::Float && dt.bits == 32) return dsaib::DType::f32;
     if (code == nb::dlpack::dtype_code::Float && dt.bits == 64) return dsaib::DType::f64;
@@ -78,18 +85,22 @@ dsaib::DType to_dtype(const char* name, nb::dlpack::dtype dt, bool uint16_as_bf1
   if (int16 && uint16_as_bf16 && takes_bf16) return dsaib::DType::bf16;
   std::string msg = std::string(name) + ": expected dtype " + expected + ", got " + dtype_string(dt);
   if (int16 && takes_bf16) msg += " (pass uint16_as_bf16=True to read 16-bit integers as bf16 bit patterns)";
+  const bool uint8 = dt.lanes == 1 && dt.bits == 8 && code == nb::dlpack::dtype_code::UInt;
+  if (uint8 && expected.find("e4m3") != std::string::npos) {
+    msg += " (pass uint8_as_e4m3=True to read uint8 arrays as float8 e4m3 codes)";
+  }
   throw PyTypeError{msg};
 }
 
 template <typename A>
-dsaib::TensorView view_of(const char* name, const A& a, bool uint16_as_bf16) {
+dsaib::TensorView view_of(const char* name, const A& a, bool uint16_as_bf16, bool uint8_as_e4m3 = false) {
   dsaib::TensorView v;
   if (a.ndim() > static_cast<size_t>(dsaib::kMaxRank)) {
     throw dsaib::Error(dsaib::ErrorCode::invalid_argument, name,
                        std::string(name) + ": expected rank <= " + std::to_string(dsaib::kMaxRank) + ", got rank " +
                            std::to_string(a.ndim()));
   }
-  v.dtype = to_dtype(name, a.dtype(), uint16_as_bf16);
+  v.dtype = to_dtype(name, a.dtype(), uint16_as_bf16, uint8_as_e4m3);
   v.data = const_cast<void*>(static_cast<const void*>(a.data()));
   v.rank = static_cast<int32_t>(a.ndim());
   for (size_t i = 0; i < a.ndim(); ++i) {
@@ -201,11 +212,15 @@ dsaib::AttentionTargetInputs make_target_inputs(const Array& query, const Array&
 dsaib::IndexerTopkInputs make_topk_inputs(const Array& index_q, const Array& weights, const Array& index_k,
                                           const std::optional<Array>& starts, const std::optional<Array>& ends,
                                           const std::optional<Array>& cu_seqlens_q,
-                                          const std::optional<Array>& cu_seqlens_k, bool u16) {
+                                          const std::optional<Array>& cu_seqlens_k, bool u16,
+                                          const std::optional<Array>& index_q_scale,
+                                          const std::optional<Array>& index_k_scale, bool u8) {
   dsaib::IndexerTopkInputs in;
-  in.index_q = to_view("index_q", index_q, u16);
+  in.index_q = view_of("index_q", index_q, u16, u8);
   in.weights = to_view("weights", weights, u16);
-  in.index_k = to_view("index_k", index_k, u16);
+  in.index_k = view_of("index_k", index_k, u16, u8);
+  in.index_q_scale = opt_view("index_q_scale", index_q_scale, false);
+  in.index_k_scale = opt_view("index_k_scale", index_k_scale, false);
   in.starts = opt_view("starts", starts, u16);
   in.ends = opt_view("ends", ends, u16);
   in.cu_seqlens_q = opt_view("cu_seqlens_q", cu_seqlens_q, u16);

@@ -23,6 +23,10 @@ namespace nb = nanobind;
 using Array = nb::ndarray<nb::ro>;
 using OutArray = nb::ndarray<>;
 
+/// DLPack's code of float8_e4m3fn (DLPack 1.1's kDLFloat8_e4m3fn), which
+/// nanobind's dtype_code does not name.
+inline constexpr uint8_t kDLFloat8E4m3fn = 10;
+
 /// DLPack dtype as text: float32, bfloat16, int32, uint16, ...
 std::string dtype_string(nb::dlpack::dtype dt);
 
@@ -56,10 +60,14 @@ dsaib::AttentionTargetInputs make_target_inputs(const Array& query, const Array&
                                                 const Array& topk_indices, const std::optional<Array>& cu_seqlens_q,
                                                 const std::optional<Array>& cu_seqlens_k, bool u16);
 
+/// indexer_topk's inputs; index_q and index_k may be float8 e4m3 (DLPack's
+/// float8_e4m3fn, or uint8 codes with u8 = uint8_as_e4m3), with their scales.
 dsaib::IndexerTopkInputs make_topk_inputs(const Array& index_q, const Array& weights, const Array& index_k,
                                           const std::optional<Array>& starts, const std::optional<Array>& ends,
                                           const std::optional<Array>& cu_seqlens_q,
-                                          const std::optional<Array>& cu_seqlens_k, bool u16);
+                                          const std::optional<Array>& cu_seqlens_k, bool u16,
+                                          const std::optional<Array>& index_q_scale = std::nullopt,
+                                          const std::optional<Array>& index_k_scale = std::nullopt, bool u8 = false);
 
 dsaib::IndexerTopkOutputs make_topk_outputs(const OutArray& topk_indices, const std::optional<OutArray>& topk_logits,
                                             const std::optional<OutArray>& topk_lengths);

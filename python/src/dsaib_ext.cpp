@@ -252,9 +252,10 @@ NB_MODULE(_dsaib, m) {
          const std::optional<Array>& ends, const std::optional<Array>& cu_seqlens_q,
          const std::optional<Array>& cu_seqlens_k, const OutArray& topk_indices,
          const std::optional<OutArray>& topk_logits, const std::optional<OutArray>& topk_lengths,
-         const std::optional<nb::object>& workspace, bool uint16_as_bf16, const nb::kwargs& options) {
+         const std::optional<nb::object>& workspace, bool uint16_as_bf16, const std::optional<Array>& index_q_scale,
+         const std::optional<Array>& index_k_scale, bool uint8_as_e4m3, const nb::kwargs& options) {
         const auto in = make_topk_inputs(index_q, weights, index_k, starts, ends, cu_seqlens_q, cu_seqlens_k,
-                                         uint16_as_bf16);
+                                         uint16_as_bf16, index_q_scale, index_k_scale, uint8_as_e4m3);
         const auto out = make_topk_outputs(topk_indices, topk_logits, topk_lengths);
         const auto opt = read_topk_options(options);
         PyWorkspace ws(workspace, device_of(opt, index_q));
@@ -264,8 +265,12 @@ NB_MODULE(_dsaib, m) {
       nb::arg("index_q"), nb::arg("weights"), nb::arg("index_k"), nb::arg("starts").none(), nb::arg("ends").none(),
       nb::arg("cu_seqlens_q").none(), nb::arg("cu_seqlens_k").none(), nb::arg("topk_indices"),
       nb::arg("topk_logits").none() = nb::none(), nb::arg("topk_lengths").none() = nb::none(),
-      nb::arg("workspace").none() = nb::none(), nb::arg("uint16_as_bf16") = false, nb::arg("options"),
-      "Calls dsaib::indexer_topk: writes topk_indices (int32, (B, S_q, topk) or (T_q, topk); -1 past each\n"
+      nb::arg("workspace").none() = nb::none(), nb::arg("uint16_as_bf16") = false,
+      nb::arg("index_q_scale").none() = nb::none(), nb::arg("index_k_scale").none() = nb::none(),
+      nb::arg("uint8_as_e4m3") = false, nb::arg("options"),
+      "Calls dsaib::indexer_topk (index_q and index_k bf16, or float8_e4m3fn (uint8 codes with\n"
+      "uint8_as_e4m3=True) with their optional float32 index_q_scale and index_k_scale): writes topk_indices\n"
+      "(int32, (B, S_q, topk) or (T_q, topk); -1 past each\n"
       "row's count) and, when given, topk_logits (float32, or float64 on the cpu backend, shaped like\n"
       "topk_indices; -inf past the count) and topk_lengths (int32, one per query row). The library's\n"
       "IndexerTopkOptions as keyword arguments (option_table(\"indexer_topk\")). workspace as for\n"
@@ -277,9 +282,10 @@ NB_MODULE(_dsaib, m) {
          const std::optional<Array>& ends, const std::optional<Array>& cu_seqlens_q,
          const std::optional<Array>& cu_seqlens_k, const OutArray& topk_indices,
          const std::optional<OutArray>& topk_logits, const std::optional<OutArray>& topk_lengths,
-         bool uint16_as_bf16, const nb::kwargs& options) {
+         bool uint16_as_bf16, const std::optional<Array>& index_q_scale, const std::optional<Array>& index_k_scale,
+         bool uint8_as_e4m3, const nb::kwargs& options) {
         const auto in = make_topk_inputs(index_q, weights, index_k, starts, ends, cu_seqlens_q, cu_seqlens_k,
-                                         uint16_as_bf16);
+                                         uint16_as_bf16, index_q_scale, index_k_scale, uint8_as_e4m3);
         const auto out = make_topk_outputs(topk_indices, topk_logits, topk_lengths);
         const auto opt = read_topk_options(options);
         std::size_t bytes = 0;
@@ -289,7 +295,8 @@ NB_MODULE(_dsaib, m) {
       nb::arg("index_q"), nb::arg("weights"), nb::arg("index_k"), nb::arg("starts").none(), nb::arg("ends").none(),
       nb::arg("cu_seqlens_q").none(), nb::arg("cu_seqlens_k").none(), nb::arg("topk_indices"),
       nb::arg("topk_logits").none() = nb::none(), nb::arg("topk_lengths").none() = nb::none(),
-      nb::arg("uint16_as_bf16") = false, nb::arg("options"),
+      nb::arg("uint16_as_bf16") = false, nb::arg("index_q_scale").none() = nb::none(),
+      nb::arg("index_k_scale").none() = nb::none(), nb::arg("uint8_as_e4m3") = false, nb::arg("options"),
       "dsaib::indexer_topk_workspace_size: the bytes of scratch memory indexer_topk needs on the backend's\n"
       "device for these arguments (cpu: 0), after the same validation and with the same errors.");
 
@@ -297,16 +304,19 @@ NB_MODULE(_dsaib, m) {
       "validate_indexer_topk_inputs",
       [](const Array& index_q, const Array& weights, const Array& index_k, const std::optional<Array>& starts,
          const std::optional<Array>& ends, const std::optional<Array>& cu_seqlens_q,
-         const std::optional<Array>& cu_seqlens_k, int64_t topk, bool uint16_as_bf16, const nb::kwargs& options) {
+         const std::optional<Array>& cu_seqlens_k, int64_t topk, bool uint16_as_bf16,
+         const std::optional<Array>& index_q_scale, const std::optional<Array>& index_k_scale, bool uint8_as_e4m3,
+         const nb::kwargs& options) {
         const auto in = make_topk_inputs(index_q, weights, index_k, starts, ends, cu_seqlens_q, cu_seqlens_k,
-                                         uint16_as_bf16);
+                                         uint16_as_bf16, index_q_scale, index_k_scale, uint8_as_e4m3);
         const auto opt = read_topk_options(options);
         call_library([&] { dsaib::validate_indexer_topk_inputs(in, topk, opt); });  // THD on cuda: reads cu_seqlens
       },
       nb::arg("index_q"), nb::arg("weights"), nb::arg("index_k"), nb::arg("starts").none() = nb::none(),
       nb::arg("ends").none() = nb::none(), nb::arg("cu_seqlens_q").none() = nb::none(),
       nb::arg("cu_seqlens_k").none() = nb::none(), nb::arg("topk"), nb::arg("uint16_as_bf16") = false,
-      nb::arg("options"),
+      nb::arg("index_q_scale").none() = nb::none(), nb::arg("index_k_scale").none() = nb::none(),
+      nb::arg("uint8_as_e4m3") = false, nb::arg("options"),
       "dsaib::validate_indexer_topk_inputs: indexer_topk's checks of the inputs and options for a selection\n"
       "of topk keys per row, without outputs and without computing anything (a context-parallel rank's\n"
       "check before the exchange of the keys).");

@@ -26,8 +26,9 @@ SM = 0.125
 # caller outputs and bf16 bit patterns (numpy, cupy have no bf16).
 DLPACK_ONLY = {"indexer_backward": {"out", "uint16_as_bf16"}, "attention_target": {"out", "uint16_as_bf16"},
                "indexer_kl_forward": {"uint16_as_bf16"}, "indexer_kl_loss": {"uint16_as_bf16"},
-               "indexer_kl_loss_and_grad": {"uint16_as_bf16"}, "indexer_topk": {"uint16_as_bf16"}}
-TENSOR_KEYWORDS = {"cu_seqlens_q", "cu_seqlens_k", "row_lse", "row_target_mass", "starts", "ends", "topk_logits"}
+               "indexer_kl_loss_and_grad": {"uint16_as_bf16"}, "indexer_topk": {"uint16_as_bf16", "uint8_as_e4m3"}}
+TENSOR_KEYWORDS = {"cu_seqlens_q", "cu_seqlens_k", "row_lse", "row_target_mass", "starts", "ends", "topk_logits",
+                   "index_q_scale", "index_k_scale"}
 
 
 def keyword_defaults(fn):

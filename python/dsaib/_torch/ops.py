@@ -265,14 +265,17 @@ def indexer_topk_op(
     cu_seqlens_k: Optional[torch.Tensor], layout: str, id_mode: str, order: str = "logit_descending",
     causal_offset: Optional[int] = None, strict_ranges: bool = False, with_logits: bool = False,
     with_lengths: bool = False, num_threads: int = 0, backend: Optional[str] = None,
+    index_q_scale: Optional[torch.Tensor] = None, index_k_scale: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(topk_indices, topk_logits, topk_lengths) through dsaib::indexer_topk;
-    topk_logits and topk_lengths are empty (0,) tensors unless asked for."""
+    topk_logits and topk_lengths are empty (0,) tensors unless asked for.
+    index_q_scale / index_k_scale: the scales of float8_e4m3fn index_q and index_k."""
     dev = index_q.device
     ids, logits, lengths = _topk_outputs(index_q, int(topk), with_logits, with_lengths)
     tensors = dict(index_q=index_q, weights=weights, index_k=index_k, starts=starts, ends=ends,
                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, topk_indices=ids,
-                   topk_logits=logits if with_logits else None, topk_lengths=lengths if with_lengths else None)
+                   topk_logits=logits if with_logits else None, topk_lengths=lengths if with_lengths else None,
+                   index_q_scale=index_q_scale, index_k_scale=index_k_scale)
     options = library_options(dev, backend, layout=layout, id_mode=id_mode, order=order,
                               strict_ranges=bool(strict_ranges), num_threads=int(num_threads))
     if causal_offset is not None:
@@ -284,10 +287,11 @@ def indexer_topk_op(
 @indexer_topk_op.register_fake
 def _indexer_topk_fake(index_q, weights, index_k, topk, starts, ends, cu_seqlens_q, cu_seqlens_k, layout, id_mode,
                        order="logit_descending", causal_offset=None, strict_ranges=False, with_logits=False,
-                       with_lengths=False, num_threads=0, backend=None):
+                       with_lengths=False, num_threads=0, backend=None, index_q_scale=None, index_k_scale=None):
     check_words(layout=layout, id_mode=id_mode, order=order, backend=backend)
     check_same_device(index_q, weights=weights, index_k=index_k, starts=starts, ends=ends,
-                      cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+                      cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, index_q_scale=index_q_scale,
+                      index_k_scale=index_k_scale)
     return _topk_outputs(index_q, topk, with_logits, with_lengths)
 
 
