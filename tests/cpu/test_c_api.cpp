@@ -504,7 +504,7 @@ TEST(CApi, IndexerTopkFailures) {
        [](CTopk& c) { c.in.ends.dtype = 9; }},
       {"ends absent", DSAIB_INVALID_ARGUMENT, "ends: expected a tensor (starts and ends come together, or neither)",
        [](CTopk& c) { c.in.ends = dsaib_tensor{}; }},
-      {"index_k dtype", DSAIB_INVALID_ARGUMENT, "index_k: expected dtype bf16, got dtype f32",
+      {"index_k dtype", DSAIB_INVALID_ARGUMENT, "index_k: expected dtype bf16 or e4m3, got dtype f32",
        [](CTopk& c) { c.in.index_k.dtype = DSAIB_F32; }},
       {"strict ranges", DSAIB_INDEX_OUT_OF_RANGE, "ends: strict mode found a range outside its sequence's keys",
        [](CTopk& c) {
