@@ -95,6 +95,21 @@ def test_numpy_entry_points_take_the_logits():
         dsaib.indexer_kl_forward(*args, sm_scale=SM, uint16_as_bf16=True, topk_logits=[1.0])
 
 
+def test_every_form_of_the_loss_takes_the_logits():
+    """dsaib.indexer_kl_loss (any DLPack producer) and the IndexerKLLoss module
+    read the logits as dsaib.torch.indexer_kl_loss does."""
+    q, w, k, ids, T, logits = chain(seed=19)
+    want = dt.indexer_kl_loss(q, w, k, ids, T, sm_scale=SM, topk_logits=logits * 2)
+    u16 = lambda t: t.view(torch.int16).numpy().view(np.uint16)  # noqa: E731
+    got = dsaib.indexer_kl_loss(u16(q), w.numpy(), u16(k), ids.numpy(), T.numpy(), sm_scale=SM,
+                                uint16_as_bf16=True, topk_logits=(logits * 2).numpy())
+    assert float(np.asarray(got)) == want.item()
+    assert dsaib.indexer_kl_loss(q, w, k, ids, T, sm_scale=SM, topk_logits=logits * 2).item() == want.item()
+    module = dt.IndexerKLLoss(sm_scale=SM)
+    assert module(q, w, k, ids, T, topk_logits=logits * 2).item() == want.item()
+    assert module(q, w, k, ids, T).item() != want.item()  # the doubled logits were read
+
+
 def test_compiled_loss_takes_the_logits():
     q, w, k, ids, T, logits = chain(seed=13, B=1, S=32)
     leaves = [x.detach().float().requires_grad_() for x in (q, w, k)]
