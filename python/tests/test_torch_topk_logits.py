@@ -72,6 +72,22 @@ def test_float64_leaves_take_the_logits_too():
     assert all(torch.isfinite(x.grad).all() for x in leaves)
 
 
+def test_compiled_float64_loss_checks_the_logits_shape():
+    """torch.compile skips the library's validation of a float64 loss's
+    arguments (its forward runs in torch): logits of another shape with as
+    many elements are refused by name, not read in the wrong order."""
+    q, w, k, ids, T, logits = chain(seed=29)
+    leaves = [x.detach().double().requires_grad_() for x in (q, w, k)]
+
+    def step(q, w, k, ids, T, logits):
+        return dt.indexer_kl_loss(q, w, k, ids, T, sm_scale=SM, topk_logits=logits)
+
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+    # the ValueError, or dynamo's RuntimeError that carries its message
+    with pytest.raises((ValueError, RuntimeError), match=r"topk_logits: expected shape \(2, 48, 16\)"):
+        compiled(*leaves, ids, T.double(), logits.transpose(0, 1).contiguous())
+
+
 def test_one_call_from_the_logits():
     q, w, k, ids, T, logits = chain(seed=9)
     want = dt.indexer_kl_loss_and_grad(q, w, k, ids, T, sm_scale=SM, grad_loss=0.5, out_dtype="f32")
