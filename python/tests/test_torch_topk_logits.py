@@ -72,6 +72,27 @@ def test_float64_leaves_take_the_logits_too():
     assert all(torch.isfinite(x.grad).all() for x in leaves)
 
 
+@pytest.mark.parametrize("bad", ["row_of_minus_inf", "plus_inf", "nan"])
+def test_float64_leaves_keep_the_librarys_rule_for_undefined_rows(bad):
+    """A row whose valid logits give no softmax (all -inf, a +inf one, a NaN
+    one) makes the loss and the gradients NaN, with float64 leaves (whose
+    forward runs in torch) as with float32 ones (the library's forward)."""
+    q, w, k, ids, T, logits = chain(seed=23)
+    given = logits.clone()
+    row = given[1, 30]
+    assert (ids[1, 30] >= 0).all()
+    if bad == "row_of_minus_inf":
+        row.fill_(float("-inf"))
+    else:
+        row[2] = float("inf") if bad == "plus_inf" else float("nan")
+    for dtype in (torch.float32, torch.float64):
+        leaves = [x.detach().to(dtype).requires_grad_() for x in (q, w, k)]
+        loss = dt.indexer_kl_loss(*leaves, ids, T.to(dtype), sm_scale=SM, topk_logits=given, gradients="backward")
+        loss.backward()
+        assert torch.isnan(loss), (bad, dtype)
+        assert all(torch.isnan(x.grad).any() for x in leaves), (bad, dtype)
+
+
 def test_compiled_float64_loss_checks_the_logits_shape():
     """torch.compile skips the library's validation of a float64 loss's
     arguments (its forward runs in torch): logits of another shape with as
