@@ -161,7 +161,8 @@ bool parse_forward_fusion(const std::string& word, ForwardFusion* out);
 ///   an exact LSE (sum_i P_i = 1) are the plain target mass.
 ///
 /// topk_logits (optional; the inputs of indexer_kl_forward() and
-/// indexer_kl_loss_and_grad() only, every other entry point refuses it): f32
+/// indexer_kl_loss_and_grad() only, checked as they check it by
+/// validate_indexer_kl_loss_inputs(); every other entry point refuses it): f32
 /// (cpu: or f64), shaped like topk_indices, innermost stride 1 on the cuda
 /// backend: the index logit I_i = sum_h w_h relu(q_h . k_{id_i}) of each
 /// selected key, without sm_scale, as indexer_topk() writes them into its
@@ -304,9 +305,11 @@ bool cuda_backend_available();
 /// (a framework's loss forward computes P) and wants the backward's errors
 /// before it starts. index_score may be absent: it is then held to
 /// attn_score's rules (dtype f32, shape like topk_indices), which the P that
-/// the caller computes will meet. Like indexer_backward(), it reads cu_seqlens
-/// (THD) and, with strict_indices, topk_indices; for the cuda backend through
-/// a copy to the host on options.stream, waited for.
+/// the caller computes will meet. A given topk_logits, which indexer_backward()
+/// refuses, is checked last, as indexer_kl_forward() checks it. Like
+/// indexer_backward(), it reads cu_seqlens (THD) and, with strict_indices,
+/// topk_indices; for the cuda backend through a copy to the host on
+/// options.stream, waited for.
 void validate_indexer_kl_loss_inputs(const IndexerInputs& inputs, const IndexerOptions& options);
 
 }  // namespace dsaib

@@ -248,10 +248,11 @@ def indexer_kl_loss(index_q, weights, index_k, topk_indices, attn_score, *, sm_s
                     normalization_count=0, layout="bshd", id_mode="local", cu_seqlens_q=None, cu_seqlens_k=None,
                     backend=None, strict_indices=False, num_threads=0, stream=None, deterministic=False,
                     a_operand_precision="auto", l2_hints="auto", start_stagger="auto", gradients="forward",
-                    uint16_as_bf16=False):
+                    uint16_as_bf16=False, topk_logits=None):
     """The indexer KL loss, a 0-d float32 array in index_q's framework: the loss
     of :func:`dsaib.torch.indexer_kl_loss` for the same arguments (the
-    library's forward, one call), without autograd.
+    library's forward, one call), without autograd. ``topk_logits`` as for
+    :func:`indexer_kl_forward`.
 
     The backward's options (``deterministic``, ``a_operand_precision``,
     ``l2_hints``, ``start_stagger``, ``gradients``) are checked as the library
@@ -260,14 +261,15 @@ def indexer_kl_loss(index_q, weights, index_k, topk_indices, attn_score, *, sm_s
     fp64 host evaluation of the loss from a given P is :func:`reference_kl_loss`.
     """
     _check_arrays(index_q=index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
-                  attn_score=attn_score, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+                  attn_score=attn_score, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                  topk_logits=topk_logits)
     options, run, u16 = _prepare("indexer_kl_loss", index_q, dict(
         sm_scale=sm_scale, loss_coeff=loss_coeff, normalization_count=normalization_count, layout=layout,
         id_mode=id_mode, backend=backend, strict_indices=strict_indices, num_threads=num_threads, stream=stream,
         deterministic=deterministic, a_operand_precision=a_operand_precision, l2_hints=l2_hints,
         start_stagger=start_stagger, gradients=gradients), uint16_as_bf16)
     return _forward(run, options, u16, index_q, weights, index_k, topk_indices, attn_score, cu_seqlens_q,
-                    cu_seqlens_k, False)[0]
+                    cu_seqlens_k, False, topk_logits)[0]
 
 
 indexer_kl_loss.__doc__ += _RETURNS

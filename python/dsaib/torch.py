@@ -426,7 +426,7 @@ class IndexerKLLoss(torch.nn.Module):
 
     Takes every option of :func:`indexer_kl_loss` (checked here, by the option
     table); ``forward(index_q, weights, index_k, topk_indices, attn_score,
-    cu_seqlens_q=None, cu_seqlens_k=None)``.
+    cu_seqlens_q=None, cu_seqlens_k=None, topk_logits=None)``.
     """
 
     def __init__(self, sm_scale, loss_coeff=1.0, normalization_count=0, layout="bshd", id_mode="local",
@@ -443,9 +443,10 @@ class IndexerKLLoss(torch.nn.Module):
         for name, value in given.items():
             setattr(self, name, value)
 
-    def forward(self, index_q, weights, index_k, topk_indices, attn_score, cu_seqlens_q=None, cu_seqlens_k=None):
+    def forward(self, index_q, weights, index_k, topk_indices, attn_score, cu_seqlens_q=None, cu_seqlens_k=None,
+                topk_logits=None):
         return indexer_kl_loss(index_q, weights, index_k, topk_indices, attn_score, cu_seqlens_q=cu_seqlens_q,
-                               cu_seqlens_k=cu_seqlens_k, **self.options)
+                               cu_seqlens_k=cu_seqlens_k, topk_logits=topk_logits, **self.options)
 
     def extra_repr(self) -> str:
         return ", ".join(f"{n}={v}" for n, v in self.options.items())

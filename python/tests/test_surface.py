@@ -60,6 +60,19 @@ def test_both_front_ends_take_the_tables_options_with_its_defaults(operation):
         assert all(f"      {n} (" in doc for n in want), (name, operation)  # documented from the table
 
 
+@pytest.mark.skipif(not HAVE_TORCH, reason="needs torch")
+@pytest.mark.parametrize("operation", sorted(dsaib.OPERATIONS))
+def test_both_front_ends_take_the_same_optional_tensors(operation):
+    import dsaib.torch as dt
+
+    def tensors(fn):
+        return {n for n in inspect.signature(fn).parameters if n in TENSOR_KEYWORDS}
+
+    assert tensors(getattr(dsaib, operation)) == tensors(getattr(dt, operation)), operation
+    if operation == "indexer_kl_loss":  # the module too: forward takes the loss's tensors
+        assert tensors(dt.IndexerKLLoss.forward) == tensors(dt.indexer_kl_loss)
+
+
 def test_every_library_option_is_reachable_from_both_front_ends():
     reachable = set().union(*dsaib.OPERATIONS.values())
     tables = [_dsaib.option_table(w) for w in ("indexer", "attention_target", "indexer_topk")]

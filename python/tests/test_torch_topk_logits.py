@@ -72,6 +72,43 @@ def test_float64_leaves_take_the_logits_too():
     assert all(torch.isfinite(x.grad).all() for x in leaves)
 
 
+@pytest.mark.parametrize("bad", ["row_of_minus_inf", "plus_inf", "nan"])
+def test_float64_leaves_keep_the_librarys_rule_for_undefined_rows(bad):
+    """A row whose valid logits give no softmax (all -inf, a +inf one, a NaN
+    one) makes the loss and the gradients NaN, with float64 leaves (whose
+    forward runs in torch) as with float32 ones (the library's forward)."""
+    q, w, k, ids, T, logits = chain(seed=23)
+    given = logits.clone()
+    row = given[1, 30]
+    assert (ids[1, 30] >= 0).all()
+    if bad == "row_of_minus_inf":
+        row.fill_(float("-inf"))
+    else:
+        row[2] = float("inf") if bad == "plus_inf" else float("nan")
+    for dtype in (torch.float32, torch.float64):
+        leaves = [x.detach().to(dtype).requires_grad_() for x in (q, w, k)]
+        loss = dt.indexer_kl_loss(*leaves, ids, T.to(dtype), sm_scale=SM, topk_logits=given, gradients="backward")
+        loss.backward()
+        assert torch.isnan(loss), (bad, dtype)
+        assert all(torch.isnan(x.grad).any() for x in leaves), (bad, dtype)
+
+
+def test_compiled_float64_loss_checks_the_logits_shape():
+    """torch.compile skips the library's validation of a float64 loss's
+    arguments (its forward runs in torch): logits of another shape with as
+    many elements are refused by name, not read in the wrong order."""
+    q, w, k, ids, T, logits = chain(seed=29)
+    leaves = [x.detach().double().requires_grad_() for x in (q, w, k)]
+
+    def step(q, w, k, ids, T, logits):
+        return dt.indexer_kl_loss(q, w, k, ids, T, sm_scale=SM, topk_logits=logits)
+
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+    # the ValueError, or dynamo's RuntimeError that carries its message
+    with pytest.raises((ValueError, RuntimeError), match=r"topk_logits: expected shape \(2, 48, 16\)"):
+        compiled(*leaves, ids, T.double(), logits.transpose(0, 1).contiguous())
+
+
 def test_one_call_from_the_logits():
     q, w, k, ids, T, logits = chain(seed=9)
     want = dt.indexer_kl_loss_and_grad(q, w, k, ids, T, sm_scale=SM, grad_loss=0.5, out_dtype="f32")
@@ -93,6 +130,21 @@ def test_numpy_entry_points_take_the_logits():
     assert np.isfinite(np.asarray(one[0]))
     with pytest.raises(TypeError, match="topk_logits"):
         dsaib.indexer_kl_forward(*args, sm_scale=SM, uint16_as_bf16=True, topk_logits=[1.0])
+
+
+def test_every_form_of_the_loss_takes_the_logits():
+    """dsaib.indexer_kl_loss (any DLPack producer) and the IndexerKLLoss module
+    read the logits as dsaib.torch.indexer_kl_loss does."""
+    q, w, k, ids, T, logits = chain(seed=19)
+    want = dt.indexer_kl_loss(q, w, k, ids, T, sm_scale=SM, topk_logits=logits * 2)
+    u16 = lambda t: t.view(torch.int16).numpy().view(np.uint16)  # noqa: E731
+    got = dsaib.indexer_kl_loss(u16(q), w.numpy(), u16(k), ids.numpy(), T.numpy(), sm_scale=SM,
+                                uint16_as_bf16=True, topk_logits=(logits * 2).numpy())
+    assert float(np.asarray(got)) == want.item()
+    assert dsaib.indexer_kl_loss(q, w, k, ids, T, sm_scale=SM, topk_logits=logits * 2).item() == want.item()
+    module = dt.IndexerKLLoss(sm_scale=SM)
+    assert module(q, w, k, ids, T, topk_logits=logits * 2).item() == want.item()
+    assert module(q, w, k, ids, T).item() != want.item()  # the doubled logits were read
 
 
 def test_compiled_loss_takes_the_logits():

@@ -11,6 +11,7 @@
 #include <functional>
 #include <string>
 #include <tuple>
+#include <utility>
 
 #include "dsaib/dsaib.h"
 #include "dsaib/indexer_kl_loss_and_grad.hpp"
@@ -187,6 +188,76 @@ TEST(KlForwardFromLogits, OneCallTakesThemToo) {
         EXPECT_TRUE(e.all_finite) << c.name << " " << name;
         EXPECT_LE(e.max_abs, 1e-6) << c.name << " " << name;
       }
+    }
+  }
+}
+
+/// `logits` (contiguous, shaped like topk_indices) copied into a buffer of
+/// NaN, seen through a view with other strides: a row's slots `col_step`
+/// floats apart, rows `row_pad` floats wider than they need, and (BSHD) the
+/// batch dimension outermost in memory but after the rows (a (S, B, topk)
+/// buffer seen as (B, S, topk)). Read with the wrong stride, the view gives NaN.
+struct StridedLogits {
+  HostTensor buffer;
+  TensorView view;
+};
+StridedLogits strided_copy(const HostTensor& logits, int64_t col_step, int64_t row_pad) {
+  const bool bshd = logits.shape.size() == 3;
+  const int64_t K = logits.shape.back(), B = bshd ? logits.shape[0] : 1, S = bshd ? logits.shape[1] : logits.shape[0];
+  const int64_t row = K * col_step + row_pad;  // floats per (s, b) row of the buffer
+  StridedLogits out;
+  out.buffer = HostTensor(DType::f32, {S * B * row + 1});
+  float* buf = out.buffer.data<float>();
+  for (int64_t e = 0; e < out.buffer.numel(); ++e) buf[e] = std::numeric_limits<float>::quiet_NaN();
+  const float* src = logits.data<float>();
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t s = 0; s < S; ++s) {
+      for (int64_t i = 0; i < K; ++i) buf[(s * B + b) * row + i * col_step] = src[(b * S + s) * K + i];
+    }
+  }
+  out.view = logits.view();
+  out.view.data = buf;
+  if (bshd) {
+    out.view.strides[0] = row;
+    out.view.strides[1] = B * row;
+    out.view.strides[2] = col_step;
+  } else {
+    out.view.strides[0] = row;
+    out.view.strides[1] = col_step;
+  }
+  return out;
+}
+
+TEST(KlForwardFromLogits, StridedLogitsAreReadThroughTheirStrides) {
+  for (const Case& c : cases()) {
+    GeneratedProblem p = make_problem(c.spec);
+    invalid_slots(p);
+    const IndexerOptions opt = p.options();
+    const HostTensor logits = logits_of(p, DType::f32);
+    ForwardBuffers want = make_forward_buffers(p);
+    indexer_kl_forward(with_logits(p, logits), want.views(), opt);
+    HostTensor want_loss(DType::f32, {});
+    OutputBuffers want_g = make_outputs(p);
+    indexer_kl_loss_and_grad(with_logits(p, logits),
+                             {want_loss.view(), want_g.d_index_q.view(), want_g.d_weights.view(),
+                              want_g.d_index_k.view()}, opt);
+    for (auto [col_step, row_pad] : {std::pair<int64_t, int64_t>{1, 3}, std::pair<int64_t, int64_t>{2, 0}}) {
+      const StridedLogits strided = strided_copy(logits, col_step, row_pad);
+      IndexerInputs in = forward_inputs(p);
+      in.topk_logits = strided.view;
+      ForwardBuffers got = make_forward_buffers(p);
+      indexer_kl_forward(in, got.views(), opt);
+      const std::string at = c.name + " col_step " + std::to_string(col_step);
+      EXPECT_TRUE(bitwise_equal(got.loss, want.loss)) << at;
+      EXPECT_TRUE(bitwise_equal(got.row_lse, want.row_lse)) << at;
+      EXPECT_TRUE(bitwise_equal(got.row_target_mass, want.row_target_mass)) << at;
+      EXPECT_TRUE(bitwise_equal(got.index_score, want.index_score)) << at;
+      HostTensor loss(DType::f32, {});
+      OutputBuffers g = make_outputs(p);
+      indexer_kl_loss_and_grad(in, {loss.view(), g.d_index_q.view(), g.d_weights.view(), g.d_index_k.view()}, opt);
+      EXPECT_TRUE(bitwise_equal(loss, want_loss)) << at;
+      EXPECT_TRUE(bitwise_equal(g.d_index_q, want_g.d_index_q)) << at;
+      EXPECT_TRUE(bitwise_equal(g.d_index_k, want_g.d_index_k)) << at;
     }
   }
 }

@@ -3,6 +3,7 @@
 // checked by tests/cpu/test_kl_forward_from_logits.cpp), BSHD/THD,
 // local/global ids, invalid slots whose logits are NaN (never read), topk 1
 // to several thousand, H 8-128; bitwise reproducibility with and without P;
+// logits read through their strides (padded rows, BSHD's batch not outermost);
 // the one call's gradients against the fp64 reference; the logits of
 // indexer_topk on the device passed straight on. Without a
 // compute-capability-9.0 GPU every test is SKIPPED (never passed).
@@ -172,6 +173,59 @@ TEST_F(KlForwardFromLogitsGpu, BitwiseReproducibleAndIndexScoreOptional) {
     EXPECT_TRUE(bitwise_equal(mass0, again.row_target_mass.to_host())) << rep;
     if (rep % 2 == 0) EXPECT_TRUE(bitwise_equal(p0, again.index_score.to_host())) << rep;
     else EXPECT_TRUE(std::isnan(to_doubles(again.index_score.to_host())[0])) << "P written though absent";
+  }
+}
+
+/// The logits in a NaN-filled buffer whose rows are `row_pad` floats wider
+/// than topk and (BSHD) whose batch dimension is not the outermost in memory
+/// (a (S, B, topk) buffer seen as (B, S, topk)); innermost stride 1, as the
+/// cuda backend takes them. Read with the wrong strides, the view gives NaN.
+struct StridedLogits {
+  HostTensor buffer;
+  std::vector<int64_t> strides;
+};
+StridedLogits strided_copy(const HostTensor& logits, int64_t row_pad) {
+  const bool bshd = logits.shape.size() == 3;
+  const int64_t K = logits.shape.back(), B = bshd ? logits.shape[0] : 1, S = bshd ? logits.shape[1] : logits.shape[0];
+  const int64_t row = K + row_pad;
+  StridedLogits out;
+  out.buffer = HostTensor(DType::f32, {S * B * row});
+  float* buf = out.buffer.data<float>();
+  for (int64_t e = 0; e < out.buffer.numel(); ++e) buf[e] = std::numeric_limits<float>::quiet_NaN();
+  const float* src = logits.data<float>();
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t s = 0; s < S; ++s) {
+      for (int64_t i = 0; i < K; ++i) buf[(s * B + b) * row + i] = src[(b * S + s) * K + i];
+    }
+  }
+  out.strides = bshd ? std::vector<int64_t>{row, B * row, 1} : std::vector<int64_t>{row, 1};
+  return out;
+}
+
+TEST_F(KlForwardFromLogitsGpu, StridedLogitsAreReadThroughTheirStrides) {
+  for (const Case& c : {cases()[1], cases()[5]}) {
+    GeneratedProblem p = make_problem(c.spec);
+    invalid_slots(p);
+    const HostTensor logits = logits_of(p);
+    DeviceProblem d(p);
+    const DeviceTensor dlogits(logits);
+    IndexerOptions opt = p.options();
+    opt.backend = Backend::cuda;
+    DeviceForwardOutputs want(make_forward_buffers(p));
+    indexer_kl_forward(device_inputs(d, dlogits), want.views(), opt);
+    const StridedLogits strided = strided_copy(logits, 3);
+    DeviceTensor dstrided(strided.buffer);
+    dstrided.view.rank = static_cast<int32_t>(logits.shape.size());
+    for (size_t i = 0; i < logits.shape.size(); ++i) {
+      dstrided.view.shape[i] = logits.shape[i];
+      dstrided.view.strides[i] = strided.strides[i];
+    }
+    DeviceForwardOutputs got(make_forward_buffers(p));
+    indexer_kl_forward(device_inputs(d, dstrided), got.views(), opt);
+    EXPECT_TRUE(bitwise_equal(want.loss.to_host(), got.loss.to_host())) << c.name;
+    EXPECT_TRUE(bitwise_equal(want.row_lse.to_host(), got.row_lse.to_host())) << c.name;
+    EXPECT_TRUE(bitwise_equal(want.row_target_mass.to_host(), got.row_target_mass.to_host())) << c.name;
+    EXPECT_TRUE(bitwise_equal(want.index_score.to_host(), got.index_score.to_host())) << c.name;
   }
 }
 

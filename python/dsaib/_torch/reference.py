@@ -218,13 +218,23 @@ def float64_forward(index_q, weights, index_k, topk_indices, attn_score, sm_scal
     sm_scale and loss_coeff as the library applies them, rounded to float32:
     its backward rebuilds P with that sm_scale from row_lse, so the gradient
     is that of the loss returned here. topk_logits (the top-k's logits) stand
-    in for the recomputed ones at the valid slots, as the library takes them."""
+    in for the recomputed ones at the valid slots, as the library takes them:
+    shaped like topk_indices (checked here too: torch.compile skips the
+    library's validation), and a row whose valid logits have no softmax (all
+    -inf, or a +inf one) is NaN, as the library's LSE of such a row."""
     sm_scale, loss_coeff = _f32_round(float(sm_scale)), _f32_round(float(loss_coeff))
     rows, valid = key_rows(index_k, topk_indices, layout, id_mode, cu_seqlens_q, cu_seqlens_k)
     z = logits(index_q, weights, index_k, rows, valid, sm_scale, torch.float64)
     if topk_logits is not None:
+        if topk_logits.shape != topk_indices.shape:
+            raise ValueError(f"topk_logits: expected shape {tuple(topk_indices.shape)} like topk_indices, got "
+                             f"shape {tuple(topk_logits.shape)}")
         given = topk_logits.detach().reshape(z.shape).to(torch.float64) * sm_scale
         z = torch.where(valid, given, z)
+        # exp(z - max z) over the valid slots is NaN where that max is infinite
+        zmax = torch.where(valid, z, -math.inf).amax(dim=-1, keepdim=True)
+        undefined = valid & valid.any(dim=-1, keepdim=True) & torch.isinf(zmax)
+        z = torch.where(undefined, math.nan, z)
     P = softmax_valid(z)
     T = attn_score.reshape(P.shape).to(torch.float64).clamp_min(EPS)
     zero = torch.zeros_like(P)
