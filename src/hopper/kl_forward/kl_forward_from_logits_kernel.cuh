@@ -31,11 +31,12 @@ struct LogitsForwardStorage {
 };
 
 /// A row's logits by slot as the row end reads them: the same f32 product
-/// sm_scale * topk_logits[i] that the statistics were formed from.
+/// sm_scale * topk_logits[i] that the statistics were formed from (rounded
+/// on its own, never fused into a later add: the cpu backend's product).
 struct ScaledLogits {
   const float* logits;
   float sm_scale;
-  __device__ __forceinline__ float operator[](int64_t i) const { return sm_scale * logits[i]; }
+  __device__ __forceinline__ float operator[](int64_t i) const { return __fmul_rn(sm_scale, logits[i]); }
 };
 
 __global__ void __launch_bounds__(LogitsForwardConfig::kThreads)
