@@ -19,11 +19,13 @@ step. --check (also alone, with --check-only, on any device) first runs the thre
 small problem with deterministic=True (d_index_k's fixed-point reduction, so that runs can be
 compared bitwise on a GPU): the gradients of autograd_forward must equal the one call's
 (bitwise: the upstream gradient is 1), those of autograd_backward must lie within 1e-2 relative
-RMS of them, every loss within 1e-5.
+RMS of them, every loss within 1e-5. --topk-logits gives every form the selected keys' logits
+(topk_logits, as indexer_topk returns them; random values here, which take the same path), so
+that each forward reads them instead of recomputing them.
 
   python3 bench/torch_step.py [--seq 16384,65536] [--ids causal,random] [--heads 64] [--dim 128]
          [--topk 2048] [--batch 1] [--iters 10] [--warmup 3] [--check] [--check-only]
-         [--device cuda|cpu] [--json FILE]
+         [--topk-logits] [--device cuda|cpu] [--json FILE]
 Exit: 0 ok, 1 a failed check, 2 bad arguments, 77 no CUDA device for the timing (a JSON record
 with "status": "unavailable" and the reason is written to --json).
 """
@@ -39,23 +41,31 @@ from common import torch  # noqa: E402
 FORMS = ("autograd_forward", "autograd_backward", "one_call")
 
 
-def step(form, q, w, k, ids, T, sm_scale, deterministic=False):
-    """One training step of the loss in `form`; returns (loss, d_index_q, d_weights, d_index_k)."""
+def step(form, q, w, k, ids, T, sm_scale, deterministic=False, logits=None):
+    """One training step of the loss in `form` (given the top-k's `logits`, or
+    recomputing them); returns (loss, d_index_q, d_weights, d_index_k)."""
     import dsaib.torch as dt
 
     if form == "one_call":
-        return dt.indexer_kl_loss_and_grad(q, w, k, ids, T, sm_scale=sm_scale, deterministic=deterministic)
+        return dt.indexer_kl_loss_and_grad(q, w, k, ids, T, sm_scale=sm_scale, deterministic=deterministic,
+                                           topk_logits=logits)
     leaves = [x.detach().requires_grad_() for x in (q, w, k)]
     loss = dt.indexer_kl_loss(*leaves, ids, T, sm_scale=sm_scale, deterministic=deterministic,
-                              gradients="forward" if form == "autograd_forward" else "backward")
+                              gradients="forward" if form == "autograd_forward" else "backward", topk_logits=logits)
     loss.backward()
     return (loss.detach(),) + tuple(x.grad for x in leaves)
 
 
-def check(device, heads, dim, topk):
+def random_logits(ids, on):
+    """Finite float32 logits shaped like ids (the --topk-logits forms), or None."""
+    return torch.randn(ids.shape, device=ids.device, generator=None) if on else None
+
+
+def check(device, heads, dim, topk, with_logits=False):
     """The three forms on a small problem: (ok, lines)."""
     q, w, k, ids, T, _ = common.make_problem(1, 256, heads, dim, min(topk, 64), "causal", device, seed=11)
-    got = {f: step(f, q, w, k, ids, T, dim ** -0.5, deterministic=True) for f in FORMS}
+    logits = random_logits(ids, with_logits)
+    got = {f: step(f, q, w, k, ids, T, dim ** -0.5, deterministic=True, logits=logits) for f in FORMS}
     ref = got["one_call"]
     lines, ok = [], True
     for form in ("autograd_forward", "autograd_backward"):
@@ -81,17 +91,20 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--topk-logits", action="store_true",
+                    help="give every form the selected keys' logits (topk_logits) instead of recomputing them")
     common.add_run_args(ap)
     a = ap.parse_args(argv)
     seqs, kinds = common.parse_cases(ap, a)
-    info = {"bench": "torch_step", "forms": list(FORMS), "results": [], "status": "ok"}
+    info = {"bench": "torch_step", "forms": list(FORMS), "topk_logits": a.topk_logits, "results": [],
+            "status": "ok"}
     reason = common.gpu_peer_reason(a.device) if a.device == "cuda" else None
     if reason is None and torch is None:
         reason = "torch is not importable"
     if reason is not None and not (a.check_only and torch is not None):
         return common.report_unavailable("torch_step", reason, a.json)
     if a.check or a.check_only:
-        ok, lines = check(a.device, a.heads, a.dim, a.topk)
+        ok, lines = check(a.device, a.heads, a.dim, a.topk, a.topk_logits)
         print("\n".join(lines), flush=True)
         info["check"] = {"ok": ok, "lines": lines}
         if not ok or a.check_only:
@@ -105,11 +118,13 @@ def main(argv=None):
     for kind in kinds:
         for S in seqs:
             q, w, k, ids, T, _ = common.make_problem(a.batch, S, a.heads, a.dim, a.topk, kind, "cuda", seed=S)
+            logits = random_logits(ids, a.topk_logits)
             row = {"ids": kind, "seq": S, "batch": a.batch, "heads": a.heads, "dim": a.dim, "topk": a.topk}
             for form in FORMS:
                 torch.cuda.reset_peak_memory_stats()
                 base = torch.cuda.memory_allocated()
-                times = common.gpu_time(lambda: step(form, q, w, k, ids, T, a.dim ** -0.5), a.iters, a.warmup)
+                times = common.gpu_time(lambda: step(form, q, w, k, ids, T, a.dim ** -0.5, logits=logits), a.iters,
+                                        a.warmup)
                 row[form] = common.summarize_op(times, a.batch * S)
                 row[form]["peak_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
             ns = [row[f]["ns_per_row"] for f in FORMS]

@@ -149,7 +149,7 @@
 #              builds this checkout's Python package with the cuda backend into O/python/site,
 #              runs python/tests (the GPU tests must run) and the training example on cpu and
 #              cuda; see scripts/python_check.sh.
-#   torch-step python3 bench/torch_step.py --check --seq 16384,65536 --ids causal,random
+#   torch-step python3 bench/torch_step.py --check [--topk-logits] --seq 16384,65536 --ids causal,random
 #                      --json O/torch-step/torch_step.json
 #              dsaib.torch's autograd step in both gradient forms beside the one call (the
 #              package the python part installed, O/python/site, when it ran in this run; else
@@ -777,10 +777,18 @@ part_torch_step() {
   with_python_site "$py" bench/torch_step.py --check --seq 16384,65536 --ids causal,random \
     --json "$d/torch_step.json" 2>&1 | tee "$d/torch_step.log"
   rc=${PIPESTATUS[0]}
-  if [[ $rc -eq 0 ]]; then
-    record torch-step PASS "$(grep -c '^\(causal\|random\) ' "$d/torch_step.log") cases timed (see $d)"
-  else
+  if [[ $rc -ne 0 ]]; then
     record torch-step FAIL "bench/torch_step.py exit $rc (see $d/torch_step.log)"
+    return
+  fi
+  # the same forms given the top-k's logits
+  with_python_site "$py" bench/torch_step.py --check --topk-logits --seq 16384,65536 --ids causal,random \
+    --json "$d/torch_step_topk_logits.json" 2>&1 | tee "$d/torch_step_topk_logits.log"
+  rc=${PIPESTATUS[0]}
+  if [[ $rc -eq 0 ]]; then
+    record torch-step PASS "$(cat "$d/torch_step.log" "$d/torch_step_topk_logits.log" | grep -c '^\(causal\|random\) ') cases timed (see $d)"
+  else
+    record torch-step FAIL "bench/torch_step.py --topk-logits exit $rc (see $d/torch_step_topk_logits.log)"
   fi
 }
 
