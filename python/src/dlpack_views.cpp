@@ -49,8 +49,7 @@ namespace {
 /// (src/core/validate.cpp), for a DLPack dtype that is no dsaib::DType at all
 /// (a float64 reaches the library, which names the backend that refuses it).
 const char* expected_dtypes(const std::string& name) {
-  if (name == "index_q" || name == "index_k") return "bf16 (indexer_topk: or e4m3)";
-  if (name == "query" || name == "kv") return "bf16";
+  if (name == "index_q" || name == "index_k" || name == "query" || name == "kv") return "bf16";
   if (name == "index_q_scale" || name == "index_k_scale") return "f32 (or f64 on the cpu backend)";
   if (name == "weights" || name == "d_index_q" || name == "d_weights" || name == "d_index_k") {
     return "bf16 or f32 (or f64 on the cpu backend)";
@@ -66,17 +65,20 @@ const char* expected_dtypes(const std::string& name) {
   return "bf16, f32 or i32";
 }
 
-dsaib::DType to_dtype(const char* name, nb::dlpack::dtype dt, bool uint16_as_bf16, bool uint8_as_e4m3) {
+/// takes_e4m3: the argument takes float8 e4m3 (indexer_topk's index_q and
+/// index_k), and with uint8_as_e4m3 reads uint8 codes as it.
+dsaib::DType to_dtype(const char* name, nb::dlpack::dtype dt, bool uint16_as_bf16, bool takes_e4m3,
+                      bool uint8_as_e4m3) {
   const auto code = static_cast<nb::dlpack::dtype_code>(dt.code);
   if (dt.lanes == 1) {
-    if (dt.code == kDLFloat8E4m3fn && dt.bits == 8) return dsaib::DType::e4m3;
-    if (uint8_as_e4m3 && code == nb::dlpack::dtype_code::UInt && dt.bits == 8) return dsaib::DType::e4m3;
+    if (dt.code == kDLFloat8E4m3fn && dt.bits == 8) return dsaib::DType::e4m3;  // the library names who refuses it
+    if (takes_e4m3 && uint8_as_e4m3 && code == nb::dlpack::dtype_code::UInt && dt.bits == 8) return dsaib::DType::e4m3;
     if (code == nb::dlpack::dtype_code::Bfloat && dt.bits == 16) return dsaib::DType::bf16;
     if (code == nb::dlpack::dtype_code::Float && dt.bits == 32) return dsaib::DType::f32;
     if (code == nb::dlpack::dtype_code::Float && dt.bits == 64) return dsaib::DType::f64;
     if (code == nb::dlpack::dtype_code::Int && dt.bits == 32) return dsaib::DType::i32;
   }
-  const std::string expected = expected_dtypes(name);
+  const std::string expected = std::string(expected_dtypes(name)) + (takes_e4m3 ? " or e4m3" : "");
   const bool takes_bf16 = expected.find("bf16") != std::string::npos;
   const bool int16 = dt.lanes == 1 && dt.bits == 16 &&
                      (code == nb::dlpack::dtype_code::UInt || code == nb::dlpack::dtype_code::Int);
@@ -86,21 +88,22 @@ dsaib::DType to_dtype(const char* name, nb::dlpack::dtype dt, bool uint16_as_bf1
   std::string msg = std::string(name) + ": expected dtype " + expected + ", got " + dtype_string(dt);
   if (int16 && takes_bf16) msg += " (pass uint16_as_bf16=True to read 16-bit integers as bf16 bit patterns)";
   const bool uint8 = dt.lanes == 1 && dt.bits == 8 && code == nb::dlpack::dtype_code::UInt;
-  if (uint8 && expected.find("e4m3") != std::string::npos) {
+  if (uint8 && takes_e4m3) {
     msg += " (pass uint8_as_e4m3=True to read uint8 arrays as float8 e4m3 codes)";
   }
   throw PyTypeError{msg};
 }
 
 template <typename A>
-dsaib::TensorView view_of(const char* name, const A& a, bool uint16_as_bf16, bool uint8_as_e4m3 = false) {
+dsaib::TensorView view_of(const char* name, const A& a, bool uint16_as_bf16, bool takes_e4m3 = false,
+                          bool uint8_as_e4m3 = false) {
   dsaib::TensorView v;
   if (a.ndim() > static_cast<size_t>(dsaib::kMaxRank)) {
     throw dsaib::Error(dsaib::ErrorCode::invalid_argument, name,
                        std::string(name) + ": expected rank <= " + std::to_string(dsaib::kMaxRank) + ", got rank " +
                            std::to_string(a.ndim()));
   }
-  v.dtype = to_dtype(name, a.dtype(), uint16_as_bf16, uint8_as_e4m3);
+  v.dtype = to_dtype(name, a.dtype(), uint16_as_bf16, takes_e4m3, uint8_as_e4m3);
   v.data = const_cast<void*>(static_cast<const void*>(a.data()));
   v.rank = static_cast<int32_t>(a.ndim());
   for (size_t i = 0; i < a.ndim(); ++i) {
@@ -216,9 +219,9 @@ dsaib::IndexerTopkInputs make_topk_inputs(const Array& index_q, const Array& wei
                                           const std::optional<Array>& index_q_scale,
                                           const std::optional<Array>& index_k_scale, bool u8) {
   dsaib::IndexerTopkInputs in;
-  in.index_q = view_of("index_q", index_q, u16, u8);
+  in.index_q = view_of("index_q", index_q, u16, true, u8);
   in.weights = to_view("weights", weights, u16);
-  in.index_k = view_of("index_k", index_k, u16, u8);
+  in.index_k = view_of("index_k", index_k, u16, true, u8);
   in.index_q_scale = opt_view("index_q_scale", index_q_scale, false);
   in.index_k_scale = opt_view("index_k_scale", index_k_scale, false);
   in.starts = opt_view("starts", starts, u16);
