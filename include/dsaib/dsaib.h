@@ -245,7 +245,7 @@ typedef enum dsaib_topk_order {
    index_k of index_q's dtype (B, S_kv, D) / (T_k, D); any strides with a contiguous last dimension.
    starts, ends i32 (B, S_q) / (T_q), optional: row t sees the keys [starts[t], ends[t]) of its sequence
    (THD: flat rows of index_k); absent: causal rows. cu_seqlens_q/k i32 (B + 1) for THD.
-   index_q_scale f32 (B, S_q, H) / (T_q, H) and index_k_scale f32 (B, S_kv) / (T_k): e4m3 inputs only,
+   index_q_scale (B, S_q, H) / (T_q, H) and index_k_scale (B, S_kv) / (T_k), each f32 (cpu: or f64): e4m3 inputs only,
    each optional (dsaib::IndexerTopkInputs). */
 typedef struct dsaib_indexer_topk_inputs {
   dsaib_tensor index_q, weights, index_k, starts, ends, cu_seqlens_q, cu_seqlens_k;

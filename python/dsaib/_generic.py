@@ -407,6 +407,7 @@ def indexer_topk(index_q, weights, index_k, topk, *, starts=None, ends=None, cu_
 
     float8 e4m3 inputs (the cpu backend; ``uint8_as_e4m3=True`` reads uint8
     arrays as their codes, numpy having no float8) take the optional float32
+    (or float64, read unrounded)
     ``index_q_scale`` ``(B, S_q, H)`` / ``(T_q, H)`` and ``index_k_scale``
     ``(B, S_kv)`` / ``(T_k,)``: ``I[t, s] = index_k_scale[s] * sum_h
     weights[t, h] * index_q_scale[t, h] * relu(index_q[t, h] . index_k[s])``.

@@ -321,7 +321,8 @@ def indexer_topk(index_q, weights, index_k, topk, *, starts=None, ends=None, cu_
 
     ``torch.float8_e4m3fn`` index_q and index_k (both, the cpu backend) are
     taken as they are, with their optional float32 ``index_q_scale`` and
-    ``index_k_scale`` (:func:`dsaib.indexer_topk` says how they scale the logits).
+    ``index_k_scale`` (float64 unrounded on the cpu backend; other floats to
+    float32; :func:`dsaib.indexer_topk` says how they scale the logits).
 
     Not differentiable: the ids are integers, and the logits come back
     detached (``requires_grad=False``) whatever the inputs; the indexer is
@@ -344,16 +345,17 @@ def indexer_topk(index_q, weights, index_k, topk, *, starts=None, ends=None, cu_
     check_same_device(index_q, weights=weights, index_k=index_k, starts=starts, ends=ends,
                       index_q_scale=index_q_scale, index_k_scale=index_k_scale)
     cuda = index_q.device.type == "cuda"
-    # float8 inputs stay float8 (the library names a pair that differs); other floats go to bf16
-    qk_dtypes = (torch.float8_e4m3fn,) if index_q.dtype == torch.float8_e4m3fn else (torch.bfloat16,)
-    scale = lambda t: None if t is None else topk_operand(t, (torch.float32,), False)  # noqa: E731
-    # float64 weights reach the cpu backend unrounded (as through dsaib.indexer_topk); cuda takes bf16 or float32
+    # float8 inputs stay float8, each of the two (the library names a pair that differs); other floats go to bf16
+    f8 = torch.float8_e4m3fn
+    qk = lambda t: topk_operand(t, (f8,) if t.dtype == f8 else (torch.bfloat16,), cuda)  # noqa: E731
+    # float64 weights and scales reach the cpu backend unrounded (as through dsaib.indexer_topk); cuda takes
+    # bf16 or float32 weights, float32 scales
     weight_dtypes = (torch.float32, torch.bfloat16) + (() if cuda else (torch.float64,))
+    scale_dtypes = (torch.float32,) + (() if cuda else (torch.float64,))
+    scale = lambda t: None if t is None else topk_operand(t, scale_dtypes, False)  # noqa: E731
     with torch.no_grad(), on_stream(o["stream"], index_q.device):
         ids, logits, lengths = torch.ops.dsaib.indexer_topk(
-            topk_operand(index_q, qk_dtypes, cuda), topk_operand(weights, weight_dtypes, False),
-            topk_operand(index_k, qk_dtypes if index_k.dtype == torch.float8_e4m3fn else (torch.bfloat16,), cuda),
-            o["topk"], range_int32("starts", starts, o["strict_ranges"]),
+            qk(index_q), topk_operand(weights, weight_dtypes, False), qk(index_k), o["topk"], range_int32("starts", starts, o["strict_ranges"]),
             range_int32("ends", ends, o["strict_ranges"]), cu_seqlens_q, cu_seqlens_k, o["layout"], o["id_mode"], o["order"],
             o["causal_offset"], o["strict_ranges"], o["return_logits"], o["return_lengths"], o["num_threads"],
             o["backend"], scale(index_q_scale), scale(index_k_scale))

@@ -74,3 +74,23 @@ def test_errors_name_the_argument():
         dt.indexer_topk(q, w, k, 8, index_k_scale=ks[:, :5])
     with pytest.raises(TypeError, match="index_q_scale"):
         dt.indexer_topk(q, w, k, 8, index_q_scale=[1.0])
+
+
+def test_float64_scales_reach_the_cpu_backend_unrounded():
+    # a key scale of 1 + 2^-30 ranks key 1 above key 0 only in float64 (in float32 they tie, and id 0 goes first)
+    q = torch.ones(1, 1, 1, 1).to(torch.float8_e4m3fn)
+    k = torch.ones(1, 2, 1).to(torch.float8_e4m3fn)
+    w = torch.ones(1, 1, 1)
+    ks = torch.tensor([[1.0, 1.0 + 2.0 ** -30]], dtype=torch.float64)
+    got = dt.indexer_topk(q, w, k, 2, index_k_scale=ks, causal_offset=1)
+    assert got.tolist() == [[[1, 0]]]
+    generic = dsaib.indexer_topk(q.view(torch.uint8).numpy(), w.numpy(), k.view(torch.uint8).numpy(), 2,
+                                 index_k_scale=ks.numpy(), causal_offset=1, uint8_as_e4m3=True)
+    assert np.asarray(generic).tolist() == [[[1, 0]]]
+
+
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
+def test_float8_index_k_with_another_index_q_is_refused(q_dtype):
+    q, w, k, qs, ks = problem(seed=9)
+    with pytest.raises((TypeError, ValueError), match="index_k: expected dtype bf16 \\(that of index_q\\), got dtype e4m3"):
+        dt.indexer_topk(q.to(q_dtype), w, k, 8)

@@ -247,14 +247,15 @@ ProblemGeometry validate_unguarded(const IndexerTopkInputs& in, const IndexerTop
     }
   }
 
-  // Inputs: any strides with a contiguous last dimension.
+  // Inputs: any strides with a contiguous last dimension (a zero-element one:
+  // any strides, as is_contiguous() takes it).
   const TensorView* ins[] = {&in.index_q,      &in.weights,      &in.index_k,       &in.starts,       &in.ends,
                              &in.cu_seqlens_q, &in.cu_seqlens_k, &in.index_q_scale, &in.index_k_scale};
   const char* in_names[] = {"index_q",      "weights",      "index_k",       "starts",       "ends",
                             "cu_seqlens_q", "cu_seqlens_k", "index_q_scale", "index_k_scale"};
   for (int j : {0, 1, 2, 3, 4, 7, 8}) {
     const TensorView& v = *ins[j];
-    if (v.present() && v.strides[v.rank - 1] != 1 && v.shape[v.rank - 1] > 1) {
+    if (v.present() && v.strides[v.rank - 1] != 1 && v.shape[v.rank - 1] > 1 && v.numel() > 0) {
       fail(in_names[j], "a contiguous last dimension (stride 1)", "strides " + v.strides_string() + " for shape " + v.shape_string());
     }
   }

@@ -39,9 +39,9 @@ inline double load_element(DType dtype, const void* base, int64_t offset) {
   return 0;
 }
 
-/// bf16, f32 and e4m3 round from double to nearest even, once (e4m3: beyond
-/// its range NaN, as torch converts); f64 stores the value unrounded; i32
-/// truncates toward zero.
+/// bf16 and f32 round from double to nearest even, once; e4m3 as torch
+/// converts (core/e4m3.hpp: through float, saturating at +-448); f64 stores
+/// the value unrounded; i32 truncates toward zero.
 inline void store_element(DType dtype, void* base, int64_t offset, double value) {
   char* p = static_cast<char*>(base);
   switch (dtype) {

@@ -419,10 +419,11 @@ struct CTopk {
   dsaib_indexer_topk_inputs in;
   dsaib_indexer_topk_outputs c_out;
   dsaib_indexer_topk_options opt;
-  explicit CTopk(Layout layout, bool ranges = false)
+  explicit CTopk(Layout layout, bool ranges = false, bool e4m3 = false)
       : p(make_topk_problem([&] {
           TopkSpec s;
           s.layout = layout;
+          s.e4m3 = e4m3;  // with both scales
           s.q_lens = {4, 6};
           s.k_lens = {7, 12};
           s.ranges = ranges;
@@ -432,8 +433,8 @@ struct CTopk {
         }())),
         out(p, 5) {
     const IndexerTopkInputs i = p.inputs();
-    in = {to_c(i.index_q), to_c(i.weights), to_c(i.index_k), to_c(i.starts), to_c(i.ends), to_c(i.cu_seqlens_q),
-          to_c(i.cu_seqlens_k)};
+    in = {to_c(i.index_q),      to_c(i.weights),      to_c(i.index_k),       to_c(i.starts),       to_c(i.ends),
+          to_c(i.cu_seqlens_q), to_c(i.cu_seqlens_k), to_c(i.index_q_scale), to_c(i.index_k_scale)};
     const IndexerTopkOutputs o = out.views();
     c_out = {to_c(o.topk_indices), to_c(o.topk_logits), to_c(o.topk_lengths)};
     dsaib_default_indexer_topk_options(&opt);
@@ -462,24 +463,31 @@ TEST(CApi, IndexerTopkDefaultOptionsMatchCpp) {
 TEST(CApi, IndexerTopkMatchesCpp) {
   for (Layout layout : {Layout::bshd, Layout::thd}) {
     for (int order : {DSAIB_TOPK_LOGIT_DESCENDING, DSAIB_TOPK_ID_ASCENDING}) {
-      CTopk c(layout, layout == Layout::thd);
-      c.opt.order = order;
-      c.opt.id_mode = DSAIB_IDS_GLOBAL;
-      size_t bytes = 123;
-      ASSERT_EQ(dsaib_indexer_topk_workspace_size(&c.in, &c.c_out, &c.opt, &bytes), DSAIB_OK) << dsaib_last_error();
-      EXPECT_EQ(bytes, 0u);
-      ASSERT_EQ(dsaib_indexer_topk(&c.in, &c.c_out, &c.opt, nullptr, 0), DSAIB_OK) << dsaib_last_error();
-      EXPECT_STREQ(dsaib_last_error(), "");
-      IndexerTopkOptions opt = c.p.options();
-      opt.order = static_cast<TopkOrder>(order);
-      opt.id_mode = IdMode::global;
-      TopkOutputs want(c.p, 5);
-      indexer_topk(c.p.inputs(), want.views(), opt);
-      EXPECT_TRUE(bitwise_equal(want.ids, c.out.ids));
-      EXPECT_TRUE(bitwise_equal(want.logits, c.out.logits));
-      EXPECT_TRUE(bitwise_equal(want.lengths, c.out.lengths));
-      const BruteTopk brute = brute_force_topk(c.p, opt, 5);
-      for (size_t k = 0; k < brute.ids.size(); ++k) EXPECT_EQ(c.out.ids.data<int32_t>()[k], brute.ids[k]) << k;
+      for (bool e4m3 : {false, true}) {  // e4m3: DSAIB_E4M3 index_q and index_k with both scales
+        CTopk c(layout, layout == Layout::thd, e4m3);
+        if (e4m3) {
+          ASSERT_EQ(c.in.index_q.dtype, DSAIB_E4M3);
+          ASSERT_NE(c.in.index_q_scale.data, nullptr);
+          ASSERT_NE(c.in.index_k_scale.data, nullptr);
+        }
+        c.opt.order = order;
+        c.opt.id_mode = DSAIB_IDS_GLOBAL;
+        size_t bytes = 123;
+        ASSERT_EQ(dsaib_indexer_topk_workspace_size(&c.in, &c.c_out, &c.opt, &bytes), DSAIB_OK) << dsaib_last_error();
+        EXPECT_EQ(bytes, 0u);
+        ASSERT_EQ(dsaib_indexer_topk(&c.in, &c.c_out, &c.opt, nullptr, 0), DSAIB_OK) << dsaib_last_error();
+        EXPECT_STREQ(dsaib_last_error(), "");
+        IndexerTopkOptions opt = c.p.options();
+        opt.order = static_cast<TopkOrder>(order);
+        opt.id_mode = IdMode::global;
+        TopkOutputs want(c.p, 5);
+        indexer_topk(c.p.inputs(), want.views(), opt);
+        EXPECT_TRUE(bitwise_equal(want.ids, c.out.ids));
+        EXPECT_TRUE(bitwise_equal(want.logits, c.out.logits));
+        EXPECT_TRUE(bitwise_equal(want.lengths, c.out.lengths));
+        const BruteTopk brute = brute_force_topk(c.p, opt, 5);
+        for (size_t k = 0; k < brute.ids.size(); ++k) EXPECT_EQ(c.out.ids.data<int32_t>()[k], brute.ids[k]) << k;
+      }
     }
   }
 }

@@ -223,6 +223,23 @@ TEST(IndexerTopk, EmptyRows) {
   expect_matches_definition(p, p.options(), s.topk, "empty rows");
 }
 
+// A zero-element input holds nothing to read: any strides, as DLPack gives a
+// numpy array without keys (all 0), and as is_contiguous() takes it.
+TEST(IndexerTopk, ZeroElementInputsTakeAnyStrides) {
+  for (const bool e4m3 : {false, true}) {
+    TopkSpec s;
+    s.batch = 2, s.s_q = 3, s.s_kv = 0, s.topk = 2, s.e4m3 = e4m3;
+    const TopkProblem p = make_topk_problem(s);
+    IndexerTopkInputs in = p.inputs();
+    for (int i = 0; i < 3; ++i) in.index_k.strides[i] = 0;
+    if (e4m3) in.index_k_scale.strides[0] = in.index_k_scale.strides[1] = 0;
+    TopkOutputs out(p, 2);
+    ASSERT_NO_THROW(indexer_topk(in, out.views(), p.options())) << e4m3;
+    for (int64_t e = 0; e < out.ids.numel(); ++e) EXPECT_EQ(out.ids.data<int32_t>()[e], -1);
+    for (int64_t r = 0; r < out.lengths.numel(); ++r) EXPECT_EQ(out.lengths.data<int32_t>()[r], 0);
+  }
+}
+
 TEST(IndexerTopk, TopkOneAndTopk8192) {
   TopkSpec s;
   s.batch = 1, s.s_q = 3, s.s_kv = 9000, s.heads = 2, s.head_dim = 4, s.causal_offset = 8997;

@@ -51,8 +51,9 @@ std::vector<ErrorCase> error_cases() {
          c.in.index_q_scale.shape[1] = 2; }, "index_q_scale", "expected shape (11, 3) (T_q, H) like weights, got shape (11, 2)"},
       {"index_k_scale_shape", S, [](Call& c) { c.in.index_q.dtype = c.in.index_k.dtype = DType::e4m3; c.in.index_k_scale = c.in.weights;
          c.in.index_k_scale.rank = 2; }, "index_k_scale", "expected shape (2, 13) (B, S_kv), got shape (2, 5)"},
-      {"output_overlaps_scale", S, [](Call& c) { c.in.index_q.dtype = c.in.index_k.dtype = DType::e4m3; c.in.index_q_scale = c.in.weights;
-         c.out.topk_lengths.data = c.in.weights.data; }, "topk_lengths", "disjoint from input weights"},
+      {"output_overlaps_scale", S, [](Call& c) { c.in.index_q.dtype = c.in.index_k.dtype = DType::e4m3;
+         c.in.index_k_scale = contiguous_view(c.out.topk_logits.data, DType::f32, {2, 13}); }, "topk_logits",
+       "topk_logits: expected memory disjoint from input index_k_scale, got overlapping memory"},
       {"weights_dtype", S, [](Call& c) { c.in.weights.dtype = DType::i32; }, "weights", "expected dtype bf16 or f32 or f64, got dtype i32"},
       {"index_k_rank", S, [](Call& c) { c.in.index_k.rank = 2; }, "index_k", "expected rank 3, got rank 2"},
       {"starts_without_ends", S, [](Call& c) { c.in.ends = TensorView{}; }, "ends",
