@@ -290,6 +290,7 @@ def main(argv):
                             rank=rank, world_size=world)
     try:
         torch.save(run_cases(rank, world, cases), out_file)
+        dist.barrier()  # every rank's sends done before any rank closes its connections
     finally:
         dist.destroy_process_group()
 

@@ -186,6 +186,9 @@ def run_worker(rank, world, init_file, problem_file, out_file):
                         out_dtype=backward_out_dtype(dtype), **opts)
                 results[(name, None)] = dict(loss=None, grads=list(grads), counts=[counted(call)])
         torch.save(results, out_file)
+        # every rank's sends done before any rank closes its connections (a peer that closes
+        # first can abort the other in gloo's transport)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

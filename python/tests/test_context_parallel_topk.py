@@ -118,6 +118,9 @@ def run_worker(rank, world, init_file, problem_file, out_file):
         except ValueError as e:
             results["one-rank-strict-range"] = str(e)
         torch.save(results, out_file)
+        # every rank's sends done before any rank closes its connections (a peer that closes
+        # first can abort the other in gloo's transport)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
