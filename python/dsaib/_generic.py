@@ -445,7 +445,7 @@ def indexer_topk(index_q, weights, index_k, topk, *, starts=None, ends=None, cu_
                    topk_lengths=lengths)
     tensors.update(index_q_scale=index_q_scale, index_k_scale=index_k_scale)
     out = run.call(_dsaib.indexer_topk, tensors, _options.library_kwargs(options), out, True,
-                   dict(uint16_as_bf16=u16, uint8_as_e4m3=bool(uint8_as_e4m3)))
+                   dict(uint16_as_bf16=u16, uint8_as_e4m3=_bool_value("uint8_as_e4m3", uint8_as_e4m3)))
     return out if len(out) > 1 else out[0]
 
 

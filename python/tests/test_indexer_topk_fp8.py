@@ -94,3 +94,16 @@ def test_float8_index_k_with_another_index_q_is_refused(q_dtype):
     q, w, k, qs, ks = problem(seed=9)
     with pytest.raises((TypeError, ValueError), match="index_k: expected dtype bf16 \\(that of index_q\\), got dtype e4m3"):
         dt.indexer_topk(q.to(q_dtype), w, k, 8)
+
+
+def test_the_loss_refuses_float8_leaves_and_the_flag_is_a_bool():
+    """The loss has no scales: float8 leaves would silently lose them."""
+    q, w, k, qs, ks = problem(seed=9)
+    ids = dt.indexer_topk(q, w, k, 8)
+    T = torch.rand(ids.shape).masked_fill(ids < 0, 0)
+    for fn in (dt.indexer_kl_loss, dt.indexer_kl_loss_and_grad):
+        with pytest.raises(TypeError, match="index_q: expected a dtype the loss rounds to bf16"):
+            fn(q, w, k, ids, T, sm_scale=1.0)
+    with pytest.raises(TypeError, match="uint8_as_e4m3: expected a bool"):
+        dsaib.indexer_topk(q.view(torch.uint8).numpy(), w.numpy(), k.view(torch.uint8).numpy(), 8,
+                           uint8_as_e4m3="false")

@@ -79,7 +79,7 @@ constexpr uint64_t kMaxRank = 64;
 /// dtypes of the safetensors format that this library does not handle.
 bool is_known_unsupported_dtype(const std::string& s) {
   static const char* const kOthers[] = {"BOOL", "U8",  "I8",  "U16", "I16",     "F16",     "U32",
-                                        "U64",  "I64", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F6_E2M3",
+                                        "U64",  "I64", "F8_E5M2", "F8_E8M0", "F6_E2M3",
                                         "F6_E3M2", "F4", "C64"};
   return std::find(std::begin(kOthers), std::end(kOthers), s) != std::end(kOthers);
 }
@@ -155,9 +155,9 @@ Entry parse_entry(const std::string& path, const std::string& name, const Tensor
   const std::string ds = f.dtype.scalar.get<std::string>();
   if (!parse_dtype(ds, &e.dtype)) {
     if (is_known_unsupported_dtype(ds)) {
-      io_fail(path, where + ": unsupported dtype " + untrusted(ds) + " (supported: BF16, F32, I32, F64)");
+      io_fail(path, where + ": unsupported dtype " + untrusted(ds) + " (supported: BF16, F32, I32, F64, F8_E4M3)");
     }
-    io_fail(path, where + ": unknown dtype \"" + untrusted(ds) + "\" (supported: BF16, F32, I32, F64)");
+    io_fail(path, where + ": unknown dtype \"" + untrusted(ds) + "\" (supported: BF16, F32, I32, F64, F8_E4M3)");
   }
   if (f.shape.kind != Member::Kind::array) {
     io_fail(path, where + ": shape: expected an array of sizes, got " + f.shape.describe());

@@ -72,6 +72,10 @@ def check_torch_arguments(index_q, weights, index_k, topk_indices, attn_score=No
     for name in ("index_q", "weights", "index_k"):
         if not tensors[name].is_floating_point():
             raise TypeError(f"{name}: expected a floating-point dtype, got {tensors[name].dtype}")
+        if tensors[name].dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            # the loss has no scales: float8 codes would lose the ones the top-k took
+            raise TypeError(f"{name}: expected a dtype the loss rounds to bf16 (the dequantised values of float8 "
+                            f"inputs), got {tensors[name].dtype}")
     same_device = {n: t for n, t in tensors.items() if n != "index_q"}
     if cu_seqlens_on_any_device:
         del same_device["cu_seqlens_q"], same_device["cu_seqlens_k"]
