@@ -22,17 +22,41 @@ struct RadixCut {
   __device__ bool keeps(unsigned long long key) const { return (key & mask) >= prefix; }
 };
 
+/// Calls f(load(e)) for e = tid, tid + kThreads, ... below n, kBatch loads
+/// issued before the first call: the entries are L2 reads, and a loop that
+/// waits for each before the next would pay the L2's latency once per entry.
+template <int kThreads, int kBatch, class Load, class F>
+__device__ __forceinline__ void for_each_entry(int n, int tid, Load&& load, F&& f) {
+  for (int e0 = tid; e0 < n; e0 += kBatch * kThreads) {
+    unsigned long long v[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int e = e0 + b * kThreads;
+      v[b] = e < n ? load(e) : 0ull;
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      if (e0 + b * kThreads < n) f(v[b]);
+    }
+  }
+}
+
 /// kThreads threads (one warpgroup) with their own barrier `sync()`.
 template <int kRows, int kThreads = 128>
 struct CandidateSelect {
   TopkSelection<kRows>& sel;
   int tid;  // 0..kThreads-1
 
-  /// The cut that keeps the k largest of the entries that for_each(f) passes
-  /// to f across the warpgroup (each entry to one thread); needs more than k
-  /// entries. Ends with a sync(); reads, writes nothing but sel.hist/found_*.
+  /// A cut that keeps the k largest of the entries that for_each(f) passes to
+  /// f across the warpgroup (each entry to one thread), and at most
+  /// keep_at_most >= k entries in all: with keep_at_most == k exactly the k
+  /// largest; a larger keep_at_most ends the digit passes as soon as the bin
+  /// that holds the k-th largest entry, with every entry above it, fits (a
+  /// buffer cut needs no more, and most rows then need two passes, not four).
+  /// Needs more than k entries. Ends with a sync(); reads, writes nothing but
+  /// sel.hist/found_*.
   template <class Sync, class ForEach>
-  __device__ RadixCut radix_cut(int k, Sync&& sync, ForEach&& for_each) {
+  __device__ RadixCut radix_cut(int k, int keep_at_most, Sync&& sync, ForEach&& for_each) {
     RadixCut cut;
     int need = k;
     for (int shift = 56; shift >= 0; shift -= 8) {
@@ -83,7 +107,7 @@ struct CandidateSelect {
       need -= sel.found_above;
       cut.prefix |= static_cast<unsigned long long>(bin) << shift;
       cut.mask |= 0xffull << shift;
-      if (sel.found_count == need) break;  // the whole bin is kept
+      if (k - need + sel.found_count <= keep_at_most) break;  // the whole bin is kept
     }
     sync();  // found_* and hist read by every thread before they are rewritten
     return cut;

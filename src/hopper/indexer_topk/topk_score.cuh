@@ -175,10 +175,11 @@ struct TopkScore {
     unsigned long long* dst = buffer(wg, j, h ^ 1);
     CandidateSelect<kRows> cs{sel, tid};
     auto sync = [&] { select_sync(); };
-    auto each = [&](auto&& f) {
-      for (int e = tid; e < n; e += kThreads) f(src[e]);
-    };
-    const RadixCut cut = cs.radix_cut(p.topk, sync, each);
+    auto each = [&](auto&& f) { for_each_entry<kThreads, Config::kSelectBatch>(n, tid, [&](int e) { return src[e]; }, f); };
+    // Keys below the cut are out of the row's top-k; the buffer keeps at most
+    // halfway between topk and the cut's trigger.
+    const int keep_at_most = p.topk + (p.candidate_capacity - kBlock - p.topk) / 2;
+    const RadixCut cut = cs.radix_cut(p.topk, keep_at_most, sync, each);
     const int kept = cs.write_kept(cut, sync, each, [&](int pos, unsigned long long key) { dst[pos] = key; });
     if (tid == 0) {
       sel.count[j] = kept;
@@ -198,9 +199,10 @@ struct TopkScore {
     CandidateSelect<kRows> cs{sel, tid};
     auto sync = [&] { select_sync(); };
     auto each = [&](auto&& f) {
-      for (int e = tid; e < n0 + n1; e += kThreads) f(e < n0 ? src0[e] : src1[e - n0]);
+      for_each_entry<kThreads, Config::kSelectBatch>(
+          n0 + n1, tid, [&](int e) { return e < n0 ? src0[e] : src1[e - n0]; }, f);
     };
-    const RadixCut cut = n0 + n1 > p.topk ? cs.radix_cut(p.topk, sync, each) : RadixCut{};
+    const RadixCut cut = n0 + n1 > p.topk ? cs.radix_cut(p.topk, p.topk, sync, each) : RadixCut{};
     uint32_t* lo = p.key_lo + row * p.topk;
     uint32_t* hi = p.key_hi + row * p.topk;
     const int kept = cs.write_kept(cut, sync, each, [&](int pos, unsigned long long key) {

@@ -51,6 +51,9 @@ struct TopkTileConfig {
                 "setmaxnreg.inc can only take the registers the producer released");
   // The producer keeps this many K tiles' copies in flight before it waits.
   static constexpr int kCopiesInFlight = kStagesK - 1;
+  // A selection pass over a row's candidates (global memory) loads this many
+  // entries per thread before it uses the first.
+  static constexpr int kSelectBatch = 8;
 
   using Element = cutlass::bfloat16_t;
   using SmemAtom = decltype(cute::GMMA::Layout_K_SW128_Atom<Element>{});
