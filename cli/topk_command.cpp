@@ -72,7 +72,7 @@ TopkCommand::TopkCommand(CLI::App& app) {
   cmd_->add_flag("--weights-f32", a.weights_f32, "weights in f32 instead of bf16");
   cmd_->add_option("--dtype", a.dtype,
                    "index_q and index_k: bf16, or e4m3 quantised per token (and head) with f32 scales "
-                   "(index_q_scale, index_k_scale; the cpu backend, which --backend auto then picks)")
+                   "(index_q_scale, index_k_scale; cuda: D 128)")
       ->check(one_of({"bf16", "e4m3"}))
       ->default_str("bf16");
   cmd_->add_flag("--strict-ranges", a.strict_ranges, "ranges: raise an error for a range outside its sequence");
@@ -200,12 +200,12 @@ std::string summary(const TopkArgs& a, const TopkRun& run) {
 int TopkCommand::run() {
   const TopkArgs& a = args_;
   TopkRun run = generate_topk(a);
-  // auto: e4m3 inputs run on the cpu backend, the one that takes them
-  const bool fp8 = a.dtype == "e4m3";
-  const bool cuda = a.backend == "cuda" || (a.backend == "auto" && !fp8 && cuda_backend_available());
+  // auto: e4m3 inputs of a D other than 128 run on the cpu backend, the one that takes them
+  const bool cpu_only = a.dtype == "e4m3" && a.head_dim != 128;
+  const bool cuda = a.backend == "cuda" || (a.backend == "auto" && !cpu_only && cuda_backend_available());
   const std::string why = a.backend != "auto" ? "requested"
                           : cuda              ? "auto: CUDA device found"
-                          : fp8               ? "auto: e4m3 inputs (the cpu backend takes them)"
+                          : cpu_only          ? "auto: e4m3 inputs of D other than 128 (the cpu backend takes them)"
                                               : "auto: " + cuda_unavailable_reason();
   const int warmup = a.warmup >= 0 ? a.warmup : (cuda ? 1 : 0);
   log_stage(std::string("topk: ") + (cuda ? "cuda" : "cpu") + " backend, " + summary(a, run));

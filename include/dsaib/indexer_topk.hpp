@@ -147,7 +147,7 @@ void validate_indexer_topk_inputs(const IndexerTopkInputs& inputs, int64_t topk,
 
 /// Computes topk_indices and, when given, topk_logits and topk_lengths.
 /// cpu: any H >= 1, D >= 1, topk >= 1, bf16 or e4m3 inputs, logits in fp64.
-/// cuda (sm_90a): bf16 inputs, H a multiple of 8 up to 128, D 64 or 128, topk up to 8192; no host
+/// cuda (sm_90a): H a multiple of 8 up to 128, D 64 or 128 (e4m3: 128), topk up to 8192; no host
 /// synchronisation (unless strict_ranges or THD cu_seqlens are read, as for
 /// the other entry points), CUDA-graph capturable.
 ///

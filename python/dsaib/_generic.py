@@ -405,7 +405,7 @@ def indexer_topk(index_q, weights, index_k, topk, *, starts=None, ends=None, cu_
     ends      (B, S_q)         (T_q,)          int32 (optional)
     ========  ===============  ==============  ======================
 
-    float8 e4m3 inputs (the cpu backend; ``uint8_as_e4m3=True`` reads uint8
+    float8 e4m3 inputs (cuda: D 128; ``uint8_as_e4m3=True`` reads uint8
     arrays as their codes, numpy having no float8) take the optional float32
     (or float64, read unrounded)
     ``index_q_scale`` ``(B, S_q, H)`` / ``(T_q, H)`` and ``index_k_scale``

@@ -319,7 +319,7 @@ def indexer_topk(index_q, weights, index_k, topk, *, starts=None, ends=None, cu_
     sequence-first ``x.transpose(0, 1)`` of an ``[sq, b, H, D]`` tensor is read
     in place; other layouts are copied contiguous first.
 
-    ``torch.float8_e4m3fn`` index_q and index_k (both, the cpu backend) are
+    ``torch.float8_e4m3fn`` index_q and index_k (both; cuda: D 128) are
     taken as they are, with their optional float32 ``index_q_scale`` and
     ``index_k_scale`` (float64 unrounded on the cpu backend; other floats to
     float32; :func:`dsaib.indexer_topk` says how they scale the logits).

@@ -154,9 +154,6 @@ ProblemGeometry validate_unguarded(const IndexerTopkInputs& in, const IndexerTop
     fail("index_k", std::string("dtype ") + dtype_name(in.index_q.dtype) + " (that of index_q)",
          std::string("dtype ") + dtype_name(in.index_k.dtype));
   }
-  if (fp8 && cuda) {
-    fail("index_q", "dtype bf16 on the cuda backend (e4m3 inputs: the cpu backend)", "dtype e4m3");
-  }
   for (const auto& [scale, name, rank] : {std::tuple{&in.index_q_scale, "index_q_scale", 3 - r},
                                           std::tuple{&in.index_k_scale, "index_k_scale", 2 - r}}) {
     if (!scale->present()) continue;
@@ -201,6 +198,9 @@ ProblemGeometry validate_unguarded(const IndexerTopkInputs& in, const IndexerTop
     fail("index_q", heads_dim + " a multiple of 8 in [8, 128] on the cuda backend", got_heads);
   }
   if (cuda && g.head_dim != 64 && g.head_dim != 128) fail("index_q", "D (last dim) 64 or 128 on the cuda backend", got_dim);
+  if (cuda && fp8 && g.head_dim != 128) {
+    fail("index_q", "D (last dim) 128 on the cuda backend with e4m3 inputs", got_dim);
+  }
   const char* topk_name = out ? "topk_indices" : "topk";
   const std::string topk_what = out ? "topk (last dim)" : "topk";
   if (g.topk < 1) fail(topk_name, topk_what + " >= 1", "topk = " + std::to_string(g.topk));
@@ -293,9 +293,11 @@ ProblemGeometry validate_unguarded(const IndexerTopkInputs& in, const IndexerTop
       if (reinterpret_cast<std::uintptr_t>(v.data) % 16 != 0) {
         fail(in_names[j], "a 16-byte aligned data pointer on the cuda backend", "misaligned pointer");
       }
+      const int64_t per_16_bytes = 16 / static_cast<int64_t>(dtype_size(v.dtype));  // 8 bf16, 16 e4m3
       for (int i = 0; i + 1 < v.rank; ++i) {
-        if (v.strides[i] % 8 != 0 && v.shape[i] > 1) {
-          fail(in_names[j], "strides other than the last multiples of 8 elements on the cuda backend",
+        if (v.strides[i] % per_16_bytes != 0 && v.shape[i] > 1) {
+          fail(in_names[j], "strides other than the last multiples of " + std::to_string(per_16_bytes) +
+                                " elements (16 bytes) on the cuda backend",
                "strides " + v.strides_string());
         }
       }

@@ -44,12 +44,12 @@ TEST(CliTopk, E4m3InputsWithTheirScalesPass) {
     EXPECT_EQ(j["problem"]["dtype"], "e4m3");
     EXPECT_EQ(j["check"]["exchanged_ids"], 0);
   }
-  // --backend auto picks the cpu backend for e4m3 inputs, a CUDA device or not
+  // --backend auto picks the cpu backend for e4m3 inputs of D other than 128, a CUDA device or not
   const Result automatic = run("--json --dtype e4m3 --batch 1 --s-q 9 --heads 8 --head-dim 64 --topk 4", false);
   ASSERT_EQ(automatic.exit_code, 0) << automatic.output;
   const auto j = nlohmann::json::parse(automatic.output);
   EXPECT_EQ(j["backend"]["name"], "cpu");
-  EXPECT_EQ(j["backend"]["why"], "auto: e4m3 inputs (the cpu backend takes them)");
+  EXPECT_EQ(j["backend"]["why"], "auto: e4m3 inputs of D other than 128 (the cpu backend takes them)");
   const Result bad = run("--backend cpu --dtype e5m2");
   EXPECT_EQ(bad.exit_code, 2) << bad.output;
   EXPECT_TRUE(contains(bad.output, "--dtype")) << bad.output;

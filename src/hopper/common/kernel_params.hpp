@@ -97,12 +97,18 @@ struct IndexerKLForwardParams {
 /// are flat as in IndexerParams; THD sets *_rows_per_batch to the row counts
 /// and the batch strides to 0.
 struct IndexerTopkParams {
-  const uint16_t* index_q;  // bf16
+  const void* index_q;  // bf16 or e4m3 (the kernel's Element)
   int64_t q_batch_stride, q_row_stride, q_head_stride;
   const void* weights;  // bf16 or f32, heads contiguous
   int64_t w_batch_stride, w_row_stride;
-  const uint16_t* index_k;  // bf16
+  const void* index_k;  // index_q's dtype
   int64_t k_batch_stride, k_row_stride;
+  // e4m3 only, each null when absent: f32 index_q_scale (rows, heads contiguous)
+  // and index_k_scale (key rows), rows as the other tensors'.
+  const float* index_q_scale;
+  int64_t qs_batch_stride, qs_row_stride;
+  const float* index_k_scale;
+  int64_t ks_batch_stride, ks_row_stride;
   // Visible ranges [starts, ends) per query row (null: causal), in the
   // sequence's key coordinates: BSHD positions in [0, S_kv), THD flat key rows.
   const int32_t* starts;

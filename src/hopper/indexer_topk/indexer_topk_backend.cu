@@ -15,9 +15,17 @@
 namespace dsaib::hopper {
 namespace {
 
-/// Calls f(TopkTileConfig<D, head tile>{}) for the plan's kernel.
+/// Calls f(TopkTileConfig<D, head tile[, e4m3]>{}) for the plan's kernel
+/// (float8 inputs: D 128).
 template <class F>
 void with_topk_config(const TopkPlan& plan, F&& f) {
+  if (plan.e4m3) {
+    using E4m3 = cutlass::float_e4m3_t;
+    if (plan.head_tile == 32) f(TopkTileConfig<128, 32, E4m3>{});
+    else if (plan.head_tile == 64) f(TopkTileConfig<128, 64, E4m3>{});
+    else f(TopkTileConfig<128, 128, E4m3>{});
+    return;
+  }
   if (plan.head_dim == 64) {
     if (plan.head_tile == 32) f(TopkTileConfig<64, 32>{});
     else if (plan.head_tile == 64) f(TopkTileConfig<64, 64>{});
@@ -72,14 +80,22 @@ IndexerTopkParams topk_params(const TopkPlan& plan, const IndexerTopkInputs& in,
                               const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k) {
   const bool thd = opt.layout == Layout::thd;
   IndexerTopkParams p{};
-  p.index_q = static_cast<const uint16_t*>(in.index_q.data);
+  p.index_q = in.index_q.data;
   row_strides(in.index_q, thd, &p.q_batch_stride, &p.q_row_stride);
   p.q_head_stride = in.index_q.strides[thd ? 1 : 2];
   p.weights = in.weights.data;
   p.weights_f32 = in.weights.dtype == DType::f32;
   row_strides(in.weights, thd, &p.w_batch_stride, &p.w_row_stride);
-  p.index_k = static_cast<const uint16_t*>(in.index_k.data);
+  p.index_k = in.index_k.data;
   row_strides(in.index_k, thd, &p.k_batch_stride, &p.k_row_stride);
+  if (in.index_q_scale.present()) {
+    p.index_q_scale = static_cast<const float*>(in.index_q_scale.data);
+    row_strides(in.index_q_scale, thd, &p.qs_batch_stride, &p.qs_row_stride);
+  }
+  if (in.index_k_scale.present()) {
+    p.index_k_scale = static_cast<const float*>(in.index_k_scale.data);
+    row_strides(in.index_k_scale, thd, &p.ks_batch_stride, &p.ks_row_stride);  // a key row's scale: one element
+  }
   if (in.starts.present()) {
     p.starts = static_cast<const int32_t*>(in.starts.data);
     p.ends = static_cast<const int32_t*>(in.ends.data);
@@ -123,9 +139,11 @@ hopper::TopkPlan plan_cuda_indexer_topk(const IndexerTopkInputs& in, const Index
   hopper::DeviceGuard guard(in.index_q.device_index);
   check_cuda_key_rows(g);  // validation raised it already
   const bool with_logits = out.topk_logits.present(), with_lengths = out.topk_lengths.present();
-  hopper::TopkPlan plan = hopper::plan_indexer_topk(g, with_logits, with_lengths, hopper::query_device_properties());
+  const bool e4m3 = in.index_q.dtype == DType::e4m3;
+  hopper::TopkPlan plan =
+      hopper::plan_indexer_topk(g, with_logits, with_lengths, hopper::query_device_properties(), e4m3);
   return hopper::plan_indexer_topk(g, with_logits, with_lengths,
-                                   hopper::with_ctas_per_sm(plan.device, hopper::topk_ctas_per_sm(plan)));
+                                   hopper::with_ctas_per_sm(plan.device, hopper::topk_ctas_per_sm(plan)), e4m3);
 }
 
 void run_cuda_indexer_topk(const hopper::TopkPlan& plan, const IndexerTopkInputs& in, const IndexerTopkOutputs& out,

@@ -20,11 +20,12 @@ struct TopkProducer {
   using Element = typename Config::Element;
   using Storage = TopkSharedStorage<Config>;
   static constexpr int kD = Config::kHeadDim;
-  static constexpr int kChunksPerRow = kD / 8;  // 16-byte chunks per row
+  static constexpr int kChunkElements = 16 / Config::kElementBytes;  // elements per 16-byte chunk
+  static constexpr int kChunksPerRow = kD / kChunkElements;         // 16-byte chunks per row
   static constexpr int kRows = Config::kRows;
   static constexpr int kThreads = Config::kProducerThreads;
   static constexpr int kBlock = Config::kBlockKeys;
-  static constexpr int kTileRowsPerThread = kBlock * kChunksPerRow / kThreads;  // 8 (D128), 4 (D64)
+  static constexpr int kTileRowsPerThread = kBlock * kChunksPerRow / kThreads;  // bf16: 8 (D128), 4 (D64); e4m3: 4
   static_assert(kTileRowsPerThread * kThreads == kBlock * kChunksPerRow, "whole tiles");
 
   const IndexerTopkParams& p;
@@ -38,9 +39,18 @@ struct TopkProducer {
                                                        *reinterpret_cast<Chunk*>(dst), pred);
   }
 
+  /// The weight of (row, h) as the head sum takes it: e4m3 with index_q_scale,
+  /// times that scale (one f32 rounding).
   __device__ float weight(int64_t row, int h) const {
     const int64_t off = batched_offset(row, p.q_rows_per_batch, p.w_batch_stride, p.w_row_stride) + h;
-    return weight_value(p.weights, p.weights_f32, off);
+    const float w = weight_value(p.weights, p.weights_f32, off);
+    if (p.index_q_scale == nullptr) return w;
+    return w * p.index_q_scale[batched_offset(row, p.q_rows_per_batch, p.qs_batch_stride, p.qs_row_stride) + h];
+  }
+
+  /// Element `offset` of a bf16 or e4m3 tensor, as the cp.async source.
+  __device__ static const Element* element_at(const void* base, int64_t offset) {
+    return static_cast<const Element*>(base) + offset;
   }
 
   /// The task's Q, weights and ranges into Q stage qs; returns the first key row
@@ -72,14 +82,14 @@ struct TopkProducer {
     }
     cute::Tensor sQ = cute::make_tensor(cute::make_smem_ptr(ss.q), typename Config::SmemLayoutQ{});
     for (int chunk = tid; chunk < Config::kN * kChunksPerRow; chunk += kThreads) {
-      const int col = chunk / kChunksPerRow, dcol = (chunk % kChunksPerRow) * 8;
+      const int col = chunk / kChunksPerRow, dcol = (chunk % kChunksPerRow) * kChunkElements;
       const int j = col / Config::kHeadTile, h = col % Config::kHeadTile;
       const int64_t row = row0 + j;
       const bool valid = row < p.num_q_rows && h < p.heads;  // padding: zero-filled, nothing read
-      const uint16_t* src =
-          valid ? p.index_q + batched_offset(row, p.q_rows_per_batch, p.q_batch_stride, p.q_row_stride) +
-                      h * p.q_head_stride + dcol
-                : p.index_q;
+      const Element* src =
+          valid ? element_at(p.index_q, batched_offset(row, p.q_rows_per_batch, p.q_batch_stride, p.q_row_stride) +
+                                            h * p.q_head_stride + dcol)
+                : element_at(p.index_q, 0);
       copy16(src, &sQ(col, dcol, qs), valid);
     }
     cute::cp_async_fence();
@@ -95,7 +105,7 @@ struct TopkProducer {
     cute::Tensor sK = cute::make_tensor(cute::make_smem_ptr(ss.k), typename Config::SmemLayoutK{});
     // Thread t copies 16-byte column chunk t % kChunksPerRow of kTileRowsPerThread
     // consecutive key rows: a warp's copy i covers whole rows.
-    const int my_col = (tid % kChunksPerRow) * 8;
+    const int my_col = (tid % kChunksPerRow) * kChunkElements;
     const int my_row0 = (tid / kChunksPerRow) * kTileRowsPerThread;
     auto k_state = make_producer_start_state<Config::kStagesK>();
     auto q_state = make_producer_start_state<Config::kStagesQ>();
@@ -126,8 +136,8 @@ struct TopkProducer {
         CUTE_UNROLL
         for (int r = 0; r < kTileRowsPerThread; ++r) {
           const bool valid = first + r < range_end;
-          const uint16_t* src =
-              valid ? p.index_k + batch * p.k_batch_stride + in_batch * p.k_row_stride + my_col : p.index_k;
+          const Element* src = valid ? element_at(p.index_k, batch * p.k_batch_stride + in_batch * p.k_row_stride + my_col)
+                                     : element_at(p.index_k, 0);
           copy16(src, &sK(my_row0 + r, my_col, ks), valid);
           if (++in_batch == p.k_rows_per_batch) {
             in_batch = 0;

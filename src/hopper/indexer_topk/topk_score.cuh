@@ -33,6 +33,7 @@ struct TopkScore {
   static constexpr int kHeadTile = Config::kHeadTile;
   static constexpr int kThreads = Config::kThreadsPerWarpgroup;
   static constexpr int kStagesK = Config::kStagesK;
+  static constexpr bool kE4m3 = Config::kElementBytes == 1;  // float8 inputs: index_k_scale may scale the logits
 
   const IndexerTopkParams& p;
   Storage& ss;
@@ -136,6 +137,20 @@ struct TopkScore {
       for (int kk = 0; kk < 2; ++kk) {
         z[j][kk] += __shfl_xor_sync(0xffffffffu, z[j][kk], 1);
         z[j][kk] += __shfl_xor_sync(0xffffffffu, z[j][kk], 2);
+      }
+    }
+    if constexpr (kE4m3) {
+      // I = index_k_scale[key] * (the head sum of w index_q_scale relu(q . k)): one more f32 rounding
+      if (p.index_k_scale != nullptr) {
+        CUTE_UNROLL
+        for (int kk = 0; kk < 2; ++kk) {
+          const int64_t kr = key0 + r0 + 8 * kk;
+          const float ks = kr < p.num_k_rows
+                               ? p.index_k_scale[batched_offset(kr, p.k_rows_per_batch, p.ks_batch_stride, p.ks_row_stride)]
+                               : 1.0f;  // a zero-filled key past the last row: never admitted
+          CUTE_UNROLL
+          for (int j = 0; j < kRows; ++j) z[j][kk] *= ks;
+        }
       }
     }
     // Pair (j, kk) = 2 j + kk goes to quad lane (2 j + kk) % 4, so a thread

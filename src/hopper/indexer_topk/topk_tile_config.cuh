@@ -8,13 +8,20 @@
 // head sum needs two shuffles.
 #pragma once
 
+#include <type_traits>
+
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
 
 namespace dsaib::hopper {
 
-template <int kHeadDim_, int kHeadTile_>
+/// Element: cutlass::bfloat16_t, or cutlass::float_e4m3_t (index_q and index_k
+/// in float8; wgmma k32, half the shared memory per tile).
+template <int kHeadDim_, int kHeadTile_, class Element_ = cutlass::bfloat16_t>
 struct TopkTileConfig {
+  using Element = Element_;
+  static constexpr int kElementBytes = static_cast<int>(sizeof(Element));
+  static constexpr int kRowBytes = kHeadDim_ * kElementBytes;  // one key or query row in shared memory
   static constexpr int kHeadDim = kHeadDim_;
   static_assert(kHeadDim == 64 || kHeadDim == 128, "D must be 64 or 128");
   static constexpr int kHeadTile = kHeadTile_;
@@ -25,7 +32,7 @@ struct TopkTileConfig {
   // Two Q stages (the next task's rows load under this one's tiles) and as many
   // K stages as the rest of the 227 KiB holds.
   static constexpr int kStagesQ = 2;
-  static constexpr int kStagesK = kHeadDim == 128 ? 4 : 8;
+  static constexpr int kStagesK = kRowBytes >= 256 ? 4 : 8;
   // Tile g goes to score warpgroup g % 2 and to K stage g % kStagesK, g counted
   // over all of a CTA's tasks: with an even kStagesK every stage has one
   // consumer, which takes its uses in order, so no wait is ever more than one
@@ -55,8 +62,10 @@ struct TopkTileConfig {
   // entries per thread before it uses the first.
   static constexpr int kSelectBatch = 8;
 
-  using Element = cutlass::bfloat16_t;
-  using SmemAtom = decltype(cute::GMMA::Layout_K_SW128_Atom<Element>{});
+  static_assert(kRowBytes % 64 == 0, "rows of whole 64-byte swizzle atoms");
+  // 128-byte swizzle where a row holds one (bf16 D 64 or 128, e4m3 D 128), else 64-byte
+  using SmemAtom = std::conditional_t<kRowBytes >= 128, decltype(cute::GMMA::Layout_K_SW128_Atom<Element>{}),
+                                      decltype(cute::GMMA::Layout_K_SW64_Atom<Element>{})>;
   // sQ: (rows x heads, D, stage); sK: (keys, D, stage)
   using SmemLayoutQ = decltype(cute::tile_to_shape(
       SmemAtom{}, cute::Shape<cute::Int<kN>, cute::Int<kHeadDim>, cute::Int<kStagesQ>>{}));

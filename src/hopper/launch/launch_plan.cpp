@@ -185,9 +185,10 @@ TargetPlan plan_attention_target(const detail::ProblemGeometry& g, const DeviceP
 }
 
 TopkPlan plan_indexer_topk(const detail::ProblemGeometry& g, bool with_logits, bool with_lengths,
-                           const DeviceProperties& device) {
+                           const DeviceProperties& device, bool e4m3) {
   TopkPlan plan;
   plan.device = device;
+  plan.e4m3 = e4m3;
   plan.head_dim = static_cast<int32_t>(g.head_dim);
   plan.head_tile = g.heads <= 32 ? 32 : g.heads <= 64 ? 64 : 128;
   plan.rows_per_task = 256 / plan.head_tile;

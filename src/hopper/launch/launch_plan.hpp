@@ -230,6 +230,7 @@ inline constexpr int64_t kMaxCudaTopk = 8192;
 struct TopkPlan {
   int32_t head_dim = 128;
   int32_t head_tile = 64;       // H padded: 32, 64 or 128
+  bool e4m3 = false;            // float8 index_q and index_k (D 128): the e4m3 kernel
   int32_t rows_per_task = 4;    // 256 / head_tile
   int32_t candidate_capacity = 0;  // keys in one buffer half: 2 max(topk, 128) + 64
   int64_t num_tasks = 0;
@@ -245,8 +246,9 @@ struct TopkPlan {
 /// key rows below 2^31).
 /// `with_logits` / `with_lengths`: the caller gave topk_logits / topk_lengths,
 /// which then hold the selection between the two kernels.
+/// `e4m3`: float8 index_q and index_k.
 TopkPlan plan_indexer_topk(const detail::ProblemGeometry& g, bool with_logits, bool with_lengths,
-                           const DeviceProperties& device);
+                           const DeviceProperties& device, bool e4m3 = false);
 
 }  // namespace dsaib::hopper
 
