@@ -125,6 +125,13 @@ def test_sequence_first_views_are_read_in_place(monkeypatch):
     assert topk_operand(odd, (torch.bfloat16,), cuda=True).is_contiguous()
     kt = k_sb.permute(1, 2, 0)  # (B, D, S): D is not contiguous
     assert topk_operand(kt, (torch.bfloat16,), cuda=False).is_contiguous()
+    # float8: 16 bytes are 16 elements, so an offset of 8 elements is copied on CUDA
+    f8 = torch.zeros(2, 48, dtype=torch.float8_e4m3fn)
+    assert topk_operand(f8[:, 16:], (torch.float8_e4m3fn,), cuda=True).data_ptr() == f8[:, 16:].data_ptr()
+    half_row = f8[:, 8:]
+    assert topk_operand(half_row, (torch.float8_e4m3fn,), cuda=False) is half_row
+    assert topk_operand(half_row, (torch.float8_e4m3fn,), cuda=True).is_contiguous()
+    assert topk_operand(f8.view(4, 24)[:, :16], (torch.float8_e4m3fn,), cuda=True).is_contiguous()  # stride 24
 
 
 def test_outputs_carry_no_gradient_and_float_inputs_are_rounded_to_bf16():

@@ -197,10 +197,10 @@ ProblemGeometry validate_unguarded(const IndexerTopkInputs& in, const IndexerTop
   if (cuda && (g.heads % 8 != 0 || g.heads > 128)) {
     fail("index_q", heads_dim + " a multiple of 8 in [8, 128] on the cuda backend", got_heads);
   }
-  if (cuda && g.head_dim != 64 && g.head_dim != 128) fail("index_q", "D (last dim) 64 or 128 on the cuda backend", got_dim);
   if (cuda && fp8 && g.head_dim != 128) {
     fail("index_q", "D (last dim) 128 on the cuda backend with e4m3 inputs", got_dim);
   }
+  if (cuda && g.head_dim != 64 && g.head_dim != 128) fail("index_q", "D (last dim) 64 or 128 on the cuda backend", got_dim);
   const char* topk_name = out ? "topk_indices" : "topk";
   const std::string topk_what = out ? "topk (last dim)" : "topk";
   if (g.topk < 1) fail(topk_name, topk_what + " >= 1", "topk = " + std::to_string(g.topk));

@@ -2,7 +2,7 @@
 // index_k with and without their scales (negative ones too), BSHD and THD,
 // causal rows and ranges, H 32 / 64 / 128 at D 128, judged by
 // check_indexer_topk against the fp64 reference (tests/support/topk_check.hpp's
-// problems); bitwise determinism. Without a compute-capability-9.0 GPU every
+// problems); buffer cuts and ring wraps; bitwise determinism. Without a compute-capability-9.0 GPU every
 // test is SKIPPED (never passed).
 #include <gtest/gtest.h>
 
@@ -86,6 +86,18 @@ TEST_F(IndexerTopkFp8Gpu, NegativeScalesAndBitwiseDeterminism) {
   expect_checked(p, a, "negative scales");
   EXPECT_TRUE(bitwise_equal(a.ids, b.ids));
   EXPECT_TRUE(bitwise_equal(a.logits, b.logits));
+}
+
+// Enough keys per row for the candidate buffers to be cut many times (topk 1
+// and 129: buffers of 320 and 322 keys), more tasks than CTAs and more tiles
+// per task than K stages, so both rings wrap.
+TEST_F(IndexerTopkFp8Gpu, BufferCutsAndRingWraps) {
+  for (int64_t topk : {1, 129}) {
+    TopkSpec s = fp8_spec(Layout::bshd, 64, 300 + topk);
+    s.batch = 1, s.s_q = 540, s.s_kv = 1536, s.topk = topk;
+    const TopkProblem p = make_topk_problem(s);
+    expect_checked(p, run_cuda(p, topk), "topk " + std::to_string(topk));
+  }
 }
 
 TEST(Sanitized, IndexerTopkFp8) {

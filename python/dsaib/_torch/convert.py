@@ -234,8 +234,9 @@ def topk_operand(t: torch.Tensor, dtypes, cuda: bool) -> torch.Tensor:
     copy where its strides are acceptable: ``t`` itself when its dtype is one of
     ``dtypes`` (the first is what other float dtypes are converted to), its last
     dimension contiguous and, on CUDA, its other strides and its storage offset
-    multiples of 8 elements (the cuda backend's 16-byte rule for bf16; the
-    storage's own base is aligned); else a contiguous copy in that dtype.
+    multiples of 16 bytes (the cuda backend's rule: 8 bf16 or 16 float8
+    elements; the storage's own base is aligned); else a contiguous copy in
+    that dtype.
     Megatron's sequence-first views (``x.transpose(0, 1)`` of an
     ``[sq, b, H, D]`` tensor) pass as they are."""
     if t.dtype not in dtypes:
@@ -244,7 +245,8 @@ def topk_operand(t: torch.Tensor, dtypes, cuda: bool) -> torch.Tensor:
         return t  # the library names the rank
     ok = t.stride(-1) == 1 or t.shape[-1] == 1
     if ok and cuda:
-        ok = t.storage_offset() % 8 == 0 and all(s % 8 == 0 for s in t.stride()[:-1])
+        per_16_bytes = max(16 // t.element_size(), 1)
+        ok = t.storage_offset() % per_16_bytes == 0 and all(s % per_16_bytes == 0 for s in t.stride()[:-1])
     return t if ok else t.contiguous()
 
 
