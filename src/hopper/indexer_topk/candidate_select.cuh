@@ -1,9 +1,10 @@
 // Exact selection over a row's candidate rank keys (topk_rank_key.cuh) by one
 // warpgroup: a most-significant-digit radix select finds the k-th largest key
-// (or a prefix that only the k largest keys reach), then the kept keys are
-// written elsewhere. Keys are distinct (the low word is the key row), so
-// exactly k are kept, whatever the order of the entries: the result depends
-// on the set alone.
+// (or a prefix that only the k largest keys reach, or, for a buffer cut, a
+// coarser prefix that at most keep_at_most keys reach), then the kept keys are
+// written elsewhere. Keys are distinct (the low word is the key row), so an
+// exact select keeps exactly k, whatever the order of the entries: the result
+// depends on the set alone.
 #pragma once
 
 #include <cstdint>

@@ -6,7 +6,8 @@
 // shuffles), then every visible key whose rank key reaches the row's admission
 // bound is appended to the warpgroup's candidate buffer of that row (global
 // memory, each CTA its own). A buffer that could overflow on the next tile is
-// cut to its topk largest keys (candidate_select.cuh), which raises the bound.
+// cut (candidate_select.cuh) to at most halfway between topk and that size, its
+// topk largest keys among them, which raises the bound.
 // At the task's end each warpgroup merges half of the rows: the topk largest
 // of both warpgroups' buffers, unordered, for the ordering kernel.
 #pragma once
@@ -181,8 +182,8 @@ struct TopkScore {
     }
   }
 
-  /// Cuts row j's buffer to its topk largest keys (into the other half) and
-  /// raises its bound. Called by the whole warpgroup after a select_sync().
+  /// Cuts row j's buffer (into the other half) to at most keep_at_most keys,
+  /// its topk largest among them, and raises its bound. Called by the whole warpgroup after a select_sync().
   __device__ void cut_buffer(int j, int tid, TopkSelection<kRows>& sel) const {
     const int n = sel.count[j];
     const int h = sel.half[j];

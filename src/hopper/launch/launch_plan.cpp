@@ -192,8 +192,9 @@ TopkPlan plan_indexer_topk(const detail::ProblemGeometry& g, bool with_logits, b
   plan.head_dim = static_cast<int32_t>(g.head_dim);
   plan.head_tile = g.heads <= 32 ? 32 : g.heads <= 64 ? 64 : 128;
   plan.rows_per_task = 256 / plan.head_tile;
-  // A buffer takes one tile's appends (64 keys) past its cut size, topk; twice
-  // topk leaves room for topk more appends between cuts.
+  // A buffer takes one tile's appends (64 keys) past its trigger, capacity -
+  // 64; a cut keeps at most topk + (capacity - 64 - topk) / 2 (about 1.5 topk),
+  // so about topk / 2 appends fit between cuts.
   plan.candidate_capacity = static_cast<int32_t>(2 * std::max<int64_t>(g.topk, 128) + 64);
   plan.num_tasks = (g.num_q_rows + plan.rows_per_task - 1) / plan.rows_per_task;
   plan.grid = persistent_grid(plan.num_tasks, device);
