@@ -14,10 +14,12 @@ it and compares the bytes of every `.text.<kernel>` section by name, with the
 anonymous-namespace hash (which nvcc derives from the source path) masked.
 Used to show that a change leaves the kernels' machine code as it was (a
 refactor, a build-system change): build both commits, compare their CLIs or
-test binaries. Needs only objcopy, not cuobjdump. Exit 0 when the sets of (kernel, text) are equal, 1 otherwise.
+test binaries. Needs only objcopy, not cuobjdump. Exit 0 when the sets of (kernel, text) are equal, 1 otherwise,
+2 when a binary is missing or unreadable.
 Assumes uncompressed cubins in the fatbin (nvcc's default for sm_90a here).
 """
 import hashlib
+import os
 import re
 import struct
 import subprocess
@@ -26,9 +28,19 @@ import tempfile
 
 
 def fatbin(path):
-    with tempfile.NamedTemporaryFile() as tmp:
-        subprocess.run(["objcopy", "-O", "binary", "--only-section=.nv_fatbin", path, tmp.name], check=True)
-        return open(tmp.name, "rb").read()
+    """The .nv_fatbin section of the host binary `path`; exits with 2, naming the
+    file, where it is missing or objcopy cannot read it."""
+    if not os.path.isfile(path):
+        print(f"compare_kernel_text: {path}: no such file", file=sys.stderr)
+        sys.exit(2)
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "fatbin")
+        r = subprocess.run(["objcopy", "-O", "binary", "--only-section=.nv_fatbin", path, out],
+                           capture_output=True, text=True)
+        if r.returncode != 0 or not os.path.isfile(out):
+            print(f"compare_kernel_text: {path}: objcopy could not read it ({r.stderr.strip()})", file=sys.stderr)
+            sys.exit(2)
+        return open(out, "rb").read()
 
 
 def mask_anonymous_namespace(name):

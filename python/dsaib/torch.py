@@ -345,8 +345,14 @@ def indexer_topk(index_q, weights, index_k, topk, *, starts=None, ends=None, cu_
     check_same_device(index_q, weights=weights, index_k=index_k, starts=starts, ends=ends,
                       index_q_scale=index_q_scale, index_k_scale=index_k_scale)
     cuda = index_q.device.type == "cuda"
-    # float8 inputs stay float8, each of the two (the library names a pair that differs); other floats go to bf16
+    # float8 inputs stay float8, both of them; other floats go to bf16
     f8 = torch.float8_e4m3fn
+    if (index_q.dtype == f8) != (index_k.dtype == f8):  # named before a conversion hides the dtype passed
+        want = "dtype torch.float8_e4m3fn" if index_q.dtype == f8 else "a dtype other than torch.float8_e4m3fn"
+        raise TypeError(f"index_k: expected {want} (as index_q, {index_q.dtype}), got {index_k.dtype}")
+    for name, t in (("index_q_scale", index_q_scale), ("index_k_scale", index_k_scale)):
+        if t is not None and not t.is_floating_point():
+            raise TypeError(f"{name}: expected a floating-point dtype (float32), got {t.dtype}")
     qk = lambda t: topk_operand(t, (f8,) if t.dtype == f8 else (torch.bfloat16,), cuda)  # noqa: E731
     # float64 weights and scales reach the cpu backend unrounded (as through dsaib.indexer_topk); cuda takes
     # bf16 or float32 weights, float32 scales

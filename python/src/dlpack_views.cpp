@@ -27,7 +27,19 @@
 namespace dsaib_py {
 
 std::string dtype_string(nb::dlpack::dtype dt) {
-  if (dt.code == kDLFloat8E4m3fn && dt.bits == 8 && dt.lanes == 1) return "float8_e4m3fn";
+  // DLPack 1.1's narrow float codes, which nanobind's dtype_code does not name
+  static const char* const kNarrowFloats[] = {"float8_e3m4",    "float8_e4m3",     "float8_e4m3b11fnuz",
+                                              "float8_e4m3fn",  "float8_e4m3fnuz", "float8_e5m2",
+                                              "float8_e5m2fnuz", "float8_e8m0fnu", "float6_e2m3fn",
+                                              "float6_e3m2fn",  "float4_e2m1fn"};
+  constexpr int kFirstNarrowFloat = 7;  // kDLFloat8_e3m4
+  static_assert(kFirstNarrowFloat + 3 == kDLFloat8E4m3fn, "the table starts at kDLFloat8_e3m4");
+  const int narrow = int(dt.code) - kFirstNarrowFloat;
+  if (narrow >= 0 && narrow < int(sizeof(kNarrowFloats) / sizeof(kNarrowFloats[0]))) {
+    std::string got = kNarrowFloats[narrow];
+    if (dt.lanes != 1) got += "x" + std::to_string(int(dt.lanes));
+    return got;
+  }
   std::string got;
   switch (static_cast<nb::dlpack::dtype_code>(dt.code)) {
     case nb::dlpack::dtype_code::Int: got = "int"; break;
@@ -36,7 +48,7 @@ std::string dtype_string(nb::dlpack::dtype dt) {
     case nb::dlpack::dtype_code::Bfloat: got = "bfloat"; break;
     case nb::dlpack::dtype_code::Complex: got = "complex"; break;
     case nb::dlpack::dtype_code::Bool: got = "bool"; break;
-    default: got = "dlpack-code-" + std::to_string(int(dt.code)); break;
+    default: return "DLPack dtype code " + std::to_string(int(dt.code)) + " of " + std::to_string(int(dt.bits)) + " bits";
   }
   got += std::to_string(int(dt.bits));
   if (dt.lanes != 1) got += "x" + std::to_string(int(dt.lanes));

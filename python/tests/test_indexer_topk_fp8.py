@@ -66,8 +66,11 @@ def test_numpy_uint8_codes_equal_the_torch_call():
 
 def test_errors_name_the_argument():
     q, w, k, qs, ks = problem(seed=7)
-    with pytest.raises((TypeError, ValueError), match="index_k: expected dtype e4m3 \\(that of index_q\\)"):
+    with pytest.raises(TypeError, match="index_k: expected dtype torch.float8_e4m3fn \\(as index_q, "
+                                        "torch.float8_e4m3fn\\), got torch.bfloat16"):
         dt.indexer_topk(q, w, k.to(torch.bfloat16), 8)
+    with pytest.raises((TypeError, ValueError), match="index_k: expected dtype e4m3 \\(that of index_q\\)"):
+        dsaib.indexer_topk(q, w, k.to(torch.bfloat16), 8)  # the library's own rule, through DLPack
     with pytest.raises(ValueError, match="index_q_scale: expected absent with bf16"):
         dt.indexer_topk(q.to(torch.bfloat16), w, k.to(torch.bfloat16), 8, index_q_scale=qs)
     with pytest.raises(ValueError, match="index_k_scale: expected shape"):
@@ -92,8 +95,29 @@ def test_float64_scales_reach_the_cpu_backend_unrounded():
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
 def test_float8_index_k_with_another_index_q_is_refused(q_dtype):
     q, w, k, qs, ks = problem(seed=9)
-    with pytest.raises((TypeError, ValueError), match="index_k: expected dtype bf16 \\(that of index_q\\), got dtype e4m3"):
+    with pytest.raises(TypeError, match=f"index_k: expected a dtype other than torch.float8_e4m3fn \\(as index_q, "
+                                        f"{q_dtype}\\), got torch.float8_e4m3fn"):
         dt.indexer_topk(q.to(q_dtype), w, k, 8)
+    # the other way round, the index_k passed is named, not the bf16 it would be rounded to
+    with pytest.raises(TypeError, match=f"index_k: expected dtype torch.float8_e4m3fn \\(as index_q, "
+                                        f"torch.float8_e4m3fn\\), got {q_dtype}"):
+        dt.indexer_topk(q, w, k.to(q_dtype), 8)
+
+
+@pytest.mark.parametrize("name", ["index_q_scale", "index_k_scale"])
+def test_integer_scales_are_refused_by_name(name):
+    q, w, k, qs, ks = problem(seed=9)
+    scales = dict(index_q_scale=qs, index_k_scale=ks)
+    scales[name] = scales[name].to(torch.int32)
+    with pytest.raises(TypeError, match=f"{name}: expected a floating-point dtype \\(float32\\), got torch.int32"):
+        dt.indexer_topk(q, w, k, 8, **scales)
+
+
+def test_other_dlpack_float8_dtypes_are_named():
+    """float8_e5m2 reaches the library through DLPack (code 12): the message names it."""
+    q, w, k, qs, ks = problem(seed=9)
+    with pytest.raises(TypeError, match="index_q: expected dtype bf16 or e4m3.*got float8_e5m2"):
+        dsaib.indexer_topk(q.to(torch.float8_e5m2), w, k.to(torch.float8_e5m2), 8)
 
 
 def test_the_loss_refuses_float8_leaves_and_the_flag_is_a_bool():
