@@ -315,7 +315,7 @@ def indexer_topk(index_q, weights, index_k, topk, *, starts=None, ends=None, cu_
     a ValueError naming the value). A tensor of the right dtype is passed
     without a copy when its last dimension is contiguous and, on CUDA
     (index_q, index_k), its other strides and storage offset are multiples of
-    8 elements: a
+    16 bytes (8 bf16 or 16 float8 elements): a
     sequence-first ``x.transpose(0, 1)`` of an ``[sq, b, H, D]`` tensor is read
     in place; other layouts are copied contiguous first.
 
