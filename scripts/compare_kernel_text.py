@@ -15,7 +15,7 @@ anonymous-namespace hash (which nvcc derives from the source path) masked.
 Used to show that a change leaves the kernels' machine code as it was (a
 refactor, a build-system change): build both commits, compare their CLIs or
 test binaries. Needs only objcopy, not cuobjdump. Exit 0 when the sets of (kernel, text) are equal, 1 otherwise,
-2 when a binary is missing or unreadable.
+2 for a usage error or an input that is no CUDA host binary (missing, unreadable, no kernels).
 Assumes uncompressed cubins in the fatbin (nvcc's default for sm_90a here).
 """
 import hashlib
@@ -27,19 +27,25 @@ import sys
 import tempfile
 
 
+def bad_input(message):
+    """A usage error or an input that is no CUDA host binary: exit 2, apart from 1 (the kernels differ)."""
+    print(f"compare_kernel_text: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def fatbin(path):
     """The .nv_fatbin section of the host binary `path`; exits with 2, naming the
     file, where it is missing or objcopy cannot read it."""
+    if not os.path.exists(path):
+        bad_input(f"{path}: no such file")
     if not os.path.isfile(path):
-        print(f"compare_kernel_text: {path}: no such file", file=sys.stderr)
-        sys.exit(2)
+        bad_input(f"{path}: not a regular file")
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "fatbin")
         r = subprocess.run(["objcopy", "-O", "binary", "--only-section=.nv_fatbin", path, out],
                            capture_output=True, text=True)
         if r.returncode != 0 or not os.path.isfile(out):
-            print(f"compare_kernel_text: {path}: objcopy could not read it ({r.stderr.strip()})", file=sys.stderr)
-            sys.exit(2)
+            bad_input(f"{path}: objcopy could not read it ({r.stderr.strip()})")
         return open(out, "rb").read()
 
 
@@ -101,10 +107,18 @@ def main():
     ignore_names = "--ignore-names" in args
     args = [x for x in args if x not in ("--allow-new", "--ignore-names")]
     if len(args) != 2:
-        sys.exit(__doc__)
-    a, b = (kernel_texts(fatbin(p)) for p in args)
-    if not a:
-        sys.exit(f"no kernel text found in {args[0]}")
+        print(__doc__, file=sys.stderr)
+        sys.exit(2)
+    texts = []
+    for p in args:
+        try:
+            t = kernel_texts(fatbin(p))
+        except (struct.error, ValueError, UnicodeDecodeError) as e:
+            bad_input(f"{p}: its .nv_fatbin is not a well-formed set of cubins ({e})")
+        if not t:
+            bad_input(f"{p}: no kernel text found (no CUDA kernels in its .nv_fatbin)")
+        texts.append(t)
+    a, b = texts
     if ignore_names:
         return compare_by_text(a, b, allow_new)
     changed = sorted(set(a) - set(b))  # in A, and not in B with the same text

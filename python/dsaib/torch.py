@@ -347,6 +347,10 @@ def indexer_topk(index_q, weights, index_k, topk, *, starts=None, ends=None, cu_
     cuda = index_q.device.type == "cuda"
     # float8 inputs stay float8, both of them; other floats go to bf16
     f8 = torch.float8_e4m3fn
+    for name, t in (("index_q", index_q), ("index_k", index_k)):
+        if t.element_size() == 1 and t.dtype != f8:  # other float8 (and packed float4) codes carry scales of their own
+            raise TypeError(f"{name}: expected bf16 (or a float dtype rounded to it) or torch.float8_e4m3fn, got "
+                            f"{t.dtype} (dequantise other narrow formats first)")
     if (index_q.dtype == f8) != (index_k.dtype == f8):  # named before a conversion hides the dtype passed
         want = "dtype torch.float8_e4m3fn" if index_q.dtype == f8 else "a dtype other than torch.float8_e4m3fn"
         raise TypeError(f"index_k: expected {want} (as index_q, {index_q.dtype}), got {index_k.dtype}")

@@ -27,18 +27,23 @@
 namespace dsaib_py {
 
 std::string dtype_string(nb::dlpack::dtype dt) {
-  // DLPack 1.1's narrow float codes, which nanobind's dtype_code does not name
-  static const char* const kNarrowFloats[] = {"float8_e3m4",    "float8_e4m3",     "float8_e4m3b11fnuz",
-                                              "float8_e4m3fn",  "float8_e4m3fnuz", "float8_e5m2",
-                                              "float8_e5m2fnuz", "float8_e8m0fnu", "float6_e2m3fn",
-                                              "float6_e3m2fn",  "float4_e2m1fn"};
+  // DLPack 1.1's narrow float codes, which nanobind's dtype_code does not name,
+  // with their bit counts (a code with other bits is named by number below)
+  struct Narrow {
+    const char* name;
+    int bits;
+  };
+  static const Narrow kNarrowFloats[] = {
+      {"float8_e3m4", 8},     {"float8_e4m3", 8},     {"float8_e4m3b11fnuz", 8}, {"float8_e4m3fn", 8},
+      {"float8_e4m3fnuz", 8}, {"float8_e5m2", 8},     {"float8_e5m2fnuz", 8},    {"float8_e8m0fnu", 8},
+      {"float6_e2m3fn", 6},   {"float6_e3m2fn", 6},   {"float4_e2m1fn", 4}};
   constexpr int kFirstNarrowFloat = 7;  // kDLFloat8_e3m4
   static_assert(kFirstNarrowFloat + 3 == kDLFloat8E4m3fn, "the table starts at kDLFloat8_e3m4");
   const int narrow = int(dt.code) - kFirstNarrowFloat;
-  if (narrow >= 0 && narrow < int(sizeof(kNarrowFloats) / sizeof(kNarrowFloats[0]))) {
-    std::string got = kNarrowFloats[narrow];
-    if (dt.lanes != 1) got += "x" + std::to_string(int(dt.lanes));
-    return got;
+  const std::string lanes = dt.lanes != 1 ? "x" + std::to_string(int(dt.lanes)) : "";
+  if (narrow >= 0 && narrow < int(sizeof(kNarrowFloats) / sizeof(kNarrowFloats[0])) &&
+      kNarrowFloats[narrow].bits == int(dt.bits)) {
+    return kNarrowFloats[narrow].name + lanes;
   }
   std::string got;
   switch (static_cast<nb::dlpack::dtype_code>(dt.code)) {
@@ -48,7 +53,9 @@ std::string dtype_string(nb::dlpack::dtype dt) {
     case nb::dlpack::dtype_code::Bfloat: got = "bfloat"; break;
     case nb::dlpack::dtype_code::Complex: got = "complex"; break;
     case nb::dlpack::dtype_code::Bool: got = "bool"; break;
-    default: return "DLPack dtype code " + std::to_string(int(dt.code)) + " of " + std::to_string(int(dt.bits)) + " bits";
+    default:
+      return "DLPack dtype code " + std::to_string(int(dt.code)) + " of " + std::to_string(int(dt.bits)) + " bits" +
+             (dt.lanes != 1 ? " x " + std::to_string(int(dt.lanes)) + " lanes" : "");
   }
   got += std::to_string(int(dt.bits));
   if (dt.lanes != 1) got += "x" + std::to_string(int(dt.lanes));

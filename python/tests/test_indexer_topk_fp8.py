@@ -104,6 +104,18 @@ def test_float8_index_k_with_another_index_q_is_refused(q_dtype):
         dt.indexer_topk(q, w, k.to(q_dtype), 8)
 
 
+@pytest.mark.parametrize("dtype", [d for d in (getattr(torch, n, None) for n in (
+    "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")) if d is not None])
+def test_other_float8_formats_are_refused_by_name(dtype):
+    """Their codes would be rounded to bf16 and their scales misread: named, with the dtype passed."""
+    q, w, k, qs, ks = problem(seed=9)
+    with pytest.raises(TypeError, match=f"index_q: expected bf16 \\(or a float dtype rounded to it\\) or "
+                                        f"torch.float8_e4m3fn, got {dtype}"):
+        dt.indexer_topk(q.float().to(dtype), w, k, 8, index_q_scale=qs, index_k_scale=ks)
+    with pytest.raises(TypeError, match=f"index_k: .* got {dtype}"):
+        dt.indexer_topk(q.float(), w, k.float().to(dtype), 8)
+
+
 @pytest.mark.parametrize("name", ["index_q_scale", "index_k_scale"])
 def test_integer_scales_are_refused_by_name(name):
     q, w, k, qs, ks = problem(seed=9)
