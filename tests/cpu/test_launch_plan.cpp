@@ -397,9 +397,9 @@ TEST(TopkPlan, TilesGridAndWorkspace) {
   EXPECT_EQ(p.num_tasks, 4096);
   EXPECT_EQ(p.grid, 132);
   EXPECT_EQ(p.order_grid, 132 * 16);
-  // The candidate buffers alone (67 MiB at this shape): 132 CTAs x
-  // 2 warpgroups x 4 rows x 2 halves x 4160 keys x 8 bytes, independent of S.
-  const std::size_t buffers = std::size_t{132} * 2 * 4 * 2 * 4160 * 8;
+  // The candidate buffers alone (33.5 MiB at this shape): 132 CTAs x
+  // 4 rows x 2 halves x 4160 keys x 8 bytes, independent of S.
+  const std::size_t buffers = std::size_t{132} * 4 * 2 * 4160 * 8;
   EXPECT_FALSE(p.key_hi_in_workspace);
   EXPECT_FALSE(p.row_count_in_workspace);
   EXPECT_EQ(p.candidates_at, 0u);
@@ -412,7 +412,7 @@ TEST(TopkPlan, TilesGridAndWorkspace) {
   EXPECT_EQ(bare.candidate_capacity, 2 * 128 + 64);  // topk below 128 keeps 128's room
   ASSERT_TRUE(bare.key_hi_in_workspace);
   ASSERT_TRUE(bare.row_count_in_workspace);
-  const std::size_t bare_buffers = std::size_t{132} * 2 * 4 * 2 * 320 * 8;
+  const std::size_t bare_buffers = std::size_t{132} * 4 * 2 * 320 * 8;
   EXPECT_EQ(bare.key_hi_at, round_up_256(bare_buffers));
   EXPECT_EQ(bare.row_count_at, round_up_256(bare.key_hi_at + std::size_t{1000} * 100 * 4));
   EXPECT_EQ(bare.workspace_bytes, bare.row_count_at + std::size_t{1000} * 4);

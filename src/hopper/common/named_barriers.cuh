@@ -18,12 +18,10 @@ enum class NamedBarrierId : uint32_t {
   /// partial sums of U and its U stores complete before its final pass.
   kTargetConsumerSync = 4,
   /// The top-k forward's score warpgroups (indexer_topk/topk_score.cuh): one
-  /// warpgroup's appends, counts and radix passes over its own candidate
-  /// buffers (4 + warpgroup: 5 and 6), then both warpgroups at a task's end,
-  /// around the merge of their buffers (7).
+  /// warpgroup's appends, counts and radix passes over its own rows' candidate
+  /// buffers (5 + warpgroup: 5 and 6).
   kTopkSelectSync0 = 5,
   kTopkSelectSync1 = 6,
-  kTopkMergeSync = 7,
 };
 
 template <class Config>

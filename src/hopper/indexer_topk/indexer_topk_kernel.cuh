@@ -2,7 +2,7 @@
 // sm_90a kernel"). Persistent: CTA b takes tasks b, b + gridDim.x, ... (in
 // reverse, heaviest first). Roles:
 //   warpgroup 0:    TopkProducer (topk_producer.cuh): ranges, Q and weights, key tiles
-//   warpgroups 1-2: TopkScore (topk_score.cuh): GEMM, head sum, candidate selection
+//   warpgroups 1-2: TopkScore (topk_score.cuh): each half of the task's rows: GEMM, head sum, selection
 // Shared memory and its mbarrier contracts: topk_shared_storage.cuh. Its
 // output, each row's selection unordered, is put in order by
 // topk_order_kernel.cuh.
@@ -24,7 +24,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) indexer_topk_kernel(const
   const MbarrierPipeline<Config::kStagesK> k_pipe{ss.k_full, ss.k_empty, 21u};
   const MbarrierPipeline<Config::kStagesQ> q_pipe{ss.q_full, ss.q_empty, 22u};
   if (threadIdx.x == 0) {
-    k_pipe.init({Config::kProducerThreads, Config::kThreadsPerWarpgroup});  // one score warpgroup per tile
+    k_pipe.init({Config::kProducerThreads, Config::kScoreThreads});  // both score warpgroups take every tile
     q_pipe.init({Config::kProducerThreads, Config::kScoreThreads});
   }
   init_barriers_fence_and_sync();

@@ -90,7 +90,7 @@ struct TopkProducer {
           valid ? element_at(p.index_q, batched_offset(row, p.q_rows_per_batch, p.q_batch_stride, p.q_row_stride) +
                                             h * p.q_head_stride + dcol)
                 : element_at(p.index_q, 0);
-      copy16(src, &sQ(col, dcol, qs), valid);
+      copy16(src, &sQ(col % Config::kWgN, dcol, col / Config::kWgN, qs), valid);  // column col: warpgroup col / kWgN
     }
     cute::cp_async_fence();
     for (int col = tid; col < Config::kN; col += kThreads) {

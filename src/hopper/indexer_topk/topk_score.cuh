@@ -1,15 +1,16 @@
 // Score role of the top-k forward (warpgroups 1 and 2; docs/indexer-topk.md,
-// "The sm_90a kernel"). The two warpgroups take a task's K tiles alternately
-// (global tile number g to warpgroup g % 2), so that one's head sum and
-// selection run under the other's GEMM. Per tile: the GEMM I^T (64 keys,
-// rows x heads) = K Q^T, the ReLU and weighted head sum in registers (two quad
-// shuffles), then every visible key whose rank key reaches the row's admission
-// bound is appended to the warpgroup's candidate buffer of that row (global
-// memory, each CTA its own). A buffer that could overflow on the next tile is
-// cut (candidate_select.cuh) to at most halfway between topk and that size, its
-// topk largest keys among them, which raises the bound.
-// At the task's end each warpgroup merges half of the rows: the topk largest
-// of both warpgroups' buffers, unordered, for the ordering kernel.
+// "The sm_90a kernel"). Each warpgroup owns half of the task's rows and takes
+// every K tile of the task against them, so that a row's candidates, bound and
+// cuts live in one warpgroup and its bound follows the whole row. Per tile: the
+// GEMM I^T (64 keys, the warpgroup's rows x heads) = K Q^T into one of two
+// accumulators, the next tile's GEMM issued into the other before this one's
+// ReLU and weighted head sum in registers (two quad shuffles); then every
+// visible key whose rank key reaches the row's admission bound is appended to
+// the row's candidate buffer (global memory, each CTA its own). A buffer that
+// could overflow on the next tile is cut (candidate_select.cuh) to at most
+// halfway between topk and that size, its topk largest keys among them, which
+// raises the bound. At the task's end each row's topk largest keys are written,
+// unordered, for the ordering kernel.
 #pragma once
 
 #include <cutlass/arch/barrier.h>
@@ -28,8 +29,8 @@ namespace dsaib::hopper {
 template <class Config>
 struct TopkScore {
   using Storage = TopkSharedStorage<Config>;
-  static constexpr int kRows = Config::kRows;
-  static constexpr int kN = Config::kN;
+  static constexpr int kRows = Config::kWgRows;  // this warpgroup's rows of a task
+  static constexpr int kN = Config::kWgN;        // their columns (rows x heads)
   static constexpr int kBlock = Config::kBlockKeys;
   static constexpr int kHeadTile = Config::kHeadTile;
   static constexpr int kThreads = Config::kThreadsPerWarpgroup;
@@ -40,19 +41,20 @@ struct TopkScore {
   Storage& ss;
   MbarrierPipeline<Config::kStagesK> k_pipe;
   MbarrierPipeline<Config::kStagesQ> q_pipe;
-  int wg;  // 0 or 1: which score warpgroup
+  int wg;  // 0 or 1: which score warpgroup, and which half of the task's rows
 
   __device__ void select_sync() const {
     cutlass::arch::NamedBarrier::sync(kThreads, static_cast<uint32_t>(NamedBarrierId::kTopkSelectSync0) + wg);
   }
-  __device__ static void merge_sync() {
-    cutlass::arch::NamedBarrier::sync(Config::kScoreThreads, static_cast<uint32_t>(NamedBarrierId::kTopkMergeSync));
+
+  /// Candidate buffer `half` of this warpgroup's row j of this CTA.
+  __device__ unsigned long long* buffer(int j, int half) const {
+    const int64_t part = ((static_cast<int64_t>(blockIdx.x) * Config::kScoreWarpgroups + wg) * kRows + j) * 2 + half;
+    return p.candidates + part * p.candidate_capacity;
   }
 
-  /// Candidate buffer `half` of row j of score warpgroup `w` of this CTA.
-  __device__ unsigned long long* buffer(int w, int j, int half) const {
-    const int64_t part = ((static_cast<int64_t>(blockIdx.x) * Config::kScoreWarpgroups + w) * kRows + j) * 2 + half;
-    return p.candidates + part * p.candidate_capacity;
+  __device__ static PipelineState<kStagesK> k_state_of(int64_t g) {
+    return {static_cast<uint32_t>(g % kStagesK), static_cast<uint32_t>((g / kStagesK) & 1)};
   }
 
   __device__ void run() {
@@ -61,23 +63,24 @@ struct TopkScore {
     const int lane = tid % 32, warp = tid / 32;
     TopkSelection<kRows>& sel = ss.sel[wg];
 
-    Tensor sQ = make_tensor(make_smem_ptr(ss.q), typename Config::SmemLayoutQ{});  // (rows x heads, D, stage)
+    Tensor sQ = make_tensor(make_smem_ptr(ss.q), typename Config::SmemLayoutQ{});  // (rows x heads, D, half, stage)
     Tensor sK = make_tensor(make_smem_ptr(ss.k), typename Config::SmemLayoutK{});  // (64 keys, D, stage)
     typename Config::TiledMma mma;
     auto thr = mma.get_thread_slice(tid);
     Tensor tSsK = thr.partition_fragment_A(sK);  // (MMA, M, K, stage) descriptors
-    Tensor tSsQ = thr.partition_fragment_B(sQ);  // (MMA, N, K, stage) descriptors
-    Tensor acc = partition_fragment_C(mma, Shape<Int<kBlock>, Int<kN>>{});
+    Tensor tSsQ = thr.partition_fragment_B(sQ);  // (MMA, N, K, half, stage) descriptors
+    Tensor acc0 = partition_fragment_C(mma, Shape<Int<kBlock>, Int<kN>>{});
+    Tensor acc1 = partition_fragment_C(mma, Shape<Int<kBlock>, Int<kN>>{});
     // wgmma accumulator: value v is key r0 + 8 ((v / 2) % 2), column c0 + v % 2 + 8 (v / 4).
-    static_assert(decltype(size(acc))::value == kN / 2, "one m64 tile: N/2 values per thread");
+    static_assert(decltype(size(acc0))::value == kN / 2, "one m64 tile: N/2 values per thread");
     const int r0 = warp * 16 + lane / 4;
     const int c0 = 2 * (lane % 4);
     const int quad = lane % 4;
 
     auto q_state = make_consumer_start_state<Config::kStagesQ>();
-    int64_t tiles_before = 0;  // K tiles of this CTA's earlier tasks (both warpgroups count all)
+    int64_t tiles_before = 0;  // K tiles of this CTA's earlier tasks
     for (int64_t i = blockIdx.x; i < p.num_tasks; i += gridDim.x) {
-      const int64_t row0 = (p.num_tasks - 1 - i) * kRows;
+      const int64_t row0 = (p.num_tasks - 1 - i) * Config::kRows + wg * kRows;  // this warpgroup's first row
       q_pipe.consumer_wait(q_state);
       const int qs = q_state.index;
       // warp-uniform as ptxas sees it, so that the wgmma issues are not on a divergent path
@@ -89,41 +92,56 @@ struct TopkScore {
         sel.bound[tid] = 0ull;
       }
       select_sync();
-      for (int t = static_cast<int>((wg + tiles_before) & 1); t < num_tiles; t += 2) {
-        const int64_t g = tiles_before + t;
-        const PipelineState<kStagesK> st{static_cast<uint32_t>(g % kStagesK),
-                                         static_cast<uint32_t>((g / kStagesK) & 1)};
+      auto issue = [&](auto& acc, int t) {
+        const PipelineState<kStagesK> st = k_state_of(tiles_before + t);
         k_pipe.consumer_wait(st);
-        warpgroup_gemm<true>(mma, tSsK(_, _, _, st.index), tSsQ(_, _, _, qs), acc);
+        warpgroup_gemm<true>(mma, tSsK(_, _, _, st.index), tSsQ(_, _, _, wg, qs), acc);
+      };
+      // Tile t from `cur`, whose GEMM retired: the next tile's GEMM is issued
+      // into `next` and runs under this tile's head sum and appends, which
+      // have no divergent branch (a wgmma in flight across one makes ptxas
+      // serialise every wgmma); the cuts, which branch, run after it retired.
+      auto step = [&](auto& cur, auto& next, int t) {
+        if (t + 1 < num_tiles) issue(next, t + 1);
+        warpgroup_fence_operand(cur);
+        k_pipe.consumer_release(k_state_of(tiles_before + t));  // the GEMM's reads of the stage retired
+        add_tile(cur, qs, tile_base + static_cast<int64_t>(t) * kBlock, r0, c0, quad, sel);
         warpgroup_wait<0>();
-        k_pipe.consumer_release(st);  // the GEMM's reads of k[st.index] retired
-        add_tile(acc, qs, tile_base + static_cast<int64_t>(t) * kBlock, r0, c0, quad, sel);
+        warpgroup_fence_operand(next);
         select_sync();  // appends and counts complete
 #pragma unroll 1
         for (int j = 0; j < kRows; ++j) {
-          if (sel.count[j] > p.candidate_capacity - kBlock) cut_buffer(j, tid, sel);
+          if (sel.count[j] > p.candidate_capacity - kBlock) cut_buffer(j, sel);
         }
+      };
+      if (num_tiles > 0) {
+        issue(acc0, 0);
+        warpgroup_wait<0>();
+      }
+#pragma unroll 1
+      for (int t = 0; t < num_tiles; t += 2) {
+        step(acc0, acc1, t);
+        if (t + 1 < num_tiles) step(acc1, acc0, t + 1);
       }
       tiles_before += num_tiles;
       q_pipe.consumer_release(q_state);  // every GEMM of the task retired; w and ranges read
       q_state.advance();
-      merge_sync();  // both warpgroups' buffers complete
 #pragma unroll 1
-      for (int j = wg; j < kRows; j += Config::kScoreWarpgroups) merge_row(row0 + j, j, tid, sel);
-      merge_sync();  // both merges read their buffers before the next task resets them
+      for (int j = 0; j < kRows; ++j) finish_row(row0 + j, j, sel);
     }
   }
 
-  /// The logits of one tile's keys for every row, and the appends.
+  /// The logits of one tile's keys for this warpgroup's rows, and the appends.
   template <class Accumulator>
   __device__ void add_tile(const Accumulator& acc, int qs, int64_t key0, int r0, int c0, int quad,
                            TopkSelection<kRows>& sel) const {
     float z[kRows][2];
     CUTE_UNROLL
     for (int j = 0; j < kRows; ++j) z[j][0] = z[j][1] = 0.0f;
+    const float* w_half = &ss.w[qs][wg * kN];
     CUTE_UNROLL
     for (int m = 0; m < kN / 8; ++m) {
-      const float2 w = *reinterpret_cast<const float2*>(&ss.w[qs][c0 + 8 * m]);
+      const float2 w = *reinterpret_cast<const float2*>(&w_half[c0 + 8 * m]);
       constexpr int kColsPerRow = kHeadTile / 8;
       const int j = m / kColsPerRow;
       CUTE_UNROLL
@@ -168,27 +186,27 @@ struct TopkScore {
       for (int kk = 0; kk < 2; ++kk) {
         if ((2 * j + kk) % 4 != quad) continue;
         const int64_t kr = key0 + r0 + 8 * kk;
-        if (kr < ss.key_begin[qs][j] || kr >= ss.key_end[qs][j]) continue;
+        if (kr < ss.key_begin[qs][wg * kRows + j] || kr >= ss.key_end[qs][wg * kRows + j]) continue;
         key = rank_key(z[j][kk], static_cast<uint32_t>(kr));
         admit = key >= sel.bound[j];
       }
       const uint32_t admitted = __ballot_sync(0xffffffffu, admit);
-      if (admitted == 0u) continue;  // warp-uniform
-      const int leader = __ffs(admitted) - 1;
+      const int leader = admitted != 0u ? __ffs(admitted) - 1 : 0;
       int base = 0;
-      if (lane == leader) base = atomicAdd(&sel.count[j], __popc(admitted));
+      if (admitted != 0u && lane == leader) base = atomicAdd(&sel.count[j], __popc(admitted));
       base = __shfl_sync(0xffffffffu, base, leader);
-      if (admit) buffer(wg, j, sel.half[j])[base + __popc(admitted & ((1u << lane) - 1u))] = key;
+      if (admit) buffer(j, sel.half[j])[base + __popc(admitted & ((1u << lane) - 1u))] = key;
     }
   }
 
   /// Cuts row j's buffer (into the other half) to at most keep_at_most keys,
   /// its topk largest among them, and raises its bound. Called by the whole warpgroup after a select_sync().
-  __device__ void cut_buffer(int j, int tid, TopkSelection<kRows>& sel) const {
+  __device__ void cut_buffer(int j, TopkSelection<kRows>& sel) const {
+    const int tid = threadIdx.x % kThreads;  // recomputed, not kept live across the tile loop
     const int n = sel.count[j];
     const int h = sel.half[j];
-    const unsigned long long* src = buffer(wg, j, h);
-    unsigned long long* dst = buffer(wg, j, h ^ 1);
+    const unsigned long long* src = buffer(j, h);
+    unsigned long long* dst = buffer(j, h ^ 1);
     CandidateSelect<kRows> cs{sel, tid};
     auto sync = [&] { select_sync(); };
     auto each = [&](auto&& f) { for_each_entry<kThreads, Config::kSelectBatch>(n, tid, [&](int e) { return src[e]; }, f); };
@@ -205,20 +223,19 @@ struct TopkScore {
     select_sync();
   }
 
-  /// The topk largest keys of row j in both warpgroups' buffers, unordered,
-  /// into key_lo / key_hi of `row`, and their count.
-  __device__ void merge_row(int64_t row, int j, int tid, TopkSelection<kRows>& sel) const {
+  /// The topk largest keys of row j's buffer, unordered, into key_lo / key_hi
+  /// of `row`, and their count.
+  __device__ void finish_row(int64_t row, int j, TopkSelection<kRows>& sel) const {
+    const int tid = threadIdx.x % kThreads;
     if (row >= p.num_q_rows) return;  // a padded row of the last task (uniform)
-    const int n0 = ss.sel[0].count[j], n1 = ss.sel[1].count[j];
-    const unsigned long long* src0 = buffer(0, j, ss.sel[0].half[j]);
-    const unsigned long long* src1 = buffer(1, j, ss.sel[1].half[j]);
+    const int n = sel.count[j];
+    const unsigned long long* src = buffer(j, sel.half[j]);
     CandidateSelect<kRows> cs{sel, tid};
     auto sync = [&] { select_sync(); };
     auto each = [&](auto&& f) {
-      for_each_entry<kThreads, Config::kSelectBatch>(
-          n0 + n1, tid, [&](int e) { return e < n0 ? src0[e] : src1[e - n0]; }, f);
+      for_each_entry<kThreads, Config::kSelectBatch>(n, tid, [&](int e) { return src[e]; }, f);
     };
-    const RadixCut cut = n0 + n1 > p.topk ? cs.radix_cut(p.topk, p.topk, sync, each) : RadixCut{};
+    const RadixCut cut = n > p.topk ? cs.radix_cut(p.topk, p.topk, sync, each) : RadixCut{};
     uint32_t* lo = p.key_lo + row * p.topk;
     uint32_t* hi = p.key_hi + row * p.topk;
     const int kept = cs.write_kept(cut, sync, each, [&](int pos, unsigned long long key) {

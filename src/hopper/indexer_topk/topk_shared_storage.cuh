@@ -10,11 +10,9 @@
 
 namespace dsaib::hopper {
 
-/// One score warpgroup's selection state for the rows of its task. Written and
-/// read by that warpgroup alone between its select barriers
-/// (NamedBarrierId::kTopkSelectSync0 + warpgroup); read by the other warpgroup
-/// only between the two kTopkMergeSync barriers of a task's end, when neither
-/// writes it.
+/// One score warpgroup's selection state for its rows of the task. Written and
+/// read by that warpgroup alone, between its select barriers
+/// (NamedBarrierId::kTopkSelectSync0 + warpgroup).
 template <int kRows>
 struct TopkSelection {
   uint32_t hist[256];              // a radix pass's digit counts
@@ -29,16 +27,16 @@ template <class Config>
 struct TopkSharedStorage {
   using Element = typename Config::Element;
   static constexpr int kRows = Config::kRows;
-  alignas(1024) Element q[cute::cosize_v<typename Config::SmemLayoutQ>];  // (rows x heads, D) x kStagesQ
+  alignas(1024) Element q[cute::cosize_v<typename Config::SmemLayoutQ>];  // (rows x heads, D) x 2 halves x kStagesQ
   alignas(1024) Element k[cute::cosize_v<typename Config::SmemLayoutK>];  // (64 keys, D) x kStagesK
   // ---- per Q stage: the task
-  float w[Config::kStagesQ][Config::kN];  // weights by column (row = column / kHeadTile); 0 where padded
+  float w[Config::kStagesQ][Config::kN];  // weights by task column (row = column / kHeadTile); 0 where padded
   int64_t key_begin[Config::kStagesQ][kRows];  // flat key rows each row sees: [key_begin, key_end)
   int64_t key_end[Config::kStagesQ][kRows];
   int64_t tile_base[Config::kStagesQ];  // flat key row of the first key of the task's first tile
   int32_t num_tiles[Config::kStagesQ];
   // ---- per score warpgroup
-  TopkSelection<kRows> sel[Config::kScoreWarpgroups];
+  TopkSelection<Config::kWgRows> sel[Config::kScoreWarpgroups];
 
   // q_full[s]: the producer's 128 threads arrive after their stores of w[s],
   // key_begin[s], key_end[s], tile_base[s], num_tiles[s] (thread 0 the task's
@@ -49,9 +47,11 @@ struct TopkSharedStorage {
   uint64_t q_full[Config::kStagesQ];
   uint64_t q_empty[Config::kStagesQ];
   // k_full[s]: the producer's 128 threads arrive after their cp.async wait for
-  // the tile's copies and a proxy fence. k_empty[s]: the 128 threads of the
-  // ONE score warpgroup that takes the tile (global tile number g goes to
-  // warpgroup g % 2) arrive after the warpgroup_wait that retires its GEMM.
+  // the tile's copies and a proxy fence. k_empty[s]: both score warpgroups'
+  // 256 threads arrive, each after the warpgroup_wait that retires its GEMM of
+  // the tile. Each consumer takes the stages' uses in order and no wait runs
+  // more than one phase ahead of a stage's barrier (the producer refills a
+  // stage only after both released it).
   uint64_t k_full[Config::kStagesK];
   uint64_t k_empty[Config::kStagesK];
 };

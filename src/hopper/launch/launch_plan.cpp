@@ -200,7 +200,8 @@ TopkPlan plan_indexer_topk(const detail::ProblemGeometry& g, bool with_logits, b
   plan.grid = persistent_grid(plan.num_tasks, device);
   plan.order_grid = std::min<int64_t>(g.num_q_rows, std::max<int64_t>(1, int64_t{device.sm_count} * 16));
   WorkspaceCarver carver;
-  const std::size_t buffers_per_cta = std::size_t{2} * static_cast<std::size_t>(plan.rows_per_task) * 2 *
+  // Each row of a task belongs to one score warpgroup: rows_per_task rows x 2 halves per CTA.
+  const std::size_t buffers_per_cta = static_cast<std::size_t>(plan.rows_per_task) * 2 *
                                       static_cast<std::size_t>(plan.candidate_capacity) * sizeof(unsigned long long);
   plan.candidates_at = carver.add(static_cast<std::size_t>(plan.grid) * buffers_per_cta);
   plan.key_hi_in_workspace = !with_logits;

@@ -221,9 +221,9 @@ TargetPlan plan_attention_target(const detail::ProblemGeometry& g, const DeviceP
 inline constexpr int64_t kMaxCudaTopk = 8192;
 
 /// One task = rows_per_task consecutive query rows whose heads, padded to
-/// head_tile, fill one wgmma N of 256, against every key tile the rows see;
-/// persistent grid. The workspace: each CTA's candidate buffers (2 score
-/// warpgroups x rows_per_task x 2 halves x candidate_capacity 8-byte keys),
+/// head_tile, fill 256 columns (two score warpgroups' wgmma N of 128), against
+/// every key tile the rows see; persistent grid. The workspace: each CTA's
+/// candidate buffers (rows_per_task x 2 halves x candidate_capacity 8-byte keys),
 /// then, when the caller wants no logits, the high words of each row's
 /// selection (num_q_rows x topk x 4 bytes), and, without topk_lengths, the rows'
 /// counts (num_q_rows x 4 bytes); docs/indexer-topk.md, "Memory".
