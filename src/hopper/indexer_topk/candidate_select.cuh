@@ -42,6 +42,33 @@ __device__ __forceinline__ void for_each_entry(int n, int tid, Load&& load, F&& 
   }
 }
 
+/// Up to kItems x kThreads entries held in registers, entry tid + i kThreads in
+/// v[i]: loaded once (all loads in flight together), then every radix pass and
+/// the write pass read registers, not the L2.
+template <int kThreads, int kItems>
+struct RegisterEntries {
+  static constexpr int kCapacity = kThreads * kItems;
+  unsigned long long v[kItems];
+  int n;
+
+  template <class Load>
+  __device__ __forceinline__ void load(int count, int tid, Load&& at) {
+    n = count;
+#pragma unroll
+    for (int i = 0; i < kItems; ++i) {
+      const int e = tid + i * kThreads;
+      v[i] = e < count ? at(e) : 0ull;
+    }
+  }
+  template <class F>
+  __device__ __forceinline__ void for_each(int tid, F&& f) const {
+#pragma unroll
+    for (int i = 0; i < kItems; ++i) {
+      if (tid + i * kThreads < n) f(v[i]);
+    }
+  }
+};
+
 /// kThreads threads (one warpgroup) with their own barrier `sync()`.
 template <int kRows, int kThreads = 128>
 struct CandidateSelect {

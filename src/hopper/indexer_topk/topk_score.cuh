@@ -69,10 +69,9 @@ struct TopkScore {
     auto thr = mma.get_thread_slice(tid);
     Tensor tSsK = thr.partition_fragment_A(sK);  // (MMA, M, K, stage) descriptors
     Tensor tSsQ = thr.partition_fragment_B(sQ);  // (MMA, N, K, half, stage) descriptors
-    Tensor acc0 = partition_fragment_C(mma, Shape<Int<kBlock>, Int<kN>>{});
-    Tensor acc1 = partition_fragment_C(mma, Shape<Int<kBlock>, Int<kN>>{});
     // wgmma accumulator: value v is key r0 + 8 ((v / 2) % 2), column c0 + v % 2 + 8 (v / 4).
-    static_assert(decltype(size(acc0))::value == kN / 2, "one m64 tile: N/2 values per thread");
+    static_assert(decltype(size(partition_fragment_C(mma, Shape<Int<kBlock>, Int<kN>>{})))::value == kN / 2,
+                  "one m64 tile: N/2 values per thread");
     const int r0 = warp * 16 + lane / 4;
     const int c0 = 2 * (lane % 4);
     const int quad = lane % 4;
@@ -92,6 +91,10 @@ struct TopkScore {
         sel.bound[tid] = 0ull;
       }
       select_sync();
+      // Declared per task, so that they are dead during the task's last cuts
+      // (finish_row holds a row's buffer in their registers).
+      Tensor acc0 = partition_fragment_C(mma, Shape<Int<kBlock>, Int<kN>>{});
+      Tensor acc1 = partition_fragment_C(mma, Shape<Int<kBlock>, Int<kN>>{});
       auto issue = [&](auto& acc, int t) {
         const PipelineState<kStagesK> st = k_state_of(tiles_before + t);
         k_pipe.consumer_wait(st);
@@ -224,25 +227,36 @@ struct TopkScore {
   }
 
   /// The topk largest keys of row j's buffer, unordered, into key_lo / key_hi
-  /// of `row`, and their count.
+  /// of `row`, and their count. A buffer that fits is read into registers once
+  /// (the accumulators are dead here); a larger one (topk above about 2K) is
+  /// read from the L2 on every pass.
   __device__ void finish_row(int64_t row, int j, TopkSelection<kRows>& sel) const {
-    const int tid = threadIdx.x % kThreads;
     if (row >= p.num_q_rows) return;  // a padded row of the last task (uniform)
+    const int tid = threadIdx.x % kThreads;
     const int n = sel.count[j];
     const unsigned long long* src = buffer(j, sel.half[j]);
-    CandidateSelect<kRows> cs{sel, tid};
-    auto sync = [&] { select_sync(); };
-    auto each = [&](auto&& f) {
-      for_each_entry<kThreads, Config::kSelectBatch>(n, tid, [&](int e) { return src[e]; }, f);
-    };
-    const RadixCut cut = n > p.topk ? cs.radix_cut(p.topk, p.topk, sync, each) : RadixCut{};
     uint32_t* lo = p.key_lo + row * p.topk;
     uint32_t* hi = p.key_hi + row * p.topk;
-    const int kept = cs.write_kept(cut, sync, each, [&](int pos, unsigned long long key) {
-      lo[pos] = static_cast<uint32_t>(key);
-      hi[pos] = static_cast<uint32_t>(key >> 32);
-    });
-    if (tid == 0) p.row_count[row] = kept;
+    auto finish = [&](auto&& each) {
+      CandidateSelect<kRows> cs{sel, tid};
+      auto sync = [&] { select_sync(); };
+      const RadixCut cut = n > p.topk ? cs.radix_cut(p.topk, p.topk, sync, each) : RadixCut{};
+      const int kept = cs.write_kept(cut, sync, each, [&](int pos, unsigned long long key) {
+        lo[pos] = static_cast<uint32_t>(key);
+        hi[pos] = static_cast<uint32_t>(key >> 32);
+      });
+      if (tid == 0) p.row_count[row] = kept;
+    };
+    using Entries = RegisterEntries<kThreads, Config::kFinishRegisterEntries>;
+    if (n <= Entries::kCapacity) {
+      Entries entries;
+      entries.load(n, tid, [&](int e) { return src[e]; });
+      finish([&](auto&& f) { entries.for_each(tid, f); });
+    } else {
+      finish([&](auto&& f) {
+        for_each_entry<kThreads, Config::kSelectBatch>(n, tid, [&](int e) { return src[e]; }, f);
+      });
+    }
   }
 };
 

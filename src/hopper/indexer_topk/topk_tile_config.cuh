@@ -63,6 +63,9 @@ struct TopkTileConfig {
   // A selection pass over a row's candidates (global memory) loads this many
   // entries per thread before it uses the first.
   static constexpr int kSelectBatch = 8;
+  // A row's last cut holds its buffer in registers (the accumulators are dead
+  // then) when it fits: 33 entries a thread cover topk 2048's buffer of 4160.
+  static constexpr int kFinishRegisterEntries = 33;
 
   static_assert(kRowBytes % 64 == 0, "rows of whole 64-byte swizzle atoms");
   // 128-byte swizzle where a row holds one (bf16 D 64 or 128, e4m3 D 128), else 64-byte
