@@ -72,6 +72,7 @@ struct Floors {
   std::map<GatherKey, GatherRates> gathers;
   std::vector<bench::GemmResult> gemm_ways;                   // cuBLAS 8192^3 at each layout
   std::optional<bench::GemmResult> gemm;                      // the fastest of them (every op but the target)
+  std::optional<bench::GemmResult> gemm_e4m3;                 // cuBLASLt e4m3 8192^3 (the top-k's e4m3 cases)
   std::map<BatchedKey, bench::GemmResult> batched;            // the target's shape
   bool checks_ok = true;                                      // every measurement's correctness check
 };
@@ -93,11 +94,18 @@ std::vector<bench::OpCase> bench_cases(const BenchArgs& a) {
                               : std::vector<std::pair<int64_t, int64_t>>{{a.heads, a.dim}};
     // topk's cases go over --ranges instead of --ids (its rows see key ranges, not ids).
     const std::vector<std::string>& patterns = op == BenchOp::topk ? a.ranges : a.ids;
+    // topk's cases go over --topk-dtype too (index_q and index_k in bf16 or e4m3).
+    const std::vector<std::string> dtypes = op == BenchOp::topk ? a.topk_dtypes : std::vector<std::string>{"bf16"};
+    for (const std::string& dtype : dtypes)
     for (const std::string& ids : patterns) {
       for (const auto& [heads, dim] : shapes) {
         for (int64_t s : a.seqs) {
           bench::OpCase c;
           c.op = op;
+          if (dtype != "bf16" && dtype != "e4m3") {
+            throw Error(ErrorCode::invalid_argument, "topk_dtype", "--topk-dtype: expected bf16 or e4m3, got " + dtype);
+          }
+          c.e4m3 = dtype == "e4m3";
           if (op == BenchOp::topk) {
             if (!bench::parse_topk_ranges(ids, &c.ranges)) {
               throw Error(ErrorCode::invalid_argument, "ranges",
@@ -181,8 +189,9 @@ void print_header(std::ostream& out, const BenchArgs& a, const bench::DeviceInfo
 Floors measure_floors(const BenchArgs& a, const std::vector<bench::OpCase>& cases) {
   Floors f;
   f.measured = true;
-  bool square_gemm = false;
+  bool square_gemm = false, e4m3_gemm = false;
   for (const bench::OpCase& c : cases) {
+    e4m3_gemm = e4m3_gemm || c.e4m3;
     if (uses_scatter(c.op)) f.tables[{c.dk_table_bytes(), c.dim}];
     if (uses_gather(c.op)) f.gathers[gather_key(c)];
     if (c.op == BenchOp::target) {
@@ -227,6 +236,11 @@ Floors measure_floors(const BenchArgs& a, const std::vector<bench::OpCase>& case
     f.gemm_ways = bench::measure_gemm_layouts(kGemmSize, a.iters, a.warmup);
     for (const auto& g : f.gemm_ways) f.checks_ok = f.checks_ok && g.check_ok;
     f.gemm = bench::fastest(f.gemm_ways);
+  }
+  if (e4m3_gemm) {
+    log_stage("floor: cuBLASLt e4m3 GEMM " + std::to_string(kGemmSize) + "^3 (TN) ...");
+    f.gemm_e4m3 = bench::measure_gemm_e4m3(kGemmSize, a.iters, a.warmup);
+    f.checks_ok = f.checks_ok && f.gemm_e4m3->check_ok;
   }
   for (auto& [key, g] : f.batched) {
     const auto& [h, d, topk] = key;
@@ -300,6 +314,10 @@ void print_floors(std::ostream& out, const Floors& f) {
     }
     out << "; fastest " << bench::gemm_layout_name(f.gemm->layout) << " " << fmt("%.1f", f.gemm->tflops)
         << " TFLOP/s  check " << (ok ? "ok" : "FAIL") << "\n";
+  }
+  if (f.gemm_e4m3) {
+    out << "    e4m3 GEMM (cuBLASLt, TN, fp32 compute, bf16 out) " << kGemmSize << "^3: "
+        << fmt("%.1f", f.gemm_e4m3->tflops) << " TFLOP/s  check " << (f.gemm_e4m3->check_ok ? "ok" : "FAIL") << "\n";
   }
   for (const auto& [key, g] : f.batched) {
     out << "    bf16 GEMM (cuBLAS, batched " << g.batch << " x " << g.m << "x" << g.n << "x" << g.k
@@ -380,12 +398,15 @@ CaseFloor case_floor(const bench::OpCase& c, const bench::OpResult& r, const Flo
       break;
     }
     case BenchOp::topk: {
-      const double ns = bench::topk_floor_ns_per_row(r.visible_keys_per_row, c.heads, c.dim, f.gemm->tflops);
+      // e4m3 inputs: the fp8 GEMM rate
+      const bench::GemmResult& gemm = c.e4m3 ? *f.gemm_e4m3 : *f.gemm;
+      const double ns = bench::topk_floor_ns_per_row(r.visible_keys_per_row, c.heads, c.dim, gemm.tflops);
       j = {{"formula", "visible_keys_per_row*H*D*2 FLOP / GEMM rate"},
            {"visible_keys_per_row", r.visible_keys_per_row},
            {"flop_per_row", 2.0 * static_cast<double>(c.heads) * static_cast<double>(c.dim) * r.visible_keys_per_row},
-           {"gemm_tflops", f.gemm->tflops},
-           {"gemm_layout", bench::gemm_layout_name(f.gemm->layout)},
+           {"gemm_dtype", c.e4m3 ? "e4m3" : "bf16"},
+           {"gemm_tflops", gemm.tflops},
+           {"gemm_layout", bench::gemm_layout_name(gemm.layout)},
            {"ns_per_row", ns},
            {"bound", "gemm"}};
       cf.ns = ns;
@@ -480,11 +501,17 @@ nlohmann::ordered_json topk_memory_json(const bench::TopkMemory& m) {
           {"mem_get_info_delta_bytes", measured(m.mem_get_info_delta_bytes)}};
 }
 
+/// A case's ids column: its id pattern, or the top-k's key ranges (and " e4m3" for float8 inputs).
+std::string case_pattern(const bench::OpCase& c) {
+  if (c.op != BenchOp::topk) return bench::id_pattern_name(c.ids);
+  return std::string(bench::topk_ranges_name(c.ranges)) + (c.e4m3 ? " e4m3" : "");
+}
+
 /// 2. One case: its line(s) of the table, and its JSON.
 nlohmann::ordered_json run_case(std::ostream& out, const bench::OpCase& c, const bench::OpConfig& cfg,
                                 const Floors& f, const bench::DeviceInfo& dev) {
   log_stage(std::string("op: ") + bench::bench_op_name(c.op) + " " +
-            (c.op == BenchOp::topk ? bench::topk_ranges_name(c.ranges) : bench::id_pattern_name(c.ids)) +
+            case_pattern(c) +
             " S=" + std::to_string(c.seq) + " H=" + std::to_string(c.heads) + " D=" + std::to_string(c.dim) +
             ": generating, uploading, " + std::to_string(cfg.warmup) + " + " + std::to_string(cfg.iters) +
             " launches" + (cfg.sustained_ms > 0 ? ", then ~" + fmt("%g", cfg.sustained_ms) + " ms back to back" : "") +
@@ -502,7 +529,7 @@ nlohmann::ordered_json run_case(std::ostream& out, const bench::OpCase& c, const
   char line[400];
   std::snprintf(line, sizeof line,
                 "%-8s %-15s %3lld %6lld %4lld %4lld %5lld %9.1f %4d %8.1f %19s %8.1f %9s %-7s %7s  %s\n",
-                bench::bench_op_name(c.op), topk ? bench::topk_ranges_name(c.ranges) : bench::id_pattern_name(c.ids),
+                bench::bench_op_name(c.op), case_pattern(c).c_str(),
                 (long long)c.batch, (long long)c.seq, (long long)c.heads, (long long)c.dim, (long long)c.topk,
                 topk ? r.visible_keys_per_row : r.valid_slots_per_row, r.input_sets,
                 r.ns_per_row, spread, r.tflops, cf.floor_ns.c_str(), cf.bound.c_str(), cf.floor_x.c_str(),
@@ -513,6 +540,7 @@ nlohmann::ordered_json run_case(std::ostream& out, const bench::OpCase& c, const
   nlohmann::ordered_json j = {{"op", bench::bench_op_name(c.op)}};
   if (topk) {
     j["ranges"] = bench::topk_ranges_name(c.ranges);
+    j["dtype"] = c.e4m3 ? "e4m3" : "bf16";
   } else {
     j["ids"] = bench::id_pattern_name(c.ids);
   }
@@ -627,9 +655,9 @@ nlohmann::ordered_json gemm_json(const bench::GemmResult& g) {
           {"n", g.n},
           {"k", g.k},
           {"batch", g.batch},
-          {"dtype", "bf16"},
+          {"dtype", g.e4m3 ? "e4m3" : "bf16"},
           {"compute", "fp32"},
-          {"method", "cublas"},
+          {"method", g.e4m3 ? "cublaslt" : "cublas"},
           {"layout", bench::gemm_layout_name(g.layout)},
           {"timing", stats_json(g.t)},
           {"tflops", g.tflops},
@@ -695,6 +723,7 @@ nlohmann::ordered_json floor_measurements_json(const Floors& f) {
           {"key_read_scatter", kr},
           {"key_gather", kg},
           {"gemm", gemm},
+          {"gemm_e4m3", f.gemm_e4m3 ? gemm_json(*f.gemm_e4m3) : nlohmann::ordered_json(nullptr)},
           {"gemm_batched", gb}};
 }
 
@@ -726,6 +755,7 @@ nlohmann::ordered_json bench_json(const BenchArgs& a, const bench::DeviceInfo& d
                    {"target_shapes", shapes},
                    {"topk_shapes", topk_shapes},
                    {"topk_ranges", a.ranges},
+                   {"topk_dtypes", a.topk_dtypes},
                    {"l2_set_aside_mib", a.l2_set_aside_mib >= 0 ? nlohmann::ordered_json(a.l2_set_aside_mib)
                                                                 : nlohmann::ordered_json(nullptr)},
                    {"dtypes", "bf16 inputs and outputs"},

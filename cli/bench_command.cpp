@@ -150,6 +150,11 @@ void add_bench_flags(CLI::App* cmd, BenchFlags& f) {
                                  "starts/ends)")
                      ->type_name("RANGES,...")
                      ->default_str("causal,cp-shard");
+  f.topk_dtype_opt = cmd->add_option("--topk-dtype", f.topk_dtype_text,
+                                     "topk: the dtype of index_q and index_k, a comma-separated list: bf16, e4m3 "
+                                     "(float8 with per-token scales, D 128; its floor takes the e4m3 GEMM rate)")
+                         ->type_name("DTYPE,...")
+                         ->default_str("bf16");
   cmd->add_option("--lse-base", a.lse_base, "target: the base of the lse input (natural, or base2 as FlashMLA writes it)")
       ->check(one_of({"natural", "base2"}))
       ->default_str("natural");
@@ -271,6 +276,14 @@ int run_bench_flags(BenchFlags& f, const std::string& command_line) {
       if (!dsaib::bench::parse_topk_ranges(word, &parsed)) {
         throw Error(ErrorCode::invalid_argument, "--ranges",
                     "--ranges: expected one of " + dsaib::bench::topk_ranges_list() + ", got \"" + word + "\"");
+      }
+    }
+  }
+  if (f.topk_dtype_opt->count() > 0) {
+    a.topk_dtypes = split_list_items("--topk-dtype", f.topk_dtype_text, "dtypes");
+    for (const std::string& word : a.topk_dtypes) {
+      if (word != "bf16" && word != "e4m3") {
+        throw Error(ErrorCode::invalid_argument, "--topk-dtype", "--topk-dtype: expected bf16 or e4m3, got \"" + word + "\"");
       }
     }
   }

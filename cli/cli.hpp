@@ -220,6 +220,7 @@ struct BenchArgs {
   std::vector<std::pair<int64_t, int64_t>> shapes = {{128, 576}, {64, 192}};  // target: Hq x Dqk
   std::vector<std::pair<int64_t, int64_t>> topk_shapes = {{64, 128}, {32, 128}};  // topk: H x D
   std::vector<std::string> ranges = {"causal", "cp-shard"};  // topk: bench::TopkRanges words
+  std::vector<std::string> topk_dtypes = {"bf16"};           // topk: index_q and index_k in bf16 or e4m3
   std::string lse_base = "natural";            // target: AttentionTargetOptions::lse_base
   bool unnormalized = false;                   // target: AttentionTargetOptions::normalize = false
   bool index_score = false;                    // forward: also write P

@@ -115,8 +115,12 @@ struct GemmResult {
   double tflops = 0;
   bool check_ok = false;
   double max_rel_err = 0;
+  bool e4m3 = false;  // float8 e4m3 operands (measure_gemm_e4m3)
 };
 GemmResult measure_gemm(int size = 8192, int iters = 25, int warmup = 3, GemmLayout layout = GemmLayout::tn);
+/// cuBLASLt float8 e4m3 GEMM (TN, fp32 compute, bf16 out, no scales), size^3, random
+/// non-zero data; a few entries checked against a host dot product: the fp8 floor's rate.
+GemmResult measure_gemm_e4m3(int size = 8192, int iters = 25, int warmup = 3);
 /// measure_gemm at every layout (the GEMM floor's ways).
 std::vector<GemmResult> measure_gemm_layouts(int size = 8192, int iters = 25, int warmup = 3);
 /// The fastest layout that passed its check (raises dsaib::Error when none did).
@@ -131,6 +135,8 @@ GemmResult measure_gemm_batched(int m, int n, int k, int batch, int iters = 20, 
 /// Device data for the benchmarks, written on `stream` (a cudaStream_t):
 /// n bf16 values of magnitude [0.25, 1) with hashed signs (index and salt);
 void fill_device_bf16(void* data, uint64_t n, uint32_t salt, void* stream);
+/// n float8 e4m3 values, the same values rounded to e4m3;
+void fill_device_e4m3(void* data, uint64_t n, uint32_t salt, void* stream);
 /// n copies of `value`;
 void fill_device_f32(float* data, uint64_t n, float value, void* stream);
 /// the key-gather micro-benchmark's (seq, topk) ids (KeyGatherConfig: random or causal).
@@ -272,6 +278,7 @@ struct OpCase {
   StartStagger start_stagger = StartStagger::automatic;  // IndexerOptions::start_stagger
   ForwardFusion forward_fusion = ForwardFusion::automatic;  // IndexerOptions::forward_fusion (one-call)
   TopkRanges ranges = TopkRanges::causal;                   // topk: the keys each query row sees
+  bool e4m3 = false;  // topk: index_q and index_k in float8 e4m3, with per-token scales
   uint64_t dk_table_bytes() const { return static_cast<uint64_t>(batch * seq * dim) * 4; }
 };
 

@@ -8,8 +8,12 @@
 //   c. the key gather's ids (the gather itself: gather_floor.cu).
 //   d. cuBLAS bf16 GEMM rate at a given shape, batched (the attention target's per-row
 //      GEMM, Hq x topk x Dqk).
+//   e. cuBLASLt float8 e4m3 GEMM rate (TN, the layout Hopper's fp8 GEMMs take; fp32
+//      compute, bf16 out), checked as b.
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -385,6 +389,14 @@ __global__ void fill_bf16_kernel(__nv_bfloat16* p, size_t n, uint32_t salt) {
     p[i] = __float2bfloat16_rn(gemm_value(i, salt));
 }
 
+__global__ void fill_e4m3_kernel(__nv_fp8_e4m3* p, size_t n, uint32_t salt) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x)
+    p[i] = __nv_fp8_e4m3(gemm_value(i, salt));
+}
+
+float host_e4m3_round(float f) { return static_cast<float>(__nv_fp8_e4m3(f)); }
+
 float host_bf16_round(float f) {  // round to nearest even, as __float2bfloat16_rn for finite values
   uint32_t u;
   std::memcpy(&u, &f, 4);
@@ -510,6 +522,102 @@ GemmResult measure_gemm(int size, int iters, int warmup, GemmLayout layout) {
   return g;
 }
 
+/// A cuBLASLt handle and the descriptors of one fp8 GEMM; destroyed on scope exit.
+struct CublasLtE4m3 {
+  cublasLtHandle_t h = nullptr;
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  CublasLtE4m3() = default;
+  CublasLtE4m3(const CublasLtE4m3&) = delete;
+  CublasLtE4m3& operator=(const CublasLtE4m3&) = delete;
+  ~CublasLtE4m3() {
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (c) cublasLtMatrixLayoutDestroy(c);
+    if (op) cublasLtMatmulDescDestroy(op);
+    if (h) cublasLtDestroy(h);
+  }
+};
+
+GemmResult measure_gemm_e4m3(int size, int iters, int warmup) {
+  if (size < 64 || size % 16 != 0 || iters < 1 || warmup < 0) {
+    throw Error(ErrorCode::invalid_argument, "gemm", "e4m3 GEMM size >= 64 and a multiple of 16, iters >= 1, warmup >= 0");
+  }
+  const int n = size;
+  GemmResult g;
+  g.m = g.n = g.k = n;
+  g.layout = GemmLayout::tn;
+  g.e4m3 = true;
+  const size_t elems = static_cast<size_t>(n) * n;
+  DeviceBuffer A(elems), B(elems), C(elems * 2);
+  Timer timer;
+  const uint32_t salt_a = 0xA11CEu, salt_b = 0xB0Bu;
+  fill_e4m3_kernel<<<1024, 256, 0, timer.stream>>>(A.as<__nv_fp8_e4m3>(), elems, salt_a);
+  check_cuda(cudaGetLastError(), "fill kernel launch");
+  fill_e4m3_kernel<<<1024, 256, 0, timer.stream>>>(B.as<__nv_fp8_e4m3>(), elems, salt_b);
+  check_cuda(cudaGetLastError(), "fill kernel launch");
+  // Column-major C (n x n, bf16) = A^T B: A stored (k x m), B stored (k x n), every
+  // leading dimension n; no scales (1).
+  CublasLtE4m3 lt;
+  check_cublas(cublasLtCreate(&lt.h), "cublasLtCreate");
+  check_cublas(cublasLtMatmulDescCreate(&lt.op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
+  const cublasOperation_t t = CUBLAS_OP_T, nn = CUBLAS_OP_N;
+  check_cublas(cublasLtMatmulDescSetAttribute(lt.op, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof t), "TRANSA");
+  check_cublas(cublasLtMatmulDescSetAttribute(lt.op, CUBLASLT_MATMUL_DESC_TRANSB, &nn, sizeof nn), "TRANSB");
+  check_cublas(cublasLtMatrixLayoutCreate(&lt.a, CUDA_R_8F_E4M3, n, n, n), "cublasLtMatrixLayoutCreate (A)");
+  check_cublas(cublasLtMatrixLayoutCreate(&lt.b, CUDA_R_8F_E4M3, n, n, n), "cublasLtMatrixLayoutCreate (B)");
+  check_cublas(cublasLtMatrixLayoutCreate(&lt.c, CUDA_R_16BF, n, n, n), "cublasLtMatrixLayoutCreate (C)");
+  DeviceBuffer ws(64ull << 20);
+  cublasLtMatmulPreference_t pref = nullptr;
+  check_cublas(cublasLtMatmulPreferenceCreate(&pref), "cublasLtMatmulPreferenceCreate");
+  const size_t ws_bytes = ws.bytes;
+  cublasLtMatmulHeuristicResult_t heuristic{};
+  int found = 0;
+  cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes,
+                                                           sizeof ws_bytes);
+  if (st == CUBLAS_STATUS_SUCCESS) {
+    st = cublasLtMatmulAlgoGetHeuristic(lt.h, lt.op, lt.a, lt.b, lt.c, lt.c, pref, 1, &heuristic, &found);
+  }
+  cublasLtMatmulPreferenceDestroy(pref);
+  check_cublas(st, "cublasLtMatmulAlgoGetHeuristic");
+  if (found < 1) throw Error(ErrorCode::internal, "gemm", "cuBLASLt offers no e4m3 GEMM for this device");
+  const float alpha = 1.0f, beta = 0.0f;
+  auto gemm = [&]() {
+    check_cublas(cublasLtMatmul(lt.h, lt.op, &alpha, A.ptr, lt.a, B.ptr, lt.b, &beta, C.ptr, lt.c, C.ptr, lt.c,
+                                &heuristic.algo, ws.ptr, ws.bytes, timer.stream),
+                 "cublasLtMatmul");
+  };
+  gemm();
+  check_cuda(cudaStreamSynchronize(timer.stream), "GEMM check launch");
+  g.check_ok = true;
+  for (int p = 0; p < 8; ++p) {
+    const int i = static_cast<int>(mix32(17u * p + 1u) % static_cast<uint32_t>(n));
+    const int j = static_cast<int>(mix32(31u * p + 7u) % static_cast<uint32_t>(n));
+    double ref = 0, scale = 0;
+    for (int kk = 0; kk < n; ++kk) {
+      const double a = host_e4m3_round(gemm_value(static_cast<uint64_t>(i) * n + kk, salt_a));
+      const double b = host_e4m3_round(gemm_value(static_cast<uint64_t>(j) * n + kk, salt_b));
+      ref += a * b;
+      scale += (a * b) * (a * b);
+    }
+    uint16_t got_bits = 0;
+    check_cuda(cudaMemcpy(&got_bits, C.as<__nv_bfloat16>() + static_cast<size_t>(j) * n + i, 2,
+                          cudaMemcpyDeviceToHost),
+               "cudaMemcpy D2H");
+    const double got = host_bf16_to_float(got_bits);
+    const double rel = std::fabs(got - ref) / std::max(std::fabs(ref), std::sqrt(scale));
+    g.max_rel_err = std::max(g.max_rel_err, rel);
+    if (!(rel <= 1e-2)) g.check_ok = false;
+  }
+  for (int i = 0; i < warmup; ++i) gemm();
+  check_cuda(cudaStreamSynchronize(timer.stream), "GEMM warm-up");
+  std::vector<float> ms;
+  for (int i = 0; i < iters; ++i) ms.push_back(timer.time(gemm));
+  g.t = stats_of(ms);
+  g.tflops = 2.0 * n * static_cast<double>(n) * n / (g.t.median_ms * 1e-3) / 1e12;
+  return g;
+}
+
 std::vector<GemmResult> measure_gemm_layouts(int size, int iters, int warmup) {
   std::vector<GemmResult> out;
   for (GemmLayout l : kAllGemmLayouts) out.push_back(measure_gemm(size, iters, warmup, l));
@@ -594,6 +702,11 @@ GemmResult measure_gemm_batched(int m, int n, int k, int batch, int iters, int w
 
 void fill_device_bf16(void* p, uint64_t n, uint32_t salt, void* stream) {
   fill_bf16_kernel<<<1024, 256, 0, static_cast<cudaStream_t>(stream)>>>(static_cast<__nv_bfloat16*>(p), n, salt);
+  check_cuda(cudaGetLastError(), "fill kernel launch");
+}
+
+void fill_device_e4m3(void* p, uint64_t n, uint32_t salt, void* stream) {
+  fill_e4m3_kernel<<<1024, 256, 0, static_cast<cudaStream_t>(stream)>>>(static_cast<__nv_fp8_e4m3*>(p), n, salt);
   check_cuda(cudaGetLastError(), "fill kernel launch");
 }
 

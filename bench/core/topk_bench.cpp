@@ -18,24 +18,49 @@ namespace {
 
 bool ranged(const OpCase& c) { return c.ranges != TopkRanges::causal; }
 
-/// One set's bytes: index_q, weights (bf16), index_k, starts and ends, ids and logits.
-uint64_t set_bytes_of(const OpCase& c) {
+constexpr int kBuffers = 8;
+
+/// Byte sizes of the buffers of views_of: index_q, weights (bf16), index_k, starts and
+/// ends, ids, logits, and with e4m3 inputs index_q_scale (per row and head) and
+/// index_k_scale (per key row).
+void buffer_bytes(const OpCase& c, uint64_t bytes[kBuffers]) {
   const uint64_t S = static_cast<uint64_t>(c.seq), Q = static_cast<uint64_t>(topk_query_rows(c.ranges, c.seq)),
                  H = static_cast<uint64_t>(c.heads), D = static_cast<uint64_t>(c.dim), K = static_cast<uint64_t>(c.topk);
-  return Q * H * D * 2 + Q * H * 2 + S * D * 2 + (ranged(c) ? Q * 8 : 0) + Q * K * 8;
+  const uint64_t element = c.e4m3 ? 1 : 2;
+  bytes[0] = Q * H * D * element;
+  bytes[1] = Q * H * 2;
+  bytes[2] = S * D * element;
+  bytes[3] = ranged(c) ? Q * 8 : 0;
+  bytes[4] = Q * K * 4;
+  bytes[5] = Q * K * 4;
+  bytes[6] = c.e4m3 ? Q * H * 4 : 0;
+  bytes[7] = c.e4m3 ? S * 4 : 0;
 }
 
-/// The case's views over six buffers (or placeholder addresses), device `dev`.
+/// One set's bytes.
+uint64_t set_bytes_of(const OpCase& c) {
+  uint64_t bytes[kBuffers], sum = 0;
+  buffer_bytes(c, bytes);
+  for (uint64_t b : bytes) sum += b;
+  return sum;
+}
+
+/// The case's views over the buffers of buffer_bytes (or placeholder addresses), device `dev`.
 struct TopkViews {
   IndexerTopkInputs in;
   IndexerTopkOutputs out;
 };
-TopkViews views_of(const OpCase& c, void* const ptr[6], DeviceType dev, int device_index) {
+TopkViews views_of(const OpCase& c, void* const ptr[kBuffers], DeviceType dev, int device_index) {
   const int64_t S = c.seq, Q = topk_query_rows(c.ranges, c.seq), H = c.heads, D = c.dim, K = c.topk;
+  const DType qk = c.e4m3 ? DType::e4m3 : DType::bf16;
   TopkViews v;
-  v.in.index_q = contiguous_view(ptr[0], DType::bf16, {1, Q, H, D}, dev, device_index);
+  v.in.index_q = contiguous_view(ptr[0], qk, {1, Q, H, D}, dev, device_index);
   v.in.weights = contiguous_view(ptr[1], DType::bf16, {1, Q, H}, dev, device_index);
-  v.in.index_k = contiguous_view(ptr[2], DType::bf16, {1, S, D}, dev, device_index);
+  v.in.index_k = contiguous_view(ptr[2], qk, {1, S, D}, dev, device_index);
+  if (c.e4m3) {
+    v.in.index_q_scale = contiguous_view(ptr[6], DType::f32, {1, Q, H}, dev, device_index);
+    v.in.index_k_scale = contiguous_view(ptr[7], DType::f32, {1, S}, dev, device_index);
+  }
   if (ranged(c)) {
     // starts and ends share one buffer: starts first, then ends.
     v.in.starts = contiguous_view(ptr[3], DType::i32, {1, Q}, dev, device_index);
@@ -44,18 +69,6 @@ TopkViews views_of(const OpCase& c, void* const ptr[6], DeviceType dev, int devi
   v.out.topk_indices = contiguous_view(ptr[4], DType::i32, {1, Q, K}, dev, device_index);
   v.out.topk_logits = contiguous_view(ptr[5], DType::f32, {1, Q, K}, dev, device_index);
   return v;
-}
-
-/// Byte sizes of the six buffers of views_of.
-void buffer_bytes(const OpCase& c, uint64_t bytes[6]) {
-  const uint64_t S = static_cast<uint64_t>(c.seq), Q = static_cast<uint64_t>(topk_query_rows(c.ranges, c.seq)),
-                 H = static_cast<uint64_t>(c.heads), D = static_cast<uint64_t>(c.dim), K = static_cast<uint64_t>(c.topk);
-  bytes[0] = Q * H * D * 2;
-  bytes[1] = Q * H * 2;
-  bytes[2] = S * D * 2;
-  bytes[3] = ranged(c) ? Q * 8 : 0;
-  bytes[4] = Q * K * 4;
-  bytes[5] = Q * K * 4;
 }
 
 /// BSHD, local ids, logit_descending (the order torch.topk returns).
@@ -69,22 +82,30 @@ IndexerTopkOptions topk_options() {
 }
 
 /// One set of the case's tensors on the device: q, w, k of magnitude [0.25, 1) with
-/// hashed signs (the weights too: some heads count negatively), the ranges uploaded.
+/// hashed signs (the weights too: some heads count negatively; e4m3: q and k rounded to
+/// it, every scale 1), the ranges uploaded.
 struct TopkSet {
   std::vector<DeviceBuffer> buf;
   TopkViews v;
   TopkSet(const OpCase& c, int device, uint32_t salt, const std::vector<int32_t>& ranges, cudaStream_t s) {
-    uint64_t bytes[6];
+    uint64_t bytes[kBuffers];
     buffer_bytes(c, bytes);
-    void* ptr[6];
-    buf.reserve(6);
-    for (int i = 0; i < 6; ++i) {
+    void* ptr[kBuffers];
+    buf.reserve(kBuffers);
+    for (int i = 0; i < kBuffers; ++i) {
       buf.emplace_back(bytes[i]);
       ptr[i] = buf.back().ptr;
     }
-    fill_device_bf16(ptr[0], bytes[0] / 2, salt, s);
+    if (c.e4m3) {
+      fill_device_e4m3(ptr[0], bytes[0], salt, s);
+      fill_device_e4m3(ptr[2], bytes[2], salt + 2, s);
+      fill_device_f32(static_cast<float*>(ptr[6]), bytes[6] / 4, 1.0f, s);
+      fill_device_f32(static_cast<float*>(ptr[7]), bytes[7] / 4, 1.0f, s);
+    } else {
+      fill_device_bf16(ptr[0], bytes[0] / 2, salt, s);
+      fill_device_bf16(ptr[2], bytes[2] / 2, salt + 2, s);
+    }
     fill_device_bf16(ptr[1], bytes[1] / 2, salt + 1, s);
-    fill_device_bf16(ptr[2], bytes[2] / 2, salt + 2, s);
     if (!ranges.empty()) {
       check_cuda(cudaMemcpyAsync(ptr[3], ranges.data(), ranges.size() * 4, cudaMemcpyHostToDevice, s),
                  "cudaMemcpyAsync (starts, ends)");
@@ -153,16 +174,21 @@ void check_topk_case(const OpCase& c) {
                 "the top-k on the cuda backend: H a multiple of 8 up to 128, D 64 or 128, got " +
                     std::to_string(c.heads) + "x" + std::to_string(c.dim));
   }
+  if (c.e4m3 && c.dim != 128) {
+    throw Error(ErrorCode::invalid_argument, "shapes",
+                "the top-k on the cuda backend with e4m3 inputs: D 128, got " + std::to_string(c.heads) + "x" +
+                    std::to_string(c.dim));
+  }
   if (c.topk < 1 || c.topk > 8192) {
     throw Error(ErrorCode::invalid_argument, "topk",
                 "the top-k on the cuda backend: 1 <= topk <= 8192, got " + std::to_string(c.topk));
   }
   // The library's own rules, on the cpu backend, with placeholder addresses never dereferenced.
-  uint64_t bytes[6];
+  uint64_t bytes[kBuffers];
   buffer_bytes(c, bytes);
-  void* ptr[6];
+  void* ptr[kBuffers];
   uint64_t at = 1ull << 40;
-  for (int i = 0; i < 6; ++i) {
+  for (int i = 0; i < kBuffers; ++i) {
     ptr[i] = reinterpret_cast<void*>(static_cast<uintptr_t>(at));
     at += (bytes[i] + 511) / 256 * 256;
   }

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # dsaib-bench's number flags (--l2-set-aside-mib, --sustained-ms) and the top-k's list flags
-# (--topk-shapes, --ranges): every bad value exits
+# (--topk-shapes, --ranges, --topk-dtype): every bad value exits
 # 2 with a message that names the flag and the value (a control character shown escaped,
 # as the CLI's messages show it), before any GPU is touched (so it runs in CI without
 # one). A good value gets past parsing (exit 0 with a GPU, 77 without).
@@ -54,6 +54,14 @@ check_list() {  # flag "bad items" good...
 check_list --topk-shapes "64x96 12x128 136x128 0x64 64 x128 064x128 64x0128 64X128 8x64x1 abc" \
   64x128 32x128,64x64 8x64 128x128
 check_list --ranges "random causal-shuffled cp_shard Causal" causal cp-shard causal,cp-shard
+check_list --topk-dtype "fp8 e5m2 BF16 e4m3fn f32" bf16 e4m3 bf16,e4m3
+# e4m3 inputs need D 128 on the cuda backend: refused naming the shape, before any GPU is used.
+err=$("$bench" --op topk --seq 16 --topk-dtype e4m3 --topk-shapes 64x64 2>&1 >/dev/null)
+rc=$?
+if [[ $rc -ne 2 || $err != *"e4m3"*"D 128, got 64x64"* ]]; then
+  echo "FAIL: --topk-dtype e4m3 --topk-shapes 64x64: rc=$rc, stderr: $err"
+  fail=1
+fi
 # A report that cannot be written is an error (exit 2), not a silent exit 0.
 if [[ -w /dev/full ]]; then
   err=$("$bench" --help 2>&1 >/dev/full)
