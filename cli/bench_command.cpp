@@ -46,6 +46,7 @@ constexpr const char* kBenchFooter =
     "  step, one-call:  floor ns/row = max(topk*D*4 B / scatter rate,\n"
     "                                      8*H*D*topk FLOP / GEMM rate, gather ns/row)\n"
     "  topk:            floor ns/row = visible keys per row * H*D*2 FLOP / GEMM rate\n"
+    "                   (e4m3 inputs: the e4m3 GEMM rate)\n"
     "                   (ns/row over the S_q query rows; after the timed launches, one call\n"
     "                   with the library's own workspace gives its extra memory: the\n"
     "                   workspace size, the memory pool's peak and the cudaMemGetInfo delta)\n"

@@ -261,7 +261,8 @@ inline constexpr const char* kBenchStepFloorFormula =
 inline constexpr const char* kBenchTopkFloorFormula =
     "topk: floor ns/row = visible keys per row * H * D * 2 FLOP / GEMM rate (every visible key's dot product with "
     "every head: the causal FLOPs summed over the rows, per row), where the GEMM rate is the best of cuBLAS bf16 "
-    "(fp32 compute) at 8192^3 at four operand layouts, measured in the same run";
+    "(fp32 compute) at 8192^3 at four operand layouts, or for e4m3 inputs cuBLASLt's e4m3 GEMM (TN, fp32 compute) "
+    "at 8192^3, measured in the same run";
 
 /// The per-case traffic floor (not the floor; a second reference), as the report states it.
 inline constexpr const char* kBenchTrafficFloorFormula =
