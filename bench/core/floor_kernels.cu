@@ -414,6 +414,30 @@ float host_bf16_to_float(uint16_t h) {
   return r;
 }
 
+/// Checks 8 hashed entries (i, j) of the column-major bf16 C (n x n) against a host dot
+/// product of a(i, kk) b(kk, j) over kk (the operands as the GEMM read them): sets
+/// g.check_ok (relative error <= 1e-2 of max(|dot|, the norm of its terms)) and g.max_rel_err.
+template <class A, class B>
+void check_gemm_entries(GemmResult& g, int n, const __nv_bfloat16* C, A&& a, B&& b) {
+  g.check_ok = true;
+  for (int p = 0; p < 8; ++p) {
+    const int i = static_cast<int>(mix32(17u * p + 1u) % static_cast<uint32_t>(n));
+    const int j = static_cast<int>(mix32(31u * p + 7u) % static_cast<uint32_t>(n));
+    double ref = 0, scale = 0;
+    for (int kk = 0; kk < n; ++kk) {
+      const double t = static_cast<double>(a(i, kk)) * static_cast<double>(b(kk, j));
+      ref += t;
+      scale += t * t;
+    }
+    uint16_t got_bits = 0;
+    check_cuda(cudaMemcpy(&got_bits, C + static_cast<size_t>(j) * n + i, 2, cudaMemcpyDeviceToHost), "cudaMemcpy D2H");
+    const double got = host_bf16_to_float(got_bits);
+    const double rel = std::fabs(got - ref) / std::max(std::fabs(ref), std::sqrt(scale));
+    g.max_rel_err = std::max(g.max_rel_err, rel);
+    if (!(rel <= 1e-2)) g.check_ok = false;
+  }
+}
+
 /// A cuBLAS handle on a stream, with its workspace; destroyed on scope exit.
 struct Cublas {
   cublasHandle_t h = nullptr;
@@ -493,26 +517,9 @@ GemmResult measure_gemm(int size, int iters, int warmup, GemmLayout layout) {
   // Check a few entries against a host dot product of the same (bf16-rounded) data.
   gemm();
   check_cuda(cudaStreamSynchronize(timer.stream), "GEMM check launch");
-  g.check_ok = true;
-  for (int p = 0; p < 8; ++p) {
-    const int i = static_cast<int>(mix32(17u * p + 1u) % static_cast<uint32_t>(n));
-    const int j = static_cast<int>(mix32(31u * p + 7u) % static_cast<uint32_t>(n));
-    double ref = 0, scale = 0;
-    for (int kk = 0; kk < n; ++kk) {
-      const double a = host_bf16_round(gemm_value(a_at(i, kk), salt_a));
-      const double b = host_bf16_round(gemm_value(b_at(kk, j), salt_b));
-      ref += a * b;
-      scale += (a * b) * (a * b);
-    }
-    uint16_t got_bits = 0;
-    check_cuda(cudaMemcpy(&got_bits, C.as<__nv_bfloat16>() + static_cast<size_t>(j) * n + i, 2,
-                          cudaMemcpyDeviceToHost),
-               "cudaMemcpy D2H");
-    const double got = host_bf16_to_float(got_bits);
-    const double rel = std::fabs(got - ref) / std::max(std::fabs(ref), std::sqrt(scale));
-    g.max_rel_err = std::max(g.max_rel_err, rel);
-    if (!(rel <= 1e-2)) g.check_ok = false;
-  }
+  check_gemm_entries(g, n, C.as<__nv_bfloat16>(),
+                     [&](int i, int kk) { return host_bf16_round(gemm_value(a_at(i, kk), salt_a)); },
+                     [&](int kk, int j) { return host_bf16_round(gemm_value(b_at(kk, j), salt_b)); });
   for (int i = 0; i < warmup; ++i) gemm();
   check_cuda(cudaStreamSynchronize(timer.stream), "GEMM warm-up");
   std::vector<float> ms;
@@ -589,26 +596,9 @@ GemmResult measure_gemm_e4m3(int size, int iters, int warmup) {
   };
   gemm();
   check_cuda(cudaStreamSynchronize(timer.stream), "GEMM check launch");
-  g.check_ok = true;
-  for (int p = 0; p < 8; ++p) {
-    const int i = static_cast<int>(mix32(17u * p + 1u) % static_cast<uint32_t>(n));
-    const int j = static_cast<int>(mix32(31u * p + 7u) % static_cast<uint32_t>(n));
-    double ref = 0, scale = 0;
-    for (int kk = 0; kk < n; ++kk) {
-      const double a = host_e4m3_round(gemm_value(static_cast<uint64_t>(i) * n + kk, salt_a));
-      const double b = host_e4m3_round(gemm_value(static_cast<uint64_t>(j) * n + kk, salt_b));
-      ref += a * b;
-      scale += (a * b) * (a * b);
-    }
-    uint16_t got_bits = 0;
-    check_cuda(cudaMemcpy(&got_bits, C.as<__nv_bfloat16>() + static_cast<size_t>(j) * n + i, 2,
-                          cudaMemcpyDeviceToHost),
-               "cudaMemcpy D2H");
-    const double got = host_bf16_to_float(got_bits);
-    const double rel = std::fabs(got - ref) / std::max(std::fabs(ref), std::sqrt(scale));
-    g.max_rel_err = std::max(g.max_rel_err, rel);
-    if (!(rel <= 1e-2)) g.check_ok = false;
-  }
+  check_gemm_entries(g, n, C.as<__nv_bfloat16>(),
+                     [&](int i, int kk) { return host_e4m3_round(gemm_value(static_cast<uint64_t>(i) * n + kk, salt_a)); },
+                     [&](int kk, int j) { return host_e4m3_round(gemm_value(static_cast<uint64_t>(j) * n + kk, salt_b)); });
   for (int i = 0; i < warmup; ++i) gemm();
   check_cuda(cudaStreamSynchronize(timer.stream), "GEMM warm-up");
   std::vector<float> ms;
