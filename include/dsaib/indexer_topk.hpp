@@ -20,8 +20,9 @@
 // them: fp64 on the cpu backend, fp32 accumulation of the bf16 products on the
 // cuda backend. Against exact arithmetic, an fp32 logit differs by at most
 //   beta[t, s] = 2^-21 * (D + H) * sum_h |weights[t, h]| * sum_d |index_q[t, h, d] * index_k[s, d]|
-// (e4m3 inputs: 2^-21 * (D + H + 2) * |index_k_scale[s]| * sum_h |weights[t, h] * index_q_scale[t, h]|
-//  * sum_d |index_q[t, h, d] * index_k[s, d]|, the two scale products rounded once each)
+// (e4m3 inputs: 2^-21 * (17 D + H + 2) * |index_k_scale[s]| * sum_h |weights[t, h] * index_q_scale[t, h]|
+//  * sum_d |index_q[t, h, d] * index_k[s, d]|: the two scale products rounded once each, and Hopper's
+//  fp8 wgmma accumulating each k32 block with fewer mantissa bits than fp32, 2^-12 per block)
 // so the cuda set can differ from the fp64 one only by keys whose logits lie
 // within the sum of their two bounds (check_indexer_topk()).
 #pragma once

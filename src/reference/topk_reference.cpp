@@ -127,8 +127,8 @@ struct RowAccess {
     return in.index_k_scale.present() ? s.k_scale * sum : sum;
   }
   /// The header's bound beta of the key loaded in s.k:
-  /// 2^-21 (D + H) sum_h |w_h| sum_d |q_hd k_d| (e4m3: D + H + 2, times |k_scale|,
-  /// w_h including index_q_scale).
+  /// 2^-21 (D + H) sum_h |w_h| sum_d |q_hd k_d| (e4m3: 17 D + H + 2, times |k_scale|,
+  /// w_h including index_q_scale: fp8 wgmma's accumulation, 2^-12 per k32 block).
   double beta(const TopkScratch& s) const {
     const int64_t H = g.heads, D = g.head_dim;
     double sum = 0.0;
@@ -139,7 +139,7 @@ struct RowAccess {
       sum += std::fabs(s.w[h]) * a;
     }
     if (in.index_q.dtype == DType::e4m3) {
-      return std::ldexp(static_cast<double>(D + H + 2), -21) * std::fabs(s.k_scale) * sum;
+      return std::ldexp(static_cast<double>(17 * D + H + 2), -21) * std::fabs(s.k_scale) * sum;
     }
     return std::ldexp(static_cast<double>(D + H), -21) * sum;
   }
