@@ -22,22 +22,6 @@ struct FwdCase {
   void (*mutate)(GeneratedProblem&) = nullptr;
 };
 
-GenerateSpec spec_of(Layout layout, int64_t h, int64_t d, int64_t topk, IdMode mode, IdPattern ids, uint64_t seed) {
-  GenerateSpec s = small_spec(seed);
-  s.layout = layout;
-  s.batch = 2;
-  s.s_q = 9;
-  s.s_kv = 40;
-  s.seqlens_q = {7, 0, 11};
-  s.seqlens_k = {40, 3, 26};
-  s.heads = h;
-  s.head_dim = d;
-  s.topk = topk;
-  s.id_mode = mode;
-  s.ids = ids;
-  return s;
-}
-
 void invalid_slots(GeneratedProblem& p) {
   invalidate_run(p, 0, Where::start, 2);
   set_out_of_range(p, 1, 0, 0);
@@ -49,13 +33,13 @@ void invalid_slots(GeneratedProblem& p) {
 std::vector<FwdCase> cases() {
   const IdPattern perm = IdPattern::random_permutation, causal = IdPattern::causal_topk;
   return {
-      {"bshd_h8_d64_local", spec_of(Layout::bshd, 8, 64, 16, IdMode::local, perm, 11)},
-      {"bshd_h64_d128_global_invalid", spec_of(Layout::bshd, 64, 128, 24, IdMode::global, perm, 12), invalid_slots},
-      {"bshd_h128_d128_causal", spec_of(Layout::bshd, 128, 128, 32, IdMode::local, causal, 13)},
-      {"bshd_topk1", spec_of(Layout::bshd, 16, 64, 1, IdMode::local, perm, 14)},
-      {"bshd_topk_past_skv", spec_of(Layout::bshd, 24, 64, 48, IdMode::local, perm, 15)},
-      {"thd_h40_d64_local_invalid", spec_of(Layout::thd, 40, 64, 20, IdMode::local, perm, 16), invalid_slots},
-      {"thd_h120_d128_global", spec_of(Layout::thd, 120, 128, 12, IdMode::global, causal, 17)},
+      {"bshd_h8_d64_local", small_ragged_spec(Layout::bshd, 8, 64, 16, IdMode::local, perm, 11)},
+      {"bshd_h64_d128_global_invalid", small_ragged_spec(Layout::bshd, 64, 128, 24, IdMode::global, perm, 12), invalid_slots},
+      {"bshd_h128_d128_causal", small_ragged_spec(Layout::bshd, 128, 128, 32, IdMode::local, causal, 13)},
+      {"bshd_topk1", small_ragged_spec(Layout::bshd, 16, 64, 1, IdMode::local, perm, 14)},
+      {"bshd_topk_past_skv", small_ragged_spec(Layout::bshd, 24, 64, 48, IdMode::local, perm, 15)},
+      {"thd_h40_d64_local_invalid", small_ragged_spec(Layout::thd, 40, 64, 20, IdMode::local, perm, 16), invalid_slots},
+      {"thd_h120_d128_global", small_ragged_spec(Layout::thd, 120, 128, 12, IdMode::global, causal, 17)},
   };
 }
 
@@ -100,7 +84,7 @@ TEST(KlForward, CpuBackendWritesTheReferenceInF32) {
 /// the f32 row_lse is off by up to 2.4e-4 (half its ulp), the same for every
 /// slot of the row.
 GeneratedProblem large_lse_problem(Layout layout, uint64_t seed) {
-  GeneratedProblem p = make_problem(spec_of(layout, 64, 128, 24, IdMode::local, IdPattern::random_permutation, seed));
+  GeneratedProblem p = make_problem(small_ragged_spec(layout, 64, 128, 24, IdMode::local, IdPattern::random_permutation, seed));
   give_logits_a_common_part(p, /*q_common=*/16, /*sm_scale_log2=*/-4, seed);
   return p;
 }
@@ -139,7 +123,7 @@ TEST(KlForward, TargetMassIsDividedByTheSumOfPRebuiltFromTheF32Lse) {
 }
 
 TEST(KlForward, RowsWithoutValidSlotGiveMinusInfinityAndNoTerm) {
-  GeneratedProblem p = make_problem(spec_of(Layout::bshd, 8, 64, 8, IdMode::local, IdPattern::random_permutation, 21));
+  GeneratedProblem p = make_problem(small_ragged_spec(Layout::bshd, 8, 64, 8, IdMode::local, IdPattern::random_permutation, 21));
   IndexerOptions opt = p.options();
   const double full = reference_kl_forward(forward_inputs(p), opt).loss;
   invalidate_row(p, 4);
@@ -172,7 +156,7 @@ TEST(KlForward, LossEqualsIndexerKlLoss) {
 }
 
 TEST(KlForward, IndexScoreIsOptionalAndThreadsDoNotMatter) {
-  GeneratedProblem p = make_problem(spec_of(Layout::thd, 32, 128, 16, IdMode::local, IdPattern::causal_topk, 31));
+  GeneratedProblem p = make_problem(small_ragged_spec(Layout::thd, 32, 128, 16, IdMode::local, IdPattern::causal_topk, 31));
   IndexerOptions opt = p.options();
   opt.num_threads = 1;
   ForwardBuffers a = make_forward_buffers(p), b = make_forward_buffers(p);
@@ -187,7 +171,7 @@ TEST(KlForward, IndexScoreIsOptionalAndThreadsDoNotMatter) {
 }
 
 TEST(KlForward, NanTargetAtAValidSlotMakesTheLossNan) {
-  GeneratedProblem p = make_problem(spec_of(Layout::bshd, 8, 64, 8, IdMode::local, IdPattern::random_permutation, 41));
+  GeneratedProblem p = make_problem(small_ragged_spec(Layout::bshd, 8, 64, 8, IdMode::local, IdPattern::random_permutation, 41));
   p.attn_score.data<float>()[3 * topk(p) + 2] = std::numeric_limits<float>::quiet_NaN();
   ForwardBuffers b = make_forward_buffers(p);
   indexer_kl_forward(forward_inputs(p), b.views(), p.options());
@@ -212,7 +196,7 @@ void expect_rejected(const GeneratedProblem& p, const IndexerInputs& in, const I
 }
 
 TEST(KlForward, ValidationNamesTheArgumentBeforeAnyWrite) {
-  GeneratedProblem p = make_problem(spec_of(Layout::bshd, 8, 64, 8, IdMode::local, IdPattern::random_permutation, 51));
+  GeneratedProblem p = make_problem(small_ragged_spec(Layout::bshd, 8, 64, 8, IdMode::local, IdPattern::random_permutation, 51));
   ForwardBuffers b = make_forward_buffers(p);
   const IndexerInputs in = forward_inputs(p);
   expect_rejected(p, p.inputs(), b.views(), b, "index_score", "absent");
@@ -262,7 +246,7 @@ TEST(KlForward, ValidationNamesTheArgumentBeforeAnyWrite) {
 }
 
 TEST(KlForward, CAbiMatchesTheCppApi) {
-  GeneratedProblem p = make_problem(spec_of(Layout::thd, 16, 64, 12, IdMode::global, IdPattern::random_permutation, 61));
+  GeneratedProblem p = make_problem(small_ragged_spec(Layout::thd, 16, 64, 12, IdMode::global, IdPattern::random_permutation, 61));
   const IndexerInputs i = forward_inputs(p);
   dsaib_inputs in = {to_c(i.index_q),    to_c(i.weights),     to_c(i.index_k),      to_c(i.topk_indices),
                      to_c(i.attn_score), to_c(i.index_score), to_c(i.cu_seqlens_q), to_c(i.cu_seqlens_k)};

@@ -21,22 +21,6 @@
 namespace dsaib::test {
 namespace {
 
-GenerateSpec spec_of(Layout layout, int64_t h, int64_t d, int64_t k, IdMode mode, IdPattern ids, uint64_t seed) {
-  GenerateSpec s = small_spec(seed);
-  s.layout = layout;
-  s.batch = 2;
-  s.s_q = 9;
-  s.s_kv = 40;
-  s.seqlens_q = {7, 0, 11};
-  s.seqlens_k = {40, 3, 26};
-  s.heads = h;
-  s.head_dim = d;
-  s.topk = k;
-  s.id_mode = mode;
-  s.ids = ids;
-  return s;
-}
-
 void invalid_slots(GeneratedProblem& p) {
   invalidate_run(p, 0, Where::start, 2);
   set_out_of_range(p, 1, 0, 0);
@@ -52,11 +36,11 @@ struct Case {
 std::vector<Case> cases() {
   const IdPattern perm = IdPattern::random_permutation, causal = IdPattern::causal_topk;
   return {
-      {"bshd_h8_d64_local", spec_of(Layout::bshd, 8, 64, 16, IdMode::local, perm, 81)},
-      {"bshd_h64_d128_global", spec_of(Layout::bshd, 64, 128, 24, IdMode::global, perm, 82)},
-      {"bshd_topk1", spec_of(Layout::bshd, 16, 64, 1, IdMode::local, perm, 83)},
-      {"thd_h40_d64_local", spec_of(Layout::thd, 40, 64, 20, IdMode::local, causal, 84)},
-      {"thd_h120_d128_global", spec_of(Layout::thd, 120, 128, 12, IdMode::global, perm, 85)},
+      {"bshd_h8_d64_local", small_ragged_spec(Layout::bshd, 8, 64, 16, IdMode::local, perm, 81)},
+      {"bshd_h64_d128_global", small_ragged_spec(Layout::bshd, 64, 128, 24, IdMode::global, perm, 82)},
+      {"bshd_topk1", small_ragged_spec(Layout::bshd, 16, 64, 1, IdMode::local, perm, 83)},
+      {"thd_h40_d64_local", small_ragged_spec(Layout::thd, 40, 64, 20, IdMode::local, causal, 84)},
+      {"thd_h120_d128_global", small_ragged_spec(Layout::thd, 120, 128, 12, IdMode::global, perm, 85)},
   };
 }
 
@@ -122,7 +106,7 @@ TEST(KlForwardFromLogits, CpuBackendWritesItsReferenceInF32) {
 
 TEST(KlForwardFromLogits, FollowsTheIndexerTopkOutputs) {
   for (Layout layout : {Layout::bshd, Layout::thd}) {
-    GeneratedProblem p = make_problem(spec_of(layout, 16, 64, 12, IdMode::local, IdPattern::causal_topk, 91));
+    GeneratedProblem p = make_problem(small_ragged_spec(layout, 16, 64, 12, IdMode::local, IdPattern::causal_topk, 91));
     const bool thd = layout == Layout::thd;
     IndexerTopkInputs tin{p.index_q.view(), p.weights.view(), p.index_k.view(), {}, {},
                           thd ? p.cu_seqlens_q.view() : TensorView{}, thd ? p.cu_seqlens_k.view() : TensorView{}};
@@ -275,7 +259,7 @@ void expect_invalid(const std::function<void()>& fn, const std::string& arg, con
 }
 
 TEST(KlForwardFromLogits, ValidationNamesTopkLogitsBeforeAnyWrite) {
-  GeneratedProblem p = make_problem(spec_of(Layout::bshd, 8, 64, 8, IdMode::local, IdPattern::random_permutation, 95));
+  GeneratedProblem p = make_problem(small_ragged_spec(Layout::bshd, 8, 64, 8, IdMode::local, IdPattern::random_permutation, 95));
   const HostTensor logits = logits_of(p, DType::f32);
   ForwardBuffers b = make_forward_buffers(p);
   const IndexerOptions opt = p.options();
@@ -325,7 +309,7 @@ TEST(KlForwardFromLogits, ValidationNamesTopkLogitsBeforeAnyWrite) {
 }
 
 TEST(KlForwardFromLogits, CAbiMatchesTheCppApi) {
-  GeneratedProblem p = make_problem(spec_of(Layout::thd, 16, 64, 12, IdMode::global, IdPattern::random_permutation, 97));
+  GeneratedProblem p = make_problem(small_ragged_spec(Layout::thd, 16, 64, 12, IdMode::global, IdPattern::random_permutation, 97));
   const HostTensor logits = logits_of(p, DType::f32);
   const IndexerInputs i = with_logits(p, logits);
   dsaib_inputs in{};

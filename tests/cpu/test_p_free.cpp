@@ -23,21 +23,6 @@
 namespace dsaib::test {
 namespace {
 
-GenerateSpec spec_of(Layout layout, int64_t h, int64_t d, int64_t topk, IdMode mode, uint64_t seed) {
-  GenerateSpec s = small_spec(seed);
-  s.layout = layout;
-  s.batch = 2;
-  s.s_q = 9;
-  s.s_kv = 40;
-  s.seqlens_q = {7, 0, 11};
-  s.seqlens_k = {40, 3, 26};
-  s.heads = h;
-  s.head_dim = d;
-  s.topk = topk;
-  s.id_mode = mode;
-  return s;
-}
-
 void invalid_slots(GeneratedProblem& p) {
   invalidate_run(p, 0, Where::start, 2);
   set_out_of_range(p, 1, 0, 0);
@@ -51,10 +36,10 @@ struct Case {
 };
 
 std::vector<Case> cases() {
-  return {{"bshd_h8_d64_local", spec_of(Layout::bshd, 8, 64, 16, IdMode::local, 21)},
-          {"bshd_h64_d128_global", spec_of(Layout::bshd, 64, 128, 24, IdMode::global, 22)},
-          {"thd_h40_d64_local", spec_of(Layout::thd, 40, 64, 20, IdMode::local, 23)},
-          {"thd_h128_d128_global", spec_of(Layout::thd, 128, 128, 12, IdMode::global, 24)}};
+  return {{"bshd_h8_d64_local", small_ragged_spec(Layout::bshd, 8, 64, 16, IdMode::local, IdPattern::causal_topk, 21)},
+          {"bshd_h64_d128_global", small_ragged_spec(Layout::bshd, 64, 128, 24, IdMode::global, IdPattern::causal_topk, 22)},
+          {"thd_h40_d64_local", small_ragged_spec(Layout::thd, 40, 64, 20, IdMode::local, IdPattern::causal_topk, 23)},
+          {"thd_h128_d128_global", small_ragged_spec(Layout::thd, 128, 128, 12, IdMode::global, IdPattern::causal_topk, 24)}};
 }
 
 /// The P-free inputs of a problem: its inputs without index_score, with the
@@ -148,7 +133,7 @@ std::string error_of(const std::function<void()>& fn) {
 /// one-call function's fp64 path: the fp64 statistics, nothing rounded).
 TEST(PFree, LargeCommonLogitPartKeepsTheGradientsExact) {
   for (Layout layout : {Layout::bshd, Layout::thd}) {
-    GeneratedProblem p = make_problem(spec_of(layout, 64, 128, 24, IdMode::local, 81));
+    GeneratedProblem p = make_problem(small_ragged_spec(layout, 64, 128, 24, IdMode::local, IdPattern::causal_topk, 81));
     give_logits_a_common_part(p, /*q_common=*/16, /*sm_scale_log2=*/-4, 81);
     invalid_slots(p);
     IndexerOptions opt = p.options();

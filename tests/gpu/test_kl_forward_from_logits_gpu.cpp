@@ -28,25 +28,6 @@ namespace {
 constexpr double kLossRel = 1e-6, kLseAbs = 1e-5, kPRel = 1e-5, kMassRel = 1e-5;
 constexpr double kPFloor = 1e-30, kPAbsBelowFloor = 1e-35;
 
-GenerateSpec spec_of(Layout layout, int64_t h, int64_t d, int64_t k, int64_t s_q, int64_t s_kv, IdMode mode,
-                     IdPattern ids, uint64_t seed) {
-  GenerateSpec s;
-  s.layout = layout;
-  s.batch = 2;
-  s.s_q = s_q;
-  s.s_kv = s_kv;
-  s.seqlens_q = {s_q, 0, s_q / 2 + 3};
-  s.seqlens_k = {s_kv, 5, s_kv / 2 + 1};
-  s.heads = h;
-  s.head_dim = d;
-  s.topk = k;
-  s.id_mode = mode;
-  s.ids = ids;
-  s.seed = seed;
-  s.num_threads = 0;
-  return s;
-}
-
 void invalid_slots(GeneratedProblem& p) {
   invalidate_run(p, 0, Where::start, std::min<int64_t>(5, topk(p)));
   set_out_of_range(p, 2, 0, 0);
@@ -62,13 +43,13 @@ struct Case {
 std::vector<Case> cases() {
   const IdPattern perm = IdPattern::random_permutation, causal = IdPattern::causal_topk;
   return {
-      {"bshd_h64_d128_causal", spec_of(Layout::bshd, 64, 128, 64, 96, 96, IdMode::local, causal, 101)},
-      {"bshd_h8_d64", spec_of(Layout::bshd, 8, 64, 40, 33, 80, IdMode::local, perm, 102)},
-      {"bshd_h128_d128_global", spec_of(Layout::bshd, 128, 128, 100, 20, 150, IdMode::global, perm, 103)},
-      {"bshd_h72_d128_topk1", spec_of(Layout::bshd, 72, 128, 1, 40, 40, IdMode::local, perm, 104)},
-      {"bshd_h32_d128_topk2500", spec_of(Layout::bshd, 32, 128, 2500, 6, 3000, IdMode::local, perm, 105)},
-      {"thd_h16_d128_local", spec_of(Layout::thd, 16, 128, 48, 40, 70, IdMode::local, perm, 106)},
-      {"thd_h128_d64_global", spec_of(Layout::thd, 128, 64, 1100, 9, 1500, IdMode::global, perm, 107)},
+      {"bshd_h64_d128_causal", ragged_spec(Layout::bshd, 64, 128, 64, 96, 96, IdMode::local, causal, 101)},
+      {"bshd_h8_d64", ragged_spec(Layout::bshd, 8, 64, 40, 33, 80, IdMode::local, perm, 102)},
+      {"bshd_h128_d128_global", ragged_spec(Layout::bshd, 128, 128, 100, 20, 150, IdMode::global, perm, 103)},
+      {"bshd_h72_d128_topk1", ragged_spec(Layout::bshd, 72, 128, 1, 40, 40, IdMode::local, perm, 104)},
+      {"bshd_h32_d128_topk2500", ragged_spec(Layout::bshd, 32, 128, 2500, 6, 3000, IdMode::local, perm, 105)},
+      {"thd_h16_d128_local", ragged_spec(Layout::thd, 16, 128, 48, 40, 70, IdMode::local, perm, 106)},
+      {"thd_h128_d64_global", ragged_spec(Layout::thd, 128, 64, 1100, 9, 1500, IdMode::global, perm, 107)},
   };
 }
 
@@ -154,7 +135,7 @@ TEST(Sanitized, KlForwardFromLogits) {
 }
 
 TEST_F(KlForwardFromLogitsGpu, BitwiseReproducibleAndIndexScoreOptional) {
-  GeneratedProblem p = make_problem(spec_of(Layout::bshd, 64, 128, 512, 200, 700, IdMode::local,
+  GeneratedProblem p = make_problem(ragged_spec(Layout::bshd, 64, 128, 512, 200, 700, IdMode::local,
                                             IdPattern::random_permutation, 111));
   const HostTensor logits = logits_of(p);
   DeviceProblem d(p);
@@ -271,7 +252,7 @@ TEST_F(KlForwardFromLogitsGpu, OneCallMatchesTheFp64OneCall) {
 
 /// indexer_topk's device outputs feed the loss directly: ids and logits as written.
 TEST_F(KlForwardFromLogitsGpu, FollowsTheDeviceTopk) {
-  GeneratedProblem p = make_problem(spec_of(Layout::bshd, 64, 128, 256, 300, 300, IdMode::local,
+  GeneratedProblem p = make_problem(ragged_spec(Layout::bshd, 64, 128, 256, 300, 300, IdMode::local,
                                             IdPattern::causal_topk, 121));
   DeviceProblem d(p);
   DeviceTensor ids(DType::i32, p.topk_indices.shape), logits(DType::f32, p.topk_indices.shape);

@@ -57,25 +57,6 @@ struct GpuCase {
   void (*mutate)(GeneratedProblem&) = nullptr;
 };
 
-GenerateSpec spec_of(Layout layout, int64_t h, int64_t d, int64_t topk, int64_t s_q, int64_t s_kv, IdMode mode,
-                     IdPattern ids, uint64_t seed) {
-  GenerateSpec s;
-  s.layout = layout;
-  s.batch = 2;
-  s.s_q = s_q;
-  s.s_kv = s_kv;
-  s.seqlens_q = {s_q, 0, s_q / 2 + 3};
-  s.seqlens_k = {s_kv, 5, s_kv / 2 + 1};
-  s.heads = h;
-  s.head_dim = d;
-  s.topk = topk;
-  s.id_mode = mode;
-  s.ids = ids;
-  s.seed = seed;
-  s.num_threads = 0;
-  return s;
-}
-
 void invalid_slots(GeneratedProblem& p) {
   invalidate_run(p, 0, Where::start, std::min<int64_t>(5, topk(p)));
   invalidate_run(p, 1, Where::middle, std::min<int64_t>(70, topk(p)));
@@ -88,16 +69,16 @@ void invalid_slots(GeneratedProblem& p) {
 std::vector<GpuCase> cases() {
   const IdPattern perm = IdPattern::random_permutation, causal = IdPattern::causal_topk;
   return {
-      {"bshd_h64_d128_causal", spec_of(Layout::bshd, 64, 128, 64, 96, 96, IdMode::local, causal, 1)},
-      {"bshd_h8_d64", spec_of(Layout::bshd, 8, 64, 40, 33, 80, IdMode::local, perm, 2)},
-      {"bshd_h128_d128_invalid", spec_of(Layout::bshd, 128, 128, 100, 20, 150, IdMode::local, perm, 3), invalid_slots},
-      {"bshd_h120_d64_global", spec_of(Layout::bshd, 120, 64, 72, 17, 90, IdMode::global, perm, 4), invalid_slots},
-      {"bshd_h72_d128_topk1", spec_of(Layout::bshd, 72, 128, 1, 40, 40, IdMode::local, perm, 5)},
-      {"bshd_h32_d128_topk2500", spec_of(Layout::bshd, 32, 128, 2500, 6, 3000, IdMode::local, perm, 6), invalid_slots},
-      {"bshd_h64_d64_topk_past_skv", spec_of(Layout::bshd, 64, 64, 300, 12, 200, IdMode::local, perm, 7)},
-      {"thd_h16_d128_local", spec_of(Layout::thd, 16, 128, 48, 40, 70, IdMode::local, perm, 8), invalid_slots},
-      {"thd_h128_d64_global", spec_of(Layout::thd, 128, 64, 1100, 9, 1500, IdMode::global, perm, 9), invalid_slots},
-      {"thd_h48_d128_causal", spec_of(Layout::thd, 48, 128, 32, 50, 50, IdMode::global, causal, 10)},
+      {"bshd_h64_d128_causal", ragged_spec(Layout::bshd, 64, 128, 64, 96, 96, IdMode::local, causal, 1)},
+      {"bshd_h8_d64", ragged_spec(Layout::bshd, 8, 64, 40, 33, 80, IdMode::local, perm, 2)},
+      {"bshd_h128_d128_invalid", ragged_spec(Layout::bshd, 128, 128, 100, 20, 150, IdMode::local, perm, 3), invalid_slots},
+      {"bshd_h120_d64_global", ragged_spec(Layout::bshd, 120, 64, 72, 17, 90, IdMode::global, perm, 4), invalid_slots},
+      {"bshd_h72_d128_topk1", ragged_spec(Layout::bshd, 72, 128, 1, 40, 40, IdMode::local, perm, 5)},
+      {"bshd_h32_d128_topk2500", ragged_spec(Layout::bshd, 32, 128, 2500, 6, 3000, IdMode::local, perm, 6), invalid_slots},
+      {"bshd_h64_d64_topk_past_skv", ragged_spec(Layout::bshd, 64, 64, 300, 12, 200, IdMode::local, perm, 7)},
+      {"thd_h16_d128_local", ragged_spec(Layout::thd, 16, 128, 48, 40, 70, IdMode::local, perm, 8), invalid_slots},
+      {"thd_h128_d64_global", ragged_spec(Layout::thd, 128, 64, 1100, 9, 1500, IdMode::global, perm, 9), invalid_slots},
+      {"thd_h48_d128_causal", ragged_spec(Layout::thd, 48, 128, 32, 50, 50, IdMode::global, causal, 10)},
   };
 }
 
@@ -107,7 +88,7 @@ std::vector<GpuCase> cases() {
 /// score thread), while the fp64 reference's logit stays finite (~-1e39, P
 /// exactly 0). Every row keeps finite logits (keys with q.k <= 0 there).
 GeneratedProblem minus_inf_logits_problem() {
-  GenerateSpec s = spec_of(Layout::bshd, 64, 128, 200, 24, 400, IdMode::local, IdPattern::random_permutation, 71);
+  GenerateSpec s = ragged_spec(Layout::bshd, 64, 128, 200, 24, 400, IdMode::local, IdPattern::random_permutation, 71);
   s.weights_f32 = true;
   GeneratedProblem p = make_problem(s);
   const int64_t H = p.spec.heads, R = num_q_rows(p);
@@ -119,7 +100,7 @@ GeneratedProblem minus_inf_logits_problem() {
 /// LargeCommonLogitPart's wide cases): rows with log P < -99 take the pass over
 /// their slots for the loss term and mass.
 GeneratedProblem wide_spread_problem() {
-  GeneratedProblem p = make_problem(spec_of(Layout::thd, 64, 128, 300, 24, 600, IdMode::global,
+  GeneratedProblem p = make_problem(ragged_spec(Layout::thd, 64, 128, 300, 24, 600, IdMode::global,
                                             IdPattern::random_permutation, 72));
   give_logits_a_common_part(p, 2, 0, 72);
   p.sm_scale = p.spec.sm_scale = 0.75f;
@@ -206,7 +187,7 @@ TEST_F(KlForwardGpu, LargeCommonLogitPart) {
   const double eps = std::exp(-100.0);
   uint64_t seed = 61;
   for (const C& c : cases) {
-    GeneratedProblem p = make_problem(spec_of(c.layout, c.h, c.d, c.topk, 24, c.topk + 300, IdMode::local,
+    GeneratedProblem p = make_problem(ragged_spec(c.layout, c.h, c.d, c.topk, 24, c.topk + 300, IdMode::local,
                                               IdPattern::random_permutation, seed));
     give_logits_a_common_part(p, c.q_common, c.sm_scale_log2, seed++);
     if (c.clipped) {
@@ -309,7 +290,7 @@ TEST(Sanitized, KlForwardEveryCase) {
 }
 
 TEST_F(KlForwardGpu, WeightsF32AndStrictIds) {
-  GenerateSpec s = spec_of(Layout::bshd, 40, 128, 64, 30, 64, IdMode::local, IdPattern::random_permutation, 21);
+  GenerateSpec s = ragged_spec(Layout::bshd, 40, 128, 64, 30, 64, IdMode::local, IdPattern::random_permutation, 21);
   s.weights_f32 = true;
   GeneratedProblem p = make_problem(s);
   IndexerOptions opt = p.options();
@@ -325,7 +306,7 @@ TEST_F(KlForwardGpu, WeightsF32AndStrictIds) {
 }
 
 TEST_F(KlForwardGpu, NanNeverPasses) {
-  GeneratedProblem p = make_problem(spec_of(Layout::bshd, 64, 128, 64, 16, 64, IdMode::local, IdPattern::random_permutation, 31));
+  GeneratedProblem p = make_problem(ragged_spec(Layout::bshd, 64, 128, 64, 16, 64, IdMode::local, IdPattern::random_permutation, 31));
   p.attn_score.data<float>()[5 * topk(p) + 3] = std::numeric_limits<float>::quiet_NaN();
   DeviceProblem d(p);
   DeviceForwardOutputs out(p);
@@ -352,7 +333,7 @@ TEST_F(KlForwardGpu, MinusInfinityLogitsAreSlotsOfZeroProbability) {
 }
 
 TEST_F(KlForwardGpu, BitwiseReproducibleAndIndexScoreOptional) {
-  GeneratedProblem p = make_problem(spec_of(Layout::bshd, 64, 128, 512, 200, 700, IdMode::local, IdPattern::random_permutation, 41));
+  GeneratedProblem p = make_problem(ragged_spec(Layout::bshd, 64, 128, 512, 200, 700, IdMode::local, IdPattern::random_permutation, 41));
   DeviceProblem d(p);
   IndexerOptions opt = p.options();
   opt.backend = Backend::cuda;
@@ -372,7 +353,7 @@ TEST_F(KlForwardGpu, BitwiseReproducibleAndIndexScoreOptional) {
 }
 
 TEST_F(KlForwardGpu, CapturedInACudaGraph) {
-  GeneratedProblem p = make_problem(spec_of(Layout::bshd, 64, 128, 128, 64, 256, IdMode::local, IdPattern::random_permutation, 51));
+  GeneratedProblem p = make_problem(ragged_spec(Layout::bshd, 64, 128, 128, 64, 256, IdMode::local, IdPattern::random_permutation, 51));
   DeviceProblem d(p);
   IndexerOptions opt = p.options();
   opt.backend = Backend::cuda;

@@ -61,6 +61,42 @@ GenerateSpec small_spec(uint64_t seed) {
   return s;
 }
 
+GenerateSpec small_ragged_spec(Layout layout, int64_t heads, int64_t head_dim, int64_t topk, IdMode mode,
+                               IdPattern ids, uint64_t seed) {
+  GenerateSpec s = small_spec(seed);
+  s.layout = layout;
+  s.batch = 2;
+  s.s_q = 9;
+  s.s_kv = 40;
+  s.seqlens_q = {7, 0, 11};
+  s.seqlens_k = {40, 3, 26};
+  s.heads = heads;
+  s.head_dim = head_dim;
+  s.topk = topk;
+  s.id_mode = mode;
+  s.ids = ids;
+  return s;
+}
+
+GenerateSpec ragged_spec(Layout layout, int64_t heads, int64_t head_dim, int64_t topk, int64_t s_q, int64_t s_kv,
+                         IdMode mode, IdPattern ids, uint64_t seed) {
+  GenerateSpec s;
+  s.layout = layout;
+  s.batch = 2;
+  s.s_q = s_q;
+  s.s_kv = s_kv;
+  s.seqlens_q = {s_q, 0, s_q / 2 + 3};
+  s.seqlens_k = {s_kv, 5, s_kv / 2 + 1};
+  s.heads = heads;
+  s.head_dim = head_dim;
+  s.topk = topk;
+  s.id_mode = mode;
+  s.ids = ids;
+  s.seed = seed;
+  s.num_threads = 0;
+  return s;
+}
+
 GeneratedProblem make_problem(const GenerateSpec& spec) { return generate_problem(spec); }
 
 int64_t num_q_rows(const GeneratedProblem& p) { return p.topk_indices.shape.empty() ? 0 : p.topk_indices.numel() / topk(p); }

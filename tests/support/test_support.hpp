@@ -31,6 +31,14 @@ namespace dsaib::test {
 
 /// A small default spec: BSHD, B2, S 24, H8, D64, topk 16, causal ids, 2 threads.
 GenerateSpec small_spec(uint64_t seed = 1);
+/// small_spec's problem made ragged, at the given shape, id mode and ids: BSHD B 2
+/// (S_q 9, S_kv 40), or THD sequences of q {7, 0, 11} and k {40, 3, 26} rows.
+GenerateSpec small_ragged_spec(Layout layout, int64_t heads, int64_t head_dim, int64_t topk, IdMode mode,
+                               IdPattern ids, uint64_t seed);
+/// A ragged problem of any size on all threads: BSHD B 2 (s_q x s_kv), or THD sequences
+/// of q {s_q, 0, s_q / 2 + 3} and k {s_kv, 5, s_kv / 2 + 1} rows.
+GenerateSpec ragged_spec(Layout layout, int64_t heads, int64_t head_dim, int64_t topk, int64_t s_q, int64_t s_kv,
+                         IdMode mode, IdPattern ids, uint64_t seed);
 
 /// generate_problem(spec).
 GeneratedProblem make_problem(const GenerateSpec& spec);
