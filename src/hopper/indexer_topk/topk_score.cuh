@@ -116,6 +116,10 @@ struct TopkScore {
         for (int j = 0; j < kRows; ++j) {
           if (sel.count[j] > p.candidate_capacity - kBlock) cut_buffer(j, sel);
         }
+        // Every warp has read the counts before any warp's next appends change
+        // them (nothing else orders a fast warp's next atomics after a slow
+        // warp's reads: the next GEMM's issue waits for no other warp).
+        select_sync();
       };
       if (num_tiles > 0) {
         issue(acc0, 0);
