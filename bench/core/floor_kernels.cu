@@ -414,28 +414,40 @@ float host_bf16_to_float(uint16_t h) {
   return r;
 }
 
-/// Checks 8 hashed entries (i, j) of the column-major bf16 C (n x n) against a host dot
-/// product of a(i, kk) b(kk, j) over kk (the operands as the GEMM read them): sets
-/// g.check_ok (relative error <= 1e-2 of max(|dot|, the norm of its terms)) and g.max_rel_err.
-template <class A, class B>
-void check_gemm_entries(GemmResult& g, int n, const __nv_bfloat16* C, A&& a, B&& b) {
-  g.check_ok = true;
-  for (int p = 0; p < 8; ++p) {
-    const int i = static_cast<int>(mix32(17u * p + 1u) % static_cast<uint32_t>(n));
-    const int j = static_cast<int>(mix32(31u * p + 7u) % static_cast<uint32_t>(n));
-    double ref = 0, scale = 0;
-    for (int kk = 0; kk < n; ++kk) {
-      const double t = static_cast<double>(a(i, kk)) * static_cast<double>(b(kk, j));
-      ref += t;
-      scale += t * t;
-    }
-    uint16_t got_bits = 0;
-    check_cuda(cudaMemcpy(&got_bits, C + static_cast<size_t>(j) * n + i, 2, cudaMemcpyDeviceToHost), "cudaMemcpy D2H");
-    const double got = host_bf16_to_float(got_bits);
-    const double rel = std::fabs(got - ref) / std::max(std::fabs(ref), std::sqrt(scale));
-    g.max_rel_err = std::max(g.max_rel_err, rel);
-    if (!(rel <= 1e-2)) g.check_ok = false;
+/// Checks one bf16 entry of a GEMM's output (at device address `got_at`) against a host
+/// dot product of x(kk) y(kk) over kk < k (the operands as the GEMM read them): clears
+/// g.check_ok unless the relative error is <= 1e-2 of max(|dot|, the norm of its terms),
+/// and raises g.max_rel_err.
+template <class X, class Y>
+void check_gemm_entry(GemmResult& g, int k, const __nv_bfloat16* got_at, X&& x, Y&& y) {
+  double ref = 0, scale = 0;
+  for (int kk = 0; kk < k; ++kk) {
+    const double t = static_cast<double>(x(kk)) * static_cast<double>(y(kk));
+    ref += t;
+    scale += t * t;
   }
+  uint16_t got_bits = 0;
+  check_cuda(cudaMemcpy(&got_bits, got_at, 2, cudaMemcpyDeviceToHost), "cudaMemcpy D2H");
+  const double got = host_bf16_to_float(got_bits);
+  const double rel = std::fabs(got - ref) / std::max(std::fabs(ref), std::sqrt(scale));
+  g.max_rel_err = std::max(g.max_rel_err, rel);
+  if (!(rel <= 1e-2)) g.check_ok = false;
+}
+
+/// Entry p (0..7) of a GEMM check: hashed indices below rows and cols.
+int hashed_row(int p, int rows) { return static_cast<int>(mix32(17u * p + 1u) % static_cast<uint32_t>(rows)); }
+int hashed_col(int p, int cols) { return static_cast<int>(mix32(31u * p + 7u) % static_cast<uint32_t>(cols)); }
+
+/// The GEMM floors' timing after their check: `warmup` untimed launches of gemm(), then
+/// `iters` timed ones; g.t and g.tflops (`flop` per launch).
+template <class Gemm>
+void time_gemm(GemmResult& g, Timer& timer, Gemm&& gemm, double flop, int iters, int warmup, const char* what) {
+  for (int i = 0; i < warmup; ++i) gemm();
+  check_cuda(cudaStreamSynchronize(timer.stream), what);
+  std::vector<float> ms;
+  for (int i = 0; i < iters; ++i) ms.push_back(timer.time(gemm));
+  g.t = stats_of(ms);
+  g.tflops = flop / (g.t.median_ms * 1e-3) / 1e12;
 }
 
 /// A cuBLAS handle on a stream, with its workspace; destroyed on scope exit.
@@ -517,15 +529,14 @@ GemmResult measure_gemm(int size, int iters, int warmup, GemmLayout layout) {
   // Check a few entries against a host dot product of the same (bf16-rounded) data.
   gemm();
   check_cuda(cudaStreamSynchronize(timer.stream), "GEMM check launch");
-  check_gemm_entries(g, n, C.as<__nv_bfloat16>(),
-                     [&](int i, int kk) { return host_bf16_round(gemm_value(a_at(i, kk), salt_a)); },
-                     [&](int kk, int j) { return host_bf16_round(gemm_value(b_at(kk, j), salt_b)); });
-  for (int i = 0; i < warmup; ++i) gemm();
-  check_cuda(cudaStreamSynchronize(timer.stream), "GEMM warm-up");
-  std::vector<float> ms;
-  for (int i = 0; i < iters; ++i) ms.push_back(timer.time(gemm));
-  g.t = stats_of(ms);
-  g.tflops = 2.0 * n * static_cast<double>(n) * n / (g.t.median_ms * 1e-3) / 1e12;
+  g.check_ok = true;
+  for (int p = 0; p < 8; ++p) {
+    const int i = hashed_row(p, n), j = hashed_col(p, n);
+    check_gemm_entry(g, n, C.as<__nv_bfloat16>() + static_cast<size_t>(j) * n + i,
+                     [&](int kk) { return host_bf16_round(gemm_value(a_at(i, kk), salt_a)); },
+                     [&](int kk) { return host_bf16_round(gemm_value(b_at(kk, j), salt_b)); });
+  }
+  time_gemm(g, timer, gemm, 2.0 * n * static_cast<double>(n) * n, iters, warmup, "GEMM warm-up");
   return g;
 }
 
@@ -596,15 +607,14 @@ GemmResult measure_gemm_e4m3(int size, int iters, int warmup) {
   };
   gemm();
   check_cuda(cudaStreamSynchronize(timer.stream), "GEMM check launch");
-  check_gemm_entries(g, n, C.as<__nv_bfloat16>(),
-                     [&](int i, int kk) { return host_e4m3_round(gemm_value(static_cast<uint64_t>(i) * n + kk, salt_a)); },
-                     [&](int kk, int j) { return host_e4m3_round(gemm_value(static_cast<uint64_t>(j) * n + kk, salt_b)); });
-  for (int i = 0; i < warmup; ++i) gemm();
-  check_cuda(cudaStreamSynchronize(timer.stream), "GEMM warm-up");
-  std::vector<float> ms;
-  for (int i = 0; i < iters; ++i) ms.push_back(timer.time(gemm));
-  g.t = stats_of(ms);
-  g.tflops = 2.0 * n * static_cast<double>(n) * n / (g.t.median_ms * 1e-3) / 1e12;
+  g.check_ok = true;
+  for (int p = 0; p < 8; ++p) {
+    const int i = hashed_row(p, n), j = hashed_col(p, n);
+    check_gemm_entry(g, n, C.as<__nv_bfloat16>() + static_cast<size_t>(j) * n + i,
+                     [&](int kk) { return host_e4m3_round(gemm_value(static_cast<uint64_t>(i) * n + kk, salt_a)); },
+                     [&](int kk) { return host_e4m3_round(gemm_value(static_cast<uint64_t>(j) * n + kk, salt_b)); });
+  }
+  time_gemm(g, timer, gemm, 2.0 * n * static_cast<double>(n) * n, iters, warmup, "GEMM warm-up");
   return g;
 }
 
@@ -663,30 +673,13 @@ GemmResult measure_gemm_batched(int m, int n, int k, int batch, int iters, int w
   check_cuda(cudaStreamSynchronize(timer.stream), "batched GEMM check launch");
   g.check_ok = true;
   for (int p = 0; p < 8; ++p) {
-    const int key = static_cast<int>(mix32(17u * p + 1u) % static_cast<uint32_t>(n));
-    const int head = static_cast<int>(mix32(31u * p + 7u) % static_cast<uint32_t>(m));
+    const int key = hashed_row(p, n), head = hashed_col(p, m);
     const int b = p % 2 == 0 ? 0 : batch - 1;
-    double ref = 0, scale = 0;
-    for (int kk = 0; kk < k; ++kk) {
-      const double x = host_bf16_round(gemm_value((static_cast<uint64_t>(b) * m + head) * k + kk, salt_a));
-      const double y = host_bf16_round(gemm_value(static_cast<uint64_t>(key) * k + kk, salt_b));
-      ref += x * y;
-      scale += (x * y) * (x * y);
-    }
-    uint16_t got_bits = 0;
-    const size_t at = (static_cast<size_t>(b) * m + head) * n + key;
-    check_cuda(cudaMemcpy(&got_bits, C.as<__nv_bfloat16>() + at, 2, cudaMemcpyDeviceToHost), "cudaMemcpy D2H");
-    const double got = host_bf16_to_float(got_bits);
-    const double rel = std::fabs(got - ref) / std::max(std::fabs(ref), std::sqrt(scale));
-    g.max_rel_err = std::max(g.max_rel_err, rel);
-    if (!(rel <= 1e-2)) g.check_ok = false;
+    check_gemm_entry(g, k, C.as<__nv_bfloat16>() + (static_cast<size_t>(b) * m + head) * n + key,
+                     [&](int kk) { return host_bf16_round(gemm_value((static_cast<uint64_t>(b) * m + head) * k + kk, salt_a)); },
+                     [&](int kk) { return host_bf16_round(gemm_value(static_cast<uint64_t>(key) * k + kk, salt_b)); });
   }
-  for (int i = 0; i < warmup; ++i) gemm();
-  check_cuda(cudaStreamSynchronize(timer.stream), "batched GEMM warm-up");
-  std::vector<float> ms;
-  for (int i = 0; i < iters; ++i) ms.push_back(timer.time(gemm));
-  g.t = stats_of(ms);
-  g.tflops = 2.0 * m * static_cast<double>(n) * k * batch / (g.t.median_ms * 1e-3) / 1e12;
+  time_gemm(g, timer, gemm, 2.0 * m * static_cast<double>(n) * k * batch, iters, warmup, "batched GEMM warm-up");
   return g;
 }
 
