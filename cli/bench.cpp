@@ -102,10 +102,9 @@ std::vector<bench::OpCase> bench_cases(const BenchArgs& a) {
         for (int64_t s : a.seqs) {
           bench::OpCase c;
           c.op = op;
-          if (dtype != "bf16" && dtype != "e4m3") {
+          if (!bench::parse_topk_dtype(dtype, &c.e4m3)) {
             throw Error(ErrorCode::invalid_argument, "topk_dtype", "--topk-dtype: expected bf16 or e4m3, got " + dtype);
           }
-          c.e4m3 = dtype == "e4m3";
           if (op == BenchOp::topk) {
             if (!bench::parse_topk_ranges(ids, &c.ranges)) {
               throw Error(ErrorCode::invalid_argument, "ranges",

@@ -283,7 +283,8 @@ int run_bench_flags(BenchFlags& f, const std::string& command_line) {
   if (f.topk_dtype_opt->count() > 0) {
     a.topk_dtypes = split_list_items("--topk-dtype", f.topk_dtype_text, "dtypes");
     for (const std::string& word : a.topk_dtypes) {
-      if (word != "bf16" && word != "e4m3") {
+      bool e4m3 = false;
+      if (!dsaib::bench::parse_topk_dtype(word, &e4m3)) {
         throw Error(ErrorCode::invalid_argument, "--topk-dtype", "--topk-dtype: expected bf16 or e4m3, got \"" + word + "\"");
       }
     }

@@ -125,6 +125,14 @@ inline bool parse_topk_ranges(const std::string& word, TopkRanges* out) {
   return false;
 }
 
+/// The dtype of a topk case's index_q and index_k (--topk-dtype): "bf16" or "e4m3";
+/// false (and *e4m3 unchanged) for anything else.
+inline bool parse_topk_dtype(const std::string& word, bool* e4m3) {
+  if (word != "bf16" && word != "e4m3") return false;
+  *e4m3 = word == "e4m3";
+  return true;
+}
+
 /// Query rows of a topk case of S keys: S (causal), S / 2 (cp-shard).
 inline int64_t topk_query_rows(TopkRanges r, int64_t seq) { return r == TopkRanges::cp_shard ? seq / 2 : seq; }
 

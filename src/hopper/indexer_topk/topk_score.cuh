@@ -53,6 +53,12 @@ struct TopkScore {
     return p.candidates + part * p.candidate_capacity;
   }
 
+  /// A for_each over the n entries at src, read from the L2 on every call
+  /// (kSelectBatch loads in flight), for CandidateSelect's passes.
+  __device__ static auto entries_in_l2(const unsigned long long* src, int n, int tid) {
+    return [=](auto&& f) { for_each_entry<kThreads, Config::kSelectBatch>(n, tid, [&](int e) { return src[e]; }, f); };
+  }
+
   __device__ static PipelineState<kStagesK> k_state_of(int64_t g) {
     return {static_cast<uint32_t>(g % kStagesK), static_cast<uint32_t>((g / kStagesK) & 1)};
   }
@@ -216,7 +222,7 @@ struct TopkScore {
     unsigned long long* dst = buffer(j, h ^ 1);
     CandidateSelect<kRows> cs{sel, tid};
     auto sync = [&] { select_sync(); };
-    auto each = [&](auto&& f) { for_each_entry<kThreads, Config::kSelectBatch>(n, tid, [&](int e) { return src[e]; }, f); };
+    auto each = entries_in_l2(src, n, tid);
     // Keys below the cut are out of the row's top-k; the buffer keeps at most
     // halfway between topk and the cut's trigger.
     const int keep_at_most = p.topk + (p.candidate_capacity - kBlock - p.topk) / 2;
@@ -257,9 +263,7 @@ struct TopkScore {
       entries.load(n, tid, [&](int e) { return src[e]; });
       finish([&](auto&& f) { entries.for_each(tid, f); });
     } else {
-      finish([&](auto&& f) {
-        for_each_entry<kThreads, Config::kSelectBatch>(n, tid, [&](int e) { return src[e]; }, f);
-      });
+      finish(entries_in_l2(src, n, tid));
     }
   }
 };
