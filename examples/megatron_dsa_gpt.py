@@ -133,6 +133,10 @@ def build(args, torch):
         dsa_indexer_topk=args.topk, dsa_indexer_loss_coeff=args.indexer_loss_coeff,
         dsa_indexer_use_sparse_loss=True, dsa_kernel_backend=args.backend,
         dsa_indexer_rotate_activation=args.rotate_activation, normalization="RMSNorm",
+        # Megatron's own LayerNorm (the local spec's indexer key norm) keeps float32
+        # weights, which torch's CUDA layer_norm refuses with bf16 inputs: the key
+        # norm runs on float32 keys, cast back after it.
+        dsa_indexer_k_norm_fp32=args.spec == "local",
         add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
         transformer_impl="transformer_engine" if args.spec == "te" else "local",

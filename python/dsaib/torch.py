@@ -126,12 +126,11 @@ def indexer_kl_forward(index_q, weights, index_k, topk_indices, attn_score, *, s
                        index_k=index_k, topk_indices=topk_indices, attn_score=attn_score, cu_seqlens_q=cu_seqlens_q,
                        cu_seqlens_k=cu_seqlens_k, topk_logits=topk_logits)
     with on_stream(o["stream"], index_q.device):
-        p = index_q.new_empty(topk_indices.shape, dtype=torch.float32) if o["return_index_score"] else None
         out = torch.ops.dsaib.indexer_kl_forward(
             index_q, weights, index_k, topk_indices, attn_score, cu_seqlens_q, cu_seqlens_k, o["sm_scale"],
             o["loss_coeff"], o["normalization_count"], o["layout"], o["id_mode"], o["strict_indices"],
-            o["num_threads"], o["backend"], p, topk_logits)
-    return out + (p,) if p is not None else out
+            o["num_threads"], o["backend"], o["return_index_score"], topk_logits)
+    return tuple(out) if o["return_index_score"] else tuple(out[:3])
 
 
 @_options.documented("indexer_kl_loss")

@@ -97,7 +97,11 @@ class HostSyncs:
         torch.Tensor.tolist = self._tolist
         if self.cuda:
             torch.cuda.set_sync_debug_mode(self._debug_mode)
-            self.torch_syncs = sum("synchroniz" in str(w.message) for w in self._caught)
+            # torch's reports of a synchronising call ("called a synchronizing CUDA
+            # operation"), not the one-time notice that the debug mode is a prototype
+            self.torch_sync_messages = [str(w.message) for w in self._caught
+                                        if "called a synchronizing" in str(w.message)]
+            self.torch_syncs = len(self.torch_sync_messages)
             self._warnings.__exit__(*exc)
         self.library_calls = _dsaib.library_calls() - self._calls
         self.library_waits = _dsaib.host_waits() - self._waits

@@ -41,6 +41,9 @@ def make_config(case, backend, tp, cp):
         calculate_per_token_loss=case.get("per_token", False),
         tensor_model_parallel_size=tp, context_parallel_size=cp, cp_comm_type="allgather",
         add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
+        # WrappedTorchNorm keeps float32 weights, which torch's CUDA layer_norm
+        # refuses with bf16 keys: on a GPU the key norm runs on float32 keys.
+        dsa_indexer_k_norm_fp32=case.get("device", "cpu") == "cuda",
         init_method_std=case["init_std"], use_cpu_initialization=True)
 
 

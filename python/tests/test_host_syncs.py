@@ -239,7 +239,8 @@ def test_each_entry_point_synchronises_as_documented_on_a_gpu(layout):
             counted()
         torch.cuda.synchronize()
         calls, from_torch, bshd, thd = table[call]
-        assert s.library_calls == calls and s.torch_syncs == s.torch_total == from_torch, (call, s.torch_reads)
+        assert s.library_calls == calls and s.torch_syncs == s.torch_total == from_torch, \
+            (call, s.torch_reads, s.torch_sync_messages)
         assert s.torch_syncs + s.library_waits == (bshd if layout == "bshd" else thd), (call, s.library_waits)
 
 

@@ -266,6 +266,6 @@ def test_float64_weights_reach_the_cpu_backend_unrounded():
 
 
 def test_outputs_too_large_are_a_memory_error_naming_topk():
-    q, w, k = bshd(34)
-    with pytest.raises(MemoryError, match=r"^topk: .*got topk 2147483647: 12 query rows need 103079215056 bytes"):
+    q, w, k = bshd(34, S_q=1024)  # 2048 rows: 17.6 TB of ids, more than any host or GPU holds
+    with pytest.raises(MemoryError, match=r"^topk: .*got topk 2147483647: 2048 query rows need 17592186036224 bytes"):
         dt.indexer_topk(q, w, k, 2**31 - 1)

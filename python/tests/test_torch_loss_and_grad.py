@@ -111,9 +111,10 @@ def test_gradients_in_forward_hold_the_gradients_alone(w_dtype):
     for g, x in zip((x.grad for x in leaves), want[1:]):
         assert torch.equal(g, 0.5 * x)
     # a leaf that needs no gradient: its gradient is not held
+    # (the loss held: a graph whose outputs are gone may free what it saved)
     part = [leaves[0].detach(), leaves[1], leaves[2].detach()]
-    assert [t is None for t in dt.indexer_kl_loss(*part, ids, T, sm_scale=SM).grad_fn.saved_tensors] == [
-        True, False, True]
+    part_loss = dt.indexer_kl_loss(*part, ids, T, sm_scale=SM)
+    assert [t is None for t in part_loss.grad_fn.saved_tensors] == [True, False, True]
     # no gradient wanted: the loss alone, nothing held
     with torch.no_grad():
         assert dt.indexer_kl_loss(*leaves, ids, T, sm_scale=SM).grad_fn is None
@@ -245,7 +246,12 @@ def test_opcheck_of_the_forward_the_one_call_and_the_p_free_backward():
     fwd = (q, w, k, ids, T, None, None, SM, 0.8, 0, "bshd", "local")
     result = torch.library.opcheck(torch.ops.dsaib.indexer_kl_forward.default, fwd)
     assert all(v == "SUCCESS" for v in result.values()), result
-    _, row_lse, row_target_mass = torch.ops.dsaib.indexer_kl_forward(*fwd)
+    with_p = fwd + (False, 0, None, True)
+    result = torch.library.opcheck(torch.ops.dsaib.indexer_kl_forward.default, with_p)
+    assert all(v == "SUCCESS" for v in result.values()), result
+    _, row_lse, row_target_mass, none = torch.ops.dsaib.indexer_kl_forward(*fwd)
+    assert none.shape == (0,)
+    assert torch.ops.dsaib.indexer_kl_forward(*with_p)[3].shape == ids.shape
     g = torch.tensor(1.25)
     bwd = (q, w, k, ids, T, None, g, None, None, SM, 0.8, 0, "bshd", "local", "f32", "f32", "bf16", "auto",
            row_lse, row_target_mass)

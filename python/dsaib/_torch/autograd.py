@@ -50,9 +50,9 @@ class IndexerKLLossFunction(torch.autograd.Function):
         else:
             # The library's forward: the loss and each row's LSE and target
             # mass; no P (S_q x topk) is made, saved or passed on.
-            loss, row_lse, row_target_mass = torch.ops.dsaib.indexer_kl_forward(
+            loss, row_lse, row_target_mass, _ = torch.ops.dsaib.indexer_kl_forward(
                 q16, w_op, k16, ids32, T32, cu_seqlens_q, cu_seqlens_k, sm_scale, loss_coeff, normalization_count,
-                layout, id_mode, strict_indices, num_threads, backend, None,
+                layout, id_mode, strict_indices, num_threads, backend, False,
                 logits_operand(topk_logits, library_fp64))
         stats = torch.float64 if library_fp64 else torch.float32
         ctx.save_for_backward(q16, w_op, k16, ids32, T32, row_lse.to(stats), row_target_mass.to(stats),

@@ -65,9 +65,9 @@ class ContextParallelKLLoss(torch.autograd.Function):
                 index_q, weights, k_whole, topk_indices, attn_score, sm_scale, loss_coeff, n, plan.layout,
                 id_mode, plan.cu_q_local, plan.cu_k, topk_logits)
         else:
-            loss, row_lse, row_target_mass = torch.ops.dsaib.indexer_kl_forward(
+            loss, row_lse, row_target_mass, _ = torch.ops.dsaib.indexer_kl_forward(
                 q16, w_op, k16, ids32, T32, plan.cu_q_local, plan.cu_k, float(sm_scale), float(loss_coeff), n,
-                plan.layout, id_mode, False, 0, None, None, logits_operand(topk_logits, library_fp64))
+                plan.layout, id_mode, False, 0, None, False, logits_operand(topk_logits, library_fp64))
         # Every rank returns the global loss; backward() on a rank carries its own share.
         dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=plan.group)
         stats = torch.float64 if library_fp64 else torch.float32

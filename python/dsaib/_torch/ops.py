@@ -115,48 +115,54 @@ def _indexer_backward_fake(index_q, weights, index_k, topk_indices, attn_score, 
 # ---- dsaib::indexer_kl_forward ------------------------------------------------
 
 
-def _forward_outputs(index_q, topk_indices):
-    """loss (), row_lse and row_target_mass (topk_indices' shape without topk), float32."""
+def _forward_outputs(index_q, topk_indices, return_index_score):
+    """loss (), row_lse and row_target_mass (topk_indices' shape without topk) and
+    index_score (topk_indices' shape, or (0,) when not asked for), float32."""
     rows = topk_indices.shape[:-1]
+    score = topk_indices.shape if return_index_score else (0,)
     return (index_q.new_empty((), dtype=torch.float32), index_q.new_empty(rows, dtype=torch.float32),
-            index_q.new_empty(rows, dtype=torch.float32))
+            index_q.new_empty(rows, dtype=torch.float32), index_q.new_empty(score, dtype=torch.float32))
 
 
-@torch.library.custom_op("dsaib::indexer_kl_forward", mutates_args={"index_score"})
+# A functional op (no mutated argument): P is an output, empty unless asked
+# for. An Optional mutated argument breaks torch releases whose in-place
+# bookkeeping indexes the mutated argument in the dispatcher's argument tuple,
+# which drops trailing arguments left at their defaults.
+@torch.library.custom_op("dsaib::indexer_kl_forward", mutates_args=())
 def indexer_kl_forward_op(
     index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, topk_indices: torch.Tensor,
     attn_score: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
     sm_scale: float, loss_coeff: float, normalization_count: int, layout: str, id_mode: str,
     strict_indices: bool = False, num_threads: int = 0, backend: Optional[str] = None,
-    index_score: Optional[torch.Tensor] = None, topk_logits: Optional[torch.Tensor] = None,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, row_lse, row_target_mass), float32, through dsaib::indexer_kl_forward
-    (no P: the backward rebuilds it from the row statistics); P is written
-    into index_score when one is given (float32, shaped like topk_indices).
-    topk_logits: the selected keys' logits as indexer_topk writes them, taken
-    instead of recomputing them."""
+    return_index_score: bool = False, topk_logits: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, row_lse, row_target_mass, index_score), float32, through
+    dsaib::indexer_kl_forward. index_score is P (shaped like topk_indices) with
+    return_index_score, else empty (0,): the backward rebuilds P from the row
+    statistics. topk_logits: the selected keys' logits as indexer_topk writes
+    them, taken instead of recomputing them."""
     dev = index_q.device
-    loss, row_lse, row_target_mass = _forward_outputs(index_q, topk_indices)
+    loss, row_lse, row_target_mass, index_score = _forward_outputs(index_q, topk_indices, return_index_score)
     tensors = dict(index_q=index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
                    attn_score=attn_score, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, loss=loss,
-                   row_lse=row_lse, row_target_mass=row_target_mass, index_score=index_score,
-                   topk_logits=topk_logits)
+                   row_lse=row_lse, row_target_mass=row_target_mass,
+                   index_score=index_score if return_index_score else None, topk_logits=topk_logits)
     options = library_options(dev, backend, layout=layout, id_mode=id_mode, sm_scale=float(sm_scale),
                               loss_coeff=float(loss_coeff), normalization_count=int(normalization_count),
                               strict_indices=bool(strict_indices), num_threads=int(num_threads))
     run_library(_dsaib.indexer_kl_forward, dev, tensors, options)
-    return loss, row_lse, row_target_mass
+    return loss, row_lse, row_target_mass, index_score
 
 
 @indexer_kl_forward_op.register_fake
 def _indexer_kl_forward_fake(index_q, weights, index_k, topk_indices, attn_score, cu_seqlens_q, cu_seqlens_k,
                              sm_scale, loss_coeff, normalization_count, layout, id_mode, strict_indices=False,
-                             num_threads=0, backend=None, index_score=None, topk_logits=None):
+                             num_threads=0, backend=None, return_index_score=False, topk_logits=None):
     check_words(backend=backend)
     check_same_device(index_q, weights=weights, index_k=index_k, topk_indices=topk_indices,
                       attn_score=attn_score, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                      index_score=index_score, topk_logits=topk_logits)
-    return _forward_outputs(index_q, topk_indices)
+                      topk_logits=topk_logits)
+    return _forward_outputs(index_q, topk_indices, return_index_score)
 
 
 # ---- dsaib::indexer_kl_loss_and_grad -------------------------------------------
