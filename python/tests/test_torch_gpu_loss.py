@@ -206,6 +206,23 @@ def test_one_call_on_cuda_equals_loss_and_autograd_gradients(layout, H):
         assert_close_rms(name, d.reshape(r.shape), 1.75 * r, *TOL[d.dtype])
 
 
+def test_held_gradients_scale_by_a_float32_factor_rounded_once():
+    """The default form's backward multiplies each held gradient by autograd's
+    factor in float32 and rounds once: at 1/3 (not a bf16 value) a multiply
+    that rounded the factor to bf16 first would differ."""
+    q, w, k, ids, T = cuda_problem(B=1, S=64, S_kv=96, H=64, D=128, topk=80, seed=33)
+    g = torch.tensor(1.0 / 3.0, device=DEV)
+    assert g.item() != g.to(torch.bfloat16).item()
+    with deterministic_algorithms():
+        leaves = [x.detach().clone().requires_grad_() for x in (q, w.to(torch.bfloat16), k)]
+        dt.indexer_kl_loss(*leaves, ids, T, sm_scale=0.1).backward(g)
+        held = dt.indexer_kl_loss_and_grad(q, w.to(torch.bfloat16), k, ids, T, sm_scale=0.1)
+    for name, x, d in zip(NAMES, leaves, held[1:]):
+        assert x.grad.dtype == d.dtype == torch.bfloat16, name
+        assert torch.equal(x.grad, (d.float() * g).to(d.dtype)), name  # widened, multiplied, narrowed
+        assert not torch.equal(x.grad, d * g.to(torch.bfloat16)), name  # the check sees a bf16 factor
+
+
 @pytest.mark.parametrize("layout", ["bshd", "thd"])
 def test_cuda_graph_capture_of_one_call_replays_with_new_grad_loss(layout):
     # THD too: the library checks device cu_seqlens on the device while capturing.
