@@ -27,11 +27,11 @@ import dsaib  # noqa: E402
 import dsaib.torch as dt  # noqa: E402
 from dsaib import _dsaib  # noqa: E402
 from host_syncs import HostSyncs  # noqa: E402
-from torch_reference import make_torch_problem  # noqa: E402
+from torch_reference import cuda_skip_reason, make_torch_problem  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SM = 0.125
-GPU = torch.cuda.is_available() and dsaib.cuda_backend_available()
+GPU = cuda_skip_reason() is None
 
 
 def documented():

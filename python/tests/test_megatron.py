@@ -33,6 +33,7 @@ torch = pytest.importorskip("torch")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import megatron_layer  # noqa: E402  (the worker's helpers; imports no megatron at module level)
+from torch_reference import cuda_skip_reason  # noqa: E402
 
 WORKER = HERE / "megatron_layer.py"
 WORKER_TIMEOUT_S = 300
@@ -146,12 +147,8 @@ def layer_results(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gpu_layer_results(tmp_path_factory):
-    import dsaib
-
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    if not dsaib.cuda_backend_available():
-        pytest.skip("dsaib has no usable cuda backend here (CPU-only build, or no compute capability 9.0 device)")
+    if cuda_skip_reason():
+        pytest.skip(cuda_skip_reason())
     return run_layer_cases(tmp_path_factory, GPU_BASE, GPU_CASES, "gpu")
 
 

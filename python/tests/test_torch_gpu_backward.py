@@ -22,11 +22,10 @@ torch = pytest.importorskip("torch")
 
 import dsaib  # noqa: E402
 
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA device visible to torch", allow_module_level=True)
-if not dsaib.cuda_backend_available():
-    pytest.skip("dsaib has no usable cuda backend here (CPU-only build, or no compute capability 9.0 device)",
-                allow_module_level=True)
+from torch_reference import cuda_skip_reason  # noqa: E402
+
+if cuda_skip_reason():
+    pytest.skip(cuda_skip_reason(), allow_module_level=True)
 
 import dsaib.torch as dt  # noqa: E402
 from torch_reference import (  # noqa: E402

@@ -14,11 +14,11 @@ import dsaib  # noqa: E402
 import dsaib.torch as dt  # noqa: E402
 from dsaib._torch import ops as dsaib_ops  # noqa: E402
 from dsaib._torch.convert import topk_operand  # noqa: E402
-from torch_reference import reference_loss  # noqa: E402
+from torch_reference import cuda_skip_reason, reference_loss  # noqa: E402
 
 SEED = int(np.random.SeedSequence().entropy % 2**62)
 print(f"test_torch_indexer_topk seed {SEED}")
-GPU = torch.cuda.is_available() and dsaib.cuda_backend_available()
+GPU = cuda_skip_reason() is None
 
 
 def gen(salt):

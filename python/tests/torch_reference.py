@@ -17,6 +17,18 @@ import torch
 EPS = math.exp(-100.0)
 
 
+def cuda_skip_reason():
+    """Why the CUDA tests cannot run here (None when they can): no CUDA device
+    visible to torch, or an installed dsaib without a usable cuda backend."""
+    import dsaib
+
+    if not torch.cuda.is_available():
+        return "no CUDA device visible to torch"
+    if not dsaib.cuda_backend_available():
+        return "dsaib has no usable cuda backend here (CPU-only build, or no compute capability 9.0 device)"
+    return None
+
+
 def reference_loss(q, w, k, ids, T, *, sm_scale, loss_coeff=1.0, normalization_count=0, id_mode="local"):
     """Loss = -(loss_coeff/N) sum_rows sum_valid max(T,eps) log(max(P,eps)), P = softmax of the logits.
 
