@@ -8,7 +8,9 @@
 //                      CUDA-event timing
 //   target_bench.cpp   the attention target's case, timed the same way
 //   topk_bench.cpp     the indexer's top-k case, timed the same way, and its extra memory
-//   floor_kernels.cu   floor measurements: fp32 scatter-add rate (three ways), cuBLAS bf16 GEMM rate
+//   scatter_floor.cu   the fp32 scatter-add floor (three ways)
+//   gemm_floor.cu      the GEMM floors: cuBLAS bf16 (square and batched), cuBLASLt e4m3
+//   device_fill.cu     the device fills of the inputs, the spin kernel
 //   gather_floor.cu    the key-gather floor (three ways, each at a few depths and CTA counts)
 //   bench_core.cpp     statistics, device probe, the floor formulas
 #pragma once

@@ -16,7 +16,7 @@ namespace dsaib::bench {
 void check_cuda(cudaError_t e, const char* what);
 
 /// Enqueues a one-thread kernel on `s` that spins for `us` microseconds (%globaltimer);
-/// touches no memory. Defined in floor_kernels.cu.
+/// touches no memory. Defined in device_fill.cu.
 void gpu_spin(cudaStream_t s, double us);
 
 /// Spin before each timed launch (Timer::time), as long as the peers' 3 ms sleep.
