@@ -3,6 +3,9 @@ tensor argument a torch.Tensor and every converted input of a real floating
 dtype (TypeError naming it, before anything runs), and every entry point
 (the loss's, and indexer_topk) under torch.compile(fullgraph=True), static
 and dynamic."""
+import re
+from pathlib import Path
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -166,3 +169,16 @@ def test_the_gradient_entry_points_refuse_options_the_table_refuses(entry, name,
 def test_the_loss_module_refuses_a_scale_the_table_refuses():
     with pytest.raises(TypeError, match=r"^sm_scale: expected a real number, got str 'abc'$"):
         dt.IndexerKLLoss(sm_scale="abc")
+
+
+def test_the_documented_op_schemas_are_the_registered_ones():
+    """docs/python.md's block of the torch ops' schemas is what torch registered."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "python.md").read_text(encoding="utf-8")
+    block = text.split("## The torch custom ops", 1)[1].split("```\n", 2)[1]
+    documented = {}
+    for entry in re.split(r"\n(?=dsaib::)", block.strip()):
+        flat = re.sub(r"\s+", " ", entry).replace("( ", "(").replace(" )", ")")
+        documented[flat.split("(", 1)[0].split("::", 1)[1]] = flat
+    assert sorted(documented) == ["attention_target", "indexer_backward", "indexer_kl_forward",
+                                  "indexer_kl_loss_and_grad", "indexer_topk"]
+    assert documented == {name: str(getattr(torch.ops.dsaib, name).default._schema) for name in documented}

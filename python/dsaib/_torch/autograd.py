@@ -9,9 +9,10 @@ gradients are formed (its option ``gradients``):
   grad_loss 1 in the forward's one library call (indexer_kl_loss_and_grad),
   the gradients held until the backward, which scales them by the upstream
   gradient (in float32, rounded once). The gradient is linear in grad_loss,
-  so this is the loss's gradient for any upstream value: bitwise the other
-  form's where that value is 1 or a power of two (on the cpu backend), else
-  within one more rounding.
+  so this is the loss's gradient for any upstream value. On the cpu backend,
+  where that value is 1 or a power of two, the bf16 gradients are bitwise the
+  other form's and the float32 ones agree to float32 rounding (the two library
+  calls sum in other orders); at other values, within one more rounding.
 """
 
 import torch
