@@ -6,15 +6,12 @@
 
 #include <nlohmann/json.hpp>
 
-#include <algorithm>
-#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
-#include <map>
-#include <optional>
-#include <sstream>
-#include <tuple>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "bench_core.hpp"
 #include "bench_floors.hpp"
