@@ -72,9 +72,15 @@ struct ForwardScore {
       const int qs = q_state.index;
       // warp-uniform as ptxas sees it, so the wgmma issues below are not on a divergent path
       const int num_blocks = __shfl_sync(0xffffffffu, ss.num_blocks[qs], 0);
-      float w[kN / 4];  // head c0 + 8 * (k / 2) + k % 2
+      // w sm_scale of head c0 + 8 (k / 2) + k % 2: in registers, or read from
+      // shared memory at each block where two CTAs share an SM (128 registers
+      // a thread, which the held weights would exceed)
+      constexpr bool kWeightsInRegisters = Config::kCtasPerSm == 1;
+      const float* w_row = &ss.w_scaled[qs][c0];
+      float w[kN / 4];
       CUTE_UNROLL
-      for (int k = 0; k < kN / 4; ++k) w[k] = ss.w_scaled[qs][c0 + 8 * (k / 2) + k % 2];
+      for (int k = 0; k < kN / 4; ++k) w[k] = kWeightsInRegisters ? w_row[8 * (k / 2) + k % 2] : 0.0f;
+      auto weight = [&](int k) { return kWeightsInRegisters ? w[k] : w_row[8 * (k / 2) + k % 2]; };
 
       RowRunningStats st{-INFINITY, 0.0f, INFINITY, 0.0, 0.0, 0};
       // GEMM1 of the block after k_state's into `acc`.
@@ -93,7 +99,7 @@ struct ForwardScore {
         k_pipe.consumer_release(k_state);  // GEMM1's reads of k[ks] and this thread's of key_slot / key_target
         k_state.advance();
 
-        add_block(acc, [&](int k) { return w[k]; }, quad, slot, target, st, z_row);
+        add_block(acc, weight, quad, slot, target, st, z_row);
       };
       // Two accumulators, so the next GEMM1 runs under this head sum; pairs, with
       // no branch around the wgmma issues (ptxas would serialise them).

@@ -14,8 +14,11 @@ struct ForwardTileConfig {
   static constexpr int kHeadTile = kHeadTile_;  // heads per task: every head of the row, padded
   static_assert(kHeadTile == 64 || kHeadTile == 128, "one or two m64 wgmma tiles");
   static constexpr int kBlockKeys = 64;  // keys per gathered block (the backward's)
-  // Without the backward's sA and dK staging, eight K stages fit (D 128, 128 heads).
-  static constexpr int kStagesK = 8;
+  // Two CTAs per SM where they fit (64 heads: four K stages each), so that one
+  // CTA's gathers and head sums run under the other's GEMMs; eight K stages
+  // for 128 heads, one CTA.
+  static constexpr int kCtasPerSm = kHeadTile == 64 ? 2 : 1;
+  static constexpr int kStagesK = kCtasPerSm == 2 ? 4 : 8;
   static constexpr int kStagesQ = 2;
   static constexpr int kThreadsPerWarpgroup = 128;
   static constexpr int kProducerThreads = kThreadsPerWarpgroup;
@@ -23,7 +26,8 @@ struct ForwardTileConfig {
   static constexpr int kProducerWarpgroup = 0;
   static constexpr int kScoreWarpgroup = 1;
   static constexpr int kThreads = kProducerThreads + kScoreThreads;
-  static constexpr int kSlotsPerThread = 8;  // the producer's slot chunks, as the backward's
+  // the producer's slot chunks: the backward's 8, 4 where two CTAs share an SM's shared memory
+  static constexpr int kSlotsPerThread = kCtasPerSm == 2 ? 4 : 8;
   static constexpr int kSlotChunk = kProducerThreads * kSlotsPerThread;
 
   using Element = cutlass::bfloat16_t;

@@ -11,7 +11,7 @@
 namespace dsaib::hopper {
 
 template <class Config>
-__global__ void __launch_bounds__(Config::kThreads, 1)
+__global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
     indexer_kl_forward_kernel(const __grid_constant__ IndexerKLForwardParams p) {
   extern __shared__ uint8_t smem_raw[];
   using Storage = ForwardSharedStorage<Config>;
