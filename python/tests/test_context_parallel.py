@@ -10,8 +10,6 @@ the gathered keys, and the argument checks on a group of one. Arguments that
 differ across the ranks: test_context_parallel_mismatch.py. Skipped when torch
 (or its gloo backend) is not installed.
 """
-import os
-import subprocess
 import sys
 
 import numpy
@@ -27,8 +25,8 @@ import dsaib.distributed as dcp  # noqa: E402
 import dsaib.torch as dt  # noqa: E402
 from bad_options import BAD_BACKWARD_OPTIONS, BAD_OPTIONS  # noqa: E402
 from host_syncs import HostSyncs  # noqa: E402
+from rank_processes import run_ranks  # noqa: E402
 from dsaib._torch import cp_plan  # noqa: E402
-import dsaib.torch as dt  # noqa: E402
 
 SM = 0.125
 H, D, TOPK = 8, 64, 6
@@ -266,20 +264,8 @@ def run_world(world, problems, tmp_path):
     torch.save(probs, problem_file)
     init_file = str(tmp_path / "rendezvous")
     outs = [str(tmp_path / f"out{r}.pt") for r in range(world)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(r), str(world), init_file, problem_file,
-                               outs[r]], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(world)]
-    logs = []
-    try:
-        for proc in procs:
-            logs.append(proc.communicate(timeout=WORKER_TIMEOUT_S)[0])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    for r, (proc, log) in enumerate(zip(procs, logs)):
-        assert proc.returncode == 0, f"rank {r} of {world} failed (exit {proc.returncode}):\n{log}"
+    run_ranks([[sys.executable, __file__, "--worker", str(r), str(world), init_file, problem_file, outs[r]]
+               for r in range(world)], WORKER_TIMEOUT_S)
     return probs, [torch.load(o) for o in outs]
 
 

@@ -7,9 +7,7 @@ subprocess and joined through a ``file://`` rendezvous. Skipped when torch (or
 its gloo backend) is not installed.
 """
 import datetime
-import os
 import re
-import subprocess
 import sys
 import time
 
@@ -23,6 +21,7 @@ if not (dist.is_available() and dist.is_gloo_available()):
     pytest.skip("torch.distributed with the gloo backend is not available", allow_module_level=True)
 
 import dsaib.distributed as dcp  # noqa: E402
+from rank_processes import run_ranks  # noqa: E402
 
 SM = 0.125
 H, D, TOPK = 8, 64, 6
@@ -185,20 +184,8 @@ def test_arguments_that_differ_across_ranks_raise_on_every_rank(case, tmp_path):
     world = 2
     init_file = str(tmp_path / "rendezvous")
     outs = [str(tmp_path / f"out{r}.pt") for r in range(world)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, __file__, "--mismatch", case, str(r), str(world), init_file, outs[r]],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(world)]
-    logs = []
-    try:
-        for proc in procs:
-            logs.append(proc.communicate(timeout=WORKER_TIMEOUT_S)[0])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    for r, (proc, log) in enumerate(zip(procs, logs)):
-        assert proc.returncode == 0, f"rank {r} failed (exit {proc.returncode}):\n{log}"
+    run_ranks([[sys.executable, __file__, "--mismatch", case, str(r), str(world), init_file, outs[r]]
+               for r in range(world)], WORKER_TIMEOUT_S)
     for r, (out, want) in enumerate(zip(outs, MISMATCHES[case])):
         result = torch.load(out)
         error = result["error"]

@@ -6,7 +6,6 @@ keys, all-gathered by the call), against one process on the whole problem
 file run as a script (``--worker``), as in test_context_parallel.py.
 """
 import os
-import subprocess
 import sys
 
 import pytest
@@ -19,6 +18,7 @@ if not (dist.is_available() and dist.is_gloo_available()):
 
 import dsaib.distributed as dcp  # noqa: E402
 import dsaib.torch as dt  # noqa: E402
+from rank_processes import run_ranks  # noqa: E402
 
 H, D, TOPK = 8, 64, 5
 WORKER_TIMEOUT_S = 300
@@ -135,20 +135,8 @@ def world_results(tmp_path_factory):
     torch.save(problems, problem_file)
     world = 2
     outs = [str(tmp / f"out{r}.pt") for r in range(world)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(r), str(world), init_file, problem_file,
-                               outs[r]], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(world)]
-    logs = []
-    try:
-        for proc in procs:
-            logs.append(proc.communicate(timeout=WORKER_TIMEOUT_S)[0])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    for r, (proc, log) in enumerate(zip(procs, logs)):
-        assert proc.returncode == 0, f"rank {r} of {world} failed (exit {proc.returncode}):\n{log}"
+    run_ranks([[sys.executable, __file__, "--worker", str(r), str(world), init_file, problem_file, outs[r]]
+               for r in range(world)], WORKER_TIMEOUT_S)
     return world, problems, [torch.load(o) for o in outs]
 
 

@@ -33,6 +33,7 @@ torch = pytest.importorskip("torch")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import megatron_layer  # noqa: E402  (the worker's helpers; imports no megatron at module level)
+from rank_processes import run_ranks  # noqa: E402
 from torch_reference import cuda_skip_reason  # noqa: E402
 
 WORKER = HERE / "megatron_layer.py"
@@ -119,21 +120,8 @@ def run_layer_cases(tmp_path_factory, base, case_list, tag):
         case_file = tmp / "cases.pt"
         torch.save(cases, case_file)
         outs = [tmp / f"out{r}.pt" for r in range(world)]
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        procs = [subprocess.Popen([sys.executable, "-W", "ignore", str(WORKER), str(r), str(world),
-                                   str(tmp / "rendezvous"), str(case_file), str(outs[r])], env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for r in range(world)]
-        logs = []
-        try:
-            for proc in procs:
-                logs.append(proc.communicate(timeout=WORKER_TIMEOUT_S)[0])
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-        for r, (proc, log) in enumerate(zip(procs, logs)):
-            assert proc.returncode == 0, f"rank {r} of {world} failed (exit {proc.returncode}):\n{log}"
+        run_ranks([[sys.executable, "-W", "ignore", str(WORKER), str(r), str(world), str(tmp / "rendezvous"),
+                    str(case_file), str(outs[r])] for r in range(world)], WORKER_TIMEOUT_S)
         for r, out in enumerate(outs):
             for name, got in torch.load(out).items():
                 results[(name, r)] = (cases[name], got)
