@@ -159,6 +159,31 @@ def _host_grad_loss(x) -> float:
     return float(arr.reshape(-1)[0])  # the library checks that it is finite
 
 
+def _check_writable_out(o, name, expected) -> None:
+    """One array given as out (called `name` in messages): writable, and not a
+    torch tensor that requires grad or a jax array. `expected` says what out
+    should be, for the message of a wrong type."""
+    if o is None:
+        raise TypeError(f"out: expected {expected}, got None for {name}")
+    if isinstance(o, _np.ndarray):
+        read_only = not o.flags.writeable
+    elif hasattr(o, "__dlpack__") or _framework(o) == "torch":
+        read_only = False  # a read-only DLPack export is reported by the extension
+    else:
+        try:
+            read_only = memoryview(o).readonly
+        except TypeError:
+            raise TypeError(f"out: expected {expected}, got {_type_name(o)} for {name}") from None
+    if read_only:
+        raise ValueError(f"out: expected writable arrays, got a read-only {name}")
+    if _framework(o) == "torch" and o.requires_grad:
+        # Written in place behind autograd's back: torch itself refuses that for such tensors.
+        raise ValueError(f"out: expected tensors that do not require grad (they are written in place), "
+                         f"got {name} with requires_grad=True")
+    if _framework(o) == "jax":
+        raise TypeError("out: jax arrays are immutable; leave out=None to get new jax arrays")
+
+
 def _check_out(out) -> tuple:
     """out as a tuple of three writable arrays."""
     # A sequence (tuple, list, ...), as docs/python.md says: an iterator or generator is
@@ -169,26 +194,7 @@ def _check_out(out) -> tuple:
     if len(out) != 3:
         raise ValueError(f"out: expected (d_index_q, d_weights, d_index_k), got {len(out)} items")
     for name, o in zip(_OUT_NAMES, out):
-        if o is None:
-            raise TypeError(f"out: expected 3 arrays (d_index_q, d_weights, d_index_k), got None for {name}")
-        if isinstance(o, _np.ndarray):
-            read_only = not o.flags.writeable
-        elif hasattr(o, "__dlpack__") or _framework(o) == "torch":
-            read_only = False  # a read-only DLPack export is reported by the extension
-        else:
-            try:
-                read_only = memoryview(o).readonly
-            except TypeError:
-                raise TypeError(f"out: expected 3 arrays (d_index_q, d_weights, d_index_k), got "
-                                f"{_type_name(o)} for {name}") from None
-        if read_only:
-            raise ValueError(f"out: expected writable arrays, got a read-only {name}")
-        if _framework(o) == "torch" and o.requires_grad:
-            # Written in place behind autograd's back: torch itself refuses that for such tensors.
-            raise ValueError(f"out: expected tensors that do not require grad (they are written in place), "
-                             f"got {name} with requires_grad=True")
-    if any(_framework(o) == "jax" for o in out):
-        raise TypeError("out: jax arrays are immutable; leave out=None to get new jax arrays")
+        _check_writable_out(o, name, "3 arrays (d_index_q, d_weights, d_index_k)")
     return out
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 
 from . import _dsaib, _options
-from ._args import _OUT_NAMES, _bool_value, _check_out, _host_grad_loss
+from ._args import _OUT_NAMES, _bool_value, _check_out, _check_writable_out, _host_grad_loss
 from ._frameworks import _alloc, _check_arrays, _default_stream, _device, _export, _exported, _framework, _shape
 
 _RETURNS = """
@@ -346,6 +346,7 @@ def attention_target(query, kv, lse, topk_indices, *, sm_scale, lse_base="natura
         sm_scale=sm_scale, lse_base=lse_base, normalize=normalize, layout=layout, id_mode=id_mode,
         backend=backend, strict_indices=strict_indices, num_threads=num_threads, stream=stream), uint16_as_bf16)
     if out is not None:
+        _check_writable_out(out, "attn_score", "a float32 array shaped like topk_indices")
         _check_arrays(attn_score=out)
     allocated = out is None
     if allocated:

@@ -116,6 +116,26 @@ def test_numpy_errors_and_out():
     with pytest.raises(ValueError, match=r"^attn_score: expected shape"):
         dsaib.attention_target(*args, sm_scale=SOFTMAX_SCALE, uint16_as_bf16=True, out=bad[..., :3])
     assert np.isnan(bad).all()  # nothing written
+    read_only = np.full(p["ids_arg"].shape, np.nan, np.float32)
+    read_only.setflags(write=False)
+    with pytest.raises(ValueError, match=r"^out: expected writable arrays, got a read-only attn_score$"):
+        dsaib.attention_target(*args, sm_scale=SOFTMAX_SCALE, uint16_as_bf16=True, out=read_only)
+    with pytest.raises(TypeError, match=r"^out: expected a float32 array shaped like topk_indices, got str for "
+                                        r"attn_score$"):
+        dsaib.attention_target(*args, sm_scale=SOFTMAX_SCALE, uint16_as_bf16=True, out="attn_score")
+    assert np.isnan(read_only).all()
+
+
+def test_generic_out_that_requires_grad_is_refused():
+    torch = pytest.importorskip("torch")
+    p = make_numpy_problem(4, "bshd")
+    args = (p["query"], p["kv"], p["lse_arg"], p["ids_arg"])
+    args = tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in args)
+    leaf = torch.full(tuple(p["ids_arg"].shape), 7.0, requires_grad=True)
+    with pytest.raises(ValueError, match=r"^out: expected tensors that do not require grad \(they are written in "
+                                        r"place\), got attn_score with requires_grad=True$"):
+        dsaib.attention_target(*args, sm_scale=SOFTMAX_SCALE, uint16_as_bf16=True, out=leaf)
+    assert (leaf.detach() == 7.0).all()
 
 
 # ---- torch -------------------------------------------------------------------

@@ -283,3 +283,20 @@ def test_outputs_too_large_are_a_memory_error_naming_topk(monkeypatch):
     with pytest.raises(MemoryError, match=r"^topk: .*got topk 2147483647: 12 query rows need 103079215056 bytes .*"
                                           r"\(refused 25769803764 elements\)$"):
         dt.indexer_topk(q, w, k, 2**31 - 1)
+
+
+@pytest.mark.parametrize("id_mode, B, S_kv, message", [
+    ("global", 2**21 + 1, 1024, r"^index_k: expected B\*S_kv at most 2\^31 with id_mode global \(int32 ids\), got "
+                                r"B\*S_kv = 2147484672 \(shape \(2097153, 1024, 1\)\)$"),
+    ("local", 1, 2**31 + 1, r"^index_k: expected S_kv at most 2\^31 \(int32 ids\), got S_kv = 2147483649 "
+                            r"\(shape \(1, 2147483649, 1\)\)$"),
+])
+def test_ids_that_would_not_fit_int32_are_refused(id_mode, B, S_kv, message):
+    # Stride-0 views: the key count is huge, the memory is not.
+    q = torch.ones(1, 1, 1, 1, dtype=torch.bfloat16).expand(B, 1, 1, 1)
+    w = torch.ones(1, 1, 1).expand(B, 1, 1)
+    k = torch.ones(1, 1, 1, dtype=torch.bfloat16).expand(B, S_kv, 1)
+    starts = torch.zeros(B, 1, dtype=torch.int32)
+    ends = torch.ones(B, 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match=message):
+        dt.indexer_topk(q, w, k, 1, starts=starts, ends=ends, id_mode=id_mode)

@@ -346,3 +346,18 @@ def test_float64_loss_gradient_is_that_of_the_returned_loss_with_an_inexact_sm_s
                                       loss_coeff=loss_coeff)
     for a, b in zip(one, (want_loss, *want)):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12 * b.abs().max().item())
+
+
+@pytest.mark.parametrize("gradients", ["forward", "backward"])
+def test_attn_score_is_a_constant_to_autograd(gradients):
+    # docs/python.md: T is the distillation target; no gradient reaches it.
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 8, 64, generator=gen).requires_grad_()
+    w = torch.randn(1, 4, 8, generator=gen)
+    k = torch.randn(1, 4, 64, generator=gen)
+    ids = torch.tensor([[[0, 1], [1, 0], [2, 0], [3, 1]]], dtype=torch.int32)
+    T = torch.full((1, 4, 2), 0.5, requires_grad=True)
+    loss = dt.indexer_kl_loss(q, w, k, ids, T, sm_scale=0.1, gradients=gradients)
+    loss.backward()
+    assert T.grad is None
+    assert q.grad is not None and torch.isfinite(q.grad).all() and q.grad.abs().sum() > 0

@@ -245,6 +245,15 @@ ProblemGeometry validate_unguarded(const IndexerTopkInputs& in, const IndexerTop
       }
       if (out->topk_lengths.present()) check_shape(out->topk_lengths, "topk_lengths", {B, S}, "(B, S_q)");
     }
+    // The ids are int32: every key id the op can write must fit (THD: T_k, the
+    // last int32 of cu_seqlens_k, always does).
+    const bool global = opt.id_mode == IdMode::global;
+    const int64_t ids = global ? g.num_k_rows : g.s_kv;
+    if (ids > int64_t{1} << 31) {
+      fail("index_k",
+           global ? "B*S_kv at most 2^31 with id_mode global (int32 ids)" : "S_kv at most 2^31 (int32 ids)",
+           (global ? "B*S_kv = " : "S_kv = ") + std::to_string(ids) + " (shape " + in.index_k.shape_string() + ")");
+    }
   }
 
   // Inputs: any strides with a contiguous last dimension (a zero-element one:

@@ -70,6 +70,11 @@ std::vector<ErrorCase> error_cases() {
       {"weights_shape", S, [](Call& c) { c.in.weights.shape[2] = 4; }, "weights", "(B, S_q, H), got shape (2, 5, 4)"},
       {"index_k_batch", S, [](Call& c) { c.in.index_k.shape[0] = 1; }, "index_k", "(B, S_kv, D) with B and D of index_q"},
       {"index_k_dim_thd", T, [](Call& c) { c.in.index_k.shape[1] = 4; }, "index_k", "(T_k, D) with D of index_q"},
+      {"ids_local_int32", S, [](Call& c) { c.in.index_k.shape[1] = (int64_t{1} << 31) + 1; c.in.index_k.strides[0] = c.in.index_k.strides[1] = 0; },
+       "index_k", "index_k: expected S_kv at most 2^31 (int32 ids), got S_kv = 2147483649 (shape (2, 2147483649, 8))"},
+      {"ids_global_int32", S, [](Call& c) { c.opt.id_mode = IdMode::global; c.in.index_k.shape[1] = (int64_t{1} << 30) + 1;
+         c.in.index_k.strides[0] = c.in.index_k.strides[1] = 0; }, "index_k",
+       "index_k: expected B*S_kv at most 2^31 with id_mode global (int32 ids), got B*S_kv = 2147483650 (shape (2, 1073741825, 8))"},
       {"starts_shape", S, [](Call& c) { c.in.starts.shape[1] = 4; }, "starts", "expected shape (2, 5) (B, S_q), got shape (2, 4)"},
       {"ends_shape_thd", T, [](Call& c) { c.in.ends.shape[0] = 3; }, "ends", "(T_q)"},
       {"topk_indices_shape", S, [](Call& c) { c.out.topk_indices.shape[1] = 4; }, "topk_indices", "(B, S_q, topk)"},
