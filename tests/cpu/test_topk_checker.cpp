@@ -159,6 +159,43 @@ TEST(TopkChecker, AcceptsANearTieExchange) {
   EXPECT_FALSE(c.pass);
 }
 
+// The cpu backend ranks by fp64 logits and writes f32 ones: two keys whose
+// fp64 logits differ below f32's resolution come back as equal f32 logits in
+// their fp64 order, which the checker accepts from the cpu backend; the other
+// order of the same two keys is refused.
+TEST(TopkChecker, AcceptsCpuLogitsTiedOnlyByTheirF32Rounding) {
+  for (int larger : {0, 1}) {
+    TopkSpec s;
+    s.batch = 1, s.s_q = 1, s.s_kv = 2, s.heads = 1, s.head_dim = 2, s.topk = 2, s.causal_offset = 100;
+    TopkProblem p = make_topk_problem(s);
+    p.weights.data<float>()[0] = 1.0f;
+    const uint16_t one = detail::float_to_bf16(1.0f);
+    p.q_bits()[0] = p.q_bits()[1] = one;
+    // I = 1 + 2^-39 for key `larger`, 1 + 2^-40 for the other: both 1.0f in f32
+    p.k_bits()[0] = p.k_bits()[2] = one;
+    p.k_bits()[2 * larger + 1] = detail::float_to_bf16(std::ldexp(1.0f, -39));
+    p.k_bits()[2 * (1 - larger) + 1] = detail::float_to_bf16(std::ldexp(1.0f, -40));
+    TopkOutputs out(p, 2);
+    IndexerTopkOptions opt = p.options();
+    opt.backend = Backend::cpu;
+    indexer_topk(p.inputs(), out.views(), opt);
+    int32_t* ids = out.ids.data<int32_t>();
+    ASSERT_EQ(ids[0], larger);
+    ASSERT_EQ(ids[1], 1 - larger);
+    ASSERT_EQ(out.logits.data<float>()[0], out.logits.data<float>()[1]);
+    const TopkCheck c = check_indexer_topk(p.inputs(), opt, out.views());
+    EXPECT_TRUE(c.pass) << "larger " << larger << ": " << c.first_failure;
+    // ids descending under equal f32 logits: right only where fp64 ranks them so
+    ids[0] = 1, ids[1] = 0;
+    const TopkCheck d = check_indexer_topk(p.inputs(), opt, out.views());
+    EXPECT_EQ(d.pass, larger == 1) << d.first_failure;
+    if (larger == 0) {
+      EXPECT_NE(d.first_failure.find("the candidate's logits descending, equal ones by id"), std::string::npos)
+          << d.first_failure;
+    }
+  }
+}
+
 // A selection computed as the cuda backend computes it (fp32 accumulation of
 // the bf16 products, here in reverse order, f32 weights and sum): it may
 // differ from the fp64 one only by near-ties, and its f32 logits lie within
