@@ -23,11 +23,8 @@ struct FwdCase {
 };
 
 void invalid_slots(GeneratedProblem& p) {
-  invalidate_run(p, 0, Where::start, 2);
-  set_out_of_range(p, 1, 0, 0);
-  set_out_of_range(p, 1, topk(p) - 1, 5);
-  invalidate_row(p, 2);
-  duplicate_slot(p, 3, 0, 1);
+  add_invalid_slots(p);
+  set_out_of_range(p, 1, topk(p) - 1, 5);  // and an id past the sequence at the row's end
 }
 
 std::vector<FwdCase> cases() {

@@ -21,13 +21,6 @@
 namespace dsaib::test {
 namespace {
 
-void invalid_slots(GeneratedProblem& p) {
-  invalidate_run(p, 0, Where::start, 2);
-  set_out_of_range(p, 1, 0, 0);
-  invalidate_row(p, 2);
-  duplicate_slot(p, 3, 0, 1);
-}
-
 struct Case {
   std::string name;
   GenerateSpec spec;
@@ -69,7 +62,7 @@ IndexerInputs with_logits(const GeneratedProblem& p, const HostTensor& logits) {
 TEST(KlForwardFromLogits, ExactLogitsGiveTheRecomputedForward) {
   for (const Case& c : cases()) {
     GeneratedProblem p = make_problem(c.spec);
-    invalid_slots(p);
+    add_invalid_slots(p);
     IndexerOptions opt = p.options();
     opt.loss_coeff = 0.7f;
     const HostTensor logits = logits_of(p, DType::f64);
@@ -86,7 +79,7 @@ TEST(KlForwardFromLogits, ExactLogitsGiveTheRecomputedForward) {
 TEST(KlForwardFromLogits, CpuBackendWritesItsReferenceInF32) {
   for (const Case& c : cases()) {
     GeneratedProblem p = make_problem(c.spec);
-    invalid_slots(p);
+    add_invalid_slots(p);
     IndexerOptions opt = p.options();
     opt.normalization_count = 5;
     const HostTensor logits = logits_of(p, DType::f32);
@@ -144,7 +137,7 @@ TEST(KlForwardFromLogits, FollowsTheIndexerTopkOutputs) {
 TEST(KlForwardFromLogits, OneCallTakesThemToo) {
   for (const Case& c : cases()) {
     GeneratedProblem p = make_problem(c.spec);
-    invalid_slots(p);
+    add_invalid_slots(p);
     IndexerOptions opt = p.options();
     opt.grad_loss = 0.5f;
     const HostTensor logits = logits_of(p, DType::f32);
@@ -215,7 +208,7 @@ StridedLogits strided_copy(const HostTensor& logits, int64_t col_step, int64_t r
 TEST(KlForwardFromLogits, StridedLogitsAreReadThroughTheirStrides) {
   for (const Case& c : cases()) {
     GeneratedProblem p = make_problem(c.spec);
-    invalid_slots(p);
+    add_invalid_slots(p);
     const IndexerOptions opt = p.options();
     const HostTensor logits = logits_of(p, DType::f32);
     ForwardBuffers want = make_forward_buffers(p);

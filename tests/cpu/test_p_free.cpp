@@ -23,13 +23,6 @@
 namespace dsaib::test {
 namespace {
 
-void invalid_slots(GeneratedProblem& p) {
-  invalidate_run(p, 0, Where::start, 2);
-  set_out_of_range(p, 1, 0, 0);
-  invalidate_row(p, 2);
-  duplicate_slot(p, 3, 0, 1);
-}
-
 struct Case {
   std::string name;
   GenerateSpec spec;
@@ -54,7 +47,7 @@ IndexerInputs p_free_inputs(const GeneratedProblem& p, const ForwardBuffers& f) 
 TEST(PFree, MatchesThePFormFedTheForwardsP) {
   for (const Case& c : cases()) {
     GeneratedProblem p = make_problem(c.spec);
-    invalid_slots(p);
+    add_invalid_slots(p);
     IndexerOptions opt = p.options();
     opt.loss_coeff = 0.7f;
     opt.grad_loss = 1.3f;
@@ -80,7 +73,7 @@ TEST(PFree, MatchesThePFormFedTheForwardsP) {
 TEST(PFree, OneCallEqualsForwardThenPFreeBackward) {
   for (const Case& c : cases()) {
     GeneratedProblem p = make_problem(c.spec);
-    invalid_slots(p);
+    add_invalid_slots(p);
     IndexerOptions opt = p.options();
     opt.loss_coeff = 0.9f;
     float grad_loss = 0.6f;
@@ -135,7 +128,7 @@ TEST(PFree, LargeCommonLogitPartKeepsTheGradientsExact) {
   for (Layout layout : {Layout::bshd, Layout::thd}) {
     GeneratedProblem p = make_problem(small_ragged_spec(layout, 64, 128, 24, IdMode::local, IdPattern::causal_topk, 81));
     give_logits_a_common_part(p, /*q_common=*/16, /*sm_scale_log2=*/-4, 81);
-    invalid_slots(p);
+    add_invalid_slots(p);
     IndexerOptions opt = p.options();
     opt.loss_coeff = 0.7f;
     HostTensor loss(DType::f32, {});

@@ -25,6 +25,15 @@ struct Fp64Forward {
 
 /// The forward in fp64 from the definition: a row's key rows come from
 /// key_range() and the id mode; z from a direct double loop over heads and D.
+/// Invalid slots of four kinds, in rows 0 to 3: a run of -1 at the start, an
+/// id past the sequence, a row with no valid slot, a duplicate id.
+inline void add_invalid_slots(GeneratedProblem& p) {
+  invalidate_run(p, 0, Where::start, 2);
+  set_out_of_range(p, 1, 0, 0);
+  invalidate_row(p, 2);
+  duplicate_slot(p, 3, 0, 1);
+}
+
 inline Fp64Forward fp64_forward(const GeneratedProblem& pr, const IndexerOptions& opt) {
   const int64_t R = num_q_rows(pr), K = topk(pr), H = pr.spec.heads, D = pr.spec.head_dim;
   const std::vector<double> q = to_doubles(pr.index_q), w = to_doubles(pr.weights), k = to_doubles(pr.index_k),
