@@ -325,7 +325,6 @@ std::vector<Metric> verify_against_stored(const Problem& p, const RunResult& r, 
 
 // ---------------------------------------------------------------- helpers
 
-double bf16_bits_to_double(uint16_t h);
 /// Element i of a bf16/f32/i32 host tensor as double.
 double element(const HostTensor& t, int64_t i);
 /// Stage messages on stderr: "[  1.23 s] message", the message through terminal_text.

@@ -1,6 +1,5 @@
 // Running the library calls (backward, loss forward, one-call step) on the host, and small utilities of the CLI.
 #include <cstdio>
-#include <cstring>
 #include <iostream>
 #include <mutex>
 #include <thread>
@@ -8,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli.hpp"
+#include "core/bf16.hpp"
 #include "core/e4m3.hpp"
 #include "topk.hpp"
 #include "dsaib/indexer_kl_loss_and_grad.hpp"
@@ -50,16 +50,9 @@ std::string human_seconds(double s) {
   return buf;
 }
 
-double bf16_bits_to_double(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
 double element(const HostTensor& t, int64_t i) {
   switch (t.dtype) {
-    case DType::bf16: return bf16_bits_to_double(t.data<uint16_t>()[i]);
+    case DType::bf16: return detail::bf16_to_float(t.data<uint16_t>()[i]);
     case DType::f32: return t.data<float>()[i];
     case DType::i32: return t.data<int32_t>()[i];
     case DType::f64: return t.data<double>()[i];

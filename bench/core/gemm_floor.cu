@@ -14,12 +14,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <string>
 #include <vector>
 
 #include "bench_core.hpp"
 #include "bench_hash.cuh"
+#include "core/bf16.hpp"
 #include "cuda_check.hpp"
 
 namespace dsaib::bench {
@@ -34,22 +34,11 @@ void check_cublas(cublasStatus_t s, const char* what) {
 
 float host_e4m3_round(float f) { return static_cast<float>(__nv_fp8_e4m3(f)); }
 
-float host_bf16_round(float f) {  // round to nearest even, as __float2bfloat16_rn for finite values
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  u &= 0xffff0000u;
-  float r;
-  std::memcpy(&r, &u, 4);
-  return r;
-}
+/// f rounded to bf16 (to nearest even, as __float2bfloat16_rn), as a float.
+float host_bf16_round(float f) { return detail::bf16_to_float(detail::float_to_bf16(f)); }
 
-float host_bf16_to_float(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float r;
-  std::memcpy(&r, &u, 4);
-  return r;
-}
+// The salts of the operands A and B that fill_device_bf16 / fill_device_e4m3 fill.
+constexpr uint32_t kSaltA = 0xA11CEu, kSaltB = 0xB0Bu;
 
 /// Checks one bf16 entry of a GEMM's output (at device address `got_at`) against a host
 /// dot product of x(kk) y(kk) over kk < k (the operands as the GEMM read them): clears
@@ -65,7 +54,7 @@ void check_gemm_entry(GemmResult& g, int k, const __nv_bfloat16* got_at, X&& x, 
   }
   uint16_t got_bits = 0;
   check_cuda(cudaMemcpy(&got_bits, got_at, 2, cudaMemcpyDeviceToHost), "cudaMemcpy D2H");
-  const double got = host_bf16_to_float(got_bits);
+  const double got = detail::bf16_to_float(got_bits);
   const double rel = std::fabs(got - ref) / std::max(std::fabs(ref), std::sqrt(scale));
   g.max_rel_err = std::max(g.max_rel_err, rel);
   if (!(rel <= 1e-2)) g.check_ok = false;
@@ -74,6 +63,16 @@ void check_gemm_entry(GemmResult& g, int k, const __nv_bfloat16* got_at, X&& x, 
 /// Entry p (0..7) of a GEMM check: hashed indices below rows and cols.
 int hashed_row(int p, int rows) { return static_cast<int>(mix32(17u * p + 1u) % static_cast<uint32_t>(rows)); }
 int hashed_col(int p, int cols) { return static_cast<int>(mix32(31u * p + 7u) % static_cast<uint32_t>(cols)); }
+
+/// The GEMM floors' check: one launch of gemm(), then check(p) for the 8 hashed
+/// entries p; g.check_ok starts true and each check_gemm_entry may clear it.
+template <class Gemm, class Check>
+void launch_and_check(GemmResult& g, Timer& timer, Gemm&& gemm, const char* what, Check&& check) {
+  gemm();
+  check_cuda(cudaStreamSynchronize(timer.stream), what);
+  g.check_ok = true;
+  for (int p = 0; p < 8; ++p) check(p);
+}
 
 /// The GEMM floors' timing after their check: `warmup` untimed launches of gemm(), then
 /// `iters` timed ones; g.t and g.tflops (`flop` per launch).
@@ -115,9 +114,8 @@ GemmResult measure_gemm(int size, int iters, int warmup, GemmLayout layout) {
   const size_t elems = static_cast<size_t>(n) * n;
   DeviceBuffer A(elems * 2), B(elems * 2), C(elems * 2);
   Timer timer;
-  const uint32_t salt_a = 0xA11CEu, salt_b = 0xB0Bu;
-  fill_device_bf16(A.ptr, elems, salt_a, timer.stream);
-  fill_device_bf16(B.ptr, elems, salt_b, timer.stream);
+  fill_device_bf16(A.ptr, elems, kSaltA, timer.stream);
+  fill_device_bf16(B.ptr, elems, kSaltB, timer.stream);
   Cublas blas(timer.stream);
   const float alpha = 1.0f, beta = 0.0f;
   // Column-major C (n x n) = op(A) op(B), every leading dimension n. op T: A stored (k x m),
@@ -134,15 +132,12 @@ GemmResult measure_gemm(int size, int iters, int warmup, GemmLayout layout) {
   auto a_at = [&](int i, int kk) { return ta ? static_cast<uint64_t>(i) * n + kk : static_cast<uint64_t>(kk) * n + i; };
   auto b_at = [&](int kk, int j) { return tb ? static_cast<uint64_t>(kk) * n + j : static_cast<uint64_t>(j) * n + kk; };
   // Check a few entries against a host dot product of the same (bf16-rounded) data.
-  gemm();
-  check_cuda(cudaStreamSynchronize(timer.stream), "GEMM check launch");
-  g.check_ok = true;
-  for (int p = 0; p < 8; ++p) {
+  launch_and_check(g, timer, gemm, "GEMM check launch", [&](int p) {
     const int i = hashed_row(p, n), j = hashed_col(p, n);
     check_gemm_entry(g, n, C.as<__nv_bfloat16>() + static_cast<size_t>(j) * n + i,
-                     [&](int kk) { return host_bf16_round(gemm_value(a_at(i, kk), salt_a)); },
-                     [&](int kk) { return host_bf16_round(gemm_value(b_at(kk, j), salt_b)); });
-  }
+                     [&](int kk) { return host_bf16_round(gemm_value(a_at(i, kk), kSaltA)); },
+                     [&](int kk) { return host_bf16_round(gemm_value(b_at(kk, j), kSaltB)); });
+  });
   time_gemm(g, timer, gemm, 2.0 * n * static_cast<double>(n) * n, iters, warmup, "GEMM warm-up");
   return g;
 }
@@ -176,9 +171,8 @@ GemmResult measure_gemm_e4m3(int size, int iters, int warmup) {
   const size_t elems = static_cast<size_t>(n) * n;
   DeviceBuffer A(elems), B(elems), C(elems * 2);
   Timer timer;
-  const uint32_t salt_a = 0xA11CEu, salt_b = 0xB0Bu;
-  fill_device_e4m3(A.ptr, elems, salt_a, timer.stream);
-  fill_device_e4m3(B.ptr, elems, salt_b, timer.stream);
+  fill_device_e4m3(A.ptr, elems, kSaltA, timer.stream);
+  fill_device_e4m3(B.ptr, elems, kSaltB, timer.stream);
   // Column-major C (n x n, bf16) = A^T B: A stored (k x m), B stored (k x n), every
   // leading dimension n; no scales (1).
   CublasLtE4m3 lt;
@@ -210,15 +204,12 @@ GemmResult measure_gemm_e4m3(int size, int iters, int warmup) {
                                 &heuristic.algo, ws.ptr, ws.bytes, timer.stream),
                  "cublasLtMatmul");
   };
-  gemm();
-  check_cuda(cudaStreamSynchronize(timer.stream), "GEMM check launch");
-  g.check_ok = true;
-  for (int p = 0; p < 8; ++p) {
+  launch_and_check(g, timer, gemm, "GEMM check launch", [&](int p) {
     const int i = hashed_row(p, n), j = hashed_col(p, n);
     check_gemm_entry(g, n, C.as<__nv_bfloat16>() + static_cast<size_t>(j) * n + i,
-                     [&](int kk) { return host_e4m3_round(gemm_value(static_cast<uint64_t>(i) * n + kk, salt_a)); },
-                     [&](int kk) { return host_e4m3_round(gemm_value(static_cast<uint64_t>(j) * n + kk, salt_b)); });
-  }
+                     [&](int kk) { return host_e4m3_round(gemm_value(static_cast<uint64_t>(i) * n + kk, kSaltA)); },
+                     [&](int kk) { return host_e4m3_round(gemm_value(static_cast<uint64_t>(j) * n + kk, kSaltB)); });
+  });
   time_gemm(g, timer, gemm, 2.0 * n * static_cast<double>(n) * n, iters, warmup, "GEMM warm-up");
   return g;
 }
@@ -260,9 +251,8 @@ GemmResult measure_gemm_batched(int m, int n, int k, int batch, int iters, int w
   const size_t c_elems = static_cast<size_t>(m) * n * batch;
   DeviceBuffer A(a_elems * 2), B(b_elems * 2), C(c_elems * 2);
   Timer timer;
-  const uint32_t salt_a = 0xA11CEu, salt_b = 0xB0Bu;
-  fill_device_bf16(A.ptr, a_elems, salt_a, timer.stream);
-  fill_device_bf16(B.ptr, b_elems, salt_b, timer.stream);
+  fill_device_bf16(A.ptr, a_elems, kSaltA, timer.stream);
+  fill_device_bf16(B.ptr, b_elems, kSaltB, timer.stream);
   Cublas blas(timer.stream);
   const float alpha = 1.0f, beta = 0.0f;
   auto gemm = [&]() {
@@ -272,16 +262,13 @@ GemmResult measure_gemm_batched(int m, int n, int k, int batch, int iters, int w
                                             CUBLAS_GEMM_DEFAULT),
                  "cublasGemmStridedBatchedEx");
   };
-  gemm();
-  check_cuda(cudaStreamSynchronize(timer.stream), "batched GEMM check launch");
-  g.check_ok = true;
-  for (int p = 0; p < 8; ++p) {
+  launch_and_check(g, timer, gemm, "batched GEMM check launch", [&](int p) {
     const int key = hashed_row(p, n), head = hashed_col(p, m);
     const int b = p % 2 == 0 ? 0 : batch - 1;
     check_gemm_entry(g, k, C.as<__nv_bfloat16>() + (static_cast<size_t>(b) * m + head) * n + key,
-                     [&](int kk) { return host_bf16_round(gemm_value((static_cast<uint64_t>(b) * m + head) * k + kk, salt_a)); },
-                     [&](int kk) { return host_bf16_round(gemm_value(static_cast<uint64_t>(key) * k + kk, salt_b)); });
-  }
+                     [&](int kk) { return host_bf16_round(gemm_value((static_cast<uint64_t>(b) * m + head) * k + kk, kSaltA)); },
+                     [&](int kk) { return host_bf16_round(gemm_value(static_cast<uint64_t>(key) * k + kk, kSaltB)); });
+  });
   time_gemm(g, timer, gemm, 2.0 * m * static_cast<double>(n) * k * batch, iters, warmup, "batched GEMM warm-up");
   return g;
 }
