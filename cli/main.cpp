@@ -65,6 +65,16 @@ int report_parse_error(const CLI::App& app, const CLI::ParseError& e, const std:
     message = !words.empty() && words[0][0] != '-' ? "unknown subcommand '" + words[0] + "': expected one of " + names
                                                    : "a subcommand is required: one of " + names;
   }
+  // A flag given twice (or with two values): CLI11 says "--seed: At Most 1
+  // required but received 2".
+  {
+    const std::string at_most = ": At Most 1 required but received ";
+    const size_t at = message.find(at_most);
+    if (at != std::string::npos && message.rfind("-", 0) == 0) {
+      message = message.substr(0, at) + ": expected once (one value), got " + message.substr(at + at_most.size()) +
+                " (given more than once?)";
+    }
+  }
   // `backward --json` and `bench --json -` report a command-line error as JSON too
   // (the flag is known from the words even though the parse failed).
   if (!words.empty()) {
@@ -87,8 +97,8 @@ int run_main(int argc, char** argv) {
   CLI::App app{
       "dsaib: training the DeepSeek Sparse Attention lightning indexer.\n"
       "Generates problems, runs each operation (the backward, the loss forward, the loss\n"
-      "and gradients in one call) on the cpu or cuda backend and verifies it against the\n"
-      "fp64 reference, benchmarks it against the hardware floor.\n"
+      "and gradients in one call, the top-k forward) on the cpu or cuda backend and verifies\n"
+      "it against the fp64 reference, benchmarks it against the hardware floor.\n"
       "Exit status: 0 ok/PASS, 1 FAIL, 2 error."};
   app.require_subcommand(1);
   app.set_help_all_flag("--help-all", "help of every subcommand");

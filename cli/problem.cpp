@@ -604,7 +604,7 @@ Geometry analyze_problem(const Problem& p) {
   g.key_selected.assign(static_cast<size_t>(g.num_k_rows), 0);
   g.q_row_used.assign(static_cast<size_t>(g.num_q_rows), 0);
   const int32_t* ids = p.tensors.at("topk_indices").data<int32_t>();
-  for (int64_t b = 0; b < g.batch; ++b) {
+  for (int64_t b = 0; b < static_cast<int64_t>(g.q_len.size()); ++b) {
     for (int64_t r = g.q_start[b]; r < g.q_start[b] + g.q_len[b]; ++r) {
       for (int64_t i = 0; i < g.topk; ++i) {
         const int64_t kr = g.key_row(b, ids[r * g.topk + i]);

@@ -107,20 +107,31 @@ TopkRun generate_topk(const TopkArgs& a) {
   std::mt19937_64 rng(a.seed);
   const int64_t s_kv = a.s_kv >= 0 ? a.s_kv : a.s_q;
   const bool thd = o.layout == Layout::thd;
-  // Per sequence: query and key lengths (BSHD: all S_q and S_kv).
-  std::vector<int64_t> q_len(static_cast<size_t>(a.batch), a.s_q), k_len(static_cast<size_t>(a.batch), s_kv);
+  // Per sequence: query and key lengths. THD draws them; BSHD's are S_q and
+  // S_kv, and its sizes are checked before any table is built, which it only
+  // is when there are rows (an empty problem's tables do not grow with B).
+  std::vector<int64_t> q_len, k_len;
+  int64_t rows = 0, keys = 0;
   if (thd) {
+    q_len.resize(static_cast<size_t>(a.batch));
+    k_len.resize(static_cast<size_t>(a.batch));
     for (int64_t b = 0; b < a.batch; ++b) {
       q_len[b] = std::uniform_int_distribution<int64_t>(0, a.s_q)(rng);
       k_len[b] = std::uniform_int_distribution<int64_t>(std::min(q_len[b], s_kv), std::max(q_len[b], s_kv))(rng);
+      rows += q_len[b], keys += k_len[b];
     }
+  } else {  // the flags are below 2^31, so the products fit
+    rows = a.batch * a.s_q;
+    keys = a.batch * s_kv;
   }
-  int64_t rows = 0, keys = 0;
-  for (int64_t b = 0; b < a.batch; ++b) rows += q_len[b], keys += k_len[b];
   if (rows > kMaxRows || keys > kMaxRows) {
     throw Error(ErrorCode::invalid_argument, "--batch",
                 "--batch: expected fewer than 2^31 query rows and key rows in all, got " + std::to_string(rows) +
                     " and " + std::to_string(keys));
+  }
+  if (!thd && rows > 0) {
+    q_len.assign(static_cast<size_t>(a.batch), a.s_q);
+    k_len.assign(static_cast<size_t>(a.batch), s_kv);
   }
   const int64_t H = a.heads, D = a.head_dim;
   const auto shape = [&](std::vector<int64_t> bshd, std::vector<int64_t> packed) { return thd ? packed : bshd; };
@@ -168,7 +179,7 @@ TopkRun generate_topk(const TopkArgs& a) {
     run.starts = HostTensor(DType::i32, shape({a.batch, a.s_q}, {rows}));
     run.ends = HostTensor(DType::i32, shape({a.batch, a.s_q}, {rows}));
     int64_t r = 0, key_base = 0;
-    for (int64_t b = 0; b < a.batch; ++b) {
+    for (size_t b = 0; b < q_len.size(); ++b) {
       const int64_t base = thd ? key_base : 0;
       for (int64_t t = 0; t < q_len[b]; ++t, ++r) {
         const int64_t end = std::clamp<int64_t>(t + k_len[b] - q_len[b] + 1, 0, k_len[b]);

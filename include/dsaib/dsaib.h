@@ -85,7 +85,7 @@ typedef struct dsaib_options {
   float grad_loss;
   const float* grad_loss_device; /* NULL: use grad_loss */
   int64_t normalization_count;   /* 0: number of query tokens */
-  int32_t strict_indices;
+  int32_t strict_indices; /* flags here and in the other option structs: 0 false, any other value true, as C's */
   int32_t deterministic;
   void* stream; /* cudaStream_t */
   int32_t num_threads;

@@ -28,8 +28,10 @@ struct ProblemGeometry {
   int64_t num_k_rows = 0;  // B*S_kv or T_k
   int64_t s_q = 0;         // BSHD only
   int64_t s_kv = 0;        // BSHD only
-  std::vector<int64_t> q_start, q_len;  // per sequence, in flat query rows
-  std::vector<int64_t> k_start, k_len;  // per sequence, in flat key rows
+  // Per sequence, in flat rows; empty for BSHD without query rows (loop over
+  // their size, not over batch).
+  std::vector<int64_t> q_start, q_len;
+  std::vector<int64_t> k_start, k_len;
   std::vector<int32_t> seq_of_q_row;    // (num_q_rows) sequence of each flat query row
   int64_t normalization_count = 0;      // N
   /// THD on a cuda stream that is capturing a CUDA graph: cu_seqlens were not

@@ -285,6 +285,9 @@ void resolve_sequences(ProblemGeometry& g, const TensorView& cu_q, const TensorV
       g.k_len.push_back(ck[b + 1] - ck[b]);
     }
   } else {
+    // No query rows (S_q or B zero): no sequence has work, and the tables stay
+    // empty, so that host memory does not grow with B for inputs of no bytes.
+    if (g.num_q_rows == 0) return;
     for (int64_t b = 0; b < g.batch; ++b) {
       g.q_start.push_back(b * g.s_q);
       g.q_len.push_back(g.s_q);

@@ -371,6 +371,23 @@ TEST(AttentionTarget, EmptyProblem) {
   EXPECT_TRUE(reference_attention_target(p.inputs(), p.options()).attn_score.empty());
 }
 
+// BSHD without query rows holds no bytes whatever B is: the call needs no host
+// memory that grows with B.
+TEST(AttentionTarget, EmptyProblemOfHugeBatchNeedsNoMemoryPerBatch) {
+  if (kSanitizedBuild) GTEST_SKIP() << "address-space limits and sanitizer shadow memory do not mix";
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  TargetSpec s = bshd_spec(16, 192, 8, IdMode::local, LseBase::natural, 62);
+  s.batch = 1, s.s_q = 0, s.s_kv = 0;
+  const TargetProblem p = make_target_problem(s);
+  HostTensor out = p.make_output();
+  AttentionTargetInputs in = p.inputs();
+  AttentionTargetOutputs o{out.view()};
+  set_batch({&in.query, &in.kv, &in.topk_indices, &in.lse, &o.attn_score}, (int64_t{1} << 31) - 1);
+  EXPECT_EXIT(exit_with_call_status_under_address_limit(size_t{64} << 20,
+                                                        [&] { attention_target(in, o, p.options()); }),
+              ::testing::ExitedWithCode(0), "");
+}
+
 TEST(AttentionTarget, LseBaseNames) {
   EXPECT_STREQ(lse_base_name(LseBase::natural), "natural");
   EXPECT_STREQ(lse_base_name(LseBase::base2), "base2");

@@ -143,6 +143,34 @@ TEST_F(Cli, NoQueryRowsPassSaysWhatWasCompared) {
   EXPECT_TRUE(contains(q.output, "result      PASS\n")) << q.output;
 }
 
+// A file of no bytes of data whose tensors are (2^31 - 1, 0, ...): the run
+// needs no host memory that grows with B (before, 64 GiB of per-sequence tables,
+// and the process was killed).
+TEST_F(Cli, EmptyProblemOfHugeBatchFromAFileRunsInLittleMemory) {
+  if (dsaib::test::kSanitizedBuild) GTEST_SKIP() << "address-space limits and sanitizer shadow memory do not mix";
+  const std::string b = "2147483647";
+  const auto tensor = [&](const char* name, const char* dtype, const std::string& rest) {
+    return std::string("\"") + name + "\":{\"dtype\":\"" + dtype + "\",\"shape\":[" + b + ",0" + rest +
+           "],\"data_offsets\":[0,0]}";
+  };
+  const std::string header = "{" + tensor("index_q", "BF16", ",8,64") + "," + tensor("weights", "BF16", ",8") + "," +
+                             tensor("index_k", "BF16", ",64") + "," + tensor("topk_indices", "I32", ",16") + "," +
+                             tensor("attn_score", "F32", ",16") + "," + tensor("index_score", "F32", ",16") + "}";
+  const std::string file = path("huge_empty_batch.safetensors");
+  write_raw_safetensors(file, header, "");
+  for (const char* op : {"backward", "forward", "step"}) {
+    const Result r = dsaib::test::run_command("ulimit -v 1000000 && " + quote(DSAIB_CLI_PATH) + " " + op +
+                                              " --json --verify all --in " + quote(file) + " 2>/dev/null");
+    EXPECT_EQ(r.exit_code, 0) << op << ": " << r.output;
+    ASSERT_FALSE(r.output.empty()) << op;
+    const auto j = nlohmann::json::parse(r.output);
+    EXPECT_EQ(j["result"].get<std::string>().rfind("PASS", 0), 0u) << op << ": " << r.output;
+    EXPECT_EQ(j["problem"]["batch"], 2147483647) << op;
+    EXPECT_EQ(j["problem"]["num_q_rows"], 0) << op;
+  }
+  std::filesystem::remove(file);
+}
+
 TEST_F(Cli, JsonReportOnErrorsAndUnverifiedRuns) {
   // With --json, an error is also a JSON object on stdout (stderr keeps the line).
   Result r = run("backward --json --in " + quote(path("does_not_exist.safetensors")), /*with_stderr=*/false);
@@ -162,6 +190,12 @@ TEST_F(Cli, JsonReportOnErrorsAndUnverifiedRuns) {
   EXPECT_EQ(j["error"]["code"], "invalid_argument");
   EXPECT_EQ(j["error"]["message"], "--layout: expected one of bshd, thd, got \"x\"");
   EXPECT_EQ(j["error"]["argument"], "--layout");  // the flag, as for errors after the parse
+  // A flag given twice: said in the tool's words, naming the flag.
+  r = run("backward --json --preset tiny --seed 1 --seed 2", /*with_stderr=*/false);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  j = nlohmann::json::parse(r.output);
+  EXPECT_EQ(j["error"]["message"], "--seed: expected once (one value), got 2 (given more than once?)") << r.output;
+  EXPECT_EQ(j["error"]["argument"], "--seed");
   // Bytes that are not UTF-8 in a flag's value or a path: still one JSON object
   // (replaced by U+FFFD), never an abort.
   for (const std::string& args : {std::string("backward --json --in ") + quote(path("bad\xff.safetensors")),

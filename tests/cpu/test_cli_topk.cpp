@@ -96,6 +96,18 @@ TEST(CliTopk, SameSeedSameCheck) {
   EXPECT_EQ(a["check"]["max_logit_error"], b["check"]["max_logit_error"]);
 }
 
+// BSHD without query rows: nothing is built per batch entry, whatever --batch is.
+TEST(CliTopk, EmptyProblemOfHugeBatchRunsInLittleMemory) {
+  if (dsaib::test::kSanitizedBuild) GTEST_SKIP() << "address-space limits and sanitizer shadow memory do not mix";
+  for (const char* visible : {"causal", "ranges"}) {
+    const Result r = dsaib::test::run_command("ulimit -v 1000000 && " + dsaib::test::shell_quote(DSAIB_CLI_PATH) +
+                                              " topk --backend cpu --json --batch 2147483647 --s-q 0 --s-kv 0 --visible " +
+                                              visible + " 2>/dev/null");
+    EXPECT_EQ(r.exit_code, 0) << visible << ": " << r.output;
+    EXPECT_TRUE(contains(r.output, "\"PASS\"")) << visible << ": " << r.output;
+  }
+}
+
 TEST(CliTopk, ErrorsExitTwoNamingTheFlag) {
   struct Bad {
     const char* args;

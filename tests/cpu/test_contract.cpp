@@ -863,6 +863,29 @@ TEST(Accepted, EmptyProblems) {
   }
 }
 
+// BSHD without query rows holds no bytes whatever B is: the call needs no host
+// memory that grows with B (before, per-sequence tables of 32 bytes per batch
+// entry: 64 GiB at B = 2^31 - 1 from a safetensors file of 633 bytes).
+TEST(Accepted, EmptyProblemOfHugeBatchNeedsNoMemoryPerBatch) {
+  if (kSanitizedBuild) GTEST_SKIP() << "address-space limits and sanitizer shadow memory do not mix";
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  GenerateSpec s = small_spec(57);
+  s.batch = 1, s.s_q = 0, s.s_kv = 0;
+  const GeneratedProblem p = make_problem(s);
+  OutputBuffers o = make_outputs(p);
+  IndexerInputs in = p.inputs();
+  IndexerBackwardOutputs out = o.views();
+  set_batch({&in.index_q, &in.weights, &in.index_k, &in.topk_indices, &in.attn_score, &in.index_score,
+             &out.d_index_q, &out.d_weights, &out.d_index_k},
+            (int64_t{1} << 31) - 1);
+  EXPECT_EXIT(exit_with_call_status_under_address_limit(size_t{64} << 20,
+                                                        [&] {
+                                                          indexer_backward(in, out, p.options());
+                                                          if (indexer_kl_loss(in, p.options()) != 0.0) std::_Exit(13);
+                                                        }),
+              ::testing::ExitedWithCode(0), "");
+}
+
 // ---- running out of memory is an error of the call, not a crash ---------------
 
 /// In a child process: index_k and d_index_k of 2^20 key rows, left unmapped

@@ -223,6 +223,28 @@ TEST(IndexerTopk, EmptyRows) {
   expect_matches_definition(p, p.options(), s.topk, "empty rows");
 }
 
+// BSHD without query rows holds no bytes whatever B is: the call needs no host
+// memory that grows with B.
+TEST(IndexerTopk, EmptyProblemOfHugeBatchNeedsNoMemoryPerBatch) {
+  if (kSanitizedBuild) GTEST_SKIP() << "address-space limits and sanitizer shadow memory do not mix";
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  for (const bool ranges : {false, true}) {
+    TopkSpec s;
+    s.batch = 1, s.s_q = 0, s.s_kv = 0, s.topk = 2, s.ranges = ranges;
+    const TopkProblem p = make_topk_problem(s);
+    TopkOutputs o(p, s.topk);
+    IndexerTopkInputs in = p.inputs();
+    IndexerTopkOutputs out = o.views();
+    set_batch({&in.index_q, &in.weights, &in.index_k, &in.starts, &in.ends, &out.topk_indices, &out.topk_logits,
+               &out.topk_lengths},
+              (int64_t{1} << 31) - 1);
+    EXPECT_EXIT(exit_with_call_status_under_address_limit(size_t{64} << 20,
+                                                          [&] { indexer_topk(in, out, p.options()); }),
+                ::testing::ExitedWithCode(0), "")
+        << (ranges ? "starts/ends" : "causal");
+  }
+}
+
 // A zero-element input holds nothing to read: any strides, as DLPack gives a
 // numpy array without keys (all 0), and as is_contiguous() takes it.
 TEST(IndexerTopk, ZeroElementInputsTakeAnyStrides) {

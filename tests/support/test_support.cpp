@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <sstream>
@@ -439,6 +440,23 @@ bool limit_address_space(size_t headroom) {
   const rlim_t limit = static_cast<rlim_t>(pages) * static_cast<rlim_t>(sysconf(_SC_PAGESIZE)) + headroom;
   const rlimit r{limit, limit};
   return setrlimit(RLIMIT_AS, &r) == 0;
+}
+
+void exit_with_call_status_under_address_limit(size_t headroom, const std::function<void()>& call) {
+  if (!limit_address_space(headroom)) std::_Exit(11);
+  try {
+    call();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s\n", e.what());
+    std::_Exit(12);
+  }
+  std::_Exit(0);
+}
+
+void set_batch(std::initializer_list<TensorView*> views, int64_t b) {
+  for (TensorView* v : views) {
+    if (v->present()) v->shape[0] = b;
+  }
 }
 
 dsaib_tensor to_c(const TensorView& v) {

@@ -16,6 +16,8 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -185,6 +187,15 @@ std::string shell_quote(const std::string& s);
 /// /proc/self/statm) plus `headroom` bytes, for the out-of-memory tests (run it in
 /// a forked child). False when setrlimit failed.
 bool limit_address_space(size_t headroom);
+
+/// For EXPECT_EXIT: limits the address space to `headroom` bytes above what is
+/// mapped, runs `call` and exits 0 when it returned, 12 when it raised (its
+/// message on stderr), 11 when the limit could not be set.
+[[noreturn]] void exit_with_call_status_under_address_limit(size_t headroom, const std::function<void()>& call);
+
+/// BSHD inputs and outputs of no query rows with batch `b`: shape[0] of each
+/// present view set to b (a problem of no bytes whatever b is).
+void set_batch(std::initializer_list<TensorView*> views, int64_t b);
 
 #if defined(__has_feature)
 #define DSAIB_HAS_FEATURE(x) __has_feature(x)
