@@ -224,6 +224,44 @@ void convert_topk(const dsaib_indexer_topk_inputs* in, const dsaib_indexer_topk_
   o = {to_view(out->topk_indices), to_view(out->topk_logits), to_view(out->topk_lengths)};
 }
 
+/// The C++ views of one operation's C arguments.
+template <class Inputs, class Outputs, class Options>
+struct Views {
+  Inputs i;
+  Outputs o;
+  Options p;
+};
+using BackwardViews = Views<dsaib::IndexerInputs, dsaib::IndexerBackwardOutputs, dsaib::IndexerOptions>;
+using KLForwardViews = Views<dsaib::IndexerInputs, dsaib::IndexerKLForwardOutputs, dsaib::IndexerOptions>;
+using LossAndGradViews = Views<dsaib::IndexerInputs, dsaib::IndexerKLLossAndGradOutputs, dsaib::IndexerOptions>;
+using TargetViews = Views<dsaib::AttentionTargetInputs, dsaib::AttentionTargetOutputs, dsaib::AttentionTargetOptions>;
+using TopkViews = Views<dsaib::IndexerTopkInputs, dsaib::IndexerTopkOutputs, dsaib::IndexerTopkOptions>;
+
+/// An operation's entry point: its C arguments converted (`convert` checks
+/// them in the documented order), then `run` on the views; an exception
+/// becomes the status and the last error.
+template <class V, class CIn, class COut, class COpt, class Convert, class Run>
+dsaib_status run_converted(const CIn* in, const COut* out, const COpt* opt, Convert convert, Run run) {
+  return guarded([&] {
+    V v;
+    convert(in, out, opt, v.i, v.o, v.p);
+    run(v);
+  });
+}
+
+/// An operation's workspace-size entry point: `bytes` is checked first, then as
+/// run_converted, and *bytes is written only on success.
+template <class V, class CIn, class COut, class COpt, class Convert, class Size>
+dsaib_status size_converted(const CIn* in, const COut* out, const COpt* opt, size_t* bytes, Convert convert,
+                            Size size) {
+  return guarded([&] {
+    require(bytes, "bytes");
+    V v;
+    convert(in, out, opt, v.i, v.o, v.p);
+    *bytes = size(v.i, v.o, v.p);
+  });
+}
+
 }  // namespace
 
 extern "C" {
@@ -278,71 +316,42 @@ dsaib_status dsaib_contiguous_tensor(dsaib_tensor* view, void* data, dsaib_dtype
 
 dsaib_status dsaib_indexer_backward_workspace_size(const dsaib_inputs* inputs, const dsaib_outputs* outputs,
                                                    const dsaib_options* options, size_t* bytes) {
-  return guarded([&] {
-    require(bytes, "bytes");
-    dsaib::IndexerInputs i;
-    dsaib::IndexerBackwardOutputs o;
-    dsaib::IndexerOptions p;
-    convert(inputs, outputs, options, i, o, p);
-    *bytes = dsaib::indexer_backward_workspace_size(i, o, p);
-  });
+  return size_converted<BackwardViews>(inputs, outputs, options, bytes, convert,
+                                       [](auto&... a) { return dsaib::indexer_backward_workspace_size(a...); });
 }
 
 dsaib_status dsaib_indexer_backward(const dsaib_inputs* inputs, const dsaib_outputs* outputs,
                                     const dsaib_options* options, void* workspace, size_t workspace_bytes) {
-  return guarded([&] {
-    dsaib::IndexerInputs i;
-    dsaib::IndexerBackwardOutputs o;
-    dsaib::IndexerOptions p;
-    convert(inputs, outputs, options, i, o, p);
-    dsaib::indexer_backward(i, o, p, workspace, workspace_bytes);
+  return run_converted<BackwardViews>(inputs, outputs, options, convert, [&](BackwardViews& v) {
+    dsaib::indexer_backward(v.i, v.o, v.p, workspace, workspace_bytes);
   });
 }
 
 dsaib_status dsaib_indexer_kl_forward_workspace_size(const dsaib_inputs* inputs, const dsaib_kl_forward_outputs* outputs,
                                                      const dsaib_options* options, size_t* bytes) {
-  return guarded([&] {
-    require(bytes, "bytes");
-    dsaib::IndexerInputs i;
-    dsaib::IndexerKLForwardOutputs o;
-    dsaib::IndexerOptions p;
-    convert_forward(inputs, outputs, options, i, o, p);
-    *bytes = dsaib::indexer_kl_forward_workspace_size(i, o, p);
-  });
+  return size_converted<KLForwardViews>(inputs, outputs, options, bytes, convert_forward,
+                                        [](auto&... a) { return dsaib::indexer_kl_forward_workspace_size(a...); });
 }
 
 dsaib_status dsaib_indexer_kl_forward(const dsaib_inputs* inputs, const dsaib_kl_forward_outputs* outputs,
                                       const dsaib_options* options, void* workspace, size_t workspace_bytes) {
-  return guarded([&] {
-    dsaib::IndexerInputs i;
-    dsaib::IndexerKLForwardOutputs o;
-    dsaib::IndexerOptions p;
-    convert_forward(inputs, outputs, options, i, o, p);
-    dsaib::indexer_kl_forward(i, o, p, workspace, workspace_bytes);
+  return run_converted<KLForwardViews>(inputs, outputs, options, convert_forward, [&](KLForwardViews& v) {
+    dsaib::indexer_kl_forward(v.i, v.o, v.p, workspace, workspace_bytes);
   });
 }
 
 dsaib_status dsaib_indexer_kl_loss_and_grad_workspace_size(const dsaib_inputs* inputs,
                                                            const dsaib_kl_loss_and_grad_outputs* outputs,
                                                            const dsaib_options* options, size_t* bytes) {
-  return guarded([&] {
-    require(bytes, "bytes");
-    dsaib::IndexerInputs i;
-    dsaib::IndexerKLLossAndGradOutputs o;
-    dsaib::IndexerOptions p;
-    convert_loss_and_grad(inputs, outputs, options, i, o, p);
-    *bytes = dsaib::indexer_kl_loss_and_grad_workspace_size(i, o, p);
+  return size_converted<LossAndGradViews>(inputs, outputs, options, bytes, convert_loss_and_grad, [](auto&... a) {
+    return dsaib::indexer_kl_loss_and_grad_workspace_size(a...);
   });
 }
 
 dsaib_status dsaib_indexer_kl_loss_and_grad(const dsaib_inputs* inputs, const dsaib_kl_loss_and_grad_outputs* outputs,
                                             const dsaib_options* options, void* workspace, size_t workspace_bytes) {
-  return guarded([&] {
-    dsaib::IndexerInputs i;
-    dsaib::IndexerKLLossAndGradOutputs o;
-    dsaib::IndexerOptions p;
-    convert_loss_and_grad(inputs, outputs, options, i, o, p);
-    dsaib::indexer_kl_loss_and_grad(i, o, p, workspace, workspace_bytes);
+  return run_converted<LossAndGradViews>(inputs, outputs, options, convert_loss_and_grad, [&](LossAndGradViews& v) {
+    dsaib::indexer_kl_loss_and_grad(v.i, v.o, v.p, workspace, workspace_bytes);
   });
 }
 
@@ -363,26 +372,16 @@ void dsaib_default_attention_target_options(dsaib_attention_target_options* opti
 dsaib_status dsaib_attention_target_workspace_size(const dsaib_attention_target_inputs* inputs,
                                                    const dsaib_attention_target_outputs* outputs,
                                                    const dsaib_attention_target_options* options, size_t* bytes) {
-  return guarded([&] {
-    require(bytes, "bytes");
-    dsaib::AttentionTargetInputs i;
-    dsaib::AttentionTargetOutputs o;
-    dsaib::AttentionTargetOptions p;
-    convert_target(inputs, outputs, options, i, o, p);
-    *bytes = dsaib::attention_target_workspace_size(i, o, p);
-  });
+  return size_converted<TargetViews>(inputs, outputs, options, bytes, convert_target,
+                                     [](auto&... a) { return dsaib::attention_target_workspace_size(a...); });
 }
 
 dsaib_status dsaib_attention_target(const dsaib_attention_target_inputs* inputs,
                                     const dsaib_attention_target_outputs* outputs,
                                     const dsaib_attention_target_options* options, void* workspace,
                                     size_t workspace_bytes) {
-  return guarded([&] {
-    dsaib::AttentionTargetInputs i;
-    dsaib::AttentionTargetOutputs o;
-    dsaib::AttentionTargetOptions p;
-    convert_target(inputs, outputs, options, i, o, p);
-    dsaib::attention_target(i, o, p, workspace, workspace_bytes);
+  return run_converted<TargetViews>(inputs, outputs, options, convert_target, [&](TargetViews& v) {
+    dsaib::attention_target(v.i, v.o, v.p, workspace, workspace_bytes);
   });
 }
 
@@ -402,24 +401,14 @@ void dsaib_default_indexer_topk_options(dsaib_indexer_topk_options* options) {
 dsaib_status dsaib_indexer_topk_workspace_size(const dsaib_indexer_topk_inputs* inputs,
                                                const dsaib_indexer_topk_outputs* outputs,
                                                const dsaib_indexer_topk_options* options, size_t* bytes) {
-  return guarded([&] {
-    require(bytes, "bytes");
-    dsaib::IndexerTopkInputs i;
-    dsaib::IndexerTopkOutputs o;
-    dsaib::IndexerTopkOptions p;
-    convert_topk(inputs, outputs, options, i, o, p);
-    *bytes = dsaib::indexer_topk_workspace_size(i, o, p);
-  });
+  return size_converted<TopkViews>(inputs, outputs, options, bytes, convert_topk,
+                                   [](auto&... a) { return dsaib::indexer_topk_workspace_size(a...); });
 }
 
 dsaib_status dsaib_indexer_topk(const dsaib_indexer_topk_inputs* inputs, const dsaib_indexer_topk_outputs* outputs,
                                 const dsaib_indexer_topk_options* options, void* workspace, size_t workspace_bytes) {
-  return guarded([&] {
-    dsaib::IndexerTopkInputs i;
-    dsaib::IndexerTopkOutputs o;
-    dsaib::IndexerTopkOptions p;
-    convert_topk(inputs, outputs, options, i, o, p);
-    dsaib::indexer_topk(i, o, p, workspace, workspace_bytes);
+  return run_converted<TopkViews>(inputs, outputs, options, convert_topk, [&](TopkViews& v) {
+    dsaib::indexer_topk(v.i, v.o, v.p, workspace, workspace_bytes);
   });
 }
 
