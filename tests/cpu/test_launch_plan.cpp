@@ -38,13 +38,14 @@ detail::ProblemGeometry bshd(int64_t batch, int64_t s_q, int64_t s_kv, int64_t h
   g.s_kv = s_kv;
   g.num_q_rows = batch * s_q;
   g.num_k_rows = batch * s_kv;
+  g.normalization_count = std::max<int64_t>(g.num_q_rows, 1);
+  if (g.num_q_rows == 0) return g;  // no query rows: no per-sequence tables
   g.q_len.assign(static_cast<size_t>(batch), s_q);
   g.k_len.assign(static_cast<size_t>(batch), s_kv);
   for (int64_t b = 0; b < batch; ++b) {
     g.q_start.push_back(b * s_q);
     g.k_start.push_back(b * s_kv);
   }
-  g.normalization_count = std::max<int64_t>(g.num_q_rows, 1);
   return g;
 }
 
@@ -173,6 +174,24 @@ TEST(BackwardPlan, GridAndTasks) {
   DeviceProperties two = h200();
   two.ctas_per_sm = 2;
   EXPECT_EQ(plan_backward(bshd(1, 4096, 4096, 64, 128, 2048), DType::bf16, DType::bf16, options(), two).grid, 264);
+}
+
+TEST(EveryPlan, NoQueryRowsOfAnyBatchPlanNothing) {
+  // BSHD without query rows: validate_problem builds no per-sequence tables,
+  // whatever B is; every plan has no grid and no workspace for rows.
+  const detail::ProblemGeometry g = bshd((int64_t{1} << 31) - 1, 0, 0, 64, 128, 2048);
+  ASSERT_TRUE(g.q_len.empty());
+  const BackwardPlan b = plan_backward(g, DType::bf16, DType::bf16, options(), h200());
+  EXPECT_EQ(b.num_tasks, 0);
+  EXPECT_EQ(b.grid, 0);
+  EXPECT_EQ(b.start_delays.max_ns, 0u);
+  EXPECT_EQ(plan_kl_forward(g, h200()).grid, 0);
+  EXPECT_EQ(plan_loss_and_grad(g, DType::bf16, DType::bf16, options(), h200(), h200()).kernel.grid, 0);
+  const TopkPlan t = plan_indexer_topk(g, true, true, h200());
+  EXPECT_EQ(t.num_tasks, 0);
+  EXPECT_EQ(t.order_grid, 0);
+  const detail::ProblemGeometry target = bshd((int64_t{1} << 31) - 1, 0, 0, 128, 576, 2048);
+  EXPECT_EQ(plan_attention_target(target, h200()).grid, 0);
 }
 
 TEST(BackwardPlan, RefusesKeyRowsPastInt32) {
