@@ -68,9 +68,10 @@ int report_parse_error(const CLI::App& app, const CLI::ParseError& e, const std:
   // A flag given twice (or with two values): CLI11 says "--seed: At Most 1
   // required but received 2".
   {
+    // Only right after the flag's name: a value the user typed may hold the words.
     const std::string at_most = ": At Most 1 required but received ";
-    const size_t at = message.find(at_most);
-    if (at != std::string::npos && message.rfind("-", 0) == 0) {
+    const size_t at = message.find(": ");
+    if (message.rfind("-", 0) == 0 && at != std::string::npos && message.compare(at, at_most.size(), at_most) == 0) {
       message = message.substr(0, at) + ": expected once (one value), got " + message.substr(at + at_most.size()) +
                 " (given more than once?)";
     }

@@ -120,20 +120,25 @@ void print_metrics(std::ostream& s, const std::vector<Metric>& metrics) {
 
 nlohmann::ordered_json problem_json(const BackwardOutcome& o) {
   const Geometry& g = o.g;
-  return {{"layout", layout_name(g.layout)},
-          {"id_mode", id_mode_name(g.id_mode)},
-          {"batch", g.batch},
-          {"s_q", g.s_q},
-          {"s_kv", g.s_kv},
-          {"num_q_rows", g.num_q_rows},
-          {"num_k_rows", g.num_k_rows},
-          {"heads", g.heads},
-          {"head_dim", g.head_dim},
-          {"topk", g.topk},
-          {"valid_slots", g.valid_slots},
-          {"q_lengths", g.q_len},
-          {"k_lengths", g.k_len},
-          {"dtypes", tensor_dtypes(o.p)}};
+  nlohmann::ordered_json j = {{"layout", layout_name(g.layout)},
+                              {"id_mode", id_mode_name(g.id_mode)},
+                              {"batch", g.batch},
+                              {"s_q", g.s_q},
+                              {"s_kv", g.s_kv},
+                              {"num_q_rows", g.num_q_rows},
+                              {"num_k_rows", g.num_k_rows},
+                              {"heads", g.heads},
+                              {"head_dim", g.head_dim},
+                              {"topk", g.topk},
+                              {"valid_slots", g.valid_slots}};
+  // Each sequence's lengths: THD only (BSHD's are batch times s_q and s_kv,
+  // which a list of B entries would only repeat).
+  if (g.layout == Layout::thd) {
+    j["q_lengths"] = g.q_len;
+    j["k_lengths"] = g.k_len;
+  }
+  j["dtypes"] = tensor_dtypes(o.p);
+  return j;
 }
 
 nlohmann::ordered_json timing_json(const BackwardOutcome& o) {

@@ -167,6 +167,7 @@ TEST_F(Cli, EmptyProblemOfHugeBatchFromAFileRunsInLittleMemory) {
     EXPECT_EQ(j["result"].get<std::string>().rfind("PASS", 0), 0u) << op << ": " << r.output;
     EXPECT_EQ(j["problem"]["batch"], 2147483647) << op;
     EXPECT_EQ(j["problem"]["num_q_rows"], 0) << op;
+    EXPECT_FALSE(j["problem"].contains("q_lengths")) << op << ": BSHD's lengths are batch, s_q and s_kv";
   }
   std::filesystem::remove(file);
 }
@@ -196,6 +197,11 @@ TEST_F(Cli, JsonReportOnErrorsAndUnverifiedRuns) {
   j = nlohmann::json::parse(r.output);
   EXPECT_EQ(j["error"]["message"], "--seed: expected once (one value), got 2 (given more than once?)") << r.output;
   EXPECT_EQ(j["error"]["argument"], "--seed");
+  // A value that holds CLI11's words is quoted as it came.
+  r = run("backward --json --layout " + quote("x: At Most 1 required but received 9"), /*with_stderr=*/false);
+  j = nlohmann::json::parse(r.output);
+  EXPECT_EQ(j["error"]["message"], "--layout: expected one of bshd, thd, got \"x: At Most 1 required but received 9\"")
+      << r.output;
   // Bytes that are not UTF-8 in a flag's value or a path: still one JSON object
   // (replaced by U+FFFD), never an abort.
   for (const std::string& args : {std::string("backward --json --in ") + quote(path("bad\xff.safetensors")),
