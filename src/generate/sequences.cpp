@@ -117,12 +117,20 @@ Sequences resolve(const GenerateSpec& spec) {
            "batch " + std::to_string(spec.batch) + " * s_kv " + std::to_string(spec.s_kv) +
                (tk > kMaxRows ? " = " + std::to_string(tk) : std::string(" (overflows int64)")));
     }
-    check_memory(tq, tk, spec.batch, spec.s_kv);
-    for (int64_t b = 0; b < spec.batch; ++b) {
+    // No query rows: no sequence has work and no table is built, so that a
+    // problem of no bytes does not need memory that grows with B (as the
+    // library's validation).
+    const int64_t sequences = tq > 0 ? spec.batch : 0;
+    check_memory(tq, tk, sequences, tq > 0 ? spec.s_kv : 0);
+    for (int64_t b = 0; b < sequences; ++b) {
       s.q_start.push_back(b * spec.s_q);
       s.q_len.push_back(spec.s_q);
       s.k_start.push_back(b * spec.s_kv);
       s.k_len.push_back(spec.s_kv);
+    }
+    if (sequences == 0) {
+      s.num_k_rows = tk;  // the keys are generated; no row reads them
+      return s;
     }
   } else {
     if (spec.seqlens_q.empty()) fail("seqlens_q", "at least one sequence length for layout thd", "none");

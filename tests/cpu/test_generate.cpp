@@ -394,6 +394,28 @@ TEST(Generate, ProblemBeyondHostMemoryIsOutOfMemory) {
   }
 }
 
+/// BSHD without query rows: no per-sequence table, so a problem of no bytes
+/// needs no memory that grows with B; the keys of S_q 0, S_kv > 0 are still drawn.
+TEST(Generate, EmptyProblemOfHugeBatchNeedsNoMemoryPerBatch) {
+  if (kSanitizedBuild) GTEST_SKIP() << "address-space limits and sanitizer shadow memory do not mix";
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  GenerateSpec s = small_spec(97);
+  s.batch = 2147483647, s.s_q = 0, s.s_kv = 0;
+  EXPECT_EXIT(exit_with_call_status_under_address_limit(size_t{64} << 20,
+                                                        [&] {
+                                                          const GeneratedProblem p = generate_problem(s);
+                                                          if (p.index_q.shape[0] != s.batch) std::_Exit(13);
+                                                        }),
+              ::testing::ExitedWithCode(0), "");
+  s.batch = 5, s.s_q = 0, s.s_kv = 3;
+  const GeneratedProblem p = make_problem(s);
+  ASSERT_EQ(p.index_k.numel(), 5 * 3 * s.head_dim);
+  EXPECT_EQ(p.topk_indices.numel(), 0);
+  bool any_nonzero = false;
+  for (int64_t e = 0; e < p.index_k.numel(); ++e) any_nonzero = any_nonzero || p.index_k.data<uint16_t>()[e] != 0;
+  EXPECT_TRUE(any_nonzero) << "the keys are drawn";
+}
+
 /// In a child process under an address-space limit 64 MiB above what is mapped:
 /// a spec within this machine's memory (so the estimate lets it through) whose
 /// tensors (~0.2 GB of ids and scores) cannot be allocated, on two threads.
