@@ -145,6 +145,7 @@ void convert(const dsaib_inputs* in, const dsaib_outputs* out, const dsaib_optio
 /// convert() for the forward: its inputs and options, then its four outputs.
 void convert_forward(const dsaib_inputs* in, const dsaib_kl_forward_outputs* out, const dsaib_options* opt,
                      dsaib::IndexerInputs& i, dsaib::IndexerKLForwardOutputs& o, dsaib::IndexerOptions& p) {
+  require(in, "inputs");  // the order of convert(): inputs, outputs, options
   require(out, "outputs");
   const dsaib_outputs no_gradients{};
   dsaib::IndexerBackwardOutputs unused;
@@ -159,6 +160,7 @@ void convert_forward(const dsaib_inputs* in, const dsaib_kl_forward_outputs* out
 void convert_loss_and_grad(const dsaib_inputs* in, const dsaib_kl_loss_and_grad_outputs* out, const dsaib_options* opt,
                            dsaib::IndexerInputs& i, dsaib::IndexerKLLossAndGradOutputs& o,
                            dsaib::IndexerOptions& p) {
+  require(in, "inputs");  // the order of convert(): inputs, outputs, options
   require(out, "outputs");
   const dsaib_outputs gradients{out->d_index_q, out->d_weights, out->d_index_k};
   dsaib::IndexerBackwardOutputs g;

@@ -4,9 +4,11 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "dsaib/attention_target.hpp"
 #include "dsaib/dsaib.h"
@@ -250,6 +252,26 @@ TEST(CApi, NullArguments) {
   EXPECT_STREQ(dsaib_last_error(), "options: expected a non-null pointer, got NULL");
   EXPECT_EQ(dsaib_indexer_backward_workspace_size(&c.in, &c.out, &c.opt, nullptr), DSAIB_INVALID_ARGUMENT);
   EXPECT_STREQ(dsaib_last_error(), "bytes: expected a non-null pointer, got NULL");
+  // Every pointer NULL: every entry point names its first argument, `inputs`,
+  // and leaves *bytes alone.
+  size_t bytes = 7;
+  const std::vector<std::function<dsaib_status()>> all_null = {
+      [] { return dsaib_indexer_backward(nullptr, nullptr, nullptr, nullptr, 0); },
+      [&] { return dsaib_indexer_backward_workspace_size(nullptr, nullptr, nullptr, &bytes); },
+      [] { return dsaib_indexer_kl_forward(nullptr, nullptr, nullptr, nullptr, 0); },
+      [&] { return dsaib_indexer_kl_forward_workspace_size(nullptr, nullptr, nullptr, &bytes); },
+      [] { return dsaib_indexer_kl_loss_and_grad(nullptr, nullptr, nullptr, nullptr, 0); },
+      [&] { return dsaib_indexer_kl_loss_and_grad_workspace_size(nullptr, nullptr, nullptr, &bytes); },
+      [] { return dsaib_attention_target(nullptr, nullptr, nullptr, nullptr, 0); },
+      [&] { return dsaib_attention_target_workspace_size(nullptr, nullptr, nullptr, &bytes); },
+      [] { return dsaib_indexer_topk(nullptr, nullptr, nullptr, nullptr, 0); },
+      [&] { return dsaib_indexer_topk_workspace_size(nullptr, nullptr, nullptr, &bytes); },
+  };
+  for (size_t k = 0; k < all_null.size(); ++k) {
+    EXPECT_EQ(all_null[k](), DSAIB_INVALID_ARGUMENT) << "entry point " << k;
+    EXPECT_STREQ(dsaib_last_error(), "inputs: expected a non-null pointer, got NULL") << "entry point " << k;
+  }
+  EXPECT_EQ(bytes, 7u) << "written on an error";
 }
 
 TEST(CApi, LastErrorIsPerThread) {
