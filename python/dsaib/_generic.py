@@ -159,6 +159,9 @@ def indexer_backward(index_q, weights, index_k, topk_indices, attn_score, index_
     if out is not None:
         out = _check_out(out)
         _check_arrays(**dict(zip(_OUT_NAMES, out)))
+        if options["out_dtype"] is not None:  # out's own dtypes are written: the two would disagree
+            raise ValueError(f"out_dtype: expected None with out= (the outputs' own dtypes are written), got "
+                             f"{out_dtype!r}")
     allocated = out is None
     if allocated:
         out = run.gradients(index_q, weights, index_k, options["out_dtype"] or ("f32",) * 3)

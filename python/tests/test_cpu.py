@@ -165,6 +165,17 @@ def test_caller_uint16_outputs_are_bf16_with_the_flag():
         np.testing.assert_array_equal(o, w)
 
 
+def test_out_with_out_dtype_is_refused():
+    # out= writes its arrays' own dtypes: an out_dtype beside it would be ignored
+    p = make_problem(0)
+    out = tuple(np.empty(x.shape, np.float32) for x in (p["index_q"], p["weights"], p["index_k"]))
+    for o in out:
+        o.fill(np.nan)
+    with pytest.raises(ValueError, match=r"^out_dtype: expected None with out= .*got 'bf16'$"):
+        run(p, out=out, out_dtype="bf16")
+    assert all(np.isnan(o).all() for o in out)  # nothing written
+
+
 def test_caller_uint16_outputs_without_the_flag_are_type_error():
     p = make_problem(0)
     for name in ("index_q", "index_k"):  # no uint16 input: only the outputs are uint16

@@ -133,14 +133,14 @@ def test_gradients_in_forward_scale_in_float32_and_refuse_a_graph_of_the_gradien
         assert torch.equal(x.grad, (d.float() * torch.tensor(g)).to(x.dtype))
     for x, r in zip(leaves, want[1:]):
         assert_close_rms("grad", x.grad.float(), r * g, 2 ** -8, 2 ** -7)
-    # a graph of the gradient (for a second derivative) is refused, as with gradients="backward"
-    for form, message in (("forward", r"^dsaib.torch.indexer_kl_loss: expected a first-order backward"),
-                          ("backward", "autograd")):
-        w2 = w.detach().clone().requires_grad_()
-        loss = dt.indexer_kl_loss(q, w2, k, ids, T, sm_scale=SM, gradients=form)
-        with pytest.raises(RuntimeError, match=message):  # at the graph's making, or at its use
-            (gw,) = torch.autograd.grad(loss, w2, create_graph=True)
-            gw.pow(2).sum().backward()
+    # a graph of the gradient (for a second derivative) is refused when the
+    # backward starts, in both forms and for float64 leaves
+    for form, dtype in (("forward", None), ("backward", None), ("forward", torch.float64)):
+        w2 = w.detach().to(dtype or w.dtype).clone().requires_grad_()
+        args = (q, w2, k) if dtype is None else (q.double(), w2, k.double())
+        loss = dt.indexer_kl_loss(*args, ids, T, sm_scale=SM, gradients=form)
+        with pytest.raises(RuntimeError, match=r"^dsaib.torch.indexer_kl_loss: expected a first-order backward"):
+            torch.autograd.grad(loss, w2, create_graph=True)
 
 
 def test_forward_is_the_library_not_torch_logits(monkeypatch):

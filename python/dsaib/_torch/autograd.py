@@ -19,7 +19,7 @@ import torch
 
 from . import reference
 from .convert import (fp64, grad_code, grad_loss_tensor, held_gradient_scale, library_inputs, logits_operand,
-                      scaled_gradient)
+                      refuse_graph_of_gradient, scaled_gradient)
 
 
 class IndexerKLLossFunction(torch.autograd.Function):
@@ -66,6 +66,7 @@ class IndexerKLLossFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
+        refuse_graph_of_gradient("dsaib.torch.indexer_kl_loss")
         q16, w_op, k16, ids32, T32, row_lse, row_target_mass, cu_q, cu_k = ctx.saved_tensors
         (sm_scale, loss_coeff, normalization_count, layout, id_mode, a_operand_precision, l2_hints, start_stagger,
          deterministic, num_threads, backend) = ctx.options
@@ -95,8 +96,8 @@ class IndexerKLLossGradientsInForward(torch.autograd.Function):
     (short of overflow), else one more rounding. Holds those of d_index_q,
     d_weights and d_index_k whose leaves need a gradient (the size of those
     leaves) from the forward to the backward, and none of the inputs. A
-    backward with create_graph=True raises (the other form's does too: its
-    op has no derivative); not for float64 leaves.
+    backward with create_graph=True raises when it starts, as the other
+    form's does; not for float64 leaves.
     """
 
     @staticmethod

@@ -94,13 +94,19 @@ def gradients_in_forward(gradients: str, leaves) -> bool:
             and not any(t.dtype == torch.float64 for t in leaves))
 
 
+def refuse_graph_of_gradient(function: str) -> None:
+    """A loss's backward under create_graph=True (grad mode on inside the
+    backward) is refused when it starts: its gradients have no graph."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"{function}: expected a first-order backward, got create_graph=True (the loss is "
+                           f"not twice differentiable)")
+
+
 def held_gradient_scale(grad_loss, function: str) -> torch.Tensor:
     """autograd's upstream gradient, as the float32 0-dim factor of gradients
     that a loss's forward formed at grad_loss 1; a backward with
     create_graph=True is refused (the held gradients have no graph)."""
-    if torch.is_grad_enabled():
-        raise RuntimeError(f"{function}: expected a first-order backward, got create_graph=True (the loss is "
-                           f"not twice differentiable)")
+    refuse_graph_of_gradient(function)
     return grad_loss.detach().reshape(()).to(torch.float32)
 
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from . import ops as _ops  # noqa: F401  (registers torch.ops.dsaib.*)
 from . import reference
 from .convert import (fp64 as _fp64, grad_code, grad_loss_tensor, held_gradient_scale, library_inputs, logits_operand,
-                      scaled_gradient)
+                      refuse_graph_of_gradient, scaled_gradient)
 from .cp_plan import finish, normalization, start_gather, start_reduce_scatter
 
 
@@ -80,6 +80,7 @@ class ContextParallelKLLoss(torch.autograd.Function):
     def backward(ctx, grad_loss):
         if ctx.in_forward:
             return ContextParallelKLLoss.scale_held(ctx, grad_loss)
+        refuse_graph_of_gradient("dsaib.distributed.context_parallel_indexer_kl_loss")
         q16, w_op, k16, ids32, T32, row_lse, row_target_mass = ctx.saved_tensors
         plan = ctx.plan
         sm_scale, loss_coeff, n, id_mode, a_operand_precision = ctx.options

@@ -20,7 +20,7 @@ import torch
 
 from .. import _dsaib
 from .._frameworks import _export, _exported
-from .._options import OPTIONS
+from .._options import OPTIONS, check_each
 from .convert import check_same_device, out_dtype
 
 
@@ -277,6 +277,9 @@ def indexer_topk_op(
     topk_logits and topk_lengths are empty (0,) tensors unless asked for.
     index_q_scale / index_k_scale: the scales of float8_e4m3fn index_q and index_k."""
     dev = index_q.device
+    # The op's own integers by the option table's rules, before its outputs
+    # are sized (the library never sees topk: it is the outputs' width).
+    check_each(topk=topk, causal_offset=causal_offset, num_threads=num_threads)
     ids, logits, lengths = _topk_outputs(index_q, int(topk), with_logits, with_lengths)
     tensors = dict(index_q=index_q, weights=weights, index_k=index_k, starts=starts, ends=ends,
                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, topk_indices=ids,
@@ -295,6 +298,7 @@ def _indexer_topk_fake(index_q, weights, index_k, topk, starts, ends, cu_seqlens
                        order="logit_descending", causal_offset=None, strict_ranges=False, with_logits=False,
                        with_lengths=False, num_threads=0, backend=None, index_q_scale=None, index_k_scale=None):
     check_words(layout=layout, id_mode=id_mode, order=order, backend=backend)
+    check_each(topk=topk, causal_offset=causal_offset, num_threads=num_threads)
     check_same_device(index_q, weights=weights, index_k=index_k, starts=starts, ends=ends,
                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, index_q_scale=index_q_scale,
                       index_k_scale=index_k_scale)
