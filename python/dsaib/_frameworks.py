@@ -89,8 +89,14 @@ def _check_arrays(**arrays):
                 raise ValueError(f"{name}: expected its own DLPack capsule, got the one given for {other} "
                                  "(a capsule can be read once: pass the tensor, or a new __dlpack__())")
             seen_capsules.append((name, x))
+        if isinstance(x, _np.ndarray) and x.dtype.kind in "OSUV":
+            # object, bytes, str or structured arrays: nanobind would only say
+            # "incompatible function arguments"
+            raise TypeError(f"{name}: expected an array of numbers, got dtype {x.dtype}")
         if isinstance(x, _np.ndarray) and not x.dtype.isnative:
             raise TypeError(f"{name}: expected native byte order, got dtype {x.dtype.str}")
+        if getattr(getattr(x, "device", None), "type", None) == "meta":  # a torch tensor without memory
+            raise TypeError(f"{name}: expected an array in memory (cpu or cuda), got a tensor on the meta device")
         if isinstance(x, _np.ndarray) and any(st % x.itemsize for st in x.strides):
             # DLPack strides count elements: such a view has none (nanobind would only
             # say "incompatible function arguments").

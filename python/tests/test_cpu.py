@@ -381,6 +381,8 @@ def test_non_array_inputs_are_type_errors_naming_the_argument():
         ("weights", p["weights"].tolist(), r"^weights: expected an array .*, got list$"),
         ("attn_score", 1.0, r"^attn_score: expected an array .*, got float$"),
         ("weights", p["weights"].astype(">f4"), r"^weights: expected native byte order, got dtype >f4$"),
+        ("attn_score", p["attn_score"].astype(object), r"^attn_score: expected an array of numbers, got dtype object$"),
+        ("attn_score", p["attn_score"].astype(str), r"^attn_score: expected an array of numbers, got dtype <U"),
     ]
     for name, value, pattern in cases:
         q = dict(p)

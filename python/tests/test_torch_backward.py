@@ -232,6 +232,12 @@ def test_op_refuses_meta_tensors_mixed_with_real_ones():
     outs = dt.indexer_backward(*(x.to("meta") for x in (q, w, k, ids, T, P)), sm_scale=SM)
     assert [o.device.type for o in outs] == ["meta"] * 3
     assert [o.shape for o in outs] == [q.shape, w.shape, k.shape]
+    # the generic (DLPack) function has no meta path: refused naming the argument
+    t = to_torch(make_problem(4))
+    t["index_k"] = t["index_k"].to("meta")
+    with pytest.raises(TypeError, match=r"^index_k: expected an array in memory \(cpu or cuda\), got a tensor on the "
+                                        r"meta device$"):
+        dsaib.indexer_backward(**t, sm_scale=SM)
 
 
 def test_generic_function_accepts_tensors_that_require_grad_and_non_contiguous_views():

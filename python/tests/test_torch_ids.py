@@ -68,9 +68,12 @@ def test_ids_conversion_of_every_integer_dtype():
 
 def test_ids_conversion_strict_names_the_first_id_outside_int32():
     ids = torch.tensor([[1, -1], [2**40, -(2**33)]])
-    with pytest.raises(ValueError, match=r"^topk_indices: strict mode found an out-of-range id at \(1, 0\): "
-                                         r"expected -1 or an id in \[-2\^31, 2\^31-1\] \(int32\), got id 1099511627776$"):
+    with pytest.raises(ValueError, match=r"^topk_indices: strict mode found an out-of-range id at \(t=1, slot=0\): "
+                                         r"expected -1 or an id that fits int32, the library's id type "
+                                         r"\(\[-2\^31, 2\^31-1\]\), got id 1099511627776$"):
         ids_int32(ids, strict=True)
+    with pytest.raises(ValueError, match=r"at \(b=0, t=1, slot=0\): "):
+        ids_int32(ids.unsqueeze(0), strict=True)
     with pytest.raises(ValueError, match=r"got id 9223372036854775813$"):
         ids_int32(torch.tensor([2**63 + 5], dtype=torch.uint64), strict=True)
     assert ids_int32(torch.tensor([[1, -1], [-(2**31), 2**31 - 1]]), strict=True).tolist() == [

@@ -200,8 +200,11 @@ def ids_int32(topk_indices: torch.Tensor, strict: bool = False) -> torch.Tensor:
         at = tuple(int(i) for i in outside.nonzero()[0])
         value = int(wide[at])
         value = value + 2**64 if value < 0 and unsigned else value
-        raise ValueError(f"topk_indices: strict mode found an out-of-range id at {at}: expected -1 or an id in "
-                         f"[-2^31, 2^31-1] (int32), got id {value}")
+        # named as the library names a position: (b, t, slot) for BSHD, (t, slot) for THD
+        names = ("b", "t", "slot")[-len(at):] if 1 < len(at) <= 3 else tuple(f"dim{d}" for d in range(len(at)))
+        where = ", ".join(f"{n}={i}" for n, i in zip(names, at))
+        raise ValueError(f"topk_indices: strict mode found an out-of-range id at ({where}): expected -1 or an id "
+                         f"that fits int32, the library's id type ([-2^31, 2^31-1]), got id {value}")
     return torch.where(outside, torch.full((), -1, dtype=torch.int32, device=ids.device),
                        wide.to(torch.int32)).contiguous()
 
