@@ -107,9 +107,9 @@ TopkRun generate_topk(const TopkArgs& a) {
   std::mt19937_64 rng(a.seed);
   const int64_t s_kv = a.s_kv >= 0 ? a.s_kv : a.s_q;
   const bool thd = o.layout == Layout::thd;
-  // Per sequence: query and key lengths. THD draws them; BSHD's are S_q and
-  // S_kv, and its sizes are checked before any table is built, which it only
-  // is when there are rows (an empty problem's tables do not grow with B).
+  // Per sequence: query and key lengths. THD draws them into tables; BSHD's
+  // are S_q and S_kv (no table, so that an empty problem's memory does not
+  // grow with B).
   std::vector<int64_t> q_len, k_len;
   int64_t rows = 0, keys = 0;
   if (thd) {
@@ -128,10 +128,6 @@ TopkRun generate_topk(const TopkArgs& a) {
     throw Error(ErrorCode::invalid_argument, "--batch",
                 "--batch: expected fewer than 2^31 query rows and key rows in all, got " + std::to_string(rows) +
                     " and " + std::to_string(keys));
-  }
-  if (!thd && rows > 0) {
-    q_len.assign(static_cast<size_t>(a.batch), a.s_q);
-    k_len.assign(static_cast<size_t>(a.batch), s_kv);
   }
   const int64_t H = a.heads, D = a.head_dim;
   const auto shape = [&](std::vector<int64_t> bshd, std::vector<int64_t> packed) { return thd ? packed : bshd; };
@@ -179,15 +175,16 @@ TopkRun generate_topk(const TopkArgs& a) {
     run.starts = HostTensor(DType::i32, shape({a.batch, a.s_q}, {rows}));
     run.ends = HostTensor(DType::i32, shape({a.batch, a.s_q}, {rows}));
     int64_t r = 0, key_base = 0;
-    for (size_t b = 0; b < q_len.size(); ++b) {
+    for (int64_t b = 0; r < rows; ++b) {  // up to the last sequence with rows
       const int64_t base = thd ? key_base : 0;
-      for (int64_t t = 0; t < q_len[b]; ++t, ++r) {
-        const int64_t end = std::clamp<int64_t>(t + k_len[b] - q_len[b] + 1, 0, k_len[b]);
+      const int64_t nq = thd ? q_len[b] : a.s_q, nk = thd ? k_len[b] : s_kv;
+      for (int64_t t = 0; t < nq; ++t, ++r) {
+        const int64_t end = std::clamp<int64_t>(t + nk - nq + 1, 0, nk);
         const int64_t start = std::uniform_int_distribution<int64_t>(0, end)(rng);
         run.starts.data<int32_t>()[r] = static_cast<int32_t>(base + start);
         run.ends.data<int32_t>()[r] = static_cast<int32_t>(base + end);
       }
-      key_base += k_len[b];
+      key_base += nk;
     }
   }
   run.topk_indices = HostTensor(DType::i32, shape({a.batch, a.s_q, a.topk}, {rows, a.topk}));

@@ -128,10 +128,8 @@ Sequences resolve(const GenerateSpec& spec) {
       s.k_start.push_back(b * spec.s_kv);
       s.k_len.push_back(spec.s_kv);
     }
-    if (sequences == 0) {
-      s.num_k_rows = tk;  // the keys are generated; no row reads them
-      return s;
-    }
+    s.num_q_rows = tq;
+    s.num_k_rows = tk;  // without query rows too: the keys are generated, though no row reads them
   } else {
     if (spec.seqlens_q.empty()) fail("seqlens_q", "at least one sequence length for layout thd", "none");
     const std::vector<int64_t>& lk = spec.seqlens_k.empty() ? spec.seqlens_q : spec.seqlens_k;
@@ -164,12 +162,10 @@ Sequences resolve(const GenerateSpec& spec) {
       tq += spec.seqlens_q[b];
       tk += lk[b];
     }
+    s.num_q_rows = tq;
+    s.num_k_rows = tk;
   }
-  for (size_t b = 0; b < s.q_len.size(); ++b) {
-    s.num_q_rows += s.q_len[b];
-    s.num_k_rows += s.k_len[b];
-    s.max_k_len = std::max(s.max_k_len, s.k_len[b]);
-  }
+  for (const int64_t n : s.k_len) s.max_k_len = std::max(s.max_k_len, n);
   s.seq_of_q_row.resize(static_cast<size_t>(s.num_q_rows));
   for (size_t b = 0; b < s.q_len.size(); ++b) {
     for (int64_t t = 0; t < s.q_len[b]; ++t) s.seq_of_q_row[s.q_start[b] + t] = static_cast<int32_t>(b);
