@@ -168,6 +168,11 @@ int with_written_report(int status, int error_status);
 
 /// "%.9g": round-trips a float.
 std::string format_float(double v);
+/// dsaib::Error(invalid_argument) naming `arg` (a flag or a file's field).
+[[noreturn]] void bad(const std::string& arg, const std::string& message);
+/// "a, b, c": the first 16 items, each cut at 64 bytes, then "... (N in all)":
+/// names from a file, which may hold a million of them, each as long as the header.
+std::string short_list(const std::vector<std::string>& items);
 
 // ---------------------------------------------------------------- running
 
