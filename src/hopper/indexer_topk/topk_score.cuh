@@ -59,6 +59,12 @@ struct TopkScore {
     return [=](auto&& f) { for_each_entry<kThreads, Config::kSelectBatch>(n, tid, [&](int e) { return src[e]; }, f); };
   }
 
+  /// A row's visible keys, held in registers for a task: [begin, end) in keys
+  /// from the task's tile_base.
+  struct RowRange {
+    int32_t begin, end;
+  };
+
   __device__ static PipelineState<kStagesK> k_state_of(int64_t g) {
     return {static_cast<uint32_t>(g % kStagesK), static_cast<uint32_t>((g / kStagesK) & 1)};
   }
@@ -96,6 +102,14 @@ struct TopkScore {
         sel.half[tid] = 0;
         sel.bound[tid] = 0ull;
       }
+      RowRange rows[kRows];
+      uint32_t halves = 0;  // bit j: row j's current buffer half (it changes only at the row's cuts)
+      CUTE_UNROLL
+      for (int j = 0; j < kRows; ++j) {
+        // key rows are below 2^31, so the differences fit 32 bits
+        rows[j].begin = static_cast<int32_t>(ss.key_begin[qs][wg * kRows + j] - tile_base);
+        rows[j].end = static_cast<int32_t>(ss.key_end[qs][wg * kRows + j] - tile_base);
+      }
       select_sync();
       // Declared per task, so that they are dead during the task's last cuts
       // (finish_row holds a row's buffer in their registers).
@@ -114,13 +128,25 @@ struct TopkScore {
         if (t + 1 < num_tiles) issue(next, t + 1);
         warpgroup_fence_operand(cur);
         k_pipe.consumer_release(k_state_of(tiles_before + t));  // the GEMM's reads of the stage retired
-        add_tile(cur, qs, tile_base + static_cast<int64_t>(t) * kBlock, r0, c0, quad, sel);
+        add_tile(cur, qs, tile_base, t * kBlock, r0, c0, quad, rows, halves, sel);
         warpgroup_wait<0>();
         warpgroup_fence_operand(next);
         select_sync();  // appends and counts complete
+        uint32_t cut_rows = 0;
 #pragma unroll 1
         for (int j = 0; j < kRows; ++j) {
-          if (sel.count[j] > p.candidate_capacity - kBlock) cut_buffer(j, sel);
+          if (sel.count[j] > p.candidate_capacity - kBlock) {
+            cut_buffer(j, sel);
+            cut_rows |= 1u << j;
+          }
+        }
+        if (cut_rows != 0u) {  // uniform; rows[] indexed by constants only, so it stays in registers
+          CUTE_UNROLL
+          for (int j = 0; j < kRows; ++j) {
+            if (cut_rows & (1u << j)) {
+              halves = (halves & ~(1u << j)) | (static_cast<uint32_t>(sel.half[j]) << j);
+            }
+          }
         }
         // Every warp has read the counts before any warp's next appends change
         // them (nothing else orders a fast warp's next atomics after a slow
@@ -145,9 +171,10 @@ struct TopkScore {
   }
 
   /// The logits of one tile's keys for this warpgroup's rows, and the appends.
+  /// tile0: the tile's first key relative to tile_base.
   template <class Accumulator>
-  __device__ void add_tile(const Accumulator& acc, int qs, int64_t key0, int r0, int c0, int quad,
-                           TopkSelection<kRows>& sel) const {
+  __device__ void add_tile(const Accumulator& acc, int qs, int64_t tile_base, int32_t tile0, int r0, int c0, int quad,
+                           const RowRange (&rows)[kRows], uint32_t halves, TopkSelection<kRows>& sel) const {
     float z[kRows][2];
     CUTE_UNROLL
     for (int j = 0; j < kRows; ++j) z[j][0] = z[j][1] = 0.0f;
@@ -176,7 +203,7 @@ struct TopkScore {
       if (p.index_k_scale != nullptr) {
         CUTE_UNROLL
         for (int kk = 0; kk < 2; ++kk) {
-          const int64_t kr = key0 + r0 + 8 * kk;
+          const int64_t kr = tile_base + tile0 + r0 + 8 * kk;
           const float ks = kr < p.num_k_rows
                                ? p.index_k_scale[batched_offset(kr, p.k_rows_per_batch, p.ks_batch_stride, p.ks_row_stride)]
                                : 1.0f;  // a zero-filled key past the last row: never admitted
@@ -193,22 +220,22 @@ struct TopkScore {
     const int lane = threadIdx.x % 32;
     CUTE_UNROLL
     for (int j = 0; j < kRows; ++j) {
-      bool admit = false;
-      unsigned long long key = 0ull;
-      CUTE_UNROLL
-      for (int kk = 0; kk < 2; ++kk) {
-        if ((2 * j + kk) % 4 != quad) continue;
-        const int64_t kr = key0 + r0 + 8 * kk;
-        if (kr < ss.key_begin[qs][wg * kRows + j] || kr >= ss.key_end[qs][wg * kRows + j]) continue;
-        key = rank_key(z[j][kk], static_cast<uint32_t>(kr));
-        admit = key >= sel.bound[j];
-      }
+      // this thread's key of row j: pair (j, kk) with (2 j + kk) % 4 == quad
+      const int kk = (quad - 2 * j) & 3;  // 0 or 1 where the thread holds one, else 2 or 3
+      const float zj = kk == 0 ? z[j][0] : z[j][1];
+      const int32_t k_rel = tile0 + r0 + 8 * (kk & 1);
+      const bool visible = kk < 2 && static_cast<uint32_t>(k_rel - rows[j].begin) <
+                                         static_cast<uint32_t>(rows[j].end - rows[j].begin);
+      const unsigned long long key = rank_key(zj, static_cast<uint32_t>(tile_base) + static_cast<uint32_t>(k_rel));
+      const bool admit = visible && key >= sel.bound[j];
       const uint32_t admitted = __ballot_sync(0xffffffffu, admit);
-      const int leader = admitted != 0u ? __ffs(admitted) - 1 : 0;
+      if (admitted == 0u) continue;  // warp-uniform: late in a row most tiles admit nothing
+      const int leader = __ffs(admitted) - 1;
       int base = 0;
-      if (admitted != 0u && lane == leader) base = atomicAdd(&sel.count[j], __popc(admitted));
+      if (lane == leader) base = atomicAdd(&sel.count[j], __popc(admitted));
       base = __shfl_sync(0xffffffffu, base, leader);
-      if (admit) buffer(j, sel.half[j])[base + __popc(admitted & ((1u << lane) - 1u))] = key;
+      const int32_t dst = (2 * j + static_cast<int32_t>((halves >> j) & 1u)) * p.candidate_capacity;
+      if (admit) buffer(0, 0)[dst + base + __popc(admitted & ((1u << lane) - 1u))] = key;
     }
   }
 
