@@ -59,6 +59,9 @@ def parse(argv):
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--time-indexer-steps", type=int, default=20)
     p.add_argument("--csv", default=None, help="write step, lm_loss, indexer_loss, step_ms here")
+    p.add_argument("--site", default=None, metavar="DIR",
+                   help="a folder of packages (pip install --target DIR) put first on sys.path, its .pth files read; "
+                        "for --backend cudnn on a machine without a package index")
     p.add_argument("--plot", nargs="+", default=None, metavar="CSV", help="plot these CSVs instead of training")
     p.add_argument("--png", default="megatron_dsa_curves.png")
     return p.parse_args(argv)
@@ -263,8 +266,22 @@ def train(args):
     dist.destroy_process_group()
 
 
+def add_site(path):
+    """The --site folder first on sys.path, its .pth files read (nvidia-cutlass-dsl
+    adds its dsl_packages folder by one)."""
+    import site
+
+    if not os.path.isdir(path):
+        raise SystemExit(f"--site: expected a folder, got {path!r}")
+    path = os.path.abspath(path)
+    sys.path.insert(0, path)  # site.addsitedir appends; first, so that the folder's packages win
+    site.addsitedir(path)
+
+
 def main(argv=None):
     args = parse(sys.argv[1:] if argv is None else argv)
+    if args.site is not None:
+        add_site(args.site)
     if args.plot:
         plot(args.plot, args.png)
         return

@@ -156,7 +156,8 @@
 #              the installed one): its check, then ns per query row of each form and each form's
 #              ratio to the one call. Exit 77 (no CUDA for torch) fails the part. This part and
 #              the next run the interpreter PYTHON names (default python3), as the python part.
-#   megatron   for BACKEND in dsaib none (and cudnn where cudnn-frontend imports):
+#   megatron   for BACKEND in dsaib none (and cudnn where cudnn-frontend and flash_mla import,
+#              from --peers-site where given):
 #                python3 examples/megatron_dsa_gpt.py --backend BACKEND --steps 300 --csv O/megatron/BACKEND.csv
 #              then python3 examples/megatron_dsa_gpt.py --plot O/megatron/*.csv --png O/megatron/curves.png
 #              A tiny Megatron-Core GPT with DSA layers trained on one GPU per indexer backend
@@ -801,10 +802,13 @@ part_megatron() {
     record megatron SKIPPED "no supported megatron-core for $("$py" --version 2>&1) (see $d/import.log; PYTHON=... names another interpreter)"
     return
   fi
-  "$py" -c "import cudnn" >/dev/null 2>&1 && backends+=(cudnn)
+  local site_args=()
+  [[ -n $peers_site ]] && site_args=(--site "$peers_site")
+  "$py" -c "import site, sys; [sys.path.insert(0, p) or site.addsitedir(p) for p in sys.argv[1:]]; import cudnn, flash_mla" \
+    ${peers_site:+"$peers_site"} >/dev/null 2>&1 && backends+=(cudnn)
   for b in "${backends[@]}"; do
     with_python_site timeout 1800 "$py" examples/megatron_dsa_gpt.py --backend "$b" --steps 300 \
-      --csv "$d/$b.csv" >"$d/$b.log" 2>&1
+      "${site_args[@]}" --csv "$d/$b.csv" >"$d/$b.log" 2>&1
     rc=$?
     if [[ $rc -ne 0 ]]; then
       [[ $b == cudnn ]] && notes+=("cudnn exit $rc") || fails+=("$b exit $rc")

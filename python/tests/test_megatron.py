@@ -435,6 +435,24 @@ def free_port():
         return s.getsockname()[1]
 
 
+def test_the_example_puts_its_site_folder_first_and_reads_its_pth_files(tmp_path, monkeypatch):
+    """--site DIR (peer packages without a package index): DIR first on
+    sys.path, a .pth file in it read; a missing folder refused by name."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("megatron_dsa_gpt_example", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    (tmp_path / "extra").mkdir()
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "peer.pth").write_text(str(tmp_path / "extra") + "\n")
+    example.add_site(str(tmp_path / "site"))
+    assert sys.path[0] == str(tmp_path / "site") and str(tmp_path / "extra") in sys.path
+    with pytest.raises(SystemExit, match="--site: expected a folder, got .*absent"):
+        example.main(["--site", str(tmp_path / "absent")])
+
+
 def test_the_example_trains_on_the_cpu_with_either_backend(tmp_path):
     """examples/megatron_dsa_gpt.py on the CPU, a few steps of tiny dims, with
     dsaib and with Megatron's torch path: the same model, data and initial
