@@ -86,6 +86,12 @@ void check_tensor(const TensorView& v, const TensorRule& rule, DeviceType device
     fail(name, std::string("memory on device '") + device_name(device) + "' (the chosen backend's)",
          std::string("device '") + device_name(v.device) + "'");
   }
+  if (device == DeviceType::cpu && v.device_index != 0) {
+    fail(name, "device index 0 on device 'cpu' (DLPack's for host memory)", std::to_string(v.device_index));
+  }
+  if (device == DeviceType::cuda && v.device_index < 0) {
+    fail(name, "a device index >= 0 on device 'cuda'", std::to_string(v.device_index));
+  }
   if (device == DeviceType::cuda && v.device_index != device_index) {
     fail(name, "device index " + std::to_string(device_index) + " (that of index_q)",
          std::to_string(v.device_index));

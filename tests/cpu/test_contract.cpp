@@ -169,6 +169,9 @@ void register_cases() {
       v.strides[v.rank - 1] = -1;
     });
     add_both("device_cuda_" + n, n, [n](Env& e) { view_of(e, n).device = DeviceType::cuda; });
+    // Host memory has device index 0 (DLPack's for kDLCPU); any other is a bad view.
+    add_both("device_index_cpu_" + n, n, [n](Env& e) { view_of(e, n).device_index = -5; });
+    add_both("device_index_cpu_one_" + n, n, [n](Env& e) { view_of(e, n).device_index = 1; });
     // Misaligned: one byte off for 2-byte types, two bytes off for 4-byte ones.
     add_both("misaligned_" + n, n, [n](Env& e) {
       TensorView& v = view_of(e, n);
@@ -772,6 +775,35 @@ TEST(StridedViews, CudaRefusesStridedCuSeqlensBeforeReadingThem) {
     EXPECT_STREQ(e.what(), "cu_seqlens_q: expected stride 1 on the cuda backend, got strides (2,)");
   }
   EXPECT_EQ(CopyCount::calls, 0);
+}
+
+/// On cuda every tensor's device index is index_q's, and index_q's is >= 0
+/// (validate_problem called directly with views labelled cuda, on host memory).
+TEST(DeviceIndex, CudaRefusesANegativeIndexAndAnotherDevice) {
+  for (int index_q_device : {-1, 0}) {
+    std::unique_ptr<Env> env = make_env(Layout::bshd);
+    IndexerInputs in = env->in;
+    IndexerBackwardOutputs out = env->out;
+    for (TensorView* v : {&in.index_q, &in.weights, &in.index_k, &in.topk_indices, &in.attn_score, &in.index_score,
+                          &out.d_index_q, &out.d_weights, &out.d_index_k}) {
+      v->device = DeviceType::cuda;
+      v->device_index = index_q_device;
+    }
+    if (index_q_device == 0) in.index_k.device_index = 1;
+    IndexerOptions opt = env->opt;
+    opt.backend = Backend::cuda;
+    try {
+      (void)detail::validate_problem(in, out, opt, &CopyCount::copy);
+      ADD_FAILURE() << "no error";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::invalid_argument) << e.what();
+      if (index_q_device < 0) {
+        EXPECT_STREQ(e.what(), "index_q: expected a device index >= 0 on device 'cuda', got -1");
+      } else {
+        EXPECT_STREQ(e.what(), "index_k: expected device index 0 (that of index_q), got 1");
+      }
+    }
+  }
 }
 
 /// A cu_seqlens of 2^45 values (stride 0: 4 bytes of memory) passes the byte
