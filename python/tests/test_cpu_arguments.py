@@ -10,6 +10,15 @@ import dsaib
 from conftest import make_problem, numpy_reference
 from cpu_backward_cases import SM_SCALE, assert_close, run
 
+
+def expect_backward_and_reference_refuse(problem, error, pattern):
+    """The backward and the loss's reference both raise `error` matching `pattern`."""
+    with pytest.raises(error, match=pattern):
+        run(problem)
+    with pytest.raises(error, match=pattern):
+        dsaib.reference_kl_loss(**problem, sm_scale=SM_SCALE, uint16_as_bf16=True)
+
+
 # --- errors: the C++ messages, mapped to Python exception types ---------------
 
 def test_bad_shape_is_value_error_with_cpp_message():
@@ -272,10 +281,7 @@ def test_non_array_inputs_are_type_errors_naming_the_argument():
     for name, value, pattern in cases:
         q = dict(p)
         q[name] = value
-        with pytest.raises(TypeError, match=pattern):
-            run(q)
-        with pytest.raises(TypeError, match=pattern):
-            dsaib.reference_kl_loss(**q, sm_scale=SM_SCALE, uint16_as_bf16=True)
+        expect_backward_and_reference_refuse(q, TypeError, pattern)
 
 
 def test_numpy_views_with_strides_between_elements_are_value_errors():
@@ -290,10 +296,7 @@ def test_numpy_views_with_strides_between_elements_are_value_errors():
     q["attn_score"] = odd
     pattern = (r"^attn_score: expected strides that are multiples of the element size \(4 bytes\), "
                r"got byte strides \(\d+, \d+, 2\)$")
-    with pytest.raises(ValueError, match=pattern):
-        run(q)
-    with pytest.raises(ValueError, match=pattern):
-        dsaib.reference_kl_loss(**q, sm_scale=SM_SCALE, uint16_as_bf16=True)
+    expect_backward_and_reference_refuse(q, ValueError, pattern)
 
 
 def test_buffer_protocol_inputs_and_byte_order_of_outputs():

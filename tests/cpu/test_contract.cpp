@@ -748,17 +748,24 @@ TEST(StridedViews, StrictFindsTheBadIdThroughEveryRead) {
   }
 }
 
+/// Every view of a problem labelled as memory of cuda device `index` (host
+/// memory: for validate_problem called directly, which reads no value of it
+/// through the device before its checks).
+void label_cuda(IndexerInputs& in, IndexerBackwardOutputs& out, int index) {
+  for (TensorView* v : {&in.index_q, &in.weights, &in.index_k, &in.topk_indices, &in.attn_score, &in.index_score,
+                        &in.cu_seqlens_q, &in.cu_seqlens_k, &out.d_index_q, &out.d_weights, &out.d_index_k}) {
+    v->device = DeviceType::cuda;
+    v->device_index = index;
+  }
+}
+
 /// On cuda, cu_seqlens of stride 2 are refused before they are read
 /// (validate_problem called directly with views labelled cuda, on host memory).
 TEST(StridedViews, CudaRefusesStridedCuSeqlensBeforeReadingThem) {
   std::unique_ptr<Env> env = make_env(Layout::thd);
   IndexerInputs in = env->in;
   IndexerBackwardOutputs out = env->out;
-  for (TensorView* v : {&in.index_q, &in.weights, &in.index_k, &in.topk_indices, &in.attn_score, &in.index_score,
-                        &in.cu_seqlens_q, &in.cu_seqlens_k, &out.d_index_q, &out.d_weights, &out.d_index_k}) {
-    v->device = DeviceType::cuda;
-    v->device_index = 0;
-  }
+  label_cuda(in, out, 0);
   auto* b = reinterpret_cast<int32_t*>(env->buffer(6 * 4));
   for (int i = 0; i < 3; ++i) b[2 * i] = static_cast<const int32_t*>(in.cu_seqlens_q.data)[i];
   in.cu_seqlens_q.data = b;
@@ -784,11 +791,7 @@ TEST(DeviceIndex, CudaRefusesANegativeIndexAndAnotherDevice) {
     std::unique_ptr<Env> env = make_env(Layout::bshd);
     IndexerInputs in = env->in;
     IndexerBackwardOutputs out = env->out;
-    for (TensorView* v : {&in.index_q, &in.weights, &in.index_k, &in.topk_indices, &in.attn_score, &in.index_score,
-                          &out.d_index_q, &out.d_weights, &out.d_index_k}) {
-      v->device = DeviceType::cuda;
-      v->device_index = index_q_device;
-    }
+    label_cuda(in, out, index_q_device);
     if (index_q_device == 0) in.index_k.device_index = 1;
     IndexerOptions opt = env->opt;
     opt.backend = Backend::cuda;
