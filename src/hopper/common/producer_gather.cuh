@@ -3,13 +3,14 @@
 // compacted list of the valid slots, and their keys gathered into K stages
 // (docs/hopper-kernel.md §4). Thread t owns slots t, t + kThreads, ... of a
 // chunk, so that a warp's load covers 128 contiguous bytes, and issues all their
-// loads before using any. Invalid slots are never dereferenced.
+// loads before using any. Invalid slots' keys are never dereferenced.
 #pragma once
 
 #include <cute/arch/copy_sm80.hpp>
 #include <cute/tensor.hpp>
 #include <cuda/ptx>
 
+#include "hopper/common/l2_prefetch.cuh"
 #include "hopper/common/problem_device.cuh"
 #include "hopper/common/shared_storage.cuh"
 #include "hopper/common/slot_compaction.cuh"
@@ -59,21 +60,57 @@ struct ProducerGather {
   template <bool kScores>
   __device__ void load_batch(int first_slot, const RowSequence& seq, const int32_t* ids, const float* attn_score,
                              const float* index_score, SlotBatch& s) const {
+    // T and P are dense (rows, topk): every slot's value is read beside its id,
+    // not after it, so a batch costs one memory latency, not two.
     int32_t id[kPerThread];
     CUTE_UNROLL
     for (int j = 0; j < kPerThread; ++j) {
       const int i = first_slot + j * kThreads;
-      id[j] = i < p.topk ? ids[i] : -1;
+      const bool in_row = i < p.topk;
+      id[j] = in_row ? ids[i] : -1;
+      if constexpr (kScores) {
+        s.attn_score[j] = in_row ? attn_score[i] : 0.0f;
+        if constexpr (kScoreGradient && !kPFree) s.index_score[j] = in_row ? index_score[i] : 0.0f;
+      }
     }
     CUTE_UNROLL
     for (int j = 0; j < kPerThread; ++j) {
-      const int i = first_slot + j * kThreads;
       const int64_t kr = key_row_of(p, seq, id[j]);  // -1 also for slots past topk (id -1)
       s.key_row[j] = static_cast<int32_t>(kr);
       if constexpr (kScores) {
-        s.attn_score[j] = kr >= 0 ? attn_score[i] : 0.0f;
-        if constexpr (kScoreGradient && !kPFree) s.index_score[j] = kr >= 0 ? index_score[i] : 0.0f;
+        if (kr < 0) s.attn_score[j] = 0.0f;
+        if constexpr (kScoreGradient && !kPFree) {
+          if (kr < 0) s.index_score[j] = 0.0f;
+        }
       }
+    }
+  }
+
+  /// The ids, T (and P where given), Q rows and weights of `task` into the L2,
+  /// a task ahead of their loads, which then wait on the L2 and not on HBM.
+  __device__ void prefetch_task(int64_t task, int tid) const {
+    if (task >= p.num_tasks) return;
+    const int64_t row = task / p.head_groups;
+    const int h0 = static_cast<int>(task % p.head_groups) * Config::kHeadTile;
+    const int nh = min(Config::kHeadTile, p.heads - h0);
+    const int32_t* ids = p.topk_indices + batched_offset(row, p.q_rows_per_batch, p.ids_batch_stride, p.ids_row_stride);
+    const float* attn_score =
+        p.attn_score + batched_offset(row, p.q_rows_per_batch, p.attn_score_batch_stride, p.attn_score_row_stride);
+    constexpr int kPerLine = 32;  // 4-byte values per 128-byte line
+    for (int off = tid * kPerLine; off < p.topk; off += kThreads * kPerLine) {
+      prefetch_l2(ids + off);
+      prefetch_l2(attn_score + off);
+      if constexpr (kScoreGradient && !kPFree) {
+        prefetch_l2(p.index_score +
+                    batched_offset(row, p.q_rows_per_batch, p.index_score_batch_stride, p.index_score_row_stride) + off);
+      }
+    }
+    const uint16_t* q_row = p.index_q + batched_offset(row, p.q_rows_per_batch, p.q_batch_stride, p.q_row_stride);
+    if (tid < nh) prefetch_l2_bulk(q_row + (h0 + tid) * p.q_head_stride, kD * 2);
+    if (tid < 2) {  // the first and last weight of the task: the line or two they span
+      const int64_t w_off =
+          batched_offset(row, p.q_rows_per_batch, p.w_batch_stride, p.w_row_stride) + h0 + tid * (nh - 1);
+      prefetch_l2(static_cast<const char*>(p.weights) + w_off * (p.weights_f32 ? 4 : 2));
     }
   }
 
@@ -175,6 +212,46 @@ struct ProducerGather {
     cute::cp_async_fence();
   }
 
+  /// The forward's blocks carry no count: each says whether its row ends with
+  /// it (block_last), written just before the block's full arrival.
+  __device__ void commit_block(const PipelineState<Config::kStagesK>& state, [[maybe_unused]] bool last_of_row,
+                               [[maybe_unused]] int tid) {
+    if constexpr (!kScoreGradient) {
+      if (tid == 0) ss.block_last[state.index] = last_of_row ? 1 : 0;
+    }
+    k_pipe.producer_commit(state);
+  }
+
+  /// List entries first.. (those at or past chunk_valid: tail entries) into the
+  /// next K stage; commits the block gathered before it, whose copies are then
+  /// the older of two blocks in flight.
+  __device__ void gather_list_block(PipelineState<Config::kStagesK>& k_state, int first, int chunk_valid,
+                                    Element* const (&k_dst)[kGatherRows], const uint16_t* k_seq_col,
+                                    int32_t k_start, bool& pending, PipelineState<Config::kStagesK>& pending_state,
+                                    int tid) {
+    k_pipe.producer_acquire(k_state);
+    const int ks = k_state.index;
+    if (tid < kBlock) {
+      const bool in_list = first + tid < chunk_valid;
+      if constexpr (kScoreGradient) {
+        ss.gs[ks][tid] = in_list ? ss.slot_gs[first + tid] : 0.0f;
+      } else {
+        ss.key_slot[ks][tid] = in_list ? ss.slot_index[first + tid] : -1;
+        ss.key_target[ks][tid] = in_list ? ss.slot_target[first + tid] : 0.0f;
+      }
+      ss.key_row[ks][tid] = in_list ? ss.slot_key_row[first + tid] : -1;
+    }
+    gather_block(ks, first, chunk_valid, ss.slot_key_row, k_dst, k_seq_col, k_start, tid);
+    if (pending) {
+      cute::cp_async_wait<1>();  // all but the block just issued have landed
+      cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
+      commit_block(pending_state, false, tid);
+    }
+    pending = true;
+    pending_state = k_state;
+    k_state.advance();
+  }
+
   __device__ void run() {
     const int tid = threadIdx.x;  // 0..127 in warpgroup 0
     const float c = loss_scale(p);
@@ -192,6 +269,7 @@ struct ProducerGather {
       while (cuda::ptx::get_sreg_globaltimer() - start < delay) __nanosleep(500);
     }
     for (int64_t task = blockIdx.x; task < p.num_tasks; task += gridDim.x) {
+      prefetch_task(task + gridDim.x, tid);
       const int64_t row = task / p.head_groups;
       const int h0 = static_cast<int>(task % p.head_groups) * Config::kHeadTile;
       const int nh = min(Config::kHeadTile, p.heads - h0);
@@ -211,47 +289,52 @@ struct ProducerGather {
       q_pipe.producer_acquire(q_state);
       const int qs = q_state.index;
       load_q(row, h0, nh, qs, tid);
+      // Q lands (no K copy of this task is issued yet: the last task's ended with
+      // a wait for all), then every producer thread arrives.
+      auto commit_q = [&] {
+        cute::cp_async_wait<0>();                              // this thread's Q copies landed
+        cuda::ptx::fence_proxy_async(cuda::ptx::space_shared); // ...and are visible to wgmma
+        q_pipe.producer_commit(q_state);
+        q_state.advance();
+      };
 
-      // ---- stage 1, pass 1: G and the number of blocks (chunks pad their last block)
-      float g_part = 0.0f;
-      int num_blocks = 0;
-      for (int chunk0 = 0; chunk0 < p.topk; chunk0 += Config::kSlotChunk) {
-        SlotBatch s;
-        load_batch<kScoreGradient>(chunk0 + tid, seq, ids, attn_score, index_score, s);
-        int count = 0;
-        CUTE_UNROLL
-        for (int j = 0; j < kPerThread; ++j) {
-          if (s.key_row[j] >= 0) {
-            ++count;
-            if constexpr (kScoreGradient && !kPFree) {
-              if (s.index_score[j] >= eps) g_part += -c * max_keeping_nan(s.attn_score[j], eps);
+      float G = 0.0f;
+      if constexpr (kScoreGradient) {
+        // ---- stage 1, pass 1: G and the number of blocks (chunks pad their last block)
+        float g_part = 0.0f;
+        int num_blocks = 0;
+        for (int chunk0 = 0; chunk0 < p.topk; chunk0 += Config::kSlotChunk) {
+          SlotBatch s;
+          load_batch<true>(chunk0 + tid, seq, ids, attn_score, index_score, s);
+          int count = 0;
+          CUTE_UNROLL
+          for (int j = 0; j < kPerThread; ++j) {
+            if (s.key_row[j] >= 0) {
+              ++count;
+              if constexpr (!kPFree) {
+                if (s.index_score[j] >= eps) g_part += -c * max_keeping_nan(s.attn_score[j], eps);
+              }
             }
           }
+          int chunk_valid = 0;
+          (void)warpgroup_exclusive_scan(count, &chunk_valid);
+          producer_sync<Config>();  // producer_scan is reused
+          num_blocks += (chunk_valid + kBlock - 1) / kBlock;
         }
-        int chunk_valid = 0;
-        (void)warpgroup_exclusive_scan(count, &chunk_valid);
-        producer_sync<Config>();  // producer_scan is reused
-        num_blocks += (chunk_valid + kBlock - 1) / kBlock;
-      }
-      float G = 0.0f;
-      if constexpr (kPFree) {
-        // G = sum_i g_i = -c * sum_i T~_i m_i: the row's target mass, given.
-        if (tid == 0) {
-          // (LSE, mass) of the row, packed by the host (kernel_params.hpp)
-          const float2 stats = reinterpret_cast<const float2*>(p.index_score)[row];
-          ss.p_free.row_lse[qs] = stats.x;
-          ss.p_free.row_g[qs] = -c * stats.y;
+        if constexpr (kPFree) {
+          // G = sum_i g_i = -c * sum_i T~_i m_i: the row's target mass, given.
+          if (tid == 0) {
+            // (LSE, mass) of the row, packed by the host (kernel_params.hpp)
+            const float2 stats = reinterpret_cast<const float2*>(p.index_score)[row];
+            ss.p_free.row_lse[qs] = stats.x;
+            ss.p_free.row_g[qs] = -c * stats.y;
+          }
+        } else {
+          G = warpgroup_sum(g_part, 0);
         }
-        (void)G;
-      } else if constexpr (kScoreGradient) {
-        G = warpgroup_sum(g_part, 0);
+        if (tid == 0) ss.num_blocks[qs] = num_blocks;
+        commit_q();
       }
-      if (tid == 0) ss.num_blocks[qs] = num_blocks;
-
-      cute::cp_async_wait<0>();                              // this thread's Q copies landed
-      cuda::ptx::fence_proxy_async(cuda::ptx::space_shared); // ...and are visible to wgmma
-      q_pipe.producer_commit(q_state);                       // every producer thread arrives
-      q_state.advance();
 
       // ---- pass 2 per chunk: compact, then gather blocks; block j is committed
       //      once block j+1 is issued (two blocks of copies in flight)
@@ -263,10 +346,16 @@ struct ProducerGather {
       // depend on the grid.
       const int num_chunks = (p.topk + Config::kSlotChunk - 1) / Config::kSlotChunk;
       const bool reverse_chunks = kScoreGradient && ((task / gridDim.x) & 1) != 0;
+      // The forward's Q stage goes out once its first chunk's loads are back.
+      bool q_committed = kScoreGradient;
       for (int ci = 0; ci < num_chunks; ++ci) {
         const int chunk0 = (reverse_chunks ? num_chunks - 1 - ci : ci) * Config::kSlotChunk;
         SlotBatch s;
         load_batch<true>(chunk0 + tid, seq, ids, attn_score, index_score, s);
+        if (!q_committed) {
+          commit_q();
+          q_committed = true;
+        }
         int pos[kPerThread];  // the previous list was read (the barrier after its blocks)
         const int chunk_valid = slot_list_positions<kThreads, kPerThread>(s.key_row, pos, ss.producer_scan_rows, tid,
                                                                            [] { producer_sync<Config>(); });
@@ -288,35 +377,20 @@ struct ProducerGather {
         producer_sync<Config>();  // list complete; producer_scan_rows read by every thread
         const int chunk_blocks = (chunk_valid + kBlock - 1) / kBlock;
         for (int blk = 0; blk < chunk_blocks; ++blk) {
-          k_pipe.producer_acquire(k_state);
-          const int ks = k_state.index;
-          const int first = blk * kBlock;
-          if (tid < kBlock) {
-            const bool in_list = first + tid < chunk_valid;
-            if constexpr (kScoreGradient) {
-              ss.gs[ks][tid] = in_list ? ss.slot_gs[first + tid] : 0.0f;
-            } else {
-              ss.key_slot[ks][tid] = in_list ? ss.slot_index[first + tid] : -1;
-              ss.key_target[ks][tid] = in_list ? ss.slot_target[first + tid] : 0.0f;
-            }
-            ss.key_row[ks][tid] = in_list ? ss.slot_key_row[first + tid] : -1;
-          }
-          gather_block(ks, first, chunk_valid, ss.slot_key_row, k_dst, k_seq_col, k_start, tid);
-          if (pending) {
-            cute::cp_async_wait<1>();  // all but the block just issued have landed
-            cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
-            k_pipe.producer_commit(pending_state);
-          }
-          pending = true;
-          pending_state = k_state;
-          k_state.advance();
+          gather_list_block(k_state, blk * kBlock, chunk_valid, k_dst, k_seq_col, k_start, pending, pending_state, tid);
         }
         producer_sync<Config>();  // every thread is done reading the list
+      }
+      if constexpr (!kScoreGradient) {
+        if (!q_committed) commit_q();  // topk 0: no chunk
+        // A forward row without a valid slot still sends the block that ends it:
+        // zero-filled, every entry a tail entry.
+        if (!pending) gather_list_block(k_state, 0, 0, k_dst, k_seq_col, k_start, pending, pending_state, tid);
       }
       if (pending) {
         cute::cp_async_wait<0>();
         cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
-        k_pipe.producer_commit(pending_state);
+        commit_block(pending_state, true, tid);
       }
     }
   }
