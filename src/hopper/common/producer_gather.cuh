@@ -55,27 +55,32 @@ struct ProducerGather {
     float index_score[kPerThread];
   };
 
-  /// kScores: also T (and P where the backward is given it); the forward's
-  /// counting pass needs the key rows alone.
+  /// The loads of a batch (kScores: also T, and P where the backward is given
+  /// it), into s: the raw ids in key_row until resolve_key_rows. T and P are
+  /// dense (rows, topk): every slot's value is read beside its id, not after it,
+  /// so a batch costs one memory latency, not two.
   template <bool kScores>
-  __device__ void load_batch(int first_slot, const RowSequence& seq, const int32_t* ids, const float* attn_score,
-                             const float* index_score, SlotBatch& s) const {
-    // T and P are dense (rows, topk): every slot's value is read beside its id,
-    // not after it, so a batch costs one memory latency, not two.
-    int32_t id[kPerThread];
+  __device__ void issue_batch_loads(int first_slot, const int32_t* ids, const float* attn_score,
+                                    const float* index_score, SlotBatch& s) const {
     CUTE_UNROLL
     for (int j = 0; j < kPerThread; ++j) {
       const int i = first_slot + j * kThreads;
       const bool in_row = i < p.topk;
-      id[j] = in_row ? ids[i] : -1;
+      s.key_row[j] = in_row ? ids[i] : -1;
       if constexpr (kScores) {
         s.attn_score[j] = in_row ? attn_score[i] : 0.0f;
         if constexpr (kScoreGradient && !kPFree) s.index_score[j] = in_row ? index_score[i] : 0.0f;
       }
     }
+  }
+
+  /// The ids of issue_batch_loads to key rows (-1: invalid or past topk), T and
+  /// P zeroed at invalid slots: the first use of the loads.
+  template <bool kScores>
+  __device__ void resolve_key_rows(const RowSequence& seq, SlotBatch& s) const {
     CUTE_UNROLL
     for (int j = 0; j < kPerThread; ++j) {
-      const int64_t kr = key_row_of(p, seq, id[j]);  // -1 also for slots past topk (id -1)
+      const int64_t kr = key_row_of(p, seq, s.key_row[j]);
       s.key_row[j] = static_cast<int32_t>(kr);
       if constexpr (kScores) {
         if (kr < 0) s.attn_score[j] = 0.0f;
@@ -84,6 +89,15 @@ struct ProducerGather {
         }
       }
     }
+  }
+
+  /// One thread's slots of the chunk at first_slot - tid. kScores: also T (and P
+  /// where the backward is given it); a counting pass needs the key rows alone.
+  template <bool kScores>
+  __device__ void load_batch(int first_slot, const RowSequence& seq, const int32_t* ids, const float* attn_score,
+                             const float* index_score, SlotBatch& s) const {
+    issue_batch_loads<kScores>(first_slot, ids, attn_score, index_score, s);
+    resolve_key_rows<kScores>(seq, s);
   }
 
   /// The ids, T (and P where given), Q rows and weights of `task` into the L2,
@@ -348,10 +362,24 @@ struct ProducerGather {
       const bool reverse_chunks = kScoreGradient && ((task / gridDim.x) & 1) != 0;
       // The forward's Q stage goes out once its first chunk's loads are back.
       bool q_committed = kScoreGradient;
+      // The forward issues a chunk's loads before the blocks of the chunk before
+      // it, so that they are back when it compacts (kPerThread ids and T a thread).
+      SlotBatch ahead;
+      if constexpr (!kScoreGradient) {
+        if (num_chunks > 0) issue_batch_loads<true>(tid, ids, attn_score, index_score, ahead);
+      }
       for (int ci = 0; ci < num_chunks; ++ci) {
         const int chunk0 = (reverse_chunks ? num_chunks - 1 - ci : ci) * Config::kSlotChunk;
         SlotBatch s;
-        load_batch<true>(chunk0 + tid, seq, ids, attn_score, index_score, s);
+        if constexpr (kScoreGradient) {
+          load_batch<true>(chunk0 + tid, seq, ids, attn_score, index_score, s);
+        } else {
+          s = ahead;
+          if (ci + 1 < num_chunks) {
+            issue_batch_loads<true>(chunk0 + Config::kSlotChunk + tid, ids, attn_score, index_score, ahead);
+          }
+          resolve_key_rows<true>(seq, s);
+        }
         if (!q_committed) {
           commit_q();
           q_committed = true;
