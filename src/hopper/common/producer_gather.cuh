@@ -35,6 +35,9 @@ struct ProducerGather {
   static constexpr int kGatherRows = kBlock * kChunksPerRow / kThreads;  // rows per thread per block: 8 (D128), 4 (D64)
   static_assert(kGatherRows % 4 == 0 && kGatherRows * kThreads == kBlock * kChunksPerRow, "whole rows, int4 loads");
   static constexpr bool kPFree = kIsPFree<Config>;
+  static constexpr int kInFlight = kGatherBlocksInFlight<Config>;  // blocks of copies in flight
+  static_assert(kInFlight == 2 || kInFlight == 3, "two or three blocks of copies in flight");
+  static_assert(kInFlight <= Config::kStagesK - 1, "the consumer holds a stage while it waits for the next");
   static_assert(!kPFree || kScoreGradient, "the P-free producer is the backward's");
 
   const IndexerParams& p;
@@ -236,13 +239,39 @@ struct ProducerGather {
     k_pipe.producer_commit(state);
   }
 
+  /// Blocks whose copies are issued and not yet committed, oldest first. A block
+  /// is committed once kInFlight - 1 later blocks are issued (kInFlight blocks
+  /// of copies in flight), or when the producer drains.
+  struct PendingBlocks {
+    PipelineState<Config::kStagesK> oldest, newest;  // newest: the second of two (kInFlight 3)
+    int count = 0;
+  };
+
+  /// Commits the oldest pending block once its copies have landed: at most
+  /// kOutstanding commit groups are then left in flight.
+  template <int kOutstanding>
+  __device__ void commit_oldest(PendingBlocks& pending, bool last_of_row, int tid) {
+    cute::cp_async_wait<kOutstanding>();
+    cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
+    commit_block(pending.oldest, last_of_row, tid);
+    if constexpr (kInFlight == 3) pending.oldest = pending.newest;
+    --pending.count;
+  }
+
+  /// Commits all but the newest pending block (whether it ends its row is not
+  /// known yet): pending.count - 1 of them, each of the older blocks in flight.
+  __device__ void commit_all_but_newest(PendingBlocks& pending, int tid) {
+    if constexpr (kInFlight == 3) {
+      if (pending.count == 2) commit_oldest<1>(pending, false, tid);
+    }
+  }
+
   /// List entries first.. (those at or past chunk_valid: tail entries) into the
-  /// next K stage; commits the block gathered before it, whose copies are then
-  /// the older of two blocks in flight.
+  /// next K stage; then the oldest pending block is committed if kInFlight
+  /// blocks are in flight.
   __device__ void gather_list_block(PipelineState<Config::kStagesK>& k_state, int first, int chunk_valid,
                                     Element* const (&k_dst)[kGatherRows], const uint16_t* k_seq_col,
-                                    int32_t k_start, bool& pending, PipelineState<Config::kStagesK>& pending_state,
-                                    int tid) {
+                                    int32_t k_start, PendingBlocks& pending, int tid) {
     k_pipe.producer_acquire(k_state);
     const int ks = k_state.index;
     if (tid < kBlock) {
@@ -256,13 +285,14 @@ struct ProducerGather {
       ss.key_row[ks][tid] = in_list ? ss.slot_key_row[first + tid] : -1;
     }
     gather_block(ks, first, chunk_valid, ss.slot_key_row, k_dst, k_seq_col, k_start, tid);
-    if (pending) {
-      cute::cp_async_wait<1>();  // all but the block just issued have landed
-      cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
-      commit_block(pending_state, false, tid);
+    // all but the kInFlight - 1 blocks issued after the oldest have landed
+    if (pending.count == kInFlight - 1) commit_oldest<kInFlight - 1>(pending, false, tid);
+    if (kInFlight == 2 || pending.count == 0) {
+      pending.oldest = k_state;
+    } else {
+      pending.newest = k_state;
     }
-    pending = true;
-    pending_state = k_state;
+    ++pending.count;
     k_state.advance();
   }
 
@@ -351,9 +381,8 @@ struct ProducerGather {
       }
 
       // ---- pass 2 per chunk: compact, then gather blocks; block j is committed
-      //      once block j+1 is issued (two blocks of copies in flight)
-      bool pending = false;
-      PipelineState<Config::kStagesK> pending_state{};
+      //      once block j + kInFlight - 1 is issued
+      PendingBlocks pending;
       // Odd waves walk the chunks last to first: with ascending ids, the keys a
       // wave touched last are the next wave's first. The forward keeps slot
       // order: its statistics accumulate in arrival order, which must not
@@ -405,21 +434,20 @@ struct ProducerGather {
         producer_sync<Config>();  // list complete; producer_scan_rows read by every thread
         const int chunk_blocks = (chunk_valid + kBlock - 1) / kBlock;
         for (int blk = 0; blk < chunk_blocks; ++blk) {
-          gather_list_block(k_state, blk * kBlock, chunk_valid, k_dst, k_seq_col, k_start, pending, pending_state, tid);
+          gather_list_block(k_state, blk * kBlock, chunk_valid, k_dst, k_seq_col, k_start, pending, tid);
         }
+        // The next chunk's compaction would hold these back from the consumers.
+        commit_all_but_newest(pending, tid);
         producer_sync<Config>();  // every thread is done reading the list
       }
       if constexpr (!kScoreGradient) {
         if (!q_committed) commit_q();  // topk 0: no chunk
         // A forward row without a valid slot still sends the block that ends it:
         // zero-filled, every entry a tail entry.
-        if (!pending) gather_list_block(k_state, 0, 0, k_dst, k_seq_col, k_start, pending, pending_state, tid);
+        if (pending.count == 0) gather_list_block(k_state, 0, 0, k_dst, k_seq_col, k_start, pending, tid);
       }
-      if (pending) {
-        cute::cp_async_wait<0>();
-        cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
-        commit_block(pending_state, true, tid);
-      }
+      commit_all_but_newest(pending, tid);
+      if (pending.count > 0) commit_oldest<0>(pending, true, tid);  // the row's last block
     }
   }
 };

@@ -20,6 +20,9 @@ struct ForwardTileConfig {
   static constexpr int kCtasPerSm = kHeadTile == 64 ? 2 : 1;
   static constexpr int kStagesK = kCtasPerSm == 2 ? 4 : 8;
   static constexpr int kStagesQ = 2;
+  // Blocks of key copies in flight: a block is published once two later ones
+  // are issued (the backward's producer: one).
+  static constexpr int kGatherBlocksInFlight = 3;
   static constexpr int kThreadsPerWarpgroup = 128;
   static constexpr int kProducerThreads = kThreadsPerWarpgroup;
   static constexpr int kScoreThreads = kThreadsPerWarpgroup;
