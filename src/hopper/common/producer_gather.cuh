@@ -103,6 +103,20 @@ struct ProducerGather {
     resolve_key_rows<kScores>(seq, s);
   }
 
+  /// The 128-byte lines of [first, first + bytes) into the L2, thread t taking
+  /// lines t, t + kThreads, ...
+  __device__ static void prefetch_span(const void* first, int64_t bytes, int tid) {
+    if (bytes <= 0) return;
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(first) & ~uintptr_t{127};
+    const uintptr_t end = reinterpret_cast<uintptr_t>(first) + static_cast<uintptr_t>(bytes);  // past the last byte
+    for (uintptr_t line = begin + static_cast<uintptr_t>(tid) * 128; line < end; line += kThreads * 128) {
+      // the first line may start before `first`: prefetch from inside the span
+      prefetch_l2(reinterpret_cast<const void*>(line < reinterpret_cast<uintptr_t>(first)
+                                                    ? reinterpret_cast<uintptr_t>(first)
+                                                    : line));
+    }
+  }
+
   /// The ids, T (and P where given), Q rows and weights of `task` into the L2,
   /// a task ahead of their loads, which then wait on the L2 and not on HBM.
   __device__ void prefetch_task(int64_t task, int tid) const {
@@ -110,25 +124,22 @@ struct ProducerGather {
     const int64_t row = task / p.head_groups;
     const int h0 = static_cast<int>(task % p.head_groups) * Config::kHeadTile;
     const int nh = min(Config::kHeadTile, p.heads - h0);
-    const int32_t* ids = p.topk_indices + batched_offset(row, p.q_rows_per_batch, p.ids_batch_stride, p.ids_row_stride);
-    const float* attn_score =
-        p.attn_score + batched_offset(row, p.q_rows_per_batch, p.attn_score_batch_stride, p.attn_score_row_stride);
-    constexpr int kPerLine = 32;  // 4-byte values per 128-byte line
-    for (int off = tid * kPerLine; off < p.topk; off += kThreads * kPerLine) {
-      prefetch_l2(ids + off);
-      prefetch_l2(attn_score + off);
-      if constexpr (kScoreGradient && !kPFree) {
-        prefetch_l2(p.index_score +
-                    batched_offset(row, p.q_rows_per_batch, p.index_score_batch_stride, p.index_score_row_stride) + off);
-      }
+    const int64_t slot_bytes = static_cast<int64_t>(p.topk) * 4;  // int32 ids, f32 T and P
+    prefetch_span(p.topk_indices + batched_offset(row, p.q_rows_per_batch, p.ids_batch_stride, p.ids_row_stride),
+                  slot_bytes, tid);
+    prefetch_span(
+        p.attn_score + batched_offset(row, p.q_rows_per_batch, p.attn_score_batch_stride, p.attn_score_row_stride),
+        slot_bytes, tid);
+    if constexpr (kScoreGradient && !kPFree) {
+      prefetch_span(p.index_score +
+                        batched_offset(row, p.q_rows_per_batch, p.index_score_batch_stride, p.index_score_row_stride),
+                    slot_bytes, tid);
     }
     const uint16_t* q_row = p.index_q + batched_offset(row, p.q_rows_per_batch, p.q_batch_stride, p.q_row_stride);
     if (tid < nh) prefetch_l2_bulk(q_row + (h0 + tid) * p.q_head_stride, kD * 2);
-    if (tid < 2) {  // the first and last weight of the task: the line or two they span
-      const int64_t w_off =
-          batched_offset(row, p.q_rows_per_batch, p.w_batch_stride, p.w_row_stride) + h0 + tid * (nh - 1);
-      prefetch_l2(static_cast<const char*>(p.weights) + w_off * (p.weights_f32 ? 4 : 2));
-    }
+    const int w_size = p.weights_f32 ? 4 : 2;
+    const int64_t w_off = batched_offset(row, p.q_rows_per_batch, p.w_batch_stride, p.w_row_stride) + h0;
+    prefetch_span(static_cast<const char*>(p.weights) + w_off * w_size, static_cast<int64_t>(nh) * w_size, tid);
   }
 
   /// Sum of v over the producer warpgroup (every thread gets it). Uses
