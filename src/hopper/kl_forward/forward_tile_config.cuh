@@ -12,12 +12,12 @@ struct ForwardTileConfig {
   static constexpr int kHeadDim = kHeadDim_;
   static_assert(kHeadDim == 64 || kHeadDim == 128, "D must be 64 or 128");
   static constexpr int kHeadTile = kHeadTile_;  // heads per task: every head of the row, padded
-  static_assert(kHeadTile == 64 || kHeadTile == 128, "one or two m64 wgmma tiles");
+  static_assert(kHeadTile == 32 || kHeadTile == 64 || kHeadTile == 128, "GEMM1's wgmma N: 32, 64 or 128 heads");
   static constexpr int kBlockKeys = 64;  // keys per gathered block (the backward's)
-  // Two CTAs per SM where they fit (64 heads: four K stages each), so that one
-  // CTA's gathers and head sums run under the other's GEMMs; eight K stages
+  // Two CTAs per SM where they fit (up to 64 heads: four K stages each), so that
+  // one CTA's gathers and head sums run under the other's GEMMs; eight K stages
   // for 128 heads, one CTA.
-  static constexpr int kCtasPerSm = kHeadTile == 64 ? 2 : 1;
+  static constexpr int kCtasPerSm = kHeadTile <= 64 ? 2 : 1;
   static constexpr int kStagesK = kCtasPerSm == 2 ? 4 : 8;
   static constexpr int kStagesQ = 2;
   // Blocks of key copies in flight: a block is published once two later ones
