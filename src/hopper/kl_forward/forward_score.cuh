@@ -70,10 +70,10 @@ struct ForwardScore {
     for (int64_t row = blockIdx.x; row < p.num_tasks; row += gridDim.x, ++n) {
       q_pipe.consumer_wait(q_state);
       const int qs = q_state.index;
-      // w sm_scale of head c0 + 8 (k / 2) + k % 2: in registers, or read from
-      // shared memory at each block where two CTAs share an SM at 64 heads (128
-      // registers a thread, which the 16 held weights would exceed)
-      constexpr bool kWeightsInRegisters = Config::kCtasPerSm == 1 || kN <= 32;
+      // w sm_scale of head c0 + 8 (k / 2) + k % 2: in registers with one CTA an
+      // SM, else read from shared memory at each block (two or three CTAs an SM
+      // leave 128 or 80 registers a thread, which the held weights would exceed)
+      constexpr bool kWeightsInRegisters = Config::kCtasPerSm == 1;
       const float* w_row = &ss.w_scaled[qs][c0];
       float w[kN / 4];
       CUTE_UNROLL
