@@ -408,6 +408,11 @@ struct ProducerGather {
       if constexpr (!kScoreGradient) {
         if (num_chunks > 0) issue_batch_loads<true>(tid, ids, attn_score, index_score, ahead);
       }
+      // The forward pads a block only at a multiple of kBlockPadSlots slots (and
+      // at the row's end): the entries past a chunk's last whole block are carried
+      // to the front of the next chunk's list, so that a row's keys take the same
+      // blocks, and the same threads of the score role, whatever the chunk size.
+      int carry = 0;
       for (int ci = 0; ci < num_chunks; ++ci) {
         const int chunk0 = (reverse_chunks ? num_chunks - 1 - ci : ci) * Config::kSlotChunk;
         SlotBatch s;
@@ -436,20 +441,37 @@ struct ProducerGather {
               const float g = s.index_score[j] >= eps ? -c * max_keeping_nan(s.attn_score[j], eps) : 0.0f;
               ss.slot_gs[pos[j]] = g - s.index_score[j] * G;
             } else {
-              ss.slot_index[pos[j]] = chunk0 + tid + j * kThreads;
-              ss.slot_target[pos[j]] = max_keeping_nan(s.attn_score[j], eps);
+              ss.slot_index[carry + pos[j]] = chunk0 + tid + j * kThreads;
+              ss.slot_target[carry + pos[j]] = max_keeping_nan(s.attn_score[j], eps);
             }
-            ss.slot_key_row[pos[j]] = s.key_row[j];
+            ss.slot_key_row[(kScoreGradient ? 0 : carry) + pos[j]] = s.key_row[j];
           }
         }
         producer_sync<Config>();  // list complete; producer_scan_rows read by every thread
-        const int chunk_blocks = (chunk_valid + kBlock - 1) / kBlock;
+        const int list_valid = (kScoreGradient ? 0 : carry) + chunk_valid;
+        bool pad_last_block = true;
+        if constexpr (!kScoreGradient) {
+          pad_last_block = ci == num_chunks - 1 || (chunk0 + Config::kSlotChunk) % Config::kBlockPadSlots == 0;
+        }
+        const int chunk_blocks = pad_last_block ? (list_valid + kBlock - 1) / kBlock : list_valid / kBlock;
         for (int blk = 0; blk < chunk_blocks; ++blk) {
-          gather_list_block(k_state, blk * kBlock, chunk_valid, k_dst, k_seq_col, k_start, pending, tid);
+          gather_list_block(k_state, blk * kBlock, list_valid, k_dst, k_seq_col, k_start, pending, tid);
         }
         // The next chunk's compaction would hold these back from the consumers.
         commit_all_but_newest(pending, tid);
         producer_sync<Config>();  // every thread is done reading the list
+        if constexpr (!kScoreGradient) {
+          // The entries past the whole blocks to the list's front. Source and
+          // destination do not overlap once a block was taken; the next chunk's
+          // compaction writes the list after a barrier (slot_list_positions).
+          const int first_left = chunk_blocks * kBlock;
+          carry = pad_last_block ? 0 : list_valid - first_left;  // 0..kBlock-1
+          if (first_left > 0 && tid < carry) {
+            ss.slot_index[tid] = ss.slot_index[first_left + tid];
+            ss.slot_target[tid] = ss.slot_target[first_left + tid];
+            ss.slot_key_row[tid] = ss.slot_key_row[first_left + tid];
+          }
+        }
       }
       if constexpr (!kScoreGradient) {
         if (!q_committed) commit_q();  // topk 0: no chunk

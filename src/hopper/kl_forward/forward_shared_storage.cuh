@@ -27,9 +27,10 @@ struct ForwardSharedStorage {
   // ---- per Q stage
   float w_scaled[Config::kStagesQ][Config::kHeadTile];  // w_h * sm_scale, 0 for padded heads
   // ---- producer-private (NamedBarrierId::kProducerSync): the compacted slot list of one chunk
-  alignas(16) int32_t slot_index[Config::kSlotChunk];
-  alignas(16) float slot_target[Config::kSlotChunk];
-  alignas(16) int32_t slot_key_row[Config::kSlotChunk];
+  // (the chunk's entries after up to kBlockKeys - 1 carried from the chunk before)
+  alignas(16) int32_t slot_index[Config::kSlotChunk + Config::kBlockKeys];
+  alignas(16) float slot_target[Config::kSlotChunk + Config::kBlockKeys];
+  alignas(16) int32_t slot_key_row[Config::kSlotChunk + Config::kBlockKeys];
   float producer_partial[Config::kProducerThreads / 32][2];
   int32_t producer_scan[Config::kProducerThreads / 32];
   int32_t producer_scan_rows[Config::kSlotsPerThread][Config::kProducerThreads / 32];

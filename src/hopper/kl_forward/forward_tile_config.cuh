@@ -42,6 +42,11 @@ struct ForwardTileConfig {
   // shared memory, 2 where three do
   static constexpr int kSlotsPerThread = kCtasPerSm == 3 ? 2 : kCtasPerSm == 2 ? 4 : 8;
   static constexpr int kSlotChunk = kProducerThreads * kSlotsPerThread;
+  // Blocks are padded only at multiples of this many slots: the loss-and-gradient
+  // kernel's chunk, so that both kernels give a row's keys to the same threads
+  // and their row statistics are the same bits (producer_gather.cuh).
+  static constexpr int kBlockPadSlots = 1024;
+  static_assert(kBlockPadSlots % kSlotChunk == 0, "chunks tile the padding span");
 
   using Element = cutlass::bfloat16_t;
   using SmemAtom = decltype(cute::GMMA::Layout_K_SW128_Atom<Element>{});
