@@ -268,7 +268,7 @@ TEST(ForwardPlan, KernelGridAndWorkspace) {
   // 32 heads or fewer take the 32-head tile (GLM-5's 32), 33 the 64-head one.
   EXPECT_EQ(plan_kl_forward(bshd(1, 10, 300, 32, 128, 512), h200()).kernel.head_tile, 32);
   EXPECT_EQ(plan_kl_forward(bshd(1, 10, 300, 8, 64, 512), h200()).kernel.head_tile, 32);
-  EXPECT_EQ(plan_kl_forward(bshd(1, 10, 300, 40, 128, 512), h200()).kernel.head_tile, 64);
+  EXPECT_EQ(plan_kl_forward(bshd(1, 10, 300, 33, 128, 512), h200()).kernel.head_tile, 64);
 }
 
 TEST(ForwardPlan, FromTheTopkLogitsNoZScratch) {
