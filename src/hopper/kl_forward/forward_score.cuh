@@ -71,8 +71,8 @@ struct ForwardScore {
       q_pipe.consumer_wait(q_state);
       const int qs = q_state.index;
       // w sm_scale of head c0 + 8 (k / 2) + k % 2: in registers with one CTA an
-      // SM, else read from shared memory at each block (two or three CTAs an SM
-      // leave 128 or 80 registers a thread, which the held weights would exceed)
+      // SM, else read from shared memory at each block (three CTAs an SM leave 80
+      // registers a thread, which the held weights would exceed)
       constexpr bool kWeightsInRegisters = Config::kCtasPerSm == 1;
       const float* w_row = &ss.w_scaled[qs][c0];
       float w[kN / 4];

@@ -15,11 +15,13 @@ struct ForwardTileConfig {
   static_assert(kHeadTile == 32 || kHeadTile == 64 || kHeadTile == 128, "GEMM1's wgmma N: 32, 64 or 128 heads");
   static constexpr int kBlockKeys = 64;  // keys per gathered block (the backward's)
   // Several CTAs per SM where they fit, so that one CTA's gathers and head sums
-  // run under another's GEMMs: three at 32 heads (three K stages each), two at
-  // 64 (four K stages); one at 128 heads, with eight K stages.
-  static constexpr int kCtasPerSm = kHeadTile == 32 ? 3 : kHeadTile == 64 ? 2 : 1;
-  static constexpr int kStagesK = kCtasPerSm == 3 ? 3 : kCtasPerSm == 2 ? 4 : 8;
-  static constexpr int kStagesQ = 2;
+  // run under another's GEMMs: three at 32 and 64 heads (three K stages each;
+  // at 64 heads one Q stage, so that three CTAs' shared memory fits an SM: the
+  // next row's Q then loads once this row's last block is done); one at 128
+  // heads, with eight K stages.
+  static constexpr int kCtasPerSm = kHeadTile <= 64 ? 3 : 1;
+  static constexpr int kStagesK = kCtasPerSm == 3 ? 3 : 8;
+  static constexpr int kStagesQ = kHeadTile == 64 && kCtasPerSm == 3 ? 1 : 2;
   // Blocks of key copies in flight: a block is published once kGatherBlocksInFlight - 1
   // later ones are issued (the backward's producer: two in flight). Three where the
   // stages leave room: the consumer holds one stage while it waits for the next.
@@ -38,9 +40,9 @@ struct ForwardTileConfig {
   static constexpr int kScoreRegisters = kCtasPerSm == 3 ? 96 : 0;
   static_assert(kProducerRegisters + kScoreRegisters <= 2 * kEntryRegisters,
                 "setmaxnreg.inc can only take the registers the producer released");
-  // the producer's slot chunks: the backward's 8; 4 where two CTAs share an SM's
-  // shared memory, 2 where three do
-  static constexpr int kSlotsPerThread = kCtasPerSm == 3 ? 2 : kCtasPerSm == 2 ? 4 : 8;
+  // the producer's slot chunks: the backward's 8; 2 where three CTAs share an
+  // SM's shared memory
+  static constexpr int kSlotsPerThread = kCtasPerSm == 3 ? 2 : 8;
   static constexpr int kSlotChunk = kProducerThreads * kSlotsPerThread;
   // Blocks are padded only at multiples of this many slots: the loss-and-gradient
   // kernel's chunk, so that both kernels give a row's keys to the same threads
