@@ -265,6 +265,10 @@ TEST(ForwardPlan, KernelGridAndWorkspace) {
   EXPECT_EQ(h72.grid, 10);
   EXPECT_EQ(h72.z_stride, 128);
   EXPECT_EQ(plan_kl_forward(bshd(1, 0, 300, 64, 64, 100), h200()).grid, 0);
+  // 32 heads or fewer take the 32-head tile (GLM-5's 32), 33 the 64-head one.
+  EXPECT_EQ(plan_kl_forward(bshd(1, 10, 300, 32, 128, 512), h200()).kernel.head_tile, 32);
+  EXPECT_EQ(plan_kl_forward(bshd(1, 10, 300, 8, 64, 512), h200()).kernel.head_tile, 32);
+  EXPECT_EQ(plan_kl_forward(bshd(1, 10, 300, 33, 128, 512), h200()).kernel.head_tile, 64);
 }
 
 TEST(ForwardPlan, FromTheTopkLogitsNoZScratch) {

@@ -235,6 +235,7 @@ TEST(PFreeGpu, FusedOneCallMatchesTwoKernelsAndTheReference) {
     int64_t h, d, topk, s_q, s_kv;
     DType out;
     bool wide;
+    bool ragged = false;  // every row starts with a run of 1..61 invalid slots
   };
   const C cases[] = {{"bshd_h64_d128_topk1100_rows600", Layout::bshd, 64, 128, 1100, 300, 1400, DType::bf16, false},
                      {"bshd_h64_d64_topk2048_rows400_f32", Layout::bshd, 64, 64, 2048, 200, 2100, DType::f32, false},
@@ -242,7 +243,13 @@ TEST(PFreeGpu, FusedOneCallMatchesTwoKernelsAndTheReference) {
                      {"bshd_h8_d128_topk64", Layout::bshd, 8, 128, 64, 150, 300, DType::bf16, false},
                      // f32 outputs: the one bf16 A term alone against the reference (with bf16
                      // outputs as well, dQ reaches ~3.2e-3 here in both forms)
-                     {"bshd_h64_d128_wide_spread_f32", Layout::bshd, 64, 128, 256, 150, 600, DType::f32, true}};
+                     {"bshd_h64_d128_wide_spread_f32", Layout::bshd, 64, 128, 256, 150, 600, DType::f32, true},
+                     // The loss forward's chunks (512 slots at 64 heads, 256 at 32) are smaller
+                     // than this kernel's (1024): a chunk whose valid slots do not fill its last
+                     // block must not move the row's later keys to other threads.
+                     {"bshd_h64_d128_topk2048_ragged", Layout::bshd, 64, 128, 2048, 200, 2100, DType::bf16, false, true},
+                     {"bshd_h32_d128_topk2048_ragged", Layout::bshd, 32, 128, 2048, 200, 2100, DType::bf16, false, true},
+                     {"thd_h16_d64_topk1500_ragged", Layout::thd, 16, 64, 1500, 0, 0, DType::f32, false, true}};
   uint64_t seed = 501;
   for (const C& c : cases) {
     GenerateSpec spec = spec_of(c.layout, c.h, c.d, c.topk, seed);
@@ -258,6 +265,9 @@ TEST(PFreeGpu, FusedOneCallMatchesTwoKernelsAndTheReference) {
     }
     ++seed;
     invalid_slots(p);
+    if (c.ragged) {
+      for (int64_t row = 4; row < num_q_rows(p); ++row) invalidate_run(p, row, Where::start, 1 + row % 61);
+    }
     IndexerOptions opt = p.options();
     opt.loss_coeff = 0.7f;
     if (c.out == DType::f32) opt.a_operand_precision = AOperandPrecision::bf16;  // one A term: the fused kernel

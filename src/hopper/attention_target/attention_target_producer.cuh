@@ -11,6 +11,7 @@
 #include <cuda/ptx>
 
 #include "hopper/attention_target/attention_target_tile_config.cuh"
+#include "hopper/common/l2_prefetch.cuh"
 #include "hopper/common/named_barriers.cuh"
 #include "hopper/common/pipeline.cuh"
 #include "hopper/common/problem_device.cuh"
@@ -23,11 +24,6 @@ namespace dsaib::hopper {
 __device__ __forceinline__ void cp_async_arrive_noinc(uint64_t* bar) {
   const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(bar));
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(addr) : "memory");
-}
-
-/// Prefetch of `bytes` (a multiple of 16) from 16-byte aligned global memory into the L2.
-__device__ __forceinline__ void prefetch_l2_bulk(const void* src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
 }
 
 template <class Config>
@@ -76,7 +72,7 @@ struct AttentionTargetProducer {
     if (row >= p.num_tasks) return;
     const int32_t* ids = p.topk_indices + batched_offset(row, p.q_rows_per_batch, p.ids_batch_stride, p.ids_row_stride);
     for (int off = static_cast<int>(threadIdx.x) * 32; off < p.topk; off += kThreads * 32) {
-      asm volatile("prefetch.global.L2 [%0];\n" ::"l"(ids + off) : "memory");
+      prefetch_l2(ids + off);
     }
     const char* q = reinterpret_cast<const char*>(
         p.index_q + batched_offset(row, p.q_rows_per_batch, p.q_batch_stride, p.q_row_stride));

@@ -3,13 +3,14 @@
 // compacted list of the valid slots, and their keys gathered into K stages
 // (docs/hopper-kernel.md §4). Thread t owns slots t, t + kThreads, ... of a
 // chunk, so that a warp's load covers 128 contiguous bytes, and issues all their
-// loads before using any. Invalid slots are never dereferenced.
+// loads before using any. Invalid slots' keys are never dereferenced.
 #pragma once
 
 #include <cute/arch/copy_sm80.hpp>
 #include <cute/tensor.hpp>
 #include <cuda/ptx>
 
+#include "hopper/common/l2_prefetch.cuh"
 #include "hopper/common/problem_device.cuh"
 #include "hopper/common/shared_storage.cuh"
 #include "hopper/common/slot_compaction.cuh"
@@ -34,6 +35,9 @@ struct ProducerGather {
   static constexpr int kGatherRows = kBlock * kChunksPerRow / kThreads;  // rows per thread per block: 8 (D128), 4 (D64)
   static_assert(kGatherRows % 4 == 0 && kGatherRows * kThreads == kBlock * kChunksPerRow, "whole rows, int4 loads");
   static constexpr bool kPFree = kIsPFree<Config>;
+  static constexpr int kInFlight = kGatherBlocksInFlight<Config>;  // blocks of copies in flight
+  static_assert(kInFlight == 2 || kInFlight == 3, "two or three blocks of copies in flight");
+  static_assert(kInFlight <= Config::kStagesK - 1, "the consumer holds a stage while it waits for the next");
   static_assert(!kPFree || kScoreGradient, "the P-free producer is the backward's");
 
   const IndexerParams& p;
@@ -54,27 +58,88 @@ struct ProducerGather {
     float index_score[kPerThread];
   };
 
-  /// kScores: also T (and P where the backward is given it); the forward's
-  /// counting pass needs the key rows alone.
+  /// The loads of a batch (kScores: also T, and P where the backward is given
+  /// it), into s: the raw ids in key_row until resolve_key_rows. T and P are
+  /// dense (rows, topk): every slot's value is read beside its id, not after it,
+  /// so a batch costs one memory latency, not two.
+  template <bool kScores>
+  __device__ void issue_batch_loads(int first_slot, const int32_t* ids, const float* attn_score,
+                                    const float* index_score, SlotBatch& s) const {
+    CUTE_UNROLL
+    for (int j = 0; j < kPerThread; ++j) {
+      const int i = first_slot + j * kThreads;
+      const bool in_row = i < p.topk;
+      s.key_row[j] = in_row ? ids[i] : -1;
+      if constexpr (kScores) {
+        s.attn_score[j] = in_row ? attn_score[i] : 0.0f;
+        if constexpr (kScoreGradient && !kPFree) s.index_score[j] = in_row ? index_score[i] : 0.0f;
+      }
+    }
+  }
+
+  /// The ids of issue_batch_loads to key rows (-1: invalid or past topk), T and
+  /// P zeroed at invalid slots: the first use of the loads.
+  template <bool kScores>
+  __device__ void resolve_key_rows(const RowSequence& seq, SlotBatch& s) const {
+    CUTE_UNROLL
+    for (int j = 0; j < kPerThread; ++j) {
+      const int64_t kr = key_row_of(p, seq, s.key_row[j]);
+      s.key_row[j] = static_cast<int32_t>(kr);
+      if constexpr (kScores) {
+        if (kr < 0) s.attn_score[j] = 0.0f;
+        if constexpr (kScoreGradient && !kPFree) {
+          if (kr < 0) s.index_score[j] = 0.0f;
+        }
+      }
+    }
+  }
+
+  /// One thread's slots of the chunk at first_slot - tid. kScores: also T (and P
+  /// where the backward is given it); a counting pass needs the key rows alone.
   template <bool kScores>
   __device__ void load_batch(int first_slot, const RowSequence& seq, const int32_t* ids, const float* attn_score,
                              const float* index_score, SlotBatch& s) const {
-    int32_t id[kPerThread];
-    CUTE_UNROLL
-    for (int j = 0; j < kPerThread; ++j) {
-      const int i = first_slot + j * kThreads;
-      id[j] = i < p.topk ? ids[i] : -1;
+    issue_batch_loads<kScores>(first_slot, ids, attn_score, index_score, s);
+    resolve_key_rows<kScores>(seq, s);
+  }
+
+  /// The 128-byte lines of [first, first + bytes) into the L2, thread t taking
+  /// lines t, t + kThreads, ...
+  __device__ static void prefetch_span(const void* first, int64_t bytes, int tid) {
+    if (bytes <= 0) return;
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(first) & ~uintptr_t{127};
+    const uintptr_t end = reinterpret_cast<uintptr_t>(first) + static_cast<uintptr_t>(bytes);  // past the last byte
+    for (uintptr_t line = begin + static_cast<uintptr_t>(tid) * 128; line < end; line += kThreads * 128) {
+      // the first line may start before `first`: prefetch from inside the span
+      prefetch_l2(reinterpret_cast<const void*>(line < reinterpret_cast<uintptr_t>(first)
+                                                    ? reinterpret_cast<uintptr_t>(first)
+                                                    : line));
     }
-    CUTE_UNROLL
-    for (int j = 0; j < kPerThread; ++j) {
-      const int i = first_slot + j * kThreads;
-      const int64_t kr = key_row_of(p, seq, id[j]);  // -1 also for slots past topk (id -1)
-      s.key_row[j] = static_cast<int32_t>(kr);
-      if constexpr (kScores) {
-        s.attn_score[j] = kr >= 0 ? attn_score[i] : 0.0f;
-        if constexpr (kScoreGradient && !kPFree) s.index_score[j] = kr >= 0 ? index_score[i] : 0.0f;
-      }
+  }
+
+  /// The ids, T (and P where given), Q rows and weights of `task` into the L2,
+  /// a task ahead of their loads, which then wait on the L2 and not on HBM.
+  __device__ void prefetch_task(int64_t task, int tid) const {
+    if (task >= p.num_tasks) return;
+    const int64_t row = task / p.head_groups;
+    const int h0 = static_cast<int>(task % p.head_groups) * Config::kHeadTile;
+    const int nh = min(Config::kHeadTile, p.heads - h0);
+    const int64_t slot_bytes = static_cast<int64_t>(p.topk) * 4;  // int32 ids, f32 T and P
+    prefetch_span(p.topk_indices + batched_offset(row, p.q_rows_per_batch, p.ids_batch_stride, p.ids_row_stride),
+                  slot_bytes, tid);
+    prefetch_span(
+        p.attn_score + batched_offset(row, p.q_rows_per_batch, p.attn_score_batch_stride, p.attn_score_row_stride),
+        slot_bytes, tid);
+    if constexpr (kScoreGradient && !kPFree) {
+      prefetch_span(p.index_score +
+                        batched_offset(row, p.q_rows_per_batch, p.index_score_batch_stride, p.index_score_row_stride),
+                    slot_bytes, tid);
     }
+    const uint16_t* q_row = p.index_q + batched_offset(row, p.q_rows_per_batch, p.q_batch_stride, p.q_row_stride);
+    if (tid < nh) prefetch_l2_bulk(q_row + (h0 + tid) * p.q_head_stride, kD * 2);
+    const int w_size = p.weights_f32 ? 4 : 2;
+    const int64_t w_off = batched_offset(row, p.q_rows_per_batch, p.w_batch_stride, p.w_row_stride) + h0;
+    prefetch_span(static_cast<const char*>(p.weights) + w_off * w_size, static_cast<int64_t>(nh) * w_size, tid);
   }
 
   /// Sum of v over the producer warpgroup (every thread gets it). Uses
@@ -175,6 +240,73 @@ struct ProducerGather {
     cute::cp_async_fence();
   }
 
+  /// The forward's blocks carry no count: each says whether its row ends with
+  /// it (block_last), written just before the block's full arrival.
+  __device__ void commit_block(const PipelineState<Config::kStagesK>& state, [[maybe_unused]] bool last_of_row,
+                               [[maybe_unused]] int tid) {
+    if constexpr (!kScoreGradient) {
+      if (tid == 0) ss.block_last[state.index] = last_of_row ? 1 : 0;
+    }
+    k_pipe.producer_commit(state);
+  }
+
+  /// Blocks whose copies are issued and not yet committed, oldest first. A block
+  /// is committed once kInFlight - 1 later blocks are issued (kInFlight blocks
+  /// of copies in flight), or when the producer drains.
+  struct PendingBlocks {
+    PipelineState<Config::kStagesK> oldest, newest;  // newest: the second of two (kInFlight 3)
+    int count = 0;
+  };
+
+  /// Commits the oldest pending block once its copies have landed: at most
+  /// kOutstanding commit groups are then left in flight.
+  template <int kOutstanding>
+  __device__ void commit_oldest(PendingBlocks& pending, bool last_of_row, int tid) {
+    cute::cp_async_wait<kOutstanding>();
+    cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
+    commit_block(pending.oldest, last_of_row, tid);
+    if constexpr (kInFlight == 3) pending.oldest = pending.newest;
+    --pending.count;
+  }
+
+  /// Commits all but the newest pending block (whether it ends its row is not
+  /// known yet): pending.count - 1 of them, each of the older blocks in flight.
+  __device__ void commit_all_but_newest(PendingBlocks& pending, int tid) {
+    if constexpr (kInFlight == 3) {
+      if (pending.count == 2) commit_oldest<1>(pending, false, tid);
+    }
+  }
+
+  /// List entries first.. (those at or past chunk_valid: tail entries) into the
+  /// next K stage; then the oldest pending block is committed if kInFlight
+  /// blocks are in flight.
+  __device__ void gather_list_block(PipelineState<Config::kStagesK>& k_state, int first, int chunk_valid,
+                                    Element* const (&k_dst)[kGatherRows], const uint16_t* k_seq_col,
+                                    int32_t k_start, PendingBlocks& pending, int tid) {
+    k_pipe.producer_acquire(k_state);
+    const int ks = k_state.index;
+    if (tid < kBlock) {
+      const bool in_list = first + tid < chunk_valid;
+      if constexpr (kScoreGradient) {
+        ss.gs[ks][tid] = in_list ? ss.slot_gs[first + tid] : 0.0f;
+      } else {
+        ss.key_slot[ks][tid] = in_list ? ss.slot_index[first + tid] : -1;
+        ss.key_target[ks][tid] = in_list ? ss.slot_target[first + tid] : 0.0f;
+      }
+      ss.key_row[ks][tid] = in_list ? ss.slot_key_row[first + tid] : -1;
+    }
+    gather_block(ks, first, chunk_valid, ss.slot_key_row, k_dst, k_seq_col, k_start, tid);
+    // all but the kInFlight - 1 blocks issued after the oldest have landed
+    if (pending.count == kInFlight - 1) commit_oldest<kInFlight - 1>(pending, false, tid);
+    if (kInFlight == 2 || pending.count == 0) {
+      pending.oldest = k_state;
+    } else {
+      pending.newest = k_state;
+    }
+    ++pending.count;
+    k_state.advance();
+  }
+
   __device__ void run() {
     const int tid = threadIdx.x;  // 0..127 in warpgroup 0
     const float c = loss_scale(p);
@@ -192,6 +324,7 @@ struct ProducerGather {
       while (cuda::ptx::get_sreg_globaltimer() - start < delay) __nanosleep(500);
     }
     for (int64_t task = blockIdx.x; task < p.num_tasks; task += gridDim.x) {
+      prefetch_task(task + gridDim.x, tid);
       const int64_t row = task / p.head_groups;
       const int h0 = static_cast<int>(task % p.head_groups) * Config::kHeadTile;
       const int nh = min(Config::kHeadTile, p.heads - h0);
@@ -211,62 +344,91 @@ struct ProducerGather {
       q_pipe.producer_acquire(q_state);
       const int qs = q_state.index;
       load_q(row, h0, nh, qs, tid);
+      // Q lands (no K copy of this task is issued yet: the last task's ended with
+      // a wait for all), then every producer thread arrives.
+      auto commit_q = [&] {
+        cute::cp_async_wait<0>();                              // this thread's Q copies landed
+        cuda::ptx::fence_proxy_async(cuda::ptx::space_shared); // ...and are visible to wgmma
+        q_pipe.producer_commit(q_state);
+        q_state.advance();
+      };
 
-      // ---- stage 1, pass 1: G and the number of blocks (chunks pad their last block)
-      float g_part = 0.0f;
-      int num_blocks = 0;
-      for (int chunk0 = 0; chunk0 < p.topk; chunk0 += Config::kSlotChunk) {
-        SlotBatch s;
-        load_batch<kScoreGradient>(chunk0 + tid, seq, ids, attn_score, index_score, s);
-        int count = 0;
-        CUTE_UNROLL
-        for (int j = 0; j < kPerThread; ++j) {
-          if (s.key_row[j] >= 0) {
-            ++count;
-            if constexpr (kScoreGradient && !kPFree) {
-              if (s.index_score[j] >= eps) g_part += -c * max_keeping_nan(s.attn_score[j], eps);
+      float G = 0.0f;
+      if constexpr (kScoreGradient) {
+        // ---- stage 1, pass 1: G and the number of blocks (chunks pad their last block)
+        float g_part = 0.0f;
+        int num_blocks = 0;
+        for (int chunk0 = 0; chunk0 < p.topk; chunk0 += Config::kSlotChunk) {
+          SlotBatch s;
+          load_batch<true>(chunk0 + tid, seq, ids, attn_score, index_score, s);
+          int count = 0;
+          CUTE_UNROLL
+          for (int j = 0; j < kPerThread; ++j) {
+            if (s.key_row[j] >= 0) {
+              ++count;
+              if constexpr (!kPFree) {
+                if (s.index_score[j] >= eps) g_part += -c * max_keeping_nan(s.attn_score[j], eps);
+              }
             }
           }
+          int chunk_valid = 0;
+          (void)warpgroup_exclusive_scan(count, &chunk_valid);
+          producer_sync<Config>();  // producer_scan is reused
+          num_blocks += (chunk_valid + kBlock - 1) / kBlock;
         }
-        int chunk_valid = 0;
-        (void)warpgroup_exclusive_scan(count, &chunk_valid);
-        producer_sync<Config>();  // producer_scan is reused
-        num_blocks += (chunk_valid + kBlock - 1) / kBlock;
-      }
-      float G = 0.0f;
-      if constexpr (kPFree) {
-        // G = sum_i g_i = -c * sum_i T~_i m_i: the row's target mass, given.
-        if (tid == 0) {
-          // (LSE, mass) of the row, packed by the host (kernel_params.hpp)
-          const float2 stats = reinterpret_cast<const float2*>(p.index_score)[row];
-          ss.p_free.row_lse[qs] = stats.x;
-          ss.p_free.row_g[qs] = -c * stats.y;
+        if constexpr (kPFree) {
+          // G = sum_i g_i = -c * sum_i T~_i m_i: the row's target mass, given.
+          if (tid == 0) {
+            // (LSE, mass) of the row, packed by the host (kernel_params.hpp)
+            const float2 stats = reinterpret_cast<const float2*>(p.index_score)[row];
+            ss.p_free.row_lse[qs] = stats.x;
+            ss.p_free.row_g[qs] = -c * stats.y;
+          }
+        } else {
+          G = warpgroup_sum(g_part, 0);
         }
-        (void)G;
-      } else if constexpr (kScoreGradient) {
-        G = warpgroup_sum(g_part, 0);
+        if (tid == 0) ss.num_blocks[qs] = num_blocks;
+        commit_q();
       }
-      if (tid == 0) ss.num_blocks[qs] = num_blocks;
-
-      cute::cp_async_wait<0>();                              // this thread's Q copies landed
-      cuda::ptx::fence_proxy_async(cuda::ptx::space_shared); // ...and are visible to wgmma
-      q_pipe.producer_commit(q_state);                       // every producer thread arrives
-      q_state.advance();
 
       // ---- pass 2 per chunk: compact, then gather blocks; block j is committed
-      //      once block j+1 is issued (two blocks of copies in flight)
-      bool pending = false;
-      PipelineState<Config::kStagesK> pending_state{};
+      //      once block j + kInFlight - 1 is issued
+      PendingBlocks pending;
       // Odd waves walk the chunks last to first: with ascending ids, the keys a
       // wave touched last are the next wave's first. The forward keeps slot
       // order: its statistics accumulate in arrival order, which must not
       // depend on the grid.
       const int num_chunks = (p.topk + Config::kSlotChunk - 1) / Config::kSlotChunk;
       const bool reverse_chunks = kScoreGradient && ((task / gridDim.x) & 1) != 0;
+      // The forward's Q stage goes out once its first chunk's loads are back.
+      bool q_committed = kScoreGradient;
+      // The forward issues a chunk's loads before the blocks of the chunk before
+      // it, so that they are back when it compacts (kPerThread ids and T a thread).
+      SlotBatch ahead;
+      if constexpr (!kScoreGradient) {
+        if (num_chunks > 0) issue_batch_loads<true>(tid, ids, attn_score, index_score, ahead);
+      }
+      // The forward pads a block only at a multiple of kBlockPadSlots slots (and
+      // at the row's end): the entries past a chunk's last whole block are carried
+      // to the front of the next chunk's list, so that a row's keys take the same
+      // blocks, and the same threads of the score role, whatever the chunk size.
+      int carry = 0;
       for (int ci = 0; ci < num_chunks; ++ci) {
         const int chunk0 = (reverse_chunks ? num_chunks - 1 - ci : ci) * Config::kSlotChunk;
         SlotBatch s;
-        load_batch<true>(chunk0 + tid, seq, ids, attn_score, index_score, s);
+        if constexpr (kScoreGradient) {
+          load_batch<true>(chunk0 + tid, seq, ids, attn_score, index_score, s);
+        } else {
+          s = ahead;
+          if (ci + 1 < num_chunks) {
+            issue_batch_loads<true>(chunk0 + Config::kSlotChunk + tid, ids, attn_score, index_score, ahead);
+          }
+          resolve_key_rows<true>(seq, s);
+        }
+        if (!q_committed) {
+          commit_q();
+          q_committed = true;
+        }
         int pos[kPerThread];  // the previous list was read (the barrier after its blocks)
         const int chunk_valid = slot_list_positions<kThreads, kPerThread>(s.key_row, pos, ss.producer_scan_rows, tid,
                                                                            [] { producer_sync<Config>(); });
@@ -279,45 +441,46 @@ struct ProducerGather {
               const float g = s.index_score[j] >= eps ? -c * max_keeping_nan(s.attn_score[j], eps) : 0.0f;
               ss.slot_gs[pos[j]] = g - s.index_score[j] * G;
             } else {
-              ss.slot_index[pos[j]] = chunk0 + tid + j * kThreads;
-              ss.slot_target[pos[j]] = max_keeping_nan(s.attn_score[j], eps);
+              ss.slot_index[carry + pos[j]] = chunk0 + tid + j * kThreads;
+              ss.slot_target[carry + pos[j]] = max_keeping_nan(s.attn_score[j], eps);
             }
-            ss.slot_key_row[pos[j]] = s.key_row[j];
+            ss.slot_key_row[(kScoreGradient ? 0 : carry) + pos[j]] = s.key_row[j];
           }
         }
         producer_sync<Config>();  // list complete; producer_scan_rows read by every thread
-        const int chunk_blocks = (chunk_valid + kBlock - 1) / kBlock;
-        for (int blk = 0; blk < chunk_blocks; ++blk) {
-          k_pipe.producer_acquire(k_state);
-          const int ks = k_state.index;
-          const int first = blk * kBlock;
-          if (tid < kBlock) {
-            const bool in_list = first + tid < chunk_valid;
-            if constexpr (kScoreGradient) {
-              ss.gs[ks][tid] = in_list ? ss.slot_gs[first + tid] : 0.0f;
-            } else {
-              ss.key_slot[ks][tid] = in_list ? ss.slot_index[first + tid] : -1;
-              ss.key_target[ks][tid] = in_list ? ss.slot_target[first + tid] : 0.0f;
-            }
-            ss.key_row[ks][tid] = in_list ? ss.slot_key_row[first + tid] : -1;
-          }
-          gather_block(ks, first, chunk_valid, ss.slot_key_row, k_dst, k_seq_col, k_start, tid);
-          if (pending) {
-            cute::cp_async_wait<1>();  // all but the block just issued have landed
-            cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
-            k_pipe.producer_commit(pending_state);
-          }
-          pending = true;
-          pending_state = k_state;
-          k_state.advance();
+        const int list_valid = (kScoreGradient ? 0 : carry) + chunk_valid;
+        bool pad_last_block = true;
+        if constexpr (!kScoreGradient) {
+          pad_last_block = ci == num_chunks - 1 || (chunk0 + Config::kSlotChunk) % Config::kBlockPadSlots == 0;
         }
+        const int chunk_blocks = pad_last_block ? (list_valid + kBlock - 1) / kBlock : list_valid / kBlock;
+        for (int blk = 0; blk < chunk_blocks; ++blk) {
+          gather_list_block(k_state, blk * kBlock, list_valid, k_dst, k_seq_col, k_start, pending, tid);
+        }
+        // The next chunk's compaction would hold these back from the consumers.
+        commit_all_but_newest(pending, tid);
         producer_sync<Config>();  // every thread is done reading the list
+        if constexpr (!kScoreGradient) {
+          // The entries past the whole blocks to the list's front. Source and
+          // destination do not overlap once a block was taken; the next chunk's
+          // compaction writes the list after a barrier (slot_list_positions).
+          const int first_left = chunk_blocks * kBlock;
+          carry = pad_last_block ? 0 : list_valid - first_left;  // 0..kBlock-1
+          if (first_left > 0 && tid < carry) {
+            ss.slot_index[tid] = ss.slot_index[first_left + tid];
+            ss.slot_target[tid] = ss.slot_target[first_left + tid];
+            ss.slot_key_row[tid] = ss.slot_key_row[first_left + tid];
+          }
+        }
       }
-      if (pending) {
-        cute::cp_async_wait<0>();
-        cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
-        k_pipe.producer_commit(pending_state);
+      if constexpr (!kScoreGradient) {
+        if (!q_committed) commit_q();  // topk 0: no chunk
+        // A forward row without a valid slot still sends the block that ends it:
+        // zero-filled, every entry a tail entry.
+        if (pending.count == 0) gather_list_block(k_state, 0, 0, k_dst, k_seq_col, k_start, pending, tid);
       }
+      commit_all_but_newest(pending, tid);
+      if (pending.count > 0) commit_oldest<0>(pending, true, tid);  // the row's last block
     }
   }
 };

@@ -139,6 +139,14 @@ inline constexpr bool kIsPFree = false;
 template <class Config>
 inline constexpr bool kIsPFree<Config, std::void_t<decltype(Config::kPFree)>> = Config::kPFree;
 
+/// Blocks of key copies a ProducerGather keeps in flight (producer_gather.cuh):
+/// Config::kGatherBlocksInFlight where the config has it, else two.
+template <class Config, class = void>
+inline constexpr int kGatherBlocksInFlight = 2;
+template <class Config>
+inline constexpr int kGatherBlocksInFlight<Config, std::void_t<decltype(Config::kGatherBlocksInFlight)>> =
+    Config::kGatherBlocksInFlight;
+
 /// The loss and its gradients in one kernel (loss_and_grad_kernel.cuh): the
 /// P-free backward of Base whose CTA also runs the loss forward's pass over its
 /// next row, in the dK role. One A term only: the one-term kernels' shared

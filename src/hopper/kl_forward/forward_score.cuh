@@ -70,11 +70,9 @@ struct ForwardScore {
     for (int64_t row = blockIdx.x; row < p.num_tasks; row += gridDim.x, ++n) {
       q_pipe.consumer_wait(q_state);
       const int qs = q_state.index;
-      // warp-uniform as ptxas sees it, so the wgmma issues below are not on a divergent path
-      const int num_blocks = __shfl_sync(0xffffffffu, ss.num_blocks[qs], 0);
-      // w sm_scale of head c0 + 8 (k / 2) + k % 2: in registers, or read from
-      // shared memory at each block where two CTAs share an SM (128 registers
-      // a thread, which the held weights would exceed)
+      // w sm_scale of head c0 + 8 (k / 2) + k % 2: in registers with one CTA an
+      // SM, else read from shared memory at each block (three CTAs an SM leave 80
+      // registers a thread, which the held weights would exceed)
       constexpr bool kWeightsInRegisters = Config::kCtasPerSm == 1;
       const float* w_row = &ss.w_scaled[qs][c0];
       float w[kN / 4];
@@ -101,32 +99,33 @@ struct ForwardScore {
 
         add_block(acc, weight, quad, slot, target, st, z_row);
       };
+      // Whether k_state's block (waited for) ends the row: warp-uniform as ptxas
+      // sees it, so the wgmma issues below are not on a divergent path.
+      auto ends_row = [&] { return __shfl_sync(0xffffffffu, ss.block_last[k_state.index], 0) != 0; };
       // Two accumulators, so the next GEMM1 runs under this head sum; pairs, with
-      // no branch around the wgmma issues (ptxas would serialise them).
-      if (num_blocks > 0) {
-        k_pipe.consumer_wait(k_state);
-        warpgroup_gemm<true>(mma_s, tSsK(_, _, _, k_state.index), tSsQ(_, _, _, qs), acc0);
-        int blk = 0;
-        for (; blk + 2 < num_blocks; blk += 2) {
-          issue_next(acc1);
-          warpgroup_wait<1>();
-          consume(acc0);
-          issue_next(acc0);
-          warpgroup_wait<1>();
-          consume(acc1);
-        }
-        if (blk + 1 < num_blocks) {
-          issue_next(acc1);
-          warpgroup_wait<1>();
-          consume(acc0);
-          warpgroup_wait<0>();
-          consume(acc1);
-        } else {
+      // no branch around the wgmma issues (ptxas would serialise them). Every row
+      // has a block; the producer marks its last.
+      k_pipe.consumer_wait(k_state);
+      warpgroup_gemm<true>(mma_s, tSsK(_, _, _, k_state.index), tSsQ(_, _, _, qs), acc0);
+      while (true) {
+        if (ends_row()) {
           warpgroup_wait<0>();
           consume(acc0);
+          break;
         }
+        issue_next(acc1);
+        warpgroup_wait<1>();
+        consume(acc0);
+        if (ends_row()) {
+          warpgroup_wait<0>();
+          consume(acc1);
+          break;
+        }
+        issue_next(acc0);
+        warpgroup_wait<1>();
+        consume(acc1);
       }
-      q_pipe.consumer_release(q_state);  // every GEMM1 of the row retired; w_scaled / num_blocks read
+      q_pipe.consumer_release(q_state);  // every GEMM1 of the row retired; w_scaled read
       q_state.advance();
       finish_row(row, st, n, z_row, eps);
     }

@@ -18,17 +18,19 @@ struct ForwardSharedStorage {
   alignas(1024) Element q[cute::cosize_v<typename Config::SmemLayoutQ>];  // (heads, D) x kStagesQ
   alignas(1024) Element k[cute::cosize_v<typename Config::SmemLayoutK>];  // (64 keys, D) x kStagesK
   // ---- per K stage: each gathered key's slot in its row (-1 on tail entries),
-  //      its T~ = max(T, eps) (0 on tail entries) and its key row
+  //      its T~ = max(T, eps) (0 on tail entries) and its key row; whether the
+  //      block is its row's last (every row sends at least one block)
   int32_t key_slot[Config::kStagesK][Config::kBlockKeys];
   float key_target[Config::kStagesK][Config::kBlockKeys];
   int32_t key_row[Config::kStagesK][Config::kBlockKeys];
+  int32_t block_last[Config::kStagesK];
   // ---- per Q stage
   float w_scaled[Config::kStagesQ][Config::kHeadTile];  // w_h * sm_scale, 0 for padded heads
-  int32_t num_blocks[Config::kStagesQ];
   // ---- producer-private (NamedBarrierId::kProducerSync): the compacted slot list of one chunk
-  alignas(16) int32_t slot_index[Config::kSlotChunk];
-  alignas(16) float slot_target[Config::kSlotChunk];
-  alignas(16) int32_t slot_key_row[Config::kSlotChunk];
+  // (the chunk's entries after up to kBlockKeys - 1 carried from the chunk before)
+  alignas(16) int32_t slot_index[Config::kSlotChunk + Config::kBlockKeys];
+  alignas(16) float slot_target[Config::kSlotChunk + Config::kBlockKeys];
+  alignas(16) int32_t slot_key_row[Config::kSlotChunk + Config::kBlockKeys];
   float producer_partial[Config::kProducerThreads / 32][2];
   int32_t producer_scan[Config::kProducerThreads / 32];
   int32_t producer_scan_rows[Config::kSlotsPerThread][Config::kProducerThreads / 32];
@@ -39,14 +41,15 @@ struct ForwardSharedStorage {
   // k_full[s] / k_empty[s]: as the backward's (shared_storage.cuh), with
   // key_slot[s] in place of gs[s]: the producer's 128 threads arrive on full
   // after their key_slot/key_target/key_row stores, cp.async wait and proxy
-  // fence; the score role's 128 threads arrive on empty after the warpgroup_wait
-  // that retires the block's GEMM1 and their reads of key_slot[s] / key_target[s].
+  // fence, thread 0 also after its block_last[s] store; the score role's 128
+  // threads arrive on empty after the warpgroup_wait that retires the block's
+  // GEMM1 and their reads of key_slot[s] / key_target[s] / block_last[s].
   uint64_t k_full[Config::kStagesK];
   uint64_t k_empty[Config::kStagesK];
-  // q_full[s]: the producer's 128 threads, after w_scaled/num_blocks stores,
-  // Q cp.async wait and proxy fence. q_empty[s]: the score role's 128 threads,
-  // after the warpgroup_wait<0> that retires the row's last GEMM1 (every wgmma
-  // of the row reads q[s]) and their reads of w_scaled[s] / num_blocks[s].
+  // q_full[s]: the producer's 128 threads, after w_scaled stores, Q cp.async
+  // wait and proxy fence. q_empty[s]: the score role's 128 threads, after the
+  // warpgroup_wait<0> that retires the row's last GEMM1 (every wgmma of the
+  // row reads q[s]) and their reads of w_scaled[s].
   uint64_t q_full[Config::kStagesQ];
   uint64_t q_empty[Config::kStagesQ];
 };

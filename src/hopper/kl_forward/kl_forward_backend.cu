@@ -18,15 +18,16 @@ namespace dsaib::hopper {
 namespace {
 
 /// Calls f(ForwardTileConfig<D, head tile>{}) for the plan's kernel.
+template <int kD, class F>
+void with_forward_head_tile(const ForwardKernel& k, F&& f) {
+  if (k.head_tile == 32) f(ForwardTileConfig<kD, 32>{});
+  else if (k.head_tile == 64) f(ForwardTileConfig<kD, 64>{});
+  else f(ForwardTileConfig<kD, 128>{});
+}
 template <class F>
 void with_forward_config(const ForwardKernel& k, F&& f) {
-  if (k.head_dim == 64) {
-    if (k.head_tile == 64) f(ForwardTileConfig<64, 64>{});
-    else f(ForwardTileConfig<64, 128>{});
-  } else {
-    if (k.head_tile == 64) f(ForwardTileConfig<128, 64>{});
-    else f(ForwardTileConfig<128, 128>{});
-  }
+  if (k.head_dim == 64) with_forward_head_tile<64>(k, f);
+  else with_forward_head_tile<128>(k, f);
 }
 
 }  // namespace

@@ -5,6 +5,8 @@
 // Shared memory and its mbarrier contracts: forward_shared_storage.cuh.
 #pragma once
 
+#include <cutlass/arch/reg_reconfig.h>
+
 #include "hopper/common/producer_gather.cuh"
 #include "hopper/kl_forward/forward_score.cuh"
 
@@ -24,8 +26,10 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
   }
   init_barriers_fence_and_sync();
   if (threadIdx.x / Config::kThreadsPerWarpgroup == Config::kProducerWarpgroup) {
+    if constexpr (Config::kProducerRegisters > 0) cutlass::arch::warpgroup_reg_dealloc<Config::kProducerRegisters>();
     ProducerGather<Config, Storage, false>{p.in, ss, k_pipe, q_pipe}.run();
   } else {
+    if constexpr (Config::kScoreRegisters > 0) cutlass::arch::warpgroup_reg_alloc<Config::kScoreRegisters>();
     ForwardScore<Config>{p, ss, k_pipe, q_pipe}.run();
   }
 }

@@ -72,7 +72,7 @@ BackwardPlan plan_backward(const detail::ProblemGeometry& g, DType d_index_q, DT
 
 
 ForwardKernel forward_kernel_for(const detail::ProblemGeometry& g, bool from_logits) {
-  return ForwardKernel{static_cast<int32_t>(g.head_dim), g.heads <= 64 ? 64 : 128, from_logits};
+  return ForwardKernel{static_cast<int32_t>(g.head_dim), g.heads <= 32 ? 32 : g.heads <= 64 ? 64 : 128, from_logits};
 }
 
 ForwardPlan plan_kl_forward(const detail::ProblemGeometry& g, const DeviceProperties& device, bool from_logits) {

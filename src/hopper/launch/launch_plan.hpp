@@ -99,7 +99,7 @@ BackwardPlan plan_backward(const detail::ProblemGeometry& g, DType d_index_q, DT
 // The loss forward (kl_forward/).
 
 /// The loss forward's kernel: ForwardTileConfig<head_dim, head_tile>, the head
-/// tile holding every head of a row (64 for H <= 64, else 128); or, given the
+/// tile holding every head of a row (32 for H <= 32, 64 for H <= 64, else 128); or, given the
 /// top-k's logits (`from_logits`), the kernel that reads them and runs no GEMM
 /// (kl_forward_from_logits_kernel.cuh).
 struct ForwardKernel {

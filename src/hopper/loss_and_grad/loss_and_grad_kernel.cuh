@@ -20,6 +20,10 @@ template <class Config>
 __global__ void __launch_bounds__(Config::kThreads, 1)
     indexer_kl_loss_and_grad_kernel(const __grid_constant__ IndexerKLForwardParams fp) {
   static_assert(kFusesForward<Config>, "a LossAndGradConfig");
+  // The loss forward's blocks pad where this kernel's forward chunks end, so that
+  // both give a row's keys to the same threads (forward_tile_config.cuh).
+  static_assert(ForwardTileConfig<Config::kHeadDim, 64>::kBlockPadSlots == Config::kSlotChunk,
+                "the loss forward pads its blocks at this kernel's chunks");
   const IndexerParams& p = fp.in;
   extern __shared__ uint8_t smem_raw[];
   SharedStorage<Config>& ss = shared_storage_at_1024<SharedStorage<Config>>(smem_raw);

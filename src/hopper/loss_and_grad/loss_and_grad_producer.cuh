@@ -171,6 +171,7 @@ struct LossAndGradProducer : ProducerGather<Config> {
       const int64_t f_task = blockIdx.x + static_cast<int64_t>(n) * gridDim.x;
       const bool forward_row = f_task < p.num_tasks;
       if (!forward_row && !backward_row) break;
+      this->prefetch_task(f_task + gridDim.x, tid);  // the next step's forward row
       RowPass f{}, b{};
       int f_blocks = 0;
       if (forward_row) {
