@@ -304,8 +304,8 @@ nlohmann::ordered_json method_json() {
       {"floor_ways", "every floor term is the best of the ways measured in this run: the scatter rate of three "
                      "(floor_measurements.scatter), the key gather of three at a few depths and CTA counts "
                      "(floor_measurements.key_gather, each variant with its time and check), the GEMM rate the "
-                     "best of cuBLAS at four operand layouts (floor_measurements.gemm.ways; the target's: cuBLAS "
-                     "batched at its shape, gemm_batched)"},
+                     "best of cuBLAS at four operand layouts (floor_measurements.gemm.ways; the target's: the faster of "
+                     "that and cuBLAS batched at its shape, gemm_batched)"},
       {"floor_valid_slots", "floor.valid_slots_ns_per_row (backward, step, one-call): the same formula with the "
                             "valid slots per row actually present (causal rows t < topk hold t+1) instead of topk"},
       {"floor_ratio", "ns_per_row / floor.ns_per_row"},

@@ -261,7 +261,9 @@ TEST_F(BenchTools, EveryOpAgainstItsFloorEachFloorTheBestOfItsCheckedWays) {
     if (op == "target") {
       EXPECT_EQ(c["heads"], 64);
       EXPECT_EQ(c["dim"], 192);
-      EXPECT_EQ(c["floor"]["gemm_tflops"], fm["gemm_batched"][0]["tflops"]);
+      // the faster of the batched call at the target's shape and the square GEMM
+      EXPECT_DOUBLE_EQ(c["floor"]["gemm_tflops"].get<double>(),
+                       std::max(fm["gemm_batched"][0]["tflops"].get<double>(), fm["gemm"]["tflops"].get<double>()));
     }
     if (op == "backward") EXPECT_TRUE(c["traffic_floor"].is_object());
   }
