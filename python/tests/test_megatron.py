@@ -476,6 +476,7 @@ def test_the_example_trains_on_the_cpu_with_either_backend(tmp_path):
             capture_output=True, text=True, timeout=WORKER_TIMEOUT_S,
             env=dict(os.environ, OMP_NUM_THREADS="1", MASTER_PORT=str(free_port())))
         assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+        assert "indexer top-k + loss + gradients: " in run.stdout, run.stdout[-2000:]
         curves[backend] = [{k: float(v) for k, v in row.items()} for row in csv.DictReader(open(out))]
     ours, theirs = curves["dsaib"], curves["none"]
     assert len(ours) == len(theirs) == steps
