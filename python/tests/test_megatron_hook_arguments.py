@@ -1,7 +1,9 @@
 """The Megatron hook's own arguments (dsaib.megatron._hooks, no megatron-core
 needed): checked in Megatron's names and sequence-first shapes before dsaib
 sees its transposed views, ranges and index_topk by dsaib.torch.indexer_topk's
-rules (int64 clamped to int32, floats refused), and a k without rows."""
+rules (int64 clamped to int32, floats refused), and a k without rows; the loss
+hook's query, key, query_valid_rows and loss_coeff against the indexer's
+tensors."""
 import re
 
 import pytest
@@ -82,3 +84,65 @@ def test_k_without_rows_gives_empty_rows():
     ids, lengths = topk(q, k, w, 4, starts, torch.zeros(SQ, dtype=torch.int32))
     assert ids.shape == (B, SQ, 0) and ids.dtype == torch.int32
     assert lengths.shape == (B, SQ) and lengths.dtype == torch.int32 and lengths.eq(0).all()
+
+
+NP, DQK = 16, 24
+
+
+def loss_tensors(seed=6, skv=SKV):
+    q, k, w, starts, ends = tensors(seed, skv)
+    g = torch.Generator().manual_seed(seed + 100)
+    query = torch.randn(SQ, B, NP, DQK, generator=g).to(torch.bfloat16)
+    key = torch.randn(skv, B, 1, DQK, generator=g).to(torch.bfloat16)
+    return q, k, w, starts, ends, query, key
+
+
+def loss(q, k, w, starts, ends, query, key, loss_coeff=0.1, query_valid_rows=None, softmax_scale=0.2):
+    return _hooks.run_fused_qk_topk_with_loss(q, k, w, 4, starts, ends, 64, query, key, softmax_scale=softmax_scale,
+                                              loss_coeff=loss_coeff, pg_collection=None,
+                                              query_valid_rows=query_valid_rows)
+
+
+def test_loss_hook_checks_query_and_key_against_q_and_k():
+    """key's rows are the keys the ids select: a key of another skv than k's
+    would be read with k's ids (rows past its end as invalid slots), so it is
+    refused, as is a query of another sq or b than q's, by name."""
+    q, k, w, starts, ends, query, key = loss_tensors()
+    kept = [t.clone() for t in (q, k, w, starts, ends, query, key)]
+    cases = [
+        (dict(key=key[:SKV - 2]), ValueError, r"^key: expected shape \(6, 1, 1, 24\) .*got shape \(4, 1, 1, 24\)$"),
+        (dict(key=torch.cat([key, key])), ValueError, r"^key: expected shape \(6, 1, 1, 24\) .*got shape "
+                                                      r"\(12, 1, 1, 24\)$"),
+        (dict(key=key[..., :16]), ValueError, r"^key: expected shape \(6, 1, 1, 24\) .*got shape \(6, 1, 1, 16\)$"),
+        (dict(key=key.squeeze(2)), ValueError, r"^key: expected shape \(6, 1, 1, 24\) .*got shape \(6, 1, 24\)$"),
+        (dict(query=query[:SQ - 1]), ValueError, r"^query: expected shape \(4, 1, np, Dqk\) .*got shape "
+                                                 r"\(3, 1, 16, 24\)$"),
+        (dict(query=query.expand(SQ, 2, NP, DQK)), ValueError, r"^query: expected shape \(4, 1, np, Dqk\)"),
+        (dict(query=query.tolist()), TypeError, r"^query: expected a torch.Tensor, got list$"),
+        (dict(query_valid_rows=torch.ones(SQ + 1, dtype=torch.bool)), ValueError,
+         r"^query_valid_rows: expected shape \(4,\) or \(1, 4\) \(\[sq\] or \[b, sq\] of q's sizes\), got "
+         r"shape \(5,\)$"),
+        (dict(loss_coeff="x"), TypeError, r"^loss_coeff: expected a real number, got str 'x'$"),
+        (dict(loss_coeff=None), TypeError, r"^loss_coeff: expected a real number, got NoneType$"),
+        (dict(loss_coeff=float("nan")), ValueError, r"^loss_coeff: expected a finite value, got nan$"),
+        (dict(softmax_scale=None), TypeError, r"^softmax_scale: expected a real number, got NoneType$"),
+        (dict(softmax_scale=float("inf")), ValueError, r"^softmax_scale: expected a finite value, got inf$"),
+    ]
+    for change, error, message in cases:
+        args = dict(q=q, k=k, w=w, starts=starts, ends=ends, query=query, key=key)
+        args.update(change)
+        with pytest.raises(error, match=message):
+            loss(**args)
+    ids, lengths, value = loss(q, k, w, starts, ends, query, key)  # the unchanged arguments run
+    assert torch.isfinite(value) and ids.shape == (B, SQ, 4)
+    assert all(torch.equal(a, b) for a, b in zip(kept, (q, k, w, starts, ends, query, key)))
+
+
+def test_loss_hook_with_k_without_rows_gives_zero_loss_and_gradients():
+    q, k, w, starts, ends, query, key = loss_tensors(7, skv=0)
+    q.requires_grad_(True)
+    ids, lengths, value = loss(q, k, w, starts, torch.zeros(SQ, dtype=torch.int32), query, key)
+    assert ids.shape == (B, SQ, 0) and lengths.eq(0).all()
+    assert value.shape == () and value.dtype == torch.float32 and value.item() == 0.0
+    value.backward()
+    assert q.grad is not None and q.grad.eq(0).all() and q.grad.dtype == q.dtype

@@ -22,7 +22,7 @@ import importlib
 import torch
 
 from .. import torch as _dt
-from .._args import _INT32_MAX, _int_value
+from .._args import _INT32_MAX, _finite_f32, _int_value
 from .._torch.convert import check_same_device, check_tensor_types, range_int32
 
 #: What register() set: the main attention's backend and the order of the ids.
@@ -70,6 +70,33 @@ def _check_arguments(q, k, weights, index_topk, starts, ends):
         if t.shape != want:
             raise ValueError(f"{name}: expected shape {want} ({what}, of q's sizes), got shape {tuple(t.shape)}")
     return _int_value("index_topk", index_topk, 1, _INT32_MAX, "[1, 2^31-1]")
+
+
+def _check_loss_arguments(q, k, query, key, softmax_scale, loss_coeff, query_valid_rows):
+    """The loss hook's main-attention tensors against the indexer's, in
+    Megatron's names, before anything runs: ``query [sq, b, np, Dqk]`` with
+    q's sq and b, ``key [skv, b, 1, Dqk]`` with k's skv (its rows are the keys
+    the ids select) and query's Dqk, ``query_valid_rows`` None, ``[sq]``,
+    ``[1, sq]`` or ``[b, sq]`` (Megatron's rule), ``softmax_scale`` and
+    ``loss_coeff`` finite real numbers; returns loss_coeff as float32."""
+    check_tensor_types(query=query, key=key)
+    check_same_device(q, query=query, key=key)
+    sq, b = q.shape[0], q.shape[1]
+    skv = k.shape[0]
+    if query.dim() != 4 or query.shape[:2] != (sq, b):
+        raise ValueError(f"query: expected shape ({sq}, {b}, np, Dqk) ([sq, b, np, Dqk], sq and b of q), got shape "
+                         f"{tuple(query.shape)}")
+    if key.dim() != 4 or key.shape[:3] != (skv, b, 1) or key.shape[3] != query.shape[3]:
+        raise ValueError(f"key: expected shape ({skv}, {b}, 1, {query.shape[3]}) ([skv, b, 1, Dqk] of the absorbed "
+                         f"MLA: skv of k, b of q, Dqk of query), got shape {tuple(key.shape)}")
+    if query_valid_rows is not None:
+        check_tensor_types(query_valid_rows=query_valid_rows)
+        shapes = list(dict.fromkeys(((sq,), (1, sq), (b, sq))))
+        if query_valid_rows.shape not in shapes:
+            raise ValueError(f"query_valid_rows: expected shape {' or '.join(map(str, shapes))} ([sq] or [b, sq] "
+                             f"of q's sizes), got shape {tuple(query_valid_rows.shape)}")
+    _finite_f32("softmax_scale", softmax_scale)
+    return _finite_f32("loss_coeff", loss_coeff)
 
 
 def _bshd(q, k, weights, starts, ends):
@@ -187,23 +214,27 @@ def run_fused_qk_topk_with_loss(q, k, weights, index_topk, starts, ends, block_s
     backends log. The gradient is the exact ``c (P - T)`` at every slot
     (docs/megatron.md)."""
     _check_relu(use_relu)
-    if query.dim() != 4 or key.dim() != 4 or key.shape[2] != 1:
-        raise ValueError(f"query, key: expected [sq, b, np, Dqk] and [skv, b, 1, Dqk] (absorbed MLA), got shapes "
-                         f"{tuple(query.shape)} and {tuple(key.shape)}")
+    _check_arguments(q, k, weights, index_topk, starts, ends)
+    loss_coeff = _check_loss_arguments(q, k, query, key, softmax_scale, loss_coeff, query_valid_rows)
     sq, b = q.shape[0], q.shape[1]
     tp_group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
     with torch.no_grad():
         ids, logits, lengths = _topk(q, k, weights, index_topk, starts, ends, with_logits=True)
+    if ids.shape[-1] == 0:  # no keys (skv = 0): every row is empty, its loss and gradients 0
+        zero = torch.zeros((), dtype=torch.float32, device=q.device)
+        grads = [torch.zeros(t.shape, dtype=torch.float32, device=q.device) for t in (q, k, weights)]
+        return ids, lengths, _PrecomputedGradients.apply(q, k, weights, zero, *grads)
+    with torch.no_grad():
         count, scale, valid = _normalization(b, sq, query_valid_rows, calculate_per_token_loss, q.device)
         loss_ids = ids if valid is None else ids.masked_fill(~valid.unsqueeze(-1), -1)
         target = _target(query.detach(), key.detach(), loss_ids, softmax_scale, tp_group)
         q_b, k_b, w_b = q.detach().transpose(0, 1), k.detach().transpose(0, 1), weights.detach().transpose(0, 1)
         cross_entropy, dq, dw, dk = _dt.indexer_kl_loss_and_grad(
-            q_b, w_b, k_b, loss_ids, target, sm_scale=1.0, loss_coeff=float(loss_coeff),
+            q_b, w_b, k_b, loss_ids, target, sm_scale=1.0, loss_coeff=loss_coeff,
             normalization_count=count, grad_loss=1.0 if scale is None else scale, out_dtype="f32",
             topk_logits=logits)
         entropy = (target * torch.log(target.clamp_min(_TARGET_FLOOR))).sum(dtype=torch.float32)
-        loss = cross_entropy.to(torch.float32) + entropy * (float(loss_coeff) / count)
+        loss = cross_entropy.to(torch.float32) + entropy * (loss_coeff / count)
         if scale is not None:
             loss = loss * scale[0]
         dq, dk, dw = dq.transpose(0, 1), dk.transpose(0, 1), dw.transpose(0, 1)
