@@ -1,5 +1,6 @@
 """A tiny Megatron-Core GPT with DeepSeek Sparse Attention layers, trained on
-one GPU with the DSA indexer on a chosen kernel backend (docs/megatron.md).
+one GPU (or, with --device cpu, the CPU) with the DSA indexer on a chosen
+kernel backend (docs/megatron.md).
 
     python examples/megatron_dsa_gpt.py --backend dsaib --steps 300 --csv dsaib.csv
     python examples/megatron_dsa_gpt.py --backend none  --steps 300 --csv none.csv
@@ -22,7 +23,8 @@ attention to learn from. Every step prints and writes to the CSV the LM loss,
 the indexer's KL loss (Megatron's, summed over the layers) and the step time;
 the last --time-indexer-steps steps also time the indexer's top-k, loss and
 gradients alone (synchronising around them; those steps' times are left out
-of the mean step time).
+of the mean step time, as are the first 10 steps, which compile and warm up:
+a run of 10 steps or fewer besides the timed ones prints no mean step).
 """
 
 import argparse
