@@ -391,6 +391,10 @@ def test_register_arguments_are_checked():
         dm.register(attention="flash")
     with pytest.raises(ValueError, match=r'^order: expected "logit_descending", "id_ascending" or None, got 3$'):
         dm.register(order=3)
+    with pytest.raises(ValueError, match=r"^attention: expected .*got \['cudnn'\]$"):  # unhashable
+        dm.register(attention=["cudnn"])
+    with pytest.raises(ValueError, match=r"^order: expected .*got \['id_ascending'\]$"):
+        dm.register(order=["id_ascending"])
     assert not dm.registered()
 
 

@@ -49,9 +49,10 @@ def _check_version():
 
 
 def _check_settings(attention, order):
-    if attention is not None and attention not in _hooks._ATTENTION_MODULES:
+    # a str test first: an unhashable value (a list) cannot be looked up in a dict
+    if attention is not None and (not isinstance(attention, str) or attention not in _hooks._ATTENTION_MODULES):
         raise ValueError(f'attention: expected "cudnn", "tilelang" or None (Megatron\'s torch code), got {attention!r}')
-    if order is not None and order not in _ORDERS:
+    if order is not None and (not isinstance(order, str) or order not in _ORDERS):
         raise ValueError(f'order: expected "logit_descending", "id_ascending" or None, got {order!r}')
     if order is None:
         # FlashMLA's sparse kernels, behind the cuDNN backend, read each row's ids by id.
