@@ -265,7 +265,7 @@ def run_world(world, problems, tmp_path):
     init_file = str(tmp_path / "rendezvous")
     outs = [str(tmp_path / f"out{r}.pt") for r in range(world)]
     run_ranks([[sys.executable, __file__, "--worker", str(r), str(world), init_file, problem_file, outs[r]]
-               for r in range(world)], WORKER_TIMEOUT_S)
+               for r in range(world)], WORKER_TIMEOUT_S, rendezvous=init_file)
     return probs, [torch.load(o) for o in outs]
 
 

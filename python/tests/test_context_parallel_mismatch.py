@@ -185,7 +185,7 @@ def test_arguments_that_differ_across_ranks_raise_on_every_rank(case, tmp_path):
     init_file = str(tmp_path / "rendezvous")
     outs = [str(tmp_path / f"out{r}.pt") for r in range(world)]
     run_ranks([[sys.executable, __file__, "--mismatch", case, str(r), str(world), init_file, outs[r]]
-               for r in range(world)], WORKER_TIMEOUT_S)
+               for r in range(world)], WORKER_TIMEOUT_S, rendezvous=init_file)
     for r, (out, want) in enumerate(zip(outs, MISMATCHES[case])):
         result = torch.load(out)
         error = result["error"]

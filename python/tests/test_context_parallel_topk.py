@@ -136,7 +136,7 @@ def world_results(tmp_path_factory):
     world = 2
     outs = [str(tmp / f"out{r}.pt") for r in range(world)]
     run_ranks([[sys.executable, __file__, "--worker", str(r), str(world), init_file, problem_file, outs[r]]
-               for r in range(world)], WORKER_TIMEOUT_S)
+               for r in range(world)], WORKER_TIMEOUT_S, rendezvous=init_file)
     return world, problems, [torch.load(o) for o in outs]
 
 

@@ -121,7 +121,8 @@ def run_layer_cases(tmp_path_factory, base, case_list, tag):
         torch.save(cases, case_file)
         outs = [tmp / f"out{r}.pt" for r in range(world)]
         run_ranks([[sys.executable, "-W", "ignore", str(WORKER), str(r), str(world), str(tmp / "rendezvous"),
-                    str(case_file), str(outs[r])] for r in range(world)], WORKER_TIMEOUT_S)
+                    str(case_file), str(outs[r])] for r in range(world)], WORKER_TIMEOUT_S,
+                  rendezvous=str(tmp / "rendezvous"))
         for r, out in enumerate(outs):
             for name, got in torch.load(out).items():
                 results[(name, r)] = (cases[name], got)
