@@ -109,15 +109,14 @@ nlohmann::ordered_json gather_json(const GatherKey& key, const GatherRates& g) {
 Floors measure_floors(const BenchArgs& a, const std::vector<bench::OpCase>& cases) {
   Floors f;
   f.measured = true;
-  bool square_gemm = false, e4m3_gemm = false;
+  bool e4m3_gemm = false;
   for (const bench::OpCase& c : cases) {
     e4m3_gemm = e4m3_gemm || c.e4m3;
     if (uses_scatter(c.op)) f.tables[{c.dk_table_bytes(), c.dim}];
     if (uses_gather(c.op)) f.gathers[gather_key(c)];
-    // Every op's GEMM term takes the square GEMM's rate; the target's also the
-    // batched call at its shape, and the faster of the two is its rate.
+    // The target's GEMM rate is the faster of the batched call at its shape and
+    // the square GEMM, which every op measures.
     if (c.op == BenchOp::target) f.batched[{c.heads, c.dim, c.topk}];
-    square_gemm = true;
   }
   for (auto& [key, rates] : f.tables) {  // filled in place: rates.best points into rates.ways
     log_stage("floor: scatter-add into a " + fmt("%.1f", key.first / kMiB) + " MiB fp32 table, rows of " +
@@ -150,7 +149,7 @@ Floors measure_floors(const BenchArgs& a, const std::vector<bench::OpCase>& case
     for (const auto& r : rates.variants) f.checks_ok = f.checks_ok && r.check_ok;
     rates.best = &bench::fastest(rates.variants);
   }
-  if (square_gemm) {
+  if (!cases.empty()) {
     log_stage("floor: cuBLAS bf16 GEMM " + std::to_string(kGemmSize) + "^3, four layouts ...");
     f.gemm_ways = bench::measure_gemm_layouts(kGemmSize, a.iters, a.warmup);
     for (const auto& g : f.gemm_ways) f.checks_ok = f.checks_ok && g.check_ok;

@@ -120,9 +120,9 @@ def run_layer_cases(tmp_path_factory, base, case_list, tag):
         case_file = tmp / "cases.pt"
         torch.save(cases, case_file)
         outs = [tmp / f"out{r}.pt" for r in range(world)]
-        run_ranks([[sys.executable, "-W", "ignore", str(WORKER), str(r), str(world), str(tmp / "rendezvous"),
-                    str(case_file), str(outs[r])] for r in range(world)], WORKER_TIMEOUT_S,
-                  rendezvous=str(tmp / "rendezvous"))
+        rendezvous = str(tmp / "rendezvous")
+        run_ranks([[sys.executable, "-W", "ignore", str(WORKER), str(r), str(world), rendezvous, str(case_file),
+                    str(outs[r])] for r in range(world)], WORKER_TIMEOUT_S, rendezvous=rendezvous)
         for r, out in enumerate(outs):
             for name, got in torch.load(out).items():
                 results[(name, r)] = (cases[name], got)

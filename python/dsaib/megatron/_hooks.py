@@ -112,8 +112,9 @@ def _bshd(q, k, weights, starts, ends):
 def _topk(q, k, weights, index_topk, starts, ends, with_logits=False):
     """(ids [b, sq, min(index_topk, skv)] int32 with -1 past each row's count,
     lengths [b, sq] int32): the exact top-k of dsaib's logits in each row's
-    range; with_logits: (ids, logits [b, sq, K] float32, lengths)."""
-    index_topk = _check_arguments(q, k, weights, index_topk, starts, ends)
+    range; with_logits: (ids, logits [b, sq, K] float32, lengths). The
+    arguments are those _check_arguments passed, index_topk the int it
+    returned."""
     q_b, k_b, w_b, starts_b, ends_b = _bshd(q, k, weights, starts, ends)
     # Megatron's torch path returns min(index_topk, skv) slots; the same width
     # keeps every consumer of the ids (the main attention, index sharing) alike.
@@ -137,6 +138,7 @@ def run_fused_qk_topk(q, k, weights, index_topk, starts, ends, block_size, use_r
     ``block_size`` and the packed/context-parallel arguments are not needed:
     the ranges already say which keys each row sees, in ``k``'s rows."""
     _check_relu(use_relu)
+    index_topk = _check_arguments(q, k, weights, index_topk, starts, ends)
     with torch.no_grad():
         return _topk(q, k, weights, index_topk, starts, ends)
 
@@ -214,7 +216,7 @@ def run_fused_qk_topk_with_loss(q, k, weights, index_topk, starts, ends, block_s
     backends log. The gradient is the exact ``c (P - T)`` at every slot
     (docs/megatron.md)."""
     _check_relu(use_relu)
-    _check_arguments(q, k, weights, index_topk, starts, ends)
+    index_topk = _check_arguments(q, k, weights, index_topk, starts, ends)
     loss_coeff = _check_loss_arguments(q, k, query, key, softmax_scale, loss_coeff, query_valid_rows)
     sq, b = q.shape[0], q.shape[1]
     tp_group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
