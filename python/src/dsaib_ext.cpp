@@ -6,7 +6,9 @@
 // tensors (attention_target), the validation alone
 // (validate_indexer_kl_loss_inputs), the fp64 host loss (indexer_kl_loss) and
 // the indexer's forward, its logits and exact top-k (indexer_topk, with its
-// workspace size query indexer_topk_workspace_size).
+// workspace size query indexer_topk_workspace_size). One binding runs a kernel of
+// this module instead: scale_gradient, the backward of the autograd losses that
+// form their gradients in the forward (scale_gradient.hpp).
 //
 // Tensors are DLPack arrays made into dsaib::TensorView records
 // (dlpack_views.hpp); the library's options are keyword arguments (**options),
@@ -48,6 +50,8 @@
 
 #if DSAIB_PY_WITH_CUDA
 #include <cuda_runtime.h>
+
+#include "scale_gradient.hpp"
 #endif
 
 #include "dlpack_buffers.hpp"
@@ -404,6 +408,67 @@ NB_MODULE(_dsaib, m) {
 
   m.def("empty", &make_buffer, nb::arg("shape"), nb::arg("dtype"), nb::arg("device"),
         "An uninitialised contiguous Buffer: dtype \"f32\", \"bf16\", \"f64\" or \"i32\", device \"cpu\" or \"cuda:N\".");
+
+  m.def(
+      "scale_gradient",
+      [](const Array& gradient, const OutArray& out, const Array& grad_loss, uintptr_t stream) {
+        const dsaib::TensorView in = to_view("gradient", gradient, false);
+        const dsaib::TensorView o = to_view("out", out, false);
+        const auto type_of = [](const char* name, const dsaib::TensorView& v) {
+          if (v.dtype == dsaib::DType::bf16) return 0;
+          if (v.dtype == dsaib::DType::f32) return 1;
+          throw PyTypeError{std::string(name) + ": expected dtype bfloat16 or float32, got " +
+                            dsaib::dtype_name(v.dtype)};
+        };
+        const int in_type = type_of("gradient", in), out_type = type_of("out", o);
+        if (in.device != dsaib::DeviceType::cuda) {
+          throw dsaib::Error(dsaib::ErrorCode::invalid_argument, "gradient",
+                             "gradient: expected a tensor on a cuda device, got one on " +
+                                 device_string(gradient.device_type(), gradient.device_id()));
+        }
+        const std::string dev = device_string(gradient.device_type(), gradient.device_id());
+        const std::string odev = device_string(out.device_type(), out.device_id());
+        if (odev != dev) {
+          throw dsaib::Error(dsaib::ErrorCode::invalid_argument, "out",
+                             "out: expected a tensor on " + dev + " (gradient's device), got one on " + odev);
+        }
+        if (o.shape_string() != in.shape_string()) {
+          throw dsaib::Error(dsaib::ErrorCode::invalid_argument, "out",
+                             "out: expected shape " + in.shape_string() + " (gradient's), got " + o.shape_string());
+        }
+        for (const auto* v : {&in, &o}) {
+          const char* name = v == &in ? "gradient" : "out";
+          if (!v->is_contiguous() || reinterpret_cast<uintptr_t>(v->data) % 16 != 0) {
+            throw dsaib::Error(dsaib::ErrorCode::invalid_argument, name,
+                               std::string(name) + ": expected a contiguous tensor whose data is 16-byte aligned, got strides " +
+                                   v->strides_string());
+          }
+        }
+        const int64_t n = in.numel();
+        const auto* bytes_in = static_cast<const char*>(in.data);
+        const auto* bytes_out = static_cast<const char*>(o.data);
+        const int64_t in_bytes = n * (in_type == 0 ? 2 : 4), out_bytes = n * (out_type == 0 ? 2 : 4);
+        if (n > 0 && bytes_in < bytes_out + out_bytes && bytes_out < bytes_in + in_bytes) {
+          throw dsaib::Error(dsaib::ErrorCode::invalid_argument, "out", "out: expected memory disjoint from gradient's");
+        }
+        const float* g = grad_loss_pointer(grad_loss, dev);
+#if DSAIB_PY_WITH_CUDA
+        using dsaib_py::ScaleType;
+        const cudaError_t st = dsaib_py::scale_gradient(in.data, in_type == 0 ? ScaleType::bf16 : ScaleType::f32,
+                                                        o.data, out_type == 0 ? ScaleType::bf16 : ScaleType::f32, n,
+                                                        g, reinterpret_cast<cudaStream_t>(stream));
+        if (st != cudaSuccess) cuda_call(false, "scale_gradient", cudaGetErrorString(st));
+#else
+        (void)g;
+        (void)stream;
+        throw dsaib::Error(dsaib::ErrorCode::backend_unavailable, "gradient",
+                           "gradient: this build has no CUDA support");
+#endif
+      },
+      nb::arg("gradient"), nb::arg("out"), nb::arg("grad_loss"), nb::arg("stream"),
+      "out = gradient * grad_loss on gradient's CUDA device, on `stream`: the product in float32, rounded once "
+      "to out's dtype (bfloat16 or float32); grad_loss (one float32 on that device) is read when the kernel "
+      "runs. Both contiguous, 16-byte aligned, disjoint, of one shape. No host synchronisation.");
 
   m.def(
       "stream_synchronize",

@@ -27,6 +27,7 @@ if cuda_skip_reason():
     pytest.skip(cuda_skip_reason(), allow_module_level=True)
 
 import dsaib.torch as dt  # noqa: E402
+from dsaib._torch import ops as dt_ops  # noqa: E402
 from torch_reference import (  # noqa: E402
     DEV, LINEARITY_RTOL, NAMES, TOL, assert_close_rms, cuda_problem, deterministic_algorithms, poison_allocator,
     reference_grads, reference_loss, rel_rms, warm_up_on_side_stream,
@@ -218,6 +219,65 @@ def test_held_gradients_scale_by_a_float32_factor_rounded_once():
         assert x.grad.dtype == d.dtype == torch.bfloat16, name
         assert torch.equal(x.grad, (d.float() * g).to(d.dtype)), name  # widened, multiplied, narrowed
         assert not torch.equal(x.grad, d * g.to(torch.bfloat16)), name  # the check sees a bf16 factor
+
+
+@pytest.mark.parametrize("in_dtype,out_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+                                                (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+def test_scale_gradient_kernel_rounds_once_at_every_size(in_dtype, out_dtype):
+    """The extension's kernel behind the held gradients' scaling: bitwise the
+    float32 product rounded once, at sizes around its 8-element vector steps
+    and beyond one grid's reach, for factors that are not bf16 values, signed,
+    zero and non-finite (the same IEEE results as torch's float32 multiply)."""
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    for n in (0, 1, 7, 8, 9, 8 * 256 + 3, 4096 * 256 * 8 + 8 * 5 + 1):
+        d = (torch.randn(n, device=DEV, generator=gen) * 1e3).to(in_dtype)
+        if n > 2:
+            d[1], d[2] = float("inf"), float("nan")
+        for value in (1.0 / 3.0, -2.5, 0.0, 1.0, float("inf")):
+            g = torch.tensor(value, device=DEV)
+            poison_allocator(((max(n, 1),), out_dtype))
+            got = dt_ops.scaled_gradient(d, g, out_dtype)
+            want = (d.float() * g).to(out_dtype)
+            assert got.dtype == out_dtype and got.shape == d.shape
+            assert torch.equal(got.isnan(), want.isnan()), (n, value)
+            assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0)), (n, value)
+    d = torch.randn(4, 33, device=DEV).to(in_dtype)
+    torch.library.opcheck(torch.ops.dsaib.scale_gradient.default,
+                          (d, torch.full((1,), 0.75, device=DEV), dt_ops._SCALE_CODES[out_dtype]))
+
+
+def test_scale_gradient_kernel_refuses_what_it_cannot_read():
+    """The binding's checks, before anything runs: dtypes, devices, shapes,
+    layout and overlap each named; the fallback takes strided gradients."""
+    from dsaib import _dsaib
+    from dsaib._frameworks import _export
+
+    d = torch.ones(64, device=DEV, dtype=torch.bfloat16)
+    g = torch.ones(1, device=DEV)
+    out = torch.full_like(d, 7.0)
+    s = torch.cuda.current_stream().cuda_stream
+    run = lambda a, o, f=g: _dsaib.scale_gradient(_export(a), _export(o), _export(f), s)  # noqa: E731
+    with pytest.raises(TypeError, match="gradient: expected dtype bfloat16 or float32"):
+        run(d.half(), out)
+    with pytest.raises(TypeError, match="out: expected dtype bfloat16 or float32"):
+        run(d, out.half())
+    with pytest.raises(ValueError, match="gradient: expected a tensor on a cuda device"):
+        run(d.cpu(), out)
+    with pytest.raises(ValueError, match=r"out: expected shape \(64\)"):
+        run(d, out[:32])
+    with pytest.raises(ValueError, match="gradient: expected a contiguous tensor whose data is 16-byte aligned"):
+        run(d[1:33], out[:32])
+    with pytest.raises(ValueError, match="out: expected memory disjoint from gradient's"):
+        run(d, d)
+    with pytest.raises(TypeError, match="grad_loss: expected dtype float32"):
+        run(d, out, g.double())
+    torch.cuda.synchronize()
+    assert bool((out == 7.0).all()) and bool((d == 1.0).all())  # nothing written by a refused call
+    run(d, out)
+    assert torch.equal(out, d)
+    strided = torch.randn(8, 16, device=DEV).t()
+    got = dt_ops.scaled_gradient(strided, torch.tensor(0.5, device=DEV), torch.bfloat16)
+    assert torch.equal(got, (strided * 0.5).to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("layout", ["bshd", "thd"])

@@ -19,7 +19,8 @@ import torch
 
 from . import reference
 from .convert import (fp64, grad_code, grad_loss_tensor, held_gradient_scale, library_inputs, logits_operand,
-                      refuse_graph_of_gradient, scaled_gradient)
+                      refuse_graph_of_gradient)
+from .ops import scaled_gradient
 
 
 class IndexerKLLossFunction(torch.autograd.Function):

@@ -110,18 +110,6 @@ def held_gradient_scale(grad_loss, function: str) -> torch.Tensor:
     return grad_loss.detach().reshape(()).to(torch.float32)
 
 
-def scaled_gradient(d, g, dtype):
-    """A held gradient (or None) times the factor g, in float32 and rounded once
-    to dtype, in one pass over d. g goes in as a 1-element 1-dim tensor: a 0-dim
-    tensor takes no part in type promotion, so a bf16/fp16 multiply would round
-    g to the gradient's dtype first; a 1-dim float32 one makes the computation
-    float32, and the output's dtype rounds the product once (the same values as
-    widening d, multiplying and narrowing, without the float32 copies' traffic)."""
-    if d is None:
-        return None
-    return torch.mul(d, g.reshape(1), out=torch.empty_like(d, dtype=dtype))
-
-
 def grad_loss_tensor(checked, device) -> torch.Tensor:
     """grad_loss as the ops take it, from the option table's (value, tensor): a
     one-element float32 tensor (the caller's, read when the work runs), or a

@@ -7,10 +7,10 @@ backward, or the loss forward and the P-free backward."""
 import torch
 import torch.distributed as dist
 
-from . import ops as _ops  # noqa: F401  (registers torch.ops.dsaib.*)
 from . import reference
 from .convert import (fp64 as _fp64, grad_code, grad_loss_tensor, held_gradient_scale, library_inputs, logits_operand,
-                      refuse_graph_of_gradient, scaled_gradient)
+                      refuse_graph_of_gradient)
+from .ops import scaled_gradient  # (and registers torch.ops.dsaib.*)
 from .cp_plan import finish, normalization, start_gather, start_reduce_scatter
 
 

@@ -1,6 +1,8 @@
 """The torch.library custom ops over the library's entry points, with their
 fake kernels: torch.ops.dsaib.indexer_backward, indexer_kl_forward,
-indexer_kl_loss_and_grad, attention_target and indexer_topk.
+indexer_kl_loss_and_grad, attention_target and indexer_topk; and
+torch.ops.dsaib.scale_gradient, the extension's own kernel that the autograd
+losses' backward runs on the gradients their forward formed.
 
 Each op makes one library call on index_q's device: CUDA tensors on the
 current stream, CPU tensors on the fp64 cpu backend. The library validates the
@@ -308,3 +310,41 @@ def _indexer_topk_fake(index_q, weights, index_k, topk, starts, ends, cu_seqlens
 #: The ops' names, for tests and docs.
 OPS: List[str] = ["indexer_backward", "indexer_kl_forward", "indexer_kl_loss_and_grad", "attention_target",
                   "indexer_topk"]
+
+
+_SCALE_CODES = {torch.bfloat16: "bf16", torch.float32: "f32"}
+# Read once: torch.compile traces the backwards that test it.
+_SCALE_ON_CUDA = bool(_dsaib.cuda_compiled())
+
+
+@torch.library.custom_op("dsaib::scale_gradient", mutates_args=())
+def scale_gradient_op(gradient: torch.Tensor, grad_loss: torch.Tensor, out_code: str) -> torch.Tensor:
+    """gradient * grad_loss, the product in float32 rounded once to out_code's
+    dtype ("bf16" or "f32"), on gradient's CUDA device and the current stream;
+    grad_loss (one float32 there) is read when the kernel runs."""
+    out = torch.empty(gradient.shape, dtype=out_dtype("out_code", out_code), device=gradient.device)
+    stream = int(torch.cuda.current_stream(gradient.device).cuda_stream)
+    _dsaib.scale_gradient(_export(gradient), _export(out), _export(grad_loss), stream)
+    return out
+
+
+@scale_gradient_op.register_fake
+def _scale_gradient_fake(gradient, grad_loss, out_code):
+    return gradient.new_empty(gradient.shape, dtype=out_dtype("out_code", out_code))
+
+
+def scaled_gradient(d, g, dtype):
+    """A held gradient (or None) times the factor g (a float32 0-dim tensor on
+    d's device), in float32 and rounded once to dtype, in one pass over d.
+    CUDA bf16/float32 gradients (contiguous, as the library writes them) go
+    through the extension's kernel at the copy rate; the rest through torch.mul
+    with g as a 1-element 1-dim tensor: a 0-dim tensor takes no part in type
+    promotion, so a bf16 multiply would round g to bf16 first, where a 1-dim
+    float32 one makes the computation float32 and the output's dtype rounds the
+    product once."""
+    if d is None:
+        return None
+    if (d.device.type == "cuda" and d.dtype in _SCALE_CODES and dtype in _SCALE_CODES and d.is_contiguous()
+            and d.storage_offset() == 0 and _SCALE_ON_CUDA):
+        return torch.ops.dsaib.scale_gradient(d, g.reshape(1), _SCALE_CODES[dtype])
+    return torch.mul(d, g.reshape(1), out=torch.empty_like(d, dtype=dtype))

@@ -24,6 +24,7 @@ import torch
 from .. import torch as _dt
 from .._args import _INT32_MAX, _finite_f32, _int_value
 from .._torch.convert import check_same_device, check_tensor_types, range_int32
+from .._torch.ops import scaled_gradient
 
 #: What register() set: the main attention's backend and the order of the ids.
 SETTINGS = {"attention": None, "order": "logit_descending"}
@@ -157,10 +158,10 @@ class _PrecomputedGradients(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         dq, dk, dw = ctx.saved_tensors
-        g = grad_loss.to(torch.float32)
+        g = grad_loss.detach().reshape(()).to(torch.float32)
         # The gradients are kept in float32 and rounded once, after the scale.
-        return ((dq * g).to(ctx.dtypes[0]), (dk * g).to(ctx.dtypes[1]), (dw * g).to(ctx.dtypes[2]),
-                None, None, None, None)
+        return (scaled_gradient(dq, g, ctx.dtypes[0]), scaled_gradient(dk, g, ctx.dtypes[1]),
+                scaled_gradient(dw, g, ctx.dtypes[2]), None, None, None, None)
 
 
 def _normalization(b, sq, query_valid_rows, calculate_per_token_loss, device):
