@@ -412,15 +412,16 @@ NB_MODULE(_dsaib, m) {
   m.def(
       "scale_gradient",
       [](const Array& gradient, const OutArray& out, const Array& grad_loss, uintptr_t stream) {
+        // 0: bfloat16, 1: float32; checked before the views, which take more dtypes.
+        const auto type_of = [](const char* name, nb::dlpack::dtype dt) {
+          const auto code = static_cast<nb::dlpack::dtype_code>(dt.code);
+          if (dt.lanes == 1 && code == nb::dlpack::dtype_code::Bfloat && dt.bits == 16) return 0;
+          if (dt.lanes == 1 && code == nb::dlpack::dtype_code::Float && dt.bits == 32) return 1;
+          throw PyTypeError{std::string(name) + ": expected dtype bfloat16 or float32, got " + dtype_string(dt)};
+        };
+        const int in_type = type_of("gradient", gradient.dtype()), out_type = type_of("out", out.dtype());
         const dsaib::TensorView in = to_view("gradient", gradient, false);
         const dsaib::TensorView o = to_view("out", out, false);
-        const auto type_of = [](const char* name, const dsaib::TensorView& v) {
-          if (v.dtype == dsaib::DType::bf16) return 0;
-          if (v.dtype == dsaib::DType::f32) return 1;
-          throw PyTypeError{std::string(name) + ": expected dtype bfloat16 or float32, got " +
-                            dsaib::dtype_name(v.dtype)};
-        };
-        const int in_type = type_of("gradient", in), out_type = type_of("out", o);
         if (in.device != dsaib::DeviceType::cuda) {
           throw dsaib::Error(dsaib::ErrorCode::invalid_argument, "gradient",
                              "gradient: expected a tensor on a cuda device, got one on " +
