@@ -263,7 +263,7 @@ def test_scale_gradient_kernel_refuses_what_it_cannot_read():
         run(d, out.half())
     with pytest.raises(ValueError, match="gradient: expected a tensor on a cuda device"):
         run(d.cpu(), out)
-    with pytest.raises(ValueError, match=r"out: expected shape \(64\)"):
+    with pytest.raises(ValueError, match=r"out: expected shape \(64,\)"):
         run(d, out[:32])
     with pytest.raises(ValueError, match="gradient: expected a contiguous tensor whose data is 16-byte aligned"):
         run(d[1:33], out[:32])
