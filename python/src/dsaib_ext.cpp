@@ -412,22 +412,24 @@ NB_MODULE(_dsaib, m) {
   m.def(
       "scale_gradient",
       [](const Array& gradient, const OutArray& out, const Array& grad_loss, uintptr_t stream) {
-        // 0: bfloat16, 1: float32; checked before the views, which take more dtypes.
-        const auto type_of = [](const char* name, nb::dlpack::dtype dt) {
+        // Checked before the views, which take more dtypes.
+        const auto check_dtype = [](const char* name, nb::dlpack::dtype dt) {
           const auto code = static_cast<nb::dlpack::dtype_code>(dt.code);
-          if (dt.lanes == 1 && code == nb::dlpack::dtype_code::Bfloat && dt.bits == 16) return 0;
-          if (dt.lanes == 1 && code == nb::dlpack::dtype_code::Float && dt.bits == 32) return 1;
-          throw PyTypeError{std::string(name) + ": expected dtype bfloat16 or float32, got " + dtype_string(dt)};
+          const bool bf16 = code == nb::dlpack::dtype_code::Bfloat && dt.bits == 16;
+          const bool f32 = code == nb::dlpack::dtype_code::Float && dt.bits == 32;
+          if (dt.lanes != 1 || !(bf16 || f32)) {
+            throw PyTypeError{std::string(name) + ": expected dtype bfloat16 or float32, got " + dtype_string(dt)};
+          }
         };
-        const int in_type = type_of("gradient", gradient.dtype()), out_type = type_of("out", out.dtype());
+        check_dtype("gradient", gradient.dtype());
+        check_dtype("out", out.dtype());
         const dsaib::TensorView in = to_view("gradient", gradient, false);
         const dsaib::TensorView o = to_view("out", out, false);
+        const std::string dev = device_string(gradient.device_type(), gradient.device_id());
         if (in.device != dsaib::DeviceType::cuda) {
           throw dsaib::Error(dsaib::ErrorCode::invalid_argument, "gradient",
-                             "gradient: expected a tensor on a cuda device, got one on " +
-                                 device_string(gradient.device_type(), gradient.device_id()));
+                             "gradient: expected a tensor on a cuda device, got one on " + dev);
         }
-        const std::string dev = device_string(gradient.device_type(), gradient.device_id());
         const std::string odev = device_string(out.device_type(), out.device_id());
         if (odev != dev) {
           throw dsaib::Error(dsaib::ErrorCode::invalid_argument, "out",
@@ -448,16 +450,17 @@ NB_MODULE(_dsaib, m) {
         const int64_t n = in.numel();
         const auto* bytes_in = static_cast<const char*>(in.data);
         const auto* bytes_out = static_cast<const char*>(o.data);
-        const int64_t in_bytes = n * (in_type == 0 ? 2 : 4), out_bytes = n * (out_type == 0 ? 2 : 4);
+        const auto in_bytes = static_cast<int64_t>(n * dsaib::dtype_size(in.dtype));
+        const auto out_bytes = static_cast<int64_t>(n * dsaib::dtype_size(o.dtype));
         if (n > 0 && bytes_in < bytes_out + out_bytes && bytes_out < bytes_in + in_bytes) {
           throw dsaib::Error(dsaib::ErrorCode::invalid_argument, "out", "out: expected memory disjoint from gradient's");
         }
         const float* g = grad_loss_pointer(grad_loss, dev);
 #if DSAIB_PY_WITH_CUDA
         using dsaib_py::ScaleType;
-        const cudaError_t st = dsaib_py::scale_gradient(in.data, in_type == 0 ? ScaleType::bf16 : ScaleType::f32,
-                                                        o.data, out_type == 0 ? ScaleType::bf16 : ScaleType::f32, n,
-                                                        g, reinterpret_cast<cudaStream_t>(stream));
+        const auto scale_type = [](dsaib::DType t) { return t == dsaib::DType::bf16 ? ScaleType::bf16 : ScaleType::f32; };
+        const cudaError_t st = dsaib_py::scale_gradient(in.data, scale_type(in.dtype), o.data, scale_type(o.dtype), n, g,
+                                                        reinterpret_cast<cudaStream_t>(stream));
         if (st != cudaSuccess) cuda_call(false, "scale_gradient", cudaGetErrorString(st));
 #else
         (void)g;

@@ -28,6 +28,7 @@ if cuda_skip_reason():
 
 import dsaib.torch as dt  # noqa: E402
 from dsaib._torch import ops as dt_ops  # noqa: E402
+from dsaib._torch.convert import CODES  # noqa: E402
 from torch_reference import (  # noqa: E402
     DEV, LINEARITY_RTOL, NAMES, TOL, assert_close_rms, cuda_problem, deterministic_algorithms, poison_allocator,
     reference_grads, reference_loss, rel_rms, warm_up_on_side_stream,
@@ -243,7 +244,7 @@ def test_scale_gradient_kernel_rounds_once_at_every_size(in_dtype, out_dtype):
             assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0)), (n, value)
     d = torch.randn(4, 33, device=DEV).to(in_dtype)
     torch.library.opcheck(torch.ops.dsaib.scale_gradient.default,
-                          (d, torch.full((1,), 0.75, device=DEV), dt_ops._SCALE_CODES[out_dtype]))
+                          (d, torch.full((1,), 0.75, device=DEV), CODES[out_dtype]))
 
 
 def test_scale_gradient_kernel_refuses_what_it_cannot_read():

@@ -23,7 +23,7 @@ import torch
 from .. import _dsaib
 from .._frameworks import _export, _exported
 from .._options import OPTIONS, check_each
-from .convert import check_same_device, out_dtype
+from .convert import CODES, check_same_device, out_dtype
 
 
 def torch_allocator(dev: torch.device):
@@ -312,7 +312,6 @@ OPS: List[str] = ["indexer_backward", "indexer_kl_forward", "indexer_kl_loss_and
                   "indexer_topk"]
 
 
-_SCALE_CODES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 # Read once: torch.compile traces the backwards that test it.
 _SCALE_ON_CUDA = bool(_dsaib.cuda_compiled())
 
@@ -344,7 +343,7 @@ def scaled_gradient(d, g, dtype):
     product once."""
     if d is None:
         return None
-    if (d.device.type == "cuda" and d.dtype in _SCALE_CODES and dtype in _SCALE_CODES and d.is_contiguous()
+    if (d.device.type == "cuda" and d.dtype in CODES and dtype in CODES and d.is_contiguous()
             and d.storage_offset() == 0 and _SCALE_ON_CUDA):
-        return torch.ops.dsaib.scale_gradient(d, g.reshape(1), _SCALE_CODES[dtype])
+        return torch.ops.dsaib.scale_gradient(d, g.reshape(1), CODES[dtype])
     return torch.mul(d, g.reshape(1), out=torch.empty_like(d, dtype=dtype))

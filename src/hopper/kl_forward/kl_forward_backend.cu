@@ -17,13 +17,14 @@
 namespace dsaib::hopper {
 namespace {
 
-/// Calls f(ForwardTileConfig<D, head tile>{}) for the plan's kernel.
+/// Calls f(ForwardTileConfig<kD, head tile>{}) for the plan's head tile.
 template <int kD, class F>
 void with_forward_head_tile(const ForwardKernel& k, F&& f) {
   if (k.head_tile == 32) f(ForwardTileConfig<kD, 32>{});
   else if (k.head_tile == 64) f(ForwardTileConfig<kD, 64>{});
   else f(ForwardTileConfig<kD, 128>{});
 }
+/// Calls f(ForwardTileConfig<D, head tile>{}) for the plan's kernel.
 template <class F>
 void with_forward_config(const ForwardKernel& k, F&& f) {
   if (k.head_dim == 64) with_forward_head_tile<64>(k, f);
