@@ -249,7 +249,8 @@ def test_scale_gradient_kernel_rounds_once_at_every_size(in_dtype, out_dtype):
 
 def test_scale_gradient_kernel_refuses_what_it_cannot_read():
     """The binding's checks, before anything runs: dtypes, devices, shapes,
-    layout and overlap each named; the fallback takes strided gradients."""
+    layout and overlap each named; the op's fallback takes strided and
+    unaligned gradients."""
     from dsaib import _dsaib
     from dsaib._frameworks import _export
 
@@ -279,6 +280,9 @@ def test_scale_gradient_kernel_refuses_what_it_cannot_read():
     strided = torch.randn(8, 16, device=DEV).t()
     got = dt_ops.scaled_gradient(strided, torch.tensor(0.5, device=DEV), torch.bfloat16)
     assert torch.equal(got, (strided * 0.5).to(torch.bfloat16))
+    unaligned = torch.randn(65, device=DEV).to(torch.bfloat16)[1:]
+    got = dt_ops.scaled_gradient(unaligned, torch.tensor(1.0 / 3.0, device=DEV), torch.bfloat16)
+    assert torch.equal(got, (unaligned.float() * (1.0 / 3.0)).to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("layout", ["bshd", "thd"])

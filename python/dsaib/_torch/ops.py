@@ -320,8 +320,13 @@ _SCALE_ON_CUDA = bool(_dsaib.cuda_compiled())
 def scale_gradient_op(gradient: torch.Tensor, grad_loss: torch.Tensor, out_code: str) -> torch.Tensor:
     """gradient * grad_loss, the product in float32 rounded once to out_code's
     dtype ("bf16" or "f32"), on gradient's CUDA device and the current stream;
-    grad_loss (one float32 there) is read when the kernel runs."""
+    grad_loss (one float32 there) is read when the kernel runs. The kernel reads
+    contiguous 16-byte-aligned data; other layouts take torch's multiply, which
+    gives the same values. The layout is looked at here, not by the caller:
+    torch.compile traces the caller, and a tensor's storage offset is not traceable."""
     out = torch.empty(gradient.shape, dtype=out_dtype("out_code", out_code), device=gradient.device)
+    if not (gradient.is_contiguous() and gradient.data_ptr() % 16 == 0):
+        return torch.mul(gradient, grad_loss, out=out)
     stream = int(torch.cuda.current_stream(gradient.device).cuda_stream)
     _dsaib.scale_gradient(_export(gradient), _export(out), _export(grad_loss), stream)
     return out
@@ -335,15 +340,14 @@ def _scale_gradient_fake(gradient, grad_loss, out_code):
 def scaled_gradient(d, g, dtype):
     """A held gradient (or None) times the factor g (a float32 0-dim tensor on
     d's device), in float32 and rounded once to dtype, in one pass over d.
-    CUDA bf16/float32 gradients (contiguous, as the library writes them) go
-    through the extension's kernel at the copy rate; the rest through torch.mul
+    CUDA bf16/float32 gradients go through the extension's op (its kernel at
+    the copy rate for the contiguous ones the library writes); the rest through torch.mul
     with g as a 1-element 1-dim tensor: a 0-dim tensor takes no part in type
     promotion, so a bf16 multiply would round g to bf16 first, where a 1-dim
     float32 one makes the computation float32 and the output's dtype rounds the
     product once."""
     if d is None:
         return None
-    if (d.device.type == "cuda" and d.dtype in CODES and dtype in CODES and d.is_contiguous()
-            and d.storage_offset() == 0 and _SCALE_ON_CUDA):
+    if d.device.type == "cuda" and d.dtype in CODES and dtype in CODES and _SCALE_ON_CUDA:
         return torch.ops.dsaib.scale_gradient(d, g.reshape(1), CODES[dtype])
     return torch.mul(d, g.reshape(1), out=torch.empty_like(d, dtype=dtype))
