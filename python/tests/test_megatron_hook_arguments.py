@@ -146,3 +146,17 @@ def test_loss_hook_with_k_without_rows_gives_zero_loss_and_gradients():
     assert value.shape == () and value.dtype == torch.float32 and value.item() == 0.0
     value.backward()
     assert q.grad is not None and q.grad.eq(0).all() and q.grad.dtype == q.dtype
+
+
+def test_loss_hook_refuses_a_graph_of_its_gradients():
+    """The hook's gradients are formed in its forward and have no graph, so a
+    backward with create_graph=True is refused when it starts instead of
+    giving second derivatives of zero."""
+    q, k, w, starts, ends, query, key = loss_tensors(8)
+    q.requires_grad_(True)
+    value = loss(q, k, w, starts, ends, query, key)[2]
+    with pytest.raises(RuntimeError, match=r"^dsaib.megatron.run_fused_qk_topk_with_loss: expected a first-order "
+                                           r"backward, got create_graph=True"):
+        torch.autograd.grad(value, q, create_graph=True)
+    (d_q,) = torch.autograd.grad(loss(q, k, w, starts, ends, query, key)[2], q)
+    assert d_q.dtype == q.dtype and bool(torch.isfinite(d_q).all()) and bool(d_q.ne(0).any())

@@ -23,7 +23,7 @@ import torch
 
 from .. import torch as _dt
 from .._args import _INT32_MAX, _finite_f32, _int_value
-from .._torch.convert import check_same_device, check_tensor_types, range_int32
+from .._torch.convert import check_same_device, check_tensor_types, held_gradient_scale, range_int32
 from .._torch.ops import scaled_gradient
 
 #: What register() set: the main attention's backend and the order of the ids.
@@ -158,7 +158,7 @@ class _PrecomputedGradients(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         dq, dk, dw = ctx.saved_tensors
-        g = grad_loss.detach().reshape(()).to(torch.float32)
+        g = held_gradient_scale(grad_loss, "dsaib.megatron.run_fused_qk_topk_with_loss")
         # The gradients are kept in float32 and rounded once, after the scale.
         return (scaled_gradient(dq, g, ctx.dtypes[0]), scaled_gradient(dk, g, ctx.dtypes[1]),
                 scaled_gradient(dw, g, ctx.dtypes[2]), None, None, None, None)
