@@ -160,3 +160,22 @@ def test_loss_hook_refuses_a_graph_of_its_gradients():
         torch.autograd.grad(value, q, create_graph=True)
     (d_q,) = torch.autograd.grad(loss(q, k, w, starts, ends, query, key)[2], q)
     assert d_q.dtype == q.dtype and bool(torch.isfinite(d_q).all()) and bool(d_q.ne(0).any())
+
+
+@pytest.mark.parametrize("sq,b", [(0, 1), (4, 0), (0, 0)])
+def test_loss_hook_without_query_rows_gives_zero_loss_and_gradients(sq, b):
+    """No query rows (sq or b 0) with keys: nothing to average over, so the
+    loss and gradients are 0 in the inputs' shapes and dtypes, as with no keys."""
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(sq, b, H, D, generator=g).to(torch.bfloat16).requires_grad_()
+    k = torch.randn(SKV, b, D, generator=g).to(torch.bfloat16).requires_grad_()
+    w = torch.randn(sq, b, H, generator=g).requires_grad_()
+    query = torch.randn(sq, b, NP, DQK, generator=g).to(torch.bfloat16)
+    key = torch.randn(SKV, b, 1, DQK, generator=g).to(torch.bfloat16)
+    starts, ends = torch.zeros(sq, dtype=torch.int32), torch.full((sq,), SKV, dtype=torch.int32)
+    ids, lengths, value = loss(q, k, w, starts, ends, query, key)
+    assert ids.shape == (b, sq, 4) and lengths.shape == (b, sq)
+    assert value.shape == () and value.dtype == torch.float32 and value.item() == 0.0
+    value.backward()
+    for x in (q, k, w):
+        assert x.grad is not None and x.grad.shape == x.shape and x.grad.dtype == x.dtype and x.grad.eq(0).all()

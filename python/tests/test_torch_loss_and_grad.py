@@ -143,6 +143,20 @@ def test_gradients_in_forward_scale_in_float32_and_refuse_a_graph_of_the_gradien
             torch.autograd.grad(loss, w2, create_graph=True)
 
 
+def test_scaled_gradient_keeps_the_shape_and_rounds_once_on_the_cpu():
+    """The held gradients' scaling off the kernel (cpu, strided): the float32
+    product rounded once to the asked dtype, in d's shape, 0-dim included."""
+    from dsaib._torch.ops import scaled_gradient
+
+    g = torch.tensor(1.0 / 3.0)
+    for d in (torch.tensor(1.5, dtype=torch.bfloat16), torch.tensor(-2.25), torch.randn(3, 5).to(torch.bfloat16),
+              torch.randn(5, 3).t()):
+        for dtype in (torch.bfloat16, torch.float32):
+            got = scaled_gradient(d, g, dtype)
+            assert got.shape == d.shape and got.dtype == dtype
+            assert torch.equal(got, (d.float() * g).to(dtype))
+
+
 def test_forward_is_the_library_not_torch_logits(monkeypatch):
     q, w, k, ids, T = make_torch_problem(seed=23)
 

@@ -326,7 +326,7 @@ def scale_gradient_op(gradient: torch.Tensor, grad_loss: torch.Tensor, out_code:
     torch.compile traces the caller, and a tensor's storage offset is not traceable."""
     out = torch.empty(gradient.shape, dtype=out_dtype("out_code", out_code), device=gradient.device)
     if not (gradient.is_contiguous() and gradient.data_ptr() % 16 == 0):
-        return torch.mul(gradient, grad_loss, out=out)
+        return torch.mul(gradient, _factor_for(gradient, grad_loss), out=out)
     stream = int(torch.cuda.current_stream(gradient.device).cuda_stream)
     _dsaib.scale_gradient(_export(gradient), _export(out), _export(grad_loss), stream)
     return out
@@ -341,13 +341,21 @@ def scaled_gradient(d, g, dtype):
     """A held gradient (or None) times the factor g (a float32 0-dim tensor on
     d's device), in float32 and rounded once to dtype, in one pass over d.
     CUDA bf16/float32 gradients go through the extension's op (its kernel at
-    the copy rate for the contiguous ones the library writes); the rest through torch.mul
-    with g as a 1-element 1-dim tensor: a 0-dim tensor takes no part in type
-    promotion, so a bf16 multiply would round g to bf16 first, where a 1-dim
-    float32 one makes the computation float32 and the output's dtype rounds the
-    product once."""
+    the copy rate for the contiguous ones the library writes); the rest through
+    torch.mul with g as a 1-element 1-dim tensor: a 0-dim tensor takes no part
+    in type promotion against a tensor with dimensions, so a bf16 multiply would
+    round g to bf16 first, where a 1-dim float32 one makes the computation
+    float32 and the output's dtype rounds the product once (a 0-dim d takes g
+    0-dim, the same rule)."""
     if d is None:
         return None
     if d.device.type == "cuda" and d.dtype in CODES and dtype in CODES and _SCALE_ON_CUDA:
         return torch.ops.dsaib.scale_gradient(d, g.reshape(1), CODES[dtype])
-    return torch.mul(d, g.reshape(1), out=torch.empty_like(d, dtype=dtype))
+    return torch.mul(d, _factor_for(d, g), out=torch.empty_like(d, dtype=dtype))
+
+
+def _factor_for(d, g):
+    """The one-element factor g shaped to share d's type-promotion category
+    (1-dim for a d with dimensions, 0-dim for a 0-dim d), so that the multiply
+    computes in float32 and keeps d's shape."""
+    return g.reshape(1) if d.dim() else g.reshape(())

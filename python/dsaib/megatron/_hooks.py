@@ -223,7 +223,7 @@ def run_fused_qk_topk_with_loss(q, k, weights, index_topk, starts, ends, block_s
     tp_group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
     with torch.no_grad():
         ids, logits, lengths = _topk(q, k, weights, index_topk, starts, ends, with_logits=True)
-    if ids.shape[-1] == 0:  # no keys (skv = 0): every row is empty, its loss and gradients 0
+    if ids.numel() == 0:  # no keys (skv = 0) or no query rows (sq or b 0): the loss and gradients are 0
         zero = torch.zeros((), dtype=torch.float32, device=q.device)
         grads = [torch.zeros(t.shape, dtype=torch.float32, device=q.device) for t in (q, k, weights)]
         return ids, lengths, _PrecomputedGradients.apply(q, k, weights, zero, *grads)
