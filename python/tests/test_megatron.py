@@ -301,6 +301,32 @@ def test_hook_agrees_in_float32(regime):
         assert (a - b).norm() <= 5e-6 * b.norm(), (name, ((a - b).norm() / b.norm()).item())
 
 
+# A draw whose T log T summed in float32 put the KL 1.3 float32 roundings of
+# its terms away from the float64 one.
+_CANCELLING_SEED = 278882274
+
+
+@pytest.mark.parametrize("draw", ["fixed", "fresh"])
+def test_hook_loss_is_its_terms_rounded_once(draw):
+    """Where P is close to T the KL (about 0.15 here) is the difference of two
+    terms of about loss_coeff * log(topk) (2 here): the loss is within one
+    float32 rounding of their size of Megatron's KL computed in float64."""
+    from megatron.core.transformer.experimental_attention_variant.dsa import FusedDSAIndexerLoss
+
+    if draw == "fixed":
+        problem = hook_problem(torch.Generator().manual_seed(_CANCELLING_SEED), 1.0)
+        assert megatron_layer.ambiguous_rows(*problem[:3], *problem[5:], 16) == 0
+    else:
+        _, problem = unambiguous_problem(1.0)
+    ours, _ = run_both(problem)
+    q, k, w, query, key, starts, ends = [t.double() if t.is_floating_point() else t for t in problem]
+    _, exact = FusedDSAIndexerLoss.apply(
+        q, w, k, query, key.expand(-1, -1, query.shape[2], -1), query.shape[-1] ** -0.5, 16, 0.7, None, True,
+        SimpleNamespace(tp=_OneRankTP), starts.long(), ends.long(), None, None, False, True)
+    bound = torch.finfo(torch.float32).eps * (0.7 * math.log(16) + exact.item())
+    assert abs(ours[1].item() - exact.item()) <= bound, (ours[1].item(), exact.item(), bound)
+
+
 def test_the_wide_regime_is_where_smoothing_would_differ():
     """The P < 1e-10 case does test that regime: the gradient of older
     Megatron-Core's KL, T (log T - log(P + 1e-10)), whose 1e-10 damps the

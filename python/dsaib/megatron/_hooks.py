@@ -236,8 +236,12 @@ def run_fused_qk_topk_with_loss(q, k, weights, index_topk, starts, ends, block_s
             q_b, w_b, k_b, loss_ids, target, sm_scale=1.0, loss_coeff=loss_coeff,
             normalization_count=count, grad_loss=1.0 if scale is None else scale, out_dtype="f32",
             topk_logits=logits)
-        entropy = (target * torch.log(target.clamp_min(_TARGET_FLOOR))).sum(dtype=torch.float32)
-        loss = cross_entropy.to(torch.float32) + entropy * (loss_coeff / count)
+        # The KL is the difference of two terms about log(topk) per row each:
+        # the rows' sum of T log T and its sum with the cross-entropy are taken
+        # in float64 (a b*sq vector), so that only the cross-entropy's own
+        # float32 rounding is left in the difference.
+        entropy = (target * torch.log(target.clamp_min(_TARGET_FLOOR))).sum(-1).sum(dtype=torch.float64)
+        loss = (cross_entropy.to(torch.float64) + entropy * (loss_coeff / count)).to(torch.float32)
         if scale is not None:
             loss = loss * scale[0]
         dq, dk, dw = dq.transpose(0, 1), dk.transpose(0, 1), dw.transpose(0, 1)
