@@ -237,9 +237,9 @@ def run_fused_qk_topk_with_loss(q, k, weights, index_topk, starts, ends, block_s
             normalization_count=count, grad_loss=1.0 if scale is None else scale, out_dtype="f32",
             topk_logits=logits)
         # The KL is the difference of two terms about log(topk) per row each:
-        # the rows' sum of T log T and its sum with the cross-entropy are taken
-        # in float64 (a b*sq vector), so that only the cross-entropy's own
-        # float32 rounding is left in the difference.
+        # the rows' T log T (float32 sums over a row's slots) are summed over
+        # the rows, and added to the cross-entropy, in float64, so that the
+        # difference keeps about one float32 rounding of the terms' size.
         entropy = (target * torch.log(target.clamp_min(_TARGET_FLOOR))).sum(-1).sum(dtype=torch.float64)
         loss = (cross_entropy.to(torch.float64) + entropy * (loss_coeff / count)).to(torch.float32)
         if scale is not None:
