@@ -275,8 +275,7 @@ def run_both(problem, topk=16, loss_coeff=0.7, grad=1.3):
 
 
 def selected_p(q, k, w, ids):
-    logits = torch.einsum("sbhd,tbd->bsht", q.double(), k.double()).relu().mul(
-        w.double().transpose(0, 1).unsqueeze(-1)).sum(2)
+    logits = megatron_layer.float64_logits(q, k, w)
     sel = logits.gather(-1, ids.long().clamp_min(0)).masked_fill(ids < 0, float("-inf"))
     return torch.softmax(sel, -1)[ids >= 0]
 
@@ -306,10 +305,11 @@ def kl_float64(problem, ids, loss_coeff):
     (FusedDSAIndexerLoss casts its inputs to float32): the indexer's softmax
     P and the heads' summed, normalised softmax T over each row's selected
     keys, its mean over the b*sq rows times loss_coeff."""
-    q, k, w, query, key, _, _ = [t.double() for t in problem[:5]] + list(problem[5:])
+    q, k, w, query, key = problem[:5]
+    query, key = query.double(), key.double()
     ok = ids >= 0
     slots = ids.long().clamp_min(0)
-    logits = torch.einsum("sbhd,tbd->bsht", q, k).relu().mul(w.transpose(0, 1).unsqueeze(-1)).sum(2)
+    logits = megatron_layer.float64_logits(q, k, w)
     log_p = torch.log_softmax(logits.gather(-1, slots).masked_fill(~ok, float("-inf")), -1)
     scores = torch.einsum("sbhd,tbd->bhst", query, key[:, :, 0]) * query.shape[-1] ** -0.5
     picked = scores.gather(-1, slots.unsqueeze(1).expand(-1, scores.shape[1], -1, -1))
