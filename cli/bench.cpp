@@ -24,7 +24,7 @@ using bench::BenchOp;
 
 std::string version_string(int v) { return std::to_string(v / 1000) + "." + std::to_string(v % 1000 / 10); }
 
-/// The cases (--op x --ids x --seq; the target x --shapes), checked against the library's
+/// The cases (--op x --ids x --seq; the target x --shapes x --target-lse), checked against the library's
 /// rules before anything runs.
 std::vector<bench::OpCase> bench_cases(const BenchArgs& a) {
   std::vector<bench::OpCase> cases;
@@ -41,6 +41,9 @@ std::vector<bench::OpCase> bench_cases(const BenchArgs& a) {
     const std::vector<std::string>& patterns = op == BenchOp::topk ? a.ranges : a.ids;
     // topk's cases go over --topk-dtype too (index_q and index_k in bf16 or e4m3).
     const std::vector<std::string> dtypes = op == BenchOp::topk ? a.topk_dtypes : std::vector<std::string>{"bf16"};
+    // the target's cases go over --target-lse too (an lse given, or none).
+    const std::vector<std::string> lses = op == BenchOp::target ? a.target_lse : std::vector<std::string>{"given"};
+    for (const std::string& lse : lses)
     for (const std::string& dtype : dtypes)
     for (const std::string& ids : patterns) {
       for (const auto& [heads, dim] : shapes) {
@@ -71,6 +74,9 @@ std::vector<bench::OpCase> bench_cases(const BenchArgs& a) {
             throw Error(ErrorCode::invalid_argument, "lse_base", "--lse-base: expected natural or base2, got " + a.lse_base);
           }
           c.normalize = !a.unnormalized;
+          if (!bench::parse_target_lse(lse, &c.lse_given)) {
+            throw Error(ErrorCode::invalid_argument, "target_lse", "--target-lse: expected given or absent, got " + lse);
+          }
           if (!parse_a_operand_precision(a.a_operand, &c.a_operand)) {
             throw Error(ErrorCode::invalid_argument, "a_operand",
                         "--a-operand: expected auto, bf16x2 or bf16, got " + a.a_operand);
@@ -182,8 +188,10 @@ nlohmann::ordered_json topk_memory_json(const bench::TopkMemory& m) {
           {"mem_get_info_delta_bytes", measured(m.mem_get_info_delta_bytes)}};
 }
 
-/// A case's ids column: its id pattern, or the top-k's key ranges (and " e4m3" for float8 inputs).
+/// A case's ids column: its id pattern (and " no-lse" for a target without an lse), or the
+/// top-k's key ranges (and " e4m3" for float8 inputs).
 std::string case_pattern(const bench::OpCase& c) {
+  if (c.op == BenchOp::target && !c.lse_given) return std::string(bench::id_pattern_name(c.ids)) + " no-lse";
   if (c.op != BenchOp::topk) return bench::id_pattern_name(c.ids);
   return std::string(bench::topk_ranges_name(c.ranges)) + (c.e4m3 ? " e4m3" : "");
 }
@@ -241,6 +249,7 @@ nlohmann::ordered_json run_case(std::ostream& out, const bench::OpCase& c, const
   } else if (c.op == BenchOp::target) {
     j["lse_base"] = lse_base_name(c.lse_base);
     j["normalize"] = c.normalize;
+    j["lse"] = c.lse_given ? "given" : "absent";
   } else {
     j["a_operand_precision"] = a_operand_precision_name(c.a_operand);
     j["l2_hints"] = l2_hints_name(c.l2_hints);
@@ -347,6 +356,7 @@ nlohmann::ordered_json bench_json(const BenchArgs& a, const bench::DeviceInfo& d
                    {"topk_shapes", topk_shapes},
                    {"topk_ranges", a.ranges},
                    {"topk_dtypes", a.topk_dtypes},
+                   {"target_lse", a.target_lse},
                    {"l2_set_aside_mib", a.l2_set_aside_mib >= 0 ? nlohmann::ordered_json(a.l2_set_aside_mib)
                                                                 : nlohmann::ordered_json(nullptr)},
                    {"dtypes", "bf16 inputs and outputs"},

@@ -160,6 +160,12 @@ void add_bench_flags(CLI::App* cmd, BenchFlags& f) {
       ->check(one_of({"natural", "base2"}))
       ->default_str("natural");
   cmd->add_flag("--unnormalized", a.unnormalized, "target: the unnormalised sum U (normalize = false)");
+  f.target_lse_opt = cmd->add_option("--target-lse", f.target_lse_text,
+                                     "target: the lse of each case, a comma-separated list: given (an lse input), "
+                                     "absent (no lse: each head's softmax over the selected keys, which the kernel "
+                                     "sweeps the row's keys twice for)")
+                         ->type_name("LSE,...")
+                         ->default_str("given");
   cmd->add_flag("--index-score", a.index_score, "forward: also write P (the (B, S, topk) f32 index_score)");
   cmd->add_flag("--topk-logits", a.topk_logits,
                 "forward, one-call: take the selected keys' logits as the top-k writes them (topk_logits), so the "
@@ -286,6 +292,16 @@ int run_bench_flags(BenchFlags& f, const std::string& command_line) {
       bool e4m3 = false;
       if (!dsaib::bench::parse_topk_dtype(word, &e4m3)) {
         throw Error(ErrorCode::invalid_argument, "--topk-dtype", "--topk-dtype: expected bf16 or e4m3, got \"" + word + "\"");
+      }
+    }
+  }
+  if (f.target_lse_opt->count() > 0) {
+    a.target_lse = split_list_items("--target-lse", f.target_lse_text, "lse words");
+    for (const std::string& word : a.target_lse) {
+      bool given = true;
+      if (!dsaib::bench::parse_target_lse(word, &given)) {
+        throw Error(ErrorCode::invalid_argument, "--target-lse",
+                    "--target-lse: expected given or absent, got \"" + word + "\"");
       }
     }
   }

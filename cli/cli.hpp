@@ -228,6 +228,7 @@ struct BenchArgs {
   std::vector<std::string> topk_dtypes = {"bf16"};           // topk: index_q and index_k in bf16 or e4m3
   std::string lse_base = "natural";            // target: AttentionTargetOptions::lse_base
   bool unnormalized = false;                   // target: AttentionTargetOptions::normalize = false
+  std::vector<std::string> target_lse = {"given"};  // target: the lse given, or absent (AttentionTargetInputs::lse)
   bool index_score = false;                    // forward: also write P
   bool topk_logits = false;                    // forward, one-call: the top-k's logits given (IndexerInputs::topk_logits)
   int iters = 20, warmup = 3, input_sets = 0;  // input_sets 0: automatic

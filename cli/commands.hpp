@@ -78,7 +78,8 @@ struct BenchFlags {
   BenchArgs args;
   // The lists are taken as text and split after the parse (split_list_items), so that an
   // empty item ("4096,,16384") is an error naming the flag, not dropped.
-  std::vector<std::string> op_text, seq_text, ids_text, shapes_text, topk_shapes_text, ranges_text, topk_dtype_text;
+  std::vector<std::string> op_text, seq_text, ids_text, shapes_text, topk_shapes_text, ranges_text, topk_dtype_text,
+      target_lse_text;
   CLI::Option* op_opt = nullptr;
   CLI::Option* seq_opt = nullptr;
   CLI::Option* ids_opt = nullptr;
@@ -86,6 +87,7 @@ struct BenchFlags {
   CLI::Option* topk_shapes_opt = nullptr;
   CLI::Option* ranges_opt = nullptr;
   CLI::Option* topk_dtype_opt = nullptr;
+  CLI::Option* target_lse_opt = nullptr;
 };
 /// Adds the bench's flags to `cmd`, into `f`, and its --help footer.
 void add_bench_flags(CLI::App* cmd, BenchFlags& f);

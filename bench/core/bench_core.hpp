@@ -263,7 +263,7 @@ double traffic_floor_ns_per_row(double slots, int64_t dim, double key_read_scatt
 /// One benchmark case: bf16 inputs, bshd, local ids, S_q = S_kv = seq, bf16 outputs.
 /// The attention target's case: query (1, S, Hq = heads, Dqk = dim) and kv (1, S, Dqk)
 /// bf16 of magnitude [0.25, 1) with hashed signs, lse 8 (every exponential finite and
-/// non-zero), ids as the key gather's (causal or random, hashed), made on the device.
+/// non-zero) or no lse, ids as the key gather's (causal or random, hashed), made on the device.
 struct OpCase {
   BenchOp op = BenchOp::backward;
   bool write_index_score = false;  // kl_forward: also write P (the (B, S, topk) f32 index_score)
@@ -272,6 +272,7 @@ struct OpCase {
   bool from_topk_logits = false;
   LseBase lse_base = LseBase::natural;  // target
   bool normalize = true;                // target
+  bool lse_given = true;  // target: an lse input, else none (each head's softmax over the selected keys)
   IdPattern ids = IdPattern::random;
   int64_t batch = 1, seq = 4096, heads = 64, dim = 128, topk = 2048;
   AOperandPrecision a_operand = AOperandPrecision::automatic;  // automatic = one bf16 term (bf16 outputs)

@@ -133,6 +133,15 @@ inline bool parse_topk_dtype(const std::string& word, bool* e4m3) {
   return true;
 }
 
+/// The lse of a target case (--target-lse): "given" (an lse input) or "absent" (each
+/// head's softmax over the selected keys, the kernel's two sweeps); false (and *given
+/// unchanged) for anything else.
+inline bool parse_target_lse(const std::string& word, bool* given) {
+  if (word != "given" && word != "absent") return false;
+  *given = word == "given";
+  return true;
+}
+
 /// Query rows of a topk case of S keys: S (causal), S / 2 (cp-shard).
 inline int64_t topk_query_rows(TopkRanges r, int64_t seq) { return r == TopkRanges::cp_shard ? seq / 2 : seq; }
 

@@ -25,7 +25,8 @@ double valid_slots_of(const OpCase& c) {
 }
 
 uint64_t set_bytes_of(const OpCase& c) {
-  return static_cast<uint64_t>(c.seq) * static_cast<uint64_t>(c.heads * c.dim * 2 + c.dim * 2 + c.heads * 4 + c.topk * 8);
+  return static_cast<uint64_t>(c.seq) *
+         static_cast<uint64_t>(c.heads * c.dim * 2 + c.dim * 2 + (c.lse_given ? c.heads * 4 : 0) + c.topk * 8);
 }
 
 /// One set of the case's tensors on the device.
@@ -46,7 +47,7 @@ struct TargetSet {
     const int64_t B = 1;
     in.query = contiguous_view(query.ptr, DType::bf16, {B, c.seq, c.heads, c.dim}, DeviceType::cuda, device);
     in.kv = contiguous_view(kv.ptr, DType::bf16, {B, c.seq, c.dim}, DeviceType::cuda, device);
-    in.lse = contiguous_view(lse.ptr, DType::f32, {B, c.seq, c.heads}, DeviceType::cuda, device);
+    if (c.lse_given) in.lse = contiguous_view(lse.ptr, DType::f32, {B, c.seq, c.heads}, DeviceType::cuda, device);
     in.topk_indices = contiguous_view(ids.ptr, DType::i32, {B, c.seq, c.topk}, DeviceType::cuda, device);
     outputs.attn_score = contiguous_view(out.ptr, DType::f32, {B, c.seq, c.topk}, DeviceType::cuda, device);
   }
@@ -91,7 +92,7 @@ void check_target_case(const OpCase& c) {
   AttentionTargetInputs in;
   in.query = view(DType::bf16, {1, c.seq, c.heads, c.dim}, S * H * D * 2);
   in.kv = view(DType::bf16, {1, c.seq, c.dim}, S * D * 2);
-  in.lse = view(DType::f32, {1, c.seq, c.heads}, S * H * 4);
+  if (c.lse_given) in.lse = view(DType::f32, {1, c.seq, c.heads}, S * H * 4);
   in.topk_indices = view(DType::i32, {1, c.seq, c.topk}, S * K * 4);
   AttentionTargetOutputs out;
   out.attn_score = view(DType::f32, {1, c.seq, c.topk}, S * K * 4);

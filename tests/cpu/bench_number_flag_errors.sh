@@ -55,6 +55,7 @@ check_list --topk-shapes "64x96 12x128 136x128 0x64 64 x128 064x128 64x0128 64X1
   64x128 32x128,64x64 8x64 128x128
 check_list --ranges "random causal-shuffled cp_shard Causal" causal cp-shard causal,cp-shard
 check_list --topk-dtype "fp8 e5m2 BF16 e4m3fn f32" bf16 e4m3 bf16,e4m3
+check_list --target-lse "none Given lse true base2" given absent given,absent
 # e4m3 inputs need D 128 on the cuda backend: refused naming the shape, before any GPU is used.
 err=$("$bench" --op topk --seq 16 --topk-dtype e4m3 --topk-shapes 64x64 2>&1 >/dev/null)
 rc=$?

@@ -310,12 +310,38 @@ TEST_F(BenchTools, TopkAgainstTheGemmFloorWithItsExtraMemory) {
   EXPECT_EQ(ranges, (std::set<std::string>{"causal", "cp-shard"}));
 }
 
+TEST_F(BenchTools, TargetWithAndWithoutAnLse) {
+  const std::string json = path("target_lse.json");
+  const CommandResult r = run_tool_json(DSAIB_BENCH_PATH,
+                                       " --op target --target-lse given,absent --seq 512 --ids random --shapes 64x192"
+                                       " --topk 128 --iters 3 --warmup 1 --sustained-ms 0",
+                                       json);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("random no-lse"), std::string::npos) << r.output;
+  const nlohmann::json j = read_json(json);
+  EXPECT_TRUE(j["checks_ok"].get<bool>());
+  EXPECT_EQ(j["settings"]["target_lse"], (nlohmann::json{"given", "absent"}));
+  ASSERT_EQ(j["cases"].size(), 2u);
+  EXPECT_EQ(j["cases"][0]["lse"], "given");
+  EXPECT_EQ(j["cases"][1]["lse"], "absent");
+  for (const auto& c : j["cases"]) {
+    SCOPED_TRACE(c.dump());
+    EXPECT_EQ(c["op"], "target");
+    EXPECT_GT(c["ns_per_row"].get<double>(), 0.0);
+    // the same floor: the same gather and the same logits' FLOPs at the best GEMM rate
+    EXPECT_DOUBLE_EQ(c["floor"]["ns_per_row"].get<double>(), j["cases"][0]["floor"]["ns_per_row"].get<double>());
+  }
+  // the input set without an lse is S x Hq x 4 bytes smaller
+  EXPECT_EQ(j["cases"][0]["input_set_bytes"].get<int64_t>() - j["cases"][1]["input_set_bytes"].get<int64_t>(),
+            512 * 64 * 4);
+}
+
 TEST_F(BenchTools, BenchBinaryAndSubcommandShareTheirFlagChecks) {
   for (const char* built : {DSAIB_CLI_PATH, DSAIB_BENCH_PATH}) {
     const std::string sub = std::string(built) == DSAIB_CLI_PATH ? " bench" : "";
     for (const std::string args : {" --op target --ids causal-shuffled", " --op target --batch 2", " --shapes 100x576",
                                    " --op backwards", " --op topk --topk-shapes 64x96", " --op topk --ranges random",
-                                   " --op topk --batch 2", " --op topk --topk 8193"}) {
+                                   " --op topk --batch 2", " --op topk --topk 8193", " --op target --target-lse none"}) {
       const CommandResult r = run_tool(built, sub + args + " --seq 64 --iters 1 2>&1");
       EXPECT_EQ(r.exit_code, 2) << built << args << "\n" << r.output;
     }
