@@ -28,7 +28,7 @@ constexpr const char* kBenchFooter =
     "     - target: the cuBLAS bf16 GEMM rate at the target's shape (Hq x topk x Dqk,\n"
     "       batched, no gather);\n"
     "     - topk: the cuBLAS bf16 GEMM rate (8192^3, the best of four operand layouts);\n"
-    "  2. every --op x --ids x --seq case (the target: x --shapes; topk: --ranges x\n"
+    "  2. every --op x --ids x --seq case (the target: x --shapes x --target-lse; topk: --ranges x\n"
     "     --topk-shapes x --seq, B 1): --warmup untimed\n"
     "     launches, then --iters launches, each timed with CUDA events after a 3 ms GPU\n"
     "     spin (the events bracket GPU time, not the host's calls); input sets rotated so\n"

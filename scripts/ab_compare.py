@@ -72,12 +72,15 @@ def case_name(r):
     """'random S16384 H64 D128 k2048', the op first when it is not the backward, the
     batch when it is not 1 (as in the README's speed table); the top-k's cases name
     their key ranges ('topk causal S16384 ...', 'topk causal e4m3 S16384 ...' for
-    float8 inputs) where the others name their ids."""
+    float8 inputs) where the others name their ids; a target case without an lse
+    says so ('target random no-lse S16384 ...')."""
     batch = r.get("batch", 1)
     op = r.get("op", "backward")
     ids = r["ranges"] if op == "topk" else r["ids"]
     if op == "topk" and r.get("dtype", "bf16") != "bf16":
         ids += f' {r["dtype"]}'
+    if op == "target" and r.get("lse", "given") != "given":
+        ids += " no-lse"
     return (f'{"" if op == "backward" else f"{op} "}{ids}{"" if batch == 1 else f" B{batch}"} '
             f'S{r["seq"]} H{r["heads"]} D{r["dim"]} k{r["topk"]}')
 

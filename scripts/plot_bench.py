@@ -120,7 +120,8 @@ def op_matches(r, op):
 
 
 def series(rows, heads, dim, topk, time_of=ns_of, op=None):
-    """{ids: [(S, ns)]} for rows of the DeepSeek shape (and `op`) that have a time."""
+    """{ids: [(S, ns)]} for rows of the DeepSeek shape (and `op`) that have a time; a target
+    row without an lse is its own series ('random no-lse')."""
     out = {}
     for r in rows:
         if not isinstance(r, dict) or r.get("status", "ok") not in ("ok",) or not op_matches(r, op):
@@ -130,7 +131,8 @@ def series(rows, heads, dim, topk, time_of=ns_of, op=None):
         ns, seq = time_of(r), seq_value(r.get("seq"))
         if ns is None or seq is None:
             continue
-        out.setdefault(str(r.get("ids", "?")), []).append((seq, ns))
+        name = str(r.get("ids", "?")) + ("" if r.get("lse", "given") == "given" else " no-lse")
+        out.setdefault(name, []).append((seq, ns))
     return {k: sorted(v) for k, v in out.items()}
 
 

@@ -108,10 +108,13 @@ def merge_peers(objs):
 
 
 def ours_records(ours_json, op):
-    """{case key: record} of our cases of `op` that have a time."""
+    """{case key: record} of our cases of `op` that have a time; of the target only the
+    cases with an lse given, as the peers are given one."""
     ours = {}
     for rec in records_of(ours_json):
         if not isinstance(rec, dict) or (op is not None and rec.get("op", op) != op):
+            continue
+        if rec.get("lse", "given") != "given":
             continue
         k = key_of(rec)
         if k is not None and isinstance(rec.get("ns_per_row"), (int, float)):

@@ -80,6 +80,11 @@ raw topk_a '{"tool": "dsaib-bench", "cases": [{"op": "topk", "ranges": "cp-shard
 raw topk_b '{"tool": "dsaib-bench", "cases": [{"op": "topk", "ranges": "cp-shard", "seq": 16, "heads": 32, "dim": 128, "topk": 4, "ns_per_row": 190}]}'
 expect "report: topk by its ranges" "topk cp-shard S16 H32 D128 k4          200.0     190.0     -10.0" 0 \
   "$py" "$ab" "$dir/topk_a" "$dir/topk_b" --pairs 2
+# A target case without an lse is its own case beside the one with an lse.
+raw lse_a '{"tool": "dsaib-bench", "cases": [{"op": "target", "ids": "random", "seq": 16, "heads": 64, "dim": 192, "topk": 4, "lse": "given", "ns_per_row": 300}, {"op": "target", "ids": "random", "seq": 16, "heads": 64, "dim": 192, "topk": 4, "lse": "absent", "ns_per_row": 600}]}'
+raw lse_b '{"tool": "dsaib-bench", "cases": [{"op": "target", "ids": "random", "seq": 16, "heads": 64, "dim": 192, "topk": 4, "lse": "given", "ns_per_row": 310}, {"op": "target", "ids": "random", "seq": 16, "heads": 64, "dim": 192, "topk": 4, "lse": "absent", "ns_per_row": 580}]}'
+expect "report: target without an lse" "target random no-lse S16 H64 D192 k4     600.0     580.0     -20.0" 0 \
+  "$py" "$ab" "$dir/lse_a" "$dir/lse_b" --pairs 2
 raw report_empty '{"tool": "dsaib-bench", "cases": []}'
 expect "report without cases" "expected its JSON to hold a non-empty list of cases" 1 \
   "$py" "$ab" "$dir/report_empty" "$dir/report_b" --pairs 1

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# dsaib-bench's number flags (--l2-set-aside-mib, --sustained-ms) and the top-k's list flags
-# (--topk-shapes, --ranges, --topk-dtype): every bad value exits
+# dsaib-bench's number flags (--l2-set-aside-mib, --sustained-ms), the top-k's list flags
+# (--topk-shapes, --ranges, --topk-dtype) and the target's --target-lse: every bad value exits
 # 2 with a message that names the flag and the value (a control character shown escaped,
 # as the CLI's messages show it), before any GPU is touched (so it runs in CI without
 # one). A good value gets past parsing (exit 0 with a GPU, 77 without).

@@ -97,6 +97,12 @@ report = {"tool": "dsaib-bench", "cases": [
     {"op": "forward", "ids": "random", "seq": 4096, "heads": 64, "dim": 128, "topk": 2048, "ns_per_row": 150.0,
      "floor": {"ns_per_row": 125.0}}]}
 ours_fwd = side_by_side.ours_records(report, "forward")
+# the target's cases without an lse are not ours beside the peers (they are given an lse)
+target_cases = {"cases": [
+    {"op": "target", "ids": "random", "seq": 4096, "heads": 64, "dim": 192, "topk": 2048, "lse": lse, "ns_per_row": ns}
+    for lse, ns in (("given", 350.0), ("absent", 650.0))]}
+ours_target = side_by_side.ours_records(target_cases, "target")
+check([r["ns_per_row"] for r in ours_target.values()] == [350.0], f"target records {ours_target!r}")
 bad = side_by_side.floor_violations(below_floor, ours_fwd)
 check([(v[0], v[2], v[3]) for v in bad] == [("cudnn_frontend", 88.5, 125.0)], f"floor violations {bad!r}")
 text = side_by_side.build_table(below_floor, report)

@@ -83,6 +83,10 @@ assert pb.series(ops, 64, 128, 2048, op="forward") == {"random": [(4096, 150.0)]
 assert pb.series(ops, 64, 128, 2048, op="backward") == {"random": [(4096, 330.0)], "causal": [(4096, 140.0)]}
 assert pb.floor_points_of_bench({"cases": ops}, 64, 128, 2048, op="forward") == [(4096, 80.0)]
 assert pb.floor_points_of_bench({"cases": ops}, 64, 128, 2048, op="backward") == [(4096, 276.0)]
+# a target row without an lse is its own series
+lse_rows = [{"op": "target", "ids": "random", "seq": 4096, "heads": 64, "dim": 128, "topk": 2048, "lse": lse,
+             "ns_per_row": ns} for lse, ns in (("given", 350.0), ("absent", 650.0))]
+assert pb.series(lse_rows, 64, 128, 2048, op="target") == {"random": [(4096, 350.0)], "random no-lse": [(4096, 650.0)]}
 # rows with a bad S or batch give no point, not an exception
 assert pb.series([{"ids": "random", "seq": math.nan, "ns_per_row": 300.0}, "x"], 64, 128, 2048) == {}
 assert pb.ns_of({"seq": 4096, "batch": 0, "timing": {"median_ms": 1.0}}) is None
