@@ -240,31 +240,40 @@ void check_bench_sizes(const BenchArgs& a) {
   }
 }
 
+/// `tokens` split as `flag`'s list (split_list_items), each word checked by `known`: an
+/// unknown word is an invalid_argument naming the flag, "FLAG: expected EXPECTED, got "WORD"".
+template <class Known>
+std::vector<std::string> split_known_words(const char* flag, const std::vector<std::string>& tokens,
+                                           const char* what, const std::string& expected, Known known) {
+  std::vector<std::string> words = split_list_items(flag, tokens, what);
+  for (const std::string& w : words) {
+    if (!known(w)) {
+      throw Error(ErrorCode::invalid_argument, flag,
+                  std::string(flag) + ": expected " + expected + ", got \"" + w + "\"");
+    }
+  }
+  return words;
+}
+
 }  // namespace
 
 int run_bench_flags(BenchFlags& f, const std::string& command_line) {
   BenchArgs& a = f.args;
+  namespace b = dsaib::bench;
   // Checked here (run_bench checks the cases again), so a build without CUDA reports bad usage as such.
   if (f.op_opt->count() > 0) {
-    a.ops = split_list_items("--op", f.op_text, "ops");
-    for (const std::string& op : a.ops) {
-      dsaib::bench::BenchOp parsed;
-      if (!dsaib::bench::parse_bench_op(op, &parsed)) {
-        throw Error(ErrorCode::invalid_argument, "--op",
-                    "--op: expected one of " + dsaib::bench::bench_op_list() + ", got \"" + op + "\"");
-      }
-    }
+    a.ops = split_known_words("--op", f.op_text, "ops", "one of " + b::bench_op_list(), [](const std::string& w) {
+      b::BenchOp parsed;
+      return b::parse_bench_op(w, &parsed);
+    });
   }
   if (f.seq_opt->count() > 0) a.seqs = parse_int_list("--seq", f.seq_text, 1, "sequence lengths >= 1");
   if (f.ids_opt->count() > 0) {
-    a.ids = split_list_items("--ids", f.ids_text, "id patterns");
-    for (const std::string& id : a.ids) {
-      dsaib::bench::IdPattern parsed;
-      if (!dsaib::bench::parse_id_pattern(id, &parsed)) {
-        throw Error(ErrorCode::invalid_argument, "--ids",
-                    "--ids: expected one of " + dsaib::bench::id_pattern_list() + ", got \"" + id + "\"");
-      }
-    }
+    a.ids = split_known_words("--ids", f.ids_text, "id patterns", "one of " + b::id_pattern_list(),
+                              [](const std::string& w) {
+                                b::IdPattern parsed;
+                                return b::parse_id_pattern(w, &parsed);
+                              });
   }
   if (f.shapes_opt->count() > 0) {
     a.shapes.clear();
@@ -277,33 +286,25 @@ int run_bench_flags(BenchFlags& f, const std::string& command_line) {
     }
   }
   if (f.ranges_opt->count() > 0) {
-    a.ranges = split_list_items("--ranges", f.ranges_text, "ranges");
-    for (const std::string& word : a.ranges) {
-      dsaib::bench::TopkRanges parsed;
-      if (!dsaib::bench::parse_topk_ranges(word, &parsed)) {
-        throw Error(ErrorCode::invalid_argument, "--ranges",
-                    "--ranges: expected one of " + dsaib::bench::topk_ranges_list() + ", got \"" + word + "\"");
-      }
-    }
+    a.ranges = split_known_words("--ranges", f.ranges_text, "ranges", "one of " + b::topk_ranges_list(),
+                                 [](const std::string& w) {
+                                   b::TopkRanges parsed;
+                                   return b::parse_topk_ranges(w, &parsed);
+                                 });
   }
   if (f.topk_dtype_opt->count() > 0) {
-    a.topk_dtypes = split_list_items("--topk-dtype", f.topk_dtype_text, "dtypes");
-    for (const std::string& word : a.topk_dtypes) {
-      bool e4m3 = false;
-      if (!dsaib::bench::parse_topk_dtype(word, &e4m3)) {
-        throw Error(ErrorCode::invalid_argument, "--topk-dtype", "--topk-dtype: expected bf16 or e4m3, got \"" + word + "\"");
-      }
-    }
+    a.topk_dtypes = split_known_words("--topk-dtype", f.topk_dtype_text, "dtypes", "bf16 or e4m3",
+                                      [](const std::string& w) {
+                                        bool e4m3 = false;
+                                        return b::parse_topk_dtype(w, &e4m3);
+                                      });
   }
   if (f.target_lse_opt->count() > 0) {
-    a.target_lse = split_list_items("--target-lse", f.target_lse_text, "lse words");
-    for (const std::string& word : a.target_lse) {
-      bool given = true;
-      if (!dsaib::bench::parse_target_lse(word, &given)) {
-        throw Error(ErrorCode::invalid_argument, "--target-lse",
-                    "--target-lse: expected given or absent, got \"" + word + "\"");
-      }
-    }
+    a.target_lse = split_known_words("--target-lse", f.target_lse_text, "lse words", "given or absent",
+                                     [](const std::string& w) {
+                                       bool given = true;
+                                       return b::parse_target_lse(w, &given);
+                                     });
   }
   check_bench_sizes(a);
   a.sustained_ms += 0.0;  // -0 -> 0
