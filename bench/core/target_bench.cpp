@@ -37,12 +37,12 @@ struct TargetSet {
   TargetSet(const OpCase& c, int device, uint32_t salt, uint32_t ids_seed, cudaStream_t s)
       : query(static_cast<size_t>(c.seq * c.heads * c.dim) * 2),
         kv(static_cast<size_t>(c.seq * c.dim) * 2),
-        lse(static_cast<size_t>(c.seq * c.heads) * 4),
+        lse(c.lse_given ? static_cast<size_t>(c.seq * c.heads) * 4 : 0),  // read only when given
         ids(static_cast<size_t>(c.seq * c.topk) * 4),
         out(static_cast<size_t>(c.seq * c.topk) * 4) {
     fill_device_bf16(query.ptr, static_cast<uint64_t>(c.seq * c.heads * c.dim), salt, s);
     fill_device_bf16(kv.ptr, static_cast<uint64_t>(c.seq * c.dim), salt + 1, s);
-    fill_device_f32(lse.as<float>(), static_cast<uint64_t>(c.seq * c.heads), 8.0f, s);
+    if (c.lse_given) fill_device_f32(lse.as<float>(), static_cast<uint64_t>(c.seq * c.heads), 8.0f, s);
     fill_device_gather_ids(ids.as<int32_t>(), c.seq, c.topk, is_causal(c.ids), ids_seed, s);
     const int64_t B = 1;
     in.query = contiguous_view(query.ptr, DType::bf16, {B, c.seq, c.heads, c.dim}, DeviceType::cuda, device);

@@ -24,6 +24,7 @@ void with_forward_head_tile(const ForwardKernel& k, F&& f) {
   else if (k.head_tile == 64) f(ForwardTileConfig<kD, 64>{});
   else f(ForwardTileConfig<kD, 128>{});
 }
+
 /// Calls f(ForwardTileConfig<D, head tile>{}) for the plan's kernel.
 template <class F>
 void with_forward_config(const ForwardKernel& k, F&& f) {
