@@ -26,6 +26,13 @@ __device__ inline void target_consumer_sync() {
   cutlass::arch::NamedBarrier::sync(Config::kConsumerThreads, static_cast<uint32_t>(NamedBarrierId::kTargetConsumerSync));
 }
 
+/// 2^x by the MUFU alone (ex2.approx.ftz): results under 2^-126 are flushed to zero.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 template <class Config>
 struct AttentionTargetConsumer {
   using Storage = AttentionTargetStorage<Config>;
@@ -140,26 +147,59 @@ struct AttentionTargetConsumer {
                     mma_h.accumulate_ = GMMA::ScaleOut::One;
                   }
                 });
+            if constexpr (kHeadTiles == 1) {
+              // One tile of heads (64): per row e the max of the raw products over
+              // the thread's keys (i = 2 j + b: value 4 j + 2 e + b), scaled once
+              // (scale2 > 0 keeps the order), then the sum of exp2(x - max), whose
+              // terms under 2^-126 are flushed (below l's precision beside the
+              // largest, 1); tail keys tested only where the thread's 16 keys are not
+              // all valid. At 128 heads this form's registers serialise the wgmma.
+              auto add_block = [&](auto all_valid) {
+                auto is_key = [&](int i) { return decltype(all_valid)::value || ((valid >> i) & 1u) != 0u; };
 #pragma unroll
-            for (int mt = 0; mt < kHeadTiles; ++mt) {
+                for (int e = 0; e < 2; ++e) {
+                  float bm = -INFINITY;
 #pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                // i = 2 j + b: value 4 j + 2 e + b of tile mt (read twice: no copy held)
-                float bm = -INFINITY;
+                  for (int i = 0; i < 16; ++i) {
+                    if (is_key(i)) bm = fmaxf(bm, acc_h(4 * (i / 2) + 2 * e + i % 2));
+                  }
+                  const float mn = fmaxf(m[0][e], bm * scale2);
+                  const float shift = mn == -INFINITY ? 0.0f : mn;  // no key yet: l stays 0
+                  float sum = 0.0f;
 #pragma unroll
-                for (int i = 0; i < 16; ++i) {
-                  if ((valid >> i) & 1u) bm = fmaxf(bm, acc_h(4 * (i / 2) + 2 * e + i % 2 + 32 * mt) * scale2);
+                  for (int i = 0; i < 16; ++i) {
+                    if (is_key(i)) sum += exp2_ftz(fmaf(acc_h(4 * (i / 2) + 2 * e + i % 2), scale2, -shift));
+                  }
+                  l[0][e] = fmaf(l[0][e], exp2_ftz(m[0][e] - shift), sum);
+                  m[0][e] = mn;
                 }
-                const float mn = fmaxf(m[mt][e], bm);
-                const float shift = mn == -INFINITY ? 0.0f : mn;  // no key yet: l stays 0
-                float sum = 0.0f;
+              };
+              if (valid == 0xffffu) add_block(cute::true_type{});
+              else add_block(cute::false_type{});
+            } else {
+              // Two tiles of heads: the same per tile, with exp2f and each key
+              // tested in both loops (no copy of the products held).
 #pragma unroll
-                for (int i = 0; i < 16; ++i) {
-                  const float x = acc_h(4 * (i / 2) + 2 * e + i % 2 + 32 * mt) * scale2;
-                  if ((valid >> i) & 1u) sum += exp2f(x - shift);
+              for (int mt = 0; mt < kHeadTiles; ++mt) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                  // i = 2 j + b: value 4 j + 2 e + b of tile mt (read twice: no copy held)
+                  float bm = -INFINITY;
+#pragma unroll
+                  for (int i = 0; i < 16; ++i) {
+                    if ((valid >> i) & 1u) bm = fmaxf(bm, acc_h(4 * (i / 2) + 2 * e + i % 2 + 32 * mt) * scale2);
+                  }
+                  const float mn = fmaxf(m[mt][e], bm);
+                  const float shift = mn == -INFINITY ? 0.0f : mn;  // no key yet: l stays 0
+                  float sum = 0.0f;
+#pragma unroll
+                  for (int i = 0; i < 16; ++i) {
+                    const float x = acc_h(4 * (i / 2) + 2 * e + i % 2 + 32 * mt) * scale2;
+                    if ((valid >> i) & 1u) sum += exp2f(x - shift);
+                  }
+                  l[mt][e] = fmaf(l[mt][e], exp2f(m[mt][e] - shift), sum);
+                  m[mt][e] = mn;
                 }
-                l[mt][e] = fmaf(l[mt][e], exp2f(m[mt][e] - shift), sum);
-                m[mt][e] = mn;
               }
             }
           }
